@@ -1,0 +1,258 @@
+"""Reverse-mode differentiation at IR level: forward nodes in, explicit backward nodes out.
+
+Each forward op has a VJP rule that emits backward IR nodes (data-gradient and
+weight-gradient nodes separately) and returns the gradient values of its inputs. Gradients
+of a value read by several nodes are summed with ADD nodes. Parameters replicated across the
+group (shard_dim None) get their per-rank partial gradients summed by an ALL_REDUCE.
+
+The unrewritten graph holds every forward activation for backward, which is how the
+MegaScale-MoE paper counts a layer's activation memory without rematerialization (§4.1,
+Fig 9); the ``sar`` pass shrinks that set.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from moegraph.builder import GraphBuilder, ring_bytes
+from moegraph.ir import Node, OpKind, Phase, Role, ValueKind
+
+GRAD = ValueKind.GRAD
+
+
+def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next") -> None:
+    """Append backward nodes for everything upstream of ``output``; fill g.grads and g.outputs."""
+    seed = g.input(seed_name, g.shape(output), kind=GRAD)
+    pending: dict[str, list[str]] = {output: [seed]}
+    for node in reversed(list(g.nodes)):
+        if node.phase is not Phase.FORWARD:
+            continue
+        grads = [_accumulate(g, o, pending.pop(o, [])) for o in node.outputs]
+        if not any(grads):
+            continue
+        rule = VJP_RULES.get(node.op)
+        if rule is None:
+            raise NotImplementedError(f"no backward rule for {node.op.value} (node {node.name!r})")
+        for inp, d in zip(node.inputs, rule(g, node, grads)):
+            if d is not None:
+                pending.setdefault(inp, []).append(d)
+    for inp in g.inputs:
+        kind = g.values[inp].kind
+        if kind is ValueKind.PARAM:
+            g.grads[inp] = _param_grad(g, inp, _accumulate(g, inp, pending.pop(inp, [])))
+        elif kind is ValueKind.ACTIVATION:
+            d = _accumulate(g, inp, pending.pop(inp, []))
+            if d is not None:
+                g.outputs.append(d)
+    g.outputs.extend(g.grads.values())
+
+
+def _accumulate(g: GraphBuilder, value: str, parts: list[str]) -> str | None:
+    """Sum the partial gradients of ``value``: a chain of ADD nodes named after it."""
+    if not parts:
+        return None
+    acc = parts[0]
+    for i, part in enumerate(parts[1:], start=1):
+        out = g.like(f"d_{value}_sum{i}", acc, kind=_grad_kind(g, value))
+        g.node(f"d_{value}.accumulate{i}", OpKind.ADD, (acc, part), (out,), phase=Phase.BACKWARD,
+               role=Role.DGRAD, flops=g.values[acc].numel, block=_block_of(g, value))
+        acc = out
+    return acc
+
+
+def _param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
+    if grad is None:
+        raise NotImplementedError(f"parameter {param!r} receives no gradient; the graph does not use it")
+    if g.params[param].shard_dim is not None or g.strategy.n == 1:
+        return grad
+    out = g.like(f"d_{param}.synced", grad, kind=ValueKind.PARAM_GRAD)
+    # ring all-reduce = reduce-scatter + all-gather: each rank sends 2(n-1)/n of the tensor
+    g.collective(f"{param}.grad_allreduce", OpKind.ALL_REDUCE, (grad,), (out,),
+                 comm_bytes=2 * ring_bytes(g.nbytes(grad), g.strategy.n), flops=g.values[grad].numel,
+                 phase=Phase.BACKWARD, role=Role.WGRAD, block=_block_of(g, param))
+    return out
+
+
+def _grad_kind(g: GraphBuilder, value: str) -> ValueKind:
+    return ValueKind.PARAM_GRAD if g.values[value].kind is ValueKind.PARAM else GRAD
+
+
+def _block_of(g: GraphBuilder, value: str) -> str:
+    for n in g.nodes:
+        if value in n.inputs or value in n.outputs:
+            return n.block
+    return ""
+
+
+def _grad_value(g: GraphBuilder, of: str) -> str:
+    return g.like(f"d_{of}", of, kind=_grad_kind(g, of))
+
+
+def _bwd(g: GraphBuilder, node: Node, suffix: str, op: OpKind, inputs, outputs, *, role=Role.DGRAD,
+         flops: int = 0, attrs=None, comm_bytes: int = 0) -> None:
+    kw = dict(phase=Phase.BACKWARD, role=role, flops=flops, module=node.module, block=node.block,
+              forward_of=node.name, attrs=dict(node.attrs) | (attrs or {}))
+    if op.is_comm:
+        g.collective(f"{node.name}.{suffix}", op, inputs, outputs, comm_bytes=comm_bytes, **kw)
+    else:
+        g.node(f"{node.name}.{suffix}", op, inputs, outputs, **kw)
+
+
+# -- VJP rules: (builder, forward node, grads of outputs) -> grads of inputs (None = no grad) --
+
+def _gemm(g, node, grads):
+    (dy,), (x, w) = grads, node.inputs
+    dx, dw = _grad_value(g, x), _grad_value(g, w)
+    _bwd(g, node, "dgrad", OpKind.GEMM, (dy, w), (dx,), flops=node.flops)
+    _bwd(g, node, "wgrad", OpKind.GEMM, (x, dy), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw
+
+
+def _grouped_gemm(g, node, grads):
+    (dy,), (x, w, seg) = grads, node.inputs
+    dx, dw = _grad_value(g, x), _grad_value(g, w)
+    _bwd(g, node, "dgrad", OpKind.GROUPED_GEMM, (dy, w, seg), (dx,), flops=node.flops)
+    _bwd(g, node, "wgrad", OpKind.GROUPED_GEMM, (x, dy, seg), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw, None
+
+
+def _rmsnorm(g, node, grads):
+    (dy,), (x, w) = grads, node.inputs
+    dx, dw = _grad_value(g, x), _grad_value(g, w)
+    _bwd(g, node, "dgrad", OpKind.RMSNORM, (x, w, dy), (dx,), flops=2 * node.flops)
+    _bwd(g, node, "wgrad", OpKind.RMSNORM, (x, dy), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw
+
+
+def _split(g, node, grads):
+    (qkv,) = node.inputs
+    dqkv = _grad_value(g, qkv)
+    _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
+    return (dqkv,)
+
+
+def _rope(g, node, grads):
+    dins = tuple(_grad_value(g, x) for x in node.inputs)
+    _bwd(g, node, "dgrad", OpKind.ROPE, tuple(grads), dins, flops=node.flops)
+    return dins
+
+
+def _attention(g, node, grads):
+    (do,), (q, k, v), (o,) = grads, node.inputs, node.outputs
+    dq, dk, dv = (_grad_value(g, x) for x in (q, k, v))
+    # flash-attention backward: 5 matmuls against the forward's 2, so 2.5x the FLOPs
+    _bwd(g, node, "dgrad", OpKind.ATTENTION, (q, k, v, o, do), (dq, dk, dv), flops=node.flops * 5 // 2)
+    return dq, dk, dv
+
+
+def _add(g, node, grads):
+    (dy,) = grads
+    return dy, dy
+
+
+def _swiglu(g, node, grads):
+    (dy,), (a, b) = grads, node.inputs
+    da, db = _grad_value(g, a), _grad_value(g, b)
+    _bwd(g, node, "dgrad", OpKind.SWIGLU, (a, b, dy), (da, db), flops=2 * node.flops)
+    return da, db
+
+
+def _router(g, node, grads):
+    (dweights, _), (x, w) = grads, node.inputs
+    if dweights is None:
+        return None, None
+    dx, dw = _grad_value(g, x), _grad_value(g, w)
+    _bwd(g, node, "dgrad", OpKind.ROUTER, (x, w, dweights), (dx,), flops=node.flops)
+    _bwd(g, node, "wgrad", OpKind.ROUTER, (x, w, dweights), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw
+
+
+def _permute(g, node, grads):
+    (drows,), (x, imap) = grads, node.inputs
+    dx = _grad_value(g, x)
+    # scatter's gradient sums the k copies of each token back: a gather by the same index map
+    _bwd(g, node, "dgrad", OpKind.PERMUTE, (drows, imap), (dx,))
+    return dx, None
+
+
+def _unpermute(g, node, grads):
+    (dy,) = grads
+    if not node.attr("weighted"):
+        rows, imap = node.inputs
+        drows = _grad_value(g, rows)
+        _bwd(g, node, "dgrad", OpKind.UNPERMUTE, (dy, imap), (drows,), flops=node.flops)
+        return drows, None
+    rows, weights, imap = node.inputs
+    drows, dweights = _grad_value(g, rows), _grad_value(g, weights)
+    _bwd(g, node, "dgrad", OpKind.UNPERMUTE, (dy, rows, weights, imap), (drows, dweights), flops=node.flops)
+    return drows, dweights, None
+
+
+def _gate(g, node, grads):
+    (dy,), (rows, gates) = grads, node.inputs
+    drows, dgates = _grad_value(g, rows), _grad_value(g, gates)
+    _bwd(g, node, "dgrad", OpKind.GATE, (dy, rows, gates), (drows, dgates), flops=2 * node.flops)
+    return drows, dgates
+
+
+def _all_gather(g, node, grads):
+    (dy,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "bwd", OpKind.REDUCE_SCATTER, (dy,), (dx,), comm_bytes=node.comm_bytes, flops=g.values[dy].numel)
+    return (dx,)
+
+
+def _reduce_scatter(g, node, grads):
+    (dy,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "bwd", OpKind.ALL_GATHER, (dy,), (dx,), comm_bytes=node.comm_bytes)
+    return (dx,)
+
+
+def _all_to_all(g, node, grads):
+    mode = node.attr("mode")
+    if mode == "heads":
+        dins = tuple(_grad_value(g, x) for x in node.inputs)
+        # the reverse exchange: split what was gathered, gather what was split
+        _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, tuple(grads), dins, comm_bytes=node.comm_bytes,
+             attrs={"split_dim": node.attr("cat_dim"), "cat_dim": node.attr("split_dim")})
+        return dins
+    if mode == "tokens":
+        if node.attr("direction") == "to_experts":
+            # dispatch: gradients of the expert rows go home, split by what each rank received
+            ins, direction = (grads[0], node.outputs[1]), "from_experts"
+        else:
+            # combine: gradients go back to the experts, split by the original send map
+            ins, direction = (grads[0], _send_map_of(g, node), node.inputs[1]), "to_experts"
+        dpayload = _grad_value(g, node.inputs[0])
+        _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, ins, (dpayload,), comm_bytes=node.comm_bytes,
+             attrs={"direction": direction, "emit_map": False})
+        return (dpayload,) + (None,) * (len(node.inputs) - 1)
+    raise NotImplementedError(f"no backward rule for all_to_all mode {mode!r} (node {node.name!r})")
+
+
+def _send_map_of(g: GraphBuilder, combine: Node) -> str:
+    """The index map of the dispatch whose recv map this combine all-to-all reads."""
+    for n in g.nodes:
+        if n.op is OpKind.ALL_TO_ALL and n.attr("emit_map", False) and n.outputs[1] == combine.inputs[1]:
+            return n.inputs[1]
+    raise NotImplementedError(f"combine all-to-all {combine.name!r} has no matching dispatch")
+
+
+VJP_RULES: dict[OpKind, Callable] = {
+    OpKind.GEMM: _gemm,
+    OpKind.GROUPED_GEMM: _grouped_gemm,
+    OpKind.RMSNORM: _rmsnorm,
+    OpKind.SPLIT: _split,
+    OpKind.ROPE: _rope,
+    OpKind.ATTENTION: _attention,
+    OpKind.ADD: _add,
+    OpKind.SWIGLU: _swiglu,
+    OpKind.ROUTER: _router,
+    OpKind.PERMUTE: _permute,
+    OpKind.UNPERMUTE: _unpermute,
+    OpKind.GATE: _gate,
+    OpKind.ALL_GATHER: _all_gather,
+    OpKind.REDUCE_SCATTER: _reduce_scatter,
+    OpKind.ALL_TO_ALL: _all_to_all,
+}

@@ -1,0 +1,135 @@
+"""GraphBuilder: the mutable scratchpad lowering rules and autodiff write into.
+
+It hands out unique value and node names, fills in default memory traffic, and freezes
+into an ``ir.Graph`` at the end. Nothing else in the package mutates graph state.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from moegraph.ir import (DTYPE_BYTES, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
+                         Value, ValueKind, freeze_attrs)
+
+
+class ConfigError(ValueError):
+    """An invalid model/strategy combination; the message names every factor involved."""
+
+
+def check_strategy(dims: Dims, strategy: Strategy) -> None:
+    """Reject strategies the layer cannot be split by, naming the values involved."""
+    n = strategy.n
+    if strategy.attn not in ("tp", "sp"):
+        raise ConfigError(f"attn={strategy.attn!r} is not one of 'tp', 'sp'")
+    if strategy.ffn not in ("tp", "ep"):
+        raise ConfigError(f"ffn={strategy.ffn!r} is not one of 'tp', 'ep'")
+    if strategy.dispatch not in ("a2a", "ag-rs"):
+        raise ConfigError(f"dispatch={strategy.dispatch!r} is not one of 'a2a', 'ag-rs'")
+    if strategy.dtype not in ("bf16", "fp32"):
+        raise ConfigError(f"dtype={strategy.dtype!r} is not one of 'bf16', 'fp32'")
+    if n < 1:
+        raise ConfigError(f"n={n} must be a positive group size")
+    if strategy.ffn == "tp" and strategy.dispatch == "a2a":
+        raise ConfigError("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use dispatch='ag-rs')")
+    if dims.k < 1 or dims.k > dims.experts:
+        raise ConfigError(f"top-k={dims.k} must be between 1 and the expert count {dims.experts}")
+    for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
+        if size % n:
+            raise ConfigError(f"n={n} does not divide {what}={size}")
+    if strategy.ffn == "ep" and dims.experts % n:
+        raise ConfigError(f"n={n} does not divide experts={dims.experts} (ffn='ep' places experts/n per rank)")
+    if strategy.ffn == "tp" and dims.ffn % n:
+        raise ConfigError(f"n={n} does not divide ffn_hidden={dims.ffn} (ffn='tp' splits each expert's h_ffn)")
+    if dims.heads % dims.kv_heads:
+        raise ConfigError(f"heads={dims.heads} is not divisible by kv_heads={dims.kv_heads}")
+
+
+class GraphBuilder:
+    def __init__(self, name: str, dims: Dims, strategy: Strategy):
+        self.name, self.dims, self.strategy = name, dims, strategy
+        self.values: dict[str, Value] = {}
+        self.nodes: list[Node] = []
+        self.inputs: list[str] = []
+        self.outputs: list[str] = []
+        self.params: dict[str, ParamSpec] = {}
+        self.grads: dict[str, str] = {}
+        self.saved: set[str] = set()
+        self._node_names: set[str] = set()
+
+    # -- values -------------------------------------------------------------------------
+    @property
+    def act_dtype(self) -> str:
+        return self.strategy.dtype
+
+    def value(self, name: str, shape: tuple[int, ...], *, kind: ValueKind = ValueKind.ACTIVATION,
+              dtype: str | None = None, alias_of: str | None = None, routed: bool = False) -> str:
+        name = self._unique(name, self.values)
+        self.values[name] = Value(name, tuple(int(d) for d in shape), dtype or self.act_dtype, kind,
+                                  alias_of=alias_of, routed=routed)
+        return name
+
+    def like(self, name: str, other: str, *, kind: ValueKind | None = None, dtype: str | None = None) -> str:
+        """A new value with the shape (and routed-ness) of ``other``."""
+        v = self.values[other]
+        return self.value(name, v.shape, kind=kind or v.kind, dtype=dtype or v.dtype, routed=v.routed)
+
+    def input(self, name: str, shape: tuple[int, ...], *, kind: ValueKind = ValueKind.ACTIVATION) -> str:
+        name = self.value(name, shape, kind=kind)
+        self.inputs.append(name)
+        return name
+
+    def param(self, name: str, shape: tuple[int, ...], spec: ParamSpec) -> str:
+        name = self.input(name, shape, kind=ValueKind.PARAM)
+        self.params[name] = spec
+        return name
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.values[name].shape
+
+    def nbytes(self, *names: str) -> int:
+        return sum(self.values[v].nbytes for v in names)
+
+    # -- nodes --------------------------------------------------------------------------
+    def node(self, name: str, op: OpKind, inputs: tuple[str, ...] | list[str], outputs: tuple[str, ...] | list[str], *,
+             module: str = "", block: str = "", phase: Phase = Phase.FORWARD, role: Role = Role.FORWARD,
+             flops: int = 0, mem_bytes: int | None = None, comm_bytes: int = 0, group: int = 0,
+             forward_of: str | None = None, attrs: Mapping[str, Any] | None = None) -> Node:
+        """Append a node. mem_bytes defaults to reading every input once and writing every output once."""
+        if mem_bytes is None:
+            mem_bytes = self.nbytes(*dict.fromkeys(inputs)) + self.nbytes(*outputs)
+        node = Node(name=self._unique(name, self._node_names), op=op, phase=phase, role=role,
+                    inputs=tuple(inputs), outputs=tuple(outputs), flops=int(flops), mem_bytes=int(mem_bytes),
+                    comm_bytes=int(comm_bytes), group=int(group), module=module, block=block,
+                    forward_of=forward_of, attrs=freeze_attrs(attrs or {}))
+        self._node_names.add(node.name)
+        self.nodes.append(node)
+        return node
+
+    def collective(self, name: str, op: OpKind, inputs, outputs, *, comm_bytes: int, **kw) -> Node:
+        """A collective over the strategy's group; a no-op group of 1 is never emitted (callers check)."""
+        return self.node(name, op, inputs, outputs, comm_bytes=comm_bytes, group=self.strategy.n, **kw)
+
+    # -- freeze -------------------------------------------------------------------------
+    def build(self, **meta: Any) -> Graph:
+        return Graph(name=self.name, dims=self.dims, strategy=self.strategy, values=tuple(self.values.values()),
+                     nodes=tuple(self.nodes), inputs=tuple(self.inputs), outputs=tuple(self.outputs),
+                     saved=frozenset(self.saved), params=tuple(self.params.items()),
+                     grads=tuple(self.grads.items()), meta=freeze_attrs(meta))
+
+    @staticmethod
+    def _unique(name: str, taken) -> str:
+        if name not in taken:
+            return name
+        i = 2
+        while f"{name}_{i}" in taken:
+            i += 1
+        return f"{name}_{i}"
+
+
+def ring_bytes(full_bytes: int, n: int) -> int:
+    """Bytes each rank sends in a ring all-gather/reduce-scatter of a full tensor: (n-1)/n of it."""
+    return full_bytes * (n - 1) // n
+
+
+def elem_bytes(dtype: str) -> int:
+    return DTYPE_BYTES[dtype]

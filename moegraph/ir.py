@@ -1,0 +1,400 @@
+"""The operator-graph IR: values, nodes, graphs, and the one verifier.
+
+Notation (MegaScale-MoE Table 1), used in every shape comment in this package:
+    b: micro-batch   s: sequence   h: hidden   n: group size (TP/SP/EP degree)
+    k: top-k         m: q/kv head ratio        f: h_ffn / h     E: experts
+
+A graph holds one MoE layer, forward *and* backward, as seen by one rank. Every rank
+runs the same graph (SPMD); collectives name their group size. Backward is explicit:
+data-gradient (``Role.DGRAD``) and weight-gradient (``Role.WGRAD``) nodes are separate so
+a scheduler can move weight-gradient GEMMs into communication gaps.
+
+Shapes are *planning* shapes. Rows of token-routed values (``Value.routed``) depend on the
+router at run time; the IR records the balanced expectation (b*s*k/n rows per rank), which
+is what the cost model and memory accounting use. The interpreter and runtime run the real,
+data-dependent counts.
+
+Everything here is a frozen dataclass; a pass builds a new graph with ``dataclasses.replace``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping
+
+
+class OpKind(enum.Enum):
+    # compute
+    GEMM = "gemm"
+    GROUPED_GEMM = "grouped_gemm"
+    ATTENTION = "attention"
+    RMSNORM = "rmsnorm"
+    ROPE = "rope"
+    SWIGLU = "swiglu"
+    ROUTER = "router"            # logits -> softmax -> top-k -> renormalise
+    INDEX_MAP = "index_map"      # routing -> row mapping, computed once per step (paper §3.2)
+    PERMUTE = "permute"          # scatter by index map: token rows -> expert-ordered rows
+    UNPERMUTE = "unpermute"      # gather by index map: expert rows -> token rows (weighted sum)
+    GATE = "gate"                # multiply expert rows by their routing weight
+    SPLIT = "split"              # views into a fused tensor (q, k, v of qkv)
+    ADD = "add"
+    CAST = "cast"                # precision change for compressed communication
+    # communication
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"
+
+    @property
+    def is_comm(self) -> bool:
+        return self in COMM_OPS
+
+
+COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE})
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"      # forward work re-run during backward (passes.sar)
+
+
+class Role(enum.Enum):
+    FORWARD = "forward"          # the op itself (also when re-run as recompute)
+    DGRAD = "dgrad"              # gradient w.r.t. data inputs
+    WGRAD = "wgrad"              # gradient w.r.t. parameters
+
+
+class ValueKind(enum.Enum):
+    ACTIVATION = "activation"    # forward tensors; the ones counted as activation memory
+    PARAM = "param"              # this rank's shard of a parameter
+    GRAD = "grad"                # gradients of activations (transient, backward only)
+    PARAM_GRAD = "param_grad"    # gradients of parameters (persistent buffers)
+    ROUTING = "routing"          # routing weights, expert ids, index maps: O(b*s*k), not O(b*s*h)
+
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64": 8, "int32": 4}
+
+
+@dataclass(frozen=True)
+class Value:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    kind: ValueKind
+    alias_of: str | None = None  # a view into another value: no storage of its own
+    routed: bool = False         # dim 0 is a data-dependent token count (balanced expectation here)
+
+    def __post_init__(self):
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"value {self.name!r}: dtype {self.dtype!r} is not one of {sorted(DTYPE_BYTES)}")
+        if any((not isinstance(d, int)) or d < 0 for d in self.shape):
+            raise ValueError(f"value {self.name!r}: shape {self.shape} must be non-negative ints")
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPE_BYTES[self.dtype]
+
+    @property
+    def storage_bytes(self) -> int:
+        """Bytes this value adds to device memory (0 for views)."""
+        return 0 if self.alias_of else self.nbytes
+
+
+def freeze_attrs(attrs: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> tuple[tuple[str, Any], ...]:
+    items = attrs.items() if isinstance(attrs, Mapping) else attrs
+    return tuple(sorted((str(k), _freeze(v)) for k, v in items))
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, list):
+        return tuple(_freeze(x) for x in v)
+    if isinstance(v, dict):
+        return freeze_attrs(v)
+    return v
+
+
+@dataclass(frozen=True)
+class Node:
+    """One kernel (compute) or one collective (comm), as run by each rank.
+
+    flops:      floating-point operations on this rank.
+    mem_bytes:  bytes moved through device memory (reads + writes) on this rank.
+    comm_bytes: bytes this rank sends over the network; 0 for compute. Ring all-gather and
+                reduce-scatter send (n-1)/n of the full tensor; all-to-all (n-1)/n of the
+                rank's input.
+    group:      collective group size n (0 for compute).
+    module:     qualified name of the nn.Module this node was lowered from (for errors and
+                for grouping into attention / ffn).
+    forward_of: for backward and recompute nodes, the forward node they derive from.
+    """
+
+    name: str
+    op: OpKind
+    phase: Phase
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    role: Role = Role.FORWARD
+    flops: int = 0
+    mem_bytes: int = 0
+    comm_bytes: int = 0
+    group: int = 0
+    module: str = ""
+    block: str = ""              # "attention" | "ffn" | "" : which half of the layer
+    forward_of: str | None = None
+    attrs: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def is_comm(self) -> bool:
+        return self.op.is_comm
+
+    def attr(self, key: str, default: Any = dataclasses.MISSING) -> Any:
+        for k, v in self.attrs:
+            if k == key:
+                return v
+        if default is dataclasses.MISSING:
+            raise KeyError(f"node {self.name!r} ({self.op.value}) has no attribute {key!r}")
+        return default
+
+    def with_attrs(self, **updates: Any) -> "Node":
+        merged = dict(self.attrs)
+        merged.update(updates)
+        return dataclasses.replace(self, attrs=freeze_attrs(merged))
+
+
+@dataclass(frozen=True)
+class ParamSource:
+    """One module parameter, optionally narrowed (e.g. the gate half of a fused gate_up)."""
+
+    qualname: str
+    narrow: tuple[int, int, int] | None = None  # (dim, start, length)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """How a graph parameter value is cut from the module's full parameters on rank r.
+
+    Each source is narrowed, then (if shard_dim is not None) split into n equal parts along
+    shard_dim and part r kept, and the sources are concatenated along cat_dim.
+    shard_dim None means the parameter is replicated on every rank of the group.
+    """
+
+    sources: tuple[ParamSource, ...]
+    shard_dim: int | None
+    cat_dim: int = 0
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Layer sizes. b, s, h, n, k as in Table 1; heads/kv_heads give m; ffn gives f."""
+
+    b: int
+    s: int
+    h: int
+    n: int
+    k: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int                      # h_ffn, per expert
+    experts: int
+
+    @property
+    def m(self) -> float:
+        return self.heads / self.kv_heads
+
+    @property
+    def f(self) -> float:
+        return self.ffn / self.h
+
+
+@dataclass(frozen=True)
+class Strategy:
+    attn: str                     # "tp" | "sp"
+    ffn: str                      # "tp" | "ep"
+    dispatch: str                 # "a2a" | "ag-rs"
+    n: int
+    dtype: str = "bf16"
+    chunks: int = 1
+    remat: str = "none"           # the sar policy applied, "none" if not rematerialized
+    gate: str = "after-fc2"       # "after-fc2" | "before-fc2" (gate-reorder)
+    dp: int = 1
+    passes: tuple[str, ...] = ()
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self) | {"passes": list(self.passes)}
+
+
+@dataclass(frozen=True)
+class Graph:
+    """A verified DAG. ``nodes`` is in a valid topological order.
+
+    inputs:  graph inputs (the layer input, this rank's parameter shards, the seed gradient
+             of the layer output).
+    outputs: the layer output, the gradient of the layer input, and every parameter gradient.
+    saved:   forward values held from the forward pass until backward (activation memory).
+    params:  parameter value name -> how it is cut from the module.
+    grads:   parameter value name -> the value holding its final gradient.
+    """
+
+    name: str
+    dims: Dims
+    strategy: Strategy
+    values: tuple[Value, ...]
+    nodes: tuple[Node, ...]
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    saved: frozenset[str] = frozenset()
+    params: tuple[tuple[str, ParamSpec], ...] = ()
+    grads: tuple[tuple[str, str], ...] = ()
+    meta: tuple[tuple[str, Any], ...] = field(default=(), compare=True)
+
+    @functools.cached_property
+    def value(self) -> dict[str, Value]:
+        return {v.name: v for v in self.values}
+
+    @functools.cached_property
+    def node(self) -> dict[str, Node]:
+        return {n.name: n for n in self.nodes}
+
+    @functools.cached_property
+    def producer(self) -> dict[str, Node]:
+        return {out: n for n in self.nodes for out in n.outputs}
+
+    @functools.cached_property
+    def consumers(self) -> dict[str, tuple[Node, ...]]:
+        acc: dict[str, list[Node]] = {v.name: [] for v in self.values}
+        for n in self.nodes:
+            for i in dict.fromkeys(n.inputs):
+                acc[i].append(n)
+        return {k: tuple(v) for k, v in acc.items()}
+
+    @functools.cached_property
+    def param_spec(self) -> dict[str, ParamSpec]:
+        return dict(self.params)
+
+    @functools.cached_property
+    def grad_of(self) -> dict[str, str]:
+        return dict(self.grads)
+
+    def predecessors(self, node: Node) -> tuple[Node, ...]:
+        """Nodes producing this node's inputs (graph inputs have none), without repeats."""
+        prods = (self.producer.get(i) for i in node.inputs)
+        return tuple({p.name: p for p in prods if p is not None}.values())
+
+    def meta_get(self, key: str, default: Any = None) -> Any:
+        return dict(self.meta).get(key, default)
+
+    def with_meta(self, **updates: Any) -> "Graph":
+        merged = dict(self.meta)
+        merged.update(updates)
+        return dataclasses.replace(self, meta=freeze_attrs(merged))
+
+    def activation_bytes(self) -> int:
+        """Bytes of forward activations held for backward (views excluded)."""
+        return sum(self.value[v].storage_bytes for v in self.saved
+                   if self.value[v].kind is ValueKind.ACTIVATION)
+
+    def nodes_in(self, phase: Phase) -> tuple[Node, ...]:
+        return tuple(n for n in self.nodes if n.phase is phase)
+
+
+class GraphError(ValueError):
+    """A malformed graph; the message names the offending node or value."""
+
+
+def verify(graph: Graph) -> Graph:
+    """Check the graph is well formed; raise GraphError naming the first bad node.
+
+    Checks: unique names; every input defined before use (so no cycles, topological order);
+    each value produced once and never a graph input too; comm nodes carry a group size > 1
+    dividing nothing illegal; compute nodes carry none; outputs/saved/params/grads refer to
+    existing values; forward nodes read no gradients; views point at existing values.
+    Returns the graph so it can be chained.
+    """
+    names = [v.name for v in graph.values]
+    dup = _first_duplicate(names)
+    if dup:
+        raise GraphError(f"value {dup!r} is declared twice")
+    dup = _first_duplicate([n.name for n in graph.nodes])
+    if dup:
+        raise GraphError(f"node {dup!r} is declared twice")
+    known = graph.value
+    defined: set[str] = set()
+    for name in graph.inputs:
+        if name not in known:
+            raise GraphError(f"graph input {name!r} is not a declared value")
+        defined.add(name)
+    for node in graph.nodes:
+        _verify_node(graph, node, defined)
+        for out in node.outputs:
+            defined.add(out)
+    for name in graph.outputs:
+        if name not in defined:
+            raise GraphError(f"graph output {name!r} is never produced\n{format_graph(graph)}")
+    for name in graph.saved:
+        if name not in defined:
+            raise GraphError(f"saved value {name!r} is never produced")
+    for pname, _ in graph.params:
+        if pname not in graph.inputs or known[pname].kind is not ValueKind.PARAM:
+            raise GraphError(f"parameter {pname!r} must be a graph input of kind param")
+    for pname, gname in graph.grads:
+        if gname not in defined or known[gname].shape != known[pname].shape:
+            raise GraphError(f"gradient {gname!r} of parameter {pname!r} is missing or mis-shaped")
+    for v in graph.values:
+        if v.alias_of is not None and v.alias_of not in known:
+            raise GraphError(f"value {v.name!r} is a view of unknown value {v.alias_of!r}")
+    return graph
+
+
+def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
+    where = f"node {node.name!r} ({node.op.value}, {node.phase.value})"
+    for i in node.inputs:
+        if i not in graph.value:
+            raise GraphError(f"{where} reads unknown value {i!r}")
+        if i not in defined:
+            raise GraphError(f"{where} reads {i!r} before it is produced (cycle or bad order)")
+        if node.phase is Phase.FORWARD and graph.value[i].kind is ValueKind.GRAD:
+            raise GraphError(f"{where} is a forward node but reads gradient {i!r}")
+    if not node.outputs:
+        raise GraphError(f"{where} produces nothing")
+    for o in node.outputs:
+        if o not in graph.value:
+            raise GraphError(f"{where} writes undeclared value {o!r}")
+        if o in defined:
+            raise GraphError(f"{where} writes {o!r}, which is already produced or a graph input")
+    if node.is_comm:
+        if node.group < 2:
+            raise GraphError(f"{where} is a collective without a group size > 1 (group={node.group})")
+    elif node.group or node.comm_bytes:
+        raise GraphError(f"{where} is compute but has group={node.group}, comm_bytes={node.comm_bytes}")
+    if node.phase is not Phase.FORWARD and node.forward_of is not None and node.forward_of not in graph.node:
+        raise GraphError(f"{where} derives from unknown forward node {node.forward_of!r}")
+    if min(node.flops, node.mem_bytes, node.comm_bytes) < 0:
+        raise GraphError(f"{where} has a negative cost field")
+
+
+def _first_duplicate(items: list[str]) -> str | None:
+    seen: set[str] = set()
+    for x in items:
+        if x in seen:
+            return x
+        seen.add(x)
+    return None
+
+
+def format_graph(graph: Graph) -> str:
+    """One line per node: name, op, phase, inputs -> outputs (for error messages and debugging)."""
+    lines = [f"graph {graph.name}: {len(graph.nodes)} nodes"]
+    for n in graph.nodes:
+        lines.append(f"  {n.name:<28} {n.op.value:<15} {n.phase.value:<9} "
+                     f"({', '.join(n.inputs)}) -> ({', '.join(n.outputs)})")
+    return "\n".join(lines)

@@ -1,0 +1,344 @@
+"""Rank-local kernels for every compute op, plus the routing index maps.
+
+The reference interpreter (simulated ranks) and the runtime (real ranks) both execute
+compute nodes through ``run_compute``; they differ only in how collectives move data.
+Backward kernels of non-linear ops use ``torch.func.vjp`` of the forward kernel, which
+keeps each rule a few lines and exact; GEMM gradients are written out.
+
+Notation: b batch, S sequence on this rank after the op's layout, h hidden, T tokens,
+k top-k, R expert rows, El experts on this rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch.func import vjp
+
+from moegraph.ir import Node, OpKind, Role
+from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, route
+
+
+@dataclass(frozen=True)
+class RankContext:
+    rank: int
+    n: int
+    seq: int                      # full sequence length s
+
+
+@dataclass(frozen=True)
+class IndexMap:
+    """Where each expert row comes from, computed once per step from the routing (paper §3.2).
+
+    flat:     for each row, token * k + slot into the [T, k] routing tensors.
+    segments: (local expert, row count) in row order, for the grouped GEMM.
+    splits:   rows per destination rank (all-to-all dispatch only).
+    """
+
+    flat: torch.Tensor
+    top_k: int
+    segments: tuple[tuple[int, int], ...]
+    splits: tuple[int, ...] = ()
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return torch.div(self.flat, self.top_k, rounding_mode="floor")
+
+
+@dataclass(frozen=True)
+class RecvMap:
+    """What an all-to-all dispatch delivered: row segments per (source, expert) and rows per source."""
+
+    segments: tuple[tuple[int, int], ...]
+    splits: tuple[int, ...]
+
+
+def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int) -> IndexMap:
+    """experts: [T, k] routed expert ids -> rows sorted by expert (stable in token order).
+
+    layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
+    expert, all local (tensor-parallel experts); 'by_dest': every row, grouped by the rank
+    that owns its expert (all-to-all dispatch).
+    """
+    k = experts.shape[1]
+    flat_experts = experts.reshape(-1)
+    if layout == "local":
+        lo = rank * experts_per_rank
+        candidates = ((flat_experts >= lo) & (flat_experts < lo + experts_per_rank)).nonzero().squeeze(1)
+        local, groups = flat_experts[candidates] - lo, experts_per_rank
+    elif layout == "all":
+        candidates, local, groups = torch.arange(flat_experts.numel()), flat_experts, experts_per_rank
+    elif layout == "by_dest":
+        candidates, local, groups = torch.arange(flat_experts.numel()), flat_experts, experts_per_rank * n
+    else:
+        raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
+    order = torch.sort(local, stable=True).indices
+    counts = torch.bincount(local[order], minlength=groups).tolist()
+    flat = candidates[order]
+    if layout != "by_dest":
+        return IndexMap(flat, k, tuple(enumerate(counts)))
+    # expert e lives on rank e // El: rows per destination, and segments in destination-local ids
+    splits = tuple(sum(counts[d * experts_per_rank:(d + 1) * experts_per_rank]) for d in range(n))
+    return IndexMap(flat, k, tuple((e % experts_per_rank, c) for e, c in enumerate(counts)), splits)
+
+
+def run_compute(ctx: RankContext, node: Node, ins: list[Any], out_shapes: list[tuple[int, ...]]) -> list[Any]:
+    """Execute one compute node on one rank."""
+    fn = KERNELS.get((node.op, node.role))
+    if fn is None:
+        raise NotImplementedError(f"no kernel for {node.op.value}/{node.role.value} (node {node.name!r})")
+    return fn(ctx, node, ins, out_shapes)
+
+
+# -- forward kernels ---------------------------------------------------------------------
+
+def _linear(x, w):
+    return F.linear(x, w)
+
+
+def _rope_fwd(ctx: RankContext, node: Node, q, k):
+    d, S = node.attr("head_dim"), q.shape[1]
+    start = ctx.rank * S if node.attr("positions") == "shard" else 0
+    cos, sin = rope_cos_sin(torch.arange(start, start + S), d, node.attr("theta"), q.dtype)
+    b = q.shape[0]
+    rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
+    return rot(q), rot(k)
+
+
+def _attention_fwd(node: Node, q, k, v):
+    d = node.attr("head_dim")
+    b, S = q.shape[:2]
+    return causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, d))
+
+
+def _swiglu_fwd(a, b):
+    return F.silu(a) * b
+
+
+def _router_fwd(node: Node, x, w):
+    weights, _ = route(x.reshape(-1, x.shape[-1]), w, node.attr("top_k"))
+    return weights
+
+
+def _grouped(x, w, segments, transpose_w: bool = False):
+    """Per-segment x @ w[e].T (or x @ w[e] for data gradients)."""
+    outs, start = [], 0
+    for e, count in segments:
+        xe = x[start:start + count]
+        outs.append(xe @ w[e] if transpose_w else F.linear(xe, w[e]))
+        start += count
+    if not outs:
+        return x.new_zeros((0, w.shape[2] if transpose_w else w.shape[1]))
+    return torch.cat(outs)
+
+
+def _grouped_wgrad(x, dy, segments, w_shape):
+    dw = x.new_zeros(w_shape)
+    start = 0
+    for e, count in segments:
+        dw[e] += dy[start:start + count].T @ x[start:start + count]
+        start += count
+    return dw
+
+
+def _tokens(x):
+    return x.reshape(-1, x.shape[-1])
+
+
+def _k_rmsnorm(ctx, node, ins, shapes):
+    x, w = ins
+    return [rms_norm(x, w, node.attr("eps"))]
+
+
+def _k_gemm(ctx, node, ins, shapes):
+    return [_linear(*ins)]
+
+
+def _k_split(ctx, node, ins, shapes):
+    return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
+
+
+def _k_rope(ctx, node, ins, shapes):
+    return list(_rope_fwd(ctx, node, *ins))
+
+
+def _k_attention(ctx, node, ins, shapes):
+    return [_attention_fwd(node, *ins)]
+
+
+def _k_add(ctx, node, ins, shapes):
+    return [ins[0] + ins[1]]
+
+
+def _k_swiglu(ctx, node, ins, shapes):
+    return [_swiglu_fwd(*ins)]
+
+
+def _k_router(ctx, node, ins, shapes):
+    x, w = ins
+    weights, experts = route(_tokens(x), w, node.attr("top_k"))
+    return [weights, experts]
+
+
+def _k_index_map(ctx, node, ins, shapes):
+    return [build_index_map(ins[0], node.attr("layout"), node.attr("experts_per_rank"), ctx.rank, ctx.n)]
+
+
+def _k_permute(ctx, node, ins, shapes):
+    x, imap = ins
+    return [_tokens(x)[imap.tokens]]                                     # [T, h] -> [R, h]
+
+
+def _k_unpermute(ctx, node, ins, shapes):
+    if node.attr("weighted"):
+        rows, weights, imap = ins
+        rows = rows * weights.reshape(-1)[imap.flat, None].to(rows.dtype)
+    else:
+        rows, imap = ins
+    out = rows.new_zeros((_tokens_count(shapes[0]), rows.shape[1]))
+    return [out.index_add(0, imap.tokens, rows).view(shapes[0])]        # [R, h] -> [b, S, h]
+
+
+def _tokens_count(shape):
+    t = 1
+    for d in shape[:-1]:
+        t *= d
+    return t
+
+
+def _k_gate(ctx, node, ins, shapes):
+    rows, gates = ins
+    return [rows * gates[:, None].to(rows.dtype)]
+
+
+def _k_grouped_gemm(ctx, node, ins, shapes):
+    x, w, seg = ins
+    return [_grouped(x, w, seg.segments)]
+
+
+# -- backward kernels ---------------------------------------------------------------------
+
+def _k_gemm_dgrad(ctx, node, ins, shapes):
+    dy, w = ins
+    return [dy @ w]
+
+
+def _k_gemm_wgrad(ctx, node, ins, shapes):
+    x, dy = ins
+    return [_tokens(dy).T @ _tokens(x)]
+
+
+def _k_grouped_dgrad(ctx, node, ins, shapes):
+    dy, w, seg = ins
+    return [_grouped(dy, w, seg.segments, transpose_w=True)]
+
+
+def _k_grouped_wgrad(ctx, node, ins, shapes):
+    x, dy, seg = ins
+    return [_grouped_wgrad(x, dy, seg.segments, shapes[0])]
+
+
+def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
+    x, w, dy = ins
+    _, pullback = vjp(lambda x_: rms_norm(x_, w, node.attr("eps")), x)
+    return list(pullback(dy))
+
+
+def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
+    x, dy = ins
+    normed = rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype), node.attr("eps"))
+    return [(_tokens(dy) * _tokens(normed)).sum(0)]
+
+
+def _k_split_dgrad(ctx, node, ins, shapes):
+    return [torch.cat(ins, dim=node.attr("dim"))]
+
+
+def _k_rope_dgrad(ctx, node, ins, shapes):
+    dq, dk = ins
+    _, pullback = vjp(lambda q, k: _rope_fwd(ctx, node, q, k), torch.zeros_like(dq), torch.zeros_like(dk))
+    return list(pullback((dq, dk)))                                     # rope is linear: any primal works
+
+
+def _k_attention_dgrad(ctx, node, ins, shapes):
+    q, k, v, _out, do = ins
+    _, pullback = vjp(lambda q_, k_, v_: _attention_fwd(node, q_, k_, v_), q, k, v)
+    return list(pullback(do))
+
+
+def _k_swiglu_dgrad(ctx, node, ins, shapes):
+    a, b, dy = ins
+    _, pullback = vjp(_swiglu_fwd, a, b)
+    return list(pullback(dy))
+
+
+def _k_router_dgrad(ctx, node, ins, shapes):
+    x, w, dweights = ins
+    _, pullback = vjp(lambda x_: _router_fwd(node, x_, w), x)
+    return list(pullback(dweights))
+
+
+def _k_router_wgrad(ctx, node, ins, shapes):
+    x, w, dweights = ins
+    _, pullback = vjp(lambda w_: _router_fwd(node, x, w_), w)
+    return list(pullback(dweights))
+
+
+def _k_permute_dgrad(ctx, node, ins, shapes):
+    drows, imap = ins
+    out = drows.new_zeros((_tokens_count(shapes[0]), drows.shape[1]))
+    return [out.index_add(0, imap.tokens, drows).view(shapes[0])]       # k copies summed per token
+
+
+def _k_unpermute_dgrad(ctx, node, ins, shapes):
+    if not node.attr("weighted"):
+        dy, imap = ins
+        return [_tokens(dy)[imap.tokens]]
+    dy, rows, weights, imap = ins
+    dy_rows = _tokens(dy)[imap.tokens]                                  # [R, h]
+    w_rows = weights.reshape(-1)[imap.flat]
+    drows = dy_rows * w_rows[:, None].to(dy_rows.dtype)
+    dweights = torch.zeros_like(weights).reshape(-1)
+    dweights[imap.flat] = (dy_rows * rows).sum(-1).to(weights.dtype)
+    return [drows, dweights.view_as(weights)]
+
+
+def _k_gate_dgrad(ctx, node, ins, shapes):
+    dy, rows, gates = ins
+    return [dy * gates[:, None].to(dy.dtype), (dy * rows).sum(-1).to(gates.dtype)]
+
+
+KERNELS: dict[tuple[OpKind, Role], Callable] = {
+    (OpKind.RMSNORM, Role.FORWARD): _k_rmsnorm,
+    (OpKind.GEMM, Role.FORWARD): _k_gemm,
+    (OpKind.SPLIT, Role.FORWARD): _k_split,
+    (OpKind.ROPE, Role.FORWARD): _k_rope,
+    (OpKind.ATTENTION, Role.FORWARD): _k_attention,
+    (OpKind.ADD, Role.FORWARD): _k_add,
+    (OpKind.ADD, Role.DGRAD): _k_add,
+    (OpKind.SWIGLU, Role.FORWARD): _k_swiglu,
+    (OpKind.ROUTER, Role.FORWARD): _k_router,
+    (OpKind.INDEX_MAP, Role.FORWARD): _k_index_map,
+    (OpKind.PERMUTE, Role.FORWARD): _k_permute,
+    (OpKind.UNPERMUTE, Role.FORWARD): _k_unpermute,
+    (OpKind.GATE, Role.FORWARD): _k_gate,
+    (OpKind.GROUPED_GEMM, Role.FORWARD): _k_grouped_gemm,
+    (OpKind.GEMM, Role.DGRAD): _k_gemm_dgrad,
+    (OpKind.GEMM, Role.WGRAD): _k_gemm_wgrad,
+    (OpKind.GROUPED_GEMM, Role.DGRAD): _k_grouped_dgrad,
+    (OpKind.GROUPED_GEMM, Role.WGRAD): _k_grouped_wgrad,
+    (OpKind.RMSNORM, Role.DGRAD): _k_rmsnorm_dgrad,
+    (OpKind.RMSNORM, Role.WGRAD): _k_rmsnorm_wgrad,
+    (OpKind.SPLIT, Role.DGRAD): _k_split_dgrad,
+    (OpKind.ROPE, Role.DGRAD): _k_rope_dgrad,
+    (OpKind.ATTENTION, Role.DGRAD): _k_attention_dgrad,
+    (OpKind.SWIGLU, Role.DGRAD): _k_swiglu_dgrad,
+    (OpKind.ROUTER, Role.DGRAD): _k_router_dgrad,
+    (OpKind.ROUTER, Role.WGRAD): _k_router_wgrad,
+    (OpKind.PERMUTE, Role.DGRAD): _k_permute_dgrad,
+    (OpKind.UNPERMUTE, Role.DGRAD): _k_unpermute_dgrad,
+    (OpKind.GATE, Role.DGRAD): _k_gate_dgrad,
+}

@@ -1,0 +1,255 @@
+"""Cost model against hand computations on h800.
+
+h800 numbers used below (typed from hardware.yaml / Hardware defaults, not read from code):
+P = 989e12 FLOP/s, W = 3.4e12 B/s, B_nvlink = 200e9 B/s, B_nic = 50e9 B/s, alpha = 2 us intra /
+5 us inter, kernel = 4 us, copy engine +10 us, gemm_eff 0.75, mem_eff 0.8, ring_eff 0.726,
+a2a_eff 0.427, copy_engine_eff 0.8, ring saturation 16 SMs, a2a saturation 24 SMs, 132 SMs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from moegraph.cost import CostModel, collective_bytes, interpolate
+from moegraph.ir import Node, OpKind, Phase
+from moegraph.registry import load_hardware
+
+MiB = 2**20
+
+
+@pytest.fixture(scope="module")
+def h800() -> CostModel:
+    return CostModel(load_hardware("h800"))
+
+
+def compute(op=OpKind.GEMM, flops=0, mem_bytes=0) -> Node:
+    return Node(name=f"x.{op.value}", op=op, phase=Phase.FORWARD, inputs=(), outputs=("y",),
+                flops=flops, mem_bytes=mem_bytes)
+
+
+def comm(op, comm_bytes, group=8, **attrs) -> Node:
+    node = Node(name=f"c.{op.value}", op=op, phase=Phase.FORWARD, inputs=(), outputs=("y",),
+                comm_bytes=comm_bytes, group=group)
+    return node.with_attrs(**attrs) if attrs else node
+
+
+def test_gemm_compute_bound(h800):
+    # [4096, 4096] x [4096, 4096] bf16: 2*4096^3 FLOPs -> 185.29 us; 3*4096^2*2 B -> 37.0 us
+    node = compute(flops=2 * 4096**3, mem_bytes=3 * 4096 * 4096 * 2)
+    assert h800.node_time_us(node) == pytest.approx(4 + 185.2901294, rel=1e-7)
+
+
+def test_gemm_memory_bound(h800):
+    # [8, 4096] x [4096, 4096]: 0.36 us of math, 33685504 B of traffic -> 12.384 us
+    node = compute(flops=2 * 8 * 4096 * 4096, mem_bytes=(2 * 8 * 4096 + 4096 * 4096) * 2)
+    assert h800.node_time_us(node) == pytest.approx(16.3843765, rel=1e-7)
+
+
+def test_sm_budget_ignored_for_compute(h800):
+    node = compute(flops=10**12)
+    assert h800.node_time_us(node, sm_budget=16) == h800.node_time_us(node)
+
+
+def test_memory_bound_ops_use_mem_eff(h800):
+    node = compute(OpKind.RMSNORM, flops=5 * 2**20, mem_bytes=2 * 4 * MiB)  # 8 MiB / (3.4e12 * 0.8)
+    assert h800.node_time_us(node) == pytest.approx(4 + 3.0840470588, rel=1e-7)
+
+
+def test_memory_bound_op_flops_count_at_peak(h800):
+    # the documented rule: their FLOPs are priced at peak (eff 1); binding only if mem is tiny
+    node = compute(OpKind.SWIGLU, flops=989 * 10**6, mem_bytes=8)
+    assert h800.node_time_us(node) == pytest.approx(4 + 1.0)
+
+
+def test_grouped_gemm_and_attention_efficiencies(h800):
+    flops = 10**12
+    assert h800.node_time_us(compute(OpKind.GROUPED_GEMM, flops)) == pytest.approx(4 + 1e6 / (989 * 0.65))
+    assert h800.node_time_us(compute(OpKind.ATTENTION, flops)) == pytest.approx(4 + 1e6 / (989 * 0.55))
+    assert h800.node_time_us(compute(OpKind.ROUTER, flops)) == pytest.approx(4 + 1e6 / (989 * 0.75))
+
+
+def test_split_is_free(h800):
+    assert h800.node_time_us(compute(OpKind.SPLIT, mem_bytes=10**9)) == 0.0
+
+
+AG_BYTES = 64 * MiB * 7 // 8  # all-gather of a 64 MiB tensor over 8 ranks: 58720256 B sent
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (16, 422.4094766),   # 4 + 7*2 + 58720256 / (200e9 * 0.726)
+    (8, 826.8189532),    # half the SMs of saturation -> half the bandwidth
+    (32, 422.4094766),   # past saturation: no faster
+    (0, 395.0016),       # copy engines: 4 + 14 + 10 + 58720256 / (200e9 * 0.8)
+])
+def test_all_gather(h800, budget, expected):
+    assert h800.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), budget) == pytest.approx(expected, rel=1e-7)
+
+
+@pytest.mark.parametrize("budget, expected", [
+    (24, 705.5908197),   # 4 + 14 + 58720256 / (200e9 * 0.427)
+    (16, 1049.3862295),  # 16/24 of saturation
+    (0, 651.9886689),    # 4 + 14 + 10 + bytes / (200e9 * 0.427 * 0.8/0.726)
+])
+def test_all_to_all(h800, budget, expected):
+    assert h800.node_time_us(comm(OpKind.ALL_TO_ALL, AG_BYTES), budget) == pytest.approx(expected, rel=1e-7)
+
+
+def test_all_reduce_is_rs_plus_ag_latency(h800):
+    node = comm(OpKind.ALL_REDUCE, 2 * 64 * MiB * 7 // 8)  # 4 + 2*7*2 + 117440512 / (200e9*0.726)
+    assert h800.node_time_us(node, 16) == pytest.approx(840.8189532, rel=1e-7)
+
+
+def test_inter_node_by_group_and_by_attr(h800):
+    node = comm(OpKind.ALL_GATHER, 64 * MiB * 15 // 16, group=16)  # 4 + 15*5 + B / (50e9 * 0.726)
+    assert h800.node_time_us(node, 16) == pytest.approx(1812.1834711, rel=1e-7)
+    forced = comm(OpKind.ALL_GATHER, AG_BYTES, scope="inter")  # 4 + 7*5 + B / (50e9 * 0.726)
+    assert h800.node_time_us(forced, 16) == pytest.approx(4 + 35 + 1617.63790634, rel=1e-7)
+    with pytest.raises(ValueError) as e:
+        h800.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES, scope="rack"))
+    assert str(e.value) == "node 'c.all_gather': scope 'rack' is not one of 'intra', 'inter'"
+
+
+@pytest.mark.parametrize("budget", [0, 8, 16, 24, 32])
+def test_a2a_slower_than_ring_for_equal_bytes(h800, budget):
+    ring = h800.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), budget)
+    assert h800.node_time_us(comm(OpKind.ALL_TO_ALL, AG_BYTES), budget) > ring
+    assert h800.node_time_us(comm(OpKind.REDUCE_SCATTER, AG_BYTES), budget) == ring
+
+
+@pytest.mark.parametrize("op, saturation", [(OpKind.ALL_GATHER, 16), (OpKind.ALL_TO_ALL, 24)])
+def test_time_falls_with_sms_until_saturation(h800, op, saturation):
+    node = comm(op, AG_BYTES)
+    budgets = [b for b in h800.comm_sm_budgets(node) if b > 0]
+    times = [h800.node_time_us(node, b) for b in budgets]
+    for (b0, t0), (b1, t1) in zip(zip(budgets, times), zip(budgets[1:], times[1:])):
+        if b1 <= saturation:
+            assert t1 < t0, (b0, b1)
+        else:
+            assert t1 == t0, (b0, b1)
+
+
+def test_budgets_default_and_best(h800):
+    ag, a2a = comm(OpKind.ALL_GATHER, AG_BYTES), comm(OpKind.ALL_TO_ALL, AG_BYTES)
+    assert h800.comm_sm_budgets(ag) == (0, 8, 16, 24, 32)
+    assert h800.default_sm_budget(ag) == 16 and h800.default_sm_budget(a2a) == 24
+    assert h800.node_time_us(ag) == h800.node_time_us(ag, 16)
+    assert h800.best_time_us(ag) == pytest.approx(395.0016)  # copy engines win on 56 MiB
+    tiny = comm(OpKind.ALL_GATHER, 7 * 1024)                   # ... but not on 7 KiB (+10 us)
+    assert h800.best_time_us(tiny) == h800.node_time_us(tiny, 16)
+    node = compute(flops=10**12)
+    assert h800.best_time_us(node) == h800.node_time_us(node)
+    cpu = CostModel(load_hardware("cpu-gloo"))
+    assert cpu.default_sm_budget(ag) == 0
+
+
+def test_budget_errors(h800):
+    with pytest.raises(ValueError) as e:
+        h800.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), 12)
+    assert str(e.value) == "sm_budget=12 is not allowed for 'c.all_gather' (all_gather) on h800; allowed: 0, 8, 16, 24, 32"
+    with pytest.raises(ValueError) as e:
+        h800.comm_sm_budgets(compute(flops=1))
+    assert str(e.value) == "node 'x.gemm' (gemm) is not a collective; SM budgets apply to collectives only"
+
+
+def test_compute_slowdown(h800):
+    assert h800.sm_count() == 132
+    assert h800.compute_slowdown(0) == 1.0
+    assert h800.compute_slowdown(16) == pytest.approx(132 / 116)
+    assert h800.compute_slowdown(66) == pytest.approx(2.0)
+    with pytest.raises(ValueError) as e:
+        h800.compute_slowdown(132)
+    assert str(e.value) == "sms_held_by_comm=132 leaves no SMs for compute (sm_count=132)"
+    with pytest.raises(ValueError):
+        h800.compute_slowdown(-1)
+
+
+def test_kernel_latency_makes_chunking_cost(h800):
+    whole = compute(flops=2 * 4096**3)
+    quarter = compute(flops=2 * 4096**3 // 4)
+    assert 4 * h800.node_time_us(quarter) == pytest.approx(h800.node_time_us(whole) + 3 * 4)
+
+
+# --- curves ---------------------------------------------------------------------------------
+
+POINTS = ((1e9, 0.2), (1e12, 0.8))
+
+
+@pytest.mark.parametrize("size, eff", [
+    (1e9, 0.2), (1e12, 0.8),               # at the points
+    (10**10.5, 0.5),                       # halfway in log(size)
+    (1e10, 0.2 + 0.6 / 3),                 # a third of the way in log
+    (1e3, 0.2), (0, 0.2), (1e15, 0.8),     # clamped outside
+])
+def test_interpolate(size, eff):
+    assert interpolate(POINTS, size) == pytest.approx(eff)
+
+
+def test_interpolate_three_points():
+    pts = ((1e3, 0.1), (1e6, 0.4), (1e9, 0.9))
+    assert interpolate(pts, 1e6) == pytest.approx(0.4)
+    assert interpolate(pts, 10**7.5) == pytest.approx(0.65)
+
+
+def test_curve_replaces_scalar():
+    hw = dataclasses.replace(load_hardware("h800"), curves={"gemm_eff": POINTS,
+                                                            "a2a_eff": ((1e3, 0.1), (1e9, 0.5))})
+    cm = CostModel(hw)
+    flops = 10**10.5  # eff 0.5 instead of 0.75
+    assert cm.node_time_us(compute(flops=int(flops))) == pytest.approx(4 + flops / (989e12 * 0.5) * 1e6)
+    # a2a at 1e6 bytes: halfway in log between 1e3 and 1e9 -> eff 0.3, at 24 SMs
+    assert cm.node_time_us(comm(OpKind.ALL_TO_ALL, 10**6), 24) == \
+        pytest.approx(4 + 14 + 1e6 / (200e9 * 0.3) * 1e6)
+    # curves absent for ring: scalar ring_eff stays
+    assert cm.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), 16) == pytest.approx(422.4094766)
+
+
+def test_all_reduce_prefers_its_own_curve_then_ring():
+    base = load_hardware("h800")
+    ring_only = CostModel(dataclasses.replace(base, curves={"ring_eff": ((1.0, 0.5),)}))
+    both = CostModel(dataclasses.replace(base, curves={"ring_eff": ((1.0, 0.5),), "all_reduce_eff": ((1.0, 0.25),)}))
+    node = comm(OpKind.ALL_REDUCE, 10**8)
+    assert ring_only.node_time_us(node, 16) == pytest.approx(4 + 28 + 1e8 / (200e9 * 0.5) * 1e6)
+    assert both.node_time_us(node, 16) == pytest.approx(4 + 28 + 1e8 / (200e9 * 0.25) * 1e6)
+
+
+# --- every op kind has a rule; an op without one raises ---------------------------------------
+
+@pytest.mark.parametrize("op", list(OpKind))
+def test_every_op_kind_has_a_rule(h800, op):
+    node = comm(op, AG_BYTES) if op.is_comm else compute(op, flops=10**9, mem_bytes=10**6)
+    assert math.isfinite(h800.node_time_us(node)) and h800.node_time_us(node) >= 0
+
+
+class _FakeOp:
+    value = "mystery"
+    is_comm = False
+
+    def __repr__(self):
+        return "OpKind.MYSTERY"
+
+
+def test_op_without_rule_raises(h800):
+    node = dataclasses.replace(compute(), op=_FakeOp())
+    with pytest.raises(NotImplementedError) as e:
+        h800.node_time_us(node)
+    assert str(e.value) == "no cost rule for OpKind.MYSTERY"
+    with pytest.raises(NotImplementedError):
+        collective_bytes(OpKind.GEMM, 64, 8)
+
+
+# --- collective_bytes -------------------------------------------------------------------------
+
+def test_collective_bytes():
+    assert collective_bytes(OpKind.ALL_GATHER, 64, 8) == 56
+    assert collective_bytes(OpKind.REDUCE_SCATTER, 64, 8) == 56
+    assert collective_bytes(OpKind.ALL_TO_ALL, 96, 4) == 72
+    assert collective_bytes(OpKind.ALL_REDUCE, 64, 8) == 112
+    with pytest.raises(ValueError) as e:
+        collective_bytes(OpKind.ALL_GATHER, 10, 3)
+    assert str(e.value) == "full_tensor_bytes=10 is not divisible by n=3"
+    with pytest.raises(ValueError) as e:
+        collective_bytes(OpKind.ALL_TO_ALL, 10, 1)
+    assert str(e.value) == "collective group size n=1 must be >= 2"
