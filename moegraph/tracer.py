@@ -11,7 +11,10 @@ qualified name and type: never a silently wrong graph.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import operator
+from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
@@ -37,88 +40,148 @@ class _LeafTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return find_rule(m) is not None or super().is_leaf_module(m, qualname)
 
+    def call_module(self, m, forward, args, kwargs):
+        out = super().call_module(m, forward, args, kwargs)
+        rule = find_rule(m)
+        if rule is not None and getattr(rule(m, ""), "tuple_output", False):
+            # a real tuple, so `out, _ = attn(...)` unpacks without fx inspecting bytecode
+            return out[0], out[1]
+        return out
+
 
 def _fx_graph(module: nn.Module) -> fx.Graph:
-    import inspect
-    params = list(inspect.signature(module.forward).parameters.values())[1:]
-    concrete = {p.name: p.default for p in params
-                if p.default is not inspect.Parameter.empty and p.kind is not p.VAR_KEYWORD}
+    """Trace forward(hidden_states) alone: every other argument keeps its default.
+
+    The module's class is swapped for a one-off subclass whose forward takes just the hidden
+    states, because fx cannot trace through *args/**kwargs (transformers' layers have both).
+    """
+    original_cls = module.__class__
+    forward = inspect.unwrap(original_cls.forward)
+    shim = type(original_cls.__name__, (original_cls,), {})
+    shim.forward = lambda self, hidden_states: forward(self, hidden_states)
+    module.__class__ = shim
     try:
-        return _LeafTracer().trace(module, concrete_args=concrete or None)
+        return _LeafTracer().trace(module)
     except Exception as err:  # fx's own errors name no module; say which layer failed
-        raise LoweringError(f"torch.fx could not trace {type(module).__name__}: {err}") from err
+        raise LoweringError(f"torch.fx could not trace {original_cls.__name__}: {err}") from err
+    finally:
+        module.__class__ = original_cls
 
 
-def block_specs(module: nn.Module) -> list[tuple[str, nn.Module, object]]:
-    """(qualname, module, spec) for every leaf with a rule, in call order."""
+@dataclass(frozen=True)
+class Step:
+    """One call in the layer's forward: a block (by its spec) or a residual addition.
+
+    args index earlier steps' outputs; -1 is the layer input.
+    """
+
+    kind: str                     # "norm" | "attention" | "moe" | "add"
+    args: tuple[int, ...]
+    spec: NormSpec | AttentionSpec | MoESpec | None = None
+    module: str = ""
+
+
+@dataclass(frozen=True)
+class LayerProgram:
+    """What the tracer learned from the module: enough to lower it again for any strategy."""
+
+    steps: tuple[Step, ...]
+    output: int
+
+    def specs(self, cls) -> list:
+        return [st.spec for st in self.steps if isinstance(st.spec, cls)]
+
+
+def extract_program(module: nn.Module) -> LayerProgram:
+    """Trace ``module`` with torch.fx, rule-backed modules as leaves, into a LayerProgram."""
     graph = _fx_graph(module)
-    out = []
+    index: dict[fx.Node, object] = {}
+    steps: list[Step] = []
+    output = None
     for node in graph.nodes:
-        if node.op == "call_module":
+        if node.op == "placeholder":
+            index[node] = -1 if not index else None
+        elif node.op == "call_module":
             sub = module.get_submodule(node.target)
             rule = find_rule(sub)
             if rule is None:
-                raise LoweringError(f"no lowering rule for module {node.target!r} ({type(sub).__module__}.{type(sub).__name__})")
-            out.append((node.target, sub, rule(sub, node.target)))
-    return out
+                raise LoweringError(f"no lowering rule for module {node.target!r} "
+                                    f"({type(sub).__module__}.{type(sub).__name__})")
+            spec = rule(sub, node.target)
+            x = node.args[0] if node.args else node.kwargs.get("hidden_states")
+            kind = {NormSpec: "norm", AttentionSpec: "attention", MoESpec: "moe"}[type(spec)]
+            steps.append(Step(kind, (_index(index, x, node),), spec, node.target))
+            index[node] = (len(steps) - 1, None) if getattr(spec, "tuple_output", False) else len(steps) - 1
+        elif node.op == "call_function" and node.target in (operator.add, torch.add):
+            steps.append(Step("add", tuple(_index(index, a, node) for a in node.args[:2])))
+            index[node] = len(steps) - 1
+        elif node.op == "call_function" and node.target is operator.getitem:
+            index[node] = _getitem(index[node.args[0]], node.args[1], node)
+        elif node.op == "output":
+            output = _index(index, node.args[0], node)
+        else:
+            raise LoweringError(f"cannot lower {node.op} {node.target!r} in {type(module).__name__}: "
+                                "only rule-backed modules and residual additions are supported")
+    return LayerProgram(tuple(steps), output)
 
 
-def dims_from_specs(specs, batch: int, seq: int, n: int) -> Dims:
-    attn = [s for _, _, s in specs if isinstance(s, AttentionSpec)]
-    moe = [s for _, _, s in specs if isinstance(s, MoESpec)]
-    norms = [m for _, m, s in specs if isinstance(s, NormSpec)]
+def _index(index, a, node) -> int:
+    if not isinstance(a, fx.Node) or not isinstance(index.get(a), int):
+        raise LoweringError(f"cannot lower argument {a!r} of {node.name!r}: expected one tensor from an earlier block")
+    return index[a]
+
+
+def dims_of(program: LayerProgram, batch: int, seq: int, n: int) -> Dims:
+    attn, moe = program.specs(AttentionSpec), program.specs(MoESpec)
     if len(attn) != 1 or len(moe) != 1:
         raise LoweringError(f"expected one attention and one MoE block per layer, found {len(attn)} and {len(moe)}")
     a, e = attn[0], moe[0]
-    hidden = next(iter(norms[0].parameters())).shape[0] if norms else a.heads * a.head_dim
-    return Dims(b=batch, s=seq, h=hidden, n=n, k=e.top_k, heads=a.heads, kv_heads=a.kv_heads,
+    return Dims(b=batch, s=seq, h=e.hidden, n=n, k=e.top_k, heads=a.heads, kv_heads=a.kv_heads,
                 head_dim=a.head_dim, ffn=e.ffn_hidden, experts=e.experts)
+
+
+def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> Graph:
+    """Emit forward nodes for ``strategy``, append the backward, verify."""
+    check_strategy(dims, strategy)
+    g = GraphBuilder(name, dims, strategy)
+    outs: dict[int, str] = {-1: g.input("hidden", (dims.b, dims.s // strategy.n, dims.h))}
+    norms = adds = 0
+    for i, st in enumerate(program.steps):
+        x = outs[st.args[0]]
+        if st.kind == "norm":
+            nname, out = NORM_NAMES[norms] if norms < len(NORM_NAMES) else (f"norm{norms + 1}", f"norm{norms + 1}_out")
+            norms += 1
+            outs[i] = emit_rmsnorm(g, st.spec, x, name=nname, out=out, module=st.module, block="")
+        elif st.kind == "attention":
+            outs[i] = emit_attention(g, st.spec, x, module=st.module)
+        elif st.kind == "moe":
+            outs[i] = emit_moe(g, st.spec, x, module=st.module)
+        elif st.kind == "add":
+            nname, out = ADD_NAMES[adds] if adds < len(ADD_NAMES) else (f"add{adds + 1}", f"add{adds + 1}_out")
+            adds += 1
+            outs[i] = emit_add(g, x, outs[st.args[1]], name=nname, out=out, module="", block="")
+        else:
+            raise LoweringError(f"unknown step kind {st.kind!r}; valid: norm, attention, moe, add")
+    g.outputs.append(outs[program.output])
+    _assign_block_of_unassigned(g)
+    g.saved = {v for node in g.nodes for v in node.outputs} | {"hidden"}
+    add_backward(g, g.outputs[0])
+    return verify(g.build(program=program))
+
+
+def relower(graph: Graph, **strategy_changes) -> Graph:
+    """Lower the same layer again with some strategy fields changed (used by strategy passes)."""
+    program = graph.meta_get("program")
+    if program is None:
+        raise LoweringError(f"graph {graph.name!r} carries no layer program to re-lower")
+    strategy = dataclasses.replace(graph.strategy, **strategy_changes)
+    return lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name)
 
 
 def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int, name: str | None = None) -> Graph:
     """Lower ``module`` (one MoE decoder layer) for ``strategy``; forward and backward, verified."""
-    specs = block_specs(module)
-    dims = dims_from_specs(specs, batch, seq, strategy.n)
-    check_strategy(dims, strategy)
-    g = GraphBuilder(name or type(module).__name__, dims, strategy)
-    env: dict[fx.Node, object] = {}
-    norm_i = add_i = 0
-    spec_of = {q: s for q, _, s in specs}
-    for node in _fx_graph(module).nodes:
-        if node.op == "placeholder":
-            env[node] = g.input("hidden", (dims.b, dims.s // strategy.n, dims.h)) if not env else None
-        elif node.op == "call_module":
-            spec, args = spec_of[node.target], [_arg(env, a) for a in node.args]
-            kwargs = {k: _arg(env, v) for k, v in node.kwargs.items()}
-            x = args[0] if args else kwargs.get("hidden_states")
-            if isinstance(spec, NormSpec):
-                nname, out = NORM_NAMES[norm_i] if norm_i < len(NORM_NAMES) else (f"norm{norm_i + 1}", f"norm{norm_i + 1}_out")
-                norm_i += 1
-                env[node] = emit_rmsnorm(g, spec, x, name=nname, out=out, module=node.target, block="")
-            elif isinstance(spec, AttentionSpec):
-                out = emit_attention(g, spec, x, module=node.target)
-                env[node] = (out, None) if spec.tuple_output else out
-            else:
-                env[node] = emit_moe(g, spec, x, module=node.target)
-        elif node.op == "call_function" and node.target in (operator.add, torch.add):
-            a, b = (_arg(env, x) for x in node.args[:2])
-            nname, out = ADD_NAMES[add_i] if add_i < len(ADD_NAMES) else (f"add{add_i + 1}", f"add{add_i + 1}_out")
-            add_i += 1
-            env[node] = emit_add(g, a, b, name=nname, out=out, module="", block="")
-        elif node.op == "call_function" and node.target is operator.getitem:
-            env[node] = _getitem(env[node.args[0]], node.args[1], node)
-        elif node.op == "output":
-            result = _arg(env, node.args[0])
-            if not isinstance(result, str):
-                raise LoweringError(f"layer output must be one tensor, got {result!r}")
-            g.outputs.append(result)
-        else:
-            raise LoweringError(f"cannot lower {node.op} {node.target!r} in {type(module).__name__}: "
-                                "only rule-backed modules and residual additions are supported")
-    _assign_block_of_unassigned(g)
-    g.saved = {name for n in g.nodes for name in n.outputs} | {"hidden"}
-    add_backward(g, g.outputs[0])
-    return verify(g.build())
+    program = extract_program(module)
+    return lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(module).__name__)
 
 
 def _arg(env, a):
@@ -137,7 +200,6 @@ def _getitem(value, index, node):
 
 def _assign_block_of_unassigned(g: GraphBuilder) -> None:
     """Norms and residuals belong to the block whose input they prepare or finish."""
-    import dataclasses
     for i, node in enumerate(g.nodes):
         if node.block:
             continue
@@ -155,4 +217,4 @@ def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192) -> 
     return trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
 
 
-__all__ = ["trace_module", "trace_model", "LoweringError", "ConfigError", "block_specs"]
+__all__ = ["trace_module", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]

@@ -52,6 +52,7 @@ class MoESpec:
     experts: int
     top_k: int
     ffn_hidden: int
+    hidden: int
 
 
 def _numel(g: GraphBuilder, v: str) -> int:

@@ -46,4 +46,4 @@ def sparse_moe(module: hf.MixtralSparseMoeBlock, qualname: str) -> MoESpec:
     return MoESpec(router=ParamSource(f"{qualname}.gate.weight"),
                    w1=ParamSource(gate_up, narrow=(1, 0, f)), w3=ParamSource(gate_up, narrow=(1, f, f)),
                    w2=ParamSource(f"{qualname}.experts.down_proj"),
-                   experts=experts.num_experts, top_k=module.top_k, ffn_hidden=f)
+                   experts=experts.num_experts, top_k=module.top_k, ffn_hidden=f, hidden=experts.hidden_dim)

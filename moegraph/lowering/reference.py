@@ -25,4 +25,4 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
     experts, ffn_hidden, _ = module.w1.shape
     return MoESpec(router=ParamSource(f"{qualname}.router.weight"), w1=ParamSource(f"{qualname}.w1"),
                    w3=ParamSource(f"{qualname}.w3"), w2=ParamSource(f"{qualname}.w2"),
-                   experts=experts, top_k=module.top_k, ffn_hidden=ffn_hidden)
+                   experts=experts, top_k=module.top_k, ffn_hidden=ffn_hidden, hidden=module.w1.shape[2])

@@ -1,0 +1,175 @@
+"""Baseline schedules on the same Problem and cost model as CP-SAT.
+
+sequential  Megatron-LM without overlap: one node at a time in the graph's order (forward
+            first), collectives at their default SM budget, compute at full SMs.
+greedy      Critical-path list scheduling with asynchronous collectives, as XLA's
+            latency-hiding scheduler and inductor's comm reordering do: at every event the
+            ready collective with the longest remaining path is issued on its stream at its
+            default budget, then the ready compute node with the longest remaining path starts
+            in the fastest mode the free SMs allow (slowed while collectives hold SMs).
+megascale   MegaScale-MoE's hand-made holistic order (§4.1, Fig 8) as fixed priorities on the
+            same list scheduler (lower = first; ties by graph order):
+
+              stream   side      class  nodes
+              comm     forward   0      every collective, in program order (issued ASAP)
+              comm     backward  0      gradient collectives (phase backward, not wgrad)
+                                 1      re-communication (phase recompute)
+                                 2      weight-gradient collectives (role wgrad)
+              compute  forward   0      program order
+              compute  backward  0      data-gradient nodes (role dgrad) - the critical path
+                                 1      recompute nodes (hidden under gradient collectives)
+                                 2      weight-gradient GEMMs (fill the remaining gaps)
+
+All three never break a dependency, the barrier, a stream or the SM capacity; they ignore
+the memory budget (compile_graph reports when one exceeds it).
+"""
+
+from __future__ import annotations
+
+import heapq
+from typing import Callable
+
+from moegraph.ir import Phase, Role
+from schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task
+
+__all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule"]
+
+Key = Callable[[Task], tuple]
+
+
+def sequential(problem: Problem) -> Solution:
+    order = sorted(problem.tasks, key=lambda t: (t.side, t.index))
+    start, mode = [0] * len(order), [0] * len(order)
+    now = 0
+    ends = [0] * len(order)
+    for t in order:
+        begin = max([now, *(ends[p] for p in t.preds)])
+        start[t.index], mode[t.index] = begin, t.default_mode
+        ends[t.index] = now = begin + t.modes[t.default_mode].ticks
+    return Solution("sequential", tuple(start), tuple(mode))
+
+
+def _bottom_levels(problem: Problem) -> list[int]:
+    """Longest path (default-mode ticks) from a task's start to the end of its side."""
+    tasks = problem.tasks
+    level = [0] * len(tasks)
+    for t in reversed(tasks):
+        after = max((level[s] for s in t.succs if tasks[s].side == t.side), default=0)
+        level[t.index] = t.modes[t.default_mode].ticks + after
+    return level
+
+
+def greedy(problem: Problem) -> Solution:
+    level = _bottom_levels(problem)
+    key = lambda t: (-level[t.index], t.index)  # noqa: E731
+    return list_schedule(problem, "greedy", comm_key=key, compute_key=key)
+
+
+def _megascale_comm(t: Task) -> tuple:
+    if t.side == 0:
+        return (0, t.index)
+    if t.node.role is Role.WGRAD:
+        return (2, t.index)
+    return (1 if t.node.phase is Phase.RECOMPUTE else 0, t.index)
+
+
+def _megascale_compute(t: Task) -> tuple:
+    if t.side == 0:
+        return (0, t.index)
+    if t.node.role is Role.WGRAD:
+        return (2, t.index)
+    return (1 if t.node.phase is Phase.RECOMPUTE else 0, t.index)
+
+
+def megascale(problem: Problem) -> Solution:
+    return list_schedule(problem, "megascale", comm_key=_megascale_comm, compute_key=_megascale_compute)
+
+
+BASELINES: dict[str, Callable[[Problem], Solution]] = {
+    "sequential": sequential, "greedy": greedy, "megascale": megascale}
+
+
+def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: Key) -> Solution:
+    """Event-driven list scheduling on the tick grid (see the module docstring).
+
+    At each event time: finished tasks release their successors (and, once every forward
+    task is done, the backward side); zero-duration tasks run at once; each free comm stream
+    takes its best ready collective at the default budget if the free SMs allow; then a free
+    compute stream takes its best ready node in the fastest mode that fits the free SMs.
+    """
+    tasks = problem.tasks
+    n = len(tasks)
+    waiting = [len(t.preds) for t in tasks]
+    fwd_left = sum(1 for t in tasks if t.side == 0)
+    start: list[int | None] = [None] * n
+    mode = [0] * n
+    ready: set[int] = {t.index for t in tasks if not t.preds and (t.side == 0 or fwd_left == 0)}
+    blocked_by_barrier: set[int] = {t.index for t in tasks if not t.preds and t.side == 1 and fwd_left}
+    running: list[tuple[int, int]] = []       # heap of (end tick, task)
+    busy_until = {s: 0 for s in problem.streams}
+    sm_used, now, scheduled = 0, 0, 0
+
+    def finish(i: int) -> None:
+        nonlocal fwd_left
+        if tasks[i].side == 0:
+            fwd_left -= 1
+            if fwd_left == 0:
+                ready.update(blocked_by_barrier)
+                blocked_by_barrier.clear()
+        for s in tasks[i].succs:
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                (ready if tasks[s].side == 0 or fwd_left == 0 else blocked_by_barrier).add(s)
+
+    def launch(i: int, m: int) -> None:
+        nonlocal sm_used, scheduled
+        t = tasks[i]
+        start[i], mode[i] = now, m
+        ready.discard(i)
+        scheduled += 1
+        ticks = t.modes[m].ticks
+        if ticks == 0:
+            finish(i)
+            return
+        busy_until[t.stream] = now + ticks
+        sm_used += t.modes[m].sm
+        heapq.heappush(running, (now + ticks, i))
+
+    while scheduled < n:
+        while running and running[0][0] <= now:
+            _, i = heapq.heappop(running)
+            sm_used -= tasks[i].modes[mode[i]].sm
+            finish(i)
+        progress = True
+        while progress:
+            progress = False
+            for i in sorted(i for i in ready if tasks[i].max_ticks == 0):
+                launch(i, 0)
+                progress = True
+            for stream in problem.streams[1:]:
+                if busy_until[stream] > now:
+                    continue
+                cands = sorted((i for i in ready if tasks[i].stream == stream),
+                               key=lambda i: comm_key(tasks[i]))
+                for i in cands:
+                    t = tasks[i]
+                    if t.modes[t.default_mode].sm <= problem.sm_count - sm_used:
+                        launch(i, t.default_mode)
+                        progress = True
+                        break
+            if busy_until[COMPUTE] <= now:
+                cands = sorted((i for i in ready if tasks[i].stream == COMPUTE),
+                               key=lambda i: compute_key(tasks[i]))
+                if cands:
+                    t = tasks[cands[0]]
+                    fits = [k for k, m in enumerate(t.modes) if m.sm <= problem.sm_count - sm_used]
+                    if fits:  # modes are sorted fastest first
+                        launch(t.index, fits[0])
+                        progress = True
+        if scheduled == n:
+            break
+        if not running:
+            stuck = sorted(tasks[i].name for i in ready) or sorted(tasks[i].name for i in blocked_by_barrier)
+            raise ScheduleError(f"{method}: no task can start at tick {now} (ready: {stuck[:5]})")
+        now = running[0][0]
+    return Solution(method, tuple(int(s) for s in start), tuple(mode))

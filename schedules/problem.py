@@ -1,0 +1,359 @@
+"""The scheduling problem of one layer: tasks, modes, dependencies, memory intervals.
+
+Everything downstream (baselines, lower bound, CP-SAT) reads a ``Problem``; nothing reads the
+Graph again. Times are integer *ticks* of ``TICK_US`` (10 ns): every duration the cost model
+gives is rounded UP to a whole tick, so a schedule on the tick grid is exactly feasible for
+the cost model's durations plus less than one tick per node (the verifier's tolerance).
+
+Semantics (docs/scheduler.md, the verifier implements them independently):
+    * a node starts after the end of every producer of its inputs;
+    * barrier: every BACKWARD / RECOMPUTE node starts at or after the end of every FORWARD node;
+    * streams: one ``compute`` stream and one or more communication streams, one node at a
+      time per stream;
+    * modes: a collective holds ``b`` SMs (b from cost.comm_sm_budgets, 0 = copy engines) for
+      ``cost.node_time_us(node, b)``; a compute node runs on ``sm_count - b`` SMs
+      (b in {0} | hardware budgets) for ``base * sm_count / (sm_count - b)``; at any instant
+      the SMs of running nodes sum to at most sm_count;
+    * memory: a value with storage, not PARAM/PARAM_GRAD, is live from its producer's start
+      (graph inputs: time 0, or the barrier for GRAD inputs) until the last end of a consumer
+      of it or of any view of it (graph outputs: the makespan; unconsumed: producer's end).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
+
+__all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
+           "Task", "MemValue", "Problem", "Solution", "build_problem", "comm_scope", "stream_of",
+           "solution_ends", "makespan_ticks", "barrier_ticks", "memory_profile", "peak_memory_bytes",
+           "check_solution"]
+
+TICK_US = 0.01
+"""One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
+COMPUTE = "compute"
+DEFAULT_COMM_STREAMS = ("comm",)
+SCOPED_COMM_STREAMS = ("comm.intra", "comm.inter")
+_EXCLUDED_KINDS = (ValueKind.PARAM, ValueKind.PARAM_GRAD)  # persistent buffers: not scheduled memory
+
+
+class ScheduleError(ValueError):
+    """An expected failure: a bad option, an impossible graph, a budget nothing can meet."""
+
+
+class MemoryBudgetError(ScheduleError):
+    """No schedule keeps peak memory within the budget; the message gives the least peak."""
+
+    def __init__(self, message: str, least_peak_bytes: int | None = None, proven: bool = False):
+        super().__init__(message)
+        self.least_peak_bytes = least_peak_bytes
+        self.proven = proven
+
+
+@dataclass(frozen=True)
+class Mode:
+    """One way to run a task: holding ``sm`` SMs for ``ticks`` ticks (``duration_us`` unrounded)."""
+
+    sm: int
+    duration_us: float
+    ticks: int
+
+
+@dataclass(frozen=True)
+class Task:
+    """One node. ``side`` 0: before the barrier (FORWARD), 1: after it (BACKWARD, RECOMPUTE).
+
+    For compute, ``Mode.sm`` is the SMs the kernel runs on (sm_count - b); for a collective it
+    is the SM budget b it holds. ``default_mode`` indexes the mode baselines use: a collective's
+    default budget, compute at full SMs. Modes are sorted by ticks, then SMs.
+    """
+
+    index: int
+    name: str
+    node: Node
+    kind: str                     # "compute" | "comm"
+    stream: str
+    side: int
+    modes: tuple[Mode, ...]
+    default_mode: int
+    preds: tuple[int, ...]
+    succs: tuple[int, ...]
+
+    @property
+    def min_ticks(self) -> int:
+        return min(m.ticks for m in self.modes)
+
+    @property
+    def max_ticks(self) -> int:
+        return max(m.ticks for m in self.modes)
+
+
+@dataclass(frozen=True)
+class MemValue:
+    """A value's live interval, in terms of tasks.
+
+    start: "producer" (task ``producer``'s start), "zero" (graph input), "barrier" (seed grad).
+    ends:  tasks whose ends bound the interval from below (consumers of the value or of its
+           views; the producer itself when nothing consumes it).
+    until_makespan: a graph output (or the base of one), live until the makespan.
+    """
+
+    name: str
+    nbytes: int
+    start: str
+    producer: int | None
+    ends: tuple[int, ...]
+    until_makespan: bool
+
+
+@dataclass(frozen=True)
+class Problem:
+    graph: Graph
+    cost: Any                     # moegraph.cost.CostModel (duck-typed)
+    sm_count: int
+    compute_budgets: tuple[int, ...]   # b values: compute runs on sm_count - b SMs
+    streams: tuple[str, ...]           # compute first, then the comm streams
+    tasks: tuple[Task, ...]
+    mem_values: tuple[MemValue, ...]
+    memory_budget_bytes: int | None
+    tick_us: float = TICK_US
+
+    @property
+    def by_name(self) -> dict[str, Task]:
+        return {t.name: t for t in self.tasks}
+
+    def side_tasks(self, side: int) -> tuple[Task, ...]:
+        return tuple(t for t in self.tasks if t.side == side)
+
+    @property
+    def horizon(self) -> int:
+        """Every task one after another at its slowest mode: no schedule needs longer."""
+        return sum(t.max_ticks for t in self.tasks)
+
+
+@dataclass(frozen=True)
+class Solution:
+    """A schedule on the tick grid: per task (in Problem.tasks order) its start and mode index."""
+
+    method: str
+    start: tuple[int, ...]
+    mode: tuple[int, ...]
+
+
+def to_ticks(duration_us: float) -> int:
+    """Round a duration up to whole ticks (ignoring float noise below a femtosecond)."""
+    if not math.isfinite(duration_us) or duration_us < 0:
+        raise ScheduleError(f"duration {duration_us!r} us is not a finite non-negative number")
+    return max(0, math.ceil(duration_us / TICK_US - 1e-9))
+
+
+def comm_scope(node: Node, hw: Any) -> str:
+    """'intra' or 'inter': the node's ``scope`` attr, else intra iff the group fits one node
+    (the rule moegraph.cost uses to pick the link)."""
+    default = "intra" if node.group <= getattr(hw, "gpus_per_node", node.group) else "inter"
+    scope = node.attr("scope", default)
+    if scope not in ("intra", "inter"):
+        raise ScheduleError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
+    return scope
+
+
+def stream_of(node: Node, comm_streams: Sequence[str], hw: Any) -> str:
+    if not node.is_comm:
+        return COMPUTE
+    if len(comm_streams) == 1:
+        return comm_streams[0]
+    return f"comm.{comm_scope(node, hw)}"
+
+
+def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
+    streams = tuple(comm_streams)
+    if streams not in (DEFAULT_COMM_STREAMS, SCOPED_COMM_STREAMS):
+        raise ScheduleError(f"comm_streams={list(streams)} is not one of {list(DEFAULT_COMM_STREAMS)}, "
+                            f"{list(SCOPED_COMM_STREAMS)}")
+    return streams
+
+
+def _prune(modes: list[Mode]) -> tuple[Mode, ...]:
+    """Drop dominated modes (another is no longer and holds no more SMs); sort by ticks, SMs."""
+    kept = [m for m in modes
+            if not any((o.ticks, o.sm) != (m.ticks, m.sm) and o.ticks <= m.ticks and o.sm <= m.sm
+                       for o in modes)]
+    return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm)))
+
+
+def _modes(node: Node, cost: Any, sm_count: int, compute_budgets: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
+    """(pruned modes, default mode) of a node."""
+    if node.op is OpKind.SPLIT:  # a view: no kernel, no SMs
+        zero = Mode(0, 0.0, 0)
+        return (zero,), zero
+    if node.is_comm:
+        default_b = cost.default_sm_budget(node)
+        modes = []
+        for b in cost.comm_sm_budgets(node):
+            if b >= sm_count:
+                raise ScheduleError(f"node {node.name!r}: SM budget {b} leaves no SMs (sm_count={sm_count})")
+            us = float(cost.node_time_us(node, b))
+            modes.append(Mode(b, us, to_ticks(us)))
+        default = next((m for m in modes if m.sm == default_b), None)
+        if default is None:
+            raise ScheduleError(f"node {node.name!r}: default SM budget {default_b} is not among "
+                                f"the allowed budgets {[m.sm for m in modes]}")
+        return _prune(modes), default
+    base = float(cost.node_time_us(node))
+    if base == 0.0:
+        zero = Mode(0, 0.0, 0)
+        return (zero,), zero
+    modes = []
+    for b in compute_budgets:
+        us = base * cost.compute_slowdown(b)
+        modes.append(Mode(sm_count - b, us, to_ticks(us)))
+    return _prune(modes), modes[0]
+
+
+def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS,
+                  memory_budget_bytes: int | None = None) -> Problem:
+    """Extract tasks (with their modes), dependencies and memory intervals from ``graph``."""
+    streams = _check_streams(comm_streams)
+    if memory_budget_bytes is not None and (isinstance(memory_budget_bytes, bool)
+                                            or not isinstance(memory_budget_bytes, int)
+                                            or memory_budget_bytes <= 0):
+        raise ScheduleError(f"memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None")
+    hw = getattr(cost, "hw", None)
+    sm_count = int(cost.sm_count())
+    hw_budgets = tuple(getattr(hw, "comm_sm_budgets", ()) or ())
+    compute_budgets = tuple(sorted({0, *hw_budgets}))
+    if compute_budgets[-1] >= sm_count:
+        raise ScheduleError(f"SM budgets {list(hw_budgets)} leave no SMs for compute (sm_count={sm_count})")
+
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    producer = {v: index[n.name] for v, n in graph.producer.items()}
+    tasks = []
+    for i, node in enumerate(graph.nodes):
+        modes, default = _modes(node, cost, sm_count, compute_budgets)
+        # The default may have been pruned as dominated: use the mode that dominates it.
+        default_mode = next(k for k, m in enumerate(modes) if m.ticks <= default.ticks and m.sm <= default.sm)
+        preds = tuple(sorted({producer[v] for v in node.inputs if v in producer}))
+        side = 0 if node.phase is Phase.FORWARD else 1
+        tasks.append(dict(index=i, name=node.name, node=node, kind="comm" if node.is_comm else "compute",
+                          stream=stream_of(node, streams, hw), side=side, modes=modes,
+                          default_mode=default_mode, preds=preds))
+    succs: list[list[int]] = [[] for _ in tasks]
+    for t in tasks:
+        for p in t["preds"]:
+            succs[p].append(t["index"])
+            if tasks[p]["side"] > t["side"]:
+                raise ScheduleError(f"forward node {t['name']!r} reads an output of "
+                                    f"{graph.nodes[p].phase.value} node {tasks[p]['name']!r}, "
+                                    f"which the barrier runs after every forward node")
+    built = tuple(Task(**t, succs=tuple(succs[t["index"]])) for t in tasks)
+    return Problem(graph=graph, cost=cost, sm_count=sm_count, compute_budgets=compute_budgets,
+                   streams=(COMPUTE, *streams), tasks=built, mem_values=_mem_values(graph, index),
+                   memory_budget_bytes=memory_budget_bytes)
+
+
+def _base(graph: Graph, name: str) -> str:
+    seen = set()
+    while graph.value[name].alias_of is not None:
+        if name in seen:
+            raise ScheduleError(f"value {name!r} is a view of itself (alias cycle)")
+        seen.add(name)
+        name = graph.value[name].alias_of
+    return name
+
+
+def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
+    """Live intervals of counted values. A view keeps its base alive: consumers of the view
+    (and outputs that are views) extend the base's interval."""
+    ends: dict[str, set[int]] = {}
+    output_bases = {_base(graph, o) for o in graph.outputs}
+    for node in graph.nodes:
+        for v in node.inputs:
+            ends.setdefault(_base(graph, v), set()).add(index[node.name])
+    graph_inputs = set(graph.inputs)
+    out = []
+    for v in graph.values:
+        if v.storage_bytes <= 0 or v.kind in _EXCLUDED_KINDS:
+            continue
+        prod = graph.producer.get(v.name)
+        if prod is not None:
+            start, p = "producer", index[prod.name]
+        elif v.name in graph_inputs:
+            start, p = ("barrier" if v.kind is ValueKind.GRAD else "zero"), None
+        else:
+            continue  # declared but never defined: verify() rejects graphs that use it
+        e = ends.get(v.name, set())
+        if not e and p is not None:
+            e = {p}
+        out.append(MemValue(v.name, v.storage_bytes, start, p, tuple(sorted(e)), v.name in output_bases))
+    return tuple(out)
+
+
+# --- evaluating a solution (the solver side; schedules.verify re-derives all of this) ---------
+
+def solution_ends(problem: Problem, sol: Solution) -> tuple[int, ...]:
+    return tuple(s + t.modes[m].ticks for s, t, m in zip(sol.start, problem.tasks, sol.mode))
+
+
+def makespan_ticks(problem: Problem, sol: Solution) -> int:
+    return max(solution_ends(problem, sol), default=0)
+
+
+def barrier_ticks(problem: Problem, sol: Solution) -> int:
+    ends = solution_ends(problem, sol)
+    return max((ends[t.index] for t in problem.tasks if t.side == 0), default=0)
+
+
+def memory_profile(problem: Problem, sol: Solution) -> list[tuple[int, int]]:
+    """(tick, live bytes from this tick on) at every change, sorted by tick."""
+    ends = solution_ends(problem, sol)
+    span, barrier = max(ends, default=0), barrier_ticks(problem, sol)
+    delta: dict[int, int] = {}
+    for v in problem.mem_values:
+        s = {"producer": sol.start[v.producer] if v.producer is not None else 0,
+             "zero": 0, "barrier": barrier}[v.start]
+        e = span if v.until_makespan else max((ends[i] for i in v.ends), default=s)
+        if e > s:
+            delta[s] = delta.get(s, 0) + v.nbytes
+            delta[e] = delta.get(e, 0) - v.nbytes
+    live, profile = 0, []
+    for tick in sorted(delta):
+        live += delta[tick]
+        profile.append((tick, live))
+    return profile
+
+
+def peak_memory_bytes(problem: Problem, sol: Solution) -> int:
+    return max((b for _, b in memory_profile(problem, sol)), default=0)
+
+
+def check_solution(problem: Problem, sol: Solution) -> None:
+    """Raise AssertionError-free ScheduleError if ``sol`` breaks the problem (solver-side sanity
+    check on the tick grid, used before a solution is written out)."""
+    tasks = problem.tasks
+    ends = solution_ends(problem, sol)
+    barrier = barrier_ticks(problem, sol)
+    for t in tasks:
+        for p in t.preds:
+            if sol.start[t.index] < ends[p]:
+                raise ScheduleError(f"{sol.method}: {t.name!r} starts before its input from {tasks[p].name!r}")
+        if t.side == 1 and sol.start[t.index] < barrier:
+            raise ScheduleError(f"{sol.method}: {t.name!r} starts before the barrier")
+    events: list[tuple[int, int, int]] = []
+    for stream in problem.streams:
+        spans = sorted((sol.start[t.index], ends[t.index], t.index) for t in tasks
+                       if t.stream == stream and ends[t.index] > sol.start[t.index])
+        for (s0, e0, a), (s1, _, b) in zip(spans, spans[1:]):
+            if s1 < e0:
+                raise ScheduleError(f"{sol.method}: {tasks[a].name!r} and {tasks[b].name!r} overlap on {stream}")
+    for t in tasks:
+        m = t.modes[sol.mode[t.index]]
+        if m.ticks and m.sm:
+            events += [(sol.start[t.index], 1, m.sm), (ends[t.index], 0, -m.sm)]
+    used = 0
+    for _, _, d in sorted(events):
+        used += d
+        if used > problem.sm_count:
+            raise ScheduleError(f"{sol.method}: more than {problem.sm_count} SMs in use")
