@@ -37,13 +37,16 @@ ADD_NAMES = (("attn_residual", "ln2_in"), ("ffn_residual", "hidden_next"))
 
 
 class _LeafTracer(fx.Tracer):
+    def __init__(self, tuple_leaves: set[int]):
+        super().__init__()
+        self.tuple_leaves = tuple_leaves     # ids of leaf modules returning (output, extra)
+
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return find_rule(m) is not None or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
         out = super().call_module(m, forward, args, kwargs)
-        rule = find_rule(m)
-        if rule is not None and getattr(rule(m, ""), "tuple_output", False):
+        if id(m) in self.tuple_leaves:
             # a real tuple, so `out, _ = attn(...)` unpacks without fx inspecting bytecode
             return out[0], out[1]
         return out
@@ -59,9 +62,12 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
     forward = inspect.unwrap(original_cls.forward)
     shim = type(original_cls.__name__, (original_cls,), {})
     shim.forward = lambda self, hidden_states: forward(self, hidden_states)
+    # rules run before tracing: during it, fx turns parameter reads into graph nodes
+    tuple_leaves = {id(m) for _, m in module.named_modules()
+                    if (rule := find_rule(m)) is not None and getattr(rule(m, ""), "tuple_output", False)}
     module.__class__ = shim
     try:
-        return _LeafTracer().trace(module)
+        return _LeafTracer(tuple_leaves).trace(module)
     except Exception as err:  # fx's own errors name no module; say which layer failed
         raise LoweringError(f"torch.fx could not trace {original_cls.__name__}: {err}") from err
     finally:

@@ -176,11 +176,12 @@ def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
     return streams
 
 
-def _prune(modes: list[Mode]) -> tuple[Mode, ...]:
-    """Drop dominated modes (another is no longer and holds no more SMs); sort by ticks, SMs."""
+def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
+    """Drop dominated modes (another is no longer and holds no more SMs), except ``keep`` (the
+    default, which baselines use as is); sort by ticks, then SMs."""
     kept = [m for m in modes
-            if not any((o.ticks, o.sm) != (m.ticks, m.sm) and o.ticks <= m.ticks and o.sm <= m.sm
-                       for o in modes)]
+            if m == keep or not any((o.ticks, o.sm) != (m.ticks, m.sm) and o.ticks <= m.ticks and o.sm <= m.sm
+                                    for o in modes)]
     return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm)))
 
 
@@ -201,7 +202,7 @@ def _modes(node: Node, cost: Any, sm_count: int, compute_budgets: tuple[int, ...
         if default is None:
             raise ScheduleError(f"node {node.name!r}: default SM budget {default_b} is not among "
                                 f"the allowed budgets {[m.sm for m in modes]}")
-        return _prune(modes), default
+        return _prune(modes, default), default
     base = float(cost.node_time_us(node))
     if base == 0.0:
         zero = Mode(0, 0.0, 0)
@@ -210,7 +211,7 @@ def _modes(node: Node, cost: Any, sm_count: int, compute_budgets: tuple[int, ...
     for b in compute_budgets:
         us = base * cost.compute_slowdown(b)
         modes.append(Mode(sm_count - b, us, to_ticks(us)))
-    return _prune(modes), modes[0]
+    return _prune(modes, modes[0]), modes[0]
 
 
 def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS,
@@ -233,8 +234,7 @@ def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFA
     tasks = []
     for i, node in enumerate(graph.nodes):
         modes, default = _modes(node, cost, sm_count, compute_budgets)
-        # The default may have been pruned as dominated: use the mode that dominates it.
-        default_mode = next(k for k, m in enumerate(modes) if m.ticks <= default.ticks and m.sm <= default.sm)
+        default_mode = modes.index(default)
         preds = tuple(sorted({producer[v] for v in node.inputs if v in producer}))
         side = 0 if node.phase is Phase.FORWARD else 1
         tasks.append(dict(index=i, name=node.name, node=node, kind="comm" if node.is_comm else "compute",

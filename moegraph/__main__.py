@@ -1,0 +1,5 @@
+import sys
+
+from moegraph.cli import main
+
+sys.exit(main())

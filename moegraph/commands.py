@@ -1,0 +1,135 @@
+"""`moegraph trace` and `moegraph demo`, plus the layer options every graph-taking command shares."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+from moegraph.cost import CostModel
+from moegraph.ir import Graph, Phase, Strategy
+from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
+
+
+def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-8x7b") -> None:
+    """The trace options: model, hardware, strategy, sizes, passes. Shared by compile/run/tune."""
+    p.add_argument("--model", default=model_default, help="registry name or YAML path (default %(default)s)")
+    p.add_argument("--hardware", default="h800", help="registry name or YAML path (default %(default)s)")
+    p.add_argument("--attn", default="sp", choices=("tp", "sp"), help="attention parallelism (default %(default)s)")
+    p.add_argument("--ffn", default="ep", choices=("tp", "ep"), help="FFN parallelism (default %(default)s)")
+    p.add_argument("--dispatch", default="ag-rs", choices=("a2a", "ag-rs"),
+                   help="token dispatch for ffn=ep (default %(default)s)")
+    p.add_argument("--n", type=int, default=8, help="group size n (default %(default)s)")
+    p.add_argument("--batch", type=int, default=1, help="micro-batch b (default %(default)s)")
+    p.add_argument("--seq", type=int, default=8192, help="sequence length s (default %(default)s)")
+    p.add_argument("--top-k", type=int, default=None, help="override the model's top-k")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel degree D (default %(default)s)")
+    p.add_argument("--passes", default="", help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+@dataclass(frozen=True)
+class Layer:
+    model: ModelConfig
+    hardware: Hardware
+    cost: CostModel
+    graph: Graph
+    report: dict[str, Any]        # what the passes chose and predicted
+
+
+def layer_from_args(args: argparse.Namespace) -> Layer:
+    from moegraph.cli import UsageError
+    from moegraph.tracer import trace_model
+    for flag in ("n", "batch", "seq", "dp"):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
+    model = load_model(args.model)
+    if args.top_k is not None:
+        if not 1 <= args.top_k <= model.experts:
+            raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
+        model = dataclasses.replace(model, top_k=args.top_k)
+    hw = load_hardware(args.hardware)
+    cost = CostModel(hw)
+    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp)
+    graph = trace_model(model, strategy, batch=args.batch, seq=args.seq)
+    report: dict[str, Any] = {}
+    if args.passes:
+        from passes import run_pipeline
+        graph, report = run_pipeline(graph, args.passes, cost=cost)
+    return Layer(model, hw, cost, graph, report)
+
+
+# -- trace ---------------------------------------------------------------------------------
+
+def forward_comm_bytes(graph: Graph) -> dict[str, int]:
+    out = {"attention": 0, "ffn": 0}
+    for n in graph.nodes:
+        if n.is_comm and n.phase is Phase.FORWARD:
+            out[n.block] += n.comm_bytes
+    return out
+
+
+def trace_summary(layer: Layer) -> dict[str, Any]:
+    g, cost = layer.graph, layer.cost
+    nodes = [{"name": n.name, "kind": "comm" if n.is_comm else "compute", "op": n.op.value, "phase": n.phase.value,
+              "role": n.role.value, "block": n.block, "flops": n.flops, "bytes": n.mem_bytes,
+              "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
+    strategy = {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch, "n": g.strategy.n,
+                "dtype": g.strategy.dtype, "dp": g.strategy.dp, "chunks": g.strategy.chunks,
+                "remat": g.strategy.remat, "gate": g.strategy.gate, "passes": list(g.strategy.passes)}
+    by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
+    return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
+            "dims": dataclasses.asdict(g.dims), "nodes": nodes,
+            "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
+            "time_us_by_phase": by_phase, "passes": layer.report}
+
+
+def trace_command(p: argparse.ArgumentParser):
+    add_layer_args(p)
+
+    def run(args) -> int:
+        summary = trace_summary(layer_from_args(args))
+        if args.json:
+            json.dump(summary, sys.stdout, indent=1)
+            print()
+        else:
+            print(format_trace(summary))
+        return 0
+    return run
+
+
+def format_trace(s: dict[str, Any]) -> str:
+    st = s["strategy"]
+    lines = [f"{s['model']} on {s['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
+             f"n={st['n']} dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
+             f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
+    for n in s["nodes"]:
+        lines.append(f"{n['name']:<34} {n['op']:<15} {n['phase']:<9} {n['flops'] / 1e9:>9.2f} "
+                     f"{n['bytes'] / 1e6:>9.1f} {n['comm_bytes'] / 1e6:>9.1f} {n['time_us']:>9.1f}")
+    fc = s["forward_comm_bytes"]
+    lines += ["",
+              f"nodes: {len(s['nodes'])}   serial time by phase (us): "
+              + ", ".join(f"{k} {v:.1f}" for k, v in s["time_us_by_phase"].items()),
+              f"forward comm bytes per rank: attention {fc['attention']:,}  ffn {fc['ffn']:,}",
+              f"activation bytes held for backward: {s['activation_bytes']:,} ({s['activation_bytes'] / 2**30:.3f} GiB)"]
+    for key, value in (s.get("passes") or {}).items():
+        lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+# -- demo ----------------------------------------------------------------------------------
+
+def demo_command(p: argparse.ArgumentParser):
+    p.add_argument("--out", default="out", help="folder for the schedule and its Gantt chart (default %(default)s)")
+
+    def run(args) -> int:
+        from moegraph.cli import main
+        argv = ["--model", "mixtral-8x7b", "--hardware", "h800"]
+        print("== trace: Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800 ==")
+        rc = main(["trace", *argv])
+        return rc
+    return run

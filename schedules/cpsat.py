@@ -1,0 +1,282 @@
+"""The CP-SAT model of a Problem: optional intervals per mode, streams, SMs, memory.
+
+Variables (named after their node, handles in ``CpHandles`` keyed by node name):
+    start[n], end[n]         ticks; domain cut by precedence-implied heads and tails
+    mode[n=sm]               one literal per mode (exactly one true)
+    run[n]                   the node's interval (size = the chosen mode's ticks): NoOverlap per stream
+    run[n@sm]                optional fixed-size interval of one mode, demand = SMs it holds:
+                             AddCumulative over all of them with capacity sm_count
+    barrier                  = max end of forward nodes; backward sources start after it
+    makespan                 >= every end (+ tail); the objective
+    live[v]                  a value's interval, start at its producer's start (0, or the
+                             barrier for the seed gradient), end >= each consumer's end (the
+                             makespan for outputs): AddCumulative over bytes <= budget
+
+Compute slowed by concurrent collectives is the SM cumulative: a compute node at full SMs
+fills the capacity, so any collective holding SMs beside it forces a slowed mode
+(sm_count - b SMs for base * sm_count / (sm_count - b)). Copy-engine collectives (0 SMs)
+overlap freely.
+
+Determinism: one search worker (or ``interleave_search`` for several), a fixed random seed and
+a *deterministic* time limit (``max_deterministic_time``, CP-SAT's work counter) instead of a
+wall-clock one; the same model then follows the same search path on every run. A generous
+wall-clock cap (``WALL_CAP_FACTOR``) only guards against a stalled machine; a result cut by it
+is flagged ``wall_cap_hit`` (and may then differ between runs).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ortools.sat.python import cp_model
+
+from schedules.bound import Bound, heads_tails, lower_bound
+from schedules.problem import Problem, ScheduleError, Solution, Task, solution_ends
+
+__all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
+           "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
+
+DTIME_PER_SECOND = 1.0
+"""Deterministic-time units granted per second of ``time_limit_s``. CP-SAT's deterministic time
+roughly tracks seconds of single-thread work; measured on the 2-core dev box (docs/scheduler.md)."""
+WALL_CAP_FACTOR = 10.0
+"""Wall-clock safety cap = WALL_CAP_FACTOR * time_limit_s + 10 s."""
+
+
+@dataclass(frozen=True)
+class SolverOptions:
+    time_limit_s: float = 10.0
+    """Search effort, converted to deterministic time (DTIME_PER_SECOND per second)."""
+    workers: int = 1
+    """Search workers. 1 is deterministic as is; more use interleave_search (deterministic too)."""
+    random_seed: int = 0
+    log: bool = False
+
+    def __post_init__(self):
+        if not (isinstance(self.time_limit_s, (int, float)) and math.isfinite(self.time_limit_s)
+                and self.time_limit_s > 0):
+            raise ScheduleError(f"time_limit_s={self.time_limit_s!r} must be a positive number")
+        if not isinstance(self.workers, int) or self.workers < 1:
+            raise ScheduleError(f"workers={self.workers!r} must be a positive int")
+
+
+@dataclass
+class TaskVars:
+    start: cp_model.IntVar
+    end: cp_model.LinearExprT
+    run: cp_model.IntervalVar | None           # None for zero-duration tasks
+    lits: list                                 # per mode (constant True when there is one mode)
+    mode_runs: list                            # per mode optional (or fixed) interval
+
+
+@dataclass
+class CpHandles:
+    model: cp_model.CpModel
+    horizon: int
+    tasks: dict[str, TaskVars]
+    makespan: cp_model.IntVar
+    barrier: cp_model.IntVar
+    live_end: dict[str, cp_model.LinearExprT] = field(default_factory=dict)
+    memory_unit: int = 1
+    peak: cp_model.IntVar | None = None
+
+
+@dataclass(frozen=True)
+class CpSatResult:
+    status: str                    # OPTIMAL | FEASIBLE | INFEASIBLE | UNKNOWN | MODEL_INVALID
+    solution: Solution | None
+    objective: int | None          # ticks (makespan) or memory units (peak), as solved
+    bound: int                     # proven lower bound on the objective, same unit
+    wall_s: float
+    deterministic_time: float
+    wall_cap_hit: bool
+
+
+def _memory_unit(problem: Problem) -> int:
+    """gcd of all value sizes: live sums are multiples of it, so sizes/unit <= budget//unit
+    is exact."""
+    return math.gcd(*(v.nbytes for v in problem.mem_values)) or 1
+
+
+def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution | None = None,
+                objective: str = "makespan", bound: Bound | None = None) -> CpHandles:
+    """objective: "makespan" (memory budget as a constraint, if any) or "peak_memory"
+    (minimise the peak live bytes; no budget)."""
+    if objective not in ("makespan", "peak_memory"):
+        raise ValueError(f"objective={objective!r} is not one of 'makespan', 'peak_memory'")
+    tasks = problem.tasks
+    H = problem.horizon if horizon is None else horizon
+    bound = bound or lower_bound(problem)
+    head, tail = heads_tails(problem)
+    fwd_lb = bound.forward.ticks
+    m = cp_model.CpModel()
+    tv: dict[str, TaskVars] = {}
+    for t in tasks:
+        lo = head[t.index] + (fwd_lb if t.side == 1 else 0)
+        hi = H - tail[t.index] - t.min_ticks - (bound.backward.ticks if t.side == 0 else 0)
+        hi = max(hi, lo)  # an infeasible horizon shows up as INFEASIBLE, not a model error
+        start = m.new_int_var(lo, hi, f"start[{t.name}]")
+        tv[t.name] = _task_vars(m, t, start, lo, hi)
+    mk = m.new_int_var(bound.ticks, max(H, bound.ticks), "makespan")
+    barrier = m.new_int_var(fwd_lb if any(t.side == 0 for t in tasks) else 0, max(H, fwd_lb), "barrier")
+
+    for t in tasks:
+        for p in t.preds:
+            m.add(tv[t.name].start >= tv[tasks[p].name].end)
+    fwd = [t for t in tasks if t.side == 0]
+    fwd_sinks = [t for t in fwd if not any(tasks[s].side == 0 for s in t.succs)]
+    if fwd_sinks:
+        m.add_max_equality(barrier, [tv[t.name].end for t in fwd_sinks])
+    else:
+        m.add(barrier == 0)
+    for t in tasks:
+        v = tv[t.name]
+        if t.side == 0:
+            m.add(barrier >= v.end + tail[t.index])
+        else:
+            m.add(mk >= v.end + tail[t.index])
+            if not any(tasks[p].side == 1 for p in t.preds):
+                m.add(v.start >= barrier)
+    m.add(mk >= barrier + bound.backward.ticks)
+
+    for stream in problem.streams:
+        runs = [tv[t.name].run for t in tasks if t.stream == stream and tv[t.name].run is not None]
+        if len(runs) > 1:
+            m.add_no_overlap(runs)
+    sm_iv, sm_dem = [], []
+    for t in tasks:
+        for mode, iv in zip(t.modes, tv[t.name].mode_runs):
+            if mode.ticks > 0 and mode.sm > 0:
+                sm_iv.append(iv)
+                sm_dem.append(mode.sm)
+    if sm_iv and sum(sm_dem) > problem.sm_count:
+        m.add_cumulative(sm_iv, sm_dem, problem.sm_count)
+
+    h = CpHandles(model=m, horizon=H, tasks=tv, makespan=mk, barrier=barrier)
+    if objective == "peak_memory" or problem.memory_budget_bytes is not None:
+        _memory(problem, h, peak=objective == "peak_memory")
+    if objective == "makespan":
+        m.minimize(mk)
+    else:
+        m.minimize(h.peak)
+    if hint is not None:
+        _add_hint(problem, h, hint)
+    return h
+
+
+def _task_vars(m: cp_model.CpModel, t: Task, start, lo: int, hi: int) -> TaskVars:
+    n = t.name
+    if len(t.modes) == 1:
+        ticks = t.modes[0].ticks
+        run = m.new_fixed_size_interval_var(start, ticks, f"run[{n}]") if ticks > 0 else None
+        return TaskVars(start, start + ticks, run, [m.new_constant(1)], [run])
+    lits = [m.new_bool_var(f"mode[{n}={mode.sm}]") for mode in t.modes]
+    m.add_exactly_one(lits)
+    sizes = sorted({mode.ticks for mode in t.modes})
+    size = m.new_int_var_from_domain(cp_model.Domain.from_values(sizes), f"size[{n}]")
+    m.add(size == sum(mode.ticks * lit for mode, lit in zip(t.modes, lits)))
+    end = m.new_int_var(lo + sizes[0], hi + sizes[-1], f"end[{n}]")
+    run = m.new_interval_var(start, size, end, f"run[{n}]")
+    mode_runs = [m.new_optional_fixed_size_interval_var(start, mode.ticks, lit, f"run[{n}@{mode.sm}]")
+                 for mode, lit in zip(t.modes, lits)]
+    return TaskVars(start, end, run, lits, mode_runs)
+
+
+def _memory(problem: Problem, h: CpHandles, *, peak: bool) -> None:
+    m, tv, tasks = h.model, h.tasks, problem.tasks
+    unit = _memory_unit(problem)
+    h.memory_unit = unit
+    ivs, dem = [], []
+    for v in problem.mem_values:
+        if v.start == "producer":
+            s = tv[tasks[v.producer].name].start
+        elif v.start == "zero":
+            s = 0
+        else:
+            s = h.barrier
+        if v.until_makespan:
+            e = h.makespan
+        else:
+            e = m.new_int_var(0, h.horizon, f"live_end[{v.name}]")
+            for i in v.ends:
+                m.add(e >= tv[tasks[i].name].end)
+        size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
+        ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
+        dem.append(v.nbytes // unit)
+        h.live_end[v.name] = e
+    total = sum(dem)
+    if peak:
+        h.peak = m.new_int_var(0, total, "peak_memory")
+        if ivs:
+            m.add_cumulative(ivs, dem, h.peak)
+    else:
+        cap = problem.memory_budget_bytes // unit
+        if ivs and total > cap:
+            m.add_cumulative(ivs, dem, cap)
+
+
+def _add_hint(problem: Problem, h: CpHandles, sol: Solution) -> None:
+    m, tasks = h.model, problem.tasks
+    ends = solution_ends(problem, sol)
+    span = max(ends, default=0)
+    barrier = max((ends[t.index] for t in tasks if t.side == 0), default=0)
+    for t in tasks:
+        v = h.tasks[t.name]
+        m.add_hint(v.start, sol.start[t.index])
+        if len(t.modes) > 1:
+            for k, lit in enumerate(v.lits):
+                m.add_hint(lit, k == sol.mode[t.index])
+            m.add_hint(v.end, ends[t.index])
+    m.add_hint(h.makespan, span)
+    m.add_hint(h.barrier, barrier)
+    for mv in problem.mem_values:
+        e = h.live_end.get(mv.name)
+        if e is None or mv.until_makespan:
+            continue
+        m.add_hint(e, max((ends[i] for i in mv.ends), default=0))
+
+
+def _parameters(solver: cp_model.CpSolver, opts: SolverOptions) -> None:
+    p = solver.parameters
+    p.random_seed = opts.random_seed
+    p.max_deterministic_time = opts.time_limit_s * DTIME_PER_SECOND
+    p.max_time_in_seconds = WALL_CAP_FACTOR * opts.time_limit_s + 10.0
+    p.num_workers = opts.workers
+    if opts.workers > 1:
+        p.interleave_search = True
+    p.log_search_progress = opts.log
+
+
+def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> CpSatResult:
+    solver = cp_model.CpSolver()
+    _parameters(solver, opts)
+    t0 = time.perf_counter()
+    code = solver.solve(h.model)
+    wall = time.perf_counter() - t0
+    status = solver.status_name(code)
+    dtime = solver.deterministic_time
+    cap_hit = (status not in ("OPTIMAL", "INFEASIBLE") and dtime < solver.parameters.max_deterministic_time * 0.999)
+    if code in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        starts = tuple(int(solver.value(h.tasks[t.name].start)) for t in problem.tasks)
+        modes = tuple(next(k for k, lit in enumerate(h.tasks[t.name].lits) if solver.boolean_value(lit))
+                      if len(t.modes) > 1 else 0 for t in problem.tasks)
+        sol = Solution(method, starts, modes)
+        return CpSatResult(status, sol, int(round(solver.objective_value)), int(math.ceil(solver.best_objective_bound - 1e-6)),
+                           wall, dtime, cap_hit)
+    return CpSatResult(status, None, None, 0, wall, dtime, cap_hit)
+
+
+def solve(problem: Problem, opts: SolverOptions = SolverOptions(), *, hint: Solution | None = None,
+          horizon: int | None = None) -> CpSatResult:
+    """Minimise the makespan (within the memory budget, if the problem has one)."""
+    h = build_model(problem, horizon=horizon, hint=hint)
+    return _run(problem, h, opts, "cpsat")
+
+
+def min_peak_memory(problem: Problem, opts: SolverOptions = SolverOptions(), *,
+                    hint: Solution | None = None) -> tuple[CpSatResult, int]:
+    """Minimise peak live bytes ignoring the makespan. Returns (result in memory units, unit)."""
+    h = build_model(problem, hint=hint, objective="peak_memory")
+    return _run(problem, h, opts, "min-peak-memory"), h.memory_unit
