@@ -360,10 +360,10 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
     for i in node.inputs:
         if i not in graph.value:
             raise GraphError(f"{where} reads unknown value {i!r}")
-        if i not in defined:
-            raise GraphError(f"{where} reads {i!r} before it is produced (cycle or bad order)")
         if node.phase is Phase.FORWARD and graph.value[i].kind is ValueKind.GRAD:
             raise GraphError(f"{where} is a forward node but reads gradient {i!r}")
+        if i not in defined:
+            raise GraphError(f"{where} reads {i!r} before it is produced (cycle or bad order)")
     if not node.outputs:
         raise GraphError(f"{where} produces nothing")
     for o in node.outputs:

@@ -63,8 +63,8 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
     shim = type(original_cls.__name__, (original_cls,), {})
     shim.forward = lambda self, hidden_states: forward(self, hidden_states)
     # rules run before tracing: during it, fx turns parameter reads into graph nodes
-    tuple_leaves = {id(m) for _, m in module.named_modules()
-                    if (rule := find_rule(m)) is not None and getattr(rule(m, ""), "tuple_output", False)}
+    tuple_leaves = {id(m) for name, m in module.named_modules()
+                    if (rule := find_rule(m)) is not None and getattr(rule(m, name), "tuple_output", False)}
     module.__class__ = shim
     try:
         return _LeafTracer(tuple_leaves).trace(module)

@@ -1,0 +1,13 @@
+import os
+
+import pytest
+import torch
+
+# Tests run on 2 cores; keep torch from oversubscribing them.
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture
+def rng():
+    """A fresh generator per test: numerics are never tested on zeros or on a shared seed."""
+    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))

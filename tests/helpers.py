@@ -1,0 +1,36 @@
+"""Shared test helpers: eager reference runs and relative errors."""
+
+from __future__ import annotations
+
+import torch
+
+from moegraph.models import MoETransformerLayer
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def small_layer(n: int, seed: int = 0) -> MoETransformerLayer:
+    """A layer every n in {1, 2, 4} can split: 8 heads, 4 kv heads, 8 experts, top-3."""
+    torch.manual_seed(seed)
+    layer = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def eager_step(module, x: torch.Tensor, dy: torch.Tensor, call=None):
+    """Output, input gradient and parameter gradients of the eager module."""
+    module.zero_grad()
+    x = x.clone().requires_grad_(True)
+    y = call(module, x) if call else module(x)
+    y.backward(dy)
+    grads = {k: p.grad.clone() for k, p in module.named_parameters()}
+    return y.detach(), x.grad.clone(), grads
+
+
+def max_grad_err(grads: dict, expected: dict) -> tuple[str, float]:
+    errs = {k: rel_err(grads[k], expected[k]) for k in expected}
+    worst = max(errs, key=errs.get)
+    return worst, errs[worst]

@@ -1,0 +1,68 @@
+"""verify() rejects malformed graphs and names the bad node."""
+
+import dataclasses
+
+import pytest
+
+from moegraph.ir import GraphError, Node, OpKind, Phase, Strategy, verify
+from moegraph.registry import load_model
+from moegraph.tracer import trace_model
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=32)
+
+
+def replace_node(graph, name, **changes):
+    nodes = tuple(dataclasses.replace(n, **changes) if n.name == name else n for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+def test_traced_graph_verifies(graph):
+    assert verify(graph) is graph
+
+
+def test_unknown_input_is_named(graph):
+    bad = replace_node(graph, "qkv_proj", inputs=("ln1_out", "no_such_weight"))
+    with pytest.raises(GraphError, match=r"node 'qkv_proj' \(gemm, forward\) reads unknown value 'no_such_weight'"):
+        verify(bad)
+
+
+def test_use_before_definition_is_named(graph):
+    nodes = list(graph.nodes)
+    i = next(i for i, n in enumerate(nodes) if n.name == "qkv_proj")
+    nodes[i - 1], nodes[i] = nodes[i], nodes[i - 1]
+    with pytest.raises(GraphError, match=r"node 'qkv_proj' .* reads 'ln1_out' before it is produced"):
+        verify(dataclasses.replace(graph, nodes=tuple(nodes)))
+
+
+def test_collective_without_group_is_named(graph):
+    with pytest.raises(GraphError, match=r"node 'ln2_ag' \(all_gather, forward\) is a collective without a group"):
+        verify(replace_node(graph, "ln2_ag", group=0))
+
+
+def test_compute_with_comm_bytes_is_named(graph):
+    with pytest.raises(GraphError, match=r"node 'fc1' .* is compute but has group=0, comm_bytes=5"):
+        verify(replace_node(graph, "fc1", comm_bytes=5))
+
+
+def test_forward_node_reading_a_gradient_is_named(graph):
+    bad = replace_node(graph, "swiglu", inputs=("fc1_out", "d_fc2_in"))
+    with pytest.raises(GraphError, match=r"node 'swiglu' .* is a forward node but reads gradient 'd_fc2_in'"):
+        verify(bad)
+
+
+def test_duplicate_node_is_named(graph):
+    extra = Node("fc1", OpKind.ADD, Phase.FORWARD, ("hidden", "hidden"), ("ffn_out",))
+    with pytest.raises(GraphError, match=r"node 'fc1' is declared twice"):
+        verify(dataclasses.replace(graph, nodes=graph.nodes + (extra,)))
+
+
+def test_backward_is_explicit_with_separate_weight_gradients(graph):
+    by_name = graph.node
+    assert by_name["fc1.dgrad"].phase is Phase.BACKWARD and by_name["fc1.wgrad"].role.value == "wgrad"
+    assert "fc1_out" in graph.saved and "hidden" in graph.saved
+    # every parameter has a gradient output, replicated ones synchronised by an all-reduce
+    assert set(graph.grad_of) == {p for p, _ in graph.params}
+    assert by_name["router.weight.grad_allreduce"].op is OpKind.ALL_REDUCE
