@@ -96,7 +96,7 @@ def test_public_datasheets():
 def test_efficiency_defaults_are_monta_and_brief_numbers():
     hw = load_hardware("h800")
     assert (hw.gemm_eff, hw.grouped_gemm_eff, hw.attention_eff, hw.mem_eff) == (0.75, 0.65, 0.55, 0.8)
-    assert (hw.ring_eff, hw.a2a_eff, hw.copy_engine_eff) == (0.726, 0.427, 0.8)
+    assert (hw.ring_eff, hw.a2a_eff, hw.copy_engine_eff) == (0.726, 0.427, 0.6)
 
 
 def test_cpu_gloo_has_copy_engine_budget_only():

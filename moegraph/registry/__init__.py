@@ -304,9 +304,10 @@ class Hardware(_Record):
     per-chunk AllGather)."""
     a2a_eff: float = _checked(_fraction, 0.427)
     """Bandwidth fraction of all-to-all; default 0.427 (MoNTA Table 8, per-chunk AllToAll)."""
-    copy_engine_eff: float = _checked(_fraction_or_zero, 0.8)
+    copy_engine_eff: float = _checked(_fraction_or_zero, 0.6)
     """Link-bandwidth fraction a copy-engine collective reaches; 0 = no copy-engine path.
-    Default 0.8 (MoNTA Table 8: D2D copy at 80%)."""
+    Default 0.6: assumed below SM-driven rings, so that giving a collective copy engines trades
+    bandwidth for leaving every SM to compute (the choice MegaScale-MoE §4.2 makes by hand)."""
     comm_sm_budgets: tuple[int, ...] = _checked(_sm_budgets)
     """SM counts a collective may be given, strictly increasing; 0 = copy engines (only if
     copy_engine_eff > 0). Each must leave SMs for compute (< sm_count)."""
