@@ -1,0 +1,234 @@
+"""`moegraph tune`: search strategies for a model on a hardware profile.
+
+Search space: attention tp|sp x ffn tp|ep x dispatch a2a|ag-rs (ep only) x chunks x remat
+policy; SM budgets and order come from the scheduler. Two stages keep it quick: every
+candidate is scheduled by the list-scheduling baselines (milliseconds), then the best few are
+refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
+file per candidate written atomically, so a repeated run is instant and concurrent runs never
+see a half-written entry.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import itertools
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moegraph.cost import CostModel
+from moegraph.ir import Graph, Strategy
+from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
+from moegraph.tracer import trace_model
+from schedules.api import compile_graph
+from schedules.problem import MemoryBudgetError
+from schedules.schedule_file import Schedule
+
+CACHE_VERSION = 1
+CHUNKS = (1, 2, 4)
+REMAT = ("none", "paper")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    attn: str
+    ffn: str
+    dispatch: str
+    chunks: int
+    remat: str
+
+    @property
+    def passes(self) -> str:
+        steps = ["gate-reorder"] if self.remat == "paper" else []
+        if self.chunks > 1:
+            steps.append(f"chunk={self.chunks}")
+        steps.append(f"sar={self.remat}")
+        return ",".join(steps)
+
+    def label(self) -> str:
+        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={self.remat}"
+
+
+def candidates(model: ModelConfig, n: int, seq: int) -> list[Candidate]:
+    """Every strategy point valid for this model and group size."""
+    out = []
+    for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
+        for dispatch in (("a2a", "ag-rs") if ffn == "ep" else ("ag-rs",)):
+            if seq % (n * chunks):
+                continue
+            out.append(Candidate(attn, ffn, dispatch, chunks, remat))
+    return out
+
+
+def graph_key(graph: Graph) -> str:
+    """Content hash of a graph: nodes, values, saved set and strategy (reprs are deterministic)."""
+    text = repr((graph.nodes, graph.values, sorted(graph.saved), graph.strategy, graph.inputs, graph.outputs))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def cache_key(graph: Graph, hw: Hardware, options: dict[str, Any]) -> str:
+    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_key(graph), "hw": hw.fingerprint(), "options": options},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class Cache:
+    def __init__(self, root: Path | None):
+        self.root = root
+
+    def get(self, key: str) -> dict | None:
+        if self.root is None:
+            return None
+        path = self.root / f"{key}.json"
+        try:
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+
+    def put(self, key: str, entry: dict) -> None:
+        if self.root is None:
+            return
+        self.root.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(entry, f, sort_keys=True)
+        os.replace(tmp, self.root / f"{key}.json")       # atomic: readers see old or new, never half
+
+
+def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int | None, time_limit: float,
+             cache: Cache) -> dict:
+    """Schedule one graph (cached). Returns predicted_us, peak memory, and the schedule JSON."""
+    options = {"method": method, "memory_budget": memory_budget, "time_limit": time_limit}
+    key = cache_key(graph, cost.hw, options)
+    hit = cache.get(key)
+    if hit is not None:
+        return hit | {"cached": True}
+    try:
+        result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit, method=method)
+        s = result.schedule.summary
+        entry = {"feasible": True, "predicted_us": s["makespan_us"], "peak_memory_bytes": s["peak_memory_bytes"],
+                 "lower_bound_us": s["lower_bound_us"], "status": result.status, "schedule": result.schedule.to_json()}
+    except MemoryBudgetError as err:
+        entry = {"feasible": False, "why": str(err).splitlines()[0]}
+    cache.put(key, entry)
+    return entry | {"cached": False}
+
+
+def build_graph(model: ModelConfig, cand: Candidate, cost: CostModel, *, n: int, batch: int, seq: int,
+                dtype: str) -> Graph:
+    from passes import run_pipeline
+    graph = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, n, dtype=dtype), batch=batch, seq=seq)
+    graph, _ = run_pipeline(graph, cand.passes, cost=cost)
+    return graph
+
+
+def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
+         memory_budget: int | None = None, time_limit: float = 5.0, refine: int = 3, cache: Cache | None = None,
+         progress=None) -> dict:
+    """Rank every candidate; the result dict is what `moegraph tune --json` prints."""
+    cache = cache or Cache(None)
+    cost = CostModel(hw)
+    say = progress or (lambda msg: None)
+    t0 = time.perf_counter()
+    baseline_graph = trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch, seq=seq)
+    base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
+    rows: list[dict] = []
+    cands = candidates(model, n, seq)
+    for i, cand in enumerate(cands, 1):
+        graph = build_graph(model, cand, cost, n=n, batch=batch, seq=seq, dtype=dtype)
+        entry = evaluate(graph, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
+        rows.append({"candidate": cand, "graph": graph, "stage1": entry})
+        say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {cand.label():<40} greedy "
+            + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
+    feasible = sorted((r for r in rows if r["stage1"]["feasible"]), key=lambda r: r["stage1"]["predicted_us"])
+    for r in feasible[:refine]:
+        r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
+                              cache=cache)
+        say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {r['candidate'].label():<40} {r['final']['predicted_us']:.1f} us")
+    ranked = sorted((_row(r, base["predicted_us"]) for r in rows), key=_rank_key)
+    best_row = next((r for r in rows if _row(r, base["predicted_us"]) == ranked[0]), None)
+    return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq,
+            "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
+            "best": ranked[0], "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
+            "_best_schedule": (best_row.get("final") or best_row["stage1"]).get("schedule") if best_row else None}
+
+
+def _row(r: dict, baseline_us: float) -> dict:
+    cand, final = r["candidate"], r.get("final") or r["stage1"]
+    out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
+           "passes": cand.passes, "feasible": final["feasible"],
+           "scheduler": "cpsat" if "final" in r else "greedy"}
+    if final["feasible"]:
+        out |= {"predicted_us": final["predicted_us"], "peak_memory_bytes": final["peak_memory_bytes"],
+                "speedup": round(baseline_us / final["predicted_us"], 4)}
+    else:
+        out |= {"why": final["why"]}
+    return out
+
+
+def _rank_key(row: dict):
+    return (not row["feasible"], row.get("predicted_us", float("inf")), row["peak_memory_bytes"] if row["feasible"] else 0,
+            row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"])
+
+
+def format_table(res: dict) -> str:
+    lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}: "
+             f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us",
+             f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
+    for i, r in enumerate(res["candidates"], 1):
+        name = f"{r['attn']}+{r['ffn']} {r['dispatch']:<5} chunks={r['chunks']} remat={r['remat']}"
+        if r["feasible"]:
+            lines.append(f"{i:>3} {name:<40} {r['scheduler']:<6} {r['predicted_us']:>12.1f} "
+                         f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
+        else:
+            lines.append(f"{i:>3} {name:<40} {'-':<6} {'infeasible':>12}")
+    return "\n".join(lines)
+
+
+def tune_command(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="mixtral-8x7b", help="registry name or YAML path (default %(default)s)")
+    p.add_argument("--hardware", default="h800", help="registry name or profile YAML (default %(default)s)")
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--seq", type=int, default=8192)
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB")
+    p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="CP-SAT effort per refined candidate")
+    p.add_argument("--refine", type=int, default=3, help="candidates refined by CP-SAT (default %(default)s)")
+    p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
+                   help="cache folder ('' disables; default %(default)s)")
+    p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
+    p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
+    p.add_argument("--json", action="store_true")
+
+    def run(args) -> int:
+        from moegraph.cli import UsageError
+        for flag in ("n", "batch", "seq", "refine"):
+            if getattr(args, flag) < 1:
+                raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
+        budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
+        res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
+                   dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
+                   cache=Cache(Path(args.cache) if args.cache else None),
+                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+        schedule_json = res.pop("_best_schedule")
+        if schedule_json and args.output:
+            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            sched = Schedule.from_json(schedule_json)
+            sched.save(args.output)
+            gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
+            from schedules.gantt import render
+            render(sched, gantt)
+            res |= {"schedule_file": args.output, "gantt": gantt}
+        print(json.dumps(res, indent=1) if args.json else format_table(res))
+        return 0
+    return run
+
+
+__all__ = ["tune", "candidates", "Candidate", "Cache", "cache_key", "tune_command"]
