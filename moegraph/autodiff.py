@@ -2,8 +2,11 @@
 
 Each forward op has a VJP rule that emits backward IR nodes (data-gradient and
 weight-gradient nodes separately) and returns the gradient values of its inputs. Gradients
-of a value read by several nodes are summed with ADD nodes. Parameters replicated across the
-group (shard_dim None) get their per-rank partial gradients summed by an ALL_REDUCE.
+of a value read by several nodes are summed with ADD nodes; a parameter read by several nodes
+(one per token chunk) has its later weight-gradient kernels accumulate into the running sum
+instead (attr accumulate=True). Parameters replicated across the group (shard_dim None) get
+their per-rank partial gradients summed by an ALL_REDUCE; with data parallelism (dp > 1) every
+parameter gradient is synchronised hierarchically instead (``_dp_sync``).
 
 The unrewritten graph holds every forward activation for backward, which is how the
 MegaScale-MoE paper counts a layer's activation memory without rematerialization (§4.1,
@@ -12,9 +15,10 @@ Fig 9); the ``sar`` pass shrinks that set.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
-from moegraph.builder import GraphBuilder, ring_bytes
+from moegraph.builder import ConfigError, GraphBuilder, ring_bytes
 from moegraph.ir import Node, OpKind, Phase, Role, ValueKind
 
 GRAD = ValueKind.GRAD
@@ -39,12 +43,31 @@ def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next")
     for inp in g.inputs:
         kind = g.values[inp].kind
         if kind is ValueKind.PARAM:
-            g.grads[inp] = _param_grad(g, inp, _accumulate(g, inp, pending.pop(inp, [])))
+            g.grads[inp] = _param_grad(g, inp, _accumulate_in_place(g, inp, pending.pop(inp, [])))
         elif kind is ValueKind.ACTIVATION:
             d = _accumulate(g, inp, pending.pop(inp, []))
             if d is not None:
                 g.outputs.append(d)
     g.outputs.extend(g.grads.values())
+
+
+def _accumulate_in_place(g: GraphBuilder, param: str, parts: list[str]) -> str | None:
+    """Sum a parameter's partial gradients (one per use, e.g. per token chunk) the way GEMM
+    libraries do: each later weight-gradient kernel reads the running sum and adds into it
+    (attr accumulate=True, the extra last input; ``kernels.run_compute`` applies it), so no
+    separate ADD kernel re-reads a whole weight-sized gradient. Falls back to ADD nodes when a
+    partial is not the single output of a weight-gradient node."""
+    index = {n.outputs: i for i, n in enumerate(g.nodes)}
+    acc = parts[0] if parts else None
+    for k, part in enumerate(parts[1:], start=1):
+        i = index.get((part,))
+        node = g.nodes[i] if i is not None else None
+        if node is None or node.role is not Role.WGRAD or i < index.get((acc,), len(g.nodes)):
+            return _accumulate(g, param, [acc, *parts[k:]])   # plain ADD chain from here on
+        g.nodes[i] = dataclasses.replace(node, inputs=node.inputs + (acc,), mem_bytes=node.mem_bytes + g.nbytes(acc),
+                                         attrs=node.with_attrs(accumulate=True).attrs)
+        acc = part
+    return acc
 
 
 def _accumulate(g: GraphBuilder, value: str, parts: list[str]) -> str | None:
@@ -63,6 +86,8 @@ def _accumulate(g: GraphBuilder, value: str, parts: list[str]) -> str | None:
 def _param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
     if grad is None:
         raise NotImplementedError(f"parameter {param!r} receives no gradient; the graph does not use it")
+    if g.strategy.dp > 1:
+        return _dp_sync(g, param, grad)
     if g.params[param].shard_dim is not None or g.strategy.n == 1:
         return grad
     out = g.like(f"d_{param}.synced", grad, kind=ValueKind.PARAM_GRAD)
@@ -70,6 +95,58 @@ def _param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
     g.collective(f"{param}.grad_allreduce", OpKind.ALL_REDUCE, (grad,), (out,),
                  comm_bytes=2 * ring_bytes(g.nbytes(grad), g.strategy.n), flops=g.values[grad].numel,
                  phase=Phase.BACKWARD, role=Role.WGRAD, block=_block_of(g, param))
+    return out
+
+
+def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
+    """Data-parallel gradient synchronisation over D = strategy.dp replicas (MegaScale-MoE A.1).
+
+    The layer's gradient of ``param`` is cast to an FP32 main gradient, then averaged over the
+    D replicas that hold the same shard. A parameter replicated across the n-rank group (SP
+    attention, norms, router) first sums its n partial gradients, hierarchically:
+        intra-node reduce-scatter [P] -> [P/n]        (group n, NVLink)
+        inter-node reduce-scatter [P/n] -> [P/(nD)]   (group D, NIC; mean over replicas)
+        inter-node all-gather     [P/(nD)] -> [P/n]   (group D, NIC)
+        intra-node all-gather     [P/n] -> [P]        (group n, NVLink)
+    A sharded parameter (TP/EP) takes the two inter-node steps on its shard only. Collectives
+    work on the flattened gradient (attr flat=True, as on a flat gradient bucket); inter-node
+    ones carry scope="inter" (the cost model prices them on the NIC) and axis="dp" (the
+    interpreter runs them across replicas). Every DP reduce-scatter is marked dp=True, which is
+    what ``compress=dp-bf16`` rewrites. Lowering adds these nodes whenever strategy.dp > 1.
+    """
+    n, d = g.strategy.n, g.strategy.dp
+    intra = g.params[param].shard_dim is None and n > 1
+    kw = dict(phase=Phase.BACKWARD, role=Role.WGRAD, block=_block_of(g, param))
+    numel = g.values[grad].numel
+    shard = numel // n if intra else numel
+    if (intra and numel % n) or shard % d:
+        factors = f"n={n} x dp={d}" if intra else f"dp={d}"
+        raise ConfigError(f"data-parallel sync of {param!r}: its {numel} gradient elements on this rank "
+                          f"do not split evenly over {factors}")
+    x = grad
+    if g.values[grad].dtype != "fp32":
+        x = g.like(f"d_{param}.main", grad, kind=ValueKind.PARAM_GRAD, dtype="fp32")
+        g.node(f"{param}.grad_main", OpKind.CAST, (grad,), (x,), attrs={"to": "fp32"}, **kw)
+    flat = {"dim": 0, "flat": True, "dp": True}
+    inter = flat | {"scope": "inter", "axis": "dp"}
+    if intra:
+        y = g.value(f"d_{param}.rs_intra", (shard,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
+        g.node(f"{param}.grad_rs_intra", OpKind.REDUCE_SCATTER, (x,), (y,), group=n, flops=numel,
+               comm_bytes=ring_bytes(numel * 4, n), attrs=flat | {"scope": "intra", "reduce": "sum"}, **kw)
+        x = y
+    y = g.value(f"d_{param}.rs_inter", (shard // d,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
+    g.node(f"{param}.grad_rs_inter", OpKind.REDUCE_SCATTER, (x,), (y,), group=d, flops=shard,
+           comm_bytes=ring_bytes(shard * 4, d), attrs=inter | {"reduce": "mean"}, **kw)
+    shape = (shard,) if intra else g.values[grad].shape
+    z = g.value(f"d_{param}.ag_inter" if intra else f"d_{param}.synced", shape,
+                kind=ValueKind.PARAM_GRAD, dtype="fp32")
+    g.node(f"{param}.grad_ag_inter", OpKind.ALL_GATHER, (y,), (z,), group=d,
+           comm_bytes=ring_bytes(shard * 4, d), attrs=inter, **kw)
+    if not intra:
+        return z
+    out = g.value(f"d_{param}.synced", g.values[grad].shape, kind=ValueKind.PARAM_GRAD, dtype="fp32")
+    g.node(f"{param}.grad_ag_intra", OpKind.ALL_GATHER, (z,), (out,), group=n,
+           comm_bytes=ring_bytes(numel * 4, n), attrs=flat | {"scope": "intra"}, **kw)
     return out
 
 
@@ -125,6 +202,12 @@ def _rmsnorm(g, node, grads):
 
 
 def _split(g, node, grads):
+    if node.attr("mode", "split") == "concat":
+        # chunks written into one buffer: the gradient is the same buffer cut back into chunks
+        (dy,) = grads
+        dparts = tuple(_grad_value(g, x) for x in node.inputs)
+        _bwd(g, node, "dgrad", OpKind.SPLIT, (dy,), dparts)
+        return dparts
     (qkv,) = node.inputs
     dqkv = _grad_value(g, qkv)
     _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
@@ -138,11 +221,12 @@ def _rope(g, node, grads):
 
 
 def _attention(g, node, grads):
-    (do,), (q, k, v), (o,) = grads, node.inputs, node.outputs
-    dq, dk, dv = (_grad_value(g, x) for x in (q, k, v))
+    # inputs: N chunks each of q, k, v; outputs: N chunks of o (N = attr chunks, default 1)
+    dins = tuple(_grad_value(g, x) for x in node.inputs)
     # flash-attention backward: 5 matmuls against the forward's 2, so 2.5x the FLOPs
-    _bwd(g, node, "dgrad", OpKind.ATTENTION, (q, k, v, o, do), (dq, dk, dv), flops=node.flops * 5 // 2)
-    return dq, dk, dv
+    _bwd(g, node, "dgrad", OpKind.ATTENTION, (*node.inputs, *node.outputs, *grads), dins,
+         flops=node.flops * 5 // 2)
+    return dins
 
 
 def _add(g, node, grads):
@@ -220,7 +304,8 @@ def _all_to_all(g, node, grads):
     if mode == "tokens":
         if node.attr("direction") == "to_experts":
             # dispatch: gradients of the expert rows go home, split by what each rank received
-            ins, direction = (grads[0], node.outputs[1]), "from_experts"
+            recv = node.outputs[1] if node.attr("emit_map", False) else _recv_map_of(g, node)
+            ins, direction = (grads[0], recv), "from_experts"
         else:
             # combine: gradients go back to the experts, split by the original send map
             ins, direction = (grads[0], _send_map_of(g, node), node.inputs[1]), "to_experts"
@@ -229,6 +314,14 @@ def _all_to_all(g, node, grads):
              attrs={"direction": direction, "emit_map": False})
         return (dpayload,) + (None,) * (len(node.inputs) - 1)
     raise NotImplementedError(f"no backward rule for all_to_all mode {mode!r} (node {node.name!r})")
+
+
+def _recv_map_of(g: GraphBuilder, a2a: Node) -> str:
+    """The recv map emitted by the dispatch all-to-all that used the same send index map."""
+    for n in g.nodes:
+        if n.op is OpKind.ALL_TO_ALL and n.attr("emit_map", False) and n.inputs[1] == a2a.inputs[1]:
+            return n.outputs[1]
+    raise NotImplementedError(f"all-to-all {a2a.name!r} rides on no dispatch that emits a recv map")
 
 
 def _send_map_of(g: GraphBuilder, combine: Node) -> str:

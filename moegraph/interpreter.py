@@ -6,6 +6,12 @@ the simulated ranks' environments. This is the ground truth the passes are teste
 
 Sharding: the layer input is split along the sequence ([b, s, h] -> n x [b, s/n, h]);
 parameters are cut per ``ParamSpec``; gradients are reassembled into full module shapes.
+
+Data parallelism (strategy.dp = D > 1): D replicas of the n-rank group are simulated, D*n
+environments in all. Every replica gets the *same* input and seed gradient (identical copies),
+so the DP-averaged gradient equals the single-replica gradient and the results (read from
+replica 0) are compared against the eager module as for D = 1. Collectives with attr
+axis="dp" run across the D replicas holding the same rank; all others within each replica.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ class InterpreterResult:
     output: torch.Tensor                     # [b, s, h], the layer output, unsharded
     input_grad: torch.Tensor                 # [b, s, h], gradient of the layer input
     param_grads: dict[str, torch.Tensor]     # module qualname -> full gradient
-    envs: list[dict[str, Any]]               # every value on every rank, for debugging
+    envs: list[dict[str, Any]]               # every value on every rank (replica-major), for debugging
 
 
 def shard_param(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n: int) -> torch.Tensor:
@@ -55,21 +61,35 @@ def unshard_grad(spec: ParamSpec, grad: torch.Tensor, rank: int, n: int, out: di
 
 
 def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> InterpreterResult:
-    """Run ``graph`` on full input ``x`` [b, s, h] with seed gradient ``dy`` [b, s, h]."""
-    n = graph.strategy.n
-    envs: list[dict[str, Any]] = [{} for _ in range(n)]
-    for r, env in enumerate(envs):
+    """Run ``graph`` on full input ``x`` [b, s, h] with seed gradient ``dy`` [b, s, h].
+
+    Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
+    """
+    n, d = graph.strategy.n, graph.strategy.dp
+    envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
+    for i, env in enumerate(envs):
+        r = i % n
         env["hidden"] = x.chunk(n, dim=1)[r]
         env["d_hidden_next"] = dy.chunk(n, dim=1)[r]
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
+    # collective groups: ranks of one replica, or (axis="dp") one rank across the replicas
+    mp_groups = [list(range(p * n, (p + 1) * n)) for p in range(d)]
+    dp_groups = [list(range(r, n * d, n)) for r in range(n)]
     for node in graph.nodes:
+        shapes = [graph.value[o].shape for o in node.outputs]
         if node.is_comm:
-            outs = run_collective(node, [[env[i] for i in node.inputs] for env in envs])
+            outs: list[list[Any]] = [[] for _ in envs]
+            for group in (dp_groups if node.attr("axis", "mp") == "dp" else mp_groups):
+                if len(group) != node.group:
+                    raise RuntimeError(f"node {node.name!r}: group={node.group} but the interpreter's "
+                                       f"{node.attr('axis', 'mp')} group has {len(group)} ranks")
+                res = run_collective(node, [[envs[i][v] for v in node.inputs] for i in group], shapes)
+                for i, rank_outs in zip(group, res):
+                    outs[i] = rank_outs
         else:
-            shapes = [graph.value[o].shape for o in node.outputs]
-            outs = [run_compute(RankContext(r, n, graph.dims.s), node, [env[i] for i in node.inputs], shapes)
-                    for r, env in enumerate(envs)]
+            outs = [run_compute(RankContext(i % n, n, graph.dims.s), node, [env[v] for v in node.inputs], shapes)
+                    for i, env in enumerate(envs)]
         for env, rank_outs in zip(envs, outs):
             if len(rank_outs) != len(node.outputs):
                 raise RuntimeError(f"node {node.name!r} produced {len(rank_outs)} outputs, expected {len(node.outputs)}")
@@ -81,20 +101,32 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
         ranks = range(n) if spec.shard_dim is not None else range(1)   # replicated: rank 0 holds the sum
         for r in ranks:
             unshard_grad(spec, envs[r][graph.grad_of[pname]], r, n, full_grads)
-    return InterpreterResult(output=torch.cat([e[output_name] for e in envs], dim=1),
-                             input_grad=torch.cat([e[input_grad_name] for e in envs], dim=1),
+    replica0 = envs[:n]
+    return InterpreterResult(output=torch.cat([e[output_name] for e in replica0], dim=1),
+                             input_grad=torch.cat([e[input_grad_name] for e in replica0], dim=1),
                              param_grads=full_grads, envs=envs)
 
 
 # -- collectives over simulated ranks: ins[r] is rank r's input list -----------------------
 
-def run_collective(node: Node, ins: list[list[Any]]) -> list[list[Any]]:
+def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...]] | None = None) -> list[list[Any]]:
+    """ins[r]: rank r's inputs; shapes: the output values' shapes (needed by flat=True gathers).
+
+    flat=True collectives work on the flattened tensor (a gradient bucket); reduce="mean"
+    averages instead of summing (data-parallel gradients).
+    """
     n = len(ins)
+    flat = node.attr("flat", False)
     if node.op is OpKind.ALL_GATHER:
-        full = torch.cat([x[0] for x in ins], dim=node.attr("dim"))
+        full = torch.cat([x[0].reshape(-1) if flat else x[0] for x in ins], dim=node.attr("dim"))
+        if flat and shapes:
+            full = full.view(shapes[0])
         return [[full] for _ in range(n)]
     if node.op is OpKind.REDUCE_SCATTER:
-        total = torch.stack([x[0] for x in ins]).sum(0)
+        stacked, how = torch.stack([x[0].reshape(-1) if flat else x[0] for x in ins]), node.attr("reduce", "sum")
+        if how not in ("sum", "mean"):
+            raise ValueError(f"node {node.name!r}: reduce={how!r} is not one of 'sum', 'mean'")
+        total = stacked.mean(0) if how == "mean" else stacked.sum(0)
         return [[part] for part in total.chunk(n, dim=node.attr("dim"))]
     if node.op is OpKind.ALL_REDUCE:
         total = torch.stack([x[0] for x in ins]).sum(0)
@@ -105,6 +137,8 @@ def run_collective(node: Node, ins: list[list[Any]]) -> list[list[Any]]:
             return _a2a_heads(node, ins)
         if mode == "tokens":
             return _a2a_tokens(node, ins)
+        if mode == "shards":
+            return _a2a_shards(node, ins)
         raise NotImplementedError(f"no all_to_all mode {mode!r} (node {node.name!r})")
     raise NotImplementedError(f"no collective {node.op.value} (node {node.name!r})")
 
@@ -117,6 +151,19 @@ def _a2a_heads(node: Node, ins):
         parts = [x[t].chunk(n, dim=split_dim) for x in ins]
         for j in range(n):
             outs[j].append(torch.cat([parts[r][j] for r in range(n)], dim=cat_dim))
+    return outs
+
+
+def _a2a_shards(node: Node, ins):
+    """Reduce-scatter as an exchange: each tensor split along split_dim into n shards, shard j to
+    rank j, which stacks what it receives: [.., X, ..] -> [n, .., X/n, ..] (the sum is left to a
+    local FP32 reduction, MegaScale-MoE §5). flat=True flattens first."""
+    n, split_dim, flat = len(ins), node.attr("split_dim"), node.attr("flat", False)
+    outs = [[] for _ in range(n)]
+    for t in range(len(ins[0])):
+        parts = [(x[t].reshape(-1) if flat else x[t]).chunk(n, dim=split_dim) for x in ins]
+        for j in range(n):
+            outs[j].append(torch.stack([parts[r][j] for r in range(n)]))
     return outs
 
 

@@ -11,6 +11,7 @@ k top-k, R expert rows, El experts on this rank.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -86,10 +87,17 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
 
 
 def run_compute(ctx: RankContext, node: Node, ins: list[Any], out_shapes: list[tuple[int, ...]]) -> list[Any]:
-    """Execute one compute node on one rank."""
+    """Execute one compute node on one rank.
+
+    attr accumulate=True (a weight-gradient kernel adding into a running sum): the last input
+    is that sum, and the kernel's single output is added to it.
+    """
     fn = KERNELS.get((node.op, node.role))
     if fn is None:
         raise NotImplementedError(f"no kernel for {node.op.value}/{node.role.value} (node {node.name!r})")
+    if node.attr("accumulate", False):
+        (out,) = fn(ctx, node, ins[:-1], out_shapes)
+        return [ins[-1] + out]
     return fn(ctx, node, ins, out_shapes)
 
 
@@ -99,19 +107,56 @@ def _linear(x, w):
     return F.linear(x, w)
 
 
+def chunk_positions(layout: str, rank: int, n: int, seq: int, rows: int, chunk: int = 0,
+                    chunks: int = 1) -> torch.Tensor:
+    """Sequence position of each of ``rows`` rows of token chunk ``chunk`` (of ``chunks``) on ``rank``.
+
+    L = seq/(n*chunks) tokens per rank and chunk; rank r's chunk j holds positions
+    r*seq/n + j*L + [0, L). layout 'shard': this rank's own L rows. 'full': the chunk gathered
+    from all n ranks, rank-major (n*L rows). 'chunk_major': all chunks of the gathered
+    sequence one after another (seq rows), which is how chunked attention sees it.
+    With chunks == 1 these are the plain positions: shard r is r*seq/n + [0, seq/n), full is [0, seq).
+    """
+    local = seq // (n * chunks)
+    i = torch.arange(rows)
+    if layout == "shard":
+        return rank * (seq // n) + chunk * local + i
+    if layout == "full":
+        return (i // local) * (seq // n) + chunk * local + i % local
+    if layout == "chunk_major":
+        j, within = i // (n * local), i % (n * local)
+        return (within // local) * (seq // n) + j * local + within % local
+    raise ValueError(f"position layout {layout!r} is not one of 'shard', 'full', 'chunk_major'")
+
+
 def _rope_fwd(ctx: RankContext, node: Node, q, k):
     d, S = node.attr("head_dim"), q.shape[1]
-    start = ctx.rank * S if node.attr("positions") == "shard" else 0
-    cos, sin = rope_cos_sin(torch.arange(start, start + S), d, node.attr("theta"), q.dtype)
+    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
+                                node.attr("chunk", 0), node.attr("chunks", 1))
+    cos, sin = rope_cos_sin(positions, d, node.attr("theta"), q.dtype)
     b = q.shape[0]
     rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
     return rot(q), rot(k)
 
 
-def _attention_fwd(node: Node, q, k, v):
-    d = node.attr("head_dim")
+def _attention_fwd(ctx: RankContext, node: Node, *qkv):
+    """Causal GQA attention over the whole sequence, given as N chunks each of q, k, v.
+
+    Chunked inputs arrive chunk-major (see chunk_positions); rows are put in sequence order,
+    attended with the plain causal mask and put back, so the result equals the unchunked one.
+    Returns the N output chunks.
+    """
+    d, N = node.attr("head_dim"), node.attr("chunks", 1)
+    q, k, v = (torch.cat(qkv[i * N:(i + 1) * N], dim=1) for i in range(3))
     b, S = q.shape[:2]
-    return causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, d))
+    if N > 1:
+        pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, S, chunks=N)
+        order = torch.argsort(pos)                                      # row holding position p
+        q, k, v = q[:, order], k[:, order], v[:, order]
+    out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, d))
+    if N > 1:
+        out = out[:, pos]
+    return tuple(out.chunk(N, dim=1)) if N > 1 else (out,)
 
 
 def _swiglu_fwd(a, b):
@@ -158,6 +203,8 @@ def _k_gemm(ctx, node, ins, shapes):
 
 
 def _k_split(ctx, node, ins, shapes):
+    if node.attr("mode", "split") == "concat":                          # chunks -> one buffer
+        return [torch.cat(ins, dim=node.attr("dim"))]
     return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
 
 
@@ -166,11 +213,43 @@ def _k_rope(ctx, node, ins, shapes):
 
 
 def _k_attention(ctx, node, ins, shapes):
-    return [_attention_fwd(node, *ins)]
+    return list(_attention_fwd(ctx, node, *ins))
 
 
 def _k_add(ctx, node, ins, shapes):
-    return [ins[0] + ins[1]]
+    """a + b; or, with attr reduce_dim, the sum (reduce="mean": the mean) of one input over that dim,
+    accumulated in FP32 (the local sum after a compressed all-to-all)."""
+    dim = node.attr("reduce_dim", None)
+    if dim is None:
+        return [ins[0] + ins[1]]
+    acc, how = ins[0].float(), node.attr("reduce", "sum")
+    if how not in ("sum", "mean"):
+        raise ValueError(f"node {node.name!r}: reduce={how!r} is not one of 'sum', 'mean'")
+    acc = acc.mean(dim) if how == "mean" else acc.sum(dim)
+    return [acc.to(ins[0].dtype if node.attr("to", None) is None else TORCH_DTYPES[node.attr("to")])]
+
+
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+                "fp8": torch.float8_e4m3fn, "int64": torch.int64, "int32": torch.int32}
+FP8_MAX = 448.0                                                         # largest finite E4M3 value
+
+
+def _k_cast(ctx, node, ins, shapes):
+    """Precision change. attr to: target dtype. scale="per_token": quantize x [..., h] to
+    (x / s in fp8, s [...] fp32) with s = amax over h / FP8_MAX; scale="apply": the inverse
+    (inputs x, s). The interpreter keeps the rounding: CAST to bf16 and back loses bits."""
+    to = TORCH_DTYPES[node.attr("to")]
+    mode = node.attr("scale", None)
+    if mode is None:
+        return [ins[0].to(to)]
+    if mode == "per_token":
+        x = ins[0].float()
+        s = (x.abs().amax(-1) / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        return [(x / s[..., None]).to(to), s]
+    if mode == "apply":
+        x, s = ins
+        return [(x.float() * s[..., None]).to(to)]
+    raise ValueError(f"cast scale {mode!r} (node {node.name!r}) is not one of 'per_token', 'apply'")
 
 
 def _k_swiglu(ctx, node, ins, shapes):
@@ -189,6 +268,8 @@ def _k_index_map(ctx, node, ins, shapes):
 
 def _k_permute(ctx, node, ins, shapes):
     x, imap = ins
+    if node.attr("index", "token") == "slot":                           # [T, k] routing weights -> [R]
+        return [x.reshape(-1)[imap.flat]]
     return [_tokens(x)[imap.tokens]]                                     # [T, h] -> [R, h]
 
 
@@ -254,6 +335,8 @@ def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
 
 
 def _k_split_dgrad(ctx, node, ins, shapes):
+    if node.attr("mode", "split") == "concat":                          # one buffer -> chunk grads
+        return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
     return [torch.cat(ins, dim=node.attr("dim"))]
 
 
@@ -264,8 +347,9 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
 
 
 def _k_attention_dgrad(ctx, node, ins, shapes):
-    q, k, v, _out, do = ins
-    _, pullback = vjp(lambda q_, k_, v_: _attention_fwd(node, q_, k_, v_), q, k, v)
+    N = node.attr("chunks", 1)                                          # ins: q, k, v, o, do; N chunks each
+    qkv, do = ins[:3 * N], tuple(ins[4 * N:5 * N])
+    _, pullback = vjp(lambda *t: _attention_fwd(ctx, node, *t), *qkv)
     return list(pullback(do))
 
 
@@ -289,6 +373,9 @@ def _k_router_wgrad(ctx, node, ins, shapes):
 
 def _k_permute_dgrad(ctx, node, ins, shapes):
     drows, imap = ins
+    if node.attr("index", "token") == "slot":                           # [R] -> [T, k], zero where unrouted here
+        out = drows.new_zeros(math.prod(shapes[0]))
+        return [out.index_add(0, imap.flat, drows).view(shapes[0])]
     out = drows.new_zeros((_tokens_count(shapes[0]), drows.shape[1]))
     return [out.index_add(0, imap.tokens, drows).view(shapes[0])]       # k copies summed per token
 
@@ -325,6 +412,9 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.PERMUTE, Role.FORWARD): _k_permute,
     (OpKind.UNPERMUTE, Role.FORWARD): _k_unpermute,
     (OpKind.GATE, Role.FORWARD): _k_gate,
+    (OpKind.CAST, Role.FORWARD): _k_cast,
+    (OpKind.CAST, Role.WGRAD): _k_cast,
+    (OpKind.ADD, Role.WGRAD): _k_add,
     (OpKind.GROUPED_GEMM, Role.FORWARD): _k_grouped_gemm,
     (OpKind.GEMM, Role.DGRAD): _k_gemm_dgrad,
     (OpKind.GEMM, Role.WGRAD): _k_gemm_wgrad,

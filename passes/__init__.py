@@ -1,0 +1,23 @@
+"""Graph -> graph rewrites of one MoE layer, and the pass manager that runs them.
+
+    from passes import run_pipeline
+    graph, report = run_pipeline(graph, "sar=paper,gate-reorder,dispatch=auto,chunk=auto", cost=cost)
+
+Passes (each a function Graph -> PassResult, built from its argument and the cost model):
+    gate-reorder[=before-fc2|after-fc2]   strategy.py  routing weights before/after FC2
+    dispatch[=auto|a2a|ag-rs]             strategy.py  token dispatch, chosen on predicted time
+    chunk[=auto|N]                        strategy.py  token chunks for comm/compute overlap
+    compress=dp-bf16|tp-fp8               compress.py  cast-once all-to-all reductions
+    sar[=paper|none|budget:<bytes>]       sar.py       selective activation rematerialization
+
+The run order is fixed by each pass's stage (manager.py has the table); docs/passes.md
+describes each pass, its invariant and its report.
+"""
+
+from passes.manager import PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_pipeline
+from passes.strategy import chunk, dispatch, gate_reorder
+from passes.compress import compress
+from passes.sar import sar
+
+__all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
+           "sar", "gate_reorder", "dispatch", "chunk", "compress"]

@@ -4,10 +4,31 @@ Notation (MegaScale-MoE Table 1):
     b: micro-batch  s: sequence  h: hidden  n: group size  k: top-k  m: q/kv head ratio
     f: h_ffn/h      E: experts   H: query heads  G: kv heads (H/m)  d: head dim (h/H)
     T: tokens seen by the router on this rank   R: expert rows on this rank (balanced: b*s*k/n)
+    N: token chunks (Strategy.chunks)           L: local tokens per chunk, s/(nN)
 
 Contract between blocks: every block consumes and produces the sequence-sharded activation
 [b, s/n, h] (sequence-parallel norms and residuals, as Megatron-SP and MegaScale-MoE do).
 Operator granularity follows Fig 9. Collectives of a group of 1 are not emitted.
+
+Strategy fields read here besides attn/ffn/dispatch/n:
+  chunks  N > 1 splits the block's local tokens [b, s/n, h] into N views of [b, L, h]; each
+          chunk runs its own comm/compute chain (nodes and values get a ``.c{j}`` suffix and
+          attr ``chunk=j``) so a scheduler can overlap chunk j's collective with chunk j+1's
+          compute. Attention chunks the QKV GEMM (+ all-gather or all-to-all) and the
+          (all-to-all or) output GEMM (+ reduce-scatter); the attention core still runs once
+          over the whole sequence (it reads all chunks). The MoE block is token-wise, so each
+          chunk is a whole router -> dispatch -> experts -> combine chain. Chunk results are
+          written into one output buffer (values ``alias_of`` it) that a zero-copy concat
+          (SPLIT node, attr mode="concat") hands on.
+          Sequence order inside a gathered chunk is rank-major (rank 0's L tokens, rank 1's,
+          ...), so after the gather the sequence is chunk-major; RoPE and the causal mask use
+          each row's true position (kernels.chunk_positions).
+  gate    "after-fc2": the combine multiplies expert rows by their routing weight (weighted
+          UNPERMUTE), so FC2's output is needed for the weight gradient.
+          "before-fc2" (MegaScale-MoE §4.1, Megatron-Core "memory-efficient permutation"):
+          a GATE node scales SwiGLU's output before FC2 and the combine is an unweighted sum.
+          Under all-to-all dispatch the per-row weights travel to the experts in an extra
+          small all-to-all (R fp32 values).
 
 Block specs name the module parameters a block reads; a model family's rule file only has to
 fill these specs from its module (see lowering/reference.py, lowering/hf_mixtral.py).
@@ -15,13 +36,15 @@ fill these specs from its module (see lowering/reference.py, lowering/hf_mixtral
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
-from moegraph.builder import GraphBuilder, ring_bytes
+from moegraph.builder import ConfigError, GraphBuilder, ring_bytes
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 
 ATTN, FFN = "attention", "ffn"
 INDEX_DTYPE, WEIGHT_DTYPE = "int64", "fp32"
+GATE_ORDERS = ("after-fc2", "before-fc2")
 
 
 @dataclass(frozen=True)
@@ -62,10 +85,73 @@ def _numel(g: GraphBuilder, v: str) -> int:
     return n
 
 
-def emit_gemm(g: GraphBuilder, name: str, x: str, w: str, out: str, *, module: str, block: str) -> str:
+def check_layout(g: GraphBuilder) -> None:
+    """Reject chunk counts and gate orders the layer cannot use, naming every factor."""
+    st = g.strategy
+    if st.gate not in GATE_ORDERS:
+        raise ConfigError(f"gate={st.gate!r} is not one of {', '.join(map(repr, GATE_ORDERS))}")
+    if st.chunks < 1:
+        raise ConfigError(f"chunks={st.chunks} must be a positive integer")
+    local = g.dims.s // st.n
+    if local % st.chunks:
+        raise ConfigError(f"chunks={st.chunks} does not divide the local sequence s/n={local} "
+                          f"(s={g.dims.s}, n={st.n})")
+    if st.dp < 1:
+        raise ConfigError(f"dp={st.dp} must be a positive data-parallel degree")
+
+
+def _sfx(j: int, chunks: int) -> str:
+    return f".c{j}" if chunks > 1 else ""
+
+
+@contextlib.contextmanager
+def _chunk(g: GraphBuilder, j: int, chunks: int):
+    """Tag every node emitted inside the block with attr chunk=j (when chunking)."""
+    start = len(g.nodes)
+    yield _sfx(j, chunks)
+    if chunks > 1:
+        g.nodes[start:] = [n.with_attrs(chunk=j) for n in g.nodes[start:]]
+
+
+def _split_chunks(g: GraphBuilder, name: str, x: str, *, module: str, block: str) -> list[str]:
+    """[b, s/n, h] -> N views [b, L, h] along the sequence (no copy); [x] when N == 1."""
+    N = g.strategy.chunks
+    if N == 1:
+        return [x]
+    shape = g.shape(x)
+    size = shape[1] // N
+    outs = [g.value(f"{x}.c{j}", (shape[0], size) + shape[2:], alias_of=x) for j in range(N)]
+    g.node(name, OpKind.SPLIT, (x,), outs, mem_bytes=0, attrs={"dim": 1, "sizes": (size,) * N},
+           module=module, block=block)
+    return outs
+
+
+def _concat_chunks(g: GraphBuilder, name: str, parts: list[str], out: str, *, module: str, block: str) -> str:
+    """N chunk results, each written into its slice of ``out``: [b, L, h] x N -> [b, s/n, h].
+
+    A SPLIT node with mode="concat": the chunks are views of ``out`` already, so it moves no
+    bytes; it exists so that readers of ``out`` depend on every chunk.
+    """
+    if len(parts) == 1:
+        return parts[0]
+    sizes = tuple(g.shape(p)[1] for p in parts)
+    g.node(name, OpKind.SPLIT, tuple(parts), (out,), mem_bytes=0,
+           attrs={"dim": 1, "sizes": sizes, "mode": "concat"}, module=module, block=block)
+    return out
+
+
+def _chunk_out(g: GraphBuilder, base: str, j: int) -> tuple[str, str | None]:
+    """(value name, alias) for chunk j's share of a concatenated output ``base``."""
+    if g.strategy.chunks == 1:
+        return base, None
+    return f"{base}.c{j}", base
+
+
+def emit_gemm(g: GraphBuilder, name: str, x: str, w: str, out: str, *, module: str, block: str,
+              alias_of: str | None = None) -> str:
     """y = x @ w.T with w stored [out, in] like nn.Linear. [..., K] -> [..., N]."""
     n_out, k_in = g.shape(w)
-    y = g.value(out, g.shape(x)[:-1] + (n_out,))
+    y = g.value(out, g.shape(x)[:-1] + (n_out,), alias_of=alias_of)
     m_rows = _numel(g, x) // k_in
     g.node(name, OpKind.GEMM, (x, w), (y,), flops=2 * m_rows * n_out * k_in, module=module, block=block)
     return y
@@ -83,13 +169,14 @@ def emit_all_gather(g: GraphBuilder, name: str, x: str, out: str, *, dim: int, m
     return y
 
 
-def emit_reduce_scatter(g: GraphBuilder, name: str, x: str, out: str, *, dim: int, module: str, block: str) -> str:
+def emit_reduce_scatter(g: GraphBuilder, name: str, x: str, out: str, *, dim: int, module: str, block: str,
+                        alias_of: str | None = None) -> str:
     """Sum partial results across the group and keep this rank's shard: [b, s, ...] -> [b, s/n, ...]."""
     if g.strategy.n == 1:
         return x
     shape = list(g.shape(x))
     shape[dim] //= g.strategy.n
-    y = g.value(out, tuple(shape))
+    y = g.value(out, tuple(shape), alias_of=alias_of)
     g.collective(name, OpKind.REDUCE_SCATTER, (x,), (y,), comm_bytes=ring_bytes(g.nbytes(x), g.strategy.n),
                  flops=_numel(g, x), attrs={"dim": dim}, module=module, block=block)
     return y
@@ -113,7 +200,8 @@ def emit_add(g: GraphBuilder, a: str, b: str, *, name: str, out: str, module: st
 
 def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str) -> str:
     """Attention with RoPE and GQA under attn='tp' (Megatron TP + SP norms) or 'sp' (Ulysses)."""
-    n, tp = g.strategy.n, g.strategy.attn == "tp"
+    check_layout(g)
+    n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
     H, G, d = spec.heads, spec.kv_heads, spec.head_dim
     b, s, h = g.dims.b, g.dims.s, g.dims.h
     Hl, Gl = (H // n, G // n) if tp else (H, G)          # heads this rank's QKV projection produces
@@ -121,97 +209,154 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
 
     w_qkv = g.param("qkv.weight", ((Hl + 2 * Gl) * d, h),
                     ParamSpec((spec.q, spec.k, spec.v), shard_dim=0 if tp else None))
-    x_in = emit_all_gather(g, "ln1_ag", x, "ln1_out_ag", dim=1, **kw) if tp else x   # [b, s/n, h] -> [b, s, h]
-    qkv = emit_gemm(g, "qkv_proj", x_in, w_qkv, "qkv", **kw)                         # [b, S, (Hl+2Gl)d]
-    S = g.shape(qkv)[1]
-    q = g.value("q", (b, S, Hl * d), alias_of=qkv)
-    k = g.value("k", (b, S, Gl * d), alias_of=qkv)
-    v = g.value("v", (b, S, Gl * d), alias_of=qkv)
-    g.node("qkv_split", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-           attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
-    q_rope, k_rope = g.like("q_rope", q), g.like("k_rope", k)
-    g.node("rope", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
-           attrs={"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}, **kw)
-    if tp or n == 1:
-        qa, ka, va = q_rope, k_rope, v
-    else:
-        # Ulysses: split heads, gather sequence. [b, s/n, X*d] -> [b, s, X/n*d] for X in (H, G, G)
-        qa = g.value("q_a2a", (b, s, H // n * d))
-        ka = g.value("k_a2a", (b, s, G // n * d))
-        va = g.value("v_a2a", (b, s, G // n * d))
-        g.collective("qkv_a2a", OpKind.ALL_TO_ALL, (q_rope, k_rope, v), (qa, ka, va),
-                     comm_bytes=ring_bytes(g.nbytes(q_rope, k_rope, v), n),
-                     attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
-    attn = g.value("attn", (b, s, H // n * d))            # either way each rank attends over H/n heads
-    g.node("attention", OpKind.ATTENTION, (qa, ka, va), (attn,), flops=2 * b * s * s * (H // n) * d,
-           attrs={"head_dim": d, "causal": True}, **kw)
+    rope_attrs = {"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}
+    if N > 1:
+        rope_attrs["chunks"] = N
+    qs, ks, vs = [], [], []
+    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
+        with _chunk(g, j, N) as c:
+            x_in = emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj  # -> [b, nL, h]
+            qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
+            S = g.shape(qkv)[1]
+            q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
+            k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
+            v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
+            g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
+                   attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
+            q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
+            g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
+                   attrs=rope_attrs, **kw)
+            if tp or n == 1:
+                qa, ka, va = q_rope, k_rope, v
+            else:
+                # Ulysses: split heads, gather sequence. [b, L, X*d] -> [b, nL, X/n*d] for X in (H, G, G)
+                qa = g.value(f"q_a2a{c}", (b, S * n, H // n * d))
+                ka = g.value(f"k_a2a{c}", (b, S * n, G // n * d))
+                va = g.value(f"v_a2a{c}", (b, S * n, G // n * d))
+                g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q_rope, k_rope, v), (qa, ka, va),
+                             comm_bytes=ring_bytes(g.nbytes(q_rope, k_rope, v), n),
+                             attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
+            qs.append(qa), ks.append(ka), vs.append(va)
+    # either way each rank attends over H/n heads and the whole sequence: [b, s, H/n*d] in N chunks
+    attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * d)) for j in range(N)]
+    g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs), tuple(attns), flops=2 * b * s * s * (H // n) * d,
+           attrs={"head_dim": d, "causal": True} | ({"chunks": N} if N > 1 else {}), **kw)
+    out_full = g.value("attn_out", (b, s // n, h)) if N > 1 else None
+    outs = []
     if tp:
         w_o = g.param("o_proj.weight", (h, Hl * d), ParamSpec((spec.o,), shard_dim=1))
-        partial = emit_gemm(g, "out_proj", attn, w_o, "attn_out_partial" if n > 1 else "attn_out", **kw)
-        return emit_reduce_scatter(g, "attn_rs", partial, "attn_out", dim=1, **kw)  # [b, s, h] -> [b, s/n, h]
-    attn_a2a = attn
-    if n > 1:
-        # Ulysses back: split sequence, gather heads. [b, s, H/n*d] -> [b, s/n, H*d]
-        attn_a2a = g.value("attn_a2a", (b, s // n, H * d))
-        g.collective("attn_a2a", OpKind.ALL_TO_ALL, (attn,), (attn_a2a,), comm_bytes=ring_bytes(g.nbytes(attn), n),
-                     attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
-    w_o = g.param("o_proj.weight", (h, H * d), ParamSpec((spec.o,), shard_dim=None))
-    return emit_gemm(g, "out_proj", attn_a2a, w_o, "attn_out", **kw)
+    else:
+        w_o = g.param("o_proj.weight", (h, H * d), ParamSpec((spec.o,), shard_dim=None))
+    for j, attn in enumerate(attns):
+        with _chunk(g, j, N) as c:
+            name, alias = _chunk_out(g, "attn_out", j)
+            if tp:
+                if n == 1:
+                    outs.append(emit_gemm(g, f"out_proj{c}", attn, w_o, name, alias_of=alias, **kw))
+                    continue
+                partial = emit_gemm(g, f"out_proj{c}", attn, w_o, f"attn_out_partial{c}", **kw)
+                outs.append(emit_reduce_scatter(g, f"attn_rs{c}", partial, name, dim=1, alias_of=alias,
+                                                **kw))                           # [b, nL, h] -> [b, L, h]
+                continue
+            attn_a2a = attn
+            if n > 1:
+                # Ulysses back: split sequence, gather heads. [b, nL, H/n*d] -> [b, L, H*d]
+                attn_a2a = g.value(f"attn_a2a{c}", (b, s // n // N, H * d))
+                g.collective(f"attn_a2a{c}", OpKind.ALL_TO_ALL, (attn,), (attn_a2a,),
+                             comm_bytes=ring_bytes(g.nbytes(attn), n),
+                             attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
+            outs.append(emit_gemm(g, f"out_proj{c}", attn_a2a, w_o, name, alias_of=alias, **kw))
+    return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
 
 
 def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     """Router, dispatch, SwiGLU experts and combine under ffn='tp'|'ep' and dispatch='a2a'|'ag-rs'."""
-    n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
-    E, k, F = spec.experts, spec.top_k, spec.ffn_hidden
-    b, s, h = g.dims.b, g.dims.s, g.dims.h
-    El, Fl = (E // n, F) if ep else (E, F // n)           # experts and h_ffn columns on this rank
+    check_layout(g)
+    N = g.strategy.chunks
     kw = dict(module=module, block=FFN)
+    w_router = g.param("router.weight", (spec.experts, g.dims.h), ParamSpec((spec.router,), shard_dim=None))
+    ep = g.strategy.ffn == "ep"
+    El, Fl = (spec.experts // g.strategy.n, spec.ffn_hidden) if ep else (spec.experts, spec.ffn_hidden // g.strategy.n)
+    weights = (g.param("w1", (El, Fl, g.dims.h), ParamSpec((spec.w1,), shard_dim=0 if ep else 1)),
+               g.param("w3", (El, Fl, g.dims.h), ParamSpec((spec.w3,), shard_dim=0 if ep else 1)),
+               g.param("w2", (El, g.dims.h, Fl), ParamSpec((spec.w2,), shard_dim=0 if ep else 2)))
+    out_full = g.value("ffn_out", g.shape(x)) if N > 1 else None
+    outs = []
+    for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
+        with _chunk(g, j, N) as c:
+            outs.append(_emit_moe_chunk(g, spec, xj, w_router, weights, El, c, j, kw))
+    return _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
 
-    w_router = g.param("router.weight", (E, h), ParamSpec((spec.router,), shard_dim=None))
-    w1 = g.param("w1", (El, Fl, h), ParamSpec((spec.w1,), shard_dim=0 if ep else 1))
-    w3 = g.param("w3", (El, Fl, h), ParamSpec((spec.w3,), shard_dim=0 if ep else 1))
-    w2 = g.param("w2", (El, h, Fl), ParamSpec((spec.w2,), shard_dim=0 if ep else 2))
 
-    tokens_in = x if a2a else emit_all_gather(g, "ln2_ag", x, "ln2_out_ag", dim=1, **kw)  # [b, s/n, h] -> [b, s, h]
+def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weights: tuple[str, str, str],
+                    El: int, c: str, j: int, kw: dict) -> str:
+    """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked)."""
+    n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
+    before = g.strategy.gate == "before-fc2"
+    E, k = spec.experts, spec.top_k
+    h = g.dims.h
+    w1, w3, w2 = weights
+
+    tokens_in = x if a2a else emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
     T = _numel(g, tokens_in) // h
     R = T * k if (a2a or not ep) else T * k // n        # balanced expectation of expert rows here
-    topk_w = g.value("topk_weights", (T, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
-    topk_idx = g.value("topk_experts", (T, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
-    g.node("router", OpKind.ROUTER, (tokens_in, w_router), (topk_w, topk_idx),
+    topk_w = g.value(f"topk_weights{c}", (T, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
+    topk_idx = g.value(f"topk_experts{c}", (T, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
+    g.node(f"router{c}", OpKind.ROUTER, (tokens_in, w_router), (topk_w, topk_idx),
            flops=2 * T * h * E + 5 * T * E, attrs={"top_k": k, "experts": E}, **kw)
     layout = "by_dest" if a2a else ("local" if ep else "all")
-    imap = g.value("index_map", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
-    g.node("index_map", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
+    imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
+    g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
            attrs={"layout": layout, "experts_per_rank": El, "top_k": k}, **kw)
 
-    rows = g.value("ffn_in_send" if a2a else "ffn_in", (R, h), routed=True)
-    g.node("dispatch_scatter", OpKind.PERMUTE, (tokens_in, imap), (rows,), **kw)   # [T, h] -> [R, h]
+    rows = g.value(f"ffn_in_send{c}" if a2a else f"ffn_in{c}", (R, h), routed=True)
+    g.node(f"dispatch_scatter{c}", OpKind.PERMUTE, (tokens_in, imap), (rows,), **kw)   # [T, h] -> [R, h]
     seg = imap
     if a2a and n > 1:
-        ffn_in = g.value("ffn_in", (R, h), routed=True)
-        seg = g.value("recv_map", (n, El), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
-        g.collective("dispatch_a2a", OpKind.ALL_TO_ALL, (rows, imap), (ffn_in, seg),
+        ffn_in = g.value(f"ffn_in{c}", (R, h), routed=True)
+        seg = g.value(f"recv_map{c}", (n, El), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
+        g.collective(f"dispatch_a2a{c}", OpKind.ALL_TO_ALL, (rows, imap), (ffn_in, seg),
                      comm_bytes=ring_bytes(g.nbytes(rows), n),
                      attrs={"mode": "tokens", "direction": "to_experts", "emit_map": True}, **kw)
         rows = ffn_in
-    fc1 = _grouped_gemm(g, "fc1", rows, w1, seg, "fc1_out", **kw)                 # [R, h] -> [R, f*h/(n if tp)]
-    fc3 = _grouped_gemm(g, "fc3", rows, w3, seg, "fc3_out", **kw)
-    fc2_in = g.like("fc2_in", fc1)
-    g.node("swiglu", OpKind.SWIGLU, (fc1, fc3), (fc2_in,), flops=5 * _numel(g, fc1), **kw)
-    fc2_out = _grouped_gemm(g, "fc2", fc2_in, w2, seg, "fc2_out", **kw)          # [R, Fl] -> [R, h]
+    fc1 = _grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
+    fc3 = _grouped_gemm(g, f"fc3{c}", rows, w3, seg, f"fc3_out{c}", **kw)
+    fc2_in = g.like(f"fc2_in{c}", fc1)
+    g.node(f"swiglu{c}", OpKind.SWIGLU, (fc1, fc3), (fc2_in,), flops=5 * _numel(g, fc1), **kw)
+    if before:
+        # routing weight per expert row, gathered from [T, k] by the index map: [T, k] -> [R]
+        row_w = g.value(f"row_weights_send{c}" if a2a and n > 1 else f"row_weights{c}", (R,),
+                        kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
+        g.node(f"gate_weights{c}", OpKind.PERMUTE, (topk_w, imap), (row_w,), attrs={"index": "slot"}, **kw)
+        if a2a and n > 1:
+            # the weights travel with their rows to the experts: [R] -> [R] (R fp32 values)
+            sent = row_w
+            row_w = g.value(f"row_weights{c}", (R,), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
+            g.collective(f"gate_weights_a2a{c}", OpKind.ALL_TO_ALL, (sent, imap), (row_w,),
+                         comm_bytes=ring_bytes(g.nbytes(sent), n),
+                         attrs={"mode": "tokens", "direction": "to_experts", "emit_map": False}, **kw)
+        gated = g.like(f"fc2_in_gated{c}", fc2_in)
+        g.node(f"gate{c}", OpKind.GATE, (fc2_in, row_w), (gated,), flops=_numel(g, fc2_in), **kw)  # [R, Fl]
+        fc2_in = gated
+    fc2_out = _grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
     if a2a and n > 1:
-        back = g.value("fc2_out_a2a", (R, h), routed=True)
-        g.collective("combine_a2a", OpKind.ALL_TO_ALL, (fc2_out, seg), (back,),
+        back = g.value(f"fc2_out_a2a{c}", (R, h), routed=True)
+        g.collective(f"combine_a2a{c}", OpKind.ALL_TO_ALL, (fc2_out, seg), (back,),
                      comm_bytes=ring_bytes(g.nbytes(fc2_out), n),
                      attrs={"mode": "tokens", "direction": "from_experts"}, **kw)
         fc2_out = back
-    combined_name = "ffn_out" if (a2a or n == 1) else "fc2_out_rs"
-    combined = g.value(combined_name, g.shape(tokens_in))
-    g.node("combine_gather", OpKind.UNPERMUTE, (fc2_out, topk_w, imap), (combined,),
-           flops=2 * R * h, attrs={"weighted": True}, **kw)                       # [R, h] -> [b, S, h]
-    if a2a:
+    final, alias = _chunk_out(g, "ffn_out", j)
+    combined_name, combined_alias = (final, alias) if (a2a or n == 1) else (f"fc2_out_rs{c}", None)
+    combined = g.value(combined_name, g.shape(tokens_in), alias_of=combined_alias)
+    if before:
+        g.node(f"combine_gather{c}", OpKind.UNPERMUTE, (fc2_out, imap), (combined,),
+               flops=R * h, attrs={"weighted": False}, **kw)                       # [R, h] -> [b, S, h]
+    else:
+        g.node(f"combine_gather{c}", OpKind.UNPERMUTE, (fc2_out, topk_w, imap), (combined,),
+               flops=2 * R * h, attrs={"weighted": True}, **kw)                    # [R, h] -> [b, S, h]
+    if a2a or n == 1:
         return combined
-    return emit_reduce_scatter(g, "ffn_rs", combined, "ffn_out", dim=1, **kw)     # [b, s, h] -> [b, s/n, h]
+    return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
 
 
 def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:

@@ -1,0 +1,153 @@
+"""The pass manager: parse a pipeline spec, order it, run each pass, verify after each.
+
+    graph, report = run_pipeline(graph, "sar=paper,gate-reorder,dispatch=auto,chunk=auto", cost=cost)
+
+A pass is a plain function ``Graph -> PassResult``; a pass with options is built from its
+argument and its context (``sar("paper", cost=cost)``). The manager knows each pass by a
+``PassSpec``: its name, how to build it, its stage and the arguments it accepts.
+
+Order is data (``PassSpec.stage``), and the manager sorts the pipeline by it (stably), so
+``sar=paper,dispatch=auto`` runs dispatch first. The table, lowest stage first:
+
+    stage  pass          kind      why here
+    0      gate-reorder  re-lower  changes the MoE block's op sequence; later searches price it
+    1      dispatch      re-lower  chunk=auto's search should see the chosen dispatch
+    2      chunk         re-lower  splits whatever dispatch chain was chosen
+    3      compress      rewrite   replaces collectives; a re-lowering after it would undo it
+    4      sar           rewrite   decides on the final graph's values, pricing the rebuilt
+                                   nodes (compressed collectives included)
+
+Re-lowering passes rebuild the layer from its program (``moegraph.tracer.relower``), which
+discards every graph rewrite, so all of them precede the rewrites; a re-lowering pass applied
+by hand to a rewritten graph refuses (see ``require_unrewritten``). A pass named twice is an
+error. Failures become ``PassError`` naming the pass and the passes that ran before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+from moegraph.cost import CostModel
+from moegraph.ir import Graph, verify
+
+
+class PassError(ValueError):
+    """A bad pipeline spec, or a pass that failed; the message names the pass (and its predecessors)."""
+
+
+@dataclass(frozen=True)
+class PassResult:
+    """What a pass returns. ``changed`` is False when the graph computes with the same nodes,
+    values and saved set (strategy bookkeeping aside); ``report`` is JSON-serialisable."""
+
+    graph: Graph
+    changed: bool
+    report: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+
+Pass = Callable[[Graph], PassResult]
+
+
+@dataclass(frozen=True)
+class PassSpec:
+    name: str
+    build: Callable[[str | None, CostModel], Pass]   # (argument or None, cost model) -> pass
+    stage: int
+    valid: str                                       # the accepted arguments, for error messages
+    relowers: bool
+
+
+def register(name: str, *, stage: int, valid: str, relowers: bool):
+    """Decorator on a builder ``(arg, cost) -> Pass``; adds it to PASSES."""
+    def wrap(build):
+        PASSES[name] = PassSpec(name, build, stage, valid, relowers)
+        return build
+    return wrap
+
+
+PASSES: dict[str, PassSpec] = {}
+
+
+def label(name: str, arg: str | None) -> str:
+    return name if arg is None else f"{name}={arg}"
+
+
+def parse_pipeline(spec: str | list[str] | tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """``"a,b=x"`` or ``["a", "b=x"]`` -> [("a", None), ("b", "x")]; unknown names raise PassError."""
+    if isinstance(spec, str) and not spec.strip():
+        return []
+    items = [item.strip() for item in (spec.split(",") if isinstance(spec, str) else spec)]
+    out: list[tuple[str, str | None]] = []
+    for item in items:
+        if not item:
+            raise PassError(f"empty pass name in pipeline {spec!r}; valid: {', '.join(sorted(PASSES))}")
+        name, eq, arg = item.partition("=")
+        name, arg = name.strip(), (arg.strip() if eq else None)
+        if name not in PASSES:
+            raise PassError(f"unknown pass {name!r}; valid: {', '.join(sorted(PASSES))}")
+        if any(name == seen for seen, _ in out):
+            raise PassError(f"pass {name!r} is given twice in pipeline {spec!r}")
+        out.append((name, arg))
+    return out
+
+
+def build_pass(name: str, arg: str | None, cost: CostModel) -> Pass:
+    """The pass ``name=arg``; a bad argument raises PassError listing the valid ones."""
+    spec = PASSES[name]
+    try:
+        return spec.build(arg, cost)
+    except ValueError as err:
+        raise PassError(f"pass {name!r}: invalid argument {arg!r} ({err}); valid: {spec.valid}") from err
+
+
+def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,
+                 cost: CostModel) -> tuple[Graph, dict[str, Any]]:
+    """Run the passes of ``spec`` in stage order, verifying after each.
+
+    Returns the final graph and the report: {"pipeline": [labels in run order], <pass name>:
+    that pass's report, ...}.
+    """
+    items = parse_pipeline(spec)
+    passes = [(label(name, arg), build_pass(name, arg, cost))
+              for name, arg in sorted(items, key=lambda it: PASSES[it[0]].stage)]
+    report: dict[str, Any] = {"pipeline": [lab for lab, _ in passes]}
+    done: list[str] = []
+    for lab, run in passes:
+        try:
+            result = run(graph)
+            verify(result.graph)
+        except (ValueError, NotImplementedError) as err:
+            before = ", ".join(done) if done else "none"
+            raise PassError(f"pass {lab!r} failed (passes before it: {before}): {err}") from err
+        graph = result.graph
+        report[lab.partition("=")[0]] = dict(result.report)
+        done.append(lab)
+    return graph, report
+
+
+# -- helpers the passes share ------------------------------------------------------------
+
+def record(graph: Graph, pass_label: str, **strategy_changes: Any) -> Graph:
+    """``graph`` with strategy fields changed and ``pass_label`` appended to strategy.passes."""
+    strategy = dataclasses.replace(graph.strategy, passes=graph.strategy.passes + (pass_label,),
+                                   **strategy_changes)
+    return dataclasses.replace(graph, strategy=strategy)
+
+
+def mark_rewritten(graph: Graph, pass_label: str) -> Graph:
+    """Note in graph.meta that a rewrite ran, so a later re-lowering pass can refuse."""
+    return graph.with_meta(rewritten_by=tuple(graph.meta_get("rewritten_by", ())) + (pass_label,))
+
+
+def require_unrewritten(graph: Graph, pass_label: str) -> None:
+    done = graph.meta_get("rewritten_by", ())
+    if done:
+        raise ValueError(f"{pass_label} re-lowers the layer, which would discard the rewrites of "
+                         f"{', '.join(done)}; run it before them")
+
+
+def same_computation(a: Graph, b: Graph) -> bool:
+    """True when b has a's nodes, values and saved set (what ``changed`` reports)."""
+    return a.nodes == b.nodes and a.values == b.values and a.saved == b.saved

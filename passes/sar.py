@@ -1,0 +1,299 @@
+"""Selective activation rematerialization (MegaScale-MoE §4.1, Fig 8-9).
+
+The unrewritten graph holds every forward activation for backward (``graph.saved``). For each
+held value this pass decides, by policy:
+
+    keep           hold it from forward to backward (it stays in ``saved``)
+    recompute      re-run the compute node(s) that made it, in backward
+    recommunicate  re-run the collective that made it, in backward
+    drop           no backward node (nor any rebuild) reads it
+
+Rebuilt nodes are copies of their forward node with ``phase=RECOMPUTE``, ``forward_of`` the
+original and fresh names (node ``ln1.re``, value ``ln1_out.re``); the backward nodes that
+read a rebuilt value are rewired to the copy. Each rebuild chain is placed right before the
+first backward node that needs it; the scheduler may move it (its inputs are held values or
+earlier rebuilds). A rebuild re-runs whatever made the value, recursively, until it reaches
+held values: ``ffn_in`` under ag-rs dispatch becomes RMSNorm(ln2_in) -> all-gather ->
+scatter. Routing values (top-k weights and ids, index and recv maps) are always held: they
+are O(b*s*k), are not counted as activations, and re-running the router could route
+differently. Parameters are always available.
+
+The decision for every originally held value is kept as data in ``graph.meta["remat"]``
+(value -> keep/recompute/recommunicate/drop), so a scheduler can revisit it jointly with the
+schedule. Decisions are made per *unit*, a value name without its chunk suffix (``fc1_out``
+stands for ``fc1_out.c0`` ... ``fc1_out.c3``).
+
+Policies
+    none           no change.
+    paper          keep exactly Fig 9's highlighted set: the layer input ``hidden``; the
+                   attention core's inputs, i.e. the all-to-all'd ``q_a2a, k_a2a, v_a2a``
+                   under attn='sp' (n > 1), and under attn='tp' (or n = 1) their analogue
+                   ``qkv``, the QKV GEMM output, whose q/k views RoPE re-makes cheaply and whose
+                   v view is read in place ((1+2/m)*bsh/n bytes either way); ``attn``;
+                   ``ln2_in``; ``fc1_out`` and ``fc3_out``. Everything else is rebuilt or
+                   dropped. For sp+ep+ag-rs that is (2kf + 4 + 2/m) * bsh/n elements. Fig 9
+                   assumes gate-reorder: with gate='after-fc2' the combine's weight gradient
+                   reads FC2's output, which this policy then recomputes (FC2 GEMM again,
+                   shown in recompute_time_us).
+    budget:<B>     hold at most B bytes of activations (suffixes B, KB, MB, GB, KiB, MiB,
+                   GiB) with the least predicted extra time: the serial sum of the rebuilt
+                   nodes' cost-model times, minimised exactly by a small CP-SAT model
+                   (``budget_keep``). A budget below the footprint of rebuilding everything
+                   from ``hidden`` is an error naming that minimum.
+
+Invariant: the same function (rebuilt values are recomputed from the same inputs by the same
+kernels) and never more activation memory: ``saved`` after is a subset of ``saved`` before.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass
+
+from moegraph.cost import CostModel
+from moegraph.ir import Graph, Node, Phase, Value, ValueKind
+from passes.manager import Pass, PassResult, label, mark_rewritten, record, register, same_computation
+
+_CHUNK = re.compile(r"\.c\d+$")
+PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
+PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
+PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def unit_of(value: str) -> str:
+    """``fc1_out.c2`` -> ``fc1_out``: the name SAR decides on for every chunk of a value."""
+    return _CHUNK.sub("", value)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1024' -> 1024."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).upper() not in _UNITS | {"": 1}:
+        raise ValueError(f"cannot read {text!r} as bytes (e.g. 123456, 500MB, 2GiB)")
+    return int(float(m.group(1)) * _UNITS.get(m.group(2).upper(), 1))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The graph a keep-set yields, and what it costs."""
+
+    graph: Graph
+    rebuilt: dict[str, str]           # original value -> its rebuilt copy
+    comm_us: float                    # predicted time of re-run collectives
+    compute_us: float                 # predicted time of re-run compute nodes
+
+    @property
+    def extra_us(self) -> float:
+        return self.comm_us + self.compute_us
+
+
+def plan(graph: Graph, keep: frozenset[str], cost: CostModel | None) -> Plan:
+    """Rewrite ``graph`` holding the values whose unit is in ``keep`` and rebuilding the rest.
+
+    Graph inputs that are activations (the layer input) cannot be rebuilt and are held
+    whenever something reads them; routing values and parameters are always available.
+    """
+    value, producer = graph.value, graph.producer
+    forward = {o for n in graph.nodes if n.phase is Phase.FORWARD for o in n.outputs}
+    forward |= {i for i in graph.inputs if value[i].kind is ValueKind.ACTIVATION}
+    used: set[str] = set()
+    rebuilt: dict[str, str] = {}
+    new_values: dict[str, Value] = {}
+    pending: list[Node] = []
+    times = {True: 0.0, False: 0.0}
+
+    def held(v: str) -> bool:
+        val = value[v]
+        if val.kind is ValueKind.PARAM:
+            return True
+        if v not in graph.saved:
+            return False
+        if val.alias_of is not None:
+            return held(val.alias_of)
+        return val.kind is ValueKind.ROUTING or v in graph.inputs or unit_of(v) in keep
+
+    def mark(v: str) -> None:
+        if value[v].kind is not ValueKind.PARAM:
+            used.add(v)
+            if value[v].alias_of is not None:
+                mark(value[v].alias_of)
+
+    def get(v: str) -> str:
+        if v in rebuilt:
+            return rebuilt[v]
+        if held(v):
+            mark(v)
+            return v
+        node = producer.get(v)
+        if node is None or node.phase is not Phase.FORWARD:
+            raise ValueError(f"cannot rebuild {v!r}: it is neither held nor made by a forward node")
+        inputs = tuple(get(i) for i in node.inputs)
+        outputs, attrs = [], dict(node.attrs)
+        for o in node.outputs:
+            if value[o].kind is ValueKind.ROUTING and o != v:
+                attrs["emit_map"] = False          # a dispatch re-sent: its recv map is held already
+                continue
+            rebuilt[o] = f"{o}.re"
+            new_values[rebuilt[o]] = dataclasses.replace(value[o], name=rebuilt[o])
+            outputs.append(rebuilt[o])
+        copy = dataclasses.replace(node, name=f"{node.name}.re", phase=Phase.RECOMPUTE, inputs=inputs,
+                                   outputs=tuple(outputs), forward_of=node.name)
+        copy = copy.with_attrs(**attrs) if attrs != dict(node.attrs) else copy
+        pending.append(copy)
+        if cost is not None:
+            times[copy.is_comm] += cost.node_time_us(copy)
+        return rebuilt[v]
+
+    nodes: list[Node] = []
+    for node in graph.nodes:
+        if node.phase is Phase.RECOMPUTE:
+            raise ValueError(f"graph is already rematerialized (remat={graph.strategy.remat!r}, "
+                             f"recompute node {node.name!r})")
+        if node.phase is Phase.FORWARD:
+            nodes.append(node)
+            continue
+        inputs = tuple(get(i) if i in forward else i for i in node.inputs)
+        nodes.extend(pending)
+        pending.clear()
+        nodes.append(node if inputs == node.inputs else dataclasses.replace(node, inputs=inputs))
+    for name, val in new_values.items():
+        if val.alias_of is not None:   # a rebuilt view aliases its rebuilt base, else owns its bytes
+            new_values[name] = dataclasses.replace(val, alias_of=rebuilt.get(val.alias_of))
+    out = dataclasses.replace(graph, nodes=tuple(nodes), values=graph.values + tuple(new_values.values()),
+                              saved=frozenset(used))
+    return Plan(out, rebuilt, times[True], times[False])
+
+
+def decisions(graph: Graph, p: Plan) -> dict[str, str]:
+    """Originally held value -> keep | recompute | recommunicate | drop."""
+    out = {}
+    for v in (val.name for val in graph.values if val.name in graph.saved):
+        if v in p.graph.saved:
+            out[v] = "keep"
+        elif v in p.rebuilt:
+            out[v] = "recommunicate" if graph.producer[v].is_comm else "recompute"
+        else:
+            out[v] = "drop"
+    return out
+
+
+def paper_keep(graph: Graph) -> frozenset[str]:
+    """Fig 9's highlighted units for this graph (attention inputs per attn mode, see module doc)."""
+    units = {unit_of(v.name) for v in graph.values}
+    attn = PAPER_ATTN_SP if all(u in units for u in PAPER_ATTN_SP) else PAPER_ATTN_TP
+    return frozenset(PAPER_KEEP + attn)
+
+
+def budget_keep(graph: Graph, budget: int, cost: CostModel | None) -> frozenset[str]:
+    """The keep-set of least predicted rebuild time holding at most ``budget`` activation bytes.
+
+    A small CP-SAT model, solved exactly: keep[u] per unit, rebuild[p] per forward node;
+    every forward value a backward node reads is held (its unit kept; views through their
+    base; routing values and parameters always) or its producer is rebuilt, and a rebuilt
+    node's forward inputs satisfy the same; sum of kept units' bytes <= budget. Objective:
+    least total time of rebuilt nodes, then fewest bytes. ``plan`` then realises the set.
+    Without a cost model every rebuilt node counts the same.
+    """
+    from ortools.sat.python import cp_model
+
+    value, producer = graph.value, graph.producer
+    model = cp_model.CpModel()
+    unit_bytes: dict[str, int] = {}
+    for v in graph.saved:
+        if value[v].kind is ValueKind.ACTIVATION and value[v].alias_of is None:
+            unit_bytes[unit_of(v)] = unit_bytes.get(unit_of(v), 0) + value[v].storage_bytes
+    keep = {u: model.NewBoolVar(f"keep[{u}]") for u in sorted(unit_bytes)}
+    forward = [n for n in graph.nodes if n.phase is Phase.FORWARD]
+    rebuild = {n.name: model.NewBoolVar(f"rebuild[{n.name}]") for n in forward}
+
+    def held(v: str):
+        """True (always available), a keep literal, or None (cannot be held)."""
+        val = value[v]
+        if val.kind is ValueKind.PARAM:
+            return True
+        if v not in graph.saved:
+            return None
+        if val.alias_of is not None:
+            return held(val.alias_of)
+        return True if val.kind is ValueKind.ROUTING else keep[unit_of(v)]
+
+    def options(v: str) -> list | None:
+        """Literals one of which makes v available in backward; None if it always is."""
+        h = held(v)
+        if h is True:
+            return None
+        lits = [h] if h is not None else []
+        p = producer.get(v)
+        if p is not None and p.phase is Phase.FORWARD:
+            lits.append(rebuild[p.name])
+        return lits
+
+    forward_values = {o for n in forward for o in n.outputs}
+    forward_values |= {i for i in graph.inputs if value[i].kind is ValueKind.ACTIVATION}
+    for node in graph.nodes:
+        for i in dict.fromkeys(node.inputs):
+            if i not in forward_values:
+                continue
+            lits = options(i)
+            if lits is None:
+                continue
+            if node.phase is Phase.FORWARD:
+                model.AddBoolOr(lits + [rebuild[node.name].Not()])     # rebuilt node -> inputs available
+            else:
+                model.AddBoolOr(lits)                                  # backward reads -> available
+    model.Add(sum(keep[u] * b for u, b in unit_bytes.items()) <= budget)
+    # time in 10 ns steps first, then KiB held as a tie-break (coefficients stay far from int64 limits)
+    ticks = {n.name: round(100 * cost.node_time_us(n)) if cost is not None else 1 for n in forward}
+    kib = {u: -(-b // 1024) for u, b in unit_bytes.items()}
+    weight = sum(kib.values()) + 1
+    model.Minimize(sum(rebuild[k] * t * weight for k, t in ticks.items()) + sum(keep[u] * b for u, b in kib.items()))
+    solver = cp_model.CpSolver()
+    solver.parameters.num_workers = 1
+    solver.parameters.max_time_in_seconds = 30.0
+    status = solver.Solve(model)
+    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        least = plan(graph, frozenset(), cost).graph.activation_bytes()
+        raise ValueError(f"budget {budget} bytes is below the smallest activation footprint {least} bytes "
+                         f"(everything rebuilt from the layer input)")
+    return frozenset(u for u, lit in keep.items() if solver.Value(lit))
+
+
+@register("sar", stage=4, valid="paper (the default), none, budget:<bytes> (e.g. budget:2GiB)", relowers=False)
+def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+    """Selective activation rematerialization; see the module docstring for policies.
+
+    Invariant: the same function, and activation bytes never rise (saved after is a subset of
+    saved before).
+    """
+    policy = arg or "paper"
+    budget = None
+    if policy.startswith("budget:"):
+        budget = parse_bytes(policy[len("budget:"):])
+    elif policy not in ("paper", "none"):
+        raise ValueError("not a policy")
+    me = label("sar", arg)
+
+    def run(graph: Graph) -> PassResult:
+        before = graph.activation_bytes()
+        if policy == "none":
+            return PassResult(record(graph, me, remat="none"), False,
+                              {"policy": "none", "activation_bytes_before": before, "activation_bytes_after": before})
+        keep = paper_keep(graph) if budget is None else budget_keep(graph, budget, cost)
+        p = plan(graph, keep, cost)
+        decided = decisions(graph, p)
+        counted = [v.name for v in graph.values
+                   if v.name in decided and v.kind is ValueKind.ACTIVATION and v.alias_of is None]
+        report = {"policy": policy,
+                  **{key: [v for v in counted if decided[v] == d] for key, d in
+                     (("kept", "keep"), ("recompute", "recompute"), ("recommunicate", "recommunicate"),
+                      ("dropped", "drop"))},
+                  "recompute_time_us": round(p.compute_us, 3), "recommunicate_time_us": round(p.comm_us, 3),
+                  "activation_bytes_before": before, "activation_bytes_after": p.graph.activation_bytes()}
+        if budget is not None:
+            report["budget_bytes"] = budget
+        out = mark_rewritten(record(p.graph, me, remat=policy), me).with_meta(remat=decided)
+        return PassResult(out, not same_computation(graph, p.graph), report)
+    return run

@@ -1,0 +1,129 @@
+"""Strategy passes: choose a Strategy field and re-lower the layer with it.
+
+gate-reorder, dispatch and chunk change *how the layer is lowered* (blocks.py reads
+Strategy.gate, .dispatch, .chunks), so they re-run the lowering through
+``moegraph.tracer.relower`` rather than patch nodes. Each records its choice in the graph's
+strategy and appends its label to strategy.passes; each refuses a graph that a rewrite pass
+(compress, sar) has already changed, since re-lowering would silently drop that rewrite.
+"""
+
+from __future__ import annotations
+
+from moegraph.cost import CostModel
+from moegraph.ir import Graph, Phase
+from moegraph.tracer import relower
+from passes.estimate import overlap_time_us, serial_time_us
+from passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
+
+GATE_ORDERS = ("before-fc2", "after-fc2")
+DISPATCH_CHOICES = ("auto", "a2a", "ag-rs")
+# chunk=auto stops once this many consecutive candidates fail to beat the best so far
+# (MoNTA stops at a minimum chunk size; here the per-op latency makes the time turn up)
+PATIENCE = 2
+
+
+@register("gate-reorder", stage=0, valid="before-fc2 (the default), after-fc2", relowers=True)
+def gate_reorder(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+    """Multiply routing weights into SwiGLU's output before FC2 ('before-fc2', the default;
+    MegaScale-MoE §4.1 and Megatron-Core) or into FC2's output at the combine ('after-fc2', §7 FP8).
+
+    Invariant: the same function (FC2 is linear without bias, so W2(p*h) = p*W2(h)); the
+    unrewritten activation set gains only the gated SwiGLU output, and with 'before-fc2' the
+    weight gradient no longer reads FC2's output, so ``sar`` need not keep or rebuild it.
+    Under all-to-all dispatch the per-row weights take an extra all-to-all of R fp32 values
+    (nodes ``gate_weights_a2a*``, priced like any collective).
+    """
+    gate = arg or "before-fc2"
+    if gate not in GATE_ORDERS:
+        raise ValueError("not a gate order")
+    me = label("gate-reorder", arg)
+
+    def run(graph: Graph) -> PassResult:
+        require_unrewritten(graph, me)
+        new = graph if graph.strategy.gate == gate else relower(graph, gate=gate)
+        return PassResult(record(new, me, gate=gate), not same_computation(graph, new), {"gate": gate})
+    return run
+
+
+@register("dispatch", stage=1, valid="auto (the default), a2a, ag-rs", relowers=True)
+def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+    """Token dispatch for the MoE block: all-to-all or all-gather + reduce-scatter.
+
+    'auto' re-lowers the layer both ways and keeps the one with the smaller predicted
+    forward + backward time, the serial sum of every node's cost-model time (estimate.py):
+    no fixed top-k threshold, the crossover falls where the cost model puts it (bytes
+    k/n * bsh for a2a vs bsh for ag-rs, at a2a's lower link efficiency, plus the n-fold router
+    and permute work of ag-rs). With ffn='tp' only 'ag-rs' is valid.
+
+    Invariant: the same function (both dispatches route every token to the same experts);
+    activation memory may differ (the choice is made on time).
+    """
+    choice = arg or "auto"
+    if choice not in DISPATCH_CHOICES:
+        raise ValueError("not a dispatch mode")
+    if choice == "auto" and cost is None:
+        raise ValueError("dispatch=auto needs a cost model")
+    me = label("dispatch", arg)
+
+    def run(graph: Graph) -> PassResult:
+        require_unrewritten(graph, me)
+        valid = ("a2a", "ag-rs") if graph.strategy.ffn == "ep" else ("ag-rs",)
+        if choice != "auto" and choice not in valid:
+            raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
+        lowered = {c: graph if c == graph.strategy.dispatch else relower(graph, dispatch=c)
+                   for c in (valid if choice == "auto" else (choice,))}
+        predicted = {c: round(serial_time_us(g, cost), 3) for c, g in lowered.items()} if cost else {}
+        chosen = min(predicted, key=predicted.get) if choice == "auto" else choice
+        new = lowered[chosen]
+        report = {"chosen": chosen, "predicted_us": predicted, "estimate": "serial forward+backward",
+                  "ffn_forward_comm_bytes": {c: _ffn_forward_comm_bytes(g) for c, g in lowered.items()}}
+        return PassResult(record(new, me, dispatch=chosen), not same_computation(graph, new), report)
+    return run
+
+
+def _ffn_forward_comm_bytes(graph: Graph) -> int:
+    return sum(n.comm_bytes for n in graph.nodes if n.is_comm and n.phase is Phase.FORWARD and n.block == "ffn")
+
+
+@register("chunk", stage=2, valid="auto (the default), or a chunk count N >= 1 dividing s/n", relowers=True)
+def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+    """Split attention's comm/GEMM pairs and the MoE dispatch -> experts -> combine chain into
+    N token chunks (blocks.py, Strategy.chunks), so chunk j's collective can overlap chunk
+    j+1's compute.
+
+    'auto' is a MoNTA-style search: for N = 1 and each larger divisor of the local sequence
+    s/n, re-lower and predict the layer's forward + backward makespan with a two-stream list
+    schedule (estimate.overlap_time_us); the cost model charges every kernel and collective a
+    fixed latency, so past some N more chunks cost more than the overlap they buy. The search
+    stops once PATIENCE candidates in a row fail to beat the best.
+
+    Invariant: the same function (every op chunked is token-wise, and attention sees the whole
+    sequence with true positions); the same activation bytes up to rounding of per-chunk shapes.
+    """
+    auto = arg is None or arg == "auto"
+    if not auto and (not arg.isdigit() or int(arg) < 1):
+        raise ValueError("not a positive integer")
+    if auto and cost is None:
+        raise ValueError("chunk=auto needs a cost model")
+    me = label("chunk", arg)
+
+    def run(graph: Graph) -> PassResult:
+        require_unrewritten(graph, me)
+        if not auto:
+            n_chunks = int(arg)
+            new = graph if graph.strategy.chunks == n_chunks else relower(graph, chunks=n_chunks)
+            predicted = {n_chunks: round(overlap_time_us(new, cost), 3)} if cost else {}
+        else:
+            local = graph.dims.s // graph.strategy.n
+            predicted, lowered, misses = {}, {}, 0
+            for n_chunks in (c for c in range(1, local + 1) if local % c == 0):
+                lowered[n_chunks] = g = graph if graph.strategy.chunks == n_chunks else relower(graph, chunks=n_chunks)
+                predicted[n_chunks] = round(overlap_time_us(g, cost), 3)
+                misses = 0 if predicted[n_chunks] == min(predicted.values()) else misses + 1
+                if misses >= PATIENCE:
+                    break
+            n_chunks = min(predicted, key=lambda c: (predicted[c], c))
+            new = lowered[n_chunks]
+        report = {"chosen": n_chunks, "predicted_us": predicted, "estimate": "two-stream list schedule"}
+        return PassResult(record(new, me, chunks=n_chunks), not same_computation(graph, new), report)
+    return run
