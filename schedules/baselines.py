@@ -22,6 +22,12 @@ megascale   MegaScale-MoE's hand-made holistic order (§4.1, Fig 8) as fixed pri
 
 All three never break a dependency, the barrier, a stream or the SM capacity; they ignore
 the memory budget (compile_graph reports when one exceeds it).
+
+warm_starts() adds CP-SAT warm starts that are not baselines: greedy's and megascale's rules
+with collectives on copy engines, and, under a memory budget, the list scheduler with a memory
+check (a node starts only if the bytes it allocates fit beside what is live) under greedy's,
+megascale's and a "lean" rule (least net allocation first); those may fail where the budget
+is tight.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Callable
 from moegraph.ir import Phase, Role
 from schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task
 
-__all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule"]
+__all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule", "warm_starts"]
 
 Key = Callable[[Task], tuple]
 
@@ -89,16 +95,62 @@ BASELINES: dict[str, Callable[[Problem], Solution]] = {
     "sequential": sequential, "greedy": greedy, "megascale": megascale}
 
 
-def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: Key) -> Solution:
+def _net_allocation(problem: Problem) -> list[int]:
+    """Bytes a task allocates minus bytes it may free at its end (values it is a last user of)."""
+    net = [0] * len(problem.tasks)
+    for v in problem.mem_values:
+        if v.start == "producer":
+            net[v.producer] += v.nbytes
+        if not v.until_makespan:
+            for i in v.ends:
+                net[i] -= v.nbytes // len(v.ends)
+    return net
+
+
+def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
+    """Extra list schedules for CP-SAT's warm start (not baselines): greedy's and megascale's
+    rules with collectives on the fewest SMs (copy engines: slower collectives that never
+    slow compute); with a budget, also the plain rules and a "lean" rule (least net
+    allocation first), all under the memory check. Schedules that fail it are left out."""
+    level = _bottom_levels(problem)
+    net = _net_allocation(problem)
+    critical: Key = lambda t: (-level[t.index], t.index)  # noqa: E731
+    lean: Key = lambda t: (net[t.index], -level[t.index], t.index)  # noqa: E731
+    rules = [("greedy", critical, critical), ("megascale", _megascale_comm, _megascale_compute)]
+    if budget is not None:
+        rules.append(("lean", lean, lean))
+    out = []
+    for name, ck, pk in rules:
+        for comm_mode in ("default", "fewest") if budget is not None else ("fewest",):
+            label = name + ("+ce" if comm_mode == "fewest" else "") + ("+mem" if budget is not None else "")
+            sol = list_schedule(problem, label, comm_key=ck, compute_key=pk, memory_budget=budget,
+                                comm_mode=comm_mode)
+            if sol is not None:
+                out.append(sol)
+    return out
+
+
+
+def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: Key,
+                  memory_budget: int | None = None, comm_mode: str = "default") -> Solution | None:
     """Event-driven list scheduling on the tick grid (see the module docstring).
 
     At each event time: finished tasks release their successors (and, once every forward
     task is done, the backward side); zero-duration tasks run at once; each free comm stream
     takes its best ready collective at the default budget if the free SMs allow; then a free
     compute stream takes its best ready node in the fastest mode that fits the free SMs.
+    comm_mode "fewest" issues collectives in their mode holding the fewest SMs (copy engines
+    where allowed), so they never wait for SMs, instead of the default budget. With
+    ``memory_budget``, a task starts only if the bytes it allocates fit beside the live
+    ones (live bytes only grow when a task starts, so the peak stays within the budget); None
+    if that leaves nothing able to start, or the seed gradient does not fit at the barrier.
     """
     tasks = problem.tasks
     n = len(tasks)
+    if comm_mode not in ("default", "fewest"):
+        raise ValueError(f"comm_mode={comm_mode!r} is not one of 'default', 'fewest'")
+    issue = [min(range(len(t.modes)), key=lambda k: (t.modes[k].sm, t.modes[k].ticks)) if comm_mode == "fewest"
+             else t.default_mode for t in tasks]
     waiting = [len(t.preds) for t in tasks]
     fwd_left = sum(1 for t in tasks if t.side == 0)
     start: list[int | None] = [None] * n
@@ -108,12 +160,38 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
     running: list[tuple[int, int]] = []       # heap of (end tick, task)
     busy_until = {s: 0 for s in problem.streams}
     sm_used, now, scheduled = 0, 0, 0
+    alloc = [0] * n
+    users_left: dict[str, int] = {}
+    frees: list[list] = [[] for _ in range(n)]
+    live, seed = 0, 0
+    for v in problem.mem_values:
+        if not v.ends and not v.until_makespan:
+            continue  # an unused graph input: never live
+        if v.start == "producer":
+            alloc[v.producer] += v.nbytes
+        elif v.start == "zero":
+            live += v.nbytes
+        else:
+            seed += v.nbytes
+        if not v.until_makespan and v.ends:
+            users_left[v.name] = len(v.ends)
+            for i in v.ends:
+                frees[i].append(v)
+    if fwd_left == 0:
+        live += seed
+    over = memory_budget is not None and live > memory_budget
 
     def finish(i: int) -> None:
-        nonlocal fwd_left
+        nonlocal fwd_left, live, over
+        for v in frees[i]:
+            users_left[v.name] -= 1
+            if users_left[v.name] == 0:
+                live -= v.nbytes
         if tasks[i].side == 0:
             fwd_left -= 1
             if fwd_left == 0:
+                live += seed
+                over = over or (memory_budget is not None and live > memory_budget)
                 ready.update(blocked_by_barrier)
                 blocked_by_barrier.clear()
         for s in tasks[i].succs:
@@ -121,9 +199,13 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
             if waiting[s] == 0:
                 (ready if tasks[s].side == 0 or fwd_left == 0 else blocked_by_barrier).add(s)
 
+    def fits(i: int) -> bool:
+        return memory_budget is None or live + alloc[i] <= memory_budget
+
     def launch(i: int, m: int) -> None:
-        nonlocal sm_used, scheduled
+        nonlocal sm_used, scheduled, live
         t = tasks[i]
+        live += alloc[i]
         start[i], mode[i] = now, m
         ready.discard(i)
         scheduled += 1
@@ -141,33 +223,35 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
             sm_used -= tasks[i].modes[mode[i]].sm
             finish(i)
         progress = True
-        while progress:
+        while progress and not over:
             progress = False
             for i in sorted(i for i in ready if tasks[i].max_ticks == 0):
-                launch(i, 0)
-                progress = True
+                if fits(i):
+                    launch(i, 0)
+                    progress = True
             for stream in problem.streams[1:]:
                 if busy_until[stream] > now:
                     continue
                 cands = sorted((i for i in ready if tasks[i].stream == stream),
                                key=lambda i: comm_key(tasks[i]))
                 for i in cands:
-                    t = tasks[i]
-                    if t.modes[t.default_mode].sm <= problem.sm_count - sm_used:
-                        launch(i, t.default_mode)
+                    if tasks[i].modes[issue[i]].sm <= problem.sm_count - sm_used and fits(i):
+                        launch(i, issue[i])
                         progress = True
                         break
             if busy_until[COMPUTE] <= now:
-                cands = sorted((i for i in ready if tasks[i].stream == COMPUTE),
+                cands = sorted((i for i in ready if tasks[i].stream == COMPUTE and fits(i)),
                                key=lambda i: compute_key(tasks[i]))
                 if cands:
                     t = tasks[cands[0]]
-                    fits = [k for k, m in enumerate(t.modes) if m.sm <= problem.sm_count - sm_used]
-                    if fits:  # modes are sorted fastest first
-                        launch(t.index, fits[0])
+                    sm_ok = [k for k, m in enumerate(t.modes) if m.sm <= problem.sm_count - sm_used]
+                    if sm_ok:  # modes are sorted fastest first
+                        launch(t.index, sm_ok[0])
                         progress = True
         if scheduled == n:
             break
+        if over or (not running and memory_budget is not None):
+            return None
         if not running:
             stuck = sorted(tasks[i].name for i in ready) or sorted(tasks[i].name for i in blocked_by_barrier)
             raise ScheduleError(f"{method}: no task can start at tick {now} (ready: {stuck[:5]})")

@@ -17,11 +17,12 @@ fills the capacity, so any collective holding SMs beside it forces a slowed mode
 (sm_count - b SMs for base * sm_count / (sm_count - b)). Copy-engine collectives (0 SMs)
 overlap freely.
 
-Determinism: one search worker (or ``interleave_search`` for several), a fixed random seed and
-a *deterministic* time limit (``max_deterministic_time``, CP-SAT's work counter) instead of a
-wall-clock one; the same model then follows the same search path on every run. A generous
-wall-clock cap (``WALL_CAP_FACTOR``) only guards against a stalled machine; a result cut by it
-is flagged ``wall_cap_hit`` (and may then differ between runs).
+Determinism: ``interleave_search`` (subsolvers, LNS included, take turns in batches of fixed
+deterministic work; one thread by default), a fixed random seed and a *deterministic* time
+limit (``max_deterministic_time``, CP-SAT's work counter) instead of a wall-clock one; the
+same model then follows the same search path on every run. A wall-clock cap
+(``WALL_CAP_FACTOR``) only guards against a stalled machine; a result cut by it is flagged
+``wall_cap_hit`` (and may then differ between runs).
 """
 
 from __future__ import annotations
@@ -33,16 +34,21 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from schedules.bound import Bound, heads_tails, lower_bound
-from schedules.problem import Problem, ScheduleError, Solution, Task, solution_ends
+from schedules.problem import (Problem, ScheduleError, Solution, Task, canonical_chunk_order, chunk_symmetry,
+                               solution_ends)
 
 __all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
 
-DTIME_PER_SECOND = 1.0
-"""Deterministic-time units granted per second of ``time_limit_s``. CP-SAT's deterministic time
-roughly tracks seconds of single-thread work; measured on the 2-core dev box (docs/scheduler.md)."""
-WALL_CAP_FACTOR = 10.0
-"""Wall-clock safety cap = WALL_CAP_FACTOR * time_limit_s + 10 s."""
+DTIME_PER_SECOND = 0.18
+"""Deterministic-time units granted per second of ``time_limit_s``. On the 2-core dev box one
+unit took 1-6 s of CPU time (up to 5 s on 200-node chunked layers, whose LNS propagation is
+under-counted as deterministic work; docs/scheduler.md), so 0.18 keeps searches within about
+time_limit_s."""
+REDUNDANT_TAILS = True
+"""Add makespan >= end + tail for every task (not only sinks)."""
+WALL_CAP_FACTOR = 3.0
+"""Wall-clock safety cap = WALL_CAP_FACTOR * time_limit_s + 5 s (flagged if ever hit)."""
 
 
 @dataclass(frozen=True)
@@ -50,7 +56,7 @@ class SolverOptions:
     time_limit_s: float = 10.0
     """Search effort, converted to deterministic time (DTIME_PER_SECOND per second)."""
     workers: int = 1
-    """Search workers. 1 is deterministic as is; more use interleave_search (deterministic too)."""
+    """Threads for the interleaved search (deterministic for any count; 1 on the 2-core box)."""
     random_seed: int = 0
     log: bool = False
 
@@ -81,6 +87,7 @@ class CpHandles:
     live_end: dict[str, cp_model.LinearExprT] = field(default_factory=dict)
     memory_unit: int = 1
     peak: cp_model.IntVar | None = None
+    chunk_groups: tuple[tuple[int, ...], ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -101,9 +108,10 @@ def _memory_unit(problem: Problem) -> int:
 
 
 def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution | None = None,
-                objective: str = "makespan", bound: Bound | None = None) -> CpHandles:
+                objective: str = "makespan", bound: Bound | None = None, symmetry: bool = True) -> CpHandles:
     """objective: "makespan" (memory budget as a constraint, if any) or "peak_memory"
-    (minimise the peak live bytes; no budget)."""
+    (minimise the peak live bytes; no budget). symmetry: order interchangeable chunks by
+    their first task's start (problem.chunk_symmetry)."""
     if objective not in ("makespan", "peak_memory"):
         raise ValueError(f"objective={objective!r} is not one of 'makespan', 'peak_memory'")
     tasks = problem.tasks
@@ -131,12 +139,14 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
         m.add_max_equality(barrier, [tv[t.name].end for t in fwd_sinks])
     else:
         m.add(barrier == 0)
-    for t in tasks:
+    for t in tasks:  # for sinks (tail 0) required, for the others precedence-implied cuts
         v = tv[t.name]
-        if t.side == 0:
+        sink = not any(tasks[s].side == t.side for s in t.succs)
+        if t.side == 0 and (sink or REDUNDANT_TAILS):
             m.add(barrier >= v.end + tail[t.index])
-        else:
+        elif t.side == 1 and (sink or REDUNDANT_TAILS):
             m.add(mk >= v.end + tail[t.index])
+        if t.side == 1:
             if not any(tasks[p].side == 1 for p in t.preds):
                 m.add(v.start >= barrier)
     m.add(mk >= barrier + bound.backward.ticks)
@@ -145,16 +155,17 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
         runs = [tv[t.name].run for t in tasks if t.stream == stream and tv[t.name].run is not None]
         if len(runs) > 1:
             m.add_no_overlap(runs)
-    sm_iv, sm_dem = [], []
-    for t in tasks:
-        for mode, iv in zip(t.modes, tv[t.name].mode_runs):
-            if mode.ticks > 0 and mode.sm > 0:
-                sm_iv.append(iv)
-                sm_dem.append(mode.sm)
-    if sm_iv and sum(sm_dem) > problem.sm_count:
-        m.add_cumulative(sm_iv, sm_dem, problem.sm_count)
+    _sm_constraints(problem, m, tv)
 
-    h = CpHandles(model=m, horizon=H, tasks=tv, makespan=mk, barrier=barrier)
+    groups = chunk_symmetry(problem) if symmetry else None
+    if groups:
+        firsts = [tv[tasks[g[0]].name].start for g in groups]
+        for a, b in zip(firsts, firsts[1:]):
+            m.add(a <= b)
+        if hint is not None:
+            hint = canonical_chunk_order(problem, hint, groups)
+
+    h = CpHandles(model=m, horizon=H, tasks=tv, makespan=mk, barrier=barrier, chunk_groups=groups)
     if objective == "peak_memory" or problem.memory_budget_bytes is not None:
         _memory(problem, h, peak=objective == "peak_memory")
     if objective == "makespan":
@@ -164,6 +175,31 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
     if hint is not None:
         _add_hint(problem, h, hint)
     return h
+
+
+def _sm_constraints(problem: Problem, m: cp_model.CpModel, tv: dict[str, TaskVars]) -> None:
+    """At every instant the SMs of running nodes sum to <= sm_count.
+
+    A compute mode leaving r SMs to collectives conflicts exactly with collectives holding
+    more than r. For each budget b a collective may hold, NoOverlap over {compute modes with
+    r < b} + {collective modes with budget >= b} forbids exactly those pairs (compute-compute
+    and same-stream collective pairs never overlap anyway). With one comm stream that is the
+    whole constraint; with several, collectives on different streams add up, so an
+    AddCumulative with capacity sm_count is added as well.
+    """
+    S = problem.sm_count
+    runs = [(t, mode, iv) for t in problem.tasks for mode, iv in zip(t.modes, tv[t.name].mode_runs)
+            if mode.ticks > 0 and iv is not None]
+    budgets = sorted({mode.sm for t, mode, _ in runs if t.kind == "comm" and mode.sm > 0})
+    for b in budgets:
+        group = [iv for t, mode, iv in runs
+                 if (t.kind == "compute" and S - mode.sm < b) or (t.kind == "comm" and mode.sm >= b)]
+        if any(t.kind == "comm" and mode.sm >= b for t, mode, _ in runs) and len(group) > 1:
+            m.add_no_overlap(group)
+    if len(problem.streams) > 2:
+        held = [(iv, mode.sm) for _, mode, iv in runs if mode.sm > 0]
+        if held and sum(d for _, d in held) > S:
+            m.add_cumulative([iv for iv, _ in held], [d for _, d in held], S)
 
 
 def _task_vars(m: cp_model.CpModel, t: Task, start, lo: int, hi: int) -> TaskVars:
@@ -198,10 +234,9 @@ def _memory(problem: Problem, h: CpHandles, *, peak: bool) -> None:
             s = h.barrier
         if v.until_makespan:
             e = h.makespan
-        else:
+        else:  # functionally determined, so the search never branches on it
             e = m.new_int_var(0, h.horizon, f"live_end[{v.name}]")
-            for i in v.ends:
-                m.add(e >= tv[tasks[i].name].end)
+            m.add_max_equality(e, [tv[tasks[i].name].end for i in v.ends])
         size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
         ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
         dem.append(v.nbytes // unit)
@@ -238,14 +273,26 @@ def _add_hint(problem: Problem, h: CpHandles, sol: Solution) -> None:
         m.add_hint(e, max((ends[i] for i in mv.ends), default=0))
 
 
+SUBSOLVERS = ("no_lp",)
+"""The full-problem worker interleaved with CP-SAT's LNS workers (added by default). One is
+enough to prove small layers optimal; each extra one takes 1-dtime turns from LNS, which is
+what improves large (chunked) layers."""
+
+
 def _parameters(solver: cp_model.CpSolver, opts: SolverOptions) -> None:
+    """Deterministic: interleaved search (subsolvers take turns in fixed-size batches of
+    deterministic work, in one thread unless workers > 1), a fixed seed, and a deterministic
+    time limit. No LP: on these models the LP workers burnt up to 100x more wall time than
+    they reported as deterministic time, and the propagation-only workers plus LNS found
+    better schedules (docs/scheduler.md, "Solver parameters")."""
     p = solver.parameters
     p.random_seed = opts.random_seed
     p.max_deterministic_time = opts.time_limit_s * DTIME_PER_SECOND
-    p.max_time_in_seconds = WALL_CAP_FACTOR * opts.time_limit_s + 10.0
+    p.max_time_in_seconds = WALL_CAP_FACTOR * opts.time_limit_s + 5.0
     p.num_workers = opts.workers
-    if opts.workers > 1:
-        p.interleave_search = True
+    p.interleave_search = True
+    p.subsolvers.extend(SUBSOLVERS)
+    p.linearization_level = 0
     p.log_search_progress = opts.log
 
 
@@ -263,8 +310,8 @@ def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> Cp
         modes = tuple(next(k for k, lit in enumerate(h.tasks[t.name].lits) if solver.boolean_value(lit))
                       if len(t.modes) > 1 else 0 for t in problem.tasks)
         sol = Solution(method, starts, modes)
-        return CpSatResult(status, sol, int(round(solver.objective_value)), int(math.ceil(solver.best_objective_bound - 1e-6)),
-                           wall, dtime, cap_hit)
+        bound = int(math.ceil(solver.best_objective_bound - 1e-6))
+        return CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit)
     return CpSatResult(status, None, None, 0, wall, dtime, cap_hit)
 
 

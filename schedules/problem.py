@@ -21,6 +21,7 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -30,7 +31,7 @@ from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
            "Task", "MemValue", "Problem", "Solution", "build_problem", "comm_scope", "stream_of",
            "solution_ends", "makespan_ticks", "barrier_ticks", "memory_profile", "peak_memory_bytes",
-           "check_solution"]
+           "check_solution", "chunk_symmetry", "canonical_chunk_order"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -121,7 +122,7 @@ class Problem:
     memory_budget_bytes: int | None
     tick_us: float = TICK_US
 
-    @property
+    @functools.cached_property
     def by_name(self) -> dict[str, Task]:
         return {t.name: t for t in self.tasks}
 
@@ -185,33 +186,49 @@ def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
     return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm)))
 
 
-def _modes(node: Node, cost: Any, sm_count: int, compute_budgets: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
-    """(pruned modes, default mode) of a node."""
-    if node.op is OpKind.SPLIT:  # a view: no kernel, no SMs
-        zero = Mode(0, 0.0, 0)
-        return (zero,), zero
-    if node.is_comm:
-        default_b = cost.default_sm_budget(node)
-        modes = []
-        for b in cost.comm_sm_budgets(node):
-            if b >= sm_count:
-                raise ScheduleError(f"node {node.name!r}: SM budget {b} leaves no SMs (sm_count={sm_count})")
-            us = float(cost.node_time_us(node, b))
-            modes.append(Mode(b, us, to_ticks(us)))
-        default = next((m for m in modes if m.sm == default_b), None)
-        if default is None:
-            raise ScheduleError(f"node {node.name!r}: default SM budget {default_b} is not among "
-                                f"the allowed budgets {[m.sm for m in modes]}")
-        return _prune(modes, default), default
-    base = float(cost.node_time_us(node))
+def _comm_modes(node: Node, cost: Any, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
+    """(pruned modes, default mode) of a collective."""
+    default_b = cost.default_sm_budget(node)
+    modes = []
+    for b in cost.comm_sm_budgets(node):
+        if b >= sm_count:
+            raise ScheduleError(f"node {node.name!r}: SM budget {b} leaves no SMs (sm_count={sm_count})")
+        us = float(cost.node_time_us(node, b))
+        modes.append(Mode(b, us, to_ticks(us)))
+    default = next((m for m in modes if m.sm == default_b), None)
+    if default is None:
+        raise ScheduleError(f"node {node.name!r}: default SM budget {default_b} is not among "
+                            f"the allowed budgets {[m.sm for m in modes]}")
+    return _prune(modes, default), default
+
+
+def _compute_modes(node: Node, cost: Any, sm_count: int, reserves: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
+    """(pruned modes, full-SM mode) of a compute node; SPLIT (a view) and free nodes take no
+    time and hold no SMs."""
+    base = 0.0 if node.op is OpKind.SPLIT else float(cost.node_time_us(node))
     if base == 0.0:
         zero = Mode(0, 0.0, 0)
         return (zero,), zero
     modes = []
-    for b in compute_budgets:
+    for b in reserves:
         us = base * cost.compute_slowdown(b)
         modes.append(Mode(sm_count - b, us, to_ticks(us)))
     return _prune(modes, modes[0]), modes[0]
+
+
+def _useful_reserves(allowed: tuple[int, ...], comm_budgets: dict[str, set[int]]) -> tuple[int, ...]:
+    """SMs worth leaving to collectives: the least allowed reserve covering each combination
+    of budgets the comm streams can hold at once (one collective per stream). Other reserves
+    are dominated: they slow compute without letting any more collectives run beside it."""
+    combos = {0}
+    for budgets in comm_budgets.values():
+        combos |= {c + b for c in combos for b in budgets}
+    out = {0}
+    for need in combos:
+        fit = [b for b in allowed if b >= need]
+        if fit:
+            out.add(min(fit))
+    return tuple(sorted(out))
 
 
 def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS,
@@ -224,22 +241,27 @@ def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFA
         raise ScheduleError(f"memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None")
     hw = getattr(cost, "hw", None)
     sm_count = int(cost.sm_count())
-    hw_budgets = tuple(getattr(hw, "comm_sm_budgets", ()) or ())
-    compute_budgets = tuple(sorted({0, *hw_budgets}))
-    if compute_budgets[-1] >= sm_count:
-        raise ScheduleError(f"SM budgets {list(hw_budgets)} leave no SMs for compute (sm_count={sm_count})")
+    allowed = tuple(sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())}))
+    if allowed[-1] >= sm_count:
+        raise ScheduleError(f"SM budgets {list(allowed)} leave no SMs for compute (sm_count={sm_count})")
+
+    stream = {n.name: stream_of(n, streams, hw) for n in graph.nodes}
+    comm = {n.name: _comm_modes(n, cost, sm_count) for n in graph.nodes if n.is_comm}
+    held: dict[str, set[int]] = {}
+    for name, (modes, _) in comm.items():
+        held.setdefault(stream[name], set()).update(m.sm for m in modes)
+    reserves = _useful_reserves(allowed, held)
 
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     producer = {v: index[n.name] for v, n in graph.producer.items()}
     tasks = []
     for i, node in enumerate(graph.nodes):
-        modes, default = _modes(node, cost, sm_count, compute_budgets)
-        default_mode = modes.index(default)
+        modes, default = comm[node.name] if node.is_comm else _compute_modes(node, cost, sm_count, reserves)
         preds = tuple(sorted({producer[v] for v in node.inputs if v in producer}))
         side = 0 if node.phase is Phase.FORWARD else 1
         tasks.append(dict(index=i, name=node.name, node=node, kind="comm" if node.is_comm else "compute",
-                          stream=stream_of(node, streams, hw), side=side, modes=modes,
-                          default_mode=default_mode, preds=preds))
+                          stream=stream[node.name], side=side, modes=modes,
+                          default_mode=modes.index(default), preds=preds))
     succs: list[list[int]] = [[] for _ in tasks]
     for t in tasks:
         for p in t["preds"]:
@@ -249,7 +271,7 @@ def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFA
                                     f"{graph.nodes[p].phase.value} node {tasks[p]['name']!r}, "
                                     f"which the barrier runs after every forward node")
     built = tuple(Task(**t, succs=tuple(succs[t["index"]])) for t in tasks)
-    return Problem(graph=graph, cost=cost, sm_count=sm_count, compute_budgets=compute_budgets,
+    return Problem(graph=graph, cost=cost, sm_count=sm_count, compute_budgets=reserves,
                    streams=(COMPUTE, *streams), tasks=built, mem_values=_mem_values(graph, index),
                    memory_budget_bytes=memory_budget_bytes)
 
@@ -330,8 +352,9 @@ def peak_memory_bytes(problem: Problem, sol: Solution) -> int:
 
 
 def check_solution(problem: Problem, sol: Solution) -> None:
-    """Raise AssertionError-free ScheduleError if ``sol`` breaks the problem (solver-side sanity
-    check on the tick grid, used before a solution is written out)."""
+    """Raise ScheduleError if ``sol`` breaks a dependency, the barrier, a stream or the SM
+    capacity (the solver side's own check on the tick grid, run before a solution is
+    written out; schedules.verify re-checks the file independently)."""
     tasks = problem.tasks
     ends = solution_ends(problem, sol)
     barrier = barrier_ticks(problem, sol)
@@ -357,3 +380,100 @@ def check_solution(problem: Problem, sol: Solution) -> None:
         used += d
         if used > problem.sm_count:
             raise ScheduleError(f"{sol.method}: more than {problem.sm_count} SMs in use")
+
+
+# --- symmetry of identical chunks -------------------------------------------------------------
+
+def chunk_symmetry(problem: Problem) -> tuple[tuple[int, ...], ...] | None:
+    """Tasks of interchangeable chunks, aligned: ``result[c][j]`` plays in chunk c the part
+    ``result[0][j]`` plays in chunk 0. None unless every swap of chunk 0 with chunk c is an
+    exact automorphism of the Problem (dependencies, modes, streams, memory values).
+
+    Chunks are read from node attr ``chunk`` (int). Tasks are matched by colour refinement
+    (structure without the chunk id); the match is then checked exactly, so a false match
+    only means no symmetry is used.
+    """
+    tasks = problem.tasks
+    chunk_of = {t.index: t.node.attr("chunk", None) for t in tasks}
+    ids = sorted({c for c in chunk_of.values() if c is not None}, key=repr)
+    if len(ids) < 2 or not all(isinstance(c, int) and not isinstance(c, bool) for c in ids):
+        return None
+    members = {c: [i for i in range(len(tasks)) if chunk_of[i] == c] for c in ids}
+    colour = _refined_colours(problem)
+    # Tasks of one chunk match tasks of another by colour, then by order among equal colours
+    # (twins inside a chunk, such as fc1/fc3, are interchangeable too); checked exactly below.
+    aligned = []
+    for c in ids:
+        by_colour: dict[int, list[int]] = {}
+        for i in members[c]:
+            by_colour.setdefault(colour[i], []).append(i)
+        aligned.append(by_colour)
+    shape = {k: len(v) for k, v in aligned[0].items()}
+    if any({k: len(v) for k, v in a.items()} != shape for a in aligned):
+        return None
+    keys = sorted(aligned[0], key=lambda k: aligned[0][k][0])
+    groups = tuple(tuple(i for k in keys for i in a[k]) for a in aligned)
+    for c in range(1, len(groups)):
+        perm = list(range(len(tasks)))
+        for a, b in zip(groups[0], groups[c]):
+            perm[a], perm[b] = b, a
+        if not _is_automorphism(problem, perm):
+            return None
+    return groups
+
+
+def _task_label(t: Task) -> tuple:
+    n = t.node
+    return (t.kind, t.stream, t.side, t.modes, t.default_mode, n.op.value, n.phase.value, n.role.value,
+            n.attr("chunk", None) is None)
+
+
+def _refined_colours(problem: Problem) -> list[int]:
+    tasks = problem.tasks
+    mem_in: list[list[tuple]] = [[] for _ in tasks]   # memory values a task produces / ends
+    for v in problem.mem_values:
+        if v.producer is not None:
+            mem_in[v.producer].append(("prod", v.nbytes, v.start, v.until_makespan, len(v.ends)))
+        for i in v.ends:
+            mem_in[i].append(("end", v.nbytes, v.start, v.until_makespan))
+    labels = {}
+    colour = [labels.setdefault((_task_label(t), tuple(sorted(mem_in[t.index]))), len(labels)) for t in tasks]
+    for _ in range(len(tasks)):
+        table: dict[tuple, int] = {}
+        new = [table.setdefault((colour[t.index], tuple(sorted(colour[p] for p in t.preds)),
+                                 tuple(sorted(colour[s] for s in t.succs))), len(table)) for t in tasks]
+        if len(table) == len(set(colour)):
+            break
+        colour = new
+    return colour
+
+
+def _is_automorphism(problem: Problem, perm: list[int]) -> bool:
+    tasks = problem.tasks
+    for t in tasks:
+        u = tasks[perm[t.index]]
+        if _task_label(t) != _task_label(u):
+            return False
+        if sorted(perm[p] for p in t.preds) != sorted(u.preds):
+            return False
+    image = {}
+    for v in problem.mem_values:
+        key = (v.nbytes, v.start, None if v.producer is None else perm[v.producer],
+               tuple(sorted(perm[i] for i in v.ends)), v.until_makespan)
+        image[key] = image.get(key, 0) + 1
+    for v in problem.mem_values:
+        key = (v.nbytes, v.start, v.producer, v.ends, v.until_makespan)
+        image[key] = image.get(key, 0) - 1
+    return all(c == 0 for c in image.values())
+
+
+def canonical_chunk_order(problem: Problem, sol: Solution, groups: tuple[tuple[int, ...], ...]) -> Solution:
+    """Relabel chunks of ``sol`` so chunk c's first task starts no later than chunk c+1's
+    (the order the CP-SAT symmetry-breaking constraints demand). Same schedule up to the
+    chunk automorphism, so the same makespan and peak memory."""
+    order = sorted(range(len(groups)), key=lambda c: (sol.start[groups[c][0]], c))
+    start, mode = list(sol.start), list(sol.mode)
+    for rank, c in enumerate(order):
+        for src, dst in zip(groups[c], groups[rank]):
+            start[dst], mode[dst] = sol.start[src], sol.mode[src]
+    return Solution(sol.method, tuple(start), tuple(mode))

@@ -8,7 +8,7 @@ backward) and optional token chunks of the FFN (attr ``chunk``).
 
 from __future__ import annotations
 
-from moegraph.ir import (DTYPE_BYTES, Dims, Graph, Node, OpKind, Phase, Role, Strategy, Value, ValueKind,
+from moegraph.ir import (Dims, Graph, Node, OpKind, Phase, Role, Strategy, Value, ValueKind,
                          freeze_attrs, verify)
 from moegraph.registry import load_hardware
 
@@ -211,8 +211,8 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
                           B, Role.DGRAD, op=OpKind.GROUPED_GEMM, **ca)
         dw2s.append(g.gemm(f"fc2.wgrad{sfx}", fc2_in, d_fc2, g.val(f"d_w2{sfx}", (el, ffn, h), PGRAD), ffn, Rc, h,
                            B, Role.WGRAD, op=OpKind.GROUPED_GEMM, **ca))
-        d_fc13 = g.node(f"swiglu.bwd{sfx}", OpKind.SWIGLU, (fc13, d_fc2_in), (g.val(f"d_fc13{sfx}", (Rc, 2 * ffn), GRAD),),
-                        B, Role.DGRAD, flops=8 * Rc * ffn, **ca)
+        d_fc13 = g.node(f"swiglu.bwd{sfx}", OpKind.SWIGLU, (fc13, d_fc2_in),
+                        (g.val(f"d_fc13{sfx}", (Rc, 2 * ffn), GRAD),), B, Role.DGRAD, flops=8 * Rc * ffn, **ca)
         d_ffn_in = g.gemm(f"fc13.dgrad{sfx}", d_fc13, w13, g.val(f"d_ffn_in{sfx}", (Rc, h), GRAD), Rc, 2 * ffn, h,
                           B, Role.DGRAD, op=OpKind.GROUPED_GEMM, **ca)
         dw13s.append(g.gemm(f"fc13.wgrad{sfx}", ffn_in, d_fc13, g.val(f"d_w13{sfx}", (el, h, 2 * ffn), PGRAD),
@@ -241,4 +241,22 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
     d_hid = g.node("ln1.bwd", OpKind.RMSNORM, (hid, d_ln1, d_ln2_in), (g.val("d_hidden", (T, h), GRAD),), B,
                    Role.DGRAD, flops=8 * T * h)
     g.outputs += [d_hid, dwo, dwqkv, *dw13s, *dw2s]
+    return g.build()
+
+
+def crossing_graph(big: int = 64 << 20, small: int = 1 << 20) -> Graph:
+    """Two producers whose big outputs are each read by the *other* branch's consumer too late
+    to free early: whichever consumer runs first, both big values are live then. The task-wise
+    memory lower bound sees only one of them, so the least peak (2 big) needs a proof by search."""
+    g = MiniBuilder("crossing", 8)
+    rows = big // (2 * 1024)
+    srows = small // (2 * 1024)
+    x = g.inp("x", (srows, 1024))
+    w = g.inp("w", (1024, 1024), PARAM)
+    fl = 2 * rows * 1024 * 1024
+    g.node("p1", OpKind.GEMM, (x, w), (g.val("a", (rows, 1024)), g.val("p", (srows, 1024))), flops=fl)
+    g.node("q1", OpKind.GEMM, (x, w), (g.val("b", (rows, 1024)), g.val("q", (srows, 1024))), flops=fl)
+    g.node("p2", OpKind.GEMM, ("a", "q"), (g.val("pa", (srows, 1024)),), flops=fl)
+    g.node("q2", OpKind.GEMM, ("b", "p"), (g.val("qb", (srows, 1024)),), flops=fl)
+    g.outputs += ["pa", "qb"]
     return g.build()

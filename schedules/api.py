@@ -1,0 +1,188 @@
+"""compile_graph: Graph + CostModel -> a verified-by-construction Schedule (what the CLI calls).
+
+Every call builds the Problem once, runs the three baselines and the lower bound (so every
+schedule file carries them), then either returns a baseline (method != "cpsat") or solves
+with CP-SAT warm-started from the best baseline that fits the memory budget. CP-SAT's result
+is never worse than that baseline: if the solver ends with a longer schedule (or none), the
+baseline is returned and the status says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from moegraph.ir import Graph, Strategy
+from schedules.baselines import BASELINES, warm_starts
+from schedules.bound import Bound, lower_bound, memory_lower_bound
+from schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
+from schedules.problem import (DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, Solution,
+                               barrier_ticks, build_problem, check_solution, makespan_ticks, peak_memory_bytes,
+                               solution_ends)
+from schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+
+__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
+
+METHODS = ("cpsat", "sequential", "greedy", "megascale")
+_BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    schedule: Schedule
+    wall_s: float
+    """Seconds spent in compile_graph (not in the file: it varies between runs)."""
+    status: str
+    """OPTIMAL / FEASIBLE (CP-SAT), 'FEASIBLE (kept greedy baseline)' when CP-SAT found
+    nothing better, or BASELINE for method != 'cpsat'."""
+
+
+def _gib(b: int) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def strategy_label(s: Strategy) -> str:
+    return (f"attn={s.attn} ffn={s.ffn} dispatch={s.dispatch} n={s.n} chunks={s.chunks} remat={s.remat} "
+            f"dtype={s.dtype}")
+
+
+def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
+                  comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
+                  workers: int = 1) -> CompileResult:
+    """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
+    (deterministic seconds, see schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
+    a budget no schedule meets) on expected failures."""
+    t0 = time.perf_counter()
+    if method not in METHODS:
+        raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS)}")
+    opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
+    problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
+    schedule, status = compile_problem(problem, method, opts)
+    return CompileResult(schedule, time.perf_counter() - t0, status)
+
+
+def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str]:
+    bound = lower_bound(problem)
+    budget = problem.memory_budget_bytes
+    if budget is not None:
+        least, why = memory_lower_bound(problem)
+        if least > budget:
+            raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory "
+                                    f"{_gib(least)} for this graph (a sound lower bound: {why})", least, True)
+    base = {name: fn(problem) for name, fn in BASELINES.items()}
+    span = {name: makespan_ticks(problem, s) for name, s in base.items()}
+    peak = {name: peak_memory_bytes(problem, s) for name, s in base.items()}
+    fits = {name: budget is None or peak[name] <= budget for name in base}
+    solver_info: dict[str, Any] = {"status": "NOT_RUN", "objective_bound_us": None}
+
+    if method != "cpsat":
+        if not fits[method]:
+            raise MemoryBudgetError(f"the {method} schedule peaks at {_gib(peak[method])}, above the memory budget "
+                                    f"{_gib(budget)}; method='cpsat' schedules within the budget")
+        return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE"
+
+    # Warm start: the shortest schedule within the budget among the baselines and extra list
+    # schedules (copy-engine collectives; memory-checked ones under a budget).
+    cands = {n: base[n] for n in _BASELINE_ORDER}
+    for s in warm_starts(problem, budget):
+        cands[s.method] = s
+        span[s.method], peak[s.method] = makespan_ticks(problem, s), peak_memory_bytes(problem, s)
+        fits[s.method] = budget is None or peak[s.method] <= budget
+    order = list(cands)
+    ok = [n for n in order if fits[n]]
+    best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
+    hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
+    result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
+    solver_info = _solver_info(problem, result, bound)
+    if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
+        sol, status = result.solution, result.status
+    elif best is not None:
+        sol, status = cands[best], f"{result.status} (kept {best} baseline)"
+    else:
+        sol, status = _memory_fallback(problem, opts, result, cands, peak)
+    solver_info["status"] = result.status
+    return build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info), status
+
+
+def _solver_info(problem: Problem, r: CpSatResult, bound: Bound) -> dict[str, Any]:
+    proven = max(r.bound, bound.ticks) if r.solution is not None else bound.ticks
+    return {"status": r.status, "objective_bound_us": round_us(proven * problem.tick_us)}
+
+
+def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult, base: dict[str, Solution],
+                     peak: dict[str, int]) -> tuple[Solution, str]:
+    """No baseline fits the budget and CP-SAT found no schedule: minimise peak memory instead.
+    Either that yields a schedule within the budget, or the error states the least peak."""
+    budget = problem.memory_budget_bytes
+    order = list(base)
+    lowest = min(order, key=lambda n: (peak[n], order.index(n)))
+    mp, unit = min_peak_memory(problem, opts, hint=base[lowest])
+    if mp.solution is not None:
+        found = peak_memory_bytes(problem, mp.solution)
+        if found <= budget:
+            return mp.solution, f"FEASIBLE (min-peak-memory schedule; makespan search ended {result.status})"
+    lo = max(mp.bound * unit, memory_lower_bound(problem)[0])
+    if mp.status == "OPTIMAL" and mp.solution is not None:
+        least = peak_memory_bytes(problem, mp.solution)
+        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory {_gib(least)} "
+                                f"for this graph (proven by a min-peak-memory CP-SAT solve)", least, True)
+    hi = peak_memory_bytes(problem, mp.solution) if mp.solution is not None else min(peak.values())
+    if result.status == "INFEASIBLE":
+        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory, which lies "
+                                f"between {_gib(max(lo, budget + 1))} and {_gib(hi)} for this graph (CP-SAT proved the "
+                                f"budget infeasible; the min-peak-memory solve did not finish in the time limit)",
+                                max(lo, budget + 1), False)
+    raise MemoryBudgetError(f"no schedule within the memory budget {_gib(budget)} was found in the time limit; the "
+                            f"least feasible peak memory lies between {_gib(lo)} and {_gib(hi)} for this graph "
+                            f"(min-peak-memory CP-SAT solve, not proven); raise time_limit_s or the budget", lo, False)
+
+
+def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span: dict[str, int],
+                   solver_info: dict[str, Any]) -> Schedule:
+    """The Schedule of a checked Solution (raises ScheduleError if the solution is broken)."""
+    check_solution(problem, sol)
+    graph, tick = problem.graph, problem.tick_us
+    ends = solution_ends(problem, sol)
+    nodes = []
+    for t in problem.tasks:
+        n, mode = t.node, t.modes[sol.mode[t.index]]
+        nodes.append(ScheduledNode(
+            name=n.name, op=n.op.value, role=n.role.value, phase=n.phase.value, kind=t.kind,
+            inputs=tuple(n.inputs), outputs=tuple(n.outputs), flops=n.flops, mem_bytes=n.mem_bytes,
+            comm_bytes=n.comm_bytes, group=n.group, attrs=_attrs(n.attrs), module=n.module, block=n.block,
+            forward_of=n.forward_of, stream=t.stream, start_us=round_us(sol.start[t.index] * tick),
+            end_us=round_us(ends[t.index] * tick), sm_budget=mode.sm))
+    values = tuple(ScheduledValue(v.name, v.storage_bytes, v.kind.value, v.alias_of) for v in graph.values)
+    summary = {
+        "method": sol.method,
+        "strategy": strategy_label(graph.strategy),
+        "makespan_us": round_us(makespan_ticks(problem, sol) * tick),
+        "lower_bound_us": round_us(bound.ticks * tick),
+        "barrier_us": round_us(barrier_ticks(problem, sol) * tick),
+        "exposed_comm_us": round_us(sum(e - s for s, e in exposed_comm(nodes))),
+        "baselines": {k: round_us(v * tick) for k, v in sorted(baseline_span.items())},
+        "peak_memory_bytes": peak_memory_bytes(problem, sol),
+        "solver": solver_info,
+    }
+    return Schedule(
+        graph={"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": dataclasses.asdict(graph.dims),
+               "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
+        hardware=_hardware_dict(problem.cost), streams=problem.streams,
+        memory_budget_bytes=problem.memory_budget_bytes, tick_us=tick, values=values, nodes=tuple(nodes),
+        summary=summary).with_hash()
+
+
+def _attrs(attrs: tuple[tuple[str, Any], ...]) -> dict:
+    def thaw(v: Any) -> Any:
+        return [thaw(x) for x in v] if isinstance(v, tuple) else v
+    return {k: thaw(v) for k, v in attrs}
+
+
+def _hardware_dict(cost: Any) -> dict:
+    hw = getattr(cost, "hw", None)
+    if hw is None or not hasattr(hw, "to_dict"):
+        raise ScheduleError("the cost model has no .hw with to_dict(); the schedule file embeds the hardware")
+    return hw.to_dict()
+

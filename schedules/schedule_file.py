@@ -1,0 +1,227 @@
+"""The schedule file: versioned, self-describing, byte-stable JSON.
+
+A file holds everything ``schedules.verify`` needs and nothing that varies between runs:
+
+    {"format": "moegraph.schedule", "version": 1,
+     "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs},
+     "hardware": Hardware.to_dict(),
+     "streams":  ["compute", "comm", ...],
+     "memory_budget_bytes": int | null,
+     "tick_us":  0.01,
+     "values":   [{name, bytes (storage), kind, alias_of}],
+     "nodes":    [{name, op, role, phase, kind: "compute"|"comm", inputs, outputs, flops,
+                   mem_bytes, comm_bytes, group, attrs, module, block, forward_of,
+                   stream, start_us, end_us, sm_budget}],
+     "summary":  {method, strategy, makespan_us, lower_bound_us, barrier_us, exposed_comm_us,
+                  baselines: {sequential, greedy, megascale}, peak_memory_bytes,
+                  solver: {status, objective_bound_us}},
+     "hash":     "sha256:<hex of the canonical JSON of everything else>"}
+
+sm_budget: SMs a collective holds (0 = copy engines); SMs a compute node runs on (0 for a
+node that takes no time, such as a view). Canonical form: sorted keys, fixed separators,
+ASCII, computed times rounded to ``DECIMALS`` places (they are multiples of the 10 ns tick,
+so rounding only removes float noise). Solver wall time is NOT in the file (it differs
+between runs); compile results and the CLI report it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
+           "canonical_json", "round_us", "plain", "exposed_comm"]
+
+FORMAT = "moegraph.schedule"
+VERSION = 1
+DECIMALS = 6
+
+
+class ScheduleFormatError(ValueError):
+    """A file that is not a moegraph schedule of a supported version, or misses fields."""
+
+
+def round_us(x: float) -> float:
+    """A time in microseconds as written to the file (-0.0 folded into 0.0)."""
+    if not math.isfinite(x):
+        raise ScheduleFormatError(f"time {x!r} is not finite")
+    return round(float(x), DECIMALS) + 0.0
+
+
+def plain(v: Any, where: str = "value") -> Any:
+    """JSON types only: tuples become lists; anything else JSON cannot hold is an error."""
+    if isinstance(v, (tuple, list)):
+        return [plain(x, where) for x in v]
+    if isinstance(v, dict):
+        return {str(k): plain(x, where) for k, x in v.items()}
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        if not math.isfinite(v):
+            raise ScheduleFormatError(f"{where}: {v!r} cannot be written to JSON")
+        return v
+    raise ScheduleFormatError(f"{where}: {type(v).__name__} {v!r} cannot be written to JSON")
+
+
+def canonical_json(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+@dataclass(frozen=True)
+class ScheduledValue:
+    name: str
+    bytes: int
+    kind: str
+    alias_of: str | None
+
+
+@dataclass(frozen=True)
+class ScheduledNode:
+    name: str
+    op: str
+    role: str
+    phase: str
+    kind: str                   # "compute" | "comm"
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    flops: int
+    mem_bytes: int
+    comm_bytes: int
+    group: int
+    attrs: dict
+    module: str
+    block: str
+    forward_of: str | None
+    stream: str
+    start_us: float
+    end_us: float
+    sm_budget: int
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+_NODE_FIELDS = tuple(f for f in ScheduledNode.__dataclass_fields__)
+_VALUE_FIELDS = tuple(f for f in ScheduledValue.__dataclass_fields__)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    graph: dict
+    hardware: dict
+    streams: tuple[str, ...]
+    memory_budget_bytes: int | None
+    tick_us: float
+    values: tuple[ScheduledValue, ...]
+    nodes: tuple[ScheduledNode, ...]
+    summary: dict
+    hash: str = field(default="")
+
+    # -- content and hash ---------------------------------------------------------------
+    def content(self) -> dict:
+        """The file's JSON object without the hash."""
+        return {
+            "format": FORMAT, "version": VERSION,
+            "graph": plain(self.graph, "graph"),
+            "hardware": plain(self.hardware, "hardware"),
+            "streams": list(self.streams),
+            "memory_budget_bytes": self.memory_budget_bytes,
+            "tick_us": self.tick_us,
+            "values": [plain(asdict(v), f"value {v.name!r}") for v in self.values],
+            "nodes": [{**plain({k: getattr(n, k) for k in _NODE_FIELDS if k != "attrs"}, f"node {n.name!r}"),
+                       "attrs": plain(n.attrs, f"node {n.name!r} attrs")} for n in self.nodes],
+            "summary": plain(self.summary, "summary"),
+        }
+
+    def compute_hash(self) -> str:
+        return "sha256:" + hashlib.sha256(canonical_json(self.content()).encode("ascii")).hexdigest()
+
+    def with_hash(self) -> "Schedule":
+        return replace(self, hash=self.compute_hash())
+
+    # -- I/O ------------------------------------------------------------------------------
+    def to_json(self) -> str:
+        """Canonical text (one line per top-level list entry would not be canonical: the whole
+        file is one canonical JSON document plus a trailing newline)."""
+        return canonical_json({**self.content(), "hash": self.hash or self.compute_hash()}) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Schedule":
+        """Parse a schedule file. The hash is read, not checked (schedules.verify checks it)."""
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ScheduleFormatError(f"not JSON: {err}") from None
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            got = d.get("format") if isinstance(d, dict) else None
+            raise ScheduleFormatError(f"not a {FORMAT} file (format={got!r})")
+        if d.get("version") != VERSION:
+            raise ScheduleFormatError(f"schedule version {d.get('version')!r} is not supported "
+                                      f"(this reader: {VERSION})")
+        missing = [k for k in ("graph", "hardware", "streams", "memory_budget_bytes", "tick_us", "values", "nodes",
+                               "summary", "hash") if k not in d]
+        if missing:
+            raise ScheduleFormatError(f"schedule file misses {', '.join(map(repr, missing))}")
+        try:
+            values = tuple(ScheduledValue(**{k: v[k] for k in _VALUE_FIELDS}) for v in d["values"])
+            nodes = tuple(ScheduledNode(**{k: (tuple(n[k]) if k in ("inputs", "outputs") else n[k])
+                                           for k in _NODE_FIELDS}) for n in d["nodes"])
+        except (KeyError, TypeError) as err:
+            raise ScheduleFormatError(f"malformed value or node entry: missing or bad field {err}") from None
+        return cls(graph=d["graph"], hardware=d["hardware"], streams=tuple(d["streams"]),
+                   memory_budget_bytes=d["memory_budget_bytes"], tick_us=d["tick_us"], values=values,
+                   nodes=nodes, summary=d["summary"], hash=d["hash"])
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json(), encoding="ascii")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Schedule":
+        return cls.from_json(Path(path).read_text(encoding="ascii"))
+
+    # -- conveniences ---------------------------------------------------------------------
+    @property
+    def node(self) -> dict[str, ScheduledNode]:
+        return {n.name: n for n in self.nodes}
+
+    @property
+    def makespan_us(self) -> float:
+        return max((n.end_us for n in self.nodes), default=0.0)
+
+
+def exposed_comm(nodes: tuple[ScheduledNode, ...] | list[ScheduledNode]) -> list[tuple[float, float]]:
+    """Intervals (us) where some collective runs and no compute node does: communication the
+    schedule failed to hide."""
+    def union(spans):
+        merged: list[list[float]] = []
+        for s, e in sorted(spans):
+            if merged and s <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], e)
+            else:
+                merged.append([s, e])
+        return merged
+    comm = union((n.start_us, n.end_us) for n in nodes if n.kind == "comm" and n.end_us > n.start_us)
+    comp = union((n.start_us, n.end_us) for n in nodes if n.kind == "compute" and n.end_us > n.start_us)
+    out, j = [], 0
+    for s, e in comm:
+        cur = s
+        while j < len(comp) and comp[j][1] <= cur:
+            j += 1
+        k = j
+        while cur < e:
+            if k < len(comp) and comp[k][0] < e:
+                if comp[k][0] > cur:
+                    out.append((cur, comp[k][0]))
+                cur = max(cur, comp[k][1])
+                k += 1
+            else:
+                out.append((cur, e))
+                cur = e
+    return out

@@ -1,0 +1,333 @@
+"""Check a finished schedule file against the semantics, independently of the solver.
+
+Nothing here reuses the CP-SAT model or schedules.problem: every rule is re-derived from the
+file by sweeping events over time. Checks, in the order violations are reported:
+
+    hash        the content hashes to the recorded hash
+    structure   each node once, on a known stream of its kind, finite times, end >= start
+    dependency  a node starts at or after the end of every producer of its inputs
+    barrier     backward/recompute nodes start at or after the end of every forward node
+    stream      one node at a time per stream (nodes taking no time occupy no stream)
+    sm          the SMs of running nodes sum to <= sm_count at every instant
+    duration    each duration matches the cost model (rebuilt from the embedded hardware)
+                at the recorded SM budget, rounded up to the tick: 0 <= d - cost <= 10 ns
+    memory      peak live bytes (recomputed) equals summary.peak_memory_bytes and fits
+                memory_budget_bytes
+    summary     summary.makespan_us equals the last end
+
+Times are compared on an integer picosecond grid (file times are rounded to 1e-6 us).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from schedules.schedule_file import Schedule
+
+__all__ = ["Violation", "verify_schedule", "DURATION_TOLERANCE_US", "check", "memory_events", "memory_curve"]
+
+DURATION_TOLERANCE_US = 0.01 + 1e-6
+"""Durations are rounded up to a 10 ns tick; the extra 1 ps absorbs float rounding."""
+_EXCLUDED_KINDS = ("param", "param_grad")
+_FORWARD = "forward"
+
+
+@dataclass(frozen=True)
+class Violation:
+    check: str
+    message: str
+    nodes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _ps(t: float) -> int:
+    return round(t * 1e6)
+
+
+def _gib(b: float) -> str:
+    return f"{b / 2**30:.2f} GiB"
+
+
+def verify_schedule(sched: Schedule, cost: Any | None = None) -> list[Violation]:
+    """All violations found (empty: the schedule is valid). The first is the one to print."""
+    out: list[Violation] = []
+    recorded, actual = sched.hash, sched.compute_hash()
+    if recorded != actual:
+        out.append(Violation("hash", f"hash mismatch: the file records {recorded[:19]}... but its content "
+                                     f"hashes to {actual[:19]}... (edited after it was written?)"))
+    if not _structure(sched, out):
+        return out
+    _dependencies(sched, out)
+    _barrier(sched, out)
+    _streams(sched, out)
+    _sms(sched, out)
+    _durations(sched, cost, out)
+    _memory(sched, out)
+    _summary(sched, out)
+    return out
+
+
+def check(sched: Schedule, cost: Any | None = None) -> None:
+    """Raise ValueError with the first violation, if any."""
+    v = verify_schedule(sched, cost)
+    if v:
+        raise ValueError(v[0].message)
+
+
+def _structure(s: Schedule, out: list[Violation]) -> bool:
+    ok = True
+    seen: set[str] = set()
+    for n in s.nodes:
+        if n.name in seen:
+            out.append(Violation("structure", f"node {n.name!r} is scheduled more than once", (n.name,)))
+            ok = False
+        seen.add(n.name)
+        where = f"node {n.name!r}"
+        if n.stream not in s.streams:
+            out.append(Violation("structure", f"{where} is on unknown stream {n.stream!r}; streams: {list(s.streams)}",
+                                 (n.name,)))
+            ok = False
+        elif (n.kind == "comm") != n.stream.startswith("comm") or n.kind not in ("comm", "compute"):
+            out.append(Violation("structure", f"{where} ({n.kind}) is on stream {n.stream!r}", (n.name,)))
+            ok = False
+        times_ok = all(isinstance(t, (int, float)) and math.isfinite(t) for t in (n.start_us, n.end_us))
+        if not times_ok or n.start_us < 0 or n.end_us < n.start_us:
+            out.append(Violation("structure", f"{where} has bad times start={n.start_us!r} end={n.end_us!r} us",
+                                 (n.name,)))
+            ok = False
+    known = {v.name for v in s.values}
+    for n in s.nodes:
+        for v in (*n.inputs, *n.outputs):
+            if v not in known:
+                out.append(Violation("structure", f"node {n.name!r} refers to undeclared value {v!r}", (n.name,)))
+                ok = False
+    return ok
+
+
+def _producers(s: Schedule) -> dict[str, Any]:
+    return {v: n for n in s.nodes for v in n.outputs}
+
+
+def _dependencies(s: Schedule, out: list[Violation]) -> None:
+    prod = _producers(s)
+    for n in s.nodes:
+        for v in n.inputs:
+            p = prod.get(v)
+            if p is not None and _ps(n.start_us) < _ps(p.end_us):
+                out.append(Violation("dependency", f"node {n.name!r} starts at {n.start_us:.2f} us before its input "
+                                                   f"{v!r} is produced at {p.end_us:.2f} us by {p.name!r}",
+                                     (n.name, p.name)))
+
+
+def _forward_end(s: Schedule) -> tuple[float, str | None]:
+    fwd = [n for n in s.nodes if n.phase == _FORWARD]
+    if not fwd:
+        return 0.0, None
+    last = max(fwd, key=lambda n: (_ps(n.end_us), n.name))
+    return last.end_us, last.name
+
+
+def _barrier(s: Schedule, out: list[Violation]) -> None:
+    end, last = _forward_end(s)
+    for n in s.nodes:
+        if n.phase != _FORWARD and _ps(n.start_us) < _ps(end):
+            out.append(Violation("barrier", f"node {n.name!r} ({n.phase}) starts at {n.start_us:.2f} us before the "
+                                            f"forward pass ends at {end:.2f} us (last forward node {last!r})",
+                                 (n.name, last)))
+
+
+def _streams(s: Schedule, out: list[Violation]) -> None:
+    for stream in s.streams:
+        busy = sorted((_ps(n.start_us), _ps(n.end_us), n.name, n) for n in s.nodes
+                      if n.stream == stream and _ps(n.end_us) > _ps(n.start_us))
+        last = None
+        for s0, e0, _, n in busy:
+            if last is not None and s0 < _ps(last.end_us):
+                out.append(Violation("stream", f"nodes {last.name!r} [{last.start_us:.2f}, {last.end_us:.2f}) us and "
+                                               f"{n.name!r} [{n.start_us:.2f}, {n.end_us:.2f}) us overlap on stream "
+                                               f"{stream!r}", (last.name, n.name)))
+            if last is None or e0 > _ps(last.end_us):
+                last = n
+
+
+def _sm_count(s: Schedule) -> int:
+    return int(s.hardware["sm_count"])
+
+
+def _sms(s: Schedule, out: list[Violation]) -> None:
+    cap = _sm_count(s)
+    events = []
+    for n in s.nodes:
+        if _ps(n.end_us) > _ps(n.start_us) and n.sm_budget:
+            events.append((_ps(n.start_us), 1, n.sm_budget, n))
+            events.append((_ps(n.end_us), 0, -n.sm_budget, n))
+    events.sort(key=lambda e: (e[0], e[1], e[3].name))
+    used, running = 0, {}
+    for t, is_start, d, n in events:
+        used += d
+        if is_start:
+            running[n.name] = n.sm_budget
+        else:
+            running.pop(n.name, None)
+        if used > cap:
+            holders = ", ".join(f"{k!r} ({v})" for k, v in sorted(running.items()))
+            out.append(Violation("sm", f"SMs exceed sm_count={cap} at {t / 1e6:.2f} us: {holders} hold {used}",
+                                 tuple(sorted(running))))
+            return
+
+
+def _cost_model(s: Schedule, cost: Any | None) -> Any:
+    if cost is not None:
+        return cost
+    from moegraph.cost import CostModel
+    from moegraph.registry import Hardware
+    return CostModel(Hardware(**s.hardware))
+
+
+def _ir_node(n) -> Any:
+    from moegraph.ir import Node, OpKind, Phase, Role, freeze_attrs
+    return Node(name=n.name, op=OpKind(n.op), phase=Phase(n.phase), inputs=tuple(n.inputs),
+                outputs=tuple(n.outputs), role=Role(n.role), flops=n.flops, mem_bytes=n.mem_bytes,
+                comm_bytes=n.comm_bytes, group=n.group, module=n.module, block=n.block,
+                forward_of=n.forward_of, attrs=freeze_attrs(n.attrs))
+
+
+def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
+    try:
+        cost = _cost_model(s, cost)
+    except (TypeError, ValueError) as err:
+        out.append(Violation("duration", f"cannot rebuild the cost model from the embedded hardware: {err}"))
+        return
+    S = int(cost.sm_count())
+    hw = getattr(cost, "hw", None)
+    reserves = sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())})
+    for n in s.nodes:
+        try:
+            node = _ir_node(n)
+        except (ValueError, TypeError) as err:
+            out.append(Violation("duration", f"node {n.name!r} cannot be priced: {err}", (n.name,)))
+            continue
+        if node.is_comm:
+            allowed = tuple(cost.comm_sm_budgets(node))
+            if n.sm_budget not in allowed:
+                out.append(Violation("duration", f"node {n.name!r} holds {n.sm_budget} SMs; allowed budgets: "
+                                                 f"{list(allowed)}", (n.name,)))
+                continue
+            want, at = float(cost.node_time_us(node, n.sm_budget)), f"with {n.sm_budget} SMs"
+        else:
+            base = 0.0 if node.op.value == "split" else float(cost.node_time_us(node))
+            if base == 0.0:
+                want, at = 0.0, "(no kernel)"
+                if n.sm_budget != 0:
+                    out.append(Violation("duration", f"node {n.name!r} takes no time but records {n.sm_budget} SMs",
+                                         (n.name,)))
+                    continue
+            else:
+                if n.sm_budget not in [S - b for b in reserves]:
+                    out.append(Violation("duration", f"node {n.name!r} runs on {n.sm_budget} SMs; allowed: "
+                                                     f"{[S - b for b in reserves]}", (n.name,)))
+                    continue
+                want, at = base * cost.compute_slowdown(S - n.sm_budget), f"on {n.sm_budget} of {S} SMs"
+        got = n.end_us - n.start_us
+        if not (-1e-6 <= got - want <= DURATION_TOLERANCE_US):
+            out.append(Violation("duration", f"node {n.name!r} lasts {got:.4f} us but the cost model gives "
+                                             f"{want:.4f} us {at}", (n.name,)))
+
+
+def _bases(s: Schedule) -> dict[str, str]:
+    alias = {v.name: v.alias_of for v in s.values}
+    base = {}
+    for name in alias:
+        b, hops = name, 0
+        while alias.get(b) is not None and hops <= len(alias):
+            b, hops = alias[b], hops + 1
+        base[name] = b
+    return base
+
+
+def memory_events(s: Schedule) -> list[tuple[int, int, str]]:
+    """(time ps, +/- bytes, value) for every counted value's live interval [start, end)."""
+    values = {v.name: v for v in s.values}
+    base = _bases(s)
+    prod = _producers(s)
+    graph_inputs = set(s.graph.get("inputs", ()))
+    outputs = {base.get(o, o) for o in s.graph.get("outputs", ())}
+    makespan = max((_ps(n.end_us) for n in s.nodes), default=0)
+    barrier = _ps(_forward_end(s)[0])
+    last_use: dict[str, int] = {}
+    for n in s.nodes:
+        for v in n.inputs:
+            b = base.get(v, v)
+            last_use[b] = max(last_use.get(b, 0), _ps(n.end_us))
+    events = []
+    for v in s.values:
+        if v.bytes <= 0 or v.alias_of is not None or v.kind in _EXCLUDED_KINDS:
+            continue
+        p = prod.get(v.name)
+        if p is not None:
+            start = _ps(p.start_us)
+        elif v.name in graph_inputs:
+            start = barrier if v.kind == "grad" else 0
+        else:
+            continue
+        if v.name in outputs:
+            end = makespan
+        elif v.name in last_use:
+            end = last_use[v.name]
+        else:
+            end = _ps(p.end_us) if p is not None else start
+        if end > start:
+            events += [(start, v.bytes, v.name), (end, -v.bytes, v.name)]
+    return sorted(events, key=lambda e: (e[0], e[1], e[2]))
+
+
+def memory_curve(s: Schedule) -> list[tuple[float, int]]:
+    """(time us, live bytes from then on) at every change."""
+    live, curve = 0, []
+    for t, d, _ in memory_events(s):
+        live += d
+        if curve and curve[-1][0] == t / 1e6:
+            curve[-1] = (t / 1e6, live)
+        else:
+            curve.append((t / 1e6, live))
+    return curve
+
+
+def _memory(s: Schedule, out: list[Violation]) -> None:
+    events = memory_events(s)
+    live, peak, peak_t, live_set, peak_set = 0, 0, 0, {}, {}
+    i = 0
+    while i < len(events):  # apply every change at one instant, then read the level
+        t = events[i][0]
+        while i < len(events) and events[i][0] == t:
+            _, d, name = events[i]
+            live += d
+            if d > 0:
+                live_set[name] = d
+            else:
+                live_set.pop(name, None)
+            i += 1
+        if live > peak:
+            peak, peak_t, peak_set = live, t, dict(live_set)
+    recorded = s.summary.get("peak_memory_bytes")
+    if recorded != peak:
+        out.append(Violation("memory", f"summary.peak_memory_bytes is {recorded} but the schedule peaks at "
+                                       f"{peak} bytes"))
+    budget = s.memory_budget_bytes
+    if budget is not None and peak > budget:
+        top = sorted(peak_set.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
+        names = ", ".join(f"{k!r} {_gib(b)}" for k, b in top)
+        out.append(Violation("memory", f"peak memory {_gib(peak)} at {peak_t / 1e6:.2f} us exceeds the budget "
+                                       f"{_gib(budget)} (largest live: {names})", tuple(k for k, _ in top)))
+
+
+def _summary(s: Schedule, out: list[Violation]) -> None:
+    span = max((n.end_us for n in s.nodes), default=0.0)
+    recorded = s.summary.get("makespan_us")
+    if not isinstance(recorded, (int, float)) or _ps(recorded) != _ps(span):
+        out.append(Violation("summary", f"summary.makespan_us is {recorded} but the last node ends at {span:.2f} us"))
+

@@ -1,0 +1,189 @@
+"""CP-SAT: never worse than a baseline, never below the bound, memory budget, determinism."""
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import schedules.api as api
+from schedules import MemoryBudgetError, ScheduleError, compile_graph, verify_schedule
+from schedules.baselines import BASELINES
+from schedules.bound import memory_lower_bound
+from schedules.cpsat import CpSatResult, SolverOptions, build_model, min_peak_memory, solve
+from schedules.problem import build_problem, check_solution, peak_memory_bytes
+from schedules_fakes import barrier_graph, cost_model, crossing_graph, moe_layer, tiny_chain
+
+COST = cost_model()
+FAST = 2.0  # time_limit_s for the suite: small graphs solve to optimality well within it
+
+
+@pytest.mark.parametrize("make", [tiny_chain, barrier_graph, moe_layer, lambda: moe_layer(recompute=True)],
+                         ids=["tiny", "barrier", "moe", "moe_re"])
+def test_cpsat_between_bound_and_baselines(make):
+    r = compile_graph(make(), COST, time_limit_s=FAST)
+    s = r.schedule
+    assert verify_schedule(s) == []
+    span = s.summary["makespan_us"]
+    assert s.summary["lower_bound_us"] <= span + 1e-9
+    assert span <= min(s.summary["baselines"].values()) + 1e-9
+    assert r.status == "OPTIMAL"
+    assert s.summary["solver"]["objective_bound_us"] == pytest.approx(span)
+
+
+def test_cpsat_beats_the_baselines_where_there_is_room():
+    s = compile_graph(moe_layer(recompute=True), COST, time_limit_s=FAST).schedule
+    assert s.summary["makespan_us"] < 0.99 * min(s.summary["baselines"].values())
+
+
+def test_model_is_named_after_nodes():
+    p = build_problem(tiny_chain(), COST)
+    h = build_model(p)
+    names = {v.name for v in h.model.proto.variables}
+    assert {"start[fc1]", "start[fc2.dgrad]", "makespan", "barrier"} <= names
+    assert any(n.startswith("mode[fc1=") for n in names)
+    assert set(h.tasks) == {t.name for t in p.tasks}
+
+
+def test_barrier_is_respected_even_without_a_dependency():
+    s = compile_graph(barrier_graph(), COST, time_limit_s=FAST).schedule
+    node = s.node
+    fwd_end = max(n.end_us for n in s.nodes if n.phase == "forward")
+    assert node["early.dgrad"].start_us >= fwd_end
+
+
+def test_two_comm_streams_use_the_sm_cumulative():
+    g = moe_layer(chunks=2, scope="inter")
+    r = compile_graph(g, COST, comm_streams=("comm.intra", "comm.inter"), time_limit_s=FAST)
+    assert verify_schedule(r.schedule) == []
+    assert r.schedule.streams == ("compute", "comm.intra", "comm.inter")
+
+
+def test_symmetry_breaking_keeps_the_optimum():
+    p = build_problem(moe_layer(chunks=2, tokens=256, h=1024, ffn=2048), COST)
+    opts = SolverOptions(time_limit_s=20.0)
+    with_sym = solve(p, opts, hint=BASELINES["megascale"](p))
+    h = build_model(p, hint=BASELINES["megascale"](p), symmetry=False)
+    from schedules.cpsat import _run
+    without = _run(p, h, opts, "cpsat")
+    assert with_sym.status == without.status == "OPTIMAL"
+    assert with_sym.objective == without.objective
+
+
+def test_memory_budget_is_kept():
+    g = moe_layer(recompute=True)
+    p = build_problem(g, COST)
+    worst = max(peak_memory_bytes(p, f(p)) for f in BASELINES.values())
+    budget = int(worst * 0.85)
+    r = compile_graph(g, COST, memory_budget_bytes=budget, time_limit_s=FAST)
+    s = r.schedule
+    assert verify_schedule(s) == []
+    assert s.summary["peak_memory_bytes"] <= budget
+    assert s.memory_budget_bytes == budget
+
+
+def test_budget_below_the_sound_bound_fails_fast_with_the_least_peak():
+    g = moe_layer()
+    least, _ = memory_lower_bound(build_problem(g, COST))
+    with pytest.raises(MemoryBudgetError) as err:
+        compile_graph(g, COST, memory_budget_bytes=1 << 30 >> 4)
+    assert str(err.value) == (f"memory budget 0.06 GiB is below the least feasible peak memory {least / 2**30:.2f} GiB "
+                              f"for this graph (a sound lower bound: values that must be live while 'swiglu.bwd' runs)")
+    assert err.value.least_peak_bytes == least and err.value.proven
+
+
+def test_budget_below_the_least_peak_proven_by_search():
+    g = crossing_graph()
+    p = build_problem(g, COST)
+    bound, _ = memory_lower_bound(p)
+    least = min(peak_memory_bytes(p, f(p)) for f in BASELINES.values())
+    assert bound < least  # the cheap bound cannot decide this budget
+    budget = (bound + least) // 2
+    with pytest.raises(MemoryBudgetError) as err:
+        compile_graph(g, COST, memory_budget_bytes=budget, time_limit_s=FAST)
+    assert str(err.value) == (f"memory budget {budget / 2**30:.2f} GiB is below the least feasible peak memory "
+                              f"{least / 2**30:.2f} GiB for this graph (proven by a min-peak-memory CP-SAT solve)")
+    assert err.value.least_peak_bytes == least
+
+
+def test_min_peak_memory_solve():
+    p = build_problem(crossing_graph(), COST)
+    r, unit = min_peak_memory(p, SolverOptions(time_limit_s=FAST))
+    assert r.status == "OPTIMAL"
+    assert r.objective * unit == peak_memory_bytes(p, r.solution)
+    check_solution(p, r.solution)
+
+
+def test_solver_never_returns_worse_than_the_best_baseline(monkeypatch):
+    g = moe_layer()
+
+    def no_solution(problem, opts, *, hint=None, horizon=None):
+        return CpSatResult("UNKNOWN", None, None, 0, 0.0, 0.0, False)
+
+    monkeypatch.setattr(api, "solve", no_solution)
+    r = compile_graph(g, COST, time_limit_s=FAST)
+    base = r.schedule.summary["baselines"]
+    best = min(base, key=lambda k: (base[k], ("megascale", "greedy", "sequential").index(k)))
+    assert r.status == f"UNKNOWN (kept {best} baseline)"
+    assert r.schedule.summary["makespan_us"] == base[best]
+    assert r.schedule.summary["method"] == best
+    assert verify_schedule(r.schedule) == []
+
+
+@pytest.mark.parametrize("method", ["sequential", "greedy", "megascale"])
+def test_baseline_methods(method):
+    r = compile_graph(moe_layer(), COST, method=method)
+    assert r.status == "BASELINE"
+    assert r.schedule.summary["method"] == method
+    assert r.schedule.summary["makespan_us"] == r.schedule.summary["baselines"][method]
+    assert r.schedule.summary["solver"] == {"status": "NOT_RUN", "objective_bound_us": None}
+    assert verify_schedule(r.schedule) == []
+
+
+def test_baseline_method_over_budget_is_an_error():
+    g = moe_layer(recompute=True)
+    p = build_problem(g, COST)
+    greedy_peak = peak_memory_bytes(p, BASELINES["greedy"](p))
+    budget = greedy_peak - 1
+    least, _ = memory_lower_bound(p)
+    assert budget >= least
+    with pytest.raises(MemoryBudgetError, match=r"the greedy schedule peaks at .* GiB, above the memory budget "):
+        compile_graph(g, COST, method="greedy", memory_budget_bytes=budget)
+
+
+def test_unknown_method():
+    with pytest.raises(ScheduleError, match="method='magic' is not one of cpsat, sequential, greedy, megascale"):
+        compile_graph(tiny_chain(), COST, method="magic")
+
+
+def test_bad_time_limit():
+    with pytest.raises(ScheduleError, match="time_limit_s=0 must be a positive number"):
+        compile_graph(tiny_chain(), COST, time_limit_s=0)
+
+
+DETERMINISM = "moe_layer(chunks=2, recompute=True)"  # stops on the time limit, not optimality
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def test_same_inputs_same_bytes_ten_times():
+    g = eval(DETERMINISM)
+    files = {_digest(compile_graph(g, COST, time_limit_s=0.5).schedule.to_json()) for _ in range(10)}
+    assert len(files) == 1
+
+
+def test_same_bytes_in_another_process():
+    """A fresh interpreter with another hash seed (set/dict order of strings changes) writes the
+    same file."""
+    here = compile_graph(eval(DETERMINISM), COST, time_limit_s=0.5).schedule.to_json()
+    code = ("import sys; sys.path.insert(0, 'tests'); from schedules_fakes import *; "
+            "from schedules import compile_graph; "
+            f"sys.stdout.write(compile_graph({DETERMINISM}, cost_model(), time_limit_s=0.5).schedule.to_json())")
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONHASHSEED": "12345"})
+    assert out.stdout == here
