@@ -1,0 +1,41 @@
+"""Runtime: execute a scheduled layer graph on real ranks (torch.distributed) and measure it.
+
+Read in this order: ``plan`` (what runs where, in which order), ``collectives`` (the IR
+collectives on gloo / NCCL), ``executor`` (streams, events, one node at a time), ``autograd``
+(forward/backward glue), ``module`` (the compiled nn.Module and ``compile_module``),
+``trace`` (measured Gantt), ``launch`` (spawning ranks), ``check`` (numerics against eager),
+``commands`` (``moegraph run``). docs/runtime.md describes the execution model.
+
+This file stays import-light (no torch): the CLI imports it to learn the expected errors.
+"""
+
+from __future__ import annotations
+
+
+class RuntimeFailure(RuntimeError):
+    """An expected runtime failure, reported by the CLI as one line and exit code 2."""
+
+
+class ScheduleMismatch(RuntimeFailure):
+    """Ranks were handed different execution plans; the message names the ranks that differ."""
+
+
+class PlanError(RuntimeFailure):
+    """An execution plan that does not fit its graph (missing node, broken dependency order)."""
+
+
+class CollectiveTimeout(RuntimeFailure):
+    """A collective did not complete within the timeout; the message names the node."""
+
+
+class RankFailure(RuntimeFailure):
+    """A spawned rank raised; carries the rank, the original error type name and its traceback."""
+
+    def __init__(self, message: str, *, rank: int, error_type: str, traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.error_type = error_type
+        self.traceback = traceback
+
+
+__all__ = ["RuntimeFailure", "ScheduleMismatch", "PlanError", "CollectiveTimeout", "RankFailure"]

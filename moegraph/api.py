@@ -1,0 +1,40 @@
+"""The public entry point: ``moegraph.compile`` turns an MoE layer into a scheduled, sharded module.
+
+This is the pipeline's front door, so (like the CLI) it may reach the later stages, but only
+lazily inside the function: importing moegraph stays light and library imports flow forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
+            attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = "",
+            memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
+            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True) -> Any:
+    """Compile one MoE decoder layer for this rank; returns an ``nn.Module`` (runtime.module.CompiledLayer).
+
+    module:          the eager layer (the project's MoETransformerLayer, or transformers'
+                     MixtralDecoderLayer); its parameters are read once and sharded.
+    example_inputs:  the *full* layer input [b, s, h] (or a tuple starting with it): gives b, s and
+                     the dtype (fp32 or bf16); its values are not used.
+    hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
+    attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``).
+    memory_budget:   bytes of activation memory the schedule may use (None: unbounded).
+    schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (schedules package) |
+                     'asap' (the runtime's own overlapped order), or a Schedule / ExecutionPlan.
+    n:               group size; default and only supported value: the world size of the default
+                     process group (1 without torch.distributed).
+    timeout_s:       how long any collective may take before a CollectiveTimeout names it.
+
+    Collective: every rank must call it with the same arguments; ranks compare plan hashes and
+    raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
+    takes and returns this rank's sequence shard [b, s/n, h]; see ``.shard_input``,
+    ``.unshard_output`` and ``.full_grads``. ``loss.backward()`` runs the scheduled backward and
+    leaves gradients in the shards' ``.grad``.
+    """
+    from runtime.module import compile_module
+    return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
+                          passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
+                          time_limit_s=time_limit_s, record=record)

@@ -1,0 +1,255 @@
+"""`moegraph run`: execute a compiled layer on N local ranks, measure it, optionally check it.
+
+The parent process lowers the registry model (``layer_from_args``: strategy, passes), builds the
+plan once (so N ranks do not each run the scheduler), then spawns N ranks on loopback
+(``runtime.launch.spawn``). Each rank builds the reference layer
+``MoETransformerLayer.from_config`` with the same seeded random weights, shards it, and runs
+warm-up + K steps (forward + backward). Step time of a step = the slowest rank's; the report
+gives the median over the K steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SCHEDULES = ("cpsat", "sequential", "greedy", "megascale", "asap")
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """Everything a rank needs; picklable (sent to spawned ranks)."""
+
+    model: Any                    # registry ModelConfig
+    graph: Any                    # moegraph.ir.Graph, lowered for n ranks
+    plans: tuple                  # ExecutionPlans to time (the CLI: one; benchmarks: several)
+    steps: int
+    warmup: int
+    seed: int
+    dtype: str
+    device: str                   # "cpu" | "cuda"
+    timeout_s: float
+    check: bool = False
+
+
+def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32"):
+    """The reference layer with reproducible random weights: the same on every rank.
+
+    Matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1^2) (not all ones, so their
+    gradients are exercised)."""
+    import torch
+    from moegraph.models import MoETransformerLayer
+    torch.manual_seed(seed)
+    layer = MoETransformerLayer.from_config(cfg)
+    with torch.no_grad():
+        for p in layer.parameters():
+            if p.dim() == 1:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(std=p.shape[-1] ** -0.5)
+    return layer.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
+
+
+def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
+    """Run ``steps`` forward+backward steps; per step, wall microseconds on this rank (ranks start
+    each step together: a barrier precedes it)."""
+    import torch
+    import torch.distributed as dist
+    times = []
+    for _ in range(steps):
+        for p in layer.parameters():
+            p.grad = None
+        xs.grad = None
+        if dist.is_initialized():
+            dist.barrier(group=barrier_group)
+        if xs.is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layer(xs).backward(dys)
+        if xs.is_cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
+    """One rank of `moegraph run`: time every plan of ``spec`` (interleaved step by step)."""
+    import torch
+    from runtime.check import check_against_eager
+    from runtime.module import build_layer
+    from runtime.trace import trace_to_dict
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
+    module = seeded_layer(spec.model, spec.seed, spec.dtype).to(spec.device)
+    full = {k: p.detach() for k, p in module.named_parameters()}
+    layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
+    dims = spec.graph.dims
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    x = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
+    dy = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
+    xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
+    meta = getattr(layers[0].executor.comm, "meta", None)
+    times: list[list[float]] = [[] for _ in layers]
+    for layer in layers:
+        timed_steps(layer, xs, dys, spec.warmup, meta)
+        layer.clear_traces()
+    for _ in range(spec.steps):               # interleaved, so drift on the machine hits every plan alike
+        for i, layer in enumerate(layers):
+            times[i] += timed_steps(layer, xs, dys, 1, meta)
+    out: dict[str, Any] = {"rank": rank, "plans": []}
+    for layer, t in zip(layers, times):
+        out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
+                             "traces": [trace_to_dict(tr) for tr in layer.traces]})
+    if spec.check:
+        out["check"] = check_against_eager(module, layers[0], x, dy)
+    return out
+
+
+def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, Any]:
+    """Per step the slowest rank's time; the median over steps (and min, max)."""
+    per_rank = [r["plans"][plan_index]["step_us"] for r in results]
+    steps = [max(ts) for ts in zip(*per_rank)]
+    return {"step_us": round(statistics.median(steps), 1), "step_us_min": round(min(steps), 1),
+            "step_us_max": round(max(steps), 1), "step_us_all": [round(t, 1) for t in steps]}
+
+
+# -- the command ----------------------------------------------------------------------------------
+
+def run_command(p: argparse.ArgumentParser):
+    from moegraph.commands import add_layer_args
+    add_layer_args(p, model_default="tiny")
+    p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-gloo")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default %(default)s")
+    p.add_argument("--schedule", default="cpsat", choices=SCHEDULES,
+                   help="scheduler method, or 'asap' (the runtime's own overlapped order); default %(default)s")
+    p.add_argument("--steps", type=int, default=5, help="measured steps (default %(default)s)")
+    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default %(default)s)")
+    p.add_argument("--check", action="store_true",
+                   help="compare output and every gradient with the eager unsharded module")
+    p.add_argument("--trace", metavar="OUT", help="write the measured schedule file (OUT), the predicted one "
+                   "(OUT with suffix .predicted.json) and a Chrome trace (suffix .chrome.json)")
+    p.add_argument("--compare-prediction", action="store_true",
+                   help="per-node and total error of the cost model against the measured steps")
+    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES", help="schedule memory budget")
+    p.add_argument("--time-limit", type=float, default=10.0, help="scheduler time limit, s (default %(default)s)")
+    p.add_argument("--timeout", type=float, default=120.0,
+                   help="seconds any collective may take before the run fails naming it (default %(default)s)")
+
+    def handler(args) -> int:
+        report = run(args)
+        if args.json:
+            json.dump(report, sys.stdout, indent=1)
+            print()
+        else:
+            print(format_report(report))
+        return 0
+    return handler
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from moegraph.cli import UsageError
+    from moegraph.commands import layer_from_args
+    from runtime.launch import spawn
+    from runtime.module import make_plan
+    for flag in ("steps",):
+        if getattr(args, flag) < 1:
+            raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
+    if args.warmup < 0 or args.timeout <= 0:
+        raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
+    device = "cpu"
+    if args.backend == "nccl":
+        import torch
+        if not torch.cuda.is_available() or torch.cuda.device_count() < args.n:
+            raise UsageError(f"--backend nccl needs {args.n} CUDA devices, this machine has "
+                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        device = "cuda"
+    layer = layer_from_args(args)
+    plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
+                     time_limit_s=args.time_limit)
+    spec = RunSpec(layer.model, layer.graph, (plan,), args.steps, args.warmup, args.seed, args.dtype, device,
+                   args.timeout, args.check)
+    results = spawn(run_rank, args.n, args=(spec,), backend=args.backend, timeout_s=args.timeout * 4 + 300,
+                    pg_timeout_s=args.timeout)
+    g = layer.graph
+    report: dict[str, Any] = {
+        "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
+        "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
+                     "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
+        "batch": g.dims.b, "seq": g.dims.s, "schedule": plan.method, "plan_hash": plan.hash,
+        "steps": args.steps, "warmup": args.warmup, **step_stats(results),
+        "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1)}
+    if args.check:
+        c = results[0]["check"]
+        report.update({k: v for k, v in c.items() if k != "rel_err_input_grad"})
+    traces = _rank_traces(results)
+    if args.compare_prediction:
+        from runtime.trace import compare_prediction
+        report["prediction"] = compare_prediction(plan, traces[0], step_us=report["step_us"])
+    if args.trace:
+        report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
+    return report
+
+
+def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):
+    from runtime.trace import trace_from_dict
+    return [[trace_from_dict(t) for t in r["plans"][plan_index]["traces"]] for r in results]
+
+
+def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps_us: list[float],
+                 hardware: Any = None) -> dict[str, str]:
+    """The step whose time is the median: rank 0's as a measured schedule file (OUT), the plan's
+    prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
+    (OUT.chrome.json)."""
+    from runtime.trace import chrome_trace, measured_schedule, predicted_schedule, schedule_json, write_json
+    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
+    k = order[len(order) // 2]
+    path = Path(out)
+    measured = measured_schedule(traces[0][k], graph, plan, hardware=hardware, step=k, step_us=steps_us[k])
+    written = {"schedule": str(write_json(path, schedule_json(measured)))}
+    predicted = predicted_schedule(graph, plan, hardware=hardware)
+    if predicted is not None:
+        written["predicted"] = str(write_json(path.with_suffix(".predicted.json"), schedule_json(predicted)))
+    written["chrome"] = str(write_json(path.with_suffix(".chrome.json"), chrome_trace([t[k] for t in traces], graph)))
+    return written
+
+
+def format_report(r: dict[str, Any]) -> str:
+    st = r["strategy"]
+    lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
+             f"n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
+             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up",
+             f"step time: median {r['step_us'] / 1e3:.3f} ms (min {r['step_us_min'] / 1e3:.3f}, "
+             f"max {r['step_us_max'] / 1e3:.3f})"
+             + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else "")]
+    if "max_rel_err_output" in r:
+        lines.append(f"check vs eager: max rel err output {r['max_rel_err_output']:.2e}, "
+                     f"grads {r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")
+        if r.get("near_zero_grads"):
+            lines.append(f"  analytically zero gradients {', '.join(r['near_zero_grads'])}: error "
+                         f"{r['max_err_near_zero_grads']:.1e} of the largest gradient norm")
+    if "prediction" in r:
+        pr = r["prediction"]
+        lines += ["", f"{'node':<34} {'stream':<8} {'predicted us':>13} {'measured us':>12} {'error':>8}"]
+        for row in pr["nodes"]:
+            err = "" if row["rel_err"] is None else f"{row['rel_err'] * 100:+.0f}%"
+            lines.append(f"{row['name']:<34} {row['stream']:<8} {row['predicted_us']:>13.1f} "
+                         f"{row['measured_us']:>12.1f} {err:>8}")
+        t = pr["total"]
+        if t["predicted_us"] is not None:
+            lines.append(f"{'total (makespan vs step)':<43} {t['predicted_us']:>13.1f} {t['measured_us']:>12.1f} "
+                         f"{t['rel_err'] * 100:+7.0f}%")
+        if pr["mean_abs_rel_err"] is not None:
+            lines.append(f"mean |per-node error|: {pr['mean_abs_rel_err'] * 100:.0f}%")
+    if "trace" in r:
+        tr = r["trace"]
+        lines.append(f"trace: {tr['schedule']} (measured schedule)"
+                     + (f", {tr['predicted']} (predicted)" if "predicted" in tr else "")
+                     + f", {tr['chrome']} (Chrome trace)")
+    return "\n".join(lines)

@@ -1,0 +1,259 @@
+"""Executor: runs one rank's share of a plan, node by node, forward or backward.
+
+Each plan stream is a queue; the host walks the plan's issue order (identical on every rank):
+
+    compute node    ``moegraph.kernels.run_compute`` (the kernels the interpreter uses), on the
+                    compute stream;
+    collective      issued asynchronously (``async_op=True``) on its stream's process group;
+                    its outputs become available when a consumer first needs them.
+
+Cross-stream dependencies. CPU: the host thread *is* the compute stream, so a compute node that
+reads a collective's output waits on the collective's work handle (``work.wait`` with a
+timeout that names the node); meanwhile gloo's threads move the data, which is the overlap.
+GPU: one CUDA stream per plan stream (compute = the caller's current stream); a consumer on
+another stream than its producer waits on a CUDA event recorded after the producer, and the
+tensor is ``record_stream``-ed so the caching allocator does not reuse it early. A collective
+is issued under its comm stream; ``work.wait()`` then orders that stream after NCCL's.
+
+Values live in an environment keyed by value name and are dropped after their last consumer in
+the phase. Forward keeps what backward and recompute nodes read (the graph's saved values and
+the parameters); backward returns the layer-input gradient and the parameter gradients. Every
+collective issued in a phase completes before the phase returns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from moegraph.ir import Graph, ValueKind
+from moegraph.kernels import RankContext, run_compute
+from runtime import RuntimeFailure
+from runtime.collectives import Pending, drain
+from runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
+from runtime.trace import StepRecorder, new_event
+
+
+@dataclass
+class _Slot:
+    """A value in the environment: produced on ``stream``; on GPU ``event`` marks it ready; on CPU
+    ``pending`` is the in-flight collective that will produce it."""
+
+    value: Any
+    stream: str
+    event: Any = None
+    pending: Pending | None = None
+    synced: set[str] = field(default_factory=set)   # streams already ordered after ``event``
+
+
+class Executor:
+    def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int,
+                 device: torch.device, timeout_s: float = 300.0):
+        self.graph, self.plan, self.comm = graph, check_plan(graph, plan), comm
+        self.rank, self.n, self.timeout_s = rank, n, timeout_s
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.ctx = RankContext(rank, n, graph.dims.s)
+        self.fwd, self.bwd = plan.split(graph)
+        acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
+        seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
+        if len(acts) != 1 or len(seeds) != 1:
+            raise RuntimeFailure(f"graph {graph.name!r} has activation inputs {acts} and seed gradients {seeds}; "
+                                 "the runtime runs layers with exactly one of each")
+        self.input_name, self.seed_name = acts[0], seeds[0]
+        self.param_names = tuple(p for p, _ in graph.params)
+        self.output_name = graph.outputs[0]
+        param_grads = set(graph.grad_of.values())
+        rest = [o for o in graph.outputs[1:] if o not in param_grads]
+        self.input_grad_name = rest[0] if rest else None
+        made_fwd = set(graph.inputs) | {o for e in self.fwd for o in graph.node[e.name].outputs}
+        self.saved = frozenset(i for e in self.bwd for i in graph.node[e.name].inputs
+                               if i in made_fwd and i != self.seed_name)
+        self._release_fwd = _releases(graph, self.fwd, keep=self.saved | {self.output_name})
+        self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
+        self._cross = _cross_stream_values(graph, plan)
+        self.comm_streams: dict[str, Any] = {}
+        if self.cuda:
+            for s in plan.streams:
+                if s != COMPUTE:
+                    self.comm_streams[s] = torch.cuda.Stream(self.device)
+
+    # -- public --------------------------------------------------------------------------------
+
+    def forward(self, x: torch.Tensor, params: Sequence[torch.Tensor], *, keep_saved: bool = True,
+                recorder: StepRecorder | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+        """Run the forward entries on this rank's input shard [b, s/n, h]; return the output shard
+        and the values backward reads (empty when ``keep_saved`` is False)."""
+        expected = self.graph.value[self.input_name].shape
+        if tuple(x.shape) != expected:
+            raise ValueError(f"input shard has shape {tuple(x.shape)}, the graph expects {expected} "
+                             f"(this rank's sequence shard [b, s/n, h] with n={self.n})")
+        inputs = {self.input_name: x, **dict(zip(self.param_names, params))}
+        keep = (self.saved if keep_saved else frozenset()) | {self.output_name}
+        env = self._run(self.fwd, inputs, self._release_fwd, recorder, keep)
+        y = env.pop(self.output_name)
+        return y, env
+
+    def backward(self, saved: dict[str, Any], dy: torch.Tensor, params: Sequence[torch.Tensor], *,
+                 recorder: StepRecorder | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
+        """Run backward and recompute entries; return (input-shard gradient, parameter-shard gradients
+        in ``param_names`` order; replicated parameters' gradients already summed over ranks)."""
+        inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous()}
+        keep = set(self.graph.outputs[1:])
+        env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
+        dx = env.get(self.input_grad_name) if self.input_grad_name else None
+        return dx, [env[self.graph.grad_of[p]] for p in self.param_names]
+
+    # -- one phase -------------------------------------------------------------------------------
+
+    def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
+             rec: StepRecorder | None, keep) -> dict[str, Any]:
+        graph, cuda = self.graph, self.cuda
+        streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
+        ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
+        env: dict[str, _Slot] = {k: _Slot(v, COMPUTE, ready) for k, v in inputs.items()}
+        pending: list[Pending] = []
+        inflight: list[Pending] = []          # CPU, recording: issued, completion not yet observed
+        for i, e in enumerate(entries):
+            node = graph.node[e.name]
+            ins = [self._get(env, v, e.stream, streams, e.name, rec) for v in node.inputs]
+            shapes = [graph.value[o].shape for o in node.outputs]
+            if node.is_comm:
+                if cuda:
+                    with torch.cuda.stream(streams[e.stream]):
+                        t0 = new_event() if rec else None
+                        p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                        outs = p.wait(self.timeout_s, self.rank, block_host=False)
+                        done = new_event()
+                    for o, v in zip(node.outputs, outs):
+                        env[o] = _Slot(v, e.stream, done)
+                    if rec:
+                        rec.add(e.name, e.stream, e.sm_budget, node.phase.value, t0, done)
+                else:
+                    p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                    if rec:
+                        inflight.append(p)
+                        rec.add(e.name, e.stream, e.sm_budget, node.phase.value, p.issued_ns, p)
+                    for o in node.outputs:
+                        env[o] = _Slot(None, e.stream, pending=p)
+                pending.append(p)
+            else:
+                t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
+                outs = run_compute(self.ctx, node, ins, shapes)
+                if len(outs) != len(node.outputs):
+                    raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, "
+                                         f"expected {len(node.outputs)}")
+                done = None
+                if cuda and (rec or any(o in self._cross for o in node.outputs)):
+                    done = new_event(streams[COMPUTE])
+                for o, v in zip(node.outputs, outs):
+                    env[o] = _Slot(v, COMPUTE, done)
+                if rec:
+                    rec.add(e.name, e.stream, e.sm_budget, node.phase.value, t0,
+                            done if cuda else time.perf_counter_ns())
+            for v in release[i]:
+                env.pop(v, None)
+            if inflight:
+                _poll(inflight)
+        return self._finish(env, pending, streams, keep)
+
+    def _finish(self, env: dict[str, _Slot], pending: list[Pending], streams: dict, keep) -> dict[str, Any]:
+        """Complete every collective of the phase; return the kept values, ready on the compute stream."""
+        if self.cuda:
+            compute = streams[COMPUTE]
+            for s in self.comm_streams.values():
+                compute.wait_stream(s)
+            drain(pending, self.timeout_s, self.rank)
+            out = {}
+            for k in keep:
+                slot = env.get(k)
+                if slot is None:
+                    continue
+                if slot.stream != COMPUTE and isinstance(slot.value, torch.Tensor):
+                    slot.value.record_stream(compute)
+                out[k] = slot.value
+            return out
+        for p in pending:
+            p.wait(self.timeout_s, self.rank)
+        out = {}
+        for k in keep:
+            slot = env.get(k)
+            if slot is not None:
+                out[k] = self._resolve(env, k, slot)
+        return out
+
+    def _resolve(self, env: dict[str, _Slot], name: str, slot: _Slot) -> Any:
+        """CPU: the value of ``name``, waiting (with timeout) for the collective producing it."""
+        if slot.pending is not None:
+            p = slot.pending
+            outs = p.wait(self.timeout_s, self.rank)
+            for o, v in zip(p.node.outputs, outs):
+                if o in env and env[o].pending is p:
+                    env[o].value, env[o].pending = v, None
+        return slot.value
+
+    def _get(self, env: dict[str, _Slot], name: str, stream: str, streams: dict, consumer: str,
+             rec: StepRecorder | None) -> Any:
+        slot = env.get(name)
+        if slot is None:
+            raise RuntimeFailure(f"node {consumer!r} reads {name!r}, which is not available on this rank "
+                                 "(released too early or never produced: a runtime bug)")
+        if not self.cuda:
+            if slot.pending is not None and not slot.pending.waited and rec is not None:
+                waited_on, t0 = slot.pending.node.name, time.perf_counter_ns()
+                value = self._resolve(env, name, slot)
+                rec.add_wait(waited_on, consumer, t0, time.perf_counter_ns())
+                return value
+            return self._resolve(env, name, slot)
+        if slot.stream != stream and stream not in slot.synced:
+            target = streams[stream]
+            if slot.event is not None:
+                target.wait_event(slot.event)
+            slot.synced.add(stream)
+            if isinstance(slot.value, torch.Tensor):
+                slot.value.record_stream(target)
+        return slot.value
+
+
+def _poll(inflight: list[Pending]) -> None:
+    """Stamp collectives seen complete since the last node (CPU): completion times are observed at
+    node boundaries (or when the host waits), never through Python callbacks on gloo's threads,
+    which would need the GIL and stall gloo's next collective behind the compute thread."""
+    now = time.perf_counter_ns()
+    still = []
+    for p in inflight:
+        if p.done_ns is None and p.outputs is None and all(w.is_completed() for w in p.works):
+            p.done_ns = now
+        if p.done_ns is None and p.outputs is None:
+            still.append(p)
+    inflight[:] = still
+
+
+def _releases(graph: Graph, entries: Sequence[PlanEntry], keep) -> list[list[str]]:
+    """For each entry, the values whose last reader in this phase it is (and that are not kept)."""
+    last: dict[str, int] = {}
+    for i, e in enumerate(entries):
+        node = graph.node[e.name]
+        for v in node.inputs:
+            last[v] = i
+        for v in node.outputs:
+            last.setdefault(v, i)                  # produced and never read: drop right away
+    out: list[list[str]] = [[] for _ in entries]
+    for v, i in last.items():
+        if v not in keep:
+            out[i].append(v)
+    return out
+
+
+def _cross_stream_values(graph: Graph, plan: ExecutionPlan) -> frozenset[str]:
+    """Values produced on one stream and read on another (GPU: they need a ready event)."""
+    stream = {o: e.stream for e in plan.entries for o in graph.node[e.name].outputs}
+    cross = set()
+    for e in plan.entries:
+        for v in graph.node[e.name].inputs:
+            if v in stream and stream[v] != e.stream:
+                cross.add(v)
+    return frozenset(cross)

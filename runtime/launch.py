@@ -1,0 +1,155 @@
+"""Starting ranks: ``spawn`` (torch.multiprocessing, loopback) and ``init_from_env`` (torchrun).
+
+``spawn(fn, n, args=...)`` starts n processes with the 'spawn' start method, each with
+MASTER_ADDR=127.0.0.1, a free port and the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK),
+initialises the default process group (env://), calls ``fn(rank, n, *args)`` and sends its
+(picklable) return value back. The first failing rank's error comes back as a RankFailure
+naming the rank (an unexpected error: a RankCrash carrying the rank's traceback); ranks still
+running are stopped after a short grace period, so a stuck collective never hangs the caller. ``fn`` must be importable by name (a module-level function).
+
+Under torchrun, call ``init_from_env()`` instead (or ``dist.init_process_group`` yourself) and
+then ``moegraph.compile``; nothing else changes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import socket
+import time
+import traceback
+from typing import Any, Callable, Sequence
+
+from runtime import RankFailure, RuntimeFailure
+
+GRACE_S = 3.0          # after the first failure, how long other ranks get to report theirs
+
+
+class RankCrash(RuntimeError):
+    """A rank raised an unexpected error (a bug): the message carries that rank's traceback."""
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback interface (released just before the ranks bind it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple[int, int]:
+    """Initialise the default process group from torchrun's environment (env://); (rank, world)."""
+    import torch
+    import torch.distributed as dist
+    if not dist.is_initialized():
+        for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            if var not in os.environ:
+                raise RuntimeFailure(f"{var} is not set: launch with torchrun, or use runtime.launch.spawn")
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group(backend, init_method="env://", timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def spawn(fn: Callable[..., Any], n: int, *, args: Sequence[Any] = (), backend: str = "gloo",
+          timeout_s: float = 600.0, pg_timeout_s: float = 300.0, threads: int | None = None) -> list[Any]:
+    """Run ``fn(rank, n, *args)`` on n fresh processes; return their results in rank order."""
+    import torch.multiprocessing as mp
+    if n < 1:
+        raise RuntimeFailure(f"n={n} must be a positive number of ranks")
+    if backend not in ("gloo", "nccl"):
+        raise RuntimeFailure(f"backend {backend!r} is not one of 'gloo', 'nccl'")
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // n)
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, n, port, backend, fn, tuple(args), q, pg_timeout_s, threads),
+                         daemon=True, name=f"moegraph-rank{r}") for r in range(n)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[tuple[int, str, str, str, bool]] = []
+    deadline = time.monotonic() + timeout_s
+    try:
+        while len(results) + len(errors) < n:
+            now = time.monotonic()
+            if now > deadline:
+                break
+            try:
+                kind, rank, payload = q.get(timeout=min(0.2, deadline - now))
+            except queue_mod.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results and all(e[0] != r for e in errors)]
+                for r in dead:
+                    errors.append((r, "ProcessExit", f"exited with code {procs[r].exitcode} before reporting", "",
+                                   False))
+                if errors:
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                continue
+            if kind == "ok":
+                results[rank] = payload
+            else:
+                errors.append((rank, *payload))
+                deadline = min(deadline, time.monotonic() + GRACE_S)
+    finally:
+        _stop(procs)
+    if errors:
+        rank, etype, message, tb, expected = errors[0]
+        others = sorted({e[0] for e in errors[1:]})
+        also = f" (ranks {others} failed too)" if others else ""
+        prefix = f"rank {rank}: "
+        text = f"{prefix}{etype}: {message.removeprefix(prefix)}{also}"
+        if expected:
+            raise RankFailure(text, rank=rank, error_type=etype, traceback=tb)
+        raise RankCrash(f"{text}\n--- traceback of rank {rank} ---\n{tb}")
+    missing = [r for r in range(n) if r not in results]
+    if missing:
+        raise RuntimeFailure(f"ranks {missing} did not finish within {timeout_s:g} s")
+    return [results[r] for r in range(n)]
+
+
+def _stop(procs) -> None:
+    for p in procs:
+        p.join(timeout=0.5 if p.exitcode is None else 5.0)
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    for p in procs:
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
+            p.join(timeout=5.0)
+
+
+def _worker(rank: int, n: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, q: Any,
+            pg_timeout_s: float, threads: int) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
+                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
+    if backend == "gloo" and os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")         # loopback only
+    ok = False
+    try:
+        import torch
+        import torch.distributed as dist
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % max(1, torch.cuda.device_count()))
+        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=n,
+                                timeout=datetime.timedelta(seconds=pg_timeout_s))
+        result = fn(rank, n, *args)
+        q.put(("ok", rank, result))
+        ok = True
+    except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent, named by rank
+        failure = isinstance(err, RuntimeFailure)
+        q.put(("error", rank, (type(err).__name__, str(err).strip(), traceback.format_exc(), failure)))
+    finally:
+        q.close()
+        q.join_thread()
+        if ok:
+            import torch.distributed as dist
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        else:
+            os._exit(1)        # a collective may still be pending: skip teardown that could block

@@ -1,0 +1,278 @@
+"""The compiled layer: an nn.Module holding this rank's parameter shards that runs a plan.
+
+Input and output are this rank's *sequence shard* [b, s/n, h] (rank r holds positions
+r*s/n .. (r+1)*s/n - 1), as the graph's blocks exchange them; ``shard_input`` and
+``unshard_output`` convert from and to the full [b, s, h]. Parameters are cut from the source
+module's full parameters by each graph parameter's ParamSpec (``interpreter.shard_param``):
+sharded ones hold 1/n, replicated ones (norms, router, SP attention) a full copy, identical on
+every rank because their gradients are all-reduced by the graph. ``full_grads`` reassembles
+module-shaped gradients (a collective).
+
+``compile_module`` is the pipeline: trace -> passes -> schedule -> plan -> check that every
+rank holds the same plan -> process groups -> CompiledLayer. ``moegraph.compile`` calls it.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moegraph.interpreter import shard_param, unshard_grad
+from moegraph.ir import Graph, Strategy
+from runtime import PlanError, RuntimeFailure
+from runtime.autograd import ScheduledLayerFunction
+from runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
+from runtime.executor import Executor
+from runtime.plan import COMM, LOCAL_METHODS, ExecutionPlan, check_plan
+from runtime.trace import StepRecorder, StepTrace
+
+SCHEDULER_METHODS = ("cpsat", "sequential", "greedy", "megascale")
+DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
+MAX_TRACES = 1000
+
+
+class CompiledLayer(nn.Module):
+    """One MoE layer on this rank: parameter shards + an Executor for ``plan``.
+
+    ``traces`` holds the measured timing of the last steps (forward+backward), at most
+    ``MAX_TRACES``; GPU traces are read from CUDA events when first accessed.
+    """
+
+    def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
+                 rank: int, n: int, comm: Any, timeout_s: float = 300.0, record: bool = True):
+        super().__init__()
+        self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
+        self.timeout_s, self.record = timeout_s, record
+        self._attr: dict[str, str] = {}
+        self.full_shapes = {src.qualname: tuple(full_params[src.qualname].shape)
+                            for _, spec in graph.params for src in spec.sources}
+        device = None
+        for pname, spec in graph.params:
+            shard = shard_param(spec, full_params, rank, n).detach().clone().contiguous()
+            device = shard.device
+            attr = _attr_name(pname, self._attr.values())
+            self.register_parameter(attr, nn.Parameter(shard))
+            self._attr[pname] = attr
+        self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device or torch.device("cpu"),
+                                 timeout_s=timeout_s)
+        self._recorders: collections.deque[StepRecorder] = collections.deque(maxlen=MAX_TRACES)
+        self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
+
+    # -- parameters ------------------------------------------------------------------------------
+
+    def shard(self, graph_param: str) -> nn.Parameter:
+        """This rank's shard of a graph parameter (e.g. 'qkv.weight', 'w1')."""
+        return getattr(self, self._attr[graph_param])
+
+    def named_shards(self) -> list[tuple[str, nn.Parameter]]:
+        return [(p, self.shard(p)) for p, _ in self.graph.params]
+
+    @torch.no_grad()
+    def load_full(self, full_params: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's shards out of full module parameters (e.g. a new state_dict)."""
+        for pname, spec in self.graph.params:
+            self.shard(pname).copy_(shard_param(spec, full_params, self.rank, self.n))
+
+    @torch.no_grad()
+    def full_grads(self, group: Any = None) -> dict[str, torch.Tensor]:
+        """Module-shaped gradients (qualname -> tensor) on every rank; collective over ``group``.
+
+        Each rank writes its shard's region, replicated parameters only from rank 0 (they are
+        identical everywhere), then one all_reduce sums the regions. Missing grads count as zero.
+        """
+        out: dict[str, torch.Tensor] = {}
+        for pname, spec in self.graph.params:
+            p = self.shard(pname)
+            for src in spec.sources:
+                if src.qualname not in out:
+                    out[src.qualname] = p.new_zeros(self.full_shapes[src.qualname])
+        for pname, spec in self.graph.params:
+            if spec.shard_dim is None and self.rank != 0:
+                continue
+            g = self.shard(pname).grad
+            if g is not None:
+                unshard_grad(spec, g, self.rank, self.n, out)
+        if self.n > 1:
+            for t in out.values():
+                dist.all_reduce(t, group=group)
+        return out
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def params(self) -> tuple[nn.Parameter, ...]:
+        return tuple(self.shard(p) for p, _ in self.graph.params)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: this rank's sequence shard [b, s/n, h] -> the layer output's shard [b, s/n, h]."""
+        params = self.params()
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            return ScheduledLayerFunction.apply(self, x, *params)
+        rec = self._new_recorder()
+        y, _ = self.executor.forward(x, params, keep_saved=False, recorder=rec)
+        if rec is not None:
+            self._recorders.append(rec)
+        return y
+
+    def run_forward(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
+        rec = self._new_recorder()
+        y, saved = self.executor.forward(x, params, recorder=rec)
+        return y, (saved, rec)
+
+    def run_backward(self, state, dy: torch.Tensor, params: Sequence[torch.Tensor]):
+        saved, rec = state
+        if rec is not None:
+            rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
+        dx, grads = self.executor.backward(saved, dy, params, recorder=rec)
+        if rec is not None:
+            self._recorders.append(rec)
+        return dx, grads
+
+    def _new_recorder(self) -> StepRecorder | None:
+        if not self.record:
+            return None
+        rec = StepRecorder(self.rank, self.executor.cuda)
+        rec.start(torch.cuda.current_stream(self.executor.device) if self.executor.cuda else None)
+        return rec
+
+    @property
+    def traces(self) -> list[StepTrace]:
+        """Measured steps, oldest first (GPU: synchronises once to read pending events)."""
+        while self._recorders:
+            self._traces.append(self._recorders.popleft().finalize())
+        return list(self._traces)
+
+    def clear_traces(self) -> None:
+        self._recorders.clear()
+        self._traces.clear()
+
+    # -- sharding helpers --------------------------------------------------------------------------
+
+    def shard_input(self, x: torch.Tensor) -> torch.Tensor:
+        return shard_input(x, self.rank, self.n)
+
+    def unshard_output(self, y: torch.Tensor, group: Any = None) -> torch.Tensor:
+        return unshard_output(y, self.n, group)
+
+    def extra_repr(self) -> str:
+        st = self.graph.strategy
+        return (f"graph={self.graph.name}, attn={st.attn}, ffn={st.ffn}, dispatch={st.dispatch}, rank={self.rank}, "
+                f"n={self.n}, plan={self.plan.method} ({self.plan.hash[:12]})")
+
+
+def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+    """[b, s, h] -> rank's sequence shard [b, s/n, h] (contiguous copy)."""
+    if x.shape[1] % n:
+        raise ValueError(f"sequence length {x.shape[1]} is not divisible by n={n}")
+    return x.chunk(n, dim=1)[rank].contiguous()
+
+
+def unshard_output(y: torch.Tensor, n: int, group: Any = None) -> torch.Tensor:
+    """All ranks' shards [b, s/n, h] -> the full [b, s, h] on every rank (collective)."""
+    if n == 1:
+        return y
+    parts = [torch.empty_like(y) for _ in range(n)]
+    dist.all_gather(parts, y.contiguous(), group=group)
+    return torch.cat(parts, dim=1)
+
+
+def _attr_name(pname: str, taken) -> str:
+    base = re.sub(r"\W", "_", pname)
+    name, i = base, 2
+    while name in set(taken):
+        name, i = f"{base}_{i}", i + 1
+    return name
+
+
+# -- the pipeline --------------------------------------------------------------------------------
+
+def make_plan(graph: Graph, cost: Any, schedule: Any = "cpsat", *, memory_budget: int | None = None,
+              time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,)) -> ExecutionPlan:
+    """An ExecutionPlan from a method name, a ``schedules`` Schedule, or a plan (checked)."""
+    if isinstance(schedule, ExecutionPlan):
+        return check_plan(graph, schedule)
+    if not isinstance(schedule, str):
+        return ExecutionPlan.from_schedule(graph, schedule)
+    if schedule == "sequential":
+        return ExecutionPlan.sequential(graph, cost)
+    if schedule == "asap":
+        return ExecutionPlan.asap(graph, cost)
+    if schedule not in SCHEDULER_METHODS:
+        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULER_METHODS + ('asap',))}")
+    try:
+        from schedules.api import compile_graph
+    except ImportError as err:
+        raise PlanError(f"schedule {schedule!r} needs the schedules package (schedules.api), not available in "
+                        f"this build ({err}); local plans: {', '.join(LOCAL_METHODS)}") from err
+    result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
+                           comm_streams=tuple(comm_streams), method=schedule)
+    return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)
+
+
+def rank_and_size(n: int | None) -> tuple[int, int]:
+    """(rank, n): n defaults to the world size; without torch.distributed only n=1 runs."""
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+        if n is not None and n != world:
+            raise RuntimeFailure(f"n={n} but the default process group has {world} ranks; the runtime runs one "
+                                 "group of all ranks (launch n processes)")
+        return dist.get_rank(), world
+    if n not in (None, 1):
+        raise RuntimeFailure(f"n={n} needs torch.distributed initialised with {n} ranks "
+                             "(torchrun, or runtime.launch.spawn)")
+    return 0, 1
+
+
+def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
+                timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
+    """Check that every rank holds the same plan (before any other collective), create the process
+    groups, and shard the parameters. Collective when n > 1."""
+    check_plan(graph, plan)
+    if graph.strategy.n != n:
+        raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
+    if n == 1:
+        comm = NoComm()
+    else:
+        meta = metadata_group()
+        check_same_plan(plan.hash, rank=rank, n=n, group=meta, timeout_s=timeout_s)
+        comm = Comm(plan.comm_keys(graph), rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, meta_group=meta)
+    return CompiledLayer(graph, plan, full_params, rank=rank, n=n, comm=comm, timeout_s=timeout_s, record=record)
+
+
+def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
+                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = "", memory_budget: int | None = None,
+                   schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
+                   time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
+                   emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
+    """See ``moegraph.compile``."""
+    from moegraph.cost import CostModel
+    from moegraph.registry import Hardware, load_hardware
+    from moegraph.tracer import trace_module
+
+    x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    if not isinstance(x, torch.Tensor) or x.dim() != 3:
+        raise ValueError("example_inputs must be the layer input [b, s, h] (a tensor, or a tuple starting with it)")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
+    rank, n = rank_and_size(n)
+    b, s, _ = x.shape
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    cost = CostModel(hw)
+    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype])
+    graph = trace_module(module, strategy, batch=b, seq=s, name=type(module).__name__)
+    if passes:
+        from passes import run_pipeline
+        graph, _report = run_pipeline(graph, passes, cost=cost)
+    full = {k: p.detach() for k, p in module.named_parameters()}
+    odd = sorted({f"{p.device}/{p.dtype}" for p in full.values()} - {f"{x.device}/{x.dtype}"})
+    if odd:
+        raise ValueError(f"module parameters live on {odd} but example_inputs is {x.device}/{x.dtype}: "
+                         "move the module and the input to one device and dtype")
+    plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                     comm_streams=comm_streams)
+    layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record)
+    return layer

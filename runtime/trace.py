@@ -1,0 +1,266 @@
+"""Measured per-node timing: recording during a step, schedule-like JSON, Chrome trace, and
+predicted-vs-measured comparison.
+
+Clocks. CPU: the host clock (``time.perf_counter_ns``): a compute node spans its kernel call;
+a collective spans issue to completion as the host observes it: at the first node boundary
+where its work reports ``is_completed()``, or when a host wait on it returns (so a collective
+finishing in the middle of a kernel is stamped at that kernel's end; no Python callbacks run on
+gloo's threads, which would need the GIL and delay gloo's next collective). GPU: CUDA events
+recorded on the node's stream around the kernel (compute) or around issue + stream-wait
+(collective), read after the step with
+``Event.elapsed_time`` against an event recorded when the forward started.
+
+Times are microseconds from the start of the step's forward. A measured step is exported as a
+``schedules`` Schedule (the schedule-file format: per node name, stream, start_us, end_us,
+sm_budget, phase, ...) with ``summary.measured = true`` and a top-level ``"measured": true``, so
+the Gantt renderer draws measured and predicted steps the same way.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+from moegraph.ir import Graph
+
+
+@dataclass(frozen=True)
+class NodeTiming:
+    name: str
+    stream: str
+    sm_budget: int
+    phase: str
+    start_us: float
+    end_us: float
+
+    @property
+    def duration_us(self) -> float:
+        return self.end_us - self.start_us
+
+
+@dataclass(frozen=True)
+class WaitTiming:
+    """The host blocked on a collective's result (CPU): exposed, not overlapped, communication."""
+
+    node: str                     # the collective waited on
+    consumer: str                 # the node that needed its output
+    start_us: float
+    end_us: float
+
+
+@dataclass(frozen=True)
+class StepTrace:
+    rank: int
+    device: str
+    nodes: tuple[NodeTiming, ...]
+    waits: tuple[WaitTiming, ...] = ()
+    backward_start_us: float | None = None
+
+    @property
+    def step_us(self) -> float:
+        return max((t.end_us for t in self.nodes), default=0.0)
+
+    def by_name(self) -> dict[str, NodeTiming]:
+        return {t.name: t for t in self.nodes}
+
+
+@dataclass
+class StepRecorder:
+    """Collects raw clock readings of one step; ``finalize`` turns them into a StepTrace.
+
+    Rows hold host nanoseconds (CPU), a Pending whose ``done_ns`` / ``waited_ns`` the executor
+    fills (CPU collectives), or CUDA events (GPU). GPU rows are read only in ``finalize``, so recording
+    never synchronises the device during the step.
+    """
+
+    rank: int
+    cuda: bool
+    t0_ns: int = 0
+    t0_event: Any = None
+    rows: list[tuple] = field(default_factory=list)
+    waits: list[tuple] = field(default_factory=list)
+    backward_start: Any = None
+
+    def start(self, stream: Any = None) -> None:
+        self.t0_ns = time.perf_counter_ns()
+        if self.cuda:
+            self.t0_event = new_event(stream)
+
+    def mark_backward(self, stream: Any = None) -> None:
+        self.backward_start = new_event(stream) if self.cuda else time.perf_counter_ns()
+
+    def add(self, name: str, stream: str, sm_budget: int, phase: str, start: Any, end: Any) -> None:
+        self.rows.append((name, stream, sm_budget, phase, start, end))
+
+    def add_wait(self, node: str, consumer: str, start_ns: int, end_ns: int) -> None:
+        self.waits.append((node, consumer, start_ns, end_ns))
+
+    def _us(self, t: Any) -> float:
+        if self.cuda:
+            return float(self.t0_event.elapsed_time(t)) * 1e3          # ms -> us
+        return (t - self.t0_ns) / 1e3
+
+    def finalize(self) -> StepTrace:
+        if self.cuda:
+            import torch
+            torch.cuda.synchronize()
+        nodes = []
+        for name, stream, budget, phase, start, end in self.rows:
+            if hasattr(end, "done_ns"):                              # a CPU collective
+                end = end.done_ns if end.done_ns is not None else end.waited_ns
+            nodes.append(NodeTiming(name, stream, budget, phase, round(self._us(start), 3),
+                                    round(max(self._us(end), self._us(start)), 3)))
+        waits = tuple(WaitTiming(n, c, round(self._us(a), 3), round(self._us(b), 3)) for n, c, a, b in self.waits)
+        bwd = None if self.backward_start is None else round(self._us(self.backward_start), 3)
+        return StepTrace(self.rank, "cuda" if self.cuda else "cpu", tuple(nodes), waits, bwd)
+
+
+def new_event(stream: Any = None) -> Any:
+    import torch
+    ev = torch.cuda.Event(enable_timing=True)
+    ev.record(stream)
+    return ev
+
+
+# -- exports ------------------------------------------------------------------------------------
+
+def as_schedule(graph: Graph, plan: Any, times: dict[str, tuple[float, float]], *, hardware: Any = None,
+                **summary: Any) -> Any:
+    """A ``schedules`` Schedule (the schedule-file object the Gantt renderer draws) with the given
+    per-node (start_us, end_us); streams and SM budgets from ``plan``."""
+    from schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+    nodes = []
+    for e in plan.entries:
+        n = graph.node[e.name]
+        start, end = times[e.name]
+        nodes.append(ScheduledNode(
+            name=n.name, op=n.op.value, role=n.role.value, phase=n.phase.value,
+            kind="comm" if n.is_comm else "compute", inputs=tuple(n.inputs), outputs=tuple(n.outputs),
+            flops=n.flops, mem_bytes=n.mem_bytes, comm_bytes=n.comm_bytes, group=n.group,
+            attrs={k: _thaw(v) for k, v in n.attrs}, module=n.module, block=n.block, forward_of=n.forward_of,
+            stream=e.stream, start_us=round_us(start), end_us=round_us(max(end, start)), sm_budget=e.sm_budget))
+    values = tuple(ScheduledValue(v.name, v.storage_bytes, v.kind.value, v.alias_of) for v in graph.values)
+    st = graph.strategy
+    summary = {"method": plan.method, "plan_hash": plan.hash,
+               "strategy": f"attn={st.attn} ffn={st.ffn} dispatch={st.dispatch} n={st.n} chunks={st.chunks} "
+                           f"remat={st.remat} dtype={st.dtype}",
+               "makespan_us": round_us(max((nd.end_us for nd in nodes), default=0.0)),
+               "exposed_comm_us": round_us(sum(b - a for a, b in exposed_comm(nodes))), **summary}
+    hw = hardware.to_dict() if hasattr(hardware, "to_dict") else dict(hardware or {})
+    return Schedule(graph={"name": graph.name, "strategy": st.as_dict(), "dims": asdict(graph.dims),
+                           "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
+                    hardware=hw, streams=tuple(plan.streams), memory_budget_bytes=None, tick_us=0.01,
+                    values=values, nodes=tuple(nodes), summary=summary).with_hash()
+
+
+def measured_schedule(trace: StepTrace, graph: Graph, plan: Any, *, hardware: Any = None, **summary: Any) -> Any:
+    """One measured step as a Schedule: same node fields as the predicted one, summary.measured = True."""
+    times = {t.name: (t.start_us, t.end_us) for t in trace.nodes}
+    return as_schedule(graph, plan, times, hardware=hardware, measured=True, rank=trace.rank, device=trace.device,
+                       barrier_us=trace.backward_start_us, **summary)
+
+
+def predicted_schedule(graph: Graph, plan: Any, *, hardware: Any = None) -> Any:
+    """The plan's predicted times as a Schedule (None if the plan carries none)."""
+    if any(e.start_us is None for e in plan.entries):
+        return None
+    return as_schedule(graph, plan, {e.name: (e.start_us, e.end_us) for e in plan.entries}, hardware=hardware,
+                       measured=False)
+
+
+def schedule_json(schedule: Any) -> dict[str, Any]:
+    """The file's JSON object, plus a top-level ``measured`` flag (ignored by Schedule.from_json)."""
+    return {**schedule.content(), "measured": bool(schedule.summary.get("measured")), "hash": schedule.hash}
+
+
+def _thaw(v: Any) -> Any:
+    return [_thaw(x) for x in v] if isinstance(v, tuple) else v
+
+
+def chrome_trace(traces: Sequence[StepTrace], graph: Graph | None = None) -> dict[str, Any]:
+    """Chrome trace (chrome://tracing, Perfetto): one process per rank, one thread per stream,
+    plus a 'host wait' thread showing when the host blocked on a collective."""
+    events: list[dict[str, Any]] = []
+    for tr in traces:
+        pid = tr.rank
+        events.append({"name": "process_name", "ph": "M", "pid": pid, "args": {"name": f"rank {tr.rank}"}})
+        streams = list(dict.fromkeys(["compute"] + [t.stream for t in tr.nodes])) + ["host wait"]
+        for tid, s in enumerate(streams):
+            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": s}})
+        tids = {s: i for i, s in enumerate(streams)}
+        for t in tr.nodes:
+            args = {"phase": t.phase, "sm_budget": t.sm_budget}
+            if graph is not None:
+                args["op"] = graph.node[t.name].op.value
+            events.append({"name": t.name, "ph": "X", "pid": pid, "tid": tids[t.stream], "ts": t.start_us,
+                           "dur": max(t.duration_us, 0.0), "cat": t.phase, "args": args})
+        for w in tr.waits:
+            events.append({"name": f"wait {w.node}", "ph": "X", "pid": pid, "tid": tids["host wait"],
+                           "ts": w.start_us, "dur": max(w.end_us - w.start_us, 0.0), "cat": "wait",
+                           "args": {"consumer": w.consumer}})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def median_trace(traces: Sequence[StepTrace]) -> StepTrace:
+    """Per node, the median start and end over steps (one rank's steps)."""
+    if not traces:
+        raise ValueError("no step traces to summarise")
+    first = traces[0]
+    by = [t.by_name() for t in traces]
+    nodes = []
+    for t in first.nodes:
+        starts = [b[t.name].start_us for b in by if t.name in b]
+        ends = [b[t.name].end_us for b in by if t.name in b]
+        nodes.append(NodeTiming(t.name, t.stream, t.sm_budget, t.phase, statistics.median(starts),
+                                statistics.median(ends)))
+    bwd = [t.backward_start_us for t in traces if t.backward_start_us is not None]
+    return StepTrace(first.rank, first.device, tuple(nodes), (), statistics.median(bwd) if bwd else None)
+
+
+def compare_prediction(plan: Any, traces: Sequence[StepTrace], step_us: float | None = None) -> dict[str, Any]:
+    """Per node and in total: the plan's predicted duration against the median measured one.
+
+    Per node ``rel_err`` = (predicted - measured) / measured. Total: the predicted makespan
+    against the measured step (``step_us``, or the traces' median makespan).
+    """
+    measured: dict[str, list[float]] = {}
+    for tr in traces:
+        for t in tr.nodes:
+            measured.setdefault(t.name, []).append(t.duration_us)
+    rows = []
+    for e in plan.entries:
+        if e.start_us is None or e.name not in measured:
+            continue
+        pred, meas = e.end_us - e.start_us, statistics.median(measured[e.name])
+        rows.append({"name": e.name, "stream": e.stream, "predicted_us": round(pred, 3), "measured_us": round(meas, 3),
+                     "rel_err": round((pred - meas) / meas, 4) if meas > 0 else None})
+    total_meas = step_us if step_us is not None else statistics.median(tr.step_us for tr in traces)
+    total_pred = plan.predicted_makespan_us
+    errs = [abs(r["rel_err"]) for r in rows if r["rel_err"] is not None]
+    return {"total": {"predicted_us": None if total_pred is None else round(total_pred, 3),
+                      "measured_us": round(total_meas, 3),
+                      "rel_err": None if total_pred is None or total_meas <= 0
+                      else round((total_pred - total_meas) / total_meas, 4)},
+            "mean_abs_rel_err": round(statistics.mean(errs), 4) if errs else None,
+            "nodes": rows}
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+    return path
+
+
+def trace_to_dict(trace: StepTrace) -> dict[str, Any]:
+    return {"rank": trace.rank, "device": trace.device, "backward_start_us": trace.backward_start_us,
+            "nodes": [asdict(t) for t in trace.nodes], "waits": [asdict(w) for w in trace.waits]}
+
+
+def trace_from_dict(d: dict[str, Any]) -> StepTrace:
+    return StepTrace(d["rank"], d["device"], tuple(NodeTiming(**t) for t in d["nodes"]),
+                     tuple(WaitTiming(**w) for w in d["waits"]), d.get("backward_start_us"))

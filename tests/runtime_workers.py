@@ -1,0 +1,124 @@
+"""Rank functions for the runtime tests (spawned by runtime.launch.spawn; importable by name).
+
+Each call checks several cases on one process group, because starting ranks costs seconds.
+A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule,
+emulate / native (collectives to emulate, or to run with the backend's own op), reference
+('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
+catch).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import moegraph
+from moegraph.models import MoETransformerLayer
+from moegraph.ir import Phase
+from runtime.check import check_against_eager, check_against_interpreter
+
+B, S, H = 2, 16, 64
+
+
+def reference_layer(seed: int) -> MoETransformerLayer:
+    """8 heads, 4 kv heads, 8 experts, top-3: every n in {1, 2, 4} can split it."""
+    torch.manual_seed(seed)
+    layer = MoETransformerLayer(hidden=H, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def hf_layer(seed: int):
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
+    cfg = MixtralConfig(hidden_size=H, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
+                        num_local_experts=8, num_experts_per_tok=3, rope_theta=1e6, rms_norm_eps=1e-5,
+                        attn_implementation="sdpa")
+    torch.manual_seed(seed)
+    layer = MixtralDecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    rotary = MixtralRotaryEmbedding(cfg)
+
+    def call(module, x):
+        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+        return module(x, position_embeddings=cos_sin, attention_mask=None)
+    return layer, call
+
+
+def _apply_fault(layer, fault: str | None) -> None:
+    if fault is None:
+        return
+    comm = layer.executor.comm
+    if fault == "drop-partial-sums":
+        # reduce-scatter keeps only this rank's partial: the summed contributions of others are lost
+        def rs(node, x, pg, _orig=comm._reduce_scatter):
+            works, _finish, keep = _orig(node, x, pg)
+            mine = torch.stack(x.chunk(comm.n, dim=node.attr("dim")))[comm.rank]
+            return works, (lambda: [mine.clone()]), keep
+        comm._reduce_scatter = rs
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "cpu") -> list[dict]:
+    out = []
+    if device == "cuda":
+        device = f"cuda:{torch.cuda.current_device()}"
+    for i, case in enumerate(cases):
+        if case.get("model", "ref") == "hf":
+            module, call = hf_layer(seed + i)
+        else:
+            module, call = reference_layer(seed + i), None
+        module = module.to(device)
+        gen = torch.Generator().manual_seed(seed + 1000 + i)
+        x, dy = torch.randn(B, S, H, generator=gen).to(device), torch.randn(B, S, H, generator=gen).to(device)
+        t0 = time.perf_counter()
+        layer = moegraph.compile(module, x, hardware="cpu-gloo" if device == "cpu" else "h800",
+                                 attn=case["attn"], ffn=case["ffn"],
+                                 dispatch=case["dispatch"], passes=case.get("passes", ""),
+                                 schedule=case.get("schedule", "asap"), timeout_s=60.0)
+        if case.get("emulate"):
+            layer.executor.comm.emulate.update(case["emulate"])
+        if case.get("native"):
+            layer.executor.comm.emulate.difference_update(case["native"])
+        _apply_fault(layer, case.get("fault"))
+        if case.get("reference") == "interpreter":
+            res = check_against_interpreter(layer, module, x, dy)
+        else:
+            res = check_against_eager(module, layer, x, dy, call=call)
+        res.update(case=case, seconds=round(time.perf_counter() - t0, 3),
+                   comm_nodes=sum(1 for nd in layer.graph.nodes if nd.is_comm),
+                   recompute_nodes=sum(1 for nd in layer.graph.nodes if nd.phase is Phase.RECOMPUTE),
+                   ops=sorted({nd.op.value for nd in layer.graph.nodes}))
+        out.append(res)
+    return out
+
+
+def mismatched_plans(rank: int, n: int, seed: int) -> None:
+    """Rank 1 compiles another schedule than the others: compile must fail on every rank."""
+    module = reference_layer(seed)
+    x = torch.randn(B, S, H)
+    moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential" if rank == 1 else "asap",
+                     timeout_s=10.0)
+
+
+def stalled_rank(rank: int, n: int, seed: int, node_name: str, timeout_s: float) -> None:
+    """Rank 1 never issues ``node_name``: rank 0's wait on it must time out naming the node."""
+    module = reference_layer(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    layer = moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential", timeout_s=timeout_s)
+    if rank == 1:
+        comm = layer.executor.comm
+        orig = comm.issue
+
+        def issue(node, *args):
+            if node.name == node_name:
+                time.sleep(10 * timeout_s)
+            return orig(node, *args)
+        comm.issue = issue
+    xs = layer.shard_input(x).requires_grad_(True)
+    layer(xs).backward(layer.shard_input(dy))

@@ -1,0 +1,257 @@
+"""`moegraph calibrate`: a short real calibration loads and predicts, the budget holds, the fit
+reproduces known hardware, bad arguments fail in one line, and the shipped profile is valid."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from moegraph.cli import main
+from moegraph.cost import CostModel
+from moegraph.ir import Node, OpKind, Phase
+from moegraph.registry import CURVE_NAMES, load_hardware
+from runtime.calibrate import (CalibrationOptions, binned_curve, fit_profile, load_hardware_dict, parse_notes,
+                               self_check)
+from runtime.microbench import BenchResult, Sample, coarse_to_fine
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = ROOT / "moegraph" / "registry" / "profiles" / "cpu-2core-gloo.yaml"
+BUDGET_S = 10
+
+
+# --- one short real calibration, shared --------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("calibrate") / "short.yaml"
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "moegraph", "calibrate", "--time-budget", str(BUDGET_S),
+                           "--n", "2", "-o", str(out)], capture_output=True, text=True, timeout=BUDGET_S + 120)
+    return proc, out, time.monotonic() - start
+
+
+def test_short_calibration_writes_a_loadable_profile_with_curves(short_run):
+    proc, out, _ = short_run
+    assert proc.returncode == 0, proc.stderr
+    hw = load_hardware(out)
+    assert hw.name == "short"
+    names = {name for name, _ in hw.curves}
+    assert {"gemm_eff", "mem_eff", "ring_eff"} <= names <= set(CURVE_NAMES)
+    for name, points in hw.curves:
+        sizes = [s for s, _ in points]
+        assert sizes == sorted(sizes) and len(set(sizes)) == len(sizes), name
+        assert all(0 < e <= 1 for _, e in points), name
+    measured = dict(hw.measured)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", measured["date"])
+    assert measured["machine"]
+    facts = parse_notes(hw)
+    assert facts["n"] == "2" and facts["backend"] == "gloo" and facts["dtype"].startswith("fp32")
+    assert facts["torch"] == torch.__version__
+    # one progress line per benchmark, each with the elapsed time
+    assert re.search(r"calibrate \[\s*\d+\.\d+s\] gemm ", proc.stderr)
+    assert re.search(r"calibrate \[\s*\d+\.\d+s\] all_gather ", proc.stderr)
+
+
+def _time_gemm(m: int, k: int, n: int, reps: int = 15) -> float:
+    """A fresh timing of the runtime's GEMM kernel, one thread (the calibrated regime)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        x, w = torch.randn(1, m, k), torch.randn(n, k)
+        torch.nn.functional.linear(x, w)
+        times = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            torch.nn.functional.linear(x, w)
+            times.append(time.perf_counter() - t)
+        return statistics.median(times)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _gemm_node(m: int, k: int, n: int) -> Node:
+    return Node("fc", OpKind.GEMM, Phase.FORWARD, ("x", "w"), ("y",), flops=2 * m * k * n,
+                mem_bytes=4 * (m * k + n * k + m * n))
+
+
+def test_calibrated_cost_model_predicts_a_fresh_gemm(short_run):
+    proc, out, _ = short_run
+    assert proc.returncode == 0, proc.stderr
+    hw = load_hardware(out)
+    m, k, n = 256, 512, 1024
+    measured = _time_gemm(m, k, n)
+    predicted = CostModel(hw).node_time_us(_gemm_node(m, k, n)) / 1e6
+    assert 1 / 3 < predicted / measured < 3, (predicted, measured)
+    # the check can fail: a profile claiming 10x the peak is far off
+    wrong = dataclasses.replace(hw, peak_flops_bf16=hw.peak_flops_bf16 * 10)
+    assert CostModel(wrong).node_time_us(_gemm_node(m, k, n)) / 1e6 / measured < 1 / 3
+
+
+def test_time_budget_is_honoured(short_run):
+    proc, _, wall = short_run
+    assert proc.returncode == 0, proc.stderr
+    reported = float(re.search(r"wrote .* \((\d+\.\d+) s\)", proc.stdout).group(1))
+    startup = float(re.search(r"calibrate \[\s*(\d+\.\d+)s\] kernel ", proc.stderr).group(1))
+    # From the command's start, fitting and writing included. Starting the ranks (torch import in
+    # fresh processes) is part of the budget; only when that alone exhausts it (a loaded machine)
+    # may the mandatory minimum (a few cases of gemm, memory, all_gather) run past it.
+    assert reported <= max(BUDGET_S, startup + 3.0) + 3.0, proc.stderr
+    assert wall <= reported + 15.0                            # + python/torch startup of the CLI process
+
+
+# --- the fit, on synthetic measurements of known hardware -------------------------------------
+
+TRUE_PEAK, TRUE_BW, KAPPA = 100e9, 50e9, 5e-6
+LINK, ALPHA, N = 2e9, 100e-6, 2
+
+
+TRUE_GEMM_EFF = {1e6: 0.2, 1e7: 0.4, 1e8: 0.6, 1e9: 0.8, 1e10: 1.0}
+
+
+def _synthetic_results() -> list[BenchResult]:
+    """Samples generated by the cost model's own formulas from known numbers."""
+    gemm = [Sample("gemm", "gemm", KAPPA + f / (TRUE_PEAK * e), flops=f, mem_bytes=1.0)
+            for f, e in TRUE_GEMM_EFF.items()]
+    memory = [Sample("memory", "copy", b / TRUE_BW, mem_bytes=b) for b in (1e6, 1e7)]
+    memory += [Sample("memory", "add", KAPPA + b / (TRUE_BW * 0.5), mem_bytes=b) for b in (1e5, 1e6, 1e7)]
+    kernel = [Sample("kernel", "add", KAPPA), Sample("kernel", "gemm", KAPPA)]
+    comm = []
+    for kind, steps, eff in (("all_gather", 1, 0.8), ("reduce_scatter", 1, 0.8), ("all_to_all", 1, 0.5),
+                             ("all_reduce", 2, 0.6)):
+        samples = []
+        for b in (1024.0, 1e5, 1e7):
+            e = 1.0 if (b == 1e7 and kind == "all_gather") else eff      # the link peak
+            samples.append(Sample(kind, kind, KAPPA + steps * (N - 1) * ALPHA + b / (LINK * e), comm_bytes=b))
+        comm.append(BenchResult(kind, tuple(samples), "", 0.0))
+    overlap = Sample("overlap", "all_gather", 0.01, comm_bytes=1e6,
+                     extra=(("compute_alone", 1e-3), ("compute_slowdown", 1.25), ("comm_alone", 0.01),
+                            ("comm_stretch", 1.5), ("runs", 3.0)))
+    return [BenchResult("kernel", tuple(kernel), "", 0.0), BenchResult("gemm", tuple(gemm), "", 0.0),
+            BenchResult("memory", tuple(memory), "", 0.0), *comm,
+            BenchResult("overlap", (overlap,), "", 0.0)]
+
+
+def _fit(tmp_path):
+    opts = CalibrationOptions(n=N, output=tmp_path / "synthetic.yaml")
+    profile = fit_profile(_synthetic_results(), load_hardware("cpu-gloo"), opts, {"host": "h", "cpu": "c"}, 1.0)
+    return profile, load_hardware_dict(profile, "synthetic")
+
+
+def test_fit_recovers_known_hardware(tmp_path):
+    profile, hw = _fit(tmp_path)
+    assert hw.peak_flops_bf16 == pytest.approx(TRUE_PEAK, rel=1e-3)
+    assert hw.hbm_bw_bytes_s == pytest.approx(TRUE_BW, rel=1e-3)
+    assert hw.kernel_latency_us == pytest.approx(KAPPA * 1e6, rel=1e-3)
+    assert hw.intra_node_latency_us == pytest.approx(ALPHA * 1e6, rel=1e-2)   # + the smallest message
+    assert hw.nvlink_bw_bytes_s == pytest.approx(LINK, rel=1e-3)
+    # compute slowdown 1.25 -> 20 of 100 "SMs" held: CostModel gives the measured factor back
+    assert (hw.sm_count, hw.comm_sm_budgets) == (100, (20,))
+    assert CostModel(hw).compute_slowdown(20) == pytest.approx(1.25)
+    # the fitted model reproduces every sample it was fitted on
+    for line in self_check(hw, _synthetic_results(), N):
+        assert re.search(r"median \|error\| 0% ", line), line
+
+
+def test_fitted_profile_round_trips_through_yaml(tmp_path):
+    from runtime.calibrate import write_profile
+    profile, hw = _fit(tmp_path)
+    path = tmp_path / "synthetic.yaml"
+    write_profile(path, profile, _synthetic_results(), ["ok"])
+    again = load_hardware(path)
+    assert again.to_dict() == hw.to_dict()
+    assert path.read_text().startswith("# Hardware profile written by `moegraph calibrate`")
+
+
+def test_binned_curve_keeps_bin_totals_and_is_valid():
+    points = [(1e6, 2e-5, False), (1.2e6, 3e-5, False), (1e8, 1e-3, False), (1.1e8, 3e-3, True), (1e10, 1e-9, False)]
+    curve = binned_curve(points, 100e9)
+    sizes = [s for s, _ in curve]
+    assert sizes == sorted(sizes) and all(0 < e <= 1 for _, e in curve)
+    assert len(curve) == 3
+    # first bin: predicted total = measured total
+    assert (1e6 + 1.2e6) / (100e9 * curve[0][1]) == pytest.approx(5e-5, rel=1e-3)
+    # a bin with a real layer-graph node uses only those nodes; an impossible time clamps to 1
+    assert curve[1] == [1.1e8, pytest.approx(1.1e8 / (100e9 * 3e-3), rel=1e-3)]
+    assert curve[2][1] == 1.0
+
+
+def test_coarse_to_fine_is_a_permutation_starting_with_the_span():
+    for k in range(0, 12):
+        order = coarse_to_fine(k)
+        assert sorted(order) == list(range(k))
+        if k >= 3:
+            assert order[:3] == [0, (k - 1) // 2, k - 1]
+
+
+# --- bad arguments -----------------------------------------------------------------------------
+
+def _error(capsys, *args) -> str:
+    assert main(["calibrate", *args]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+def test_bad_rank_count(capsys, tmp_path):
+    assert _error(capsys, "--n", "0", "-o", str(tmp_path / "p.yaml")) == \
+        "moegraph calibrate: error: --n 0: the number of ranks must be between 1 and 64"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_without_cuda(capsys, tmp_path):
+    assert _error(capsys, "--device", "cuda", "-o", str(tmp_path / "p.yaml")) == (
+        f"moegraph calibrate: error: --device cuda: CUDA is not available (torch {torch.__version__} sees no GPU); "
+        "use --device cpu")
+
+
+def test_unwritable_output(capsys, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    assert _error(capsys, "-o", str(blocker / "p.yaml")) == \
+        f"moegraph calibrate: error: -o {blocker / 'p.yaml'}: cannot write (Not a directory)"
+    assert _error(capsys, "-o", str(tmp_path / "missing" / "p.yaml")) == \
+        f"moegraph calibrate: error: -o {tmp_path / 'missing' / 'p.yaml'}: cannot write (No such file or directory)"
+    assert not (tmp_path / "p.yaml").exists()
+
+
+def test_other_bad_arguments(capsys, tmp_path):
+    out = str(tmp_path / "p.yaml")
+    assert _error(capsys, "--time-budget", "1", "-o", out) == (
+        "moegraph calibrate: error: --time-budget 1: must be between 5 and 3600 s "
+        "(starting the ranks alone takes about 5 s)")
+    assert _error(capsys, "--backend", "nccl", "-o", out) == \
+        "moegraph calibrate: error: --backend nccl needs --device cuda; CPU ranks talk over gloo"
+    assert _error(capsys, "-o", str(tmp_path / "p.txt")).endswith(
+        "a profile is a .yaml or .yml file (load_hardware reads it by that suffix)")
+    assert _error(capsys, "--base", "h999", "-o", out).startswith("moegraph calibrate: error: unknown hardware 'h999'")
+
+
+# --- the shipped profile -------------------------------------------------------------------------
+
+def test_shipped_cpu_profile_is_valid_and_dated():
+    hw = load_hardware(SHIPPED)
+    assert {name for name, _ in hw.curves} == set(CURVE_NAMES)
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", dict(hw.measured)["date"])
+    facts = parse_notes(hw)
+    assert (facts["n"], facts["backend"], facts["threads_per_rank"]) == ("2", "gloo", "1")
+    assert facts["unmeasured"] == "[]"
+    for _, points in hw.curves:
+        assert [s for s, _ in points] == sorted(s for s, _ in points)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_calibration_writes_single_gpu_curves(tmp_path):
+    out = tmp_path / "gpu.yaml"
+    assert main(["calibrate", "--device", "cuda", "--time-budget", "30", "-o", str(out)]) == 0
+    hw = load_hardware(out)
+    assert {"gemm_eff", "mem_eff"} <= {name for name, _ in hw.curves}
+    assert "all_gather" in parse_notes(hw)["unmeasured"]

@@ -1,0 +1,124 @@
+"""The runtime on real ranks (gloo, CPU, fp32): exact against the eager module, and failing loudly.
+
+Every check runs on spawned ranks (runtime.launch.spawn). Starting ranks costs seconds, so one
+process group checks many cases (module-scoped fixtures) and each case is reported as its own
+test. Fresh random weights and inputs every run (the seed comes from os.urandom).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+
+import pytest
+
+import runtime_workers as workers
+from runtime import CollectiveTimeout, RankFailure, RuntimeFailure, ScheduleMismatch
+from runtime.launch import spawn
+
+TOL = 1e-5
+COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
+          for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
+HAS_PASSES = hasattr(importlib.import_module("passes"), "run_pipeline")
+
+
+def _case(attn, ffn, dispatch, **kw):
+    return dict(attn=attn, ffn=ffn, dispatch=dispatch, **kw)
+
+
+def _id(case):
+    extra = [f"{k}={v}" for k, v in case.items() if k not in ("attn", "ffn", "dispatch")]
+    return "-".join([case["attn"], case["ffn"], case["dispatch"], *map(str, extra)])
+
+
+PASS_CASES = [
+    _case("sp", "ep", "ag-rs", passes="sar=paper"),
+    _case("sp", "ep", "a2a", passes="sar=paper"),
+    _case("sp", "ep", "ag-rs", passes="gate-reorder"),
+    _case("sp", "ep", "a2a", passes="chunk=2"),
+    _case("tp", "tp", "ag-rs", passes="chunk=2"),
+    _case("sp", "ep", "ag-rs", passes="sar=paper,gate-reorder,chunk=2"),
+    _case("tp", "tp", "ag-rs", passes="compress=tp-fp8", reference="interpreter"),   # lossy on purpose
+] if HAS_PASSES else []
+
+N2_CASES = ([_case(*c) for c in COMBOS]
+            + [_case("sp", "ep", "ag-rs", schedule="sequential"),
+               _case("tp", "tp", "ag-rs", native=["reduce_scatter"]),      # gloo's own reduce_scatter
+               _case("sp", "ep", "a2a", model="hf"),
+               _case("tp", "tp", "ag-rs", model="hf")]
+            + PASS_CASES)
+N4_CASES = ([_case(*c) for c in COMBOS]
+            + [_case("sp", "ep", "a2a", model="hf")]
+            + ([_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")] if HAS_PASSES else []))
+FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(3), "little")
+
+
+@pytest.fixture(scope="module")
+def n2_results():
+    res = spawn(workers.check_cases, 2, args=(N2_CASES + [FAULT], _seed()), timeout_s=600)
+    return {_id(r["case"]): r for r in res[0]}
+
+
+@pytest.fixture(scope="module")
+def n4_results():
+    res = spawn(workers.check_cases, 4, args=(N4_CASES, _seed()), timeout_s=900)
+    return {_id(r["case"]): r for r in res[0]}
+
+
+def _assert_exact(r):
+    assert r["max_rel_err_output"] < TOL, f"output: relative error {r['max_rel_err_output']:.2e}"
+    assert r["max_rel_err_grads"] < TOL, f"gradient of {r['worst_grad']}: relative error {r['max_rel_err_grads']:.2e}"
+
+
+@pytest.mark.parametrize("case", N2_CASES, ids=_id)
+def test_exact_on_two_ranks(case, n2_results):
+    _assert_exact(n2_results[_id(case)])
+
+
+@pytest.mark.parametrize("case", N4_CASES, ids=_id)
+def test_exact_on_four_ranks(case, n4_results):
+    _assert_exact(n4_results[_id(case)])
+
+
+def test_ranks_agree_on_the_check(n2_results):
+    """Each rank reports the same errors (the gathered tensors are identical everywhere)."""
+    assert all(r["comm_nodes"] > 0 for r in n2_results.values())
+
+
+@pytest.mark.skipif(not HAS_PASSES, reason="passes package not available")
+def test_pass_cases_really_rewrite_the_graph(n2_results):
+    assert n2_results[_id(PASS_CASES[0])]["recompute_nodes"] > 0           # sar adds recompute nodes
+    chunked = n2_results[_id(PASS_CASES[3])]["comm_nodes"]
+    assert chunked > n2_results[_id(_case("sp", "ep", "a2a"))]["comm_nodes"]  # chunk=2 splits collectives
+
+
+def test_the_check_catches_a_wrong_collective(n2_results):
+    """A reduce-scatter that forgets the other ranks' partial sums is caught by the same check."""
+    r = n2_results[_id(FAULT)]
+    assert r["max_rel_err_output"] > 1e-3 and r["max_rel_err_grads"] > 1e-3
+
+
+def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        spawn(workers.mismatched_plans, 2, args=(_seed(),), timeout_s=120)
+    assert time.monotonic() - t0 < 90
+    err = info.value
+    assert err.error_type == ScheduleMismatch.__name__
+    assert "ranks [1] hold a different schedule than the other ranks (rank 0: " in str(err)
+    assert isinstance(err, RuntimeFailure)
+
+
+def test_a_stuck_collective_times_out_naming_the_node():
+    t0 = time.monotonic()
+    with pytest.raises(RankFailure) as info:
+        spawn(workers.stalled_rank, 2, args=(_seed(), "ffn_rs", 2.0), timeout_s=120)
+    assert time.monotonic() - t0 < 90
+    err = info.value
+    assert err.rank == 0 and err.error_type == CollectiveTimeout.__name__
+    assert "collective 'ffn_rs' (reduce_scatter, stream 'comm') did not complete within 2 s" in str(err)

@@ -1,0 +1,53 @@
+"""`moegraph run`: launches ranks, measures, checks against eager, writes traces; one-line errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from moegraph.cli import main
+
+HAS_SCHEDULER = importlib.util.find_spec("schedules.api") is not None
+
+
+def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
+    out = tmp_path / "measured.json"
+    rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "asap", "--check", "--compare-prediction",
+               "--trace", str(out), "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] == 2 and report["schedule"] == "asap" and report["n"] == 2
+    assert report["model"] == "tiny" and report["hardware"] == "cpu-gloo" and report["seq"] == 128
+    assert report["step_us"] > 0 and len(report["step_us_all"]) == 2
+    assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
+    pred = report["prediction"]
+    assert pred["total"]["predicted_us"] > 0 and len(pred["nodes"]) > 10
+    sched = json.loads(out.read_text())
+    assert sched["measured"] is True and sched["summary"]["plan_hash"] == report["plan_hash"] and sched["nodes"]
+    predicted = json.loads(out.with_suffix(".predicted.json").read_text())
+    assert predicted["measured"] is False
+    assert [n["name"] for n in predicted["nodes"]] == [n["name"] for n in sched["nodes"]]
+    chrome = json.loads(out.with_suffix(".chrome.json").read_text())
+    assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
+
+
+@pytest.mark.skipif(not HAS_SCHEDULER, reason="schedules.api (CP-SAT scheduler) not available yet")
+def test_run_with_the_cpsat_schedule(capsys):
+    assert main(["run", "--n", "2", "--steps", "1", "--schedule", "cpsat", "--time-limit", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--n", "3"], "n=3 does not divide heads=4"),
+    (["--backend", "nccl"], "--backend nccl needs 2 CUDA devices"),
+    (["--steps", "0"], "--steps=0 must be a positive integer"),
+])
+def test_run_reports_bad_arguments_in_one_line(argv, message, capsys):
+    import torch
+    if argv[:2] == ["--backend", "nccl"] and torch.cuda.device_count() >= 2:
+        pytest.skip("this machine has the CUDA devices")
+    assert main(["run", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("moegraph run: error: ") and message in err and "\n" not in err

@@ -1,0 +1,71 @@
+"""The GPU executor (CUDA streams and events): skipped cleanly on machines without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import moegraph
+import runtime_workers as workers
+from helpers import eager_step, max_grad_err, rel_err, small_layer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+TOL = 1e-4        # fp32 on GPU, TF32 off; SDPA kernels may reorder sums
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("schedule", ["sequential", "asap"])
+def test_single_gpu_matches_eager(schedule, rng):
+    layer = small_layer(1, seed=int(torch.randint(0, 2**31, (1,), generator=rng))).cuda()
+    x = torch.randn(2, 16, 64, generator=rng).cuda()
+    dy = torch.randn(2, 16, 64, generator=rng).cuda()
+    y_ref, dx_ref, g_ref = eager_step(layer, x, dy)
+    compiled = moegraph.compile(layer, x, hardware="h800", schedule=schedule)
+    assert compiled.executor.cuda
+    xs = x.clone().requires_grad_(True)
+    y = compiled(xs)
+    y.backward(dy)
+    assert y.is_cuda and rel_err(y.detach(), y_ref) < TOL and rel_err(xs.grad, dx_ref) < TOL
+    name, err = max_grad_err(compiled.full_grads(), g_ref)
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+def test_gpu_traces_come_from_cuda_events(rng):
+    layer = small_layer(1).cuda()
+    x = torch.randn(2, 16, 64, generator=rng).cuda()
+    compiled = moegraph.compile(layer, x, hardware="h800", schedule="asap")
+    for _ in range(2):
+        compiled(x.clone().requires_grad_(True)).sum().backward()
+    traces = compiled.traces
+    assert len(traces) == 2 and traces[-1].device == "cuda"
+    tr = traces[-1]
+    assert len(tr.nodes) == len(compiled.graph.nodes)
+    assert all(t.end_us >= t.start_us >= 0 for t in tr.nodes)
+    assert 0 < tr.backward_start_us <= tr.step_us
+
+
+def test_nccl_options_carry_the_cta_limit():
+    import torch.distributed as dist
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        pytest.skip("torch built without NCCL")
+    from runtime.collectives import nccl_options
+    opts = nccl_options(16)
+    if getattr(opts, "config", None) is None:
+        pytest.skip("NCCL < 2.17: no per-communicator config")
+    assert opts.config.max_ctas == 16 and opts.config.min_ctas == 16
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_with_nccl_match_eager():
+    from runtime.launch import spawn
+    cases = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="tp", ffn="tp", dispatch="ag-rs")]
+    res = spawn(workers.check_cases, 2, args=(cases, 1234, "cuda"), backend="nccl", timeout_s=600)
+    for r in res[0]:
+        assert r["max_rel_err_output"] < TOL and r["max_rel_err_grads"] < TOL, r

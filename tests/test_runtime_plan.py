@@ -1,0 +1,184 @@
+"""Execution plans, the single-rank executor, and the measured-trace exports (no spawned ranks)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import moegraph
+from helpers import eager_step, max_grad_err, rel_err, small_layer
+from moegraph.cost import CostModel
+from moegraph.ir import Phase, Strategy
+from moegraph.registry import load_hardware
+from moegraph.tracer import trace_module
+from runtime import PlanError, RuntimeFailure
+from runtime.module import make_plan, rank_and_size
+from runtime.plan import COMPUTE, ExecutionPlan, check_plan
+from runtime.trace import (chrome_trace, compare_prediction, measured_schedule, median_trace, predicted_schedule,
+                           schedule_json)
+from schedules.schedule_file import Schedule
+
+COST = CostModel(load_hardware("cpu-gloo"))
+
+
+@pytest.fixture(scope="module")
+def graph():
+    return trace_module(small_layer(2), Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=2, seq=16)
+
+
+def test_sequential_plan_is_graph_order(graph):
+    plan = ExecutionPlan.sequential(graph, COST)
+    assert [e.name for e in plan.entries] == [n.name for n in graph.nodes]
+    assert all((e.stream == COMPUTE) != graph.node[e.name].is_comm for e in plan.entries)
+    assert plan.hash == ExecutionPlan.sequential(graph).hash          # predicted times are not hashed
+    assert plan.predicted_makespan_us == pytest.approx(sum(e.end_us - e.start_us for e in plan.entries))
+
+
+def test_asap_plan_issues_collectives_earlier_and_predicts_no_longer(graph):
+    seq, asap = ExecutionPlan.sequential(graph, COST), ExecutionPlan.asap(graph, COST)
+    assert asap.hash != seq.hash
+    pos = lambda plan: {e.name: i for i, e in enumerate(plan.entries)}  # noqa: E731
+    p_seq, p_asap = pos(seq), pos(asap)
+    comms = [n.name for n in graph.nodes if n.is_comm]
+    assert any(p_asap[c] < p_seq[c] for c in comms)
+    assert all(p_asap[c] <= p_seq[c] for c in comms if graph.node[c].phase is Phase.FORWARD)
+    assert asap.predicted_makespan_us <= seq.predicted_makespan_us
+    check_plan(graph, asap)
+
+
+def test_check_plan_names_the_problem(graph):
+    plan = ExecutionPlan.sequential(graph)
+    entries = list(plan.entries)
+    with pytest.raises(PlanError, match=r"^plan 'sequential' misses graph nodes \['input_norm'\]$"):
+        check_plan(graph, plan.with_entries(entries[1:]))
+    swapped = [entries[1], entries[0], *entries[2:]]
+    with pytest.raises(PlanError, match=r"^plan 'sequential': node 'qkv_proj' is issued before 'ln1_out' is "
+                                        r"produced \(by 'input_norm'\)$"):
+        check_plan(graph, plan.with_entries(swapped))
+    wrong = [dataclasses.replace(entries[0], stream="comm"), *entries[1:]]
+    with pytest.raises(PlanError, match=r"^plan 'sequential': compute node 'input_norm' is on stream 'comm'$"):
+        check_plan(graph, plan.with_entries(wrong))
+    first_bwd = next(i for i, e in enumerate(entries) if graph.node[e.name].phase is not Phase.FORWARD)
+    late = [*entries[:first_bwd - 1], entries[first_bwd], entries[first_bwd - 1], *entries[first_bwd + 1:]]
+    with pytest.raises(PlanError, match=r"forward node 'ffn_residual' comes after"):
+        check_plan(graph, plan.with_entries(late))
+
+
+def test_plan_from_a_schedule_follows_predicted_starts(graph):
+    asap = ExecutionPlan.asap(graph, COST)
+    rows = [{"name": e.name, "stream": e.stream, "start_us": e.start_us, "end_us": e.end_us,
+             "sm_budget": e.sm_budget, "phase": graph.node[e.name].phase.value} for e in asap.entries]
+    schedule = SimpleNamespace(entries=list(reversed(rows)), hash="abc123", method="fake")
+    plan = ExecutionPlan.from_schedule(graph, schedule)
+    assert [e.name for e in plan.entries] == [e.name for e in asap.entries]
+    assert plan.source_hash == "abc123" and plan.method == "fake" and plan.hash == asap.hash
+
+
+def test_make_plan_rejects_unknown_methods(graph):
+    with pytest.raises(PlanError, match=r"^schedule 'fastest' is not one of cpsat, sequential, greedy, "
+                                        r"megascale, asap$"):
+        make_plan(graph, COST, "fastest")
+
+
+def test_without_a_process_group_only_one_rank_runs():
+    with pytest.raises(RuntimeFailure, match=r"^n=2 needs torch.distributed initialised with 2 ranks"):
+        rank_and_size(2)
+    assert rank_and_size(None) == (0, 1)
+
+
+def test_import_moegraph_stays_light():
+    code = "import moegraph, sys; print('runtime' in sys.modules, 'torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False"]
+    from moegraph.api import compile as api_compile
+    assert moegraph.compile is api_compile
+
+
+# -- one rank: the executor, autograd glue and traces -------------------------------------------------
+
+@pytest.mark.parametrize("schedule", ["sequential", "asap"])
+def test_single_rank_matches_eager(schedule, rng):
+    layer = small_layer(1, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
+    y_ref, dx_ref, g_ref = eager_step(layer, x, dy)
+    compiled = moegraph.compile(layer, x, hardware="cpu-gloo", schedule=schedule)
+    xs = x.clone().requires_grad_(True)
+    y = compiled(xs)
+    y.backward(dy)
+    assert rel_err(y.detach(), y_ref) < 1e-5 and rel_err(xs.grad, dx_ref) < 1e-5
+    name, err = max_grad_err(compiled.full_grads(), g_ref)
+    assert err < 1e-5, f"gradient of {name}: {err:.2e}"
+    with torch.no_grad():                                      # inference path: nothing kept for backward
+        assert rel_err(compiled(x), y_ref) < 1e-5
+
+
+def test_gradients_accumulate_like_autograd(rng):
+    layer = small_layer(1)
+    x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
+    compiled = moegraph.compile(layer, x, hardware="cpu-gloo", schedule="sequential")
+    compiled(x).backward(dy)
+    once = {k: p.grad.clone() for k, p in compiled.named_parameters()}
+    compiled(x).backward(dy)
+    for k, p in compiled.named_parameters():
+        assert torch.allclose(p.grad, 2 * once[k], rtol=1e-5, atol=1e-6), k
+
+
+def test_wrong_input_shard_shape_is_named(rng):
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
+    with pytest.raises(ValueError, match=r"^input shard has shape \(2, 8, 64\), the graph expects \(2, 16, 64\)"):
+        compiled(torch.randn(2, 8, 64))
+
+
+def test_measured_trace_exports(rng, tmp_path):
+    layer = small_layer(1)
+    x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
+    compiled = moegraph.compile(layer, x, hardware="cpu-gloo", schedule="asap")
+    for _ in range(3):
+        compiled(x.clone().requires_grad_(True)).backward(dy)
+    traces = compiled.traces
+    assert len(traces) == 3
+    tr = traces[-1]
+    assert [t.name for t in tr.nodes] == [e.name for e in compiled.plan.entries]
+    assert all(t.end_us >= t.start_us >= 0 for t in tr.nodes)
+    assert 0 < tr.backward_start_us < tr.step_us
+    sched = measured_schedule(tr, compiled.graph, compiled.plan, hardware=load_hardware("cpu-gloo"))
+    doc = json.loads(json.dumps(schedule_json(sched)))
+    assert doc["measured"] is True and doc["summary"]["plan_hash"] == compiled.plan.hash
+    assert set(doc["nodes"][0]) >= {"name", "stream", "start_us", "end_us", "sm_budget", "phase"}
+    back = Schedule.from_json(json.dumps(doc))                   # what the Gantt renderer reads
+    assert back.node["attention"].start_us == pytest.approx(tr.by_name()["attention"].start_us, abs=1e-3)
+    assert back.compute_hash() == back.hash
+    pred = predicted_schedule(compiled.graph, compiled.plan)
+    assert pred.summary["measured"] is False
+    assert pred.makespan_us == pytest.approx(compiled.plan.predicted_makespan_us, rel=1e-6)
+    chrome = chrome_trace(traces[-1:], compiled.graph)
+    spans = [e for e in chrome["traceEvents"] if e["ph"] == "X"]
+    assert len(spans) == len(compiled.graph.nodes)
+    cmp = compare_prediction(compiled.plan, traces)
+    assert len(cmp["nodes"]) == len(compiled.graph.nodes) and cmp["total"]["predicted_us"] > 0
+    med = median_trace(traces)
+    assert len(med.nodes) == len(tr.nodes)
+
+
+def test_module_and_input_must_share_device_and_dtype():
+    with pytest.raises(ValueError, match=r"^module parameters live on \['cpu/torch.float32'\] but example_inputs "
+                                         r"is cpu/torch.bfloat16"):
+        moegraph.compile(small_layer(1), torch.randn(2, 16, 64, dtype=torch.bfloat16), hardware="cpu-gloo",
+                         schedule="sequential")
+
+
+def test_analytically_zero_gradients_are_reported_apart(rng):
+    from runtime.check import _grad_report
+    big = torch.randn(64, 64, generator=rng)
+    noise = 1e-9 * torch.randn(8, 64, generator=rng)             # e.g. the router's gradient under top-1
+    ok = _grad_report({"w": (big * (1 + 1e-7), big), "router": (noise.flip(0), noise)})
+    assert ok["worst_grad"] == "w" and ok["max_rel_err_grads"] < 1e-6
+    assert ok["near_zero_grads"] == ["router"] and ok["max_err_near_zero_grads"] < 1e-6
+    bad = _grad_report({"w": (big, big), "router": (noise + 1e-2, noise)})   # a real gradient where none is
+    assert bad["max_err_near_zero_grads"] > 1e-4
