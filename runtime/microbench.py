@@ -839,6 +839,9 @@ def rank_main(rank: int, n: int, port: int, spec: dict[str, Any], queue: Any) ->
         if os.path.exists("/sys/class/net/lo"):
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")          # loopback only, as the runtime
         torch.set_num_threads(spec["threads"])
+        if spec["backend"] == "gloo":
+            from runtime.launch import keep_freed_memory
+            keep_freed_memory()                                          # as runtime ranks do
         if n > 1:
             dist.init_process_group(spec["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                     world_size=n, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
