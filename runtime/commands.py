@@ -78,6 +78,18 @@ def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = 
     return times
 
 
+def measurement_blocks(plans: int, steps: int) -> list[tuple[int, int]]:
+    """(plan index, step count) blocks: each plan's steps in two halves, in ABBA order (A B ... B A),
+    so slow drift on the machine hits every plan alike. Steps are not interleaved one by one:
+    alternating between layers every step evicts each layer's working set (weights, gradient
+    buffers) and on this project's VMs made every plan ~1.7x slower than it runs alone."""
+    if plans == 1:
+        return [(0, steps)]
+    first, second = (steps + 1) // 2, steps // 2
+    order = [(i, first) for i in range(plans)] + [(i, second) for i in reversed(range(plans))]
+    return [(i, c) for i, c in order if c]
+
+
 def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     """One rank of `moegraph run`: time every plan of ``spec`` (interleaved step by step)."""
     import torch
@@ -98,9 +110,12 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
-    for _ in range(spec.steps):               # interleaved, so drift on the machine hits every plan alike
-        for i, layer in enumerate(layers):
-            times[i] += timed_steps(layer, xs, dys, 1, meta)
+    for i, count in measurement_blocks(len(layers), spec.steps):
+        if spec.warmup and len(layers) > 1:                  # re-warm this layer's memory, unrecorded
+            recording, layers[i].record = layers[i].record, False
+            timed_steps(layers[i], xs, dys, 1, meta)
+            layers[i].record = recording
+        times[i] += timed_steps(layers[i], xs, dys, count, meta)
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
@@ -194,6 +209,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+
+def measure_schedules(layer: Any, methods: tuple[str, ...], *, steps: int = 10, warmup: int = 2, seed: int = 0,
+                      check: bool = False, time_limit_s: float = 10.0, timeout_s: float = 120.0) -> list[dict[str, Any]]:
+    """Run several schedules of one lowered layer on gloo CPU ranks, steps interleaved (so load on
+    the machine hits every schedule alike). Per method: predicted and measured (median) step us,
+    and with ``check`` the first plan's error against the eager module."""
+    from runtime.launch import spawn
+    from runtime.module import make_plan
+    plans = tuple(make_plan(layer.graph, layer.cost, m, time_limit_s=time_limit_s) for m in methods)
+    spec = RunSpec(layer.model, layer.graph, plans, steps, warmup, seed, layer.graph.strategy.dtype, "cpu",
+                   timeout_s, check)
+    results = spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend="gloo", timeout_s=timeout_s * 4 + 300,
+                    pg_timeout_s=timeout_s)
+    rows = []
+    for i, plan in enumerate(plans):
+        stats = step_stats(results, i)
+        rows.append({"schedule": plan.method, "predicted_us": plan.predicted_makespan_us, **stats})
+    if check:
+        rows[0]["check"] = results[0]["check"]
+    return rows
 
 
 def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):

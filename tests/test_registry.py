@@ -41,7 +41,7 @@ def write_yaml(tmp_path, name, data):
 
 def test_every_entry_loads():
     assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small"}
-    assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo"}
+    assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo", "cpu-2core-gloo"}
     for name in model_names():
         assert load_model(name).name == name
     for name in hardware_names():
@@ -162,7 +162,9 @@ def test_unknown_names():
                             "mixtral-8x22b, mixtral-8x7b, phi-3.5-moe, small, tiny, tiny-top1")
     with pytest.raises(RegistryError) as e:
         load_hardware("v100")
-    assert str(e.value) == "unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h800"
+    assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h800, "
+                            "cpu-2core-gloo")
+    assert load_hardware("cpu-2core-gloo").name == "cpu-2core-gloo"      # shipped calibrated profile by name
 
 
 def test_missing_user_file(tmp_path):

@@ -28,6 +28,7 @@ __all__ = ["ModelConfig", "Hardware", "RegistryError", "CURVE_NAMES", "Curve", "
            "model_names", "hardware_names"]
 
 _REGISTRY_DIR = Path(__file__).parent
+_PROFILES_DIR = _REGISTRY_DIR / "profiles"     # calibrated profiles shipped with the package
 
 
 class RegistryError(ValueError):
@@ -427,9 +428,17 @@ def _load(arg: str | os.PathLike, kind: str, filename: str) -> Any:
         cls = ModelConfig if kind == "model" else Hardware
         return _build(cls, _read_yaml(path, str(arg)), str(arg), None, path.stem)
     entries = _registry(filename, kind, _REGISTRY_DIR)
-    if arg not in entries:
-        raise RegistryError(f"unknown {kind} {arg!r}; known: {', '.join(sorted(entries))}")
-    return entries[arg]
+    if arg in entries:
+        return entries[arg]
+    profile = _PROFILES_DIR / f"{arg}.yaml"
+    if kind == "hardware" and profile.is_file():                 # a shipped calibrated profile
+        return _build(Hardware, _read_yaml(profile, profile.name), profile.name, None, arg)
+    known = sorted(entries) + (list(_profile_names()) if kind == "hardware" else [])
+    raise RegistryError(f"unknown {kind} {arg!r}; known: {', '.join(known)}")
+
+
+def _profile_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in _PROFILES_DIR.glob("*.yaml")))
 
 
 def load_model(name_or_path: str | os.PathLike) -> ModelConfig:
@@ -447,4 +456,5 @@ def model_names() -> tuple[str, ...]:
 
 
 def hardware_names() -> tuple[str, ...]:
-    return tuple(sorted(_registry("hardware.yaml", "hardware", _REGISTRY_DIR)))
+    """Registry entries and shipped calibrated profiles (registry/profiles/NAME.yaml)."""
+    return tuple(sorted(_registry("hardware.yaml", "hardware", _REGISTRY_DIR))) + _profile_names()
