@@ -64,3 +64,11 @@ def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
     for p in procs:
         p.join()
     assert reader.get("k")["j"] == 49 and not list(tmp_path.glob(".tmp-*"))
+
+
+def test_every_strategy_family_gets_a_cpsat_refinement(tmp_path):
+    res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
+               cache=Cache(tmp_path))
+    families = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["feasible"]}
+    refined = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["scheduler"] == "cpsat"}
+    assert refined == families and len(families) == 4
