@@ -7,8 +7,8 @@ Runs schedules.tune.tune for every model x hardware (n=8, batch 1, seq 8192 by d
 tune cache (.moegraph-cache), so a rerun is instant, and prints one markdown table: the tuned
 choice, its predicted step time and speed-up over sequential tp+tp (tune's baseline), the best
 sp+ep candidate, and a "why" column derived from the schedules: where the choice is not sp+ep
-(MegaScale-MoE Fig 14's winner), the best sp+ep candidate is given CP-SAT too (tune refines only
-its top few by the greedy first stage; cached like tune's own solves), and the column names what
+(MegaScale-MoE Fig 14's winner), the best sp+ep candidate is given CP-SAT too (tune refines its top
+few by the greedy first stage and each attn x ffn family's best; cached like tune's own solves), and the column names what
 differs (attention tp vs sp, ffn tp vs ep), the predicted gap with both sides CP-SAT-scheduled,
 and each schedule's attention communication (by collective), exposed communication and
 compute-busy time. Where the choice is sp+ep it gives the margin to the next strategy. One
@@ -31,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
-from schedules.schedule_file import Schedule  # noqa: E402
+from schedules.schedule_file import Schedule, merge_intervals  # noqa: E402
 from schedules.tune import Cache, Candidate, build_graph, evaluate, tune  # noqa: E402
 
 MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
@@ -44,14 +44,8 @@ def label(row: dict) -> str:
     return f"{row['attn']}+{row['ffn']} {row['dispatch']} c{row['chunks']} remat={row['remat']}"
 
 
-def _union(spans):
-    merged: list[list[float]] = []
-    for s, e in sorted(spans):
-        if merged and s <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], e)
-        else:
-            merged.append([s, e])
-    return sum(e - s for s, e in merged)
+def _union(spans) -> float:
+    return sum(e - s for s, e in merge_intervals(spans))
 
 
 OP_SHORT = {"all_gather": "ag", "reduce_scatter": "rs", "all_reduce": "ar", "all_to_all": "a2a"}
@@ -91,8 +85,7 @@ def _attn_comm(d: dict) -> str:
     return f"{sum(d.values()):.0f} us (" + " ".join(f"{k} {v:.0f}" for k, v in sorted(d.items())) + ")"
 
 
-def why(res: dict, chosen: dict, spep: dict | None, spep_final: dict | None, scheds: Schedules,
-        refine: int) -> str:
+def why(res: dict, chosen: dict, spep: dict | None, spep_final: dict | None, scheds: Schedules) -> str:
     """One short, data-derived reason. spep_final: the best sp+ep row's schedule stats after
     CP-SAT (refined here when tune left it greedy-only), so both sides face the same scheduler."""
     if spep is None:
@@ -119,7 +112,7 @@ def why(res: dict, chosen: dict, spep: dict | None, spep_final: dict | None, sch
     gap = b["us"] / a["us"] - 1
     if gap < 0:        # tune's greedy first stage ranked sp+ep below the refine cut; CP-SAT says otherwise
         return (f"tune missed it: best sp+ep after CP-SAT is {-gap:.1%} faster than the choice, but the greedy first "
-                f"stage ranked it outside the top {refine}")
+                f"stage did not send that sp+ep candidate to CP-SAT")
     sched = "both cpsat" if chosen["scheduler"] == "cpsat" else f"sp+ep cpsat, choice {chosen['scheduler']}"
     text = f"{' and '.join(diffs)}: sp+ep {gap:+.1%} ({sched})"
     if diffs == ["attn tp"]:
@@ -175,7 +168,7 @@ def main(argv=None) -> int:
             # Not chosen: give the best sp+ep candidate CP-SAT too (tune refines only its top few by
             # the greedy stage), so the comparison is scheduler against the same scheduler.
             spep_final = scheds.get(spep, "cpsat") if spep and not is_spep else None
-            reason = (why(res, chosen, spep, spep_final, scheds, args.refine) if chosen["feasible"]
+            reason = (why(res, chosen, spep, spep_final, scheds) if chosen["feasible"]
                       else "no feasible candidate")
             if spep is None:
                 spep_cell = "- | -"

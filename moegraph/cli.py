@@ -24,7 +24,7 @@ COMMANDS: dict[str, str] = {
     "run": "runtime.commands:run_command",
     "calibrate": "runtime.calibrate:calibrate_command",
     "tune": "schedules.tune:tune_command",
-    "demo": "moegraph.commands:demo_command",
+    "demo": "runtime.demo:demo_command",
 }
 
 HELP = {

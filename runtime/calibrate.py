@@ -200,19 +200,13 @@ def run_calibration(opts: CalibrationOptions) -> tuple[dict[str, Any], list[Any]
     return profile, results, time.time() - t0
 
 
-def _free_port() -> int:
-    import socket
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str, str]]:
     import queue as queue_mod
 
     import torch
     import torch.multiprocessing as mp
 
+    from runtime.launch import free_port, release_freed_memory
     from runtime.microbench import cpu_seconds, machine_busy_seconds, machine_info, rank_main
     deadline = t0 + opts.time_budget_s - RESERVE_S
     busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(), time.time()
@@ -221,7 +215,8 @@ def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str, 
             "pg_timeout_s": max(60.0, opts.time_budget_s), "verbose": opts.verbose}
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    release_freed_memory()
+    port = free_port()
     procs = [ctx.Process(target=rank_main, args=(r, opts.n, port, spec, q), daemon=True,
                          name=f"moegraph-calibrate{r}") for r in range(opts.n)]
     for p in procs:

@@ -170,7 +170,6 @@ def run_command(p: argparse.ArgumentParser):
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
-    from runtime.launch import spawn
     from runtime.module import make_plan
     for flag in ("steps",):
         if getattr(args, flag) < 1:
@@ -187,10 +186,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     layer = layer_from_args(args)
     plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                      time_limit_s=args.time_limit)
-    spec = RunSpec(layer.model, layer.graph, (plan,), args.steps, args.warmup, args.seed, args.dtype, device,
-                   args.timeout, args.check)
-    results = spawn(run_rank, args.n, args=(spec,), backend=args.backend, timeout_s=args.timeout * 4 + 300,
-                    pg_timeout_s=args.timeout)
+    results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
+                          backend=args.backend, timeout_s=args.timeout, check=args.check)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
@@ -211,25 +208,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
-def measure_schedules(layer: Any, methods: tuple[str, ...], *, steps: int = 10, warmup: int = 2, seed: int = 0,
-                      check: bool = False, time_limit_s: float = 10.0, timeout_s: float = 120.0) -> list[dict[str, Any]]:
-    """Run several schedules of one lowered layer on gloo CPU ranks, steps interleaved (so load on
-    the machine hits every schedule alike). Per method: predicted and measured (median) step us,
-    and with ``check`` the first plan's error against the eager module."""
+def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
+                backend: str = "gloo", timeout_s: float = 120.0, check: bool = False) -> list[dict[str, Any]]:
+    """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank."""
     from runtime.launch import spawn
-    from runtime.module import make_plan
-    plans = tuple(make_plan(layer.graph, layer.cost, m, time_limit_s=time_limit_s) for m in methods)
-    spec = RunSpec(layer.model, layer.graph, plans, steps, warmup, seed, layer.graph.strategy.dtype, "cpu",
+    spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
                    timeout_s, check)
-    results = spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend="gloo", timeout_s=timeout_s * 4 + 300,
-                    pg_timeout_s=timeout_s)
-    rows = []
-    for i, plan in enumerate(plans):
-        stats = step_stats(results, i)
-        rows.append({"schedule": plan.method, "predicted_us": plan.predicted_makespan_us, **stats})
+    return spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
+                 pg_timeout_s=timeout_s)
+
+
+def measure_schedule(layer: Any, method: str, *, steps: int = 10, warmup: int = 2, check: bool = False,
+                     time_limit_s: float = 10.0) -> dict[str, Any]:
+    """One schedule of a lowered layer on fresh gloo CPU ranks: predicted and measured (median,
+    slowest rank) step us, and with ``check`` the error against the eager module."""
+    from runtime.module import make_plan
+    plan = make_plan(layer.graph, layer.cost, method, time_limit_s=time_limit_s)
+    results = spawn_plans(layer, (plan,), steps=steps, warmup=warmup, check=check)
+    row = {"schedule": plan.method, "predicted_us": plan.predicted_makespan_us, **step_stats(results)}
     if check:
-        rows[0]["check"] = results[0]["check"]
-    return rows
+        row["check"] = results[0]["check"]
+    return row
 
 
 def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):

@@ -196,17 +196,21 @@ class Schedule:
         return max((n.end_us for n in self.nodes), default=0.0)
 
 
+def merge_intervals(spans) -> list[list[float]]:
+    """The union of (start, end) spans as sorted, disjoint [start, end] intervals."""
+    merged: list[list[float]] = []
+    for s, e in sorted(spans):
+        if merged and s <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    return merged
+
+
 def exposed_comm(nodes: tuple[ScheduledNode, ...] | list[ScheduledNode]) -> list[tuple[float, float]]:
     """Intervals (us) where some collective runs and no compute node does: communication the
     schedule failed to hide."""
-    def union(spans):
-        merged: list[list[float]] = []
-        for s, e in sorted(spans):
-            if merged and s <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], e)
-            else:
-                merged.append([s, e])
-        return merged
+    union = merge_intervals
     comm = union((n.start_us, n.end_us) for n in nodes if n.kind == "comm" and n.end_us > n.start_us)
     comp = union((n.start_us, n.end_us) for n in nodes if n.kind == "compute" and n.end_us > n.start_us)
     out, j = [], 0

@@ -25,3 +25,17 @@ def test_measurement_blocks_are_abba_and_cover_every_step():
     for plan in (0, 1):
         assert sum(c for i, c in blocks if i == plan) == 7
     assert [i for i, _ in measurement_blocks(3, 1)] == [0, 1, 2]     # empty halves dropped
+
+
+def test_measure_schedule_runs_ranks_and_matches_eager():
+    import argparse
+
+    from moegraph.commands import layer_from_args
+    from runtime.commands import measure_schedule
+    layer = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
+                                               dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
+                                               dp=1, passes="sar=paper"))
+    row = measure_schedule(layer, "sequential", steps=2, warmup=1, check=True)
+    assert row["schedule"] == "sequential" and row["step_us"] > 0 and row["predicted_us"] > 0
+    assert len(row["step_us_all"]) == 2
+    assert row["check"]["max_rel_err_output"] < 1e-5 and row["check"]["max_rel_err_grads"] < 1e-5
