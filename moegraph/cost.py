@@ -22,6 +22,8 @@ A collective holding `sm` SMs slows compute running beside it by sm_count / (sm_
 (``compute_slowdown``); the scheduler applies that factor, this module prices nodes alone.
 A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evaluated at the
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
+In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
+multiply everything above kernel_latency by the node's op class factor (``op_class``).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import math
 from moegraph.ir import Node, OpKind
 from moegraph.registry import Curve, Hardware
 
-__all__ = ["CostModel", "collective_bytes", "interpolate"]
+__all__ = ["CostModel", "collective_bytes", "interpolate", "op_class"]
 
 _US = 1e6  # seconds -> microseconds
 
@@ -70,6 +72,23 @@ def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
         case OpKind.ALL_REDUCE:
             return 2 * shard * (n - 1)
     raise NotImplementedError(f"no cost rule for {op}")
+
+
+def op_class(node: Node) -> str:
+    """The node's class for in-step factors (moegraph.registry.IN_STEP_CLASSES)."""
+    match node.op:
+        case OpKind.GEMM | OpKind.ROUTER:
+            return "gemm"
+        case OpKind.GROUPED_GEMM:
+            return "grouped_gemm"
+        case OpKind.ATTENTION:
+            return "attention"
+        case (OpKind.RMSNORM | OpKind.ROPE | OpKind.SWIGLU | OpKind.PERMUTE | OpKind.UNPERMUTE
+              | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP | OpKind.SPLIT):
+            return "memory"
+        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE:
+            return "comm"
+    raise NotImplementedError(f"no op class for {node.op}")
 
 
 class CostModel:
@@ -144,7 +163,7 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        return hw.kernel_latency_us + max(flops_s, mem_s) * _US
+        return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(op_class(node))
 
     def _collective(self, op: OpKind) -> tuple[int, float, int, tuple[str, ...]]:
         """(latency steps per (n-1), scalar efficiency, SM saturation, curve names in priority)."""
@@ -181,13 +200,14 @@ class CostModel:
                 eff = interpolate(points, node.comm_bytes)
                 break
         bandwidth, alpha = self._link(node)
-        latency = hw.kernel_latency_us + steps * (node.group - 1) * alpha
+        latency = steps * (node.group - 1) * alpha
         if sm == 0:
             scale = hw.copy_engine_eff / hw.ring_eff
             latency += hw.copy_engine_latency_us
         else:
             scale = min(1.0, sm / saturation)
-        return latency + node.comm_bytes / (bandwidth * eff * scale) * _US
+        wire = latency + node.comm_bytes / (bandwidth * eff * scale) * _US
+        return hw.kernel_latency_us + wire * hw.in_step_factor("comm")
 
     def _require_comm(self, node: Node) -> None:
         if not node.op.is_comm:

@@ -64,6 +64,7 @@ CPU_SHARES = 100            # sm_count of a CPU profile: compute "SMs" are perce
 MIN_BUDGET_S, MAX_BUDGET_S = 5.0, 3600.0
 FOREIGN_LOAD_WARN = 0.15    # cores used by other processes during the run that make it suspect
 MAX_RANKS = 64
+MIN_IN_STEP_BUDGET_S = 90.0  # below it the microbenchmarks get the whole budget (no in-step stage)
 # The router is priced with gemm_eff, but runs softmax/top-k (forward) and a vjp (backward)
 # around a skinny GEMM: 5-10x slower than a GEMM of its FLOPs. It is ~1% of a small-model step,
 # so it is left out of the fit rather than dragging down every GEMM of its size.
@@ -83,7 +84,7 @@ class CalibrationOptions:
     device: str = "cpu"
     backend: str = "gloo"
     n: int = 2
-    time_budget_s: float = 120.0
+    time_budget_s: float = 180.0
     base: str = "cpu-gloo"
     dtype: str = "fp32"
     output: Path = Path("profile.yaml")
@@ -103,7 +104,7 @@ def calibrate_command(p: argparse.ArgumentParser):
     p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
                    help="collective backend (default gloo on cpu, nccl on cuda)")
     p.add_argument("--n", type=int, default=2, help="ranks for the collective benchmarks (default %(default)s)")
-    p.add_argument("--time-budget", type=float, default=120.0, metavar="S",
+    p.add_argument("--time-budget", type=float, default=180.0, metavar="S",
                    help="seconds for the whole calibration, startup included (default %(default)s)")
     p.add_argument("--base", default=None,
                    help="registry name or YAML path giving unmeasured fields (default cpu-gloo on cpu, h100 on cuda)")
@@ -189,8 +190,9 @@ def run_calibration(opts: CalibrationOptions) -> tuple[dict[str, Any], list[Any]
     info["load_avg_1m"] = f"{load:.2f}"
     profile = fit_profile(results, base, opts, info, wall)
     hw = load_hardware_dict(profile, str(opts.output))
-    checks = self_check(hw, results, opts.n)
+    checks = self_check(hw, results, opts.n)            # the isolated regime the curves describe
     profile["measured"]["notes"] += "; self-check: " + summarize_checks(checks)
+    checks += _in_step_stage(profile, hw, opts, t0)
     write_profile(opts.output, profile, results, checks)
     if opts.samples is not None:
         write_samples(opts.samples, results, opts, info)
@@ -198,6 +200,42 @@ def run_calibration(opts: CalibrationOptions) -> tuple[dict[str, Any], list[Any]
         for line in checks:
             print(f"calibrate [{time.time() - t0:6.1f}s] self-check {line}", file=sys.stderr, flush=True)
     return profile, results, time.time() - t0
+
+
+def in_step_enabled(opts: CalibrationOptions) -> bool:
+    """Whether the in-step stage (runtime.calibrate_steps) runs: CPU ranks, n >= 2 (it times
+    real collectives), and a budget that leaves the microbenchmarks enough time."""
+    return opts.device == "cpu" and opts.n >= 2 and opts.time_budget_s >= MIN_IN_STEP_BUDGET_S
+
+
+def _in_step_stage(profile: dict[str, Any], hw: Hardware, opts: CalibrationOptions, t0: float) -> list[str]:
+    """Measure real steps, store the in-step factors and latency in ``profile``; check lines."""
+    from runtime.calibrate_steps import fit_in_step, in_step_checks, measure_steps
+    notes = profile["measured"]
+    if not in_step_enabled(opts):
+        why = "CUDA: not implemented" if opts.device != "cpu" else (
+            "n=1 times no collective" if opts.n < 2 else f"--time-budget < {MIN_IN_STEP_BUDGET_S:g} s")
+        notes["notes"] += f"; in_step=skipped ({why})"
+        return []
+    t = time.time()
+
+    def log(msg: str) -> None:
+        if opts.verbose:
+            print(f"calibrate [{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    samples = measure_steps(hw, opts.n, deadline=t0 + opts.time_budget_s - RESERVE_S, log=log)
+    if not samples:
+        notes["notes"] += "; in_step=skipped (out of time)"
+        return []
+    factors, kappa = fit_in_step(hw, samples)
+    profile["kernel_latency_us"] = kappa
+    profile["in_step_factors"] = factors
+    fitted = load_hardware_dict(profile, str(opts.output))
+    lines = in_step_checks(fitted, samples)
+    notes["notes"] += (f"; in_step=[{', '.join(f'{c} x{f:.2f}' for c, f in factors.items())}], kernel_latency_us "
+                       f"{hw.kernel_latency_us:g} -> {kappa:g} from {len(samples)} layer(s) in {time.time() - t:.0f}s")
+    log(f"in-step factors {', '.join(f'{c} x{f:.2f}' for c, f in factors.items())}; per-node host gap: kernel "
+        f"latency {hw.kernel_latency_us:.1f} -> {kappa:.1f} us")
+    return lines
 
 
 def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str, str]]:
@@ -209,6 +247,9 @@ def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str, 
     from runtime.launch import free_port, release_freed_memory
     from runtime.microbench import cpu_seconds, machine_busy_seconds, machine_info, rank_main
     deadline = t0 + opts.time_budget_s - RESERVE_S
+    if in_step_enabled(opts):
+        from runtime.calibrate_steps import STEP_STAGE_S
+        deadline -= STEP_STAGE_S                                   # left for the in-step stage
     busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(), time.time()
     rank_cpu = 0.0
     spec = {"threads": opts.threads, "backend": opts.backend, "dtype": opts.dtype, "t0": t0, "deadline": deadline,

@@ -114,8 +114,7 @@ class CompiledLayer(nn.Module):
             return ScheduledLayerFunction.apply(self, x, *params)
         rec = self._new_recorder()
         y, _ = self.executor.forward(x, params, keep_saved=False, recorder=rec)
-        if rec is not None:
-            self._recorders.append(rec)
+        self._keep(rec)
         return y
 
     def run_forward(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -128,8 +127,7 @@ class CompiledLayer(nn.Module):
         if rec is not None:
             rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
         dx, grads = self.executor.backward(saved, dy, params, recorder=rec)
-        if rec is not None:
-            self._recorders.append(rec)
+        self._keep(rec)
         return dx, grads
 
     def _new_recorder(self) -> StepRecorder | None:
@@ -138,6 +136,17 @@ class CompiledLayer(nn.Module):
         rec = StepRecorder(self.rank, self.executor.cuda)
         rec.start(torch.cuda.current_stream(self.executor.device) if self.executor.cuda else None)
         return rec
+
+    def _keep(self, rec: StepRecorder | None) -> None:
+        """Store a finished step's recording. CPU rows reference the step's collectives (and so
+        their output buffers): finalise them now, or every kept step would pin its MiBs of
+        activations. GPU rows are CUDA events, read lazily so recording never syncs the device."""
+        if rec is None:
+            return
+        if rec.cuda:
+            self._recorders.append(rec)
+        else:
+            self._traces.append(rec.finalize())
 
     @property
     def traces(self) -> list[StepTrace]:

@@ -10,6 +10,7 @@ catch).
 from __future__ import annotations
 
 import time
+import warnings
 
 import torch
 
@@ -122,3 +123,31 @@ def stalled_rank(rank: int, n: int, seed: int, node_name: str, timeout_s: float)
         comm.issue = issue
     xs = layer.shard_input(x).requires_grad_(True)
     layer(xs).backward(layer.shard_input(dy))
+
+
+def live_tensor_bytes_over_steps(rank: int, n: int, seed: int, checkpoints: tuple[int, ...]) -> list[int]:
+    """Bytes of every live tensor storage (deduplicated) after each checkpoint's step count of a
+    recorded sp+ep step: a steady-state layer must not grow."""
+    import gc
+    module = reference_layer(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    layer = moegraph.compile(module, x, hardware="cpu-gloo", attn="sp", ffn="ep", dispatch="a2a",
+                             schedule="asap", timeout_s=60.0)
+    assert layer.record
+    xs, dys = layer.shard_input(x).requires_grad_(True), layer.shard_input(dy)
+    out, done = [], 0
+    for target in checkpoints:
+        while done < target:
+            for p in layer.parameters():
+                p.grad = None
+            layer(xs).backward(dys)
+            done += 1
+        gc.collect()
+        with warnings.catch_warnings():                  # isinstance on torch's deprecated module attrs
+            warnings.simplefilter("ignore")
+            tensors = [t for t in gc.get_objects() if isinstance(t, torch.Tensor)]
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+        out.append(sum(storages.values()))
+    assert len(layer.traces) == done
+    return out

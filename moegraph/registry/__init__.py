@@ -24,7 +24,7 @@ from typing import Any, Callable
 
 import yaml
 
-__all__ = ["ModelConfig", "Hardware", "RegistryError", "CURVE_NAMES", "Curve", "load_model", "load_hardware",
+__all__ = ["ModelConfig", "Hardware", "RegistryError", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "load_model", "load_hardware",
            "model_names", "hardware_names"]
 
 _REGISTRY_DIR = Path(__file__).parent
@@ -148,6 +148,24 @@ def _curves(v: Any) -> tuple[tuple[str, Curve], ...]:
         if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
             raise _Bad(f"{name}: sizes must increase strictly, got {[s for s, _ in pts]}")
         out.append((name, tuple(pts)))
+    return tuple(sorted(out))
+
+
+IN_STEP_CLASSES = ("gemm", "grouped_gemm", "attention", "memory", "comm")
+
+
+def _in_step(v: Any) -> tuple[tuple[str, float], ...]:
+    items = _pairs(v)
+    if items is None:
+        raise _Bad(f"expected a mapping of op class -> factor, got {_got(v)}")
+    out = []
+    for name, x in items:
+        if name not in IN_STEP_CLASSES:
+            raise _Bad(f"unknown op class {name!r}; valid: {', '.join(IN_STEP_CLASSES)}")
+        f = _pos_float(x)
+        if not 0.1 <= f <= 100:
+            raise _Bad(f"{name}: factor {f!r} is outside [0.1, 100]")
+        out.append((name, f))
     return tuple(sorted(out))
 
 
@@ -320,6 +338,11 @@ class Hardware(_Record):
     """Optional measured efficiency curves, name -> ((size, eff), ...), size in FLOPs for compute
     curves and bytes for memory/comm curves; interpolated linearly in log(size), clamped at the
     ends; a present curve replaces the scalar factor. Names: CURVE_NAMES."""
+    in_step_factors: tuple[tuple[str, float], ...] = _checked(_in_step, ())
+    """Optional, op class (IN_STEP_CLASSES) -> factor: how much longer that class's nodes run
+    inside a real training step than alone (caches shared with the rest of the step, host
+    overhead, collectives absorbing rank skew), measured by ``moegraph calibrate`` from real steps.
+    Multiplies a node's time above kernel_latency_us; a missing class counts 1."""
     measured: tuple[tuple[str, str], ...] = _checked(_measured, ())
     """Optional provenance of calibrated numbers: date, machine, notes."""
 
@@ -345,8 +368,15 @@ class Hardware(_Record):
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
         d["curves"] = {name: [list(p) for p in pts] for name, pts in self.curves}
+        d["in_step_factors"] = dict(self.in_step_factors)
         d["measured"] = dict(self.measured)
         return d
+
+    def in_step_factor(self, op_class: str) -> float:
+        """The in-step factor of ``op_class`` (one of IN_STEP_CLASSES); 1 if not calibrated."""
+        if op_class not in IN_STEP_CLASSES:
+            raise ValueError(f"unknown op class {op_class!r}; valid: {', '.join(IN_STEP_CLASSES)}")
+        return dict(self.in_step_factors).get(op_class, 1.0)
 
 
 # --- loading -------------------------------------------------------------------------------------

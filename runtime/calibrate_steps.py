@@ -1,0 +1,137 @@
+"""In-step calibration: time real training steps and fit how much slower each op class runs
+inside a step than alone.
+
+The microbenchmarks of ``runtime.microbench`` time each kernel alone, with its operands warm in
+cache and nothing else running. Inside a real step the same kernel finds its operands evicted by
+the multi-MiB weight GEMMs before it, shares the cores with the collective threads, pays the
+executor's per-node host overhead, and every collective also absorbs the other ranks' lateness
+(uneven routing, OS scheduling). On the 2-core VM these made a `small` layer's step 1.4-1.7x
+longer than the summed isolated prediction. This stage measures that directly:
+
+1. For each layer of STEP_LAYERS, lower it for ``n`` ranks and run it with the runtime
+   (``runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
+   host, so a node's measured span is its in-step time.
+2. Per node, the median span over steps and ranks (m); per step, the slowest rank's time; the
+   median step (T). The freshly fitted isolated profile prices each node (p, its kernel latency
+   kappa).
+3. Fit, pooling the layers: the host gap per node g = max(0, sum(T - sum m) / N) (N priced nodes;
+   views are free in the cost model and their few us land in g), and per op class c
+   (``moegraph.cost.op_class``) the factor F_c = sum_c (m - kappa) / sum_c (p - kappa).
+   The profile then charges kappa' = kappa + g per node and F_c on the rest of each node's time,
+   so its sequential makespan of the pooled layers equals the pooled measured steps.
+
+The layers are the `small` registry model at other sequence lengths / strategies than the ones a
+user typically tunes, so the factors describe the machine's in-step regime, not one layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from moegraph.registry import IN_STEP_CLASSES, Hardware
+
+__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "apply_in_step", "in_step_checks",
+           "STEP_STAGE_S"]
+
+# (model, seq, attn, ffn, dispatch): ep with both dispatches so every collective kind is timed
+STEP_LAYERS = (("small", 512, "sp", "ep", "ag-rs"), ("small", 256, "tp", "ep", "a2a"))
+STEPS, WARMUP = 8, 2
+STEP_STAGE_S = 45.0          # what the stage needs on the 2-core VM (two spawns of ~15-20 s)
+
+
+@dataclass(frozen=True)
+class StepSample:
+    """One layer's measured sequential steps: per node the median span (us) over steps and
+    ranks, and the median step (us, slowest rank per step)."""
+
+    label: str
+    graph: Any                        # moegraph.ir.Graph
+    node_us: tuple[tuple[str, float], ...]
+    step_us: float
+
+
+def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS, steps: int = STEPS,
+                  warmup: int = WARMUP, deadline: float | None = None,
+                  log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
+    """Run each layer's sequential schedule on ``n`` fresh gloo CPU ranks; stop early (fewer
+    samples) when the next layer would start after ``deadline`` (time.time())."""
+    from moegraph.commands import Layer
+    from moegraph.cost import CostModel
+    from moegraph.ir import Strategy
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    from runtime.commands import spawn_plans
+    from runtime.module import make_plan
+    from runtime.trace import trace_from_dict
+    cost = CostModel(hw)
+    out = []
+    for model_name, seq, attn, ffn, dispatch in layers:
+        if deadline is not None and time.time() + STEP_STAGE_S / len(layers) > deadline:
+            break
+        t = time.time()
+        model = load_model(model_name)
+        graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32"),
+                            batch=1, seq=seq)
+        plan = make_plan(graph, cost, "sequential")
+        results = spawn_plans(Layer(model, hw, cost, graph, {}), (plan,), steps=steps, warmup=warmup)
+        spans: dict[str, list[float]] = defaultdict(list)
+        for r in results:
+            for d in r["plans"][0]["traces"]:
+                for nt in trace_from_dict(d).nodes:
+                    spans[nt.name].append(nt.duration_us)
+        step = statistics.median(max(ts) for ts in zip(*(r["plans"][0]["step_us"] for r in results)))
+        label = f"{model_name} s={seq} {attn}/{ffn}/{dispatch} n={n}"
+        out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step))
+        log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms ({time.time() - t:.1f}s)")
+    return out
+
+
+def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> tuple[dict[str, float], float]:
+    """(per-class factors, kernel_latency_us) as the module docstring's step 3 defines them."""
+    from moegraph.cost import CostModel, op_class
+    from moegraph.ir import OpKind
+    if not samples:
+        raise ValueError("fit_in_step needs at least one measured layer")
+    cost, kappa = CostModel(hw), hw.kernel_latency_us
+    measured: dict[str, float] = defaultdict(float)
+    predicted: dict[str, float] = defaultdict(float)
+    gap, priced = 0.0, 0
+    for s in samples:
+        spans = dict(s.node_us)
+        missing = [node.name for node in s.graph.nodes if node.name not in spans]
+        if missing:
+            raise ValueError(f"{s.label}: no measured span for node {missing[0]!r}")
+        total = 0.0
+        for node in s.graph.nodes:
+            if node.op is OpKind.SPLIT:                    # a view: free in the cost model, its us go to the gap
+                continue
+            total += spans[node.name]
+            c = op_class(node)
+            measured[c] += spans[node.name] - kappa
+            predicted[c] += cost.node_time_us(node) - kappa
+            priced += 1
+        gap += s.step_us - total
+    factors = {c: round(min(100.0, max(0.1, measured[c] / predicted[c])), 4)
+               for c in IN_STEP_CLASSES if predicted[c] > 0}
+    return factors, round(kappa + max(0.0, gap / priced), 3)
+
+
+def apply_in_step(hw: Hardware, factors: dict[str, float], kernel_latency_us: float) -> Hardware:
+    return dataclasses.replace(hw, in_step_factors=tuple(sorted(factors.items())), kernel_latency_us=kernel_latency_us)
+
+
+def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[str]:
+    """Per measured layer: the sequential makespan ``hw`` predicts against the measured step."""
+    from moegraph.cost import CostModel
+    cost = CostModel(hw)
+    lines = []
+    for s in samples:
+        pred = sum(cost.node_time_us(node) for node in s.graph.nodes)
+        lines.append(f"in-step {s.label}: sequential step {pred / 1e3:.1f} ms predicted vs "
+                     f"{s.step_us / 1e3:.1f} ms measured ({pred / s.step_us - 1:+.1%})")
+    return lines
