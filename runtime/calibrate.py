@@ -226,15 +226,13 @@ def _in_step_stage(profile: dict[str, Any], hw: Hardware, opts: CalibrationOptio
     if not samples:
         notes["notes"] += "; in_step=skipped (out of time)"
         return []
-    factors, kappa = fit_in_step(hw, samples)
-    profile["kernel_latency_us"] = kappa
+    factors = fit_in_step(hw, samples)
     profile["in_step_factors"] = factors
     fitted = load_hardware_dict(profile, str(opts.output))
     lines = in_step_checks(fitted, samples)
-    notes["notes"] += (f"; in_step=[{', '.join(f'{c} x{f:.2f}' for c, f in factors.items())}], kernel_latency_us "
-                       f"{hw.kernel_latency_us:g} -> {kappa:g} from {len(samples)} layer(s) in {time.time() - t:.0f}s")
-    log(f"in-step factors {', '.join(f'{c} x{f:.2f}' for c, f in factors.items())}; per-node host gap: kernel "
-        f"latency {hw.kernel_latency_us:.1f} -> {kappa:.1f} us")
+    text = ", ".join(f"{c} x{f:.2f}" for c, f in factors.items())
+    notes["notes"] += f"; in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s"
+    log(f"in-step factors {text}")
     return lines
 
 

@@ -14,11 +14,12 @@ longer than the summed isolated prediction. This stage measures that directly:
 2. Per node, the median span over steps and ranks (m); per step, the slowest rank's time; the
    median step (T). The freshly fitted isolated profile prices each node (p, its kernel latency
    kappa).
-3. Fit, pooling the layers: the host gap per node g = max(0, sum(T - sum m) / N) (N priced nodes;
-   views are free in the cost model and their few us land in g), and per op class c
-   (``moegraph.cost.op_class``) the factor F_c = sum_c (m - kappa) / sum_c (p - kappa).
-   The profile then charges kappa' = kappa + g per node and F_c on the rest of each node's time,
-   so its sequential makespan of the pooled layers equals the pooled measured steps.
+3. Fit, pooling the layers: per op class c (``moegraph.cost.op_class``) the factor
+   F_c = sum_c (m - kappa) / sum_c (p - kappa), over the N priced nodes (views cost 0 in the
+   model). Then every F_c is scaled by one r = (sum T - N kappa) / sum_c F_c sum_c (p - kappa):
+   what the per-node medians miss (gaps between nodes, the slowest rank setting each step, the
+   right skew of each node's spans) is spread over the classes in proportion to their time, so
+   the profile's sequential makespan of the pooled layers equals their pooled measured steps.
 
 The layers are the `small` registry model at other sequence lengths / strategies than the ones a
 user typically tunes, so the factors describe the machine's in-step regime, not one layer.
@@ -38,10 +39,12 @@ from moegraph.registry import IN_STEP_CLASSES, Hardware
 __all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "apply_in_step", "in_step_checks",
            "STEP_STAGE_S"]
 
-# (model, seq, attn, ffn, dispatch): ep with both dispatches so every collective kind is timed
-STEP_LAYERS = (("small", 512, "sp", "ep", "ag-rs"), ("small", 256, "tp", "ep", "a2a"))
-STEPS, WARMUP = 8, 2
-STEP_STAGE_S = 45.0          # what the stage needs on the 2-core VM (two spawns of ~15-20 s)
+# (model, seq, attn, ffn, dispatch): both attention and FFN strategies and both dispatches, so
+# every collective kind and every op class is timed
+STEP_LAYERS = (("small", 512, "sp", "ep", "ag-rs"), ("small", 256, "tp", "ep", "a2a"),
+               ("small", 384, "tp", "tp", "ag-rs"))
+STEPS, WARMUP = 12, 2
+STEP_STAGE_S = 60.0          # what the stage needs on the 2-core VM (three spawns of ~10-20 s)
 
 
 @dataclass(frozen=True)
@@ -91,8 +94,8 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
     return out
 
 
-def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> tuple[dict[str, float], float]:
-    """(per-class factors, kernel_latency_us) as the module docstring's step 3 defines them."""
+def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> dict[str, float]:
+    """Per-class factors as the module docstring's step 3 defines them."""
     from moegraph.cost import CostModel, op_class
     from moegraph.ir import OpKind
     if not samples:
@@ -100,29 +103,31 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> tuple[dict[str, 
     cost, kappa = CostModel(hw), hw.kernel_latency_us
     measured: dict[str, float] = defaultdict(float)
     predicted: dict[str, float] = defaultdict(float)
-    gap, priced = 0.0, 0
+    steps = 0.0
+    priced = 0
     for s in samples:
         spans = dict(s.node_us)
         missing = [node.name for node in s.graph.nodes if node.name not in spans]
         if missing:
             raise ValueError(f"{s.label}: no measured span for node {missing[0]!r}")
-        total = 0.0
         for node in s.graph.nodes:
-            if node.op is OpKind.SPLIT:                    # a view: free in the cost model, its us go to the gap
+            if node.op is OpKind.SPLIT:                    # a view: free in the cost model
                 continue
-            total += spans[node.name]
             c = op_class(node)
             measured[c] += spans[node.name] - kappa
             predicted[c] += cost.node_time_us(node) - kappa
             priced += 1
-        gap += s.step_us - total
-    factors = {c: round(min(100.0, max(0.1, measured[c] / predicted[c])), 4)
-               for c in IN_STEP_CLASSES if predicted[c] > 0}
-    return factors, round(kappa + max(0.0, gap / priced), 3)
+        steps += s.step_us
+    factors = {c: measured[c] / predicted[c] for c in IN_STEP_CLASSES if predicted[c] > 0}
+    # What the medians of single nodes miss: gaps between nodes, the slowest rank setting each
+    # step, and the skew of each node's spans (the sum of medians undershoots the median sum)
+    scaled = sum(factors[c] * predicted[c] for c in factors)
+    scale = max(1e-9, steps - priced * kappa) / scaled
+    return {c: round(min(100.0, max(0.1, f * scale)), 4) for c, f in factors.items()}
 
 
-def apply_in_step(hw: Hardware, factors: dict[str, float], kernel_latency_us: float) -> Hardware:
-    return dataclasses.replace(hw, in_step_factors=tuple(sorted(factors.items())), kernel_latency_us=kernel_latency_us)
+def apply_in_step(hw: Hardware, factors: dict[str, float]) -> Hardware:
+    return dataclasses.replace(hw, in_step_factors=tuple(sorted(factors.items())))
 
 
 def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[str]:
