@@ -14,8 +14,9 @@ a shared machine).
 The default configuration (tiny, b=1, s=128, sp/ep/ag-rs, n=2, fp32) is one where the cost
 model (hardware cpu-2core-gloo, the shipped CPU calibration with in-step factors) predicts
 communication comparable to compute (the script prints the ratio). Steps on the 2-core VM vary
-3-4x, so the median over 300 steps is the default: ~1% standard error on a ~25 ms step. 'asap' is the runtime's own overlapped order (collectives issued as early as
-possible), independent of the scheduler.
+3-4x, so the default is the median over 300 steps (~2% standard error on a ~25 ms step). 'asap'
+is the runtime's own overlapped order (collectives issued as early as possible), independent of
+the scheduler.
 """
 
 from __future__ import annotations

@@ -88,7 +88,11 @@ def op_class(node: Node) -> str:
             return "memory"
         case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE:
             return "comm"
-    raise NotImplementedError(f"no op class for {node.op}")
+    raise NotImplementedError(f"no cost rule for {node.op}")
+
+
+# compute op class -> the efficiency that prices it (None: memory-bound, the mem_bytes term decides)
+_CLASS_EFF = {"gemm": "gemm_eff", "grouped_gemm": "grouped_gemm_eff", "attention": "attention_eff", "memory": None}
 
 
 class CostModel:
@@ -103,22 +107,13 @@ class CostModel:
     def node_time_us(self, node: Node, sm_budget: int | None = None) -> float:
         """Time of ``node`` alone. sm_budget applies to collectives only (None -> default);
         compute nodes ignore it."""
-        match node.op:
-            case OpKind.SPLIT:
-                return 0.0  # a view into a fused tensor: no kernel runs
-            case OpKind.GEMM | OpKind.ROUTER:
-                return self._compute_us(node, "gemm_eff")
-            case OpKind.GROUPED_GEMM:
-                return self._compute_us(node, "grouped_gemm_eff")
-            case OpKind.ATTENTION:
-                return self._compute_us(node, "attention_eff")
-            case (OpKind.RMSNORM | OpKind.ROPE | OpKind.SWIGLU | OpKind.PERMUTE | OpKind.UNPERMUTE
-                  | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP):
-                return self._compute_us(node, None)
-            case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE:
-                budget = self.default_sm_budget(node) if sm_budget is None else sm_budget
-                return self._comm_us(node, budget)
-        raise NotImplementedError(f"no cost rule for {node.op}")
+        if node.op is OpKind.SPLIT:
+            return 0.0  # a view into a fused tensor: no kernel runs
+        cls = op_class(node)
+        if cls == "comm":
+            budget = self.default_sm_budget(node) if sm_budget is None else sm_budget
+            return self._comm_us(node, budget)
+        return self._compute_us(node, cls)
 
     def comm_sm_budgets(self, node: Node) -> tuple[int, ...]:
         """SM counts this collective may hold (0 = copy engines)."""
@@ -154,8 +149,8 @@ class CostModel:
         points = self.hw.curve(curve_name)
         return scalar if points is None else interpolate(points, size)
 
-    def _compute_us(self, node: Node, eff_name: str | None) -> float:
-        hw = self.hw
+    def _compute_us(self, node: Node, cls: str) -> float:
+        hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
             eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name))
@@ -163,7 +158,7 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(op_class(node))
+        return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
 
     def _collective(self, op: OpKind) -> tuple[int, float, int, tuple[str, ...]]:
         """(latency steps per (n-1), scalar efficiency, SM saturation, curve names in priority)."""

@@ -209,7 +209,7 @@ def in_step_enabled(opts: CalibrationOptions) -> bool:
 
 
 def _in_step_stage(profile: dict[str, Any], hw: Hardware, opts: CalibrationOptions, t0: float) -> list[str]:
-    """Measure real steps, store the in-step factors and latency in ``profile``; check lines."""
+    """Measure real steps, store the in-step factors in ``profile``; return the check lines."""
     from runtime.calibrate_steps import fit_in_step, in_step_checks, measure_steps
     notes = profile["measured"]
     if not in_step_enabled(opts):

@@ -27,7 +27,6 @@ user typically tunes, so the factors describe the machine's in-step regime, not 
 
 from __future__ import annotations
 
-import dataclasses
 import statistics
 import time
 from collections import defaultdict
@@ -36,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "apply_in_step", "in_step_checks",
+__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "in_step_checks",
            "STEP_STAGE_S"]
 
 # (model, seq, attn, ffn, dispatch): both attention and FFN strategies and both dispatches, so
@@ -68,7 +67,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
     from moegraph.ir import Strategy
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
-    from runtime.commands import spawn_plans
+    from runtime.commands import spawn_plans, step_stats
     from runtime.module import make_plan
     from runtime.trace import trace_from_dict
     cost = CostModel(hw)
@@ -87,7 +86,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
             for d in r["plans"][0]["traces"]:
                 for nt in trace_from_dict(d).nodes:
                     spans[nt.name].append(nt.duration_us)
-        step = statistics.median(max(ts) for ts in zip(*(r["plans"][0]["step_us"] for r in results)))
+        step = step_stats(results)["step_us"]
         label = f"{model_name} s={seq} {attn}/{ffn}/{dispatch} n={n}"
         out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step))
         log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms ({time.time() - t:.1f}s)")
@@ -124,10 +123,6 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> dict[str, float]
     scaled = sum(factors[c] * predicted[c] for c in factors)
     scale = max(1e-9, steps - priced * kappa) / scaled
     return {c: round(min(100.0, max(0.1, f * scale)), 4) for c, f in factors.items()}
-
-
-def apply_in_step(hw: Hardware, factors: dict[str, float]) -> Hardware:
-    return dataclasses.replace(hw, in_step_factors=tuple(sorted(factors.items())))
 
 
 def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[str]:

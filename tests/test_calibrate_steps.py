@@ -13,7 +13,7 @@ from moegraph.ir import Node, OpKind, Phase, Strategy
 from moegraph.registry import IN_STEP_CLASSES, RegistryError, load_hardware, load_model
 from moegraph.tracer import trace_model
 from runtime.calibrate import CalibrationOptions, in_step_enabled
-from runtime.calibrate_steps import StepSample, apply_in_step, fit_in_step, in_step_checks
+from runtime.calibrate_steps import StepSample, fit_in_step, in_step_checks
 
 BASE = load_hardware("cpu-gloo")
 
@@ -94,7 +94,7 @@ def test_time_between_nodes_is_spread_over_the_classes():
     assert ratio > 1.01
     for c, f in TRUE.items():                       # one common scale ...
         assert factors[c] / f == pytest.approx(ratio, rel=1e-3), c
-    fitted = apply_in_step(BASE, factors)            # ... that makes the pooled makespan the pooled steps
+    fitted = _with(**factors)                        # ... that makes the pooled makespan the pooled steps
     assert fitted.kernel_latency_us == BASE.kernel_latency_us
     total_pred = sum(CostModel(fitted).node_time_us(node) for s in samples for node in s.graph.nodes)
     assert total_pred == pytest.approx(sum(s.step_us for s in samples), rel=1e-3)
