@@ -19,7 +19,8 @@ Collectives (comm_bytes already holds what this rank sends, see ``collective_byt
     B, alpha = NVLink and intra-node latency for scope "intra", NIC and inter-node latency for
     "inter"; scope comes from node attr "scope", else intra iff n <= gpus_per_node.
 A collective holding `sm` SMs slows compute running beside it by sm_count / (sm_count - sm)
-(``compute_slowdown``); the scheduler applies that factor, this module prices nodes alone.
+(``compute_slowdown``), and the collective itself stretches by hw.comm_overlap_stretch while
+compute runs beside it; the scheduler applies both factors, this module prices nodes alone.
 A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evaluated at the
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
@@ -142,6 +143,11 @@ class CostModel:
         if held >= total:
             raise ValueError(f"sms_held_by_comm={held} leaves no SMs for compute (sm_count={total})")
         return total / (total - held)
+
+    def comm_overlap_stretch(self) -> float:
+        """Factor (>= 1) by which a collective stretches while compute runs beside it; node_time_us
+        prices it alone, the scheduler applies this factor to the overlapped mode."""
+        return self.hw.comm_overlap_stretch
 
     # --- internals --------------------------------------------------------------------------
 

@@ -31,7 +31,8 @@ evaluating its own formulas, reproduces the measurements:
     slowdown           compute runs x s slower beside a collective: sm_count = 100 and one
                        comm budget b = round(100 (1 - 1/s)) with saturation b, so
                        CostModel.compute_slowdown(b) = 100 / (100 - b) ~ s and collectives keep
-                       full bandwidth ("effective held fraction" b/100 of the CPU)
+                       full bandwidth ("effective held fraction" b/100 of the CPU); the
+                       collective runs x c slower beside that compute: comm_overlap_stretch = c
 """
 
 from __future__ import annotations
@@ -538,6 +539,7 @@ def fit_profile(results: Sequence[Any], base: Hardware, opts: CalibrationOptions
         slow = statistics.fmean(s.get("compute_slowdown") for s in overlap)
         stretch = statistics.fmean(s.get("comm_stretch") for s in overlap)
         held = min(CPU_SHARES - 1, max(0, round(CPU_SHARES * (1 - 1 / slow))))
+        prof["comm_overlap_stretch"] = round(min(10.0, max(1.0, stretch)), 3)
         if held >= 1:
             prof.update(sm_count=CPU_SHARES, comm_sm_budgets=[held], comm_sm_saturation=held,
                         a2a_sm_saturation=held)
@@ -546,7 +548,8 @@ def fit_profile(results: Sequence[Any], base: Hardware, opts: CalibrationOptions
         notes.append(f"overlap: compute runs x{slow:.2f} slower while a collective is in flight -> sm_count "
                      f"{prof['sm_count']}, comm budget {prof['comm_sm_budgets']} (effective held fraction "
                      f"{held / CPU_SHARES:.2f}: compute_slowdown = {prof['sm_count']}/({prof['sm_count']}-{held})); "
-                     f"the collective itself runs x{stretch:.2f} slower beside compute (NOT modelled)")
+                     f"the collective itself runs x{stretch:.2f} slower beside compute -> comm_overlap_stretch "
+                     f"{prof['comm_overlap_stretch']}")
     elif cpu:
         unmeasured.append("comm_compute_slowdown")
         prof.update(sm_count=1, comm_sm_budgets=[0], comm_sm_saturation=1, a2a_sm_saturation=1)

@@ -117,12 +117,17 @@ class Executor:
         env: dict[str, _Slot] = {k: _Slot(v, COMPUTE, ready) for k, v in inputs.items()}
         pending: list[Pending] = []
         inflight: list[Pending] = []          # CPU, recording: issued, completion not yet observed
+        fences: list[Any] = []                # alone collectives the next compute node waits for
         for i, e in enumerate(entries):
             node = graph.node[e.name]
+            if not node.is_comm and fences:
+                self._await_fences(fences, streams, e.name, rec)
             ins = [self._get(env, v, e.stream, streams, e.name, rec) for v in node.inputs]
             shapes = [graph.value[o].shape for o in node.outputs]
             if node.is_comm:
                 if cuda:
+                    if e.alone:  # start after the compute issued so far
+                        streams[e.stream].wait_stream(streams[COMPUTE])
                     with torch.cuda.stream(streams[e.stream]):
                         t0 = new_event() if rec else None
                         p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
@@ -130,6 +135,8 @@ class Executor:
                         done = new_event()
                     for o, v in zip(node.outputs, outs):
                         env[o] = _Slot(v, e.stream, done)
+                    if e.alone:
+                        fences.append(done)
                     if rec:
                         rec.add(e.name, e.stream, e.sm_budget, node.phase.value, t0, done)
                 else:
@@ -139,6 +146,8 @@ class Executor:
                         rec.add(e.name, e.stream, e.sm_budget, node.phase.value, p.issued_ns, p)
                     for o in node.outputs:
                         env[o] = _Slot(None, e.stream, pending=p)
+                    if e.alone:  # the host runs compute itself: it has finished what came before
+                        fences.append(p)
                 pending.append(p)
             else:
                 t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
@@ -159,6 +168,20 @@ class Executor:
             if inflight:
                 _poll(inflight)
         return self._finish(env, pending, streams, keep)
+
+    def _await_fences(self, fences: list[Any], streams: dict, consumer: str, rec: StepRecorder | None) -> None:
+        """Make the compute stream (GPU) or the host (CPU) wait for the alone collectives issued
+        since the last compute node, so that no compute runs beside them."""
+        for f in fences:
+            if self.cuda:
+                if f is not None:
+                    streams[COMPUTE].wait_event(f)
+            elif not f.waited:
+                t0 = time.perf_counter_ns()
+                f.wait(self.timeout_s, self.rank)
+                if rec is not None:
+                    rec.add_wait(f.node.name, consumer, t0, time.perf_counter_ns())
+        fences.clear()
 
     def _finish(self, env: dict[str, _Slot], pending: list[Pending], streams: dict, keep) -> dict[str, Any]:
         """Complete every collective of the phase; return the kept values, ready on the compute stream."""

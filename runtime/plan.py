@@ -20,6 +20,12 @@ issued after it.
 
 Forward entries come first, then backward and recompute entries (the barrier: backward runs
 when autograd calls it).
+
+Alone collectives: an entry with ``alone`` set is a collective the schedule runs with no compute
+beside it (on hardware where overlap stretches collectives, hw.comm_overlap_stretch > 1, the
+scheduler may decide that overlapping does not pay). The executor fences it: it starts after the
+compute issued before it, and the compute issued after it waits for it. Sequential plans mark
+every collective alone (one node at a time).
 """
 
 from __future__ import annotations
@@ -41,13 +47,15 @@ LOCAL_METHODS = ("sequential", "asap")
 
 @dataclass(frozen=True)
 class PlanEntry:
-    """One node: its stream, the SMs its collective may use, and its predicted times (if known)."""
+    """One node: its stream, the SMs its collective may use, its predicted times (if known), and
+    whether it is a collective that runs with no compute beside it (``alone``)."""
 
     name: str
     stream: str
     sm_budget: int = 0
     start_us: float | None = None
     end_us: float | None = None
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,9 +67,9 @@ class ExecutionPlan:
 
     @functools.cached_property
     def hash(self) -> str:
-        """sha256 of the graph digest and (name, stream, sm_budget) of every entry, in order."""
+        """sha256 of the graph digest and (name, stream, sm_budget, alone) of every entry, in order."""
         body = json.dumps({"graph": self.graph_digest,
-                           "entries": [[e.name, e.stream, e.sm_budget] for e in self.entries]})
+                           "entries": [[e.name, e.stream, e.sm_budget, e.alone] for e in self.entries]})
         return hashlib.sha256(body.encode()).hexdigest()
 
     @property
@@ -114,7 +122,8 @@ class ExecutionPlan:
         """Adapt a ``schedules`` Schedule (per-node name, stream, start_us, end_us, sm_budget).
 
         Issue order is predicted start, ties broken by graph order (a topological order, so a
-        zero-length producer still comes before its consumer).
+        zero-length producer still comes before its consumer). Where the schedule's hardware
+        stretches overlapped collectives, those no compute overlaps are marked ``alone``.
         """
         rows = [_row(r) for r in _schedule_rows(schedule)]
         index = {n.name: i for i, n in enumerate(graph.nodes)}
@@ -122,8 +131,9 @@ class ExecutionPlan:
         if unknown:
             raise PlanError(f"schedule names nodes the graph does not have: {unknown[:5]}")
         rows.sort(key=lambda r: (graph.node[r["name"]].phase is not Phase.FORWARD, r["start_us"], index[r["name"]]))
+        alone = _alone_rows(graph, rows) if _stretch_of(schedule) > 1 else set()
         entries = tuple(PlanEntry(r["name"], r["stream"], int(r["sm_budget"] or 0), float(r["start_us"]),
-                                  float(r["end_us"])) for r in rows)
+                                  float(r["end_us"]), r["name"] in alone) for r in rows)
         plan = cls(method or str(getattr(schedule, "method", "schedule")), entries, graph_digest(graph),
                    source_hash=getattr(schedule, "hash", None))
         return check_plan(graph, plan)
@@ -176,6 +186,8 @@ def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
         if node.is_comm == (e.stream == COMPUTE):
             kind = "collective" if node.is_comm else "compute node"
             raise PlanError(f"plan {plan.method!r}: {kind} {e.name!r} is on stream {e.stream!r}")
+        if e.alone and not node.is_comm:
+            raise PlanError(f"plan {plan.method!r}: compute node {e.name!r} is marked alone (collectives only)")
         if node.is_comm and e.sm_budget < 0:
             raise PlanError(f"plan {plan.method!r}: collective {e.name!r} has SM budget {e.sm_budget} < 0")
         produced.update(node.outputs)
@@ -222,11 +234,14 @@ def _list_plan(graph: Graph, cost: Any, *, overlap: bool, method: str) -> Execut
                 start = max([last, *(end[p] for p in preds[node.name])])
             todo.remove(node)
             dur = _duration_us(node, cost, budget[node.name]) if cost is not None else 0.0
+            if overlap and node.is_comm and cost is not None:
+                dur *= getattr(cost, "comm_overlap_stretch", lambda: 1.0)()   # asap issues collectives to run beside compute
             end[node.name] = start + dur
             free[_stream(node)] = end[node.name]
             last = end[node.name]
             entries.append(PlanEntry(node.name, _stream(node), budget[node.name],
-                                     start if cost is not None else None, end[node.name] if cost is not None else None))
+                                     start if cost is not None else None, end[node.name] if cost is not None else None,
+                                     alone=node.is_comm and not overlap))
         side_start = max([side_start, *(end[e.name] for e in entries)])
     if overlap:
         entries.sort(key=lambda e: (graph.node[e.name].phase is not Phase.FORWARD, e.start_us, index[e.name]))
@@ -244,6 +259,21 @@ def _schedule_rows(schedule: Any) -> list[Any]:
         return list(schedule.get("nodes") or schedule.get("entries") or [])
     raise PlanError(f"cannot read per-node entries from a {type(schedule).__name__}: "
                     "expected .entries or .nodes (name, stream, start_us, end_us, sm_budget)")
+
+
+def _stretch_of(schedule: Any) -> float:
+    """The schedule's hardware comm_overlap_stretch (1 when it records none)."""
+    hw = schedule.get("hardware") if isinstance(schedule, dict) else getattr(schedule, "hardware", None)
+    value = hw.get("comm_overlap_stretch", 1.0) if isinstance(hw, dict) else 1.0
+    return float(value or 1.0)
+
+
+def _alone_rows(graph: Graph, rows: list[dict[str, Any]]) -> set[str]:
+    """Collectives during which no compute node that takes time runs (open intervals)."""
+    busy = [(r["start_us"], r["end_us"]) for r in rows
+            if not graph.node[r["name"]].is_comm and r["end_us"] > r["start_us"]]
+    return {r["name"] for r in rows if graph.node[r["name"]].is_comm
+            and not any(cs < r["end_us"] and r["start_us"] < ce for cs, ce in busy)}
 
 
 def _row(r: Any) -> dict[str, Any]:

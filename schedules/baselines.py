@@ -1,7 +1,8 @@
 """Baseline schedules on the same Problem and cost model as CP-SAT.
 
 sequential  Megatron-LM without overlap: one node at a time in the graph's order (forward
-            first), collectives at their default SM budget, compute at full SMs.
+            first), collectives at their default SM budget (alone: nothing overlaps them),
+            compute at full SMs.
 greedy      Critical-path list scheduling with asynchronous collectives, as XLA's
             latency-hiding scheduler and inductor's comm reordering do: at every event the
             ready collective with the longest remaining path is issued on its stream at its
@@ -36,7 +37,7 @@ import heapq
 from typing import Callable
 
 from moegraph.ir import Phase, Role
-from schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task
+from schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task, alone_twin, settle_alone
 
 __all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule", "warm_starts"]
 
@@ -50,8 +51,9 @@ def sequential(problem: Problem) -> Solution:
     ends = [0] * len(order)
     for t in order:
         begin = max([now, *(ends[p] for p in t.preds)])
-        start[t.index], mode[t.index] = begin, t.default_mode
-        ends[t.index] = now = begin + t.modes[t.default_mode].ticks
+        k = alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode
+        start[t.index], mode[t.index] = begin, k
+        ends[t.index] = now = begin + t.modes[k].ticks
     return Solution("sequential", tuple(start), tuple(mode))
 
 
@@ -144,13 +146,15 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
     ``memory_budget``, a task starts only if the bytes it allocates fit beside the live
     ones (live bytes only grow when a task starts, so the peak stays within the budget); None
     if that leaves nothing able to start, or the seed gradient does not fit at the barrier.
+    Collectives are timed beside compute (never in alone modes); those that no compute ended
+    up overlapping are then settled into their alone mode (``settle_alone``).
     """
     tasks = problem.tasks
     n = len(tasks)
     if comm_mode not in ("default", "fewest"):
         raise ValueError(f"comm_mode={comm_mode!r} is not one of 'default', 'fewest'")
-    issue = [min(range(len(t.modes)), key=lambda k: (t.modes[k].sm, t.modes[k].ticks)) if comm_mode == "fewest"
-             else t.default_mode for t in tasks]
+    issue = [min((k for k, m in enumerate(t.modes) if not m.alone), key=lambda k: (t.modes[k].sm, t.modes[k].ticks))
+             if comm_mode == "fewest" else t.default_mode for t in tasks]
     waiting = [len(t.preds) for t in tasks]
     fwd_left = sum(1 for t in tasks if t.side == 0)
     start: list[int | None] = [None] * n
@@ -256,4 +260,4 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
             stuck = sorted(tasks[i].name for i in ready) or sorted(tasks[i].name for i in blocked_by_barrier)
             raise ScheduleError(f"{method}: no task can start at tick {now} (ready: {stuck[:5]})")
         now = running[0][0]
-    return Solution(method, tuple(int(s) for s in start), tuple(mode))
+    return settle_alone(problem, Solution(method, tuple(int(s) for s in start), tuple(mode)))

@@ -12,6 +12,9 @@ Variables (named after their node, handles in ``CpHandles`` keyed by node name):
                              barrier for the seed gradient), end >= each consumer's end (the
                              makespan for outputs): AddCumulative over bytes <= budget
 
+A collective's alone modes (hw.comm_overlap_stretch > 1) join the compute stream's NoOverlap:
+it then runs at its plain time with no compute beside it; its other modes are stretched.
+
 Compute slowed by concurrent collectives is the SM cumulative: a compute node at full SMs
 fills the capacity, so any collective holding SMs beside it forces a slowed mode
 (sm_count - b SMs for base * sm_count / (sm_count - b)). Copy-engine collectives (0 SMs)
@@ -34,8 +37,8 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from schedules.bound import Bound, heads_tails, lower_bound
-from schedules.problem import (Problem, ScheduleError, Solution, Task, canonical_chunk_order, chunk_symmetry,
-                               solution_ends)
+from schedules.problem import (COMPUTE, Problem, ScheduleError, Solution, Task, canonical_chunk_order,
+                               chunk_symmetry, settle_alone, solution_ends)
 
 __all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
@@ -153,6 +156,9 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
 
     for stream in problem.streams:
         runs = [tv[t.name].run for t in tasks if t.stream == stream and tv[t.name].run is not None]
+        if stream == COMPUTE:  # a collective in its alone mode excludes compute like a compute node
+            runs += [iv for t in tasks if t.kind == "comm"
+                     for mode, iv in zip(t.modes, tv[t.name].mode_runs) if mode.alone and mode.ticks > 0]
         if len(runs) > 1:
             m.add_no_overlap(runs)
     _sm_constraints(problem, m, tv)
@@ -208,14 +214,15 @@ def _task_vars(m: cp_model.CpModel, t: Task, start, lo: int, hi: int) -> TaskVar
         ticks = t.modes[0].ticks
         run = m.new_fixed_size_interval_var(start, ticks, f"run[{n}]") if ticks > 0 else None
         return TaskVars(start, start + ticks, run, [m.new_constant(1)], [run])
-    lits = [m.new_bool_var(f"mode[{n}={mode.sm}]") for mode in t.modes]
+    lits = [m.new_bool_var(f"mode[{n}={mode.sm}{'/alone' if mode.alone else ''}]") for mode in t.modes]
     m.add_exactly_one(lits)
     sizes = sorted({mode.ticks for mode in t.modes})
     size = m.new_int_var_from_domain(cp_model.Domain.from_values(sizes), f"size[{n}]")
     m.add(size == sum(mode.ticks * lit for mode, lit in zip(t.modes, lits)))
     end = m.new_int_var(lo + sizes[0], hi + sizes[-1], f"end[{n}]")
     run = m.new_interval_var(start, size, end, f"run[{n}]")
-    mode_runs = [m.new_optional_fixed_size_interval_var(start, mode.ticks, lit, f"run[{n}@{mode.sm}]")
+    mode_runs = [m.new_optional_fixed_size_interval_var(start, mode.ticks, lit,
+                                                        f"run[{n}@{mode.sm}{'/alone' if mode.alone else ''}]")
                  for mode, lit in zip(t.modes, lits)]
     return TaskVars(start, end, run, lits, mode_runs)
 
@@ -309,7 +316,7 @@ def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> Cp
         starts = tuple(int(solver.value(h.tasks[t.name].start)) for t in problem.tasks)
         modes = tuple(next(k for k, lit in enumerate(h.tasks[t.name].lits) if solver.boolean_value(lit))
                       if len(t.modes) > 1 else 0 for t in problem.tasks)
-        sol = Solution(method, starts, modes)
+        sol = settle_alone(problem, Solution(method, starts, modes))
         bound = int(math.ceil(solver.best_objective_bound - 1e-6))
         return CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit)
     return CpSatResult(status, None, None, 0, wall, dtime, cap_hit)

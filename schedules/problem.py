@@ -14,6 +14,10 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
       ``cost.node_time_us(node, b)``; a compute node runs on ``sm_count - b`` SMs
       (b in {0} | hardware budgets) for ``base * sm_count / (sm_count - b)``; at any instant
       the SMs of running nodes sum to at most sm_count;
+    * overlap stretch: with ``cost.comm_overlap_stretch()`` = x > 1 every collective mode comes
+      twice: *alone* (no compute node may run during it) at the plain time, or beside compute
+      at x times it. A collective that no compute overlaps is always in its alone mode
+      (``settle_alone``), so a schedule's durations follow from its timeline;
     * memory: a value with storage, not PARAM/PARAM_GRAD, is live from its producer's start
       (graph inputs: time 0, or the barrier for GRAD inputs) until the last end of a consumer
       of it or of any view of it (graph outputs: the makespan; unconsumed: producer's end).
@@ -21,6 +25,7 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
 
 from __future__ import annotations
 
+import bisect
 import functools
 import math
 from dataclasses import dataclass
@@ -31,7 +36,8 @@ from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
            "Task", "MemValue", "Problem", "Solution", "build_problem", "comm_scope", "stream_of",
            "solution_ends", "makespan_ticks", "barrier_ticks", "memory_profile", "peak_memory_bytes",
-           "check_solution", "chunk_symmetry", "canonical_chunk_order"]
+           "check_solution", "chunk_symmetry", "canonical_chunk_order", "alone_twin", "settle_alone",
+           "overlaps_compute"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -56,11 +62,13 @@ class MemoryBudgetError(ScheduleError):
 
 @dataclass(frozen=True)
 class Mode:
-    """One way to run a task: holding ``sm`` SMs for ``ticks`` ticks (``duration_us`` unrounded)."""
+    """One way to run a task: holding ``sm`` SMs for ``ticks`` ticks (``duration_us`` unrounded).
+    ``alone``: a collective mode during which no compute node runs (see the module doc)."""
 
     sm: int
     duration_us: float
     ticks: int
+    alone: bool = False
 
 
 @dataclass(frozen=True)
@@ -177,25 +185,34 @@ def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
     return streams
 
 
+def _dominates(o: Mode, m: Mode) -> bool:
+    """``o`` is no longer, holds no more SMs and is no more constrained (alone) than ``m``."""
+    return ((o.ticks, o.sm, o.alone) != (m.ticks, m.sm, m.alone) and o.ticks <= m.ticks and o.sm <= m.sm
+            and o.alone <= m.alone)
+
+
 def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
-    """Drop dominated modes (another is no longer and holds no more SMs), except ``keep`` (the
-    default, which baselines use as is); sort by ticks, then SMs."""
-    kept = [m for m in modes
-            if m == keep or not any((o.ticks, o.sm) != (m.ticks, m.sm) and o.ticks <= m.ticks and o.sm <= m.sm
-                                    for o in modes)]
-    return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm)))
+    """Drop dominated modes, except ``keep`` (the default, which baselines use as is); sort by
+    ticks, then SMs, beside-compute before alone."""
+    kept = [m for m in modes if m == keep or not any(_dominates(o, m) for o in modes)]
+    return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm, m.alone)))
 
 
 def _comm_modes(node: Node, cost: Any, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
-    """(pruned modes, default mode) of a collective."""
+    """(pruned modes, default mode) of a collective; the default runs beside compute."""
     default_b = cost.default_sm_budget(node)
+    stretch = float(cost.comm_overlap_stretch()) if hasattr(cost, "comm_overlap_stretch") else 1.0
+    if not (math.isfinite(stretch) and stretch >= 1):
+        raise ScheduleError(f"comm_overlap_stretch={stretch!r} must be a finite number >= 1")
     modes = []
     for b in cost.comm_sm_budgets(node):
         if b >= sm_count:
             raise ScheduleError(f"node {node.name!r}: SM budget {b} leaves no SMs (sm_count={sm_count})")
         us = float(cost.node_time_us(node, b))
-        modes.append(Mode(b, us, to_ticks(us)))
-    default = next((m for m in modes if m.sm == default_b), None)
+        modes.append(Mode(b, us * stretch, to_ticks(us * stretch)))
+        if stretch > 1:
+            modes.append(Mode(b, us, to_ticks(us), alone=True))
+    default = next((m for m in modes if m.sm == default_b and not m.alone), None)
     if default is None:
         raise ScheduleError(f"node {node.name!r}: default SM budget {default_b} is not among "
                             f"the allowed budgets {[m.sm for m in modes]}")
@@ -351,6 +368,37 @@ def peak_memory_bytes(problem: Problem, sol: Solution) -> int:
     return max((b for _, b in memory_profile(problem, sol)), default=0)
 
 
+def alone_twin(task: Task, k: int) -> int:
+    """Index of the alone mode with mode ``k``'s SMs (``k`` itself if it is alone or has none)."""
+    sm = task.modes[k].sm
+    return next((j for j, m in enumerate(task.modes) if m.alone and m.sm == sm), k)
+
+
+def overlaps_compute(problem: Problem, sol: Solution) -> list[bool]:
+    """Per task: does some compute task taking time run during it (open intervals)?"""
+    ends = solution_ends(problem, sol)
+    busy = sorted((sol.start[t.index], ends[t.index]) for t in problem.tasks
+                  if t.kind == "compute" and ends[t.index] > sol.start[t.index])
+    starts = [b[0] for b in busy]
+    out = []
+    for t in problem.tasks:
+        s, e = sol.start[t.index], ends[t.index]
+        # compute spans are disjoint (one stream) and sorted: only the last one starting before
+        # e can reach past s
+        i = bisect.bisect_left(starts, e) - 1
+        out.append(e > s and i >= 0 and busy[i][1] > s)
+    return out
+
+
+def settle_alone(problem: Problem, sol: Solution) -> Solution:
+    """Put every collective that no compute overlaps into its alone mode (shorter, same start):
+    still feasible (nothing starts earlier, nothing new overlaps), never longer."""
+    beside = overlaps_compute(problem, sol)
+    mode = tuple(alone_twin(t, sol.mode[t.index]) if t.kind == "comm" and not beside[t.index]
+                 else sol.mode[t.index] for t in problem.tasks)
+    return sol if mode == sol.mode else Solution(sol.method, sol.start, mode)
+
+
 def check_solution(problem: Problem, sol: Solution) -> None:
     """Raise ScheduleError if ``sol`` breaks a dependency, the barrier, a stream or the SM
     capacity (the solver side's own check on the tick grid, run before a solution is
@@ -380,6 +428,14 @@ def check_solution(problem: Problem, sol: Solution) -> None:
         used += d
         if used > problem.sm_count:
             raise ScheduleError(f"{sol.method}: more than {problem.sm_count} SMs in use")
+    beside = overlaps_compute(problem, sol)
+    for t in tasks:
+        k = sol.mode[t.index]
+        if t.kind == "comm" and t.modes[k].alone and beside[t.index]:
+            raise ScheduleError(f"{sol.method}: collective {t.name!r} runs in its alone mode beside compute")
+        if t.kind == "comm" and not beside[t.index] and alone_twin(t, k) != k:
+            raise ScheduleError(f"{sol.method}: collective {t.name!r} runs alone but is priced beside compute "
+                                f"(settle_alone)")
 
 
 # --- symmetry of identical chunks -------------------------------------------------------------

@@ -10,7 +10,8 @@ file by sweeping events over time. Checks, in the order violations are reported:
     stream      one node at a time per stream (nodes taking no time occupy no stream)
     sm          the SMs of running nodes sum to <= sm_count at every instant
     duration    each duration matches the cost model (rebuilt from the embedded hardware)
-                at the recorded SM budget, rounded up to the tick: 0 <= d - cost <= 10 ns
+                at the recorded SM budget, rounded up to the tick: 0 <= d - cost <= 10 ns; a
+                collective that some compute node overlaps is priced x comm_overlap_stretch
     memory      peak live bytes (recomputed) equals summary.peak_memory_bytes and fits
                 memory_budget_bytes
     summary     summary.makespan_us equals the last end
@@ -205,6 +206,8 @@ def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
     S = int(cost.sm_count())
     hw = getattr(cost, "hw", None)
     reserves = sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())})
+    stretch = float(cost.comm_overlap_stretch()) if hasattr(cost, "comm_overlap_stretch") else 1.0
+    beside = _beside_compute(s)
     for n in s.nodes:
         try:
             node = _ir_node(n)
@@ -218,6 +221,8 @@ def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
                                                  f"{list(allowed)}", (n.name,)))
                 continue
             want, at = float(cost.node_time_us(node, n.sm_budget)), f"with {n.sm_budget} SMs"
+            if n.name in beside and stretch != 1.0:
+                want, at = want * stretch, at + f" beside compute (x{stretch:g})"
         else:
             base = 0.0 if node.op.value == "split" else float(cost.node_time_us(node))
             if base == 0.0:
@@ -236,6 +241,18 @@ def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
         if not (-1e-6 <= got - want <= DURATION_TOLERANCE_US):
             out.append(Violation("duration", f"node {n.name!r} lasts {got:.4f} us but the cost model gives "
                                              f"{want:.4f} us {at}", (n.name,)))
+
+
+def _beside_compute(s: Schedule) -> set[str]:
+    """Collectives during which some compute node that takes time runs (open intervals)."""
+    busy = [(_ps(n.start_us), _ps(n.end_us)) for n in s.nodes if n.kind == "compute" and n.end_us > n.start_us]
+    out = set()
+    for n in s.nodes:
+        if n.kind == "comm":
+            a, b = _ps(n.start_us), _ps(n.end_us)
+            if any(cs < b and a < ce for cs, ce in busy):
+                out.add(n.name)
+    return out
 
 
 def _bases(s: Schedule) -> dict[str, str]:

@@ -1,7 +1,7 @@
 """Rank functions for the runtime tests (spawned by runtime.launch.spawn; importable by name).
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
-A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule,
+A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
 emulate / native (collectives to emulate, or to run with the backend's own op), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
@@ -77,7 +77,7 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         x, dy = torch.randn(B, S, H, generator=gen).to(device), torch.randn(B, S, H, generator=gen).to(device)
         t0 = time.perf_counter()
-        layer = moegraph.compile(module, x, hardware="cpu-gloo" if device == "cpu" else "h800",
+        layer = moegraph.compile(module, x, hardware=case.get("hardware", "cpu-gloo" if device == "cpu" else "h800"),
                                  attn=case["attn"], ffn=case["ffn"],
                                  dispatch=case["dispatch"], passes=case.get("passes", ""),
                                  schedule=case.get("schedule", "asap"), timeout_s=60.0)
@@ -150,4 +150,31 @@ def live_tensor_bytes_over_steps(rank: int, n: int, seed: int, checkpoints: tupl
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
         out.append(sum(storages.values()))
     assert len(layer.traces) == done
+    return out
+
+
+def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> dict:
+    """The asap plan, and the same plan with every collective marked alone: per plan, how many
+    (collective, compute node) pairs overlapped in the last recorded step, and the fenced
+    plan's errors against the eager module."""
+    import dataclasses
+    module = reference_layer(seed)
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    kw = dict(hardware="cpu-gloo", attn="sp", ffn="ep", dispatch="a2a", timeout_s=60.0)
+    asap = moegraph.compile(module, x, schedule="asap", **kw)
+    graph = asap.graph
+    fenced_plan = asap.plan.with_entries([dataclasses.replace(e, alone=graph.node[e.name].is_comm)
+                                          for e in asap.plan.entries], method="asap-fenced")
+    fenced = moegraph.compile(module, x, schedule=fenced_plan, **kw)
+    out = {}
+    for name, layer in (("asap", asap), ("fenced", fenced)):
+        xs, dys = layer.shard_input(x).requires_grad_(True), layer.shard_input(dy)
+        for _ in range(steps):
+            layer(xs).backward(dys)
+        trace = layer.traces[-1]
+        comms = [t for t in trace.nodes if graph.node[t.name].is_comm]
+        work = [t for t in trace.nodes if not graph.node[t.name].is_comm and t.end_us > t.start_us]
+        out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
+    out["check"] = check_against_eager(module, fenced, x, dy)
     return out

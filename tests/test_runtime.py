@@ -45,6 +45,7 @@ PASS_CASES = [
 N2_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "ag-rs", schedule="sequential"),
                _case("tp", "tp", "ag-rs", native=["reduce_scatter"]),      # gloo's own reduce_scatter
+               _case("sp", "ep", "a2a", schedule="cpsat", hardware="cpu-2core-gloo"),   # alone + beside
                _case("sp", "ep", "a2a", model="hf"),
                _case("tp", "tp", "ag-rs", model="hf")]
             + PASS_CASES)
@@ -130,3 +131,12 @@ def test_recorded_steps_do_not_keep_their_buffers():
     res = spawn(workers.live_tensor_bytes_over_steps, 2, args=(_seed(), (2, 12)), timeout_s=120)
     for rank, (after_2, after_12) in enumerate(res):
         assert after_12 <= after_2, f"rank {rank}: live tensors grew {after_2} -> {after_12} bytes over 10 steps"
+
+
+def test_alone_collectives_run_with_no_compute_beside_them():
+    """A plan entry marked alone fences its collective: the compute issued after it waits (the
+    unfenced asap plan, measured the same way, does overlap them)."""
+    for r in spawn(workers.compute_beside_collectives, 2, args=(_seed(),), timeout_s=180):
+        assert r["asap"] > 0, "the asap plan should run compute beside its collectives"
+        assert r["fenced"] == 0, f"{r['fenced']} compute nodes ran beside alone collectives"
+        _assert_exact(r["check"])

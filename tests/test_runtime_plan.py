@@ -182,3 +182,33 @@ def test_analytically_zero_gradients_are_reported_apart(rng):
     assert ok["near_zero_grads"] == ["router"] and ok["max_err_near_zero_grads"] < 1e-6
     bad = _grad_report({"w": (big, big), "router": (noise + 1e-2, noise)})   # a real gradient where none is
     assert bad["max_err_near_zero_grads"] > 1e-4
+
+
+def test_sequential_plans_fence_every_collective_and_asap_none(graph):
+    seq, asap = ExecutionPlan.sequential(graph, COST), ExecutionPlan.asap(graph, COST)
+    assert {e.name for e in seq.entries if e.alone} == {n.name for n in graph.nodes if n.is_comm}
+    assert not any(e.alone for e in asap.entries)
+    unfenced = seq.with_entries(dataclasses.replace(e, alone=False) for e in seq.entries)
+    assert unfenced.hash != seq.hash                           # ranks must agree on the fences too
+
+
+def test_plan_marks_alone_what_the_schedule_runs_alone(graph):
+    from schedules import compile_graph
+    hw = dataclasses.replace(load_hardware("cpu-2core-gloo"), comm_overlap_stretch=1.01)
+    s = compile_graph(graph, CostModel(hw), time_limit_s=2.0).schedule
+    busy = [(n.start_us, n.end_us) for n in s.nodes if n.kind == "compute" and n.end_us > n.start_us]
+    alone = {n.name for n in s.nodes if n.kind == "comm"
+             and not any(a < n.end_us and n.start_us < b for a, b in busy)}
+    assert alone and alone != {n.name for n in s.nodes if n.kind == "comm"}   # both kinds occur here
+    plan = ExecutionPlan.from_schedule(graph, s)
+    assert {e.name for e in plan.entries if e.alone} == alone
+    same_times = dataclasses.replace(s, hardware=dict(s.hardware, comm_overlap_stretch=1.0))
+    assert not any(e.alone for e in ExecutionPlan.from_schedule(graph, same_times).entries)
+
+
+def test_only_collectives_can_be_alone(graph):
+    plan = ExecutionPlan.sequential(graph)
+    first_compute = next(e for e in plan.entries if e.stream == COMPUTE)
+    bad = plan.with_entries(dataclasses.replace(e, alone=True) if e is first_compute else e for e in plan.entries)
+    with pytest.raises(PlanError, match=f"compute node '{first_compute.name}' is marked alone"):
+        check_plan(graph, bad)

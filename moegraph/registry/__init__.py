@@ -92,6 +92,12 @@ def _fraction_or_zero(v: Any) -> float:
     return float(v)
 
 
+def _stretch(v: Any) -> float:
+    if not 1 <= _number(v, "a number in [1, 10]") <= 10:
+        raise _Bad(f"expected a number in [1, 10], got {v!r}")
+    return float(v)
+
+
 def _text(v: Any) -> str:
     if not isinstance(v, str):
         raise _Bad(f"expected a string, got {_got(v)}")
@@ -334,6 +340,12 @@ class Hardware(_Record):
     """SMs at which a ring collective reaches full bandwidth (about 16 on Hopper NVLink)."""
     a2a_sm_saturation: int = _checked(_pos_int)
     """SMs at which all-to-all reaches full bandwidth (more than a ring: n-1 peers at once)."""
+    comm_overlap_stretch: float = _checked(_stretch, 1.0)
+    """Factor (in [1, 10]) by which a collective runs longer while compute runs beside it
+    (the two share memory bandwidth, and on CPU the cores). 1 = not modelled (the registry's
+    GPU profiles: unmeasured); ``moegraph calibrate`` measures it where it can run collectives.
+    The scheduler gives each collective two modes when it is > 1: alone (no compute may
+    overlap it) at the plain time, or beside compute at this factor times it."""
     curves: tuple[tuple[str, Curve], ...] = _checked(_curves, ())
     """Optional measured efficiency curves, name -> ((size, eff), ...), size in FLOPs for compute
     curves and bytes for memory/comm curves; interpolated linearly in log(size), clamped at the
