@@ -229,10 +229,12 @@ def _in_step_stage(profile: dict[str, Any], hw: Hardware, opts: CalibrationOptio
         return []
     factors = fit_in_step(hw, samples)
     profile["in_step_factors"] = factors
+    profile["step_noise"] = round(statistics.median(s.noise for s in samples), 4)
     fitted = load_hardware_dict(profile, str(opts.output))
     lines = in_step_checks(fitted, samples)
     text = ", ".join(f"{c} x{f:.2f}" for c, f in factors.items())
-    notes["notes"] += f"; in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s"
+    notes["notes"] += (f"; in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s; step_noise "
+                       f"{profile['step_noise']} (median over layers of the steps' relative MAD)")
     log(f"in-step factors {text}")
     return lines
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Sequence
 
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "in_step_checks",
+__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "in_step_checks", "relative_mad",
            "STEP_STAGE_S"]
 
 # (model, seq, attn, ffn, dispatch): both attention and FFN strategies and both dispatches, so
@@ -55,6 +55,13 @@ class StepSample:
     graph: Any                        # moegraph.ir.Graph
     node_us: tuple[tuple[str, float], ...]
     step_us: float
+    noise: float = 0.0                # relative median absolute deviation of the steps
+
+
+def relative_mad(values: Sequence[float]) -> float:
+    """median |v - median| / median: a spread measure that a few stalled steps do not dominate."""
+    mid = statistics.median(values)
+    return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else 0.0
 
 
 def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS, steps: int = STEPS,
@@ -86,9 +93,11 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
             for d in r["plans"][0]["traces"]:
                 for nt in trace_from_dict(d).nodes:
                     spans[nt.name].append(nt.duration_us)
-        step = step_stats(results)["step_us"]
+        stats = step_stats(results)
+        step = stats["step_us"]
         label = f"{model_name} s={seq} {attn}/{ffn}/{dispatch} n={n}"
-        out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step))
+        out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step,
+                              relative_mad(stats["step_us_all"])))
         log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms ({time.time() - t:.1f}s)")
     return out
 

@@ -6,6 +6,11 @@ candidate is scheduled by the list-scheduling baselines (milliseconds), then the
 refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
+
+The pick: the top-ranked candidate, unless its predicted gain over the tp+tp sequential
+baseline is below ``min_gain`` (default: the profile's measured ``step_noise``, 0 for the
+analytical registry profiles); then the baseline is kept, since a gain smaller than the
+machine's step-to-step noise cannot be confirmed by measuring it.
 """
 
 from __future__ import annotations
@@ -130,8 +135,12 @@ def build_graph(model: ModelConfig, cand: Candidate, cost: CostModel, *, n: int,
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
          memory_budget: int | None = None, time_limit: float = 5.0, refine: int = 3, cache: Cache | None = None,
-         progress=None) -> dict:
-    """Rank every candidate; the result dict is what `moegraph tune --json` prints."""
+         progress=None, min_gain: float | None = None) -> dict:
+    """Rank every candidate and pick one (module doc); the result dict is what `moegraph tune
+    --json` prints. ``min_gain``: a fraction >= 0, None = ``hw.step_noise``."""
+    min_gain = hw.step_noise if min_gain is None else min_gain
+    if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain={min_gain!r} must be a fraction in [0, 1)")
     cache = cache or Cache(None)
     cost = CostModel(hw)
     say = progress or (lambda msg: None)
@@ -153,10 +162,34 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {r['candidate'].label():<40} {r['final']['predicted_us']:.1f} us")
     ranked = sorted((_row(r, base["predicted_us"]) for r in rows), key=_rank_key)
     best_row = next((r for r in rows if _row(r, base["predicted_us"]) == ranked[0]), None)
-    return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq,
+    best, schedule = ranked[0], (best_row.get("final") or best_row["stage1"]).get("schedule") if best_row else None
+    kept = _keep_baseline(best, base, min_gain, memory_budget)
+    if kept:
+        best, schedule = _baseline_row(base, kept), base.get("schedule")
+        say(f"[{time.perf_counter() - t0:6.1f}s] {kept}")
+    return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "min_gain": min_gain,
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
-            "best": ranked[0], "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
-            "_best_schedule": (best_row.get("final") or best_row["stage1"]).get("schedule") if best_row else None}
+            "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
+            "_best_schedule": schedule}
+
+
+def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | None) -> str | None:
+    """Why the tp+tp sequential baseline is kept instead of ``top`` (None: it is not)."""
+    if not top["feasible"] or not base["feasible"]:
+        return None
+    if memory_budget is not None and base["peak_memory_bytes"] > memory_budget:
+        return None
+    gain = top["speedup"] - 1
+    if gain >= min_gain:
+        return None
+    return (f"kept the tp+tp sequential baseline: the best candidate's predicted gain {gain:+.1%} is below "
+            f"min gain {min_gain:.1%}")
+
+
+def _baseline_row(base: dict, why: str) -> dict:
+    return {"attn": "tp", "ffn": "tp", "dispatch": "ag-rs", "chunks": 1, "remat": "none", "passes": "",
+            "feasible": True, "scheduler": "sequential", "predicted_us": base["predicted_us"],
+            "peak_memory_bytes": base["peak_memory_bytes"], "speedup": 1.0, "kept_baseline": why}
 
 
 def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
@@ -191,7 +224,7 @@ def _rank_key(row: dict):
 
 def format_table(res: dict) -> str:
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}: "
-             f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us",
+             f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
              f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
     for i, r in enumerate(res["candidates"], 1):
         name = f"{r['attn']}+{r['ffn']} {r['dispatch']:<5} chunks={r['chunks']} remat={r['remat']}"
@@ -200,6 +233,8 @@ def format_table(res: dict) -> str:
                          f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
         else:
             lines.append(f"{i:>3} {name:<40} {'-':<6} {'infeasible':>12}")
+    if res["best"].get("kept_baseline"):
+        lines.append(f"best: {res['best']['kept_baseline']}")
     return "\n".join(lines)
 
 
@@ -218,6 +253,9 @@ def tune_command(p: argparse.ArgumentParser):
                    help="cache folder ('' disables; default %(default)s)")
     p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
     p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
+    p.add_argument("--min-gain", type=float, default=None, metavar="FRACTION",
+                   help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
+                        "faster (default: the profile's step_noise; 0 for registry profiles)")
     p.add_argument("--json", action="store_true")
 
     def run(args) -> int:
@@ -225,10 +263,12 @@ def tune_command(p: argparse.ArgumentParser):
         for flag in ("n", "batch", "seq", "refine"):
             if getattr(args, flag) < 1:
                 raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
+        if args.min_gain is not None and not 0 <= args.min_gain < 1:
+            raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
         budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
         res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
-                   cache=Cache(Path(args.cache) if args.cache else None),
+                   cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
                    progress=lambda m: print(m, file=sys.stderr, flush=True))
         schedule_json = res.pop("_best_schedule")
         if schedule_json and args.output:

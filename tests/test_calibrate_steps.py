@@ -116,3 +116,9 @@ def test_fit_names_an_unmeasured_node():
                                          ({"device": "cuda"}, False)])
 def test_in_step_stage_runs_only_where_it_can(kw, enabled):
     assert in_step_enabled(CalibrationOptions(**kw)) is enabled
+
+
+def test_relative_mad_ignores_a_stalled_step():
+    from runtime.calibrate_steps import relative_mad
+    assert relative_mad([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(1 / 3)   # median 3, deviations' median 1
+    assert relative_mad([5.0, 5.0, 5.0]) == 0.0

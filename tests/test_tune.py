@@ -72,3 +72,44 @@ def test_every_strategy_family_gets_a_cpsat_refinement(tmp_path):
     families = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["feasible"]}
     refined = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["scheduler"] == "cpsat"}
     assert refined == families and len(families) == 4
+
+
+def _tiny_tune(tmp_path, hw="h800", **kw):
+    hardware = load_hardware(hw) if isinstance(hw, str) else hw
+    return tune(load_model("tiny"), hardware, n=2, seq=256, time_limit=1, refine=1, cache=Cache(tmp_path), **kw)
+
+
+def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tmp_path):
+    free = _tiny_tune(tmp_path, min_gain=0.0)
+    top = free["candidates"][0]
+    gain = top["speedup"] - 1
+    assert gain > 0.01 and free["best"] == top and "kept_baseline" not in free["best"]
+    below = _tiny_tune(tmp_path, min_gain=gain - 0.005)
+    assert below["best"] == top
+    above = _tiny_tune(tmp_path, min_gain=gain + 0.005)
+    best = above["best"]
+    assert (best["attn"], best["ffn"], best["scheduler"], best["speedup"]) == ("tp", "tp", "sequential", 1.0)
+    assert best["predicted_us"] == above["baseline"]["predicted_us"]
+    assert f"predicted gain {gain:+.1%} is below min gain {gain + 0.005:.1%}" in best["kept_baseline"]
+    assert above["candidates"] == free["candidates"]          # the ranking itself does not change
+
+
+def test_min_gain_defaults_to_the_profiles_step_noise(tmp_path):
+    import dataclasses
+    noisy = dataclasses.replace(load_hardware("h800"), step_noise=0.9)
+    res = _tiny_tune(tmp_path, hw=noisy)
+    assert res["min_gain"] == 0.9 and res["best"]["scheduler"] == "sequential"
+    assert _tiny_tune(tmp_path)["min_gain"] == 0.0              # registry profiles: not measured
+
+
+def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, capsys):
+    from schedules.schedule_file import Schedule
+    out = tmp_path / "best.json"
+    assert main(["tune", *ARGS, "--cache", str(tmp_path / "c"), "-o", str(out), "--min-gain", "0.99"]) == 0
+    text = capsys.readouterr().out
+    assert "best: kept the tp+tp sequential baseline" in text
+    s = Schedule.load(str(out))
+    assert s.summary["method"] == "sequential" and s.graph["strategy"]["attn"] == "tp"
+    assert main(["tune", *ARGS, "--min-gain", "-0.1"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith("--min-gain=-0.1 must be a fraction in [0, 1) (0.05 = 5%)")

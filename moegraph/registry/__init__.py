@@ -346,6 +346,11 @@ class Hardware(_Record):
     GPU profiles: unmeasured); ``moegraph calibrate`` measures it where it can run collectives.
     The scheduler gives each collective two modes when it is > 1: alone (no compute may
     overlap it) at the plain time, or beside compute at this factor times it."""
+    step_noise: float = _checked(_fraction_or_zero, 0.0)
+    """Step-to-step noise of real steps on this machine: the relative median absolute deviation
+    of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph
+    tune`` keeps the tp+tp sequential baseline unless a candidate's predicted gain exceeds it:
+    smaller gains cannot be confirmed by measuring on this machine."""
     curves: tuple[tuple[str, Curve], ...] = _checked(_curves, ())
     """Optional measured efficiency curves, name -> ((size, eff), ...), size in FLOPs for compute
     curves and bytes for memory/comm curves; interpolated linearly in log(size), clamped at the
