@@ -174,8 +174,7 @@ class Executor:
         since the last compute node, so that no compute runs beside them."""
         for f in fences:
             if self.cuda:
-                if f is not None:
-                    streams[COMPUTE].wait_event(f)
+                streams[COMPUTE].wait_event(f)
             elif not f.waited:
                 t0 = time.perf_counter_ns()
                 f.wait(self.timeout_s, self.rank)

@@ -234,8 +234,8 @@ def _list_plan(graph: Graph, cost: Any, *, overlap: bool, method: str) -> Execut
                 start = max([last, *(end[p] for p in preds[node.name])])
             todo.remove(node)
             dur = _duration_us(node, cost, budget[node.name]) if cost is not None else 0.0
-            if overlap and node.is_comm and cost is not None:
-                dur *= getattr(cost, "comm_overlap_stretch", lambda: 1.0)()   # asap issues collectives to run beside compute
+            if overlap and node.is_comm and cost is not None:   # asap issues collectives to run beside compute
+                dur *= getattr(cost, "comm_overlap_stretch", lambda: 1.0)()
             end[node.name] = start + dur
             free[_stream(node)] = end[node.name]
             last = end[node.name]
@@ -269,7 +269,9 @@ def _stretch_of(schedule: Any) -> float:
 
 
 def _alone_rows(graph: Graph, rows: list[dict[str, Any]]) -> set[str]:
-    """Collectives during which no compute node that takes time runs (open intervals)."""
+    """Collectives during which no compute node that takes time runs (open intervals). The same
+    rule as schedules.problem.overlaps_compute, restated on plain rows: plans come from any
+    object with per-node times, and the runtime must work without the schedules package."""
     busy = [(r["start_us"], r["end_us"]) for r in rows
             if not graph.node[r["name"]].is_comm and r["end_us"] > r["start_us"]]
     return {r["name"] for r in rows if graph.node[r["name"]].is_comm
