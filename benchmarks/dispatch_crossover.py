@@ -23,7 +23,7 @@ from moegraph.cost import CostModel  # noqa: E402
 from moegraph.ir import Phase, Strategy  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.tracer import trace_model  # noqa: E402
-from passes.estimate import serial_time_us  # noqa: E402
+from moegraph.passes.estimate import serial_time_us  # noqa: E402
 
 MODES = ("a2a", "ag-rs")
 

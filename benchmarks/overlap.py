@@ -32,9 +32,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
-from runtime.commands import RunSpec, run_rank, step_stats  # noqa: E402
-from runtime.launch import spawn  # noqa: E402
-from runtime.module import make_plan  # noqa: E402
+from moegraph.runtime.commands import RunSpec, run_rank, step_stats  # noqa: E402
+from moegraph.runtime.launch import spawn  # noqa: E402
+from moegraph.runtime.module import make_plan  # noqa: E402
 
 
 def main(argv=None) -> int:

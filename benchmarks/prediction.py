@@ -1,6 +1,6 @@
 """How close are the cost model's step times to measured ones? (gloo, CPU, n=2 by default)
 
-For each schedule, --repeats times: fresh ranks run it (runtime.commands.measure_schedule:
+For each schedule, --repeats times: fresh ranks run it (moegraph.runtime.commands.measure_schedule:
 warm-up, then --steps steps; step = the slowest rank's, median over steps) and the table sets the
 measured median beside the prediction of the plan the scheduler made for --hardware. Repeats
 alternate the schedules (A B A B ...) so drift on the machine hits both alike. Before every run
@@ -25,7 +25,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
-from runtime.commands import measure_schedule  # noqa: E402
+from moegraph.runtime.commands import measure_schedule  # noqa: E402
 
 
 def gemm_probe_gflops() -> float:

@@ -26,9 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from schedules import MemoryBudgetError, compile_graph, verify_schedule  # noqa: E402
-from schedules.baselines import BASELINES  # noqa: E402
-from schedules.problem import build_problem, peak_memory_bytes  # noqa: E402
+from moegraph.schedules import MemoryBudgetError, compile_graph, verify_schedule  # noqa: E402
+from moegraph.schedules.baselines import BASELINES  # noqa: E402
+from moegraph.schedules.problem import build_problem, peak_memory_bytes  # noqa: E402
 
 STRATEGIES = (("sp", "ep", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"))
 
@@ -38,10 +38,10 @@ def traced(models, pipelines, hw_name, n, seq):
     from moegraph.ir import Strategy
     from moegraph.registry import load_hardware, load_model
     from moegraph.tracer import trace_model
-    import passes.compress  # noqa: F401  (registers passes)
-    import passes.sar  # noqa: F401
-    import passes.strategy  # noqa: F401
-    from passes.manager import run_pipeline
+    import moegraph.passes.compress  # noqa: F401  (registers passes)
+    import moegraph.passes.sar  # noqa: F401
+    import moegraph.passes.strategy  # noqa: F401
+    from moegraph.passes.manager import run_pipeline
     cost = CostModel(load_hardware(hw_name))
     for model in models:
         for attn, ffn, dispatch in STRATEGIES:

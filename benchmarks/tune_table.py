@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/tune_table.py                          # 6 models x h800, a100, h20
     .venv/bin/python benchmarks/tune_table.py --models mixtral-8x7b --hardware h20 --time-limit 2
 
-Runs schedules.tune.tune for every model x hardware (n=8, batch 1, seq 8192 by default) with the
+Runs moegraph.schedules.tune.tune for every model x hardware (n=8, batch 1, seq 8192 by default) with the
 tune cache (.moegraph-cache), so a rerun is instant, and prints one markdown table: the tuned
 choice, its predicted step time and speed-up over sequential tp+tp (tune's baseline), the best
 sp+ep candidate, and a "why" column derived from the schedules: where the choice is not sp+ep
@@ -31,8 +31,8 @@ sys.path.insert(0, str(ROOT))
 
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
-from schedules.schedule_file import Schedule, merge_intervals  # noqa: E402
-from schedules.tune import Cache, Candidate, build_graph, evaluate, tune  # noqa: E402
+from moegraph.schedules.schedule_file import Schedule, merge_intervals  # noqa: E402
+from moegraph.schedules.tune import Cache, Candidate, build_graph, evaluate, tune  # noqa: E402
 
 MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
 HARDWARE = ("h800", "a100", "h20")
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     print(f"## Tune table, {datetime.date.today().isoformat()}, {platform.node()}, {os.cpu_count()} cores "
           f"(load average {load:.1f} at start)\n")
-    print(f"schedules.tune.tune: n={args.n}, batch={args.batch}, seq={args.seq}, {dtype}, "
+    print(f"moegraph.schedules.tune.tune: n={args.n}, batch={args.batch}, seq={args.seq}, {dtype}, "
           f"time_limit={args.time_limit} s, "
           f"refine={args.refine}, no memory budget, cache={args.cache or 'off'}; speed-up is over tune's baseline "
           f"(tp+tp ag-rs, sequential schedule). sched: the scheduler behind the predicted time (cpsat = refined).\n")

@@ -8,19 +8,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from moegraph.commands import DEFAULT_PASSES
+
 
 def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
-            attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = "",
+            attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
             timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True) -> Any:
-    """Compile one MoE decoder layer for this rank; returns an ``nn.Module`` (runtime.module.CompiledLayer).
+    """Compile one MoE decoder layer for this rank; returns an ``nn.Module`` (moegraph.runtime.module.CompiledLayer).
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
                      MixtralDecoderLayer); its parameters are read once and sharded.
     example_inputs:  the *full* layer input [b, s, h] (or a tuple starting with it): gives b, s and
                      the dtype (fp32 or bf16); its values are not used.
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
-    attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``).
+    attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
+                     same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
     memory_budget:   bytes of activation memory the schedule may use (None: unbounded).
     schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (schedules package) |
                      'asap' (the runtime's own overlapped order), or a Schedule / ExecutionPlan.
@@ -34,7 +37,7 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     ``.unshard_output`` and ``.full_grads``. ``loss.backward()`` runs the scheduled backward and
     leaves gradients in the shards' ``.grad``.
     """
-    from runtime.module import compile_module
+    from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
                           time_limit_s=time_limit_s, record=record)

@@ -1,30 +1,38 @@
 """`moegraph` command line: trace, compile, verify, gantt, run, calibrate, tune, demo.
 
 The CLI is the front door of the whole pipeline, so it is the one place in ``moegraph`` that
-reaches later stages (passes, schedules, runtime). It does so lazily, inside the command
-functions; no library module of ``moegraph`` imports a later stage.
+reaches later stages (passes, schedules, runtime). It does so lazily: only the module of the
+command being run is imported, inside ``main``; no library module of ``moegraph`` imports a
+later stage.
 
-Expected errors (bad model name, invalid strategy, malformed YAML, ...) print one line on
-stderr and exit 2; unexpected ones keep their traceback.
+Expected errors (bad model name, invalid strategy, malformed YAML, a bad option value, ...)
+print one line on stderr and exit 2; unexpected ones keep their traceback. A missing
+third-party dependency is named in one line (exit 2), never hidden behind an argparse message.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
-from typing import Callable
+from typing import Callable, NoReturn
+
+from moegraph import __version__
+from moegraph.options import UsageError
+
+__all__ = ["COMMANDS", "UsageError", "build_parser", "expected_errors", "main"]
 
 # subcommand -> "module:function" that adds its arguments and returns the handler
 COMMANDS: dict[str, str] = {
     "trace": "moegraph.commands:trace_command",
-    "compile": "schedules.commands:compile_command",
-    "verify": "schedules.commands:verify_command",
-    "gantt": "schedules.commands:gantt_command",
-    "run": "runtime.commands:run_command",
-    "calibrate": "runtime.calibrate:calibrate_command",
-    "tune": "schedules.tune:tune_command",
-    "demo": "runtime.demo:demo_command",
+    "compile": "moegraph.schedules.commands:compile_command",
+    "verify": "moegraph.schedules.commands:verify_command",
+    "gantt": "moegraph.schedules.commands:gantt_command",
+    "run": "moegraph.runtime.commands:run_command",
+    "calibrate": "moegraph.runtime.calibrate:calibrate_command",
+    "tune": "moegraph.schedules.tune:tune_command",
+    "demo": "moegraph.runtime.demo:demo_command",
 }
 
 HELP = {
@@ -39,8 +47,11 @@ HELP = {
 }
 
 
-class UsageError(ValueError):
-    """A bad command-line value; reported as one line, exit code 2."""
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line naming the problem (and where help is), exit 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def expected_errors() -> tuple[type[BaseException], ...]:
@@ -50,11 +61,11 @@ def expected_errors() -> tuple[type[BaseException], ...]:
     from moegraph.tracer import LoweringError
     errs: list[type[BaseException]] = [UsageError, ConfigError, RegistryError, LoweringError, GraphError,
                                        FileNotFoundError]
-    for mod, name in (("passes", "PassError"), ("schedules", "ScheduleError"), ("runtime", "RuntimeFailure")):
-        try:
-            errs.append(getattr(importlib.import_module(mod), name))
-        except (ImportError, AttributeError):
-            pass
+    # the later stages' error types, for whichever of them the running command imported
+    for mod, name in (("moegraph.passes", "PassError"), ("moegraph.schedules", "ScheduleError"),
+                      ("moegraph.runtime", "RuntimeFailure")):
+        if mod in sys.modules:
+            errs.append(getattr(sys.modules[mod], name))
     return tuple(errs)
 
 
@@ -63,35 +74,58 @@ def _load(spec: str) -> Callable:
     return getattr(importlib.import_module(module), func)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="moegraph", description="Operator-graph compiler and schedule "
-                                     "autotuner for Mixture-of-Experts training.")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+def _chosen_command(argv: list[str]) -> str | None:
+    """The subcommand argv names (its first word that is one), so only that module is imported."""
+    for word in argv:
+        if word in COMMANDS:
+            return word
+        if not word.startswith("-"):
+            return None
+    return None
+
+
+def build_parser(commands: tuple[str, ...] | None = None) -> argparse.ArgumentParser:
+    """The parser, with the options of ``commands`` (each imports its module; default: all of
+    them, for tools that walk the whole CLI). The others are listed with their help only."""
+    parser = OneLineParser(prog="moegraph", description="Operator-graph compiler and schedule autotuner "
+                           "for Mixture-of-Experts training.")
+    parser.add_argument("--version", action="version", version=f"moegraph {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=OneLineParser)
     for name, spec in COMMANDS.items():
         p = sub.add_parser(name, help=HELP[name], description=HELP[name])
-        try:
-            handler = _load(spec)(p)
-        except (ImportError, AttributeError):
-            p.set_defaults(handler=_not_available(name))
-            continue
-        p.set_defaults(handler=handler)
+        if commands is None or name in commands:
+            p.set_defaults(handler=_load(spec)(p))
     return parser
 
 
-def _not_available(name: str) -> Callable:
-    def handler(args):
-        raise UsageError(f"'moegraph {name}' is not available in this build")
-    return handler
+def _missing_dependency(err: ImportError) -> str:
+    return (f"needs the Python module {err.name!r}, which is not installed ({err}); "
+            f"reinstall moegraph with its dependencies (bash scripts/setup.sh)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = _chosen_command(argv)
+    try:
+        parser = build_parser((command,) if command else ())
+    except ImportError as err:
+        if not err.name or err.name.split(".")[0] == "moegraph":
+            raise  # a bug in moegraph itself: keep the traceback
+        print(f"moegraph {command}: error: {_missing_dependency(err)}", file=sys.stderr)
+        return 2
     args = parser.parse_args(argv)
     if not getattr(args, "handler", None):
         parser.print_help()
         return 2
     try:
-        return int(args.handler(args) or 0)
+        rc = int(args.handler(args) or 0)
+        sys.stdout.flush()  # inside the try: a closed pipe surfaces here, not at interpreter exit
+        return rc
+    except BrokenPipeError:
+        # `moegraph trace --json | head`: the reader left; say nothing more, like any Unix filter
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
     except expected_errors() as err:
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"moegraph {args.command}: error: {msg}", file=sys.stderr)

@@ -11,7 +11,17 @@ from typing import Any
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Phase, Strategy
+from moegraph.options import UsageError, byte_size, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
+
+# The paper's configuration (§4.1): gating applied before FC2, Fig 9's rematerialization. The
+# one default pass pipeline of every command and of ``moegraph.compile``; "none" runs no pass.
+DEFAULT_PASSES = "gate-reorder,sar=paper"
+
+
+def passes_arg(text: str) -> str:
+    """--passes value: a pipeline string, '' or 'none' for no passes (validated by the pipeline)."""
+    return "" if text.strip().lower() == "none" else text
 
 
 def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-8x7b") -> None:
@@ -22,14 +32,23 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--ffn", default="ep", choices=("tp", "ep"), help="FFN parallelism (default %(default)s)")
     p.add_argument("--dispatch", default="ag-rs", choices=("a2a", "ag-rs"),
                    help="token dispatch for ffn=ep (default %(default)s)")
-    p.add_argument("--n", type=int, default=8, help="group size n (default %(default)s)")
-    p.add_argument("--batch", type=int, default=1, help="micro-batch b (default %(default)s)")
-    p.add_argument("--seq", type=int, default=8192, help="sequence length s (default %(default)s)")
-    p.add_argument("--top-k", type=int, default=None, help="override the model's top-k")
+    p.add_argument("--n", type=positive_int, default=8, help="group size n (default %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
+    p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
+    p.add_argument("--top-k", type=positive_int, default=None, help="override the model's top-k")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
-    p.add_argument("--dp", type=int, default=1, help="data-parallel degree D (default %(default)s)")
-    p.add_argument("--passes", default="", help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto")
+    p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
+    p.add_argument("--passes", type=passes_arg, default=DEFAULT_PASSES,
+                   help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
+                        "passes (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+
+def add_memory_budget_arg(p: argparse.ArgumentParser) -> None:
+    """--memory-budget, one unit on every command (moegraph.options.byte_size)."""
+    p.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
+                   help="peak memory cap for activations and buffers: 1.5GiB, 800MiB or plain bytes "
+                        "(default: none)")
 
 
 @dataclass(frozen=True)
@@ -42,10 +61,9 @@ class Layer:
 
 
 def layer_from_args(args: argparse.Namespace) -> Layer:
-    from moegraph.cli import UsageError
     from moegraph.tracer import trace_model
     for flag in ("n", "batch", "seq", "dp"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) < 1:  # also reached from code that builds args by hand (demo, benchmarks)
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     model = load_model(args.model)
     if args.top_k is not None:
@@ -58,7 +76,7 @@ def layer_from_args(args: argparse.Namespace) -> Layer:
     graph = trace_model(model, strategy, batch=args.batch, seq=args.seq)
     report: dict[str, Any] = {}
     if args.passes:
-        from passes import run_pipeline
+        from moegraph.passes import run_pipeline
         graph, report = run_pipeline(graph, args.passes, cost=cost)
     return Layer(model, hw, cost, graph, report)
 

@@ -60,7 +60,7 @@ COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_AL
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
-    RECOMPUTE = "recompute"      # forward work re-run during backward (passes.sar)
+    RECOMPUTE = "recompute"      # forward work re-run during backward (moegraph.passes.sar)
 
 
 class Role(enum.Enum):

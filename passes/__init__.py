@@ -1,6 +1,6 @@
 """Graph -> graph rewrites of one MoE layer, and the pass manager that runs them.
 
-    from passes import run_pipeline
+    from moegraph.passes import run_pipeline
     graph, report = run_pipeline(graph, "sar=paper,gate-reorder,dispatch=auto,chunk=auto", cost=cost)
 
 Passes (each a function Graph -> PassResult, built from its argument and the cost model):
@@ -14,10 +14,10 @@ The run order is fixed by each pass's stage (manager.py has the table); docs/pas
 describes each pass, its invariant and its report.
 """
 
-from passes.manager import PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_pipeline
-from passes.strategy import chunk, dispatch, gate_reorder
-from passes.compress import compress
-from passes.sar import sar
+from moegraph.passes.manager import PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_pipeline
+from moegraph.passes.strategy import chunk, dispatch, gate_reorder
+from moegraph.passes.compress import compress
+from moegraph.passes.sar import sar
 
 __all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
            "sar", "gate_reorder", "dispatch", "chunk", "compress"]

@@ -32,7 +32,7 @@ import dataclasses
 from moegraph.builder import ring_bytes
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, OpKind, Phase, Value
-from passes.manager import Pass, PassResult, label, mark_rewritten, record, register
+from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 MODES = ("dp-bf16", "tp-fp8")
 

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Value, ValueKind
-from passes.manager import Pass, PassResult, label, mark_rewritten, record, register, same_computation
+from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register, same_computation
 
 _CHUNK = re.compile(r"\.c\d+$")
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")

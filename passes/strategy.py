@@ -12,8 +12,8 @@ from __future__ import annotations
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Phase
 from moegraph.tracer import relower
-from passes.estimate import overlap_time_us, serial_time_us
-from passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
+from moegraph.passes.estimate import overlap_time_us, serial_time_us
+from moegraph.passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
 
 GATE_ORDERS = ("before-fc2", "after-fc2")
 DISPATCH_CHOICES = ("auto", "a2a", "ag-rs")

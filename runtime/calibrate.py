@@ -4,7 +4,7 @@
                        [--base NAME] [--dtype fp32|bf16] [--samples FILE.json] [--quiet] -o PROFILE.yaml
 
 CPU (default): N ranks are spawned on loopback gloo with max(1, cores // N) threads each,
-exactly as ``runtime.launch.spawn`` starts them, and run ``runtime.microbench`` in lockstep.
+exactly as ``moegraph.runtime.launch.spawn`` starts them, and run ``moegraph.runtime.microbench`` in lockstep.
 CUDA: one process, single-GPU curves only (GEMM, grouped GEMM, attention, memory, kernel
 latency, timed with CUDA events); collectives and the overlap slowdown need several GPUs and
 keep the ``--base`` profile's values, listed as unmeasured. UNTESTED: no GPU was available
@@ -94,7 +94,7 @@ class CalibrationOptions:
 
     @property
     def threads(self) -> int:
-        """Threads per rank: what runtime.launch.spawn gives each of n ranks."""
+        """Threads per rank: what moegraph.runtime.launch.spawn gives each of n ranks."""
         return max(1, (os.cpu_count() or 1) // self.n) if self.device == "cpu" else 1
 
 
@@ -204,14 +204,14 @@ def run_calibration(opts: CalibrationOptions) -> tuple[dict[str, Any], list[Any]
 
 
 def in_step_enabled(opts: CalibrationOptions) -> bool:
-    """Whether the in-step stage (runtime.calibrate_steps) runs: CPU ranks, n >= 2 (it times
+    """Whether the in-step stage (moegraph.runtime.calibrate_steps) runs: CPU ranks, n >= 2 (it times
     real collectives), and a budget that leaves the microbenchmarks enough time."""
     return opts.device == "cpu" and opts.n >= 2 and opts.time_budget_s >= MIN_IN_STEP_BUDGET_S
 
 
 def _in_step_stage(profile: dict[str, Any], hw: Hardware, opts: CalibrationOptions, t0: float) -> list[str]:
     """Measure real steps, store the in-step factors in ``profile``; return the check lines."""
-    from runtime.calibrate_steps import fit_in_step, in_step_checks, measure_steps
+    from moegraph.runtime.calibrate_steps import fit_in_step, in_step_checks, measure_steps
     notes = profile["measured"]
     if not in_step_enabled(opts):
         why = "CUDA: not implemented" if opts.device != "cpu" else (
@@ -245,11 +245,11 @@ def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str, 
     import torch
     import torch.multiprocessing as mp
 
-    from runtime.launch import free_port, release_freed_memory
-    from runtime.microbench import cpu_seconds, machine_busy_seconds, machine_info, rank_main
+    from moegraph.runtime.launch import free_port, release_freed_memory
+    from moegraph.runtime.microbench import cpu_seconds, machine_busy_seconds, machine_info, rank_main
     deadline = t0 + opts.time_budget_s - RESERVE_S
     if in_step_enabled(opts):
-        from runtime.calibrate_steps import STEP_STAGE_S
+        from moegraph.runtime.calibrate_steps import STEP_STAGE_S
         deadline -= STEP_STAGE_S                                   # left for the in-step stage
     busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(), time.time()
     rank_cpu = 0.0
@@ -315,7 +315,7 @@ def _run_cuda(opts: CalibrationOptions, t0: float) -> tuple[list[Any], dict[str,
     """UNTESTED (no GPU here): single-GPU benchmarks in this process, timed with CUDA events."""
     import torch
 
-    from runtime.microbench import Clock, Lockstep, RankEnv, machine_info, run_benches
+    from moegraph.runtime.microbench import Clock, Lockstep, RankEnv, machine_info, run_benches
     device = torch.device("cuda", torch.cuda.current_device())
     env = RankEnv(0, 1, device, opts.dtype, opts.backend, t0, t0 + opts.time_budget_s - RESERVE_S,
                   Lockstep(0, 1), Clock(device), verbose=opts.verbose)
@@ -434,7 +434,7 @@ def _overall(points: Sequence[tuple[float, float, bool]], rate: float) -> float:
 def fit_profile(results: Sequence[Any], base: Hardware, opts: CalibrationOptions, info: dict[str, str],
                 wall_s: float) -> dict[str, Any]:
     """Measured samples -> a Hardware mapping (plain types) that load_hardware accepts."""
-    from runtime.microbench import MEMORY_BOUND_OPS
+    from moegraph.runtime.microbench import MEMORY_BOUND_OPS
     samples = _by_bench(results)
     prof = base.to_dict()
     prof["name"] = opts.output.stem
@@ -621,7 +621,7 @@ def load_hardware_dict(profile: dict[str, Any], where: str) -> Hardware:
 
 def fit_bin(s: Any) -> tuple[str, int] | None:
     """(curve, bin) a compute or memory-bound sample is fitted in; None for others (router, copy)."""
-    from runtime.microbench import MEMORY_BOUND_OPS
+    from moegraph.runtime.microbench import MEMORY_BOUND_OPS
     curve = "mem_eff" if s.op in MEMORY_BOUND_OPS else next((c for c, ops in COMPUTE_CURVES.items() if s.op in ops),
                                                               None)
     size = s.mem_bytes if curve == "mem_eff" else s.flops
@@ -734,7 +734,7 @@ def read_samples(path: Path) -> list[Any]:
     """The BenchResults of a --samples file (to refit without measuring again)."""
     import json
 
-    from runtime.microbench import BenchResult, Sample
+    from moegraph.runtime.microbench import BenchResult, Sample
     doc = json.loads(Path(path).read_text())
     return [BenchResult(b["name"], tuple(Sample(**{**s, "extra": tuple(tuple(e) for e in s["extra"])})
                                           for s in b["samples"]), b["summary"], b["seconds"], b["skipped"])

@@ -1,7 +1,7 @@
 """In-step calibration: time real training steps and fit how much slower each op class runs
 inside a step than alone.
 
-The microbenchmarks of ``runtime.microbench`` time each kernel alone, with its operands warm in
+The microbenchmarks of ``moegraph.runtime.microbench`` time each kernel alone, with its operands warm in
 cache and nothing else running. Inside a real step the same kernel finds its operands evicted by
 the multi-MiB weight GEMMs before it, shares the cores with the collective threads, pays the
 executor's per-node host overhead, and every collective also absorbs the other ranks' lateness
@@ -9,7 +9,7 @@ executor's per-node host overhead, and every collective also absorbs the other r
 longer than the summed isolated prediction. This stage measures that directly:
 
 1. For each layer of STEP_LAYERS, lower it for ``n`` ranks and run it with the runtime
-   (``runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
+   (``moegraph.runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
    host, so a node's measured span is its in-step time.
 2. Per node, the median span over steps and ranks (m); per step, the slowest rank's time; the
    median step (T). The freshly fitted isolated profile prices each node (p, its kernel latency
@@ -74,9 +74,9 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
     from moegraph.ir import Strategy
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
-    from runtime.commands import spawn_plans, step_stats
-    from runtime.module import make_plan
-    from runtime.trace import trace_from_dict
+    from moegraph.runtime.commands import spawn_plans, step_stats
+    from moegraph.runtime.module import make_plan
+    from moegraph.runtime.trace import trace_from_dict
     cost = CostModel(hw)
     out = []
     for model_name, seq, attn, ffn, dispatch in layers:

@@ -59,7 +59,7 @@ import torch.distributed as dist
 
 from moegraph.ir import Node, OpKind
 from moegraph.kernels import IndexMap, RecvMap
-from runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
+from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

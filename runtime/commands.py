@@ -2,7 +2,7 @@
 
 The parent process lowers the registry model (``layer_from_args``: strategy, passes), builds the
 plan once (so N ranks do not each run the scheduler), then spawns N ranks on loopback
-(``runtime.launch.spawn``). Each rank builds the reference layer
+(``moegraph.runtime.launch.spawn``). Each rank builds the reference layer
 ``MoETransformerLayer.from_config`` with the same seeded random weights, shards it, and runs
 warm-up + K steps (forward + backward). Step time of a step = the slowest rank's; the report
 gives the median over the K steps.
@@ -93,9 +93,9 @@ def measurement_blocks(plans: int, steps: int) -> list[tuple[int, int]]:
 def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     """One rank of `moegraph run`: time every plan of ``spec`` (interleaved step by step)."""
     import torch
-    from runtime.check import check_against_eager
-    from runtime.module import build_layer
-    from runtime.trace import trace_to_dict
+    from moegraph.runtime.check import check_against_eager
+    from moegraph.runtime.module import build_layer
+    from moegraph.runtime.trace import trace_to_dict
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     module = seeded_layer(spec.model, spec.seed, spec.dtype).to(spec.device)
     full = {k: p.detach() for k, p in module.named_parameters()}
@@ -136,24 +136,28 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 # -- the command ----------------------------------------------------------------------------------
 
 def run_command(p: argparse.ArgumentParser):
-    from moegraph.commands import add_layer_args
+    from moegraph.commands import add_layer_args, add_memory_budget_arg
+    from moegraph.options import non_negative_int, positive_float, positive_int
     add_layer_args(p, model_default="tiny")
-    p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-gloo")
-    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"), help="default %(default)s")
+    # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
+    p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
+    p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
+                   help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
     p.add_argument("--schedule", default="cpsat", choices=SCHEDULES,
                    help="scheduler method, or 'asap' (the runtime's own overlapped order); default %(default)s")
-    p.add_argument("--steps", type=int, default=5, help="measured steps (default %(default)s)")
-    p.add_argument("--warmup", type=int, default=1, help="unmeasured steps first (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="weights and inputs seed (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=5, help="measured steps (default %(default)s)")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps first (default %(default)s)")
+    p.add_argument("--seed", type=non_negative_int, default=0, help="weights and inputs seed (default %(default)s)")
     p.add_argument("--check", action="store_true",
                    help="compare output and every gradient with the eager unsharded module")
     p.add_argument("--trace", metavar="OUT", help="write the measured schedule file (OUT), the predicted one "
                    "(OUT with suffix .predicted.json) and a Chrome trace (suffix .chrome.json)")
     p.add_argument("--compare-prediction", action="store_true",
                    help="per-node and total error of the cost model against the measured steps")
-    p.add_argument("--memory-budget", type=int, default=None, metavar="BYTES", help="schedule memory budget")
-    p.add_argument("--time-limit", type=float, default=10.0, help="scheduler time limit, s (default %(default)s)")
-    p.add_argument("--timeout", type=float, default=120.0,
+    add_memory_budget_arg(p)
+    p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
+                   help="CP-SAT search effort in deterministic seconds (default %(default)s)")
+    p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds any collective may take before the run fails naming it (default %(default)s)")
 
     def handler(args) -> int:
@@ -170,7 +174,7 @@ def run_command(p: argparse.ArgumentParser):
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
-    from runtime.module import make_plan
+    from moegraph.runtime.module import make_plan
     for flag in ("steps",):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
@@ -201,7 +205,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.update({k: v for k, v in c.items() if k != "rel_err_input_grad"})
     traces = _rank_traces(results)
     if args.compare_prediction:
-        from runtime.trace import compare_prediction
+        from moegraph.runtime.trace import compare_prediction
         report["prediction"] = compare_prediction(plan, traces[0], step_us=report["step_us"])
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
@@ -211,7 +215,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
                 backend: str = "gloo", timeout_s: float = 120.0, check: bool = False) -> list[dict[str, Any]]:
     """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank."""
-    from runtime.launch import spawn
+    from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
                    timeout_s, check)
     return spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
@@ -222,7 +226,7 @@ def measure_schedule(layer: Any, method: str, *, steps: int = 10, warmup: int = 
                      time_limit_s: float = 10.0) -> dict[str, Any]:
     """One schedule of a lowered layer on fresh gloo CPU ranks: predicted and measured (median,
     slowest rank) step us, and with ``check`` the error against the eager module."""
-    from runtime.module import make_plan
+    from moegraph.runtime.module import make_plan
     plan = make_plan(layer.graph, layer.cost, method, time_limit_s=time_limit_s)
     results = spawn_plans(layer, (plan,), steps=steps, warmup=warmup, check=check)
     row = {"schedule": plan.method, "predicted_us": plan.predicted_makespan_us, **step_stats(results)}
@@ -232,7 +236,7 @@ def measure_schedule(layer: Any, method: str, *, steps: int = 10, warmup: int = 
 
 
 def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):
-    from runtime.trace import trace_from_dict
+    from moegraph.runtime.trace import trace_from_dict
     return [[trace_from_dict(t) for t in r["plans"][plan_index]["traces"]] for r in results]
 
 
@@ -241,7 +245,7 @@ def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps
     """The step whose time is the median: rank 0's as a measured schedule file (OUT), the plan's
     prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
     (OUT.chrome.json)."""
-    from runtime.trace import chrome_trace, measured_schedule, predicted_schedule, schedule_json, write_json
+    from moegraph.runtime.trace import chrome_trace, measured_schedule, predicted_schedule, schedule_json, write_json
     order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
     k = order[len(order) // 2]
     path = Path(out)

@@ -12,7 +12,8 @@ import argparse
 from pathlib import Path
 
 from moegraph.commands import layer_from_args
-from runtime.commands import measure_schedule
+from moegraph.options import check_output_dir, positive_int
+from moegraph.runtime.commands import measure_schedule
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
 DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
@@ -20,13 +21,14 @@ DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", d
 
 
 def demo_command(p: argparse.ArgumentParser):
-    p.add_argument("--out", default="out", help="folder for the schedule and its Gantt chart (default %(default)s)")
-    p.add_argument("--steps", type=int, default=10, help="measured steps of the CPU run (default %(default)s)")
+    p.add_argument("-o", "--output", default="out",
+                   help="folder for the schedule and its Gantt chart (default %(default)s)")
+    p.add_argument("--steps", type=positive_int, default=10, help="measured steps of the CPU run (default %(default)s)")
     p.add_argument("--skip-run", action="store_true", help="stop after the Gantt chart (no CPU ranks)")
 
     def run(args) -> int:
         from moegraph.cli import main
-        out = Path(args.out)
+        out = check_output_dir(args.output)
         out.mkdir(parents=True, exist_ok=True)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [

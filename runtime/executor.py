@@ -31,10 +31,10 @@ import torch
 
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
-from runtime import RuntimeFailure
-from runtime.collectives import Pending, drain
-from runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
-from runtime.trace import StepRecorder, new_event
+from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.collectives import Pending, drain
+from moegraph.runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
+from moegraph.runtime.trace import StepRecorder, new_event
 
 
 @dataclass

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable, Sequence
 
-from runtime import RankFailure, RuntimeFailure
+from moegraph.runtime import RankFailure, RuntimeFailure
 
 GRACE_S = 3.0          # after the first failure, how long other ranks get to report theirs
 
@@ -93,7 +93,7 @@ def init_from_env(backend: str | None = None, timeout_s: float = 300.0) -> tuple
     if not dist.is_initialized():
         for var in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             if var not in os.environ:
-                raise RuntimeFailure(f"{var} is not set: launch with torchrun, or use runtime.launch.spawn")
+                raise RuntimeFailure(f"{var} is not set: launch with torchrun, or use moegraph.runtime.launch.spawn")
         backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
         if backend == "gloo":
             keep_freed_memory()

@@ -5,7 +5,7 @@ way the runtime runs: the same kernels (``moegraph.kernels.run_compute`` on IR n
 same dtype, the same collective call sequences (mirrored from ``runtime/collectives.py``:
 reduce-scatter on gloo is all_to_all_single + a local sum, token all-to-alls first exchange
 their counts), N ranks started together with ``max(1, cores // N)`` threads each, as
-``runtime.launch.spawn`` does. All ranks run the same benchmark at the same time (lockstep),
+``moegraph.runtime.launch.spawn`` does. All ranks run the same benchmark at the same time (lockstep),
 so a compute number is "one rank's kernel while the other ranks run theirs on the other
 cores": shared caches, memory bandwidth and clocks included.
 
@@ -840,7 +840,7 @@ def rank_main(rank: int, n: int, port: int, spec: dict[str, Any], queue: Any) ->
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")          # loopback only, as the runtime
         torch.set_num_threads(spec["threads"])
         if spec["backend"] == "gloo":
-            from runtime.launch import keep_freed_memory
+            from moegraph.runtime.launch import keep_freed_memory
             keep_freed_memory()                                          # as runtime ranks do
         if n > 1:
             dist.init_process_group(spec["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,

@@ -22,14 +22,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from moegraph.commands import DEFAULT_PASSES
 from moegraph.interpreter import shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
-from runtime import PlanError, RuntimeFailure
-from runtime.autograd import ScheduledLayerFunction
-from runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
-from runtime.executor import Executor
-from runtime.plan import COMM, LOCAL_METHODS, ExecutionPlan, check_plan
-from runtime.trace import StepRecorder, StepTrace
+from moegraph.runtime import PlanError, RuntimeFailure
+from moegraph.runtime.autograd import ScheduledLayerFunction
+from moegraph.runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
+from moegraph.runtime.executor import Executor
+from moegraph.runtime.plan import COMM, LOCAL_METHODS, ExecutionPlan, check_plan
+from moegraph.runtime.trace import StepRecorder, StepTrace
 
 SCHEDULER_METHODS = ("cpsat", "sequential", "greedy", "megascale")
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -213,9 +214,9 @@ def make_plan(graph: Graph, cost: Any, schedule: Any = "cpsat", *, memory_budget
     if schedule not in SCHEDULER_METHODS:
         raise PlanError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULER_METHODS + ('asap',))}")
     try:
-        from schedules.api import compile_graph
+        from moegraph.schedules.api import compile_graph
     except ImportError as err:
-        raise PlanError(f"schedule {schedule!r} needs the schedules package (schedules.api), not available in "
+        raise PlanError(f"schedule {schedule!r} needs the schedules package (moegraph.schedules.api), not available in "
                         f"this build ({err}); local plans: {', '.join(LOCAL_METHODS)}") from err
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
                            comm_streams=tuple(comm_streams), method=schedule)
@@ -232,7 +233,7 @@ def rank_and_size(n: int | None) -> tuple[int, int]:
         return dist.get_rank(), world
     if n not in (None, 1):
         raise RuntimeFailure(f"n={n} needs torch.distributed initialised with {n} ranks "
-                             "(torchrun, or runtime.launch.spawn)")
+                             "(torchrun, or moegraph.runtime.launch.spawn)")
     return 0, 1
 
 
@@ -253,7 +254,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
 
 
 def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
-                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = "", memory_budget: int | None = None,
+                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES, memory_budget: int | None = None,
                    schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
                    time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
                    emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
@@ -274,7 +275,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype])
     graph = trace_module(module, strategy, batch=b, seq=s, name=type(module).__name__)
     if passes:
-        from passes import run_pipeline
+        from moegraph.passes import run_pipeline
         graph, _report = run_pipeline(graph, passes, cost=cost)
     full = {k: p.detach() for k, p in module.named_parameters()}
     odd = sorted({f"{p.device}/{p.dtype}" for p in full.values()} - {f"{x.device}/{x.dtype}"})

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable
 
 from moegraph.ir import Graph, Node, OpKind, Phase
-from runtime import PlanError
+from moegraph.runtime import PlanError
 
 COMPUTE = "compute"
 COMM = "comm"
@@ -270,7 +270,7 @@ def _stretch_of(schedule: Any) -> float:
 
 def _alone_rows(graph: Graph, rows: list[dict[str, Any]]) -> set[str]:
     """Collectives during which no compute node that takes time runs (open intervals). The same
-    rule as schedules.problem.overlaps_compute, restated on plain rows: plans come from any
+    rule as moegraph.schedules.problem.overlaps_compute, restated on plain rows: plans come from any
     object with per-node times, and the runtime must work without the schedules package."""
     busy = [(r["start_us"], r["end_us"]) for r in rows
             if not graph.node[r["name"]].is_comm and r["end_us"] > r["start_us"]]

@@ -132,7 +132,7 @@ def as_schedule(graph: Graph, plan: Any, times: dict[str, tuple[float, float]], 
                 **summary: Any) -> Any:
     """A ``schedules`` Schedule (the schedule-file object the Gantt renderer draws) with the given
     per-node (start_us, end_us); streams and SM budgets from ``plan``."""
-    from schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+    from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
     nodes = []
     for e in plan.entries:
         n = graph.node[e.name]

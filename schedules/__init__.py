@@ -1,6 +1,6 @@
 """Schedules: the CP-SAT model, baselines, lower bound, verifier, schedule file and Gantt.
 
-    from schedules import compile_graph, verify_schedule, render, Schedule
+    from moegraph.schedules import compile_graph, verify_schedule, render, Schedule
     result = compile_graph(graph, CostModel(hw), time_limit_s=10)
     assert not verify_schedule(result.schedule)
     render(result.schedule, "layer.png")
@@ -10,15 +10,15 @@ bound -> cpsat -> schedule_file; verify re-checks a file independently; gantt dr
 docs/scheduler.md states the semantics and the model.
 """
 
-from schedules.api import METHODS, CompileResult, compile_graph
-from schedules.problem import MemoryBudgetError, ScheduleError
-from schedules.schedule_file import Schedule, ScheduleFormatError
-from schedules.verify import Violation, verify_schedule
+from moegraph.schedules.api import METHODS, CompileResult, compile_graph
+from moegraph.schedules.problem import MemoryBudgetError, ScheduleError
+from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
+from moegraph.schedules.verify import Violation, verify_schedule
 
 
 def render(sched, path, compare=None):
-    """Draw ``sched`` to ``path`` (.png, .svg, .html or .json); see schedules.gantt."""
-    from schedules.gantt import render as _render  # matplotlib is imported only when drawing
+    """Draw ``sched`` to ``path`` (.png, .svg, .html or .json); see moegraph.schedules.gantt."""
+    from moegraph.schedules.gantt import render as _render  # matplotlib is imported only when drawing
     return _render(sched, path, compare=compare)
 
 

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 from moegraph.ir import Graph, Strategy
-from schedules.baselines import BASELINES, warm_starts
-from schedules.bound import Bound, lower_bound, memory_lower_bound
-from schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from schedules.problem import (DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, Solution,
+from moegraph.schedules.baselines import BASELINES, warm_starts
+from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
+from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
+from moegraph.schedules.problem import (DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, Solution,
                                barrier_ticks, build_problem, check_solution, makespan_ticks, peak_memory_bytes,
                                solution_ends)
-from schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
 __all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
 
@@ -52,7 +52,7 @@ def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = 
                   comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
                   workers: int = 1) -> CompileResult:
     """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
-    (deterministic seconds, see schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
+    (deterministic seconds, see moegraph.schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
     a budget no schedule meets) on expected failures."""
     t0 = time.perf_counter()
     if method not in METHODS:

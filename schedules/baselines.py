@@ -37,7 +37,7 @@ import heapq
 from typing import Callable
 
 from moegraph.ir import Phase, Role
-from schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task, alone_twin, settle_alone
+from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task, alone_twin, settle_alone
 
 __all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule", "warm_starts"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from schedules.problem import Problem
+from moegraph.schedules.problem import Problem
 
 __all__ = ["SideBound", "Bound", "heads_tails", "jackson_preemptive", "lower_bound", "memory_lower_bound"]
 

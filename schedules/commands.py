@@ -7,46 +7,33 @@ import json
 import sys
 from pathlib import Path
 
-from moegraph.commands import add_layer_args, layer_from_args
-from schedules.api import METHODS, compile_graph
-from schedules.problem import ScheduleError
-from schedules.schedule_file import Schedule
+from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args
+from moegraph.options import check_output, format_bytes, positive_float
+from moegraph.schedules.api import METHODS, compile_graph
+from moegraph.schedules.problem import ScheduleError
+from moegraph.schedules.schedule_file import Schedule
 
-# The paper's configuration (§4.1): gating applied before FC2, Fig 9's rematerialization.
-DEFAULT_PASSES = "gate-reorder,sar=paper"
-GIB = 2**30
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_layer_args(p)
-    p.set_defaults(passes=DEFAULT_PASSES)
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
-                   help="peak memory cap for activations and buffers, in GiB (default: none)")
-    p.add_argument("--time-limit", type=float, default=10.0, metavar="S",
+    add_memory_budget_arg(p)
+    p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
-    p.add_argument("--method", default="cpsat", choices=METHODS, help="scheduler (default %(default)s)")
+    p.add_argument("--schedule", default="cpsat", choices=METHODS,
+                   help="how to schedule: CP-SAT or one of the baselines (default %(default)s)")
     p.add_argument("--comm-streams", type=int, default=1, choices=(1, 2),
                    help="1: one comm stream; 2: intra- and inter-node comm streams (default %(default)s)")
     p.add_argument("-o", "--output", default=None, metavar="SCHED.json", help="write the schedule file here")
 
 
-def memory_budget_bytes(args) -> int | None:
-    from moegraph.cli import UsageError
-    if args.memory_budget is None:
-        return None
-    if args.memory_budget <= 0:
-        raise UsageError(f"--memory-budget={args.memory_budget} must be a positive number of GiB")
-    return int(args.memory_budget * GIB)
-
-
 def compile_from_args(args):
-    from moegraph.cli import UsageError
-    if args.time_limit <= 0:
-        raise UsageError(f"--time-limit={args.time_limit} must be a positive number of seconds")
+    if args.output is not None:
+        check_output(args.output, suffixes=(".json",))
     layer = layer_from_args(args)
     streams = ("comm",) if args.comm_streams == 1 else ("comm.intra", "comm.inter")
-    result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=memory_budget_bytes(args),
-                           time_limit_s=args.time_limit, comm_streams=streams, method=args.method)
+    result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
+                           time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)
     return layer, result
 
 
@@ -70,7 +57,7 @@ def format_compile(c: dict) -> str:
     for name, span in [("cp-sat", c["makespan_us"]), *sorted(b.items())]:
         lines.append(f"{name:<12} {span:>12.1f} {span / bound:>8.3f}x")
     lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}",
-              f"peak memory {c['peak_memory_bytes'] / GIB:.3f} GiB, exposed comm {c['exposed_comm_us']:.1f} us, "
+              f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"solver {c['solver']['status']} in {c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
     return "\n".join(lines)
@@ -99,10 +86,10 @@ def load_schedule(path: str) -> Schedule:
 
 
 def verify_command(p: argparse.ArgumentParser):
-    p.add_argument("schedule", metavar="SCHED.json")
+    p.add_argument("schedule", metavar="SCHED.json", help="a schedule file written by compile, tune or run --trace")
 
     def run(args) -> int:
-        from schedules.verify import verify_schedule
+        from moegraph.schedules.verify import verify_schedule
         violations = verify_schedule(load_schedule(args.schedule))
         if violations:
             print(f"{args.schedule}: {violations[0]}", file=sys.stderr)
@@ -115,16 +102,14 @@ def verify_command(p: argparse.ArgumentParser):
 
 
 def gantt_command(p: argparse.ArgumentParser):
-    p.add_argument("schedule", metavar="SCHED.json")
-    p.add_argument("-o", "--output", required=True, metavar="OUT.{png,svg,html,json}")
+    p.add_argument("schedule", metavar="SCHED.json", help="a schedule file written by compile, tune or run --trace")
+    p.add_argument("-o", "--output", required=True, metavar="OUT.{png,svg,html,json}",
+                   help="the chart; .json is Chrome Trace Event format (Perfetto)")
     p.add_argument("--compare", default=None, metavar="OTHER.json", help="draw a second schedule on the same axis")
 
     def run(args) -> int:
-        from moegraph.cli import UsageError
-        from schedules.gantt import render
-        suffix = Path(args.output).suffix
-        if suffix not in (".png", ".svg", ".html", ".json"):
-            raise UsageError(f"-o {args.output}: extension {suffix or '(none)'} is not one of .png, .svg, .html, .json")
+        from moegraph.schedules.gantt import render
+        check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
         other = load_schedule(args.compare) if args.compare else None
         render(load_schedule(args.schedule), args.output, compare=other)
         print(f"wrote {args.output}")

@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
-from schedules.bound import Bound, heads_tails, lower_bound
-from schedules.problem import (COMPUTE, Problem, ScheduleError, Solution, Task, canonical_chunk_order,
+from moegraph.schedules.bound import Bound, heads_tails, lower_bound
+from moegraph.schedules.problem import (COMPUTE, Problem, ScheduleError, Solution, Task, canonical_chunk_order,
                                chunk_symmetry, settle_alone, solution_ends)
 
 __all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",

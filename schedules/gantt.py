@@ -15,8 +15,8 @@ import io
 import json
 from pathlib import Path
 
-from schedules.schedule_file import Schedule, ScheduledNode, exposed_comm
-from schedules.verify import memory_curve
+from moegraph.schedules.schedule_file import Schedule, ScheduledNode, exposed_comm
+from moegraph.schedules.verify import memory_curve
 
 __all__ = ["render", "chrome_trace", "FORMATS"]
 

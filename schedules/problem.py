@@ -330,7 +330,7 @@ def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
     return tuple(out)
 
 
-# --- evaluating a solution (the solver side; schedules.verify re-derives all of this) ---------
+# --- evaluating a solution (the solver side; moegraph.schedules.verify re-derives all of this) ---------
 
 def solution_ends(problem: Problem, sol: Solution) -> tuple[int, ...]:
     return tuple(s + t.modes[m].ticks for s, t, m in zip(sol.start, problem.tasks, sol.mode))
@@ -402,7 +402,7 @@ def settle_alone(problem: Problem, sol: Solution) -> Solution:
 def check_solution(problem: Problem, sol: Solution) -> None:
     """Raise ScheduleError if ``sol`` breaks a dependency, the barrier, a stream or the SM
     capacity (the solver side's own check on the tick grid, run before a solution is
-    written out; schedules.verify re-checks the file independently)."""
+    written out; moegraph.schedules.verify re-checks the file independently)."""
     tasks = problem.tasks
     ends = solution_ends(problem, sol)
     barrier = barrier_ticks(problem, sol)

@@ -1,6 +1,6 @@
 """The schedule file: versioned, self-describing, byte-stable JSON.
 
-A file holds everything ``schedules.verify`` needs and nothing that varies between runs:
+A file holds everything ``moegraph.schedules.verify`` needs and nothing that varies between runs:
 
     {"format": "moegraph.schedule", "version": 1,
      "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs},
@@ -152,7 +152,7 @@ class Schedule:
 
     @classmethod
     def from_json(cls, text: str) -> "Schedule":
-        """Parse a schedule file. The hash is read, not checked (schedules.verify checks it)."""
+        """Parse a schedule file. The hash is read, not checked (moegraph.schedules.verify checks it)."""
         try:
             d = json.loads(text)
         except json.JSONDecodeError as err:

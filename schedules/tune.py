@@ -29,11 +29,13 @@ from typing import Any
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
+from moegraph.commands import add_memory_budget_arg
+from moegraph.options import UsageError, check_output, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
-from schedules.api import compile_graph
-from schedules.problem import MemoryBudgetError
-from schedules.schedule_file import Schedule
+from moegraph.schedules.api import compile_graph
+from moegraph.schedules.problem import MemoryBudgetError
+from moegraph.schedules.schedule_file import Schedule
 
 CACHE_VERSION = 1
 CHUNKS = (1, 2, 4)
@@ -127,7 +129,7 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
 
 def build_graph(model: ModelConfig, cand: Candidate, cost: CostModel, *, n: int, batch: int, seq: int,
                 dtype: str) -> Graph:
-    from passes import run_pipeline
+    from moegraph.passes import run_pipeline
     graph = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, n, dtype=dtype), batch=batch, seq=seq)
     graph, _ = run_pipeline(graph, cand.passes, cost=cost)
     return graph
@@ -241,31 +243,32 @@ def format_table(res: dict) -> str:
 def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--model", default="mixtral-8x7b", help="registry name or YAML path (default %(default)s)")
     p.add_argument("--hardware", default="h800", help="registry name or profile YAML (default %(default)s)")
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seq", type=int, default=8192)
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"))
-    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB")
-    p.add_argument("--time-limit", type=float, default=5.0, metavar="S", help="CP-SAT effort per refined candidate")
-    p.add_argument("--refine", type=int, default=3, help="candidates refined by CP-SAT, plus the best of each "
-                   "attn x ffn family (default %(default)s)")
+    p.add_argument("--n", type=positive_int, default=8, help="group size n (default %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
+    p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
+    add_memory_budget_arg(p)
+    p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
+                   help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
+    p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
+                   "each attn x ffn family (default %(default)s)")
     p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
                    help="cache folder ('' disables; default %(default)s)")
     p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
     p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
-    p.add_argument("--min-gain", type=float, default=None, metavar="FRACTION",
+    p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
                    help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
                         "faster (default: the profile's step_noise; 0 for registry profiles)")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     def run(args) -> int:
-        from moegraph.cli import UsageError
-        for flag in ("n", "batch", "seq", "refine"):
-            if getattr(args, flag) < 1:
-                raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
-        if args.min_gain is not None and not 0 <= args.min_gain < 1:
+        if args.min_gain is not None and not args.min_gain < 1:
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
-        budget = None if args.memory_budget is None else int(args.memory_budget * 2**30)
+        if args.output:
+            check_output(args.output, suffixes=(".json",))
+            check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
+                         suffixes=(".png", ".svg", ".html", ".json"))
+        budget = args.memory_budget
         res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
                    cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
@@ -276,7 +279,7 @@ def tune_command(p: argparse.ArgumentParser):
             sched = Schedule.from_json(schedule_json)
             sched.save(args.output)
             gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
-            from schedules.gantt import render
+            from moegraph.schedules.gantt import render
             render(sched, gantt)
             res |= {"schedule_file": args.output, "gantt": gantt}
         print(json.dumps(res, indent=1) if args.json else format_table(res))

@@ -1,6 +1,6 @@
 """Check a finished schedule file against the semantics, independently of the solver.
 
-Nothing here reuses the CP-SAT model or schedules.problem: every rule is re-derived from the
+Nothing here reuses the CP-SAT model or moegraph.schedules.problem: every rule is re-derived from the
 file by sweeping events over time. Checks, in the order violations are reported:
 
     hash        the content hashes to the recorded hash
@@ -25,7 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from schedules.schedule_file import Schedule
+from moegraph.schedules.schedule_file import Schedule
 
 __all__ = ["Violation", "verify_schedule", "DURATION_TOLERANCE_US", "check", "memory_events", "memory_curve"]
 

@@ -1,4 +1,4 @@
-"""Rank functions for the runtime tests (spawned by runtime.launch.spawn; importable by name).
+"""Rank functions for the runtime tests (spawned by moegraph.runtime.launch.spawn; importable by name).
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
 A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
@@ -17,7 +17,7 @@ import torch
 import moegraph
 from moegraph.models import MoETransformerLayer
 from moegraph.ir import Phase
-from runtime.check import check_against_eager, check_against_interpreter
+from moegraph.runtime.check import check_against_eager, check_against_interpreter
 
 B, S, H = 2, 16, 64
 

@@ -18,9 +18,9 @@ from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Node, OpKind, Phase
 from moegraph.registry import CURVE_NAMES, load_hardware
-from runtime.calibrate import (CalibrationOptions, binned_curve, fit_profile, load_hardware_dict, parse_notes,
+from moegraph.runtime.calibrate import (CalibrationOptions, binned_curve, fit_profile, load_hardware_dict, parse_notes,
                                self_check)
-from runtime.microbench import BenchResult, Sample, coarse_to_fine
+from moegraph.runtime.microbench import BenchResult, Sample, coarse_to_fine
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "moegraph" / "registry" / "profiles" / "cpu-2core-gloo.yaml"
@@ -161,7 +161,7 @@ def test_fit_recovers_known_hardware(tmp_path):
 
 
 def test_fitted_profile_round_trips_through_yaml(tmp_path):
-    from runtime.calibrate import write_profile
+    from moegraph.runtime.calibrate import write_profile
     profile, hw = _fit(tmp_path)
     path = tmp_path / "synthetic.yaml"
     write_profile(path, profile, _synthetic_results(), ["ok"])

@@ -12,8 +12,8 @@ from moegraph.cost import CostModel, op_class
 from moegraph.ir import Node, OpKind, Phase, Strategy
 from moegraph.registry import IN_STEP_CLASSES, RegistryError, load_hardware, load_model
 from moegraph.tracer import trace_model
-from runtime.calibrate import CalibrationOptions, in_step_enabled
-from runtime.calibrate_steps import StepSample, fit_in_step, in_step_checks
+from moegraph.runtime.calibrate import CalibrationOptions, in_step_enabled
+from moegraph.runtime.calibrate_steps import StepSample, fit_in_step, in_step_checks
 
 BASE = load_hardware("cpu-gloo")
 
@@ -119,6 +119,6 @@ def test_in_step_stage_runs_only_where_it_can(kw, enabled):
 
 
 def test_relative_mad_ignores_a_stalled_step():
-    from runtime.calibrate_steps import relative_mad
+    from moegraph.runtime.calibrate_steps import relative_mad
     assert relative_mad([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(1 / 3)   # median 3, deviations' median 1
     assert relative_mad([5.0, 5.0, 5.0]) == 0.0

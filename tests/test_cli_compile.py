@@ -35,7 +35,7 @@ def test_ten_runs_give_byte_identical_files(tmp_path, capsys):
 
 
 def test_memory_budget_below_least_feasible_names_the_least_value(capsys):
-    assert main(["compile", *TINY, "--memory-budget", "0.000001"]) == 2
+    assert main(["compile", *TINY, "--memory-budget", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert "memory budget 0.00 GiB is below the least feasible peak memory" in err
     assert len(err.strip().splitlines()) == 1
@@ -50,7 +50,7 @@ def test_verify_names_the_first_violation(tmp_path, capsys):
     width = node["end_us"] - node["start_us"]
     node["start_us"], node["end_us"] = 0.0, width
     # re-hash, as a tool that edits schedules would, so the check that fires is the dependency
-    from schedules.schedule_file import Schedule
+    from moegraph.schedules.schedule_file import Schedule
     path.write_text(Schedule.from_json(json.dumps(doc)).with_hash().to_json())
     capsys.readouterr()
     assert main(["verify", str(path)]) == 1
@@ -59,7 +59,6 @@ def test_verify_names_the_first_violation(tmp_path, capsys):
 
 @pytest.mark.parametrize("args,message", [
     (["verify", "/no/such.json"], "no schedule file '/no/such.json'"),
-    (["compile", *TINY, "--time-limit", "0"], "--time-limit=0.0 must be a positive number of seconds"),
     (["compile", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
 ])
 def test_compile_and_verify_errors_are_one_line(args, message, capsys):

@@ -3,11 +3,11 @@
 import json
 
 from moegraph.cli import main
-from runtime.commands import measurement_blocks
+from moegraph.runtime.commands import measurement_blocks
 
 
 def test_demo_compiles_the_paper_layer_and_draws_it(tmp_path, capsys):
-    assert main(["demo", "--out", str(tmp_path), "--skip-run"]) == 0
+    assert main(["demo", "-o", str(tmp_path), "--skip-run"]) == 0
     out = capsys.readouterr().out
     for step in ("1/4 trace", "2/4 compile", "3/4 gantt"):
         assert step in out
@@ -31,7 +31,7 @@ def test_measure_schedule_runs_ranks_and_matches_eager():
     import argparse
 
     from moegraph.commands import layer_from_args
-    from runtime.commands import measure_schedule
+    from moegraph.runtime.commands import measure_schedule
     layer = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
                                                dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
                                                dp=1, passes="sar=paper"))

@@ -19,7 +19,7 @@ from moegraph.cost import CostModel
 from moegraph.ir import GraphError, OpKind, Phase, Strategy, verify
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model
-from passes import PASSES, PassError, PassResult, dispatch, run_pipeline, sar
+from moegraph.passes import PASSES, PassError, PassResult, dispatch, run_pipeline, sar
 
 MODELS = ["internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe"]
 N, S, BYTES = 8, 8192, 2

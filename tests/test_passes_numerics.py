@@ -19,8 +19,8 @@ from moegraph.interpreter import interpret
 from moegraph.ir import OpKind, Phase, Strategy
 from moegraph.registry import load_hardware
 from moegraph.tracer import trace_module
-from passes import run_pipeline
-from passes.sar import plan, unit_of
+from moegraph.passes import run_pipeline
+from moegraph.passes.sar import plan, unit_of
 
 COMBOS = [("tp", "ep", "a2a"), ("tp", "ep", "ag-rs"), ("tp", "tp", "ag-rs"),
           ("sp", "ep", "a2a"), ("sp", "ep", "ag-rs"), ("sp", "tp", "ag-rs")]

@@ -18,8 +18,8 @@ from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy, verify
 from moegraph.registry import load_hardware
 from moegraph.tracer import relower, trace_module
-from passes import PassError, run_pipeline
-from passes.sar import plan, unit_of
+from moegraph.passes import PassError, run_pipeline
+from moegraph.passes.sar import plan, unit_of
 
 COMBOS = [("tp", "ep", "a2a"), ("tp", "ep", "ag-rs"), ("tp", "tp", "ag-rs"),
           ("sp", "ep", "a2a"), ("sp", "ep", "ag-rs"), ("sp", "tp", "ag-rs")]

@@ -1,6 +1,6 @@
 """The runtime on real ranks (gloo, CPU, fp32): exact against the eager module, and failing loudly.
 
-Every check runs on spawned ranks (runtime.launch.spawn). Starting ranks costs seconds, so one
+Every check runs on spawned ranks (moegraph.runtime.launch.spawn). Starting ranks costs seconds, so one
 process group checks many cases (module-scoped fixtures) and each case is reported as its own
 test. Fresh random weights and inputs every run (the seed comes from os.urandom).
 """
@@ -14,13 +14,13 @@ import time
 import pytest
 
 import runtime_workers as workers
-from runtime import CollectiveTimeout, RankFailure, RuntimeFailure, ScheduleMismatch
-from runtime.launch import spawn
+from moegraph.runtime import CollectiveTimeout, RankFailure, RuntimeFailure, ScheduleMismatch
+from moegraph.runtime.launch import spawn
 
 TOL = 1e-5
 COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
           for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
-HAS_PASSES = hasattr(importlib.import_module("passes"), "run_pipeline")
+HAS_PASSES = hasattr(importlib.import_module("moegraph.passes"), "run_pipeline")
 
 
 def _case(attn, ffn, dispatch, **kw):

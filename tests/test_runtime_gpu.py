@@ -55,7 +55,7 @@ def test_nccl_options_carry_the_cta_limit():
     import torch.distributed as dist
     if not hasattr(dist, "ProcessGroupNCCL"):
         pytest.skip("torch built without NCCL")
-    from runtime.collectives import nccl_options
+    from moegraph.runtime.collectives import nccl_options
     opts = nccl_options(16)
     if getattr(opts, "config", None) is None:
         pytest.skip("NCCL < 2.17: no per-communicator config")
@@ -64,7 +64,7 @@ def test_nccl_options_carry_the_cta_limit():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_with_nccl_match_eager():
-    from runtime.launch import spawn
+    from moegraph.runtime.launch import spawn
     cases = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="tp", ffn="tp", dispatch="ag-rs")]
     res = spawn(workers.check_cases, 2, args=(cases, 1234, "cuda"), backend="nccl", timeout_s=600)
     for r in res[0]:

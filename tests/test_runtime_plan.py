@@ -17,12 +17,12 @@ from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
 from moegraph.registry import load_hardware
 from moegraph.tracer import trace_module
-from runtime import PlanError, RuntimeFailure
-from runtime.module import make_plan, rank_and_size
-from runtime.plan import COMPUTE, ExecutionPlan, check_plan
-from runtime.trace import (chrome_trace, compare_prediction, measured_schedule, median_trace, predicted_schedule,
+from moegraph.runtime import PlanError, RuntimeFailure
+from moegraph.runtime.module import make_plan, rank_and_size
+from moegraph.runtime.plan import COMPUTE, ExecutionPlan, check_plan
+from moegraph.runtime.trace import (chrome_trace, compare_prediction, measured_schedule, median_trace, predicted_schedule,
                            schedule_json)
-from schedules.schedule_file import Schedule
+from moegraph.schedules.schedule_file import Schedule
 
 COST = CostModel(load_hardware("cpu-gloo"))
 
@@ -174,7 +174,7 @@ def test_module_and_input_must_share_device_and_dtype():
 
 
 def test_analytically_zero_gradients_are_reported_apart(rng):
-    from runtime.check import _grad_report
+    from moegraph.runtime.check import _grad_report
     big = torch.randn(64, 64, generator=rng)
     noise = 1e-9 * torch.randn(8, 64, generator=rng)             # e.g. the router's gradient under top-1
     ok = _grad_report({"w": (big * (1 + 1e-7), big), "router": (noise.flip(0), noise)})
@@ -193,7 +193,7 @@ def test_sequential_plans_fence_every_collective_and_asap_none(graph):
 
 
 def test_plan_marks_alone_what_the_schedule_runs_alone(graph):
-    from schedules import compile_graph
+    from moegraph.schedules import compile_graph
     hw = dataclasses.replace(load_hardware("cpu-2core-gloo"), comm_overlap_stretch=1.01)
     s = compile_graph(graph, CostModel(hw), time_limit_s=2.0).schedule
     busy = [(n.start_us, n.end_us) for n in s.nodes if n.kind == "compute" and n.end_us > n.start_us]

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-import schedules.api as api
-from schedules import MemoryBudgetError, ScheduleError, compile_graph, verify_schedule
-from schedules.baselines import BASELINES
-from schedules.bound import memory_lower_bound
-from schedules.cpsat import CpSatResult, SolverOptions, build_model, min_peak_memory, solve
-from schedules.problem import build_problem, check_solution, peak_memory_bytes
+import moegraph.schedules.api as api
+from moegraph.schedules import MemoryBudgetError, ScheduleError, compile_graph, verify_schedule
+from moegraph.schedules.baselines import BASELINES
+from moegraph.schedules.bound import memory_lower_bound
+from moegraph.schedules.cpsat import CpSatResult, SolverOptions, build_model, min_peak_memory, solve
+from moegraph.schedules.problem import build_problem, check_solution, peak_memory_bytes
 from schedules_fakes import barrier_graph, cost_model, crossing_graph, moe_layer, tiny_chain
 
 COST = cost_model()
@@ -66,7 +66,7 @@ def test_symmetry_breaking_keeps_the_optimum():
     opts = SolverOptions(time_limit_s=20.0)
     with_sym = solve(p, opts, hint=BASELINES["megascale"](p))
     h = build_model(p, hint=BASELINES["megascale"](p), symmetry=False)
-    from schedules.cpsat import _run
+    from moegraph.schedules.cpsat import _run
     without = _run(p, h, opts, "cpsat")
     assert with_sym.status == without.status == "OPTIMAL"
     assert with_sym.objective == without.objective

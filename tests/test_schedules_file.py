@@ -4,8 +4,8 @@ import json
 
 import pytest
 
-from schedules import Schedule, ScheduleFormatError, compile_graph
-from schedules.schedule_file import FORMAT, VERSION, canonical_json, exposed_comm
+from moegraph.schedules import Schedule, ScheduleFormatError, compile_graph
+from moegraph.schedules.schedule_file import FORMAT, VERSION, canonical_json, exposed_comm
 from schedules_fakes import cost_model, moe_layer, tiny_chain
 
 COST = cost_model()

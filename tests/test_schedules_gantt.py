@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from schedules import compile_graph, render
+from moegraph.schedules import compile_graph, render
 from schedules_fakes import cost_model, moe_layer
 
 COST = cost_model()

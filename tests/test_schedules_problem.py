@@ -1,11 +1,11 @@
-"""schedules.problem: tasks, modes, streams, sides, memory intervals, chunk symmetry."""
+"""moegraph.schedules.problem: tasks, modes, streams, sides, memory intervals, chunk symmetry."""
 
 import pytest
 
 from moegraph.ir import OpKind
-from schedules.problem import (COMPUTE, ScheduleError, Solution, build_problem, canonical_chunk_order, check_solution,
+from moegraph.schedules.problem import (COMPUTE, ScheduleError, Solution, build_problem, canonical_chunk_order, check_solution,
                                chunk_symmetry, makespan_ticks, memory_profile, peak_memory_bytes, to_ticks)
-from schedules.baselines import megascale
+from moegraph.schedules.baselines import megascale
 from schedules_fakes import barrier_graph, cost_model, moe_layer, tiny_chain
 
 COST = cost_model()

@@ -8,9 +8,9 @@ import pytest
 from moegraph.cost import CostModel
 from moegraph.ir import OpKind
 from moegraph.registry import RegistryError
-from schedules import compile_graph, verify_schedule
-from schedules.baselines import greedy, sequential
-from schedules.problem import (ScheduleError, Solution, build_problem, check_solution, makespan_ticks,
+from moegraph.schedules import compile_graph, verify_schedule
+from moegraph.schedules.baselines import greedy, sequential
+from moegraph.schedules.problem import (ScheduleError, Solution, build_problem, check_solution, makespan_ticks,
                                overlaps_compute, settle_alone)
 from schedules_fakes import MiniBuilder, PARAM, hardware, moe_layer, tiny_chain
 

@@ -5,9 +5,9 @@ import re
 
 import pytest
 
-from schedules import compile_graph, verify_schedule
-from schedules.schedule_file import Schedule
-from schedules.verify import DURATION_TOLERANCE_US, check
+from moegraph.schedules import compile_graph, verify_schedule
+from moegraph.schedules.schedule_file import Schedule
+from moegraph.schedules.verify import DURATION_TOLERANCE_US, check
 from schedules_fakes import barrier_graph, cost_model, moe_layer, tiny_chain
 
 COST = cost_model()

@@ -3,9 +3,11 @@
 import json
 import multiprocessing as mp
 
+import pytest
+
 from moegraph.cli import main
 from moegraph.registry import load_hardware, load_model
-from schedules.tune import Cache, candidates, tune
+from moegraph.schedules.tune import Cache, candidates, tune
 
 ARGS = ["--model", "tiny", "--n", "2", "--seq", "256", "--time-limit", "1", "--refine", "1"]
 
@@ -28,7 +30,7 @@ def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tmp_path):
 
 
 def test_repeat_run_is_served_from_the_cache(tmp_path, capsys, monkeypatch):
-    import schedules.tune as tune_mod
+    import moegraph.schedules.tune as tune_mod
     cache = str(tmp_path / "cache")
     out = ["-o", str(tmp_path / "best.json"), "--json"]
     assert main(["tune", *ARGS, "--cache", cache, *out]) == 0
@@ -103,13 +105,15 @@ def test_min_gain_defaults_to_the_profiles_step_noise(tmp_path):
 
 
 def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, capsys):
-    from schedules.schedule_file import Schedule
+    from moegraph.schedules.schedule_file import Schedule
     out = tmp_path / "best.json"
     assert main(["tune", *ARGS, "--cache", str(tmp_path / "c"), "-o", str(out), "--min-gain", "0.99"]) == 0
     text = capsys.readouterr().out
     assert "best: kept the tp+tp sequential baseline" in text
     s = Schedule.load(str(out))
     assert s.summary["method"] == "sequential" and s.graph["strategy"]["attn"] == "tp"
-    assert main(["tune", *ARGS, "--min-gain", "-0.1"]) != 0
+    with pytest.raises(SystemExit) as done:
+        main(["tune", *ARGS, "--min-gain=-0.1"])
+    assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].endswith("--min-gain=-0.1 must be a fraction in [0, 1) (0.05 = 5%)")
+    assert err[-1].startswith("moegraph tune: error: argument --min-gain: '-0.1' is not a fraction between 0 and 1")

@@ -1,0 +1,107 @@
+"""Command-line value types every command shares: byte sizes, bounded numbers, output paths.
+
+Each parser takes the text the user typed and returns the value, or raises
+``argparse.ArgumentTypeError`` with a message that names the value and what would be valid;
+the CLI prints that as one line and exits 2 before any work starts. ``check_output`` runs in a
+command before its long work, so a bad ``-o`` is reported before solving, and nothing is
+written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+from pathlib import Path
+
+# The one unit of memory on the command line: binary prefixes, or plain bytes.
+class UsageError(ValueError):
+    """A bad command-line value; reported as one line on stderr, exit code 2."""
+
+
+BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+SIZE_FORMS = "a positive size such as 1.5GiB, 800MiB, 64KiB or a plain number of bytes"
+
+
+def byte_size(text: str) -> int:
+    """'1.5GiB' / '800MiB' / '4096' -> bytes (an int > 0). Decimal prefixes (GB) are refused:
+    memory is counted in binary units here, and a silent 7% difference is worse than an error."""
+    m = _SIZE.match(str(text))
+    unit = m.group(2).lower() if m else ""
+    if not m or unit not in BYTE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {SIZE_FORMS}")
+    value = float(m.group(1)) * BYTE_UNITS[unit]
+    if not math.isfinite(value) or value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {SIZE_FORMS}")
+    return int(value)
+
+
+def format_bytes(n: int) -> str:
+    """Bytes in the largest binary unit that keeps the number >= 1: 1610612736 -> '1.50GiB'."""
+    for unit in ("TiB", "GiB", "MiB", "KiB"):
+        if n >= BYTE_UNITS[unit.lower()]:
+            return f"{n / BYTE_UNITS[unit.lower()]:.2f}{unit}"
+    return f"{n}B"
+
+
+def _number(text: str, kind: type, what: str, ok) -> float | int:
+    try:
+        value = kind(text)
+    except (TypeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+    if isinstance(value, float) and not math.isfinite(value) or not ok(value):
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _number(text, int, "a positive integer", lambda v: v >= 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _number(text, int, "a non-negative integer", lambda v: v >= 0)
+
+
+def positive_float(text: str) -> float:
+    return _number(text, float, "a positive finite number", lambda v: v > 0)
+
+
+def non_negative_float(text: str) -> float:
+    return _number(text, float, "a non-negative finite number", lambda v: v >= 0)
+
+
+def fraction(text: str) -> float:
+    return _number(text, float, "a fraction between 0 and 1", lambda v: 0 <= v <= 1)
+
+
+def check_output(path: str | Path, *, suffixes: tuple[str, ...] = (), flag: str = "-o") -> Path:
+    """Raise UsageError (one line) unless ``path`` can be written as a file: not an existing
+    directory, no regular file among its parents, and one of ``suffixes`` when given. Missing
+    parent folders are fine (they are created at write time). Writes nothing."""
+    p = Path(path)
+    if str(path) == "" or p.name in ("", ".", ".."):
+        raise UsageError(f"{flag} {str(path)!r} is not a file name")
+    if p.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is an existing directory; give a file path")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+            break
+    if suffixes and p.suffix.lower() not in suffixes:
+        raise UsageError(f"{flag} {str(path)!r} must end in one of {', '.join(suffixes)}")
+    return p
+
+
+def check_output_dir(path: str | Path, *, flag: str = "-o") -> Path:
+    """Raise UsageError (one line) unless ``path`` is a directory or can be created as one."""
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise UsageError(f"{flag} {str(path)!r} is an existing file; give a directory")
+    for parent in p.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UsageError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
+            break
+    return p

@@ -1,0 +1,164 @@
+"""Bad input on every command: exactly one stderr line naming the value, exit 2, no traceback,
+nothing written, and before any long work (each case runs in-process in well under a second of
+real work: none of them may reach the solver or spawn ranks).
+
+Each section lists one stage's commands; a case is (argv, a fragment the one line must contain).
+``{tmp}`` in an argument is replaced by a fresh temporary folder holding ``a_file.txt`` (a
+regular file), ``a_dir/`` (a directory) and ``sched.json`` (a valid schedule file of the tiny
+layer, written by compile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from moegraph.cli import build_parser, main
+from moegraph.options import byte_size, check_output
+
+TINY = ["--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64"]
+
+# -- moegraph core: trace and the options every graph-taking command shares ------------------------
+CORE_CASES = [
+    (["trace", "--n", "x"], "argument --n: 'x' is not a positive integer"),
+    (["trace", "--n", "0"], "'0' is not a positive integer"),
+    (["trace", "--seq", "-8"], "'-8' is not a positive integer"),
+    (["trace", "--batch", "1.5"], "'1.5' is not a positive integer"),
+    (["trace", "--dp", "0"], "'0' is not a positive integer"),
+    (["trace", "--top-k", "0"], "'0' is not a positive integer"),
+    (["trace", "--model", "tiny", "--top-k", "99"], "--top-k=99 must be between 1 and the expert count"),
+    (["trace", "--model", "no-such-model"], "no-such-model"),
+    (["trace", "--hardware", "no-such-gpu"], "no-such-gpu"),
+    (["trace", "--attn", "xx"], "argument --attn: invalid choice: 'xx'"),
+    (["trace", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+    (["trace", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["trace", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
+    (["trace", "--model", "tiny", "--n", "3"], "3"),
+    (["nonsense"], "invalid choice: 'nonsense'"),
+    (["compile", *TINY, "--memory-budget", "nan"], "'nan' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "inf"], "'inf' is not a positive size"),
+    (["compile", *TINY, "--memory-budget=-1GiB"], "'-1GiB' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "2GB"], "'2GB' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "1KiB"], "memory budget"),
+    (["compile", *TINY, "--time-limit", "0"], "'0' is not a positive finite number"),
+    (["compile", *TINY, "--time-limit", "nan"], "'nan' is not a positive finite number"),
+    (["compile", *TINY, "--schedule", "fastest"], "argument --schedule: invalid choice: 'fastest'"),
+    (["compile", *TINY, "-o", "{tmp}/a_dir"], "is an existing directory"),
+    (["compile", *TINY, "-o", "{tmp}/a_file.txt/x.json"], "is a file, not a directory"),
+    (["compile", *TINY, "-o", "{tmp}/sched.yaml"], "must end in one of .json"),
+    (["tune", "--model", "tiny", "--n", "0"], "'0' is not a positive integer"),
+    (["tune", "--model", "tiny", "--memory-budget", "nan"], "'nan' is not a positive size"),
+    (["tune", "--model", "tiny", "--min-gain", "2"], "'2' is not a fraction between 0 and 1"),
+    (["tune", "--model", "tiny", "--min-gain", "1"], "--min-gain=1.0 must be a fraction in [0, 1)"),
+    (["tune", "--model", "tiny", "-o", "{tmp}/a_dir"], "is an existing directory"),
+    (["tune", "--model", "tiny", "-o", "{tmp}/a_file.txt/best.json"], "is a file, not a directory"),
+]
+
+# -- schedules: verify and gantt ----------------------------------------------------------------------
+SCHEDULES_CASES = [
+    (["verify", "{tmp}/missing.json"], "missing.json"),
+    (["verify", "{tmp}/a_file.txt"], "a_file.txt"),
+    (["gantt", "{tmp}/sched.json", "-o", "{tmp}/chart.bmp"], "must end in one of .png, .svg, .html, .json"),
+    (["gantt", "{tmp}/sched.json", "-o", "{tmp}/a_dir"], "is an existing directory"),
+    (["gantt", "{tmp}/sched.json", "-o", "{tmp}/a_file.txt/c.png"], "is a file, not a directory"),
+    (["gantt", "{tmp}/missing.json", "-o", "{tmp}/c.png"], "missing.json"),
+]
+
+# -- runtime: run, calibrate, demo ----------------------------------------------------------------------
+RUNTIME_CASES = [
+    (["run", "--steps", "0"], "'0' is not a positive integer"),
+    (["run", "--warmup", "-1"], "'-1' is not a non-negative integer"),
+    (["run", "--timeout", "inf"], "'inf' is not a positive finite number"),
+    (["run", "--memory-budget", "nan"], "'nan' is not a positive size"),
+    (["demo", "--steps", "0"], "'0' is not a positive integer"),
+    (["demo", "--skip-run", "-o", "{tmp}/a_file.txt"], "is an existing file"),
+    (["calibrate", "-o", "{tmp}/a_dir"], "a_dir"),
+]
+
+CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cli_errors")
+    (tmp / "a_file.txt").write_text("not a schedule\n")
+    (tmp / "a_dir").mkdir()
+    assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
+    return tmp
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, str]:
+    capsys.readouterr()
+    try:
+        rc = main(argv)
+    except SystemExit as done:  # argparse's own errors exit from inside parse_args
+        rc = done.code
+    return rc, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv,fragment", CASES, ids=[" ".join(a) for a, _ in CASES])
+def test_bad_input_is_one_line_and_exit_2(argv, fragment, workdir, capsys):
+    before = sorted(p.name for p in workdir.rglob("*"))
+    rc, err = run_cli([a.replace("{tmp}", str(workdir)) for a in argv], capsys)
+    lines = err.strip().splitlines()
+    assert rc == 2, err
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    assert fragment in lines[0]
+    assert sorted(p.name for p in workdir.rglob("*")) == before, "a rejected command wrote a file"
+
+
+def test_at_least_forty_bad_inputs_across_all_commands():
+    assert len(CASES) >= 40
+    assert {argv[0] for argv, _ in CASES} >= {"trace", "compile", "verify", "gantt", "run", "calibrate", "tune",
+                                               "demo"}
+
+
+def test_every_option_of_every_command_has_help():
+    parser = build_parser()
+    missing = []
+    for name, sub in parser._subparsers._group_actions[0].choices.items():
+        for action in sub._actions:
+            if not isinstance(action, argparse._HelpAction) and not (action.help or "").strip():
+                missing.append(f"{name} {'/'.join(action.option_strings) or action.dest}")
+    assert not missing, missing
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip().startswith("moegraph 0.")
+
+
+@pytest.mark.parametrize("text,expected", [("1.5GiB", 3 * 2**29), ("800MiB", 800 * 2**20), ("4096", 4096),
+                                           ("64 KiB", 64 * 2**10), ("2gib", 2 * 2**30), ("1e3", 1000)])
+def test_byte_size_units(text, expected):
+    assert byte_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["nan", "inf", "0", "-5", "0.5", "1.5GB", "12 parsecs", ""])
+def test_byte_size_rejects(text):
+    with pytest.raises(argparse.ArgumentTypeError, match="is not a positive size"):
+        byte_size(text)
+
+
+def test_check_output_accepts_a_new_file_in_a_new_folder(tmp_path):
+    assert check_output(tmp_path / "new" / "deeper" / "s.json", suffixes=(".json",)).name == "s.json"
+    assert not (tmp_path / "new").exists()
+
+
+def test_trace_into_a_closed_pipe_is_quiet():
+    import subprocess
+    import sys
+    proc = subprocess.run(f"{sys.executable} -m moegraph trace --model tiny --n 2 --seq 64 --json | head -c 10",
+                          shell=True, capture_output=True, text=True)
+    assert proc.stdout == '{\n "model"'
+    assert proc.stderr == ""
+
+
+def test_json_outputs_stay_parseable(capsys):
+    assert main(["trace", *TINY, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == "tiny"
