@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
+import os
+import traceback
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +25,8 @@ from torch import nn
 from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.ir import Dims, Graph, Strategy, verify
-from moegraph.lowering import find_rule
+from moegraph.lowering import LoweringError, find_rule
 from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_moe, emit_rmsnorm
-
-
-class LoweringError(NotImplementedError):
-    """A module or operation with no lowering rule; names its qualified name and type."""
 
 
 # Fig 9 names, by order of appearance in a pre-norm layer; later ones get numbered.
@@ -40,12 +38,20 @@ class _LeafTracer(fx.Tracer):
     def __init__(self, tuple_leaves: set[int]):
         super().__init__()
         self.tuple_leaves = tuple_leaves     # ids of leaf modules returning (output, extra)
+        # modules without a rule fx is tracing into, outermost first; left as it is on a failure
+        self.open_modules: list[tuple[str, type]] = []
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return find_rule(m) is not None or super().is_leaf_module(m, qualname)
+        return find_rule(m, qualname) is not None or super().is_leaf_module(m, qualname)
 
     def call_module(self, m, forward, args, kwargs):
+        qualname = self.path_of_module(m)
+        opened = not self.is_leaf_module(m, qualname)
+        if opened:
+            self.open_modules.append((qualname, type(m)))
         out = super().call_module(m, forward, args, kwargs)
+        if opened:
+            self.open_modules.pop()
         if id(m) in self.tuple_leaves:
             # a real tuple, so `out, _ = attn(...)` unpacks without fx inspecting bytecode
             return out[0], out[1]
@@ -57,6 +63,8 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
 
     The module's class is swapped for a one-off subclass whose forward takes just the hidden
     states, because fx cannot trace through *args/**kwargs (transformers' layers have both).
+    A failure inside fx becomes one LoweringError line naming the deepest module without a
+    rule that fx was tracing into and the source line it stopped at, never fx's own text.
     """
     original_cls = module.__class__
     forward = inspect.unwrap(original_cls.forward)
@@ -64,14 +72,48 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
     shim.forward = lambda self, hidden_states: forward(self, hidden_states)
     # rules run before tracing: during it, fx turns parameter reads into graph nodes
     tuple_leaves = {id(m) for name, m in module.named_modules()
-                    if (rule := find_rule(m)) is not None and getattr(rule(m, name), "tuple_output", False)}
+                    if (rule := find_rule(m, name)) is not None and getattr(rule.spec(m, name), "tuple_output", False)}
+    tracer = _LeafTracer(tuple_leaves)
     module.__class__ = shim
     try:
-        return _LeafTracer(tuple_leaves).trace(module)
-    except Exception as err:  # fx's own errors name no module; say which layer failed
-        raise LoweringError(f"torch.fx could not trace {original_cls.__name__}: {err}") from err
+        return tracer.trace(module)
+    except LoweringError:
+        raise
+    except Exception as err:  # fx's own errors name no module; say which module and line failed
+        raise LoweringError(_trace_failure(tracer, original_cls, err)) from err
     finally:
         module.__class__ = original_cls
+
+
+def _module_name(qualname: str, cls: type) -> str:
+    return f"{qualname!r} ({cls.__module__}.{cls.__name__})" if qualname else f"the layer ({cls.__module__}.{cls.__name__})"
+
+
+def _trace_failure(tracer: _LeafTracer, layer_cls: type, err: Exception) -> str:
+    qualname, cls = tracer.open_modules[-1] if tracer.open_modules else ("", layer_cls)
+    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    frames = [f for f in traceback.extract_tb(err.__traceback__)
+              if not os.path.abspath(f.filename).startswith(internal)]
+    at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+    made = [nd for nd in tracer.graph.nodes if nd.op not in ("placeholder", "get_attr")]
+    after = f" after {made[-1].op} {_target_name(made[-1].target)}" if made else ""
+    return (f"cannot lower {_module_name(qualname, cls)}: it has no lowering rule and torch.fx could not trace "
+            f"its forward; stopped{at}{after} ({type(err).__name__}); register a rule for {cls.__name__}")
+
+
+def _target_name(target) -> str:
+    return target if isinstance(target, str) else getattr(target, "__name__", repr(target))
+
+
+def _owner(node: fx.Node, layer: nn.Module) -> str:
+    """The deepest module a traced operation came from (fx records the module stack)."""
+    stack = list((node.meta.get("nn_module_stack") or {}).values())
+    if stack:
+        qualname, cls = stack[-1]
+        if qualname:
+            cls = cls if isinstance(cls, type) else type(layer.get_submodule(qualname))
+            return f"{_module_name(qualname, cls)}, which has no lowering rule"
+    return type(layer).__name__
 
 
 @dataclass(frozen=True)
@@ -89,10 +131,15 @@ class Step:
 
 @dataclass(frozen=True)
 class LayerProgram:
-    """What the tracer learned from the module: enough to lower it again for any strategy."""
+    """What the tracer learned from the module: enough to lower it again for any strategy.
+
+    reads: every parameter and buffer of the layer (qualified name, shape) that the lowered
+    graph must read, i.e. all of them except those a rule declares unused.
+    """
 
     steps: tuple[Step, ...]
     output: int
+    reads: tuple[tuple[str, tuple[int, ...]], ...] = ()
 
     def specs(self, cls) -> list:
         return [st.spec for st in self.steps if isinstance(st.spec, cls)]
@@ -103,17 +150,19 @@ def extract_program(module: nn.Module) -> LayerProgram:
     graph = _fx_graph(module)
     index: dict[fx.Node, object] = {}
     steps: list[Step] = []
+    unused: set[str] = set()
     output = None
     for node in graph.nodes:
         if node.op == "placeholder":
             index[node] = -1 if not index else None
         elif node.op == "call_module":
             sub = module.get_submodule(node.target)
-            rule = find_rule(sub)
+            rule = find_rule(sub, node.target)
             if rule is None:
                 raise LoweringError(f"no lowering rule for module {node.target!r} "
                                     f"({type(sub).__module__}.{type(sub).__name__})")
-            spec = rule(sub, node.target)
+            spec = rule.spec(sub, node.target)
+            unused.update(f"{node.target}.{name}" for name in rule.unused)
             x = node.args[0] if node.args else node.kwargs.get("hidden_states")
             kind = {NormSpec: "norm", AttentionSpec: "attention", MoESpec: "moe"}[type(spec)]
             steps.append(Step(kind, (_index(index, x, node),), spec, node.target))
@@ -126,9 +175,43 @@ def extract_program(module: nn.Module) -> LayerProgram:
         elif node.op == "output":
             output = _index(index, node.args[0], node)
         else:
-            raise LoweringError(f"cannot lower {node.op} {node.target!r} in {type(module).__name__}: "
+            raise LoweringError(f"cannot lower {node.op} {_target_name(node.target)!r} in {_owner(node, module)}: "
                                 "only rule-backed modules and residual additions are supported")
-    return LayerProgram(tuple(steps), output)
+    held = [*module.named_parameters(), *module.named_buffers()]
+    reads = tuple((name, tuple(t.shape)) for name, t in held if name not in unused)
+    return LayerProgram(tuple(steps), output, reads)
+
+
+def check_coverage(graph: Graph, program: LayerProgram) -> None:
+    """Every parameter and buffer the layer holds must be read by the graph, wholly (narrowed
+    sources must tile it), unless a rule declared it unused: otherwise the graph would compute
+    something else than the module, silently."""
+    narrows: dict[str, list] = {}
+    for _, spec in graph.params:
+        for src in spec.sources:
+            narrows.setdefault(src.qualname, []).append(src.narrow)
+    missing = [name if name not in narrows else f"{name} (only partly)"
+               for name, shape in program.reads if not _covered(narrows.get(name), shape)]
+    if missing:
+        raise LoweringError(f"{graph.name}: the lowered graph does not read {', '.join(missing)}: the lowering rules "
+                            "of their modules do not model them; give the module a rule that does (or declares them "
+                            "unused, with a reason)")
+
+
+def _covered(narrows: list | None, shape: tuple[int, ...]) -> bool:
+    if not narrows:
+        return False
+    if None in narrows:
+        return True
+    dims = {d for d, _, _ in narrows}
+    if len(dims) != 1:
+        return False
+    end = 0
+    for _, start, length in sorted(narrows, key=lambda t: t[1]):
+        if start > end:
+            return False
+        end = max(end, start + length)
+    return end >= shape[dims.pop()]
 
 
 def _index(index, a, node) -> int:
@@ -172,7 +255,9 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> G
     _assign_block_of_unassigned(g)
     g.saved = {v for node in g.nodes for v in node.outputs} | {"hidden"}
     add_backward(g, g.outputs[0])
-    return verify(g.build(program=program))
+    graph = verify(g.build(program=program))
+    check_coverage(graph, program)
+    return graph
 
 
 def relower(graph: Graph, **strategy_changes) -> Graph:

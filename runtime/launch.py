@@ -17,6 +17,7 @@ import datetime
 import os
 import queue as queue_mod
 import socket
+import sys
 import time
 import traceback
 from typing import Any, Callable, Sequence
@@ -196,7 +197,8 @@ def _worker(rank: int, n: int, port: int, backend: str, fn: Callable[..., Any], 
         q.put(("ok", rank, result))
         ok = True
     except BaseException as err:  # noqa: BLE001 - every failure goes back to the parent, named by rank
-        failure = isinstance(err, RuntimeFailure)
+        lowering = sys.modules.get("moegraph.lowering")   # a module that cannot be lowered: one line, no traceback
+        failure = isinstance(err, RuntimeFailure) or (lowering is not None and isinstance(err, lowering.LoweringError))
         q.put(("error", rank, (type(err).__name__, str(err).strip(), traceback.format_exc(), failure)))
     finally:
         q.close()

@@ -3,12 +3,23 @@
 A model family plugs in with one rule file that calls ``register`` for each of its module
 types (see ``reference.py`` and ``hf_mixtral.py``). A rule reads the module's sizes and the
 qualified names of its parameters; it never builds nodes itself, so every family shares the
-same, tested, strategy-dependent lowering.
+same, tested, strategy-dependent lowering. What one rule file can describe is therefore
+bounded by the block specs: a module computing anything the specs cannot say (another norm,
+a bias, a shared expert, a different router) needs new spec fields and ops, not just a rule.
+
+Never silently wrong: a rule stands for the exact class it was registered for.
+  * A subclass inherits its parent's rule only if it overrides neither ``forward`` nor any
+    method the rule names in ``methods``; otherwise ``find_rule`` raises naming the class.
+  * The rule's ``children`` (submodules whose forward the rule also stands for: the router,
+    the experts) must be exactly the registered types.
+  * After lowering, the tracer checks that every parameter and buffer of the layer reached
+    the graph (``ParamSource`` names), unless a rule declares it ``unused`` with a reason.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
 
 from torch import nn
 
@@ -17,24 +28,80 @@ from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec
 BlockSpec = NormSpec | AttentionSpec | MoESpec
 SpecRule = Callable[[nn.Module, str], BlockSpec]
 
-_RULES: dict[type, SpecRule] = {}
+
+class LoweringError(NotImplementedError):
+    """A module or operation with no (exact) lowering rule; one line naming it."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    """How one module class lowers. ``fn(module, qualname)`` returns its block spec.
+
+    methods:  methods of ``module_type`` besides ``forward`` whose behaviour the spec stands
+              for; a subclass overriding any of them needs its own rule.
+    children: submodule attribute -> the exact type the spec assumes it has.
+    unused:   parameter or buffer name (relative to the module) -> why the graph need not
+              read it; everything else the module holds must reach the graph.
+    """
+
+    module_type: type
+    fn: SpecRule
+    methods: tuple[str, ...] = ()
+    children: Mapping[str, type] = field(default_factory=dict)
+    unused: Mapping[str, str] = field(default_factory=dict)
+
+    def spec(self, module: nn.Module, qualname: str) -> BlockSpec:
+        for attr, expected in self.children.items():
+            child = getattr(module, attr, None)
+            if type(child) is not expected:
+                raise LoweringError(f"{_join(qualname, attr)} ({_type_name(child)}): the rule for "
+                                    f"{self.module_type.__name__} assumes a {expected.__name__} here; "
+                                    f"register a rule for {type(module).__name__} that describes it")
+        return self.fn(module, qualname)
+
+
+_RULES: dict[type, Rule] = {}
 _FAMILIES_LOADED = False
 
 
-def register(module_type: type) -> Callable[[SpecRule], SpecRule]:
+def register(module_type: type, *, methods: tuple[str, ...] = (), children: Mapping[str, type] | None = None,
+             unused: Mapping[str, str] | None = None) -> Callable[[SpecRule], SpecRule]:
     """Decorator: ``@register(MyAttention)`` on a function (module, qualname) -> block spec."""
     def wrap(fn: SpecRule) -> SpecRule:
-        _RULES[module_type] = fn
+        _RULES[module_type] = Rule(module_type, fn, tuple(methods), dict(children or {}), dict(unused or {}))
         return fn
     return wrap
 
 
-def find_rule(module: nn.Module) -> SpecRule | None:
+def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
+    """The rule for ``type(module)``; None if neither it nor an ancestor has one.
+
+    A subclass of a rule-backed class that overrides a method the rule stands for raises
+    LoweringError naming the class: its parent's rule would describe different math.
+    """
     _load_families()
-    for cls in type(module).__mro__:
-        if cls in _RULES:
-            return _RULES[cls]
+    cls = type(module)
+    if cls in _RULES:
+        return _RULES[cls]
+    for base in cls.__mro__[1:]:
+        rule = _RULES.get(base)
+        if rule is None:
+            continue
+        overridden = [m for m in ("forward", *rule.methods) if getattr(cls, m, None) is not getattr(base, m, None)]
+        if overridden:
+            raise LoweringError(f"{qualname or 'layer'} ({cls.__module__}.{cls.__name__}) subclasses {base.__name__} "
+                                f"but overrides {', '.join(overridden)}: {base.__name__}'s lowering rule does not "
+                                f"describe it; register a rule for {cls.__name__}")
+        return rule
     return None
+
+
+def _join(qualname: str, name: str) -> str:
+    return f"{qualname}.{name}" if qualname else name
+
+
+def _type_name(obj: object) -> str:
+    return "missing" if obj is None else type(obj).__name__
 
 
 def _load_families() -> None:
