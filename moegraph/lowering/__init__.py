@@ -54,7 +54,7 @@ class Rule:
         for attr, expected in self.children.items():
             child = getattr(module, attr, None)
             if type(child) is not expected:
-                raise LoweringError(f"{_join(qualname, attr)} ({_type_name(child)}): the rule for "
+                raise LoweringError(f"{_join(qualname, attr)!r} ({_type_name(child)}): the rule for "
                                     f"{self.module_type.__name__} assumes a {expected.__name__} here; "
                                     f"register a rule for {type(module).__name__} that describes it")
         return self.fn(module, qualname)
@@ -89,7 +89,7 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
             continue
         overridden = [m for m in ("forward", *rule.methods) if getattr(cls, m, None) is not getattr(base, m, None)]
         if overridden:
-            raise LoweringError(f"{qualname or 'layer'} ({cls.__module__}.{cls.__name__}) subclasses {base.__name__} "
+            raise LoweringError(f"{repr(qualname) if qualname else 'the layer'} ({cls.__module__}.{cls.__name__}) subclasses {base.__name__} "
                                 f"but overrides {', '.join(overridden)}: {base.__name__}'s lowering rule does not "
                                 f"describe it; register a rule for {cls.__name__}")
         return rule
