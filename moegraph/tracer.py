@@ -94,7 +94,9 @@ def _trace_failure(tracer: _LeafTracer, layer_cls: type, err: Exception) -> str:
     internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
     frames = [f for f in traceback.extract_tb(err.__traceback__)
               if not os.path.abspath(f.filename).startswith(internal)]
-    at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} `{frames[-1].line}`" if frames else ""
+    # the module's own source line says more than fx's message; with no such frame, fx failed
+    # calling the forward itself (e.g. a required argument besides hidden_states): say that
+    at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} `{frames[-1].line}`" if frames else f": {err}"
     made = [nd for nd in tracer.graph.nodes if nd.op not in ("placeholder", "get_attr")]
     after = f" after {made[-1].op} {_target_name(made[-1].target)}" if made else ""
     return (f"cannot lower {_module_name(qualname, cls)}: it has no lowering rule and torch.fx could not trace "

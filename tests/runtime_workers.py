@@ -178,3 +178,10 @@ def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> 
         out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
     out["check"] = check_against_eager(module, fenced, x, dy)
     return out
+
+
+def compile_unlowerable(rank: int, n: int, seed: int) -> None:
+    """A q_proj with a bias (the rule does not model it): compile must fail with one LoweringError line."""
+    layer, _ = hf_layer(seed)
+    layer.self_attn.q_proj = torch.nn.Linear(H, H, bias=True)
+    moegraph.compile(layer, torch.randn(B, S, H), hardware="cpu-gloo", schedule="sequential", timeout_s=10.0)
