@@ -279,6 +279,21 @@ def _gate(g, node, grads):
     return drows, dgates
 
 
+def _bias(g, node, grads):
+    (dy,), (x, b) = grads, node.inputs
+    db = _grad_value(g, b)
+    # the data gradient passes through unchanged; the bias's is dy summed over the tokens
+    _bwd(g, node, "wgrad", OpKind.BIAS, (dy,), (db,), role=Role.WGRAD, flops=g.values[dy].numel)
+    return dy, db
+
+
+def _sigmoid_gate(g, node, grads):
+    (dy,), (x, logit) = grads, node.inputs
+    dx, dlogit = _grad_value(g, x), _grad_value(g, logit)
+    _bwd(g, node, "dgrad", OpKind.SIGMOID_GATE, (x, logit, dy), (dx, dlogit), flops=3 * node.flops)
+    return dx, dlogit
+
+
 def _all_gather(g, node, grads):
     (dy,), (x,) = grads, node.inputs
     dx = _grad_value(g, x)
@@ -345,6 +360,8 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.PERMUTE: _permute,
     OpKind.UNPERMUTE: _unpermute,
     OpKind.GATE: _gate,
+    OpKind.BIAS: _bias,
+    OpKind.SIGMOID_GATE: _sigmoid_gate,
     OpKind.ALL_GATHER: _all_gather,
     OpKind.REDUCE_SCATTER: _reduce_scatter,
     OpKind.ALL_TO_ALL: _all_to_all,

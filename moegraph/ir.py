@@ -42,6 +42,8 @@ class OpKind(enum.Enum):
     GATE = "gate"                # multiply expert rows by their routing weight
     SPLIT = "split"              # views into a fused tensor (q, k, v of qkv)
     ADD = "add"
+    BIAS = "bias"                # x + b, b [X] broadcast over the leading dims (q/k/v biases)
+    SIGMOID_GATE = "sigmoid_gate"  # x * sigmoid(g), g [..., 1]: the shared expert's gate (Qwen2-MoE)
     CAST = "cast"                # precision change for compressed communication
     # communication
     ALL_GATHER = "all_gather"

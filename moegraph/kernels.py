@@ -164,7 +164,7 @@ def _swiglu_fwd(a, b):
 
 
 def _router_fwd(node: Node, x, w):
-    weights, _ = route(x.reshape(-1, x.shape[-1]), w, node.attr("top_k"))
+    weights, _ = route(x.reshape(-1, x.shape[-1]), w, node.attr("top_k"), node.attr("normalize", True))
     return weights
 
 
@@ -258,7 +258,7 @@ def _k_swiglu(ctx, node, ins, shapes):
 
 def _k_router(ctx, node, ins, shapes):
     x, w = ins
-    weights, experts = route(_tokens(x), w, node.attr("top_k"))
+    weights, experts = route(_tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
     return [weights, experts]
 
 
@@ -293,6 +293,16 @@ def _tokens_count(shape):
 def _k_gate(ctx, node, ins, shapes):
     rows, gates = ins
     return [rows * gates[:, None].to(rows.dtype)]
+
+
+def _k_bias(ctx, node, ins, shapes):
+    x, b = ins
+    return [x + b.to(x.dtype)]
+
+
+def _k_sigmoid_gate(ctx, node, ins, shapes):
+    x, logit = ins                                                      # [..., h], [..., 1]
+    return [x * torch.sigmoid(logit)]
 
 
 def _k_grouped_gemm(ctx, node, ins, shapes):
@@ -408,6 +418,18 @@ def _k_unpermute_dgrad(ctx, node, ins, shapes):
     return [drows, dweights.view_as(weights)]
 
 
+def _k_bias_wgrad(ctx, node, ins, shapes):
+    (dy,) = ins
+    return [_tokens(dy).sum(0)]                                          # [..., X] -> [X]
+
+
+def _k_sigmoid_gate_dgrad(ctx, node, ins, shapes):
+    # y = x sig(g):  dx = dy sig(g),  dg = sum_h(dy x) sig(g) (1 - sig(g))
+    x, logit, dy = ins
+    sig = torch.sigmoid(logit)
+    return [dy * sig, (dy * x).sum(-1, keepdim=True) * sig * (1 - sig)]
+
+
 def _k_gate_dgrad(ctx, node, ins, shapes):
     dy, rows, gates = ins
     return [dy * gates[:, None].to(dy.dtype), (dy * rows).sum(-1).to(gates.dtype)]
@@ -446,4 +468,8 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.PERMUTE, Role.DGRAD): _k_permute_dgrad,
     (OpKind.UNPERMUTE, Role.DGRAD): _k_unpermute_dgrad,
     (OpKind.GATE, Role.DGRAD): _k_gate_dgrad,
+    (OpKind.BIAS, Role.FORWARD): _k_bias,
+    (OpKind.BIAS, Role.WGRAD): _k_bias_wgrad,
+    (OpKind.SIGMOID_GATE, Role.FORWARD): _k_sigmoid_gate,
+    (OpKind.SIGMOID_GATE, Role.DGRAD): _k_sigmoid_gate_dgrad,
 }

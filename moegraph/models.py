@@ -73,11 +73,12 @@ class Attention(nn.Module):
         return self.o_proj(out)
 
 
-def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int):
-    """Softmax router with top-k and renormalisation (Mixtral). x: [tokens, h] -> ([tokens, k], [tokens, k])."""
+def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool = True):
+    """Softmax router with top-k, renormalised over the k (Mixtral) unless normalize=False
+    (Qwen2-MoE's default). x: [tokens, h] -> ([tokens, k], [tokens, k])."""
     probs = torch.softmax(F.linear(x, router_weight).float(), dim=-1)
     weights, experts = torch.topk(probs, top_k, dim=-1)
-    return weights / weights.sum(dim=-1, keepdim=True), experts
+    return (weights / weights.sum(dim=-1, keepdim=True) if normalize else weights), experts
 
 
 class MoE(nn.Module):

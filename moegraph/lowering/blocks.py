@@ -64,6 +64,19 @@ class AttentionSpec:
     head_dim: int
     rope_theta: float
     tuple_output: bool = False   # the module returns (output, attention weights), as transformers' do
+    qkv_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [H*d], [G*d], [G*d] (Qwen2)
+
+
+@dataclass(frozen=True)
+class SharedExpertSpec:
+    """A dense SwiGLU expert every token goes through, beside the routed ones (Qwen2-MoE,
+    DeepSeekMoE), optionally scaled by sigmoid(x @ gate.T) per token (Qwen2-MoE)."""
+
+    w1: ParamSource           # [f_s, h] gate projection
+    w3: ParamSource           # [f_s, h] up projection
+    w2: ParamSource           # [h, f_s] down projection
+    ffn_hidden: int           # f_s
+    gate: ParamSource | None = None   # [1, h]
 
 
 @dataclass(frozen=True)
@@ -76,6 +89,8 @@ class MoESpec:
     top_k: int
     ffn_hidden: int
     hidden: int
+    normalize: bool = True    # renormalise the top-k softmax weights to sum to 1 (Mixtral; not Qwen2-MoE)
+    shared: SharedExpertSpec | None = None
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -209,6 +224,9 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
 
     w_qkv = g.param("qkv.weight", ((Hl + 2 * Gl) * d, h),
                     ParamSpec((spec.q, spec.k, spec.v), shard_dim=0 if tp else None))
+    b_qkv = None
+    if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+2Gl)d]
+        b_qkv = g.param("qkv.bias", ((Hl + 2 * Gl) * d,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
     rope_attrs = {"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}
     if N > 1:
         rope_attrs["chunks"] = N
@@ -217,6 +235,10 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         with _chunk(g, j, N) as c:
             x_in = emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj  # -> [b, nL, h]
             qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
+            if b_qkv is not None:
+                biased = g.like(f"qkv_biased{c}", qkv)
+                g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
+                qkv = biased
             S = g.shape(qkv)[1]
             q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
             k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
@@ -285,7 +307,39 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
         with _chunk(g, j, N) as c:
             outs.append(_emit_moe_chunk(g, spec, xj, w_router, weights, El, c, j, kw))
-    return _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+    routed = _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+    if spec.shared is None:
+        return routed
+    shared = _emit_shared_expert(g, spec.shared, x, kw)
+    y = g.like("moe_out", routed)
+    g.node("shared_add", OpKind.ADD, (routed, shared), (y,), flops=_numel(g, routed), **kw)
+    return y
+
+
+def _emit_shared_expert(g: GraphBuilder, spec: SharedExpertSpec, x: str, kw: dict) -> str:
+    """The dense shared expert on this rank's own tokens: [b, s/n, h] -> [b, s/n, h].
+
+    Sequence-parallel with replicated weights (their gradients are all-reduced, as the norms'):
+    it reads only the block input, so nothing in it waits for the dispatch and the scheduler
+    may run its GEMMs beside the dispatch and combine collectives (Megatron-Core's shared-expert
+    overlap). Per rank: 3 GEMMs of 2*(b*s/n)*h*f_s FLOPs each, plus the gate's 2*(b*s/n)*h.
+    """
+    h, f = g.dims.h, spec.ffn_hidden
+    rep = lambda src, shape, name: g.param(name, shape, ParamSpec((src,), shard_dim=None))  # noqa: E731
+    w1, w3 = rep(spec.w1, (f, h), "shared.w1"), rep(spec.w3, (f, h), "shared.w3")
+    w2 = rep(spec.w2, (h, f), "shared.w2")
+    a = emit_gemm(g, "shared_fc1", x, w1, "shared_fc1_out", **kw)                     # [b, s/n, f_s]
+    b = emit_gemm(g, "shared_fc3", x, w3, "shared_fc3_out", **kw)
+    act = g.like("shared_fc2_in", a)
+    g.node("shared_swiglu", OpKind.SWIGLU, (a, b), (act,), flops=5 * _numel(g, a), **kw)
+    y = emit_gemm(g, "shared_fc2", act, w2, "shared_out", **kw)                        # [b, s/n, h]
+    if spec.gate is None:
+        return y
+    w_gate = rep(spec.gate, (1, h), "shared.gate")
+    logit = emit_gemm(g, "shared_gate_proj", x, w_gate, "shared_gate_logit", **kw)    # [b, s/n, 1]
+    gated = g.like("shared_out_gated", y)
+    g.node("shared_gate", OpKind.SIGMOID_GATE, (y, logit), (gated,), flops=_numel(g, y) + 4 * _numel(g, logit), **kw)
+    return gated
 
 
 def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weights: tuple[str, str, str],
@@ -303,7 +357,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
     topk_w = g.value(f"topk_weights{c}", (T, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
     topk_idx = g.value(f"topk_experts{c}", (T, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
     g.node(f"router{c}", OpKind.ROUTER, (tokens_in, w_router), (topk_w, topk_idx),
-           flops=2 * T * h * E + 5 * T * E, attrs={"top_k": k, "experts": E}, **kw)
+           flops=2 * T * h * E + 5 * T * E, attrs={"top_k": k, "experts": E} | ({} if spec.normalize else {"normalize": False}), **kw)
     layout = "by_dest" if a2a else ("local" if ep else "all")
     imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
     g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
