@@ -109,13 +109,15 @@ def _target_name(target) -> str:
 
 def _owner(node: fx.Node, layer: nn.Module) -> str:
     """The deepest module a traced operation came from (fx records the module stack)."""
-    stack = list((node.meta.get("nn_module_stack") or {}).values())
-    if stack:
-        qualname, cls = stack[-1]
-        if qualname:
-            cls = cls if isinstance(cls, type) else type(layer.get_submodule(qualname))
-            return f"{_module_name(qualname, cls)}, which has no lowering rule"
-    return type(layer).__name__
+    inside = _enclosing(node, layer)
+    return f"{inside}, which has no lowering rule" if inside else type(layer).__name__
+
+
+def _enclosing(node: fx.Node, layer: nn.Module) -> str:
+    """The deepest module fx traced into around ``node`` (not the node's own module), or ""."""
+    stack = [qualname for qualname, _ in (node.meta.get("nn_module_stack") or {}).values()
+             if qualname and qualname != node.target]
+    return _module_name(stack[-1], type(layer.get_submodule(stack[-1]))) if stack else ""
 
 
 @dataclass(frozen=True)
@@ -161,8 +163,10 @@ def extract_program(module: nn.Module) -> LayerProgram:
             sub = module.get_submodule(node.target)
             rule = find_rule(sub, node.target)
             if rule is None:
+                inside = _enclosing(node, module)
                 raise LoweringError(f"no lowering rule for module {node.target!r} "
-                                    f"({type(sub).__module__}.{type(sub).__name__})")
+                                    f"({type(sub).__module__}.{type(sub).__name__})"
+                                    + (f" inside {inside}, which has no rule either" if inside else ""))
             spec = rule.spec(sub, node.target)
             unused.update(f"{node.target}.{name}" for name in rule.unused)
             x = node.args[0] if node.args else node.kwargs.get("hidden_states")

@@ -1,7 +1,7 @@
 """Rank functions for the runtime tests (spawned by moegraph.runtime.launch.spawn; importable by name).
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
-A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
+A case is a dict: model ('ref' | 'hf' | 'qwen2_moe'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
 emulate / native (collectives to emulate, or to run with the backend's own op), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
@@ -49,6 +49,30 @@ def hf_layer(seed: int):
     return layer, call
 
 
+def qwen2_moe_layer(seed: int, **overrides):
+    """Qwen2-MoE: q/k/v biases, 8 experts top-3 (unnormalised), a sigmoid-gated shared expert."""
+    from transformers import Qwen2MoeConfig
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer, Qwen2MoeRotaryEmbedding
+    cfg = Qwen2MoeConfig(**{"hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
+                            "shared_expert_intermediate_size": 48, "num_attention_heads": 8, "num_key_value_heads": 4,
+                            "num_experts": 8, "num_experts_per_tok": 3, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
+                            "attn_implementation": "sdpa"} | overrides)
+    cfg._experts_implementation = "eager"        # the plain expert loop (transformers warns when unset)
+    torch.manual_seed(seed)
+    layer = Qwen2MoeDecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    rotary = Qwen2MoeRotaryEmbedding(cfg)
+
+    def call(module, x):
+        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+        return module(x, position_embeddings=cos_sin, attention_mask=None)
+    return layer, call
+
+
+LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer}
+
+
 def _apply_fault(layer, fault: str | None) -> None:
     if fault is None:
         return
@@ -69,10 +93,7 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
     if device == "cuda":
         device = f"cuda:{torch.cuda.current_device()}"
     for i, case in enumerate(cases):
-        if case.get("model", "ref") == "hf":
-            module, call = hf_layer(seed + i)
-        else:
-            module, call = reference_layer(seed + i), None
+        module, call = LAYERS[case.get("model", "ref")](seed + i)
         module = module.to(device)
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         x, dy = torch.randn(B, S, H, generator=gen).to(device), torch.randn(B, S, H, generator=gen).to(device)
