@@ -294,6 +294,29 @@ def _sigmoid_gate(g, node, grads):
     return dx, dlogit
 
 
+def _square_sum(g, node, grads):
+    (dss,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "dgrad", OpKind.SQUARE_SUM, (x, dss), (dx,), flops=2 * g.values[x].numel)
+    return (dx,)
+
+
+def _rmsnorm_sharded(g, node, grads):
+    (dy,), (x, w, ss) = grads, node.inputs
+    dx, dw, dss = _grad_value(g, x), _grad_value(g, w), _grad_value(g, ss)
+    _bwd(g, node, "dgrad", OpKind.RMSNORM_SHARDED, (x, w, ss, dy), (dx, dss), flops=2 * node.flops)
+    _bwd(g, node, "wgrad", OpKind.RMSNORM_SHARDED, (x, w, ss, dy), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw, dss
+
+
+def _all_reduce(g, node, grads):
+    # y = sum_r x_r on every rank: dx_r = sum over ranks of dy (each rank's dy is a partial)
+    (dy,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "bwd", OpKind.ALL_REDUCE, (dy,), (dx,), comm_bytes=node.comm_bytes, flops=g.values[dy].numel)
+    return (dx,)
+
+
 def _all_gather(g, node, grads):
     (dy,), (x,) = grads, node.inputs
     dx = _grad_value(g, x)
@@ -362,6 +385,9 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.GATE: _gate,
     OpKind.BIAS: _bias,
     OpKind.SIGMOID_GATE: _sigmoid_gate,
+    OpKind.SQUARE_SUM: _square_sum,
+    OpKind.RMSNORM_SHARDED: _rmsnorm_sharded,
+    OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,
     OpKind.REDUCE_SCATTER: _reduce_scatter,
     OpKind.ALL_TO_ALL: _all_to_all,

@@ -44,6 +44,8 @@ class OpKind(enum.Enum):
     ADD = "add"
     BIAS = "bias"                # x + b, b [X] broadcast over the leading dims (q/k/v biases)
     SIGMOID_GATE = "sigmoid_gate"  # x * sigmoid(g), g [..., 1]: the shared expert's gate (Qwen2-MoE)
+    SQUARE_SUM = "square_sum"    # x [..., X] -> sum of squares [..., 1] (fp32): a sharded norm's partial
+    RMSNORM_SHARDED = "rmsnorm_sharded"  # (x, w, ss) -> x rsqrt(ss/width + eps) w, ss all-reduced (OLMoE q/k norm)
     CAST = "cast"                # precision change for compressed communication
     # communication
     ALL_GATHER = "all_gather"

@@ -305,6 +305,25 @@ def _k_sigmoid_gate(ctx, node, ins, shapes):
     return [x * torch.sigmoid(logit)]
 
 
+def _square_sum(x):
+    return x.float().pow(2).sum(-1, keepdim=True)
+
+
+def _rmsnorm_sharded_fwd(node: Node, x, w, ss):
+    """RMSNorm of a row split across ranks: ss is the all-reduced sum of squares of the whole row
+    (width elements), so every rank normalises its slice by the full row's RMS."""
+    r = torch.rsqrt(ss / node.attr("width") + node.attr("eps"))
+    return w * (x.float() * r).to(x.dtype)
+
+
+def _k_square_sum(ctx, node, ins, shapes):
+    return [_square_sum(ins[0])]
+
+
+def _k_rmsnorm_sharded(ctx, node, ins, shapes):
+    return [_rmsnorm_sharded_fwd(node, *ins)]
+
+
 def _k_grouped_gemm(ctx, node, ins, shapes):
     x, w, seg = ins
     return [_grouped(x, w, seg.segments)]
@@ -430,6 +449,23 @@ def _k_sigmoid_gate_dgrad(ctx, node, ins, shapes):
     return [dy * sig, (dy * x).sum(-1, keepdim=True) * sig * (1 - sig)]
 
 
+def _k_square_sum_dgrad(ctx, node, ins, shapes):
+    x, dss = ins
+    return [(2 * x.float() * dss).to(x.dtype)]
+
+
+def _k_rmsnorm_sharded_dgrad(ctx, node, ins, shapes):
+    # gradient of the slice and of ss; this rank's dss is partial (ss is shared across ranks): the
+    # ALL_REDUCE's backward sums it before SQUARE_SUM's backward reads it
+    x, w, ss, dy = ins
+    return _pullback(lambda x_, ss_: _rmsnorm_sharded_fwd(node, x_, w, ss_), (x, ss), (dy,))
+
+
+def _k_rmsnorm_sharded_wgrad(ctx, node, ins, shapes):
+    x, w, ss, dy = ins
+    return _pullback(lambda w_: _rmsnorm_sharded_fwd(node, x, w_, ss), (w,), (dy,))
+
+
 def _k_gate_dgrad(ctx, node, ins, shapes):
     dy, rows, gates = ins
     return [dy * gates[:, None].to(dy.dtype), (dy * rows).sum(-1).to(gates.dtype)]
@@ -472,4 +508,9 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.BIAS, Role.WGRAD): _k_bias_wgrad,
     (OpKind.SIGMOID_GATE, Role.FORWARD): _k_sigmoid_gate,
     (OpKind.SIGMOID_GATE, Role.DGRAD): _k_sigmoid_gate_dgrad,
+    (OpKind.SQUARE_SUM, Role.FORWARD): _k_square_sum,
+    (OpKind.SQUARE_SUM, Role.DGRAD): _k_square_sum_dgrad,
+    (OpKind.RMSNORM_SHARDED, Role.FORWARD): _k_rmsnorm_sharded,
+    (OpKind.RMSNORM_SHARDED, Role.DGRAD): _k_rmsnorm_sharded_dgrad,
+    (OpKind.RMSNORM_SHARDED, Role.WGRAD): _k_rmsnorm_sharded_wgrad,
 }

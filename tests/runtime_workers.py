@@ -1,7 +1,7 @@
 """Rank functions for the runtime tests (spawned by moegraph.runtime.launch.spawn; importable by name).
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
-A case is a dict: model ('ref' | 'hf' | 'qwen2_moe'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
+A case is a dict: model ('ref' | 'hf' | 'qwen2_moe' | 'olmoe'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
 emulate / native (collectives to emulate, or to run with the backend's own op), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
@@ -70,7 +70,28 @@ def qwen2_moe_layer(seed: int, **overrides):
     return layer, call
 
 
-LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer}
+def olmoe_layer(seed: int, **overrides):
+    """OLMoE: q/k RMSNorm over the full projection width, 8 experts top-3 (unnormalised)."""
+    from transformers import OlmoeConfig
+    from transformers.models.olmoe.modeling_olmoe import OlmoeDecoderLayer, OlmoeRotaryEmbedding
+    cfg = OlmoeConfig(**{"hidden_size": H, "intermediate_size": 32, "num_attention_heads": 8, "num_key_value_heads": 4,
+                         "num_experts": 8, "num_experts_per_tok": 3, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
+                         "attn_implementation": "sdpa"} | overrides)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = OlmoeDecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    rotary = OlmoeRotaryEmbedding(cfg)
+
+    def call(module, x):
+        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+        return module(x, position_embeddings=cos_sin, attention_mask=None)
+    return layer, call
+
+
+LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer,
+          "olmoe": olmoe_layer}
 
 
 def _apply_fault(layer, fault: str | None) -> None:

@@ -2,6 +2,7 @@
 eager transformers module, output, input gradient and every parameter gradient.
 
 Qwen2-MoE: q/k/v biases, an unnormalised top-k router, a sigmoid-gated dense shared expert.
+OLMoE: q/k RMSNorm over the full projection width (a cross-rank reduction under attention tp).
 """
 
 from __future__ import annotations
@@ -57,9 +58,24 @@ def _seed(rng) -> int:
 
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
 @pytest.mark.parametrize("n", [1, 2, 4])
-def test_qwen2_moe_matches_eager(attn, ffn, dispatch, n, rng):
-    layer, call = workers.qwen2_moe_layer(_seed(rng))
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+def test_family_matches_eager(family, attn, ffn, dispatch, n, rng):
+    layer, call = workers.LAYERS[family](_seed(rng))
     check(layer, call, Strategy(attn, ffn, dispatch, n, dtype="fp32"), rng)
+
+
+@pytest.mark.parametrize("attn,n", [("tp", 2), ("tp", 4), ("sp", 2), ("tp", 1)])
+def test_olmoe_qk_norm_reduces_across_ranks_only_under_attention_tp(attn, n):
+    layer, _ = workers.olmoe_layer(0)
+    g = trace_module(layer, Strategy(attn, "ep", "a2a", n), batch=B, seq=S)
+    fwd = [nd for nd in g.nodes if nd.phase is Phase.FORWARD and nd.block == "attention"]
+    reduced = [nd.name for nd in fwd if nd.op is OpKind.ALL_REDUCE]
+    if attn == "tp" and n > 1:
+        assert reduced == ["q_norm_allreduce", "k_norm_allreduce"]
+        assert g.node["q_norm_allreduce"].comm_bytes == 2 * (n - 1) * B * S * 4 // n   # [b, s, 1] fp32
+        assert sum(nd.op is OpKind.RMSNORM_SHARDED for nd in fwd) == 2
+    else:
+        assert not reduced and sum(nd.op is OpKind.RMSNORM for nd in fwd) == 3    # input norm, q, k
 
 
 @pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs")])
@@ -105,11 +121,14 @@ def test_qwen2_moe_dense_layer_is_named():
         trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
 
 
-def test_qwen2_moe_compiled_on_two_gloo_ranks_matches_eager():
+def test_families_compiled_on_two_gloo_ranks_match_eager():
+    """One small case per family through moegraph.compile (one process group for both)."""
     from moegraph.runtime.launch import spawn
     seed = int.from_bytes(os.urandom(3), "little")
-    cases = [dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper")]
-    (res,), _ = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
-    assert res["max_rel_err_output"] < TOL, res
-    assert res["max_rel_err_grads"] < TOL, res
-    assert {"bias", "sigmoid_gate"} <= set(res["ops"])
+    cases = [dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
+             dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper")]
+    results, _ = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
+    for res, ops in zip(results, ({"bias", "sigmoid_gate"}, {"square_sum", "rmsnorm_sharded", "all_reduce"})):
+        assert res["max_rel_err_output"] < TOL, res
+        assert res["max_rel_err_grads"] < TOL, res
+        assert ops <= set(res["ops"]), res

@@ -112,6 +112,6 @@ def _load_families() -> None:
     _FAMILIES_LOADED = True
     from moegraph.lowering import reference  # noqa: F401
     try:
-        from moegraph.lowering import hf_mixtral, hf_qwen2_moe  # noqa: F401
+        from moegraph.lowering import hf_mixtral, hf_olmoe, hf_qwen2_moe  # noqa: F401
     except ImportError:          # transformers not installed: its modules simply have no rule
         pass

@@ -65,6 +65,9 @@ class AttentionSpec:
     rope_theta: float
     tuple_output: bool = False   # the module returns (output, attention weights), as transformers' do
     qkv_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [H*d], [G*d], [G*d] (Qwen2)
+    # RMSNorm of q over its full width H*d and of k over G*d, before RoPE (OLMoE)
+    q_norm: NormSpec | None = None
+    k_norm: NormSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -227,6 +230,10 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     b_qkv = None
     if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+2Gl)d]
         b_qkv = g.param("qkv.bias", ((Hl + 2 * Gl) * d,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
+    # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp)
+    w_qk = tuple(None if ns is None else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
+                                                 ParamSpec((ns.weight,), shard_dim=0 if tp else None))
+                 for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
     rope_attrs = {"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}
     if N > 1:
         rope_attrs["chunks"] = N
@@ -245,6 +252,10 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
             v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
             g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
                    attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
+            if spec.q_norm is not None:
+                q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
+            if spec.k_norm is not None:
+                k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
             q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
             g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
                    attrs=rope_attrs, **kw)
@@ -289,6 +300,29 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
             outs.append(emit_gemm(g, f"out_proj{c}", attn_a2a, w_o, name, alias_of=alias, **kw))
     return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+
+
+def _emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
+    """RMSNorm over the last dim of x, whose full row is ``width`` wide: [b, S, X] -> [b, S, X].
+
+    When this rank holds the whole row (sp, n = 1) it is a plain RMSNORM. Under attention tp it
+    holds width/n of each row, so the mean of squares needs every rank's part: a SQUARE_SUM
+    [b, S, 1] (fp32), an ALL_REDUCE of it (b*S*4 bytes per rank, 2(n-1)/n on the wire), then
+    RMSNORM_SHARDED scales the slice.
+    """
+    y = g.like(f"{name}_out", x)
+    if g.shape(x)[-1] == width:
+        g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs={"eps": spec.eps}, **kw)
+        return y
+    rows = g.shape(x)[:-1]
+    part = g.value(f"{name}_sumsq_part", (*rows, 1), dtype=WEIGHT_DTYPE)
+    g.node(f"{name}_sumsq", OpKind.SQUARE_SUM, (x,), (part,), flops=2 * _numel(g, x), **kw)
+    total = g.value(f"{name}_sumsq", (*rows, 1), dtype=WEIGHT_DTYPE)
+    g.collective(f"{name}_allreduce", OpKind.ALL_REDUCE, (part,), (total,),
+                 comm_bytes=2 * ring_bytes(g.nbytes(part), g.strategy.n), flops=_numel(g, part), **kw)
+    g.node(name, OpKind.RMSNORM_SHARDED, (x, w, total), (y,), flops=3 * _numel(g, x),
+           attrs={"eps": spec.eps, "width": width}, **kw)
+    return y
 
 
 def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
