@@ -7,7 +7,7 @@ next to the paper's equations.
 Compute (every op but SPLIT, which is a view and costs nothing):
     t = kernel_latency + max(flops / (P * eff_op), mem_bytes / (W * mem_eff))
     eff_op: GEMM, ROUTER -> gemm_eff; GROUPED_GEMM -> grouped_gemm_eff; ATTENTION -> attention_eff;
-    memory-bound ops (norms, rope, swiglu, permutes, gate, add, cast, index map) -> 1, because
+    memory-bound ops (norms, rope, swiglu, permutes, gates, add, bias, cast, index map, square sums) -> 1, because
     their few FLOPs never bind: the mem_bytes term decides.
 Collectives (comm_bytes already holds what this rank sends, see ``collective_bytes``):
     all-gather, reduce-scatter: t = kernel_latency + (n-1)*alpha  + bytes / (B * ring_eff * s(sm))
