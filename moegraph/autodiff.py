@@ -234,11 +234,16 @@ def _add(g, node, grads):
     return dy, dy
 
 
+def _data_grads(g, node, grads, *, flops: int):
+    """One data-gradient node reading the forward inputs and dy, giving every input's gradient."""
+    (dy,) = grads
+    dins = tuple(_grad_value(g, x) for x in node.inputs)
+    _bwd(g, node, "dgrad", node.op, (*node.inputs, dy), dins, flops=flops)
+    return dins
+
+
 def _swiglu(g, node, grads):
-    (dy,), (a, b) = grads, node.inputs
-    da, db = _grad_value(g, a), _grad_value(g, b)
-    _bwd(g, node, "dgrad", OpKind.SWIGLU, (a, b, dy), (da, db), flops=2 * node.flops)
-    return da, db
+    return _data_grads(g, node, grads, flops=2 * node.flops)
 
 
 def _router(g, node, grads):
@@ -288,10 +293,7 @@ def _bias(g, node, grads):
 
 
 def _sigmoid_gate(g, node, grads):
-    (dy,), (x, logit) = grads, node.inputs
-    dx, dlogit = _grad_value(g, x), _grad_value(g, logit)
-    _bwd(g, node, "dgrad", OpKind.SIGMOID_GATE, (x, logit, dy), (dx, dlogit), flops=3 * node.flops)
-    return dx, dlogit
+    return _data_grads(g, node, grads, flops=3 * node.flops)
 
 
 def _square_sum(g, node, grads):

@@ -31,63 +31,50 @@ def reference_layer(seed: int) -> MoETransformerLayer:
     return layer
 
 
-def hf_layer(seed: int):
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer, MixtralRotaryEmbedding
-    cfg = MixtralConfig(hidden_size=H, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
-                        num_local_experts=8, num_experts_per_tok=3, rope_theta=1e6, rms_norm_eps=1e-5,
-                        attn_implementation="sdpa")
+def _transformers_layer(config_cls, layer_cls, rotary_cls, seed: int, sizes: dict, overrides: dict):
+    """A decoder layer from a tiny config, random N(0, 0.2) weights, and its eager call (RoPE from
+    the family's own rotary module)."""
+    cfg = config_cls(**{"hidden_size": H, "num_attention_heads": 8, "num_key_value_heads": 4, "rms_norm_eps": 1e-5,
+                        "attn_implementation": "sdpa"} | sizes | overrides)
+    cfg._experts_implementation = "eager"        # the plain expert loop (transformers warns when unset)
     torch.manual_seed(seed)
-    layer = MixtralDecoderLayer(cfg, 0)
+    layer = layer_cls(cfg, 0)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
-    rotary = MixtralRotaryEmbedding(cfg)
+    rotary = rotary_cls(cfg)
 
     def call(module, x):
         cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
         return module(x, position_embeddings=cos_sin, attention_mask=None)
     return layer, call
+
+
+def hf_layer(seed: int, **overrides):
+    """Mixtral: 8 experts, top-3."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral import modeling_mixtral as m
+    return _transformers_layer(MixtralConfig, m.MixtralDecoderLayer, m.MixtralRotaryEmbedding, seed,
+                               {"intermediate_size": 96, "num_local_experts": 8, "num_experts_per_tok": 3,
+                                "rope_theta": 1e6}, overrides)
 
 
 def qwen2_moe_layer(seed: int, **overrides):
     """Qwen2-MoE: q/k/v biases, 8 experts top-3 (unnormalised), a sigmoid-gated shared expert."""
     from transformers import Qwen2MoeConfig
-    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeDecoderLayer, Qwen2MoeRotaryEmbedding
-    cfg = Qwen2MoeConfig(**{"hidden_size": H, "intermediate_size": 128, "moe_intermediate_size": 32,
-                            "shared_expert_intermediate_size": 48, "num_attention_heads": 8, "num_key_value_heads": 4,
-                            "num_experts": 8, "num_experts_per_tok": 3, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
-                            "attn_implementation": "sdpa"} | overrides)
-    cfg._experts_implementation = "eager"        # the plain expert loop (transformers warns when unset)
-    torch.manual_seed(seed)
-    layer = Qwen2MoeDecoderLayer(cfg, 0)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    rotary = Qwen2MoeRotaryEmbedding(cfg)
-
-    def call(module, x):
-        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
-        return module(x, position_embeddings=cos_sin, attention_mask=None)
-    return layer, call
+    from transformers.models.qwen2_moe import modeling_qwen2_moe as m
+    return _transformers_layer(Qwen2MoeConfig, m.Qwen2MoeDecoderLayer, m.Qwen2MoeRotaryEmbedding, seed,
+                               {"intermediate_size": 128, "moe_intermediate_size": 32,
+                                "shared_expert_intermediate_size": 48, "num_experts": 8, "num_experts_per_tok": 3,
+                                "num_hidden_layers": 1}, overrides)
 
 
 def olmoe_layer(seed: int, **overrides):
     """OLMoE: q/k RMSNorm over the full projection width, 8 experts top-3 (unnormalised)."""
     from transformers import OlmoeConfig
-    from transformers.models.olmoe.modeling_olmoe import OlmoeDecoderLayer, OlmoeRotaryEmbedding
-    cfg = OlmoeConfig(**{"hidden_size": H, "intermediate_size": 32, "num_attention_heads": 8, "num_key_value_heads": 4,
-                         "num_experts": 8, "num_experts_per_tok": 3, "rms_norm_eps": 1e-5, "num_hidden_layers": 1,
-                         "attn_implementation": "sdpa"} | overrides)
-    cfg._experts_implementation = "eager"
-    torch.manual_seed(seed)
-    layer = OlmoeDecoderLayer(cfg, 0)
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    rotary = OlmoeRotaryEmbedding(cfg)
-
-    def call(module, x):
-        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
-        return module(x, position_embeddings=cos_sin, attention_mask=None)
-    return layer, call
+    from transformers.models.olmoe import modeling_olmoe as m
+    return _transformers_layer(OlmoeConfig, m.OlmoeDecoderLayer, m.OlmoeRotaryEmbedding, seed,
+                               {"intermediate_size": 32, "num_experts": 8, "num_experts_per_tok": 3,
+                                "num_hidden_layers": 1}, overrides)
 
 
 LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer,
