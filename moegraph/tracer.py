@@ -179,6 +179,10 @@ def extract_program(module: nn.Module) -> LayerProgram:
         elif node.op == "call_function" and node.target is operator.getitem:
             index[node] = _getitem(index[node.args[0]], node.args[1], node)
         elif node.op == "output":
+            if isinstance(node.args[0], (tuple, list)):
+                raise LoweringError(f"{type(module).__name__} returns {len(node.args[0])} values (an auxiliary loss or "
+                                    "router logits beside the hidden states?): only a layer returning its hidden "
+                                    "states can be lowered")
             output = _index(index, node.args[0], node)
         else:
             raise LoweringError(f"cannot lower {node.op} {_target_name(node.target)!r} in {_owner(node, module)}: "

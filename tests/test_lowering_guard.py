@@ -13,8 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import small_layer
-from moegraph.ir import Strategy
-from moegraph.lowering import LoweringError
+from moegraph.ir import ParamSource, Strategy
+from moegraph.lowering import LoweringError, register
+from moegraph.lowering.blocks import MoESpec, NormSpec
+from moegraph.models import MoE, RMSNorm
 from moegraph.tracer import trace_module
 
 transformers = pytest.importorskip("transformers")
@@ -206,3 +208,67 @@ def test_a_lowering_error_on_ranks_reaches_the_user_as_one_line():
     text = str(info.value)
     assert info.value.error_type == "LoweringError" and "\n" not in text, text
     assert "does not read self_attn.q_proj.bias:" in text
+
+
+def test_a_layer_returning_an_auxiliary_loss_is_named():
+    class WithAux(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = small_layer(2)
+
+        def forward(self, x):
+            h = x + self.inner.attn(self.inner.input_norm(x))
+            y = self.inner.post_attn_norm(h)
+            return h + self.inner.moe(y), y
+    assert lowering_error(WithAux()).startswith("WithAux returns 2 values (an auxiliary loss")
+
+
+# -- the registry's own guarantees, on rules registered here ---------------------------------
+
+class CountingNorm(RMSNorm):
+    """An RMSNorm that counts its calls in a buffer (not numerics) and has a helper its rule stands for."""
+
+    def __init__(self, hidden):
+        super().__init__(hidden)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def scale(self):
+        return self.weight
+
+
+class HalfFusedMoE(MoE):
+    """Its rule (below) wrongly reads only half of w1 and never w3."""
+
+
+register(CountingNorm, methods=("scale",), unused={"calls": "a call counter: no numerics"})(
+    lambda module, qualname: NormSpec(ParamSource(f"{qualname}.weight"), module.eps))
+
+
+@register(HalfFusedMoE)
+def _half_moe(module, qualname):
+    e, f, h = module.w1.shape
+    half = ParamSource(f"{qualname}.w1", narrow=(1, 0, f // 2))
+    return MoESpec(router=ParamSource(f"{qualname}.router.weight"), w1=half, w3=half,
+                   w2=ParamSource(f"{qualname}.w2", narrow=(2, 0, f // 2)), experts=e, top_k=module.top_k,
+                   ffn_hidden=f // 2, hidden=h)
+
+
+def test_a_buffer_declared_unused_with_a_reason_lowers():
+    layer = small_layer(2)
+    layer.input_norm = CountingNorm(64)
+    trace_module(layer, STRATEGY, batch=1, seq=16)
+
+
+def test_overriding_a_method_the_rule_stands_for_names_it():
+    class Rescaled(CountingNorm):
+        def scale(self):
+            return 2 * self.weight
+    layer = small_layer(2)
+    layer.input_norm = Rescaled(64)
+    assert "Rescaled) subclasses CountingNorm but overrides scale:" in lowering_error(layer)
+
+
+def test_a_fused_parameter_read_only_in_part_is_named():
+    layer = small_layer(2)
+    layer.moe = HalfFusedMoE(64, 96, 8, 3)
+    assert "does not read moe.w1 (only partly), moe.w3, moe.w2 (only partly):" in lowering_error(layer)
