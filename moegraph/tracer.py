@@ -91,9 +91,9 @@ def _module_name(qualname: str, cls: type) -> str:
 
 def _trace_failure(tracer: _LeafTracer, layer_cls: type, err: Exception) -> str:
     qualname, cls = tracer.open_modules[-1] if tracer.open_modules else ("", layer_cls)
-    internal = (os.path.dirname(torch.__file__), os.path.dirname(os.path.abspath(__file__)))
+    torch_dir, here = os.path.dirname(torch.__file__), os.path.abspath(__file__)
     frames = [f for f in traceback.extract_tb(err.__traceback__)
-              if not os.path.abspath(f.filename).startswith(internal)]
+              if not os.path.abspath(f.filename).startswith(torch_dir) and os.path.abspath(f.filename) != here]
     # the module's own source line says more than fx's message; with no such frame, fx failed
     # calling the forward itself (e.g. a required argument besides hidden_states): say that
     at = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno} `{frames[-1].line}`" if frames else f": {err}"
