@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("cpsat", "sequential", "greedy", "megascale", "asap")
+SCHEDULES = ("cpsat", "sequential", "greedy", "megascale")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     x = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
     dy = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
     xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
-    meta = getattr(layers[0].executor.comm, "meta", None)
+    meta = layers[0].executor.comm.meta
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)

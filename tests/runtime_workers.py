@@ -80,7 +80,7 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
         layer = moegraph.compile(module, x, hardware=case.get("hardware", "cpu-gloo" if device == "cpu" else "h800"),
                                  attn=case["attn"], ffn=case["ffn"],
                                  dispatch=case["dispatch"], passes=case.get("passes", ""),
-                                 schedule=case.get("schedule", "asap"), timeout_s=60.0)
+                                 schedule=case.get("schedule", "greedy"), timeout_s=60.0)
         if case.get("emulate"):
             layer.executor.comm.emulate.update(case["emulate"])
         if case.get("native"):
@@ -102,7 +102,7 @@ def mismatched_plans(rank: int, n: int, seed: int) -> None:
     """Rank 1 compiles another schedule than the others: compile must fail on every rank."""
     module = reference_layer(seed)
     x = torch.randn(B, S, H)
-    moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential" if rank == 1 else "asap",
+    moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential" if rank == 1 else "greedy",
                      timeout_s=10.0)
 
 
@@ -133,7 +133,7 @@ def live_tensor_bytes_over_steps(rank: int, n: int, seed: int, checkpoints: tupl
     gen = torch.Generator().manual_seed(seed)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
     layer = moegraph.compile(module, x, hardware="cpu-gloo", attn="sp", ffn="ep", dispatch="a2a",
-                             schedule="asap", timeout_s=60.0)
+                             schedule="greedy", timeout_s=60.0)
     assert layer.record
     xs, dys = layer.shard_input(x).requires_grad_(True), layer.shard_input(dy)
     out, done = [], 0

@@ -14,11 +14,11 @@ HAS_SCHEDULER = importlib.util.find_spec("moegraph.schedules.api") is not None
 
 def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
     out = tmp_path / "measured.json"
-    rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "asap", "--check", "--compare-prediction",
+    rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "greedy", "--check", "--compare-prediction",
                "--trace", str(out), "--json"])
     assert rc == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["steps"] == 2 and report["schedule"] == "asap" and report["n"] == 2
+    assert report["steps"] == 2 and report["schedule"] == "greedy" and report["n"] == 2
     assert report["model"] == "tiny" and report["hardware"] == "cpu-2core-gloo" and report["seq"] == 128
     assert report["step_us"] > 0 and len(report["step_us_all"]) == 2
     assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
