@@ -178,3 +178,49 @@ def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> 
         out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
     out["check"] = check_against_eager(module, fenced, x, dy)
     return out
+
+
+def die_at_startup(rank: int, n: int, seed: int) -> None:
+    """Never called: spawn's args carry a StartupKiller that kills one rank while it unpickles them."""
+
+
+class StartupKiller:
+    """Unpickling it in a spawned rank (before the process group exists) kills the first rank to
+    claim ``flag``: a rank dying during start-up while the others wait for it in the rendezvous."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def __setstate__(self, state):
+        import os
+        import signal
+        self.__dict__.update(state)
+        try:
+            fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_mid_run(rank: int, n: int, victim: int) -> None:
+    """Every rank joins a barrier; then ``victim`` kills itself while the others wait in an all_reduce."""
+    import os
+    import signal
+    import torch.distributed as dist
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+
+
+def sleep_forever(rank: int, n: int, pid_dir: str) -> None:
+    """Write this rank's pid to ``pid_dir``/rank<r>.pid, then sleep (the launcher gets killed)."""
+    import os
+    import pathlib
+    path = pathlib.Path(pid_dir) / f"rank{rank}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)
+    while True:
+        time.sleep(1)
