@@ -36,6 +36,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -134,6 +135,13 @@ class ExecutionPlan:
         unknown = [x for x in names if x not in index]
         if unknown:
             raise PlanError(f"schedule names nodes the graph does not have: {unknown[:5]}")
+        for r in schedule.nodes:
+            for what in ("start_us", "end_us"):
+                t = getattr(r, what)
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+                    raise PlanError(f"schedule node {r.name!r} has {what}={t!r}: not a finite number")
+            if r.end_us < r.start_us:
+                raise PlanError(f"schedule node {r.name!r} ends at {r.end_us} us before it starts at {r.start_us} us")
         rows = sorted(schedule.nodes, key=lambda r: (graph.node[r.name].phase is not Phase.FORWARD, r.start_us,
                                                       index[r.name]))
         beside = _beside_compute(graph, schedule)

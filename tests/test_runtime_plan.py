@@ -217,3 +217,13 @@ def test_only_collectives_can_be_alone(graph):
     bad = plan.with_entries(dataclasses.replace(e, alone=True) if e is first_compute else e for e in plan.entries)
     with pytest.raises(PlanError, match=f"compute node '{first_compute.name}' is marked alone"):
         check_plan(graph, bad)
+
+
+def test_nodes_appear_under_their_names_in_torch_profiler(rng):
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
+    x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        compiled(x.clone().requires_grad_(True)).backward(dy)
+    names = {evt.key for evt in prof.key_averages()}
+    graph_nodes = {n.name for n in compiled.graph.nodes}
+    assert graph_nodes <= names, sorted(graph_nodes - names)[:5]
