@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("cpsat", "sequential", "greedy", "megascale")
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes")
 
@@ -35,12 +34,14 @@ class Unset:
 
 
 def schedule_arg(text: str) -> "str | Path":
-    """--schedule value: a method name, or a schedule file written by ``compile`` or ``tune``."""
-    if text in SCHEDULES:
+    """--schedule value: a method name (``moegraph.schedules`` METHODS), or a schedule file written
+    by ``compile`` or ``tune``."""
+    from moegraph.schedules.api import METHODS
+    if text in METHODS:
         return text
     if text.endswith(".json"):
         return Path(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(SCHEDULES)} or a schedule file (.json)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(METHODS)} or a schedule file (.json)")
 
 
 @dataclass(frozen=True)
@@ -159,13 +160,14 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
+    from moegraph.schedules.api import METHODS
     add_layer_args(p, model_default="tiny")
     # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
     p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
     p.add_argument("--schedule", default="cpsat", type=schedule_arg, metavar="METHOD|FILE.json",
-                   help=f"a scheduling method ({', '.join(SCHEDULES)}), or a schedule file written by compile "
+                   help=f"a scheduling method ({', '.join(METHODS)}), or a schedule file written by compile "
                         "or tune: its model, strategy, passes and hardware are used, and any of those flags "
                         "given must agree with it (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=5, help="measured steps (default %(default)s)")

@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moegraph.commands import DEFAULT_PASSES
+from moegraph.cost import CostModel
 from moegraph.interpreter import shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.runtime import PlanError, RuntimeFailure
@@ -32,7 +33,9 @@ from moegraph.runtime.executor import Executor
 from moegraph.runtime.plan import COMM, ExecutionPlan, check_plan
 from moegraph.runtime.trace import StepRecorder, StepTrace
 
-SCHEDULER_METHODS = ("cpsat", "sequential", "greedy", "megascale")
+if TYPE_CHECKING:
+    from moegraph.schedules.schedule_file import Schedule
+
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 MAX_TRACES = 1000
 
@@ -200,7 +203,7 @@ def _attr_name(pname: str, taken) -> str:
 
 # -- the pipeline --------------------------------------------------------------------------------
 
-def make_plan(graph: Graph, cost: Any, schedule: Any = "cpsat", *, memory_budget: int | None = None,
+def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | ExecutionPlan" = "cpsat", *, memory_budget: int | None = None,
               time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,)) -> ExecutionPlan:
     """An ExecutionPlan from a method name (scheduled by ``moegraph.schedules``), a Schedule, or
     a plan (checked)."""
@@ -208,9 +211,9 @@ def make_plan(graph: Graph, cost: Any, schedule: Any = "cpsat", *, memory_budget
         return check_plan(graph, schedule)
     if not isinstance(schedule, str):
         return ExecutionPlan.from_schedule(graph, schedule)
-    if schedule not in SCHEDULER_METHODS:
-        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULER_METHODS)}")
-    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.api import METHODS, compile_graph
+    if schedule not in METHODS:
+        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(METHODS)}")
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
                            comm_streams=tuple(comm_streams), method=schedule)
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)
