@@ -145,7 +145,7 @@ class ExecutionPlan:
         rows = sorted(schedule.nodes, key=lambda r: (graph.node[r.name].phase is not Phase.FORWARD, r.start_us,
                                                       index[r.name]))
         beside = _beside_compute(graph, schedule)
-        entries = tuple(PlanEntry(r.name, r.stream, int(r.sm_budget) if r.kind == "comm" else 0, float(r.start_us),
+        entries = tuple(PlanEntry(r.name, r.stream, int(r.sm_budget), float(r.start_us),
                                   float(r.end_us), r.kind == "comm" and r.name not in beside) for r in rows)
         plan = cls(method or str(schedule.summary.get("method", "schedule")), entries, graph_digest(graph),
                    source_hash=schedule.hash or None)
