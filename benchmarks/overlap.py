@@ -14,9 +14,8 @@ a shared machine).
 The default configuration (tiny, b=1, s=128, sp/ep/ag-rs, n=2, fp32) is one where the cost
 model (hardware cpu-2core-gloo, the shipped CPU calibration with in-step factors) predicts
 communication comparable to compute (the script prints the ratio). Steps on the 2-core VM vary
-3-4x, so the default is the median over 300 steps (~2% standard error on a ~25 ms step). 'asap'
-is the runtime's own overlapped order (collectives issued as early as possible), independent of
-the scheduler.
+3-4x, so the default is the median over 300 steps (~2% standard error on a ~25 ms step). 'greedy'
+is the schedules stage's list schedule (collectives issued as early as possible).
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_layer_args(p, model_default="tiny")
     p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo", batch=1)
-    p.add_argument("--schedules", default="sequential,cpsat,asap", help="comma-separated (default %(default)s)")
+    p.add_argument("--schedules", default="sequential,cpsat,greedy", help="comma-separated (default %(default)s)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--time-limit", type=float, default=10.0)

@@ -25,8 +25,8 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
                      same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
     memory_budget:   bytes of activation memory the schedule may use (None: unbounded).
-    schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (schedules package) |
-                     'asap' (the runtime's own overlapped order), or a Schedule / ExecutionPlan.
+    schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (moegraph.schedules methods),
+                     or a Schedule / ExecutionPlan.
     n:               group size; default and only supported value: the world size of the default
                      process group (1 without torch.distributed).
     timeout_s:       how long any collective may take before a CollectiveTimeout names it.

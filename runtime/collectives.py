@@ -382,6 +382,7 @@ class NoComm:
     backend: str = "none"
     native_budgets: bool = False
     groups: dict = field(default_factory=dict)
+    meta: Any = None                      # no metadata group (Comm.meta): barriers need none
 
     def issue(self, node: Node, *_args) -> Pending:
         raise RuntimeFailure(f"collective {node.name!r} needs torch.distributed initialised with "

@@ -19,7 +19,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SCHEDULES = ("cpsat", "sequential", "greedy", "megascale", "asap")
+# the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
+LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes")
+
+
+@dataclass(frozen=True)
+class Unset:
+    """A flag's default, marked so ``run`` can tell it from a value given on the command line."""
+
+    value: Any
+
+    def __str__(self) -> str:
+        return str(self.value)
+
+
+def schedule_arg(text: str) -> "str | Path":
+    """--schedule value: a method name (``moegraph.schedules`` METHODS), or a schedule file written
+    by ``compile`` or ``tune``."""
+    from moegraph.schedules.api import METHODS
+    if text in METHODS:
+        return text
+    if text.endswith(".json"):
+        return Path(text)
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(METHODS)} or a schedule file (.json)")
 
 
 @dataclass(frozen=True)
@@ -105,7 +127,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     x = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
     dy = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
     xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
-    meta = getattr(layers[0].executor.comm, "meta", None)
+    meta = layers[0].executor.comm.meta
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)
@@ -138,13 +160,16 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
+    from moegraph.schedules.api import METHODS
     add_layer_args(p, model_default="tiny")
     # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
     p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
-    p.add_argument("--schedule", default="cpsat", choices=SCHEDULES,
-                   help="scheduler method, or 'asap' (the runtime's own overlapped order); default %(default)s")
+    p.add_argument("--schedule", default="cpsat", type=schedule_arg, metavar="METHOD|FILE.json",
+                   help=f"a scheduling method ({', '.join(METHODS)}), or a schedule file written by compile "
+                        "or tune: its model, strategy, passes and hardware are used, and any of those flags "
+                        "given must agree with it (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=5, help="measured steps (default %(default)s)")
     p.add_argument("--warmup", type=non_negative_int, default=1, help="unmeasured steps first (default %(default)s)")
     p.add_argument("--seed", type=non_negative_int, default=0, help="weights and inputs seed (default %(default)s)")
@@ -159,6 +184,7 @@ def run_command(p: argparse.ArgumentParser):
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds any collective may take before the run fails naming it (default %(default)s)")
+    p.set_defaults(**{flag: Unset(p.get_default(flag)) for flag in LAYER_FLAGS})
 
     def handler(args) -> int:
         report = run(args)
@@ -171,10 +197,72 @@ def run_command(p: argparse.ArgumentParser):
     return handler
 
 
+def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, Any]:
+    """(args with every layer flag set, the Schedule of ``--schedule FILE.json`` or None).
+
+    With a schedule file, the flags not given come from the file; a given one that disagrees
+    with it is a UsageError naming both values."""
+    from moegraph.options import UsageError
+    given = {f: getattr(args, f) for f in LAYER_FLAGS if not isinstance(getattr(args, f, None), Unset)}
+    plain = argparse.Namespace(**{**vars(args), **{f: getattr(args, f).value for f in LAYER_FLAGS
+                                                   if isinstance(getattr(args, f, None), Unset)}})
+    if not isinstance(args.schedule, Path):
+        return plain, None
+    from moegraph.registry import RegistryError, load_hardware
+    from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
+    path = args.schedule
+    try:
+        schedule = Schedule.load(path)
+    except FileNotFoundError:
+        raise UsageError(f"--schedule {path}: no such file") from None
+    except (OSError, UnicodeDecodeError, ScheduleFormatError) as err:
+        raise UsageError(f"--schedule {path}: not a schedule file ({err})") from None
+    g, st = schedule.graph, schedule.graph.get("strategy", {})
+    try:
+        from_file = {"model": g["name"], "hardware": schedule.hardware["name"], "attn": st["attn"], "ffn": st["ffn"],
+                     "dispatch": st["dispatch"], "n": st["n"], "batch": g["dims"]["b"], "seq": g["dims"]["s"],
+                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"])}
+    except (KeyError, TypeError) as err:
+        raise UsageError(f"--schedule {path}: its graph or hardware misses {err}") from None
+    for flag, value in given.items():
+        want = from_file[flag]
+        ok = (load_model_name(value) == want) if flag == "model" else (
+            _hardware_name(value) == want if flag == "hardware" else value == want)
+        if not ok:
+            raise UsageError(f"--{flag.replace('_', '-')} {value} does not match the schedule file {path}, which has "
+                             f"{flag.replace('_', '-')}={want} (leave the flag out to use the file's)")
+    if "hardware" not in given:
+        try:
+            registry = load_hardware(from_file["hardware"]).to_dict()
+        except (RegistryError, FileNotFoundError):
+            registry = None
+        if registry != schedule.hardware:
+            raise UsageError(f"--schedule {path}: its hardware {from_file['hardware']!r} is not the registry profile "
+                             "of that name; pass --hardware PATH to the profile it was compiled for")
+    if "model" not in given:
+        try:
+            load_model_name(from_file["model"])
+        except (RegistryError, FileNotFoundError):
+            raise UsageError(f"--schedule {path}: its model {from_file['model']!r} is not in the registry; pass "
+                             "--model PATH to the model it was compiled for") from None
+    return argparse.Namespace(**{**vars(plain), **{f: v for f, v in from_file.items() if f not in given}}), schedule
+
+
+def load_model_name(model: str) -> str:
+    from moegraph.registry import load_model
+    return load_model(model).name
+
+
+def _hardware_name(hardware: str) -> str:
+    from moegraph.registry import load_hardware
+    return load_hardware(hardware).name
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.runtime.module import make_plan
+    args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
@@ -188,8 +276,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         device = "cuda"
     layer = layer_from_args(args)
-    plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
-                     time_limit_s=args.time_limit)
+    if schedule is not None:
+        _check_same_graph(layer.graph, schedule, args.schedule)
+    plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
+                     memory_budget=args.memory_budget, time_limit_s=args.time_limit)
     results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
                           backend=args.backend, timeout_s=args.timeout, check=args.check)
     g = layer.graph
@@ -210,6 +300,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+
+def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
+    """The graph lowered from the file's settings is the one the file schedules (else PlanError)."""
+    import dataclasses as dc
+
+    from moegraph.runtime import PlanError
+    if graph.strategy.as_dict() != schedule.graph["strategy"] or dc.asdict(graph.dims) != schedule.graph["dims"]:
+        raise PlanError(f"--schedule {path}: lowering its model with its strategy and passes gives strategy "
+                        f"{graph.strategy.as_dict()}, the file schedules {schedule.graph['strategy']} (written by "
+                        "another moegraph version?)")
+    names, scheduled = {n.name for n in graph.nodes}, {n.name for n in schedule.nodes}
+    if names != scheduled:
+        odd = sorted(names ^ scheduled)
+        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]})")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",

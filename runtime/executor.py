@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import torch
+from torch.profiler import record_function
 
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
@@ -130,7 +131,8 @@ class Executor:
                         streams[e.stream].wait_stream(streams[COMPUTE])
                     with torch.cuda.stream(streams[e.stream]):
                         t0 = new_event() if rec else None
-                        p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                        with record_function(e.name):       # named in torch.profiler traces
+                            p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
                         outs = p.wait(self.timeout_s, self.rank, block_host=False)
                         done = new_event()
                     for o, v in zip(node.outputs, outs):
@@ -140,7 +142,8 @@ class Executor:
                     if rec:
                         rec.add(e.name, e.stream, e.sm_budget, node.phase.value, t0, done)
                 else:
-                    p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                    with record_function(e.name):
+                        p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
                     if rec:
                         inflight.append(p)
                         rec.add(e.name, e.stream, e.sm_budget, node.phase.value, p.issued_ns, p)
@@ -151,7 +154,8 @@ class Executor:
                 pending.append(p)
             else:
                 t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
-                outs = run_compute(self.ctx, node, ins, shapes)
+                with record_function(e.name):
+                    outs = run_compute(self.ctx, node, ins, shapes)
                 if len(outs) != len(node.outputs):
                     raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, "
                                          f"expected {len(node.outputs)}")

@@ -3,9 +3,17 @@
 ``spawn(fn, n, args=...)`` starts n processes with the 'spawn' start method, each with
 MASTER_ADDR=127.0.0.1, a free port and the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK),
 initialises the default process group (env://), calls ``fn(rank, n, *args)`` and sends its
-(picklable) return value back. The first failing rank's error comes back as a RankFailure
-naming the rank (an unexpected error: a RankCrash carrying the rank's traceback); ranks still
-running are stopped after a short grace period, so a stuck collective never hangs the caller. ``fn`` must be importable by name (a module-level function).
+(picklable) return value back. ``fn`` must be importable by name (a module-level function).
+
+Failures. The first failing rank's error comes back as a RankFailure naming the rank (an
+unexpected error: a RankCrash carrying the rank's traceback); ranks still running are stopped
+after a short grace period, so a stuck collective never hangs the caller. A rank that dies
+without reporting (killed by a signal, or exiting on its own) is the cause, not its survivors'
+symptoms ("Connection closed by peer"): the RankFailure names the rank that died first and how.
+
+Lifetime. Ranks never outlive the launcher: each asks the kernel for SIGKILL when its parent
+dies (PR_SET_PDEATHSIG, Linux), and while ``spawn`` waits it turns SIGTERM into SystemExit so
+its clean-up stops the ranks (SIGINT already raises KeyboardInterrupt).
 
 Under torchrun, call ``init_from_env()`` instead (or ``dist.init_process_group`` yourself) and
 then ``moegraph.compile``; nothing else changes.
@@ -16,10 +24,13 @@ from __future__ import annotations
 import datetime
 import os
 import queue as queue_mod
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
+from contextlib import contextmanager
 from typing import Any, Callable, Sequence
 
 from moegraph.runtime import RankFailure, RuntimeFailure
@@ -120,34 +131,46 @@ def spawn(fn: Callable[..., Any], n: int, *, args: Sequence[Any] = (), backend: 
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, n, port, backend, fn, tuple(args), q, pg_timeout_s, threads),
                          daemon=True, name=f"moegraph-rank{r}") for r in range(n)]
-    for p in procs:
-        p.start()
     results: dict[int, Any] = {}
     errors: list[tuple[int, str, str, str, bool]] = []
-    deadline = time.monotonic() + timeout_s
-    try:
-        while len(results) + len(errors) < n:
-            now = time.monotonic()
-            if now > deadline:
-                break
-            try:
-                kind, rank, payload = q.get(timeout=min(0.2, deadline - now))
-            except queue_mod.Empty:
-                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
-                        and r not in results and all(e[0] != r for e in errors)]
-                for r in dead:
-                    errors.append((r, "ProcessExit", f"exited with code {procs[r].exitcode} before reporting", "",
-                                   False))
-                if errors:
+    died: list[int] = []                   # ranks that exited without reporting, in the order seen
+
+    def watch() -> None:
+        for r, p in enumerate(procs):
+            if (p.exitcode not in (None, 0) and r not in died and r not in results
+                    and all(e[0] != r for e in errors)):
+                died.append(r)
+
+    with _terminate_on_sigterm():
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while len(results) + len(errors) + len(died) < n:
+                now = time.monotonic()
+                if now > deadline:
+                    break
+                try:
+                    kind, rank, payload = q.get(timeout=min(0.2, deadline - now))
+                except queue_mod.Empty:
+                    watch()
+                    if errors or died:
+                        deadline = min(deadline, time.monotonic() + GRACE_S)
+                    continue
+                if kind == "ok":
+                    results[rank] = payload
+                else:
+                    errors.append((rank, *payload))
                     deadline = min(deadline, time.monotonic() + GRACE_S)
-                continue
-            if kind == "ok":
-                results[rank] = payload
-            else:
-                errors.append((rank, *payload))
-                deadline = min(deadline, time.monotonic() + GRACE_S)
-    finally:
-        _stop(procs)
+            watch()                        # before _stop: its terminations are not deaths of their own
+        finally:
+            _stop(procs)
+    if died:
+        rank = died[0]
+        others = sorted(set(died[1:]) | {e[0] for e in errors})
+        also = f" (ranks {others} failed after it)" if others else ""
+        raise RankFailure(f"rank {rank} {_exit_reason(procs[rank].exitcode)} before reporting{also}", rank=rank,
+                          error_type="RankDied")
     if errors:
         rank, etype, message, tb, expected = errors[0]
         others = sorted({e[0] for e in errors[1:]})
@@ -161,6 +184,51 @@ def spawn(fn: Callable[..., Any], n: int, *, args: Sequence[Any] = (), backend: 
     if missing:
         raise RuntimeFailure(f"ranks {missing} did not finish within {timeout_s:g} s")
     return [results[r] for r in range(n)]
+
+
+def _exit_reason(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+@contextmanager
+def _terminate_on_sigterm():
+    """While the ranks run: SIGTERM raises SystemExit in the launcher, so ``spawn``'s clean-up
+    stops them. Only the main thread may install signal handlers; elsewhere PR_SET_PDEATHSIG
+    in the ranks is what ends them."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise SystemExit(128 + signum)
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def die_with_parent() -> bool:
+    """Ask the kernel to SIGKILL this (spawned) process when its parent dies (Linux
+    PR_SET_PDEATHSIG); returns whether it could. Exits at once if the parent is already gone
+    (it may die while this process still imports torch, before the request)."""
+    import multiprocessing
+    libc = _glibc()
+    launcher = multiprocessing.parent_process()
+    parent = launcher.pid if launcher is not None else os.getppid()
+    try:
+        if libc is None or libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:      # PR_SET_PDEATHSIG = 1
+            return False
+    except AttributeError:                                                   # no prctl: not Linux
+        return False
+    if os.getppid() != parent:                                               # it died before prctl
+        os._exit(1)
+    return True
 
 
 def _stop(procs) -> None:
@@ -178,6 +246,7 @@ def _stop(procs) -> None:
 
 def _worker(rank: int, n: int, port: int, backend: str, fn: Callable[..., Any], args: tuple, q: Any,
             pg_timeout_s: float, threads: int) -> None:
+    die_with_parent()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(n),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(n))
     if backend == "gloo" and os.path.exists("/sys/class/net/lo"):

@@ -16,23 +16,26 @@ from __future__ import annotations
 
 import collections
 import re
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from moegraph.commands import DEFAULT_PASSES
+from moegraph.cost import CostModel
 from moegraph.interpreter import shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.runtime import PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
 from moegraph.runtime.executor import Executor
-from moegraph.runtime.plan import COMM, LOCAL_METHODS, ExecutionPlan, check_plan
+from moegraph.runtime.plan import COMM, ExecutionPlan, check_plan
 from moegraph.runtime.trace import StepRecorder, StepTrace
 
-SCHEDULER_METHODS = ("cpsat", "sequential", "greedy", "megascale")
+if TYPE_CHECKING:
+    from moegraph.schedules.schedule_file import Schedule
+
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 MAX_TRACES = 1000
 
@@ -45,7 +48,7 @@ class CompiledLayer(nn.Module):
     """
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
-                 rank: int, n: int, comm: Any, timeout_s: float = 300.0, record: bool = True):
+                 rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True):
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
         self.timeout_s, self.record = timeout_s, record
@@ -200,24 +203,17 @@ def _attr_name(pname: str, taken) -> str:
 
 # -- the pipeline --------------------------------------------------------------------------------
 
-def make_plan(graph: Graph, cost: Any, schedule: Any = "cpsat", *, memory_budget: int | None = None,
+def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | ExecutionPlan" = "cpsat", *, memory_budget: int | None = None,
               time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,)) -> ExecutionPlan:
-    """An ExecutionPlan from a method name, a ``schedules`` Schedule, or a plan (checked)."""
+    """An ExecutionPlan from a method name (scheduled by ``moegraph.schedules``), a Schedule, or
+    a plan (checked)."""
     if isinstance(schedule, ExecutionPlan):
         return check_plan(graph, schedule)
     if not isinstance(schedule, str):
         return ExecutionPlan.from_schedule(graph, schedule)
-    if schedule == "sequential":
-        return ExecutionPlan.sequential(graph, cost)
-    if schedule == "asap":
-        return ExecutionPlan.asap(graph, cost)
-    if schedule not in SCHEDULER_METHODS:
-        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(SCHEDULER_METHODS + ('asap',))}")
-    try:
-        from moegraph.schedules.api import compile_graph
-    except ImportError as err:
-        raise PlanError(f"schedule {schedule!r} needs the schedules package (moegraph.schedules.api), not available in "
-                        f"this build ({err}); local plans: {', '.join(LOCAL_METHODS)}") from err
+    from moegraph.schedules.api import METHODS, compile_graph
+    if schedule not in METHODS:
+        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(METHODS)}")
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
                            comm_streams=tuple(comm_streams), method=schedule)
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)

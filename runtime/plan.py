@@ -6,12 +6,13 @@ collectives are called in the same order everywhere and cannot deadlock; ``hash`
 graph and the entries so ranks can check they agree before the first step.
 
 Sources:
-    ``sequential(graph)``        graph order, one node at a time (Megatron-LM without overlap);
-    ``asap(graph, cost)``        a list schedule on the cost model that issues every collective
-                                 as soon as its inputs exist and fills the wait with independent
-                                 compute (earliest predicted start first; the runtime's own
-                                 overlapped order, independent of ``schedules``);
-    ``from_schedule(graph, s)``  a ``schedules`` Schedule: entries sorted by predicted start.
+    ``sequential(graph)``        graph order, one node at a time, no predicted times (a plan
+                                 that needs no cost model; ``make_plan(..., "sequential")``
+                                 gives the schedules stage's sequential baseline, with times);
+    ``from_schedule(graph, s)``  a ``moegraph.schedules`` Schedule (``compile``, ``tune``, a
+                                 schedule file): entries sorted by predicted start.
+Every scheduling method (cpsat and the baselines sequential, greedy, megascale) lives in
+``moegraph.schedules``; the runtime only adapts its result.
 
 Issue order and streams: on GPU each stream is a CUDA stream, so issuing in start order lets a
 kernel and a collective run together. On CPU the host thread runs compute itself and gloo runs
@@ -22,10 +23,11 @@ Forward entries come first, then backward and recompute entries (the barrier: ba
 when autograd calls it).
 
 Alone collectives: an entry with ``alone`` set is a collective the schedule runs with no compute
-beside it (on hardware where overlap stretches collectives, hw.comm_overlap_stretch > 1, the
-scheduler may decide that overlapping does not pay). The executor fences it: it starts after the
-compute issued before it, and the compute issued after it waits for it. Sequential plans mark
-every collective alone (one node at a time).
+beside it (``moegraph.schedules.problem.overlaps_compute`` is false for it: on hardware where
+overlap stretches collectives, the scheduler may decide that overlapping does not pay). The
+executor fences it: it starts after the compute issued before it, and the compute issued after
+it waits for it, so the run keeps the schedule's timeline. Sequential plans mark every
+collective alone (one node at a time).
 """
 
 from __future__ import annotations
@@ -34,15 +36,18 @@ import dataclasses
 import functools
 import hashlib
 import json
+import math
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-from moegraph.ir import Graph, Node, OpKind, Phase
+from moegraph.ir import Graph, Phase
 from moegraph.runtime import PlanError
+
+if TYPE_CHECKING:
+    from moegraph.schedules.schedule_file import Schedule
 
 COMPUTE = "compute"
 COMM = "comm"
-LOCAL_METHODS = ("sequential", "asap")
 
 
 @dataclass(frozen=True)
@@ -106,36 +111,44 @@ class ExecutionPlan:
     # -- construction ----------------------------------------------------------------------
 
     @classmethod
-    def sequential(cls, graph: Graph, cost: Any = None) -> "ExecutionPlan":
-        """Graph order, one node at a time; predicted times from ``cost`` when given."""
-        return _list_plan(graph, cost, overlap=False, method="sequential")
+    def sequential(cls, graph: Graph) -> "ExecutionPlan":
+        """Graph order (forward first), one node at a time, every collective alone; no times."""
+        index = {n.name: i for i, n in enumerate(graph.nodes)}
+        order = sorted(graph.nodes, key=lambda n: (n.phase is not Phase.FORWARD, index[n.name]))
+        entries = tuple(PlanEntry(n.name, COMM if n.is_comm else COMPUTE, alone=n.is_comm) for n in order)
+        return check_plan(graph, cls("sequential", entries, graph_digest(graph)))
 
     @classmethod
-    def asap(cls, graph: Graph, cost: Any) -> "ExecutionPlan":
-        """Collectives issued as early as possible, compute filling their wait (see module doc)."""
-        if cost is None:
-            raise PlanError("the 'asap' plan needs a cost model to predict when collectives finish")
-        return _list_plan(graph, cost, overlap=True, method="asap")
-
-    @classmethod
-    def from_schedule(cls, graph: Graph, schedule: Any, method: str | None = None) -> "ExecutionPlan":
-        """Adapt a ``schedules`` Schedule (per-node name, stream, start_us, end_us, sm_budget).
+    def from_schedule(cls, graph: Graph, schedule: "Schedule", method: str | None = None) -> "ExecutionPlan":
+        """Adapt a ``moegraph.schedules`` Schedule of ``graph``.
 
         Issue order is predicted start, ties broken by graph order (a topological order, so a
-        zero-length producer still comes before its consumer). Where the schedule's hardware
-        stretches overlapped collectives, those no compute overlaps are marked ``alone``.
+        zero-length producer still comes before its consumer). Collectives that no compute
+        overlaps are marked ``alone`` (``overlaps_compute`` on the schedule's own timeline).
         """
-        rows = [_row(r) for r in _schedule_rows(schedule)]
+        from moegraph.schedules.schedule_file import Schedule
+        if not isinstance(schedule, Schedule):
+            raise PlanError(f"cannot build a plan from a {type(schedule).__name__}: expected a "
+                            "moegraph.schedules Schedule (compile_graph(...).schedule, or Schedule.load(path))")
         index = {n.name: i for i, n in enumerate(graph.nodes)}
-        unknown = [r["name"] for r in rows if r["name"] not in index]
+        names = [n.name for n in schedule.nodes]
+        unknown = [x for x in names if x not in index]
         if unknown:
             raise PlanError(f"schedule names nodes the graph does not have: {unknown[:5]}")
-        rows.sort(key=lambda r: (graph.node[r["name"]].phase is not Phase.FORWARD, r["start_us"], index[r["name"]]))
-        alone = _alone_rows(graph, rows) if _stretch_of(schedule) > 1 else set()
-        entries = tuple(PlanEntry(r["name"], r["stream"], int(r["sm_budget"] or 0), float(r["start_us"]),
-                                  float(r["end_us"]), r["name"] in alone) for r in rows)
-        plan = cls(method or str(getattr(schedule, "method", "schedule")), entries, graph_digest(graph),
-                   source_hash=getattr(schedule, "hash", None))
+        for r in schedule.nodes:
+            for what in ("start_us", "end_us"):
+                t = getattr(r, what)
+                if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t):
+                    raise PlanError(f"schedule node {r.name!r} has {what}={t!r}: not a finite number")
+            if r.end_us < r.start_us:
+                raise PlanError(f"schedule node {r.name!r} ends at {r.end_us} us before it starts at {r.start_us} us")
+        rows = sorted(schedule.nodes, key=lambda r: (graph.node[r.name].phase is not Phase.FORWARD, r.start_us,
+                                                      index[r.name]))
+        beside = _beside_compute(graph, schedule)
+        entries = tuple(PlanEntry(r.name, r.stream, int(r.sm_budget), float(r.start_us),
+                                  float(r.end_us), r.kind == "comm" and r.name not in beside) for r in rows)
+        plan = cls(method or str(schedule.summary.get("method", "schedule")), entries, graph_digest(graph),
+                   source_hash=schedule.hash or None)
         return check_plan(graph, plan)
 
     def with_entries(self, entries: Iterable[PlanEntry], method: str | None = None) -> "ExecutionPlan":
@@ -194,95 +207,32 @@ def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
     return plan
 
 
-# -- local list schedules --------------------------------------------------------------------
-
-def _stream(node: Node) -> str:
-    return COMM if node.is_comm else COMPUTE
-
-
-def _duration_us(node: Node, cost: Any, budget: int) -> float:
-    if node.op is OpKind.SPLIT:
-        return 0.0
-    return float(cost.node_time_us(node, budget) if node.is_comm else cost.node_time_us(node))
-
-
-def _list_plan(graph: Graph, cost: Any, *, overlap: bool, method: str) -> ExecutionPlan:
-    """Simulate two streams (compute, comm) on the cost model, side by side of the barrier.
-
-    overlap=False: one node at a time in graph order. overlap=True: repeatedly place the node
-    that can start earliest (ties: collectives first, then graph order), so a collective is
-    issued as soon as its inputs exist and independent compute runs while it is in flight.
-    """
-    index = {n.name: i for i, n in enumerate(graph.nodes)}
-    budget = {n.name: (cost.default_sm_budget(n) if (cost is not None and n.is_comm) else 0) for n in graph.nodes}
-    end: dict[str, float] = {}
-    entries: list[PlanEntry] = []
-    side_start = 0.0
-    for forward in (True, False):
-        todo = [n for n in graph.nodes if (n.phase is Phase.FORWARD) == forward]
-        free = {COMPUTE: side_start, COMM: side_start}
-        preds = {n.name: [p.name for p in graph.predecessors(n)] for n in todo}
-        last = side_start
-        while todo:
-            if overlap:
-                ready = [n for n in todo if all(p in end for p in preds[n.name])]
-                est = {n.name: max([free[_stream(n)], *(end[p] for p in preds[n.name])]) for n in ready}
-                node = min(ready, key=lambda n: (est[n.name], not n.is_comm, index[n.name]))
-                start = est[node.name]
-            else:
-                node = todo[0]
-                start = max([last, *(end[p] for p in preds[node.name])])
-            todo.remove(node)
-            dur = _duration_us(node, cost, budget[node.name]) if cost is not None else 0.0
-            if overlap and node.is_comm and cost is not None:   # asap issues collectives to run beside compute
-                dur *= getattr(cost, "comm_overlap_stretch", lambda: 1.0)()
-            end[node.name] = start + dur
-            free[_stream(node)] = end[node.name]
-            last = end[node.name]
-            entries.append(PlanEntry(node.name, _stream(node), budget[node.name],
-                                     start if cost is not None else None, end[node.name] if cost is not None else None,
-                                     alone=node.is_comm and not overlap))
-        side_start = max([side_start, *(end[e.name] for e in entries)])
-    if overlap:
-        entries.sort(key=lambda e: (graph.node[e.name].phase is not Phase.FORWARD, e.start_us, index[e.name]))
-    return check_plan(graph, ExecutionPlan(method, tuple(entries), graph_digest(graph)))
-
-
 # -- schedule adapter --------------------------------------------------------------------------
 
-def _schedule_rows(schedule: Any) -> list[Any]:
-    for attr in ("entries", "nodes"):
-        rows = getattr(schedule, attr, None)
-        if rows is not None:
-            return list(rows.values()) if isinstance(rows, dict) else list(rows)
-    if isinstance(schedule, dict):
-        return list(schedule.get("nodes") or schedule.get("entries") or [])
-    raise PlanError(f"cannot read per-node entries from a {type(schedule).__name__}: "
-                    "expected .entries or .nodes (name, stream, start_us, end_us, sm_budget)")
-
-
-def _stretch_of(schedule: Any) -> float:
-    """The schedule's hardware comm_overlap_stretch (1 when it records none)."""
-    hw = schedule.get("hardware") if isinstance(schedule, dict) else getattr(schedule, "hardware", None)
-    value = hw.get("comm_overlap_stretch", 1.0) if isinstance(hw, dict) else 1.0
-    return float(value or 1.0)
-
-
-def _alone_rows(graph: Graph, rows: list[dict[str, Any]]) -> set[str]:
-    """Collectives during which no compute node that takes time runs (open intervals). The same
-    rule as moegraph.schedules.problem.overlaps_compute, restated on plain rows: plans come from any
-    object with per-node times, and the runtime must work without the schedules package."""
-    busy = [(r["start_us"], r["end_us"]) for r in rows
-            if not graph.node[r["name"]].is_comm and r["end_us"] > r["start_us"]]
-    return {r["name"] for r in rows if graph.node[r["name"]].is_comm
-            and not any(cs < r["end_us"] and r["start_us"] < ce for cs, ce in busy)}
-
-
-def _row(r: Any) -> dict[str, Any]:
-    get = r.get if isinstance(r, dict) else (lambda k, d=None: getattr(r, k, d))
-    row = {k: get(k) for k in ("name", "stream", "start_us", "end_us", "sm_budget")}
-    if row["name"] is None or row["stream"] is None or row["start_us"] is None:
-        raise PlanError(f"schedule entry {r!r} lacks a name, stream or start_us")
-    if row["end_us"] is None:
-        row["end_us"] = row["start_us"]
-    return row
+def _beside_compute(graph: Graph, schedule: "Schedule") -> set[str]:
+    """Names of the collectives some compute node overlaps, by the schedules stage's own rule
+    (``overlaps_compute``) on the schedule's timeline rebuilt as a Problem and Solution."""
+    from moegraph.cost import CostModel
+    from moegraph.registry import Hardware
+    from moegraph.schedules.problem import ScheduleError, Solution, build_problem, overlaps_compute
+    try:
+        problem = build_problem(graph, CostModel(Hardware(**schedule.hardware)), comm_streams=schedule.streams[1:])
+    except (ScheduleError, TypeError, ValueError) as err:
+        raise PlanError(f"cannot rebuild the schedule's problem: {err}") from err
+    tick = problem.tick_us
+    by_name = {n.name: n for n in schedule.nodes}
+    missing = [t.name for t in problem.tasks if t.name not in by_name]
+    if missing:
+        raise PlanError(f"schedule misses graph nodes {missing[:5]}")
+    start, mode = [], []
+    for t in problem.tasks:
+        row = by_name[t.name]
+        ticks = round((row.end_us - row.start_us) / tick)
+        # the mode this row ran in: its SMs (a compute node's SMs are its row's sm_budget), the
+        # duration nearest the row's (alone and beside modes of one budget differ only there)
+        sm = row.sm_budget
+        fits = [k for k, m in enumerate(t.modes) if m.sm == sm] or list(range(len(t.modes)))
+        start.append(round(row.start_us / tick))
+        mode.append(min(fits, key=lambda k: abs(t.modes[k].ticks - ticks)))
+    beside = overlaps_compute(problem, Solution("schedule", tuple(start), tuple(mode)))
+    return {t.name for t in problem.tasks if t.kind == "comm" and beside[t.index]}

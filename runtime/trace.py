@@ -23,9 +23,13 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from moegraph.ir import Graph
+
+if TYPE_CHECKING:
+    from moegraph.registry import Hardware
+    from moegraph.runtime.plan import ExecutionPlan
 
 
 @dataclass(frozen=True)
@@ -105,12 +109,13 @@ class StepRecorder:
         return (t - self.t0_ns) / 1e3
 
     def finalize(self) -> StepTrace:
+        from moegraph.runtime.collectives import Pending
         if self.cuda:
             import torch
             torch.cuda.synchronize()
         nodes = []
         for name, stream, budget, phase, start, end in self.rows:
-            if hasattr(end, "done_ns"):                              # a CPU collective
+            if isinstance(end, Pending):                             # a CPU collective
                 end = end.done_ns if end.done_ns is not None else end.waited_ns
             nodes.append(NodeTiming(name, stream, budget, phase, round(self._us(start), 3),
                                     round(max(self._us(end), self._us(start)), 3)))
@@ -128,7 +133,8 @@ def new_event(stream: Any = None) -> Any:
 
 # -- exports ------------------------------------------------------------------------------------
 
-def as_schedule(graph: Graph, plan: Any, times: dict[str, tuple[float, float]], *, hardware: Any = None,
+def as_schedule(graph: Graph, plan: "ExecutionPlan", times: dict[str, tuple[float, float]], *,
+                hardware: "Hardware | None" = None,
                 **summary: Any) -> Any:
     """A ``schedules`` Schedule (the schedule-file object the Gantt renderer draws) with the given
     per-node (start_us, end_us); streams and SM budgets from ``plan``."""
@@ -150,21 +156,22 @@ def as_schedule(graph: Graph, plan: Any, times: dict[str, tuple[float, float]], 
                            f"remat={st.remat} dtype={st.dtype}",
                "makespan_us": round_us(max((nd.end_us for nd in nodes), default=0.0)),
                "exposed_comm_us": round_us(sum(b - a for a, b in exposed_comm(nodes))), **summary}
-    hw = hardware.to_dict() if hasattr(hardware, "to_dict") else dict(hardware or {})
+    hw = hardware.to_dict() if hardware is not None else {}
     return Schedule(graph={"name": graph.name, "strategy": st.as_dict(), "dims": asdict(graph.dims),
                            "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
                     hardware=hw, streams=tuple(plan.streams), memory_budget_bytes=None, tick_us=0.01,
                     values=values, nodes=tuple(nodes), summary=summary).with_hash()
 
 
-def measured_schedule(trace: StepTrace, graph: Graph, plan: Any, *, hardware: Any = None, **summary: Any) -> Any:
+def measured_schedule(trace: StepTrace, graph: Graph, plan: "ExecutionPlan", *, hardware: "Hardware | None" = None,
+                      **summary: Any) -> Any:
     """One measured step as a Schedule: same node fields as the predicted one, summary.measured = True."""
     times = {t.name: (t.start_us, t.end_us) for t in trace.nodes}
     return as_schedule(graph, plan, times, hardware=hardware, measured=True, rank=trace.rank, device=trace.device,
                        barrier_us=trace.backward_start_us, **summary)
 
 
-def predicted_schedule(graph: Graph, plan: Any, *, hardware: Any = None) -> Any:
+def predicted_schedule(graph: Graph, plan: "ExecutionPlan", *, hardware: "Hardware | None" = None) -> Any:
     """The plan's predicted times as a Schedule (None if the plan carries none)."""
     if any(e.start_us is None for e in plan.entries):
         return None

@@ -109,7 +109,7 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
         layer = moegraph.compile(module, x, hardware=case.get("hardware", "cpu-gloo" if device == "cpu" else "h800"),
                                  attn=case["attn"], ffn=case["ffn"],
                                  dispatch=case["dispatch"], passes=case.get("passes", ""),
-                                 schedule=case.get("schedule", "asap"), timeout_s=60.0)
+                                 schedule=case.get("schedule", "greedy"), timeout_s=60.0)
         if case.get("emulate"):
             layer.executor.comm.emulate.update(case["emulate"])
         if case.get("native"):
@@ -131,7 +131,7 @@ def mismatched_plans(rank: int, n: int, seed: int) -> None:
     """Rank 1 compiles another schedule than the others: compile must fail on every rank."""
     module = reference_layer(seed)
     x = torch.randn(B, S, H)
-    moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential" if rank == 1 else "asap",
+    moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential" if rank == 1 else "greedy",
                      timeout_s=10.0)
 
 
@@ -162,7 +162,7 @@ def live_tensor_bytes_over_steps(rank: int, n: int, seed: int, checkpoints: tupl
     gen = torch.Generator().manual_seed(seed)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
     layer = moegraph.compile(module, x, hardware="cpu-gloo", attn="sp", ffn="ep", dispatch="a2a",
-                             schedule="asap", timeout_s=60.0)
+                             schedule="greedy", timeout_s=60.0)
     assert layer.record
     xs, dys = layer.shard_input(x).requires_grad_(True), layer.shard_input(dy)
     out, done = [], 0
@@ -182,22 +182,66 @@ def live_tensor_bytes_over_steps(rank: int, n: int, seed: int, checkpoints: tupl
     return out
 
 
-def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> dict:
-    """The asap plan, and the same plan with every collective marked alone: per plan, how many
-    (collective, compute node) pairs overlapped in the last recorded step, and the fenced
-    plan's errors against the eager module."""
+class SlowWork:
+    """A collective's work whose completion shows ``delay_s`` after it was issued: the collective
+    is in flight for at least that long, whatever the machine's load."""
+
+    def __init__(self, work, delay_s: float):
+        self.work, self.ready = work, time.perf_counter() + delay_s
+
+    def is_completed(self) -> bool:
+        return time.perf_counter() >= self.ready and self.work.is_completed()
+
+    def wait(self, timeout=None):
+        time.sleep(max(0.0, self.ready - time.perf_counter()))
+        return self.work.wait(timeout=timeout) if timeout is not None else self.work.wait()
+
+
+def overlappable_collective(graph, plan) -> str:
+    """The first collective after which, before any consumer of its outputs, the plan issues a
+    compute node that takes time: a collective the executor may run compute beside."""
+    from moegraph.ir import OpKind
+    names = [e.name for e in plan.entries]
+    for i, name in enumerate(names):
+        node = graph.node[name]
+        if not node.is_comm:
+            continue
+        for later in names[i + 1:]:
+            other = graph.node[later]
+            if set(other.inputs) & set(node.outputs):
+                break
+            if not other.is_comm and other.op is not OpKind.SPLIT:
+                return name
+    raise AssertionError(f"plan {plan.method!r} issues no compute between a collective and its consumers")
+
+
+def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 2, delay_s: float = 0.05) -> dict:
+    """The greedy plan with no collective alone, and with every collective alone (fenced). In both
+    one collective, chosen so that the plan issues compute while it is in flight, completes no
+    earlier than ``delay_s`` after its issue. Per plan: how many (collective, compute node) pairs
+    overlapped in the last recorded step; the fenced plan's errors against the eager module."""
     import dataclasses
     module = reference_layer(seed)
     gen = torch.Generator().manual_seed(seed)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
     kw = dict(hardware="cpu-gloo", attn="sp", ffn="ep", dispatch="a2a", timeout_s=60.0)
-    asap = moegraph.compile(module, x, schedule="asap", **kw)
-    graph = asap.graph
-    fenced_plan = asap.plan.with_entries([dataclasses.replace(e, alone=graph.node[e.name].is_comm)
-                                          for e in asap.plan.entries], method="asap-fenced")
-    fenced = moegraph.compile(module, x, schedule=fenced_plan, **kw)
-    out = {}
-    for name, layer in (("asap", asap), ("fenced", fenced)):
+    base = moegraph.compile(module, x, schedule="greedy", **kw)
+    graph = base.graph
+    plans = {name: base.plan.with_entries([dataclasses.replace(e, alone=alone and graph.node[e.name].is_comm)
+                                           for e in base.plan.entries], method=f"greedy-{name}")
+             for name, alone in (("unfenced", False), ("fenced", True))}
+    slow = overlappable_collective(graph, plans["unfenced"])
+    out = {"slow": slow}
+    for name, plan in plans.items():
+        layer = moegraph.compile(module, x, schedule=plan, **kw)
+        comm, issue = layer.executor.comm, layer.executor.comm.issue
+
+        def slowed(node, *args, _issue=issue):
+            p = _issue(node, *args)
+            if node.name == slow:
+                p.works = [SlowWork(w, delay_s) for w in p.works]
+            return p
+        comm.issue = slowed
         xs, dys = layer.shard_input(x).requires_grad_(True), layer.shard_input(dy)
         for _ in range(steps):
             layer(xs).backward(dys)
@@ -205,7 +249,10 @@ def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> 
         comms = [t for t in trace.nodes if graph.node[t.name].is_comm]
         work = [t for t in trace.nodes if not graph.node[t.name].is_comm and t.end_us > t.start_us]
         out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
-    out["check"] = check_against_eager(module, fenced, x, dy)
+        out[name + "_slow"] = sum(1 for c in comms if c.name == slow for k in work
+                                  if k.start_us < c.end_us and c.start_us < k.end_us)
+        if name == "fenced":
+            out["check"] = check_against_eager(module, layer, x, dy)
     return out
 
 
@@ -214,3 +261,49 @@ def compile_unlowerable(rank: int, n: int, seed: int) -> None:
     layer, _ = hf_layer(seed)
     layer.self_attn.q_proj = torch.nn.Linear(H, H, bias=True)
     moegraph.compile(layer, torch.randn(B, S, H), hardware="cpu-gloo", schedule="sequential", timeout_s=10.0)
+
+
+def die_at_startup(rank: int, n: int, seed: int) -> None:
+    """Never called: spawn's args carry a StartupKiller that kills one rank while it unpickles them."""
+
+
+class StartupKiller:
+    """Unpickling it in a spawned rank (before the process group exists) kills the first rank to
+    claim ``flag``: a rank dying during start-up while the others wait for it in the rendezvous."""
+
+    def __init__(self, flag: str):
+        self.flag = flag
+
+    def __setstate__(self, state):
+        import os
+        import signal
+        self.__dict__.update(state)
+        try:
+            fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.close(fd)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def die_mid_run(rank: int, n: int, victim: int) -> None:
+    """Every rank joins a barrier; then ``victim`` kills itself while the others wait in an all_reduce."""
+    import os
+    import signal
+    import torch.distributed as dist
+    dist.barrier()
+    if rank == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    t = torch.ones(4)
+    dist.all_reduce(t)
+
+
+def sleep_forever(rank: int, n: int, pid_dir: str) -> None:
+    """Write this rank's pid to ``pid_dir``/rank<r>.pid, then sleep (the launcher gets killed)."""
+    import os
+    import pathlib
+    path = pathlib.Path(pid_dir) / f"rank{rank}.pid"
+    path.with_suffix(".tmp").write_text(str(os.getpid()))
+    path.with_suffix(".tmp").rename(path)
+    while True:
+        time.sleep(1)

@@ -18,9 +18,10 @@ from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Node, OpKind, Phase
 from moegraph.registry import CURVE_NAMES, load_hardware
-from moegraph.runtime.calibrate import (CalibrationOptions, binned_curve, fit_profile, load_hardware_dict, parse_notes,
-                               self_check)
-from moegraph.runtime.microbench import BenchResult, Sample, coarse_to_fine
+from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo, OverlapMeasure, Sample, coarse_to_fine
+from moegraph.runtime.calibrate.fit import binned_curve, fit_profile, self_check
+from moegraph.runtime.calibrate.options import CalibrationOptions
+from moegraph.runtime.calibrate.profile_io import read_facts, read_samples, write_profile, write_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "moegraph" / "registry" / "profiles" / "cpu-2core-gloo.yaml"
@@ -52,9 +53,8 @@ def test_short_calibration_writes_a_loadable_profile_with_curves(short_run):
     measured = dict(hw.measured)
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", measured["date"])
     assert measured["machine"]
-    facts = parse_notes(hw)
-    assert facts["n"] == "2" and facts["backend"] == "gloo" and facts["dtype"].startswith("fp32")
-    assert facts["torch"] == torch.__version__
+    facts = read_facts(hw)
+    assert (facts.n, facts.backend, facts.dtype, facts.torch) == (2, "gloo", "fp32", torch.__version__)
     # one progress line per benchmark, each with the elapsed time
     assert re.search(r"calibrate \[\s*\d+\.\d+s\] gemm ", proc.stderr)
     assert re.search(r"calibrate \[\s*\d+\.\d+s\] all_gather ", proc.stderr)
@@ -132,17 +132,20 @@ def _synthetic_results() -> list[BenchResult]:
             samples.append(Sample(kind, kind, KAPPA + steps * (N - 1) * ALPHA + b / (LINK * e), comm_bytes=b))
         comm.append(BenchResult(kind, tuple(samples), "", 0.0))
     overlap = Sample("overlap", "all_gather", 0.01, comm_bytes=1e6,
-                     extra=(("compute_alone", 1e-3), ("compute_slowdown", 1.25), ("comm_alone", 0.01),
-                            ("comm_stretch", 1.5), ("runs", 3.0)))
+                     overlap=OverlapMeasure(compute_alone=1e-3, compute_slowdown=1.25, comm_alone=0.01,
+                                            comm_stretch=1.5, runs=3))
     return [BenchResult("kernel", tuple(kernel), "", 0.0), BenchResult("gemm", tuple(gemm), "", 0.0),
             BenchResult("memory", tuple(memory), "", 0.0), *comm,
             BenchResult("overlap", (overlap,), "", 0.0)]
 
 
+MACHINE = MachineInfo(host="h", cpu="c", cores=2, torch=torch.__version__)
+
+
 def _fit(tmp_path):
     opts = CalibrationOptions(n=N, output=tmp_path / "synthetic.yaml")
-    profile = fit_profile(_synthetic_results(), load_hardware("cpu-gloo"), opts, {"host": "h", "cpu": "c"}, 1.0)
-    return profile, load_hardware_dict(profile, "synthetic")
+    profile = fit_profile(_synthetic_results(), load_hardware("cpu-gloo"), opts, MACHINE, 1.0)
+    return profile, profile.hardware()
 
 
 def test_fit_recovers_known_hardware(tmp_path):
@@ -155,19 +158,33 @@ def test_fit_recovers_known_hardware(tmp_path):
     # compute slowdown 1.25 -> 20 of 100 "SMs" held: CostModel gives the measured factor back
     assert (hw.sm_count, hw.comm_sm_budgets) == (100, (20,))
     assert CostModel(hw).compute_slowdown(20) == pytest.approx(1.25)
+    assert hw.comm_overlap_stretch == pytest.approx(1.5)
     # the fitted model reproduces every sample it was fitted on
-    for line in self_check(hw, _synthetic_results(), N):
-        assert re.search(r"median \|error\| 0% ", line), line
+    checks = self_check(hw, _synthetic_results(), N)
+    assert {c.bench for c in checks} == {"kernel", "gemm", "memory", "all_gather", "reduce_scatter", "all_to_all",
+                                         "all_reduce"}
+    for c in checks:
+        assert c.median_error < 0.005, c.line()
 
 
 def test_fitted_profile_round_trips_through_yaml(tmp_path):
-    from moegraph.runtime.calibrate import write_profile
     profile, hw = _fit(tmp_path)
     path = tmp_path / "synthetic.yaml"
-    write_profile(path, profile, _synthetic_results(), ["ok"])
+    write_profile(path, profile, _synthetic_results(), self_check(hw, _synthetic_results(), N))
     again = load_hardware(path)
     assert again.to_dict() == hw.to_dict()
-    assert path.read_text().startswith("# Hardware profile written by `moegraph calibrate`")
+    facts = read_facts(again)                                    # the structured facts survive the file
+    assert dataclasses.replace(facts, remarks=()) == dataclasses.replace(profile.facts, remarks=())
+    assert facts.notes() == profile.facts.notes() and facts.n == N and facts.foreign_load_cores is None
+    text = path.read_text()
+    assert text.startswith("# Hardware profile written by `moegraph calibrate`")
+    assert "#   gemm: median |error| 0% over 5 cases" in text
+
+
+def test_samples_round_trip_through_json(tmp_path):
+    path = tmp_path / "samples.json"
+    write_samples(path, _synthetic_results(), CalibrationOptions(n=N), MACHINE)
+    assert read_samples(path) == _synthetic_results()
 
 
 def test_binned_curve_keeps_bin_totals_and_is_valid():
@@ -240,9 +257,9 @@ def test_shipped_cpu_profile_is_valid_and_dated():
     hw = load_hardware(SHIPPED)
     assert {name for name, _ in hw.curves} == set(CURVE_NAMES)
     assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", dict(hw.measured)["date"])
-    facts = parse_notes(hw)
-    assert (facts["n"], facts["backend"], facts["threads_per_rank"]) == ("2", "gloo", "1")
-    assert facts["unmeasured"] == "[]"
+    facts = read_facts(hw)
+    assert (facts.n, facts.backend, facts.threads_per_rank) == (2, "gloo", 1)
+    assert facts.unmeasured == ()
     for _, points in hw.curves:
         assert [s for s, _ in points] == sorted(s for s, _ in points)
 
@@ -254,4 +271,4 @@ def test_cuda_calibration_writes_single_gpu_curves(tmp_path):
     assert main(["calibrate", "--device", "cuda", "--time-budget", "30", "-o", str(out)]) == 0
     hw = load_hardware(out)
     assert {"gemm_eff", "mem_eff"} <= {name for name, _ in hw.curves}
-    assert "all_gather" in parse_notes(hw)["unmeasured"]
+    assert "all_gather" in read_facts(hw).unmeasured

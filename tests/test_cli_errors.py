@@ -75,6 +75,19 @@ RUNTIME_CASES = [
     (["demo", "--steps", "0"], "'0' is not a positive integer"),
     (["demo", "--skip-run", "-o", "{tmp}/a_file.txt"], "is an existing file"),
     (["calibrate", "-o", "{tmp}/a_dir"], "a_dir"),
+    (["run", "--schedule", "{tmp}/missing.json"], "missing.json: no such file"),
+    (["run", "--schedule", "fastest"], "'fastest' is not one of cpsat, sequential, greedy, megascale or a schedule "
+                                       "file (.json)"),
+    (["run", "--schedule", "{tmp}/sched.json", "--seq", "128"], "--seq 128 does not match the schedule file"),
+    (["run", "--schedule", "{tmp}/sched.json", "--model", "small"], "--model small does not match the schedule file"),
+    (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
+    (["run", "--model", "tiny", "--n", "3"], "n=3 does not divide heads=4"),
+    (["run", "--backend", "nccl", "--model", "small", "--n", "64"], "--backend nccl needs 64 CUDA devices"),
+    (["calibrate", "--time-budget", "0", "-o", "{tmp}/p.yaml"], "--time-budget 0: must be between 5 and 3600 s"),
+    (["calibrate", "--n", "0", "-o", "{tmp}/p.yaml"], "--n 0: the number of ranks must be between 1 and 64"),
+    (["calibrate", "--samples", "{tmp}/s.txt", "-o", "{tmp}/p.yaml"], "s.txt: expected a .json file"),
+    (["calibrate", "-o", "{tmp}/p.txt"], "a profile is a .yaml or .yml file"),
+    (["demo", "--steps", "-3"], "'-3' is not a positive integer"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

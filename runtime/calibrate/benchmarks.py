@@ -27,6 +27,7 @@ S sequence on this rank, H/G query/kv heads on this rank, d head dim, n ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 import os
@@ -35,7 +36,6 @@ import socket
 import statistics
 import sys
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -43,12 +43,26 @@ import torch
 
 from moegraph.cost import collective_bytes
 from moegraph.ir import Node, OpKind, Phase, Role, freeze_attrs
-from moegraph.kernels import RankContext, RecvMap, run_compute
+from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
+from moegraph.runtime.collectives import Comm, Pending
 
-__all__ = ["Sample", "BenchResult", "BENCHES", "TORCH_DTYPES", "rank_main", "run_benches", "machine_info"]
+__all__ = ["Sample", "OverlapMeasure", "BenchResult", "MachineInfo", "BENCHES", "TORCH_DTYPES", "rank_benchmarks",
+           "run_benches", "machine_info", "make_collective"]
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MEMORY_BOUND_OPS = ("rmsnorm", "rope", "swiglu", "permute", "unpermute", "gate", "add", "cast", "index_map")
+
+
+@dataclass(frozen=True)
+class OverlapMeasure:
+    """Compute beside a collective (bench_overlap): seconds of one GEMM alone, its slowdown while
+    the collective is in flight, seconds of the collective alone and its stretch beside compute."""
+
+    compute_alone: float
+    compute_slowdown: float
+    comm_alone: float
+    comm_stretch: float
+    runs: int
 
 
 @dataclass(frozen=True)
@@ -66,10 +80,26 @@ class Sample:
     mem_bytes: float = 0.0
     comm_bytes: float = 0.0
     label: str = ""
-    extra: tuple[tuple[str, float], ...] = ()
+    graph: str = ""                             # model_graphs: the layer graph the node belongs to
+    overlap: OverlapMeasure | None = None       # the overlap benchmark's measurements
 
-    def get(self, key: str) -> float:
-        return dict(self.extra)[key]
+
+@dataclass(frozen=True)
+class MachineInfo:
+    """The machine a calibration ran on (``benchmarks.machine_info``), plus the load around it."""
+
+    host: str
+    cpu: str
+    cores: int
+    torch: str
+    gpu: str | None = None
+    sm_count: int | None = None
+    memory_bytes: int | None = None
+    load_avg_1m: float | None = None          # before the run
+    foreign_load_cores: float | None = None   # cores other processes used during it
+
+    def line(self) -> str:
+        return f"{self.host}: {self.gpu or self.cpu}, {self.cores} cores"
 
 
 @dataclass(frozen=True)
@@ -200,6 +230,8 @@ class RankEnv:
     group: Lockstep
     clock: Clock
     verbose: bool = True
+    comm: Comm | None = None      # the runtime's collectives (n >= 2)
+    timeout_s: float = 300.0      # any one collective
     ctx: RankContext = field(init=False)
 
     def __post_init__(self):
@@ -481,93 +513,54 @@ def bench_memory(env: RankEnv, deadline: float) -> BenchResult:
                        f"{left} cases not run (budget)" if left else "")
 
 
-# --- collectives, as runtime/collectives.py issues them ----------------------------------------
+# --- collectives: the runtime's own (moegraph.runtime.collectives.Comm) ------------------------
 
 _H = 64                                                      # row width of collective test tensors
+COMM_STREAM = "comm"
 
 
-def _all_gather_single():
-    import torch.distributed as dist
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_single():
-    import torch.distributed as dist
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0):
-    """(issue, full_bytes, op): issue() starts the collective asynchronously and returns
-    (work, finish); finish() builds the outputs. Sizes give ``comm_bytes`` sent per rank."""
-    import torch.distributed as dist
+def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0
+                    ) -> tuple[Callable[[], Pending], int, OpKind]:
+    """(issue, full_bytes, op): issue() starts the collective on the runtime's ``Comm`` exactly as
+    the executor does (an IR node and its inputs) and returns its Pending. Sizes give about
+    ``comm_bytes`` sent per rank; full_bytes is the tensor the cost model prices."""
+    if env.comm is None:
+        raise ValueError(f"collective {kind!r} needs n >= 2 ranks with a process group")
     n, esize = env.n, torch.empty((), dtype=env.dtype).element_size()
     shard_rows = max(1, round(comm_bytes / (n - 1) / (_H * esize)))     # rows of one rank's shard
     if kind == "all_gather":
         x = env.rand(1, shard_rows, _H)                                 # [b, S, h] -> [b, n*S, h]
-
-        def issue():
-            out = x.new_empty((n, shard_rows, _H))
-            work = _all_gather_single()(out, x.contiguous(), async_op=True)
-            return work, lambda: torch.cat(out.view(n, 1, shard_rows, _H).unbind(0), dim=1)
-        return issue, n * _nbytes(x), OpKind.ALL_GATHER
-    if kind == "reduce_scatter":
+        op, ins, attrs, full = OpKind.ALL_GATHER, [x], {"dim": 1}, n * _nbytes(x)
+    elif kind == "reduce_scatter":
         x = env.rand(1, n * shard_rows, _H)                             # [b, n*S, h] -> [b, S, h]
-        emulate = env.backend == "gloo"                                  # runtime: gloo always emulates
-
-        def issue():
-            chunks = torch.stack(x.chunk(n, dim=1))                      # [n, b, S, h]
-            if not emulate:
-                out = chunks.new_empty(chunks.shape[1:])
-                return _reduce_scatter_single()(out, chunks.view(-1, *chunks.shape[2:]), async_op=True), lambda: out
-            recv = torch.empty_like(chunks)
-            work = dist.all_to_all_single(recv, chunks, async_op=True)
-            return work, lambda: recv.sum(0)
-        return issue, _nbytes(x), OpKind.REDUCE_SCATTER
-    if kind == "all_to_all":                                            # Ulysses "heads" mode, packed
+        op, ins, attrs, full = OpKind.REDUCE_SCATTER, [x], {"dim": 1}, _nbytes(x)
+    elif kind == "all_to_all":                                          # Ulysses "heads" mode
         x = env.rand(1, shard_rows, n * _H)                              # [b, S, n*h'] -> [b, n*S, h']
-
-        def issue():
-            parts = x.chunk(n, dim=2)
-            send = torch.stack([p.reshape(-1) for p in parts])           # [n, S*h']
-            recv = torch.empty_like(send)
-            work = dist.all_to_all_single(recv, send, async_op=True)
-            return work, lambda: torch.cat([recv[r].view(parts[0].shape) for r in range(n)], dim=1)
-        return issue, _nbytes(x), OpKind.ALL_TO_ALL
-    if kind == "all_to_all_uneven":                                     # "tokens" mode: counts first
+        op, ins, attrs, full = OpKind.ALL_TO_ALL, [x], {"mode": "heads", "split_dim": 2, "cat_dim": 1}, _nbytes(x)
+    elif kind == "all_to_all_uneven":                                   # "tokens" mode: counts first
         rows = n * shard_rows
         g = torch.Generator().manual_seed(seed * 1000 + env.rank)
         dest = torch.randint(0, n, (rows,), generator=g)                 # balanced in expectation
-        splits = torch.bincount(dest, minlength=n).tolist()
-        x = env.rand(rows, _H)
-
-        def issue():
-            counts = torch.tensor(splits, dtype=torch.int64).view(n, 1)
-            got = torch.empty_like(counts)
-            dist.all_to_all_single(got, counts, async_op=True).wait()    # the runtime's count exchange
-            recv_splits = got.view(-1).tolist()
-            out = x.new_empty((sum(recv_splits), _H))
-            work = dist.all_to_all_single(out, x, output_split_sizes=recv_splits, input_split_sizes=splits,
-                                          async_op=True)
-            return work, lambda: out
-        return issue, n * shard_rows * _H * esize, OpKind.ALL_TO_ALL
-    if kind == "all_reduce":
+        splits = tuple(int(c) for c in torch.bincount(dest, minlength=n).tolist())
+        index = IndexMap(torch.arange(rows), 1, (), splits)
+        op, ins, attrs, full = (OpKind.ALL_TO_ALL, [env.rand(rows, _H), index], {"mode": "tokens"},
+                                n * shard_rows * _H * esize)
+    elif kind == "all_reduce":
         rows = max(n, round(comm_bytes * n / (2 * (n - 1)) / (_H * esize) / n) * n)
         x = env.rand(rows, _H)
+        op, ins, attrs, full = OpKind.ALL_REDUCE, [x], {}, _nbytes(x)
+    else:
+        raise ValueError(f"collective {kind!r} is not one of all_gather, reduce_scatter, all_to_all, "
+                         f"all_to_all_uneven, all_reduce")
+    node = Node(name=f"calibrate.{kind}", op=op, phase=Phase.FORWARD, inputs=tuple(f"in{i}" for i in range(len(ins))),
+                outputs=("y",), comm_bytes=collective_bytes(op, full - full % n, n), group=n,
+                attrs=freeze_attrs(attrs))
+    comm = env.comm
+    return (lambda: comm.issue(node, ins, COMM_STREAM, 0)), full, op
 
-        def issue():
-            out = x.clone()
-            return dist.all_reduce(out, async_op=True), lambda: out
-        return issue, _nbytes(x), OpKind.ALL_REDUCE
-    raise ValueError(f"collective {kind!r} is not one of all_gather, reduce_scatter, all_to_all, "
-                     f"all_to_all_uneven, all_reduce")
 
-
-def _blocking(issue):
-    def call():
-        work, finish = issue()
-        work.wait()
-        return finish()
-    return call
+def _blocking(env: RankEnv, issue: Callable[[], Pending]) -> Callable[[], list[Any]]:
+    return lambda: issue().wait(env.timeout_s, env.rank)
 
 
 COMM_SIZES_CPU = tuple(1 << b for b in range(10, 25, 2))              # 1 KiB .. 16 MiB sent per rank
@@ -577,7 +570,7 @@ def bench_collective(env: RankEnv, kind: str, deadline: float) -> BenchResult:
     def run(target, dl, left):
         issue, full, op = make_collective(env, kind, target, seed=target)
         comm = collective_bytes(op, full - full % env.n, env.n)
-        sec = measure(env, _blocking(issue), dl, left, "max", max_reps=100)
+        sec = measure(env, _blocking(env, issue), dl, left, "max", max_reps=100)
         return Sample(kind, op.value, sec, comm_bytes=comm, label=f"{kind} {comm} B")
 
     samples, left = sweep(env, COMM_SIZES_CPU, run, deadline, float, min_cases=2)
@@ -604,7 +597,7 @@ def bench_overlap(env: RankEnv, deadline: float) -> BenchResult:
         issue, full, op = make_collective(env, kind, comm_target, seed=i)
         comm = collective_bytes(op, full - full % env.n, env.n)
         sub_deadline = time.time() + max(0.0, deadline - time.time()) / (len(kinds) - i)
-        comm_alone = measure(env, _blocking(issue), time.time() + (sub_deadline - time.time()) / 3, 1, "max",
+        comm_alone = measure(env, _blocking(env, issue), time.time() + (sub_deadline - time.time()) / 3, 1, "max",
                              max_reps=10)
         ratios, stretches, runs = [], [], 0
         while True:
@@ -615,20 +608,19 @@ def bench_overlap(env: RankEnv, deadline: float) -> BenchResult:
             env.group.barrier()
             done: list[float] = []
             start = time.perf_counter()
-            work, finish = issue()
-            fut = getattr(work, "get_future", None)
+            pending = issue()
+            works = pending.works
             try:
-                fut().add_done_callback(lambda _f: done.append(time.perf_counter()))
-            except Exception:                       # noqa: BLE001 - no future: poll below
+                works[-1].get_future().add_done_callback(lambda _f: done.append(time.perf_counter()))
+            except (AttributeError, RuntimeError):  # a work without a future: polled below
                 pass
             loop = []
-            while not work.is_completed():
+            while not all(w.is_completed() for w in works):
                 t = time.perf_counter()
                 gemm()
                 loop.append((t, time.perf_counter()))
-            work.wait()
             end = done[0] if done else time.perf_counter()
-            finish()
+            pending.wait(env.timeout_s, env.rank)
             inside = [b - a for a, b in loop if b <= end] or [b - a for a, b in loop]
             if inside:
                 ratios.append(statistics.median(inside) / compute_alone)
@@ -636,10 +628,9 @@ def bench_overlap(env: RankEnv, deadline: float) -> BenchResult:
         ratio, stretch = env.group.reduce([statistics.median(ratios) if ratios else 1.0,
                                            statistics.median(stretches)], "mean")
         samples.append(Sample("overlap", op.value, comm_alone * stretch, comm_bytes=comm, label=kind,
-                              extra=(("compute_alone", compute_alone), ("compute_slowdown", ratio),
-                                     ("comm_alone", comm_alone), ("comm_stretch", stretch), ("runs", runs))))
-    slow = statistics.mean(s.get("compute_slowdown") for s in samples)
-    stretch = statistics.mean(s.get("comm_stretch") for s in samples)
+                              overlap=OverlapMeasure(compute_alone, ratio, comm_alone, stretch, runs)))
+    slow = statistics.mean(s.overlap.compute_slowdown for s in samples)
+    stretch = statistics.mean(s.overlap.comm_stretch for s in samples)
     return BenchResult("overlap", tuple(samples),
                        f"compute x{slow:.2f} while a collective runs, collective x{stretch:.2f} while compute "
                        f"runs", 0.0)
@@ -742,7 +733,7 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
             break
         passes += 1
     samples = [Sample("model_graphs", nd.op.value, sec, flops=nd.flops, mem_bytes=nd.mem_bytes,
-                      label=f"{label}: {nd.name}", extra=(("graph", float(i)),))
+                      label=f"{label}: {nd.name}", graph=label)
                for (i, label, _, nodes, _), medians in zip(prepared, best) for nd, sec in zip(nodes, medians)]
     left = len(MODEL_GRAPHS) - len(prepared) - len(notes)
     skipped = "; ".join(notes + ([f"{left} graphs not run (budget)"] if left else []))
@@ -791,8 +782,8 @@ def run_benches(env: RankEnv, only: Sequence[str] | None = None) -> list[BenchRe
     return results
 
 
-def machine_info(device: torch.device) -> dict[str, str]:
-    """Host name, CPU or GPU model, core count, torch version."""
+def machine_info(device: torch.device) -> MachineInfo:
+    """Host name, CPU or GPU model, core count, torch version (GPU: SM count and memory)."""
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -800,9 +791,11 @@ def machine_info(device: torch.device) -> dict[str, str]:
         cpu = names[0] if names else cpu
     except OSError:
         pass
-    info = {"host": socket.gethostname(), "cpu": cpu, "cores": str(os.cpu_count() or 1), "torch": torch.__version__}
+    info = MachineInfo(socket.gethostname(), cpu, os.cpu_count() or 1, torch.__version__)
     if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
+        props = torch.cuda.get_device_properties(device)
+        info = dataclasses.replace(info, gpu=torch.cuda.get_device_name(device), sm_count=props.multi_processor_count,
+                                   memory_bytes=int(props.total_memory))
     return info
 
 
@@ -828,29 +821,13 @@ def machine_busy_seconds() -> float | None:
         return None
 
 
-def rank_main(rank: int, n: int, port: int, spec: dict[str, Any], queue: Any) -> None:
-    """Entry point of one spawned calibration rank: init gloo, run the benchmarks, report.
-
-    Every rank puts ("ok", rank, (results, cpu seconds it used)) on the queue, results being
-    [BenchResult, ...] on rank 0 and None elsewhere; a failure puts ("error", rank, traceback)."""
-    import datetime
-    import torch.distributed as dist
-    try:
-        if os.path.exists("/sys/class/net/lo"):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")          # loopback only, as the runtime
-        torch.set_num_threads(spec["threads"])
-        if spec["backend"] == "gloo":
-            from moegraph.runtime.launch import keep_freed_memory
-            keep_freed_memory()                                          # as runtime ranks do
-        if n > 1:
-            dist.init_process_group(spec["backend"], init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                    world_size=n, timeout=datetime.timedelta(seconds=spec["pg_timeout_s"]))
-        env = RankEnv(rank, n, torch.device("cpu"), spec["dtype"], spec["backend"], spec["t0"], spec["deadline"],
-                      Lockstep(rank, n), Clock(torch.device("cpu")), verbose=spec.get("verbose", True))
-        results = run_benches(env, spec.get("only"))
-        queue.put(("ok", rank, (results if rank == 0 else None, cpu_seconds())))
-    except BaseException:                       # noqa: BLE001 - every failure goes back, named by rank
-        queue.put(("error", rank, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+def rank_benchmarks(rank: int, n: int, spec: dict[str, Any]) -> tuple[list[BenchResult] | None, float]:
+    """One calibration rank, started by ``moegraph.runtime.launch.spawn`` (process group, threads
+    and memory settings as for runtime ranks): run the benchmarks; (results on rank 0 else None,
+    CPU seconds this rank used)."""
+    comm = Comm(((COMM_STREAM, 0),), rank=rank, n=n, timeout_s=spec["pg_timeout_s"]) if n > 1 else None
+    env = RankEnv(rank, n, torch.device("cpu"), spec["dtype"], spec["backend"], spec["t0"], spec["deadline"],
+                  Lockstep(rank, n), Clock(torch.device("cpu")), verbose=spec.get("verbose", True), comm=comm,
+                  timeout_s=spec["pg_timeout_s"])
+    results = run_benches(env, spec.get("only"))
+    return (results if rank == 0 else None), cpu_seconds()

@@ -1,7 +1,7 @@
 """In-step calibration: time real training steps and fit how much slower each op class runs
 inside a step than alone.
 
-The microbenchmarks of ``moegraph.runtime.microbench`` time each kernel alone, with its operands warm in
+The microbenchmarks of ``moegraph.runtime.calibrate.benchmarks`` time each kernel alone, with its operands warm in
 cache and nothing else running. Inside a real step the same kernel finds its operands evicted by
 the multi-MiB weight GEMMs before it, shares the cores with the collective threads, pays the
 executor's per-node host overhead, and every collective also absorbs the other ranks' lateness
@@ -75,7 +75,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
     from moegraph.runtime.commands import spawn_plans, step_stats
-    from moegraph.runtime.module import make_plan
+    from moegraph.runtime.plan import ExecutionPlan
     from moegraph.runtime.trace import trace_from_dict
     cost = CostModel(hw)
     out = []
@@ -86,7 +86,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
         model = load_model(model_name)
         graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32"),
                             batch=1, seq=seq)
-        plan = make_plan(graph, cost, "sequential")
+        plan = ExecutionPlan.sequential(graph)      # one node at a time: each span is in-step time
         results = spawn_plans(Layer(model, hw, cost, graph, {}), (plan,), steps=steps, warmup=warmup)
         spans: dict[str, list[float]] = defaultdict(list)
         for r in results:
@@ -134,13 +134,25 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> dict[str, float]
     return {c: round(min(100.0, max(0.1, f * scale)), 4) for c, f in factors.items()}
 
 
-def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[str]:
+@dataclass(frozen=True)
+class StepCheck:
+    """One measured layer: the sequential makespan the profile predicts against the measured step."""
+
+    label: str
+    predicted_us: float
+    measured_us: float
+
+    @property
+    def error(self) -> float:
+        return self.predicted_us / self.measured_us - 1
+
+    def line(self) -> str:
+        return (f"in-step {self.label}: sequential step {self.predicted_us / 1e3:.1f} ms predicted vs "
+                f"{self.measured_us / 1e3:.1f} ms measured ({self.error:+.1%})")
+
+
+def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[StepCheck]:
     """Per measured layer: the sequential makespan ``hw`` predicts against the measured step."""
     from moegraph.cost import CostModel
     cost = CostModel(hw)
-    lines = []
-    for s in samples:
-        pred = sum(cost.node_time_us(node) for node in s.graph.nodes)
-        lines.append(f"in-step {s.label}: sequential step {pred / 1e3:.1f} ms predicted vs "
-                     f"{s.step_us / 1e3:.1f} ms measured ({pred / s.step_us - 1:+.1%})")
-    return lines
+    return [StepCheck(s.label, sum(cost.node_time_us(node) for node in s.graph.nodes), s.step_us) for s in samples]

@@ -1,0 +1,267 @@
+"""`moegraph calibrate`: measure this machine into a hardware profile the cost model reads.
+
+    moegraph calibrate [--device cpu|cuda] [--backend gloo|nccl] [--n N] [--time-budget S]
+                       [--base NAME] [--dtype fp32|bf16] [--samples FILE.json] [--quiet] [--json]
+                       -o PROFILE.yaml
+
+CPU (default): N ranks are started by ``moegraph.runtime.launch.spawn`` on loopback gloo with
+max(1, cores // N) threads each, exactly as runtime ranks, and run ``moegraph.runtime.calibrate.benchmarks`` in lockstep.
+CUDA: one process, single-GPU curves only (GEMM, grouped GEMM, attention, memory, kernel
+latency, timed with CUDA events); collectives and the overlap slowdown need several GPUs and
+keep the ``--base`` profile's values, listed as unmeasured. UNTESTED: no GPU was available
+when this path was written.
+
+The package: ``benchmarks`` (what runs inside each rank), ``fit`` (measurements -> profile),
+``profile_io`` (the profile and samples files, the structured facts), ``steps`` (the in-step
+stage), ``command`` (this command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from moegraph.cli import UsageError
+from moegraph.registry import load_hardware
+from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo
+from moegraph.runtime.calibrate.fit import BenchCheck, GraphCheck, fit_profile, self_check, summarize_checks
+from moegraph.runtime.calibrate.options import (MAX_BUDGET_S, MAX_RANKS, MIN_BUDGET_S, MIN_IN_STEP_BUDGET_S,
+                                                CalibrationError, CalibrationOptions, in_step_enabled)
+from moegraph.runtime.calibrate.profile_io import Profile, write_profile, write_samples
+
+__all__ = ["calibrate_command", "options_from_args", "run_calibration", "Calibration", "format_summary"]
+
+STARTUP_HINT_S = 5.0        # spawning ranks and importing torch on a 2-core machine
+RESERVE_S = 1.5             # kept back from the budget for teardown, fitting and writing
+HARD_LIMIT_EXTRA_S = 120.0  # ranks still running this long after the budget are killed
+FOREIGN_LOAD_WARN = 0.15    # cores used by other processes during the run that make it suspect
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """What one run produced: the written profile, the benchmark results, the checks, the wall time."""
+
+    profile: Profile
+    results: tuple[BenchResult, ...]
+    checks: tuple[Any, ...]             # GraphCheck | BenchCheck | steps.StepCheck, each with line()
+    wall_s: float
+
+
+# --- command line ----------------------------------------------------------------------------
+
+def calibrate_command(p: argparse.ArgumentParser):
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what to calibrate (default cpu)")
+    p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
+                   help="collective backend (default gloo on cpu, nccl on cuda)")
+    p.add_argument("--n", type=int, default=2, metavar="N", help="ranks for the collective benchmarks (default %(default)s)")
+    p.add_argument("--time-budget", type=float, default=180.0, metavar="S",
+                   help="seconds for the whole calibration, startup included (default %(default)s)")
+    p.add_argument("--base", default=None,
+                   help="registry name or YAML path giving unmeasured fields (default cpu-gloo on cpu, h100 on cuda)")
+    p.add_argument("--dtype", default=None, choices=("fp32", "bf16"),
+                   help="dtype of the kernels (default fp32 on cpu, bf16 on cuda)")
+    p.add_argument("-o", "--output", required=True, metavar="PROFILE.yaml", help="where to write the profile")
+    p.add_argument("--samples", default=None, metavar="FILE.json",
+                   help="also write every raw sample (median seconds, sizes) as JSON, for inspection or refitting")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    return _handle
+
+
+def _handle(args: argparse.Namespace) -> int:
+    opts = options_from_args(args)
+    cal = run_calibration(opts)
+    if args.json:
+        json.dump(summary_json(cal, opts), sys.stdout, indent=1)
+        print()
+    else:
+        print(format_summary(cal, opts))
+    return 0
+
+
+def options_from_args(args: argparse.Namespace) -> CalibrationOptions:
+    """Validate the command line; every rejection is a one-line UsageError."""
+    if not 1 <= args.n <= MAX_RANKS:
+        raise UsageError(f"--n {args.n}: the number of ranks must be between 1 and {MAX_RANKS}")
+    budget = args.time_budget
+    if not (math.isfinite(budget) and MIN_BUDGET_S <= budget <= MAX_BUDGET_S):
+        raise UsageError(f"--time-budget {budget:g}: must be between {MIN_BUDGET_S:g} and {MAX_BUDGET_S:g} s "
+                         f"(starting the ranks alone takes about {STARTUP_HINT_S:g} s)")
+    backend = args.backend or ("gloo" if args.device == "cpu" else "nccl")
+    if args.device == "cpu" and backend != "gloo":
+        raise UsageError(f"--backend {backend} needs --device cuda; CPU ranks talk over gloo")
+    if args.device == "cuda":
+        import torch
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device cuda: CUDA is not available (torch {torch.__version__} sees no GPU); "
+                             f"use --device cpu")
+    output = Path(args.output)
+    _check_writable(output)
+    base = args.base or ("cpu-gloo" if args.device == "cpu" else "h100")
+    load_hardware(base)                                    # an unknown or broken base fails now
+    dtype = args.dtype or ("fp32" if args.device == "cpu" else "bf16")
+    samples = None
+    if args.samples:
+        samples = Path(args.samples)
+        if samples.suffix != ".json":
+            raise UsageError(f"--samples {samples}: expected a .json file")
+        _check_writable(samples, suffixes=(".json",))
+    return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples)
+
+
+def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -> None:
+    flag = "-o" if ".yaml" in suffixes else "--samples"
+    if path.suffix not in suffixes:
+        raise UsageError(f"-o {path}: a profile is a .yaml or .yml file (load_hardware reads it by that suffix)")
+    if path.is_dir():
+        raise UsageError(f"{flag} {path}: is a directory")
+    existed = path.exists()
+    try:
+        with open(path, "a"):
+            pass
+    except OSError as err:
+        raise UsageError(f"{flag} {path}: cannot write ({err.strerror})") from None
+    if not existed:
+        path.unlink()
+
+
+# --- running the benchmarks --------------------------------------------------------------------
+
+def run_calibration(opts: CalibrationOptions) -> Calibration:
+    """Measure, fit and write ``opts.output`` (and ``opts.samples``)."""
+    t0 = time.time()
+    base = load_hardware(opts.base)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    if opts.verbose:
+        what = (f"{opts.n} rank(s) on {opts.backend}, {opts.threads} thread(s) each" if opts.device == "cpu"
+                else "one GPU")
+        print(f"calibrate [{0.0:6.1f}s] {opts.device} {opts.dtype}, {what}, budget {opts.time_budget_s:g} s, "
+              f"base {base.name}", file=sys.stderr, flush=True)
+    if opts.device == "cpu":
+        results, info = _run_cpu(opts, t0)
+    else:
+        results, info = _run_cuda(opts, t0)
+    wall = time.time() - t0
+    info = dataclasses.replace(info, load_avg_1m=load)
+    profile = fit_profile(results, base, opts, info, wall)
+    checks: list[Any] = list(self_check(profile.hardware(), results, opts.n))   # the isolated regime
+    profile = profile.with_remark("self-check: " + summarize_checks(checks))
+    profile, step_checks = _in_step_stage(profile, opts, t0)
+    checks += step_checks
+    write_profile(opts.output, profile, results, checks)
+    if opts.samples is not None:
+        write_samples(opts.samples, results, opts, info)
+    if opts.verbose:
+        for c in checks:
+            print(f"calibrate [{time.time() - t0:6.1f}s] self-check {c.line()}", file=sys.stderr, flush=True)
+    return Calibration(profile, tuple(results), tuple(checks), time.time() - t0)
+
+
+def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tuple[Profile, list[Any]]:
+    """Measure real steps, store the in-step factors in the profile; (profile, StepChecks)."""
+    from moegraph.runtime.calibrate.steps import fit_in_step, in_step_checks, measure_steps
+    if not in_step_enabled(opts):
+        why = "CUDA: not implemented" if opts.device != "cpu" else (
+            "n=1 times no collective" if opts.n < 2 else f"--time-budget < {MIN_IN_STEP_BUDGET_S:g} s")
+        return profile.with_remark(f"in_step=skipped ({why})"), []
+    t = time.time()
+
+    def log(msg: str) -> None:
+        if opts.verbose:
+            print(f"calibrate [{time.time() - t0:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    samples = measure_steps(profile.hardware(), opts.n, deadline=t0 + opts.time_budget_s - RESERVE_S, log=log)
+    if not samples:
+        return profile.with_remark("in_step=skipped (out of time)"), []
+    factors = fit_in_step(profile.hardware(), samples)
+    noise = round(statistics.median(s.noise for s in samples), 4)
+    profile = profile.with_fields(in_step_factors=factors, step_noise=noise)
+    checks = in_step_checks(profile.hardware(), samples)
+    text = ", ".join(f"{c} x{f:.2f}" for c, f in factors.items())
+    profile = profile.with_remark(f"in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s; "
+                                  f"step_noise {noise} (median over layers of the steps' relative MAD)")
+    log(f"in-step factors {text}")
+    return profile, checks
+
+
+def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[BenchResult], MachineInfo]:
+    import torch
+
+    from moegraph.runtime.calibrate.benchmarks import (cpu_seconds, machine_busy_seconds, machine_info,
+                                                       rank_benchmarks)
+    from moegraph.runtime.launch import RankCrash, spawn
+    deadline = t0 + opts.time_budget_s - RESERVE_S
+    if in_step_enabled(opts):
+        from moegraph.runtime.calibrate.steps import STEP_STAGE_S
+        deadline -= STEP_STAGE_S                                   # left for the in-step stage
+    busy0, own0, wall0 = machine_busy_seconds(), cpu_seconds(), time.time()
+    spec = {"backend": opts.backend, "dtype": opts.dtype, "t0": t0, "deadline": deadline,
+            "pg_timeout_s": max(60.0, opts.time_budget_s), "verbose": opts.verbose}
+    hard = opts.time_budget_s + HARD_LIMIT_EXTRA_S - (time.time() - t0)
+    try:
+        per_rank = spawn(rank_benchmarks, opts.n, args=(spec,), backend=opts.backend, timeout_s=hard,
+                         pg_timeout_s=spec["pg_timeout_s"], threads=opts.threads)
+    except RankCrash as err:                     # a bug in a rank: its traceback; RankFailure stays one line
+        raise CalibrationError(f"calibration {err}") from None
+    busy1, own1, wall1 = machine_busy_seconds(), cpu_seconds(), time.time()
+    results = per_rank[0][0]
+    rank_cpu = sum(used for _, used in per_rank)
+    info = machine_info(torch.device("cpu"))
+    if busy0 is not None and busy1 is not None:
+        # CPU the rest of the machine used meanwhile: other users' jobs slow every benchmark
+        foreign = max(0.0, (busy1 - busy0) - (own1 - own0) - rank_cpu) / max(1e-9, wall1 - wall0)
+        info = dataclasses.replace(info, foreign_load_cores=round(foreign, 2))
+        if foreign > FOREIGN_LOAD_WARN and opts.verbose:
+            print(f"calibrate: warning: other processes used {foreign:.2f} of {os.cpu_count()} cores on average "
+                  f"during the measurements; the profile is pessimistic (calibrate again on a quiet machine)",
+                  file=sys.stderr, flush=True)
+    return results, info
+
+
+def _run_cuda(opts: CalibrationOptions, t0: float) -> tuple[list[BenchResult], MachineInfo]:
+    """UNTESTED (no GPU here): single-GPU benchmarks in this process, timed with CUDA events."""
+    import torch
+
+    from moegraph.runtime.calibrate.benchmarks import Clock, Lockstep, RankEnv, machine_info, run_benches
+    device = torch.device("cuda", torch.cuda.current_device())
+    env = RankEnv(0, 1, device, opts.dtype, opts.backend, t0, t0 + opts.time_budget_s - RESERVE_S,
+                  Lockstep(0, 1), Clock(device), verbose=opts.verbose)
+    return run_benches(env), machine_info(device)
+
+
+def format_summary(cal: Calibration, opts: CalibrationOptions) -> str:
+    p, facts = cal.profile.fields, cal.profile.facts
+    rows = [("peak (GEMM, " + opts.dtype + ")", f"{p['peak_flops_bf16'] / 1e9:.1f} GFLOP/s"),
+            ("memory bandwidth", f"{p['hbm_bw_bytes_s'] / 1e9:.1f} GB/s"),
+            ("kernel latency", f"{p['kernel_latency_us']:.1f} us"),
+            ("link bandwidth", f"{p['nvlink_bw_bytes_s'] / 1e9:.2f} GB/s"),
+            ("collective step latency", f"{p['intra_node_latency_us']:.0f} us"),
+            ("comm SM budget / sm_count", f"{p['comm_sm_budgets']} / {p['sm_count']}"),
+            ("other processes (cores)", "?" if facts.foreign_load_cores is None else f"{facts.foreign_load_cores:.2f}")]
+    out = [f"wrote {opts.output} ({cal.wall_s:.1f} s)"] + [f"  {k:<26} {v}" for k, v in rows]
+    skipped = [r.name for r in cal.results if r.skipped]
+    if skipped:
+        out.append(f"  partly or not measured: {', '.join(skipped)}")
+    return "\n".join(out)
+
+
+def summary_json(cal: Calibration, opts: CalibrationOptions) -> dict[str, Any]:
+    """``calibrate --json``: the profile written, its facts, each benchmark and each check."""
+    graphs = [c for c in cal.checks if isinstance(c, GraphCheck)]
+    return {"output": str(opts.output), "samples": None if opts.samples is None else str(opts.samples),
+            "wall_s": round(cal.wall_s, 1), "profile": cal.profile.as_dict(),
+            "facts": dataclasses.asdict(cal.profile.facts),
+            "benchmarks": [{"name": r.name, "seconds": round(r.seconds, 2), "samples": len(r.samples),
+                            "summary": r.summary, "skipped": r.skipped} for r in cal.results],
+            "self_check": {"graphs": [{"label": c.label, "predicted_s": c.predicted_s, "measured_s": c.measured_s,
+                                       "error": round(c.error, 4)} for c in graphs],
+                           "benchmarks": [{"bench": c.bench, "median_error": round(c.median_error, 4),
+                                           "cases": c.cases} for c in cal.checks if isinstance(c, BenchCheck)],
+                           "lines": [c.line() for c in cal.checks]}}
