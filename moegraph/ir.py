@@ -57,6 +57,31 @@ class OpKind(enum.Enum):
 COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE})
 
 
+def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring/pairwise collective over n ranks: the ``Node.comm_bytes`` rule.
+
+    The one copy of the bytes-on-the-wire rule: lowering (``GraphBuilder.collective``), passes
+    and calibration all call it.
+    ALL_GATHER / REDUCE_SCATTER: full*(n-1)/n, full = the gathered (or pre-scatter) tensor.
+    ALL_TO_ALL: input*(n-1)/n, input = this rank's send buffer (it keeps 1/n for itself).
+    ALL_REDUCE: 2*full*(n-1)/n (a reduce-scatter then an all-gather).
+    The tensor must split into n equal whole-byte shards, so the result is exact; anything
+    else raises ValueError (lowering turns it into a ConfigError naming the node), never a
+    silently rounded byte count.
+    """
+    if n < 2:
+        raise ValueError(f"collective group size n={n} must be >= 2")
+    if full_tensor_bytes < 0 or full_tensor_bytes % n:
+        raise ValueError(f"full_tensor_bytes={full_tensor_bytes} is not divisible by n={n}")
+    shard = full_tensor_bytes // n
+    match op:
+        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL:
+            return shard * (n - 1)
+        case OpKind.ALL_REDUCE:
+            return 2 * shard * (n - 1)
+    raise NotImplementedError(f"no cost rule for {op}")
+
+
 class Phase(enum.Enum):
     FORWARD = "forward"
     BACKWARD = "backward"
@@ -128,9 +153,9 @@ class Node:
 
     flops:      floating-point operations on this rank.
     mem_bytes:  bytes moved through device memory (reads + writes) on this rank.
-    comm_bytes: bytes this rank sends over the network; 0 for compute. Ring all-gather and
-                reduce-scatter send (n-1)/n of the full tensor; all-to-all (n-1)/n of the
-                rank's input.
+    comm_bytes: bytes this rank sends over the network; 0 for compute (``collective_bytes``:
+                ring all-gather and reduce-scatter send (n-1)/n of the full tensor,
+                all-to-all (n-1)/n of the rank's input, all-reduce twice a ring's).
     group:      collective group size n (0 for compute).
     module:     qualified name of the nn.Module this node was lowered from (for errors and
                 for grouping into attention / ffn).

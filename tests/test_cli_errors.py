@@ -61,6 +61,8 @@ CORE_CASES = [
      "got nan (not a finite number)"),
     (["trace", "--model", "{tmp}/rope_nan.yaml"], "rope_nan.yaml: rope_theta: expected a positive number, got nan"),
     (["trace", "--model", "{tmp}/eps_nan.yaml"], "eps_nan.yaml: rms_eps: expected a positive number, got nan"),
+    (["trace", "--model", "{tmp}/odd.yaml", "--n", "3", "--seq", "3", "--dispatch", "a2a"],
+     "collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards"),
     (["compile", "--model", "{tmp}/huge.yaml"], "huge.yaml: hidden: expected a positive int <= 1,048,576, got "
      "1000000000000"),
 ]
@@ -109,6 +111,8 @@ def _write_bad_registry_yaml(tmp) -> None:
     (tmp / "rope_nan.yaml").write_text(model + "rope_theta: .nan\n")
     (tmp / "eps_nan.yaml").write_text(model + "rms_eps: .nan\n")
     (tmp / "huge.yaml").write_text(model.replace("hidden: 64", "hidden: 1000000000000"))
+    (tmp / "odd.yaml").write_text("layers: 1\nhidden: 100\nheads: 3\nkv_heads: 3\nhead_dim: 32\nffn_hidden: 64\n"
+                                  "experts: 3\ntop_k: 1\n")      # a token row (200 bytes) n=3 cannot share
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:

@@ -66,3 +66,30 @@ def test_backward_is_explicit_with_separate_weight_gradients(graph):
     # every parameter has a gradient output, replicated ones synchronised by an all-reduce
     assert set(graph.grad_of) == {p for p, _ in graph.params}
     assert by_name["router.weight.grad_allreduce"].op is OpKind.ALL_REDUCE
+
+
+# --- bytes on the wire: one exact rule (ir.collective_bytes), applied by GraphBuilder.collective ---
+
+def test_every_collective_sends_exactly_n_minus_1_shards(graph):
+    """Each forward collective's comm_bytes is (n-1)/n of the tensor the rule names, with no rounding:
+    all-gather -> its output, reduce-scatter and all-to-all -> their (first) input."""
+    comm = [n for n in graph.nodes if n.is_comm and n.phase is Phase.FORWARD]
+    assert {n.op for n in comm} >= {OpKind.ALL_TO_ALL} and comm
+    for node in comm:
+        full = graph.value[node.outputs[0] if node.op is OpKind.ALL_GATHER else node.inputs[0]].nbytes
+        if node.name.startswith("qkv_a2a"):       # q, k and v travel together
+            full = sum(graph.value[v].nbytes for v in node.inputs)
+        assert node.comm_bytes * node.group == full * (node.group - 1), node.name
+
+
+def test_a_tensor_that_does_not_split_evenly_is_a_config_error_not_rounded(tmp_path):
+    """hidden=100 (explicit head_dim) and n=3: one token row is 200 bytes, which 3 ranks cannot
+    share exactly; the old rule silently sent 133 bytes."""
+    from moegraph.builder import ConfigError
+    path = tmp_path / "odd.yaml"
+    path.write_text("layers: 1\nhidden: 100\nheads: 3\nkv_heads: 3\nhead_dim: 32\nffn_hidden: 64\n"
+                    "experts: 3\ntop_k: 1\n")
+    with pytest.raises(ConfigError) as e:
+        trace_model(load_model(str(path)), Strategy("sp", "ep", "a2a", 3), batch=1, seq=3)
+    assert str(e.value) == ("collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards "
+                            "(full_tensor_bytes=200 is not divisible by n=3)")
