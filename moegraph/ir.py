@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 import math
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
@@ -330,6 +331,23 @@ class Graph:
 
     def nodes_in(self, phase: Phase) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.phase is phase)
+
+
+def graph_digest(graph: Graph) -> str:
+    """sha256 of everything that decides what a rank computes and what it costs: name, dims,
+    strategy, every value and node (all fields, costs included), inputs, outputs, the saved set,
+    parameter specs and gradients. Not ``meta`` (pass bookkeeping). The one graph digest: the
+    tune cache keys on it, and an execution plan hashes it so every rank runs the same graph.
+    Deterministic across processes: reprs of frozen dataclasses, enums, tuples; ``saved`` sorted.
+    """
+    h = hashlib.sha256()
+    h.update(repr((graph.name, graph.dims, graph.strategy, graph.inputs, graph.outputs, sorted(graph.saved),
+                   graph.params, graph.grads)).encode())
+    for v in graph.values:
+        h.update(repr(v).encode())
+    for n in graph.nodes:
+        h.update(repr(n).encode())
+    return h.hexdigest()
 
 
 class GraphError(ValueError):

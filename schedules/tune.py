@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Strategy
+from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_memory_budget_arg
 from moegraph.options import UsageError, check_output, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
@@ -73,14 +73,8 @@ def candidates(model: ModelConfig, n: int, seq: int) -> list[Candidate]:
     return out
 
 
-def graph_key(graph: Graph) -> str:
-    """Content hash of a graph: nodes, values, saved set and strategy (reprs are deterministic)."""
-    text = repr((graph.nodes, graph.values, sorted(graph.saved), graph.strategy, graph.inputs, graph.outputs))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def cache_key(graph: Graph, hw: Hardware, options: dict[str, Any]) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_key(graph), "hw": hw.fingerprint(), "options": options},
+    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_digest(graph), "hw": hw.fingerprint(), "options": options},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

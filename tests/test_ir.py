@@ -93,3 +93,31 @@ def test_a_tensor_that_does_not_split_evenly_is_a_config_error_not_rounded(tmp_p
         trace_model(load_model(str(path)), Strategy("sp", "ep", "a2a", 3), batch=1, seq=3)
     assert str(e.value) == ("collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards "
                             "(full_tensor_bytes=200 is not divisible by n=3)")
+
+
+# --- the one graph digest (tune cache key, execution-plan hash) -----------------------------------
+
+def test_graph_digest_tracks_computation_and_cost_but_not_meta(graph):
+    from moegraph.ir import graph_digest
+    again = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=32)
+    assert graph_digest(again) == graph_digest(graph) and again is not graph
+    first = graph.nodes[0]
+    changed = [replace_node(graph, first.name, flops=first.flops + 1),                  # cost: tune must re-solve
+               replace_node(graph, first.name, attrs=first.with_attrs(extra=1).attrs),
+               dataclasses.replace(graph, saved=graph.saved - {sorted(graph.saved)[0]}),
+               dataclasses.replace(graph, strategy=dataclasses.replace(graph.strategy, chunks=2))]
+    assert len({graph_digest(g) for g in changed} | {graph_digest(graph)}) == len(changed) + 1
+    assert graph_digest(graph.with_meta(note="bookkeeping")) == graph_digest(graph)
+
+
+def test_graph_digest_is_the_same_in_another_process(graph):
+    """Ranks and cache readers are other processes: no hash-seed-dependent order may leak in."""
+    import subprocess
+    import sys
+    from moegraph.ir import graph_digest
+    code = ("from moegraph.ir import Strategy, graph_digest; from moegraph.registry import load_model; "
+            "from moegraph.tracer import trace_model; "
+            "print(graph_digest(trace_model(load_model('tiny'), Strategy('sp', 'ep', 'ag-rs', 2), batch=1, seq=32)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert out == graph_digest(graph)
