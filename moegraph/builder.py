@@ -8,29 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from moegraph.ir import (DTYPE_BYTES, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
+from moegraph.ir import (DTYPE_BYTES, ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
                          Value, ValueKind, collective_bytes, freeze_attrs)
 
 
-class ConfigError(ValueError):
-    """An invalid model/strategy combination; the message names every factor involved."""
-
-
 def check_strategy(dims: Dims, strategy: Strategy) -> None:
-    """Reject strategies the layer cannot be split by, naming the values involved."""
+    """Reject strategies the layer's sizes cannot be split by, naming the values involved (the
+    strategy's own fields are valid by construction: ``Strategy.__post_init__``)."""
     n = strategy.n
-    if strategy.attn not in ("tp", "sp"):
-        raise ConfigError(f"attn={strategy.attn!r} is not one of 'tp', 'sp'")
-    if strategy.ffn not in ("tp", "ep"):
-        raise ConfigError(f"ffn={strategy.ffn!r} is not one of 'tp', 'ep'")
-    if strategy.dispatch not in ("a2a", "ag-rs"):
-        raise ConfigError(f"dispatch={strategy.dispatch!r} is not one of 'a2a', 'ag-rs'")
-    if strategy.dtype not in ("bf16", "fp32"):
-        raise ConfigError(f"dtype={strategy.dtype!r} is not one of 'bf16', 'fp32'")
-    if n < 1:
-        raise ConfigError(f"n={n} must be a positive group size")
-    if strategy.ffn == "tp" and strategy.dispatch == "a2a":
-        raise ConfigError("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use dispatch='ag-rs')")
     if dims.k < 1 or dims.k > dims.experts:
         raise ConfigError(f"top-k={dims.k} must be between 1 and the expert count {dims.experts}")
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):

@@ -24,8 +24,9 @@ import enum
 import functools
 import hashlib
 import math
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 
 class OpKind(enum.Enum):
@@ -242,21 +243,100 @@ class Dims:
         return self.ffn / self.h
 
 
+Attn = Literal["tp", "sp"]
+"""Attention parallelism: tensor-parallel heads, or Ulysses sequence parallelism."""
+Ffn = Literal["tp", "ep"]
+"""Expert parallelism: each expert's h_ffn split n ways, or E/n whole experts per rank."""
+Dispatch = Literal["a2a", "ag-rs"]
+"""Token dispatch: all-to-all, or all-gather + reduce-scatter (the only one under ffn='tp')."""
+ActDtype = Literal["bf16", "fp32"]
+"""Activation dtype."""
+Gate = Literal["after-fc2", "before-fc2"]
+"""Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
+Remat = Literal["none", "paper", "budget"]
+"""Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
+
+
+class ConfigError(ValueError):
+    """An invalid model/strategy combination; the message names every factor involved."""
+
+
 @dataclass(frozen=True)
 class Strategy:
-    attn: str                     # "tp" | "sp"
-    ffn: str                      # "tp" | "ep"
-    dispatch: str                 # "a2a" | "ag-rs"
+    """How one layer is parallelised, lowered and rematerialized: one typed, validated value.
+
+    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget)
+    record the rematerialization applied (``moegraph.passes.sar``), and passes the labels of the
+    passes that produced the graph. Invalid values raise ConfigError naming every offending
+    field at once. Divisibility by the model's sizes is checked where the sizes are known
+    (``moegraph.builder.check_strategy``).
+    """
+
+    attn: Attn
+    """'tp' | 'sp'."""
+    ffn: Ffn
+    """'tp' | 'ep'."""
+    dispatch: Dispatch
+    """'a2a' | 'ag-rs'; 'a2a' needs ffn='ep'."""
     n: int
-    dtype: str = "bf16"
+    """Group size n (TP/SP/EP degree), >= 1."""
+    dtype: ActDtype = "bf16"
+    """Activation dtype."""
     chunks: int = 1
-    remat: str = "none"           # the sar policy applied, "none" if not rematerialized
-    gate: str = "after-fc2"       # "after-fc2" | "before-fc2" (gate-reorder)
+    """Token chunks N >= 1 of each block (comm/compute overlap; lowering/blocks.py)."""
+    remat: Remat = "none"
+    """The rematerialization policy applied: 'none' (not rematerialized), 'paper', 'budget'."""
+    gate: Gate = "after-fc2"
+    """Routing-weight placement (the gate-reorder pass chooses 'before-fc2')."""
     dp: int = 1
+    """Data-parallel degree D >= 1."""
     passes: tuple[str, ...] = ()
+    """Labels of the passes that produced the graph, in run order (a record, never parsed back)."""
+    remat_budget: int | None = None
+    """Activation-byte budget of remat='budget' (None otherwise)."""
+
+    def __post_init__(self):
+        problems = []
+        for f in dataclasses.fields(self):
+            choices = typing.get_args(_LITERALS.get(f.name))
+            if choices and getattr(self, f.name) not in choices:
+                problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(map(repr, choices))}")
+        for name in ("n", "chunks", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.ffn == "tp" and self.dispatch == "a2a":
+            problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
+                            "dispatch='ag-rs')")
+        budget = self.remat_budget
+        if self.remat == "budget" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            problems.append(f"remat='budget' needs remat_budget, a byte count >= 0 (got {budget!r})")
+        if self.remat != "budget" and budget is not None:
+            problems.append(f"remat_budget={budget!r} is only valid with remat='budget' (remat={self.remat!r})")
+        if not isinstance(self.passes, tuple) or not all(isinstance(p, str) for p in self.passes):
+            problems.append(f"passes={self.passes!r} must be a tuple of pass labels")
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"passes": list(self.passes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Strategy":
+        """Inverse of ``as_dict`` (a schedule file's graph.strategy); unknown keys are a ConfigError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - names)
+        if extra:
+            raise ConfigError(f"strategy: unknown field {extra[0]!r}; valid: {', '.join(sorted(names))}")
+        return cls(**{**data, "passes": tuple(data.get("passes", ()))})
+
+    def label(self) -> str:
+        """One line for tables: 'sp+ep a2a   chunks=2 remat=paper'."""
+        remat = f"budget:{self.remat_budget}" if self.remat == "budget" else self.remat
+        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}"
+
+
+_LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate}
 
 
 @dataclass(frozen=True)

@@ -55,6 +55,7 @@ CORE_CASES = [
     (["tune", "--model", "tiny", "--min-gain", "1"], "--min-gain=1.0 must be a fraction in [0, 1)"),
     (["tune", "--model", "tiny", "-o", "{tmp}/a_dir"], "is an existing directory"),
     (["tune", "--model", "tiny", "-o", "{tmp}/a_file.txt/best.json"], "is a file, not a directory"),
+    (["tune", "--model", "tiny", "--cache", "{tmp}/a_file.txt"], "--cache '"),
     (["trace", *TINY[:2], "--hardware", "{tmp}/hw_inf.yaml"], "hw_inf.yaml: nic_bw_bytes_s: expected a positive "
      "number, got inf (not a finite number)"),
     (["trace", *TINY[:2], "--hardware", "{tmp}/hw_nan.yaml"], "hw_nan.yaml: ring_eff: expected a number in (0, 1], "

@@ -121,3 +121,30 @@ def test_graph_digest_is_the_same_in_another_process(graph):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
     assert out == graph_digest(graph)
+
+
+# --- the typed strategy ------------------------------------------------------------------------
+
+def test_strategy_names_every_offending_field_at_once():
+    from moegraph.ir import ConfigError
+    with pytest.raises(ConfigError) as e:
+        Strategy("xx", "tp", "a2a", 0, dtype="fp8", chunks=True, gate="middle", dp=-1, remat="budget")
+    assert str(e.value) == (
+        "attn='xx' is not one of 'tp', 'sp'; dtype='fp8' is not one of 'bf16', 'fp32'; "
+        "gate='middle' is not one of 'after-fc2', 'before-fc2'; n=0 must be a positive integer; "
+        "chunks=True must be a positive integer; dp=-1 must be a positive integer; dispatch='a2a' needs "
+        "ffn='ep' (tensor-parallel experts see every token: use dispatch='ag-rs'); remat='budget' needs "
+        "remat_budget, a byte count >= 0 (got None)")
+    with pytest.raises(ConfigError, match=r"^remat_budget=5 is only valid with remat='budget' \(remat='paper'\)$"):
+        Strategy("sp", "ep", "a2a", 2, remat="paper", remat_budget=5)
+    with pytest.raises(ConfigError, match=r"^ffn='dp' is not one of 'tp', 'ep'$"):
+        dataclasses.replace(Strategy("sp", "ep", "a2a", 2), ffn="dp")
+
+
+def test_strategy_round_trips_through_its_dict():
+    s = Strategy("sp", "ep", "a2a", 2, chunks=4, remat="budget", remat_budget=1 << 20, gate="before-fc2",
+                 passes=("sar=budget:1MiB",))
+    assert Strategy.from_dict(s.as_dict()) == s
+    from moegraph.ir import ConfigError
+    with pytest.raises(ConfigError, match="^strategy: unknown field 'chunk'; valid: "):
+        Strategy.from_dict(s.as_dict() | {"chunk": 2})

@@ -269,6 +269,30 @@ def test_chunk_auto_with_free_latency_chunks_finer(h800):
     assert run_pipeline(g, "chunk=auto", cost=free)[1]["chunk"]["chosen"] > chosen
 
 
+def test_chunk_auto_searches_a_bounded_range(h800, monkeypatch):
+    """Unbounded, the search once ran to 1024 chunks of mixtral-8x7b and picked 256 (10,007 nodes,
+    79 s). With the patience stop disabled it now tries the divisors of s/n up to 16 and no more."""
+    import moegraph.passes.strategy as strategy_mod
+    monkeypatch.setattr(strategy_mod, "PATIENCE", 10**6)
+    g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
+    assert g.dims.s // N >= 64 * strategy_mod.MAX_AUTO_CHUNKS       # many more divisors than the bound
+    out, report = run_pipeline(g, "chunk=16", cost=h800)
+    assert strategy_mod.MAX_AUTO_CHUNKS == 16 and len(out.nodes) <= strategy_mod.MAX_AUTO_NODES
+    out, report = run_pipeline(g, "chunk=auto", cost=h800)
+    assert list(report["chunk"]["predicted_us"]) == [1, 2, 4, 8, 16]
+    assert out.strategy.chunks == report["chunk"]["chosen"] <= 16
+
+
+def test_chunk_auto_never_builds_a_graph_above_the_node_bound(h800, monkeypatch):
+    import moegraph.passes.strategy as strategy_mod
+    monkeypatch.setattr(strategy_mod, "PATIENCE", 10**6)
+    g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
+    four = len(run_pipeline(g, "chunk=4", cost=h800)[0].nodes)
+    monkeypatch.setattr(strategy_mod, "MAX_AUTO_NODES", four)
+    out, report = run_pipeline(g, "chunk=auto", cost=h800)
+    assert list(report["chunk"]["predicted_us"]) == [1, 2, 4] and len(out.nodes) <= four
+
+
 def test_chunk_keeps_activation_bytes(h800):
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
     for c in (2, 4):
