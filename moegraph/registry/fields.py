@@ -138,19 +138,25 @@ def _pairs(v: Any) -> list[tuple[Any, Any]] | None:
     return None
 
 
+def _keyed(v: Any, names: tuple[str, ...], expected: str, what: str) -> list[tuple[Any, Any]]:
+    """The items of mapping ``v``, every key one of ``names``."""
+    items = _pairs(v)
+    if items is None:
+        raise Bad(f"expected {expected}, got {_got(v)}")
+    for key, _ in items:
+        if key not in names:
+            raise Bad(f"unknown {what} {key!r}; valid: {', '.join(names)}")
+    return items
+
+
 CURVE_NAMES = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "ring_eff", "a2a_eff",
                "all_reduce_eff")
 Curve = tuple[tuple[float, float], ...]
 
 
 def curves(v: Any) -> tuple[tuple[str, Curve], ...]:
-    items = _pairs(v)
-    if items is None:
-        raise Bad(f"expected a mapping of curve name -> [[size, eff], ...], got {_got(v)}")
     out = []
-    for name, points in items:
-        if name not in CURVE_NAMES:
-            raise Bad(f"unknown curve {name!r}; valid: {', '.join(CURVE_NAMES)}")
+    for name, points in _keyed(v, CURVE_NAMES, "a mapping of curve name -> [[size, eff], ...]", "curve"):
         if not isinstance(points, (list, tuple)) or not points:
             raise Bad(f"{name}: expected a non-empty list of [size, eff] points, got {_got(points)}")
         pts = []
@@ -171,13 +177,8 @@ IN_STEP_CLASSES = ("gemm", "grouped_gemm", "attention", "memory", "comm")
 
 
 def in_step(v: Any) -> tuple[tuple[str, float], ...]:
-    items = _pairs(v)
-    if items is None:
-        raise Bad(f"expected a mapping of op class -> factor, got {_got(v)}")
     out = []
-    for name, x in items:
-        if name not in IN_STEP_CLASSES:
-            raise Bad(f"unknown op class {name!r}; valid: {', '.join(IN_STEP_CLASSES)}")
+    for name, x in _keyed(v, IN_STEP_CLASSES, "a mapping of op class -> factor", "op class"):
         f = pos_float(x)
         if not 0.1 <= f <= 100:
             raise Bad(f"{name}: factor {f!r} is outside [0.1, 100]")
@@ -189,13 +190,8 @@ _MEASURED_KEYS = ("date", "machine", "notes")
 
 
 def measured(v: Any) -> tuple[tuple[str, str], ...]:
-    items = _pairs(v)
-    if items is None:
-        raise Bad(f"expected a mapping with keys {', '.join(_MEASURED_KEYS)}, got {_got(v)}")
     out = []
-    for k, x in items:
-        if k not in _MEASURED_KEYS:
-            raise Bad(f"unknown key {k!r}; valid: {', '.join(_MEASURED_KEYS)}")
+    for k, x in _keyed(v, _MEASURED_KEYS, f"a mapping with keys {', '.join(_MEASURED_KEYS)}", "key"):
         if isinstance(x, datetime.date):  # YAML reads 2025-01-31 as a date
             x = x.isoformat()
         out.append((k, text(x)))
