@@ -3,9 +3,9 @@
 Search space: attention tp|sp x ffn tp|ep x dispatch a2a|ag-rs (ep only) x chunks x remat
 policy; SM budgets and order come from the scheduler. Each candidate is one typed
 ``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), built
-into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between. Two stages keep it quick: every
-candidate is scheduled by the list-scheduling baselines (milliseconds), then the best few are
-refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
+into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between.
+Two stages keep it quick: every candidate is scheduled by the list-scheduling baselines
+(milliseconds), then the best few are refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
 
@@ -38,7 +38,7 @@ from moegraph.schedules.api import compile_graph
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2          # 2: keyed by ir.graph_digest, typed strategies
 CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 

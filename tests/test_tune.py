@@ -166,8 +166,8 @@ def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
     entry = tmp_path / f"{key}.json"
     assert entry.is_file() and good["cached"] is False
     warnings: list[str] = []
-    for garbage in ("{not json", "\xff\xfe", "[1, 2]"):
-        entry.write_text(garbage, errors="surrogateescape") if garbage != "\xff\xfe" else entry.write_bytes(b"\xff\xfe")
+    for garbage in (b"{not json", b"\xff\xfe", b"[1, 2]"):          # truncated, not UTF-8, not an entry
+        entry.write_bytes(garbage)
         cache = Cache(tmp_path, warn=warnings.append)
         again = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=cache)
         assert again["cached"] is False and again["predicted_us"] == good["predicted_us"]     # recomputed
