@@ -199,6 +199,8 @@ def test_sar_budget_fits_and_trades_time_for_bytes(h800, budget):
     out, report = run_pipeline(g, f"sar=budget:{budget}", cost=h800)
     r = report["sar"]
     assert out.activation_bytes() <= r["budget_bytes"] and out.activation_bytes() <= g.activation_bytes()
+    assert (out.strategy.remat, out.strategy.remat_budget) == ("budget", r["budget_bytes"])       # typed record
+    assert out.strategy.passes == (f"sar=budget:{budget}",)
     if budget == "3GiB":
         assert r["budget_bytes"] == 3 * 2**30 and r["recompute_time_us"] == r["recommunicate_time_us"] == 0
     else:
@@ -351,7 +353,7 @@ def test_trace_strategy_fields_reflect_the_choices():
     s = json.loads(buf.getvalue())
     assert s["strategy"] | {"passes": None} == {"attn": "sp", "ffn": "ep", "dispatch": "ag-rs", "n": 2, "dtype": "bf16",
                                                 "dp": 1, "chunks": 4, "remat": "paper", "gate": "before-fc2",
-                                                "passes": None}
+                                                "remat_budget": None, "passes": None}
     assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "sar=paper"]
     assert s["passes"]["sar"]["activation_bytes_after"] == s["activation_bytes"]
     assert any(n["phase"] == "recompute" for n in s["nodes"])
