@@ -150,14 +150,19 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
 def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: CostModel | None) -> tuple[Graph, dict]:
     """The graph of one typed ``strategy`` for a registry ModelConfig: lowered with its lowering
     fields (attn, ffn, dispatch, n, dtype, dp, chunks, gate: the layer is lowered for them
-    directly, no re-lowering pass), then rematerialized by its remat policy (``remat_pass``).
+    directly, no re-lowering pass runs), then rematerialized by its remat policy (``remat_pass``).
 
     What ``moegraph tune`` builds each candidate with: the strategy is passed as a value, never
-    rebuilt into a pipeline string and parsed back. Returns the verified graph (its
-    strategy.passes records the rematerialization, when one ran) and the sar report ({} for
-    remat='none'). The result's strategy equals ``strategy`` but for ``passes``.
+    rebuilt into a pipeline string and parsed back. The result's ``strategy.passes`` is the
+    record a schedule file carries: the pipeline that rebuilds this very graph (same strategy,
+    same nodes) from the strategy's attn, ffn, dispatch, n, dtype and dp, which is how
+    ``run --schedule FILE`` replays a file (``gate-reorder`` when gate='before-fc2',
+    ``chunk=N`` when N > 1, ``sar=...`` when remat is not 'none'). Returns the verified graph and
+    the sar report ({} for remat='none').
     """
-    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, passes=())
+    relowered = (("gate-reorder",) if strategy.gate == "before-fc2" else ()) + \
+        ((label("chunk", str(strategy.chunks)),) if strategy.chunks > 1 else ())
+    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, passes=relowered)
     graph = trace_model(model, lowering, batch=batch, seq=seq)
     if strategy.remat == "none":
         return graph, {}

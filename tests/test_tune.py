@@ -24,25 +24,32 @@ def test_search_space_covers_every_valid_strategy():
     assert {c.chunks for c in candidates(load_model("mixtral-8x7b"), 8, 8 * 6)} == {1, 2}          # 4 does not divide s/n
 
 
-def test_a_typed_candidate_builds_the_graph_the_pass_pipeline_builds(monkeypatch):
-    """The typed path (lower_strategy) gives the same computation as the CLI pipeline string, and
-    tune never goes through a pipeline string: parsing one here would fail."""
+def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
+    """The typed path (lower_strategy) never parses a pipeline string; the passes it records are
+    the pipeline that rebuilds the same graph from attn, ffn, dispatch, n, dtype (what `run
+    --schedule FILE` replays from a tune-written file), for every chunks x remat x dispatch point."""
     from moegraph.passes import run_pipeline
     from moegraph.passes.manager import same_computation
     from moegraph.tracer import trace_model
     import moegraph.passes.manager as manager
     model, cost = load_model("tiny"), CostModel(load_hardware("h800"))
-    cand = Strategy("sp", "ep", "a2a", 2, chunks=2, remat="paper", gate="before-fc2")
-    piped, _ = run_pipeline(trace_model(model, Strategy("sp", "ep", "a2a", 2), batch=1, seq=64),
-                            "gate-reorder,chunk=2,sar=paper", cost=cost)
+    real_parse = manager.parse_pipeline
 
     def no_strings(spec):
         raise AssertionError(f"tune parsed a pipeline string {spec!r}")
-    monkeypatch.setattr(manager, "parse_pipeline", no_strings)
-    typed = build_graph(model, cand, cost, batch=1, seq=64)
-    assert same_computation(typed, piped) and typed.meta_get("remat") == piped.meta_get("remat")
-    assert typed.strategy == Strategy("sp", "ep", "a2a", 2, chunks=2, remat="paper", gate="before-fc2",
-                                      passes=("sar=paper",))
+    cands = [c for c in candidates(model, 2, 64) if (c.attn, c.ffn) == ("sp", "ep")]   # passes do not vary by family
+    assert len(cands) == 12
+    for cand in cands:
+        monkeypatch.setattr(manager, "parse_pipeline", no_strings)
+        typed = build_graph(model, cand, cost, batch=1, seq=64)
+        monkeypatch.setattr(manager, "parse_pipeline", real_parse)
+        base = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, 2), batch=1, seq=64)
+        piped, _ = run_pipeline(base, ",".join(typed.strategy.passes), cost=cost)
+        assert typed.strategy == piped.strategy, cand
+        assert same_computation(typed, piped) and typed.meta_get("remat") == piped.meta_get("remat"), cand
+        assert (typed.strategy.chunks, typed.strategy.gate, typed.strategy.remat) == (cand.chunks, cand.gate, cand.remat)
+    paper = next(c for c in cands if c.chunks == 2 and c.remat == "paper")
+    assert build_graph(model, paper, cost, batch=1, seq=64).strategy.passes == ("gate-reorder", "chunk=2", "sar=paper")
 
 
 def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tmp_path):
