@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.schedules.schedule_file import Schedule, merge_intervals  # noqa: E402
-from moegraph.schedules.tune import Cache, Candidate, build_graph, evaluate, tune  # noqa: E402
+from moegraph.ir import Strategy  # noqa: E402
+from moegraph.schedules.tune import Cache, build_graph, evaluate, tune  # noqa: E402
 
 MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
 HARDWARE = ("h800", "a100", "h20")
@@ -57,11 +58,12 @@ class Schedules:
 
     def __init__(self, model, hw, *, n, batch, seq, dtype, time_limit, cache):
         self.model, self.cost = model, CostModel(hw)
-        self.kw = dict(n=n, batch=batch, seq=seq, dtype=dtype)
+        self.n, self.dtype, self.kw = n, dtype, dict(batch=batch, seq=seq)
         self.time_limit, self.cache = time_limit, cache
 
     def get(self, row: dict, method: str | None = None) -> dict | None:
-        cand = Candidate(row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"])
+        cand = Strategy(row["attn"], row["ffn"], row["dispatch"], self.n, dtype=self.dtype, chunks=row["chunks"],
+                        remat=row["remat"], gate=row["gate"])
         graph = build_graph(self.model, cand, self.cost, **self.kw)
         entry = evaluate(graph, self.cost, method or row["scheduler"], memory_budget=None,
                          time_limit=self.time_limit, cache=self.cache)

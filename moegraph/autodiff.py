@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-from moegraph.builder import ConfigError, GraphBuilder, ring_bytes
+from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import Node, OpKind, Phase, Role, ValueKind
 
 GRAD = ValueKind.GRAD
@@ -93,7 +93,7 @@ def _param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
     out = g.like(f"d_{param}.synced", grad, kind=ValueKind.PARAM_GRAD)
     # ring all-reduce = reduce-scatter + all-gather: each rank sends 2(n-1)/n of the tensor
     g.collective(f"{param}.grad_allreduce", OpKind.ALL_REDUCE, (grad,), (out,),
-                 comm_bytes=2 * ring_bytes(g.nbytes(grad), g.strategy.n), flops=g.values[grad].numel,
+                 full_bytes=g.nbytes(grad), flops=g.values[grad].numel,
                  phase=Phase.BACKWARD, role=Role.WGRAD, block=_block_of(g, param))
     return out
 
@@ -131,22 +131,22 @@ def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
     inter = flat | {"scope": "inter", "axis": "dp"}
     if intra:
         y = g.value(f"d_{param}.rs_intra", (shard,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
-        g.node(f"{param}.grad_rs_intra", OpKind.REDUCE_SCATTER, (x,), (y,), group=n, flops=numel,
-               comm_bytes=ring_bytes(numel * 4, n), attrs=flat | {"scope": "intra", "reduce": "sum"}, **kw)
+        g.collective(f"{param}.grad_rs_intra", OpKind.REDUCE_SCATTER, (x,), (y,), group=n, flops=numel,
+                     full_bytes=numel * 4, attrs=flat | {"scope": "intra", "reduce": "sum"}, **kw)
         x = y
     y = g.value(f"d_{param}.rs_inter", (shard // d,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
-    g.node(f"{param}.grad_rs_inter", OpKind.REDUCE_SCATTER, (x,), (y,), group=d, flops=shard,
-           comm_bytes=ring_bytes(shard * 4, d), attrs=inter | {"reduce": "mean"}, **kw)
+    g.collective(f"{param}.grad_rs_inter", OpKind.REDUCE_SCATTER, (x,), (y,), group=d, flops=shard,
+                 full_bytes=shard * 4, attrs=inter | {"reduce": "mean"}, **kw)
     shape = (shard,) if intra else g.values[grad].shape
     z = g.value(f"d_{param}.ag_inter" if intra else f"d_{param}.synced", shape,
                 kind=ValueKind.PARAM_GRAD, dtype="fp32")
-    g.node(f"{param}.grad_ag_inter", OpKind.ALL_GATHER, (y,), (z,), group=d,
-           comm_bytes=ring_bytes(shard * 4, d), attrs=inter, **kw)
+    g.collective(f"{param}.grad_ag_inter", OpKind.ALL_GATHER, (y,), (z,), group=d,
+                 full_bytes=shard * 4, attrs=inter, **kw)
     if not intra:
         return z
     out = g.value(f"d_{param}.synced", g.values[grad].shape, kind=ValueKind.PARAM_GRAD, dtype="fp32")
-    g.node(f"{param}.grad_ag_intra", OpKind.ALL_GATHER, (z,), (out,), group=n,
-           comm_bytes=ring_bytes(numel * 4, n), attrs=flat | {"scope": "intra"}, **kw)
+    g.collective(f"{param}.grad_ag_intra", OpKind.ALL_GATHER, (z,), (out,), group=n,
+                 full_bytes=numel * 4, attrs=flat | {"scope": "intra"}, **kw)
     return out
 
 
@@ -170,7 +170,9 @@ def _bwd(g: GraphBuilder, node: Node, suffix: str, op: OpKind, inputs, outputs, 
     kw = dict(phase=Phase.BACKWARD, role=role, flops=flops, module=node.module, block=node.block,
               forward_of=node.name, attrs=dict(node.attrs) | (attrs or {}))
     if op.is_comm:
-        g.collective(f"{node.name}.{suffix}", op, inputs, outputs, comm_bytes=comm_bytes, **kw)
+        # the transposed collective (all-gather <-> reduce-scatter, all-to-all back) moves the
+        # forward's bytes over the same group, so it reuses the forward's ir.collective_bytes count
+        g.node(f"{node.name}.{suffix}", op, inputs, outputs, comm_bytes=comm_bytes, group=node.group, **kw)
     else:
         g.node(f"{node.name}.{suffix}", op, inputs, outputs, **kw)
 

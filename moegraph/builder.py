@@ -8,29 +8,14 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from moegraph.ir import (DTYPE_BYTES, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
-                         Value, ValueKind, freeze_attrs)
-
-
-class ConfigError(ValueError):
-    """An invalid model/strategy combination; the message names every factor involved."""
+from moegraph.ir import (DTYPE_BYTES, ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
+                         Value, ValueKind, collective_bytes, freeze_attrs)
 
 
 def check_strategy(dims: Dims, strategy: Strategy) -> None:
-    """Reject strategies the layer cannot be split by, naming the values involved."""
+    """Reject strategies the layer's sizes cannot be split by, naming the values involved (the
+    strategy's own fields are valid by construction: ``Strategy.__post_init__``)."""
     n = strategy.n
-    if strategy.attn not in ("tp", "sp"):
-        raise ConfigError(f"attn={strategy.attn!r} is not one of 'tp', 'sp'")
-    if strategy.ffn not in ("tp", "ep"):
-        raise ConfigError(f"ffn={strategy.ffn!r} is not one of 'tp', 'ep'")
-    if strategy.dispatch not in ("a2a", "ag-rs"):
-        raise ConfigError(f"dispatch={strategy.dispatch!r} is not one of 'a2a', 'ag-rs'")
-    if strategy.dtype not in ("bf16", "fp32"):
-        raise ConfigError(f"dtype={strategy.dtype!r} is not one of 'bf16', 'fp32'")
-    if n < 1:
-        raise ConfigError(f"n={n} must be a positive group size")
-    if strategy.ffn == "tp" and strategy.dispatch == "a2a":
-        raise ConfigError("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use dispatch='ag-rs')")
     if dims.k < 1 or dims.k > dims.experts:
         raise ConfigError(f"top-k={dims.k} must be between 1 and the expert count {dims.experts}")
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
@@ -105,9 +90,20 @@ class GraphBuilder:
         self.nodes.append(node)
         return node
 
-    def collective(self, name: str, op: OpKind, inputs, outputs, *, comm_bytes: int, **kw) -> Node:
-        """A collective over the strategy's group; a no-op group of 1 is never emitted (callers check)."""
-        return self.node(name, op, inputs, outputs, comm_bytes=comm_bytes, group=self.strategy.n, **kw)
+    def collective(self, name: str, op: OpKind, inputs, outputs, *, full_bytes: int, group: int | None = None,
+                   **kw) -> Node:
+        """A collective over ``group`` ranks (default: the strategy's n); a no-op group of 1 is never
+        emitted (callers check). ``full_bytes`` is the tensor ``ir.collective_bytes`` defines for ``op``
+        (the gathered / pre-scatter tensor, or this rank's all-to-all send buffer); comm_bytes follows
+        from it exactly, and a tensor that does not split into ``group`` whole-byte shards is a
+        ConfigError naming the node."""
+        n = self.strategy.n if group is None else group
+        try:
+            comm_bytes = collective_bytes(op, full_bytes, n)
+        except ValueError as err:
+            raise ConfigError(f"collective {name!r} ({op.value}): {full_bytes} bytes do not split into "
+                              f"{n} equal shards ({err})") from None
+        return self.node(name, op, inputs, outputs, comm_bytes=comm_bytes, group=n, **kw)
 
     # -- freeze -------------------------------------------------------------------------
     def build(self, **meta: Any) -> Graph:
@@ -124,11 +120,6 @@ class GraphBuilder:
         while f"{name}_{i}" in taken:
             i += 1
         return f"{name}_{i}"
-
-
-def ring_bytes(full_bytes: int, n: int) -> int:
-    """Bytes each rank sends in a ring all-gather/reduce-scatter of a full tensor: (n-1)/n of it."""
-    return full_bytes * (n - 1) // n
 
 
 def elem_bytes(dtype: str) -> int:

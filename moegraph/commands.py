@@ -96,9 +96,7 @@ def trace_summary(layer: Layer) -> dict[str, Any]:
     nodes = [{"name": n.name, "kind": "comm" if n.is_comm else "compute", "op": n.op.value, "phase": n.phase.value,
               "role": n.role.value, "block": n.block, "flops": n.flops, "bytes": n.mem_bytes,
               "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
-    strategy = {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch, "n": g.strategy.n,
-                "dtype": g.strategy.dtype, "dp": g.strategy.dp, "chunks": g.strategy.chunks,
-                "remat": g.strategy.remat, "gate": g.strategy.gate, "passes": list(g.strategy.passes)}
+    strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
     return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "nodes": nodes,

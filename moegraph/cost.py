@@ -9,7 +9,7 @@ Compute (every op but SPLIT, which is a view and costs nothing):
     eff_op: GEMM, ROUTER -> gemm_eff; GROUPED_GEMM -> grouped_gemm_eff; ATTENTION -> attention_eff;
     memory-bound ops (norms, rope, swiglu, permutes, gates, add, bias, cast, index map, square sums) -> 1, because
     their few FLOPs never bind: the mem_bytes term decides.
-Collectives (comm_bytes already holds what this rank sends, see ``collective_bytes``):
+Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.collective_bytes``):
     all-gather, reduce-scatter: t = kernel_latency + (n-1)*alpha  + bytes / (B * ring_eff * s(sm))
     all-to-all:                 t = kernel_latency + (n-1)*alpha  + bytes / (B * a2a_eff  * s_a2a(sm))
     all-reduce (RS + AG):       t = kernel_latency + 2(n-1)*alpha + bytes / (B * ring_eff * s(sm))
@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 
-from moegraph.ir import Node, OpKind
+from moegraph.ir import Node, OpKind, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware
 
 __all__ = ["CostModel", "collective_bytes", "interpolate", "op_class"]
@@ -51,28 +51,6 @@ def interpolate(points: Curve, size: float) -> float:
     (s0, e0), (s1, e1) = points[i - 1], points[i]
     w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
     return e0 + w * (e1 - e0)
-
-
-def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
-    """Bytes one rank sends in a ring/pairwise collective over n ranks (the Node.comm_bytes rule).
-
-    ALL_GATHER / REDUCE_SCATTER: full*(n-1)/n, full = the gathered (or pre-scatter) tensor.
-    ALL_TO_ALL: input*(n-1)/n, input = this rank's send buffer (it keeps 1/n for itself).
-    ALL_REDUCE: 2*full*(n-1)/n (a reduce-scatter then an all-gather).
-    The tensor must split into n equal whole-byte shards, so the result is exact; anything
-    else is a planning bug upstream and raises ValueError.
-    """
-    if n < 2:
-        raise ValueError(f"collective group size n={n} must be >= 2")
-    if full_tensor_bytes < 0 or full_tensor_bytes % n:
-        raise ValueError(f"full_tensor_bytes={full_tensor_bytes} is not divisible by n={n}")
-    shard = full_tensor_bytes // n
-    match op:
-        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL:
-            return shard * (n - 1)
-        case OpKind.ALL_REDUCE:
-            return 2 * shard * (n - 1)
-    raise NotImplementedError(f"no cost rule for {op}")
 
 
 def op_class(node: Node) -> str:

@@ -22,9 +22,11 @@ from __future__ import annotations
 import dataclasses
 import enum
 import functools
+import hashlib
 import math
+import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Literal, Mapping
 
 
 class OpKind(enum.Enum):
@@ -59,6 +61,31 @@ class OpKind(enum.Enum):
 
 
 COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE})
+
+
+def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
+    """Bytes one rank sends in a ring/pairwise collective over n ranks: the ``Node.comm_bytes`` rule.
+
+    The one copy of the bytes-on-the-wire rule: lowering (``GraphBuilder.collective``), passes
+    and calibration all call it.
+    ALL_GATHER / REDUCE_SCATTER: full*(n-1)/n, full = the gathered (or pre-scatter) tensor.
+    ALL_TO_ALL: input*(n-1)/n, input = this rank's send buffer (it keeps 1/n for itself).
+    ALL_REDUCE: 2*full*(n-1)/n (a reduce-scatter then an all-gather).
+    The tensor must split into n equal whole-byte shards, so the result is exact; anything
+    else raises ValueError (lowering turns it into a ConfigError naming the node), never a
+    silently rounded byte count.
+    """
+    if n < 2:
+        raise ValueError(f"collective group size n={n} must be >= 2")
+    if full_tensor_bytes < 0 or full_tensor_bytes % n:
+        raise ValueError(f"full_tensor_bytes={full_tensor_bytes} is not divisible by n={n}")
+    shard = full_tensor_bytes // n
+    match op:
+        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL:
+            return shard * (n - 1)
+        case OpKind.ALL_REDUCE:
+            return 2 * shard * (n - 1)
+    raise NotImplementedError(f"no cost rule for {op}")
 
 
 class Phase(enum.Enum):
@@ -132,9 +159,9 @@ class Node:
 
     flops:      floating-point operations on this rank.
     mem_bytes:  bytes moved through device memory (reads + writes) on this rank.
-    comm_bytes: bytes this rank sends over the network; 0 for compute. Ring all-gather and
-                reduce-scatter send (n-1)/n of the full tensor; all-to-all (n-1)/n of the
-                rank's input.
+    comm_bytes: bytes this rank sends over the network; 0 for compute (``collective_bytes``:
+                ring all-gather and reduce-scatter send (n-1)/n of the full tensor,
+                all-to-all (n-1)/n of the rank's input, all-reduce twice a ring's).
     group:      collective group size n (0 for compute).
     module:     qualified name of the nn.Module this node was lowered from (for errors and
                 for grouping into attention / ffn).
@@ -220,21 +247,100 @@ class Dims:
         return self.ffn / self.h
 
 
+Attn = Literal["tp", "sp"]
+"""Attention parallelism: tensor-parallel heads, or Ulysses sequence parallelism."""
+Ffn = Literal["tp", "ep"]
+"""Expert parallelism: each expert's h_ffn split n ways, or E/n whole experts per rank."""
+Dispatch = Literal["a2a", "ag-rs"]
+"""Token dispatch: all-to-all, or all-gather + reduce-scatter (the only one under ffn='tp')."""
+ActDtype = Literal["bf16", "fp32"]
+"""Activation dtype."""
+Gate = Literal["after-fc2", "before-fc2"]
+"""Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
+Remat = Literal["none", "paper", "budget"]
+"""Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
+
+
+class ConfigError(ValueError):
+    """An invalid model/strategy combination; the message names every factor involved."""
+
+
 @dataclass(frozen=True)
 class Strategy:
-    attn: str                     # "tp" | "sp"
-    ffn: str                      # "tp" | "ep"
-    dispatch: str                 # "a2a" | "ag-rs"
+    """How one layer is parallelised, lowered and rematerialized: one typed, validated value.
+
+    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget)
+    record the rematerialization applied (``moegraph.passes.sar``), and passes the labels of the
+    passes that produced the graph. Invalid values raise ConfigError naming every offending
+    field at once. Divisibility by the model's sizes is checked where the sizes are known
+    (``moegraph.builder.check_strategy``).
+    """
+
+    attn: Attn
+    """'tp' | 'sp'."""
+    ffn: Ffn
+    """'tp' | 'ep'."""
+    dispatch: Dispatch
+    """'a2a' | 'ag-rs'; 'a2a' needs ffn='ep'."""
     n: int
-    dtype: str = "bf16"
+    """Group size n (TP/SP/EP degree), >= 1."""
+    dtype: ActDtype = "bf16"
+    """Activation dtype."""
     chunks: int = 1
-    remat: str = "none"           # the sar policy applied, "none" if not rematerialized
-    gate: str = "after-fc2"       # "after-fc2" | "before-fc2" (gate-reorder)
+    """Token chunks N >= 1 of each block (comm/compute overlap; lowering/blocks.py)."""
+    remat: Remat = "none"
+    """The rematerialization policy applied: 'none' (not rematerialized), 'paper', 'budget'."""
+    gate: Gate = "after-fc2"
+    """Routing-weight placement (the gate-reorder pass chooses 'before-fc2')."""
     dp: int = 1
+    """Data-parallel degree D >= 1."""
     passes: tuple[str, ...] = ()
+    """Labels of the passes that produced the graph, in run order (a record, never parsed back)."""
+    remat_budget: int | None = None
+    """Activation-byte budget of remat='budget' (None otherwise)."""
+
+    def __post_init__(self):
+        problems = []
+        for f in dataclasses.fields(self):
+            choices = typing.get_args(_LITERALS.get(f.name))
+            if choices and getattr(self, f.name) not in choices:
+                problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(map(repr, choices))}")
+        for name in ("n", "chunks", "dp"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{name}={value!r} must be a positive integer")
+        if self.ffn == "tp" and self.dispatch == "a2a":
+            problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
+                            "dispatch='ag-rs')")
+        budget = self.remat_budget
+        if self.remat == "budget" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
+            problems.append(f"remat='budget' needs remat_budget, a byte count >= 0 (got {budget!r})")
+        if self.remat != "budget" and budget is not None:
+            problems.append(f"remat_budget={budget!r} is only valid with remat='budget' (remat={self.remat!r})")
+        if not isinstance(self.passes, tuple) or not all(isinstance(p, str) for p in self.passes):
+            problems.append(f"passes={self.passes!r} must be a tuple of pass labels")
+        if problems:
+            raise ConfigError("; ".join(problems))
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self) | {"passes": list(self.passes)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "Strategy":
+        """Inverse of ``as_dict`` (a schedule file's graph.strategy); unknown keys are a ConfigError."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = sorted(set(data) - names)
+        if extra:
+            raise ConfigError(f"strategy: unknown field {extra[0]!r}; valid: {', '.join(sorted(names))}")
+        return cls(**{**data, "passes": tuple(data.get("passes", ()))})
+
+    def label(self) -> str:
+        """One line for tables: 'sp+ep a2a   chunks=2 remat=paper'."""
+        remat = f"budget:{self.remat_budget}" if self.remat == "budget" else self.remat
+        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}"
+
+
+_LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate}
 
 
 @dataclass(frozen=True)
@@ -309,6 +415,23 @@ class Graph:
 
     def nodes_in(self, phase: Phase) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.phase is phase)
+
+
+def graph_digest(graph: Graph) -> str:
+    """sha256 of everything that decides what a rank computes and what it costs: name, dims,
+    strategy, every value and node (all fields, costs included), inputs, outputs, the saved set,
+    parameter specs and gradients. Not ``meta`` (pass bookkeeping). The one graph digest: the
+    tune cache keys on it, and an execution plan hashes it so every rank runs the same graph.
+    Deterministic across processes: reprs of frozen dataclasses, enums, tuples; ``saved`` sorted.
+    """
+    h = hashlib.sha256()
+    h.update(repr((graph.name, graph.dims, graph.strategy, graph.inputs, graph.outputs, sorted(graph.saved),
+                   graph.params, graph.grads)).encode())
+    for v in graph.values:
+        h.update(repr(v).encode())
+    for n in graph.nodes:
+        h.update(repr(n).encode())
+    return h.hexdigest()
 
 
 class GraphError(ValueError):

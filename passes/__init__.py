@@ -10,14 +10,15 @@ Passes (each a function Graph -> PassResult, built from its argument and the cos
     compress=dp-bf16|tp-fp8               compress.py  cast-once all-to-all reductions
     sar[=paper|none|budget:<bytes>]       sar.py       selective activation rematerialization
 
-The run order is fixed by each pass's stage (manager.py has the table); docs/passes.md
+A whole typed ``moegraph.ir.Strategy`` becomes its graph with ``lower_strategy`` (what tune
+does): no pipeline string in between. The run order is fixed by each pass's stage (manager.py has the table); docs/passes.md
 describes each pass, its invariant and its report.
 """
 
 from moegraph.passes.manager import PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_pipeline
-from moegraph.passes.strategy import chunk, dispatch, gate_reorder
+from moegraph.passes.strategy import chunk, dispatch, gate_reorder, lower_strategy
 from moegraph.passes.compress import compress
-from moegraph.passes.sar import sar
+from moegraph.passes.sar import remat_pass, sar
 
 __all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
-           "sar", "gate_reorder", "dispatch", "chunk", "compress"]
+           "sar", "remat_pass", "gate_reorder", "dispatch", "chunk", "compress", "lower_strategy"]

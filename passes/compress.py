@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moegraph.builder import ring_bytes
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, OpKind, Phase, Value
+from moegraph.ir import Graph, Node, OpKind, Phase, Value, collective_bytes
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 MODES = ("dp-bf16", "tp-fp8")
@@ -58,7 +57,7 @@ def _dp_bf16(rs: Node, values: dict[str, Value]) -> list[Node]:
     return [
         _derived(rs, f"{rs.name}.cast", OpKind.CAST, (x,), (f"{x}.bf16",), values, attrs={"to": "bf16"}),
         _derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.bf16",), (f"{y}.parts",), values,
-                 comm_bytes=ring_bytes(values[f"{x}.bf16"].nbytes, g),
+                 comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, values[f"{x}.bf16"].nbytes, g),
                  attrs=keep | {"mode": "shards", "split_dim": 0, "flat": True, "compressed": "bf16"}),
         _derived(rs, f"{rs.name}.upcast", OpKind.CAST, (f"{y}.parts",), (f"{y}.parts32",), values,
                  attrs={"to": "fp32"}),
@@ -83,7 +82,7 @@ def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
         _derived(rs, f"{rs.name}.quant", OpKind.CAST, (x,), (f"{x}.fp8", f"{x}.scale"), values,
                  attrs={"to": "fp8", "scale": "per_token"}),
         _derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.fp8", f"{x}.scale"), (f"{y}.parts", f"{y}.scale_parts"),
-                 values, comm_bytes=ring_bytes(sent, g),
+                 values, comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, sent, g),
                  attrs={"mode": "shards", "split_dim": dim, "compressed": "fp8"}),
         _derived(rs, f"{rs.name}.dequant", OpKind.CAST, (f"{y}.parts", f"{y}.scale_parts"), (f"{y}.parts32",),
                  values, attrs={"to": "fp32", "scale": "apply"}),

@@ -49,10 +49,11 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import typing
 from dataclasses import dataclass
 
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, Phase, Value, ValueKind
+from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register, same_computation
 
 _CHUNK = re.compile(r"\.c\d+$")
@@ -271,10 +272,22 @@ def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     policy = arg or "paper"
     budget = None
     if policy.startswith("budget:"):
-        budget = parse_bytes(policy[len("budget:"):])
+        policy, budget = "budget", parse_bytes(policy[len("budget:"):])
     elif policy not in ("paper", "none"):
         raise ValueError("not a policy")
-    me = label("sar", arg)
+    return remat_pass(policy, budget, cost, pass_label=label("sar", arg))
+
+
+def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None = None, *,
+               pass_label: str | None = None) -> Pass:
+    """The sar pass for a typed policy (``Strategy.remat``, ``Strategy.remat_budget``): what
+    ``moegraph tune`` applies, with no pipeline string in between. ``budget``: bytes, with
+    policy 'budget' only."""
+    if policy not in typing.get_args(Remat):
+        raise ValueError(f"remat={policy!r} is not one of {', '.join(map(repr, typing.get_args(Remat)))}")
+    if (policy == "budget") != (budget is not None):
+        raise ValueError(f"remat={policy!r} with budget={budget!r}: a budget goes with 'budget' only")
+    me = pass_label or ("sar=" + (f"budget:{budget}" if policy == "budget" else policy))
 
     def run(graph: Graph) -> PassResult:
         before = graph.activation_bytes()
@@ -286,7 +299,7 @@ def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         decided = decisions(graph, p)
         counted = [v.name for v in graph.values
                    if v.name in decided and v.kind is ValueKind.ACTIVATION and v.alias_of is None]
-        report = {"policy": policy,
+        report = {"policy": policy if budget is None else f"budget:{budget}",
                   **{key: [v for v in counted if decided[v] == d] for key, d in
                      (("kept", "keep"), ("recompute", "recompute"), ("recommunicate", "recommunicate"),
                       ("dropped", "drop"))},
@@ -294,6 +307,6 @@ def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
                   "activation_bytes_before": before, "activation_bytes_after": p.graph.activation_bytes()}
         if budget is not None:
             report["budget_bytes"] = budget
-        out = mark_rewritten(record(p.graph, me, remat=policy), me).with_meta(remat=decided)
+        out = mark_rewritten(record(p.graph, me, remat=policy, remat_budget=budget), me).with_meta(remat=decided)
         return PassResult(out, not same_computation(graph, p.graph), report)
     return run

@@ -1,4 +1,5 @@
-"""Strategy passes: choose a Strategy field and re-lower the layer with it.
+"""Strategy passes: choose a Strategy field and re-lower the layer with it; and
+``lower_strategy``, the typed path from a whole Strategy value to its graph.
 
 gate-reorder, dispatch and chunk change *how the layer is lowered* (blocks.py reads
 Strategy.gate, .dispatch, .chunks), so they re-run the lowering through
@@ -9,17 +10,28 @@ strategy and appends its label to strategy.passes; each refuses a graph that a r
 
 from __future__ import annotations
 
+import dataclasses
+import typing
+
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Phase
-from moegraph.tracer import relower
+from moegraph.ir import Gate, Graph, Phase, Strategy, verify
+from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
 from moegraph.passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
+from moegraph.passes.sar import remat_pass
 
-GATE_ORDERS = ("before-fc2", "after-fc2")
+GATE_ORDERS = typing.get_args(Gate)
 DISPATCH_CHOICES = ("auto", "a2a", "ag-rs")
 # chunk=auto stops once this many consecutive candidates fail to beat the best so far
 # (MoNTA stops at a minimum chunk size; here the per-op latency makes the time turn up)
 PATIENCE = 2
+# chunk=auto's search range: at most MAX_AUTO_CHUNKS chunks, and never a graph of more than
+# MAX_AUTO_NODES nodes. Unbounded, the search once tried up to 1024 chunks and picked 256 on
+# mixtral-8x7b (a 10,007-node graph, 79 s to search; the scheduler then works on 10k nodes) for a
+# predicted gain the per-kernel latency model cannot resolve that finely. 16 chunks of the
+# tiny layer are about 600 nodes; an explicit chunk=N is not bounded.
+MAX_AUTO_CHUNKS = 16
+MAX_AUTO_NODES = 1000
 
 
 @register("gate-reorder", stage=0, valid="before-fc2 (the default), after-fc2", relowers=True)
@@ -92,10 +104,11 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     j+1's compute.
 
     'auto' is a MoNTA-style search: for N = 1 and each larger divisor of the local sequence
-    s/n, re-lower and predict the layer's forward + backward makespan with a two-stream list
-    schedule (estimate.overlap_time_us); the cost model charges every kernel and collective a
-    fixed latency, so past some N more chunks cost more than the overlap they buy. The search
-    stops once PATIENCE candidates in a row fail to beat the best.
+    s/n up to MAX_AUTO_CHUNKS, re-lower and predict the layer's forward + backward makespan with
+    a two-stream list schedule (estimate.overlap_time_us); the cost model charges every kernel
+    and collective a fixed latency, so past some N more chunks cost more than the overlap they
+    buy. The search stops once PATIENCE candidates in a row fail to beat the best, or at the
+    first N whose graph has more than MAX_AUTO_NODES nodes (not a candidate).
 
     Invariant: the same function (every op chunked is token-wise, and attention sees the whole
     sequence with true positions); the same activation bytes up to rounding of per-chunk shapes.
@@ -116,8 +129,11 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         else:
             local = graph.dims.s // graph.strategy.n
             predicted, lowered, misses = {}, {}, 0
-            for n_chunks in (c for c in range(1, local + 1) if local % c == 0):
-                lowered[n_chunks] = g = graph if graph.strategy.chunks == n_chunks else relower(graph, chunks=n_chunks)
+            for n_chunks in (c for c in range(1, min(local, MAX_AUTO_CHUNKS) + 1) if local % c == 0):
+                g = graph if graph.strategy.chunks == n_chunks else relower(graph, chunks=n_chunks)
+                if predicted and len(g.nodes) > MAX_AUTO_NODES:
+                    break
+                lowered[n_chunks] = g
                 predicted[n_chunks] = round(overlap_time_us(g, cost), 3)
                 misses = 0 if predicted[n_chunks] == min(predicted.values()) else misses + 1
                 if misses >= PATIENCE:
@@ -125,5 +141,30 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
             n_chunks = min(predicted, key=lambda c: (predicted[c], c))
             new = lowered[n_chunks]
         report = {"chosen": n_chunks, "predicted_us": predicted, "estimate": "two-stream list schedule"}
+        if auto:
+            report["search"] = f"N <= {MAX_AUTO_CHUNKS} dividing s/n, graphs <= {MAX_AUTO_NODES} nodes"
         return PassResult(record(new, me, chunks=n_chunks), not same_computation(graph, new), report)
     return run
+
+
+def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: CostModel | None) -> tuple[Graph, dict]:
+    """The graph of one typed ``strategy`` for a registry ModelConfig: lowered with its lowering
+    fields (attn, ffn, dispatch, n, dtype, dp, chunks, gate: the layer is lowered for them
+    directly, no re-lowering pass runs), then rematerialized by its remat policy (``remat_pass``).
+
+    What ``moegraph tune`` builds each candidate with: the strategy is passed as a value, never
+    rebuilt into a pipeline string and parsed back. The result's ``strategy.passes`` is the
+    record a schedule file carries: the pipeline that rebuilds this very graph (same strategy,
+    same nodes) from the strategy's attn, ffn, dispatch, n, dtype and dp, which is how
+    ``run --schedule FILE`` replays a file (``gate-reorder`` when gate='before-fc2',
+    ``chunk=N`` when N > 1, ``sar=...`` when remat is not 'none'). Returns the verified graph and
+    the sar report ({} for remat='none').
+    """
+    relowered = (("gate-reorder",) if strategy.gate == "before-fc2" else ()) + \
+        ((label("chunk", str(strategy.chunks)),) if strategy.chunks > 1 else ())
+    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, passes=relowered)
+    graph = trace_model(model, lowering, batch=batch, seq=seq)
+    if strategy.remat == "none":
+        return graph, {}
+    result = remat_pass(strategy.remat, strategy.remat_budget, cost)(graph)
+    return verify(result.graph), {"sar": dict(result.report)}

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from moegraph.ir import Graph, Phase
+from moegraph.ir import Graph, Phase, graph_digest
 from moegraph.runtime import PlanError
 
 if TYPE_CHECKING:
@@ -157,18 +157,6 @@ class ExecutionPlan:
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "hash": self.hash, "graph_digest": self.graph_digest,
                 "source_hash": self.source_hash, "entries": [dataclasses.asdict(e) for e in self.entries]}
-
-
-def graph_digest(graph: Graph) -> str:
-    """sha256 over everything that changes what a rank computes: nodes, values, inputs, outputs."""
-    h = hashlib.sha256()
-    h.update(repr((graph.name, graph.strategy, graph.dims, graph.inputs, graph.outputs)).encode())
-    for v in graph.values:
-        h.update(repr((v.name, v.shape, v.dtype, v.kind.value, v.alias_of)).encode())
-    for n in graph.nodes:
-        h.update(repr((n.name, n.op.value, n.phase.value, n.role.value, n.inputs, n.outputs, n.group,
-                       n.attrs)).encode())
-    return h.hexdigest()
 
 
 def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:

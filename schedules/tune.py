@@ -1,9 +1,11 @@
 """`moegraph tune`: search strategies for a model on a hardware profile.
 
 Search space: attention tp|sp x ffn tp|ep x dispatch a2a|ag-rs (ep only) x chunks x remat
-policy; SM budgets and order come from the scheduler. Two stages keep it quick: every
-candidate is scheduled by the list-scheduling baselines (milliseconds), then the best few are
-refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
+policy; SM budgets and order come from the scheduler. Each candidate is one typed
+``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), built
+into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between.
+Two stages keep it quick: every candidate is scheduled by the list-scheduling baselines
+(milliseconds), then the best few are refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
 
@@ -23,80 +25,72 @@ import os
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Strategy
+from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_memory_budget_arg
-from moegraph.options import UsageError, check_output, fraction, positive_float, positive_int
+from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.schedules.api import compile_graph
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2          # 2: keyed by ir.graph_digest, typed strategies
 CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
 
-@dataclass(frozen=True)
-class Candidate:
-    attn: str
-    ffn: str
-    dispatch: str
-    chunks: int
-    remat: str
-
-    @property
-    def passes(self) -> str:
-        steps = ["gate-reorder"] if self.remat == "paper" else []
-        if self.chunks > 1:
-            steps.append(f"chunk={self.chunks}")
-        steps.append(f"sar={self.remat}")
-        return ",".join(steps)
-
-    def label(self) -> str:
-        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={self.remat}"
-
-
-def candidates(model: ModelConfig, n: int, seq: int) -> list[Candidate]:
-    """Every strategy point valid for this model and group size."""
+def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> list[Strategy]:
+    """Every strategy point valid for this group size and sequence (chunks must divide s/n)."""
     out = []
     for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
         for dispatch in (("a2a", "ag-rs") if ffn == "ep" else ("ag-rs",)):
             if seq % (n * chunks):
                 continue
-            out.append(Candidate(attn, ffn, dispatch, chunks, remat))
+            out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
+                                gate="before-fc2" if remat == "paper" else "after-fc2"))
     return out
 
 
-def graph_key(graph: Graph) -> str:
-    """Content hash of a graph: nodes, values, saved set and strategy (reprs are deterministic)."""
-    text = repr((graph.nodes, graph.values, sorted(graph.saved), graph.strategy, graph.inputs, graph.outputs))
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def cache_key(graph: Graph, hw: Hardware, options: dict[str, Any]) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_key(graph), "hw": hw.fingerprint(), "options": options},
+    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_digest(graph), "hw": hw.fingerprint(), "options": options},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 class Cache:
-    def __init__(self, root: Path | None):
-        self.root = root
+    """One JSON file per entry under ``root`` (None: no cache). An unreadable entry (not JSON, not
+    an entry) is a miss, recomputed and rewritten; ``warn`` gets one line, once per Cache."""
 
-    def get(self, key: str) -> dict | None:
+    def __init__(self, root: Path | None, warn: Callable[[str], None] | None = None):
+        self.root = root
+        self._warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        self._warned = False
+
+    def get(self, key: str, is_entry: Callable[[Any], bool] = lambda e: isinstance(e, dict)) -> dict | None:
+        """The entry under ``key``, or None on a miss (absent, or unreadable: see the class doc)."""
         if self.root is None:
             return None
         path = self.root / f"{key}.json"
         try:
-            return json.loads(path.read_text())
-        except (FileNotFoundError, json.JSONDecodeError):
+            entry = json.loads(path.read_text())
+        except FileNotFoundError:
             return None
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            return self._miss(path, f"is not valid JSON ({type(err).__name__})")
+        if not is_entry(entry):
+            return self._miss(path, "is not a tune cache entry")
+        return entry
+
+    def _miss(self, path: Path, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            self._warn(f"moegraph tune: warning: cache entry {path} {why}; recomputing it (further bad "
+                       f"entries are recomputed silently)")
+        return None
 
     def put(self, key: str, entry: dict) -> None:
         if self.root is None:
@@ -108,12 +102,22 @@ class Cache:
         os.replace(tmp, self.root / f"{key}.json")       # atomic: readers see old or new, never half
 
 
+def _is_entry(entry: Any) -> bool:
+    """What ``evaluate`` writes: feasible with a time, peak and schedule, or infeasible with a why."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("feasible"), bool):
+        return False
+    if not entry["feasible"]:
+        return isinstance(entry.get("why"), str)
+    return (all(isinstance(entry.get(k), (int, float)) for k in ("predicted_us", "peak_memory_bytes"))
+            and isinstance(entry.get("schedule"), str))
+
+
 def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int | None, time_limit: float,
              cache: Cache) -> dict:
     """Schedule one graph (cached). Returns predicted_us, peak memory, and the schedule JSON."""
     options = {"method": method, "memory_budget": memory_budget, "time_limit": time_limit}
     key = cache_key(graph, cost.hw, options)
-    hit = cache.get(key)
+    hit = cache.get(key, _is_entry)
     if hit is not None:
         return hit | {"cached": True}
     try:
@@ -127,12 +131,9 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
     return entry | {"cached": False}
 
 
-def build_graph(model: ModelConfig, cand: Candidate, cost: CostModel, *, n: int, batch: int, seq: int,
-                dtype: str) -> Graph:
-    from moegraph.passes import run_pipeline
-    graph = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, n, dtype=dtype), batch=batch, seq=seq)
-    graph, _ = run_pipeline(graph, cand.passes, cost=cost)
-    return graph
+def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batch: int, seq: int) -> Graph:
+    from moegraph.passes import lower_strategy
+    return lower_strategy(model, strategy, batch=batch, seq=seq, cost=cost)[0]
 
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
@@ -150,9 +151,9 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     baseline_graph = trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch, seq=seq)
     base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
     rows: list[dict] = []
-    cands = candidates(model, n, seq)
+    cands = candidates(model, n, seq, dtype)
     for i, cand in enumerate(cands, 1):
-        graph = build_graph(model, cand, cost, n=n, batch=batch, seq=seq, dtype=dtype)
+        graph = build_graph(model, cand, cost, batch=batch, seq=seq)
         entry = evaluate(graph, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
         rows.append({"candidate": cand, "graph": graph, "stage1": entry})
         say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {cand.label():<40} greedy "
@@ -189,7 +190,8 @@ def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | 
 
 
 def _baseline_row(base: dict, why: str) -> dict:
-    return {"attn": "tp", "ffn": "tp", "dispatch": "ag-rs", "chunks": 1, "remat": "none", "passes": "",
+    return {"attn": "tp", "ffn": "tp", "dispatch": "ag-rs", "chunks": 1, "remat": "none", "gate": "after-fc2",
+            "passes": [],
             "feasible": True, "scheduler": "sequential", "predicted_us": base["predicted_us"],
             "peak_memory_bytes": base["peak_memory_bytes"], "speedup": 1.0, "kept_baseline": why}
 
@@ -209,7 +211,7 @@ def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
 def _row(r: dict, baseline_us: float) -> dict:
     cand, final = r["candidate"], r.get("final") or r["stage1"]
     out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
-           "passes": cand.passes, "feasible": final["feasible"],
+           "gate": cand.gate, "passes": list(r["graph"].strategy.passes), "feasible": final["feasible"],
            "scheduler": "cpsat" if "final" in r else "greedy"}
     if final["feasible"]:
         out |= {"predicted_us": final["predicted_us"], "peak_memory_bytes": final["peak_memory_bytes"],
@@ -229,7 +231,7 @@ def format_table(res: dict) -> str:
              f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
              f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
     for i, r in enumerate(res["candidates"], 1):
-        name = f"{r['attn']}+{r['ffn']} {r['dispatch']:<5} chunks={r['chunks']} remat={r['remat']}"
+        name = Strategy(r["attn"], r["ffn"], r["dispatch"], res["n"], chunks=r["chunks"], remat=r["remat"]).label()
         if r["feasible"]:
             lines.append(f"{i:>3} {name:<40} {r['scheduler']:<6} {r['predicted_us']:>12.1f} "
                          f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
@@ -264,6 +266,8 @@ def tune_command(p: argparse.ArgumentParser):
     def run(args) -> int:
         if args.min_gain is not None and not args.min_gain < 1:
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
+        if args.cache:
+            check_output_dir(args.cache, flag="--cache")
         if args.output:
             check_output(args.output, suffixes=(".json",))
             check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
@@ -287,4 +291,4 @@ def tune_command(p: argparse.ArgumentParser):
     return run
 
 
-__all__ = ["tune", "candidates", "Candidate", "Cache", "cache_key", "tune_command"]
+__all__ = ["tune", "candidates", "build_graph", "Cache", "cache_key", "tune_command"]

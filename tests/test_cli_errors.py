@@ -14,6 +14,7 @@ import argparse
 import json
 
 import pytest
+import yaml
 
 from moegraph.cli import build_parser, main
 from moegraph.options import byte_size, check_output
@@ -54,6 +55,17 @@ CORE_CASES = [
     (["tune", "--model", "tiny", "--min-gain", "1"], "--min-gain=1.0 must be a fraction in [0, 1)"),
     (["tune", "--model", "tiny", "-o", "{tmp}/a_dir"], "is an existing directory"),
     (["tune", "--model", "tiny", "-o", "{tmp}/a_file.txt/best.json"], "is a file, not a directory"),
+    (["tune", "--model", "tiny", "--cache", "{tmp}/a_file.txt"], "--cache '"),
+    (["trace", *TINY[:2], "--hardware", "{tmp}/hw_inf.yaml"], "hw_inf.yaml: nic_bw_bytes_s: expected a positive "
+     "number, got inf (not a finite number)"),
+    (["trace", *TINY[:2], "--hardware", "{tmp}/hw_nan.yaml"], "hw_nan.yaml: ring_eff: expected a number in (0, 1], "
+     "got nan (not a finite number)"),
+    (["trace", "--model", "{tmp}/rope_nan.yaml"], "rope_nan.yaml: rope_theta: expected a positive number, got nan"),
+    (["trace", "--model", "{tmp}/eps_nan.yaml"], "eps_nan.yaml: rms_eps: expected a positive number, got nan"),
+    (["trace", "--model", "{tmp}/odd.yaml", "--n", "3", "--seq", "3", "--dispatch", "a2a"],
+     "collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards"),
+    (["compile", "--model", "{tmp}/huge.yaml"], "huge.yaml: hidden: expected a positive int <= 1,048,576, got "
+     "1000000000000"),
 ]
 
 # -- schedules: verify and gantt ----------------------------------------------------------------------
@@ -98,8 +110,23 @@ def workdir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli_errors")
     (tmp / "a_file.txt").write_text("not a schedule\n")
     (tmp / "a_dir").mkdir()
+    _write_bad_registry_yaml(tmp)
     assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
     return tmp
+
+
+def _write_bad_registry_yaml(tmp) -> None:
+    """Registry YAML the CORE_CASES load: non-finite numbers and a size that overflows storage."""
+    from moegraph.registry import load_hardware
+    hw = yaml.safe_dump(load_hardware("h800").to_dict())
+    (tmp / "hw_inf.yaml").write_text(hw.replace("nic_bw_bytes_s: 50000000000.0", "nic_bw_bytes_s: .inf"))
+    (tmp / "hw_nan.yaml").write_text(hw.replace("ring_eff: 0.726", "ring_eff: .nan"))
+    model = "layers: 2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn_hidden: 128\nexperts: 4\ntop_k: 2\n"
+    (tmp / "rope_nan.yaml").write_text(model + "rope_theta: .nan\n")
+    (tmp / "eps_nan.yaml").write_text(model + "rms_eps: .nan\n")
+    (tmp / "huge.yaml").write_text(model.replace("hidden: 64", "hidden: 1000000000000"))
+    (tmp / "odd.yaml").write_text("layers: 1\nhidden: 100\nheads: 3\nkv_heads: 3\nhead_dim: 32\nffn_hidden: 64\n"
+                                  "experts: 3\ntop_k: 1\n")      # a token row (200 bytes) n=3 cannot share
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:

@@ -13,7 +13,8 @@ import math
 
 import pytest
 
-from moegraph.cost import CostModel, collective_bytes, interpolate
+from moegraph.cost import CostModel, interpolate
+from moegraph.ir import collective_bytes
 from moegraph.ir import Node, OpKind, Phase
 from moegraph.registry import load_hardware
 

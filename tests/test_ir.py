@@ -66,3 +66,85 @@ def test_backward_is_explicit_with_separate_weight_gradients(graph):
     # every parameter has a gradient output, replicated ones synchronised by an all-reduce
     assert set(graph.grad_of) == {p for p, _ in graph.params}
     assert by_name["router.weight.grad_allreduce"].op is OpKind.ALL_REDUCE
+
+
+# --- bytes on the wire: one exact rule (ir.collective_bytes), applied by GraphBuilder.collective ---
+
+def test_every_collective_sends_exactly_n_minus_1_shards(graph):
+    """Each forward collective's comm_bytes is (n-1)/n of the tensor the rule names, with no rounding:
+    all-gather -> its output, reduce-scatter and all-to-all -> their (first) input."""
+    comm = [n for n in graph.nodes if n.is_comm and n.phase is Phase.FORWARD]
+    assert {n.op for n in comm} >= {OpKind.ALL_TO_ALL} and comm
+    for node in comm:
+        full = graph.value[node.outputs[0] if node.op is OpKind.ALL_GATHER else node.inputs[0]].nbytes
+        if node.name.startswith("qkv_a2a"):       # q, k and v travel together
+            full = sum(graph.value[v].nbytes for v in node.inputs)
+        assert node.comm_bytes * node.group == full * (node.group - 1), node.name
+
+
+def test_a_tensor_that_does_not_split_evenly_is_a_config_error_not_rounded(tmp_path):
+    """hidden=100 (explicit head_dim) and n=3: one token row is 200 bytes, which 3 ranks cannot
+    share exactly; the old rule silently sent 133 bytes."""
+    from moegraph.builder import ConfigError
+    path = tmp_path / "odd.yaml"
+    path.write_text("layers: 1\nhidden: 100\nheads: 3\nkv_heads: 3\nhead_dim: 32\nffn_hidden: 64\n"
+                    "experts: 3\ntop_k: 1\n")
+    with pytest.raises(ConfigError) as e:
+        trace_model(load_model(str(path)), Strategy("sp", "ep", "a2a", 3), batch=1, seq=3)
+    assert str(e.value) == ("collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards "
+                            "(full_tensor_bytes=200 is not divisible by n=3)")
+
+
+# --- the one graph digest (tune cache key, execution-plan hash) -----------------------------------
+
+def test_graph_digest_tracks_computation_and_cost_but_not_meta(graph):
+    from moegraph.ir import graph_digest
+    again = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=32)
+    assert graph_digest(again) == graph_digest(graph) and again is not graph
+    first = graph.nodes[0]
+    changed = [replace_node(graph, first.name, flops=first.flops + 1),                  # cost: tune must re-solve
+               replace_node(graph, first.name, attrs=first.with_attrs(extra=1).attrs),
+               dataclasses.replace(graph, saved=graph.saved - {sorted(graph.saved)[0]}),
+               dataclasses.replace(graph, strategy=dataclasses.replace(graph.strategy, chunks=2))]
+    assert len({graph_digest(g) for g in changed} | {graph_digest(graph)}) == len(changed) + 1
+    assert graph_digest(graph.with_meta(note="bookkeeping")) == graph_digest(graph)
+
+
+def test_graph_digest_is_the_same_in_another_process(graph):
+    """Ranks and cache readers are other processes: no hash-seed-dependent order may leak in."""
+    import subprocess
+    import sys
+    from moegraph.ir import graph_digest
+    code = ("from moegraph.ir import Strategy, graph_digest; from moegraph.registry import load_model; "
+            "from moegraph.tracer import trace_model; "
+            "print(graph_digest(trace_model(load_model('tiny'), Strategy('sp', 'ep', 'ag-rs', 2), batch=1, seq=32)))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONHASHSEED": "12345", "PATH": ""}).stdout.strip()
+    assert out == graph_digest(graph)
+
+
+# --- the typed strategy ------------------------------------------------------------------------
+
+def test_strategy_names_every_offending_field_at_once():
+    from moegraph.ir import ConfigError
+    with pytest.raises(ConfigError) as e:
+        Strategy("xx", "tp", "a2a", 0, dtype="fp8", chunks=True, gate="middle", dp=-1, remat="budget")
+    assert str(e.value) == (
+        "attn='xx' is not one of 'tp', 'sp'; dtype='fp8' is not one of 'bf16', 'fp32'; "
+        "gate='middle' is not one of 'after-fc2', 'before-fc2'; n=0 must be a positive integer; "
+        "chunks=True must be a positive integer; dp=-1 must be a positive integer; dispatch='a2a' needs "
+        "ffn='ep' (tensor-parallel experts see every token: use dispatch='ag-rs'); remat='budget' needs "
+        "remat_budget, a byte count >= 0 (got None)")
+    with pytest.raises(ConfigError, match=r"^remat_budget=5 is only valid with remat='budget' \(remat='paper'\)$"):
+        Strategy("sp", "ep", "a2a", 2, remat="paper", remat_budget=5)
+    with pytest.raises(ConfigError, match=r"^ffn='dp' is not one of 'tp', 'ep'$"):
+        dataclasses.replace(Strategy("sp", "ep", "a2a", 2), ffn="dp")
+
+
+def test_strategy_round_trips_through_its_dict():
+    s = Strategy("sp", "ep", "a2a", 2, chunks=4, remat="budget", remat_budget=1 << 20, gate="before-fc2",
+                 passes=("sar=budget:1MiB",))
+    assert Strategy.from_dict(s.as_dict()) == s
+    from moegraph.ir import ConfigError
+    with pytest.raises(ConfigError, match="^strategy: unknown field 'chunk'; valid: "):
+        Strategy.from_dict(s.as_dict() | {"chunk": 2})

@@ -199,6 +199,8 @@ def test_sar_budget_fits_and_trades_time_for_bytes(h800, budget):
     out, report = run_pipeline(g, f"sar=budget:{budget}", cost=h800)
     r = report["sar"]
     assert out.activation_bytes() <= r["budget_bytes"] and out.activation_bytes() <= g.activation_bytes()
+    assert (out.strategy.remat, out.strategy.remat_budget) == ("budget", r["budget_bytes"])       # typed record
+    assert out.strategy.passes == (f"sar=budget:{budget}",)
     if budget == "3GiB":
         assert r["budget_bytes"] == 3 * 2**30 and r["recompute_time_us"] == r["recommunicate_time_us"] == 0
     else:
@@ -269,6 +271,30 @@ def test_chunk_auto_with_free_latency_chunks_finer(h800):
     assert run_pipeline(g, "chunk=auto", cost=free)[1]["chunk"]["chosen"] > chosen
 
 
+def test_chunk_auto_searches_a_bounded_range(h800, monkeypatch):
+    """Unbounded, the search once ran to 1024 chunks of mixtral-8x7b and picked 256 (10,007 nodes,
+    79 s). With the patience stop disabled it now tries the divisors of s/n up to 16 and no more."""
+    import moegraph.passes.strategy as strategy_mod
+    monkeypatch.setattr(strategy_mod, "PATIENCE", 10**6)
+    g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
+    assert g.dims.s // N >= 64 * strategy_mod.MAX_AUTO_CHUNKS       # many more divisors than the bound
+    out, report = run_pipeline(g, "chunk=16", cost=h800)
+    assert strategy_mod.MAX_AUTO_CHUNKS == 16 and len(out.nodes) <= strategy_mod.MAX_AUTO_NODES
+    out, report = run_pipeline(g, "chunk=auto", cost=h800)
+    assert list(report["chunk"]["predicted_us"]) == [1, 2, 4, 8, 16]
+    assert out.strategy.chunks == report["chunk"]["chosen"] <= 16
+
+
+def test_chunk_auto_never_builds_a_graph_above_the_node_bound(h800, monkeypatch):
+    import moegraph.passes.strategy as strategy_mod
+    monkeypatch.setattr(strategy_mod, "PATIENCE", 10**6)
+    g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
+    four = len(run_pipeline(g, "chunk=4", cost=h800)[0].nodes)
+    monkeypatch.setattr(strategy_mod, "MAX_AUTO_NODES", four)
+    out, report = run_pipeline(g, "chunk=auto", cost=h800)
+    assert list(report["chunk"]["predicted_us"]) == [1, 2, 4] and len(out.nodes) <= four
+
+
 def test_chunk_keeps_activation_bytes(h800):
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
     for c in (2, 4):
@@ -327,7 +353,7 @@ def test_trace_strategy_fields_reflect_the_choices():
     s = json.loads(buf.getvalue())
     assert s["strategy"] | {"passes": None} == {"attn": "sp", "ffn": "ep", "dispatch": "ag-rs", "n": 2, "dtype": "bf16",
                                                 "dp": 1, "chunks": 4, "remat": "paper", "gate": "before-fc2",
-                                                "passes": None}
+                                                "remat_budget": None, "passes": None}
     assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "sar=paper"]
     assert s["passes"]["sar"]["activation_bytes_after"] == s["activation_bytes"]
     assert any(n["phase"] == "recompute" for n in s["nodes"])

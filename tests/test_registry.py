@@ -9,7 +9,7 @@ import json
 import pytest
 import yaml
 
-from moegraph import registry
+from moegraph.registry import loading
 from moegraph.registry import (Hardware, ModelConfig, RegistryError, hardware_names, load_hardware,
                                load_model, model_names)
 
@@ -250,7 +250,7 @@ def test_registry_file_errors_name_the_entry(tmp_path, monkeypatch):
     """Registry messages read 'models.yaml: <entry>.<field>: ...'."""
     good = load_model("mixtral-8x7b").to_dict()
     del good["name"]
-    monkeypatch.setattr(registry, "_REGISTRY_DIR", tmp_path)
+    monkeypatch.setattr(loading, "_REGISTRY_DIR", tmp_path)
     cases = [
         ({"mixtral-8x7b": good | {"heads": "x"}}, "models.yaml: mixtral-8x7b.heads: expected a positive int, got 'x'"),
         ({"mixtral-8x7b": good | {"kv_heads": 5}}, "models.yaml: mixtral-8x7b: heads=32 is not divisible by kv_heads=5"),
@@ -262,13 +262,13 @@ def test_registry_file_errors_name_the_entry(tmp_path, monkeypatch):
         sub = tmp_path / str(i)
         sub.mkdir()
         write_yaml(sub, "models.yaml", data)
-        monkeypatch.setattr(registry, "_REGISTRY_DIR", sub)
+        monkeypatch.setattr(loading, "_REGISTRY_DIR", sub)
         with pytest.raises(RegistryError) as e:
             model_names()
         assert str(e.value) == expected
     (tmp_path / "bad").mkdir()
     write_yaml(tmp_path / "bad", "hardware.yaml", "h800: {peak: [}\n")
-    monkeypatch.setattr(registry, "_REGISTRY_DIR", tmp_path / "bad")
+    monkeypatch.setattr(loading, "_REGISTRY_DIR", tmp_path / "bad")
     with pytest.raises(RegistryError, match=r"^hardware\.yaml: invalid YAML: "):
         load_hardware("h800")
 
@@ -282,4 +282,49 @@ def test_direct_construction_validates():
     assert str(e.value) == "gemm_eff: expected a number in (0, 1], got 0" and e.value.field == "gemm_eff"
     with pytest.raises(ValueError, match="unknown curve 'gemm'"):
         load_hardware("h800").curve("gemm")
-    assert isinstance(Hardware.__doc__, str)
+
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.type == "float"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_every_number_field_rejects_non_finite_values(value):
+    """Direct construction runs every float field's check: NaN and inf are refused by name."""
+    hw = load_hardware("h800")
+    assert len(FLOAT_FIELDS) >= 15
+    for name in FLOAT_FIELDS:
+        with pytest.raises(RegistryError) as e:
+            dataclasses.replace(hw, **{name: value})
+        assert e.value.field == name and str(e.value).startswith(f"{name}: ") and "not a finite number" in str(e.value)
+    for name in ("rope_theta", "rms_eps"):
+        with pytest.raises(RegistryError) as e:
+            ModelConfig(name="x", **(MINIMAL_MODEL | {name: value}))
+        assert e.value.field == name
+
+
+def test_non_finite_yaml_values_name_file_field_and_value(tmp_path):
+    h = load_hardware("h800").to_dict()
+    assert user_error(tmp_path, yaml.safe_dump(h | {"nic_bw_bytes_s": 1.0}).replace(
+        "nic_bw_bytes_s: 1.0", "nic_bw_bytes_s: .inf"), load_hardware) == \
+        "my.yaml: nic_bw_bytes_s: expected a positive number, got inf (not a finite number)"
+    assert user_error(tmp_path, yaml.safe_dump(h | {"ring_eff": 0.5}).replace("ring_eff: 0.5", "ring_eff: .nan"),
+                      load_hardware) == "my.yaml: ring_eff: expected a number in (0, 1], got nan (not a finite number)"
+    text = yaml.safe_dump(MINIMAL_MODEL)
+    assert user_error(tmp_path, text + "rope_theta: .nan\n") == \
+        "my.yaml: rope_theta: expected a positive number, got nan (not a finite number)"
+    assert user_error(tmp_path, text + "rms_eps: .nan\n") == \
+        "my.yaml: rms_eps: expected a positive number, got nan (not a finite number)"
+
+
+def test_model_sizes_are_bounded(tmp_path):
+    m = MINIMAL_MODEL
+    assert user_error(tmp_path, m | {"hidden": 10**12}) == \
+        "my.yaml: hidden: expected a positive int <= 1,048,576, got 1000000000000"
+    assert user_error(tmp_path, m | {"experts": 2**17}) == \
+        "my.yaml: experts: expected a positive int <= 65,536, got 131072"
+    # every size within its own bound, but one layer's parameters beyond 2**44 bytes (16 TiB)
+    big = m | {"hidden": 2**20, "heads": 2**10, "kv_heads": 2**10, "ffn_hidden": 2**20, "experts": 64}
+    msg = user_error(tmp_path, big)
+    assert msg.startswith("my.yaml: one layer's parameters take ") and "over the 17,592,186,044,416 bytes" in msg
+    # the largest registry model is far inside the bound
+    assert max(load_model(n).layer_param_bytes for n in model_names()) < 2**44 // 500

@@ -1,7 +1,6 @@
 """Anything the tracer cannot lower is an error naming the module's qualified name and type."""
 
 import pytest
-import torch
 from torch import nn
 
 from moegraph.ir import Strategy
@@ -43,8 +42,23 @@ def test_unsupported_operation_between_blocks_is_named():
         trace_module(WithScale(), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=16)
 
 
-def test_meta_device_tracing_allocates_nothing():
+def test_meta_device_tracing_allocates_nothing(monkeypatch):
+    """trace_model builds the registry layer on the meta device: internal-352b's layer would be
+    ~24 GB of fp32 weights, and not one parameter or buffer may have storage."""
+    from moegraph.models import MoETransformerLayer
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
-    g = trace_model(load_model("internal-352b"), Strategy("sp", "ep", "ag-rs", 8))
-    assert g.dims.experts == 32 and torch.empty(0).device.type == "cpu"
+    built = []
+    real = MoETransformerLayer.from_config.__func__
+
+    def spy(cls, cfg):
+        built.append(real(cls, cfg))
+        return built[-1]
+    monkeypatch.setattr(MoETransformerLayer, "from_config", classmethod(spy))
+    cfg = load_model("internal-352b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8))
+    (layer,) = built
+    tensors = [*layer.parameters(), *layer.buffers()]
+    assert sum(t.numel() for t in tensors) * 4 > 20e9                          # what it would have cost
+    assert tensors and all(t.is_meta for t in tensors)
+    assert g.dims.experts == 32

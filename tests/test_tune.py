@@ -6,8 +6,10 @@ import multiprocessing as mp
 import pytest
 
 from moegraph.cli import main
+from moegraph.cost import CostModel
+from moegraph.ir import Strategy
 from moegraph.registry import load_hardware, load_model
-from moegraph.schedules.tune import Cache, candidates, tune
+from moegraph.schedules.tune import Cache, build_graph, cache_key, candidates, tune
 
 ARGS = ["--model", "tiny", "--n", "2", "--seq", "256", "--time-limit", "1", "--refine", "1"]
 
@@ -17,6 +19,37 @@ def test_search_space_covers_every_valid_strategy():
     strategies = {(c.attn, c.ffn, c.dispatch) for c in cands}
     assert strategies == {(a, f, d) for a in ("tp", "sp") for f, d in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))}
     assert {c.chunks for c in cands} == {1, 2, 4} and {c.remat for c in cands} == {"none", "paper"}
+    assert all(isinstance(c, Strategy) and c.n == 8 for c in cands)
+    assert {(c.remat, c.gate) for c in cands} == {("none", "after-fc2"), ("paper", "before-fc2")}   # Fig 9's pairing
+    assert {c.chunks for c in candidates(load_model("mixtral-8x7b"), 8, 8 * 6)} == {1, 2}          # 4 does not divide s/n
+
+
+def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
+    """The typed path (lower_strategy) never parses a pipeline string; the passes it records are
+    the pipeline that rebuilds the same graph from attn, ffn, dispatch, n, dtype (what `run
+    --schedule FILE` replays from a tune-written file), for every chunks x remat x dispatch point."""
+    from moegraph.passes import run_pipeline
+    from moegraph.passes.manager import same_computation
+    from moegraph.tracer import trace_model
+    import moegraph.passes.manager as manager
+    model, cost = load_model("tiny"), CostModel(load_hardware("h800"))
+    real_parse = manager.parse_pipeline
+
+    def no_strings(spec):
+        raise AssertionError(f"tune parsed a pipeline string {spec!r}")
+    cands = [c for c in candidates(model, 2, 64) if (c.attn, c.ffn) == ("sp", "ep")]   # passes do not vary by family
+    assert len(cands) == 12
+    for cand in cands:
+        monkeypatch.setattr(manager, "parse_pipeline", no_strings)
+        typed = build_graph(model, cand, cost, batch=1, seq=64)
+        monkeypatch.setattr(manager, "parse_pipeline", real_parse)
+        base = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, 2), batch=1, seq=64)
+        piped, _ = run_pipeline(base, ",".join(typed.strategy.passes), cost=cost)
+        assert typed.strategy == piped.strategy, cand
+        assert same_computation(typed, piped) and typed.meta_get("remat") == piped.meta_get("remat"), cand
+        assert (typed.strategy.chunks, typed.strategy.gate, typed.strategy.remat) == (cand.chunks, cand.gate, cand.remat)
+    paper = next(c for c in cands if c.chunks == 2 and c.remat == "paper")
+    assert build_graph(model, paper, cost, batch=1, seq=64).strategy.passes == ("gate-reorder", "chunk=2", "sar=paper")
 
 
 def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tmp_path):
@@ -117,3 +150,43 @@ def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, capsy
     assert done.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("moegraph tune: error: argument --min-gain: '-0.1' is not a fraction between 0 and 1")
+
+
+def test_cache_at_a_regular_file_is_one_line_before_any_work(tmp_path, capsys, monkeypatch):
+    import moegraph.schedules.tune as tune_mod
+    monkeypatch.setattr(tune_mod, "tune", lambda *a, **k: pytest.fail("tune ran with a bad --cache"))
+    (tmp_path / "f").write_text("x")
+    for cache in (tmp_path / "f", tmp_path / "f" / "sub"):
+        assert main(["tune", *ARGS, "--cache", str(cache), "-o", str(tmp_path / "best.json")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith(f"moegraph tune: error: --cache '{cache}'"), err
+    assert not (tmp_path / "best.json").exists()
+
+
+def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
+    model, hw = load_model("tiny"), load_hardware("h800")
+    cost = CostModel(hw)
+    graph = build_graph(model, Strategy("tp", "tp", "ag-rs", 2), cost, batch=1, seq=64)
+    from moegraph.schedules.tune import evaluate
+    good = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=Cache(tmp_path))
+    key = cache_key(graph, hw, {"method": "greedy", "memory_budget": None, "time_limit": 1})
+    entry = tmp_path / f"{key}.json"
+    assert entry.is_file() and good["cached"] is False
+    warnings: list[str] = []
+    for garbage in (b"{not json", b"\xff\xfe", b"[1, 2]"):          # truncated, not UTF-8, not an entry
+        entry.write_bytes(garbage)
+        cache = Cache(tmp_path, warn=warnings.append)
+        again = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=cache)
+        assert again["cached"] is False and again["predicted_us"] == good["predicted_us"]     # recomputed
+        assert cache.get(key) is not None                                                      # and rewritten
+        assert Cache(tmp_path, warn=warnings.append).get(key)["predicted_us"] == good["predicted_us"]
+    assert len(warnings) == 3 and all(f"cache entry {entry}" in w and "recomputing it" in w for w in warnings)
+    assert "not valid JSON" in warnings[0] and "not a tune cache entry" in warnings[2]
+    # the default warning is one stderr line, once per run
+    entry.write_text("{not json")
+    other = tmp_path / "other.json"
+    other.write_text("{not json")
+    cache = Cache(tmp_path)
+    assert cache.get(key) is None and cache.get("other") is None
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("moegraph tune: warning: cache entry ")

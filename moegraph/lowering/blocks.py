@@ -39,7 +39,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
-from moegraph.builder import ConfigError, GraphBuilder, ring_bytes
+from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 
 ATTN, FFN = "attention", "ffn"
@@ -182,7 +182,7 @@ def emit_all_gather(g: GraphBuilder, name: str, x: str, out: str, *, dim: int, m
     shape = list(g.shape(x))
     shape[dim] *= g.strategy.n
     y = g.value(out, tuple(shape))
-    g.collective(name, OpKind.ALL_GATHER, (x,), (y,), comm_bytes=ring_bytes(g.nbytes(y), g.strategy.n),
+    g.collective(name, OpKind.ALL_GATHER, (x,), (y,), full_bytes=g.nbytes(y),
                  attrs={"dim": dim}, module=module, block=block)
     return y
 
@@ -195,7 +195,7 @@ def emit_reduce_scatter(g: GraphBuilder, name: str, x: str, out: str, *, dim: in
     shape = list(g.shape(x))
     shape[dim] //= g.strategy.n
     y = g.value(out, tuple(shape), alias_of=alias_of)
-    g.collective(name, OpKind.REDUCE_SCATTER, (x,), (y,), comm_bytes=ring_bytes(g.nbytes(x), g.strategy.n),
+    g.collective(name, OpKind.REDUCE_SCATTER, (x,), (y,), full_bytes=g.nbytes(x),
                  flops=_numel(g, x), attrs={"dim": dim}, module=module, block=block)
     return y
 
@@ -267,7 +267,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                 ka = g.value(f"k_a2a{c}", (b, S * n, G // n * d))
                 va = g.value(f"v_a2a{c}", (b, S * n, G // n * d))
                 g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q_rope, k_rope, v), (qa, ka, va),
-                             comm_bytes=ring_bytes(g.nbytes(q_rope, k_rope, v), n),
+                             full_bytes=g.nbytes(q_rope, k_rope, v),
                              attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
             qs.append(qa), ks.append(ka), vs.append(va)
     # either way each rank attends over H/n heads and the whole sequence: [b, s, H/n*d] in N chunks
@@ -296,7 +296,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                 # Ulysses back: split sequence, gather heads. [b, nL, H/n*d] -> [b, L, H*d]
                 attn_a2a = g.value(f"attn_a2a{c}", (b, s // n // N, H * d))
                 g.collective(f"attn_a2a{c}", OpKind.ALL_TO_ALL, (attn,), (attn_a2a,),
-                             comm_bytes=ring_bytes(g.nbytes(attn), n),
+                             full_bytes=g.nbytes(attn),
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
             outs.append(emit_gemm(g, f"out_proj{c}", attn_a2a, w_o, name, alias_of=alias, **kw))
     return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
@@ -319,7 +319,7 @@ def _emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str,
     g.node(f"{name}_sumsq", OpKind.SQUARE_SUM, (x,), (part,), flops=2 * _numel(g, x), **kw)
     total = g.value(f"{name}_sumsq", (*rows, 1), dtype=WEIGHT_DTYPE)
     g.collective(f"{name}_allreduce", OpKind.ALL_REDUCE, (part,), (total,),
-                 comm_bytes=2 * ring_bytes(g.nbytes(part), g.strategy.n), flops=_numel(g, part), **kw)
+                 full_bytes=g.nbytes(part), flops=_numel(g, part), **kw)
     g.node(name, OpKind.RMSNORM_SHARDED, (x, w, total), (y,), flops=3 * _numel(g, x),
            attrs={"eps": spec.eps, "width": width}, **kw)
     return y
@@ -404,7 +404,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
         ffn_in = g.value(f"ffn_in{c}", (R, h), routed=True)
         seg = g.value(f"recv_map{c}", (n, El), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
         g.collective(f"dispatch_a2a{c}", OpKind.ALL_TO_ALL, (rows, imap), (ffn_in, seg),
-                     comm_bytes=ring_bytes(g.nbytes(rows), n),
+                     full_bytes=g.nbytes(rows),
                      attrs={"mode": "tokens", "direction": "to_experts", "emit_map": True}, **kw)
         rows = ffn_in
     fc1 = _grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
@@ -421,7 +421,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
             sent = row_w
             row_w = g.value(f"row_weights{c}", (R,), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
             g.collective(f"gate_weights_a2a{c}", OpKind.ALL_TO_ALL, (sent, imap), (row_w,),
-                         comm_bytes=ring_bytes(g.nbytes(sent), n),
+                         full_bytes=g.nbytes(sent),
                          attrs={"mode": "tokens", "direction": "to_experts", "emit_map": False}, **kw)
         gated = g.like(f"fc2_in_gated{c}", fc2_in)
         g.node(f"gate{c}", OpKind.GATE, (fc2_in, row_w), (gated,), flops=_numel(g, fc2_in), **kw)  # [R, Fl]
@@ -430,7 +430,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
     if a2a and n > 1:
         back = g.value(f"fc2_out_a2a{c}", (R, h), routed=True)
         g.collective(f"combine_a2a{c}", OpKind.ALL_TO_ALL, (fc2_out, seg), (back,),
-                     comm_bytes=ring_bytes(g.nbytes(fc2_out), n),
+                     full_bytes=g.nbytes(fc2_out),
                      attrs={"mode": "tokens", "direction": "from_experts"}, **kw)
         fc2_out = back
     final, alias = _chunk_out(g, "ffn_out", j)

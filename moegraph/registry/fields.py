@@ -1,0 +1,212 @@
+"""Field checks of the registries: each check returns the normalised value or raises.
+
+A dataclass field declared with ``checked(check)`` is validated by ``validate_fields`` in the
+class's ``__post_init__``; a failure becomes RegistryError("<field>: <detail>", field=<field>),
+which the loader prefixes with the file (and entry). Numbers must be finite: YAML reads ``.nan``
+and ``.inf`` as floats, and neither is a valid size, rate or factor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import math
+from dataclasses import field
+from typing import Any, Callable
+
+__all__ = ["RegistryError", "Bad", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "checked", "validate_fields",
+           "text", "pos_int", "bounded_int", "opt_bounded_int", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
+           "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured"]
+
+
+class RegistryError(ValueError):
+    """A bad registry entry or user YAML. ``field`` names the field when one field is at fault."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+# --- field checks: each returns the normalised value or raises Bad(detail) ---------------------
+
+class Bad(Exception):
+    pass
+
+
+def _got(v: Any) -> str:
+    if isinstance(v, str):
+        try:
+            float(v)
+        except ValueError:
+            return repr(v)
+        # PyYAML (YAML 1.1) reads 1e12 and 1.0e12 as strings; only 1.0e+12 is a float.
+        return f"{v!r} (a string: write exponents as 1.0e+12 so YAML reads a number)"
+    return repr(v)
+
+
+def _number(v: Any, what: str) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise Bad(f"expected {what}, got {_got(v)}")
+    if isinstance(v, float) and not math.isfinite(v):      # YAML .nan / .inf
+        raise Bad(f"expected {what}, got {v!r} (not a finite number)")
+    return float(v)
+
+
+def pos_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise Bad(f"expected a positive int, got {_got(v)}")
+    return v
+
+
+def pos_float(v: Any) -> float:
+    if _number(v, "a positive number") <= 0:
+        raise Bad(f"expected a positive number, got {v!r}")
+    return float(v)
+
+
+def nonneg_float(v: Any) -> float:
+    if _number(v, "a number >= 0") < 0:
+        raise Bad(f"expected a number >= 0, got {v!r}")
+    return float(v)
+
+
+def fraction(v: Any) -> float:
+    if not 0 < _number(v, "a number in (0, 1]") <= 1:
+        raise Bad(f"expected a number in (0, 1], got {v!r}")
+    return float(v)
+
+
+def fraction_or_zero(v: Any) -> float:
+    if not 0 <= _number(v, "a number in [0, 1]") <= 1:
+        raise Bad(f"expected a number in [0, 1], got {v!r}")
+    return float(v)
+
+
+def stretch(v: Any) -> float:
+    if not 1 <= _number(v, "a number in [1, 10]") <= 10:
+        raise Bad(f"expected a number in [1, 10], got {v!r}")
+    return float(v)
+
+
+def text(v: Any) -> str:
+    if not isinstance(v, str):
+        raise Bad(f"expected a string, got {_got(v)}")
+    return v
+
+
+# Model sizes are bounded so that every tensor of one layer has a storage size torch can
+# represent (a [hidden, hidden] tensor with hidden = 10**12 overflows int64 storage sizes) and
+# stays far above any real model (the largest public ones: hidden 16384-25600, h_ffn <= 65536,
+# experts <= 256, layers <= 128). ModelConfig also bounds one layer's parameter bytes.
+MAX_SIZE = 2**20        # hidden, ffn_hidden, head_dim
+MAX_COUNT = 2**16       # layers, heads, kv_heads, experts, top_k
+
+
+def bounded_int(limit: int) -> Callable[[Any], int]:
+    """A check: a positive int <= limit."""
+    def check(v: Any) -> int:
+        if pos_int(v) > limit:
+            raise Bad(f"expected a positive int <= {limit:,}, got {v!r}")
+        return v
+    check.__name__ = f"bounded_int_{limit}"
+    return check
+
+
+def opt_bounded_int(limit: int) -> Callable[[Any], int | None]:
+    """A check: None or a positive int <= limit."""
+    inner = bounded_int(limit)
+    return lambda v: None if v is None else inner(v)
+
+
+def sm_budgets(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, (list, tuple)) or not v:
+        raise Bad(f"expected a non-empty list of SM counts, got {_got(v)}")
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int) or x < 0:
+            raise Bad(f"expected SM counts >= 0, got {x!r}")
+    if any(a >= b for a, b in zip(v, v[1:])):
+        raise Bad(f"expected strictly increasing SM counts, got {list(v)}")
+    return tuple(v)
+
+
+def _pairs(v: Any) -> list[tuple[Any, Any]] | None:
+    """Items of a YAML mapping, or of the normalised tuple-of-pairs form; None if neither."""
+    if isinstance(v, dict):
+        return list(v.items())
+    if isinstance(v, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in v):
+        return list(v)
+    return None
+
+
+def _keyed(v: Any, names: tuple[str, ...], expected: str, what: str) -> list[tuple[Any, Any]]:
+    """The items of mapping ``v``, every key one of ``names``."""
+    items = _pairs(v)
+    if items is None:
+        raise Bad(f"expected {expected}, got {_got(v)}")
+    for key, _ in items:
+        if key not in names:
+            raise Bad(f"unknown {what} {key!r}; valid: {', '.join(names)}")
+    return items
+
+
+CURVE_NAMES = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "ring_eff", "a2a_eff",
+               "all_reduce_eff")
+Curve = tuple[tuple[float, float], ...]
+
+
+def curves(v: Any) -> tuple[tuple[str, Curve], ...]:
+    out = []
+    for name, points in _keyed(v, CURVE_NAMES, "a mapping of curve name -> [[size, eff], ...]", "curve"):
+        if not isinstance(points, (list, tuple)) or not points:
+            raise Bad(f"{name}: expected a non-empty list of [size, eff] points, got {_got(points)}")
+        pts = []
+        for p in points:
+            if not isinstance(p, (list, tuple)) or len(p) != 2:
+                raise Bad(f"{name}: expected a [size, eff] pair, got {_got(p)}")
+            try:
+                pts.append((pos_float(p[0]), fraction(p[1])))
+            except Bad as err:
+                raise Bad(f"{name}: point {list(p)}: {err}") from None
+        if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):
+            raise Bad(f"{name}: sizes must increase strictly, got {[s for s, _ in pts]}")
+        out.append((name, tuple(pts)))
+    return tuple(sorted(out))
+
+
+IN_STEP_CLASSES = ("gemm", "grouped_gemm", "attention", "memory", "comm")
+
+
+def in_step(v: Any) -> tuple[tuple[str, float], ...]:
+    out = []
+    for name, x in _keyed(v, IN_STEP_CLASSES, "a mapping of op class -> factor", "op class"):
+        f = pos_float(x)
+        if not 0.1 <= f <= 100:
+            raise Bad(f"{name}: factor {f!r} is outside [0.1, 100]")
+        out.append((name, f))
+    return tuple(sorted(out))
+
+
+_MEASURED_KEYS = ("date", "machine", "notes")
+
+
+def measured(v: Any) -> tuple[tuple[str, str], ...]:
+    out = []
+    for k, x in _keyed(v, _MEASURED_KEYS, f"a mapping with keys {', '.join(_MEASURED_KEYS)}", "key"):
+        if isinstance(x, datetime.date):  # YAML reads 2025-01-31 as a date
+            x = x.isoformat()
+        out.append((k, text(x)))
+    return tuple(sorted(out))
+
+
+def checked(check: Callable[[Any], Any], default: Any = dataclasses.MISSING) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+def validate_fields(obj: Any) -> None:
+    """Run every field's check, storing the normalised value (int -> float, list -> tuple)."""
+    for f in dataclasses.fields(obj):
+        try:
+            value = f.metadata["check"](getattr(obj, f.name))
+        except Bad as err:
+            raise RegistryError(f"{f.name}: {err}", field=f.name) from None
+        object.__setattr__(obj, f.name, value)
