@@ -87,16 +87,22 @@ def load_schedule(path: str) -> Schedule:
 
 def verify_command(p: argparse.ArgumentParser):
     p.add_argument("schedule", metavar="SCHED.json", help="a schedule file written by compile, tune or run --trace")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (ok, origin, violations, skipped checks) instead of text")
 
     def run(args) -> int:
-        from moegraph.schedules.verify import verify_schedule
-        violations = verify_schedule(load_schedule(args.schedule))
-        if violations:
-            print(f"{args.schedule}: {violations[0]}", file=sys.stderr)
-            if len(violations) > 1:
-                print(f"({len(violations) - 1} more violations)", file=sys.stderr)
+        from moegraph.schedules.verify import verdict
+        v = verdict(load_schedule(args.schedule))
+        if args.json:
+            print(json.dumps({"file": args.schedule, **v.to_dict()}, indent=1))
+            return 0 if v.ok else 1
+        if not v.ok:
+            print(f"{args.schedule}: {v.violations[0]}", file=sys.stderr)
+            if len(v.violations) > 1:
+                print(f"({len(v.violations) - 1} more violations)", file=sys.stderr)
             return 1
-        print(f"{args.schedule}: ok")
+        skipped = f" ({v.origin} file; not checked: {', '.join(k for k, _ in v.skipped)})" if v.skipped else ""
+        print(f"{args.schedule}: ok{skipped}")
         return 0
     return run
 
@@ -106,12 +112,19 @@ def gantt_command(p: argparse.ArgumentParser):
     p.add_argument("-o", "--output", required=True, metavar="OUT.{png,svg,html,json}",
                    help="the chart; .json is Chrome Trace Event format (Perfetto)")
     p.add_argument("--compare", default=None, metavar="OTHER.json", help="draw a second schedule on the same axis")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the file written, the panels drawn)")
 
     def run(args) -> int:
-        from moegraph.schedules.gantt import render
+        from moegraph.schedules.gantt import labels, render
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
-        other = load_schedule(args.compare) if args.compare else None
-        render(load_schedule(args.schedule), args.output, compare=other)
-        print(f"wrote {args.output}")
+        scheds = [load_schedule(args.schedule)] + ([load_schedule(args.compare)] if args.compare else [])
+        sources = tuple(Path(f).name for f in (args.schedule, args.compare) if f)
+        render(scheds[0], args.output, compare=scheds[1] if args.compare else None, sources=sources)
+        if args.json:
+            print(json.dumps({"output": args.output, "panels": [
+                {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us}
+                for f, s, label in zip((args.schedule, args.compare), scheds, labels(scheds, sources))]}, indent=1))
+        else:
+            print(f"wrote {args.output}")
         return 0
     return run

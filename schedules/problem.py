@@ -192,10 +192,14 @@ def _dominates(o: Mode, m: Mode) -> bool:
 
 
 def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
-    """Drop dominated modes, except ``keep`` (the default, which baselines use as is); sort by
-    ticks, then SMs, beside-compute before alone."""
-    kept = [m for m in modes if m == keep or not any(_dominates(o, m) for o in modes)]
-    return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm, m.alone)))
+    """Drop dominated modes, except ``keep`` (the default, which baselines use as is) and the
+    alone twin of every kept beside-compute mode: a collective that no compute overlaps is
+    priced alone at its budget (``settle_alone``, and the verifier prices it so), so that
+    mode must exist even where a smaller budget is as fast alone (latency-bound collectives).
+    Sorted by ticks, then SMs, beside-compute before alone."""
+    kept = {m for m in modes if m == keep or not any(_dominates(o, m) for o in modes)}
+    kept |= {o for m in kept if not m.alone for o in modes if o.alone and o.sm == m.sm}
+    return tuple(sorted(kept, key=lambda m: (m.ticks, m.sm, m.alone)))
 
 
 def _comm_modes(node: Node, cost: Any, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
@@ -369,9 +373,15 @@ def peak_memory_bytes(problem: Problem, sol: Solution) -> int:
 
 
 def alone_twin(task: Task, k: int) -> int:
-    """Index of the alone mode with mode ``k``'s SMs (``k`` itself if it is alone or has none)."""
+    """Index of the alone mode with mode ``k``'s SMs (``k`` itself if it is alone, or if the task
+    has no alone modes: no overlap stretch)."""
+    if task.modes[k].alone or not any(m.alone for m in task.modes):
+        return k
     sm = task.modes[k].sm
-    return next((j for j, m in enumerate(task.modes) if m.alone and m.sm == sm), k)
+    twin = next((j for j, m in enumerate(task.modes) if m.alone and m.sm == sm), None)
+    if twin is None:  # _prune keeps every twin; a hand-built Task without one is a bug
+        raise ScheduleError(f"collective {task.name!r} has no alone mode with {sm} SMs")
+    return twin
 
 
 def overlaps_compute(problem: Problem, sol: Solution) -> list[bool]:
