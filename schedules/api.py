@@ -2,9 +2,12 @@
 
 Every call builds the Problem once, runs the three baselines and the lower bound (so every
 schedule file carries them), then either returns a baseline (method != "cpsat") or solves
-with CP-SAT warm-started from the best baseline that fits the memory budget. CP-SAT's result
-is never worse than that baseline: if the solver ends with a longer schedule (or none), the
-baseline is returned and the status says so.
+with CP-SAT warm-started from the best baseline that fits the memory budget. CP-SAT's own
+result is never worse than that warm start (a staged solve, moegraph.schedules.cpsat), and the
+file reports it apart from the returned schedule: ``summary.solver`` holds the solver's status,
+its own makespan and the warm start it began from; ``summary.method`` (``source`` in
+``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
+kept if the solver found none (a warm start the model rejects, a wall-clock cap).
 """
 
 from __future__ import annotations
@@ -35,8 +38,16 @@ class CompileResult:
     wall_s: float
     """Seconds spent in compile_graph (not in the file: it varies between runs)."""
     status: str
-    """OPTIMAL / FEASIBLE (CP-SAT), 'FEASIBLE (kept greedy baseline)' when CP-SAT found
-    nothing better, or BASELINE for method != 'cpsat'."""
+    """OPTIMAL / FEASIBLE (CP-SAT), 'UNKNOWN (kept greedy baseline)' when CP-SAT found
+    nothing, or BASELINE for method != 'cpsat'."""
+    wall_cap_hit: bool = False
+    """The wall-clock safety cap (cpsat.WALL_CAP_FACTOR) stopped the search before its
+    deterministic limit: the result may then differ between runs."""
+
+    @property
+    def source(self) -> str:
+        """Where the returned schedule came from: 'cpsat', a baseline, or 'min-peak-memory'."""
+        return self.schedule.summary["method"]
 
 
 def _gib(b: int) -> str:
@@ -59,11 +70,12 @@ def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = 
         raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS)}")
     opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
     problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
-    schedule, status = compile_problem(problem, method, opts)
-    return CompileResult(schedule, time.perf_counter() - t0, status)
+    schedule, status, cap_hit = compile_problem(problem, method, opts)
+    return CompileResult(schedule, time.perf_counter() - t0, status, cap_hit)
 
 
-def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str]:
+def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str, bool]:
+    """(schedule, status, wall-clock cap hit) for one method on a built Problem."""
     bound = lower_bound(problem)
     budget = problem.memory_budget_bytes
     if budget is not None:
@@ -75,13 +87,14 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     span = {name: makespan_ticks(problem, s) for name, s in base.items()}
     peak = {name: peak_memory_bytes(problem, s) for name, s in base.items()}
     fits = {name: budget is None or peak[name] <= budget for name in base}
-    solver_info: dict[str, Any] = {"status": "NOT_RUN", "objective_bound_us": None}
+    solver_info: dict[str, Any] = {"status": "NOT_RUN", "objective_bound_us": None, "makespan_us": None,
+                                   "warm_start": None, "warm_start_makespan_us": None}
 
     if method != "cpsat":
         if not fits[method]:
             raise MemoryBudgetError(f"the {method} schedule peaks at {_gib(peak[method])}, above the memory budget "
                                     f"{_gib(budget)}; method='cpsat' schedules within the budget")
-        return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE"
+        return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
     # schedules (copy-engine collectives; memory-checked ones under a budget).
@@ -95,20 +108,27 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
-    solver_info = _solver_info(problem, result, bound)
+    solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name])
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
         sol, status = result.solution, result.status
-    elif best is not None:
+    elif best is not None:  # the solve's staging makes this unreachable unless the model rejected the hint
         sol, status = cands[best], f"{result.status} (kept {best} baseline)"
     else:
         sol, status = _memory_fallback(problem, opts, result, cands, peak)
-    solver_info["status"] = result.status
-    return build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info), status
+    if result.wall_cap_hit:
+        status += " (wall-clock cap hit)"
+    schedule = build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info)
+    return schedule, status, result.wall_cap_hit
 
 
-def _solver_info(problem: Problem, r: CpSatResult, bound: Bound) -> dict[str, Any]:
+def _solver_info(problem: Problem, r: CpSatResult, bound: Bound, hint: str, hint_ticks: int) -> dict[str, Any]:
+    """The solver's own result, whatever schedule is returned."""
+    tick = problem.tick_us
     proven = max(r.bound, bound.ticks) if r.solution is not None else bound.ticks
-    return {"status": r.status, "objective_bound_us": round_us(proven * problem.tick_us)}
+    own = makespan_ticks(problem, r.solution) if r.solution is not None else None
+    return {"status": r.status, "objective_bound_us": round_us(proven * tick),
+            "makespan_us": None if own is None else round_us(own * tick),
+            "warm_start": hint, "warm_start_makespan_us": round_us(hint_ticks * tick)}
 
 
 def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult, base: dict[str, Solution],

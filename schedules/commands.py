@@ -43,7 +43,8 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
             "lower_bound_us": s["lower_bound_us"], "baselines": s["baselines"],
             "peak_memory_bytes": s["peak_memory_bytes"], "exposed_comm_us": s["exposed_comm_us"],
-            "solver": {**s["solver"], "status": result.status, "wall_s": round(result.wall_s, 3)},
+            "source": result.source, "status": result.status,
+            "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "passes": layer.report}
 
@@ -54,11 +55,12 @@ def format_compile(c: dict) -> str:
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
              f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0
-    for name, span in [("cp-sat", c["makespan_us"]), *sorted(b.items())]:
+    for name, span in [(f"{c['source']} *", c["makespan_us"]), *sorted(b.items())]:
         lines.append(f"{name:<12} {span:>12.1f} {span / bound:>8.3f}x")
-    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}",
+    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}   (* returned)",
               f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
-              f"solver {c['solver']['status']} in {c['solver']['wall_s']:.2f} s",
+              f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
+              f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
     return "\n".join(lines)
 

@@ -20,12 +20,20 @@ fills the capacity, so any collective holding SMs beside it forces a slowed mode
 (sm_count - b SMs for base * sm_count / (sm_count - b)). Copy-engine collectives (0 SMs)
 overlap freely.
 
+Warm start in two stages (``solve``): CP-SAT's own search may drop a hint (it tries a hint
+for a few conflicts, then searches elsewhere: a complete, feasible hint of a 221-node layer
+ended with no solution at all). So stage 1 solves with every hinted variable fixed to the hint
+(``fix_variables_to_their_hinted_value``): a pure feasibility check of the warm start inside
+the model, which also fills in every auxiliary variable; stage 2 searches the full model with
+that complete solution as its hint and ``makespan <= stage 1's``. The result is the better of
+the two stage solutions, so CP-SAT's own result is never worse than its warm start.
+
 Determinism: ``interleave_search`` (subsolvers, LNS included, take turns in batches of fixed
 deterministic work; one thread by default), a fixed random seed and a *deterministic* time
 limit (``max_deterministic_time``, CP-SAT's work counter) instead of a wall-clock one; the
 same model then follows the same search path on every run. A wall-clock cap
 (``WALL_CAP_FACTOR``) only guards against a stalled machine; a result cut by it is flagged
-``wall_cap_hit`` (and may then differ between runs).
+``wall_cap_hit`` (reported by ``compile --json``; such a result may differ between runs).
 """
 
 from __future__ import annotations
@@ -102,6 +110,9 @@ class CpSatResult:
     wall_s: float
     deterministic_time: float
     wall_cap_hit: bool
+    hint_objective: int | None = None
+    """Stage 1's objective: the warm start as the model prices it (None: no hint, or the hint
+    is infeasible in the model, e.g. above the memory budget)."""
 
 
 def _memory_unit(problem: Problem) -> int:
@@ -303,9 +314,13 @@ def _parameters(solver: cp_model.CpSolver, opts: SolverOptions) -> None:
     p.log_search_progress = opts.log
 
 
-def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> CpSatResult:
+def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, *,
+         fix_hint: bool = False) -> tuple[CpSatResult, list[int] | None]:
+    """One solve; returns the result and the values of every model variable (a complete hint
+    for a later stage), or None without a solution."""
     solver = cp_model.CpSolver()
     _parameters(solver, opts)
+    solver.parameters.fix_variables_to_their_hinted_value = fix_hint
     t0 = time.perf_counter()
     code = solver.solve(h.model)
     wall = time.perf_counter() - t0
@@ -318,19 +333,44 @@ def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> Cp
                       if len(t.modes) > 1 else 0 for t in problem.tasks)
         sol = settle_alone(problem, Solution(method, starts, modes))
         bound = int(math.ceil(solver.best_objective_bound - 1e-6))
-        return CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit)
-    return CpSatResult(status, None, None, 0, wall, dtime, cap_hit)
+        return (CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit),
+                list(solver.response_proto.solution))
+    return CpSatResult(status, None, None, 0, wall, dtime, cap_hit), None
+
+
+def _staged(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, objective: cp_model.IntVar,
+            hinted: bool) -> CpSatResult:
+    """Stage 1: the hint fixed; stage 2: the full search from stage 1's complete solution with
+    ``objective <= stage 1's`` (module doc). Without a hint, or with one the model rejects,
+    only the full search runs."""
+    if not hinted:
+        return _run(problem, h, opts, method)[0]
+    first, values = _run(problem, h, opts, method, fix_hint=True)
+    if first.solution is None:  # the warm start breaks the model (e.g. the memory budget)
+        return _run(problem, h, opts, method)[0]
+    h.model.clear_hints()
+    proto = h.model.proto.solution_hint
+    proto.vars.extend(range(len(values)))
+    proto.values.extend(values)
+    h.model.add(objective <= first.objective)
+    second, _ = _run(problem, h, opts, method)
+    # stage 1's bound is its fixed objective, not a bound on the problem: only stage 2 proves
+    best, status = (second, second.status) if second.solution is not None else (first, "FEASIBLE")
+    return CpSatResult(status, best.solution, best.objective, second.bound, first.wall_s + second.wall_s,
+                       first.deterministic_time + second.deterministic_time,
+                       first.wall_cap_hit or second.wall_cap_hit, first.objective)
 
 
 def solve(problem: Problem, opts: SolverOptions = SolverOptions(), *, hint: Solution | None = None,
           horizon: int | None = None) -> CpSatResult:
-    """Minimise the makespan (within the memory budget, if the problem has one)."""
+    """Minimise the makespan (within the memory budget, if the problem has one); with a hint,
+    never worse than the hint (staged, see the module doc)."""
     h = build_model(problem, horizon=horizon, hint=hint)
-    return _run(problem, h, opts, "cpsat")
+    return _staged(problem, h, opts, "cpsat", h.makespan, hint is not None)
 
 
 def min_peak_memory(problem: Problem, opts: SolverOptions = SolverOptions(), *,
                     hint: Solution | None = None) -> tuple[CpSatResult, int]:
     """Minimise peak live bytes ignoring the makespan. Returns (result in memory units, unit)."""
     h = build_model(problem, hint=hint, objective="peak_memory")
-    return _run(problem, h, opts, "min-peak-memory"), h.memory_unit
+    return _staged(problem, h, opts, "min-peak-memory", h.peak, hint is not None), h.memory_unit
