@@ -18,7 +18,11 @@ def test_compile_json_summary_fields(capsys, tmp_path):
     out = compile_json(capsys, "-o", str(tmp_path / "s.json"))
     assert set(out) >= {"makespan_us", "lower_bound_us", "baselines", "peak_memory_bytes", "solver", "strategy"}
     assert set(out["baselines"]) == {"sequential", "greedy", "megascale"}
-    assert set(out["solver"]) >= {"status", "objective_bound_us", "wall_s"}
+    assert set(out["solver"]) >= {"status", "objective_bound_us", "wall_s", "makespan_us", "warm_start",
+                                  "warm_start_makespan_us", "wall_cap_hit"}
+    assert out["source"] == "cpsat" and out["solver"]["status"] in ("OPTIMAL", "FEASIBLE")
+    assert out["solver"]["makespan_us"] == out["makespan_us"] <= out["solver"]["warm_start_makespan_us"]
+    assert out["solver"]["wall_cap_hit"] is False
     assert out["lower_bound_us"] <= out["makespan_us"] <= min(out["baselines"].values())
     assert out["strategy"]["remat"] == "paper" and out["strategy"]["gate"] == "before-fc2"   # the default passes
     assert main(["verify", str(tmp_path / "s.json")]) == 0
