@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 
 from moegraph.schedules import MemoryBudgetError, compile_graph, verify_schedule  # noqa: E402
 from moegraph.schedules.baselines import BASELINES  # noqa: E402
-from moegraph.schedules.problem import build_problem, peak_memory_bytes  # noqa: E402
+from moegraph.schedules.problem import build_problem  # noqa: E402
+from moegraph.schedules.solution import peak_memory_bytes  # noqa: E402
 
 STRATEGIES = (("sp", "ep", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"))
 

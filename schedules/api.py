@@ -17,13 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.schedules.baselines import BASELINES, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from moegraph.schedules.problem import (DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, Solution,
-                               barrier_ticks, build_problem, check_solution, makespan_ticks, peak_memory_bytes,
-                               solution_ends)
+from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
+from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
+                                         solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
 __all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
@@ -59,7 +60,7 @@ def strategy_label(s: Strategy) -> str:
             f"dtype={s.dtype}")
 
 
-def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
+def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
                   comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
                   workers: int = 1) -> CompileResult:
     """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
@@ -199,7 +200,7 @@ def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span:
     return Schedule(
         graph={"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": dataclasses.asdict(graph.dims),
                "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
-        hardware=_hardware_dict(problem.cost), streams=problem.streams,
+        hardware=problem.cost.hw.to_dict(), streams=problem.streams,
         memory_budget_bytes=problem.memory_budget_bytes, tick_us=tick, values=values, nodes=tuple(nodes),
         summary=summary).with_hash()
 
@@ -208,11 +209,3 @@ def _attrs(attrs: tuple[tuple[str, Any], ...]) -> dict:
     def thaw(v: Any) -> Any:
         return [thaw(x) for x in v] if isinstance(v, tuple) else v
     return {k: thaw(v) for k, v in attrs}
-
-
-def _hardware_dict(cost: Any) -> dict:
-    hw = getattr(cost, "hw", None)
-    if hw is None or not hasattr(hw, "to_dict"):
-        raise ScheduleError("the cost model has no .hw with to_dict(); the schedule file embeds the hardware")
-    return hw.to_dict()
-

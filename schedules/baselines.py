@@ -37,7 +37,8 @@ import heapq
 from typing import Callable
 
 from moegraph.ir import Phase, Role
-from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Solution, Task, alone_twin, settle_alone
+from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task
+from moegraph.schedules.solution import Solution, alone_twin, settle_alone
 
 __all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule", "warm_starts"]
 
@@ -73,15 +74,8 @@ def greedy(problem: Problem) -> Solution:
     return list_schedule(problem, "greedy", comm_key=key, compute_key=key)
 
 
-def _megascale_comm(t: Task) -> tuple:
-    if t.side == 0:
-        return (0, t.index)
-    if t.node.role is Role.WGRAD:
-        return (2, t.index)
-    return (1 if t.node.phase is Phase.RECOMPUTE else 0, t.index)
-
-
-def _megascale_compute(t: Task) -> tuple:
+def _megascale_key(t: Task) -> tuple:
+    """The class of the table above (the same rule on both streams), then graph order."""
     if t.side == 0:
         return (0, t.index)
     if t.node.role is Role.WGRAD:
@@ -90,7 +84,7 @@ def _megascale_compute(t: Task) -> tuple:
 
 
 def megascale(problem: Problem) -> Solution:
-    return list_schedule(problem, "megascale", comm_key=_megascale_comm, compute_key=_megascale_compute)
+    return list_schedule(problem, "megascale", comm_key=_megascale_key, compute_key=_megascale_key)
 
 
 BASELINES: dict[str, Callable[[Problem], Solution]] = {
@@ -118,7 +112,7 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
     net = _net_allocation(problem)
     critical: Key = lambda t: (-level[t.index], t.index)  # noqa: E731
     lean: Key = lambda t: (net[t.index], -level[t.index], t.index)  # noqa: E731
-    rules = [("greedy", critical, critical), ("megascale", _megascale_comm, _megascale_compute)]
+    rules = [("greedy", critical, critical), ("megascale", _megascale_key, _megascale_key)]
     if budget is not None:
         rules.append(("lean", lean, lean))
     out = []

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from moegraph.schedules.bound import Bound, heads_tails, lower_bound
-from moegraph.schedules.problem import (COMPUTE, Problem, ScheduleError, Solution, Task, canonical_chunk_order,
-                               chunk_symmetry, settle_alone, solution_ends)
+from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
+from moegraph.schedules.solution import Solution, canonical_chunk_order, settle_alone, solution_ends
 
 __all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]

@@ -41,6 +41,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moegraph.cost import CostModel
+from moegraph.registry import Hardware
 from moegraph.schedules.schedule_file import Schedule
 
 __all__ = ["Violation", "Verdict", "verify_schedule", "verdict", "skipped_checks", "DURATION_TOLERANCE_US", "check",
@@ -105,19 +107,19 @@ def skipped_checks(sched: Schedule) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def verdict(sched: Schedule, cost: Any | None = None) -> Verdict:
+def verdict(sched: Schedule, cost: CostModel | None = None) -> Verdict:
     """Every violation found in ``sched``, with the checks skipped for its origin."""
     skipped = skipped_checks(sched)
     return Verdict(sched.origin, tuple(_violations(sched, cost, {k for k, _ in skipped})), skipped)
 
 
-def verify_schedule(sched: Schedule, cost: Any | None = None) -> list[Violation]:
+def verify_schedule(sched: Schedule, cost: CostModel | None = None) -> list[Violation]:
     """All violations found (empty: the schedule is valid). The first is the one to print.
     Checks that do not apply to the file's origin are skipped (``skipped_checks``)."""
     return list(verdict(sched, cost).violations)
 
 
-def _violations(sched: Schedule, cost: Any | None, skip: set[str]) -> list[Violation]:
+def _violations(sched: Schedule, cost: CostModel | None, skip: set[str]) -> list[Violation]:
     out: list[Violation] = []
     recorded, actual = sched.hash, sched.compute_hash()
     if recorded != actual:
@@ -137,7 +139,7 @@ def _violations(sched: Schedule, cost: Any | None, skip: set[str]) -> list[Viola
     return out
 
 
-def check(sched: Schedule, cost: Any | None = None) -> None:
+def check(sched: Schedule, cost: CostModel | None = None) -> None:
     """Raise ValueError with the first violation, if any."""
     v = verify_schedule(sched, cost)
     if v:
@@ -288,11 +290,9 @@ def _sms(s: Schedule, out: list[Violation]) -> None:
             return
 
 
-def _cost_model(s: Schedule, cost: Any | None) -> Any:
+def _cost_model(s: Schedule, cost: CostModel | None) -> CostModel:
     if cost is not None:
         return cost
-    from moegraph.cost import CostModel
-    from moegraph.registry import Hardware
     return CostModel(Hardware(**s.hardware))
 
 
@@ -304,16 +304,15 @@ def _ir_node(n) -> Any:
                 forward_of=n.forward_of, attrs=freeze_attrs(n.attrs))
 
 
-def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
+def _durations(s: Schedule, cost: CostModel | None, out: list[Violation]) -> None:
     try:
         cost = _cost_model(s, cost)
     except (TypeError, ValueError) as err:
         out.append(Violation("duration", f"cannot rebuild the cost model from the embedded hardware: {err}"))
         return
     S = int(cost.sm_count())
-    hw = getattr(cost, "hw", None)
-    reserves = sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())})
-    stretch = float(cost.comm_overlap_stretch()) if hasattr(cost, "comm_overlap_stretch") else 1.0
+    reserves = sorted({0, *cost.hw.comm_sm_budgets})
+    stretch = float(cost.comm_overlap_stretch())
     beside = _beside_compute(s)
     for n in s.nodes:
         try:

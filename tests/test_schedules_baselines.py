@@ -7,7 +7,8 @@ from hypothesis import given, settings, strategies as st
 
 from moegraph.schedules.baselines import BASELINES, greedy, megascale, sequential, warm_starts
 from moegraph.schedules.bound import jackson_preemptive, lower_bound, memory_lower_bound
-from moegraph.schedules.problem import (build_problem, check_solution, makespan_ticks, peak_memory_bytes, solution_ends)
+from moegraph.schedules.problem import build_problem
+from moegraph.schedules.solution import check_solution, makespan_ticks, peak_memory_bytes, solution_ends
 from schedules_fakes import barrier_graph, cost_model, crossing_graph, moe_layer, tiny_chain
 
 COST = cost_model()

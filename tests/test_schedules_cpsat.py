@@ -13,7 +13,8 @@ from moegraph.schedules import MemoryBudgetError, ScheduleError, compile_graph, 
 from moegraph.schedules.baselines import BASELINES
 from moegraph.schedules.bound import memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, build_model, min_peak_memory, solve
-from moegraph.schedules.problem import build_problem, check_solution, peak_memory_bytes
+from moegraph.schedules.problem import build_problem
+from moegraph.schedules.solution import check_solution, peak_memory_bytes
 from schedules_fakes import barrier_graph, cost_model, crossing_graph, moe_layer, tiny_chain
 
 COST = cost_model()
@@ -218,7 +219,7 @@ def test_solver_never_worse_than_its_warm_start(time_limit):
     UNKNOWN (checked below); the staged solve keeps at least the warm start."""
     from moegraph.schedules.baselines import greedy
     from moegraph.schedules.cpsat import _run
-    from moegraph.schedules.problem import makespan_ticks
+    from moegraph.schedules.solution import makespan_ticks
     p = build_problem(moe_layer(chunks=4, recompute=True), COST)
     hint = greedy(p)
     opts = SolverOptions(time_limit_s=time_limit)
