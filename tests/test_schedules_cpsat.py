@@ -254,3 +254,20 @@ def test_same_bytes_idle_and_beside_two_busy_processes():
             p.kill()
             p.wait()
     assert len(idle) == 1 and set(busy) == idle
+
+
+@pytest.mark.parametrize("make", [moe_layer, lambda: moe_layer(recompute=True), barrier_graph],
+                         ids=["moe", "moe_re", "barrier"])
+def test_split_at_the_barrier_is_exact(make, monkeypatch):
+    """Without a memory budget the two sides are solved apart: the same optimum as one model."""
+    import moegraph.schedules.cpsat as cpsat
+    p = build_problem(make(), COST)
+    opts = SolverOptions(time_limit_s=FAST)
+    split = solve(p, opts, hint=BASELINES["greedy"](p))
+    monkeypatch.setattr(cpsat, "SPLIT_AT_BARRIER", False)
+    joint = solve(p, opts, hint=BASELINES["greedy"](p))
+    assert split.status == joint.status == "OPTIMAL"
+    assert split.objective == joint.objective
+    check_solution(p, split.solution)
+    from moegraph.schedules.solution import makespan_ticks
+    assert makespan_ticks(p, split.solution) == split.objective
