@@ -38,7 +38,7 @@ from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
            "Task", "MemValue", "Problem", "build_problem", "comm_scope", "stream_of", "chunk_symmetry",
-           "overlaps_compute"]
+           "overlaps_compute", "Solution"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -412,10 +412,10 @@ def _is_automorphism(problem: Problem, perm: list[int]) -> bool:
 
 
 def __getattr__(name: str) -> Any:
-    # The overlap rule lives with the other solution evaluations (moegraph.schedules.solution);
-    # the runtime imports it from here, beside the semantics it implements. Lazy: solution
-    # imports this module.
-    if name == "overlaps_compute":
-        from moegraph.schedules.solution import overlaps_compute
-        return overlaps_compute
+    # The overlap rule and the Solution type live with the other solution evaluations
+    # (moegraph.schedules.solution); the runtime imports them from here, beside the semantics
+    # they implement. Lazy: solution imports this module.
+    if name in ("overlaps_compute", "Solution"):
+        from moegraph.schedules import solution
+        return getattr(solution, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -253,11 +253,17 @@ def test_runtime_files_are_checked_for_structure_not_cost(origin):
 
 
 def test_a_real_runtime_trace_file_verifies():
-    """The exporter the runtime uses (moegraph.runtime.trace) on a sequential plan."""
+    """The exporter `run --trace` uses (moegraph.runtime.trace) on a plan made from a compiled
+    schedule, and a measured step with every time scaled (not cost-model times)."""
+    import json
     from moegraph.runtime.plan import ExecutionPlan
-    from moegraph.runtime.trace import predicted_schedule, schedule_json
+    from moegraph.runtime.trace import as_schedule, predicted_schedule, schedule_json
     graph = tiny_chain()
-    predicted = predicted_schedule(graph, ExecutionPlan.sequential(graph, COST), hardware=COST.hw)
-    loaded = Schedule.from_json(__import__("json").dumps(schedule_json(predicted)))
-    assert loaded.origin == "predicted"
-    assert verify_schedule(loaded) == []
+    plan = ExecutionPlan.from_schedule(graph, _compiled(tiny_chain, "greedy"))
+    predicted = predicted_schedule(graph, plan, hardware=COST.hw)
+    times = {e.name: (e.start_us * 1.3, e.end_us * 1.3) for e in plan.entries}
+    measured = as_schedule(graph, plan, times, hardware=COST.hw, measured=True, rank=0, device="cpu")
+    for s, origin in ((predicted, "predicted"), (measured, "measured")):
+        loaded = Schedule.from_json(json.dumps(schedule_json(s)))
+        assert loaded.origin == origin
+        assert verify_schedule(loaded) == []
