@@ -395,7 +395,8 @@ def _solve_by_sides(problem: Problem, opts: SolverOptions, hint: Solution | None
     node ends, and without a memory budget nothing else links the two sides (streams and SMs
     are never shared across the barrier; backward constraints are unchanged by a shift in
     time). So makespan = forward span + backward span, each minimised on its own: two models of
-    about half the size, far easier for CP-SAT than one. Effort is shared by task count."""
+    about half the size, far easier for CP-SAT than one. Forward gets its share of the effort by
+task count, backward the rest."""
     ends = solution_ends(problem, hint) if hint is not None else None
     barrier = max((ends[t.index] for t in problem.tasks if t.side == 0), default=0) if ends else 0
     n = len(problem.tasks)
@@ -408,7 +409,10 @@ def _solve_by_sides(problem: Problem, opts: SolverOptions, hint: Solution | None
         if hint is not None:
             shift = barrier if side == 1 else 0
             sub_hint = Solution(hint.method, tuple(hint.start[i] - shift for i in keep), tuple(hint.mode[i] for i in keep))
-        share = max(opts.time_limit_s * len(keep) / n, 1e-3)
+        # forward's share by task count; backward gets the rest, including what forward left
+        # unused by proving its optimum early (deterministic time, so still reproducible)
+        used = sum(r.deterministic_time for r in parts) / DTIME_PER_SECOND
+        share = max(opts.time_limit_s * len(keep) / n if side == 0 else opts.time_limit_s - used, 1e-3)
         h = build_model(sub, hint=sub_hint,
                         horizon=max(solution_ends(sub, sub_hint), default=0) if sub_hint is not None else None)
         r = _staged(sub, h, dataclasses.replace(opts, time_limit_s=share), "cpsat", h.makespan, sub_hint is not None)
