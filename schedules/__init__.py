@@ -16,10 +16,10 @@ from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
 from moegraph.schedules.verify import Violation, verify_schedule
 
 
-def render(sched, path, compare=None):
+def render(sched, path, compare=None, sources=()):
     """Draw ``sched`` to ``path`` (.png, .svg, .html or .json); see moegraph.schedules.gantt."""
     from moegraph.schedules.gantt import render as _render  # matplotlib is imported only when drawing
-    return _render(sched, path, compare=compare)
+    return _render(sched, path, compare=compare, sources=sources)
 
 
 __all__ = ["compile_graph", "CompileResult", "METHODS", "Schedule", "ScheduleFormatError", "ScheduleError",

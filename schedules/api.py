@@ -2,9 +2,12 @@
 
 Every call builds the Problem once, runs the three baselines and the lower bound (so every
 schedule file carries them), then either returns a baseline (method != "cpsat") or solves
-with CP-SAT warm-started from the best baseline that fits the memory budget. CP-SAT's result
-is never worse than that baseline: if the solver ends with a longer schedule (or none), the
-baseline is returned and the status says so.
+with CP-SAT warm-started from the best baseline that fits the memory budget. CP-SAT's own
+result is never worse than that warm start (a staged solve, moegraph.schedules.cpsat), and the
+file reports it apart from the returned schedule: ``summary.solver`` holds the solver's status,
+its own makespan and the warm start it began from; ``summary.method`` (``source`` in
+``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
+kept if the solver found none (a warm start the model rejects, a wall-clock cap).
 """
 
 from __future__ import annotations
@@ -14,13 +17,14 @@ import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.schedules.baselines import BASELINES, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from moegraph.schedules.problem import (DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, Solution,
-                               barrier_ticks, build_problem, check_solution, makespan_ticks, peak_memory_bytes,
-                               solution_ends)
+from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
+from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
+                                         solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
 __all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
@@ -35,8 +39,16 @@ class CompileResult:
     wall_s: float
     """Seconds spent in compile_graph (not in the file: it varies between runs)."""
     status: str
-    """OPTIMAL / FEASIBLE (CP-SAT), 'FEASIBLE (kept greedy baseline)' when CP-SAT found
-    nothing better, or BASELINE for method != 'cpsat'."""
+    """OPTIMAL / FEASIBLE (CP-SAT), 'UNKNOWN (kept greedy baseline)' when CP-SAT found
+    nothing, or BASELINE for method != 'cpsat'."""
+    wall_cap_hit: bool = False
+    """The wall-clock safety cap (cpsat.WALL_CAP_FACTOR) stopped the search before its
+    deterministic limit: the result may then differ between runs."""
+
+    @property
+    def source(self) -> str:
+        """Where the returned schedule came from: 'cpsat', a baseline, or 'min-peak-memory'."""
+        return self.schedule.summary["method"]
 
 
 def _gib(b: int) -> str:
@@ -48,7 +60,7 @@ def strategy_label(s: Strategy) -> str:
             f"dtype={s.dtype}")
 
 
-def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
+def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
                   comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
                   workers: int = 1) -> CompileResult:
     """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
@@ -59,11 +71,12 @@ def compile_graph(graph: Graph, cost: Any, *, memory_budget_bytes: int | None = 
         raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS)}")
     opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
     problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
-    schedule, status = compile_problem(problem, method, opts)
-    return CompileResult(schedule, time.perf_counter() - t0, status)
+    schedule, status, cap_hit = compile_problem(problem, method, opts)
+    return CompileResult(schedule, time.perf_counter() - t0, status, cap_hit)
 
 
-def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str]:
+def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str, bool]:
+    """(schedule, status, wall-clock cap hit) for one method on a built Problem."""
     bound = lower_bound(problem)
     budget = problem.memory_budget_bytes
     if budget is not None:
@@ -75,13 +88,14 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     span = {name: makespan_ticks(problem, s) for name, s in base.items()}
     peak = {name: peak_memory_bytes(problem, s) for name, s in base.items()}
     fits = {name: budget is None or peak[name] <= budget for name in base}
-    solver_info: dict[str, Any] = {"status": "NOT_RUN", "objective_bound_us": None}
+    solver_info: dict[str, Any] = {"status": "NOT_RUN", "objective_bound_us": None, "makespan_us": None,
+                                   "warm_start": None, "warm_start_makespan_us": None}
 
     if method != "cpsat":
         if not fits[method]:
             raise MemoryBudgetError(f"the {method} schedule peaks at {_gib(peak[method])}, above the memory budget "
                                     f"{_gib(budget)}; method='cpsat' schedules within the budget")
-        return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE"
+        return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
     # schedules (copy-engine collectives; memory-checked ones under a budget).
@@ -95,20 +109,27 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
-    solver_info = _solver_info(problem, result, bound)
+    solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name])
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
         sol, status = result.solution, result.status
-    elif best is not None:
+    elif best is not None:  # the solve's staging makes this unreachable unless the model rejected the hint
         sol, status = cands[best], f"{result.status} (kept {best} baseline)"
     else:
         sol, status = _memory_fallback(problem, opts, result, cands, peak)
-    solver_info["status"] = result.status
-    return build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info), status
+    if result.wall_cap_hit:
+        status += " (wall-clock cap hit)"
+    schedule = build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info)
+    return schedule, status, result.wall_cap_hit
 
 
-def _solver_info(problem: Problem, r: CpSatResult, bound: Bound) -> dict[str, Any]:
+def _solver_info(problem: Problem, r: CpSatResult, bound: Bound, hint: str, hint_ticks: int) -> dict[str, Any]:
+    """The solver's own result, whatever schedule is returned."""
+    tick = problem.tick_us
     proven = max(r.bound, bound.ticks) if r.solution is not None else bound.ticks
-    return {"status": r.status, "objective_bound_us": round_us(proven * problem.tick_us)}
+    own = makespan_ticks(problem, r.solution) if r.solution is not None else None
+    return {"status": r.status, "objective_bound_us": round_us(proven * tick),
+            "makespan_us": None if own is None else round_us(own * tick),
+            "warm_start": hint, "warm_start_makespan_us": round_us(hint_ticks * tick)}
 
 
 def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult, base: dict[str, Solution],
@@ -154,7 +175,17 @@ def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span:
             comm_bytes=n.comm_bytes, group=n.group, attrs=_attrs(n.attrs), module=n.module, block=n.block,
             forward_of=n.forward_of, stream=t.stream, start_us=round_us(sol.start[t.index] * tick),
             end_us=round_us(ends[t.index] * tick), sm_budget=mode.sm))
-    values = tuple(ScheduledValue(v.name, v.storage_bytes, v.kind.value, v.alias_of) for v in graph.values)
+    # Only values that exist in a run: graph inputs and node outputs (and what they view). A
+    # declared value nothing produces holds no memory and feeds no node; leaving it out keeps
+    # the verifier's coverage rule exact (each written value is an input or some node's output).
+    produced = {o for n in graph.nodes for o in n.outputs} | set(graph.inputs)
+    keep = set(produced)
+    for name in produced:
+        while graph.value[name].alias_of is not None and graph.value[name].alias_of not in keep:
+            name = graph.value[name].alias_of
+            keep.add(name)
+    values = tuple(ScheduledValue(v.name, v.storage_bytes, v.kind.value, v.alias_of) for v in graph.values
+                   if v.name in keep)
     summary = {
         "method": sol.method,
         "strategy": strategy_label(graph.strategy),
@@ -169,7 +200,7 @@ def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span:
     return Schedule(
         graph={"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": dataclasses.asdict(graph.dims),
                "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
-        hardware=_hardware_dict(problem.cost), streams=problem.streams,
+        hardware=problem.cost.hw.to_dict(), streams=problem.streams,
         memory_budget_bytes=problem.memory_budget_bytes, tick_us=tick, values=values, nodes=tuple(nodes),
         summary=summary).with_hash()
 
@@ -178,11 +209,3 @@ def _attrs(attrs: tuple[tuple[str, Any], ...]) -> dict:
     def thaw(v: Any) -> Any:
         return [thaw(x) for x in v] if isinstance(v, tuple) else v
     return {k: thaw(v) for k, v in attrs}
-
-
-def _hardware_dict(cost: Any) -> dict:
-    hw = getattr(cost, "hw", None)
-    if hw is None or not hasattr(hw, "to_dict"):
-        raise ScheduleError("the cost model has no .hw with to_dict(); the schedule file embeds the hardware")
-    return hw.to_dict()
-

@@ -43,7 +43,8 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
             "lower_bound_us": s["lower_bound_us"], "baselines": s["baselines"],
             "peak_memory_bytes": s["peak_memory_bytes"], "exposed_comm_us": s["exposed_comm_us"],
-            "solver": {**s["solver"], "status": result.status, "wall_s": round(result.wall_s, 3)},
+            "source": result.source, "status": result.status,
+            "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "passes": layer.report}
 
@@ -54,11 +55,12 @@ def format_compile(c: dict) -> str:
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
              f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0
-    for name, span in [("cp-sat", c["makespan_us"]), *sorted(b.items())]:
+    for name, span in [(f"{c['source']} *", c["makespan_us"]), *sorted(b.items())]:
         lines.append(f"{name:<12} {span:>12.1f} {span / bound:>8.3f}x")
-    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}",
+    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}   (* returned)",
               f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
-              f"solver {c['solver']['status']} in {c['solver']['wall_s']:.2f} s",
+              f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
+              f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
     return "\n".join(lines)
 
@@ -87,16 +89,22 @@ def load_schedule(path: str) -> Schedule:
 
 def verify_command(p: argparse.ArgumentParser):
     p.add_argument("schedule", metavar="SCHED.json", help="a schedule file written by compile, tune or run --trace")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (ok, origin, violations, skipped checks) instead of text")
 
     def run(args) -> int:
-        from moegraph.schedules.verify import verify_schedule
-        violations = verify_schedule(load_schedule(args.schedule))
-        if violations:
-            print(f"{args.schedule}: {violations[0]}", file=sys.stderr)
-            if len(violations) > 1:
-                print(f"({len(violations) - 1} more violations)", file=sys.stderr)
+        from moegraph.schedules.verify import verdict
+        v = verdict(load_schedule(args.schedule))
+        if args.json:
+            print(json.dumps({"file": args.schedule, **v.to_dict()}, indent=1))
+            return 0 if v.ok else 1
+        if not v.ok:
+            print(f"{args.schedule}: {v.violations[0]}", file=sys.stderr)
+            if len(v.violations) > 1:
+                print(f"({len(v.violations) - 1} more violations)", file=sys.stderr)
             return 1
-        print(f"{args.schedule}: ok")
+        skipped = f" ({v.origin} file; not checked: {', '.join(k for k, _ in v.skipped)})" if v.skipped else ""
+        print(f"{args.schedule}: ok{skipped}")
         return 0
     return run
 
@@ -106,12 +114,19 @@ def gantt_command(p: argparse.ArgumentParser):
     p.add_argument("-o", "--output", required=True, metavar="OUT.{png,svg,html,json}",
                    help="the chart; .json is Chrome Trace Event format (Perfetto)")
     p.add_argument("--compare", default=None, metavar="OTHER.json", help="draw a second schedule on the same axis")
+    p.add_argument("--json", action="store_true", help="print one JSON object (the file written, the panels drawn)")
 
     def run(args) -> int:
-        from moegraph.schedules.gantt import render
+        from moegraph.schedules.gantt import labels, render
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
-        other = load_schedule(args.compare) if args.compare else None
-        render(load_schedule(args.schedule), args.output, compare=other)
-        print(f"wrote {args.output}")
+        scheds = [load_schedule(args.schedule)] + ([load_schedule(args.compare)] if args.compare else [])
+        sources = tuple(Path(f).name for f in (args.schedule, args.compare) if f)
+        render(scheds[0], args.output, compare=scheds[1] if args.compare else None, sources=sources)
+        if args.json:
+            print(json.dumps({"output": args.output, "panels": [
+                {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us}
+                for f, s, label in zip((args.schedule, args.compare), scheds, labels(scheds, sources))]}, indent=1))
+        else:
+            print(f"wrote {args.output}")
         return 0
     return run

@@ -20,16 +20,25 @@ fills the capacity, so any collective holding SMs beside it forces a slowed mode
 (sm_count - b SMs for base * sm_count / (sm_count - b)). Copy-engine collectives (0 SMs)
 overlap freely.
 
+Warm start in two stages (``solve``): CP-SAT's own search may drop a hint (it tries a hint
+for a few conflicts, then searches elsewhere: a complete, feasible hint of a 221-node layer
+ended with no solution at all). So stage 1 solves with every hinted variable fixed to the hint
+(``fix_variables_to_their_hinted_value``): a pure feasibility check of the warm start inside
+the model, which also fills in every auxiliary variable; stage 2 searches the full model with
+that complete solution as its hint and ``makespan <= stage 1's``. The result is the better of
+the two stage solutions, so CP-SAT's own result is never worse than its warm start.
+
 Determinism: ``interleave_search`` (subsolvers, LNS included, take turns in batches of fixed
 deterministic work; one thread by default), a fixed random seed and a *deterministic* time
 limit (``max_deterministic_time``, CP-SAT's work counter) instead of a wall-clock one; the
 same model then follows the same search path on every run. A wall-clock cap
 (``WALL_CAP_FACTOR``) only guards against a stalled machine; a result cut by it is flagged
-``wall_cap_hit`` (and may then differ between runs).
+``wall_cap_hit`` (reported by ``compile --json``; such a result may differ between runs).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import dataclass, field
@@ -37,8 +46,8 @@ from dataclasses import dataclass, field
 from ortools.sat.python import cp_model
 
 from moegraph.schedules.bound import Bound, heads_tails, lower_bound
-from moegraph.schedules.problem import (COMPUTE, Problem, ScheduleError, Solution, Task, canonical_chunk_order,
-                               chunk_symmetry, settle_alone, solution_ends)
+from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
+from moegraph.schedules.solution import Solution, canonical_chunk_order, settle_alone, solution_ends
 
 __all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
@@ -50,8 +59,10 @@ under-counted as deterministic work; docs/scheduler.md), so 0.18 keeps searches 
 time_limit_s."""
 REDUNDANT_TAILS = True
 """Add makespan >= end + tail for every task (not only sinks)."""
-WALL_CAP_FACTOR = 3.0
-"""Wall-clock safety cap = WALL_CAP_FACTOR * time_limit_s + 5 s (flagged if ever hit)."""
+WALL_CAP_FACTOR = 10.0
+"""Wall-clock safety cap per solve = WALL_CAP_FACTOR * time_limit_s + 5 s (reported if ever
+hit). Deterministic time under-counts on large layers (about 3x on a loaded 2-core box for
+413 nodes), so a tighter cap would cut searches that are merely slow, not stalled."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +113,9 @@ class CpSatResult:
     wall_s: float
     deterministic_time: float
     wall_cap_hit: bool
+    hint_objective: int | None = None
+    """Stage 1's objective: the warm start as the model prices it (None: no hint, or the hint
+    is infeasible in the model, e.g. above the memory budget)."""
 
 
 def _memory_unit(problem: Problem) -> int:
@@ -303,9 +317,13 @@ def _parameters(solver: cp_model.CpSolver, opts: SolverOptions) -> None:
     p.log_search_progress = opts.log
 
 
-def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> CpSatResult:
+def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, *,
+         fix_hint: bool = False) -> tuple[CpSatResult, list[int] | None]:
+    """One solve; returns the result and the values of every model variable (a complete hint
+    for a later stage), or None without a solution."""
     solver = cp_model.CpSolver()
     _parameters(solver, opts)
+    solver.parameters.fix_variables_to_their_hinted_value = fix_hint
     t0 = time.perf_counter()
     code = solver.solve(h.model)
     wall = time.perf_counter() - t0
@@ -318,19 +336,128 @@ def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str) -> Cp
                       if len(t.modes) > 1 else 0 for t in problem.tasks)
         sol = settle_alone(problem, Solution(method, starts, modes))
         bound = int(math.ceil(solver.best_objective_bound - 1e-6))
-        return CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit)
-    return CpSatResult(status, None, None, 0, wall, dtime, cap_hit)
+        return (CpSatResult(status, sol, int(round(solver.objective_value)), bound, wall, dtime, cap_hit),
+                list(solver.response_proto.solution))
+    return CpSatResult(status, None, None, 0, wall, dtime, cap_hit), None
+
+
+def _staged(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, objective: cp_model.IntVar,
+            hinted: bool) -> CpSatResult:
+    """Stage 1: the hint fixed; stage 2: the full search from stage 1's complete solution with
+    ``objective <= stage 1's`` (module doc). Without a hint, or with one the model rejects,
+    only the full search runs."""
+    if not hinted:
+        return _run(problem, h, opts, method)[0]
+    first, values = _run(problem, h, opts, method, fix_hint=True)
+    if first.solution is None:  # the warm start breaks the model (e.g. the memory budget)
+        return _run(problem, h, opts, method)[0]
+    h.model.clear_hints()
+    proto = h.model.proto.solution_hint
+    proto.vars.extend(range(len(values)))
+    proto.values.extend(values)
+    h.model.add(objective <= first.objective)
+    second, _ = _run(problem, h, opts, method)
+    # stage 1's bound is its fixed objective, not a bound on the problem: only stage 2 proves
+    best, status = (second, second.status) if second.solution is not None else (first, "FEASIBLE")
+    return CpSatResult(status, best.solution, best.objective, second.bound, first.wall_s + second.wall_s,
+                       first.deterministic_time + second.deterministic_time,
+                       first.wall_cap_hit or second.wall_cap_hit, first.objective)
 
 
 def solve(problem: Problem, opts: SolverOptions = SolverOptions(), *, hint: Solution | None = None,
           horizon: int | None = None) -> CpSatResult:
-    """Minimise the makespan (within the memory budget, if the problem has one)."""
+    """Minimise the makespan (within the memory budget, if the problem has one); with a hint,
+    never worse than the hint (staged, see the module doc). Without a memory budget the two
+    sides of the barrier are solved apart (exact, ``_solve_by_sides``)."""
+    sides = sorted({t.side for t in problem.tasks})
+    if problem.memory_budget_bytes is None and sides == [0, 1] and SPLIT_AT_BARRIER:
+        return _solve_by_sides(problem, opts, hint)
     h = build_model(problem, horizon=horizon, hint=hint)
-    return _run(problem, h, opts, "cpsat")
+    return _staged(problem, h, opts, "cpsat", h.makespan, hint is not None)
+
+
+SPLIT_AT_BARRIER = True
+"""Solve forward and backward apart when nothing couples them (no memory budget)."""
+
+
+def side_problem(problem: Problem, side: int) -> tuple[Problem, tuple[int, ...]]:
+    """The tasks of one side of the barrier as a Problem of their own (re-indexed; no memory
+    values), and the original index of each of its tasks."""
+    keep = tuple(t.index for t in problem.tasks if t.side == side)
+    new = {old: i for i, old in enumerate(keep)}
+    tasks = tuple(dataclasses.replace(problem.tasks[old], index=i,
+                                      preds=tuple(new[p] for p in problem.tasks[old].preds if p in new),
+                                      succs=tuple(new[c] for c in problem.tasks[old].succs if c in new))
+                  for i, old in enumerate(keep))
+    return dataclasses.replace(problem, tasks=tasks, mem_values=()), keep
+
+
+def _forward_share(subs: list[tuple[Problem, tuple[int, ...], Solution | None]]) -> float:
+    """Forward's fraction of the effort: by the room each side has (warm start minus analytic
+    bound), at least 10% each; by task count without a warm start. On mixtral-8x7b chunk=8
+    (h800) the forward warm start is 55% above its bound and the backward one 1%: effort by
+    task count (37% forward) left the forward search short."""
+    if any(h is None for _, _, h in subs):
+        total = sum(len(keep) for _, keep, _ in subs)
+        return len(subs[0][1]) / total
+    room = [max(max(solution_ends(sub, h), default=0) - lower_bound(sub).ticks, 0) for sub, _, h in subs]
+    if sum(room) == 0:
+        return 0.5
+    return min(max(room[0] / sum(room), 0.1), 0.9)
+
+
+def _solve_by_sides(problem: Problem, opts: SolverOptions, hint: Solution | None) -> CpSatResult:
+    """Exact decomposition at the barrier. Every backward node starts after every forward
+    node ends, and without a memory budget nothing else links the two sides (streams and SMs
+    are never shared across the barrier; backward constraints are unchanged by a shift in
+    time). So makespan = forward span + backward span, each minimised on its own: two models of
+    about half the size, far easier for CP-SAT than one. Forward gets its share of the effort
+    (``_forward_share``), backward the rest."""
+    ends = solution_ends(problem, hint) if hint is not None else None
+    barrier = max((ends[t.index] for t in problem.tasks if t.side == 0), default=0) if ends else 0
+    n = len(problem.tasks)
+    start, mode = [0] * n, [0] * n
+    subs = []
+    for side in (0, 1):
+        sub, keep = side_problem(problem, side)
+        sub_hint = None
+        if hint is not None:
+            shift = barrier if side == 1 else 0
+            sub_hint = Solution(hint.method, tuple(hint.start[i] - shift for i in keep), tuple(hint.mode[i] for i in keep))
+        subs.append((sub, keep, sub_hint))
+    forward_share = _forward_share(subs)
+    parts: list[CpSatResult] = []
+    offset = 0
+    for side, (sub, keep, sub_hint) in enumerate(subs):
+        # backward gets the rest, including what forward left unused by proving its optimum
+        # early (deterministic time, so still reproducible)
+        used = sum(r.deterministic_time for r in parts) / DTIME_PER_SECOND
+        share = max(opts.time_limit_s * forward_share if side == 0 else opts.time_limit_s - used, 1e-3)
+        h = build_model(sub, hint=sub_hint,
+                        horizon=max(solution_ends(sub, sub_hint), default=0) if sub_hint is not None else None)
+        r = _staged(sub, h, dataclasses.replace(opts, time_limit_s=share), "cpsat", h.makespan, sub_hint is not None)
+        parts.append(r)
+        if r.solution is None:
+            break
+        for j, i in enumerate(keep):
+            start[i], mode[i] = r.solution.start[j] + offset, r.solution.mode[j]
+        offset = max(solution_ends(sub, r.solution), default=0)
+    wall = sum(r.wall_s for r in parts)
+    dtime = sum(r.deterministic_time for r in parts)
+    cap = any(r.wall_cap_hit for r in parts)
+    if len(parts) < 2 or any(r.solution is None for r in parts):
+        status = next(r.status for r in parts if r.solution is None)
+        return CpSatResult(status, None, None, 0, wall, dtime, cap)
+    status = "OPTIMAL" if all(r.status == "OPTIMAL" for r in parts) else "FEASIBLE"
+    sol = Solution("cpsat", tuple(start), tuple(mode))
+    hint_obj = (sum(r.hint_objective for r in parts)
+                if all(r.hint_objective is not None for r in parts) else None)
+    return CpSatResult(status, sol, sum(r.objective for r in parts), sum(r.bound for r in parts), wall, dtime, cap,
+                       hint_obj)
 
 
 def min_peak_memory(problem: Problem, opts: SolverOptions = SolverOptions(), *,
                     hint: Solution | None = None) -> tuple[CpSatResult, int]:
     """Minimise peak live bytes ignoring the makespan. Returns (result in memory units, unit)."""
     h = build_model(problem, hint=hint, objective="peak_memory")
-    return _run(problem, h, opts, "min-peak-memory"), h.memory_unit
+    return _staged(problem, h, opts, "min-peak-memory", h.peak, hint is not None), h.memory_unit

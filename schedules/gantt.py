@@ -18,25 +18,27 @@ from pathlib import Path
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, exposed_comm
 from moegraph.schedules.verify import memory_curve
 
-__all__ = ["render", "chrome_trace", "FORMATS"]
+__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "FORMATS"]
 
 FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
 EXPOSED = "#C44E52"
 
 
-def render(sched: Schedule, path: str | Path, compare: Schedule | None = None) -> Path:
-    """Write ``sched`` (and ``compare`` beside it) to ``path``; the suffix picks the format."""
+def render(sched: Schedule, path: str | Path, compare: Schedule | None = None,
+           sources: tuple[str, ...] = ()) -> Path:
+    """Write ``sched`` (and ``compare`` beside it) to ``path``; the suffix picks the format.
+    ``sources`` (e.g. the file names) tell the panels apart where their labels would not."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"cannot render to {path.name!r}: the suffix must be one of {', '.join(FORMATS)}")
     if suffix == ".json":
-        path.write_text(json.dumps(chrome_trace(sched, compare), sort_keys=True, indent=1) + "\n")
+        path.write_text(json.dumps(chrome_trace(sched, compare, sources), sort_keys=True, indent=1) + "\n")
     elif suffix == ".html":
-        path.write_text(_html(sched, compare))
+        path.write_text(_html(sched, compare, sources))
     else:
-        fig = _figure(sched, compare)
+        fig = _figure(sched, compare, sources)
         fig.savefig(path, dpi=110, bbox_inches="tight", metadata=_metadata(suffix))
         import matplotlib.pyplot as plt
         plt.close(fig)
@@ -56,14 +58,41 @@ def _category(n: ScheduledNode) -> str:
     return "comm" if n.kind == "comm" else "compute"
 
 
-def _title(s: Schedule) -> str:
+def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
+    """One label per schedule: graph name, method and origin ("measured, rank 0" /
+    "predicted"); where two would read the same, the source (file name) or the position is
+    added, so compared panels and Perfetto processes never share a name."""
+    out = []
+    for s in scheds:
+        sm = s.summary
+        what = str(sm.get("method", "?"))
+        if s.origin == "measured":
+            what += ", measured" + (f" rank {sm['rank']}" if "rank" in sm else "")
+        elif s.origin == "predicted":
+            what += ", predicted"
+        out.append(f"{s.graph.get('name', 'schedule')} [{what}]")
+    if len(set(out)) < len(out):
+        out = [f"{label} {sources[i] if i < len(sources) else f'#{i + 1}'}" for i, label in enumerate(out)]
+    if len(set(out)) < len(out):
+        out = [f"{label} #{i + 1}" for i, label in enumerate(out)]
+    return out
+
+
+def peak_bytes(s: Schedule) -> int:
+    """The recorded peak memory, or (files from ``run --trace`` record none) the peak of the
+    live-memory curve recomputed from the nodes."""
+    peak = s.summary.get("peak_memory_bytes")
+    return peak if peak is not None else max((b for _, b in memory_curve(s)), default=0)
+
+
+def _title(s: Schedule, label: str) -> str:
     sm = s.summary
-    return (f"{s.graph.get('name', '?')} [{sm.get('method', '?')}]  makespan {sm['makespan_us']:.1f} us  "
-            f"(bound {sm.get('lower_bound_us', 0):.1f})  peak {sm['peak_memory_bytes'] / 2**30:.2f} GiB  "
+    bound = f"  (bound {sm['lower_bound_us']:.1f})" if "lower_bound_us" in sm else ""
+    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  peak {peak_bytes(s) / 2**30:.2f} GiB  "
             f"exposed comm {sm.get('exposed_comm_us', 0):.1f} us")
 
 
-def _figure(sched: Schedule, compare: Schedule | None):
+def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = ()):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -75,9 +104,9 @@ def _figure(sched: Schedule, compare: Schedule | None):
         ratios += [max(1.0, 0.55 * len(s.streams)), 0.9]
     fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(14, 1.2 + 1.3 * sum(ratios)),
                              gridspec_kw={"height_ratios": ratios, "hspace": 0.35})
-    span = max(s.summary["makespan_us"] for s in scheds) or 1.0
-    for k, s in enumerate(scheds):
-        _gantt(axes[2 * k], s, span)
+    span = max(s.makespan_us for s in scheds) or 1.0
+    for k, (s, label) in enumerate(zip(scheds, labels(scheds, sources))):
+        _gantt(axes[2 * k], s, span, label)
         _memory(axes[2 * k + 1], s)
     axes[-1].set_xlabel("time (us)")
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
@@ -87,7 +116,7 @@ def _figure(sched: Schedule, compare: Schedule | None):
     return fig
 
 
-def _gantt(ax, s: Schedule, span: float) -> None:
+def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
     for n in s.nodes:
         d = n.end_us - n.start_us
@@ -95,10 +124,10 @@ def _gantt(ax, s: Schedule, span: float) -> None:
             continue
         y = rows[n.stream]
         ax.barh(y, d, left=n.start_us, height=0.7, color=COLOURS[_category(n)], edgecolor="white", linewidth=0.4)
-        label = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
+        bar = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
         room = d / span * 160  # characters that fit, roughly, at this figure width
         if room >= 4:
-            text = label if len(label) <= room else label[:max(int(room) - 1, 3)] + "."
+            text = bar if len(bar) <= room else bar[:max(int(room) - 1, 3)] + "."
             ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=6, color="white", clip_on=True)
     comm_rows = [rows[x] for x in s.streams if x.startswith("comm")]
     for a, b in exposed_comm(s.nodes):
@@ -114,12 +143,12 @@ def _gantt(ax, s: Schedule, span: float) -> None:
         ax.text(barrier, len(rows) - 0.45, " backward", fontsize=7, va="bottom")
     ax.set_yticks(range(len(rows)), list(rows))
     ax.set_ylim(len(rows) - 0.4, -0.6)
-    ax.set_title(_title(s), fontsize=9, loc="left")
+    ax.set_title(_title(s, label), fontsize=9, loc="left")
 
 
 def _memory(ax, s: Schedule) -> None:
     curve = memory_curve(s)
-    span = s.summary["makespan_us"]
+    span = s.makespan_us
     xs = [0.0] + [t for t, _ in curve] + [span]
     ys = [0.0] + [b / 2**30 for _, b in curve] + [curve[-1][1] / 2**30 if curve else 0.0]
     ax.step(xs, ys, where="post", color="#55A868", linewidth=1.2)
@@ -130,11 +159,12 @@ def _memory(ax, s: Schedule) -> None:
     ax.set_ylim(bottom=0)
 
 
-def chrome_trace(sched: Schedule, compare: Schedule | None = None) -> dict:
-    """Trace Event Format: one complete ("X") event per node, streams as named threads."""
+def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tuple[str, ...] = ()) -> dict:
+    """Trace Event Format: one complete ("X") event per node, streams as named threads, one
+    process per schedule (named apart, see ``labels``)."""
     events = []
-    for pid, s in enumerate([sched] + ([compare] if compare is not None else [])):
-        label = f"{s.graph.get('name', 'schedule')} [{s.summary.get('method', '?')}]"
+    scheds = [sched] + ([compare] if compare is not None else [])
+    for pid, (s, label) in enumerate(zip(scheds, labels(scheds, sources))):
         events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
         tids = {name: i for i, name in enumerate(s.streams)}
         for name, tid in tids.items():
@@ -151,21 +181,22 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None) -> dict:
 def _summary_rows(s: Schedule) -> list[tuple[str, str]]:
     sm = s.summary
     rows = [("graph", str(s.graph.get("name"))), ("strategy", str(sm.get("strategy", ""))),
-            ("method", str(sm.get("method"))), ("makespan (us)", f"{sm['makespan_us']:.2f}"),
-            ("lower bound (us)", f"{sm.get('lower_bound_us', 0):.2f}")]
-    for k, v in sorted(sm.get("baselines", {}).items()):
-        rows.append((f"{k} (us)", f"{v:.2f}"))
+            ("method", str(sm.get("method"))), ("origin", s.origin), ("makespan (us)", f"{s.makespan_us:.2f}"),
+            ("lower bound (us)", f"{sm['lower_bound_us']:.2f}" if "lower_bound_us" in sm else "-")]
+    for k in ("sequential", "greedy", "megascale"):
+        v = sm.get("baselines", {}).get(k)
+        rows.append((f"{k} (us)", "-" if v is None else f"{v:.2f}"))
     rows += [("exposed comm (us)", f"{sm.get('exposed_comm_us', 0):.2f}"),
-             ("peak memory (GiB)", f"{sm['peak_memory_bytes'] / 2**30:.3f}"),
+             ("peak memory (GiB)", f"{peak_bytes(s) / 2**30:.3f}"),
              ("memory budget (GiB)", "-" if s.memory_budget_bytes is None else f"{s.memory_budget_bytes / 2**30:.3f}"),
              ("solver status", str(sm.get("solver", {}).get("status"))),
              ("hash", s.hash[:19] + "...")]
     return rows
 
 
-def _html(sched: Schedule, compare: Schedule | None) -> str:
+def _html(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = ()) -> str:
     import matplotlib.pyplot as plt
-    fig = _figure(sched, compare)
+    fig = _figure(sched, compare, sources)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata=_metadata(".svg"))
     plt.close(fig)
@@ -173,7 +204,7 @@ def _html(sched: Schedule, compare: Schedule | None) -> str:
     svg = svg[svg.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline in HTML
     scheds = [sched] + ([compare] if compare is not None else [])
     tables = [_summary_rows(s) for s in scheds]
-    head = "".join(f"<th>{html.escape(str(s.summary.get('method')))}</th>" for s in scheds)
+    head = "".join(f"<th>{html.escape(label)}</th>" for label in labels(scheds, sources))
     body = ""
     for i, (key, _) in enumerate(tables[0]):
         cells = "".join(f"<td>{html.escape(t[i][1])}</td>" for t in tables)

@@ -1,7 +1,8 @@
 """The scheduling problem of one layer: tasks, modes, dependencies, memory intervals.
 
 Everything downstream (baselines, lower bound, CP-SAT) reads a ``Problem``; nothing reads the
-Graph again. Times are integer *ticks* of ``TICK_US`` (10 ns): every duration the cost model
+Graph again. Evaluating a solution of it (makespan, memory, the overlap rule, the feasibility
+check) is moegraph.schedules.solution. Times are integer *ticks* of ``TICK_US`` (10 ns): every duration the cost model
 gives is rounded UP to a whole tick, so a schedule on the tick grid is exactly feasible for
 the cost model's durations plus less than one tick per node (the verifier's tolerance).
 
@@ -25,19 +26,19 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
 
 from __future__ import annotations
 
-import bisect
 import functools
 import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from moegraph.cost import CostModel
+from moegraph.registry import Hardware
+
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "Solution", "build_problem", "comm_scope", "stream_of",
-           "solution_ends", "makespan_ticks", "barrier_ticks", "memory_profile", "peak_memory_bytes",
-           "check_solution", "chunk_symmetry", "canonical_chunk_order", "alone_twin", "settle_alone",
-           "overlaps_compute"]
+           "Task", "MemValue", "Problem", "build_problem", "comm_scope", "stream_of", "chunk_symmetry",
+           "overlaps_compute", "Solution"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -121,7 +122,7 @@ class MemValue:
 @dataclass(frozen=True)
 class Problem:
     graph: Graph
-    cost: Any                     # moegraph.cost.CostModel (duck-typed)
+    cost: CostModel
     sm_count: int
     compute_budgets: tuple[int, ...]   # b values: compute runs on sm_count - b SMs
     streams: tuple[str, ...]           # compute first, then the comm streams
@@ -143,15 +144,6 @@ class Problem:
         return sum(t.max_ticks for t in self.tasks)
 
 
-@dataclass(frozen=True)
-class Solution:
-    """A schedule on the tick grid: per task (in Problem.tasks order) its start and mode index."""
-
-    method: str
-    start: tuple[int, ...]
-    mode: tuple[int, ...]
-
-
 def to_ticks(duration_us: float) -> int:
     """Round a duration up to whole ticks (ignoring float noise below a femtosecond)."""
     if not math.isfinite(duration_us) or duration_us < 0:
@@ -159,17 +151,17 @@ def to_ticks(duration_us: float) -> int:
     return max(0, math.ceil(duration_us / TICK_US - 1e-9))
 
 
-def comm_scope(node: Node, hw: Any) -> str:
+def comm_scope(node: Node, hw: Hardware) -> str:
     """'intra' or 'inter': the node's ``scope`` attr, else intra iff the group fits one node
     (the rule moegraph.cost uses to pick the link)."""
-    default = "intra" if node.group <= getattr(hw, "gpus_per_node", node.group) else "inter"
+    default = "intra" if node.group <= hw.gpus_per_node else "inter"
     scope = node.attr("scope", default)
     if scope not in ("intra", "inter"):
         raise ScheduleError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
     return scope
 
 
-def stream_of(node: Node, comm_streams: Sequence[str], hw: Any) -> str:
+def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
     if not node.is_comm:
         return COMPUTE
     if len(comm_streams) == 1:
@@ -192,16 +184,20 @@ def _dominates(o: Mode, m: Mode) -> bool:
 
 
 def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
-    """Drop dominated modes, except ``keep`` (the default, which baselines use as is); sort by
-    ticks, then SMs, beside-compute before alone."""
-    kept = [m for m in modes if m == keep or not any(_dominates(o, m) for o in modes)]
-    return tuple(sorted(set(kept), key=lambda m: (m.ticks, m.sm, m.alone)))
+    """Drop dominated modes, except ``keep`` (the default, which baselines use as is) and the
+    alone twin of every kept beside-compute mode: a collective that no compute overlaps is
+    priced alone at its budget (``settle_alone``, and the verifier prices it so), so that
+    mode must exist even where a smaller budget is as fast alone (latency-bound collectives).
+    Sorted by ticks, then SMs, beside-compute before alone."""
+    kept = {m for m in modes if m == keep or not any(_dominates(o, m) for o in modes)}
+    kept |= {o for m in kept if not m.alone for o in modes if o.alone and o.sm == m.sm}
+    return tuple(sorted(kept, key=lambda m: (m.ticks, m.sm, m.alone)))
 
 
-def _comm_modes(node: Node, cost: Any, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
+def _comm_modes(node: Node, cost: CostModel, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
     """(pruned modes, default mode) of a collective; the default runs beside compute."""
     default_b = cost.default_sm_budget(node)
-    stretch = float(cost.comm_overlap_stretch()) if hasattr(cost, "comm_overlap_stretch") else 1.0
+    stretch = float(cost.comm_overlap_stretch())
     if not (math.isfinite(stretch) and stretch >= 1):
         raise ScheduleError(f"comm_overlap_stretch={stretch!r} must be a finite number >= 1")
     modes = []
@@ -219,7 +215,7 @@ def _comm_modes(node: Node, cost: Any, sm_count: int) -> tuple[tuple[Mode, ...],
     return _prune(modes, default), default
 
 
-def _compute_modes(node: Node, cost: Any, sm_count: int, reserves: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
+def _compute_modes(node: Node, cost: CostModel, sm_count: int, reserves: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
     """(pruned modes, full-SM mode) of a compute node; SPLIT (a view) and free nodes take no
     time and hold no SMs."""
     base = 0.0 if node.op is OpKind.SPLIT else float(cost.node_time_us(node))
@@ -248,7 +244,7 @@ def _useful_reserves(allowed: tuple[int, ...], comm_budgets: dict[str, set[int]]
     return tuple(sorted(out))
 
 
-def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS,
+def build_problem(graph: Graph, cost: CostModel, *, comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS,
                   memory_budget_bytes: int | None = None) -> Problem:
     """Extract tasks (with their modes), dependencies and memory intervals from ``graph``."""
     streams = _check_streams(comm_streams)
@@ -256,9 +252,9 @@ def build_problem(graph: Graph, cost: Any, *, comm_streams: Sequence[str] = DEFA
                                             or not isinstance(memory_budget_bytes, int)
                                             or memory_budget_bytes <= 0):
         raise ScheduleError(f"memory_budget_bytes={memory_budget_bytes!r} must be a positive int or None")
-    hw = getattr(cost, "hw", None)
+    hw = cost.hw
     sm_count = int(cost.sm_count())
-    allowed = tuple(sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())}))
+    allowed = tuple(sorted({0, *hw.comm_sm_budgets}))
     if allowed[-1] >= sm_count:
         raise ScheduleError(f"SM budgets {list(allowed)} leave no SMs for compute (sm_count={sm_count})")
 
@@ -328,114 +324,6 @@ def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
             e = {p}
         out.append(MemValue(v.name, v.storage_bytes, start, p, tuple(sorted(e)), v.name in output_bases))
     return tuple(out)
-
-
-# --- evaluating a solution (the solver side; moegraph.schedules.verify re-derives all of this) ---------
-
-def solution_ends(problem: Problem, sol: Solution) -> tuple[int, ...]:
-    return tuple(s + t.modes[m].ticks for s, t, m in zip(sol.start, problem.tasks, sol.mode))
-
-
-def makespan_ticks(problem: Problem, sol: Solution) -> int:
-    return max(solution_ends(problem, sol), default=0)
-
-
-def barrier_ticks(problem: Problem, sol: Solution) -> int:
-    ends = solution_ends(problem, sol)
-    return max((ends[t.index] for t in problem.tasks if t.side == 0), default=0)
-
-
-def memory_profile(problem: Problem, sol: Solution) -> list[tuple[int, int]]:
-    """(tick, live bytes from this tick on) at every change, sorted by tick."""
-    ends = solution_ends(problem, sol)
-    span, barrier = max(ends, default=0), barrier_ticks(problem, sol)
-    delta: dict[int, int] = {}
-    for v in problem.mem_values:
-        s = {"producer": sol.start[v.producer] if v.producer is not None else 0,
-             "zero": 0, "barrier": barrier}[v.start]
-        e = span if v.until_makespan else max((ends[i] for i in v.ends), default=s)
-        if e > s:
-            delta[s] = delta.get(s, 0) + v.nbytes
-            delta[e] = delta.get(e, 0) - v.nbytes
-    live, profile = 0, []
-    for tick in sorted(delta):
-        live += delta[tick]
-        profile.append((tick, live))
-    return profile
-
-
-def peak_memory_bytes(problem: Problem, sol: Solution) -> int:
-    return max((b for _, b in memory_profile(problem, sol)), default=0)
-
-
-def alone_twin(task: Task, k: int) -> int:
-    """Index of the alone mode with mode ``k``'s SMs (``k`` itself if it is alone or has none)."""
-    sm = task.modes[k].sm
-    return next((j for j, m in enumerate(task.modes) if m.alone and m.sm == sm), k)
-
-
-def overlaps_compute(problem: Problem, sol: Solution) -> list[bool]:
-    """Per task: does some compute task taking time run during it (open intervals)?"""
-    ends = solution_ends(problem, sol)
-    busy = sorted((sol.start[t.index], ends[t.index]) for t in problem.tasks
-                  if t.kind == "compute" and ends[t.index] > sol.start[t.index])
-    starts = [b[0] for b in busy]
-    out = []
-    for t in problem.tasks:
-        s, e = sol.start[t.index], ends[t.index]
-        # compute spans are disjoint (one stream) and sorted: only the last one starting before
-        # e can reach past s
-        i = bisect.bisect_left(starts, e) - 1
-        out.append(e > s and i >= 0 and busy[i][1] > s)
-    return out
-
-
-def settle_alone(problem: Problem, sol: Solution) -> Solution:
-    """Put every collective that no compute overlaps into its alone mode (shorter, same start):
-    still feasible (nothing starts earlier, nothing new overlaps), never longer."""
-    beside = overlaps_compute(problem, sol)
-    mode = tuple(alone_twin(t, sol.mode[t.index]) if t.kind == "comm" and not beside[t.index]
-                 else sol.mode[t.index] for t in problem.tasks)
-    return sol if mode == sol.mode else Solution(sol.method, sol.start, mode)
-
-
-def check_solution(problem: Problem, sol: Solution) -> None:
-    """Raise ScheduleError if ``sol`` breaks a dependency, the barrier, a stream or the SM
-    capacity (the solver side's own check on the tick grid, run before a solution is
-    written out; moegraph.schedules.verify re-checks the file independently)."""
-    tasks = problem.tasks
-    ends = solution_ends(problem, sol)
-    barrier = barrier_ticks(problem, sol)
-    for t in tasks:
-        for p in t.preds:
-            if sol.start[t.index] < ends[p]:
-                raise ScheduleError(f"{sol.method}: {t.name!r} starts before its input from {tasks[p].name!r}")
-        if t.side == 1 and sol.start[t.index] < barrier:
-            raise ScheduleError(f"{sol.method}: {t.name!r} starts before the barrier")
-    events: list[tuple[int, int, int]] = []
-    for stream in problem.streams:
-        spans = sorted((sol.start[t.index], ends[t.index], t.index) for t in tasks
-                       if t.stream == stream and ends[t.index] > sol.start[t.index])
-        for (s0, e0, a), (s1, _, b) in zip(spans, spans[1:]):
-            if s1 < e0:
-                raise ScheduleError(f"{sol.method}: {tasks[a].name!r} and {tasks[b].name!r} overlap on {stream}")
-    for t in tasks:
-        m = t.modes[sol.mode[t.index]]
-        if m.ticks and m.sm:
-            events += [(sol.start[t.index], 1, m.sm), (ends[t.index], 0, -m.sm)]
-    used = 0
-    for _, _, d in sorted(events):
-        used += d
-        if used > problem.sm_count:
-            raise ScheduleError(f"{sol.method}: more than {problem.sm_count} SMs in use")
-    beside = overlaps_compute(problem, sol)
-    for t in tasks:
-        k = sol.mode[t.index]
-        if t.kind == "comm" and t.modes[k].alone and beside[t.index]:
-            raise ScheduleError(f"{sol.method}: collective {t.name!r} runs in its alone mode beside compute")
-        if t.kind == "comm" and not beside[t.index] and alone_twin(t, k) != k:
-            raise ScheduleError(f"{sol.method}: collective {t.name!r} runs alone but is priced beside compute "
-                                f"(settle_alone)")
 
 
 # --- symmetry of identical chunks -------------------------------------------------------------
@@ -523,13 +411,11 @@ def _is_automorphism(problem: Problem, perm: list[int]) -> bool:
     return all(c == 0 for c in image.values())
 
 
-def canonical_chunk_order(problem: Problem, sol: Solution, groups: tuple[tuple[int, ...], ...]) -> Solution:
-    """Relabel chunks of ``sol`` so chunk c's first task starts no later than chunk c+1's
-    (the order the CP-SAT symmetry-breaking constraints demand). Same schedule up to the
-    chunk automorphism, so the same makespan and peak memory."""
-    order = sorted(range(len(groups)), key=lambda c: (sol.start[groups[c][0]], c))
-    start, mode = list(sol.start), list(sol.mode)
-    for rank, c in enumerate(order):
-        for src, dst in zip(groups[c], groups[rank]):
-            start[dst], mode[dst] = sol.start[src], sol.mode[src]
-    return Solution(sol.method, tuple(start), tuple(mode))
+def __getattr__(name: str) -> Any:
+    # The overlap rule and the Solution type live with the other solution evaluations
+    # (moegraph.schedules.solution); the runtime imports them from here, beside the semantics
+    # they implement. Lazy: solution imports this module.
+    if name in ("overlaps_compute", "Solution"):
+        from moegraph.schedules import solution
+        return getattr(solution, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -17,6 +17,13 @@ A file holds everything ``moegraph.schedules.verify`` needs and nothing that var
                   solver: {status, objective_bound_us}},
      "hash":     "sha256:<hex of the canonical JSON of everything else>"}
 
+Files written by ``moegraph run --trace`` use the same format with a runtime summary
+({method, plan_hash, strategy, makespan_us, exposed_comm_us, measured: bool, ...}, no
+peak_memory_bytes or solver): ``Schedule.origin`` tells the three kinds apart.
+
+The reader checks every field's JSON type (times finite, counts non-negative integers) and
+names the first bad one; it does not check the hash or the semantics (``verify`` does).
+
 sm_budget: SMs a collective holds (0 = copy engines); SMs a compute node runs on (0 for a
 node that takes no time, such as a view). Canonical form: sorted keys, fixed separators,
 ASCII, computed times rounded to ``DECIMALS`` places (they are multiples of the 10 ns tick,
@@ -31,14 +38,15 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Literal
 
 __all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
-           "canonical_json", "round_us", "plain", "exposed_comm"]
+           "canonical_json", "round_us", "plain", "exposed_comm", "Origin"]
 
 FORMAT = "moegraph.schedule"
 VERSION = 1
 DECIMALS = 6
+Origin = Literal["compiled", "predicted", "measured"]
 
 
 class ScheduleFormatError(ValueError):
@@ -167,12 +175,10 @@ class Schedule:
                                "summary", "hash") if k not in d]
         if missing:
             raise ScheduleFormatError(f"schedule file misses {', '.join(map(repr, missing))}")
-        try:
-            values = tuple(ScheduledValue(**{k: v[k] for k in _VALUE_FIELDS}) for v in d["values"])
-            nodes = tuple(ScheduledNode(**{k: (tuple(n[k]) if k in ("inputs", "outputs") else n[k])
-                                           for k in _NODE_FIELDS}) for n in d["nodes"])
-        except (KeyError, TypeError) as err:
-            raise ScheduleFormatError(f"malformed value or node entry: missing or bad field {err}") from None
+        _check_fields(d)
+        values = tuple(ScheduledValue(**{k: v[k] for k in _VALUE_FIELDS}) for v in d["values"])
+        nodes = tuple(ScheduledNode(**{k: (tuple(n[k]) if k in ("inputs", "outputs") else n[k])
+                                       for k in _NODE_FIELDS}) for n in d["nodes"])
         return cls(graph=d["graph"], hardware=d["hardware"], streams=tuple(d["streams"]),
                    memory_budget_bytes=d["memory_budget_bytes"], tick_us=d["tick_us"], values=values,
                    nodes=nodes, summary=d["summary"], hash=d["hash"])
@@ -188,12 +194,103 @@ class Schedule:
 
     # -- conveniences ---------------------------------------------------------------------
     @property
+    def origin(self) -> Origin:
+        """Who wrote the file: ``compiled`` (compile / tune: cost-model times), ``predicted``
+        (``run --trace``: the plan's predicted times) or ``measured`` (``run --trace``: one
+        measured step). The runtime marks its files with ``summary.measured``."""
+        measured = self.summary.get("measured")
+        if measured is None:
+            return "compiled"
+        return "measured" if measured else "predicted"
+
+    @property
     def node(self) -> dict[str, ScheduledNode]:
         return {n.name: n for n in self.nodes}
 
     @property
     def makespan_us(self) -> float:
         return max((n.end_us for n in self.nodes), default=0.0)
+
+
+def _kind(v: Any) -> str:
+    if isinstance(v, float) and math.isnan(v):
+        return "NaN"
+    if isinstance(v, float) and math.isinf(v):
+        return "infinite"
+    return f"{type(v).__name__} {v!r}"
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_time(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _is_str_list(v: Any) -> bool:
+    return isinstance(v, list) and all(isinstance(x, str) for x in v)
+
+
+_NODE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{k: (lambda v: isinstance(v, str), "a string")
+       for k in ("name", "op", "role", "phase", "kind", "module", "block", "stream")},
+    "inputs": (_is_str_list, "a list of value names"), "outputs": (_is_str_list, "a list of value names"),
+    **{k: (lambda v: _is_int(v) and v >= 0, "a non-negative integer")
+       for k in ("flops", "mem_bytes", "comm_bytes", "group", "sm_budget")},
+    "attrs": (lambda v: isinstance(v, dict), "an object"),
+    "forward_of": (lambda v: v is None or isinstance(v, str), "a node name or null"),
+    "start_us": (lambda v: _is_time(v) and v >= 0, "a finite number >= 0"),
+    "end_us": (lambda v: _is_time(v) and v >= 0, "a finite number >= 0"),
+}
+_VALUE_TYPES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "name": (lambda v: isinstance(v, str), "a string"),
+    "bytes": (lambda v: _is_int(v) and v >= 0, "a non-negative integer"),
+    "kind": (lambda v: isinstance(v, str), "a string"),
+    "alias_of": (lambda v: v is None or isinstance(v, str), "a value name or null"),
+}
+_SUMMARY_TIMES = ("makespan_us", "lower_bound_us", "barrier_us", "exposed_comm_us")
+
+
+def _check_fields(d: dict) -> None:
+    """Every field the readers (verify, gantt, the runtime) use has its JSON type and finite
+    numbers, so a hand-edited or damaged file fails here with one message naming the field,
+    never later inside a computation (NaN compares false with everything: a NaN time would
+    pass every ordering check)."""
+    for key, ok, want in (("graph", lambda v: isinstance(v, dict), "an object"),
+                          ("hardware", lambda v: isinstance(v, dict), "an object"),
+                          ("summary", lambda v: isinstance(v, dict), "an object"),
+                          ("streams", lambda v: _is_str_list(v) and v, "a non-empty list of stream names"),
+                          ("memory_budget_bytes", lambda v: v is None or (_is_int(v) and v > 0),
+                           "a positive integer or null"),
+                          ("tick_us", lambda v: _is_time(v) and v > 0, "a positive finite number"),
+                          ("values", lambda v: isinstance(v, list), "a list"),
+                          ("nodes", lambda v: isinstance(v, list), "a list"),
+                          ("hash", lambda v: isinstance(v, str), "a string")):
+        if not ok(d[key]):
+            raise ScheduleFormatError(f"{key} is {_kind(d[key])}, not {want}")
+    for key in ("inputs", "outputs"):
+        if key in d["graph"] and not _is_str_list(d["graph"][key]):
+            raise ScheduleFormatError(f"graph.{key} is {_kind(d['graph'][key])}, not a list of value names")
+    for what, entries, types in (("value", d["values"], _VALUE_TYPES), ("node", d["nodes"], _NODE_TYPES)):
+        for i, e in enumerate(entries):
+            if not isinstance(e, dict):
+                raise ScheduleFormatError(f"{what} #{i} is {_kind(e)}, not an object")
+            where = f"{what} {e['name']!r}" if isinstance(e.get("name"), str) else f"{what} #{i}"
+            for k, (ok, want) in types.items():
+                if k not in e:
+                    raise ScheduleFormatError(f"{where} misses field {k!r}")
+                if not ok(e[k]):
+                    raise ScheduleFormatError(f"{where}: {k} is {_kind(e[k])}, not {want}")
+    summary = d["summary"]
+    for k in _SUMMARY_TIMES:
+        if k in summary and not _is_time(summary[k]):
+            raise ScheduleFormatError(f"summary.{k} is {_kind(summary[k])}, not a finite number")
+    peak = summary.get("peak_memory_bytes")
+    if peak is not None and not (_is_int(peak) and peak >= 0):
+        raise ScheduleFormatError(f"summary.peak_memory_bytes is {_kind(peak)}, not a non-negative integer")
+    if "measured" in summary and not isinstance(summary["measured"], bool):
+        raise ScheduleFormatError(f"summary.measured is {_kind(summary['measured'])}, not true or false")
 
 
 def merge_intervals(spans) -> list[list[float]]:

@@ -5,6 +5,10 @@ file by sweeping events over time. Checks, in the order violations are reported:
 
     hash        the content hashes to the recorded hash
     structure   each node once, on a known stream of its kind, finite times, end >= start
+    coverage    every node of the graph scheduled exactly once: each declared value is a
+                graph input or the output of exactly one scheduled node, and every value read
+                or listed as a graph output exists (a deleted node leaves its outputs
+                unproduced; the file's values are the graph's, see build_schedule)
     dependency  a node starts at or after the end of every producer of its inputs
     barrier     backward/recompute nodes start at or after the end of every forward node
     stream      one node at a time per stream (nodes taking no time occupy no stream)
@@ -17,6 +21,18 @@ file by sweeping events over time. Checks, in the order violations are reported:
     summary     summary.makespan_us equals the last end
 
 Times are compared on an integer picosecond grid (file times are rounded to 1e-6 us).
+
+Files written by ``run --trace`` (``Schedule.origin`` predicted / measured) hold the runtime's
+times, not the cost model's: on them verify checks hash, structure, coverage, dependency,
+barrier, stream and summary (makespan), the memory budget if one is recorded, and skips
+(``skipped_checks`` says why, and the CLI prints it):
+
+    duration    measured times / the runtime plan's own unrounded prediction
+    sm          the plan records compute nodes at 0 SMs and holds no SMs on the CPU
+    memory      the peak comparison, when the file records no summary.peak_memory_bytes
+    stream      on the comm streams of a step measured on the CPU: a collective spans issue to
+                host-observed completion, and gloo runs collectives on its own worker threads,
+                so those spans may overlap (the compute stream is still checked)
 """
 
 from __future__ import annotations
@@ -25,9 +41,12 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from moegraph.cost import CostModel
+from moegraph.registry import Hardware
 from moegraph.schedules.schedule_file import Schedule
 
-__all__ = ["Violation", "verify_schedule", "DURATION_TOLERANCE_US", "check", "memory_events", "memory_curve"]
+__all__ = ["Violation", "Verdict", "verify_schedule", "verdict", "skipped_checks", "DURATION_TOLERANCE_US", "check",
+           "memory_events", "memory_curve"]
 
 DURATION_TOLERANCE_US = 0.01 + 1e-6
 """Durations are rounded up to a 10 ns tick; the extra 1 ps absorbs float rounding."""
@@ -53,26 +72,74 @@ def _gib(b: float) -> str:
     return f"{b / 2**30:.2f} GiB"
 
 
-def verify_schedule(sched: Schedule, cost: Any | None = None) -> list[Violation]:
-    """All violations found (empty: the schedule is valid). The first is the one to print."""
+@dataclass(frozen=True)
+class Verdict:
+    """What ``verify`` found in one file: its origin, the violations, and the checks skipped
+    for that origin with the reason."""
+
+    origin: str
+    violations: tuple[Violation, ...]
+    skipped: tuple[tuple[str, str], ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.violations
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": self.ok, "origin": self.origin,
+                "violations": [{"check": v.check, "message": v.message, "nodes": list(v.nodes)}
+                               for v in self.violations],
+                "skipped": {k: why for k, why in self.skipped}}
+
+
+def skipped_checks(sched: Schedule) -> tuple[tuple[str, str], ...]:
+    """(check, why) for every check that does not apply to a file of this origin."""
+    if sched.origin == "compiled":
+        return ()
+    what = "measured times" if sched.origin == "measured" else "the runtime plan's own prediction"
+    out = [("duration", f"{what}, not cost-model times"),
+           ("sm", "the runtime plan records compute nodes at 0 SMs and holds no SMs on the CPU")]
+    if sched.summary.get("peak_memory_bytes") is None:
+        out.append(("memory", "the file records no peak memory (the budget, if any, is still checked)"))
+    if sched.origin == "measured" and sched.summary.get("device") == "cpu":
+        out.append(("stream", "comm streams of a CPU measurement: a collective spans issue to host-observed "
+                              "completion and gloo runs collectives on worker threads (compute stream checked)"))
+    return tuple(out)
+
+
+def verdict(sched: Schedule, cost: CostModel | None = None) -> Verdict:
+    """Every violation found in ``sched``, with the checks skipped for its origin."""
+    skipped = skipped_checks(sched)
+    return Verdict(sched.origin, tuple(_violations(sched, cost, {k for k, _ in skipped})), skipped)
+
+
+def verify_schedule(sched: Schedule, cost: CostModel | None = None) -> list[Violation]:
+    """All violations found (empty: the schedule is valid). The first is the one to print.
+    Checks that do not apply to the file's origin are skipped (``skipped_checks``)."""
+    return list(verdict(sched, cost).violations)
+
+
+def _violations(sched: Schedule, cost: CostModel | None, skip: set[str]) -> list[Violation]:
     out: list[Violation] = []
     recorded, actual = sched.hash, sched.compute_hash()
     if recorded != actual:
         out.append(Violation("hash", f"hash mismatch: the file records {recorded[:19]}... but its content "
                                      f"hashes to {actual[:19]}... (edited after it was written?)"))
-    if not _structure(sched, out):
+    if not _structure(sched, out) or not _coverage(sched, out):
         return out
     _dependencies(sched, out)
     _barrier(sched, out)
-    _streams(sched, out)
-    _sms(sched, out)
-    _durations(sched, cost, out)
-    _memory(sched, out)
+    _streams(sched, out, compute_only="stream" in skip)
+    if "sm" not in skip:
+        _sms(sched, out)
+    if "duration" not in skip:
+        _durations(sched, cost, out)
+    _memory(sched, out, check_peak="memory" not in skip)
     _summary(sched, out)
     return out
 
 
-def check(sched: Schedule, cost: Any | None = None) -> None:
+def check(sched: Schedule, cost: CostModel | None = None) -> None:
     """Raise ValueError with the first violation, if any."""
     v = verify_schedule(sched, cost)
     if v:
@@ -109,6 +176,46 @@ def _structure(s: Schedule, out: list[Violation]) -> bool:
     return ok
 
 
+def _coverage(s: Schedule, out: list[Violation]) -> bool:
+    """Every graph node scheduled exactly once, read off the values: each is a graph input or
+    the output of exactly one node; a value nothing produces names the node that is missing."""
+    ok = True
+    inputs = set(s.graph.get("inputs", ()))
+    declared = {v.name for v in s.values}
+    made_by: dict[str, str] = {}
+    for n in s.nodes:
+        for v in n.outputs:
+            if v in inputs:
+                out.append(Violation("coverage", f"node {n.name!r} writes graph input {v!r}", (n.name,)))
+                ok = False
+            elif v in made_by:
+                out.append(Violation("coverage", f"value {v!r} is written by both {made_by[v]!r} and {n.name!r}",
+                                     (made_by[v], n.name)))
+                ok = False
+            else:
+                made_by[v] = n.name
+    readers: dict[str, list[str]] = {}
+    for n in s.nodes:
+        for v in n.inputs:
+            readers.setdefault(v, []).append(n.name)
+    for name in (*s.graph.get("inputs", ()), *s.graph.get("outputs", ())):
+        if name not in declared:
+            out.append(Violation("coverage", f"graph input/output {name!r} is not a declared value"))
+            ok = False
+    outputs = set(s.graph.get("outputs", ()))
+    for v in s.values:
+        if v.name in inputs or v.name in made_by:
+            continue
+        used = readers.get(v.name, [])
+        why = (f"read by {used[0]!r}" + (f" and {len(used) - 1} more" if len(used) > 1 else "") if used
+               else "a graph output" if v.name in outputs else "declared")
+        out.append(Violation("coverage", f"value {v.name!r} ({why}) is neither a graph input nor written by any "
+                                         f"scheduled node: the node producing it is missing from the schedule",
+                             tuple(used[:1])))
+        ok = False
+    return ok
+
+
 def _producers(s: Schedule) -> dict[str, Any]:
     return {v: n for n in s.nodes for v in n.outputs}
 
@@ -141,8 +248,10 @@ def _barrier(s: Schedule, out: list[Violation]) -> None:
                                  (n.name, last)))
 
 
-def _streams(s: Schedule, out: list[Violation]) -> None:
+def _streams(s: Schedule, out: list[Violation], compute_only: bool = False) -> None:
     for stream in s.streams:
+        if compute_only and stream != "compute":
+            continue
         busy = sorted((_ps(n.start_us), _ps(n.end_us), n.name, n) for n in s.nodes
                       if n.stream == stream and _ps(n.end_us) > _ps(n.start_us))
         last = None
@@ -181,11 +290,9 @@ def _sms(s: Schedule, out: list[Violation]) -> None:
             return
 
 
-def _cost_model(s: Schedule, cost: Any | None) -> Any:
+def _cost_model(s: Schedule, cost: CostModel | None) -> CostModel:
     if cost is not None:
         return cost
-    from moegraph.cost import CostModel
-    from moegraph.registry import Hardware
     return CostModel(Hardware(**s.hardware))
 
 
@@ -197,16 +304,15 @@ def _ir_node(n) -> Any:
                 forward_of=n.forward_of, attrs=freeze_attrs(n.attrs))
 
 
-def _durations(s: Schedule, cost: Any | None, out: list[Violation]) -> None:
+def _durations(s: Schedule, cost: CostModel | None, out: list[Violation]) -> None:
     try:
         cost = _cost_model(s, cost)
     except (TypeError, ValueError) as err:
         out.append(Violation("duration", f"cannot rebuild the cost model from the embedded hardware: {err}"))
         return
     S = int(cost.sm_count())
-    hw = getattr(cost, "hw", None)
-    reserves = sorted({0, *(getattr(hw, "comm_sm_budgets", ()) or ())})
-    stretch = float(cost.comm_overlap_stretch()) if hasattr(cost, "comm_overlap_stretch") else 1.0
+    reserves = sorted({0, *cost.hw.comm_sm_budgets})
+    stretch = float(cost.comm_overlap_stretch())
     beside = _beside_compute(s)
     for n in s.nodes:
         try:
@@ -314,7 +420,7 @@ def memory_curve(s: Schedule) -> list[tuple[float, int]]:
     return curve
 
 
-def _memory(s: Schedule, out: list[Violation]) -> None:
+def _memory(s: Schedule, out: list[Violation], check_peak: bool = True) -> None:
     events = memory_events(s)
     live, peak, peak_t, live_set, peak_set = 0, 0, 0, {}, {}
     i = 0
@@ -331,7 +437,7 @@ def _memory(s: Schedule, out: list[Violation]) -> None:
         if live > peak:
             peak, peak_t, peak_set = live, t, dict(live_set)
     recorded = s.summary.get("peak_memory_bytes")
-    if recorded != peak:
+    if check_peak and recorded != peak:
         out.append(Violation("memory", f"summary.peak_memory_bytes is {recorded} but the schedule peaks at "
                                        f"{peak} bytes"))
     budget = s.memory_budget_bytes

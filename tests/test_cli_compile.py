@@ -18,7 +18,11 @@ def test_compile_json_summary_fields(capsys, tmp_path):
     out = compile_json(capsys, "-o", str(tmp_path / "s.json"))
     assert set(out) >= {"makespan_us", "lower_bound_us", "baselines", "peak_memory_bytes", "solver", "strategy"}
     assert set(out["baselines"]) == {"sequential", "greedy", "megascale"}
-    assert set(out["solver"]) >= {"status", "objective_bound_us", "wall_s"}
+    assert set(out["solver"]) >= {"status", "objective_bound_us", "wall_s", "makespan_us", "warm_start",
+                                  "warm_start_makespan_us", "wall_cap_hit"}
+    assert out["source"] == "cpsat" and out["solver"]["status"] in ("OPTIMAL", "FEASIBLE")
+    assert out["solver"]["makespan_us"] == out["makespan_us"] <= out["solver"]["warm_start_makespan_us"]
+    assert out["solver"]["wall_cap_hit"] is False
     assert out["lower_bound_us"] <= out["makespan_us"] <= min(out["baselines"].values())
     assert out["strategy"]["remat"] == "paper" and out["strategy"]["gate"] == "before-fc2"   # the default passes
     assert main(["verify", str(tmp_path / "s.json")]) == 0
@@ -65,3 +69,24 @@ def test_compile_and_verify_errors_are_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+def test_verify_and_gantt_json(tmp_path, capsys):
+    path = tmp_path / "s.json"
+    assert main(["compile", *TINY, "--schedule", "greedy", "-o", str(path)]) == 0
+    capsys.readouterr()
+    assert main(["verify", "--json", str(path)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out == {"file": str(path), "ok": True, "origin": "compiled", "violations": [], "skipped": {}}
+    doc = json.loads(path.read_text())
+    doc["nodes"] = doc["nodes"][1:]  # drop the first node, re-hash
+    from moegraph.schedules.schedule_file import Schedule
+    bad = tmp_path / "bad.json"
+    bad.write_text(Schedule.from_json(json.dumps(doc)).with_hash().to_json())
+    assert main(["verify", "--json", str(bad)]) == 1
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] is False and out["violations"][0]["check"] == "coverage"
+    assert main(["gantt", "--json", str(path), "--compare", str(path), "-o", str(tmp_path / "g.json")]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["output"] == str(tmp_path / "g.json") and len(out["panels"]) == 2
+    assert out["panels"][0]["label"] != out["panels"][1]["label"]

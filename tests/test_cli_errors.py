@@ -4,8 +4,9 @@ real work: none of them may reach the solver or spawn ranks).
 
 Each section lists one stage's commands; a case is (argv, a fragment the one line must contain).
 ``{tmp}`` in an argument is replaced by a fresh temporary folder holding ``a_file.txt`` (a
-regular file), ``a_dir/`` (a directory) and ``sched.json`` (a valid schedule file of the tiny
-layer, written by compile).
+regular file), ``a_dir/`` (a directory), ``sched.json`` (a valid schedule file of the tiny
+layer, written by compile) and ``nan_time.json`` / ``text_time.json`` / ``nan_span.json`` (that file
+with a node's start NaN, a node's end a string, summary.makespan_us NaN).
 """
 
 from __future__ import annotations
@@ -76,6 +77,14 @@ SCHEDULES_CASES = [
     (["gantt", "{tmp}/sched.json", "-o", "{tmp}/a_dir"], "is an existing directory"),
     (["gantt", "{tmp}/sched.json", "-o", "{tmp}/a_file.txt/c.png"], "is a file, not a directory"),
     (["gantt", "{tmp}/missing.json", "-o", "{tmp}/c.png"], "missing.json"),
+    (["verify", "{tmp}/nan_time.json"], "start_us is NaN, not a finite number"),
+    (["verify", "{tmp}/text_time.json"], "end_us is str '1.5', not a finite number"),
+    (["verify", "{tmp}/nan_span.json"], "summary.makespan_us is NaN, not a finite number"),
+    (["verify", "--json", "{tmp}/nan_time.json"], "start_us is NaN"),
+    (["gantt", "{tmp}/nan_time.json", "-o", "{tmp}/c.png"], "start_us is NaN, not a finite number"),
+    (["gantt", "{tmp}/text_time.json", "-o", "{tmp}/c.json"], "end_us is str '1.5', not a finite number"),
+    (["gantt", "{tmp}/nan_span.json", "-o", "{tmp}/c.svg"], "summary.makespan_us is NaN"),
+    (["gantt", "{tmp}/sched.json", "--compare", "{tmp}/nan_time.json", "-o", "{tmp}/c.png"], "nan_time.json"),
 ]
 
 # -- runtime: run, calibrate, demo ----------------------------------------------------------------------
@@ -112,6 +121,12 @@ def workdir(tmp_path_factory):
     (tmp / "a_dir").mkdir()
     _write_bad_registry_yaml(tmp)
     assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
+    for name, edit in (("nan_time", lambda d: d["nodes"][1].update(start_us=float("nan"))),
+                       ("text_time", lambda d: d["nodes"][1].update(end_us="1.5")),
+                       ("nan_span", lambda d: d["summary"].update(makespan_us=float("nan")))):
+        doc = json.loads((tmp / "sched.json").read_text())
+        edit(doc)
+        (tmp / f"{name}.json").write_text(json.dumps(doc))  # json writes NaN as a damaged file holds it
     return tmp
 
 

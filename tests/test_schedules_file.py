@@ -1,6 +1,7 @@
 """Schedule file: canonical, versioned, self-describing, hashed."""
 
 import json
+import re
 
 import pytest
 
@@ -66,3 +67,54 @@ def test_exposed_comm():
     comm = sum(n.end_us - n.start_us for n in s.nodes if n.kind == "comm")
     assert sum(b - a for a, b in exposed_comm(s.nodes)) == pytest.approx(comm)  # nothing overlaps
     assert s.summary["exposed_comm_us"] == pytest.approx(comm)
+
+
+def _doc(sched) -> dict:
+    return json.loads(sched.to_json())
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("start_us", float("nan"), "start_us is NaN, not a finite number >= 0"),
+    ("end_us", float("inf"), "end_us is infinite, not a finite number >= 0"),
+    ("start_us", "12.5", "start_us is str '12.5', not a finite number >= 0"),
+    ("end_us", None, "end_us is NoneType None, not a finite number >= 0"),
+    ("start_us", True, "start_us is bool True, not a finite number >= 0"),
+    ("sm_budget", 1.5, "sm_budget is float 1.5, not a non-negative integer"),
+    ("inputs", "x", "inputs is str 'x', not a list of value names"),
+])
+def test_bad_node_fields_name_the_node_and_field(sched, field, value, message):
+    d = _doc(sched)
+    d["nodes"][3][field] = value
+    name = d["nodes"][3]["name"]
+    text = json.dumps(d)  # json writes NaN / Infinity, as a damaged file would hold them
+    with pytest.raises(ScheduleFormatError) as err:
+        Schedule.from_json(text)
+    assert str(err.value) == f"node {name!r}: {message}"
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda d: d["summary"].update(makespan_us=float("nan")), "summary.makespan_us is NaN, not a finite number"),
+    (lambda d: d["summary"].update(peak_memory_bytes="1 GiB"),
+     "summary.peak_memory_bytes is str '1 GiB', not a non-negative integer"),
+    (lambda d: d.update(tick_us=0), "tick_us is int 0, not a positive finite number"),
+    (lambda d: d["values"][0].update(bytes=-1), "bytes is int -1, not a non-negative integer"),
+    (lambda d: d["nodes"][0].pop("end_us"), "misses field 'end_us'"),
+    (lambda d: d.update(nodes={}), "nodes is dict {}, not a list"),
+])
+def test_bad_file_fields_are_named(sched, edit, message):
+    d = _doc(sched)
+    edit(d)
+    with pytest.raises(ScheduleFormatError, match=re.escape(message)):
+        Schedule.from_json(json.dumps(d))
+
+
+def test_origin_of_runtime_files(sched):
+    assert sched.origin == "compiled"
+    d = _doc(sched)
+    d["summary"]["measured"] = True
+    assert Schedule.from_json(json.dumps(d)).origin == "measured"
+    d["summary"]["measured"] = False
+    assert Schedule.from_json(json.dumps(d)).origin == "predicted"
+    d["summary"]["measured"] = "yes"
+    with pytest.raises(ScheduleFormatError, match="summary.measured is str 'yes', not true or false"):
+        Schedule.from_json(json.dumps(d))

@@ -1,10 +1,12 @@
 """Gantt output in every format; the Chrome trace holds one complete event per node."""
 
+import dataclasses
 import json
 
 import pytest
 
 from moegraph.schedules import compile_graph, render
+from moegraph.schedules.gantt import labels, peak_bytes
 from schedules_fakes import cost_model, moe_layer
 
 COST = cost_model()
@@ -55,3 +57,37 @@ def test_unknown_format(pair, tmp_path):
     with pytest.raises(ValueError, match=r"cannot render to 'x.pdf': the suffix must be one of \.png, \.svg, "
                                          r"\.html, \.json"):
         render(pair[0], tmp_path / "x.pdf")
+
+
+def _as_runtime_file(s, measured: bool):
+    """`run --trace` writes no peak memory, no bound, no solver; it marks the file measured or not."""
+    summary = {"method": s.summary["method"], "plan_hash": "0" * 64, "strategy": s.summary["strategy"],
+               "makespan_us": s.summary["makespan_us"], "exposed_comm_us": 0.0, "measured": measured}
+    if measured:
+        summary.update(rank=1, device="cpu")
+    return dataclasses.replace(s, summary=summary).with_hash()
+
+
+@pytest.mark.parametrize("ext", ["png", "html", "json"])
+def test_runtime_files_render_and_compared_panels_are_named_apart(pair, tmp_path, ext):
+    a, _ = pair
+    measured, predicted = _as_runtime_file(a, True), _as_runtime_file(a, False)
+    out = render(measured, tmp_path / f"m.{ext}", compare=predicted)
+    assert out.stat().st_size > 0
+    if ext == "json":
+        names = [e["args"]["name"] for e in json.loads(out.read_text())["traceEvents"] if e["name"] == "process_name"]
+        assert names == [f"{a.graph['name']} [cpsat, measured rank 1]", f"{a.graph['name']} [cpsat, predicted]"]
+    if ext == "html":
+        assert "[cpsat, measured rank 1]" in out.read_text()
+
+
+def test_two_files_with_the_same_label_get_their_sources():
+    a = _as_runtime_file(compile_graph(moe_layer(), COST, method="sequential").schedule, True)
+    assert labels([a, a], ("run1.json", "run2.json")) == [f"moe_c1 [sequential, measured rank 1] run{i}.json"
+                                                         for i in (1, 2)]
+    assert len(set(labels([a, a]))) == 2
+
+
+def test_peak_of_a_file_without_one_is_recomputed(pair):
+    a, _ = pair
+    assert peak_bytes(_as_runtime_file(a, True)) == a.summary["peak_memory_bytes"]

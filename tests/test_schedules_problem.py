@@ -3,8 +3,9 @@
 import pytest
 
 from moegraph.ir import OpKind
-from moegraph.schedules.problem import (COMPUTE, ScheduleError, Solution, build_problem, canonical_chunk_order, check_solution,
-                               chunk_symmetry, makespan_ticks, memory_profile, peak_memory_bytes, to_ticks)
+from moegraph.schedules.problem import COMPUTE, ScheduleError, build_problem, chunk_symmetry, to_ticks
+from moegraph.schedules.solution import (Solution, canonical_chunk_order, check_solution, makespan_ticks, memory_profile,
+                                         peak_memory_bytes)
 from moegraph.schedules.baselines import megascale
 from schedules_fakes import barrier_graph, cost_model, moe_layer, tiny_chain
 

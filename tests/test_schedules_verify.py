@@ -143,3 +143,127 @@ def test_duplicate_and_unknown_stream():
     assert _first(twice) == f"node {s.nodes[0].name!r} is scheduled more than once"
     lost = _edit(s, fc1={"stream": "nccl"})
     assert _first(lost) == "node 'fc1' is on unknown stream 'nccl'; streams: ['compute', 'comm']"
+
+
+# -- coverage: every graph node scheduled exactly once ----------------------------------------------------
+
+def _without(s: Schedule, name: str) -> Schedule:
+    """The schedule with one node deleted and the file re-hashed (so the hash check passes)."""
+    return dataclasses.replace(s, nodes=tuple(n for n in s.nodes if n.name != name)).with_hash()
+
+
+@pytest.mark.parametrize("which", ["first", "mid-backward", "last"])
+def test_a_deleted_node_is_rejected(which):
+    s = _compiled(lambda: moe_layer(recompute=True))
+    backward = [n for n in s.nodes if n.phase == "backward"]
+    victim = {"first": s.nodes[0], "mid-backward": backward[len(backward) // 2], "last": s.nodes[-1]}[which]
+    v = verify_schedule(_without(s, victim.name))
+    assert v and v[0].check == "coverage"
+    assert "is neither a graph input nor written by any scheduled node" in v[0].message
+    assert any(f"value {o!r}" in x.message for x in v for o in victim.outputs)
+
+
+def test_a_value_written_twice_is_rejected():
+    s = _compiled(tiny_chain)
+    ag = s.node["ag"]
+    bad = _edit(s, fc2={"outputs": ag.outputs + s.node["fc2"].outputs})
+    assert _first(bad) == f"value {ag.outputs[0]!r} is written by both 'ag' and 'fc2'"
+
+
+# -- compile and verify agree on every hardware, with and without an overlap stretch ---------------------
+
+@pytest.fixture(scope="module")
+def small_graph():
+    from moegraph.ir import Strategy
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    # tp attention + a2a dispatch: tiny latency-bound weight-gradient all-reduces, where an
+    # alone mode at the default budget is no faster than a smaller budget (the case that
+    # once lost its alone twin and was priced stretched while nothing overlapped it)
+    return trace_model(load_model("small"), Strategy(attn="tp", ffn="ep", dispatch="a2a", n=2), batch=1, seq=256)
+
+
+def _registry_hardware():
+    from moegraph.registry import hardware_names
+    return hardware_names()
+
+
+@pytest.mark.parametrize("stretch", [None, 3.0], ids=["as-registered", "stretch3"])
+@pytest.mark.parametrize("hw_name", _registry_hardware())
+def test_every_compile_output_verifies(small_graph, hw_name, stretch):
+    from moegraph.cost import CostModel
+    from moegraph.registry import load_hardware
+    hw = load_hardware(hw_name)
+    if stretch is not None:
+        hw = dataclasses.replace(hw, comm_overlap_stretch=stretch)
+    cost = CostModel(hw)
+    for method in ("sequential", "greedy", "megascale", "cpsat"):
+        s = compile_graph(small_graph, cost, method=method, time_limit_s=0.3).schedule
+        assert verify_schedule(s) == [], (method, verify_schedule(s)[:1])
+
+
+def test_every_beside_mode_has_its_alone_twin(small_graph):
+    from moegraph.cost import CostModel
+    from moegraph.registry import load_hardware
+    from moegraph.schedules.problem import build_problem
+    p = build_problem(small_graph, CostModel(dataclasses.replace(load_hardware("h20"), comm_overlap_stretch=3.0)))
+    checked = 0
+    for t in p.tasks:
+        if t.kind == "comm":
+            alone = {m.sm for m in t.modes if m.alone}
+            assert {m.sm for m in t.modes if not m.alone} <= alone, t.name
+            checked += 1
+    assert checked > 0
+
+
+# -- files written by `run --trace`: measured and predicted ----------------------------------------------
+
+def _runtime_file(s: Schedule, origin: str, shift_us: float = 0.0) -> Schedule:
+    """A compiled schedule dressed as `run --trace` writes it (runtime summary, no peak memory,
+    no solver, compute entries at 0 SMs), with every time stretched by a non-cost-model factor."""
+    summary = {"method": s.summary["method"], "plan_hash": "0" * 64, "strategy": s.summary["strategy"],
+               "makespan_us": round(s.makespan_us * 1.37 + shift_us, 6), "exposed_comm_us": 0.0,
+               "measured": origin == "measured"}
+    if origin == "measured":
+        summary.update(rank=0, device="cpu", barrier_us=0.0)
+    nodes = tuple(dataclasses.replace(n, start_us=round(n.start_us * 1.37 + shift_us, 6),
+                                      end_us=round(n.end_us * 1.37 + shift_us, 6),
+                                      sm_budget=n.sm_budget if n.kind == "comm" else 0) for n in s.nodes)
+    return dataclasses.replace(s, nodes=nodes, summary=summary).with_hash()
+
+
+@pytest.mark.parametrize("origin", ["measured", "predicted"])
+def test_runtime_files_are_checked_for_structure_not_cost(origin):
+    from moegraph.schedules.verify import verdict
+    s = _runtime_file(_compiled(tiny_chain), origin)
+    v = verdict(Schedule.from_json(s.to_json()))
+    assert v.origin == origin and v.ok, v.violations[:1]
+    assert {k for k, _ in v.skipped} >= {"duration", "sm", "memory"}
+    assert ("stream" in dict(v.skipped)) == (origin == "measured")   # CPU measurements: comm spans may overlap
+    # what still applies: coverage, dependencies, the compute stream, the recorded makespan
+    assert verify_schedule(_without(s, "fc1"))[0].check == "coverage"
+    fc2, ag = s.node["fc2"], s.node["ag"]
+    early = _edit(s, fc2={"start_us": ag.end_us - 1.0, "end_us": ag.end_us - 1.0 + fc2.duration_us})
+    assert any(x.check == "dependency" and x.nodes == ("fc2", "ag") for x in verify_schedule(early))
+    a, b = sorted((s.node["fc2.dgrad"], s.node["fc2.wgrad"]), key=lambda n: n.start_us)
+    clash = _edit(s, **{b.name: {"start_us": a.start_us, "end_us": a.start_us + b.duration_us}})
+    assert any(x.check == "stream" for x in verify_schedule(clash))
+    wrong_span = dataclasses.replace(s, summary={**s.summary, "makespan_us": 1.0}).with_hash()
+    assert verify_schedule(wrong_span)[0].check == "summary"
+
+
+def test_a_real_runtime_trace_file_verifies():
+    """The exporter `run --trace` uses (moegraph.runtime.trace) on a plan made from a compiled
+    schedule, and a measured step with every time scaled (not cost-model times)."""
+    import json
+    from moegraph.runtime.plan import ExecutionPlan
+    from moegraph.runtime.trace import as_schedule, predicted_schedule, schedule_json
+    graph = tiny_chain()
+    plan = ExecutionPlan.from_schedule(graph, _compiled(tiny_chain, "greedy"))
+    predicted = predicted_schedule(graph, plan, hardware=COST.hw)
+    times = {e.name: (e.start_us * 1.3, e.end_us * 1.3) for e in plan.entries}
+    measured = as_schedule(graph, plan, times, hardware=COST.hw, measured=True, rank=0, device="cpu")
+    for s, origin in ((predicted, "predicted"), (measured, "measured")):
+        loaded = Schedule.from_json(json.dumps(schedule_json(s)))
+        assert loaded.origin == origin
+        assert verify_schedule(loaded) == []
