@@ -23,7 +23,7 @@ Forward entries come first, then backward and recompute entries (the barrier: ba
 when autograd calls it).
 
 Alone collectives: an entry with ``alone`` set is a collective the schedule runs with no compute
-beside it (``moegraph.schedules.problem.overlaps_compute`` is false for it: on hardware where
+beside it (``moegraph.schedules.solution.overlaps_compute`` is false for it: on hardware where
 overlap stretches collectives, the scheduler may decide that overlapping does not pay). The
 executor fences it: it starts after the compute issued before it, and the compute issued after
 it waits for it, so the run keeps the schedule's timeline. Sequential plans mark every
@@ -202,7 +202,8 @@ def _beside_compute(graph: Graph, schedule: "Schedule") -> set[str]:
     (``overlaps_compute``) on the schedule's timeline rebuilt as a Problem and Solution."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware
-    from moegraph.schedules.problem import ScheduleError, Solution, build_problem, overlaps_compute
+    from moegraph.schedules.problem import ScheduleError, build_problem
+    from moegraph.schedules.solution import Solution, overlaps_compute
     try:
         problem = build_problem(graph, CostModel(Hardware(**schedule.hardware)), comm_streams=schedule.streams[1:])
     except (ScheduleError, TypeError, ValueError) as err:

@@ -37,8 +37,7 @@ from moegraph.registry import Hardware
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "comm_scope", "stream_of", "chunk_symmetry",
-           "overlaps_compute", "Solution"]
+           "Task", "MemValue", "Problem", "build_problem", "comm_scope", "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -409,13 +408,3 @@ def _is_automorphism(problem: Problem, perm: list[int]) -> bool:
         key = (v.nbytes, v.start, v.producer, v.ends, v.until_makespan)
         image[key] = image.get(key, 0) - 1
     return all(c == 0 for c in image.values())
-
-
-def __getattr__(name: str) -> Any:
-    # The overlap rule and the Solution type live with the other solution evaluations
-    # (moegraph.schedules.solution); the runtime imports them from here, beside the semantics
-    # they implement. Lazy: solution imports this module.
-    if name in ("overlaps_compute", "Solution"):
-        from moegraph.schedules import solution
-        return getattr(solution, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

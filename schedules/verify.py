@@ -374,7 +374,6 @@ def _bases(s: Schedule) -> dict[str, str]:
 
 def memory_events(s: Schedule) -> list[tuple[int, int, str]]:
     """(time ps, +/- bytes, value) for every counted value's live interval [start, end)."""
-    values = {v.name: v for v in s.values}
     base = _bases(s)
     prod = _producers(s)
     graph_inputs = set(s.graph.get("inputs", ()))

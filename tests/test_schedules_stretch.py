@@ -10,7 +10,8 @@ from moegraph.ir import OpKind
 from moegraph.registry import RegistryError
 from moegraph.schedules import compile_graph, verify_schedule
 from moegraph.schedules.baselines import greedy, sequential
-from moegraph.schedules.problem import ScheduleError, build_problem, overlaps_compute
+from moegraph.schedules.problem import ScheduleError, build_problem
+from moegraph.schedules.solution import overlaps_compute
 from moegraph.schedules.solution import Solution, check_solution, makespan_ticks, settle_alone
 from schedules_fakes import MiniBuilder, PARAM, hardware, moe_layer, tiny_chain
 
