@@ -62,6 +62,12 @@ class FakeCudaTensor(torch.Tensor):
         _ACTIVE.mode.syncs["tolist"] += 1
         return self._data.tolist()
 
+    def record_stream(self, stream) -> None:
+        """The binding wants a real torch Stream; the stand-ins below are not."""
+        if not isinstance(stream, FakeStream):
+            raise TypeError(f"record_stream on {type(stream).__name__}, expected a stream")
+        stream.recorded.append(self)
+
     def nonzero(self, *, as_tuple: bool = False):
         """The Python binding takes a CUDA device guard first, which a CPU build lacks: go to aten."""
         idx = aten.nonzero.default(self)
@@ -162,7 +168,8 @@ def _wrap_like(out, args):
     def wrap(t):
         if not isinstance(t, torch.Tensor) or isinstance(t, FakeCudaTensor):
             return t
-        return by_id.get(id(t)) or FakeCudaTensor(t)
+        same = by_id.get(id(t))
+        return same if same is not None else FakeCudaTensor(t)
     return tree_map(wrap, out)
 
 
@@ -194,6 +201,7 @@ class FakeStream:
     def __init__(self, device: Any = None, priority: int = 0, name: str = "side"):
         self.priority, self.name = priority, name
         self.waits: list[Any] = []
+        self.recorded: list[Any] = []
 
     def wait_event(self, ev: FakeEvent) -> None:
         self.waits.append(ev)
