@@ -50,6 +50,7 @@ docs/runtime.md lists the limits.
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -190,19 +191,20 @@ class Comm:
         n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
         x = (x.reshape(-1) if flat else x).contiguous()
         send = _bytes(x)                                            # [numel * itemsize] uint8
-        out = send.new_empty((n * send.numel(),))                   # shards concatenated
+        out = send.new_empty((n * send.numel(),))                   # preallocated: shards in rank order
         work = _all_gather_single(out, send, group=pg, async_op=True)
 
         def finish():
-            parts = [_unbytes(p, x.dtype, x.shape) for p in out.view(n, -1).unbind(0)]
-            full = torch.cat(parts, dim=dim)                        # [.., S, ..] x n -> [.., n*S, ..]
+            # [n, ..S..] rank-major is [.., n*S, ..] itself when nothing precedes dim (flat buckets,
+            # token rows, b=1): a view. Otherwise one reorder copy, which no collective can avoid.
+            full = _from_rank_major(_unbytes(out, x.dtype, (n, *x.shape)), dim)
             return [full.view(shapes[0]) if flat and shapes else full]
         return [work], finish, (send, out)
 
     def _reduce_scatter(self, node: Node, x: torch.Tensor, pg):
         n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
         mean = node.attr("reduce", "sum") == "mean"
-        chunks = torch.stack((x.reshape(-1) if flat else x).chunk(n, dim=dim))   # [n, ..S..]: chunk j to rank j
+        chunks = _to_rank_major((x.reshape(-1) if flat else x), dim, n)    # [n, ..S..]: chunk j to rank j
         if "reduce_scatter" not in self.emulate:
             out = chunks.new_empty(chunks.shape[1:])
             cat = chunks.view(-1, *chunks.shape[2:])                # chunks concatenated on dim 0
@@ -268,7 +270,8 @@ class Comm:
             got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
         rows = rows.contiguous()
-        send = _bytes(rows).view(rows.shape[0], -1)                 # [R, h * itemsize] uint8: rows stay rows
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()    # known also when R = 0
+        send = _bytes(rows).view(rows.shape[0], row_bytes)          # [R, h * itemsize] uint8 (R may be 0)
         out = send.new_empty((sum(recv_splits), send.shape[1]))    # [R_recv, h * itemsize]
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                       group=pg, async_op=True)
@@ -301,6 +304,26 @@ def _group(backend: str, stream: str, budget: int, timeout_s: float) -> Any:
         kw = {"pg_options": nccl_options(budget)} if backend == "nccl" else {}
         _GROUPS[key] = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     return _GROUPS[key]
+
+
+def _to_rank_major(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """x [.., n*S, ..] -> contiguous [n, .., S, ..], chunk j of ``dim`` at index j. A view when
+    nothing precedes ``dim`` (the layout already is rank-major), else one copy."""
+    dim = dim % x.dim()
+    parts = x.unflatten(dim, (n, x.shape[dim] // n))
+    if math.prod(x.shape[:dim]) == 1:
+        return parts.reshape(n, *parts.shape[:dim], *parts.shape[dim + 1:])
+    return parts.movedim(dim, 0).contiguous()
+
+
+def _from_rank_major(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``_to_rank_major``: [n, .., S, ..] -> [.., n*S, ..] (a view when nothing precedes dim)."""
+    n, shape = g.shape[0], list(g.shape[1:])
+    dim = dim % len(shape)
+    full = shape[:dim] + [n * shape[dim]] + shape[dim + 1:]
+    if math.prod(shape[:dim]) == 1:
+        return g.view(full)
+    return g.movedim(0, dim).reshape(full)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,8 @@
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
 A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
-emulate / native (collectives to emulate, or to run with the backend's own op), reference
+emulate / native (collectives to emulate, or to run with the backend's own op), routing
+('rank0-only': every token to rank 0's experts, so rank 1 receives no rows), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
 """
@@ -49,6 +50,19 @@ def hf_layer(seed: int):
     return layer, call
 
 
+def skew_routing_to_rank0(module: MoETransformerLayer, experts_on_rank0: int) -> None:
+    """Route every token to experts 0 .. experts_on_rank0-1 only (rank 0's, with ep over 2 ranks), so
+    that rank 1 receives zero expert rows: a large hidden channel 0 that only those experts' router
+    rows read, through a norm weight of 1 on that channel."""
+    with torch.no_grad():
+        module.post_attn_norm.weight[0] = 1.0
+        w = module.moe.router.weight
+        w.zero_()
+        w[:experts_on_rank0, 0] = 5.0
+        w[experts_on_rank0:, 0] = -5.0
+        w[:experts_on_rank0, 1:] = 0.1 * torch.randn(experts_on_rank0, w.shape[1] - 1)
+
+
 def _apply_fault(layer, fault: str | None) -> None:
     if fault is None:
         return
@@ -76,6 +90,9 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
         module = module.to(device)
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         x, dy = torch.randn(B, S, H, generator=gen).to(device), torch.randn(B, S, H, generator=gen).to(device)
+        if case.get("routing") == "rank0-only":          # rank 1 receives zero expert rows
+            skew_routing_to_rank0(module, 4)
+            x[..., 0] = 20.0
         t0 = time.perf_counter()
         layer = moegraph.compile(module, x, hardware=case.get("hardware", "cpu-gloo" if device == "cpu" else "h800"),
                                  attn=case["attn"], ffn=case["ffn"],
