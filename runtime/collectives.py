@@ -35,15 +35,20 @@ Backend gaps, emulated exactly:
       is used; ``emulate={"reduce_scatter"}`` forces the emulation, and a backend raising "not
       supported" falls back to it.
     * the count exchange of token all-to-alls always runs on a gloo (CPU) group, also when the
-      data goes over NCCL: split sizes are host integers anyway (IndexMap.splits), so no device
-      sync is added for them.
+      data goes over NCCL: all_to_all_single needs its split sizes on the host anyway, so the
+      index map's per-expert counts are copied to the host once per dispatch (IndexMap.splits,
+      the step's one device-to-host copy for that exchange), exchanged on the CPU, and the
+      combine reuses the RecvMap's host integers (no copy).
 
 SM budgets (GPU, NCCL): one process group per distinct (stream, budget) of the plan, its
-communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = budget``
-(one CTA per channel, one SM per CTA). Budget 0 asks for NCCL's zero-CTA policy (copy engines)
-where this torch/NCCL exposes it (``config.cta_policy = NCCL_CTA_POLICY_ZERO``, NCCL >= 2.28),
-else it is an unconstrained communicator. On CPU (gloo) budgets are recorded, not enforced;
-each stream still gets its own gloo group, so its collectives progress on their own threads.
+communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
+nccl_ctas(budget)`` (one CTA per channel, one SM per CTA). torch 2.13's NCCL config has no CTA
+policy, so budget 0 (copy engines, in the cost model) cannot be honoured: it runs on 1 CTA, and
+budgets above NCCL's channel limit run on that limit (``Comm.ctas`` holds what each group
+really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
+connected when the Comm is built (compile), not at the first collective. On CPU (gloo) budgets
+are recorded, not enforced; each stream still gets its own gloo group, so its collectives
+progress on their own threads.
 docs/runtime.md lists the limits.
 """
 
@@ -91,7 +96,8 @@ class Pending:
 
         block_host=True (CPU): the host waits up to ``timeout_s`` per work and a timeout raises
         CollectiveTimeout naming the node. block_host=False (GPU): ``work.wait()`` only orders
-        the current CUDA stream after the collective; hangs surface in ``drain``.
+        the current CUDA stream after the collective; a hang is reported by the NCCL watchdog
+        after the process group's timeout.
         """
         if self.outputs is not None:
             return self.outputs
@@ -121,18 +127,6 @@ def _wait_host(work: Any, timeout_s: float, what: str, rank: int) -> None:
         raise RuntimeFailure(f"{where} failed: {str(err).strip().splitlines()[0]}") from err
 
 
-def drain(pending: Sequence[Pending], timeout_s: float, rank: int) -> None:
-    """Host-wait until every pending work has completed, naming the first that does not (GPU)."""
-    deadline = time.monotonic() + timeout_s
-    for p in pending:
-        for work in p.works:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeout(f"rank {rank}: {_describe(p.node, p.stream)} did not complete "
-                                            f"within {timeout_s:g} s")
-                time.sleep(1e-4)
-
-
 class Comm:
     """The process groups one plan needs, and the IR collectives issued on them.
 
@@ -152,6 +146,20 @@ class Comm:
         self.meta = meta_group if meta_group is not None else metadata_group()
         self.native_budgets = self.backend == "nccl"
         self.groups = {key: _group(self.backend, *key, timeout_s) for key in keys}
+        self.ctas = {key: nccl_ctas(key[1]) for key in keys} if self.native_budgets else {}
+        if self.backend == "nccl":
+            self._connect()
+
+    def _connect(self) -> None:
+        """Create every NCCL communicator now, at compile, not inside the first forward (NCCL
+        connects a group at its first collective): one 1-element all_reduce per group, in key
+        order on every rank, then one device sync (compile time, not a step)."""
+        one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        for key, pg in self.groups.items():
+            work = dist.all_reduce(one, group=pg, async_op=True)
+            _wait_host(work, self.timeout_s, f"communicator set-up of stream {key[0]!r} (budget {key[1]})",
+                       self.rank)
+        torch.cuda.synchronize()
 
     def issue(self, node: Node, ins: list[Any], stream: str, budget: int,
               shapes: Sequence[tuple[int, ...]] = ()) -> Pending:
@@ -352,20 +360,34 @@ def metadata_group() -> Any:
     return _GROUPS[key]
 
 
+NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count (MAXCHANNELS: 32, or 64 on newer NCCL)
+
+
+def nccl_ctas(budget: int) -> int:
+    """The CTA count (= SMs) a communicator really gets for an SM budget.
+
+    torch 2.13's NCCL config has ``min_ctas``/``max_ctas`` and no CTA policy, so NCCL cannot run a
+    collective on zero SMs (copy engines would need NCCL's zero-CTA policy and registered
+    buffers): budget 0 becomes the least NCCL allows, 1 CTA. Budgets above NCCL's channel limit
+    become that limit. The schedule priced budget 0 at the copy-engine rate; docs/runtime.md says so.
+    """
+    if budget < 0:
+        raise ValueError(f"SM budget {budget} is negative")
+    return min(max(budget, 1), NCCL_MAX_CTAS)
+
+
 def nccl_options(budget: int) -> Any:
-    """ProcessGroupNCCL options whose communicator uses ``budget`` CTAs (= SMs); see module doc."""
+    """ProcessGroupNCCL options: ``nccl_ctas(budget)`` CTAs (min = max), high-priority NCCL streams."""
     pg_cls = getattr(dist, "ProcessGroupNCCL", None)
     if pg_cls is None:
         raise RuntimeFailure("this torch build has no NCCL backend (ProcessGroupNCCL); use backend gloo")
     opts = pg_cls.Options()
+    opts.is_high_priority_stream = True          # NCCL's own streams: its kernels are not starved by GEMMs
     cfg = getattr(opts, "config", None)
     if cfg is None:
-        return opts                                                 # NCCL < 2.17: no per-communicator config
-    if budget > 0:
-        cfg.min_ctas = budget
-        cfg.max_ctas = budget
-    elif hasattr(cfg, "cta_policy") and hasattr(pg_cls, "NCCL_CTA_POLICY_ZERO"):
-        cfg.cta_policy = pg_cls.NCCL_CTA_POLICY_ZERO
+        raise RuntimeFailure("this NCCL has no per-communicator config (NCCL < 2.17): the plan's SM budgets "
+                             "cannot be enforced")
+    cfg.min_ctas = cfg.max_ctas = nccl_ctas(budget)
     return opts
 
 

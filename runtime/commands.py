@@ -135,12 +135,16 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 
 # -- the command ----------------------------------------------------------------------------------
 
+CPU_PROFILE = "cpu-2core-gloo"       # run's hardware under gloo unless --hardware is given
+
+
 def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
     add_layer_args(p, model_default="tiny")
-    # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
-    p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
+    # gloo: the shipped calibrated CPU profile (the uncalibrated cpu-gloo placeholder predicts ~-86%
+    # off); nccl: no default, a CPU profile would plan the GPU run (see ``run``)
+    p.set_defaults(seq=128, n=2, dtype="fp32", hardware=None)
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
     p.add_argument("--schedule", default="cpsat", choices=SCHEDULES,
@@ -180,6 +184,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
+    if args.hardware is None:
+        if args.backend == "nccl":
+            from moegraph.registry import hardware_names
+            raise UsageError("--backend nccl needs --hardware naming the GPUs' profile (the default CPU "
+                             f"profile would plan the GPU run); known: {', '.join(hardware_names())}")
+        args.hardware = CPU_PROFILE
     device = "cpu"
     if args.backend == "nccl":
         import torch

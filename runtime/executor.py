@@ -13,7 +13,10 @@ timeout that names the node); meanwhile gloo's threads move the data, which is t
 GPU: one CUDA stream per plan stream (compute = the caller's current stream); a consumer on
 another stream than its producer waits on a CUDA event recorded after the producer, and the
 tensor is ``record_stream``-ed so the caching allocator does not reuse it early. A collective
-is issued under its comm stream; ``work.wait()`` then orders that stream after NCCL's.
+is issued under its comm stream (high priority); ``work.wait()`` then orders that stream after
+NCCL's. The host never waits for a collective inside a step on GPU: the end of a phase orders
+the compute stream after the comm streams, and a hung collective is the NCCL watchdog's to
+report (process-group timeout ``timeout_s``).
 
 Values live in an environment keyed by value name and are dropped after their last consumer in
 the phase. Forward keeps what backward and recompute nodes read (the graph's saved values and
@@ -32,9 +35,11 @@ import torch
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.collectives import Pending, drain
+from moegraph.runtime.collectives import Pending
 from moegraph.runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
 from moegraph.runtime.trace import StepRecorder, new_event
+
+COMM_STREAM_PRIORITY = -100      # below the device's range: torch clamps it to the highest priority
 
 
 @dataclass
@@ -79,7 +84,9 @@ class Executor:
         if self.cuda:
             for s in plan.streams:
                 if s != COMPUTE:
-                    self.comm_streams[s] = torch.cuda.Stream(self.device)
+                    # highest priority (torch maps any lower number to the device's highest): a
+                    # collective's kernels get SMs before a resident GEMM's next blocks
+                    self.comm_streams[s] = torch.cuda.Stream(self.device, priority=COMM_STREAM_PRIORITY)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -188,7 +195,8 @@ class Executor:
             compute = streams[COMPUTE]
             for s in self.comm_streams.values():
                 compute.wait_stream(s)
-            drain(pending, self.timeout_s, self.rank)
+            # no host wait: the compute stream is ordered after every collective of the phase, and a
+            # hang is left to the NCCL watchdog, which aborts after the process group's timeout_s
             out = {}
             for k in keep:
                 slot = env.get(k)

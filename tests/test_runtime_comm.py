@@ -1,4 +1,4 @@
-"""Routing edge cases on real ranks (gloo): a rank that receives zero expert rows."""
+"""Collective edge cases: a rank that receives zero expert rows (gloo), and SM budgets on NCCL."""
 
 from __future__ import annotations
 
@@ -30,3 +30,12 @@ def test_all_to_all_with_a_rank_receiving_zero_rows_matches_eager():
     res = spawn(workers.check_cases, 2, args=(CASES, 4321), timeout_s=300)
     for r in res[0] + res[1]:
         assert r["max_rel_err_output"] < TOL and r["max_rel_err_grads"] < TOL, r
+
+
+def test_sm_budgets_map_to_real_nccl_cta_counts():
+    """torch 2.13's NCCL config has min/max CTAs and no zero-CTA policy: budget 0 must become a
+    real CTA count (1), never an unconstrained communicator; budgets beyond NCCL's channel
+    limit become that limit."""
+    from moegraph.runtime.collectives import NCCL_MAX_CTAS, nccl_ctas
+    assert [nccl_ctas(b) for b in (0, 1, 16)] == [1, 1, 16]
+    assert nccl_ctas(10 * NCCL_MAX_CTAS) == NCCL_MAX_CTAS
