@@ -123,7 +123,7 @@ class FakeCuda(TorchDispatchMode):
         if fake:
             if func is aten._local_scalar_dense.default:
                 self.syncs["item"] += 1
-            elif torch.Tag.dynamic_output_shape in func.tags:
+            elif torch.Tag.dynamic_output_shape in func.tags and _data_dependent(func, args):
                 self.syncs[name] += 1
         out = func(*tree_map(real_keep_grad, args), **tree_map(real_keep_grad, kwargs))
         if not (fake or to_cuda):
@@ -149,6 +149,17 @@ class FakeCuda(TorchDispatchMode):
             self.h2d += 1
         out = func(real_keep_grad(src), *args[1:], **kwargs)
         return FakeCudaTensor(out) if target_cuda else out
+
+
+_INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+
+
+def _data_dependent(func, args) -> bool:
+    """Tagged dynamic_output_shape ops whose shape here really depends on the data: indexing only
+    with a boolean mask (integer indices give a static shape and need no sync)."""
+    if func in _INDEXING:
+        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+    return True
 
 
 def real_keep_grad(t: Any) -> Any:

@@ -101,12 +101,20 @@ def test_fake_device_graphs_cover_every_kernel():
 # -- the executor's step ----------------------------------------------------------------------------
 
 class _DoneWork:
-    """An emulated collective's work: complete when issued (the data moved on the host)."""
+    """An emulated collective's work: complete when issued (the data moved on the host). Counts
+    the host waits on it: a wait with a timeout, or a completion poll (GPU: ``work.wait()``
+    without one only orders the current stream)."""
+
+    def __init__(self, shared: "EmulatedComm"):
+        self.shared = shared
 
     def wait(self, timeout=None):
+        if timeout is not None:
+            self.shared.host_waits += 1
         return True
 
     def is_completed(self):
+        self.shared.host_waits += 1
         return True
 
 
@@ -120,6 +128,7 @@ class EmulatedComm:
         self.inputs: dict[str, list] = {}
         self.outputs: dict[str, list] = {}
         self.lock = threading.Lock()
+        self.host_waits = 0
 
     def for_rank(self, rank: int) -> "_RankComm":
         return _RankComm(self, rank)
@@ -138,7 +147,7 @@ class _RankComm:
             sh.outputs[node.name] = run_collective(node, sh.inputs.pop(node.name), list(shapes))
         sh.barrier.wait()
         outs = sh.outputs[node.name][self.rank]
-        return Pending(node, stream, [_DoneWork()], lambda: outs)
+        return Pending(node, stream, [_DoneWork(sh)], lambda: outs)
 
 
 def _executor_step(graph, plan, comm, rank, n, x, dy, params, device, results):
@@ -156,6 +165,7 @@ def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
     results: dict[int, tuple] = {}
     errors: list[BaseException] = []
     modes: list[fc.FakeCuda] = []
+    state.comm = shared
 
     def rank_main(rank):
         try:
@@ -237,3 +247,33 @@ def test_fake_device_eager_reference_layer():
     assert rel_err(got[0], y_ref) < TOL and rel_err(got[1], dx_ref) < TOL
     name, err = max_grad_err(got[2], g_ref)
     assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+SYNC_CASES = [("tp", "tp", "ag-rs"), ("sp", "ep", "ag-rs"), ("sp", "ep", "a2a")]
+
+
+@pytest.mark.parametrize("attn,ffn,dispatch", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
+    """Everything that would block the host on a GPU during one step (n=2, the default passes,
+    asap), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
+    (nonzero, bincount), cuda/event/stream synchronize, and host waits on collectives.
+
+    ffn=tp ag-rs: none. ffn=ep ag-rs: one per local index map, the row count R that sizes
+    dropless routing's buffers. a2a: one copy of the split sizes per rank and index map, shared by
+    every all-to-all that reads the map (so fewer than one per all-to-all)."""
+    from moegraph.commands import DEFAULT_PASSES
+    from moegraph.ir import OpKind
+    _, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
+    _, state, modes = _run_fake(graph, ExecutionPlan.asap(graph, COST), params, x, dy, 2, monkeypatch)
+    syncs = sum((m.syncs for m in modes), start=__import__("collections").Counter()) + state.syncs
+    maps = [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
+    if ffn == "tp":
+        expected = {}
+    elif dispatch == "ag-rs":
+        expected = {"item": 2 * sum(nd.attr("layout") == "local" for nd in maps)}
+    else:
+        tokens_a2a = [nd for nd in graph.nodes if nd.op is OpKind.ALL_TO_ALL and nd.attr("mode") == "tokens"]
+        assert len(tokens_a2a) > len(maps) and all(nd.attr("layout") == "by_dest" for nd in maps)
+        expected = {"tolist": 2 * len(maps)}
+    assert dict(+syncs) == expected
+    assert state.comm.host_waits == 0, "the host waited for a collective inside the step"
