@@ -110,6 +110,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
+        layer.executor.host.reset()
     for i, count in measurement_blocks(len(layers), spec.steps):
         if spec.warmup and len(layers) > 1:                  # re-warm this layer's memory, unrecorded
             recording, layers[i].record = layers[i].record, False
@@ -119,6 +120,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
+                             "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
         out["check"] = check_against_eager(module, layers[0], x, dy)
@@ -209,7 +211,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
         "batch": g.dims.b, "seq": g.dims.s, "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),
-        "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1)}
+        "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1),
+        # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels)
+        "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results)}
     if args.check:
         c = results[0]["check"]
         report.update({k: v for k, v in c.items() if k != "rel_err_input_grad"})

@@ -54,6 +54,23 @@ class _Slot:
     synced: set[str] = field(default_factory=set)   # streams already ordered after ``event``
 
 
+@dataclass
+class HostTime:
+    """Host time the executor spends per node, over the phases run since ``reset``: the host's
+    wall-clock in ``forward``/``backward`` minus its blocking waits on collectives (CPU), divided
+    by the nodes run. GPU: issue cost (Python, kernel launches); if it exceeds a node's device
+    time the device starves. CPU: it includes the kernels, which the host runs itself."""
+
+    busy_ns: int = 0
+    nodes: int = 0
+
+    def reset(self) -> None:
+        self.busy_ns, self.nodes = 0, 0
+
+    def us_per_node(self) -> float | None:
+        return None if not self.nodes else round(self.busy_ns / self.nodes / 1e3, 3)
+
+
 class Executor:
     def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int,
                  device: torch.device, timeout_s: float = 300.0):
@@ -81,6 +98,8 @@ class Executor:
         self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
         self._cross = _cross_stream_values(graph, plan)
         self.comm_streams: dict[str, Any] = {}
+        self.host = HostTime()
+        self._waited_ns = 0                  # host blocking waits of the phase being run
         if self.cuda:
             for s in plan.streams:
                 if s != COMPUTE:
@@ -119,6 +138,7 @@ class Executor:
     def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
              rec: StepRecorder | None, keep) -> dict[str, Any]:
         graph, cuda = self.graph, self.cuda
+        started, self._waited_ns = time.perf_counter_ns(), 0
         streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
         ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
         env: dict[str, _Slot] = {k: _Slot(v, COMPUTE, ready) for k, v in inputs.items()}
@@ -174,7 +194,20 @@ class Executor:
                 env.pop(v, None)
             if inflight:
                 _poll(inflight)
-        return self._finish(env, pending, streams, keep)
+        out = self._finish(env, pending, streams, keep)
+        self.host.busy_ns += time.perf_counter_ns() - started - self._waited_ns
+        self.host.nodes += len(entries)
+        return out
+
+    def _wait(self, p: Pending) -> list[Any]:
+        """CPU: host-wait for a collective (timeout names it); the time is not host overhead."""
+        if p.waited:
+            return p.outputs
+        t0 = time.perf_counter_ns()
+        try:
+            return p.wait(self.timeout_s, self.rank)
+        finally:
+            self._waited_ns += time.perf_counter_ns() - t0
 
     def _await_fences(self, fences: list[Any], streams: dict, consumer: str, rec: StepRecorder | None) -> None:
         """Make the compute stream (GPU) or the host (CPU) wait for the alone collectives issued
@@ -184,7 +217,7 @@ class Executor:
                 streams[COMPUTE].wait_event(f)
             elif not f.waited:
                 t0 = time.perf_counter_ns()
-                f.wait(self.timeout_s, self.rank)
+                self._wait(f)
                 if rec is not None:
                     rec.add_wait(f.node.name, consumer, t0, time.perf_counter_ns())
         fences.clear()
@@ -207,7 +240,7 @@ class Executor:
                 out[k] = slot.value
             return out
         for p in pending:
-            p.wait(self.timeout_s, self.rank)
+            self._wait(p)
         out = {}
         for k in keep:
             slot = env.get(k)
@@ -219,7 +252,7 @@ class Executor:
         """CPU: the value of ``name``, waiting (with timeout) for the collective producing it."""
         if slot.pending is not None:
             p = slot.pending
-            outs = p.wait(self.timeout_s, self.rank)
+            outs = self._wait(p)
             for o, v in zip(p.node.outputs, outs):
                 if o in env and env[o].pending is p:
                     env[o].value, env[o].pending = v, None
