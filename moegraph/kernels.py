@@ -221,7 +221,7 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
     if _GROUPED_MM is None or (a.device.type, a.dtype) in _NO_GROUPED_MM:
         return None
     for t in (a, b):
-        if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()[-2:]) \
+        if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()) \
                 or (t.storage_offset() * t.element_size()) % 16:
             return None
     try:

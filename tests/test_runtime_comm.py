@@ -39,3 +39,20 @@ def test_sm_budgets_map_to_real_nccl_cta_counts():
     from moegraph.runtime.collectives import NCCL_MAX_CTAS, nccl_ctas
     assert [nccl_ctas(b) for b in (0, 1, 16)] == [1, 1, 16]
     assert nccl_ctas(10 * NCCL_MAX_CTAS) == NCCL_MAX_CTAS
+
+
+def test_rank_major_layouts_copy_only_when_they_must():
+    """Reduce-scatter sends and all-gather receives [n, ..S..] rank-major buffers: they equal the
+    stacked chunks / the concatenation, and are views of the tensor (no copy) when nothing
+    precedes the split dim (flat buckets, token rows, b = 1)."""
+    from moegraph.runtime.collectives import _from_rank_major, _to_rank_major
+    n = 2
+    for shape, dim in [((1, 8, 3), 1), ((8, 3), 0), ((2, 8, 3), 1), ((2, 3, 8), -1)]:
+        x = torch.randn(shape)
+        rm = _to_rank_major(x, dim, n)
+        assert torch.equal(rm, torch.stack(x.chunk(n, dim=dim)))
+        assert torch.equal(_from_rank_major(rm, dim), x)
+        leading = all(d == 1 for d in shape[:dim % len(shape)])
+        assert (rm.data_ptr() == x.data_ptr()) == leading, (shape, dim)
+        if leading:
+            assert _from_rank_major(rm, dim).data_ptr() == rm.data_ptr()
