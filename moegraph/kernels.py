@@ -66,6 +66,13 @@ class IndexMap:
             self._host["counts"] = tuple(int(c) for c in self.counts.tolist())
         return self._host["counts"]
 
+    def host_fact(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A host-side fact about this routing, computed once per map (the runtime caches the
+        all-to-all's exchanged counts here: every exchange that follows this routing reuses them)."""
+        if key not in self._host:
+            self._host[key] = compute()
+        return self._host[key]
+
     @property
     def segments(self) -> tuple[tuple[int, int], ...]:
         """(local expert, row count) in row order (by_dest: in destination-local expert ids)."""
@@ -85,11 +92,13 @@ class IndexMap:
 
 @dataclass(frozen=True)
 class RecvMap:
-    """What an all-to-all dispatch delivered: row segments per (source, expert) and rows per source
-    (host integers: the all-to-all that delivered them already needed them on the host)."""
+    """What an all-to-all dispatch delivered: row segments per (source, expert), rows per source,
+    and (``sent``, when known) rows this rank sent to each rank in that dispatch, which is what the
+    rows' way back delivers. Host integers: the all-to-all that delivered them needed them there."""
 
     segments: tuple[tuple[int, int], ...]
     splits: tuple[int, ...]
+    sent: tuple[int, ...] = ()
     offsets = None                       # segments are source-major, not one per expert: no grouped GEMM offsets
 
 

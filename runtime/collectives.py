@@ -15,10 +15,13 @@ Semantics are exactly ``moegraph.interpreter.run_collective`` (the simulated-ran
                           (compressed reduce-scatter: the sum is a local node afterwards)
     all_to_all "tokens"   uneven row exchange. to_experts: rows split by the sender's
                           IndexMap.splits; with attr emit_map the receiver also gets a RecvMap
-                          (row segments per (source, local expert)). from_experts: rows split by
-                          the RecvMap.splits. Dropless: counts are data-dependent, so each rank
-                          first exchanges its counts (a small all_to_all on the metadata group),
-                          then calls all_to_all_single with those split sizes.
+                          (row segments per (source, local expert), and the rows it sent).
+                          from_experts: rows split by the RecvMap.splits. Dropless: counts are
+                          data-dependent, so the first all-to-all of a routing exchanges its
+                          per-expert counts (a small all_to_all on the metadata group, cached on
+                          the IndexMap), then calls all_to_all_single with those split sizes; the
+                          step's other token all-to-alls reuse the cache or, on the way back, the
+                          RecvMap's ``sent``: one exchange per index map and step.
     flat=True             gathers / reduce-scatters / shards work on the flattened tensor
     reduce="mean"         reduce-scatter averages over ranks instead of summing
 
@@ -267,13 +270,14 @@ class Comm:
             raise RuntimeFailure(f"all_to_all {node.name!r}: split sizes {send_splits} do not cover the "
                                  f"{rows.shape[0]} rows of {node.inputs[0]!r} over {self.n} ranks")
         recv_map = None
-        if node.attr("emit_map", False):
-            per = len(send_map.segments) // self.n                  # experts per destination rank (El)
-            counts = torch.tensor([c for _, c in send_map.segments], dtype=torch.int64).view(self.n, per)
-            got = self.exchange(node, counts)                       # [n, El]: row r = rank r's rows per my expert
-            recv_map = RecvMap(tuple((e, int(c)) for r in range(self.n) for e, c in enumerate(got[r].tolist())),
-                               tuple(int(c) for c in got.sum(1).tolist()))
-            recv_splits = list(recv_map.splits)
+        if isinstance(send_map, IndexMap):                          # rows leave for their experts' ranks
+            got = send_map.host_fact("a2a_received", lambda: self._received_counts(node, send_map))
+            recv_splits = [sum(row) for row in got]                 # got[r][e]: rank r's rows for my expert e
+            if node.attr("emit_map", False):
+                recv_map = RecvMap(tuple((e, c) for row in got for e, c in enumerate(row)), tuple(recv_splits),
+                                   tuple(send_splits))
+        elif len(send_map.sent) == self.n:                          # rows go back where they came from
+            recv_splits = list(send_map.sent)
         else:
             got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
@@ -288,6 +292,15 @@ class Comm:
             got_rows = _unbytes(out, rows.dtype, (out.shape[0], *rows.shape[1:]))   # [R_recv, h]
             return [got_rows] if recv_map is None else [got_rows, recv_map]
         return [work], finish, (send, out)
+
+    def _received_counts(self, node: Node, imap: IndexMap) -> tuple[tuple[int, ...], ...]:
+        """[n][El] rows each rank sends me per local expert under ``imap``'s routing: one exchange of
+        the per-expert counts. Cached on the index map, so every token all-to-all of the step that
+        follows the same routing (dispatch, gate weights, recompute, the combine's backward) reuses it."""
+        per = len(imap.segments) // self.n                          # experts per destination rank (El)
+        counts = torch.tensor([c for _, c in imap.segments], dtype=torch.int64).view(self.n, per)
+        got = self.exchange(node, counts)                           # row r = rank r's rows per my expert
+        return tuple(tuple(int(c) for c in row) for row in got.tolist())
 
     def exchange(self, node: Node | None, counts: torch.Tensor) -> torch.Tensor:
         """Synchronous all_to_all of a small [n, m] int64 tensor on the metadata group: row r of

@@ -195,3 +195,29 @@ def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> 
         out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
     out["check"] = check_against_eager(module, fenced, x, dy)
     return out
+
+
+def count_exchanges(rank: int, n: int, seed: int, cases: list[dict]) -> list[int]:
+    """Split-size exchanges (host-blocking gloo calls) in one recorded step, per case."""
+    from moegraph.runtime.collectives import Comm
+    out = []
+    for case in cases:
+        module = reference_layer(seed)
+        gen = torch.Generator().manual_seed(seed)
+        x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+        layer = moegraph.compile(module, x, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                 dispatch=case["dispatch"], schedule="asap", timeout_s=60.0)
+        calls = []
+        orig = Comm.exchange
+
+        def exchange(self, node, counts, _orig=orig):
+            calls.append(node.name if node is not None else None)
+            return _orig(self, node, counts)
+        Comm.exchange = exchange
+        try:
+            xs = layer.shard_input(x).requires_grad_(True)
+            layer(xs).backward(layer.shard_input(dy))
+        finally:
+            Comm.exchange = orig
+        out.append(len(calls))
+    return out

@@ -56,3 +56,11 @@ def test_rank_major_layouts_copy_only_when_they_must():
         assert (rm.data_ptr() == x.data_ptr()) == leading, (shape, dim)
         if leading:
             assert _from_rank_major(rm, dim).data_ptr() == rm.data_ptr()
+
+
+def test_one_split_size_exchange_per_step():
+    """The host-blocking split-size exchange runs once per step, for the dispatch; the combine
+    and the backward all-to-alls know their sizes from the RecvMap. ag-rs has none."""
+    cases = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="sp", ffn="ep", dispatch="ag-rs")]
+    res = spawn(workers.count_exchanges, 2, args=(77, cases), timeout_s=300)
+    assert res[0] == res[1] == [1, 0]
