@@ -163,8 +163,10 @@ class CompiledLayer(nn.Module):
     @property
     def traces(self) -> list[StepTrace]:
         """Measured steps, oldest first (GPU: synchronises once to read pending events)."""
-        while self._recorders:
-            self._traces.append(self._recorders.popleft().finalize())
+        first = True
+        while self._recorders:                   # one device sync covers every unread step
+            self._traces.append(self._recorders.popleft().finalize(sync=first))
+            first = False
         return list(self._traces)
 
     def clear_traces(self) -> None:

@@ -277,3 +277,29 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
         expected = {"tolist": 2 * len(maps)}
     assert dict(+syncs) == expected
     assert state.comm.host_waits == 0, "the host waited for a collective inside the step"
+
+
+def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
+    """A recorded GPU layer keeps at most MAX_UNREAD_STEPS steps of unread CUDA events: older ones
+    are read once a non-blocking query says they completed (no synchronize inside a step), or
+    dropped while they have not."""
+    import moegraph.runtime.module as module_mod
+    from moegraph.runtime.module import CompiledLayer
+    monkeypatch.setattr(module_mod, "MAX_UNREAD_STEPS", 2)
+    layer, graph, params, x, dy = build("sp", "ep", "ag-rs", 1, "", n=1)
+    plan = ExecutionPlan.asap(graph, COST)
+    state = fc.fake_streams(monkeypatch)
+    with fc.FakeCuda() as mode:
+        compiled = CompiledLayer(graph, plan, {k: fc.to_fake(v) for k, v in params.items()}, rank=0, n=1,
+                                 comm=NoComm(), record=True)
+        compiled.executor.cuda = True          # the fake device reports meta; take the CUDA path anyway
+        xs, dys = fc.to_fake(x), fc.to_fake(dy)
+        for step in range(4):
+            compiled(xs.clone().requires_grad_()).backward(dys)
+            assert len(compiled._recorders) <= 2
+        assert len(compiled._traces) == 2 and compiled.dropped_traces == 0
+        assert not state.syncs and not mode.syncs["d2h"]
+        monkeypatch.setattr(fc.FakeEvent, "query", lambda self: False)   # still running: dropped, not awaited
+        compiled(xs.clone().requires_grad_()).backward(dys)
+        assert compiled.dropped_traces == 1 and not state.syncs
+        assert len(compiled.traces) == 4 and state.syncs["cuda_synchronize"] == 1   # reading: one sync
