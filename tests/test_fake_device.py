@@ -6,6 +6,7 @@ must equal the same run on CPU.
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import pytest
@@ -265,7 +266,7 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
     from moegraph.ir import OpKind
     _, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
     _, state, modes = _run_fake(graph, ExecutionPlan.asap(graph, COST), params, x, dy, 2, monkeypatch)
-    syncs = sum((m.syncs for m in modes), start=__import__("collections").Counter()) + state.syncs
+    syncs = sum((m.syncs for m in modes), start=collections.Counter()) + state.syncs
     maps = [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
     if ffn == "tp":
         expected = {}
