@@ -137,16 +137,16 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 
 # -- the command ----------------------------------------------------------------------------------
 
-CPU_PROFILE = "cpu-2core-gloo"       # run's hardware under gloo unless --hardware is given
+CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU profiles: not for --backend nccl
 
 
 def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
     add_layer_args(p, model_default="tiny")
-    # gloo: the shipped calibrated CPU profile (the uncalibrated cpu-gloo placeholder predicts ~-86%
-    # off); nccl: no default, a CPU profile would plan the GPU run (see ``run``)
-    p.set_defaults(seq=128, n=2, dtype="fp32", hardware=None)
+    # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
+    # (--backend nccl refuses the CPU profiles, see ``run``)
+    p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
     p.add_argument("--schedule", default="cpsat", choices=SCHEDULES,
@@ -186,18 +186,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
-    if args.hardware is None:
-        if args.backend == "nccl":
-            from moegraph.registry import hardware_names
-            raise UsageError("--backend nccl needs --hardware naming the GPUs' profile (the default CPU "
-                             f"profile would plan the GPU run); known: {', '.join(hardware_names())}")
-        args.hardware = CPU_PROFILE
     device = "cpu"
     if args.backend == "nccl":
         import torch
         if not torch.cuda.is_available() or torch.cuda.device_count() < args.n:
             raise UsageError(f"--backend nccl needs {args.n} CUDA devices, this machine has "
                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        if args.hardware in CPU_PROFILES:
+            from moegraph.registry import hardware_names
+            gpus = [h for h in hardware_names() if h not in CPU_PROFILES]
+            raise UsageError(f"--backend nccl with --hardware {args.hardware}, a CPU profile (run's default), "
+                             f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
     layer = layer_from_args(args)
     plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,

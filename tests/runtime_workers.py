@@ -2,8 +2,7 @@
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
 A case is a dict: model ('ref' | 'hf'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
-emulate / native (collectives to emulate, or to run with the backend's own op), routing
-('rank0-only': every token to rank 0's experts, so rank 1 receives no rows), reference
+emulate / native (collectives to emulate, or to run with the backend's own op), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
 """
@@ -50,19 +49,6 @@ def hf_layer(seed: int):
     return layer, call
 
 
-def skew_routing_to_rank0(module: MoETransformerLayer, experts_on_rank0: int) -> None:
-    """Route every token to experts 0 .. experts_on_rank0-1 only (rank 0's, with ep over 2 ranks), so
-    that rank 1 receives zero expert rows: a large hidden channel 0 that only those experts' router
-    rows read, through a norm weight of 1 on that channel."""
-    with torch.no_grad():
-        module.post_attn_norm.weight[0] = 1.0
-        w = module.moe.router.weight
-        w.zero_()
-        w[:experts_on_rank0, 0] = 5.0
-        w[experts_on_rank0:, 0] = -5.0
-        w[:experts_on_rank0, 1:] = 0.1 * torch.randn(experts_on_rank0, w.shape[1] - 1)
-
-
 def _apply_fault(layer, fault: str | None) -> None:
     if fault is None:
         return
@@ -90,9 +76,6 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
         module = module.to(device)
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         x, dy = torch.randn(B, S, H, generator=gen).to(device), torch.randn(B, S, H, generator=gen).to(device)
-        if case.get("routing") == "rank0-only":          # rank 1 receives zero expert rows
-            skew_routing_to_rank0(module, 4)
-            x[..., 0] = 20.0
         t0 = time.perf_counter()
         layer = moegraph.compile(module, x, hardware=case.get("hardware", "cpu-gloo" if device == "cpu" else "h800"),
                                  attn=case["attn"], ffn=case["ffn"],
@@ -194,30 +177,4 @@ def compute_beside_collectives(rank: int, n: int, seed: int, steps: int = 3) -> 
         work = [t for t in trace.nodes if not graph.node[t.name].is_comm and t.end_us > t.start_us]
         out[name] = sum(1 for c in comms for k in work if k.start_us < c.end_us and c.start_us < k.end_us)
     out["check"] = check_against_eager(module, fenced, x, dy)
-    return out
-
-
-def count_exchanges(rank: int, n: int, seed: int, cases: list[dict]) -> list[int]:
-    """Split-size exchanges (host-blocking gloo calls) in one recorded step, per case."""
-    from moegraph.runtime.collectives import Comm
-    out = []
-    for case in cases:
-        module = reference_layer(seed)
-        gen = torch.Generator().manual_seed(seed)
-        x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
-        layer = moegraph.compile(module, x, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
-                                 dispatch=case["dispatch"], schedule="asap", timeout_s=60.0)
-        calls = []
-        orig = Comm.exchange
-
-        def exchange(self, node, counts, _orig=orig):
-            calls.append(node.name if node is not None else None)
-            return _orig(self, node, counts)
-        Comm.exchange = exchange
-        try:
-            xs = layer.shard_input(x).requires_grad_(True)
-            layer(xs).backward(layer.shard_input(dy))
-        finally:
-            Comm.exchange = orig
-        out.append(len(calls))
     return out

@@ -72,7 +72,6 @@ RUNTIME_CASES = [
     (["run", "--warmup", "-1"], "'-1' is not a non-negative integer"),
     (["run", "--timeout", "inf"], "'inf' is not a positive finite number"),
     (["run", "--memory-budget", "nan"], "'nan' is not a positive size"),
-    (["run", "--backend", "nccl"], "--backend nccl needs --hardware"),
     (["demo", "--steps", "0"], "'0' is not a positive integer"),
     (["demo", "--skip-run", "-o", "{tmp}/a_file.txt"], "is an existing file"),
     (["calibrate", "-o", "{tmp}/a_dir"], "a_dir"),

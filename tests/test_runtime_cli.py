@@ -43,7 +43,7 @@ def test_run_with_the_cpsat_schedule(capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--n", "3"], "n=3 does not divide heads=4"),
-    (["--backend", "nccl", "--hardware", "h100"], "--backend nccl needs 2 CUDA devices"),
+    (["--backend", "nccl"], "--backend nccl needs 2 CUDA devices"),
 ])
 def test_run_reports_bad_arguments_in_one_line(argv, message, capsys):
     import torch

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import torch
 
+import comm_workers
 import runtime_workers as workers
 from moegraph.runtime.launch import spawn
 
 TOL = 1e-4
-CASES = [dict(attn="sp", ffn="ep", dispatch="a2a", routing="rank0-only"),
-         dict(attn="tp", ffn="ep", dispatch="a2a", routing="rank0-only", schedule="sequential"),
-         dict(attn="sp", ffn="ep", dispatch="ag-rs", routing="rank0-only")]
+CASES = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="tp", ffn="ep", dispatch="a2a", schedule="sequential"),
+         dict(attn="sp", ffn="ep", dispatch="ag-rs")]
 
 
 def test_skewed_routing_sends_rank1_no_rows():
     """The routing the gloo test relies on: with ep over 2 ranks (experts 0-3 on rank 0), every
     token picks experts of rank 0 only, so rank 1's expert shard receives zero rows."""
     module = workers.reference_layer(7)
-    workers.skew_routing_to_rank0(module, 4)
-    x = torch.randn(workers.B, workers.S, workers.H)
-    x[..., 0] = 20.0
+    comm_workers.skew_routing_to_rank0(module, 4)
+    x = comm_workers.skewed_input(torch.Generator().manual_seed(8))
     with torch.no_grad():
         h = x + module.attn(module.input_norm(x))
         logits = module.post_attn_norm(h).reshape(-1, workers.H) @ module.moe.router.weight.T
@@ -27,7 +26,7 @@ def test_skewed_routing_sends_rank1_no_rows():
 
 
 def test_all_to_all_with_a_rank_receiving_zero_rows_matches_eager():
-    res = spawn(workers.check_cases, 2, args=(CASES, 4321), timeout_s=300)
+    res = spawn(comm_workers.zero_rows_cases, 2, args=(CASES, 4321), timeout_s=300)
     for r in res[0] + res[1]:
         assert r["max_rel_err_output"] < TOL and r["max_rel_err_grads"] < TOL, r
 
@@ -62,5 +61,16 @@ def test_one_split_size_exchange_per_step():
     """The host-blocking split-size exchange runs once per step, for the dispatch; the combine
     and the backward all-to-alls know their sizes from the RecvMap. ag-rs has none."""
     cases = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="sp", ffn="ep", dispatch="ag-rs")]
-    res = spawn(workers.count_exchanges, 2, args=(77, cases), timeout_s=300)
+    res = spawn(comm_workers.count_exchanges, 2, args=(77, cases), timeout_s=300)
     assert res[0] == res[1] == [1, 0]
+
+
+def test_run_with_nccl_refuses_the_cpu_profile(monkeypatch, capsys):
+    """--backend nccl must not plan the GPU run with the default CPU profile (checked as if the
+    machine had the GPUs)."""
+    from moegraph.cli import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert main(["run", "--backend", "nccl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--hardware cpu-2core-gloo, a CPU profile" in err and "h100" in err and "\n" not in err
