@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +65,14 @@ class IndexMap:
         if "counts" not in self._host:
             self._host["counts"] = tuple(int(c) for c in self.counts.tolist())
         return self._host["counts"]
+
+    @classmethod
+    def from_splits(cls, flat: torch.Tensor, splits: Sequence[int]) -> "IndexMap":
+        """Rows already grouped by destination rank, ``splits[d]`` rows for rank d (one expert per
+        rank): e.g. a benchmark's uneven all-to-all. Each call is a new routing, so the runtime
+        exchanges its counts again (the cache in ``host_fact`` is per map)."""
+        counts = torch.tensor([int(c) for c in splits], dtype=torch.int64)
+        return cls(flat, 1, counts, None, per_dest=1)
 
     def host_fact(self, key: str, compute: Callable[[], Any]) -> Any:
         """A host-side fact about this routing, computed once per map (the runtime caches the

@@ -74,3 +74,9 @@ def test_run_with_nccl_refuses_the_cpu_profile(monkeypatch, capsys):
     assert main(["run", "--backend", "nccl"]) == 2
     err = capsys.readouterr().err.strip()
     assert "--hardware cpu-2core-gloo, a CPU profile" in err and "h100" in err and "\n" not in err
+
+
+def test_index_map_from_splits_is_a_by_destination_map():
+    from moegraph.kernels import IndexMap
+    m = IndexMap.from_splits(torch.arange(5), (2, 0, 3))
+    assert m.splits == (2, 0, 3) and m.segments == ((0, 2), (0, 0), (0, 3)) and m.offsets is None
