@@ -13,8 +13,8 @@ k top-k, R expert rows, El experts on this rank.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -34,27 +34,80 @@ class RankContext:
 class IndexMap:
     """Where each expert row comes from, computed once per step from the routing (paper §3.2).
 
+    Built on the routing's device without reading any value back to the host, so that a step
+    needs no host synchronisation for it (except ``layout='local'``, below):
+
     flat:     for each row, token * k + slot into the [T, k] routing tensors.
-    segments: (local expert, row count) in row order, for the grouped GEMM.
-    splits:   rows per destination rank (all-to-all dispatch only).
+    counts:   [groups] rows per group, on the device. Group g uses expert weight g for layouts
+              'local' and 'all'; for 'by_dest' group g is expert g of the whole model, on rank
+              g // per_dest.
+    offsets:  [groups] int32 cumulative row ends (layouts 'local', 'all'): the grouped GEMM's
+              device-side group boundaries (None for 'by_dest', whose rows leave the rank).
+    per_dest: experts per destination rank for 'by_dest', else 0.
+
+    ``segments`` and ``splits`` are host tuples read from ``counts`` with one device-to-host copy
+    (cached): the all-to-all needs its split sizes on the host, once per exchange.
     """
 
     flat: torch.Tensor
     top_k: int
-    segments: tuple[tuple[int, int], ...]
-    splits: tuple[int, ...] = ()
+    counts: torch.Tensor
+    offsets: torch.Tensor | None = None
+    per_dest: int = 0
+    _host: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
         return torch.div(self.flat, self.top_k, rounding_mode="floor")
 
+    def host_counts(self) -> tuple[int, ...]:
+        """Rows per group on the host: one device-to-host copy, the first time only."""
+        if "counts" not in self._host:
+            self._host["counts"] = tuple(int(c) for c in self.counts.tolist())
+        return self._host["counts"]
+
+    @classmethod
+    def from_splits(cls, flat: torch.Tensor, splits: Sequence[int]) -> "IndexMap":
+        """Rows already grouped by destination rank, ``splits[d]`` rows for rank d (one expert per
+        rank): e.g. a benchmark's uneven all-to-all. Each call is a new routing, so the runtime
+        exchanges its counts again (the cache in ``host_fact`` is per map)."""
+        counts = torch.tensor([int(c) for c in splits], dtype=torch.int64)
+        return cls(flat, 1, counts, None, per_dest=1)
+
+    def host_fact(self, key: str, compute: Callable[[], Any]) -> Any:
+        """A host-side fact about this routing, computed once per map (the runtime caches the
+        all-to-all's exchanged counts here: every exchange that follows this routing reuses them)."""
+        if key not in self._host:
+            self._host[key] = compute()
+        return self._host[key]
+
+    @property
+    def segments(self) -> tuple[tuple[int, int], ...]:
+        """(local expert, row count) in row order (by_dest: in destination-local expert ids)."""
+        counts = self.host_counts()
+        if self.per_dest:
+            return tuple((e % self.per_dest, c) for e, c in enumerate(counts))
+        return tuple(enumerate(counts))
+
+    @property
+    def splits(self) -> tuple[int, ...]:
+        """Rows per destination rank (all-to-all dispatch only; () otherwise)."""
+        if not self.per_dest:
+            return ()
+        counts, per = self.host_counts(), self.per_dest
+        return tuple(sum(counts[d * per:(d + 1) * per]) for d in range(len(counts) // per))
+
 
 @dataclass(frozen=True)
 class RecvMap:
-    """What an all-to-all dispatch delivered: row segments per (source, expert) and rows per source."""
+    """What an all-to-all dispatch delivered: row segments per (source, expert), rows per source,
+    and (``sent``, when known) rows this rank sent to each rank in that dispatch, which is what the
+    rows' way back delivers. Host integers: the all-to-all that delivered them needed them there."""
 
     segments: tuple[tuple[int, int], ...]
     splits: tuple[int, ...]
+    sent: tuple[int, ...] = ()
+    offsets = None                       # segments are source-major, not one per expert: no grouped GEMM offsets
 
 
 def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int) -> IndexMap:
@@ -63,27 +116,32 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
     expert, all local (tensor-parallel experts); 'by_dest': every row, grouped by the rank
     that owns its expert (all-to-all dispatch).
+
+    Sorting keys, not filtering rows, keeps every shape static (T*k rows) and the work on the
+    device. 'local' keeps only the R rows of this rank's experts, a data-dependent count: reading R
+    is the one host synchronisation of this layout (dropless routing sizes its buffers by it).
     """
-    k = experts.shape[1]
-    flat_experts = experts.reshape(-1)
+    flat_experts = experts.reshape(-1)                          # [T*k]
     if layout == "local":
-        lo = rank * experts_per_rank
-        candidates = ((flat_experts >= lo) & (flat_experts < lo + experts_per_rank)).nonzero().squeeze(1)
-        local, groups = flat_experts[candidates] - lo, experts_per_rank
+        key = flat_experts - rank * experts_per_rank
+        key = torch.where((key >= 0) & (key < experts_per_rank), key, experts_per_rank)   # others sort last
+        groups = experts_per_rank
     elif layout == "all":
-        candidates, local, groups = torch.arange(flat_experts.numel()), flat_experts, experts_per_rank
+        key, groups = flat_experts, experts_per_rank
     elif layout == "by_dest":
-        candidates, local, groups = torch.arange(flat_experts.numel()), flat_experts, experts_per_rank * n
+        key, groups = flat_experts, experts_per_rank * n
     else:
         raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
-    order = torch.sort(local, stable=True).indices
-    counts = torch.bincount(local[order], minlength=groups).tolist()
-    flat = candidates[order]
-    if layout != "by_dest":
-        return IndexMap(flat, k, tuple(enumerate(counts)))
-    # expert e lives on rank e // El: rows per destination, and segments in destination-local ids
-    splits = tuple(sum(counts[d * experts_per_rank:(d + 1) * experts_per_rank]) for d in range(n))
-    return IndexMap(flat, k, tuple((e % experts_per_rank, c) for e, c in enumerate(counts)), splits)
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
+    ends = torch.searchsorted(sorted_key, bounds)               # [groups]: rows with key < g + 1
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    k = experts.shape[1]
+    if layout == "by_dest":
+        return IndexMap(order, k, counts, None, experts_per_rank)
+    if layout == "local":
+        order = order[:int(ends[-1].item())] if groups else order[:0]   # the layout's one host sync
+    return IndexMap(order, k, counts, ends.to(torch.int32))
 
 
 def run_compute(ctx: RankContext, node: Node, ins: list[Any], out_shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -108,7 +166,7 @@ def _linear(x, w):
 
 
 def chunk_positions(layout: str, rank: int, n: int, seq: int, rows: int, chunk: int = 0,
-                    chunks: int = 1) -> torch.Tensor:
+                    chunks: int = 1, device: torch.device | None = None) -> torch.Tensor:
     """Sequence position of each of ``rows`` rows of token chunk ``chunk`` (of ``chunks``) on ``rank``.
 
     L = seq/(n*chunks) tokens per rank and chunk; rank r's chunk j holds positions
@@ -116,9 +174,10 @@ def chunk_positions(layout: str, rank: int, n: int, seq: int, rows: int, chunk: 
     from all n ranks, rank-major (n*L rows). 'chunk_major': all chunks of the gathered
     sequence one after another (seq rows), which is how chunked attention sees it.
     With chunks == 1 these are the plain positions: shard r is r*seq/n + [0, seq/n), full is [0, seq).
+    ``device``: where the positions are built (the device of the rows they index).
     """
     local = seq // (n * chunks)
-    i = torch.arange(rows)
+    i = torch.arange(rows, device=device)
     if layout == "shard":
         return rank * (seq // n) + chunk * local + i
     if layout == "full":
@@ -132,7 +191,7 @@ def chunk_positions(layout: str, rank: int, n: int, seq: int, rows: int, chunk: 
 def _rope_fwd(ctx: RankContext, node: Node, q, k):
     d, S = node.attr("head_dim"), q.shape[1]
     positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1))
+                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
     cos, sin = rope_cos_sin(positions, d, node.attr("theta"), q.dtype)
     b = q.shape[0]
     rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
@@ -150,7 +209,7 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
     q, k, v = (torch.cat(qkv[i * N:(i + 1) * N], dim=1) for i in range(3))
     b, S = q.shape[:2]
     if N > 1:
-        pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, S, chunks=N)
+        pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, S, chunks=N, device=q.device)
         order = torch.argsort(pos)                                      # row holding position p
         q, k, v = q[:, order], k[:, order], v[:, order]
     out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, d))
@@ -168,10 +227,38 @@ def _router_fwd(node: Node, x, w):
     return weights
 
 
-def _grouped(x, w, segments, transpose_w: bool = False):
-    """Per-segment x @ w[e].T (or x @ w[e] for data gradients)."""
+_GROUPED_MM = getattr(torch, "_grouped_mm", None)
+_NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()   # (device type, dtype) where _grouped_mm raised
+
+
+def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
+    """torch._grouped_mm with device-side group ends, or None where it cannot run (no such op, an
+    operand whose row stride is not 16-byte aligned, or a device/dtype it rejected before): the
+    caller then loops over host segments, which costs one device-to-host copy of the counts."""
+    if _GROUPED_MM is None or (a.device.type, a.dtype) in _NO_GROUPED_MM:
+        return None
+    for t in (a, b):
+        if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()) \
+                or (t.storage_offset() * t.element_size()) % 16:
+            return None
+    try:
+        return _GROUPED_MM(a, b, offs=offsets)
+    except (RuntimeError, NotImplementedError):
+        _NO_GROUPED_MM.add((a.device.type, a.dtype))
+        return None
+
+
+def _grouped(x, w, seg, transpose_w: bool = False):
+    """Per-segment x @ w[e].T (or x @ w[e] for data gradients). seg: an IndexMap (device-side
+    offsets, one group per expert) or a RecvMap (host segments)."""
+    if seg.offsets is not None:
+        if seg.offsets.shape[0] != w.shape[0]:
+            raise ValueError(f"index map has {seg.offsets.shape[0]} groups for {w.shape[0]} expert weights")
+        out = _grouped_mm(x, w if transpose_w else w.transpose(-2, -1), seg.offsets)
+        if out is not None:
+            return out
     outs, start = [], 0
-    for e, count in segments:
+    for e, count in seg.segments:
         xe = x[start:start + count]
         outs.append(xe @ w[e] if transpose_w else F.linear(xe, w[e]))
         start += count
@@ -180,10 +267,14 @@ def _grouped(x, w, segments, transpose_w: bool = False):
     return torch.cat(outs)
 
 
-def _grouped_wgrad(x, dy, segments, w_shape):
+def _grouped_wgrad(x, dy, seg, w_shape):
+    if seg.offsets is not None and seg.offsets.shape[0] == w_shape[0]:
+        dw = _grouped_mm(dy.T, x, seg.offsets)                  # [E, out, in]; empty groups are zero
+        if dw is not None:
+            return dw
     dw = x.new_zeros(w_shape)
     start = 0
-    for e, count in segments:                     # an expert may own several segments (a2a): accumulate
+    for e, count in seg.segments:                 # an expert may own several segments (a2a): accumulate
         dw[e].addmm_(dy[start:start + count].T, x[start:start + count])
         start += count
     return dw
@@ -326,7 +417,7 @@ def _k_rmsnorm_sharded(ctx, node, ins, shapes):
 
 def _k_grouped_gemm(ctx, node, ins, shapes):
     x, w, seg = ins
-    return [_grouped(x, w, seg.segments)]
+    return [_grouped(x, w, seg)]
 
 
 # -- backward kernels ---------------------------------------------------------------------
@@ -352,12 +443,12 @@ def _k_gemm_wgrad(ctx, node, ins, shapes):
 
 def _k_grouped_dgrad(ctx, node, ins, shapes):
     dy, w, seg = ins
-    return [_grouped(dy, w, seg.segments, transpose_w=True)]
+    return [_grouped(dy, w, seg, transpose_w=True)]
 
 
 def _k_grouped_wgrad(ctx, node, ins, shapes):
     x, dy, seg = ins
-    return [_grouped_wgrad(x, dy, seg.segments, shapes[0])]
+    return [_grouped_wgrad(x, dy, seg, shapes[0])]
 
 
 def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
@@ -371,7 +462,7 @@ def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
 
 def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
     x, dy = ins
-    normed = rms_norm(x, torch.ones(x.shape[-1], dtype=x.dtype), node.attr("eps"))
+    normed = rms_norm(x, x.new_ones(x.shape[-1]), node.attr("eps"))
     return [(_tokens(dy) * _tokens(normed)).sum(0)]
 
 
@@ -387,7 +478,7 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
     dq, dk = ins
     d, S, b = node.attr("head_dim"), dq.shape[1], dq.shape[0]
     positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1))
+                                node.attr("chunk", 0), node.attr("chunks", 1), device=dq.device)
     cos, sin = rope_cos_sin(positions, d, node.attr("theta"), dq.dtype)
     back = lambda x: apply_rope(x.view(b, S, -1, d), cos, -sin).reshape(b, S, -1)  # noqa: E731
     return [back(dq), back(dk)]

@@ -15,10 +15,13 @@ Semantics are exactly ``moegraph.interpreter.run_collective`` (the simulated-ran
                           (compressed reduce-scatter: the sum is a local node afterwards)
     all_to_all "tokens"   uneven row exchange. to_experts: rows split by the sender's
                           IndexMap.splits; with attr emit_map the receiver also gets a RecvMap
-                          (row segments per (source, local expert)). from_experts: rows split by
-                          the RecvMap.splits. Dropless: counts are data-dependent, so each rank
-                          first exchanges its counts (a small all_to_all on the metadata group),
-                          then calls all_to_all_single with those split sizes.
+                          (row segments per (source, local expert), and the rows it sent).
+                          from_experts: rows split by the RecvMap.splits. Dropless: counts are
+                          data-dependent, so the first all-to-all of a routing exchanges its
+                          per-expert counts (a small all_to_all on the metadata group, cached on
+                          the IndexMap), then calls all_to_all_single with those split sizes; the
+                          step's other token all-to-alls reuse the cache or, on the way back, the
+                          RecvMap's ``sent``: one exchange per index map and step.
     flat=True             gathers / reduce-scatters / shards work on the flattened tensor
     reduce="mean"         reduce-scatter averages over ranks instead of summing
 
@@ -35,21 +38,27 @@ Backend gaps, emulated exactly:
       is used; ``emulate={"reduce_scatter"}`` forces the emulation, and a backend raising "not
       supported" falls back to it.
     * the count exchange of token all-to-alls always runs on a gloo (CPU) group, also when the
-      data goes over NCCL: split sizes are host integers anyway (IndexMap.splits), so no device
-      sync is added for them.
+      data goes over NCCL: all_to_all_single needs its split sizes on the host anyway, so the
+      index map's per-expert counts are copied to the host once per dispatch (IndexMap.splits,
+      the step's one device-to-host copy for that exchange), exchanged on the CPU, and the
+      combine reuses the RecvMap's host integers (no copy).
 
 SM budgets (GPU, NCCL): one process group per distinct (stream, budget) of the plan, its
-communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas = budget``
-(one CTA per channel, one SM per CTA). Budget 0 asks for NCCL's zero-CTA policy (copy engines)
-where this torch/NCCL exposes it (``config.cta_policy = NCCL_CTA_POLICY_ZERO``, NCCL >= 2.28),
-else it is an unconstrained communicator. On CPU (gloo) budgets are recorded, not enforced;
-each stream still gets its own gloo group, so its collectives progress on their own threads.
+communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
+nccl_ctas(budget)`` (one CTA per channel, one SM per CTA). torch 2.13's NCCL config has no CTA
+policy, so budget 0 (copy engines, in the cost model) cannot be honoured: it runs on 1 CTA, and
+budgets above NCCL's channel limit run on that limit (``Comm.ctas`` holds what each group
+really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
+connected when the Comm is built (compile), not at the first collective. On CPU (gloo) budgets
+are recorded, not enforced; each stream still gets its own gloo group, so its collectives
+progress on their own threads.
 docs/runtime.md lists the limits.
 """
 
 from __future__ import annotations
 
 import datetime
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -90,7 +99,8 @@ class Pending:
 
         block_host=True (CPU): the host waits up to ``timeout_s`` per work and a timeout raises
         CollectiveTimeout naming the node. block_host=False (GPU): ``work.wait()`` only orders
-        the current CUDA stream after the collective; hangs surface in ``drain``.
+        the current CUDA stream after the collective; a hang is reported by the NCCL watchdog
+        after the process group's timeout.
         """
         if self.outputs is not None:
             return self.outputs
@@ -120,18 +130,6 @@ def _wait_host(work: Any, timeout_s: float, what: str, rank: int) -> None:
         raise RuntimeFailure(f"{where} failed: {str(err).strip().splitlines()[0]}") from err
 
 
-def drain(pending: Sequence[Pending], timeout_s: float, rank: int) -> None:
-    """Host-wait until every pending work has completed, naming the first that does not (GPU)."""
-    deadline = time.monotonic() + timeout_s
-    for p in pending:
-        for work in p.works:
-            while not work.is_completed():
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeout(f"rank {rank}: {_describe(p.node, p.stream)} did not complete "
-                                            f"within {timeout_s:g} s")
-                time.sleep(1e-4)
-
-
 class Comm:
     """The process groups one plan needs, and the IR collectives issued on them.
 
@@ -151,6 +149,20 @@ class Comm:
         self.meta = meta_group if meta_group is not None else metadata_group()
         self.native_budgets = self.backend == "nccl"
         self.groups = {key: _group(self.backend, *key, timeout_s) for key in keys}
+        self.ctas = {key: nccl_ctas(key[1]) for key in keys} if self.native_budgets else {}
+        if self.backend == "nccl":
+            self._connect()
+
+    def _connect(self) -> None:
+        """Create every NCCL communicator now, at compile, not inside the first forward (NCCL
+        connects a group at its first collective): one 1-element all_reduce per group, in key
+        order on every rank, then one device sync (compile time, not a step)."""
+        one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
+        for key, pg in self.groups.items():
+            work = dist.all_reduce(one, group=pg, async_op=True)
+            _wait_host(work, self.timeout_s, f"communicator set-up of stream {key[0]!r} (budget {key[1]})",
+                       self.rank)
+        torch.cuda.synchronize()
 
     def issue(self, node: Node, ins: list[Any], stream: str, budget: int,
               shapes: Sequence[tuple[int, ...]] = ()) -> Pending:
@@ -190,19 +202,20 @@ class Comm:
         n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
         x = (x.reshape(-1) if flat else x).contiguous()
         send = _bytes(x)                                            # [numel * itemsize] uint8
-        out = send.new_empty((n * send.numel(),))                   # shards concatenated
+        out = send.new_empty((n * send.numel(),))                   # preallocated: shards in rank order
         work = _all_gather_single(out, send, group=pg, async_op=True)
 
         def finish():
-            parts = [_unbytes(p, x.dtype, x.shape) for p in out.view(n, -1).unbind(0)]
-            full = torch.cat(parts, dim=dim)                        # [.., S, ..] x n -> [.., n*S, ..]
+            # [n, ..S..] rank-major is [.., n*S, ..] itself when nothing precedes dim (flat buckets,
+            # token rows, b=1): a view. Otherwise one reorder copy, which no collective can avoid.
+            full = _from_rank_major(_unbytes(out, x.dtype, (n, *x.shape)), dim)
             return [full.view(shapes[0]) if flat and shapes else full]
         return [work], finish, (send, out)
 
     def _reduce_scatter(self, node: Node, x: torch.Tensor, pg):
         n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
         mean = node.attr("reduce", "sum") == "mean"
-        chunks = torch.stack((x.reshape(-1) if flat else x).chunk(n, dim=dim))   # [n, ..S..]: chunk j to rank j
+        chunks = _to_rank_major((x.reshape(-1) if flat else x), dim, n)    # [n, ..S..]: chunk j to rank j
         if "reduce_scatter" not in self.emulate:
             out = chunks.new_empty(chunks.shape[1:])
             cat = chunks.view(-1, *chunks.shape[2:])                # chunks concatenated on dim 0
@@ -257,18 +270,20 @@ class Comm:
             raise RuntimeFailure(f"all_to_all {node.name!r}: split sizes {send_splits} do not cover the "
                                  f"{rows.shape[0]} rows of {node.inputs[0]!r} over {self.n} ranks")
         recv_map = None
-        if node.attr("emit_map", False):
-            per = len(send_map.segments) // self.n                  # experts per destination rank (El)
-            counts = torch.tensor([c for _, c in send_map.segments], dtype=torch.int64).view(self.n, per)
-            got = self.exchange(node, counts)                       # [n, El]: row r = rank r's rows per my expert
-            recv_map = RecvMap(tuple((e, int(c)) for r in range(self.n) for e, c in enumerate(got[r].tolist())),
-                               tuple(int(c) for c in got.sum(1).tolist()))
-            recv_splits = list(recv_map.splits)
+        if isinstance(send_map, IndexMap):                          # rows leave for their experts' ranks
+            got = send_map.host_fact("a2a_received", lambda: self._received_counts(node, send_map))
+            recv_splits = [sum(row) for row in got]                 # got[r][e]: rank r's rows for my expert e
+            if node.attr("emit_map", False):
+                recv_map = RecvMap(tuple((e, c) for row in got for e, c in enumerate(row)), tuple(recv_splits),
+                                   tuple(send_splits))
+        elif len(send_map.sent) == self.n:                          # rows go back where they came from
+            recv_splits = list(send_map.sent)
         else:
             got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
         rows = rows.contiguous()
-        send = _bytes(rows).view(rows.shape[0], -1)                 # [R, h * itemsize] uint8: rows stay rows
+        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()    # known also when R = 0
+        send = _bytes(rows).view(rows.shape[0], row_bytes)          # [R, h * itemsize] uint8 (R may be 0)
         out = send.new_empty((sum(recv_splits), send.shape[1]))    # [R_recv, h * itemsize]
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                       group=pg, async_op=True)
@@ -277,6 +292,15 @@ class Comm:
             got_rows = _unbytes(out, rows.dtype, (out.shape[0], *rows.shape[1:]))   # [R_recv, h]
             return [got_rows] if recv_map is None else [got_rows, recv_map]
         return [work], finish, (send, out)
+
+    def _received_counts(self, node: Node, imap: IndexMap) -> tuple[tuple[int, ...], ...]:
+        """[n][El] rows each rank sends me per local expert under ``imap``'s routing: one exchange of
+        the per-expert counts. Cached on the index map, so every token all-to-all of the step that
+        follows the same routing (dispatch, gate weights, recompute, the combine's backward) reuses it."""
+        per = len(imap.segments) // self.n                          # experts per destination rank (El)
+        counts = torch.tensor([c for _, c in imap.segments], dtype=torch.int64).view(self.n, per)
+        got = self.exchange(node, counts)                           # row r = rank r's rows per my expert
+        return tuple(tuple(int(c) for c in row) for row in got.tolist())
 
     def exchange(self, node: Node | None, counts: torch.Tensor) -> torch.Tensor:
         """Synchronous all_to_all of a small [n, m] int64 tensor on the metadata group: row r of
@@ -301,6 +325,26 @@ def _group(backend: str, stream: str, budget: int, timeout_s: float) -> Any:
         kw = {"pg_options": nccl_options(budget)} if backend == "nccl" else {}
         _GROUPS[key] = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
     return _GROUPS[key]
+
+
+def _to_rank_major(x: torch.Tensor, dim: int, n: int) -> torch.Tensor:
+    """x [.., n*S, ..] -> contiguous [n, .., S, ..], chunk j of ``dim`` at index j. A view when
+    nothing precedes ``dim`` (the layout already is rank-major), else one copy."""
+    dim = dim % x.dim()
+    parts = x.unflatten(dim, (n, x.shape[dim] // n))
+    if math.prod(x.shape[:dim]) == 1:
+        return parts.reshape(n, *parts.shape[:dim], *parts.shape[dim + 1:])
+    return parts.movedim(dim, 0).contiguous()
+
+
+def _from_rank_major(g: torch.Tensor, dim: int) -> torch.Tensor:
+    """Inverse of ``_to_rank_major``: [n, .., S, ..] -> [.., n*S, ..] (a view when nothing precedes dim)."""
+    n, shape = g.shape[0], list(g.shape[1:])
+    dim = dim % len(shape)
+    full = shape[:dim] + [n * shape[dim]] + shape[dim + 1:]
+    if math.prod(shape[:dim]) == 1:
+        return g.view(full)
+    return g.movedim(0, dim).reshape(full)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -329,20 +373,34 @@ def metadata_group() -> Any:
     return _GROUPS[key]
 
 
+NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count (MAXCHANNELS: 32, or 64 on newer NCCL)
+
+
+def nccl_ctas(budget: int) -> int:
+    """The CTA count (= SMs) a communicator really gets for an SM budget.
+
+    torch 2.13's NCCL config has ``min_ctas``/``max_ctas`` and no CTA policy, so NCCL cannot run a
+    collective on zero SMs (copy engines would need NCCL's zero-CTA policy and registered
+    buffers): budget 0 becomes the least NCCL allows, 1 CTA. Budgets above NCCL's channel limit
+    become that limit. The schedule priced budget 0 at the copy-engine rate; docs/runtime.md says so.
+    """
+    if budget < 0:
+        raise ValueError(f"SM budget {budget} is negative")
+    return min(max(budget, 1), NCCL_MAX_CTAS)
+
+
 def nccl_options(budget: int) -> Any:
-    """ProcessGroupNCCL options whose communicator uses ``budget`` CTAs (= SMs); see module doc."""
+    """ProcessGroupNCCL options: ``nccl_ctas(budget)`` CTAs (min = max), high-priority NCCL streams."""
     pg_cls = getattr(dist, "ProcessGroupNCCL", None)
     if pg_cls is None:
         raise RuntimeFailure("this torch build has no NCCL backend (ProcessGroupNCCL); use backend gloo")
     opts = pg_cls.Options()
+    opts.is_high_priority_stream = True          # NCCL's own streams: its kernels are not starved by GEMMs
     cfg = getattr(opts, "config", None)
     if cfg is None:
-        return opts                                                 # NCCL < 2.17: no per-communicator config
-    if budget > 0:
-        cfg.min_ctas = budget
-        cfg.max_ctas = budget
-    elif hasattr(cfg, "cta_policy") and hasattr(pg_cls, "NCCL_CTA_POLICY_ZERO"):
-        cfg.cta_policy = pg_cls.NCCL_CTA_POLICY_ZERO
+        raise RuntimeFailure("this NCCL has no per-communicator config (NCCL < 2.17): the plan's SM budgets "
+                             "cannot be enforced")
+    cfg.min_ctas = cfg.max_ctas = nccl_ctas(budget)
     return opts
 
 

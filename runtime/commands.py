@@ -132,6 +132,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
+        layer.executor.host.reset()
     for i, count in measurement_blocks(len(layers), spec.steps):
         if spec.warmup and len(layers) > 1:                  # re-warm this layer's memory, unrecorded
             recording, layers[i].record = layers[i].record, False
@@ -141,6 +142,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
+                             "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
         out["check"] = check_against_eager(module, layers[0], x, dy)
@@ -157,12 +159,16 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 
 # -- the command ----------------------------------------------------------------------------------
 
+CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU profiles: not for --backend nccl
+
+
 def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
     from moegraph.schedules.api import METHODS
     add_layer_args(p, model_default="tiny")
     # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
+    # (--backend nccl refuses the CPU profiles, see ``run``)
     p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
@@ -274,6 +280,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not torch.cuda.is_available() or torch.cuda.device_count() < args.n:
             raise UsageError(f"--backend nccl needs {args.n} CUDA devices, this machine has "
                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
+        if args.hardware in CPU_PROFILES:
+            from moegraph.registry import hardware_names
+            gpus = [h for h in hardware_names() if h not in CPU_PROFILES]
+            raise UsageError(f"--backend nccl with --hardware {args.hardware}, a CPU profile (run's default), "
+                             f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
     layer = layer_from_args(args)
     if schedule is not None:
@@ -289,7 +300,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
         "batch": g.dims.b, "seq": g.dims.s, "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),
-        "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1)}
+        "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1),
+        # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels)
+        "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results)}
     if args.check:
         c = results[0]["check"]
         report.update({k: v for k, v in c.items() if k != "rel_err_input_grad"})

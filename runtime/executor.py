@@ -13,7 +13,10 @@ timeout that names the node); meanwhile gloo's threads move the data, which is t
 GPU: one CUDA stream per plan stream (compute = the caller's current stream); a consumer on
 another stream than its producer waits on a CUDA event recorded after the producer, and the
 tensor is ``record_stream``-ed so the caching allocator does not reuse it early. A collective
-is issued under its comm stream; ``work.wait()`` then orders that stream after NCCL's.
+is issued under its comm stream (high priority); ``work.wait()`` then orders that stream after
+NCCL's. The host never waits for a collective inside a step on GPU: the end of a phase orders
+the compute stream after the comm streams, and a hung collective is the NCCL watchdog's to
+report (process-group timeout ``timeout_s``).
 
 Values live in an environment keyed by value name and are dropped after their last consumer in
 the phase. Forward keeps what backward and recompute nodes read (the graph's saved values and
@@ -33,9 +36,11 @@ from torch.profiler import record_function
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.collectives import Pending, drain
+from moegraph.runtime.collectives import Pending
 from moegraph.runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
 from moegraph.runtime.trace import StepRecorder, new_event
+
+COMM_STREAM_PRIORITY = -100      # below the device's range: torch clamps it to the highest priority
 
 
 @dataclass
@@ -48,6 +53,23 @@ class _Slot:
     event: Any = None
     pending: Pending | None = None
     synced: set[str] = field(default_factory=set)   # streams already ordered after ``event``
+
+
+@dataclass
+class HostTime:
+    """Host time the executor spends per node, over the phases run since ``reset``: the host's
+    wall-clock in ``forward``/``backward`` minus its blocking waits on collectives (CPU), divided
+    by the nodes run. GPU: issue cost (Python, kernel launches); if it exceeds a node's device
+    time the device starves. CPU: it includes the kernels, which the host runs itself."""
+
+    busy_ns: int = 0
+    nodes: int = 0
+
+    def reset(self) -> None:
+        self.busy_ns, self.nodes = 0, 0
+
+    def us_per_node(self) -> float | None:
+        return None if not self.nodes else round(self.busy_ns / self.nodes / 1e3, 3)
 
 
 class Executor:
@@ -77,10 +99,14 @@ class Executor:
         self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
         self._cross = _cross_stream_values(graph, plan)
         self.comm_streams: dict[str, Any] = {}
+        self.host = HostTime()
+        self._waited_ns = 0                  # host blocking waits of the phase being run
         if self.cuda:
             for s in plan.streams:
                 if s != COMPUTE:
-                    self.comm_streams[s] = torch.cuda.Stream(self.device)
+                    # highest priority (torch maps any lower number to the device's highest): a
+                    # collective's kernels get SMs before a resident GEMM's next blocks
+                    self.comm_streams[s] = torch.cuda.Stream(self.device, priority=COMM_STREAM_PRIORITY)
 
     # -- public --------------------------------------------------------------------------------
 
@@ -113,6 +139,7 @@ class Executor:
     def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
              rec: StepRecorder | None, keep) -> dict[str, Any]:
         graph, cuda = self.graph, self.cuda
+        started, self._waited_ns = time.perf_counter_ns(), 0
         streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
         ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
         env: dict[str, _Slot] = {k: _Slot(v, COMPUTE, ready) for k, v in inputs.items()}
@@ -171,7 +198,20 @@ class Executor:
                 env.pop(v, None)
             if inflight:
                 _poll(inflight)
-        return self._finish(env, pending, streams, keep)
+        out = self._finish(env, pending, streams, keep)
+        self.host.busy_ns += time.perf_counter_ns() - started - self._waited_ns
+        self.host.nodes += len(entries)
+        return out
+
+    def _wait(self, p: Pending) -> list[Any]:
+        """CPU: host-wait for a collective (timeout names it); the time is not host overhead."""
+        if p.waited:
+            return p.outputs
+        t0 = time.perf_counter_ns()
+        try:
+            return p.wait(self.timeout_s, self.rank)
+        finally:
+            self._waited_ns += time.perf_counter_ns() - t0
 
     def _await_fences(self, fences: list[Any], streams: dict, consumer: str, rec: StepRecorder | None) -> None:
         """Make the compute stream (GPU) or the host (CPU) wait for the alone collectives issued
@@ -181,7 +221,7 @@ class Executor:
                 streams[COMPUTE].wait_event(f)
             elif not f.waited:
                 t0 = time.perf_counter_ns()
-                f.wait(self.timeout_s, self.rank)
+                self._wait(f)
                 if rec is not None:
                     rec.add_wait(f.node.name, consumer, t0, time.perf_counter_ns())
         fences.clear()
@@ -192,7 +232,8 @@ class Executor:
             compute = streams[COMPUTE]
             for s in self.comm_streams.values():
                 compute.wait_stream(s)
-            drain(pending, self.timeout_s, self.rank)
+            # no host wait: the compute stream is ordered after every collective of the phase, and a
+            # hang is left to the NCCL watchdog, which aborts after the process group's timeout_s
             out = {}
             for k in keep:
                 slot = env.get(k)
@@ -203,7 +244,7 @@ class Executor:
                 out[k] = slot.value
             return out
         for p in pending:
-            p.wait(self.timeout_s, self.rank)
+            self._wait(p)
         out = {}
         for k in keep:
             slot = env.get(k)
@@ -215,7 +256,7 @@ class Executor:
         """CPU: the value of ``name``, waiting (with timeout) for the collective producing it."""
         if slot.pending is not None:
             p = slot.pending
-            outs = p.wait(self.timeout_s, self.rank)
+            outs = self._wait(p)
             for o, v in zip(p.node.outputs, outs):
                 if o in env and env[o].pending is p:
                     env[o].value, env[o].pending = v, None

@@ -38,13 +38,17 @@ if TYPE_CHECKING:
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
 MAX_TRACES = 1000
+MAX_UNREAD_STEPS = 16     # GPU steps whose events are kept unread; older ones are read or dropped
 
 
 class CompiledLayer(nn.Module):
     """One MoE layer on this rank: parameter shards + an Executor for ``plan``.
 
     ``traces`` holds the measured timing of the last steps (forward+backward), at most
-    ``MAX_TRACES``; GPU traces are read from CUDA events when first accessed.
+    ``MAX_TRACES``. GPU steps are CUDA events, read without synchronising: at most
+    ``MAX_UNREAD_STEPS`` stay unread; beyond that the oldest is read if its events have completed
+    (a non-blocking query) and dropped otherwise (counted in ``dropped_traces``). ``traces``
+    synchronises once to read what is left.
     """
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
@@ -64,7 +68,8 @@ class CompiledLayer(nn.Module):
             self._attr[pname] = attr
         self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device or torch.device("cpu"),
                                  timeout_s=timeout_s)
-        self._recorders: collections.deque[StepRecorder] = collections.deque(maxlen=MAX_TRACES)
+        self._recorders: collections.deque[StepRecorder] = collections.deque()
+        self.dropped_traces = 0
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
 
     # -- parameters ------------------------------------------------------------------------------
@@ -149,14 +154,22 @@ class CompiledLayer(nn.Module):
             return
         if rec.cuda:
             self._recorders.append(rec)
+            while len(self._recorders) > MAX_UNREAD_STEPS:
+                old = self._recorders.popleft()
+                if old.complete():
+                    self._traces.append(old.finalize(sync=False))
+                else:
+                    self.dropped_traces += 1
         else:
             self._traces.append(rec.finalize())
 
     @property
     def traces(self) -> list[StepTrace]:
         """Measured steps, oldest first (GPU: synchronises once to read pending events)."""
-        while self._recorders:
-            self._traces.append(self._recorders.popleft().finalize())
+        first = True
+        while self._recorders:                   # one device sync covers every unread step
+            self._traces.append(self._recorders.popleft().finalize(sync=first))
+            first = False
         return list(self._traces)
 
     def clear_traces(self) -> None:

@@ -108,9 +108,18 @@ class StepRecorder:
             return float(self.t0_event.elapsed_time(t)) * 1e3          # ms -> us
         return (t - self.t0_ns) / 1e3
 
-    def finalize(self) -> StepTrace:
+    def complete(self) -> bool:
+        """GPU: every event recorded has completed (non-blocking query); CPU: always."""
+        return not self.cuda or all(ev.query() for ev in self._events())
+
+    def _events(self) -> list:
+        return [t for row in self.rows for t in row[4:6] if hasattr(t, "query")] + \
+            [t for t in (self.t0_event, self.backward_start) if hasattr(t, "query")]
+
+    def finalize(self, sync: bool = True) -> StepTrace:
+        """sync=False: the caller checked ``complete()``, so reading the events cannot block."""
         from moegraph.runtime.collectives import Pending
-        if self.cuda:
+        if self.cuda and sync:
             import torch
             torch.cuda.synchronize()
         nodes = []

@@ -542,9 +542,11 @@ def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0
         g = torch.Generator().manual_seed(seed * 1000 + env.rank)
         dest = torch.randint(0, n, (rows,), generator=g)                 # balanced in expectation
         splits = tuple(int(c) for c in torch.bincount(dest, minlength=n).tolist())
-        index = IndexMap(torch.arange(rows), 1, (), splits)
-        op, ins, attrs, full = (OpKind.ALL_TO_ALL, [env.rand(rows, _H), index], {"mode": "tokens"},
-                                n * shard_rows * _H * esize)
+        x, flat = env.rand(rows, _H), torch.arange(rows)
+        # a fresh IndexMap per issue: the runtime caches exchanged counts on the map, and the
+        # benchmark must time the count exchange the runtime pays once per routing
+        op, ins, attrs, full = (OpKind.ALL_TO_ALL, lambda: [x, IndexMap.from_splits(flat, splits)],
+                                {"mode": "tokens"}, n * shard_rows * _H * esize)
     elif kind == "all_reduce":
         rows = max(n, round(comm_bytes * n / (2 * (n - 1)) / (_H * esize) / n) * n)
         x = env.rand(rows, _H)
@@ -552,11 +554,13 @@ def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0
     else:
         raise ValueError(f"collective {kind!r} is not one of all_gather, reduce_scatter, all_to_all, "
                          f"all_to_all_uneven, all_reduce")
-    node = Node(name=f"calibrate.{kind}", op=op, phase=Phase.FORWARD, inputs=tuple(f"in{i}" for i in range(len(ins))),
+    node = Node(name=f"calibrate.{kind}", op=op, phase=Phase.FORWARD,
+                inputs=tuple(f"in{i}" for i in range(len(ins() if callable(ins) else ins))),
                 outputs=("y",), comm_bytes=collective_bytes(op, full - full % n, n), group=n,
                 attrs=freeze_attrs(attrs))
     comm = env.comm
-    return (lambda: comm.issue(node, ins, COMM_STREAM, 0)), full, op
+    inputs = ins if callable(ins) else (lambda: ins)
+    return (lambda: comm.issue(node, inputs(), COMM_STREAM, 0)), full, op
 
 
 def _blocking(env: RankEnv, issue: Callable[[], Pending]) -> Callable[[], list[Any]]:

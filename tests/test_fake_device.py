@@ -1,0 +1,306 @@
+"""Device mixing, caught on a CPU machine: every kernel (forward and backward) and the executor's
+step run on tensors of a fake CUDA device (tests/fake_cuda.py). A CPU tensor built inside a
+kernel and meeting a CUDA one raises there, exactly where a real GPU would fail; the numbers
+must equal the same run on CPU.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fake_cuda as fc
+from helpers import eager_step, max_grad_err, rel_err, small_layer
+from moegraph.cost import CostModel
+from moegraph.interpreter import interpret, run_collective, shard_param
+from moegraph.ir import Strategy
+from moegraph.kernels import KERNELS
+from moegraph.passes import run_pipeline
+from moegraph.registry import load_hardware
+from moegraph.runtime.collectives import NoComm, Pending
+from moegraph.runtime.executor import Executor
+from moegraph.runtime.plan import ExecutionPlan
+from moegraph.tracer import trace_module
+
+B, S, H = 2, 16, 64
+TOL = 1e-5
+COST = CostModel(load_hardware("h800"))
+# (attn, ffn, dispatch, dp), pipeline: together they use every kernel in KERNELS (checked below)
+GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper"),
+          (("tp", "tp", "ag-rs", 1), "gate-reorder,sar=paper"),
+          (("sp", "ep", "ag-rs", 1), "chunk=2,compress=tp-fp8"),
+          (("tp", "ep", "a2a", 2), "compress=dp-bf16")]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def build(attn, ffn, dispatch, dp, spec, n=2, seed=0):
+    layer = small_layer(n, seed=seed)
+    graph = trace_module(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32", dp=dp), batch=B, seq=S)
+    if spec:
+        graph, _ = run_pipeline(graph, spec, cost=COST)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
+    return layer, graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy
+
+
+def test_fake_device_catches_a_cpu_tensor_meeting_a_cuda_one():
+    """The harness itself: a mix raises, CPU scalars pass, CUDA factories and reads are tracked."""
+    with fc.FakeCuda() as mode:
+        a = torch.ones(4, device=fc.CUDA)
+        assert a.device == fc.CUDA and isinstance(a, fc.FakeCudaTensor)
+        with pytest.raises(fc.DeviceMix):
+            a + torch.ones(4)
+        with pytest.raises(fc.DeviceMix):
+            torch.arange(4)[a.long()]                      # a CPU tensor indexed by a CUDA order
+        assert (a * torch.tensor(2.0)).tolist() == [2.0] * 4      # 0-dim CPU: a scalar, as on CUDA
+        assert a.sum().item() == 4.0
+        assert mode.syncs["tolist"] == 1 and mode.syncs["item"] == 1
+        a.nonzero()
+        assert mode.syncs["nonzero"] == 1
+        b = torch.zeros(3, device=a.device)                 # a factory on the fake device stays on it
+        assert isinstance(b, fc.FakeCudaTensor)
+
+
+@pytest.mark.parametrize("config,spec", GRAPHS, ids=[f"{a}-{f}-{d}-dp{dp}" for (a, f, d, dp), _ in GRAPHS])
+def test_fake_device_every_kernel_forward_and_backward(config, spec):
+    """The reference interpreter runs every compute node through ``run_compute`` on n=2 simulated
+    ranks: on fake-CUDA tensors it must not mix devices and must give the CPU numbers."""
+    layer, graph, params, x, dy = build(*config, spec)
+    with sdpa_kernel(SDPBackend.MATH):        # the fake device runs SDPA's math backend: same sums
+        ref = interpret(graph, params, x, dy)
+    with fc.FakeCuda():
+        fparams = {k: fc.to_fake(v) for k, v in params.items()}
+        res = interpret(graph, fparams, fc.to_fake(x), fc.to_fake(dy))
+        assert res.output.device == fc.CUDA
+        out, dx = fc.real(res.output), fc.real(res.input_grad)
+        grads = {k: fc.real(v) for k, v in res.param_grads.items()}
+    assert rel_err(out, ref.output) < TOL and rel_err(dx, ref.input_grad) < TOL
+    name, err = max_grad_err(grads, ref.param_grads)
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+def test_fake_device_graphs_cover_every_kernel():
+    used = set()
+    for (attn, ffn, dispatch, dp), spec in GRAPHS:
+        _, graph, *_ = build(attn, ffn, dispatch, dp, spec)
+        used |= {(nd.op, nd.role) for nd in graph.nodes if not nd.is_comm}
+    missing = sorted(f"{op.value}/{role.value}" for op, role in set(KERNELS) - used)
+    assert not missing, f"kernels no fake_device graph runs: {missing} (add a graph to GRAPHS)"
+
+
+# -- the executor's step ----------------------------------------------------------------------------
+
+class _DoneWork:
+    """An emulated collective's work: complete when issued (the data moved on the host). Counts
+    the host waits on it: a wait with a timeout, or a completion poll (GPU: ``work.wait()``
+    without one only orders the current stream)."""
+
+    def __init__(self, shared: "EmulatedComm"):
+        self.shared = shared
+
+    def wait(self, timeout=None):
+        if timeout is not None:
+            self.shared.host_waits += 1
+        return True
+
+    def is_completed(self):
+        self.shared.host_waits += 1
+        return True
+
+
+class EmulatedComm:
+    """n ranks in n threads of one process: each ``issue`` waits for every rank's inputs, then
+    computes the outputs with the reference interpreter's collectives."""
+
+    def __init__(self, n: int):
+        self.n, self.backend, self.native_budgets = n, "emulated", False
+        self.barrier = threading.Barrier(n, timeout=60)
+        self.inputs: dict[str, list] = {}
+        self.outputs: dict[str, list] = {}
+        self.lock = threading.Lock()
+        self.host_waits = 0
+
+    def for_rank(self, rank: int) -> "_RankComm":
+        return _RankComm(self, rank)
+
+
+class _RankComm:
+    def __init__(self, shared: EmulatedComm, rank: int):
+        self.shared, self.rank, self.n = shared, rank, shared.n
+        self.backend, self.native_budgets, self.groups = "emulated", False, {}
+
+    def issue(self, node, ins, stream, budget, shapes=()):
+        sh = self.shared
+        with sh.lock:
+            sh.inputs.setdefault(node.name, [None] * sh.n)[self.rank] = list(ins)
+        if sh.barrier.wait() == 0:
+            sh.outputs[node.name] = run_collective(node, sh.inputs.pop(node.name), list(shapes))
+        sh.barrier.wait()
+        outs = sh.outputs[node.name][self.rank]
+        return Pending(node, stream, [_DoneWork(sh)], lambda: outs)
+
+
+def _executor_step(graph, plan, comm, rank, n, x, dy, params, device, results):
+    ex = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=60.0)
+    ps = [shard_param(spec, params, rank, n) for _, spec in graph.params]
+    y, saved = ex.forward(x.chunk(n, dim=1)[rank].contiguous(), ps)
+    dx, grads = ex.backward(saved, dy.chunk(n, dim=1)[rank].contiguous(), ps)
+    results[rank] = (y, dx, grads)
+
+
+def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
+    """Every rank's executor step on fake CUDA (one thread per rank); returns CPU results."""
+    state = fc.fake_streams(monkeypatch)
+    shared = EmulatedComm(n) if n > 1 else None
+    results: dict[int, tuple] = {}
+    errors: list[BaseException] = []
+    modes: list[fc.FakeCuda] = []
+    state.comm = shared
+
+    def rank_main(rank):
+        try:
+            with fc.FakeCuda() as mode:
+                modes.append(mode)
+                fparams = {k: fc.to_fake(v) for k, v in params.items()}
+                comm = shared.for_rank(rank) if shared else NoComm()
+                _executor_step(graph, plan, comm, rank, n, fc.to_fake(x), fc.to_fake(dy), fparams,
+                               torch.device("cuda", 0), results)
+                y, dx, grads = results[rank]
+                assert y.device == fc.CUDA and all(g.device == fc.CUDA for g in grads)
+                results[rank] = (fc.real(y), fc.real(dx), [fc.real(g) for g in grads])
+        except BaseException as err:                       # noqa: BLE001 - re-raised in the test thread
+            errors.append(err)
+            if shared:
+                shared.barrier.abort()
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results, state, modes
+
+
+def _cpu_step(graph, plan, params, x, dy, n):
+    shared = EmulatedComm(n) if n > 1 else None
+    results: dict[int, tuple] = {}
+    threads = [threading.Thread(target=_executor_step,
+                                args=(graph, plan, shared.for_rank(r) if shared else NoComm(), r, n, x, dy,
+                                      params, torch.device("cpu"), results)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert len(results) == n, "a CPU rank failed"
+    return results
+
+
+EXECUTOR_CASES = [(1, "sp", "ep", "ag-rs", "gate-reorder,sar=paper", "asap"),
+                  (2, "tp", "tp", "ag-rs", "gate-reorder,sar=paper", "asap"),
+                  (2, "sp", "ep", "a2a", "chunk=2,sar=paper", "asap"),
+                  (2, "sp", "ep", "ag-rs", "", "sequential")]
+
+
+@pytest.mark.parametrize("n,attn,ffn,dispatch,spec,schedule", EXECUTOR_CASES,
+                         ids=[f"n{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[5]}" for c in EXECUTOR_CASES])
+def test_fake_device_executor_step(n, attn, ffn, dispatch, spec, schedule, monkeypatch):
+    """Forward + backward of the executor on fake CUDA (streams, events, fences: the GPU code path),
+    n=2 with collectives emulated in-process; outputs and gradients equal the CPU executor's and
+    the eager module's."""
+    layer, graph, params, x, dy = build(attn, ffn, dispatch, 1, spec, n=n)
+    plan = ExecutionPlan.asap(graph, COST) if schedule == "asap" else ExecutionPlan.sequential(graph, COST)
+    got, state, _ = _run_fake(graph, plan, params, x, dy, n, monkeypatch)
+    cpu = _cpu_step(graph, plan, params, x, dy, n)
+    for r in range(n):
+        assert rel_err(got[r][0], cpu[r][0]) < TOL and rel_err(got[r][1], cpu[r][1]) < TOL
+        for g, c in zip(got[r][2], cpu[r][2]):
+            assert rel_err(g, c) < TOL
+    y_ref, dx_ref, _ = eager_step(layer, x, dy)
+    assert rel_err(torch.cat([got[r][0] for r in range(n)], dim=1), y_ref) < TOL
+    assert rel_err(torch.cat([got[r][1] for r in range(n)], dim=1), dx_ref) < TOL
+    if n > 1:
+        assert state.streams, "the GPU path made no comm stream"
+
+
+def test_fake_device_eager_reference_layer():
+    """The eager module itself (the ground truth of every GPU test) on the fake device."""
+    layer, _, params, x, dy = build("sp", "ep", "ag-rs", 1, "", n=1)
+    y_ref, dx_ref, g_ref = eager_step(layer, x, dy)
+    with fc.FakeCuda():
+        fparams = {k: fc.to_fake(v).requires_grad_() for k, v in params.items()}
+        xs = fc.to_fake(x).requires_grad_()
+        y = torch.func.functional_call(layer, fparams, (xs,))
+        y.backward(fc.to_fake(dy))
+        got = fc.real(y), fc.real(xs.grad), {k: fc.real(p.grad) for k, p in fparams.items()}
+    assert rel_err(got[0], y_ref) < TOL and rel_err(got[1], dx_ref) < TOL
+    name, err = max_grad_err(got[2], g_ref)
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+SYNC_CASES = [("tp", "tp", "ag-rs"), ("sp", "ep", "ag-rs"), ("sp", "ep", "a2a")]
+
+
+@pytest.mark.parametrize("attn,ffn,dispatch", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
+    """Everything that would block the host on a GPU during one step (n=2, the default passes,
+    asap), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
+    (nonzero, bincount), cuda/event/stream synchronize, and host waits on collectives.
+
+    ffn=tp ag-rs: none. ffn=ep ag-rs: one per local index map, the row count R that sizes
+    dropless routing's buffers. a2a: one copy of the split sizes per rank and index map, shared by
+    every all-to-all that reads the map (so fewer than one per all-to-all)."""
+    from moegraph.commands import DEFAULT_PASSES
+    from moegraph.ir import OpKind
+    _, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
+    _, state, modes = _run_fake(graph, ExecutionPlan.asap(graph, COST), params, x, dy, 2, monkeypatch)
+    syncs = sum((m.syncs for m in modes), start=collections.Counter()) + state.syncs
+    maps = [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
+    if ffn == "tp":
+        expected = {}
+    elif dispatch == "ag-rs":
+        expected = {"item": 2 * sum(nd.attr("layout") == "local" for nd in maps)}
+    else:
+        tokens_a2a = [nd for nd in graph.nodes if nd.op is OpKind.ALL_TO_ALL and nd.attr("mode") == "tokens"]
+        assert len(tokens_a2a) > len(maps) and all(nd.attr("layout") == "by_dest" for nd in maps)
+        expected = {"tolist": 2 * len(maps)}
+    assert dict(+syncs) == expected
+    assert state.comm.host_waits == 0, "the host waited for a collective inside the step"
+
+
+def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
+    """A recorded GPU layer keeps at most MAX_UNREAD_STEPS steps of unread CUDA events: older ones
+    are read once a non-blocking query says they completed (no synchronize inside a step), or
+    dropped while they have not."""
+    import moegraph.runtime.module as module_mod
+    from moegraph.runtime.module import CompiledLayer
+    monkeypatch.setattr(module_mod, "MAX_UNREAD_STEPS", 2)
+    layer, graph, params, x, dy = build("sp", "ep", "ag-rs", 1, "", n=1)
+    plan = ExecutionPlan.asap(graph, COST)
+    state = fc.fake_streams(monkeypatch)
+    with fc.FakeCuda() as mode:
+        compiled = CompiledLayer(graph, plan, {k: fc.to_fake(v) for k, v in params.items()}, rank=0, n=1,
+                                 comm=NoComm(), record=True)
+        compiled.executor.cuda = True          # the fake device reports meta; take the CUDA path anyway
+        xs, dys = fc.to_fake(x), fc.to_fake(dy)
+        for step in range(4):
+            compiled(xs.clone().requires_grad_()).backward(dys)
+            assert len(compiled._recorders) <= 2
+        assert len(compiled._traces) == 2 and compiled.dropped_traces == 0
+        assert not state.syncs and not mode.syncs["d2h"]
+        monkeypatch.setattr(fc.FakeEvent, "query", lambda self: False)   # still running: dropped, not awaited
+        compiled(xs.clone().requires_grad_()).backward(dys)
+        assert compiled.dropped_traces == 1 and not state.syncs
+        assert len(compiled.traces) == 4 and state.syncs["cuda_synchronize"] == 1   # reading: one sync
