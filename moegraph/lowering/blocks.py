@@ -262,9 +262,9 @@ def emit_add(g: GraphBuilder, a: str, b: str, *, name: str, out: str, module: st
 def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str) -> str:
     """Attention with RoPE and GQA under attn='tp' (Megatron TP + SP norms) or 'sp' (Ulysses)."""
     check_layout(g)
-    n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
+    n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, G, d = spec.heads, spec.kv_heads, spec.head_dim
-    b, s, h = g.dims.b, g.dims.s, g.dims.h
+    b, h = g.dims.b, g.dims.h
     Hl, Gl = (H // n, G // n) if tp else (H, G)          # heads this rank's QKV projection produces
     kw = dict(module=module, block=ATTN)
 
@@ -277,33 +277,29 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     w_qk = tuple(None if ns is None else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
                                                  ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
-    rope_attrs = {"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}
-    if N > 1:
-        rope_attrs["chunks"] = N
+    rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g)
     qs, ks, vs = [], [], []
-    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
-        with _chunk(g, j, N) as c:
-            x_in = emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj  # -> [b, nL, h]
-            qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
-            if b_qkv is not None:
-                biased = g.like(f"qkv_biased{c}", qkv)
-                g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
-                qkv = biased
-            S = g.shape(qkv)[1]
-            q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
-            k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
-            v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
-            g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-                   attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
-            if spec.q_norm is not None:
-                q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
-            if spec.k_norm is not None:
-                k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
-            q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
-            g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
-                   attrs=rope_attrs, **kw)
-            qa, ka, va = _ulysses_in(g, q_rope, k_rope, v, c, kw)
-            qs.append(qa), ks.append(ka), vs.append(va)
+    for c, x_in in _attention_chunks(g, x, kw):
+        qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
+        if b_qkv is not None:
+            biased = g.like(f"qkv_biased{c}", qkv)
+            g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
+            qkv = biased
+        S = g.shape(qkv)[1]
+        q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
+        k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
+        v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
+        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
+               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
+        if spec.q_norm is not None:
+            q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
+        if spec.k_norm is not None:
+            k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
+        q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
+        g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
+               attrs=rope_attrs, **kw)
+        qa, ka, va = _ulysses_in(g, q_rope, k_rope, v, c, kw)
+        qs.append(qa), ks.append(ka), vs.append(va)
     return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw)
 
 
@@ -319,7 +315,7 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
     query (q_nope, rope(q_rot)), key (k_nope, rope(k_pe)) and value.
     """
     check_layout(g)
-    n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
+    n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, dn, dr, dv, dq = spec.heads, spec.nope_dim, spec.rope_dim, spec.v_dim, spec.qk_dim
     h = g.dims.h
     Hl = H // n if tp else H
@@ -336,33 +332,29 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
     w_kvn = rep("kv_a_norm.weight", (spec.kv_rank,), spec.kv_norm.weight)
     w_kvb = by_heads("kv_b_proj.weight", (Hl * (dn + dv), spec.kv_rank), spec.kv_b)
     heads_attrs = {"heads": Hl, "nope_dim": dn, "rope_dim": dr, "v_dim": dv, "theta": spec.rope_theta,
-                   "interleave": spec.rope_interleave, "positions": "full" if tp else "shard"}
-    if N > 1:
-        heads_attrs["chunks"] = N
+                   "interleave": spec.rope_interleave} | _position_attrs(g)
     qs, ks, vs = [], [], []
-    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
-        with _chunk(g, j, N) as c:
-            x_in = emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj  # -> [b, S, h]
-            if spec.q_rank is None:
-                q = emit_gemm(g, f"q_proj{c}", x_in, w_q, f"q{c}", **kw)                       # [b, S, Hl*dq]
-            else:
-                cq = emit_gemm(g, f"q_a_proj{c}", x_in, w_qa, f"q_latent{c}", **kw)            # [b, S, r_q]
-                cq = _emit_width_norm(g, spec.q_norm, cq, f"q_a_norm{c}", w_qn, spec.q_rank, kw)
-                q = emit_gemm(g, f"q_b_proj{c}", cq, w_qb, f"q{c}", **kw)                      # [b, S, Hl*dq]
-            ckv = emit_gemm(g, f"kv_a_proj{c}", x_in, w_kva, f"kv_latent_pe{c}", **kw)         # [b, S, r_kv+dr]
-            b, S = g.shape(ckv)[:2]
-            ckv_c = g.value(f"kv_latent{c}", (b, S, spec.kv_rank), alias_of=ckv)
-            k_pe = g.value(f"k_pe{c}", (b, S, dr), alias_of=ckv)
-            g.node(f"kv_a_split{c}", OpKind.SPLIT, (ckv,), (ckv_c, k_pe), mem_bytes=0,
-                   attrs={"dim": 2, "sizes": (spec.kv_rank, dr)}, **kw)
-            ckv_c = _emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
-            kv = emit_gemm(g, f"kv_b_proj{c}", ckv_c, w_kvb, f"kv{c}", **kw)                   # [b, S, Hl*(dn+dv)]
-            qh, kh = g.value(f"q_heads{c}", (b, S, Hl * dq)), g.value(f"k_heads{c}", (b, S, Hl * dq))
-            vh = g.value(f"v_heads{c}", (b, S, Hl * dv))
-            g.node(f"mla_heads{c}", OpKind.MLA_HEADS, (q, kv, k_pe), (qh, kh, vh),
-                   flops=3 * b * S * (Hl + 1) * dr, attrs=heads_attrs, **kw)                    # RoPE; the rest moves
-            qa, ka, va = _ulysses_in(g, qh, kh, vh, c, kw)
-            qs.append(qa), ks.append(ka), vs.append(va)
+    for c, x_in in _attention_chunks(g, x, kw):
+        if spec.q_rank is None:
+            q = emit_gemm(g, f"q_proj{c}", x_in, w_q, f"q{c}", **kw)                       # [b, S, Hl*dq]
+        else:
+            cq = emit_gemm(g, f"q_a_proj{c}", x_in, w_qa, f"q_latent{c}", **kw)            # [b, S, r_q]
+            cq = _emit_width_norm(g, spec.q_norm, cq, f"q_a_norm{c}", w_qn, spec.q_rank, kw)
+            q = emit_gemm(g, f"q_b_proj{c}", cq, w_qb, f"q{c}", **kw)                      # [b, S, Hl*dq]
+        ckv = emit_gemm(g, f"kv_a_proj{c}", x_in, w_kva, f"kv_latent_pe{c}", **kw)         # [b, S, r_kv+dr]
+        b, S = g.shape(ckv)[:2]
+        ckv_c = g.value(f"kv_latent{c}", (b, S, spec.kv_rank), alias_of=ckv)
+        k_pe = g.value(f"k_pe{c}", (b, S, dr), alias_of=ckv)
+        g.node(f"kv_a_split{c}", OpKind.SPLIT, (ckv,), (ckv_c, k_pe), mem_bytes=0,
+               attrs={"dim": 2, "sizes": (spec.kv_rank, dr)}, **kw)
+        ckv_c = _emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
+        kv = emit_gemm(g, f"kv_b_proj{c}", ckv_c, w_kvb, f"kv{c}", **kw)                   # [b, S, Hl*(dn+dv)]
+        qh, kh = g.value(f"q_heads{c}", (b, S, Hl * dq)), g.value(f"k_heads{c}", (b, S, Hl * dq))
+        vh = g.value(f"v_heads{c}", (b, S, Hl * dv))
+        g.node(f"mla_heads{c}", OpKind.MLA_HEADS, (q, kv, k_pe), (qh, kh, vh),
+               flops=3 * b * S * (Hl + 1) * dr, attrs=heads_attrs, **kw)                    # RoPE; the rest moves
+        qa, ka, va = _ulysses_in(g, qh, kh, vh, c, kw)
+        qs.append(qa), ks.append(ka), vs.append(va)
     return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=dq, v_dim=dv, kw=kw)
 
 
@@ -400,6 +392,22 @@ def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
             partial = emit_gemm(g, f"fc2{c}", act, w2, f"fc2_out{c}", **kw)                  # [b, nL, h] partial
             outs.append(emit_reduce_scatter(g, f"ffn_rs{c}", partial, name, dim=1, alias_of=alias, **kw))
     return _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+
+
+def _position_attrs(g: GraphBuilder) -> dict:
+    """Where the rows a RoPE kernel sees sit in the sequence (kernels.chunk_positions): tp gathers
+    the whole sequence, sp keeps this rank's shard; chunked, each chunk says which it is."""
+    return {"positions": "full" if g.strategy.attn == "tp" else "shard"} | (
+        {"chunks": g.strategy.chunks} if g.strategy.chunks > 1 else {})
+
+
+def _attention_chunks(g: GraphBuilder, x: str, kw: dict):
+    """Yield (suffix, tokens) per token chunk of the block input, with the chunk's nodes tagged
+    while the caller emits them: [b, s/n, h] -> N x [b, L, h], all-gathered to [b, nL, h] under tp."""
+    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):
+        with _chunk(g, j, g.strategy.chunks) as c:
+            tp = g.strategy.attn == "tp"
+            yield c, (emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj)
 
 
 def _ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tuple[str, str, str]:
