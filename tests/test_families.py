@@ -94,14 +94,16 @@ def test_qwen2_moe_variants_normalised_router_and_no_biases(rng):
     assert not any(nd.op is OpKind.BIAS for nd in graph.nodes)
 
 
-def test_the_shared_expert_does_not_wait_for_the_dispatch():
+@pytest.mark.parametrize("family,ops", [("qwen2_moe", {OpKind.GEMM, OpKind.SWIGLU, OpKind.SIGMOID_GATE}),
+                                        ("deepseek_v3", {OpKind.GEMM, OpKind.SWIGLU})])
+def test_the_shared_expert_does_not_wait_for_the_dispatch(family, ops):
     """Its forward GEMMs depend on the block input only, so a scheduler may overlap them with the
     dispatch all-to-all (Megatron-Core's shared-expert overlap)."""
-    layer, _ = workers.qwen2_moe_layer(0)
+    layer, _ = workers.LAYERS[family](0)
     g = trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
     shared = [nd for nd in g.nodes if nd.phase is Phase.FORWARD and nd.name.startswith("shared_")
               and nd.name != "shared_add"]
-    assert {nd.op for nd in shared} >= {OpKind.GEMM, OpKind.SWIGLU, OpKind.SIGMOID_GATE}
+    assert {nd.op for nd in shared} == ops
 
     def upstream(node, seen=None):
         seen = set() if seen is None else seen
@@ -139,6 +141,33 @@ def test_deepseek_v3_variants_direct_q_projection_rotate_half_rope_one_group(rng
     layer, call = workers.deepseek_v3_layer(_seed(rng), q_lora_rank=None, rope_interleave=False, n_group=1,
                                             topk_group=1, norm_topk_prob=False)
     check(layer, call, Strategy("tp", "ep", "ag-rs", 2, dtype="fp32"), rng)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 60])
+def test_deepseek_v3_at_its_real_size_lowers(layer_idx):
+    """transformers' default DeepseekV3Config is DeepSeek-V3 671B (arXiv 2412.19437 §4.2): h=7168,
+    128 heads, q/kv ranks 1536/512, q/k heads 128+64 wide, v heads 128; the first 3 layers dense
+    (h_ffn 18432), the rest 256 routed experts (h_ffn 2048), top-8 of the best 4 of 8 groups, scores
+    scaled by 2.5, one shared expert. Traced on the meta device (nothing allocated)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    with torch.device("meta"):
+        layer = m.DeepseekV3DecoderLayer(DeepseekV3Config(), layer_idx)
+    n, s = 8, 4096
+    g = trace_module(layer, Strategy("sp", "ep", "a2a", n), batch=1, seq=s)
+    assert (g.dims.h, g.dims.heads, g.dims.head_dim) == (7168, 128, 192)
+    assert g.value["q_b_proj.weight"].shape == (128 * 192, 1536) and g.value["kv_b_proj.weight"].shape == (128 * 256, 512)
+    # Ulysses in: q and k 192 wide, v 128 wide per head, bf16, (n-1)/n of this rank's s/n tokens
+    assert g.node["qkv_a2a"].comm_bytes == (n - 1) * (s // n) * 128 * (2 * 192 + 128) * 2 // n
+    if layer_idx == 0:
+        assert (g.dims.experts, g.dims.k, g.dims.ffn) == (0, 0, 18432)
+        assert not any(nd.op in (OpKind.ROUTER, OpKind.GROUPED_GEMM) for nd in g.nodes)
+    else:
+        assert (g.dims.experts, g.dims.k, g.dims.ffn) == (256, 8, 2048)
+        router = g.node["router"]
+        assert (router.attr("scoring"), router.attr("groups"), router.attr("topk_groups"), router.attr("scale")) == \
+            ("sigmoid", 8, 4, 2.5)
+        assert g.value["shared.w1"].shape == (2048, 7168)
 
 
 def test_deepseek_v3_router_bias_is_a_buffer_read_for_the_choice_only():
