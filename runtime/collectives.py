@@ -49,6 +49,7 @@ docs/runtime.md lists the limits.
 
 from __future__ import annotations
 
+import math
 import datetime
 import time
 from dataclasses import dataclass, field
@@ -268,7 +269,8 @@ class Comm:
             got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
         rows = rows.contiguous()
-        send = _bytes(rows).view(rows.shape[0], -1)                 # [R, h * itemsize] uint8: rows stay rows
+        # [R, h * itemsize] uint8: rows stay rows (the width is explicit: a rank may send no rows)
+        send = _bytes(rows).view(rows.shape[0], math.prod(rows.shape[1:]) * rows.element_size())
         out = send.new_empty((sum(recv_splits), send.shape[1]))    # [R_recv, h * itemsize]
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                       group=pg, async_op=True)

@@ -106,7 +106,16 @@ def deepseek_v3_layer(seed: int, layer_idx: int = 1, **overrides):
 
 LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer,
           "olmoe": olmoe_layer, "deepseek_v3": deepseek_v3_layer,
-          "deepseek_v3_dense": lambda seed: deepseek_v3_layer(seed, layer_idx=0)}
+          "deepseek_v3_dense": lambda seed: deepseek_v3_layer(seed, layer_idx=0),
+          "deepseek_v3_skewed": lambda seed: _skewed(deepseek_v3_layer(seed))}
+
+
+def _skewed(layer_call):
+    """Score biases that send every token to experts 0-2: under ep on 2 ranks, rank 1's experts get no row."""
+    layer, call = layer_call
+    with torch.no_grad():
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([10.0, 10.0, 10.0, 0, 0, 0, 0, 0]))
+    return layer, call
 
 
 def _apply_fault(layer, fault: str | None) -> None:
