@@ -118,11 +118,12 @@ def test_the_shared_expert_does_not_wait_for_the_dispatch(family, ops):
     assert upstream(g.node["shared_add"]) & dispatch           # the sum does wait for the combine
 
 
-def test_qwen2_moe_dense_layer_is_named():
-    from moegraph.lowering import LoweringError
-    layer, _ = workers.qwen2_moe_layer(0, mlp_only_layers=[0])
-    with pytest.raises(LoweringError, match=r"'mlp' \(transformers\.models\.qwen2_moe\.modeling_qwen2_moe\.Qwen2MoeMLP\)"):
-        trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
+@pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs")])
+def test_qwen2_moe_dense_layer_matches_eager(attn, ffn, dispatch, rng):
+    """mlp_only_layers: a Qwen2MoeMLP instead of the MoE block (no router, no dispatch)."""
+    layer, call = workers.qwen2_moe_layer(_seed(rng), mlp_only_layers=[0])
+    graph = check(layer, call, Strategy(attn, ffn, dispatch, 2, dtype="fp32"), rng)
+    assert graph.dims.experts == 0 and not any(nd.op is OpKind.ROUTER for nd in graph.nodes)
 
 
 @pytest.mark.parametrize("family,attn,ffn,dispatch", [("deepseek_v3", "tp", "ep", "a2a"),

@@ -18,15 +18,13 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
-from moegraph.lowering.blocks import MLASpec, MLPSpec, MoESpec
+from moegraph.lowering.blocks import MLASpec, MoESpec
 from moegraph.lowering.hf_common import check_attention, fused_experts, mlp, rmsnorm
 
 register(hf.DeepseekV3RMSNorm)(rmsnorm)
 
 
-@register(hf.DeepseekV3MLP, children={name: nn.Linear for name in ("gate_proj", "up_proj", "down_proj")})
-def dense_mlp(module: hf.DeepseekV3MLP, qualname: str) -> MLPSpec:
-    return mlp(module, qualname)
+register(hf.DeepseekV3MLP, children={name: nn.Linear for name in ("gate_proj", "up_proj", "down_proj")})(mlp)
 
 
 # the q side's children depend on q_lora_rank: checked in the rule

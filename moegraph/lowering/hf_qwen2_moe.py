@@ -4,7 +4,7 @@ Beyond Mixtral: q/k/v projections carry biases (AttentionSpec.qkv_bias, a BIAS o
 QKV GEMM); the router does not renormalise its top-k weights by default (MoESpec.normalize);
 a dense shared expert scaled by sigmoid(x @ shared_expert_gate.T) runs beside the routed
 experts (MoESpec.shared, the SIGMOID_GATE op). Dense layers (``mlp_only_layers``,
-``decoder_sparse_step``) have no rule yet and raise, naming ``mlp`` (Qwen2MoeMLP).
+``decoder_sparse_step``) have a Qwen2MoeMLP as their FFN (MLPSpec, as DeepSeek-V3's first layers).
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, m
 
 register(hf.Qwen2MoeRMSNorm)(rmsnorm)
 register(hf.Qwen2MoeAttention, children=PROJECTIONS)(attention)  # + q/k/v biases
+register(hf.Qwen2MoeMLP, children={name: nn.Linear for name in ("gate_proj", "up_proj", "down_proj")})(mlp)
 
 
 @register(hf.Qwen2MoeSparseMoeBlock, children={"gate": hf.Qwen2MoeTopKRouter, "experts": hf.Qwen2MoeExperts,
