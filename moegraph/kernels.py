@@ -381,8 +381,23 @@ def _k_mla_heads(ctx, node, ins, shapes):
 
 
 def _k_mla_heads_dgrad(ctx, node, ins, shapes):
-    # a permutation, a broadcast and RoPE: linear in (q, kv, k_pe), so the pullback is exact
-    return _pullback(lambda *t: _mla_heads_fwd(ctx, node, *t), ins[:3], ins[3:])
+    # the transpose of each forward step: RoPE rotates back (-sin, as ROPE's backward), the
+    # de-interleave is undone, k_pe's broadcast over the heads sums, the splits concatenate
+    q, dquery, dkey, dvalue = ins[0], *ins[3:]
+    Hl, dn, dr, dv = (node.attr(a) for a in ("heads", "nope_dim", "rope_dim", "v_dim"))
+    b, S = q.shape[:2]
+    dq_nope, dq_rot = dquery.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
+    dk_nope, dk_rot = dkey.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
+    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
+                                node.attr("chunk", 0), node.attr("chunks", 1))
+    cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
+    dq_rot = apply_rope(dq_rot, cos, -sin)
+    dk_rot = apply_rope(dk_rot.sum(2, keepdim=True), cos, -sin)                   # [b, S, 1, dr]
+    if node.attr("interleave"):                                                    # evens, odds -> pairs
+        dq_rot, dk_rot = (torch.stack(t.split(dr // 2, dim=-1), dim=-1).flatten(-2) for t in (dq_rot, dk_rot))
+    dq = torch.cat((dq_nope, dq_rot), dim=-1).reshape(b, S, -1)
+    dkv = torch.cat((dk_nope, dvalue.view(b, S, Hl, dv)), dim=-1).reshape(b, S, -1)
+    return [dq, dkv, dk_rot.reshape(b, S, dr)]
 
 
 def _k_grouped_gemm(ctx, node, ins, shapes):
