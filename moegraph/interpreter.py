@@ -67,6 +67,10 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
     """
     n, d = graph.strategy.n, graph.strategy.dp
+    missing = sorted({src.qualname for _, spec in graph.params for src in spec.sources} - set(params))
+    if missing:
+        raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
+                         "(dict(module.named_parameters()) | dict(module.named_buffers()))")
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
     for i, env in enumerate(envs):
         r = i % n

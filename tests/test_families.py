@@ -216,3 +216,11 @@ def test_families_compiled_on_two_gloo_ranks_match_eager():
         assert res["max_rel_err_output"] < TOL, res
         assert res["max_rel_err_grads"] < TOL, res
         assert ops <= set(res["ops"]), res
+
+
+def test_the_interpreter_names_a_buffer_it_was_not_given():
+    layer, _ = workers.deepseek_v3_layer(0)
+    g = trace_module(layer, Strategy("sp", "ep", "a2a", 2, dtype="fp32"), batch=B, seq=S)
+    x = torch.randn(B, S, H)
+    with pytest.raises(ValueError, match=r"^params lacks mlp\.gate\.e_score_correction_bias: pass every parameter"):
+        interpret(g, dict(layer.named_parameters()), x, x)
