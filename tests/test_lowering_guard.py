@@ -292,3 +292,11 @@ def test_deepseek_v3_attention_overriding_expand_kv_names_it():
     layer, _ = workers.deepseek_v3_layer(0)
     layer.self_attn = OtherExpansion(layer.self_attn.config, 1)
     assert "OtherExpansion) subclasses DeepseekV3Attention but overrides expand_kv" in lowering_error(layer)
+
+
+def test_deepseek_v3_yarn_rope_is_named():
+    import runtime_workers as workers
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    layer, _ = workers.deepseek_v3_layer(0, rope_parameters=yarn)
+    assert lowering_error(layer) == "self_attn (DeepseekV3Attention): rope_type 'yarn' is not supported (only 'default')"
