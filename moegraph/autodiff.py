@@ -42,7 +42,10 @@ def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next")
                 pending.setdefault(inp, []).append(d)
     for inp in g.inputs:
         kind = g.values[inp].kind
-        if kind is ValueKind.PARAM:
+        if kind is ValueKind.PARAM and g.params[inp].buffer:
+            if pending.pop(inp, []):
+                raise NotImplementedError(f"buffer {inp!r} received a gradient: buffers are never differentiated")
+        elif kind is ValueKind.PARAM:
             g.grads[inp] = _param_grad(g, inp, _accumulate_in_place(g, inp, pending.pop(inp, [])))
         elif kind is ValueKind.ACTIVATION:
             d = _accumulate(g, inp, pending.pop(inp, []))
@@ -249,13 +252,20 @@ def _swiglu(g, node, grads):
 
 
 def _router(g, node, grads):
-    (dweights, _), (x, w) = grads, node.inputs
+    # inputs: x, w, and DeepSeek-V3's score bias (a buffer: it picks experts, it gets no gradient)
+    (dweights, _), (x, w, *bias) = grads, node.inputs
     if dweights is None:
-        return None, None
+        return (None,) * len(node.inputs)
     dx, dw = _grad_value(g, x), _grad_value(g, w)
-    _bwd(g, node, "dgrad", OpKind.ROUTER, (x, w, dweights), (dx,), flops=node.flops)
-    _bwd(g, node, "wgrad", OpKind.ROUTER, (x, w, dweights), (dw,), role=Role.WGRAD, flops=node.flops)
-    return dx, dw
+    _bwd(g, node, "dgrad", OpKind.ROUTER, (*node.inputs, dweights), (dx,), flops=node.flops)
+    _bwd(g, node, "wgrad", OpKind.ROUTER, (*node.inputs, dweights), (dw,), role=Role.WGRAD, flops=node.flops)
+    return (dx, dw, *(None for _ in bias))
+
+
+def _mla_heads(g, node, grads):
+    dins = tuple(_grad_value(g, x) for x in node.inputs)
+    _bwd(g, node, "dgrad", OpKind.MLA_HEADS, (*node.inputs, *grads), dins, flops=node.flops)
+    return dins
 
 
 def _permute(g, node, grads):
@@ -391,6 +401,7 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.SIGMOID_GATE: _sigmoid_gate,
     OpKind.SQUARE_SUM: _square_sum,
     OpKind.RMSNORM_SHARDED: _rmsnorm_sharded,
+    OpKind.MLA_HEADS: _mla_heads,
     OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,
     OpKind.REDUCE_SCATTER: _reduce_scatter,

@@ -16,15 +16,16 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
     """Reject strategies the layer's sizes cannot be split by, naming the values involved (the
     strategy's own fields are valid by construction: ``Strategy.__post_init__``)."""
     n = strategy.n
-    if dims.k < 1 or dims.k > dims.experts:
+    dense = dims.experts == 0 and dims.k == 0     # a dense layer (DeepSeek-V3's first layers): no router
+    if not dense and (dims.k < 1 or dims.k > dims.experts):
         raise ConfigError(f"top-k={dims.k} must be between 1 and the expert count {dims.experts}")
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
         if size % n:
             raise ConfigError(f"n={n} does not divide {what}={size}")
-    if strategy.ffn == "ep" and dims.experts % n:
+    if strategy.ffn == "ep" and not dense and dims.experts % n:
         raise ConfigError(f"n={n} does not divide experts={dims.experts} (ffn='ep' places experts/n per rank)")
     if strategy.ffn == "tp" and dims.ffn % n:
-        raise ConfigError(f"n={n} does not divide ffn_hidden={dims.ffn} (ffn='tp' splits each expert's h_ffn)")
+        raise ConfigError(f"n={n} does not divide ffn_hidden={dims.ffn} (ffn='tp' splits each expert's (or the dense MLP's) h_ffn)")
     if dims.heads % dims.kv_heads:
         raise ConfigError(f"heads={dims.heads} is not divisible by kv_heads={dims.kv_heads}")
 

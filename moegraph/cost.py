@@ -64,7 +64,7 @@ def op_class(node: Node) -> str:
             return "attention"
         case (OpKind.RMSNORM | OpKind.ROPE | OpKind.SWIGLU | OpKind.PERMUTE | OpKind.UNPERMUTE
               | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP | OpKind.SPLIT
-              | OpKind.BIAS | OpKind.SIGMOID_GATE | OpKind.SQUARE_SUM | OpKind.RMSNORM_SHARDED):
+              | OpKind.BIAS | OpKind.SIGMOID_GATE | OpKind.SQUARE_SUM | OpKind.RMSNORM_SHARDED | OpKind.MLA_HEADS):
             return "memory"
         case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE:
             return "comm"

@@ -29,7 +29,7 @@ from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 class InterpreterResult:
     output: torch.Tensor                     # [b, s, h], the layer output, unsharded
     input_grad: torch.Tensor                 # [b, s, h], gradient of the layer input
-    param_grads: dict[str, torch.Tensor]     # module qualname -> full gradient
+    param_grads: dict[str, torch.Tensor]     # module qualname -> full gradient (parameters, not buffers)
     envs: list[dict[str, Any]]               # every value on every rank (replica-major), for debugging
 
 
@@ -61,11 +61,16 @@ def unshard_grad(spec: ParamSpec, grad: torch.Tensor, rank: int, n: int, out: di
 
 
 def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> InterpreterResult:
-    """Run ``graph`` on full input ``x`` [b, s, h] with seed gradient ``dy`` [b, s, h].
+    """Run ``graph`` on full input ``x`` [b, s, h] with seed gradient ``dy`` [b, s, h]; ``params``
+    maps module qualnames to full parameters and the buffers the graph reads (ParamSpec.buffer).
 
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
     """
     n, d = graph.strategy.n, graph.strategy.dp
+    missing = sorted({src.qualname for _, spec in graph.params for src in spec.sources} - set(params))
+    if missing:
+        raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
+                         "(dict(module.named_parameters()) | dict(module.named_buffers()))")
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
     for i, env in enumerate(envs):
         r = i % n
@@ -95,9 +100,10 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
                 raise RuntimeError(f"node {node.name!r} produced {len(rank_outs)} outputs, expected {len(node.outputs)}")
             env.update(zip(node.outputs, rank_outs))
     output_name, input_grad_name = graph.outputs[0], graph.outputs[1]
+    trainable = [(pname, spec) for pname, spec in graph.params if not spec.buffer]    # buffers get no gradient
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
-                  for _, spec in graph.params for src in spec.sources}
-    for pname, spec in graph.params:
+                  for _, spec in trainable for src in spec.sources}
+    for pname, spec in trainable:
         ranks = range(n) if spec.shard_dim is not None else range(1)   # replicated: rank 0 holds the sum
         for r in ranks:
             unshard_grad(spec, envs[r][graph.grad_of[pname]], r, n, full_grads)

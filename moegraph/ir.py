@@ -37,7 +37,7 @@ class OpKind(enum.Enum):
     RMSNORM = "rmsnorm"
     ROPE = "rope"
     SWIGLU = "swiglu"
-    ROUTER = "router"            # logits -> softmax -> top-k -> renormalise
+    ROUTER = "router"            # logits -> softmax or sigmoid (+ selection bias, groups) -> top-k -> renormalise, scale
     INDEX_MAP = "index_map"      # routing -> row mapping, computed once per step (paper §3.2)
     PERMUTE = "permute"          # scatter by index map: token rows -> expert-ordered rows
     UNPERMUTE = "unpermute"      # gather by index map: expert rows -> token rows (weighted sum)
@@ -48,6 +48,7 @@ class OpKind(enum.Enum):
     SIGMOID_GATE = "sigmoid_gate"  # x * sigmoid(g), g [..., 1]: the shared expert's gate (Qwen2-MoE)
     SQUARE_SUM = "square_sum"    # x [..., X] -> sum of squares [..., 1] (fp32): a sharded norm's partial
     RMSNORM_SHARDED = "rmsnorm_sharded"  # (x, w, ss) -> x rsqrt(ss/width + eps) w, ss all-reduced (OLMoE q/k norm)
+    MLA_HEADS = "mla_heads"      # (q, kv, k_pe) -> per-head query, key, value of latent attention (DeepSeek-V3)
     CAST = "cast"                # precision change for compressed communication
     # communication
     ALL_GATHER = "all_gather"
@@ -221,6 +222,9 @@ class ParamSpec:
     sources: tuple[ParamSource, ...]
     shard_dim: int | None
     cat_dim: int = 0
+    # a module buffer (e.g. DeepSeek-V3's router score-correction bias): read by the graph,
+    # never differentiated; it has no gradient and the runtime holds it as a buffer
+    buffer: bool = False
 
 
 @dataclass(frozen=True)

@@ -212,7 +212,8 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
         pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, S, chunks=N, device=q.device)
         order = torch.argsort(pos)                                      # row holding position p
         q, k, v = q[:, order], k[:, order], v[:, order]
-    out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, d))
+    dv = node.attr("v_head_dim", d)                                    # MLA: values narrower than q/k heads
+    out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv))
     if N > 1:
         out = out[:, pos]
     return tuple(out.chunk(N, dim=1)) if N > 1 else (out,)
@@ -222,9 +223,41 @@ def _swiglu_fwd(a, b):
     return F.silu(a) * b
 
 
-def _router_fwd(node: Node, x, w):
-    weights, _ = route(x.reshape(-1, x.shape[-1]), w, node.attr("top_k"), node.attr("normalize", True))
-    return weights
+def _route(node: Node, x, w, *bias):
+    """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
+    if node.attr("scoring", "softmax") == "softmax":
+        return route(_tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
+    if node.attr("scoring") != "sigmoid":
+        raise ValueError(f"node {node.name!r}: scoring={node.attr('scoring')!r} is not one of 'softmax', 'sigmoid'")
+    return route_sigmoid(_tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
+                         topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
+                         scale=node.attr("scale"))
+
+
+def route_sigmoid(x, w, bias, top_k: int, *, groups: int, topk_groups: int, normalize: bool, scale: float):
+    """DeepSeek-V3's router. x [T, h], w [E, h], bias [E] or None -> (weights [T, k], experts [T, k]).
+
+    scores = sigmoid(x w^T) in fp32; experts are chosen by scores + bias (selection only) among
+    the topk_groups best of ``groups`` equal expert groups (a group ranks by the sum of its two best
+    choice scores); their *unbiased* scores, renormalised to sum to 1 if normalize, times scale,
+    weigh them (the +1e-20 keeps the eager module's rounding)."""
+    scores = F.linear(x.float(), w.float()).sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    T, E = choice.shape
+    if groups > 1:
+        group_scores = choice.view(T, groups, E // groups).topk(2, dim=-1)[0].sum(-1)        # [T, groups]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], 1)
+        mask = keep.bool()[:, :, None].expand(T, groups, E // groups).reshape(T, E)
+        choice = choice.masked_fill(~mask, float("-inf"))
+    experts = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
+
+
+def _router_fwd(node: Node, x, w, *bias):
+    return _route(node, x, w, *bias)[0]
 
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
@@ -348,9 +381,7 @@ def _k_swiglu(ctx, node, ins, shapes):
 
 
 def _k_router(ctx, node, ins, shapes):
-    x, w = ins
-    weights, experts = route(_tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
-    return [weights, experts]
+    return list(_route(node, *ins))
 
 
 def _k_index_map(ctx, node, ins, shapes):
@@ -413,6 +444,51 @@ def _k_square_sum(ctx, node, ins, shapes):
 
 def _k_rmsnorm_sharded(ctx, node, ins, shapes):
     return [_rmsnorm_sharded_fwd(node, *ins)]
+
+
+def _mla_heads_fwd(ctx: RankContext, node: Node, q, kv, k_pe):
+    """q [b, S, Hl*(dn+dr)], kv [b, S, Hl*(dn+dv)], k_pe [b, S, dr] -> query, key [b, S, Hl*(dn+dr)],
+    value [b, S, Hl*dv]: query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) with the one
+    k_pe shared by every head. Interleaved RoPE (pairs 2i, 2i+1) equals rotate-half RoPE on the
+    de-interleaved vector (evens, then odds), which is also the layout it returns (as transformers')."""
+    Hl, dn, dr, dv = (node.attr(a) for a in ("heads", "nope_dim", "rope_dim", "v_dim"))
+    b, S = q.shape[:2]
+    q_nope, q_rot = q.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
+    k_nope, v = kv.view(b, S, Hl, dn + dv).split((dn, dv), dim=-1)
+    k_rot = k_pe.view(b, S, 1, dr)
+    if node.attr("interleave"):
+        q_rot, k_rot = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_rot, k_rot))
+    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
+                                node.attr("chunk", 0), node.attr("chunks", 1))
+    cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
+    q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
+    query = torch.cat((q_nope, q_rot), dim=-1).reshape(b, S, -1)
+    key = torch.cat((k_nope, k_rot.expand(b, S, Hl, dr)), dim=-1).reshape(b, S, -1)
+    return query, key, v.reshape(b, S, -1)
+
+
+def _k_mla_heads(ctx, node, ins, shapes):
+    return list(_mla_heads_fwd(ctx, node, *ins))
+
+
+def _k_mla_heads_dgrad(ctx, node, ins, shapes):
+    # the transpose of each forward step: RoPE rotates back (-sin, as ROPE's backward), the
+    # de-interleave is undone, k_pe's broadcast over the heads sums, the splits concatenate
+    q, dquery, dkey, dvalue = ins[0], *ins[3:]
+    Hl, dn, dr, dv = (node.attr(a) for a in ("heads", "nope_dim", "rope_dim", "v_dim"))
+    b, S = q.shape[:2]
+    dq_nope, dq_rot = dquery.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
+    dk_nope, dk_rot = dkey.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
+    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
+                                node.attr("chunk", 0), node.attr("chunks", 1))
+    cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
+    dq_rot = apply_rope(dq_rot, cos, -sin)
+    dk_rot = apply_rope(dk_rot.sum(2, keepdim=True), cos, -sin)                   # [b, S, 1, dr]
+    if node.attr("interleave"):                                                    # evens, odds -> pairs
+        dq_rot, dk_rot = (torch.stack(t.split(dr // 2, dim=-1), dim=-1).flatten(-2) for t in (dq_rot, dk_rot))
+    dq = torch.cat((dq_nope, dq_rot), dim=-1).reshape(b, S, -1)
+    dkv = torch.cat((dk_nope, dvalue.view(b, S, Hl, dv)), dim=-1).reshape(b, S, -1)
+    return [dq, dkv, dk_rot.reshape(b, S, dr)]
 
 
 def _k_grouped_gemm(ctx, node, ins, shapes):
@@ -497,13 +573,13 @@ def _k_swiglu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_dgrad(ctx, node, ins, shapes):
-    x, w, dweights = ins
-    return _pullback(lambda x_: _router_fwd(node, x_, w), (x,), (dweights,))
+    (x, w, *bias), dweights = ins[:-1], ins[-1]
+    return _pullback(lambda x_: _router_fwd(node, x_, w, *bias), (x,), (dweights,))
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    x, w, dweights = ins
-    return _pullback(lambda w_: _router_fwd(node, x, w_), (w,), (dweights,))
+    (x, w, *bias), dweights = ins[:-1], ins[-1]
+    return _pullback(lambda w_: _router_fwd(node, x, w_, *bias), (w,), (dweights,))
 
 
 def _k_permute_dgrad(ctx, node, ins, shapes):
@@ -604,4 +680,6 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.RMSNORM_SHARDED, Role.FORWARD): _k_rmsnorm_sharded,
     (OpKind.RMSNORM_SHARDED, Role.DGRAD): _k_rmsnorm_sharded_dgrad,
     (OpKind.RMSNORM_SHARDED, Role.WGRAD): _k_rmsnorm_sharded_wgrad,
+    (OpKind.MLA_HEADS, Role.FORWARD): _k_mla_heads,
+    (OpKind.MLA_HEADS, Role.DGRAD): _k_mla_heads_dgrad,
 }

@@ -26,7 +26,8 @@ from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.ir import Dims, Graph, Strategy, verify
 from moegraph.lowering import LoweringError, find_rule
-from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_moe, emit_rmsnorm
+from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
+                                      emit_mlp, emit_moe, emit_rmsnorm)
 
 
 # Fig 9 names, by order of appearance in a pre-norm layer; later ones get numbered.
@@ -120,6 +121,9 @@ def _enclosing(node: fx.Node, layer: nn.Module) -> str:
     return _module_name(stack[-1], type(layer.get_submodule(stack[-1]))) if stack else ""
 
 
+STEP_KINDS = {NormSpec: "norm", AttentionSpec: "attention", MLASpec: "attention", MoESpec: "moe", MLPSpec: "mlp"}
+
+
 @dataclass(frozen=True)
 class Step:
     """One call in the layer's forward: a block (by its spec) or a residual addition.
@@ -127,9 +131,9 @@ class Step:
     args index earlier steps' outputs; -1 is the layer input.
     """
 
-    kind: str                     # "norm" | "attention" | "moe" | "add"
+    kind: str                     # "norm" | "attention" | "moe" | "mlp" | "add"
     args: tuple[int, ...]
-    spec: NormSpec | AttentionSpec | MoESpec | None = None
+    spec: NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec | None = None
     module: str = ""
 
 
@@ -170,7 +174,10 @@ def extract_program(module: nn.Module) -> LayerProgram:
             spec = rule.spec(sub, node.target)
             unused.update(f"{node.target}.{name}" for name in rule.unused)
             x = node.args[0] if node.args else node.kwargs.get("hidden_states")
-            kind = {NormSpec: "norm", AttentionSpec: "attention", MoESpec: "moe"}[type(spec)]
+            kind = STEP_KINDS.get(type(spec))
+            if kind is None:
+                raise LoweringError(f"the rule for {node.target!r} returned a {type(spec).__name__}, not one of "
+                                    f"{', '.join(t.__name__ for t in STEP_KINDS)}")
             steps.append(Step(kind, (_index(index, x, node),), spec, node.target))
             index[node] = (len(steps) - 1, None) if getattr(spec, "tuple_output", False) else len(steps) - 1
         elif node.op == "call_function" and node.target in (operator.add, torch.add):
@@ -231,12 +238,23 @@ def _index(index, a, node) -> int:
 
 
 def dims_of(program: LayerProgram, batch: int, seq: int, n: int) -> Dims:
-    attn, moe = program.specs(AttentionSpec), program.specs(MoESpec)
-    if len(attn) != 1 or len(moe) != 1:
-        raise LoweringError(f"expected one attention and one MoE block per layer, found {len(attn)} and {len(moe)}")
-    a, e = attn[0], moe[0]
-    return Dims(b=batch, s=seq, h=e.hidden, n=n, k=e.top_k, heads=a.heads, kv_heads=a.kv_heads,
-                head_dim=a.head_dim, ffn=e.ffn_hidden, experts=e.experts)
+    """Layer sizes from its one attention block (GQA or MLA) and its one FFN block (MoE, or a dense
+    MLP: then k = experts = 0). MLA: kv_heads = heads (every head has its own k and v after the up
+    projection) and head_dim is the q/k head dim dn + dr."""
+    attn = program.specs(AttentionSpec) + program.specs(MLASpec)
+    moe, mlp = program.specs(MoESpec), program.specs(MLPSpec)
+    if len(attn) != 1 or len(moe) + len(mlp) != 1:
+        raise LoweringError(f"expected one attention block and one MoE or dense MLP block per layer, found "
+                            f"{len(attn)} attention, {len(moe)} MoE and {len(mlp)} MLP blocks")
+    a = attn[0]
+    heads, kv_heads, head_dim = ((a.heads, a.heads, a.qk_dim) if isinstance(a, MLASpec)
+                                 else (a.heads, a.kv_heads, a.head_dim))
+    if moe:
+        e = moe[0]
+        return Dims(b=batch, s=seq, h=e.hidden, n=n, k=e.top_k, heads=heads, kv_heads=kv_heads,
+                    head_dim=head_dim, ffn=e.ffn_hidden, experts=e.experts)
+    return Dims(b=batch, s=seq, h=mlp[0].hidden, n=n, k=0, heads=heads, kv_heads=kv_heads, head_dim=head_dim,
+                ffn=mlp[0].ffn_hidden, experts=0)
 
 
 def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> Graph:
@@ -252,15 +270,18 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> G
             norms += 1
             outs[i] = emit_rmsnorm(g, st.spec, x, name=nname, out=out, module=st.module, block="")
         elif st.kind == "attention":
-            outs[i] = emit_attention(g, st.spec, x, module=st.module)
+            emit = emit_mla if isinstance(st.spec, MLASpec) else emit_attention
+            outs[i] = emit(g, st.spec, x, module=st.module)
         elif st.kind == "moe":
             outs[i] = emit_moe(g, st.spec, x, module=st.module)
+        elif st.kind == "mlp":
+            outs[i] = emit_mlp(g, st.spec, x, module=st.module)
         elif st.kind == "add":
             nname, out = ADD_NAMES[adds] if adds < len(ADD_NAMES) else (f"add{adds + 1}", f"add{adds + 1}_out")
             adds += 1
             outs[i] = emit_add(g, x, outs[st.args[1]], name=nname, out=out, module="", block="")
         else:
-            raise LoweringError(f"unknown step kind {st.kind!r}; valid: norm, attention, moe, add")
+            raise LoweringError(f"unknown step kind {st.kind!r}; valid: norm, attention, moe, mlp, add")
     g.outputs.append(outs[program.output])
     _assign_block_of_unassigned(g)
     g.saved = {v for node in g.nodes for v in node.outputs} | {"hidden"}

@@ -79,6 +79,6 @@ def check_against_interpreter(layer: Any, module: nn.Module, x: torch.Tensor, dy
     lossy passes (compression), which change the function the graph computes on purpose."""
     from moegraph.interpreter import interpret
     y, dx, grads = compiled_step(layer, x, dy)
-    ref = interpret(layer.graph, {k: p.detach() for k, p in module.named_parameters()}, x, dy)
+    ref = interpret(layer.graph, {k: p.detach() for k, p in [*module.named_parameters(), *module.named_buffers()]}, x, dy)
     report = _grad_report({"<input>": (dx, ref.input_grad), **{k: (grads[k], g) for k, g in ref.param_grads.items()}})
     return {"max_rel_err_output": rel_err(y, ref.output), **report}

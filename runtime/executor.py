@@ -132,7 +132,8 @@ class Executor:
         keep = set(self.graph.outputs[1:])
         env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
         dx = env.get(self.input_grad_name) if self.input_grad_name else None
-        return dx, [env[self.graph.grad_of[p]] for p in self.param_names]
+        # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
+        return dx, [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
 
     # -- one phase -------------------------------------------------------------------------------
 

@@ -64,7 +64,10 @@ class CompiledLayer(nn.Module):
             shard = shard_param(spec, full_params, rank, n).detach().clone().contiguous()
             device = shard.device
             attr = _attr_name(pname, self._attr.values())
-            self.register_parameter(attr, nn.Parameter(shard))
+            if spec.buffer:          # read by the graph, never trained (DeepSeek-V3's router score bias)
+                self.register_buffer(attr, shard)
+            else:
+                self.register_parameter(attr, nn.Parameter(shard))
             self._attr[pname] = attr
         self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device or torch.device("cpu"),
                                  timeout_s=timeout_s)
@@ -96,12 +99,14 @@ class CompiledLayer(nn.Module):
         """
         out: dict[str, torch.Tensor] = {}
         for pname, spec in self.graph.params:
+            if spec.buffer:
+                continue
             p = self.shard(pname)
             for src in spec.sources:
                 if src.qualname not in out:
                     out[src.qualname] = p.new_zeros(self.full_shapes[src.qualname])
         for pname, spec in self.graph.params:
-            if spec.shard_dim is None and self.rank != 0:
+            if (spec.shard_dim is None and self.rank != 0) or spec.buffer:
                 continue
             g = self.shard(pname).grad
             if g is not None:
@@ -288,6 +293,8 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
         graph, _report = run_pipeline(graph, passes, cost=cost)
     full = {k: p.detach() for k, p in module.named_parameters()}
     odd = sorted({f"{p.device}/{p.dtype}" for p in full.values()} - {f"{x.device}/{x.dtype}"})
+    # buffers the graph reads (a router's score bias) keep their own dtype (transformers keeps it fp32)
+    full |= {k: t.detach() for k, t in module.named_buffers()}
     if odd:
         raise ValueError(f"module parameters live on {odd} but example_inputs is {x.device}/{x.dtype}: "
                          "move the module and the input to one device and dtype")

@@ -1,7 +1,7 @@
 """Rank functions for the runtime tests (spawned by moegraph.runtime.launch.spawn; importable by name).
 
 Each call checks several cases on one process group, because starting ranks costs seconds.
-A case is a dict: model ('ref' | 'hf' | 'qwen2_moe' | 'olmoe'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
+A case is a dict: model ('ref' | 'hf' | 'qwen2_moe' | 'olmoe' | 'deepseek_v3' | 'deepseek_v3_dense'), attn, ffn, dispatch, and optionally passes, schedule, hardware,
 emulate / native (collectives to emulate, or to run with the backend's own op), reference
 ('eager', default, or 'interpreter' for lossy passes), fault (a deliberate bug the check must
 catch).
@@ -77,8 +77,45 @@ def olmoe_layer(seed: int, **overrides):
                                 "num_hidden_layers": 1}, overrides)
 
 
+def deepseek_v3_layer(seed: int, layer_idx: int = 1, **overrides):
+    """DeepSeek-V3: MLA (q rank 24, kv rank 16, q/k heads 12+8 wide, v heads 16), 8 experts in 4 groups,
+    top-3 of the best 2 groups, sigmoid scores with a random score-correction bias, scaling 2.5,
+    one shared expert. layer_idx < first_k_dense_replace (1) is a dense layer."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    cfg = DeepseekV3Config(**{"hidden_size": H, "num_attention_heads": 8, "num_key_value_heads": 8, "rms_norm_eps": 1e-5,
+                              "attn_implementation": "sdpa", "intermediate_size": 48, "moe_intermediate_size": 32,
+                              "n_routed_experts": 8, "num_experts_per_tok": 3, "n_group": 4, "topk_group": 2,
+                              "n_shared_experts": 1, "routed_scaling_factor": 2.5, "q_lora_rank": 24,
+                              "kv_lora_rank": 16, "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 16,
+                              "first_k_dense_replace": 1, "num_hidden_layers": 2} | overrides)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    layer = m.DeepseekV3DecoderLayer(cfg, layer_idx)
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for b in layer.buffers():               # the score-correction bias: random, so it changes the choice
+        torch.nn.init.normal_(b, std=0.2)
+    rotary = m.DeepseekV3RotaryEmbedding(cfg)
+
+    def call(module, x):
+        cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+        return module(x, position_embeddings=cos_sin, attention_mask=None)
+    return layer, call
+
+
 LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer,
-          "olmoe": olmoe_layer}
+          "olmoe": olmoe_layer, "deepseek_v3": deepseek_v3_layer,
+          "deepseek_v3_dense": lambda seed: deepseek_v3_layer(seed, layer_idx=0),
+          "deepseek_v3_skewed": lambda seed: _skewed(deepseek_v3_layer(seed))}
+
+
+def _skewed(layer_call):
+    """Score biases that send every token to experts 0-2: under ep on 2 ranks, rank 1's experts get no row."""
+    layer, call = layer_call
+    with torch.no_grad():
+        layer.mlp.gate.e_score_correction_bias.copy_(torch.tensor([10.0, 10.0, 10.0, 0, 0, 0, 0, 0]))
+    return layer, call
 
 
 def _apply_fault(layer, fault: str | None) -> None:

@@ -3,6 +3,8 @@ eager transformers module, output, input gradient and every parameter gradient.
 
 Qwen2-MoE: q/k/v biases, an unnormalised top-k router, a sigmoid-gated dense shared expert.
 OLMoE: q/k RMSNorm over the full projection width (a cross-rank reduction under attention tp).
+DeepSeek-V3: multi-head latent attention, a sigmoid grouped router with a score-correction bias
+(a buffer), a shared expert, and dense first layers.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ def check(layer, call, strategy, rng, passes=""):
     graph = trace_module(layer, strategy, batch=B, seq=S)
     if passes:
         graph, _ = run_pipeline(graph, passes, cost=CostModel(load_hardware("h800")))
-    res = interpret(graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
+    res = interpret(graph, {k: t.detach() for k, t in [*layer.named_parameters(), *layer.named_buffers()]}, x, dy)
     assert rel_err(res.output, y_ref) < TOL
     assert rel_err(res.input_grad, dx_ref) < TOL
     assert set(res.param_grads) == set(grads_ref)
@@ -58,7 +60,7 @@ def _seed(rng) -> int:
 
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
 @pytest.mark.parametrize("n", [1, 2, 4])
-@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v3_dense"])
 def test_family_matches_eager(family, attn, ffn, dispatch, n, rng):
     layer, call = workers.LAYERS[family](_seed(rng))
     check(layer, call, Strategy(attn, ffn, dispatch, n, dtype="fp32"), rng)
@@ -92,14 +94,16 @@ def test_qwen2_moe_variants_normalised_router_and_no_biases(rng):
     assert not any(nd.op is OpKind.BIAS for nd in graph.nodes)
 
 
-def test_the_shared_expert_does_not_wait_for_the_dispatch():
+@pytest.mark.parametrize("family,ops", [("qwen2_moe", {OpKind.GEMM, OpKind.SWIGLU, OpKind.SIGMOID_GATE}),
+                                        ("deepseek_v3", {OpKind.GEMM, OpKind.SWIGLU})])
+def test_the_shared_expert_does_not_wait_for_the_dispatch(family, ops):
     """Its forward GEMMs depend on the block input only, so a scheduler may overlap them with the
     dispatch all-to-all (Megatron-Core's shared-expert overlap)."""
-    layer, _ = workers.qwen2_moe_layer(0)
+    layer, _ = workers.LAYERS[family](0)
     g = trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
     shared = [nd for nd in g.nodes if nd.phase is Phase.FORWARD and nd.name.startswith("shared_")
               and nd.name != "shared_add"]
-    assert {nd.op for nd in shared} >= {OpKind.GEMM, OpKind.SWIGLU, OpKind.SIGMOID_GATE}
+    assert {nd.op for nd in shared} == ops
 
     def upstream(node, seen=None):
         seen = set() if seen is None else seen
@@ -114,11 +118,85 @@ def test_the_shared_expert_does_not_wait_for_the_dispatch():
     assert upstream(g.node["shared_add"]) & dispatch           # the sum does wait for the combine
 
 
-def test_qwen2_moe_dense_layer_is_named():
-    from moegraph.lowering import LoweringError
-    layer, _ = workers.qwen2_moe_layer(0, mlp_only_layers=[0])
-    with pytest.raises(LoweringError, match=r"'mlp' \(transformers\.models\.qwen2_moe\.modeling_qwen2_moe\.Qwen2MoeMLP\)"):
-        trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
+@pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs")])
+def test_qwen2_moe_dense_layer_matches_eager(attn, ffn, dispatch, rng):
+    """mlp_only_layers: a Qwen2MoeMLP instead of the MoE block (no router, no dispatch)."""
+    layer, call = workers.qwen2_moe_layer(_seed(rng), mlp_only_layers=[0])
+    graph = check(layer, call, Strategy(attn, ffn, dispatch, 2, dtype="fp32"), rng)
+    assert graph.dims.experts == 0 and not any(nd.op is OpKind.ROUTER for nd in graph.nodes)
+
+
+@pytest.mark.parametrize("family,attn,ffn,dispatch", [("deepseek_v3", "tp", "ep", "a2a"),
+                                                      ("deepseek_v3_dense", "sp", "tp", "ag-rs")])
+def test_deepseek_v3_through_the_default_passes_and_chunks(family, attn, ffn, dispatch, rng):
+    layer, call = workers.LAYERS[family](_seed(rng))
+    graph = check(layer, call, Strategy(attn, ffn, dispatch, 2, dtype="fp32"), rng,
+                  passes="gate-reorder,chunk=2,sar=paper")
+    assert graph.strategy.chunks == 2
+    assert sum(nd.op is OpKind.MLA_HEADS and nd.phase is Phase.FORWARD for nd in graph.nodes) == 2   # one per chunk
+
+
+def test_deepseek_v3_variants_direct_q_projection_rotate_half_rope_one_group(rng):
+    """q_lora_rank=None (a plain q_proj, as DeepSeek-V2-Lite), rope_interleave=False, n_group=1,
+    no renormalisation of the top-k scores."""
+    layer, call = workers.deepseek_v3_layer(_seed(rng), q_lora_rank=None, rope_interleave=False, n_group=1,
+                                            topk_group=1, norm_topk_prob=False)
+    check(layer, call, Strategy("tp", "ep", "ag-rs", 2, dtype="fp32"), rng)
+
+
+@pytest.mark.parametrize("layer_idx", [0, 60])
+def test_deepseek_v3_at_its_real_size_lowers(layer_idx):
+    """transformers' default DeepseekV3Config is DeepSeek-V3 671B (arXiv 2412.19437 §4.2): h=7168,
+    128 heads, q/kv ranks 1536/512, q/k heads 128+64 wide, v heads 128; the first 3 layers dense
+    (h_ffn 18432), the rest 256 routed experts (h_ffn 2048), top-8 of the best 4 of 8 groups, scores
+    scaled by 2.5, one shared expert. Traced on the meta device (nothing allocated)."""
+    from transformers import DeepseekV3Config
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+    with torch.device("meta"):
+        layer = m.DeepseekV3DecoderLayer(DeepseekV3Config(), layer_idx)
+    n, s = 8, 4096
+    g = trace_module(layer, Strategy("sp", "ep", "a2a", n), batch=1, seq=s)
+    assert (g.dims.h, g.dims.heads, g.dims.head_dim) == (7168, 128, 192)
+    assert g.value["q_b_proj.weight"].shape == (128 * 192, 1536) and g.value["kv_b_proj.weight"].shape == (128 * 256, 512)
+    # Ulysses in: q and k 192 wide, v 128 wide per head, bf16, (n-1)/n of this rank's s/n tokens
+    assert g.node["qkv_a2a"].comm_bytes == (n - 1) * (s // n) * 128 * (2 * 192 + 128) * 2 // n
+    if layer_idx == 0:
+        assert (g.dims.experts, g.dims.k, g.dims.ffn) == (0, 0, 18432)
+        assert not any(nd.op in (OpKind.ROUTER, OpKind.GROUPED_GEMM) for nd in g.nodes)
+    else:
+        assert (g.dims.experts, g.dims.k, g.dims.ffn) == (256, 8, 2048)
+        router = g.node["router"]
+        assert (router.attr("scoring"), router.attr("groups"), router.attr("topk_groups"), router.attr("scale")) == \
+            ("sigmoid", 8, 4, 2.5)
+        assert g.value["shared.w1"].shape == (2048, 7168)
+
+
+def test_deepseek_v3_router_bias_is_a_buffer_read_for_the_choice_only():
+    layer, _ = workers.deepseek_v3_layer(0)
+    g = trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=B, seq=S)
+    assert g.param_spec["router.score_bias"].buffer and "router.score_bias" not in g.grad_of
+    assert g.node["router"].inputs[2] == "router.score_bias"
+    assert not any("router.score_bias" in nd.outputs for nd in g.nodes)
+
+
+@pytest.mark.parametrize("attn,n", [("sp", 2), ("sp", 4), ("tp", 2)])
+def test_mla_communication_follows_the_architecture(attn, n):
+    """Ulysses moves each head's query and key (dn + dr wide) and value (dv wide): per rank
+    (n-1)/n of b*(s/n)*H*(2(dn+dr) + dv) elements each way in, H*dv back. Under tp the replicated
+    down projections' and norms' gradients are all-reduced and the heads never move."""
+    layer, _ = workers.deepseek_v3_layer(0)
+    g = trace_module(layer, Strategy(attn, "ep", "a2a", n, dtype="fp32"), batch=B, seq=S)
+    heads, dn, dr, dv = 8, 12, 8, 16
+    if attn == "sp":
+        assert g.node["qkv_a2a"].comm_bytes == (n - 1) * B * (S // n) * heads * (2 * (dn + dr) + dv) * 4 // n
+        assert g.node["attn_a2a"].comm_bytes == (n - 1) * B * S * heads * dv * 4 // n // n
+    else:
+        assert not any(nd.op is OpKind.ALL_TO_ALL and nd.block == "attention" for nd in g.nodes)
+        reduced = {nd.name for nd in g.nodes if nd.op is OpKind.ALL_REDUCE}
+        for p in ("q_a_proj.weight", "kv_a_proj.weight", "q_a_norm.weight", "kv_a_norm.weight"):
+            assert f"{p}.grad_allreduce" in reduced
+        assert g.value["q_b_proj.weight"].shape == (heads // n * (dn + dr), 24)    # cut by heads
+    assert g.value["v_heads"].shape[-1] * (dn + dr) == g.value["q_heads"].shape[-1] * dv
 
 
 def test_families_compiled_on_two_gloo_ranks_match_eager():
@@ -126,9 +204,23 @@ def test_families_compiled_on_two_gloo_ranks_match_eager():
     from moegraph.runtime.launch import spawn
     seed = int.from_bytes(os.urandom(3), "little")
     cases = [dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
-             dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper")]
+             dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper"),
+             dict(attn="tp", ffn="ep", dispatch="a2a", model="deepseek_v3", passes="gate-reorder,sar=paper"),
+             dict(attn="sp", ffn="tp", dispatch="ag-rs", model="deepseek_v3_dense"),
+             dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed")]   # rank 1 sends no rows back
     results, _ = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
-    for res, ops in zip(results, ({"bias", "sigmoid_gate"}, {"square_sum", "rmsnorm_sharded", "all_reduce"})):
+    assert len(results) == len(cases)
+    for res, ops in zip(results, ({"bias", "sigmoid_gate"}, {"square_sum", "rmsnorm_sharded", "all_reduce"},
+                                  {"mla_heads", "router", "all_to_all"}, {"mla_heads", "reduce_scatter"},
+                                  {"all_to_all"})):
         assert res["max_rel_err_output"] < TOL, res
         assert res["max_rel_err_grads"] < TOL, res
         assert ops <= set(res["ops"]), res
+
+
+def test_the_interpreter_names_a_buffer_it_was_not_given():
+    layer, _ = workers.deepseek_v3_layer(0)
+    g = trace_module(layer, Strategy("sp", "ep", "a2a", 2, dtype="fp32"), batch=B, seq=S)
+    x = torch.randn(B, S, H)
+    with pytest.raises(ValueError, match=r"^params lacks mlp\.gate\.e_score_correction_bias: pass every parameter"):
+        interpret(g, dict(layer.named_parameters()), x, x)

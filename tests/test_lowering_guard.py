@@ -272,3 +272,31 @@ def test_a_fused_parameter_read_only_in_part_is_named():
     layer = small_layer(2)
     layer.moe = HalfFusedMoE(64, 96, 8, 3)
     assert "does not read moe.w1 (only partly), moe.w3, moe.w2 (only partly):" in lowering_error(layer)
+
+
+# -- DeepSeek-V3: what its rules do not model is named --------------------------------------
+
+def test_deepseek_v3_attention_bias_is_named():
+    import runtime_workers as workers
+    layer, _ = workers.deepseek_v3_layer(0, attention_bias=True)
+    assert lowering_error(layer).startswith("self_attn (DeepseekV3Attention): config.attention_bias=True ")
+
+
+def test_deepseek_v3_attention_overriding_expand_kv_names_it():
+    import runtime_workers as workers
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    class OtherExpansion(ds.DeepseekV3Attention):
+        def expand_kv(self, kv_nope, k_rot):
+            return super().expand_kv(kv_nope, k_rot * 2)
+    layer, _ = workers.deepseek_v3_layer(0)
+    layer.self_attn = OtherExpansion(layer.self_attn.config, 1)
+    assert "OtherExpansion) subclasses DeepseekV3Attention but overrides expand_kv" in lowering_error(layer)
+
+
+def test_deepseek_v3_yarn_rope_is_named():
+    import runtime_workers as workers
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
+            "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+    layer, _ = workers.deepseek_v3_layer(0, rope_parameters=yarn)
+    assert lowering_error(layer) == "self_attn (DeepseekV3Attention): rope_type 'yarn' is not supported (only 'default')"

@@ -23,9 +23,9 @@ from typing import Callable, Mapping
 
 from torch import nn
 
-from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec
+from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
 
-BlockSpec = NormSpec | AttentionSpec | MoESpec
+BlockSpec = NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec
 SpecRule = Callable[[nn.Module, str], BlockSpec]
 
 
@@ -112,6 +112,6 @@ def _load_families() -> None:
     _FAMILIES_LOADED = True
     from moegraph.lowering import reference  # noqa: F401
     try:
-        from moegraph.lowering import hf_mixtral, hf_olmoe, hf_qwen2_moe  # noqa: F401
+        from moegraph.lowering import hf_deepseek_v3, hf_mixtral, hf_olmoe, hf_qwen2_moe  # noqa: F401
     except ImportError:          # transformers not installed: its modules simply have no rule
         pass

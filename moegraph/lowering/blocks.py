@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Literal
 
 from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
@@ -71,15 +72,49 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
-class SharedExpertSpec:
-    """A dense SwiGLU expert every token goes through, beside the routed ones (Qwen2-MoE,
-    DeepSeekMoE), optionally scaled by sigmoid(x @ gate.T) per token (Qwen2-MoE)."""
+class MLPSpec:
+    """A dense SwiGLU MLP: a dense layer's FFN (DeepSeek-V3's first_k_dense_replace layers), or
+    the shared expert every token goes through beside the routed ones (Qwen2-MoE, DeepSeekMoE),
+    then optionally scaled by sigmoid(x @ gate.T) per token (Qwen2-MoE)."""
 
     w1: ParamSource           # [f_s, h] gate projection
     w3: ParamSource           # [f_s, h] up projection
     w2: ParamSource           # [h, f_s] down projection
     ffn_hidden: int           # f_s
+    hidden: int               # h
     gate: ParamSource | None = None   # [1, h]
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token x [h]:
+        q  = q_b(norm_q(q_a(x)))  (or q(x) without a q rank)     [H*(dn+dr)], per head (q_nope, q_rot)
+        kv_a(x) = (c [r_kv], k_pe [dr]);  kv = kv_b(norm_kv(c))  [H*(dn+dv)], per head (k_nope, v)
+        query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) (k_pe shared by every head)
+        out = o(causal attention(query, key, value))             [h]
+    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5."""
+
+    q: ParamSource | None     # [H*(dn+dr), h]  when q is projected directly (q_rank None)
+    q_a: ParamSource | None   # [r_q, h]
+    q_norm: NormSpec | None   # over r_q
+    q_b: ParamSource | None   # [H*(dn+dr), r_q]
+    kv_a: ParamSource         # [r_kv + dr, h]
+    kv_norm: NormSpec         # over r_kv
+    kv_b: ParamSource         # [H*(dn+dv), r_kv]
+    o: ParamSource            # [h, H*dv]
+    heads: int                # H
+    nope_dim: int             # dn
+    rope_dim: int             # dr
+    v_dim: int                # dv
+    q_rank: int | None        # r_q
+    kv_rank: int              # r_kv
+    rope_theta: float
+    rope_interleave: bool     # RoPE pairs (2i, 2i+1) instead of (i, i + dr/2)
+    tuple_output: bool = True
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
 
 
 @dataclass(frozen=True)
@@ -92,8 +127,16 @@ class MoESpec:
     top_k: int
     ffn_hidden: int
     hidden: int
-    normalize: bool = True    # renormalise the top-k softmax weights to sum to 1 (Mixtral; not Qwen2-MoE)
-    shared: SharedExpertSpec | None = None
+    normalize: bool = True    # renormalise the top-k weights to sum to 1 (Mixtral; not Qwen2-MoE)
+    shared: MLPSpec | None = None
+    # DeepSeek-V3's router: sigmoid scores; experts chosen by score + score_bias (a buffer, used
+    # for the choice only) among the best topk_groups of `groups` expert groups (a group ranked by
+    # its two best scores); the chosen scores (renormalised if normalize) times `scale` weigh them
+    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    score_bias: ParamSource | None = None     # [E]
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -219,9 +262,9 @@ def emit_add(g: GraphBuilder, a: str, b: str, *, name: str, out: str, module: st
 def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str) -> str:
     """Attention with RoPE and GQA under attn='tp' (Megatron TP + SP norms) or 'sp' (Ulysses)."""
     check_layout(g)
-    n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
+    n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, G, d = spec.heads, spec.kv_heads, spec.head_dim
-    b, s, h = g.dims.b, g.dims.s, g.dims.h
+    b, h = g.dims.b, g.dims.h
     Hl, Gl = (H // n, G // n) if tp else (H, G)          # heads this rank's QKV projection produces
     kw = dict(module=module, block=ATTN)
 
@@ -234,52 +277,171 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     w_qk = tuple(None if ns is None else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
                                                  ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
-    rope_attrs = {"head_dim": d, "theta": spec.rope_theta, "positions": "full" if tp else "shard"}
-    if N > 1:
-        rope_attrs["chunks"] = N
+    rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g)
     qs, ks, vs = [], [], []
-    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
+    for c, x_in in _attention_chunks(g, x, kw):
+        qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
+        if b_qkv is not None:
+            biased = g.like(f"qkv_biased{c}", qkv)
+            g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
+            qkv = biased
+        S = g.shape(qkv)[1]
+        q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
+        k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
+        v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
+        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
+               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
+        if spec.q_norm is not None:
+            q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
+        if spec.k_norm is not None:
+            k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
+        q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
+        g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
+               attrs=rope_attrs, **kw)
+        qa, ka, va = _ulysses_in(g, q_rope, k_rope, v, c, kw)
+        qs.append(qa), ks.append(ka), vs.append(va)
+    return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw)
+
+
+def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
+    """Multi-head latent attention (see MLASpec) under attn='tp' or 'sp'; r_q, r_kv: the q and kv ranks,
+    dq = dn + dr the q/k head dim, dv the value head dim.
+
+    The down projections q_a [r_q, h] and kv_a [r_kv + dr, h] and their norms are replicated: under
+    tp every rank computes the latents of all gathered tokens (as Megatron-Core's MLA does), so their
+    gradients are partial per rank and all-reduced like the norms'. The up projections q_b, kv_b
+    are cut by heads (tp) and o by its input columns; under sp every rank runs the whole block on
+    its own tokens and Ulysses moves heads as for plain attention. MLA_HEADS assembles each head's
+    query (q_nope, rope(q_rot)), key (k_nope, rope(k_pe)) and value.
+    """
+    check_layout(g)
+    n, tp = g.strategy.n, g.strategy.attn == "tp"
+    H, dn, dr, dv, dq = spec.heads, spec.nope_dim, spec.rope_dim, spec.v_dim, spec.qk_dim
+    h = g.dims.h
+    Hl = H // n if tp else H
+    kw = dict(module=module, block=ATTN)
+    rep = lambda name, shape, src: g.param(name, shape, ParamSpec((src,), shard_dim=None))  # noqa: E731
+    by_heads = lambda name, shape, src: g.param(name, shape, ParamSpec((src,), shard_dim=0 if tp else None))  # noqa: E731
+    if spec.q_rank is None:
+        w_q = by_heads("q_proj.weight", (Hl * dq, h), spec.q)
+    else:
+        w_qa = rep("q_a_proj.weight", (spec.q_rank, h), spec.q_a)
+        w_qn = rep("q_a_norm.weight", (spec.q_rank,), spec.q_norm.weight)
+        w_qb = by_heads("q_b_proj.weight", (Hl * dq, spec.q_rank), spec.q_b)
+    w_kva = rep("kv_a_proj.weight", (spec.kv_rank + dr, h), spec.kv_a)
+    w_kvn = rep("kv_a_norm.weight", (spec.kv_rank,), spec.kv_norm.weight)
+    w_kvb = by_heads("kv_b_proj.weight", (Hl * (dn + dv), spec.kv_rank), spec.kv_b)
+    heads_attrs = {"heads": Hl, "nope_dim": dn, "rope_dim": dr, "v_dim": dv, "theta": spec.rope_theta,
+                   "interleave": spec.rope_interleave} | _position_attrs(g)
+    qs, ks, vs = [], [], []
+    for c, x_in in _attention_chunks(g, x, kw):
+        if spec.q_rank is None:
+            q = emit_gemm(g, f"q_proj{c}", x_in, w_q, f"q{c}", **kw)                       # [b, S, Hl*dq]
+        else:
+            cq = emit_gemm(g, f"q_a_proj{c}", x_in, w_qa, f"q_latent{c}", **kw)            # [b, S, r_q]
+            cq = _emit_width_norm(g, spec.q_norm, cq, f"q_a_norm{c}", w_qn, spec.q_rank, kw)
+            q = emit_gemm(g, f"q_b_proj{c}", cq, w_qb, f"q{c}", **kw)                      # [b, S, Hl*dq]
+        ckv = emit_gemm(g, f"kv_a_proj{c}", x_in, w_kva, f"kv_latent_pe{c}", **kw)         # [b, S, r_kv+dr]
+        b, S = g.shape(ckv)[:2]
+        ckv_c = g.value(f"kv_latent{c}", (b, S, spec.kv_rank), alias_of=ckv)
+        k_pe = g.value(f"k_pe{c}", (b, S, dr), alias_of=ckv)
+        g.node(f"kv_a_split{c}", OpKind.SPLIT, (ckv,), (ckv_c, k_pe), mem_bytes=0,
+               attrs={"dim": 2, "sizes": (spec.kv_rank, dr)}, **kw)
+        ckv_c = _emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
+        kv = emit_gemm(g, f"kv_b_proj{c}", ckv_c, w_kvb, f"kv{c}", **kw)                   # [b, S, Hl*(dn+dv)]
+        qh, kh = g.value(f"q_heads{c}", (b, S, Hl * dq)), g.value(f"k_heads{c}", (b, S, Hl * dq))
+        vh = g.value(f"v_heads{c}", (b, S, Hl * dv))
+        g.node(f"mla_heads{c}", OpKind.MLA_HEADS, (q, kv, k_pe), (qh, kh, vh),
+               flops=3 * b * S * (Hl + 1) * dr, attrs=heads_attrs, **kw)                    # RoPE; the rest moves
+        qa, ka, va = _ulysses_in(g, qh, kh, vh, c, kw)
+        qs.append(qa), ks.append(ka), vs.append(va)
+    return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=dq, v_dim=dv, kw=kw)
+
+
+def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
+    """A dense layer's SwiGLU MLP: [b, s/n, h] -> [b, s/n, h]. There is no router and no dispatch.
+
+    ffn='tp': Megatron tensor parallelism with sequence-parallel edges: all-gather the tokens,
+    column-parallel w1/w3 ([f/n, h] per rank), row-parallel w2 ([h, f/n]), reduce-scatter.
+    ffn='ep' (no experts to place): every rank runs the whole MLP on its own tokens with replicated
+    weights whose gradients are all-reduced, like the shared expert (``dispatch`` plays no part).
+    """
+    check_layout(g)
+    if spec.gate is not None:
+        raise ConfigError(f"{module}: a dense layer MLP with a sigmoid gate is not supported")
+    kw = dict(module=module, block=FFN)
+    if g.strategy.ffn != "tp":
+        return _emit_shared_expert(g, spec, x, kw, prefix="mlp")
+    N, h, f = g.strategy.chunks, g.dims.h, spec.ffn_hidden // g.strategy.n
+    w1 = g.param("mlp.w1", (f, h), ParamSpec((spec.w1,), shard_dim=0))
+    w3 = g.param("mlp.w3", (f, h), ParamSpec((spec.w3,), shard_dim=0))
+    w2 = g.param("mlp.w2", (h, f), ParamSpec((spec.w2,), shard_dim=1))
+    out_full = g.value("ffn_out", g.shape(x)) if N > 1 else None
+    outs = []
+    for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
         with _chunk(g, j, N) as c:
-            x_in = emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj  # -> [b, nL, h]
-            qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
-            if b_qkv is not None:
-                biased = g.like(f"qkv_biased{c}", qkv)
-                g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
-                qkv = biased
-            S = g.shape(qkv)[1]
-            q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
-            k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
-            v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
-            g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-                   attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
-            if spec.q_norm is not None:
-                q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
-            if spec.k_norm is not None:
-                k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
-            q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
-            g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
-                   attrs=rope_attrs, **kw)
-            if tp or n == 1:
-                qa, ka, va = q_rope, k_rope, v
-            else:
-                # Ulysses: split heads, gather sequence. [b, L, X*d] -> [b, nL, X/n*d] for X in (H, G, G)
-                qa = g.value(f"q_a2a{c}", (b, S * n, H // n * d))
-                ka = g.value(f"k_a2a{c}", (b, S * n, G // n * d))
-                va = g.value(f"v_a2a{c}", (b, S * n, G // n * d))
-                g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q_rope, k_rope, v), (qa, ka, va),
-                             full_bytes=g.nbytes(q_rope, k_rope, v),
-                             attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
-            qs.append(qa), ks.append(ka), vs.append(va)
-    # either way each rank attends over H/n heads and the whole sequence: [b, s, H/n*d] in N chunks
-    attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * d)) for j in range(N)]
-    g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs), tuple(attns), flops=2 * b * s * s * (H // n) * d,
-           attrs={"head_dim": d, "causal": True} | ({"chunks": N} if N > 1 else {}), **kw)
+            name, alias = _chunk_out(g, "ffn_out", j)
+            x_in = emit_all_gather(g, f"ln2_ag{c}", xj, f"ln2_out_ag{c}", dim=1, **kw)      # [b, nL, h]
+            a = emit_gemm(g, f"fc1{c}", x_in, w1, f"fc1_out{c}", **kw)                       # [b, nL, f/n]
+            u = emit_gemm(g, f"fc3{c}", x_in, w3, f"fc3_out{c}", **kw)
+            act = g.like(f"fc2_in{c}", a)
+            g.node(f"swiglu{c}", OpKind.SWIGLU, (a, u), (act,), flops=5 * _numel(g, a), **kw)
+            if g.strategy.n == 1:
+                outs.append(emit_gemm(g, f"fc2{c}", act, w2, name, alias_of=alias, **kw))
+                continue
+            partial = emit_gemm(g, f"fc2{c}", act, w2, f"fc2_out{c}", **kw)                  # [b, nL, h] partial
+            outs.append(emit_reduce_scatter(g, f"ffn_rs{c}", partial, name, dim=1, alias_of=alias, **kw))
+    return _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+
+
+def _position_attrs(g: GraphBuilder) -> dict:
+    """Where the rows a RoPE kernel sees sit in the sequence (kernels.chunk_positions): tp gathers
+    the whole sequence, sp keeps this rank's shard; chunked, each chunk says which it is."""
+    return {"positions": "full" if g.strategy.attn == "tp" else "shard"} | (
+        {"chunks": g.strategy.chunks} if g.strategy.chunks > 1 else {})
+
+
+def _attention_chunks(g: GraphBuilder, x: str, kw: dict):
+    """Yield (suffix, tokens) per token chunk of the block input, with the chunk's nodes tagged
+    while the caller emits them: [b, s/n, h] -> N x [b, L, h], all-gathered to [b, nL, h] under tp."""
+    for j, xj in enumerate(_split_chunks(g, "ln1_split", x, **kw)):
+        with _chunk(g, j, g.strategy.chunks) as c:
+            tp = g.strategy.attn == "tp"
+            yield c, (emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj)
+
+
+def _ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tuple[str, str, str]:
+    """Under attn='sp' (Ulysses) split heads, gather sequence: [b, L, X*d] -> [b, nL, X/n*d] for each
+    of q, k, v; under 'tp' (heads already split) or n = 1 nothing moves."""
+    n = g.strategy.n
+    if g.strategy.attn == "tp" or n == 1:
+        return q, k, v
+    outs = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        b, S, X = g.shape(t)
+        outs.append(g.value(f"{name}_a2a{c}", (b, S * n, X // n)))
+    g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q, k, v), tuple(outs), full_bytes=g.nbytes(q, k, v),
+                 attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
+    return tuple(outs)
+
+
+def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[str], o: ParamSource, *,
+                        heads: int, qk_dim: int, v_dim: int, kw: dict) -> str:
+    """Causal attention over H/n heads and the whole sequence (N chunks each of q, k, v:
+    [b, s/N, H/n*d_qk], ..., [b, s/N, H/n*d_v]), then the output projection back to this rank's
+    sequence shard [b, s/n, h] (tp: a reduce-scatter of partial sums; sp: Ulysses back first)."""
+    n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
+    b, s, h = g.dims.b, g.dims.s, g.dims.h
+    H, d, dv = heads, qk_dim, v_dim
+    Hl = H // n if tp else H
+    attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * dv)) for j in range(N)]
+    attrs = {"head_dim": d, "causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
+    # QK^T and PV over the causal half: (d + dv) b s^2 H/n
+    g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs), tuple(attns), flops=b * s * s * (H // n) * (d + dv),
+           attrs=attrs, **kw)
     out_full = g.value("attn_out", (b, s // n, h)) if N > 1 else None
     outs = []
-    if tp:
-        w_o = g.param("o_proj.weight", (h, Hl * d), ParamSpec((spec.o,), shard_dim=1))
-    else:
-        w_o = g.param("o_proj.weight", (h, H * d), ParamSpec((spec.o,), shard_dim=None))
+    w_o = g.param("o_proj.weight", (h, Hl * dv), ParamSpec((o,), shard_dim=1 if tp else None))
     for j, attn in enumerate(attns):
         with _chunk(g, j, N) as c:
             name, alias = _chunk_out(g, "attn_out", j)
@@ -294,7 +456,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
             attn_a2a = attn
             if n > 1:
                 # Ulysses back: split sequence, gather heads. [b, nL, H/n*d] -> [b, L, H*d]
-                attn_a2a = g.value(f"attn_a2a{c}", (b, s // n // N, H * d))
+                attn_a2a = g.value(f"attn_a2a{c}", (b, s // n // N, H * dv))
                 g.collective(f"attn_a2a{c}", OpKind.ALL_TO_ALL, (attn,), (attn_a2a,),
                              full_bytes=g.nbytes(attn),
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
@@ -331,6 +493,10 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     N = g.strategy.chunks
     kw = dict(module=module, block=FFN)
     w_router = g.param("router.weight", (spec.experts, g.dims.h), ParamSpec((spec.router,), shard_dim=None))
+    router_ins: tuple[str, ...] = (w_router,)
+    if spec.score_bias is not None:   # a buffer: read for the expert choice, never differentiated
+        router_ins += (g.param("router.score_bias", (spec.experts,),
+                               ParamSpec((spec.score_bias,), shard_dim=None, buffer=True)),)
     ep = g.strategy.ffn == "ep"
     El, Fl = (spec.experts // g.strategy.n, spec.ffn_hidden) if ep else (spec.experts, spec.ffn_hidden // g.strategy.n)
     weights = (g.param("w1", (El, Fl, g.dims.h), ParamSpec((spec.w1,), shard_dim=0 if ep else 1)),
@@ -340,7 +506,7 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     outs = []
     for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
         with _chunk(g, j, N) as c:
-            outs.append(_emit_moe_chunk(g, spec, xj, w_router, weights, El, c, j, kw))
+            outs.append(_emit_moe_chunk(g, spec, xj, router_ins, weights, El, c, j, kw))
     routed = _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
     if spec.shared is None:
         return routed
@@ -350,7 +516,7 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     return y
 
 
-def _emit_shared_expert(g: GraphBuilder, spec: SharedExpertSpec, x: str, kw: dict) -> str:
+def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix: str = "shared") -> str:
     """The dense shared expert on this rank's own tokens: [b, s/n, h] -> [b, s/n, h].
 
     Sequence-parallel with replicated weights (their gradients are all-reduced, as the norms'):
@@ -360,13 +526,13 @@ def _emit_shared_expert(g: GraphBuilder, spec: SharedExpertSpec, x: str, kw: dic
     """
     h, f = g.dims.h, spec.ffn_hidden
     rep = lambda src, shape, name: g.param(name, shape, ParamSpec((src,), shard_dim=None))  # noqa: E731
-    w1, w3 = rep(spec.w1, (f, h), "shared.w1"), rep(spec.w3, (f, h), "shared.w3")
-    w2 = rep(spec.w2, (h, f), "shared.w2")
-    a = emit_gemm(g, "shared_fc1", x, w1, "shared_fc1_out", **kw)                     # [b, s/n, f_s]
-    b = emit_gemm(g, "shared_fc3", x, w3, "shared_fc3_out", **kw)
-    act = g.like("shared_fc2_in", a)
-    g.node("shared_swiglu", OpKind.SWIGLU, (a, b), (act,), flops=5 * _numel(g, a), **kw)
-    y = emit_gemm(g, "shared_fc2", act, w2, "shared_out", **kw)                        # [b, s/n, h]
+    w1, w3 = rep(spec.w1, (f, h), f"{prefix}.w1"), rep(spec.w3, (f, h), f"{prefix}.w3")
+    w2 = rep(spec.w2, (h, f), f"{prefix}.w2")
+    a = emit_gemm(g, f"{prefix}_fc1", x, w1, f"{prefix}_fc1_out", **kw)                     # [b, s/n, f_s]
+    b = emit_gemm(g, f"{prefix}_fc3", x, w3, f"{prefix}_fc3_out", **kw)
+    act = g.like(f"{prefix}_fc2_in", a)
+    g.node(f"{prefix}_swiglu", OpKind.SWIGLU, (a, b), (act,), flops=5 * _numel(g, a), **kw)
+    y = emit_gemm(g, f"{prefix}_fc2", act, w2, f"{prefix}_out", **kw)                        # [b, s/n, h]
     if spec.gate is None:
         return y
     w_gate = rep(spec.gate, (1, h), "shared.gate")
@@ -376,7 +542,7 @@ def _emit_shared_expert(g: GraphBuilder, spec: SharedExpertSpec, x: str, kw: dic
     return gated
 
 
-def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weights: tuple[str, str, str],
+def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], weights: tuple[str, str, str],
                     El: int, c: str, j: int, kw: dict) -> str:
     """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked)."""
     n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
@@ -390,8 +556,8 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
     R = T * k if (a2a or not ep) else T * k // n        # balanced expectation of expert rows here
     topk_w = g.value(f"topk_weights{c}", (T, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
     topk_idx = g.value(f"topk_experts{c}", (T, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
-    g.node(f"router{c}", OpKind.ROUTER, (tokens_in, w_router), (topk_w, topk_idx),
-           flops=2 * T * h * E + 5 * T * E, attrs={"top_k": k, "experts": E} | ({} if spec.normalize else {"normalize": False}), **kw)
+    g.node(f"router{c}", OpKind.ROUTER, (tokens_in, *router_ins), (topk_w, topk_idx),
+           flops=2 * T * h * E + 5 * T * E, attrs=router_attrs(spec), **kw)
     layout = "by_dest" if a2a else ("local" if ep else "all")
     imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
     g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
@@ -445,6 +611,18 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, w_router: str, weigh
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
+
+
+def router_attrs(spec: MoESpec) -> dict:
+    """The ROUTER node's attributes: only what differs from Mixtral's softmax router is written."""
+    attrs = {"top_k": spec.top_k, "experts": spec.experts} | ({} if spec.normalize else {"normalize": False})
+    if spec.scoring == "sigmoid":
+        attrs |= {"scoring": "sigmoid", "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
+                  "score_bias": spec.score_bias is not None}
+    elif spec.score_bias is not None or spec.groups != 1 or spec.scale != 1.0:
+        raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
+                          "sigmoid scoring only")
+    return attrs
 
 
 def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:

@@ -4,37 +4,31 @@ Beyond Mixtral: q/k/v projections carry biases (AttentionSpec.qkv_bias, a BIAS o
 QKV GEMM); the router does not renormalise its top-k weights by default (MoESpec.normalize);
 a dense shared expert scaled by sigmoid(x @ shared_expert_gate.T) runs beside the routed
 experts (MoESpec.shared, the SIGMOID_GATE op). Dense layers (``mlp_only_layers``,
-``decoder_sparse_step``) have no rule yet and raise, naming ``mlp`` (Qwen2MoeMLP).
+``decoder_sparse_step``) have a Qwen2MoeMLP as their FFN (MLPSpec, as DeepSeek-V3's first layers).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 from torch import nn
 from transformers.models.qwen2_moe import modeling_qwen2_moe as hf
 
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
-from moegraph.lowering.blocks import MoESpec, SharedExpertSpec
-from moegraph.lowering.hf_common import PROJECTIONS, attention, check_silu, fused_experts, rmsnorm
+from moegraph.lowering.blocks import MoESpec
+from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, mlp, rmsnorm
 
 register(hf.Qwen2MoeRMSNorm)(rmsnorm)
 register(hf.Qwen2MoeAttention, children=PROJECTIONS)(attention)  # + q/k/v biases
+register(hf.Qwen2MoeMLP, children={name: nn.Linear for name in ("gate_proj", "up_proj", "down_proj")})(mlp)
 
 
 @register(hf.Qwen2MoeSparseMoeBlock, children={"gate": hf.Qwen2MoeTopKRouter, "experts": hf.Qwen2MoeExperts,
                                                 "shared_expert": hf.Qwen2MoeMLP, "shared_expert_gate": nn.Linear})
 def sparse_moe(module: hf.Qwen2MoeSparseMoeBlock, qualname: str) -> MoESpec:
-    shared = module.shared_expert
-    check_silu(shared, f"{qualname}.shared_expert")
-    for sub in ("gate_proj", "up_proj", "down_proj"):
-        if type(getattr(shared, sub)) is not nn.Linear:
-            raise LoweringError(f"{qualname}.shared_expert.{sub} ({type(getattr(shared, sub)).__name__}) is not nn.Linear")
     if module.shared_expert_gate.out_features != 1:
         raise LoweringError(f"{qualname}.shared_expert_gate has {module.shared_expert_gate.out_features} outputs, not 1")
-    q = lambda name: ParamSource(f"{qualname}.{name}")  # noqa: E731
-    return fused_experts(module, qualname, normalize=bool(module.gate.norm_topk_prob),
-                         shared=SharedExpertSpec(w1=q("shared_expert.gate_proj.weight"),
-                                                 w3=q("shared_expert.up_proj.weight"),
-                                                 w2=q("shared_expert.down_proj.weight"),
-                                                 ffn_hidden=shared.intermediate_size,
-                                                 gate=q("shared_expert_gate.weight")))
+    shared = dataclasses.replace(mlp(module.shared_expert, f"{qualname}.shared_expert"),
+                                 gate=ParamSource(f"{qualname}.shared_expert_gate.weight"))
+    return fused_experts(module, qualname, normalize=bool(module.gate.norm_topk_prob), shared=shared)
