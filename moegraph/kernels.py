@@ -459,7 +459,7 @@ def _mla_heads_fwd(ctx: RankContext, node: Node, q, kv, k_pe):
     if node.attr("interleave"):
         q_rot, k_rot = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_rot, k_rot))
     positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1))
+                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
     cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
     q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
     query = torch.cat((q_nope, q_rot), dim=-1).reshape(b, S, -1)
@@ -480,7 +480,7 @@ def _k_mla_heads_dgrad(ctx, node, ins, shapes):
     dq_nope, dq_rot = dquery.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     dk_nope, dk_rot = dkey.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1))
+                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
     cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
     dq_rot = apply_rope(dq_rot, cos, -sin)
     dk_rot = apply_rope(dk_rot.sum(2, keepdim=True), cos, -sin)                   # [b, S, 1, dr]

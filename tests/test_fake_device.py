@@ -23,17 +23,22 @@ from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware
 from moegraph.runtime.collectives import NoComm, Pending
 from moegraph.runtime.executor import Executor
+from moegraph.runtime.module import make_plan
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.tracer import trace_module
 
 B, S, H = 2, 16, 64
 TOL = 1e-5
 COST = CostModel(load_hardware("h800"))
-# (attn, ffn, dispatch, dp), pipeline: together they use every kernel in KERNELS (checked below)
-GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper"),
-          (("tp", "tp", "ag-rs", 1), "gate-reorder,sar=paper"),
-          (("sp", "ep", "ag-rs", 1), "chunk=2,compress=tp-fp8"),
-          (("tp", "ep", "a2a", 2), "compress=dp-bf16")]
+# (attn, ffn, dispatch, dp), pipeline, layer: together they use every kernel in KERNELS (checked
+# below). Layers other than "ref" (the project's reference layer) are transformers' families.
+GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
+          (("tp", "tp", "ag-rs", 1), "gate-reorder,sar=paper", "ref"),
+          (("sp", "ep", "ag-rs", 1), "chunk=2,compress=tp-fp8", "ref"),
+          (("tp", "ep", "a2a", 2), "compress=dp-bf16", "ref"),
+          (("tp", "ep", "a2a", 1), "gate-reorder,sar=paper", "qwen2_moe"),     # bias, sigmoid_gate
+          (("tp", "tp", "ag-rs", 1), "", "olmoe"),             # q/k norm across ranks: square_sum, rmsnorm_sharded
+          (("sp", "ep", "a2a", 1), "gate-reorder,sar=paper", "deepseek_v3")]   # mla_heads
 
 
 @pytest.fixture(autouse=True)
@@ -44,14 +49,20 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def build(attn, ffn, dispatch, dp, spec, n=2, seed=0):
-    layer = small_layer(n, seed=seed)
+def build(attn, ffn, dispatch, dp, spec, family="ref", n=2, seed=0):
+    if family == "ref":
+        layer = small_layer(n, seed=seed)
+    else:
+        pytest.importorskip("transformers")
+        import runtime_workers
+        layer, _ = runtime_workers.LAYERS[family](seed)
     graph = trace_module(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32", dp=dp), batch=B, seq=S)
     if spec:
         graph, _ = run_pipeline(graph, spec, cost=COST)
     gen = torch.Generator().manual_seed(seed + 1)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
-    return layer, graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy
+    tensors = {k: p.detach() for k, p in [*layer.named_parameters(), *layer.named_buffers()]}
+    return layer, graph, tensors, x, dy
 
 
 def test_fake_device_catches_a_cpu_tensor_meeting_a_cuda_one():
@@ -72,11 +83,12 @@ def test_fake_device_catches_a_cpu_tensor_meeting_a_cuda_one():
         assert isinstance(b, fc.FakeCudaTensor)
 
 
-@pytest.mark.parametrize("config,spec", GRAPHS, ids=[f"{a}-{f}-{d}-dp{dp}" for (a, f, d, dp), _ in GRAPHS])
-def test_fake_device_every_kernel_forward_and_backward(config, spec):
+@pytest.mark.parametrize("config,spec,family", GRAPHS,
+                         ids=[f"{fam}-{a}-{f}-{d}-dp{dp}" for (a, f, d, dp), _, fam in GRAPHS])
+def test_fake_device_every_kernel_forward_and_backward(config, spec, family):
     """The reference interpreter runs every compute node through ``run_compute`` on n=2 simulated
     ranks: on fake-CUDA tensors it must not mix devices and must give the CPU numbers."""
-    layer, graph, params, x, dy = build(*config, spec)
+    layer, graph, params, x, dy = build(*config, spec, family)
     with sdpa_kernel(SDPBackend.MATH):        # the fake device runs SDPA's math backend: same sums
         ref = interpret(graph, params, x, dy)
     with fc.FakeCuda():
@@ -92,8 +104,8 @@ def test_fake_device_every_kernel_forward_and_backward(config, spec):
 
 def test_fake_device_graphs_cover_every_kernel():
     used = set()
-    for (attn, ffn, dispatch, dp), spec in GRAPHS:
-        _, graph, *_ = build(attn, ffn, dispatch, dp, spec)
+    for (attn, ffn, dispatch, dp), spec, family in GRAPHS:
+        _, graph, *_ = build(attn, ffn, dispatch, dp, spec, family)
         used |= {(nd.op, nd.role) for nd in graph.nodes if not nd.is_comm}
     missing = sorted(f"{op.value}/{role.value}" for op, role in set(KERNELS) - used)
     assert not missing, f"kernels no fake_device graph runs: {missing} (add a graph to GRAPHS)"
@@ -208,9 +220,9 @@ def _cpu_step(graph, plan, params, x, dy, n):
     return results
 
 
-EXECUTOR_CASES = [(1, "sp", "ep", "ag-rs", "gate-reorder,sar=paper", "asap"),
-                  (2, "tp", "tp", "ag-rs", "gate-reorder,sar=paper", "asap"),
-                  (2, "sp", "ep", "a2a", "chunk=2,sar=paper", "asap"),
+EXECUTOR_CASES = [(1, "sp", "ep", "ag-rs", "gate-reorder,sar=paper", "greedy"),
+                  (2, "tp", "tp", "ag-rs", "gate-reorder,sar=paper", "greedy"),
+                  (2, "sp", "ep", "a2a", "chunk=2,sar=paper", "greedy"),
                   (2, "sp", "ep", "ag-rs", "", "sequential")]
 
 
@@ -221,7 +233,7 @@ def test_fake_device_executor_step(n, attn, ffn, dispatch, spec, schedule, monke
     n=2 with collectives emulated in-process; outputs and gradients equal the CPU executor's and
     the eager module's."""
     layer, graph, params, x, dy = build(attn, ffn, dispatch, 1, spec, n=n)
-    plan = ExecutionPlan.asap(graph, COST) if schedule == "asap" else ExecutionPlan.sequential(graph, COST)
+    plan = make_plan(graph, COST, "greedy") if schedule == "greedy" else ExecutionPlan.sequential(graph)
     got, state, _ = _run_fake(graph, plan, params, x, dy, n, monkeypatch)
     cpu = _cpu_step(graph, plan, params, x, dy, n)
     for r in range(n):
@@ -256,7 +268,7 @@ SYNC_CASES = [("tp", "tp", "ag-rs"), ("sp", "ep", "ag-rs"), ("sp", "ep", "a2a")]
 @pytest.mark.parametrize("attn,ffn,dispatch", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
 def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
     """Everything that would block the host on a GPU during one step (n=2, the default passes,
-    asap), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
+    greedy), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
     (nonzero, bincount), cuda/event/stream synchronize, and host waits on collectives.
 
     ffn=tp ag-rs: none. ffn=ep ag-rs: one per local index map, the row count R that sizes
@@ -265,7 +277,7 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
     from moegraph.commands import DEFAULT_PASSES
     from moegraph.ir import OpKind
     _, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
-    _, state, modes = _run_fake(graph, ExecutionPlan.asap(graph, COST), params, x, dy, 2, monkeypatch)
+    _, state, modes = _run_fake(graph, make_plan(graph, COST, "greedy"), params, x, dy, 2, monkeypatch)
     syncs = sum((m.syncs for m in modes), start=collections.Counter()) + state.syncs
     maps = [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
     if ffn == "tp":
@@ -288,7 +300,7 @@ def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
     from moegraph.runtime.module import CompiledLayer
     monkeypatch.setattr(module_mod, "MAX_UNREAD_STEPS", 2)
     layer, graph, params, x, dy = build("sp", "ep", "ag-rs", 1, "", n=1)
-    plan = ExecutionPlan.asap(graph, COST)
+    plan = make_plan(graph, COST, "greedy")
     state = fc.fake_streams(monkeypatch)
     with fc.FakeCuda() as mode:
         compiled = CompiledLayer(graph, plan, {k: fc.to_fake(v) for k, v in params.items()}, rank=0, n=1,
