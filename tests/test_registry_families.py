@@ -1,0 +1,263 @@
+"""Registry entries of today's MoE families (issue 12, item 4): shared experts, q/k/v biases, q/k
+RMSNorm and the router's normalisation in ModelConfig, the reference layer and its lowering.
+
+Volumes and activation bytes are checked against the closed forms derived in docs/cost_model.md
+("Today's families"), with the sizes typed here from the models' public config.json files, not
+read from the registry or the graph. Numerics: the reference layer with every new feature matches
+its own eager forward through the interpreter (fp32, 1e-5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from fractions import Fraction as Fr
+
+import pytest
+import torch
+
+from helpers import eager_step, max_grad_err, rel_err
+from moegraph.cli import main
+from moegraph.commands import forward_comm_bytes
+from moegraph.interpreter import interpret
+from moegraph.ir import OpKind, Phase, Strategy, graph_digest
+from moegraph.models import MoETransformerLayer
+from moegraph.registry import RegistryError, load_model
+from moegraph.tracer import trace_model, trace_module
+
+B, S, BYTES = 1, 8192, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Arch:
+    """One family's sizes as its config.json states them (moe_intermediate_size etc.)."""
+    layers: int
+    h: int
+    heads: int
+    kv_heads: int
+    f_expert: int
+    experts: int
+    k: int
+    n: int                   # the group size tested: it must divide kv_heads and experts
+    shared: int = 0          # S
+    f_shared: int = 0        # f_s of one shared expert
+    gate: bool = False
+    bias: bool = False
+    qk_norm: bool = False
+    normalize: bool = True
+
+
+ARCH = {
+    # Qwen/Qwen2-57B-A14B config.json
+    "qwen2-57b-a14b": Arch(28, 3584, 28, 4, 2560, 64, 8, n=4, shared=1, f_shared=20480, gate=True, bias=True,
+                           normalize=False),
+    # allenai/OLMoE-1B-7B-0924 config.json
+    "olmoe-1b-7b": Arch(16, 2048, 16, 16, 1024, 64, 8, n=8, qk_norm=True, normalize=False),
+    # deepseek-ai/deepseek-moe-16b-base config.json (MegaScale-MoE Table 2 for the routed part)
+    "deepseek-moe": Arch(28, 2048, 16, 16, 1408, 64, 6, n=8, shared=2, f_shared=1408, normalize=False),
+    # tencent/Tencent-Hunyuan-Large (MegaScale-MoE Table 2; one shared expert of the routed size)
+    "hunyuan-large": Arch(64, 6400, 80, 8, 18304, 16, 1, n=8, shared=1, f_shared=18304),
+}
+
+
+def exact(x: Fr) -> int:
+    assert x.denominator == 1, f"{x} is not a whole number of bytes"
+    return int(x)
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_entry_matches_its_public_config(name):
+    a, cfg = ARCH[name], load_model(name)
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.ffn_hidden, cfg.experts, cfg.top_k) == \
+        (a.layers, a.h, a.heads, a.kv_heads, a.f_expert, a.experts, a.k)
+    assert (cfg.shared_experts, cfg.shared_ffn_total, cfg.shared_gate) == (a.shared, a.shared * a.f_shared, a.gate)
+    assert (cfg.qkv_bias, cfg.qk_norm, cfg.normalize_topk) == (a.bias, a.qk_norm, a.normalize)
+    assert cfg.head_dim * a.heads == a.h
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_tp_volumes_are_eq1_and_eq4_plus_the_qk_norm_all_reduces(name):
+    a = ARCH[name]
+    n = a.n
+    comm = forward_comm_bytes(trace_model(load_model(name), Strategy("tp", "tp", "ag-rs", n), batch=B, seq=S))
+    eq1 = 2 * B * S * a.h * Fr(n - 1, n) * BYTES
+    qk = 2 * 2 * Fr(n - 1, n) * 4 * B * S if a.qk_norm else 0      # two fp32 [b, s, 1] all-reduces
+    eq4 = 2 * B * S * a.h * Fr(n - 1, n) * BYTES                   # the shared expert sends nothing
+    assert comm == {"attention": exact(eq1 + qk), "ffn": exact(eq4)}
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_ep_a2a_and_sp_volumes_are_eq3_and_half_eq2(name):
+    a = ARCH[name]
+    n, m = a.n, Fr(a.heads, a.kv_heads)
+    comm = forward_comm_bytes(trace_model(load_model(name), Strategy("sp", "ep", "a2a", n), batch=B, seq=S))
+    eq3 = Fr(2 * a.k, n) * B * S * a.h * Fr(n - 1, n)
+    eq2 = 2 * B * S * a.h * Fr(n - 1, n) * (2 + 2 / m) / n
+    assert comm == {"attention": exact(eq2 / 2 * BYTES), "ffn": exact(eq3 * BYTES)}
+
+
+def activation_formula(a: Arch) -> Fr:
+    """docs/cost_model.md: Fig 9's total plus the bias, q/k norm, shared expert and gate terms."""
+    n, m, f = a.n, Fr(a.heads, a.kv_heads), Fr(a.f_expert, a.h)
+    unit = Fr(B * S * a.h, n)                                   # bsh/n
+    total = (2 * n + 2 * a.k + 3 * a.k * f + 12 + 5 / m) * unit
+    if a.bias:
+        total += (1 + 2 / m) * unit
+    if a.qk_norm:
+        total += (1 + 1 / m) * unit
+    if a.shared:
+        total += (3 * a.shared * Fr(a.f_shared, a.h) + 2) * unit
+    if a.gate:
+        total += unit + Fr(B * S, n)
+    return total * BYTES
+
+
+@pytest.mark.parametrize("name", sorted(ARCH))
+def test_activation_bytes_match_fig9_plus_the_family_terms(name):
+    a = ARCH[name]
+    g = trace_model(load_model(name), Strategy("sp", "ep", "ag-rs", a.n), batch=B, seq=S)
+    assert g.activation_bytes() == exact(activation_formula(a))
+
+
+def test_activation_examples_in_the_docs():
+    # the numbers docs/cost_model.md quotes, recomputed from the formula (not the graph)
+    assert exact(activation_formula(ARCH["qwen2-57b-a14b"])) == 1_105_203_200
+    assert exact(activation_formula(ARCH["olmoe-1b-7b"])) == 264_241_152
+
+
+# --- defaults keep every existing entry's graph ----------------------------------------------
+
+# graph_digest on main before the new fields (commit dbc4b46), b=1, s=1024: the new fields at
+# their defaults must not change one value or node.
+MAIN_DIGESTS = {
+    "deepseek-moe/tp/tp/ag-rs/8": "6494bf8a98a8d5a09e6e6fd741818fde1d2c81898474a632edb6155d63e53c40",
+    "deepseek-moe/sp/ep/a2a/8": "1f5aaa1a98ec996dfdf0dd2d40c474639d78e3f1d89ec8563bf9bbcf8fa78657",
+    "deepseek-moe/tp/ep/ag-rs/2": "20d864efb1c5852a251a37e8bd835cd7eb9aeb9c60018ef0c56994ad50ecb5a8",
+    "hunyuan-large/tp/tp/ag-rs/8": "dbcf84e91890c0aa379118595785a04db44769661f0b8413f96c4e5d8a483dc7",
+    "hunyuan-large/sp/ep/a2a/8": "7547840e3c6e0471c5bb5cab3cecb46a3004146e0da97a44121319603e466178",
+    "hunyuan-large/tp/ep/ag-rs/2": "8ae4251ee2db5c495e93819c1fb3d9b2be4564935ad535ac8a9233d8402f41a6",
+    "internal-352b/tp/tp/ag-rs/8": "d5591f7e71108ea069d30e81c13e0b4d3020cea7913abd3d24246954416aafbd",
+    "internal-352b/sp/ep/a2a/8": "9f92de63b46e0b0609c498a59fdb55b2601dcefc69ec5f1f4608f24ee4e1357f",
+    "internal-352b/tp/ep/ag-rs/2": "34876a3d14385486e2b4a645c632472baabc2eedb4aaa3d6bd4e45e08b021241",
+    "mixtral-8x22b/tp/tp/ag-rs/8": "1e6da483db626529a17c90bbc5eaf14adf999a1e39e4287aaf56f7d14aa6d2de",
+    "mixtral-8x22b/sp/ep/a2a/8": "11e0f7269ce942a5a809fbc489372a9be45295d2ba6f526e6722baf0d7617be8",
+    "mixtral-8x22b/tp/ep/ag-rs/2": "fa1d9de192b18fccb6c5579058185bcca3dbe1e8f14e718f0466ba2bd68f9e97",
+    "mixtral-8x7b/tp/tp/ag-rs/8": "181a88b933eade986675ec4b9d3c7f8082ebdfe39e8c893cc316cad651a05217",
+    "mixtral-8x7b/sp/ep/a2a/8": "a5eb28554467e6d1a21d626b044beac2159195cdbf55df45dcf2156d708a8f2e",
+    "mixtral-8x7b/tp/ep/ag-rs/2": "45c0f1a4dbde4ffb4681149c75a878d015c258478afc329edd4fe08bb95ae826",
+    "phi-3.5-moe/tp/tp/ag-rs/8": "13bf36021cbbf1e54140e3067dba2c401097c20f0f2d1c6a00dffe246852768f",
+    "phi-3.5-moe/sp/ep/a2a/8": "11519f5e60b55ddf7ca86c66cdfefc057df2c0d5921e8a7dce84140187c18fd8",
+    "phi-3.5-moe/tp/ep/ag-rs/2": "d65927074f9e256893ded76c2ccf037426af9a9b567158ad8c4d0ea5f43d542c",
+    "small/tp/tp/ag-rs/2": "551230f2cb24a210e7febb475336dfb133aa7a350e9b4be8ec2238d97095667a",
+    "small/sp/ep/a2a/2": "7ad80a075bc08ed223c40f60b01b982c02c77b40ebc1ee106971d7b00ef7f061",
+    "small/tp/ep/ag-rs/2": "404165cb274671ad498f04a301de8c9e369912d8c305a5ea64772c6d631e3094",
+    "tiny/tp/tp/ag-rs/2": "4ae29c3e67fdcc3119fb62b99cdd583d2aed7b6f741bc477b206acc4c219b2e4",
+    "tiny/sp/ep/a2a/2": "a03c486712ad00d79747b603901f3899c304a9fc2b01515ffb199710731eb445",
+    "tiny/tp/ep/ag-rs/2": "35fcc4f36cfce7078b39a5ce36da5e93c0501b911a7754e0ca4a1d156ab5b123",
+    "tiny-top1/tp/tp/ag-rs/2": "233f9425e3be929a6094a8044d0fc44c2666cb0ae8f05baf9e4eee43242ea3af",
+    "tiny-top1/sp/ep/a2a/2": "52b54b67abf3f94877cdf4fa73d3df5844e33dbff01dca92a467eded2b8a1d0e",
+    "tiny-top1/tp/ep/ag-rs/2": "c0092c41d6c93fa8cbedaced09b99fb11294e00ac9dff84bd5c50e7a2364503d",
+}
+
+
+@pytest.mark.parametrize("key", sorted(MAIN_DIGESTS))
+def test_defaults_leave_existing_graphs_byte_identical(key):
+    name, attn, ffn, dispatch, n = key.split("/")
+    cfg = dataclasses.replace(load_model(name), shared_experts=0, shared_ffn_hidden=None, shared_gate=False,
+                              qkv_bias=False, qk_norm=False, normalize_topk=True)
+    g = trace_model(cfg, Strategy(attn, ffn, dispatch, int(n)), batch=1, seq=1024)
+    assert graph_digest(g) == MAIN_DIGESTS[key]
+
+
+# --- numerics: the reference layer with the new features against its eager forward ---------
+
+FEATURES = {
+    # Qwen2-MoE-like plus OLMoE's q/k norm: everything at once
+    "all": dict(qkv_bias=True, qk_norm=True, normalize_topk=False, shared_ffn_hidden=2 * 48, shared_gate=True),
+    # DeepSeekMoE-like: ungated shared experts, unnormalised router
+    "shared": dict(normalize_topk=False, shared_ffn_hidden=2 * 40),
+}
+
+
+def feature_layer(features: str, seed: int) -> MoETransformerLayer:
+    torch.manual_seed(seed)
+    layer = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3,
+                                **FEATURES[features])
+    for p in layer.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return layer
+
+
+@pytest.fixture
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.mark.parametrize("attn,ffn,dispatch", [("tp", "tp", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
+@pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.parametrize("features", sorted(FEATURES))
+def test_reference_layer_features_match_eager(features, n, attn, ffn, dispatch, rng, one_thread):
+    layer = feature_layer(features, int(torch.randint(0, 2**31, (1,), generator=rng)))
+    x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
+    y_ref, dx_ref, grads_ref = eager_step(layer, x, dy)
+    graph = trace_module(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32"), batch=2, seq=16)
+    res = interpret(graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
+    assert rel_err(res.output, y_ref) < 1e-5
+    assert rel_err(res.input_grad, dx_ref) < 1e-5
+    assert set(res.param_grads) == set(grads_ref)
+    name, err = max_grad_err(res.param_grads, grads_ref)
+    assert err < 1e-5, f"gradient of {name}: {err:.2e}"
+
+
+def test_each_feature_reaches_the_graph():
+    layer = feature_layer("all", 0)
+    g = trace_module(layer, Strategy("tp", "ep", "a2a", 2), batch=1, seq=16)
+    ops = {nd.op for nd in g.nodes if nd.phase is Phase.FORWARD}
+    assert {OpKind.BIAS, OpKind.SQUARE_SUM, OpKind.RMSNORM_SHARDED, OpKind.SIGMOID_GATE} <= ops
+    assert [dict(nd.attrs).get("normalize") for nd in g.nodes if nd.op is OpKind.ROUTER and nd.phase is Phase.FORWARD] \
+        == [False]
+    assert {"shared_fc1", "shared_fc3", "shared_fc2", "shared_gate_proj", "shared_add"} <= {nd.name for nd in g.nodes}
+
+
+# --- registry checks of the new fields -------------------------------------------------------
+
+@pytest.mark.parametrize("extra,field", [
+    ({"shared_gate": True}, "shared_gate"),                     # a gate with no shared expert
+    ({"shared_ffn_hidden": 256}, "shared_ffn_hidden"),
+    ({"shared_experts": -1}, "shared_experts"),
+    ({"shared_experts": True}, "shared_experts"),
+    ({"qkv_bias": "yes"}, "qkv_bias"),
+    ({"qk_norm": 1}, "qk_norm"),
+    ({"normalize_topk": None}, "normalize_topk"),
+    ({"shared_experts": 1, "shared_ffn_hidden": 0}, "shared_ffn_hidden"),
+])
+def test_bad_new_fields_name_the_field(extra, field, tmp_path):
+    path = tmp_path / "m.yaml"
+    base = dict(layers=1, hidden=64, heads=4, kv_heads=2, ffn_hidden=128, experts=4, top_k=2)
+    path.write_text(json.dumps(base | extra))
+    with pytest.raises(RegistryError) as err:
+        load_model(str(path))
+    assert err.value.field == field and field in str(err.value) and "\n" not in str(err.value)
+
+
+def test_shared_ffn_hidden_defaults_to_the_expert_size_and_counts_in_the_param_bound():
+    cfg = load_model("hunyuan-large")
+    assert cfg.shared_ffn_hidden == cfg.ffn_hidden == 18304 and cfg.shared_ffn_total == 18304
+    h, f, E, H, G, d = 6400, 18304, 16, 80, 8, 80
+    assert cfg.layer_param_bytes == 4 * (2 * h * H * d + 2 * h * G * d + E * h + 3 * E * f * h + 3 * f * h + 2 * h)
+
+
+# --- the CLI on the new entries ----------------------------------------------------------------
+
+@pytest.mark.parametrize("name,n", [("qwen2-57b-a14b", "4"), ("olmoe-1b-7b", "8")])
+def test_trace_and_compile_run_on_the_new_entries(name, n, capsys):
+    args = ["--model", name, "--hardware", "h800", "--n", n, "--seq", "4096"]
+    assert main(["trace", *args, "--attn", "tp", "--ffn", "ep", "--dispatch", "a2a", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["model"] == name and summary["forward_comm_bytes"]["attention"] > 0
+    assert main(["compile", *args, "--schedule", "sequential", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["makespan_us"] > 0
