@@ -16,11 +16,13 @@ from fractions import Fraction as Fr
 import pytest
 import torch
 
-from helpers import eager_step, max_grad_err, rel_err
+from helpers import eager_step, max_grad_err, rel_err, small_layer
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
 from moegraph.interpreter import interpret
 from moegraph.ir import OpKind, Phase, Strategy, graph_digest
+from moegraph import models
+from moegraph.lowering import LoweringError
 from moegraph.models import MoETransformerLayer
 from moegraph.registry import RegistryError, load_model
 from moegraph.tracer import trace_model, trace_module
@@ -180,12 +182,7 @@ FEATURES = {
 
 
 def feature_layer(features: str, seed: int) -> MoETransformerLayer:
-    torch.manual_seed(seed)
-    layer = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3,
-                                **FEATURES[features])
-    for p in layer.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return layer
+    return small_layer(2, seed, **FEATURES[features])
 
 
 @pytest.fixture
@@ -261,3 +258,17 @@ def test_trace_and_compile_run_on_the_new_entries(name, n, capsys):
     assert main(["compile", *args, "--schedule", "sequential", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["makespan_us"] > 0
+
+
+def test_a_replaced_shared_expert_is_refused_by_name():
+    class Doubled(models.SharedExpert):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    layer = small_layer(2, 0, shared_ffn_hidden=32)
+    old = layer.moe.shared
+    layer.moe.shared = Doubled(64, 32, gate=False)
+    layer.moe.shared.load_state_dict(old.state_dict())
+    with pytest.raises(LoweringError) as err:
+        trace_module(layer, Strategy("sp", "ep", "a2a", 2), batch=1, seq=16)
+    assert "moe.shared (Doubled)" in str(err.value) and "\n" not in str(err.value)
