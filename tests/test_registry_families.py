@@ -245,6 +245,14 @@ def test_shared_ffn_hidden_defaults_to_the_expert_size_and_counts_in_the_param_b
     assert cfg.shared_ffn_hidden == cfg.ffn_hidden == 18304 and cfg.shared_ffn_total == 18304
     h, f, E, H, G, d = 6400, 18304, 16, 80, 8, 80
     assert cfg.layer_param_bytes == 4 * (2 * h * H * d + 2 * h * G * d + E * h + 3 * E * f * h + 3 * f * h + 2 * h)
+    # qwen2-57b-a14b: + q/k/v biases [(H+2G)d], a shared expert of 20480 and its gate [1, h]
+    h, f, E, H, G, d, fs = 3584, 2560, 64, 28, 4, 128, 20480
+    assert load_model("qwen2-57b-a14b").layer_param_bytes == 4 * (
+        2 * h * H * d + 2 * h * G * d + (H + 2 * G) * d + E * h + 3 * E * f * h + 3 * fs * h + h + 2 * h)
+    # olmoe-1b-7b: + q/k norm weights [Hd], [Gd]
+    h, f, E, H, G, d = 2048, 1024, 64, 16, 16, 128
+    assert load_model("olmoe-1b-7b").layer_param_bytes == 4 * (
+        2 * h * H * d + 2 * h * G * d + (H + G) * d + E * h + 3 * E * f * h + 2 * h)
 
 
 # --- the CLI on the new entries ----------------------------------------------------------------
