@@ -10,6 +10,7 @@ its own eager forward through the interpreter (fp32, 1e-5).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from fractions import Fraction as Fr
 
@@ -20,7 +21,7 @@ from helpers import eager_step, max_grad_err, rel_err, small_layer
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
 from moegraph.interpreter import interpret
-from moegraph.ir import OpKind, Phase, Strategy, graph_digest
+from moegraph.ir import OpKind, Phase, Strategy
 from moegraph import models
 from moegraph.lowering import LoweringError
 from moegraph.models import MoETransformerLayer
@@ -129,46 +130,55 @@ def test_activation_examples_in_the_docs():
 
 # --- defaults keep every existing entry's graph ----------------------------------------------
 
-# graph_digest on main before the new fields (commit dbc4b46), b=1, s=1024: the new fields at
-# their defaults must not change one value or node.
-MAIN_DIGESTS = {
-    "deepseek-moe/tp/tp/ag-rs/8": "6494bf8a98a8d5a09e6e6fd741818fde1d2c81898474a632edb6155d63e53c40",
-    "deepseek-moe/sp/ep/a2a/8": "1f5aaa1a98ec996dfdf0dd2d40c474639d78e3f1d89ec8563bf9bbcf8fa78657",
-    "deepseek-moe/tp/ep/ag-rs/2": "20d864efb1c5852a251a37e8bd835cd7eb9aeb9c60018ef0c56994ad50ecb5a8",
-    "hunyuan-large/tp/tp/ag-rs/8": "dbcf84e91890c0aa379118595785a04db44769661f0b8413f96c4e5d8a483dc7",
-    "hunyuan-large/sp/ep/a2a/8": "7547840e3c6e0471c5bb5cab3cecb46a3004146e0da97a44121319603e466178",
-    "hunyuan-large/tp/ep/ag-rs/2": "8ae4251ee2db5c495e93819c1fb3d9b2be4564935ad535ac8a9233d8402f41a6",
-    "internal-352b/tp/tp/ag-rs/8": "d5591f7e71108ea069d30e81c13e0b4d3020cea7913abd3d24246954416aafbd",
-    "internal-352b/sp/ep/a2a/8": "9f92de63b46e0b0609c498a59fdb55b2601dcefc69ec5f1f4608f24ee4e1357f",
-    "internal-352b/tp/ep/ag-rs/2": "34876a3d14385486e2b4a645c632472baabc2eedb4aaa3d6bd4e45e08b021241",
-    "mixtral-8x22b/tp/tp/ag-rs/8": "1e6da483db626529a17c90bbc5eaf14adf999a1e39e4287aaf56f7d14aa6d2de",
-    "mixtral-8x22b/sp/ep/a2a/8": "11e0f7269ce942a5a809fbc489372a9be45295d2ba6f526e6722baf0d7617be8",
-    "mixtral-8x22b/tp/ep/ag-rs/2": "fa1d9de192b18fccb6c5579058185bcca3dbe1e8f14e718f0466ba2bd68f9e97",
-    "mixtral-8x7b/tp/tp/ag-rs/8": "181a88b933eade986675ec4b9d3c7f8082ebdfe39e8c893cc316cad651a05217",
-    "mixtral-8x7b/sp/ep/a2a/8": "a5eb28554467e6d1a21d626b044beac2159195cdbf55df45dcf2156d708a8f2e",
-    "mixtral-8x7b/tp/ep/ag-rs/2": "45c0f1a4dbde4ffb4681149c75a878d015c258478afc329edd4fe08bb95ae826",
-    "phi-3.5-moe/tp/tp/ag-rs/8": "13bf36021cbbf1e54140e3067dba2c401097c20f0f2d1c6a00dffe246852768f",
-    "phi-3.5-moe/sp/ep/a2a/8": "11519f5e60b55ddf7ca86c66cdfefc057df2c0d5921e8a7dce84140187c18fd8",
-    "phi-3.5-moe/tp/ep/ag-rs/2": "d65927074f9e256893ded76c2ccf037426af9a9b567158ad8c4d0ea5f43d542c",
-    "small/tp/tp/ag-rs/2": "551230f2cb24a210e7febb475336dfb133aa7a350e9b4be8ec2238d97095667a",
-    "small/sp/ep/a2a/2": "7ad80a075bc08ed223c40f60b01b982c02c77b40ebc1ee106971d7b00ef7f061",
-    "small/tp/ep/ag-rs/2": "404165cb274671ad498f04a301de8c9e369912d8c305a5ea64772c6d631e3094",
-    "tiny/tp/tp/ag-rs/2": "4ae29c3e67fdcc3119fb62b99cdd583d2aed7b6f741bc477b206acc4c219b2e4",
-    "tiny/sp/ep/a2a/2": "a03c486712ad00d79747b603901f3899c304a9fc2b01515ffb199710731eb445",
-    "tiny/tp/ep/ag-rs/2": "35fcc4f36cfce7078b39a5ce36da5e93c0501b911a7754e0ca4a1d156ab5b123",
-    "tiny-top1/tp/tp/ag-rs/2": "233f9425e3be929a6094a8044d0fc44c2666cb0ae8f05baf9e4eee43242ea3af",
-    "tiny-top1/sp/ep/a2a/2": "52b54b67abf3f94877cdf4fa73d3df5844e33dbff01dca92a467eded2b8a1d0e",
-    "tiny-top1/tp/ep/ag-rs/2": "c0092c41d6c93fa8cbedaced09b99fb11294e00ac9dff84bd5c50e7a2364503d",
+# What a rank computes and sends, for each existing entry with the new fields at their
+# defaults: every value (name, shape, dtype, kind, view), every node (name, op, phase, inputs,
+# outputs, FLOPs, bytes sent, attributes) and the saved set, hashed. Pinned on main before the new fields
+# (commit dbc4b46, b=1, s=1024); unchanged by main's later cost-only changes (d84d509).
+MAIN_STRUCTURE = {
+    "internal-352b/tp/tp/ag-rs/8": "dd0f92b4e932e955",
+    "internal-352b/sp/ep/a2a/8": "0ad79a5d1883be6f",
+    "internal-352b/tp/ep/ag-rs/2": "3395ef615f85bb17",
+    "mixtral-8x7b/tp/tp/ag-rs/8": "569ce1a91b11e56a",
+    "mixtral-8x7b/sp/ep/a2a/8": "f9d2194ba25034bc",
+    "mixtral-8x7b/tp/ep/ag-rs/2": "4ffc2f1877ceb50e",
+    "mixtral-8x22b/tp/tp/ag-rs/8": "940355da5a9be814",
+    "mixtral-8x22b/sp/ep/a2a/8": "df862568fa7d7363",
+    "mixtral-8x22b/tp/ep/ag-rs/2": "dc65d257f2e784a6",
+    "hunyuan-large/tp/tp/ag-rs/8": "7b09239058d783cc",
+    "hunyuan-large/sp/ep/a2a/8": "b96aa10ad96b5594",
+    "hunyuan-large/tp/ep/ag-rs/2": "375ac0c620bf5270",
+    "phi-3.5-moe/tp/tp/ag-rs/8": "df2ac3f7b91990f3",
+    "phi-3.5-moe/sp/ep/a2a/8": "7a1aa539ff2e35c7",
+    "phi-3.5-moe/tp/ep/ag-rs/2": "bb374edae349de0d",
+    "deepseek-moe/tp/tp/ag-rs/8": "d66e9b2cff064126",
+    "deepseek-moe/sp/ep/a2a/8": "1b88ef3386c61405",
+    "deepseek-moe/tp/ep/ag-rs/2": "17c70491d4cba244",
+    "tiny/tp/tp/ag-rs/2": "43072abdc80ace5c",
+    "tiny/sp/ep/a2a/2": "8e273092bcfa872e",
+    "tiny/tp/ep/ag-rs/2": "0165540066329ef2",
+    "tiny-top1/tp/tp/ag-rs/2": "7e6adb962b51d6fb",
+    "tiny-top1/sp/ep/a2a/2": "122232ed19c28337",
+    "tiny-top1/tp/ep/ag-rs/2": "f0674899ed001878",
+    "small/tp/tp/ag-rs/2": "62839b0aaa55b349",
+    "small/sp/ep/a2a/2": "3c7e58179c34693d",
+    "small/tp/ep/ag-rs/2": "cfba58cc12062f93",
 }
 
 
-@pytest.mark.parametrize("key", sorted(MAIN_DIGESTS))
-def test_defaults_leave_existing_graphs_byte_identical(key):
+def structure(g) -> str:
+    blob = repr([(v.name, v.shape, v.dtype, v.kind.value, v.alias_of) for v in g.values]) + \
+        repr([(x.name, x.op.value, x.phase.value, x.inputs, x.outputs, x.flops, x.comm_bytes, x.attrs) for x in g.nodes]) + \
+        repr(sorted(g.saved))
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+@pytest.mark.parametrize("key", sorted(MAIN_STRUCTURE))
+def test_defaults_leave_existing_graphs_unchanged(key):
     name, attn, ffn, dispatch, n = key.split("/")
     cfg = dataclasses.replace(load_model(name), shared_experts=0, shared_ffn_hidden=None, shared_gate=False,
                               qkv_bias=False, qk_norm=False, normalize_topk=True)
     g = trace_model(cfg, Strategy(attn, ffn, dispatch, int(n)), batch=1, seq=1024)
-    assert graph_digest(g) == MAIN_DIGESTS[key]
+    assert structure(g) == MAIN_STRUCTURE[key]
 
 
 # --- numerics: the reference layer with the new features against its eager forward ---------
