@@ -11,10 +11,11 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def small_layer(n: int, seed: int = 0) -> MoETransformerLayer:
-    """A layer every n in {1, 2, 4} can split: 8 heads, 4 kv heads, 8 experts, top-3."""
+def small_layer(n: int, seed: int = 0, **features) -> MoETransformerLayer:
+    """A layer every n in {1, 2, 4} can split: 8 heads, 4 kv heads, 8 experts, top-3.
+    ``features``: the layer's optional parts (qkv_bias, qk_norm, shared_ffn_hidden, ...)."""
     torch.manual_seed(seed)
-    layer = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3)
+    layer = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=96, experts=8, top_k=3, **features)
     for p in layer.parameters():
         torch.nn.init.normal_(p, std=0.2)
     return layer

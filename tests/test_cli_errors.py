@@ -36,6 +36,7 @@ CORE_CASES = [
     (["trace", "--attn", "xx"], "argument --attn: invalid choice: 'xx'"),
     (["trace", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["trace", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
+    (["trace", "--model", "qwen2-57b-a14b", "--n", "7", "--attn", "sp"], "n=7 does not divide kv_heads=4"),
     (["trace", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
     (["trace", "--model", "tiny", "--n", "3"], "3"),
     (["nonsense"], "invalid choice: 'nonsense'"),

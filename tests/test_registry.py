@@ -40,7 +40,7 @@ def write_yaml(tmp_path, name, data):
 
 
 def test_every_entry_loads():
-    assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small"}
+    assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small", "qwen2-57b-a14b", "olmoe-1b-7b"}
     assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo", "cpu-2core-gloo"}
     for name in model_names():
         assert load_model(name).name == name
@@ -159,7 +159,7 @@ def test_unknown_names():
     with pytest.raises(RegistryError) as e:
         load_model("foo")
     assert str(e.value) == ("unknown model 'foo'; known: deepseek-moe, hunyuan-large, internal-352b, "
-                            "mixtral-8x22b, mixtral-8x7b, phi-3.5-moe, small, tiny, tiny-top1")
+                            "mixtral-8x22b, mixtral-8x7b, olmoe-1b-7b, phi-3.5-moe, qwen2-57b-a14b, small, tiny, tiny-top1")
     with pytest.raises(RegistryError) as e:
         load_hardware("v100")
     assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h800, "
@@ -190,7 +190,8 @@ def test_user_yaml_errors(tmp_path):
         "my.yaml: missing fields 'hidden', 'heads', 'kv_heads', 'ffn_hidden', 'experts', 'top_k'"
     assert user_error(tmp_path, m | {"hiden": 64}) == (
         "my.yaml: unknown field 'hiden'; valid: experts, ffn_hidden, head_dim, heads, hidden, "
-        "kv_heads, layers, name, rms_eps, rope_theta, top_k")
+        "kv_heads, layers, name, normalize_topk, qk_norm, qkv_bias, rms_eps, rope_theta, shared_experts, "
+        "shared_ffn_hidden, shared_gate, top_k")
     assert user_error(tmp_path, m | {"heads": "x"}) == "my.yaml: heads: expected a positive int, got 'x'"
     assert user_error(tmp_path, m | {"heads": True}) == "my.yaml: heads: expected a positive int, got True"
     assert user_error(tmp_path, m | {"layers": 0}) == "my.yaml: layers: expected a positive int, got 0"

@@ -15,7 +15,7 @@ from typing import Any
 
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
-                                      MAX_COUNT, MAX_SIZE, bounded_int, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
+                                      MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
                                       validate_fields)
 
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
@@ -48,7 +48,9 @@ class _Record:
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig(_Record):
-    """One MoE transformer (MegaScale-MoE Table 2 columns). Shared experts are not modelled."""
+    """One MoE transformer: MegaScale-MoE Table 2's columns, plus what today's families add
+    (shared experts, q/k/v biases, q/k RMSNorm, the router's normalisation). The defaults of
+    the added fields describe a Mixtral-like layer, so entries without them are unchanged."""
 
     name: str = checked(text)
     """Registry name (or the file stem for a user YAML without a name)."""
@@ -71,7 +73,24 @@ class ModelConfig(_Record):
     rope_theta: float = checked(pos_float, 1e6)
     """RoPE base (1e6 for Mixtral-like models, 1e4 for most others)."""
     rms_eps: float = checked(pos_float, 1e-5)
-    """RMSNorm epsilon."""
+    """RMSNorm epsilon (also of the q/k norms when qk_norm)."""
+    shared_experts: int = checked(count_or_zero(MAX_COUNT), 0)
+    """Dense shared experts S every token goes through beside the routed ones (DeepSeekMoE: 2,
+    Hunyuan-Large: 1, Qwen2-MoE: 1); 0 = none. Their outputs are summed, so they are lowered
+    as one SwiGLU FFN of width S * shared_ffn_hidden."""
+    shared_ffn_hidden: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """Intermediate size f_s of ONE shared expert; None means ffn_hidden. Only with shared_experts."""
+    shared_gate: bool = checked(flag, False)
+    """Scale the shared experts' output per token by sigmoid(x @ w_gate.T), w_gate [1, h]
+    (Qwen2-MoE's shared_expert_gate). Only with shared_experts."""
+    qkv_bias: bool = checked(flag, False)
+    """The q, k, v projections carry biases (Qwen2-MoE)."""
+    qk_norm: bool = checked(flag, False)
+    """RMSNorm of q and k over their whole projection width (H*d and G*d) before RoPE (OLMoE).
+    Not the per-head norm of Hunyuan-Large or Qwen3-MoE (a weight of head_dim shared by heads)."""
+    normalize_topk: bool = checked(flag, True)
+    """Renormalise the k routing weights to sum to 1 (Mixtral); false keeps the softmax
+    probabilities as they are (transformers' norm_topk_prob=False: Qwen2-MoE, OLMoE, DeepSeekMoE)."""
 
     def __post_init__(self):
         validate_fields(self)
@@ -79,6 +98,13 @@ class ModelConfig(_Record):
             raise RegistryError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.top_k > self.experts:
             raise RegistryError(f"top_k={self.top_k} exceeds experts={self.experts}")
+        if not self.shared_experts:
+            unused = [f for f in ("shared_ffn_hidden", "shared_gate") if getattr(self, f) not in (None, False)]
+            if unused:
+                raise RegistryError(f"{unused[0]}={getattr(self, unused[0])} needs shared_experts > 0 "
+                                    f"(shared_experts=0: there is no shared expert)", field=unused[0])
+        elif self.shared_ffn_hidden is None:
+            object.__setattr__(self, "shared_ffn_hidden", self.ffn_hidden)
         if self.head_dim is None:
             if self.hidden % self.heads:
                 raise RegistryError(f"hidden={self.hidden} is not divisible by heads={self.heads}; "
@@ -91,11 +117,19 @@ class ModelConfig(_Record):
                                 f"bytes (16 TiB) this tool plans for")
 
     @property
+    def shared_ffn_total(self) -> int:
+        """Width S * f_s of the one SwiGLU FFN the shared experts amount to; 0 when there are none."""
+        return self.shared_experts * (self.shared_ffn_hidden or 0)
+
+    @property
     def layer_param_bytes(self) -> int:
-        """Bytes of one layer's parameters in fp32: attention (q, k, v, o), router, experts, norms."""
+        """Bytes of one layer's parameters in fp32: attention (q, k, v, o, biases, q/k norms),
+        router, routed and shared experts (and their gate), the two layer norms."""
         h, d, H, G = self.hidden, self.head_dim, self.heads, self.kv_heads
         attention = 2 * h * H * d + 2 * h * G * d
-        return 4 * (attention + self.experts * h + 3 * self.experts * self.ffn_hidden * h + 2 * h)
+        attention += (H + 2 * G) * d * self.qkv_bias + (H + G) * d * self.qk_norm
+        shared = 3 * self.shared_ffn_total * h + h * self.shared_gate
+        return 4 * (attention + self.experts * h + 3 * self.experts * self.ffn_hidden * h + shared + 2 * h)
 
     @property
     def m(self) -> float:

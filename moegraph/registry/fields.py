@@ -15,7 +15,7 @@ from dataclasses import field
 from typing import Any, Callable
 
 __all__ = ["RegistryError", "Bad", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "checked", "validate_fields",
-           "text", "pos_int", "bounded_int", "opt_bounded_int", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
+           "text", "pos_int", "bounded_int", "opt_bounded_int", "count_or_zero", "flag", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
            "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured"]
 
 
@@ -110,6 +110,23 @@ def bounded_int(limit: int) -> Callable[[Any], int]:
         return v
     check.__name__ = f"bounded_int_{limit}"
     return check
+
+
+def count_or_zero(limit: int) -> Callable[[Any], int]:
+    """A check: an int in [0, limit] (a count that may be absent, such as shared experts)."""
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= limit:
+            raise Bad(f"expected an int in [0, {limit:,}], got {_got(v)}")
+        return v
+    check.__name__ = f"count_or_zero_{limit}"
+    return check
+
+
+def flag(v: Any) -> bool:
+    """A check: true or false (YAML booleans only: 1, 'yes' as a string, ... are errors)."""
+    if not isinstance(v, bool):
+        raise Bad(f"expected true or false, got {_got(v)}")
+    return v
 
 
 def opt_bounded_int(limit: int) -> Callable[[Any], int | None]:
