@@ -5,7 +5,7 @@ from __future__ import annotations
 from moegraph import models
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
-from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec, SharedExpertSpec
+from moegraph.lowering.blocks import AttentionSpec, MLPSpec, MoESpec, NormSpec
 
 
 @register(models.RMSNorm)
@@ -36,8 +36,9 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
             raise LoweringError(f"{qualname}.shared ({type(module.shared).__name__}) is not a SharedExpert; "
                                 f"register a rule for {type(module).__name__} that describes it")
         q = lambda name: ParamSource(f"{qualname}.shared.{name}.weight")  # noqa: E731
-        shared = SharedExpertSpec(w1=q("w1"), w3=q("w3"), w2=q("w2"), ffn_hidden=module.shared.w1.out_features,
-                                  gate=None if module.shared.gate is None else q("gate"))
+        shared = MLPSpec(w1=q("w1"), w3=q("w3"), w2=q("w2"), ffn_hidden=module.shared.w1.out_features,
+                         hidden=module.shared.w1.in_features,
+                         gate=None if module.shared.gate is None else q("gate"))
     return MoESpec(router=ParamSource(f"{qualname}.router.weight"), w1=ParamSource(f"{qualname}.w1"),
                    w3=ParamSource(f"{qualname}.w3"), w2=ParamSource(f"{qualname}.w2"),
                    experts=experts, top_k=module.top_k, ffn_hidden=ffn_hidden, hidden=module.w1.shape[2],
