@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
+from moegraph.layers import boundary
 from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 
 
@@ -66,11 +67,12 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
     """
     n, d = graph.strategy.n, graph.strategy.dp
+    x_name, seed_name, output_name, input_grad_name = boundary(graph)
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
     for i, env in enumerate(envs):
         r = i % n
-        env["hidden"] = x.chunk(n, dim=1)[r]
-        env["d_hidden_next"] = dy.chunk(n, dim=1)[r]
+        env[x_name] = x.chunk(n, dim=1)[r]
+        env[seed_name] = dy.chunk(n, dim=1)[r]
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
     # collective groups: ranks of one replica, or (axis="dp") one rank across the replicas
@@ -94,7 +96,6 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
             if len(rank_outs) != len(node.outputs):
                 raise RuntimeError(f"node {node.name!r} produced {len(rank_outs)} outputs, expected {len(node.outputs)}")
             env.update(zip(node.outputs, rank_outs))
-    output_name, input_grad_name = graph.outputs[0], graph.outputs[1]
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
                   for _, spec in graph.params for src in spec.sources}
     for pname, spec in graph.params:

@@ -187,6 +187,11 @@ class Node:
     def is_comm(self) -> bool:
         return self.op.is_comm
 
+    @property
+    def layer(self) -> int | None:
+        """The node's layer index in a multi-layer graph (``moegraph.layers``), None in a one-layer graph."""
+        return self.attr("layer", None)
+
     def attr(self, key: str, default: Any = dataclasses.MISSING) -> Any:
         for k, v in self.attrs:
             if k == key:
