@@ -87,6 +87,9 @@ def format_compile(c: dict) -> str:
               f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"solver {c['solver']['status']} in {c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
+    if "layers" in c:
+        lines.append(f"{len(c['layers'])} layers, exposed comm per layer (us): "
+                     + " ".join(f"l{r['layer']} {r['exposed_comm_us']:.1f}" for r in c["layers"]))
     return "\n".join(lines)
 
 
