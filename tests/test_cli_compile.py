@@ -65,19 +65,3 @@ def test_compile_and_verify_errors_are_one_line(args, message, capsys):
     assert main(args) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
-
-
-def test_compile_layers_reports_each_layer(capsys):
-    """--layers 2: one schedule of both layers, per-layer times and exposed communication."""
-    small = ["--model", "small", "--n", "2", "--seq", "64", "--time-limit", "1"]
-    assert main(["compile", *small, "--json"]) == 0
-    one = json.loads(capsys.readouterr().out)
-    assert "layers" not in one
-    assert main(["compile", *small, "--layers", "2", "--json"]) == 0
-    two = json.loads(capsys.readouterr().out)
-    assert two["nodes"] == 2 * one["nodes"] and [r["layer"] for r in two["layers"]] == [0, 1]
-    for r in two["layers"]:
-        assert r["forward_us"][0] < r["forward_us"][1] <= r["backward_us"][1] <= two["makespan_us"]
-        assert 0 <= r["exposed_comm_us"] <= r["comm_us"]
-    assert two["layers"][0]["forward_us"][1] <= two["layers"][1]["forward_us"][1]
-    assert sum(r["exposed_comm_us"] for r in two["layers"]) >= two["exposed_comm_us"] - 0.01
