@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args
+from moegraph.layers import layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
-from moegraph.layers import layer_count
 from moegraph.schedules.schedule_file import Schedule, exposed_comm, round_us
 
 
