@@ -67,7 +67,7 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
     """
     n, d = graph.strategy.n, graph.strategy.dp
-    x_name, seed_name, output_name, input_grad_name = boundary(graph)
+    x_name, seed_name, _, _ = boundary(graph)
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
     for i, env in enumerate(envs):
         r = i % n
@@ -96,6 +96,7 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
             if len(rank_outs) != len(node.outputs):
                 raise RuntimeError(f"node {node.name!r} produced {len(rank_outs)} outputs, expected {len(node.outputs)}")
             env.update(zip(node.outputs, rank_outs))
+    output_name, input_grad_name = graph.outputs[0], graph.outputs[1]
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
                   for _, spec in graph.params for src in spec.sources}
     for pname, spec in graph.params:

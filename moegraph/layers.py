@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from moegraph.ir import Graph, GraphError, Node, ParamSource, ParamSpec, Phase, ValueKind, freeze_attrs, verify
+from moegraph.ir import Graph, GraphError, Node, ParamSpec, Phase, ValueKind, freeze_attrs, verify
 
 LAYER_ATTR = "layer"
 """Node attribute holding the node's layer index (an int) in a multi-layer graph."""
@@ -121,7 +121,7 @@ def _renamed(node: Node, i: int, rename) -> Node:
 
 
 def _prefixed(spec: ParamSpec, i: int) -> ParamSpec:
-    sources = tuple(ParamSource(f"{PARAM_PREFIX}.{i}.{s.qualname}", s.narrow) for s in spec.sources)
+    sources = tuple(dataclasses.replace(s, qualname=f"{PARAM_PREFIX}.{i}.{s.qualname}") for s in spec.sources)
     return dataclasses.replace(spec, sources=sources)
 
 
