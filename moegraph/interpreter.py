@@ -67,8 +67,8 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
     """
     n, d = graph.strategy.n, graph.strategy.dp
-    x_name, seed_name, _, _ = boundary(graph)
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
+    x_name, seed_name, _, _ = boundary(graph)    # the layer input and seed gradient (moegraph.layers)
     for i, env in enumerate(envs):
         r = i % n
         env[x_name] = x.chunk(n, dim=1)[r]
