@@ -22,10 +22,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from moegraph.ir import Graph, GraphError, Node, ParamSpec, Phase, ValueKind, freeze_attrs, verify
+from moegraph.ir import LAYER_ATTR, Graph, GraphError, Node, ParamSpec, Phase, ValueKind, freeze_attrs, verify
 
-LAYER_ATTR = "layer"
-"""Node attribute holding the node's layer index (an int) in a multi-layer graph."""
 PARAM_PREFIX = "layers"
 """Module prefix of layer i's parameters: ``layers.{i}.<qualname in the layer>``."""
 

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args
-from moegraph.layers import layer_count
+from moegraph.layers import LAYER_ATTR, layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
@@ -57,7 +57,7 @@ def per_layer_summary(schedule: Schedule) -> list[dict]:
     compute = [n for n in schedule.nodes if n.kind == "compute"]
     by_layer: dict[int, list] = {}
     for n in schedule.nodes:
-        by_layer.setdefault(n.attrs["layer"], []).append(n)
+        by_layer.setdefault(n.attrs[LAYER_ATTR], []).append(n)
 
     def span(nodes) -> list[float]:
         return [round_us(min(n.start_us for n in nodes)), round_us(max(n.end_us for n in nodes))] if nodes else []
