@@ -7,10 +7,11 @@ import dataclasses
 import json
 import sys
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Phase, Strategy
+from moegraph.layers import layer_count
 from moegraph.options import UsageError, byte_size, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 
@@ -22,6 +23,16 @@ DEFAULT_PASSES = "gate-reorder,sar=paper"
 def passes_arg(text: str) -> str:
     """--passes value: a pipeline string, '' or 'none' for no passes (validated by the pipeline)."""
     return "" if text.strip().lower() == "none" else text
+
+
+def layers_arg(text: str) -> int | Literal["all"]:
+    """--layers value: a positive layer count, or 'all' (the registry model's ``layers``)."""
+    if text.strip().lower() == "all":
+        return "all"
+    try:
+        return positive_int(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'all'") from None
 
 
 def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-8x7b") -> None:
@@ -38,6 +49,9 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--top-k", type=positive_int, default=None, help="override the model's top-k")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
+    p.add_argument("--layers", type=layers_arg, default=1, metavar="L|all",
+                   help="decoder layers in the graph, at most the model's; 'all' = the model's count "
+                        "(default %(default)s)")
     p.add_argument("--passes", type=passes_arg, default=DEFAULT_PASSES,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
                         "passes (default %(default)s)")
@@ -60,12 +74,18 @@ class Layer:
     report: dict[str, Any]        # what the passes chose and predicted
 
 
-def layer_from_args(args: argparse.Namespace) -> Layer:
+def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> Layer:
+    """The graph the layer options describe. ``multi_layer``: the command handles a graph of
+    several layers (trace, compile); the others refuse --layers above 1 before any work."""
     from moegraph.tracer import trace_model
     for flag in ("n", "batch", "seq", "dp"):
         if getattr(args, flag) < 1:  # also reached from code that builds args by hand (demo, benchmarks)
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     model = load_model(args.model)
+    layers = resolve_layers(getattr(args, "layers", 1), model)
+    if layers > 1 and not multi_layer:
+        raise UsageError(f"--layers={layers}: this command runs one layer (multi-layer execution is not supported "
+                         "yet); use --layers 1, or trace/compile for a multi-layer graph")
     if args.top_k is not None:
         if not 1 <= args.top_k <= model.experts:
             raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
@@ -73,12 +93,21 @@ def layer_from_args(args: argparse.Namespace) -> Layer:
     hw = load_hardware(args.hardware)
     cost = CostModel(hw)
     strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp)
-    graph = trace_model(model, strategy, batch=args.batch, seq=args.seq)
+    graph = trace_model(model, strategy, batch=args.batch, seq=args.seq, layers=layers)
     report: dict[str, Any] = {}
     if args.passes:
         from moegraph.passes import run_pipeline
         graph, report = run_pipeline(graph, args.passes, cost=cost)
     return Layer(model, hw, cost, graph, report)
+
+
+def resolve_layers(layers: int | str, model: ModelConfig) -> int:
+    """--layers against the model: 'all' is its count; more layers than it has is a UsageError."""
+    if layers == "all":
+        return model.layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= model.layers:
+        raise UsageError(f"--layers={layers} must be between 1 and {model.name}'s {model.layers} layers, or 'all'")
+    return layers
 
 
 # -- trace ---------------------------------------------------------------------------------
@@ -99,7 +128,7 @@ def trace_summary(layer: Layer) -> dict[str, Any]:
     strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
     return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
-            "dims": dataclasses.asdict(g.dims), "nodes": nodes,
+            "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,
             "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
             "time_us_by_phase": by_phase, "passes": layer.report}
 
@@ -108,7 +137,7 @@ def trace_command(p: argparse.ArgumentParser):
     add_layer_args(p)
 
     def run(args) -> int:
-        summary = trace_summary(layer_from_args(args))
+        summary = trace_summary(layer_from_args(args, multi_layer=True))
         if args.json:
             json.dump(summary, sys.stdout, indent=1)
             print()
@@ -120,7 +149,7 @@ def trace_command(p: argparse.ArgumentParser):
 
 def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
-    lines = [f"{s['model']} on {s['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
+    lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "") + ": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
              f"n={st['n']} dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
     for n in s["nodes"]:

@@ -22,6 +22,7 @@ from typing import Any, Mapping
 import torch
 
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
+from moegraph.layers import boundary
 from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 
 
@@ -72,10 +73,11 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
         raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
                          "(dict(module.named_parameters()) | dict(module.named_buffers()))")
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
+    x_name, seed_name, _, _ = boundary(graph)    # the layer input and seed gradient (moegraph.layers)
     for i, env in enumerate(envs):
         r = i % n
-        env["hidden"] = x.chunk(n, dim=1)[r]
-        env["d_hidden_next"] = dy.chunk(n, dim=1)[r]
+        env[x_name] = x.chunk(n, dim=1)[r]
+        env[seed_name] = dy.chunk(n, dim=1)[r]
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
     # collective groups: ranks of one replica, or (axis="dp") one rank across the replicas

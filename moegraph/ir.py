@@ -61,6 +61,9 @@ class OpKind(enum.Enum):
         return self in COMM_OPS
 
 
+LAYER_ATTR = "layer"
+"""Node attribute holding the node's layer index (an int) in a multi-layer graph (``moegraph.layers``)."""
+
 COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE})
 
 
@@ -187,6 +190,11 @@ class Node:
     @property
     def is_comm(self) -> bool:
         return self.op.is_comm
+
+    @property
+    def layer(self) -> int | None:
+        """The node's layer index in a multi-layer graph (``moegraph.layers``), None in a one-layer graph."""
+        return self.attr(LAYER_ATTR, None)
 
     def attr(self, key: str, default: Any = dataclasses.MISSING) -> Any:
         for k, v in self.attrs:

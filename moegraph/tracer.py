@@ -17,6 +17,7 @@ import operator
 import os
 import traceback
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -25,6 +26,7 @@ from torch import nn
 from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.ir import Dims, Graph, Strategy, verify
+from moegraph.layers import layer_count, stack_layers
 from moegraph.lowering import LoweringError, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
@@ -293,17 +295,39 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> G
 
 def relower(graph: Graph, **strategy_changes) -> Graph:
     """Lower the same layer again with some strategy fields changed (used by strategy passes)."""
+    layers = layer_count(graph)
     program = graph.meta_get("program")
     if program is None:
         raise LoweringError(f"graph {graph.name!r} carries no layer program to re-lower")
     strategy = dataclasses.replace(graph.strategy, **strategy_changes)
-    return lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name)
+    # a multi-layer graph re-lowers its one layer and restacks it: identical layers, one lowering
+    return stack_layers(lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name), layers)
 
 
 def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int, name: str | None = None) -> Graph:
     """Lower ``module`` (one MoE decoder layer) for ``strategy``; forward and backward, verified."""
     program = extract_program(module)
     return lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(module).__name__)
+
+
+def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int, seq: int,
+                 name: str | None = None) -> Graph:
+    """Lower a stack of decoder layers (an ``nn.ModuleList``, applied in order, each reading the
+    previous one's output) into one multi-layer graph (``moegraph.layers``): layer i's parameters
+    are read as ``layers.{i}.<name in the layer>``. Every layer must lower to the same program
+    (same blocks, sizes and parameter names); the first is lowered once and stacked. A single
+    layer gives the one-layer graph, its parameters named as in the layer."""
+    layers = list(layers)
+    if not layers:
+        raise LoweringError("trace_layers needs at least one layer")
+    programs = [extract_program(m) for m in layers]
+    for i, p in enumerate(programs[1:], start=1):
+        if p != programs[0]:
+            raise LoweringError(f"layer {i} ({type(layers[i]).__name__}) does not lower to the same program as "
+                                f"layer 0 ({type(layers[0]).__name__}): only identical layers can share one graph")
+    program = programs[0]
+    graph = lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
+    return stack_layers(graph, len(layers))
 
 
 def _arg(env, a):
@@ -331,12 +355,16 @@ def _assign_block_of_unassigned(g: GraphBuilder) -> None:
         g.nodes[i] = dataclasses.replace(node, block=block)
 
 
-def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192) -> Graph:
-    """Trace the reference layer sized from a registry ModelConfig, without allocating weights."""
+def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, layers: int = 1) -> Graph:
+    """Trace the reference layer sized from a registry ModelConfig, without allocating weights;
+    ``layers`` > 1 stacks that many identical layers into one graph (``moegraph.layers``),
+    lowered once (at most the model's ``layers``)."""
     from moegraph.models import MoETransformerLayer
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
+        raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.name}'s {cfg.layers} layers")
     with torch.device("meta"):
         layer = MoETransformerLayer.from_config(cfg)
-    return trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
+    return stack_layers(trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name), layers)
 
 
-__all__ = ["trace_module", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]
+__all__ = ["trace_module", "trace_layers", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]

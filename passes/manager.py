@@ -31,6 +31,7 @@ from typing import Any, Callable, Mapping
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, verify
+from moegraph.layers import layer_count, layer_graph, stack_layers
 
 
 class PassError(ValueError):
@@ -97,9 +98,30 @@ def build_pass(name: str, arg: str | None, cost: CostModel) -> Pass:
     """The pass ``name=arg``; a bad argument raises PassError listing the valid ones."""
     spec = PASSES[name]
     try:
-        return spec.build(arg, cost)
+        return per_layer(spec.build(arg, cost))
     except ValueError as err:
         raise PassError(f"pass {name!r}: invalid argument {arg!r} ({err}); valid: {spec.valid}") from err
+
+
+def per_layer(run: Pass) -> Pass:
+    """``run`` on a multi-layer graph (``moegraph.layers``): the layers are identical, so the
+    pass rewrites the one-layer graph once and the result is restacked. Exact for every pass
+    whose decisions are local to a layer; a pass deciding at model level (sar=budget) refuses
+    multi-layer graphs itself, before this runs. The report is the one layer's, with
+    ``layers`` added; a one-layer graph passes straight through. A pass that handles layers
+    itself is marked ``layer_aware`` and returned as it is."""
+    if getattr(run, "layer_aware", False):
+        return run
+
+    def wrapped(graph: Graph) -> PassResult:
+        layers = layer_count(graph)
+        if layers == 1:
+            return run(graph)
+        result = run(layer_graph(graph))
+        return PassResult(stack_layers(result.graph, layers), result.changed,
+                          {**result.report, "layers": layers, "report_is": "per layer"})
+    wrapped.layer_aware = True
+    return wrapped
 
 
 def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,

@@ -54,7 +54,9 @@ from dataclasses import dataclass
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
-from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register, same_computation
+from moegraph.layers import layer_count
+from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, per_layer, record, register,
+                                     same_computation)
 
 _CHUNK = re.compile(r"\.c\d+$")
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
@@ -309,4 +311,13 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
             report["budget_bytes"] = budget
         out = mark_rewritten(record(p.graph, me, remat=policy, remat_budget=budget), me).with_meta(remat=decided)
         return PassResult(out, not same_computation(graph, p.graph), report)
-    return run
+
+    def run_layers(graph: Graph) -> PassResult:
+        layers = layer_count(graph)
+        if policy == "budget" and layers > 1:
+            # the budget caps the whole model's activations; splitting it per layer would be a guess
+            raise ValueError(f"{me} on a {layers}-layer graph: a byte budget is decided per layer only, not "
+                             "yet for a model; use sar=paper or sar=none, or one layer")
+        return per_layer(run)(graph)
+    run_layers.layer_aware = True
+    return run_layers
