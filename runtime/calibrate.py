@@ -54,6 +54,7 @@ import yaml
 
 from moegraph.cli import UsageError
 from moegraph.registry import Hardware, load_hardware
+from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
 
 __all__ = ["calibrate_command", "CalibrationOptions", "CalibrationError", "run_calibration", "fit_profile",
            "self_check", "measured_info", "parse_notes", "write_profile", "write_samples", "read_samples"]
@@ -115,12 +116,17 @@ def calibrate_command(p: argparse.ArgumentParser):
     p.add_argument("--samples", default=None, metavar="FILE.json",
                    help="also write every raw sample (median seconds, sizes) as JSON, for inspection or refitting")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
+    add_link_args(p)
     return _handle
 
 
 def _handle(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
-    profile, results, wall = run_calibration(opts)
+    link = link_from_args(args)
+    if link is not None and opts.backend != "gloo":
+        raise UsageError(f"--link {link} shapes gloo's loopback sockets; it needs --device cpu")
+    with emulated_link(link):                        # the ranks spawned inside talk over the emulated link
+        profile, results, wall = run_calibration(opts)
     print(format_summary(profile, results, opts, wall))
     return 0
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int
 from moegraph.runtime.commands import measure_schedule
+from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
 DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
@@ -25,10 +26,12 @@ def demo_command(p: argparse.ArgumentParser):
                    help="folder for the schedule and its Gantt chart (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=10, help="measured steps of the CPU run (default %(default)s)")
     p.add_argument("--skip-run", action="store_true", help="stop after the Gantt chart (no CPU ranks)")
+    add_link_args(p)
 
     def run(args) -> int:
         from moegraph.cli import main
         out = check_output_dir(args.output)
+        link = link_from_args(args)
         out.mkdir(parents=True, exist_ok=True)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
@@ -45,19 +48,21 @@ def demo_command(p: argparse.ArgumentParser):
                 return rc
         if args.skip_run:
             return 0
-        return _demo_cpu_run(args.steps)
+        return _demo_cpu_run(args.steps, link)
     return run
 
 
-def _demo_cpu_run(steps: int) -> int:
+def _demo_cpu_run(steps: int, link: Link | None = None) -> int:
     a = argparse.Namespace(**DEMO_CPU)
-    print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks (gloo), s={a.seq}, {a.attn}+{a.ffn} "
+    over = f"an emulated {link} link" if link else "gloo"
+    print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks ({over}), s={a.seq}, {a.attn}+{a.ffn} "
           f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)
-    layer = layer_from_args(a)
-    # one set of ranks per schedule: two compiled layers in one process slow each other down on
-    # this VM (docs/runtime.md), which would blur the comparison
-    rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")
-            for method in ("cpsat", "sequential")]
+    with emulated_link(link):
+        layer = layer_from_args(a)
+        # one set of ranks per schedule: two compiled layers in one process slow each other down on
+        # this VM (docs/runtime.md), which would blur the comparison
+        rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")
+                for method in ("cpsat", "sequential")]
     print(f"{'schedule':<12} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {steps} steps, slowest rank)")
     for r in rows:
         err = (r["predicted_us"] - r["step_us"]) / r["step_us"]
