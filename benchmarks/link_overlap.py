@@ -32,7 +32,7 @@ from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
 from moegraph.options import positive_int  # noqa: E402
 from moegraph.runtime.commands import spawn_plans, step_stats  # noqa: E402
 from moegraph.runtime.module import make_plan  # noqa: E402
-from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args  # noqa: E402
+from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args, link_mismatch  # noqa: E402
 
 METHODS = ("cpsat", "sequential")
 
@@ -51,6 +51,8 @@ def main(argv=None) -> int:
     link = link_from_args(args)
     with emulated_link(link):
         layer = layer_from_args(args)
+        if warning := link_mismatch(layer.hardware, link):
+            print(warning)
         g, cost = layer.graph, layer.cost
         plans = tuple(make_plan(g, cost, m, time_limit_s=args.time_limit) for m in METHODS)
         results = spawn_plans(layer, plans, steps=args.steps, warmup=args.warmup)

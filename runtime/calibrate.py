@@ -54,7 +54,7 @@ import yaml
 
 from moegraph.cli import UsageError
 from moegraph.registry import Hardware, load_hardware
-from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
+from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args
 
 __all__ = ["calibrate_command", "CalibrationOptions", "CalibrationError", "run_calibration", "fit_profile",
            "self_check", "measured_info", "parse_notes", "write_profile", "write_samples", "read_samples"]
@@ -92,6 +92,7 @@ class CalibrationOptions:
     output: Path = Path("profile.yaml")
     verbose: bool = True
     samples: Path | None = None
+    link: Link | None = None          # the emulated link the ranks run on (--link); None: plain loopback
 
     @property
     def threads(self) -> int:
@@ -122,10 +123,7 @@ def calibrate_command(p: argparse.ArgumentParser):
 
 def _handle(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
-    link = link_from_args(args)
-    if link is not None and opts.backend != "gloo":
-        raise UsageError(f"--link {link} shapes gloo's loopback sockets; it needs --device cpu")
-    with emulated_link(link):                        # the ranks spawned inside talk over the emulated link
+    with emulated_link(opts.link):                   # the ranks spawned inside talk over the emulated link
         profile, results, wall = run_calibration(opts)
     print(format_summary(profile, results, opts, wall))
     return 0
@@ -158,7 +156,11 @@ def options_from_args(args: argparse.Namespace) -> CalibrationOptions:
         if samples.suffix != ".json":
             raise UsageError(f"--samples {samples}: expected a .json file")
         _check_writable(samples, suffixes=(".json",))
-    return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples)
+    link = link_from_args(args)
+    if link is not None and backend != "gloo":
+        raise UsageError(f"--link {link} shapes gloo's loopback sockets; it needs --device cpu")
+    return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples,
+                              link)
 
 
 def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -> None:
@@ -575,6 +577,8 @@ def fit_profile(results: Sequence[Any], base: Hardware, opts: CalibrationOptions
         prof["hbm_capacity_bytes"] = int(info["memory"])
 
     skipped = [f"{r.name} ({r.skipped})" for r in results if r.skipped]
+    prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
+    prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
     prof["description"] = _description(opts, info)
     prof["curves"] = curves
     prof["measured"] = measured_info(opts, info, wall_s, unmeasured, skipped, notes)
@@ -584,7 +588,8 @@ def fit_profile(results: Sequence[Any], base: Hardware, opts: CalibrationOptions
 def _description(opts: CalibrationOptions, info: dict[str, str]) -> str:
     if opts.device == "cpu":
         return (f"Calibrated by moegraph calibrate: {info.get('cpu', '?')} ({info.get('cores', '?')} cores), "
-                f"{opts.n} ranks x {opts.threads} thread(s), {opts.dtype}, gloo over loopback; peak_flops_bf16 "
+                f"{opts.n} ranks x {opts.threads} thread(s), {opts.dtype}, gloo over "
+                f"{f'an emulated {opts.link} link' if opts.link else 'loopback'}; peak_flops_bf16 "
                 f"holds the measured {opts.dtype} GEMM peak, hbm = DRAM/cache, nvlink = loopback TCP")
     return (f"Calibrated by moegraph calibrate: {info.get('gpu', 'GPU')}, {opts.dtype}; compute measured, "
             f"collectives from {opts.base} (unmeasured)")

@@ -177,7 +177,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.runtime.module import make_plan
-    from moegraph.runtime.netns import emulated_link, link_from_args
+    from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     for flag in ("steps",):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
@@ -196,6 +196,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device = "cuda"
     with emulated_link(link):                         # a missing privilege fails here, before any work
         layer = layer_from_args(args)
+        if warning := link_mismatch(layer.hardware, link):
+            print(warning, file=sys.stderr, flush=True)
         plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                          time_limit_s=args.time_limit)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,

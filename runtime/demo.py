@@ -14,7 +14,7 @@ from pathlib import Path
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int
 from moegraph.runtime.commands import measure_schedule
-from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args
+from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args, link_mismatch
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
 DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
@@ -59,6 +59,8 @@ def _demo_cpu_run(steps: int, link: Link | None = None) -> int:
           f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)
     with emulated_link(link):
         layer = layer_from_args(a)
+        if warning := link_mismatch(layer.hardware, link):
+            print(warning, flush=True)
         # one set of ranks per schedule: two compiled layers in one process slow each other down on
         # this VM (docs/runtime.md), which would blur the comparison
         rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")

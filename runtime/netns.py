@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Iterator
 
 from moegraph.options import UsageError
+from moegraph.registry import Hardware
 from moegraph.runtime import RuntimeFailure
 
 NETNS_DIR = Path("/run/netns")        # where `ip netns` keeps the namespaces it names
@@ -129,6 +130,20 @@ def link_from_args(args) -> Link | None:
             raise UsageError(f"--link-latency {latency:g}us needs --link RATE (the link it delays)")
         return None
     return Link(rate, latency or 0.0)
+
+
+def link_mismatch(hardware: Hardware, link: Link | None) -> str | None:
+    """One warning line when ``hardware`` was calibrated under another link than ``link`` (its
+    collective prices then describe that link, not this one); None when they agree."""
+    have = (hardware.link_bit_s, hardware.link_latency_us)
+    want = (float(link.rate_bit_s), link.latency_us) if link else (0.0, 0.0)
+    if have == want:
+        return None
+
+    def say(rate: float, latency: float) -> str:
+        return f"an emulated {Link(int(rate), latency)} link" if rate else "plain loopback (no --link)"
+    return (f"warning: profile {hardware.name} was calibrated on {say(*have)}, this run uses {say(*want)}: "
+            f"predicted collective times describe the former (calibrate with the same --link for the latter)")
 
 
 # -- namespace lifecycle --------------------------------------------------------------------------

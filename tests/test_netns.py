@@ -19,8 +19,9 @@ from pathlib import Path
 import pytest
 
 from moegraph.cli import build_parser, main
+from moegraph.registry import load_hardware
 from moegraph.runtime.netns import (NETNS_DIR, Link, LinkUnavailable, current_inode, emulated_link, format_rate,
-                                    link_latency, link_rate, qdisc_show)
+                                    link_latency, link_mismatch, link_rate, qdisc_show)
 
 HAS_IP = shutil.which("ip") is not None and shutil.which("tc") is not None
 
@@ -78,6 +79,17 @@ def test_without_a_link_nothing_changes():
     before, inode = ours(), current_inode()
     with emulated_link(None) as ns:
         assert ns is None and current_inode() == inode and ours() == before
+
+
+def test_profile_link_mismatch_warns():
+    import dataclasses
+    loopback = load_hardware("cpu-2core-gloo")
+    assert loopback.link_bit_s == 0 and link_mismatch(loopback, None) is None
+    on_link = dataclasses.replace(loopback, link_bit_s=1e9)
+    assert link_mismatch(on_link, Link(10**9)) is None
+    assert "calibrated on an emulated 1gbit link, this run uses plain loopback" in link_mismatch(on_link, None)
+    assert "this run uses an emulated 500mbit link" in link_mismatch(on_link, Link(5 * 10**8))
+    assert "this run uses an emulated 1gbit+500us link" in link_mismatch(on_link, Link(10**9, 500.0))
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
@@ -196,11 +208,31 @@ def test_run_on_the_link_matches_eager_and_is_shaped(capsys):
     from moegraph.commands import layer_from_args
     assert main(["run", "--n", "2", "--steps", "2", "--schedule", "sequential", "--check", "--json",
                  "--link", "4mbit"]) == 0
-    report = json.loads(capsys.readouterr().out)
+    out, err = capsys.readouterr()
+    report = json.loads(out)
     assert report["link"] == "4mbit"
+    assert ("warning: profile cpu-2core-gloo was calibrated on plain loopback (no --link), this run uses an "
+            "emulated 4mbit link") in err
     assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
     graph = layer_from_args(build_parser(("run",)).parse_args(["run", "--n", "2"])).graph
     # both ranks' bytes cross the one shaped loopback; a full bucket lets its burst through at once
     wire_s = (2 * sum(n.comm_bytes for n in graph.nodes if n.is_comm) - 2**17) * 8 / 4e6
     assert wire_s > 0.2, "the layer must move enough bytes for the bound to mean something"
     assert min(report["step_us_all"]) >= wire_s * 1e6, (report["step_us_all"], wire_s)
+
+
+@needs_netns
+def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
+    """The ranks calibrate inside the namespace: the fitted per-rank bandwidth is below the link's
+    rate (plain loopback here: ~1 GB/s), and the profile records the link."""
+    out = tmp_path / "link.yaml"
+    proc = subprocess.Popen([sys.executable, "-m", "moegraph", "calibrate", "--time-budget", "10", "--n", "2",
+                             "--link", "100mbit", "--quiet", "-o", str(out)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 0, err
+    assert not list(NETNS_DIR.glob(f"moegraph-{proc.pid}-*")), "the calibration left its namespace behind"
+    hw = load_hardware(out)
+    assert hw.link_bit_s == 1e8 and hw.link_latency_us == 0
+    assert hw.nvlink_bw_bytes_s <= 100e6 / 8, hw.nvlink_bw_bytes_s
+    assert "gloo over an emulated 100mbit link" in hw.description
