@@ -32,7 +32,6 @@ def demo_command(p: argparse.ArgumentParser):
         from moegraph.cli import main
         out = check_output_dir(args.output)
         link = link_from_args(args)
-        out.mkdir(parents=True, exist_ok=True)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
             ("1/4 trace: the Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800",
@@ -41,30 +40,32 @@ def demo_command(p: argparse.ArgumentParser):
              ["compile", *DEMO_PAPER, "--passes", "gate-reorder,sar=paper", "-o", str(sched)]),
             (f"3/4 gantt: {chart}", ["gantt", str(sched), "-o", str(chart)]),
         ]
-        for title, argv in steps:
-            print(f"\n== {title} ==", flush=True)
-            rc = main(argv)
-            if rc:
-                return rc
-        if args.skip_run:
-            return 0
-        return _demo_cpu_run(args.steps, link)
+        with emulated_link(link):               # made first: a missing privilege fails before any work
+            out.mkdir(parents=True, exist_ok=True)
+            for title, argv in steps:
+                print(f"\n== {title} ==", flush=True)
+                rc = main(argv)
+                if rc:
+                    return rc
+            if args.skip_run:
+                return 0
+            return _demo_cpu_run(args.steps, link)
     return run
 
 
 def _demo_cpu_run(steps: int, link: Link | None = None) -> int:
+    """The CPU run; with ``link`` the caller has entered its namespace (the ranks inherit it)."""
     a = argparse.Namespace(**DEMO_CPU)
     over = f"an emulated {link} link" if link else "gloo"
     print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks ({over}), s={a.seq}, {a.attn}+{a.ffn} "
           f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)
-    with emulated_link(link):
-        layer = layer_from_args(a)
-        if warning := link_mismatch(layer.hardware, link):
-            print(warning, flush=True)
-        # one set of ranks per schedule: two compiled layers in one process slow each other down on
-        # this VM (docs/runtime.md), which would blur the comparison
-        rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")
-                for method in ("cpsat", "sequential")]
+    layer = layer_from_args(a)
+    if warning := link_mismatch(layer.hardware, link):
+        print(warning, flush=True)
+    # one set of ranks per schedule: two compiled layers in one process slow each other down on
+    # this VM (docs/runtime.md), which would blur the comparison
+    rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")
+            for method in ("cpsat", "sequential")]
     print(f"{'schedule':<12} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {steps} steps, slowest rank)")
     for r in rows:
         err = (r["predicted_us"] - r["step_us"]) / r["step_us"]

@@ -18,6 +18,7 @@ What this models and what not: docs/runtime.md, "Emulated link".
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import ctypes.util
@@ -92,10 +93,10 @@ def link_rate(text: str) -> int | None:
     m = _RATE.match(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in RATE_UNITS:
-        raise _type_error(f"{text!r} is not {RATE_FORMS}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {RATE_FORMS}")
     value = float(m.group(1)) * RATE_UNITS[unit]
     if value < 1:
-        raise _type_error(f"{text!r} is not {RATE_FORMS}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {RATE_FORMS}")
     return int(round(value))
 
 
@@ -104,13 +105,8 @@ def link_latency(text: str) -> float:
     m = _RATE.match(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in LATENCY_UNITS:
-        raise _type_error(f"{text!r} is not {LATENCY_FORMS}")
+        raise argparse.ArgumentTypeError(f"{text!r} is not {LATENCY_FORMS}")
     return float(m.group(1)) * LATENCY_UNITS[unit]
-
-
-def _type_error(message: str) -> Exception:
-    import argparse
-    return argparse.ArgumentTypeError(message)
 
 
 def add_link_args(p) -> None:

@@ -160,18 +160,21 @@ def test_removed_when_the_holder_is_interrupted(sig):
 
 
 @pytest.mark.skipif(not HAS_IP or shutil.which("setpriv") is None, reason="needs ip and setpriv")
-def test_without_privilege_one_line_and_exit_2():
+@pytest.mark.parametrize("command", [["run", "--steps", "1"], ["demo", "-o", "{tmp}/out"],
+                                     ["calibrate", "-o", "{tmp}/p.yaml"]], ids=lambda c: c[0])
+def test_without_privilege_one_line_exit_2_nothing_written(command, tmp_path):
     """The real path: `ip netns add` refused because the process lacks CAP_SYS_ADMIN (dropped
     from its bounding set: for root that removes it from the process; a non-root user lacks it)."""
-    cmd = [sys.executable, "-m", "moegraph", "run", "--link", "1gbit", "--steps", "1"]
+    cmd = [sys.executable, "-m", "moegraph", *(a.replace("{tmp}", str(tmp_path)) for a in command), "--link", "1gbit"]
     if os.geteuid() == 0:
         cmd = ["setpriv", "--bounding-set", "-sys_admin,-net_admin", "--inh-caps", "-all", "--", *cmd]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert len(lines) == 1, done.stderr
-    assert lines[0].startswith("moegraph run: error: --link 1gbit: creating a network namespace needs root"), lines[0]
-    assert done.stdout == ""
+    assert lines[0].startswith(f"moegraph {command[0]}: error: --link 1gbit: creating a network namespace needs "
+                               f"root"), lines[0]
+    assert done.stdout == "" and list(tmp_path.iterdir()) == []
 
 
 # -- ranks on the link ----------------------------------------------------------------------------
