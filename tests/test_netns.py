@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from moegraph.cli import build_parser, main
+from moegraph.cli import main
 from moegraph.registry import load_hardware
 from moegraph.runtime.netns import (NETNS_DIR, Link, LinkUnavailable, current_inode, emulated_link, format_rate,
                                     link_latency, link_mismatch, link_rate, qdisc_show)
@@ -208,8 +208,9 @@ def test_ranks_run_inside_and_feel_the_rate():
 def test_run_on_the_link_matches_eager_and_is_shaped(capsys):
     """`moegraph run --link`: numerics against the eager module, and each step at least the wire
     time of the bytes both ranks send at 4 Mbit/s (unshaped, the tiny layer's step takes ~30 ms)."""
-    from moegraph.commands import layer_from_args
-    assert main(["run", "--n", "2", "--steps", "2", "--schedule", "sequential", "--check", "--json",
+    layer = ["--model", "tiny", "--hardware", "cpu-2core-gloo", "--n", "2", "--seq", "128", "--dtype", "fp32",
+             "--attn", "sp", "--ffn", "ep", "--dispatch", "ag-rs", "--passes", "gate-reorder,sar=paper"]
+    assert main(["run", *layer, "--steps", "2", "--schedule", "sequential", "--check", "--json",
                  "--link", "4mbit"]) == 0
     out, err = capsys.readouterr()
     report = json.loads(out)
@@ -217,9 +218,10 @@ def test_run_on_the_link_matches_eager_and_is_shaped(capsys):
     assert ("warning: profile cpu-2core-gloo was calibrated on plain loopback (no --link), this run uses an "
             "emulated 4mbit link") in err
     assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
-    graph = layer_from_args(build_parser(("run",)).parse_args(["run", "--n", "2"])).graph
+    assert main(["trace", *layer, "--json"]) == 0
+    nodes = json.loads(capsys.readouterr().out)["nodes"]
     # both ranks' bytes cross the one shaped loopback; a full bucket lets its burst through at once
-    wire_s = (2 * sum(n.comm_bytes for n in graph.nodes if n.is_comm) - 2**17) * 8 / 4e6
+    wire_s = (2 * sum(n["comm_bytes"] for n in nodes if n["kind"] == "comm") - 2**17) * 8 / 4e6
     assert wire_s > 0.2, "the layer must move enough bytes for the bound to mean something"
     assert min(report["step_us_all"]) >= wire_s * 1e6, (report["step_us_all"], wire_s)
 
