@@ -132,6 +132,21 @@ def test_latency_needs_netem_or_is_shaped():
     assert not ours()
 
 
+@needs_netns
+def test_a_namespace_left_by_a_killed_run_is_removed_by_the_next():
+    """A run killed by SIGKILL cannot clean up; the next run deletes namespaces whose creator is
+    gone (and only those: its own, live, namespace stays while it runs)."""
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale = f"moegraph-{gone.pid}-dead00"
+    subprocess.run(["ip", "netns", "add", stale], check=True)
+    try:
+        with emulated_link(Link(10**9)) as ns:
+            assert not (NETNS_DIR / stale).exists() and ns.path.exists()
+    finally:
+        subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
+
+
 CHILD = """
 import sys, time
 from moegraph.runtime.netns import Link, emulated_link
