@@ -166,6 +166,7 @@ def run_command(p: argparse.ArgumentParser):
     from moegraph.commands import add_layer_args, add_memory_budget_arg
     from moegraph.options import non_negative_int, positive_float, positive_int
     from moegraph.schedules.api import METHODS
+    from moegraph.runtime.netns import add_link_args
     add_layer_args(p, model_default="tiny")
     # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
     # (--backend nccl refuses the CPU profiles, see ``run``)
@@ -186,6 +187,7 @@ def run_command(p: argparse.ArgumentParser):
     p.add_argument("--compare-prediction", action="store_true",
                    help="per-node and total error of the cost model against the measured steps")
     add_memory_budget_arg(p)
+    add_link_args(p)
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
@@ -268,12 +270,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.runtime.module import make_plan
+    from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
+    link = link_from_args(args)
+    if link is not None and args.backend != "gloo":
+        raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
+                         f"over the GPUs' own links, which it cannot shape")
     device = "cpu"
     if args.backend == "nccl":
         import torch
@@ -286,16 +293,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--backend nccl with --hardware {args.hardware}, a CPU profile (run's default), "
                              f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
-    layer = layer_from_args(args)
-    if schedule is not None:
-        _check_same_graph(layer.graph, schedule, args.schedule)
-    plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
-                     memory_budget=args.memory_budget, time_limit_s=args.time_limit)
-    results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
-                          backend=args.backend, timeout_s=args.timeout, check=args.check)
+    with emulated_link(link):                         # a missing privilege fails here, before any work
+        layer = layer_from_args(args)
+        if warning := link_mismatch(layer.hardware, link):
+            print(warning, file=sys.stderr, flush=True)
+        if schedule is not None:
+            _check_same_graph(layer.graph, schedule, args.schedule)
+        plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
+                         memory_budget=args.memory_budget, time_limit_s=args.time_limit)
+        results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
+                              backend=args.backend, timeout_s=args.timeout, check=args.check)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
+        "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
         "batch": g.dims.b, "seq": g.dims.s, "schedule": plan.method, "plan_hash": plan.hash,
@@ -380,6 +391,7 @@ def format_report(r: dict[str, Any]) -> str:
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
              f"n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up",
              f"step time: median {r['step_us'] / 1e3:.3f} ms (min {r['step_us_min'] / 1e3:.3f}, "

@@ -14,6 +14,7 @@ from pathlib import Path
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int
 from moegraph.runtime.commands import measure_schedule
+from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args, link_mismatch
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
 DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
@@ -25,11 +26,12 @@ def demo_command(p: argparse.ArgumentParser):
                    help="folder for the schedule and its Gantt chart (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=10, help="measured steps of the CPU run (default %(default)s)")
     p.add_argument("--skip-run", action="store_true", help="stop after the Gantt chart (no CPU ranks)")
+    add_link_args(p)
 
     def run(args) -> int:
         from moegraph.cli import main
         out = check_output_dir(args.output)
-        out.mkdir(parents=True, exist_ok=True)
+        link = link_from_args(args)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
             ("1/4 trace: the Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800",
@@ -38,22 +40,28 @@ def demo_command(p: argparse.ArgumentParser):
              ["compile", *DEMO_PAPER, "--passes", "gate-reorder,sar=paper", "-o", str(sched)]),
             (f"3/4 gantt: {chart}", ["gantt", str(sched), "-o", str(chart)]),
         ]
-        for title, argv in steps:
-            print(f"\n== {title} ==", flush=True)
-            rc = main(argv)
-            if rc:
-                return rc
-        if args.skip_run:
-            return 0
-        return _demo_cpu_run(args.steps)
+        with emulated_link(link):               # made first: a missing privilege fails before any work
+            out.mkdir(parents=True, exist_ok=True)
+            for title, argv in steps:
+                print(f"\n== {title} ==", flush=True)
+                rc = main(argv)
+                if rc:
+                    return rc
+            if args.skip_run:
+                return 0
+            return _demo_cpu_run(args.steps, link)
     return run
 
 
-def _demo_cpu_run(steps: int) -> int:
+def _demo_cpu_run(steps: int, link: Link | None = None) -> int:
+    """The CPU run; with ``link`` the caller has entered its namespace (the ranks inherit it)."""
     a = argparse.Namespace(**DEMO_CPU)
-    print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks (gloo), s={a.seq}, {a.attn}+{a.ffn} "
+    over = f"an emulated {link} link" if link else "gloo"
+    print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks ({over}), s={a.seq}, {a.attn}+{a.ffn} "
           f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)
     layer = layer_from_args(a)
+    if warning := link_mismatch(layer.hardware, link):
+        print(warning, flush=True)
     # one set of ranks per schedule: two compiled layers in one process slow each other down on
     # this VM (docs/runtime.md), which would blur the comparison
     rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")

@@ -116,6 +116,12 @@ RUNTIME_CASES = [
     (["calibrate", "--samples", "{tmp}/s.txt", "-o", "{tmp}/p.yaml"], "s.txt: expected a .json file"),
     (["calibrate", "-o", "{tmp}/p.txt"], "a profile is a .yaml or .yml file"),
     (["demo", "--steps", "-3"], "'-3' is not a positive integer"),
+    (["run", "--link", "1gb"], "'1gb' is not a link rate such as 1gbit, 500mbit or 100kbit, or none"),
+    (["run", "--link", "1gbit", "--link-latency", "soon"], "'soon' is not a one-way latency such as 500us"),
+    (["run", "--link-latency", "2ms"], "--link-latency 2000us needs --link RATE"),
+    (["run", "--link", "1gbit", "--backend", "nccl"], "--link 1gbit shapes gloo's loopback sockets"),
+    (["demo", "--link", "fast"], "'fast' is not a link rate"),
+    (["calibrate", "-o", "{tmp}/p.yaml", "--link", "0bit"], "'0bit' is not a link rate"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

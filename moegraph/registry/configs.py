@@ -216,6 +216,12 @@ class Hardware(_Record):
     of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph
     tune`` keeps the tp+tp sequential baseline unless a candidate's predicted gain exceeds it:
     smaller gains cannot be confirmed by measuring on this machine."""
+    link_bit_s: float = checked(nonneg_float, 0.0)
+    """Rate of the emulated link (``--link``, docs/runtime.md "Emulated link") the profile was
+    calibrated under, bits/s; 0 = none (plain loopback, or real hardware). ``moegraph run`` warns
+    when it differs from the run's ``--link``: collective prices describe the calibration's link."""
+    link_latency_us: float = checked(nonneg_float, 0.0)
+    """That link's added one-way delay (``--link-latency``), microseconds; 0 = none."""
     curves: tuple[tuple[str, Curve], ...] = checked(curves, ())
     """Optional measured efficiency curves, name -> ((size, eff), ...), size in FLOPs for compute
     curves and bytes for memory/comm curves; interpolated linearly in log(size), clamped at the

@@ -36,6 +36,7 @@ from moegraph.runtime.calibrate.fit import BenchCheck, GraphCheck, fit_profile, 
 from moegraph.runtime.calibrate.options import (MAX_BUDGET_S, MAX_RANKS, MIN_BUDGET_S, MIN_IN_STEP_BUDGET_S,
                                                 CalibrationError, CalibrationOptions, in_step_enabled)
 from moegraph.runtime.calibrate.profile_io import Profile, write_profile, write_samples
+from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
 
 __all__ = ["calibrate_command", "options_from_args", "run_calibration", "Calibration", "format_summary"]
 
@@ -73,12 +74,14 @@ def calibrate_command(p: argparse.ArgumentParser):
                    help="also write every raw sample (median seconds, sizes) as JSON, for inspection or refitting")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
+    add_link_args(p)
     return _handle
 
 
 def _handle(args: argparse.Namespace) -> int:
     opts = options_from_args(args)
-    cal = run_calibration(opts)
+    with emulated_link(opts.link):                   # the ranks spawned inside talk over the emulated link
+        cal = run_calibration(opts)
     if args.json:
         json.dump(summary_json(cal, opts), sys.stdout, indent=1)
         print()
@@ -114,7 +117,11 @@ def options_from_args(args: argparse.Namespace) -> CalibrationOptions:
         if samples.suffix != ".json":
             raise UsageError(f"--samples {samples}: expected a .json file")
         _check_writable(samples, suffixes=(".json",))
-    return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples)
+    link = link_from_args(args)
+    if link is not None and backend != "gloo":
+        raise UsageError(f"--link {link} shapes gloo's loopback sockets; it needs --device cpu")
+    return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples,
+                              link)
 
 
 def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -> None:

@@ -294,6 +294,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
 
     skipped = [f"{r.name} ({r.skipped})" for r in results if r.skipped]
     prof["curves"] = curves
+    prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
+    prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
     prof.pop("measured", None)
     prof.pop("description", None)
     facts = CalibrationFacts.of_run(opts, info, wall_s, unmeasured, skipped, notes)
@@ -303,7 +305,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
 def _description(opts: CalibrationOptions, info: MachineInfo) -> str:
     if opts.device == "cpu":
         return (f"Calibrated by moegraph calibrate: {info.cpu} ({info.cores} cores), "
-                f"{opts.n} ranks x {opts.threads} thread(s), {opts.dtype}, gloo over loopback; peak_flops_bf16 "
+                f"{opts.n} ranks x {opts.threads} thread(s), {opts.dtype}, gloo over "
+                f"{f'an emulated {opts.link} link' if opts.link else 'loopback'}; peak_flops_bf16 "
                 f"holds the measured {opts.dtype} GEMM peak, hbm = DRAM/cache, nvlink = loopback TCP")
     return (f"Calibrated by moegraph calibrate: {info.gpu or 'GPU'}, {opts.dtype}; compute measured, "
             f"collectives from {opts.base} (unmeasured)")

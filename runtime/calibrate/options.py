@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from moegraph.runtime.netns import Link
+
 MIN_BUDGET_S, MAX_BUDGET_S = 5.0, 3600.0
 MAX_RANKS = 64
 MIN_IN_STEP_BUDGET_S = 90.0  # below it the microbenchmarks get the whole budget (no in-step stage)
@@ -27,6 +29,7 @@ class CalibrationOptions:
     output: Path = Path("profile.yaml")
     verbose: bool = True
     samples: Path | None = None
+    link: Link | None = None          # the emulated link the ranks run on (--link); None: plain loopback
 
     @property
     def threads(self) -> int:
