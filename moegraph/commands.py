@@ -5,9 +5,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Phase, Strategy
@@ -133,16 +132,16 @@ def trace_summary(layer: Layer) -> dict[str, Any]:
             "time_us_by_phase": by_phase, "passes": layer.report}
 
 
+def print_result(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
+    """A command's result on stdout: one JSON object (``--json``) or its human-readable table."""
+    print(json.dumps(result, indent=1) if as_json else table(result))
+
+
 def trace_command(p: argparse.ArgumentParser):
     add_layer_args(p)
 
     def run(args) -> int:
-        summary = trace_summary(layer_from_args(args, multi_layer=True))
-        if args.json:
-            json.dump(summary, sys.stdout, indent=1)
-            print()
-        else:
-            print(format_trace(summary))
+        print_result(trace_summary(layer_from_args(args, multi_layer=True)), args.json, format_trace)
         return 0
     return run
 

@@ -34,28 +34,28 @@ class InterpreterResult:
     envs: list[dict[str, Any]]               # every value on every rank (replica-major), for debugging
 
 
-def shard_param(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n: int) -> torch.Tensor:
-    pieces = []
+def _rank_views(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n: int) -> list[torch.Tensor]:
+    """The views of the module's tensors ``full`` that make up this rank's piece of ``spec``, one
+    per source (narrowed, then this rank's shard): read for parameters, written for gradients."""
+    views = []
     for src in spec.sources:
         t = full[src.qualname]
         if src.narrow is not None:
             t = t.narrow(*src.narrow)
         if spec.shard_dim is not None:
             t = t.chunk(n, spec.shard_dim)[rank]
-        pieces.append(t)
+        views.append(t)
+    return views
+
+
+def shard_param(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n: int) -> torch.Tensor:
+    pieces = _rank_views(spec, full, rank, n)
     return torch.cat(pieces, dim=spec.cat_dim) if len(pieces) > 1 else pieces[0]
 
 
 def unshard_grad(spec: ParamSpec, grad: torch.Tensor, rank: int, n: int, out: dict[str, torch.Tensor]) -> None:
     """Write this rank's gradient of a graph parameter into the full module gradients ``out``."""
-    regions = []
-    for src in spec.sources:
-        region = out[src.qualname]
-        if src.narrow is not None:
-            region = region.narrow(*src.narrow)
-        if spec.shard_dim is not None:
-            region = region.chunk(n, spec.shard_dim)[rank]
-        regions.append(region)
+    regions = _rank_views(spec, out, rank, n)
     sizes = [r.shape[spec.cat_dim] for r in regions]
     for region, piece in zip(regions, torch.split(grad, sizes, dim=spec.cat_dim)):
         region.copy_(piece)

@@ -84,11 +84,7 @@ def check_output(path: str | Path, *, suffixes: tuple[str, ...] = (), flag: str 
         raise UsageError(f"{flag} {str(path)!r} is not a file name")
     if p.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is an existing directory; give a file path")
-    for parent in p.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UsageError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
-            break
+    _check_parents(p, flag)
     if suffixes and p.suffix.lower() not in suffixes:
         raise UsageError(f"{flag} {str(path)!r} must end in one of {', '.join(suffixes)}")
     return p
@@ -99,9 +95,14 @@ def check_output_dir(path: str | Path, *, flag: str = "-o") -> Path:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is an existing file; give a directory")
+    _check_parents(p, flag)
+    return p
+
+
+def _check_parents(p: Path, flag: str) -> None:
+    """The nearest existing ancestor of ``p`` must be a directory (then the rest can be created)."""
     for parent in p.parents:
         if parent.exists():
             if not parent.is_dir():
-                raise UsageError(f"{flag} {str(path)!r}: {str(parent)!r} is a file, not a directory")
-            break
-    return p
+                raise UsageError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a directory")
+            return

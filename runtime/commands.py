@@ -11,7 +11,6 @@ gives the median over the K steps.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -163,7 +162,7 @@ CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU 
 
 
 def run_command(p: argparse.ArgumentParser):
-    from moegraph.commands import add_layer_args, add_memory_budget_arg
+    from moegraph.commands import add_layer_args, add_memory_budget_arg, print_result
     from moegraph.options import non_negative_int, positive_float, positive_int
     from moegraph.schedules.api import METHODS
     from moegraph.runtime.netns import add_link_args
@@ -195,12 +194,7 @@ def run_command(p: argparse.ArgumentParser):
     p.set_defaults(**{flag: Unset(p.get_default(flag)) for flag in LAYER_FLAGS})
 
     def handler(args) -> int:
-        report = run(args)
-        if args.json:
-            json.dump(report, sys.stdout, indent=1)
-            print()
-        else:
-            print(format_report(report))
+        print_result(run(args), args.json, format_report)
         return 0
     return handler
 

@@ -9,7 +9,6 @@ It lives in the last stage because it drives all four.
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args
+from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args, print_result
 from moegraph.layers import LAYER_ATTR, layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
@@ -103,7 +103,7 @@ def compile_command(p: argparse.ArgumentParser):
         if args.output:
             result.schedule.save(args.output)
         summary = compile_summary(layer, result, args.output)
-        print(json.dumps(summary, indent=1) if args.json else format_compile(summary))
+        print_result(summary, args.json, format_compile)
         return 0
     return run
 

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy, graph_digest
-from moegraph.commands import add_memory_budget_arg
+from moegraph.commands import add_memory_budget_arg, print_result
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
@@ -286,7 +286,7 @@ def tune_command(p: argparse.ArgumentParser):
             from moegraph.schedules.gantt import render
             render(sched, gantt)
             res |= {"schedule_file": args.output, "gantt": gantt}
-        print(json.dumps(res, indent=1) if args.json else format_table(res))
+        print_result(res, args.json, format_table)
         return 0
     return run
 
