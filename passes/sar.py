@@ -93,6 +93,18 @@ class Plan:
         return self.comm_us + self.compute_us
 
 
+def saved_base(graph: Graph, v: str) -> str | bool | None:
+    """Whether backward can read forward value ``v`` without rebuilding it: True for a parameter
+    (always there), None when it is not saved, else the saved value that holds its storage (``v``,
+    or the base a view aliases), whose unit the caller decides to keep or not."""
+    val = graph.value[v]
+    if val.kind is ValueKind.PARAM:
+        return True
+    if v not in graph.saved:
+        return None
+    return v if val.alias_of is None else saved_base(graph, val.alias_of)
+
+
 def plan(graph: Graph, keep: frozenset[str], cost: CostModel | None) -> Plan:
     """Rewrite ``graph`` holding the values whose unit is in ``keep`` and rebuilding the rest.
 
@@ -109,14 +121,9 @@ def plan(graph: Graph, keep: frozenset[str], cost: CostModel | None) -> Plan:
     times = {True: 0.0, False: 0.0}
 
     def held(v: str) -> bool:
-        val = value[v]
-        if val.kind is ValueKind.PARAM:
-            return True
-        if v not in graph.saved:
-            return False
-        if val.alias_of is not None:
-            return held(val.alias_of)
-        return val.kind is ValueKind.ROUTING or v in graph.inputs or unit_of(v) in keep
+        base = saved_base(graph, v)
+        return base is True or (base is not None and (value[base].kind is ValueKind.ROUTING or base in graph.inputs
+                                                      or unit_of(base) in keep))
 
     def mark(v: str) -> None:
         if value[v].kind is not ValueKind.PARAM:
@@ -214,14 +221,10 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None) -> frozenset[
 
     def held(v: str):
         """True (always available), a keep literal, or None (cannot be held)."""
-        val = value[v]
-        if val.kind is ValueKind.PARAM:
-            return True
-        if v not in graph.saved:
-            return None
-        if val.alias_of is not None:
-            return held(val.alias_of)
-        return True if val.kind is ValueKind.ROUTING else keep[unit_of(v)]
+        base = saved_base(graph, v)
+        if base is True or base is None:
+            return base
+        return True if value[base].kind is ValueKind.ROUTING else keep[unit_of(base)]
 
     def options(v: str) -> list | None:
         """Literals one of which makes v available in backward; None if it always is."""
