@@ -31,6 +31,7 @@ __all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FOR
 FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
 EXPOSED = "#C44E52"
+LABEL_PT = 6  # bar labels' font size
 LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#937860"}
 
 
@@ -170,6 +171,7 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
     ``layer{i}.forward`` / ``layer{i}.backward`` / ``layer{i}.exposed`` (ids in the SVG)."""
     from moegraph.schedules.commands import per_layer_summary
     totals = {row["layer"]: row for row in per_layer_summary(s)}
+    chars_per_us = _chars_per_us(ax, span)
     rows = list(by_layer)
     for y, i in enumerate(rows):
         row = totals[i]
@@ -181,8 +183,8 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
                           linewidth=0.3)
             bar.patches[0].set_gid(f"layer{i}.{phase}")
             text = f"l{i} {'fwd' if phase == 'forward' else 'bwd'}"
-            if (hi - lo) / span * 160 >= len(text) + 1:  # label only bars wide enough for it
-                ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=6, color="white", clip_on=True)
+            if (hi - lo) * chars_per_us >= len(text) + 1:  # label only bars wide enough for it
+                ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white", clip_on=True)
         for k, (a, b) in enumerate(_layer_exposed(s, by_layer[i])):
             bar = ax.barh(y, b - a, left=a, height=0.72, facecolor="none", edgecolor=EXPOSED, hatch="////",
                           linewidth=0.6)
@@ -198,17 +200,25 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
     ax.set_gid("layers")
 
 
+def _chars_per_us(ax, span: float) -> float:
+    """How many 6 pt characters fit in one microsecond of ``ax``'s width (DejaVu Sans averages
+    ~0.62 em a character; the overlap test measures the real extents)."""
+    width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+    return width_pt / (0.62 * LABEL_PT) / span
+
+
 def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
+    chars_per_us = _chars_per_us(ax, span)
     for n in s.nodes:
         d = n.end_us - n.start_us
         if d <= 0:
             continue
         y = rows[n.stream]
         ax.barh(y, d, left=n.start_us, height=0.7, color=COLOURS[_category(n)], edgecolor="white", linewidth=0.4)
-        text = _bar_text(n, room=d / span * 160)  # characters that fit, roughly, at this figure width
+        text = _bar_text(n, room=d * chars_per_us)
         if text:
-            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=6, color="white", clip_on=True)
+            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white", clip_on=True)
     comm_rows = [rows[x] for x in s.streams if x.startswith("comm")]
     for a, b in exposed_comm(s.nodes):
         for y in comm_rows:
