@@ -171,10 +171,19 @@ def test_summary_lane_spans_and_exposed_comm(layered):
     plt.close(fig)
 
 
-def test_svg_names_the_layer_bars(layered, tmp_path):
+def test_svg_names_the_layer_bars_and_compared_schedules_get_a_lane_each(layered, tmp_path):
     text = render(layered, tmp_path / "x.svg").read_text()
     for i in range(LAYERS):
         assert f'id="layer{i}.forward"' in text and f'id="layer{i}.backward"' in text
+    from moegraph.schedules.gantt import _figure
+    other = dataclasses.replace(layered, summary=layered.summary | {"method": "other"})
+    fig = _figure(layered, other)
+    assert [ax.get_gid() for ax in fig.axes].count("layers") == 2 and len(fig.axes) == 6
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    trace = json.loads(render(layered, tmp_path / "c.json", compare=other).read_text())["traceEvents"]
+    procs = [e["args"]["name"] for e in trace if e["name"] == "process_name"]
+    assert len(procs) == len(set(procs)) == 2 * (LAYERS + 1)
 
 
 def test_one_layer_chart_has_no_summary_lane(pair, tmp_path):
