@@ -132,29 +132,23 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
 
     scheds = [sched] + ([compare] if compare is not None else [])
     layered = [layer_nodes(s) for s in scheds]
-    ratios, panels = [], []  # per axis: its height, then what it draws
+    ratios = []  # per schedule: streams, layer lane (multi-layer only), memory
     for s, by_layer in zip(scheds, layered):
         ratios.append(max(1.0, 0.55 * len(s.streams)))
-        panels.append("gantt")
         if by_layer is not None:
             # ~0.2 inch a layer: 32 rows of tick labels at 6 pt stay apart
             ratios.append(max(0.9, 0.15 * len(by_layer)))
-            panels.append("layers")
         ratios.append(0.9)
-        panels.append("memory")
     # hspace is a fraction of the mean axis height: keep the gaps ~0.45 inch however tall the lane
     fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(14, 1.2 + 1.3 * sum(ratios)),
                              gridspec_kw={"height_ratios": ratios, "hspace": 0.45 * len(ratios) / (1.3 * sum(ratios))})
     span = max(s.makespan_us for s in scheds) or 1.0
-    axes_of = iter(zip(axes, panels))
+    axes_of = iter(axes)
     for s, label, by_layer in zip(scheds, labels(scheds, sources), layered):
-        ax, _ = next(axes_of)
-        _gantt(ax, s, span, label)
+        _gantt(next(axes_of), s, span, label)
         if by_layer is not None:
-            ax, _ = next(axes_of)
-            _layer_lane(ax, s, by_layer, span)
-        ax, _ = next(axes_of)
-        _memory(ax, s)
+            _layer_lane(next(axes_of), s, by_layer, span)
+        _memory(next(axes_of), s)
     axes[-1].set_xlabel("time (us)")
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
@@ -184,7 +178,8 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
             bar.patches[0].set_gid(f"layer{i}.{phase}")
             text = f"l{i} {'fwd' if phase == 'forward' else 'bwd'}"
             if (hi - lo) * chars_per_us >= len(text) + 1:  # label only bars wide enough for it
-                ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white", clip_on=True)
+                ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
+                        clip_on=True)
         for k, (a, b) in enumerate(_layer_exposed(s, by_layer[i])):
             bar = ax.barh(y, b - a, left=a, height=0.72, facecolor="none", edgecolor=EXPOSED, hatch="////",
                           linewidth=0.6)
@@ -218,7 +213,8 @@ def _gantt(ax, s: Schedule, span: float, label: str) -> None:
         ax.barh(y, d, left=n.start_us, height=0.7, color=COLOURS[_category(n)], edgecolor="white", linewidth=0.4)
         text = _bar_text(n, room=d * chars_per_us)
         if text:
-            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white", clip_on=True)
+            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
+                    clip_on=True)
     comm_rows = [rows[x] for x in s.streams if x.startswith("comm")]
     for a, b in exposed_comm(s.nodes):
         for y in comm_rows:
