@@ -32,6 +32,7 @@ FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
 EXPOSED = "#C44E52"
 LABEL_PT = 6  # bar labels' font size
+CUT_MIN = 8  # a label cut short keeps at least this many characters of the node name
 LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#937860"}
 
 
@@ -234,9 +235,12 @@ def _gantt(ax, s: Schedule, span: float, label: str) -> None:
 
 def _bar_text(n: ScheduledNode, room: float) -> str:
     """The bar's label if it fits in ``room`` characters: name and SM budget, else the name,
-    else nothing. Never cut short: at model scale cut names ("l1..") read alike."""
+    else its first CUT_MIN or more characters and ".", else nothing. Never shorter: at model
+    scale short cuts ("l1..") read alike."""
     full = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
-    return next((t for t in (full, n.name) if len(t) + 1 <= room), "")
+    keep = int(room) - 2  # characters before the "." with one to spare
+    return next((t for t in (full, n.name) if len(t) + 1 <= room),
+                n.name[:keep] + "." if keep >= CUT_MIN else "")
 
 
 def _memory(ax, s: Schedule) -> None:
