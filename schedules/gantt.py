@@ -6,6 +6,13 @@ compute / communication / recompute; comm bars carry their SM budget ("CE" = cop
 communication that no compute overlaps is hatched red; a dashed line marks the
 forward/backward barrier; the live-memory curve (GiB) runs beneath. ``compare`` stacks a
 second schedule of the same layer on the same time axis.
+
+Multi-layer schedules (every node carries the int attribute ``layer``, see moegraph.layers)
+add a per-layer summary lane under the streams: one row per layer with its forward span, its
+backward span (recompute included) and its exposed communication hatched red. In the Chrome
+trace each layer is its own process (a collapsible track group in Perfetto) holding that
+layer's nodes on the stream threads, after one "layers" process with each layer's forward and
+backward spans. A one-layer schedule has no layer attribute, so no lane and one process.
 """
 
 from __future__ import annotations
@@ -15,14 +22,18 @@ import io
 import json
 from pathlib import Path
 
+from moegraph.ir import LAYER_ATTR
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, exposed_comm
 from moegraph.schedules.verify import memory_curve
 
-__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "FORMATS"]
+__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS"]
 
 FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
 EXPOSED = "#C44E52"
+LABEL_PT = 6  # bar labels' font size
+CUT_MIN = 8  # a label cut short keeps at least this many characters of the node name
+LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#937860"}
 
 
 def render(sched: Schedule, path: str | Path, compare: Schedule | None = None,
@@ -56,6 +67,28 @@ def _category(n: ScheduledNode) -> str:
     if n.phase == "recompute":
         return "recompute"
     return "comm" if n.kind == "comm" else "compute"
+
+
+def layer_nodes(s: Schedule) -> dict[int, list[ScheduledNode]] | None:
+    """A multi-layer schedule's nodes by layer index (ascending); None for a one-layer
+    schedule, whose nodes carry no ``layer`` attribute. Raises ValueError when only some nodes
+    carry one, or one is not a non-negative integer: the grouping would be wrong."""
+    if not any(LAYER_ATTR in n.attrs for n in s.nodes):
+        return None
+    out: dict[int, list[ScheduledNode]] = {}
+    for n in s.nodes:
+        i = n.attrs.get(LAYER_ATTR)
+        if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+            raise ValueError(f"node {n.name!r} has attribute {LAYER_ATTR!r} = {i!r}; in a multi-layer schedule "
+                             "every node needs a non-negative integer layer index")
+        out.setdefault(i, []).append(n)
+    return dict(sorted(out.items()))
+
+
+def _layer_exposed(s: Schedule, mine: list[ScheduledNode]) -> list[tuple[float, float]]:
+    # A layer's collectives count as exposed where no compute of any layer runs (as in
+    # commands.per_layer_summary, which gives the totals).
+    return exposed_comm([*(n for n in s.nodes if n.kind == "compute"), *(n for n in mine if n.kind == "comm")])
 
 
 def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
@@ -99,36 +132,90 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
     from matplotlib.patches import Patch
 
     scheds = [sched] + ([compare] if compare is not None else [])
-    ratios = []
-    for s in scheds:
-        ratios += [max(1.0, 0.55 * len(s.streams)), 0.9]
+    layered = [layer_nodes(s) for s in scheds]
+    ratios = []  # per schedule: streams, layer lane (multi-layer only), memory
+    for s, by_layer in zip(scheds, layered):
+        ratios.append(max(1.0, 0.55 * len(s.streams)))
+        if by_layer is not None:
+            # ~0.2 inch a layer: 32 rows of tick labels at 6 pt stay apart
+            ratios.append(max(0.9, 0.15 * len(by_layer)))
+        ratios.append(0.9)
+    # hspace is a fraction of the mean axis height: keep the gaps ~0.45 inch however tall the lane
     fig, axes = plt.subplots(len(ratios), 1, sharex=True, figsize=(14, 1.2 + 1.3 * sum(ratios)),
-                             gridspec_kw={"height_ratios": ratios, "hspace": 0.35})
+                             gridspec_kw={"height_ratios": ratios, "hspace": 0.45 * len(ratios) / (1.3 * sum(ratios))})
     span = max(s.makespan_us for s in scheds) or 1.0
-    for k, (s, label) in enumerate(zip(scheds, labels(scheds, sources))):
-        _gantt(axes[2 * k], s, span, label)
-        _memory(axes[2 * k + 1], s)
+    axes_of = iter(axes)
+    for s, label, by_layer in zip(scheds, labels(scheds, sources), layered):
+        _gantt(next(axes_of), s, span, label)
+        if by_layer is not None:
+            _layer_lane(next(axes_of), s, by_layer, span)
+        _memory(next(axes_of), s)
     axes[-1].set_xlabel("time (us)")
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
-    axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=4,
+    if any(by_layer is not None for by_layer in layered):
+        handles += [Patch(color=c, label=f"layer {k}") for k, c in LAYER_COLOURS.items()]
+    axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=len(handles),
                    framealpha=0.8)
     return fig
 
 
+def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span: float) -> None:
+    """One row per layer: forward span, backward span (recompute included), the layer's exposed
+    communication hatched; its exposed total (us) at the right. Bars carry gid
+    ``layer{i}.forward`` / ``layer{i}.backward`` / ``layer{i}.exposed`` (ids in the SVG)."""
+    from moegraph.schedules.commands import per_layer_summary
+    totals = {row["layer"]: row for row in per_layer_summary(s)}
+    chars_per_us = _chars_per_us(ax, span)
+    rows = list(by_layer)
+    for y, i in enumerate(rows):
+        row = totals[i]
+        for phase, key in (("forward", "forward_us"), ("backward", "backward_us")):
+            if not row[key]:
+                continue
+            lo, hi = row[key]
+            bar = ax.barh(y, hi - lo, left=lo, height=0.72, color=LAYER_COLOURS[phase], edgecolor="white",
+                          linewidth=0.3)
+            bar.patches[0].set_gid(f"layer{i}.{phase}")
+            text = f"l{i} {'fwd' if phase == 'forward' else 'bwd'}"
+            if (hi - lo) * chars_per_us >= len(text) + 1:  # label only bars wide enough for it
+                ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
+                        clip_on=True)
+        for k, (a, b) in enumerate(_layer_exposed(s, by_layer[i])):
+            bar = ax.barh(y, b - a, left=a, height=0.72, facecolor="none", edgecolor=EXPOSED, hatch="////",
+                          linewidth=0.6)
+            bar.patches[0].set_gid(f"layer{i}.exposed{k}")
+        ax.text(1.003, y, f"{row['exposed_comm_us']:.0f}", transform=ax.get_yaxis_transform(), fontsize=6,
+                va="center", ha="left", color=EXPOSED)
+    ax.text(1.003, -0.9, "exposed\nus", transform=ax.get_yaxis_transform(), fontsize=6, va="bottom", ha="left",
+            color=EXPOSED)
+    step = max(1, -(-len(rows) // 40))  # at most ~40 tick labels, however many layers
+    ax.set_yticks(range(0, len(rows), step), [f"l{i}" for i in rows[::step]], fontsize=6)
+    ax.set_ylim(len(rows) - 0.4, -0.6)
+    ax.set_ylabel("layers", fontsize=8)
+    ax.set_gid("layers")
+
+
+def _chars_per_us(ax, span: float) -> float:
+    """How many 6 pt characters fit in one microsecond of ``ax``'s width (DejaVu Sans averages
+    ~0.62 em a character; the overlap test measures the real extents)."""
+    width_pt = ax.get_position().width * ax.figure.get_figwidth() * 72
+    return width_pt / (0.62 * LABEL_PT) / span
+
+
 def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
+    chars_per_us = _chars_per_us(ax, span)
     for n in s.nodes:
         d = n.end_us - n.start_us
         if d <= 0:
             continue
         y = rows[n.stream]
         ax.barh(y, d, left=n.start_us, height=0.7, color=COLOURS[_category(n)], edgecolor="white", linewidth=0.4)
-        bar = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
-        room = d / span * 160  # characters that fit, roughly, at this figure width
-        if room >= 4:
-            text = bar if len(bar) <= room else bar[:max(int(room) - 1, 3)] + "."
-            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=6, color="white", clip_on=True)
+        text = _bar_text(n, room=d * chars_per_us)
+        if text:
+            ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
+                    clip_on=True)
     comm_rows = [rows[x] for x in s.streams if x.startswith("comm")]
     for a, b in exposed_comm(s.nodes):
         for y in comm_rows:
@@ -146,6 +233,16 @@ def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     ax.set_title(_title(s, label), fontsize=9, loc="left")
 
 
+def _bar_text(n: ScheduledNode, room: float) -> str:
+    """The bar's label if it fits in ``room`` characters: name and SM budget, else the name,
+    else its first CUT_MIN or more characters and ".", else nothing. Never shorter: at model
+    scale short cuts ("l1..") read alike."""
+    full = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
+    keep = int(room) - 2  # characters before the "." with one to spare
+    return next((t for t in (full, n.name) if len(t) + 1 <= room),
+                n.name[:keep] + "." if keep >= CUT_MIN else "")
+
+
 def _memory(ax, s: Schedule) -> None:
     curve = memory_curve(s)
     span = s.makespan_us
@@ -161,20 +258,56 @@ def _memory(ax, s: Schedule) -> None:
 
 def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tuple[str, ...] = ()) -> dict:
     """Trace Event Format: one complete ("X") event per node, streams as named threads, one
-    process per schedule (named apart, see ``labels``)."""
+    process per schedule (named apart, see ``labels``). A multi-layer schedule is one process
+    per layer instead ("<label> l3", a collapsible track group in Perfetto) holding that
+    layer's nodes on the stream threads, after a "<label> layers" process with one thread per
+    layer and its forward and backward spans (cat "layer")."""
     events = []
     scheds = [sched] + ([compare] if compare is not None else [])
-    for pid, (s, label) in enumerate(zip(scheds, labels(scheds, sources))):
-        events.append({"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": label}})
-        tids = {name: i for i, name in enumerate(s.streams)}
+    pid = 0
+
+    def process(name: str) -> int:
+        nonlocal pid
+        pid += 1
+        events.append({"name": "process_name", "ph": "M", "pid": pid - 1, "tid": 0, "args": {"name": name}})
+        events.append({"name": "process_sort_index", "ph": "M", "pid": pid - 1, "tid": 0,
+                       "args": {"sort_index": pid - 1}})
+        return pid - 1
+
+    def threads(p: int, names) -> dict[str, int]:
+        tids = {name: i for i, name in enumerate(names)}
         for name, tid in tids.items():
-            events.append({"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": name}})
-            events.append({"name": "thread_sort_index", "ph": "M", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
-        for n in s.nodes:
+            events.append({"name": "thread_name", "ph": "M", "pid": p, "tid": tid, "args": {"name": name}})
+            events.append({"name": "thread_sort_index", "ph": "M", "pid": p, "tid": tid, "args": {"sort_index": tid}})
+        return tids
+
+    def slices(p: int, tids: dict[str, int], nodes) -> None:
+        for n in nodes:
             events.append({"name": n.name, "cat": _category(n), "ph": "X", "ts": n.start_us,
-                           "dur": round(n.end_us - n.start_us, 6), "pid": pid, "tid": tids[n.stream],
+                           "dur": round(n.end_us - n.start_us, 6), "pid": p, "tid": tids[n.stream],
                            "args": {"op": n.op, "phase": n.phase, "role": n.role, "sm_budget": n.sm_budget,
-                                    "stream": n.stream}})
+                                    "stream": n.stream, **({LAYER_ATTR: n.attrs[LAYER_ATTR]}
+                                                           if LAYER_ATTR in n.attrs else {})}})
+
+    for s, label in zip(scheds, labels(scheds, sources)):
+        by_layer = layer_nodes(s)
+        if by_layer is None:
+            p = process(label)
+            slices(p, threads(p, s.streams), s.nodes)
+            continue
+        from moegraph.schedules.commands import per_layer_summary
+        p = process(f"{label} layers")
+        tids = threads(p, [f"l{i}" for i in by_layer])
+        for row in per_layer_summary(s):
+            for phase, key in (("forward", "forward_us"), ("backward", "backward_us")):
+                if row[key]:
+                    lo, hi = row[key]
+                    events.append({"name": f"l{row['layer']} {phase}", "cat": "layer", "ph": "X", "ts": lo,
+                                   "dur": round(hi - lo, 6), "pid": p, "tid": tids[f"l{row['layer']}"],
+                                   "args": {k: v for k, v in row.items() if k not in ("forward_us", "backward_us")}})
+        for i, mine in by_layer.items():
+            p = process(f"{label} l{i}")
+            slices(p, threads(p, s.streams), mine)
     return {"traceEvents": events, "displayTimeUnit": "ns"}
 
 

@@ -91,3 +91,146 @@ def test_two_files_with_the_same_label_get_their_sources():
 def test_peak_of_a_file_without_one_is_recomputed(pair):
     a, _ = pair
     assert peak_bytes(_as_runtime_file(a, True)) == a.summary["peak_memory_bytes"]
+
+
+# Multi-layer schedules: 4 stacked synthetic layers (nodes "l{i}.<name>", attr "layer").
+
+LAYERS = 4
+
+
+@pytest.fixture(scope="module")
+def layered():
+    from moegraph.layers import stack_layers
+    return compile_graph(stack_layers(moe_layer(recompute=True), LAYERS), COST, method="greedy").schedule
+
+
+def _spans(s, i):
+    """(forward, backward) span of layer i, straight from the nodes (backward includes recompute)."""
+    mine = [n for n in s.nodes if n.name.startswith(f"l{i}.")]
+    fwd = [n for n in mine if n.phase == "forward"]
+    bwd = [n for n in mine if n.phase in ("backward", "recompute")]
+    assert fwd and bwd and len(fwd) + len(bwd) == len(mine)
+    return ((min(n.start_us for n in fwd), max(n.end_us for n in fwd)),
+            (min(n.start_us for n in bwd), max(n.end_us for n in bwd)))
+
+
+def test_chrome_trace_has_one_process_per_layer_holding_its_nodes(layered, tmp_path):
+    trace = json.loads(render(layered, tmp_path / "t.json").read_text())["traceEvents"]
+    label = labels([layered])[0]
+    procs = {e["args"]["name"]: e["pid"] for e in trace if e["name"] == "process_name"}
+    assert list(procs) == [f"{label} layers"] + [f"{label} l{i}" for i in range(LAYERS)]
+    assert len(set(procs.values())) == LAYERS + 1
+    xs = [e for e in trace if e["ph"] == "X"]
+    node = layered.node
+    for i in range(LAYERS):
+        pid = procs[f"{label} l{i}"]
+        got = sorted(e["name"] for e in xs if e["pid"] == pid)
+        assert got == sorted(n.name for n in layered.nodes if n.name.startswith(f"l{i}."))
+        threads = {e["tid"]: e["args"]["name"] for e in trace if e["name"] == "thread_name" and e["pid"] == pid}
+        for e in xs:
+            if e["pid"] == pid:
+                n = node[e["name"]]
+                assert threads[e["tid"]] == n.stream and e["ts"] == n.start_us and e["args"]["layer"] == i
+    # every node exactly once; the summary process holds only the layers' spans
+    assert sorted(e["name"] for e in xs if e["cat"] != "layer") == sorted(n.name for n in layered.nodes)
+    summary = {e["name"]: e for e in xs if e["pid"] == procs[f"{label} layers"]}
+    assert all(e["cat"] == "layer" for e in summary.values()) and len(summary) == 2 * LAYERS
+    for i in range(LAYERS):
+        for phase, (lo, hi) in zip(("forward", "backward"), _spans(layered, i)):
+            e = summary[f"l{i} {phase}"]
+            assert e["ts"] == pytest.approx(lo) and e["ts"] + e["dur"] == pytest.approx(hi)
+
+
+def _axes(fig, gid):
+    return [ax for ax in fig.axes if ax.get_gid() == gid]
+
+
+def test_summary_lane_spans_and_exposed_comm(layered):
+    from moegraph.schedules.gantt import _figure
+    fig = _figure(layered, None)
+    (lane,) = _axes(fig, "layers")
+    bars = {p.get_gid(): p for p in lane.patches if p.get_gid()}
+    comm = [n for n in layered.nodes if n.kind == "comm"]
+    compute = [n for n in layered.nodes if n.kind == "compute"]
+    for i in range(LAYERS):
+        for phase, (lo, hi) in zip(("forward", "backward"), _spans(layered, i)):
+            bar = bars[f"layer{i}.{phase}"]
+            assert bar.get_x() == pytest.approx(lo) and bar.get_x() + bar.get_width() == pytest.approx(hi)
+            assert bar.get_y() + bar.get_height() / 2 == pytest.approx(i)  # row i is layer i
+        exposed = [p for g, p in bars.items() if g.startswith(f"layer{i}.exposed")]
+        assert exposed  # the synthetic layer's forward all-to-alls have nothing to hide under
+        for p in exposed:
+            a, b = p.get_x(), p.get_x() + p.get_width()
+            mid = (a + b) / 2
+            # inside one of this layer's collectives, and no compute of any layer runs then
+            assert any(n.name.startswith(f"l{i}.") and n.start_us <= a + 1e-6 and b <= n.end_us + 1e-6 for n in comm)
+            assert not any(n.start_us < b - 1e-6 and n.end_us > a + 1e-6 for n in compute), (i, a, b)
+            assert any(n.start_us <= mid <= n.end_us for n in comm)
+    assert len(bars) == sum(1 for g in bars if ".exposed" in g) + 2 * LAYERS
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_svg_names_the_layer_bars_and_compared_schedules_get_a_lane_each(layered, tmp_path):
+    text = render(layered, tmp_path / "x.svg").read_text()
+    for i in range(LAYERS):
+        assert f'id="layer{i}.forward"' in text and f'id="layer{i}.backward"' in text
+    from moegraph.schedules.gantt import _figure
+    other = dataclasses.replace(layered, summary=layered.summary | {"method": "other"})
+    fig = _figure(layered, other)
+    assert [ax.get_gid() for ax in fig.axes].count("layers") == 2 and len(fig.axes) == 6
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    trace = json.loads(render(layered, tmp_path / "c.json", compare=other).read_text())["traceEvents"]
+    procs = [e["args"]["name"] for e in trace if e["name"] == "process_name"]
+    assert len(procs) == len(set(procs)) == 2 * (LAYERS + 1)
+
+
+def test_one_layer_chart_has_no_summary_lane(pair, tmp_path):
+    from moegraph.schedules.gantt import _figure
+    fig = _figure(pair[0], pair[1])
+    assert not _axes(fig, "layers") and len(fig.axes) == 4  # gantt + memory per panel, as before
+    trace = json.loads(render(pair[0], tmp_path / "t.json").read_text())["traceEvents"]
+    assert [e["args"]["name"] for e in trace if e["name"] == "process_name"] == labels([pair[0]])
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+@pytest.mark.parametrize("which", ["one", "layered"])
+def test_bar_labels_are_whole_names_and_never_overlap(pair, layered, which):
+    from moegraph.schedules.gantt import _figure
+    s = pair[0] if which == "one" else layered
+    fig = _figure(s, None)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    names = {n.name for n in s.nodes}
+    texts = [t.get_text() for t in fig.axes[0].texts if t.get_text() != " backward"]
+    for t in texts:
+        # a whole name, or at least 8 of its characters and "." ("l1.." would read alike)
+        whole = t.split(" (")[0] in names
+        assert whole or (t.endswith(".") and len(t) >= 9 and any(m.startswith(t[:-1]) for m in names)), t
+    if which == "one":
+        assert texts  # some bars are wide enough to carry a label
+    else:
+        # at 4 layers no node bar has room for 8 characters of its name (~7 for "l0.fc13.wgrad"),
+        # so none is labelled; the lane's layer bars are wide enough for theirs
+        assert not texts
+        (lane,) = _axes(fig, "layers")
+        bar_texts = {t.get_text() for t in lane.texts if t.get_color() == "white"}
+        assert bar_texts == {f"l{i} {p}" for i in range(LAYERS) for p in ("fwd", "bwd")}
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts if t.get_text().strip()]
+        for k, a in enumerate(boxes):
+            for b in boxes[k + 1:]:
+                assert not a.overlaps(b), (ax.get_gid(), a, b)
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_partly_layered_schedule_is_refused(layered):
+    from moegraph.schedules.gantt import layer_nodes
+    first = layered.nodes[0]
+    bad = dataclasses.replace(layered, nodes=(dataclasses.replace(first, attrs={}),) + layered.nodes[1:])
+    with pytest.raises(ValueError, match=rf"node '{first.name}' has attribute 'layer' = None"):
+        layer_nodes(bad)
+    assert list(layer_nodes(layered)) == list(range(LAYERS))
