@@ -8,11 +8,11 @@ import sys
 from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args, print_result
-from moegraph.layers import LAYER_ATTR, layer_count
+from moegraph.layers import layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
-from moegraph.schedules.schedule_file import Schedule, exposed_comm, round_us
+from moegraph.schedules.schedule_file import Schedule, per_layer_summary
 
 
 
@@ -49,31 +49,6 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "passes": layer.report,
             **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {})}
-
-
-def per_layer_summary(schedule: Schedule) -> list[dict]:
-    """Per layer of a multi-layer schedule (nodes carry attr 'layer'): when its forward and its
-    backward (with recompute) run, its compute and communication time, and its exposed
-    communication (its collectives' time with no compute of any layer running)."""
-    compute = [n for n in schedule.nodes if n.kind == "compute"]
-    by_layer: dict[int, list] = {}
-    for n in schedule.nodes:
-        by_layer.setdefault(n.attrs[LAYER_ATTR], []).append(n)
-
-    def span(nodes) -> list[float]:
-        return [round_us(min(n.start_us for n in nodes)), round_us(max(n.end_us for n in nodes))] if nodes else []
-
-    def busy(nodes, kind) -> float:
-        return round_us(sum(n.end_us - n.start_us for n in nodes if n.kind == kind))
-
-    out = []
-    for i, mine in sorted(by_layer.items()):
-        exposed = exposed_comm([*compute, *(n for n in mine if n.kind == "comm")])
-        out.append({"layer": i, "forward_us": span([n for n in mine if n.phase == "forward"]),
-                    "backward_us": span([n for n in mine if n.phase != "forward"]),
-                    "compute_us": busy(mine, "compute"), "comm_us": busy(mine, "comm"),
-                    "exposed_comm_us": round_us(sum(e - s for s, e in exposed))})
-    return out
 
 
 def format_compile(c: dict) -> str:

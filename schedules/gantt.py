@@ -23,7 +23,8 @@ import json
 from pathlib import Path
 
 from moegraph.ir import LAYER_ATTR
-from moegraph.schedules.schedule_file import Schedule, ScheduledNode, exposed_comm
+from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, layer_exposed_comm,
+                                               per_layer_summary)
 from moegraph.schedules.verify import memory_curve
 
 __all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS"]
@@ -83,12 +84,6 @@ def layer_nodes(s: Schedule) -> dict[int, list[ScheduledNode]] | None:
                              "every node needs a non-negative integer layer index")
         out.setdefault(i, []).append(n)
     return dict(sorted(out.items()))
-
-
-def _layer_exposed(s: Schedule, mine: list[ScheduledNode]) -> list[tuple[float, float]]:
-    # A layer's collectives count as exposed where no compute of any layer runs (as in
-    # commands.per_layer_summary, which gives the totals).
-    return exposed_comm([*(n for n in s.nodes if n.kind == "compute"), *(n for n in mine if n.kind == "comm")])
 
 
 def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
@@ -164,8 +159,8 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
     """One row per layer: forward span, backward span (recompute included), the layer's exposed
     communication hatched; its exposed total (us) at the right. Bars carry gid
     ``layer{i}.forward`` / ``layer{i}.backward`` / ``layer{i}.exposed`` (ids in the SVG)."""
-    from moegraph.schedules.commands import per_layer_summary
     totals = {row["layer"]: row for row in per_layer_summary(s)}
+    compute = [n for n in s.nodes if n.kind == "compute"]
     chars_per_us = _chars_per_us(ax, span)
     rows = list(by_layer)
     for y, i in enumerate(rows):
@@ -181,7 +176,7 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
             if (hi - lo) * chars_per_us >= len(text) + 1:  # label only bars wide enough for it
                 ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
                         clip_on=True)
-        for k, (a, b) in enumerate(_layer_exposed(s, by_layer[i])):
+        for k, (a, b) in enumerate(layer_exposed_comm(compute, by_layer[i])):
             bar = ax.barh(y, b - a, left=a, height=0.72, facecolor="none", edgecolor=EXPOSED, hatch="////",
                           linewidth=0.6)
             bar.patches[0].set_gid(f"layer{i}.exposed{k}")
@@ -295,7 +290,6 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tupl
             p = process(label)
             slices(p, threads(p, s.streams), s.nodes)
             continue
-        from moegraph.schedules.commands import per_layer_summary
         p = process(f"{label} layers")
         tids = threads(p, [f"l{i}" for i in by_layer])
         for row in per_layer_summary(s):

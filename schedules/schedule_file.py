@@ -40,8 +40,10 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal
 
+from moegraph.ir import LAYER_ATTR
+
 __all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
-           "canonical_json", "round_us", "plain", "exposed_comm", "Origin"]
+           "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "per_layer_summary", "Origin"]
 
 FORMAT = "moegraph.schedule"
 VERSION = 1
@@ -325,4 +327,35 @@ def exposed_comm(nodes: tuple[ScheduledNode, ...] | list[ScheduledNode]) -> list
             else:
                 out.append((cur, e))
                 cur = e
+    return out
+
+
+def layer_exposed_comm(compute: list[ScheduledNode], mine: list[ScheduledNode]) -> list[tuple[float, float]]:
+    """Intervals where one layer's collectives (in ``mine``) run and no compute of any layer
+    (``compute``: every compute node of the schedule) does: that layer's exposed communication."""
+    return exposed_comm([*compute, *(n for n in mine if n.kind == "comm")])
+
+
+def per_layer_summary(schedule: Schedule) -> list[dict]:
+    """Per layer of a multi-layer schedule (nodes carry attr 'layer'): when its forward and its
+    backward (with recompute) run, its compute and communication time, and its exposed
+    communication (its collectives' time with no compute of any layer running)."""
+    compute = [n for n in schedule.nodes if n.kind == "compute"]
+    by_layer: dict[int, list] = {}
+    for n in schedule.nodes:
+        by_layer.setdefault(n.attrs[LAYER_ATTR], []).append(n)
+
+    def span(nodes) -> list[float]:
+        return [round_us(min(n.start_us for n in nodes)), round_us(max(n.end_us for n in nodes))] if nodes else []
+
+    def busy(nodes, kind) -> float:
+        return round_us(sum(n.end_us - n.start_us for n in nodes if n.kind == kind))
+
+    out = []
+    for i, mine in sorted(by_layer.items()):
+        exposed = layer_exposed_comm(compute, mine)
+        out.append({"layer": i, "forward_us": span([n for n in mine if n.phase == "forward"]),
+                    "backward_us": span([n for n in mine if n.phase != "forward"]),
+                    "compute_us": busy(mine, "compute"), "comm_us": busy(mine, "comm"),
+                    "exposed_comm_us": round_us(sum(e - s for s, e in exposed))})
     return out
