@@ -39,3 +39,48 @@ def test_measure_schedule_runs_ranks_and_matches_eager():
     assert row["schedule"] == "sequential" and row["step_us"] > 0 and row["predicted_us"] > 0
     assert len(row["step_us_all"]) == 2
     assert row["check"]["max_rel_err_output"] < 1e-5 and row["check"]["max_rel_err_grads"] < 1e-5
+
+
+def test_demo_link_auto_without_privilege_says_why_and_uses_plain_loopback():
+    from moegraph.runtime.demo import PLAIN_PROFILE, choose_link
+    from moegraph.runtime.netns import AUTO
+    choice = choose_link(AUTO, probe=lambda: "creating a network namespace needs root (CAP_NET_ADMIN)")
+    assert choice.link is None and choice.hardware == PLAIN_PROFILE
+    assert "needs root (CAP_NET_ADMIN)" in choice.note and "\n" not in choice.note
+
+
+def test_demo_link_auto_with_privilege_picks_1gbit_and_the_link_profile_when_shipped(monkeypatch):
+    from moegraph.runtime import demo
+    from moegraph.runtime.netns import AUTO, Link
+    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo",))
+    choice = demo.choose_link(AUTO, probe=lambda: None)
+    assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo"
+    assert "1gbit" in choice.note and "uncalibrated for the link" in choice.note
+    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo", "cpu-2core-gloo-1gbit"))
+    choice = demo.choose_link(AUTO, probe=lambda: None)
+    assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo-1gbit"
+    assert "uncalibrated" not in choice.note
+
+
+def test_demo_link_none_and_explicit_rate_are_not_probed():
+    from moegraph.runtime.demo import choose_link
+    from moegraph.runtime.netns import Link
+
+    def probe():
+        raise AssertionError("probed although the link was given")
+    assert choose_link(None, probe=probe).link is None
+    assert choose_link(Link(5 * 10**8), probe=probe).link == Link(5 * 10**8)
+
+
+def test_namespace_privilege_names_the_missing_capability(monkeypatch, tmp_path):
+    from moegraph.runtime import netns
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
+    real = netns.Path
+    monkeypatch.setattr(netns, "Path", lambda p: status if p == "/proc/self/status" else real(p))
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/sbin/{tool}")
+    assert "CAP_SYS_ADMIN and CAP_NET_ADMIN" in netns.namespace_privilege()
+    status.write_text(f"CapEff:\t{(1 << 21) | (1 << 12):016x}\n")
+    assert netns.namespace_privilege() is None
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
+    assert "`tc`" in netns.namespace_privilege()
