@@ -60,7 +60,8 @@ class Config:
     implementation: Implementation = "reference"
 
     def __str__(self) -> str:
-        return (f"{self.implementation} " if self.implementation != "reference" else "") + str(self.layer)
+        layer = dataclasses.replace(self.layer, model=Path(self.layer.model).name)    # mid.yaml, not its path
+        return (f"{self.implementation} " if self.implementation != "reference" else "") + str(layer)
 
 
 HELD_OUT = {
@@ -86,7 +87,7 @@ def check_held_out(config: Config, calibration: tuple[LayerConfig, ...] = CALIBR
     key = calibration_key(config.layer)
     for c in calibration:
         if calibration_key(c) == key:
-            raise UsageError(f"--configs: {config} is the calibration layer {c} (docs/calibration.md), so its "
+            raise UsageError(f"{config} is the calibration layer {c} (docs/calibration.md), so its "
                              f"prediction is in-sample; held-out configurations must lie outside the calibration set")
 
 
@@ -100,27 +101,31 @@ def parse_config(text: str) -> Config:
     if parts[0] in get_args(Implementation):
         implementation, parts = parts[0], parts[1:]
     if len(parts) != 3 or parts[2].count("/") != 2:
-        raise UsageError(f"--configs: {text!r} is not {forms}")
+        raise UsageError(f"{text!r} is not {forms}")
     model, seq, strategy = parts
     attn, ffn, dispatch = strategy.split("/")
     for value, valid in ((attn, ("tp", "sp")), (ffn, ("tp", "ep")), (dispatch, ("a2a", "ag-rs"))):
         if value not in valid:
-            raise UsageError(f"--configs: {value!r} in {text!r} is not one of {', '.join(valid)}")
+            raise UsageError(f"{value!r} in {text!r} is not one of {', '.join(valid)}")
     if not seq.isdigit() or int(seq) < 1:
-        raise UsageError(f"--configs: sequence length {seq!r} in {text!r} is not a positive integer")
+        raise UsageError(f"sequence length {seq!r} in {text!r} is not a positive integer")
     try:
         load_model(model)
     except RegistryError as err:
-        raise UsageError(f"--configs: {err}") from None
+        raise UsageError(f"{err}") from None
     return Config(LayerConfig(model, int(seq), attn, ffn, dispatch), implementation)
 
 
 def configs_arg(text: str) -> tuple[Config, ...]:
-    configs = tuple(parse_config(t.strip()) for t in text.split(",") if t.strip())
-    if not configs:
-        raise UsageError(f"--configs {text!r}: give at least one configuration")
-    for c in configs:
-        check_held_out(c)
+    """argparse type of --configs: held-out configurations only."""
+    try:
+        configs = tuple(parse_config(t.strip()) for t in text.split(",") if t.strip())
+        if not configs:
+            raise UsageError(f"{text!r} names no configuration")
+        for c in configs:
+            check_held_out(c)
+    except UsageError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None     # argparse hides other messages
     return configs
 
 
@@ -196,6 +201,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-in-sample", action="store_true", help="skip the calibration layers (smoke runs)")
     add_link_args(p)
     p.set_defaults(link=10**9)
+    p.error = lambda message: p.exit(2, f"{p.prog}: error: {message}\n")    # one line, no usage block
     try:
         args = p.parse_args(argv)
         link = link_from_args(args)
@@ -204,7 +210,7 @@ def main(argv=None) -> int:
             args.hardware, note = profile_for(link)
         hw = load_hardware(args.hardware)
     except (UsageError, RegistryError) as err:
-        p.exit(2, f"{p.prog}: error: {err}\n")
+        p.error(str(err))
     jobs = [(Config(c), True) for c in (() if args.no_in_sample else CALIBRATION_LAYERS)]
     jobs += [(c, False) for c in args.configs]
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")

@@ -78,11 +78,9 @@ def demo_command(p: argparse.ArgumentParser):
         from moegraph.cli import main
         out = check_output_dir(args.output)
         auto = args.link == AUTO
-        if auto:
-            args.link = None                     # --link-latency without a rate is still refused
-        requested = link_from_args(args)
-        if auto:
-            requested = AUTO if requested is None else Link(AUTO_LINK.rate_bit_s, requested.latency_us)
+        # auto + --link-latency is refused like --link-latency alone: a delay needs a chosen link
+        requested = AUTO if auto and link_from_args(argparse.Namespace(link=None, link_latency=args.link_latency)) \
+            is None else link_from_args(args)
         choice = choose_link(requested)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
