@@ -84,3 +84,21 @@ def test_namespace_privilege_names_the_missing_capability(monkeypatch, tmp_path)
     assert netns.namespace_privilege() is None
     monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
     assert "`tc`" in netns.namespace_privilege()
+
+
+def test_namespace_privilege_probe_sees_dropped_capabilities():
+    """The real probe in a process that lacks CAP_SYS_ADMIN/CAP_NET_ADMIN (dropped by setpriv
+    when root; a non-root user lacks them anyway): it gives the reason the demo prints."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+    if shutil.which("setpriv") is None and os.geteuid() == 0:
+        pytest.skip("needs setpriv to drop root's capabilities")
+    cmd = [sys.executable, "-c", "from moegraph.runtime.netns import namespace_privilege as p; print(p())"]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set", "-sys_admin,-net_admin", "--inh-caps", "-all", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "needs root" in out or "is not installed" in out, out
