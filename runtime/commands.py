@@ -87,6 +87,22 @@ def hf_mixtral_layer(cfg: Any):
     return MixtralDecoderLayer(hf, 0)
 
 
+def eager_call(module: Any, implementation: Implementation):
+    """How to call ``implementation``'s eager module on x [b, s, h]; None: ``module(x)``."""
+    if implementation == "reference":
+        return None
+    if implementation == "hf-mixtral":
+        import torch
+        from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
+        rotary = MixtralRotaryEmbedding(module.self_attn.config)   # transformers computes RoPE outside the layer
+
+        def call(layer, x):
+            cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+            return layer(x, position_embeddings=cos_sin, attention_mask=None)
+        return call
+    raise RuntimeFailure(f"implementation {implementation!r} is not one of reference, hf-mixtral")
+
+
 def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Implementation = "reference"):
     """The reference layer (or ``implementation``'s) with reproducible random weights: the same on every rank.
 
@@ -177,7 +193,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
-        out["check"] = check_against_eager(module, layers[0], x, dy)
+        out["check"] = check_against_eager(module, layers[0], x, dy, call=eager_call(module, spec.implementation))
     return out
 
 

@@ -102,3 +102,38 @@ def test_namespace_privilege_probe_sees_dropped_capabilities():
         cmd = ["setpriv", "--bounding-set", "-sys_admin,-net_admin", "--inh-caps", "-all", "--", *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
     assert "needs root" in out or "is not installed" in out, out
+
+
+def test_hf_mixtral_implementation_runs_on_ranks_and_matches_its_eager_module():
+    """benchmarks/heldout.py's hf-mixtral rows: ranks build transformers' MixtralDecoderLayer (its
+    parameter names are the graph's) and the compiled step matches that module's eager step."""
+    import argparse
+
+    import pytest
+    pytest.importorskip("transformers")
+    from moegraph.commands import Layer, layer_from_args
+    from moegraph.ir import Strategy
+    from moegraph.runtime.commands import seeded_layer, spawn_plans
+    from moegraph.runtime.module import make_plan
+    from moegraph.tracer import trace_module
+    ref = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
+                                             dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
+                                             dp=1, passes=""))
+    module = seeded_layer(ref.model, 0, "fp32", "hf-mixtral")
+    assert type(module).__name__ == "MixtralDecoderLayer"
+    graph = trace_module(module, Strategy("sp", "ep", "a2a", 2, dtype="fp32"), batch=1, seq=64)
+    layer = Layer(ref.model, ref.hardware, ref.cost, graph, {})
+    results = spawn_plans(layer, (make_plan(graph, layer.cost, "sequential"),), steps=1, warmup=0, check=True,
+                          implementation="hf-mixtral")
+    check = results[0]["check"]
+    assert check["max_rel_err_output"] < 1e-5 and check["max_rel_err_grads"] < 1e-5, check
+
+
+def test_hf_mixtral_implementation_refuses_what_mixtral_lacks():
+    import pytest
+    pytest.importorskip("transformers")
+    from moegraph.registry import load_model
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.commands import seeded_layer
+    with pytest.raises(RuntimeFailure, match="shared experts, q/k/v biases"):
+        seeded_layer(load_model("qwen2-57b-a14b"), 0, "fp32", "hf-mixtral")
