@@ -16,7 +16,9 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
+
+from moegraph.runtime import RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes")
@@ -57,17 +59,63 @@ class RunSpec:
     device: str                   # "cpu" | "cuda"
     timeout_s: float
     check: bool = False
+    implementation: "Implementation" = "reference"
 
 
-def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32"):
-    """The reference layer with reproducible random weights: the same on every rank.
+# Which eager module supplies the parameters (their names are the graph's): the project's
+# reference layer, or transformers' MixtralDecoderLayer of the same sizes (held-out validation)
+Implementation = Literal["reference", "hf-mixtral"]
+
+
+def hf_mixtral_layer(cfg: Any):
+    """transformers' MixtralDecoderLayer with ``cfg``'s sizes; refuses what Mixtral cannot express."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+    head_dim = cfg.head_dim or cfg.hidden // cfg.heads
+    unlike = [name for name, differs in (("shared experts", cfg.shared_experts), ("q/k/v biases", cfg.qkv_bias),
+                                         ("q/k norms", cfg.qk_norm), ("un-normalised top-k", not cfg.normalize_topk),
+                                         ("head_dim * heads != hidden", head_dim * cfg.heads != cfg.hidden))
+              if differs]
+    if unlike:
+        raise RuntimeFailure(f"model {cfg.name} has {', '.join(unlike)}, which transformers' MixtralDecoderLayer "
+                             "does not; use the reference implementation")
+    hf = MixtralConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden, num_attention_heads=cfg.heads,
+                       num_key_value_heads=cfg.kv_heads, num_local_experts=cfg.experts,
+                       num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
+                       attn_implementation="sdpa")
+    return MixtralDecoderLayer(hf, 0)
+
+
+def eager_call(module: Any, implementation: Implementation):
+    """How to call ``implementation``'s eager module on x [b, s, h]; None: ``module(x)``."""
+    if implementation == "reference":
+        return None
+    if implementation == "hf-mixtral":
+        import torch
+        from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
+        rotary = MixtralRotaryEmbedding(module.self_attn.config)   # transformers computes RoPE outside the layer
+
+        def call(layer, x):
+            cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
+            return layer(x, position_embeddings=cos_sin, attention_mask=None)
+        return call
+    raise RuntimeFailure(f"implementation {implementation!r} is not one of reference, hf-mixtral")
+
+
+def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Implementation = "reference"):
+    """The reference layer (or ``implementation``'s) with reproducible random weights: the same on every rank.
 
     Matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1^2) (not all ones, so their
     gradients are exercised)."""
     import torch
     from moegraph.models import MoETransformerLayer
     torch.manual_seed(seed)
-    layer = MoETransformerLayer.from_config(cfg)
+    if implementation == "reference":
+        layer = MoETransformerLayer.from_config(cfg)
+    elif implementation == "hf-mixtral":
+        layer = hf_mixtral_layer(cfg)
+    else:
+        raise RuntimeFailure(f"implementation {implementation!r} is not one of reference, hf-mixtral")
     with torch.no_grad():
         for p in layer.parameters():
             if p.dim() == 1:
@@ -118,7 +166,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     from moegraph.runtime.module import build_layer
     from moegraph.runtime.trace import trace_to_dict
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
-    module = seeded_layer(spec.model, spec.seed, spec.dtype).to(spec.device)
+    module = seeded_layer(spec.model, spec.seed, spec.dtype, spec.implementation).to(spec.device)
     full = {k: p.detach() for k, p in module.named_parameters()}
     layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
     dims = spec.graph.dims
@@ -144,7 +192,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
-        out["check"] = check_against_eager(module, layers[0], x, dy)
+        out["check"] = check_against_eager(module, layers[0], x, dy, call=eager_call(module, spec.implementation))
     return out
 
 
@@ -336,11 +384,13 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
-                backend: str = "gloo", timeout_s: float = 120.0, check: bool = False) -> list[dict[str, Any]]:
-    """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank."""
+                backend: str = "gloo", timeout_s: float = 120.0, check: bool = False,
+                implementation: Implementation = "reference") -> list[dict[str, Any]]:
+    """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank.
+    ``implementation``: the eager module the layer's graph was traced from (its parameter names)."""
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
-                   timeout_s, check)
+                   timeout_s, check, implementation)
     return spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
 

@@ -9,15 +9,62 @@ It lives in the last stage because it drives all four.
 from __future__ import annotations
 
 import argparse
+import contextlib
+from dataclasses import dataclass
+from typing import Callable
 
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int
 from moegraph.runtime.commands import measure_schedule
-from moegraph.runtime.netns import Link, add_link_args, emulated_link, link_from_args, link_mismatch
+from moegraph.runtime.netns import (AUTO, Link, LinkUnavailable, add_link_args, emulated_link, link_from_args,
+                                    link_mismatch, namespace_privilege)
+from moegraph.registry import hardware_names
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
-DEMO_CPU = dict(model="small", hardware="cpu-2core-gloo", attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
+PLAIN_PROFILE = "cpu-2core-gloo"                # calibrated on plain loopback
+LINK_PROFILES = {Link(10**9): "cpu-2core-gloo-1gbit"}   # calibrated inside the link (registry/profiles/)
+AUTO_LINK = Link(10**9)                         # --link auto's link: enough wire time to overlap on 2 cores
+DEMO_CPU = dict(model="small", hardware=PLAIN_PROFILE, attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
                 seq=512, top_k=None, dtype="fp32", dp=1, passes="gate-reorder,sar=paper")
+
+
+@dataclass(frozen=True)
+class LinkChoice:
+    """The link the demo's CPU run uses, the profile that prices it, and what to tell the user."""
+
+    link: Link | None
+    hardware: str
+    note: str
+
+
+def profile_for(link: Link | None) -> tuple[str, str]:
+    """(profile, note): the shipped profile calibrated under ``link`` if there is one, else the
+    plain-loopback profile and a note that its collective prices do not describe the link."""
+    if link is None:
+        return PLAIN_PROFILE, f"profile {PLAIN_PROFILE} (calibrated on plain loopback)"
+    name = LINK_PROFILES.get(link)
+    if name in hardware_names():
+        return name, f"profile {name} (calibrated on this link)"
+    return PLAIN_PROFILE, (f"profile {PLAIN_PROFILE}: no profile calibrated on a {link} link is shipped, so the "
+                           f"prediction is uncalibrated for the link")
+
+
+def choose_link(requested: "Link | None | str", probe: Callable[[], str | None] = namespace_privilege) -> LinkChoice:
+    """--link auto: AUTO_LINK when ``probe`` finds the privilege to make a namespace, else plain
+    loopback with the reason; an explicit RATE or none is taken as given."""
+    if requested == AUTO:
+        reason = probe()
+        if reason is not None:
+            return LinkChoice(None, PLAIN_PROFILE, f"link: plain loopback, no emulated link: {reason} "
+                                                   f"(the CP-SAT schedule can only fill idle core time)")
+        hardware, note = profile_for(AUTO_LINK)
+        return LinkChoice(AUTO_LINK, hardware, f"link: an emulated {AUTO_LINK} link (--link auto; --link none for "
+                                               f"plain loopback); {note}")
+    if requested is not None and not isinstance(requested, Link):
+        raise ValueError(f"choose_link: {requested!r} is not a Link, None or {AUTO!r}")
+    hardware, note = profile_for(requested)
+    return LinkChoice(requested, hardware, f"link: {f'an emulated {requested} link' if requested else 'plain loopback'}"
+                                           f"; {note}")
 
 
 def demo_command(p: argparse.ArgumentParser):
@@ -25,12 +72,16 @@ def demo_command(p: argparse.ArgumentParser):
                    help="folder for the schedule and its Gantt chart (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=10, help="measured steps of the CPU run (default %(default)s)")
     p.add_argument("--skip-run", action="store_true", help="stop after the Gantt chart (no CPU ranks)")
-    add_link_args(p)
+    add_link_args(p, auto=True)
 
     def run(args) -> int:
         from moegraph.cli import main
         out = check_output_dir(args.output)
-        link = link_from_args(args)
+        auto = args.link == AUTO
+        # auto + --link-latency is refused like --link-latency alone: a delay needs a chosen link
+        requested = AUTO if auto and link_from_args(argparse.Namespace(link=None, link_latency=args.link_latency)) \
+            is None else link_from_args(args)
+        choice = choose_link(requested)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
             ("1/4 trace: the Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800",
@@ -39,7 +90,14 @@ def demo_command(p: argparse.ArgumentParser):
              ["compile", *DEMO_PAPER, "--passes", "gate-reorder,sar=paper", "-o", str(sched)]),
             (f"3/4 gantt: {chart}", ["gantt", str(sched), "-o", str(chart)]),
         ]
-        with emulated_link(link):               # made first: a missing privilege fails before any work
+        with contextlib.ExitStack() as stack:
+            try:                                # made first: a missing privilege fails before any work
+                stack.enter_context(emulated_link(choice.link))
+            except LinkUnavailable as err:
+                if not auto:
+                    raise
+                choice = LinkChoice(None, PLAIN_PROFILE, f"link: plain loopback, no emulated link: {err}")
+            print(choice.note, flush=True)
             out.mkdir(parents=True, exist_ok=True)
             for title, argv in steps:
                 print(f"\n== {title} ==", flush=True)
@@ -48,13 +106,13 @@ def demo_command(p: argparse.ArgumentParser):
                     return rc
             if args.skip_run:
                 return 0
-            return _demo_cpu_run(args.steps, link)
+            return _demo_cpu_run(args.steps, choice.link, choice.hardware)
     return run
 
 
-def _demo_cpu_run(steps: int, link: Link | None = None) -> int:
+def _demo_cpu_run(steps: int, link: Link | None = None, hardware: str = PLAIN_PROFILE) -> int:
     """The CPU run; with ``link`` the caller has entered its namespace (the ranks inherit it)."""
-    a = argparse.Namespace(**DEMO_CPU)
+    a = argparse.Namespace(**{**DEMO_CPU, "hardware": hardware})
     over = f"an emulated {link} link" if link else "gloo"
     print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks ({over}), s={a.seq}, {a.attn}+{a.ffn} "
           f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)

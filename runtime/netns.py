@@ -109,11 +109,31 @@ def link_latency(text: str) -> float:
     return float(m.group(1)) * LATENCY_UNITS[unit]
 
 
-def add_link_args(p) -> None:
-    """``--link RATE`` and ``--link-latency T`` on a command that starts ranks."""
-    p.add_argument("--link", type=link_rate, default=None, metavar="RATE",
-                   help="run the ranks in a private network namespace whose loopback is limited to RATE "
-                        "(e.g. 1gbit, 500mbit; needs root); default none: plain loopback (docs/runtime.md)")
+AUTO = "auto"                         # --link auto (the demo): the link when a namespace can be made
+
+
+def link_rate_or_auto(text: str) -> int | None | str:
+    """argparse type of the demo's ``--link``: 'auto' (AUTO), or what ``link_rate`` reads."""
+    if str(text).strip().lower() == AUTO:
+        return AUTO
+    try:
+        return link_rate(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {RATE_FORMS}, or auto") from None
+
+
+def add_link_args(p, *, auto: bool = False) -> None:
+    """``--link RATE`` and ``--link-latency T`` on a command that starts ranks; with ``auto`` the
+    default is 'auto' (the command picks, moegraph.runtime.demo.choose_link)."""
+    if auto:
+        p.add_argument("--link", type=link_rate_or_auto, default=AUTO, metavar="RATE|auto",
+                       help="auto (default): an emulated 1gbit link when a network namespace can be made, else "
+                            "plain loopback (the output says which and why); RATE (e.g. 1gbit) insists on it; "
+                            "none: plain loopback (docs/runtime.md)")
+    else:
+        p.add_argument("--link", type=link_rate, default=None, metavar="RATE",
+                       help="run the ranks in a private network namespace whose loopback is limited to RATE "
+                            "(e.g. 1gbit, 500mbit; needs root); default none: plain loopback (docs/runtime.md)")
     p.add_argument("--link-latency", type=link_latency, default=None, metavar="T",
                    help="with --link: extra one-way delay per packet (e.g. 500us, 2ms; needs the kernel's netem)")
 
@@ -140,6 +160,27 @@ def link_mismatch(hardware: Hardware, link: Link | None) -> str | None:
         return f"an emulated {Link(int(rate), latency)} link" if rate else "plain loopback (no --link)"
     return (f"warning: profile {hardware.name} was calibrated on {say(*have)}, this run uses {say(*want)}: "
             f"predicted collective times describe the former (calibrate with the same --link for the latter)")
+
+
+CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21       # <linux/capability.h> bit numbers
+
+
+def namespace_privilege() -> str | None:
+    """Why this process cannot create an emulated link, or None when it can (as far as can be told
+    without creating one: the tools are there and the effective capabilities include both)."""
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            return f"the `{tool}` command (iproute2) is not installed"
+    try:
+        caps = next(int(line.split()[1], 16) for line in Path("/proc/self/status").read_text().splitlines()
+                    if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return "the process's capabilities cannot be read (/proc/self/status)"
+    missing = [name for name, bit in (("CAP_SYS_ADMIN", CAP_SYS_ADMIN), ("CAP_NET_ADMIN", CAP_NET_ADMIN))
+               if not caps >> bit & 1]
+    if missing:
+        return f"creating a network namespace needs root ({' and '.join(missing)}), which this process lacks"
+    return None
 
 
 # -- namespace lifecycle --------------------------------------------------------------------------

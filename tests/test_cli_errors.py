@@ -120,7 +120,8 @@ RUNTIME_CASES = [
     (["run", "--link", "1gbit", "--link-latency", "soon"], "'soon' is not a one-way latency such as 500us"),
     (["run", "--link-latency", "2ms"], "--link-latency 2000us needs --link RATE"),
     (["run", "--link", "1gbit", "--backend", "nccl"], "--link 1gbit shapes gloo's loopback sockets"),
-    (["demo", "--link", "fast"], "'fast' is not a link rate"),
+    (["demo", "--link", "fast"], "'fast' is not a link rate such as 1gbit, 500mbit or 100kbit, or none, or auto"),
+    (["demo", "--skip-run", "-o", "{tmp}/o", "--link-latency", "2ms"], "--link-latency 2000us needs --link RATE"),
     (["calibrate", "-o", "{tmp}/p.yaml", "--link", "0bit"], "'0bit' is not a link rate"),
 ]
 

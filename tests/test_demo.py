@@ -39,3 +39,101 @@ def test_measure_schedule_runs_ranks_and_matches_eager():
     assert row["schedule"] == "sequential" and row["step_us"] > 0 and row["predicted_us"] > 0
     assert len(row["step_us_all"]) == 2
     assert row["check"]["max_rel_err_output"] < 1e-5 and row["check"]["max_rel_err_grads"] < 1e-5
+
+
+def test_demo_link_auto_without_privilege_says_why_and_uses_plain_loopback():
+    from moegraph.runtime.demo import PLAIN_PROFILE, choose_link
+    from moegraph.runtime.netns import AUTO
+    choice = choose_link(AUTO, probe=lambda: "creating a network namespace needs root (CAP_NET_ADMIN)")
+    assert choice.link is None and choice.hardware == PLAIN_PROFILE
+    assert "needs root (CAP_NET_ADMIN)" in choice.note and "\n" not in choice.note
+
+
+def test_demo_link_auto_with_privilege_picks_1gbit_and_the_link_profile_when_shipped(monkeypatch):
+    from moegraph.runtime import demo
+    from moegraph.runtime.netns import AUTO, Link
+    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo",))
+    choice = demo.choose_link(AUTO, probe=lambda: None)
+    assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo"
+    assert "1gbit" in choice.note and "uncalibrated for the link" in choice.note
+    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo", "cpu-2core-gloo-1gbit"))
+    choice = demo.choose_link(AUTO, probe=lambda: None)
+    assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo-1gbit"
+    assert "uncalibrated" not in choice.note
+
+
+def test_demo_link_none_and_explicit_rate_are_not_probed():
+    from moegraph.runtime.demo import choose_link
+    from moegraph.runtime.netns import Link
+
+    def probe():
+        raise AssertionError("probed although the link was given")
+    assert choose_link(None, probe=probe).link is None
+    assert choose_link(Link(5 * 10**8), probe=probe).link == Link(5 * 10**8)
+
+
+def test_namespace_privilege_names_the_missing_capability(monkeypatch, tmp_path):
+    from moegraph.runtime import netns
+    status = tmp_path / "status"
+    status.write_text("Name:\tpython\nCapEff:\t0000000000000000\n")
+    real = netns.Path
+    monkeypatch.setattr(netns, "Path", lambda p: status if p == "/proc/self/status" else real(p))
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: f"/sbin/{tool}")
+    assert "CAP_SYS_ADMIN and CAP_NET_ADMIN" in netns.namespace_privilege()
+    status.write_text(f"CapEff:\t{(1 << 21) | (1 << 12):016x}\n")
+    assert netns.namespace_privilege() is None
+    monkeypatch.setattr(netns.shutil, "which", lambda tool: None if tool == "tc" else f"/sbin/{tool}")
+    assert "`tc`" in netns.namespace_privilege()
+
+
+def test_namespace_privilege_probe_sees_dropped_capabilities():
+    """The real probe in a process that lacks CAP_SYS_ADMIN/CAP_NET_ADMIN (dropped by setpriv
+    when root; a non-root user lacks them anyway): it gives the reason the demo prints."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    import pytest
+    if shutil.which("setpriv") is None and os.geteuid() == 0:
+        pytest.skip("needs setpriv to drop root's capabilities")
+    cmd = [sys.executable, "-c", "from moegraph.runtime.netns import namespace_privilege as p; print(p())"]
+    if os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set", "-sys_admin,-net_admin", "--inh-caps", "-all", "--", *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=True).stdout
+    assert "needs root" in out or "is not installed" in out, out
+
+
+def test_hf_mixtral_implementation_runs_on_ranks_and_matches_its_eager_module():
+    """benchmarks/heldout.py's hf-mixtral rows: ranks build transformers' MixtralDecoderLayer (its
+    parameter names are the graph's) and the compiled step matches that module's eager step."""
+    import argparse
+
+    import pytest
+    pytest.importorskip("transformers")
+    from moegraph.commands import Layer, layer_from_args
+    from moegraph.ir import Strategy
+    from moegraph.runtime.commands import seeded_layer, spawn_plans
+    from moegraph.runtime.module import make_plan
+    from moegraph.tracer import trace_module
+    ref = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
+                                             dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
+                                             dp=1, passes=""))
+    module = seeded_layer(ref.model, 0, "fp32", "hf-mixtral")
+    assert type(module).__name__ == "MixtralDecoderLayer"
+    graph = trace_module(module, Strategy("sp", "ep", "a2a", 2, dtype="fp32"), batch=1, seq=64)
+    layer = Layer(ref.model, ref.hardware, ref.cost, graph, {})
+    results = spawn_plans(layer, (make_plan(graph, layer.cost, "sequential"),), steps=1, warmup=0, check=True,
+                          implementation="hf-mixtral")
+    check = results[0]["check"]
+    assert check["max_rel_err_output"] < 1e-5 and check["max_rel_err_grads"] < 1e-5, check
+
+
+def test_hf_mixtral_implementation_refuses_what_mixtral_lacks():
+    import pytest
+    pytest.importorskip("transformers")
+    from moegraph.registry import load_model
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.commands import seeded_layer
+    with pytest.raises(RuntimeFailure, match="shared experts, q/k/v biases"):
+        seeded_layer(load_model("qwen2-57b-a14b"), 0, "fp32", "hf-mixtral")

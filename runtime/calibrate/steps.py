@@ -8,7 +8,7 @@ executor's per-node host overhead, and every collective also absorbs the other r
 (uneven routing, OS scheduling). On the 2-core VM these made a `small` layer's step 1.4-1.7x
 longer than the summed isolated prediction. This stage measures that directly:
 
-1. For each layer of STEP_LAYERS, lower it for ``n`` ranks and run it with the runtime
+1. For each layer of CALIBRATION_LAYERS, lower it for ``n`` ranks and run it with the runtime
    (``moegraph.runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
    host, so a node's measured span is its in-step time.
 2. Per node, the median span over steps and ranks (m); per step, the slowest rank's time; the
@@ -21,8 +21,9 @@ longer than the summed isolated prediction. This stage measures that directly:
    right skew of each node's spans) is spread over the classes in proportion to their time, so
    the profile's sequential makespan of the pooled layers equals their pooled measured steps.
 
-The layers are the `small` registry model at other sequence lengths / strategies than the ones a
-user typically tunes, so the factors describe the machine's in-step regime, not one layer.
+CALIBRATION_LAYERS is the calibration set, named as data: the factors are fitted on exactly these
+layers, so a prediction for one of them is in-sample. Held-out validation
+(benchmarks/heldout.py, docs/calibration.md "Calibration set") runs only layers outside it.
 """
 
 from __future__ import annotations
@@ -31,17 +32,35 @@ import statistics
 import time
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Literal, Sequence
 
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["STEP_LAYERS", "StepSample", "measure_steps", "fit_in_step", "in_step_checks", "relative_mad",
+__all__ = ["CALIBRATION_LAYERS", "LayerConfig", "StepSample", "measure_steps", "fit_in_step", "in_step_checks", "relative_mad",
            "STEP_STAGE_S"]
 
-# (model, seq, attn, ffn, dispatch): both attention and FFN strategies and both dispatches, so
-# every collective kind and every op class is timed
-STEP_LAYERS = (("small", 512, "sp", "ep", "ag-rs"), ("small", 256, "tp", "ep", "a2a"),
-               ("small", 384, "tp", "tp", "ag-rs"))
+
+
+@dataclass(frozen=True)
+class LayerConfig:
+    """One decoder layer as the calibration runs it: a model (registry name or YAML path), the
+    sequence length s (batch 1) and the parallel strategy; no passes (the sequential schedule
+    times every node alone)."""
+
+    model: str
+    seq: int
+    attn: Literal["tp", "sp"]
+    ffn: Literal["tp", "ep"]
+    dispatch: Literal["a2a", "ag-rs"]
+
+    def __str__(self) -> str:
+        return f"{self.model} s={self.seq} {self.attn}/{self.ffn}/{self.dispatch}"
+
+
+# The calibration set: both attention and FFN strategies and both dispatches, so every collective
+# kind and every op class is timed. docs/calibration.md lists it; change both together.
+CALIBRATION_LAYERS = (LayerConfig("small", 512, "sp", "ep", "ag-rs"), LayerConfig("small", 256, "tp", "ep", "a2a"),
+                      LayerConfig("small", 384, "tp", "tp", "ag-rs"))
 STEPS, WARMUP = 12, 2
 STEP_STAGE_S = 60.0          # what the stage needs on the 2-core VM (three spawns of ~10-20 s)
 
@@ -64,7 +83,7 @@ def relative_mad(values: Sequence[float]) -> float:
     return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else 0.0
 
 
-def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS, steps: int = STEPS,
+def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = CALIBRATION_LAYERS, steps: int = STEPS,
                   warmup: int = WARMUP, deadline: float | None = None,
                   log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
     """Run each layer's sequential schedule on ``n`` fresh gloo CPU ranks; stop early (fewer
@@ -79,7 +98,8 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[tuple] = STEP_LAYERS
     from moegraph.runtime.trace import trace_from_dict
     cost = CostModel(hw)
     out = []
-    for model_name, seq, attn, ffn, dispatch in layers:
+    for lc in layers:
+        model_name, seq, attn, ffn, dispatch = lc.model, lc.seq, lc.attn, lc.ffn, lc.dispatch
         if deadline is not None and time.time() + STEP_STAGE_S / len(layers) > deadline:
             break
         t = time.time()
