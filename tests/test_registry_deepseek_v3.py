@@ -73,12 +73,16 @@ def test_tp_volumes_are_eq1_and_eq4():
     assert comm == {"attention": exact(eq1), "ffn": exact(eq1)}
 
 
+def sp_attention_formula() -> Fr:
+    return (Fr(B * S, N) * HEADS * (2 * DQ + DV) + B * S * Fr(HEADS, N) * DV) * Fr(N - 1, N) * BYTES
+
+
 def test_sp_ep_a2a_volumes():
     # Ulysses moves the assembled heads: q and k [b, s/n, H*dq] and v [b, s/n, H*dv] out,
     # the attention output [b, s, H/n*dv] back; each all-to-all sends (n-1)/n of its input.
     # Expert dispatch and combine: eq (3), 2k/n * bsh * (n-1)/n.
     comm = forward_comm_bytes(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", N), batch=B, seq=S))
-    attention = (Fr(B * S, N) * HEADS * (2 * DQ + DV) + B * S * Fr(HEADS, N) * DV) * Fr(N - 1, N) * BYTES
+    attention = sp_attention_formula()
     eq3 = Fr(2 * K, N) * B * S * H_ * Fr(N - 1, N) * BYTES
     assert comm == {"attention": exact(attention), "ffn": exact(eq3)}
 
@@ -109,6 +113,7 @@ def test_activation_bytes_match_the_formula():
 def test_activation_example_in_the_docs():
     # the number docs/cost_model.md quotes, recomputed from the formula (not the graph)
     assert exact(activation_formula(N)) == 1_176_633_344
+    assert exact(sp_attention_formula()) == 146_800_640
 
 
 def test_the_dense_layers_are_an_mlp_and_the_moe_layers_route():
