@@ -28,7 +28,8 @@ TOL = 1e-5
 N = 4
 COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
           for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
-CASES = [dict(attn=a, ffn=f, dispatch=d, model=m) for m in ("qwen2_moe", "olmoe", "deepseek_v3") for a, f, d in COMBOS] \
+CASES = [dict(attn=a, ffn=f, dispatch=d, model=m)
+         for m in ("qwen2_moe", "olmoe", "deepseek_v3") for a, f, d in COMBOS] \
     + [dict(attn=a, ffn=f, dispatch="ag-rs", model="deepseek_v3_dense") for a in ("tp", "sp") for f in ("ep", "tp")]
 
 

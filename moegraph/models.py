@@ -10,6 +10,8 @@ RoPE q/k and value dims.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -127,8 +129,11 @@ class MLA(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, H * dv))
 
 
+Scoring = Literal["softmax", "sigmoid"]
+
+
 def route(x: torch.Tensor, router_weight: torch.Tensor, top_k: int, normalize: bool = True, *,
-          scoring: str = "softmax", bias: torch.Tensor | None = None, groups: int = 1, topk_groups: int = 1,
+          scoring: Scoring = "softmax", bias: torch.Tensor | None = None, groups: int = 1, topk_groups: int = 1,
           scale: float = 1.0):
     """Top-k router. x: [tokens, h] -> (weights [tokens, k], experts [tokens, k]).
 
@@ -207,7 +212,7 @@ class MoE(nn.Module):
     ``e_score_correction_bias`` [E] (zeros; trained outside backprop, so not a parameter)."""
 
     def __init__(self, hidden: int, ffn_hidden: int, experts: int, top_k: int, *, normalize: bool = True,
-                 shared_ffn_hidden: int = 0, shared_gate: bool = False, scoring: str = "softmax",
+                 shared_ffn_hidden: int = 0, shared_gate: bool = False, scoring: Scoring = "softmax",
                  groups: int = 1, topk_groups: int = 1, scale: float = 1.0, score_bias: bool = False):
         super().__init__()
         self.top_k, self.normalize = top_k, normalize
@@ -251,7 +256,7 @@ class MoETransformerLayer(nn.Module):
                  head_dim: int | None = None, rope_theta: float = 1e6, rms_eps: float = 1e-5, *,
                  qkv_bias: bool = False, qk_norm: bool = False, normalize_topk: bool = True,
                  shared_ffn_hidden: int = 0, shared_gate: bool = False, mla: dict | None = None,
-                 scoring: str = "softmax", groups: int = 1, topk_groups: int = 1, scale: float = 1.0,
+                 scoring: Scoring = "softmax", groups: int = 1, topk_groups: int = 1, scale: float = 1.0,
                  score_bias: bool = False, dense_ffn_hidden: int | None = None):
         super().__init__()
         head_dim = head_dim or hidden // heads

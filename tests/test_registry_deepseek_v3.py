@@ -280,3 +280,13 @@ def test_trace_and_compile_run_on_deepseek_v3(capsys):
     assert summary["model"] == "deepseek-v3" and summary["forward_comm_bytes"]["ffn"] > 0
     assert main(["compile", *args, "--schedule", "sequential", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["makespan_us"] > 0
+
+
+def test_a_stack_holds_only_the_moe_layers():
+    # 61 layers, the first 3 dense: a stack of identical MoE layers has at most 58
+    cfg = load_model("deepseek-v3")
+    g = trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=58)
+    assert {nd.layer for nd in g.nodes} == set(range(58))
+    with pytest.raises(Exception, match=r"^layers=59 must be between 1 and deepseek-v3's 58 MoE layers \(its "
+                                        r"first_k_dense_replace=3 dense layers lower to another graph\)$"):
+        trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=59)

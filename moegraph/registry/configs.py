@@ -11,7 +11,7 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
@@ -21,7 +21,8 @@ from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, Regis
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
 
 # One layer's parameters (fp32) may take at most 16 TiB: about 380 times the largest registry
-# layer (deepseek-v3's MoE layer, 46 GB: 256 experts), and small enough that every size the planner multiplies stays in int64.
+# layer (deepseek-v3's MoE layer, 46 GB: 256 experts), and small enough that every size the
+# planner multiplies stays in int64.
 MAX_LAYER_PARAM_BYTES = 2**44
 
 
@@ -105,7 +106,7 @@ class ModelConfig(_Record):
     v_head_dim: int | None = checked(opt_bounded_int(MAX_SIZE), None)
     """MLA: per-head value dim (dv)."""
     # DeepSeek-V3's router
-    router_scoring: str = checked(one_of("softmax", "sigmoid"), "softmax")
+    router_scoring: Literal["softmax", "sigmoid"] = checked(one_of("softmax", "sigmoid"), "softmax")
     """'softmax' (Mixtral and most) or 'sigmoid' (DeepSeek-V3: per-expert sigmoid scores)."""
     n_group: int = checked(bounded_int(MAX_COUNT), 1)
     """Sigmoid scoring: equal expert groups; a token's experts come from its topk_group best groups
@@ -198,6 +199,19 @@ class ModelConfig(_Record):
         if self.first_k_dense_replace >= self.layers:
             raise RegistryError(f"first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer of "
                                 f"layers={self.layers}", field="first_k_dense_replace")
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with the MoE block: all but the first_k_dense_replace dense ones. A traced stack
+        of identical layers holds at most this many (the dense layers are another graph)."""
+        return self.layers - self.first_k_dense_replace
+
+    def layers_phrase(self) -> str:
+        """'{name}'s N layers', or '... N MoE layers (K dense first layers lower to another graph)'."""
+        if not self.first_k_dense_replace:
+            return f"{self.name}'s {self.layers} layers"
+        return (f"{self.name}'s {self.moe_layers} MoE layers (its first_k_dense_replace={self.first_k_dense_replace} "
+                "dense layers lower to another graph)")
 
     @property
     def shared_ffn_total(self) -> int:
