@@ -22,10 +22,9 @@ from fractions import Fraction as Fr
 import pytest
 import torch
 
-from helpers import eager_step, max_grad_err, rel_err
+from helpers import assert_interpreted_matches_eager, rel_err
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
-from moegraph.interpreter import interpret
 from moegraph.ir import OpKind, Phase, Strategy
 from moegraph.models import MoETransformerLayer
 from moegraph.registry import RegistryError, load_model
@@ -154,14 +153,6 @@ def tiny_layer(seed: int, dense: bool = False, q_rank: bool = True) -> MoETransf
     return layer
 
 
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("attn,ffn,dispatch", [("tp", "tp", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("variant", ["moe", "dense", "moe-no-q-rank"])
@@ -169,15 +160,7 @@ def test_reference_layer_matches_eager(variant, n, attn, ffn, dispatch, rng, one
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     layer = tiny_layer(seed, dense=variant == "dense", q_rank=variant != "moe-no-q-rank")
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
-    y_ref, dx_ref, grads_ref = eager_step(layer, x, dy)
-    graph = trace_module(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32"), batch=2, seq=16)
-    held = {k: t.detach() for k, t in [*layer.named_parameters(), *layer.named_buffers()]}
-    res = interpret(graph, held, x, dy)
-    assert rel_err(res.output, y_ref) < 1e-5
-    assert rel_err(res.input_grad, dx_ref) < 1e-5
-    assert set(res.param_grads) == set(grads_ref)
-    name, err = max_grad_err(res.param_grads, grads_ref)
-    assert err < 1e-5, f"gradient of {name}: {err:.2e}"
+    assert_interpreted_matches_eager(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32"), x, dy)
 
 
 def test_the_score_bias_changes_the_choice():
