@@ -273,3 +273,18 @@ def test_a_stack_holds_only_the_moe_layers():
     with pytest.raises(Exception, match=r"^layers=59 must be between 1 and deepseek-v3's 58 MoE layers \(its "
                                         r"first_k_dense_replace=3 dense layers lower to another graph\)$"):
         trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=59)
+
+
+def test_a_deepseek_v3_like_yaml_runs_on_two_gloo_ranks_and_matches_eager(tmp_path, capsys):
+    # every new field at once in a user YAML, run end to end (the router's score bias is a
+    # buffer: the runtime must hand it to the ranks) and checked against the eager layer
+    path = tmp_path / "tiny-dsv3.yaml"
+    path.write_text(json.dumps(BASE | MLA | dict(
+        layers=4, ffn_hidden=48, top_k=3, q_lora_rank=24, router_scoring="sigmoid", n_group=4, topk_group=2,
+        routed_scaling_factor=2.5, score_correction_bias=True, shared_experts=1, first_k_dense_replace=1,
+        dense_ffn_hidden=96)))
+    assert main(["run", "--model", str(path), "--n", "2", "--seq", "16", "--attn", "tp", "--ffn", "ep",
+                 "--dispatch", "a2a", "--steps", "1", "--warmup", "0", "--schedule", "greedy", "--check",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["max_rel_err_output"] < 1e-5 and out["max_rel_err_grads"] < 1e-5, out
