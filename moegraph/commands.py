@@ -101,11 +101,12 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
 
 
 def resolve_layers(layers: int | str, model: ModelConfig) -> int:
-    """--layers against the model: 'all' is its count; more layers than it has is a UsageError."""
+    """--layers against the model: 'all' is its count of MoE layers (ModelConfig.moe_layers: the
+    stacked layers are identical); more than that is a UsageError."""
     if layers == "all":
-        return model.layers
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= model.layers:
-        raise UsageError(f"--layers={layers} must be between 1 and {model.name}'s {model.layers} layers, or 'all'")
+        return model.moe_layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= model.moe_layers:
+        raise UsageError(f"--layers={layers} must be between 1 and {model.layers_phrase()}, or 'all'")
     return layers
 
 

@@ -358,10 +358,11 @@ def _assign_block_of_unassigned(g: GraphBuilder) -> None:
 def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, layers: int = 1) -> Graph:
     """Trace the reference layer sized from a registry ModelConfig, without allocating weights;
     ``layers`` > 1 stacks that many identical layers into one graph (``moegraph.layers``),
-    lowered once (at most the model's ``layers``)."""
+    lowered once (at most the model's ``moe_layers``: an MoE layer is traced; DeepSeek-V3's
+    dense first layers are ``MoETransformerLayer.from_config(cfg, layer=i)``)."""
     from moegraph.models import MoETransformerLayer
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.layers:
-        raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.name}'s {cfg.layers} layers")
+    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.moe_layers:
+        raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.layers_phrase()}")
     with torch.device("meta"):
         layer = MoETransformerLayer.from_config(cfg)
     return stack_layers(trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name), layers)

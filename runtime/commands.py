@@ -74,7 +74,11 @@ def hf_mixtral_layer(cfg: Any):
     head_dim = cfg.head_dim or cfg.hidden // cfg.heads
     unlike = [name for name, differs in (("shared experts", cfg.shared_experts), ("q/k/v biases", cfg.qkv_bias),
                                          ("q/k norms", cfg.qk_norm), ("un-normalised top-k", not cfg.normalize_topk),
-                                         ("head_dim * heads != hidden", head_dim * cfg.heads != cfg.hidden))
+                                         ("head_dim * heads != hidden", head_dim * cfg.heads != cfg.hidden),
+                                         ("multi-head latent attention", cfg.kv_lora_rank is not None),
+                                         (f"{cfg.router_scoring} router scores", cfg.router_scoring != "softmax"),
+                                         ("expert groups", cfg.n_group > 1),
+                                         ("routed scaling", cfg.routed_scaling_factor != 1.0))
               if differs]
     if unlike:
         raise RuntimeFailure(f"model {cfg.name} has {', '.join(unlike)}, which transformers' MixtralDecoderLayer "
@@ -106,7 +110,7 @@ def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Imple
     """The reference layer (or ``implementation``'s) with reproducible random weights: the same on every rank.
 
     Matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1^2) (not all ones, so their
-    gradients are exercised)."""
+    gradients are exercised), buffers (the router's score-correction bias) ~ N(0, 0.1^2)."""
     import torch
     from moegraph.models import MoETransformerLayer
     torch.manual_seed(seed)
@@ -122,6 +126,8 @@ def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Imple
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
                 p.normal_(std=p.shape[-1] ** -0.5)
+        for b in layer.buffers():      # DeepSeek-V3's score-correction bias: nonzero, so it steers the choice
+            b.normal_(std=0.1)
     return layer.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
 
 
@@ -167,7 +173,8 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     from moegraph.runtime.trace import trace_to_dict
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     module = seeded_layer(spec.model, spec.seed, spec.dtype, spec.implementation).to(spec.device)
-    full = {k: p.detach() for k, p in module.named_parameters()}
+    # buffers too: DeepSeek-V3's router reads its score-correction bias
+    full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
     layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
     dims = spec.graph.dims
     gen = torch.Generator().manual_seed(spec.seed + 1)

@@ -11,3 +11,12 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 def rng():
     """A fresh generator per test: numerics are never tested on zeros or on a shared seed."""
     return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: tiny tensors run fastest that way on the busy 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -35,3 +35,19 @@ def max_grad_err(grads: dict, expected: dict) -> tuple[str, float]:
     errs = {k: rel_err(grads[k], expected[k]) for k in expected}
     worst = max(errs, key=errs.get)
     return worst, errs[worst]
+
+
+def assert_interpreted_matches_eager(layer, strategy, x: torch.Tensor, dy: torch.Tensor, tol: float = 1e-5) -> None:
+    """Trace ``layer`` for ``strategy`` and run it through the interpreter: output, input gradient
+    and every parameter gradient within ``tol`` (relative) of the eager module's."""
+    from moegraph.interpreter import interpret
+    from moegraph.tracer import trace_module
+    y_ref, dx_ref, grads_ref = eager_step(layer, x, dy)
+    graph = trace_module(layer, strategy, batch=x.shape[0], seq=x.shape[1])
+    held = {k: t.detach() for k, t in [*layer.named_parameters(), *layer.named_buffers()]}
+    res = interpret(graph, held, x, dy)
+    assert rel_err(res.output, y_ref) < tol
+    assert rel_err(res.input_grad, dx_ref) < tol
+    assert set(res.param_grads) == set(grads_ref)
+    name, err = max_grad_err(res.param_grads, grads_ref)
+    assert err < tol, f"gradient of {name}: {err:.2e}"

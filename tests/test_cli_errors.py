@@ -44,6 +44,8 @@ CORE_CASES = [
     (["trace", "--layers", "two"], "argument --layers: 'two' is not a positive integer or 'all'"),
     (["trace", *TINY, "--layers", "2"], "--layers=2 must be between 1 and tiny's 1 layers, or 'all'"),
     (["compile", "--layers", "33"], "--layers=33 must be between 1 and mixtral-8x7b's 32 layers"),
+    (["trace", "--model", "deepseek-v3", "--layers", "59"],
+     "--layers=59 must be between 1 and deepseek-v3's 58 MoE layers (its first_k_dense_replace=3 dense layers"),
     (["run", "--model", "small", "--n", "2", "--layers", "all"], "--layers=4: this command runs one layer"),
     (["tune", "--model", "small", "--layers", "2"], "unrecognized arguments: --layers"),
     (["compile", *TINY, "--memory-budget", "nan"], "'nan' is not a positive size"),

@@ -34,7 +34,7 @@ def test_trace_table_prints_totals(capsys):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--model", "nope"], "error: unknown model 'nope'; known: deepseek-moe, hunyuan-large, internal-352b"),
+    (["--model", "nope"], "error: unknown model 'nope'; known: deepseek-moe, deepseek-v3, hunyuan-large, internal-352b"),
     (["--hardware", "h999"], "error: unknown hardware 'h999'; known:"),
     (["--n", "3"], "error: n=3 does not divide heads=32"),
     (["--model", "deepseek-moe", "--n", "32", "--attn", "sp"], "error: n=32 does not divide heads=16"),

@@ -17,10 +17,9 @@ from fractions import Fraction as Fr
 import pytest
 import torch
 
-from helpers import eager_step, max_grad_err, rel_err, small_layer
+from helpers import assert_interpreted_matches_eager, small_layer
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
-from moegraph.interpreter import interpret
 from moegraph.ir import OpKind, Phase, Strategy
 from moegraph import models
 from moegraph.lowering import LoweringError
@@ -195,28 +194,13 @@ def feature_layer(features: str, seed: int) -> MoETransformerLayer:
     return small_layer(2, seed, **FEATURES[features])
 
 
-@pytest.fixture
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
-
-
 @pytest.mark.parametrize("attn,ffn,dispatch", [("tp", "tp", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("features", sorted(FEATURES))
 def test_reference_layer_features_match_eager(features, n, attn, ffn, dispatch, rng, one_thread):
     layer = feature_layer(features, int(torch.randint(0, 2**31, (1,), generator=rng)))
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
-    y_ref, dx_ref, grads_ref = eager_step(layer, x, dy)
-    graph = trace_module(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32"), batch=2, seq=16)
-    res = interpret(graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
-    assert rel_err(res.output, y_ref) < 1e-5
-    assert rel_err(res.input_grad, dx_ref) < 1e-5
-    assert set(res.param_grads) == set(grads_ref)
-    name, err = max_grad_err(res.param_grads, grads_ref)
-    assert err < 1e-5, f"gradient of {name}: {err:.2e}"
+    assert_interpreted_matches_eager(layer, Strategy(attn, ffn, dispatch, n, dtype="fp32"), x, dy)
 
 
 def test_each_feature_reaches_the_graph():

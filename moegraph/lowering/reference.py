@@ -5,7 +5,7 @@ from __future__ import annotations
 from moegraph import models
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
-from moegraph.lowering.blocks import AttentionSpec, MLPSpec, MoESpec, NormSpec
+from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
 
 
 @register(models.RMSNorm)
@@ -27,6 +27,26 @@ def attention(module: models.Attention, qualname: str) -> AttentionSpec:
                          qkv_bias=bias, q_norm=q_norm, k_norm=k_norm)
 
 
+@register(models.MLA)
+def mla(module: models.MLA, qualname: str) -> MLASpec:
+    p = lambda name: ParamSource(f"{qualname}.{name}.weight")  # noqa: E731
+    low_rank = module.q_rank is not None
+    return MLASpec(q=None if low_rank else p("q_proj"), q_a=p("q_a_proj") if low_rank else None,
+                   q_norm=rmsnorm(module.q_a_norm, f"{qualname}.q_a_norm") if low_rank else None,
+                   q_b=p("q_b_proj") if low_rank else None, kv_a=p("kv_a_proj"),
+                   kv_norm=rmsnorm(module.kv_a_norm, f"{qualname}.kv_a_norm"), kv_b=p("kv_b_proj"), o=p("o_proj"),
+                   heads=module.heads, nope_dim=module.nope_dim, rope_dim=module.rope_dim, v_dim=module.v_dim,
+                   q_rank=module.q_rank, kv_rank=module.kv_rank, rope_theta=module.rope_theta,
+                   rope_interleave=False, tuple_output=False)
+
+
+@register(models.DenseMLP)
+def dense_mlp(module: models.DenseMLP, qualname: str) -> MLPSpec:
+    q = lambda name: ParamSource(f"{qualname}.{name}.weight")  # noqa: E731
+    return MLPSpec(w1=q("w1"), w3=q("w3"), w2=q("w2"), ffn_hidden=module.w1.out_features,
+                   hidden=module.w1.in_features)
+
+
 @register(models.MoE)
 def moe(module: models.MoE, qualname: str) -> MoESpec:
     experts, ffn_hidden, _ = module.w1.shape
@@ -42,4 +62,7 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
     return MoESpec(router=ParamSource(f"{qualname}.router.weight"), w1=ParamSource(f"{qualname}.w1"),
                    w3=ParamSource(f"{qualname}.w3"), w2=ParamSource(f"{qualname}.w2"),
                    experts=experts, top_k=module.top_k, ffn_hidden=ffn_hidden, hidden=module.w1.shape[2],
-                   normalize=module.normalize, shared=shared)
+                   normalize=module.normalize, shared=shared, scoring=module.scoring,
+                   score_bias=None if module.e_score_correction_bias is None
+                   else ParamSource(f"{qualname}.e_score_correction_bias"),
+                   groups=module.groups, topk_groups=module.topk_groups, scale=module.scale)

@@ -11,17 +11,18 @@ import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
-                                      MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
+                                      MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
                                       validate_fields)
 
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
 
-# One layer's parameters (fp32) may take at most 16 TiB: about 770 times the largest registry
-# layer (hunyuan-large), and small enough that every size the planner multiplies stays in int64.
+# One layer's parameters (fp32) may take at most 16 TiB: about 380 times the largest registry
+# layer (deepseek-v3's MoE layer, 46 GB: 256 experts), and small enough that every size the
+# planner multiplies stays in int64.
 MAX_LAYER_PARAM_BYTES = 2**44
 
 
@@ -91,9 +92,42 @@ class ModelConfig(_Record):
     normalize_topk: bool = checked(flag, True)
     """Renormalise the k routing weights to sum to 1 (Mixtral); false keeps the softmax
     probabilities as they are (transformers' norm_topk_prob=False: Qwen2-MoE, OLMoE, DeepSeekMoE)."""
+    # DeepSeek-V3: multi-head latent attention (all five set, or none: plain GQA attention)
+    q_lora_rank: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """MLA: rank r_q of the low-rank q projection (q_a [r_q, h], RMSNorm, q_b); None projects q
+    directly (DeepSeek-V2-Lite). Only with kv_lora_rank."""
+    kv_lora_rank: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """MLA: rank r_kv of the compressed kv latent (kv_a [r_kv + dr, h], RMSNorm, kv_b); set, the
+    layer's attention is MLA (kv_heads must equal heads; head_dim is dn + dr)."""
+    qk_nope_head_dim: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """MLA: per-head q/k dims without RoPE (dn)."""
+    qk_rope_head_dim: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """MLA: per-head q/k dims with RoPE (dr, even); k's are one per token, shared by every head."""
+    v_head_dim: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """MLA: per-head value dim (dv)."""
+    # DeepSeek-V3's router
+    router_scoring: Literal["softmax", "sigmoid"] = checked(one_of("softmax", "sigmoid"), "softmax")
+    """'softmax' (Mixtral and most) or 'sigmoid' (DeepSeek-V3: per-expert sigmoid scores)."""
+    n_group: int = checked(bounded_int(MAX_COUNT), 1)
+    """Sigmoid scoring: equal expert groups; a token's experts come from its topk_group best groups
+    (a group ranked by the sum of its two best scores). 1 = no grouping."""
+    topk_group: int = checked(bounded_int(MAX_COUNT), 1)
+    """Sigmoid scoring: groups a token may use."""
+    routed_scaling_factor: float = checked(pos_float, 1.0)
+    """Sigmoid scoring: the routed experts' weights are multiplied by it (DeepSeek-V3: 2.5)."""
+    score_correction_bias: bool = checked(flag, False)
+    """Sigmoid scoring: a per-expert bias buffer [E] added to the scores for the choice only
+    (DeepSeek-V3's auxiliary-loss-free balancing; not trained by backprop)."""
+    # dense first layers
+    first_k_dense_replace: int = checked(count_or_zero(MAX_COUNT), 0)
+    """The first this many layers have a dense SwiGLU MLP of width dense_ffn_hidden instead of the
+    MoE block (DeepSeek-V3: 3). ``trace``/``compile``/``tune`` lower an MoE layer."""
+    dense_ffn_hidden: int | None = checked(opt_bounded_int(MAX_SIZE), None)
+    """Intermediate size of the dense layers' MLP (DeepSeek-V3: 18432). Only with first_k_dense_replace."""
 
     def __post_init__(self):
         validate_fields(self)
+        self._check_deepseek_fields()
         if self.heads % self.kv_heads:
             raise RegistryError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.top_k > self.experts:
@@ -116,6 +150,69 @@ class ModelConfig(_Record):
                                 f"{self.ffn_hidden}, experts={self.experts}), over the {MAX_LAYER_PARAM_BYTES:,} "
                                 f"bytes (16 TiB) this tool plans for")
 
+    def _check_deepseek_fields(self) -> None:
+        mla = ("q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        if self.kv_lora_rank is None:
+            given = [f for f in mla if getattr(self, f) is not None]
+            if given:
+                raise RegistryError(f"{given[0]}={getattr(self, given[0])} needs kv_lora_rank (multi-head latent "
+                                    "attention)", field=given[0])
+        else:
+            missing = [f for f in mla[1:] if getattr(self, f) is None]
+            if missing:
+                raise RegistryError(f"{missing[0]}: kv_lora_rank={self.kv_lora_rank} (multi-head latent attention) "
+                                    f"needs it", field=missing[0])
+            if self.qk_rope_head_dim % 2:
+                raise RegistryError(f"qk_rope_head_dim={self.qk_rope_head_dim} is odd; RoPE rotates pairs",
+                                    field="qk_rope_head_dim")
+            if self.kv_heads != self.heads:
+                raise RegistryError(f"kv_heads={self.kv_heads} must equal heads={self.heads} with kv_lora_rank "
+                                    "(MLA expands one k and v per head)", field="kv_heads")
+            for f in ("qkv_bias", "qk_norm"):
+                if getattr(self, f):
+                    raise RegistryError(f"{f}=true is not modelled with kv_lora_rank (multi-head latent attention)",
+                                        field=f)
+            qk = self.qk_nope_head_dim + self.qk_rope_head_dim
+            if self.head_dim not in (None, qk):
+                raise RegistryError(f"head_dim={self.head_dim} differs from qk_nope_head_dim + qk_rope_head_dim = "
+                                    f"{qk}, the MLA q/k head dim", field="head_dim")
+            object.__setattr__(self, "head_dim", qk)
+        if self.router_scoring == "softmax":
+            for f, default in (("n_group", 1), ("topk_group", 1), ("routed_scaling_factor", 1.0),
+                               ("score_correction_bias", False)):
+                if getattr(self, f) != default:
+                    raise RegistryError(f"{f}={getattr(self, f)} needs router_scoring: sigmoid (modelled for "
+                                        "DeepSeek-V3's router only)", field=f)
+        else:
+            if self.experts % self.n_group or self.experts // self.n_group < 2:
+                raise RegistryError(f"n_group={self.n_group} must split experts={self.experts} into equal groups "
+                                    "of at least 2 (a group ranks by its two best scores)", field="n_group")
+            if self.topk_group > self.n_group:
+                raise RegistryError(f"topk_group={self.topk_group} exceeds n_group={self.n_group}", field="topk_group")
+            if self.top_k > self.topk_group * (self.experts // self.n_group):
+                raise RegistryError(f"top_k={self.top_k} exceeds the experts of topk_group={self.topk_group} groups",
+                                    field="top_k")
+        if (self.first_k_dense_replace > 0) != (self.dense_ffn_hidden is not None):
+            f = "dense_ffn_hidden" if self.dense_ffn_hidden is not None else "first_k_dense_replace"
+            raise RegistryError(f"{f}={getattr(self, f)}: first_k_dense_replace and dense_ffn_hidden go together "
+                                "(dense first layers and their MLP width)", field=f)
+        if self.first_k_dense_replace >= self.layers:
+            raise RegistryError(f"first_k_dense_replace={self.first_k_dense_replace} leaves no MoE layer of "
+                                f"layers={self.layers}", field="first_k_dense_replace")
+
+    @property
+    def moe_layers(self) -> int:
+        """Layers with the MoE block: all but the first_k_dense_replace dense ones. A traced stack
+        of identical layers holds at most this many (the dense layers are another graph)."""
+        return self.layers - self.first_k_dense_replace
+
+    def layers_phrase(self) -> str:
+        """'{name}'s N layers', or '... N MoE layers (K dense first layers lower to another graph)'."""
+        if not self.first_k_dense_replace:
+            return f"{self.name}'s {self.layers} layers"
+        return (f"{self.name}'s {self.moe_layers} MoE layers (its first_k_dense_replace={self.first_k_dense_replace} "
+                "dense layers lower to another graph)")
+
     @property
     def shared_ffn_total(self) -> int:
         """Width S * f_s of the one SwiGLU FFN the shared experts amount to; 0 when there are none."""
@@ -123,13 +220,20 @@ class ModelConfig(_Record):
 
     @property
     def layer_param_bytes(self) -> int:
-        """Bytes of one layer's parameters in fp32: attention (q, k, v, o, biases, q/k norms),
-        router, routed and shared experts (and their gate), the two layer norms."""
+        """Bytes of one MoE layer's parameters in fp32: attention (q, k, v, o, biases, q/k norms; or
+        MLA's projections and latent norms), router (and its score bias buffer), routed and shared
+        experts (and their gate), the two layer norms."""
         h, d, H, G = self.hidden, self.head_dim, self.heads, self.kv_heads
-        attention = 2 * h * H * d + 2 * h * G * d
-        attention += (H + 2 * G) * d * self.qkv_bias + (H + G) * d * self.qk_norm
+        if self.kv_lora_rank is None:
+            attention = 2 * h * H * d + 2 * h * G * d
+            attention += (H + 2 * G) * d * self.qkv_bias + (H + G) * d * self.qk_norm
+        else:
+            rq, rkv, dr, dv = self.q_lora_rank, self.kv_lora_rank, self.qk_rope_head_dim, self.v_head_dim
+            q = H * d * h if rq is None else rq * h + rq + H * d * rq
+            attention = q + (rkv + dr) * h + rkv + H * (self.qk_nope_head_dim + dv) * rkv + h * H * dv
         shared = 3 * self.shared_ffn_total * h + h * self.shared_gate
-        return 4 * (attention + self.experts * h + 3 * self.experts * self.ffn_hidden * h + shared + 2 * h)
+        router = self.experts * h + self.experts * self.score_correction_bias
+        return 4 * (attention + router + 3 * self.experts * self.ffn_hidden * h + shared + 2 * h)
 
     @property
     def m(self) -> float:

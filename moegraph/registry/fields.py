@@ -15,7 +15,7 @@ from dataclasses import field
 from typing import Any, Callable
 
 __all__ = ["RegistryError", "Bad", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "checked", "validate_fields",
-           "text", "pos_int", "bounded_int", "opt_bounded_int", "count_or_zero", "flag", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
+           "text", "pos_int", "bounded_int", "opt_bounded_int", "count_or_zero", "flag", "one_of", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
            "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured"]
 
 
@@ -127,6 +127,16 @@ def flag(v: Any) -> bool:
     if not isinstance(v, bool):
         raise Bad(f"expected true or false, got {_got(v)}")
     return v
+
+
+def one_of(*names: str) -> Callable[[Any], str]:
+    """A check: one of the strings ``names``."""
+    def check(v: Any) -> str:
+        if v not in names:
+            raise Bad(f"expected one of {', '.join(map(repr, names))}, got {_got(v)}")
+        return v
+    check.__name__ = f"one_of_{'_'.join(names)}"
+    return check
 
 
 def opt_bounded_int(limit: int) -> Callable[[Any], int | None]:
