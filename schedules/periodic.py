@@ -34,7 +34,8 @@ from moegraph.schedules.solution import Solution, barrier_ticks, makespan_ticks
 __all__ = ["PERIODIC", "is_stack", "tile_layers"]
 
 PERIODIC = "periodic"
-"""The warm start's name (``summary.solver.warm_start`` when it is the best one)."""
+"""The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
+layers gives ``periodicxK``."""
 
 
 def is_stack(graph: Graph) -> bool:
@@ -57,27 +58,35 @@ def is_stack(graph: Graph) -> bool:
     return True
 
 
-def tile_layers(problem: Problem, layer: Problem, sol: Solution) -> Solution:
-    """``sol`` (a solution of the one-layer ``layer`` problem) repeated over the layers of
-    ``problem``'s graph (module doc). Raises ScheduleError if the graph is not a stack of the
-    layer (``is_stack``) or a node's mode in the layer has no twin (same SMs, alone flag and
-    ticks) in the stacked problem."""
+def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
+    """``sol`` (a solution of ``unit``: the one-layer graph, or a stack of K of its layers)
+    repeated over the layers of ``problem``'s graph (module doc), K layers per period: layer
+    i = q K + u runs as the unit's layer u in period q. Raises ScheduleError if the graph is
+    not a stack of the layer (``is_stack``), L is not a multiple of K, or a node's mode in the
+    unit has no twin (same SMs, alone flag and ticks) in the stacked problem."""
     graph = problem.graph
     if not is_stack(graph):
         raise ScheduleError(f"graph {graph.name!r} is not a stack of its one-layer graph: nothing to tile")
-    L = layer_count(graph)
-    fwd, span = barrier_ticks(layer, sol), makespan_ticks(layer, sol)
+    L, K = layer_count(graph), layer_count(unit.graph)
+    if L % K:
+        raise ScheduleError(f"{L} layers cannot be tiled by a unit of {K}")
+    periods = L // K
+    fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
     bwd = span - fwd
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
     for t in problem.tasks:
         i = t.node.layer
-        src = layer.by_name[t.name[len(f"l{i}."):]]
+        q, u = divmod(i, K)
+        base = t.name[len(f"l{i}."):]
+        src = unit.by_name[f"l{u}.{base}" if K > 1 else base]
         s = sol.start[src.index]
-        start[t.index] = s + i * fwd if t.side == 0 else s - fwd + L * fwd + (L - 1 - i) * bwd
+        # period q's forward after q earlier ones; backward periods last first, after the
+        # last forward ends ((periods - 1) fwd + fwd; s >= fwd for a backward node)
+        start[t.index] = s + q * fwd if t.side == 0 else s + (periods - 1) * fwd + (periods - 1 - q) * bwd
         m = src.modes[sol.mode[src.index]]
         k = next((k for k, x in enumerate(t.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)), None)
         if k is None:
-            raise ScheduleError(f"{t.name!r} has no mode like its layer node {src.name!r}'s "
+            raise ScheduleError(f"{t.name!r} has no mode like its unit node {src.name!r}'s "
                                 f"({m.sm} SMs, {m.ticks} ticks): the layers are not costed alike")
         mode[t.index] = k
-    return Solution(PERIODIC, tuple(start), tuple(mode))
+    return Solution(PERIODIC if K == 1 else f"{PERIODIC}x{K}", tuple(start), tuple(mode))
