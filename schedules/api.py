@@ -19,9 +19,9 @@ from typing import Any, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
+from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.schedules.baselines import BASELINES, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
-from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.periodic import is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
@@ -101,7 +101,7 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
     # schedules (copy-engine collectives; memory-checked ones under a budget), and on a stack
-    # of layers the one-layer CP-SAT schedule tiled over the layers (moegraph.schedules.periodic).
+    # of layers 1- and 2-layer CP-SAT schedules tiled over the layers (moegraph.schedules.periodic).
     cands = {n: base[n] for n in _BASELINE_ORDER}
     extra = warm_starts(problem, budget)
     if is_stack(problem.graph):

@@ -1,27 +1,30 @@
-"""Periodic warm start for stacked layers: one layer's schedule tiled across L layers.
+"""Periodic warm starts for stacked layers: a unit of K layers' schedule tiled across L layers.
 
 A multi-layer graph (``moegraph.layers.stack_layers``) is L copies of one layer graph: layer
 i's node ``l{i}.<name>`` is the layer graph's ``<name>``, costed identically. CP-SAT gets
 nowhere on the whole (2,144 nodes for 32 mixtral layers: it returned the megascale list
-schedule, 223,268 us on h800), yet the one layer (67 nodes) solves to optimality in seconds.
-So the layer's schedule, with forward span F (its barrier) and backward span B, is repeated:
+schedule, 223,268 us on h800), yet one layer (67 nodes) solves to optimality in seconds, and
+two layers (where a layer's tail can overlap the next one's head) near-optimally. So the
+schedule of a unit of K layers (the one-layer graph, or ``stack_layers`` of it), with forward
+span F (its barrier) and backward span B, is repeated L / K times; layer i = q K + u runs as
+the unit's layer u in period q:
 
-    layer i forward:   start = s + i * F                    (layer 0 first)
-    layer i backward:  start = s - F + L * F + (L-1-i) * B  (last layer first)
+    forward:   start = s + q * F                              (period 0 first)
+    backward:  start = s + (L/K - 1) * F + (L/K - 1 - q) * B  (last period first; s >= F)
 
-Feasible by construction: each layer's forward occupies the window [i F, (i+1) F) and its
-backward [L F + (L-1-i) B, L F + (L-i) B), so no two layers share a stream, an SM or an
-instant (half-open intervals), and every collective overlaps exactly the compute it
-overlapped in the one-layer schedule (the alone/beside rule is unchanged). The only edges
-between layers go from layer i's output to layer i+1's forward and from layer i+1's input
-gradient to layer i's backward; both are satisfied because a window starts where the window it
-depends on ends. Every backward window starts at L F, after every forward node (the barrier).
-``check_solution`` re-checks the result; the memory budget is not considered (the caller
-compares the candidate's peak with it, as for every warm start).
+Feasible by construction: period q's forward occupies the window [q F, (q+1) F) and its
+backward [(L/K) F + (L/K-1-q) B, (L/K) F + (L/K-q) B), so no two periods share a stream, an SM
+or an instant (half-open intervals), and every collective overlaps exactly the compute it
+overlapped in the unit's schedule (the alone/beside rule is unchanged). The only edges between
+periods go from a period's last layer's output to the next period's forward and from a
+period's first layer's input gradient to the previous period's backward; both hold because a
+window starts where the window it depends on ends. Every backward window starts at (L/K) F,
+after every forward node (the barrier). ``check_solution`` re-checks the result; the memory
+budget is not considered (the caller compares each candidate's peak with it, as for every
+warm start).
 
-Makespan L (F + B) = L x the one layer's. It is a warm start: CP-SAT then searches from it
-(stage 2 of ``cpsat.solve``) and can overlap neighbouring layers (e.g. a layer's
-weight-gradient all-reduces under the next layer's backward), never ending worse.
+Makespan (L/K) (F + B). These are warm starts: CP-SAT then searches from the best
+(stage 2 of ``cpsat.solve``), never ending worse.
 """
 
 from __future__ import annotations
