@@ -104,6 +104,14 @@ def deepseek_v3_layer(seed: int, layer_idx: int = 1, **overrides):
     return layer, call
 
 
+# Every attn x ffn x dispatch each transformers family allows (DeepSeek-V3's dense layer has no
+# router: ffn ep is a replicated MLP there, so only dispatch ag-rs is listed).
+FAMILY_COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
+                 for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
+FAMILY_CASES = [dict(attn=a, ffn=f, dispatch=d, model=m)
+                for m in ("qwen2_moe", "olmoe", "deepseek_v3") for a, f, d in FAMILY_COMBOS] \
+    + [dict(attn=a, ffn=f, dispatch="ag-rs", model="deepseek_v3_dense") for a in ("tp", "sp") for f in ("ep", "tp")]
+
 LAYERS = {"ref": lambda seed: (reference_layer(seed), None), "hf": hf_layer, "qwen2_moe": qwen2_moe_layer,
           "olmoe": olmoe_layer, "deepseek_v3": deepseek_v3_layer,
           "deepseek_v3_dense": lambda seed: deepseek_v3_layer(seed, layer_idx=0),

@@ -200,22 +200,28 @@ def test_mla_communication_follows_the_architecture(attn, n):
 
 
 def test_families_compiled_on_two_gloo_ranks_match_eager():
-    """One small case per family through moegraph.compile (one process group for both)."""
+    """Every strategy of every family through moegraph.compile on 2 gloo ranks (one process group
+    for all; ~7 s on an idle 2-core machine), plus the default passes on one case each and a
+    routing that sends a rank no rows. Every rank's results are checked, not only rank 0's."""
     from moegraph.runtime.launch import spawn
     seed = int.from_bytes(os.urandom(3), "little")
-    cases = [dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
-             dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper"),
-             dict(attn="tp", ffn="ep", dispatch="a2a", model="deepseek_v3", passes="gate-reorder,sar=paper"),
-             dict(attn="sp", ffn="tp", dispatch="ag-rs", model="deepseek_v3_dense"),
-             dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed")]   # rank 1 sends no rows back
-    results, _ = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
-    assert len(results) == len(cases)
-    for res, ops in zip(results, ({"bias", "sigmoid_gate"}, {"square_sum", "rmsnorm_sharded", "all_reduce"},
-                                  {"mla_heads", "router", "all_to_all"}, {"mla_heads", "reduce_scatter"},
-                                  {"all_to_all"})):
-        assert res["max_rel_err_output"] < TOL, res
-        assert res["max_rel_err_grads"] < TOL, res
-        assert ops <= set(res["ops"]), res
+    special = [(dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
+                {"bias", "sigmoid_gate"}),
+               (dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper"),
+                {"square_sum", "rmsnorm_sharded", "all_reduce"}),
+               (dict(attn="tp", ffn="ep", dispatch="a2a", model="deepseek_v3", passes="gate-reorder,sar=paper"),
+                {"mla_heads", "router", "all_to_all"}),
+               (dict(attn="sp", ffn="tp", dispatch="ag-rs", model="deepseek_v3_dense"), {"mla_heads", "reduce_scatter"}),
+               (dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed"), {"all_to_all"})]  # no rows back
+    cases = [c for c, _ in special] + workers.FAMILY_CASES
+    per_rank = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
+    assert len(per_rank) == 2 and all(len(results) == len(cases) for results in per_rank)
+    for rank, results in enumerate(per_rank):
+        for case, res in zip(cases, results):
+            assert res["max_rel_err_output"] < TOL, (rank, case, res)
+            assert res["max_rel_err_grads"] < TOL, (rank, case, res)
+        for (case, ops), res in zip(special, results):
+            assert ops <= set(res["ops"]), (rank, case, res)
 
 
 def test_the_interpreter_names_a_buffer_it_was_not_given():

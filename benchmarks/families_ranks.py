@@ -1,4 +1,4 @@
-"""Today's transformers families through ``moegraph.compile`` on 4 gloo ranks (issue 12, item 3).
+"""Today's transformers families through ``moegraph.compile`` on 2 or 4 gloo ranks (issue 12, item 3).
 
 Every attn x ffn x dispatch each family allows, all cases in ONE spawn (one process group),
 checked against the eager module (fp32, 1e-5 relative: output, input gradient, every parameter
@@ -6,13 +6,15 @@ gradient) on every rank. Families (tests/runtime_workers.py): Qwen2MoeDecoderLay
 OlmoeDecoderLayer, DeepseekV3DecoderLayer and its dense first layer (no router: ffn ep is a
 replicated MLP, so only dispatch ag-rs is listed). A benchmark, not a test: on the shared 2-core
 machine the spawn takes about 30 s, over the budget of one test (tests/test_families.py checks
-two ranks). Exit status 1 if any case misses the tolerance.
+one case per family on two ranks). Exit status 1 if any case misses the tolerance.
 
-    .venv/bin/python benchmarks/families_4ranks.py
+    .venv/bin/python benchmarks/families_ranks.py            # 4 ranks
+    .venv/bin/python benchmarks/families_ranks.py --n 2
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 import time
@@ -25,15 +27,13 @@ import runtime_workers as workers  # noqa: E402
 from moegraph.runtime.launch import spawn  # noqa: E402
 
 TOL = 1e-5
-N = 4
-COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
-          for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
-CASES = [dict(attn=a, ffn=f, dispatch=d, model=m)
-         for m in ("qwen2_moe", "olmoe", "deepseek_v3") for a, f, d in COMBOS] \
-    + [dict(attn=a, ffn=f, dispatch="ag-rs", model="deepseek_v3_dense") for a in ("tp", "sp") for f in ("ep", "tp")]
+CASES = workers.FAMILY_CASES
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--n", type=int, default=4, choices=(2, 4), help="gloo ranks (default %(default)s)")
+    N = p.parse_args(argv).n
     seed = int.from_bytes(os.urandom(3), "little")
     t0 = time.perf_counter()
     per_rank = spawn(workers.check_cases, N, args=(CASES, seed), timeout_s=600)
