@@ -297,7 +297,7 @@ def _gate(g, node, grads):
 
 
 def _bias(g, node, grads):
-    (dy,), (_x, b) = grads, node.inputs
+    (dy,), b = grads, node.inputs[1]
     db = _grad_value(g, b)
     # the data gradient passes through unchanged; the bias's is dy summed over the tokens
     _bwd(g, node, "wgrad", OpKind.BIAS, (dy,), (db,), role=Role.WGRAD, flops=g.values[dy].numel)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Mapping
 
-from moegraph.ir import (DTYPE_BYTES, ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
+from moegraph.ir import (ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
                          Value, ValueKind, collective_bytes, freeze_attrs)
 
 
@@ -123,5 +123,3 @@ class GraphBuilder:
         return f"{name}_{i}"
 
 
-def elem_bytes(dtype: str) -> int:
-    return DTYPE_BYTES[dtype]

@@ -67,10 +67,6 @@ def positive_float(text: str) -> float:
     return _number(text, float, "a positive finite number", lambda v: v > 0)
 
 
-def non_negative_float(text: str) -> float:
-    return _number(text, float, "a non-negative finite number", lambda v: v >= 0)
-
-
 def fraction(text: str) -> float:
     return _number(text, float, "a fraction between 0 and 1", lambda v: 0 <= v <= 1)
 

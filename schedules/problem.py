@@ -134,9 +134,6 @@ class Problem:
     def by_name(self) -> dict[str, Task]:
         return {t.name: t for t in self.tasks}
 
-    def side_tasks(self, side: int) -> tuple[Task, ...]:
-        return tuple(t for t in self.tasks if t.side == side)
-
     @property
     def horizon(self) -> int:
         """Every task one after another at its slowest mode: no schedule needs longer."""

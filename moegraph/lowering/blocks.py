@@ -45,7 +45,6 @@ from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 
 ATTN, FFN = "attention", "ffn"
 INDEX_DTYPE, WEIGHT_DTYPE = "int64", "fp32"
-GATE_ORDERS = ("after-fc2", "before-fc2")
 
 
 @dataclass(frozen=True)
@@ -147,18 +146,14 @@ def _numel(g: GraphBuilder, v: str) -> int:
 
 
 def check_layout(g: GraphBuilder) -> None:
-    """Reject chunk counts and gate orders the layer cannot use, naming every factor."""
+    """Reject chunk counts the layer's sequence cannot be split into, naming every factor (the
+    strategy's own fields, gate, chunks >= 1 and dp >= 1 included, are valid by construction:
+    ``Strategy.__post_init__``)."""
     st = g.strategy
-    if st.gate not in GATE_ORDERS:
-        raise ConfigError(f"gate={st.gate!r} is not one of {', '.join(map(repr, GATE_ORDERS))}")
-    if st.chunks < 1:
-        raise ConfigError(f"chunks={st.chunks} must be a positive integer")
     local = g.dims.s // st.n
     if local % st.chunks:
         raise ConfigError(f"chunks={st.chunks} does not divide the local sequence s/n={local} "
                           f"(s={g.dims.s}, n={st.n})")
-    if st.dp < 1:
-        raise ConfigError(f"dp={st.dp} must be a positive data-parallel degree")
 
 
 def _sfx(j: int, chunks: int) -> str:

@@ -530,13 +530,14 @@ def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0
     shard_rows = max(1, round(comm_bytes / (n - 1) / (_H * esize)))     # rows of one rank's shard
     if kind == "all_gather":
         x = env.rand(1, shard_rows, _H)                                 # [b, S, h] -> [b, n*S, h]
-        op, ins, attrs, full = OpKind.ALL_GATHER, [x], {"dim": 1}, n * _nbytes(x)
+        op, ins, attrs, full = OpKind.ALL_GATHER, lambda: [x], {"dim": 1}, n * _nbytes(x)
     elif kind == "reduce_scatter":
         x = env.rand(1, n * shard_rows, _H)                             # [b, n*S, h] -> [b, S, h]
-        op, ins, attrs, full = OpKind.REDUCE_SCATTER, [x], {"dim": 1}, _nbytes(x)
+        op, ins, attrs, full = OpKind.REDUCE_SCATTER, lambda: [x], {"dim": 1}, _nbytes(x)
     elif kind == "all_to_all":                                          # Ulysses "heads" mode
         x = env.rand(1, shard_rows, n * _H)                              # [b, S, n*h'] -> [b, n*S, h']
-        op, ins, attrs, full = OpKind.ALL_TO_ALL, [x], {"mode": "heads", "split_dim": 2, "cat_dim": 1}, _nbytes(x)
+        op, ins, attrs, full = (OpKind.ALL_TO_ALL, lambda: [x], {"mode": "heads", "split_dim": 2, "cat_dim": 1},
+                                _nbytes(x))
     elif kind == "all_to_all_uneven":                                   # "tokens" mode: counts first
         rows = n * shard_rows
         g = torch.Generator().manual_seed(seed * 1000 + env.rank)
@@ -550,17 +551,16 @@ def make_collective(env: RankEnv, kind: str, comm_bytes: int, seed: int = 0
     elif kind == "all_reduce":
         rows = max(n, round(comm_bytes * n / (2 * (n - 1)) / (_H * esize) / n) * n)
         x = env.rand(rows, _H)
-        op, ins, attrs, full = OpKind.ALL_REDUCE, [x], {}, _nbytes(x)
+        op, ins, attrs, full = OpKind.ALL_REDUCE, lambda: [x], {}, _nbytes(x)
     else:
         raise ValueError(f"collective {kind!r} is not one of all_gather, reduce_scatter, all_to_all, "
                          f"all_to_all_uneven, all_reduce")
     node = Node(name=f"calibrate.{kind}", op=op, phase=Phase.FORWARD,
-                inputs=tuple(f"in{i}" for i in range(len(ins() if callable(ins) else ins))),
-                outputs=("y",), comm_bytes=collective_bytes(op, full - full % n, n), group=n,
+                inputs=tuple(f"in{i}" for i in range(len(ins()))),
+                outputs=("y",), comm_bytes=collective_bytes(op, full, n), group=n,
                 attrs=freeze_attrs(attrs))
     comm = env.comm
-    inputs = ins if callable(ins) else (lambda: ins)
-    return (lambda: comm.issue(node, inputs(), COMM_STREAM, 0)), full, op
+    return (lambda: comm.issue(node, ins(), COMM_STREAM, 0)), full, op
 
 
 def _blocking(env: RankEnv, issue: Callable[[], Pending]) -> Callable[[], list[Any]]:
