@@ -16,8 +16,9 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
     all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
-    B, alpha = NVLink and intra-node latency for scope "intra", NIC and inter-node latency for
-    "inter"; scope comes from node attr "scope", else intra iff n <= gpus_per_node.
+    B, alpha, ring_eff, a2a_eff by scope: NVLink, intra-node latency, ring_eff_intra, a2a_eff_intra
+    for "intra"; NIC, inter-node latency, ring_eff_inter, a2a_eff_inter for "inter". Scope comes
+    from node attr "scope", else intra iff n <= gpus_per_node (``scope``).
 A collective holding `sm` SMs slows compute running beside it by sm_count / (sm_count - sm)
 (``compute_slowdown``), and the collective itself stretches by hw.comm_overlap_stretch while
 compute runs beside it; the scheduler applies both factors, this module prices nodes alone.
@@ -25,19 +26,132 @@ A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evalu
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
 multiply everything above kernel_latency by the node's op class factor (``op_class``).
+
+Fused tile-level variants (MegaScale-MoE §4.2, Fig 10; the `fuse` pass marks them): a group of
+one collective and the compute chain it feeds (or that feeds it) runs as one kernel, pipelined
+over n tiles, one per source/destination rank (the local tile needs no transfer):
+    comm-first  (a2a+gemm, ag+scatter+grouped_gemm):  transfer tiles [0, c, ..., c] then compute
+    compute-first (gemm+a2a, grouped_gemm+gather+rs): compute tiles then transfers [c, ..., c, 0]
+    c = (comm(b) - kernel_latency) / (n-1),  g = (compute - kernel_latency) * S/(S-b) / n + tile_overhead
+    T = kernel_latency + two-stage flow time of those tiles  (``tile_pipeline_us``)
+      = kernel_latency + max(comm, compute) + fill/drain (one tile of the other stage) when tiles
+        are even, with b (SMs the kernel gives its transfers; 0 = copy engines) the allowed budget
+        that minimises T. The compute is the chain's unchunked nodes: weights are read once, not
+        once per tile as chunking does. The whole T is charged to the group's anchor node
+        (``FusedGroup.anchor``); the group's other nodes cost 0.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
 
-from moegraph.ir import Node, OpKind, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
+from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware
 
-__all__ = ["CostModel", "collective_bytes", "interpolate", "op_class"]
+__all__ = ["CostModel", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
+           "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant"]
 
 _US = 1e6  # seconds -> microseconds
+
+Scope = Literal["intra", "inter"]
+
+# --- fused tile-level variants ----------------------------------------------------------------
+
+FusedKind = Literal["a2a+gemm", "gemm+a2a", "ag+scatter+grouped_gemm", "grouped_gemm+gather+rs"]
+"""MegaScale-MoE §4.2's four fused kernels, named "first+then" as the paper does."""
+COMM_FIRST: frozenset[str] = frozenset({"a2a+gemm", "ag+scatter+grouped_gemm"})
+Variant = Literal["unfused", "chunked", "fused"]
+"""How a node is predicted to run: alone, as one of a chunked decomposition, or in a fused kernel."""
+FUSED_ATTR = "fused"
+"""Node attribute marking a member of a fused group (``FusedGroup.to_attr``)."""
+
+
+@dataclass(frozen=True)
+class FusedGroup:
+    """One fused kernel: a collective and the compute chain around it, as a node attribute.
+
+    kind:    which of the four kernels.
+    anchor:  the node charged the whole fused time (comm-first: the last compute node;
+             compute-first: the first), so every value the group produces is available only when
+             the kernel ends (passes/fuse.py checks that for consumers outside the group).
+    comm:    the collective's (op, comm_bytes, group n, scope).
+    compute: the compute members' (op, flops, mem_bytes, phase), in graph order.
+    Plain data (strings and ints), so a schedule file carries it and prices it again.
+    """
+
+    kind: FusedKind
+    anchor: str
+    comm: tuple[str, int, int, Scope]
+    compute: tuple[tuple[str, int, int, str], ...]
+
+    def __post_init__(self):
+        if self.kind not in get_args(FusedKind):
+            raise ValueError(f"fused kind {self.kind!r} is not one of {', '.join(get_args(FusedKind))}")
+        if self.comm[2] < 2:
+            raise ValueError(f"fused {self.kind} needs a collective over n >= 2 ranks, got n={self.comm[2]}")
+        if not self.compute:
+            raise ValueError(f"fused {self.kind} has no compute node")
+
+    def to_attr(self) -> dict[str, Any]:
+        return {"variant": "fused", "kind": self.kind, "anchor": self.anchor, "comm": list(self.comm),
+                "compute": [list(c) for c in self.compute]}
+
+    @classmethod
+    def of(cls, node: Node) -> "FusedGroup | None":
+        """The group ``node`` belongs to, or None. A malformed attribute raises, naming the node."""
+        raw = node.attr(FUSED_ATTR, None)
+        if raw is None:
+            return None
+        try:
+            d = dict(raw)
+            op, nbytes, group, scope = d["comm"]
+            return cls(kind=d["kind"], anchor=d["anchor"], comm=(op, int(nbytes), int(group), scope),
+                       compute=tuple((c[0], int(c[1]), int(c[2]), c[3]) for c in d["compute"]))
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute {raw!r} ({err})") from None
+
+    def comm_node(self) -> Node:
+        op, nbytes, group, scope = self.comm
+        return Node(name=f"{self.anchor}.fused_comm", op=OpKind(op), phase=Phase.FORWARD, inputs=(), outputs=(),
+                    comm_bytes=nbytes, group=group, attrs=(("scope", scope),))
+
+    def compute_nodes(self) -> tuple[Node, ...]:
+        return tuple(Node(name=f"{self.anchor}.fused_compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
+                          outputs=(), flops=flops, mem_bytes=mem) for i, (op, flops, mem, phase) in enumerate(self.compute))
+
+
+@dataclass(frozen=True)
+class FusedPrice:
+    """A fused group's predicted time and what it is made of (all us)."""
+
+    time_us: float           # the fused kernel
+    comm_us: float           # the collective alone at the budget the kernel uses
+    compute_us: float        # the compute chain alone, one kernel latency (full SMs)
+    unfused_us: float        # the group's nodes one after another, each at its own best
+    sm: int                  # SMs the kernel gives its transfers (0 = copy engines)
+    tiles: int
+
+
+def variant(node: Node) -> Variant:
+    """The variant the cost model prices ``node`` as (what the Gantt chart and compile --json show)."""
+    if node.attr(FUSED_ATTR, None) is not None:
+        return "fused"
+    return "chunked" if node.attr("chunk", None) is not None else "unfused"
+
+
+def tile_pipeline_us(first: list[float] | tuple[float, ...], second: list[float] | tuple[float, ...]) -> float:
+    """Two-stage flow time: stage-1 tiles run back to back; tile i's stage 2 starts when its stage 1
+    and tile i-1's stage 2 are done (a transfer and a GEMM tile each have one engine)."""
+    if len(first) != len(second):
+        raise ValueError(f"tile_pipeline_us: {len(first)} first-stage tiles vs {len(second)} second-stage tiles")
+    done1 = done2 = 0.0
+    for a, b in zip(first, second):
+        done1 += a
+        done2 = max(done2, done1) + b
+    return done2
 
 
 def interpolate(points: Curve, size: float) -> float:
@@ -89,6 +203,12 @@ class CostModel:
         compute nodes ignore it."""
         if node.op is OpKind.SPLIT:
             return 0.0  # a view into a fused tensor: no kernel runs
+        group = FusedGroup.of(node)
+        if group is not None:
+            if node.is_comm and sm_budget not in (None, 0):
+                raise ValueError(f"sm_budget={sm_budget} is not allowed for {node.name!r}: it runs inside the "
+                                 f"fused kernel {group.anchor!r} ({group.kind}); allowed: 0")
+            return self.fused_price(group).time_us if node.name == group.anchor else 0.0
         cls = op_class(node)
         if cls == "comm":
             budget = self.default_sm_budget(node) if sm_budget is None else sm_budget
@@ -96,20 +216,48 @@ class CostModel:
         return self._compute_us(node, cls)
 
     def comm_sm_budgets(self, node: Node) -> tuple[int, ...]:
-        """SM counts this collective may hold (0 = copy engines)."""
+        """SM counts this collective may hold (0 = copy engines). A collective inside a fused
+        kernel holds none of its own: the kernel (its anchor) prices its transfers."""
         self._require_comm(node)
+        if FusedGroup.of(node) is not None:
+            return (0,)
         return self.hw.comm_sm_budgets
+
+    def fused_price(self, group: FusedGroup) -> FusedPrice:
+        """The fused kernel's time from its tile pipeline (module docstring), at the SM budget
+        that minimises it."""
+        hw, kappa = self.hw, self.hw.kernel_latency_us
+        comm = group.comm_node()
+        n = comm.group
+        members = group.compute_nodes()
+        alone = [self.node_time_us(c) for c in members]
+        body = sum(t - kappa for t in alone)            # the chain as one kernel: one launch
+        best: tuple[float, int] | None = None
+        for b in hw.comm_sm_budgets:
+            c = (self._comm_us(comm, b) - kappa) / (n - 1)
+            g = body * self.compute_slowdown(b) / n + hw.fused_tile_overhead_us
+            if group.kind in COMM_FIRST:
+                t = tile_pipeline_us([0.0] + [c] * (n - 1), [g] * n)
+            else:
+                t = tile_pipeline_us([g] * n, [c] * (n - 1) + [0.0])
+            if best is None or kappa + t < best[0]:
+                best = (kappa + t, b)
+        time_us, sm = best
+        return FusedPrice(time_us=time_us, comm_us=self._comm_us(comm, sm), compute_us=kappa + body,
+                          unfused_us=self.best_time_us(comm) + sum(alone), sm=sm, tiles=n)
 
     def default_sm_budget(self, node: Node) -> int:
         """The smallest allowed budget that saturates the link (what NCCL would roughly use);
         the largest allowed one if none does."""
-        saturation = self._collective(node.op)[2]
         budgets = self.comm_sm_budgets(node)
+        if budgets == (0,):
+            return 0
+        saturation = self._collective(node.op, self.scope(node))[2]
         return next((b for b in budgets if b >= saturation), budgets[-1])
 
     def best_time_us(self, node: Node) -> float:
         """Fastest time over the allowed budgets (compute: its only time). For lower bounds."""
-        if not node.op.is_comm:
+        if not node.op.is_comm or FusedGroup.of(node) is not None:
             return self.node_time_us(node)
         return min(self.node_time_us(node, b) for b in self.comm_sm_budgets(node))
 
@@ -145,27 +293,39 @@ class CostModel:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
         return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
 
-    def _collective(self, op: OpKind) -> tuple[int, float, int, tuple[str, ...]]:
-        """(latency steps per (n-1), scalar efficiency, SM saturation, curve names in priority)."""
+    def scope(self, node: Node) -> Scope:
+        """Which link a collective crosses: node attr "scope", else intra iff its group fits
+        in one node."""
+        scope = node.attr("scope", "intra" if node.group <= self.hw.gpus_per_node else "inter")
+        if scope not in ("intra", "inter"):
+            raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
+        return scope
+
+    def ring_eff(self, scope: Scope) -> float:
+        """The scalar ring (all-gather, reduce-scatter, all-reduce) efficiency on ``scope``'s link."""
+        return self.hw.ring_eff_intra if scope == "intra" else self.hw.ring_eff_inter
+
+    def _collective(self, op: OpKind, scope: Scope) -> tuple[int, float, int, tuple[str, ...]]:
+        """(latency steps per (n-1), scalar efficiency, SM saturation, curve names in priority).
+        A measured curve (``moegraph calibrate``: one link, both scopes) overrides either scope's
+        scalar."""
         hw = self.hw
         match op:
             case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER:
-                return 1, hw.ring_eff, hw.comm_sm_saturation, ("ring_eff",)
+                return 1, self.ring_eff(scope), hw.comm_sm_saturation, ("ring_eff",)
             case OpKind.ALL_TO_ALL:
-                return 1, hw.a2a_eff, hw.a2a_sm_saturation, ("a2a_eff",)
+                a2a = hw.a2a_eff_intra if scope == "intra" else hw.a2a_eff_inter
+                return 1, a2a, hw.a2a_sm_saturation, ("a2a_eff",)
             case OpKind.ALL_REDUCE:
-                return 2, hw.ring_eff, hw.comm_sm_saturation, ("all_reduce_eff", "ring_eff")
+                return 2, self.ring_eff(scope), hw.comm_sm_saturation, ("all_reduce_eff", "ring_eff")
         raise NotImplementedError(f"no cost rule for {op}")
 
-    def _link(self, node: Node) -> tuple[float, float]:
-        """(bandwidth bytes/s, per-step latency us) for the node's scope."""
+    def _link(self, scope: Scope) -> tuple[float, float]:
+        """(bandwidth bytes/s, per-step latency us) of ``scope``'s link."""
         hw = self.hw
-        scope = node.attr("scope", "intra" if node.group <= hw.gpus_per_node else "inter")
         if scope == "intra":
             return hw.nvlink_bw_bytes_s, hw.intra_node_latency_us
-        if scope == "inter":
-            return hw.nic_bw_bytes_s, hw.inter_node_latency_us
-        raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
+        return hw.nic_bw_bytes_s, hw.inter_node_latency_us
 
     def _comm_us(self, node: Node, sm: int) -> float:
         hw = self.hw
@@ -173,16 +333,17 @@ class CostModel:
         if sm not in budgets:
             raise ValueError(f"sm_budget={sm} is not allowed for {node.name!r} ({node.op.value}) "
                              f"on {hw.name}; allowed: {', '.join(map(str, budgets))}")
-        steps, eff, saturation, curve_names = self._collective(node.op)
+        scope = self.scope(node)
+        steps, eff, saturation, curve_names = self._collective(node.op, scope)
         for name in curve_names:
             points = hw.curve(name)
             if points is not None:
                 eff = interpolate(points, node.comm_bytes)
                 break
-        bandwidth, alpha = self._link(node)
+        bandwidth, alpha = self._link(scope)
         latency = steps * (node.group - 1) * alpha
         if sm == 0:
-            scale = hw.copy_engine_eff / hw.ring_eff
+            scale = hw.copy_engine_eff / self.ring_eff(scope)
             latency += hw.copy_engine_latency_us
         else:
             scale = min(1.0, sm / saturation)

@@ -9,6 +9,7 @@ Passes (each a function Graph -> PassResult, built from its argument and the cos
     chunk[=auto|N]                        strategy.py  token chunks for comm/compute overlap
     compress=dp-bf16|tp-fp8               compress.py  cast-once all-to-all reductions
     sar[=paper|none|budget:<bytes>]       sar.py       selective activation rematerialization
+    fuse[=auto|all|none]                  fuse.py      tile-level fused comm+compute kernels (variants)
 
 A whole typed ``moegraph.ir.Strategy`` becomes its graph with ``lower_strategy`` (what tune
 does): no pipeline string in between. The run order is fixed by each pass's stage (manager.py has the table); docs/passes.md
@@ -19,6 +20,7 @@ from moegraph.passes.manager import PASSES, Pass, PassError, PassResult, PassSpe
 from moegraph.passes.strategy import chunk, dispatch, gate_reorder, lower_strategy
 from moegraph.passes.compress import compress
 from moegraph.passes.sar import remat_pass, sar
+from moegraph.passes.fuse import fuse
 
 __all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
-           "sar", "remat_pass", "gate_reorder", "dispatch", "chunk", "compress", "lower_strategy"]
+           "sar", "remat_pass", "gate_reorder", "dispatch", "chunk", "compress", "fuse", "lower_strategy"]

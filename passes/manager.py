@@ -16,6 +16,8 @@ Order is data (``PassSpec.stage``), and the manager sorts the pipeline by it (st
     3      compress      rewrite   replaces collectives; a re-lowering after it would undo it
     4      sar           rewrite   decides on the final graph's values, pricing the rebuilt
                                    nodes (compressed collectives included)
+    5      fuse          annotate  marks fused comm+compute groups on the final nodes (chunked
+                                   or not, recompute included); changes attributes only
 
 Re-lowering passes rebuild the layer from its program (``moegraph.tracer.relower``), which
 discards every graph rewrite, so all of them precede the rewrites; a re-lowering pass applied

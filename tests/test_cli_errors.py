@@ -68,7 +68,7 @@ CORE_CASES = [
     (["tune", "--model", "tiny", "--cache", "{tmp}/a_file.txt"], "--cache '"),
     (["trace", *TINY[:2], "--hardware", "{tmp}/hw_inf.yaml"], "hw_inf.yaml: nic_bw_bytes_s: expected a positive "
      "number, got inf (not a finite number)"),
-    (["trace", *TINY[:2], "--hardware", "{tmp}/hw_nan.yaml"], "hw_nan.yaml: ring_eff: expected a number in (0, 1], "
+    (["trace", *TINY[:2], "--hardware", "{tmp}/hw_nan.yaml"], "hw_nan.yaml: ring_eff_intra: expected a number in (0, 1], "
      "got nan (not a finite number)"),
     (["trace", "--model", "{tmp}/rope_nan.yaml"], "rope_nan.yaml: rope_theta: expected a positive number, got nan"),
     (["trace", "--model", "{tmp}/eps_nan.yaml"], "eps_nan.yaml: rms_eps: expected a positive number, got nan"),
@@ -151,7 +151,7 @@ def _write_bad_registry_yaml(tmp) -> None:
     from moegraph.registry import load_hardware
     hw = yaml.safe_dump(load_hardware("h800").to_dict())
     (tmp / "hw_inf.yaml").write_text(hw.replace("nic_bw_bytes_s: 50000000000.0", "nic_bw_bytes_s: .inf"))
-    (tmp / "hw_nan.yaml").write_text(hw.replace("ring_eff: 0.726", "ring_eff: .nan"))
+    (tmp / "hw_nan.yaml").write_text(hw.replace("ring_eff_intra: 0.726", "ring_eff_intra: .nan"))
     model = "layers: 2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn_hidden: 128\nexperts: 4\ntop_k: 2\n"
     (tmp / "rope_nan.yaml").write_text(model + "rope_theta: .nan\n")
     (tmp / "eps_nan.yaml").write_text(model + "rms_eps: .nan\n")

@@ -2,8 +2,9 @@
 
 h800 numbers used below (typed from hardware.yaml / Hardware defaults, not read from code):
 P = 989e12 FLOP/s, W = 3.4e12 B/s, B_nvlink = 200e9 B/s, B_nic = 50e9 B/s, alpha = 2 us intra /
-5 us inter, kernel = 4 us, copy engine +10 us, gemm_eff 0.75, mem_eff 0.8, ring_eff 0.726,
-a2a_eff 0.427, copy_engine_eff 0.6, ring saturation 16 SMs, a2a saturation 24 SMs, 132 SMs.
+5 us inter, kernel = 4 us, copy engine +10 us, gemm_eff 0.75, mem_eff 0.8, ring_eff 0.726 intra
+and inter, a2a_eff 0.55 intra / 0.427 inter, copy_engine_eff 0.6, ring saturation 16 SMs, a2a
+saturation 24 SMs, 132 SMs.
 """
 
 from __future__ import annotations
@@ -90,12 +91,37 @@ def test_all_gather(h800, budget, expected):
 
 
 @pytest.mark.parametrize("budget, expected", [
-    (24, 705.5908197),   # 4 + 14 + 58720256 / (200e9 * 0.427)
-    (16, 1049.3862295),  # 16/24 of saturation
-    (0, 859.9848918),    # 4 + 14 + 10 + bytes / (200e9 * 0.427 * 0.6/0.726)
+    (24, 551.8205091),   # 4 + 14 + 58720256 / (200e9 * 0.55): intra-node a2a_eff
+    (16, 818.7307636),   # 16/24 of saturation: 18 + 533.8205091 * 24/16
+    (0, 673.9228160),    # 4 + 14 + 10 + bytes / (200e9 * 0.55 * 0.6/0.726)
 ])
 def test_all_to_all(h800, budget, expected):
     assert h800.node_time_us(comm(OpKind.ALL_TO_ALL, AG_BYTES), budget) == pytest.approx(expected, rel=1e-7)
+
+
+A2A_BYTES = 14_680_064  # mixtral-8x7b's dispatch all-to-all, s=8192, n=8 (docs/cost_model.md)
+
+
+@pytest.mark.parametrize("group, attrs, expected", [
+    (8, {}, 151.4551273),                 # intra (NVLink): 4 + 7*2 + 14680064 / (200e9 * 0.55)
+    (16, {}, 766.5908197),                # inter (NIC):    4 + 15*5 + 14680064 / (50e9 * 0.427)
+    (8, {"scope": "inter"}, 726.5908197),  # scope attr wins: 4 + 7*5 + 14680064 / (50e9 * 0.427)
+])
+def test_all_to_all_efficiency_by_scope(h800, group, attrs, expected):
+    """Issue 14 item 6: the two-node IB all-to-all efficiency (0.427) no longer prices NVLink."""
+    node = comm(OpKind.ALL_TO_ALL, A2A_BYTES, group=group, **attrs)
+    assert h800.node_time_us(node, 24) == pytest.approx(expected, rel=1e-7)
+
+
+def test_ring_efficiency_by_scope():
+    """The ring fields are separate too: change one and only its scope's time moves."""
+    hw = dataclasses.replace(load_hardware("h800"), ring_eff_inter=0.5)
+    cm = CostModel(hw)
+    assert cm.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), 16) == pytest.approx(422.4094766, rel=1e-7)
+    assert cm.node_time_us(comm(OpKind.REDUCE_SCATTER, AG_BYTES, scope="inter"), 16) == \
+        pytest.approx(4 + 35 + 58720256 / (50e9 * 0.5) * 1e6, rel=1e-7)
+    assert cm.node_time_us(comm(OpKind.ALL_REDUCE, AG_BYTES, scope="inter"), 16) == \
+        pytest.approx(4 + 70 + 58720256 / (50e9 * 0.5) * 1e6, rel=1e-7)
 
 
 def test_all_reduce_is_rs_plus_ag_latency(h800):
@@ -205,6 +231,9 @@ def test_curve_replaces_scalar():
     # a2a at 1e6 bytes: halfway in log between 1e3 and 1e9 -> eff 0.3, at 24 SMs
     assert cm.node_time_us(comm(OpKind.ALL_TO_ALL, 10**6), 24) == \
         pytest.approx(4 + 14 + 1e6 / (200e9 * 0.3) * 1e6)
+    # a measured curve (one link) prices both scopes: inter at 1e6 bytes, eff 0.3 on the NIC
+    assert cm.node_time_us(comm(OpKind.ALL_TO_ALL, 10**6, scope="inter"), 24) == \
+        pytest.approx(4 + 35 + 1e6 / (50e9 * 0.3) * 1e6)
     # curves absent for ring: scalar ring_eff stays
     assert cm.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), 16) == pytest.approx(422.4094766)
 

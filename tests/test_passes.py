@@ -238,7 +238,7 @@ def test_dispatch_auto_on_mixtral_h800(h800, start, top_k, expected):
 def test_dispatch_auto_follows_the_cost_model_not_a_threshold(h800):
     """Make all-to-all as efficient as a ring and make latency free: at top-k 8 = n the bytes tie and
     all-to-all (which skips the n-fold router work) wins, so the choice really comes from the cost model."""
-    hw = dataclasses.replace(load_hardware("h800"), a2a_eff=load_hardware("h800").ring_eff)
+    hw = dataclasses.replace(load_hardware("h800"), a2a_eff_intra=load_hardware("h800").ring_eff_intra)
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N), top_k=8)
     assert run_pipeline(g, "dispatch=auto", cost=h800)[1]["dispatch"]["chosen"] == "ag-rs"
     assert run_pipeline(g, "dispatch=auto", cost=CostModel(hw))[1]["dispatch"]["chosen"] == "a2a"

@@ -97,7 +97,8 @@ def test_public_datasheets():
 def test_efficiency_defaults_are_monta_and_brief_numbers():
     hw = load_hardware("h800")
     assert (hw.gemm_eff, hw.grouped_gemm_eff, hw.attention_eff, hw.mem_eff) == (0.75, 0.65, 0.55, 0.8)
-    assert (hw.ring_eff, hw.a2a_eff, hw.copy_engine_eff) == (0.726, 0.427, 0.6)
+    assert (hw.ring_eff_intra, hw.ring_eff_inter, hw.a2a_eff_intra, hw.a2a_eff_inter, hw.copy_engine_eff) == \
+        (0.726, 0.726, 0.55, 0.427, 0.6)
 
 
 def test_cpu_gloo_has_copy_engine_budget_only():
@@ -151,7 +152,7 @@ def test_fingerprint_is_sha256_of_canonical_json():
     assert cfg.fingerprint() == load_model("mixtral-8x7b").fingerprint()
     assert dataclasses.replace(cfg, layers=31).fingerprint() != cfg.fingerprint()
     hw = load_hardware("h800")
-    assert dataclasses.replace(hw, ring_eff=0.7).fingerprint() != hw.fingerprint()
+    assert dataclasses.replace(hw, ring_eff_intra=0.7).fingerprint() != hw.fingerprint()
 
 
 # --- error texts ----------------------------------------------------------------------------
@@ -227,10 +228,31 @@ def test_yaml_exponent_trap_is_explained(tmp_path):
         "(a string: write exponents as 1.0e+12 so YAML reads a number)")
 
 
+def test_every_collective_efficiency_names_its_source():
+    """Issue 14 item 6: in hardware.yaml each of the four per-link efficiencies carries a comment
+    naming where its number comes from (a paper table/figure) or saying it is assumed."""
+    import re
+    from moegraph.registry.loading import _REGISTRY_DIR
+    text = (_REGISTRY_DIR / "hardware.yaml").read_text()
+    fields = ("ring_eff_intra", "ring_eff_inter", "a2a_eff_intra", "a2a_eff_inter")
+    for name in ("h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo"):
+        entry = text.split(f"\n{name}:\n", 1)[1].split("\n\n", 1)[0]
+        for f in fields:
+            line = re.search(rf"^  {f}: [0-9.]+ +# (.+)$", entry, re.M)
+            assert line, f"{name}.{f} has no source comment"
+            assert re.search(r"Table|Fig|assumed|placeholder|= ", line[1]), f"{name}.{f}: {line[1]}"
+
+
 def test_hardware_errors(tmp_path):
     h = load_hardware("h800").to_dict()
-    assert user_error(tmp_path, h | {"ring_eff": 1.5}, load_hardware) == \
-        "my.yaml: ring_eff: expected a number in (0, 1], got 1.5"
+    assert user_error(tmp_path, h | {"ring_eff_intra": 1.5}, load_hardware) == \
+        "my.yaml: ring_eff_intra: expected a number in (0, 1], got 1.5"
+    # the collective efficiencies have no default: a YAML missing one names it
+    assert user_error(tmp_path, {k: v for k, v in h.items() if k != "a2a_eff_inter"}, load_hardware) == \
+        "my.yaml: missing field 'a2a_eff_inter'"
+    # the old single fields are gone, not silently mapped to one scope
+    assert user_error(tmp_path, h | {"a2a_eff": 0.5}, load_hardware).startswith(
+        "my.yaml: unknown field 'a2a_eff'; valid: ")
     assert user_error(tmp_path, h | {"comm_sm_budgets": [16, 8]}, load_hardware) == \
         "my.yaml: comm_sm_budgets: expected strictly increasing SM counts, got [16, 8]"
     assert user_error(tmp_path, h | {"copy_engine_eff": 0.0}, load_hardware) == \
@@ -312,8 +334,9 @@ def test_non_finite_yaml_values_name_file_field_and_value(tmp_path):
     assert user_error(tmp_path, yaml.safe_dump(h | {"nic_bw_bytes_s": 1.0}).replace(
         "nic_bw_bytes_s: 1.0", "nic_bw_bytes_s: .inf"), load_hardware) == \
         "my.yaml: nic_bw_bytes_s: expected a positive number, got inf (not a finite number)"
-    assert user_error(tmp_path, yaml.safe_dump(h | {"ring_eff": 0.5}).replace("ring_eff: 0.5", "ring_eff: .nan"),
-                      load_hardware) == "my.yaml: ring_eff: expected a number in (0, 1], got nan (not a finite number)"
+    assert user_error(tmp_path, yaml.safe_dump(h | {"ring_eff_inter": 0.5}).replace("ring_eff_inter: 0.5",
+                      "ring_eff_inter: .nan"), load_hardware) == \
+        "my.yaml: ring_eff_inter: expected a number in (0, 1], got nan (not a finite number)"
     text = yaml.safe_dump(MINIMAL_MODEL)
     assert user_error(tmp_path, text + "rope_theta: .nan\n") == \
         "my.yaml: rope_theta: expected a positive number, got nan (not a finite number)"

@@ -293,15 +293,26 @@ class Hardware(_Record):
     mem_eff: float = checked(fraction, 0.8)
     """Fraction of HBM bandwidth reached by memory-bound kernels; default 0.8 (MoNTA Table 8:
     D2D copy at 80%)."""
-    ring_eff: float = checked(fraction, 0.726)
-    """Bus-bandwidth fraction of ring all-gather/reduce-scatter; default 0.726 (MoNTA Table 8,
-    per-chunk AllGather)."""
-    a2a_eff: float = checked(fraction, 0.427)
-    """Bandwidth fraction of all-to-all; default 0.427 (MoNTA Table 8, per-chunk AllToAll)."""
+    # Collective efficiencies, one per pattern and link: an all-to-all inside an NVSwitch node
+    # and one across NICs are bottlenecked by different hardware, so one number measured on one
+    # of them misprices the other. Required (no defaults): every entry names its source beside it.
+    ring_eff_intra: float = checked(fraction)
+    """Bus-bandwidth fraction of NVLink ring collectives (all-gather, reduce-scatter, all-reduce)
+    inside a node (scope "intra")."""
+    ring_eff_inter: float = checked(fraction)
+    """Bus-bandwidth fraction of ring collectives across nodes (scope "inter", NIC-bound)."""
+    a2a_eff_intra: float = checked(fraction)
+    """Bandwidth fraction of all-to-all inside a node (scope "intra", NVLink/NVSwitch)."""
+    a2a_eff_inter: float = checked(fraction)
+    """Bandwidth fraction of all-to-all across nodes (scope "inter", NIC-bound)."""
     copy_engine_eff: float = checked(fraction_or_zero, 0.6)
     """Link-bandwidth fraction a copy-engine collective reaches; 0 = no copy-engine path.
     Default 0.6: assumed below SM-driven rings, so that giving a collective copy engines trades
     bandwidth for leaving every SM to compute (the choice MegaScale-MoE §4.2 makes by hand)."""
+    fused_tile_overhead_us: float = checked(nonneg_float, 0.5)
+    """Extra time per tile of a fused comm+compute kernel (moegraph.cost, "Fused tile-level
+    variants"): the device-memory flag a tile waits on or raises and its smaller GEMM tile wave.
+    Default 0.5 us: assumed (MegaScale-MoE §4.2 gives no number); one tile per rank."""
     comm_sm_budgets: tuple[int, ...] = checked(sm_budgets)
     """SM counts a collective may be given, strictly increasing; 0 = copy engines (only if
     copy_engine_eff > 0). Each must leave SMs for compute (< sm_count)."""

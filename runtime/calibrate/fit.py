@@ -16,7 +16,8 @@ evaluating its own formulas, reproduces the measurements:
     latencies, link    alpha = min over collectives of (t_smallest - kappa) / (steps (n-1));
                        B = best comm_bytes / (t - kappa - steps (n-1) alpha) over messages of
                        >= 1 MiB taking at least twice that fixed part; curves by comm_bytes:
-                       ring_eff (all-gather + reduce-scatter), a2a_eff (even + uneven),
+                       ring_eff (all-gather + reduce-scatter), a2a_eff (even + uneven; each also
+                       sets its scalars *_intra = *_inter: one link measured),
                        all_reduce_eff
     slowdown           compute runs x s slower beside a collective: sm_count = 100 and one
                        comm budget b = round(100 (1 - 1/s)) with saturation b, so
@@ -247,8 +248,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
             pts = [(s.comm_bytes, s.seconds - fixed[k], False) for k in kinds for s in comm[k]]
             if pts:
                 curves[curve] = binned_curve(pts, bw, width=math.log10(4))
-                if curve != "all_reduce_eff":
-                    prof[curve] = _overall(pts, bw)
+                if curve != "all_reduce_eff":        # one link measured: it prices both scopes
+                    prof[f"{curve}_intra"] = prof[f"{curve}_inter"] = _overall(pts, bw)
             else:
                 unmeasured.append(curve)
         missing = [k for k, ss in comm.items() if not ss]
@@ -284,7 +285,7 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
         if info.sm_count is not None and info.sm_count > max(base.comm_sm_budgets):
             prof["sm_count"] = info.sm_count
     if 0 in prof["comm_sm_budgets"] and cpu:
-        prof["copy_engine_eff"] = prof["ring_eff"]          # s(0) = copy_engine_eff / ring_eff = 1
+        prof["copy_engine_eff"] = prof["ring_eff_intra"]    # s(0) = copy_engine_eff / ring_eff = 1
 
     if cpu:
         pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")

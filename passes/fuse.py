@@ -1,0 +1,207 @@
+"""fuse: mark comm+compute pairs that run as one tile-level fused kernel (MegaScale-MoE §4.2).
+
+    fuse=auto   keep each eligible group whose fusion lowers the layer's two-stream estimate
+    fuse=all    every eligible group
+    fuse=none   none (the graph is returned unchanged)
+
+A group is a collective and the compute chain it feeds or that feeds it, matching one of the
+paper's four kernels (``moegraph.cost.FusedKind``):
+
+    a2a+gemm                  ALL_TO_ALL -> GEMM(s) of the same phase (SP output projection)
+    gemm+a2a                  GEMM -> memory ops (split, rope, ...) -> ALL_TO_ALL (SP QKV projection)
+    ag+scatter+grouped_gemm   ALL_GATHER -> PERMUTE -> GROUPED_GEMM(s) (ag-rs token dispatch)
+    grouped_gemm+gather+rs    GROUPED_GEMM -> UNPERMUTE -> REDUCE_SCATTER (ag-rs token combine)
+
+The pass only sets the node attribute ``moegraph.cost.FUSED_ATTR`` (``FusedGroup``) on each
+member; nodes, values and edges stay as they are, so the same function is computed (the
+invariant) and the runtime could run the members one by one. The cost model charges the
+fused kernel's time to the group's anchor and 0 to the other members, so a group is eligible
+only if that is sound for the scheduler: every value a member produces must reach a consumer
+outside the group no earlier than the kernel's end. Comm-first groups put the anchor last, so
+an outside consumer of an earlier member's output (the router reading the gathered tokens,
+a weight gradient reading the dispatched rows) must descend from the anchor; compute-first
+groups put it first, so every later member ends with it, and their other inputs must be ready
+when it starts (produced by its ancestors). The scheduler still sees the members' collective as
+a zero-time node: it does not model the link as busy during the kernel (docs/cost_model.md).
+
+The chunked alternative is a separate lowering (``chunk=N``, stage 2); fuse runs after it, so
+``chunk=4,fuse=all`` fuses each chunk's pairs (weights re-read per chunk) and ``fuse=all`` on
+an unchunked layer fuses whole pairs (weights read once). Which one wins is the estimate's (or
+the schedule's) call, per pair with fuse=auto and per layer across chunk counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import dataclasses
+
+from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind
+from moegraph.ir import Graph, Node, OpKind
+from moegraph.passes.estimate import overlap_time_us
+from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
+
+CHOICES = ("auto", "all", "none")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An eligible group before it is marked: member names in graph order and its FusedGroup."""
+
+    members: tuple[str, ...]
+    group: FusedGroup
+
+
+class _Index:
+    """Graph order, users, feeders and ancestor sets of a graph's nodes, by name."""
+
+    def __init__(self, graph: Graph):
+        self.graph = graph
+        self.node = graph.node
+        self.order = {n.name: i for i, n in enumerate(graph.nodes)}
+        self._anc: dict[str, frozenset[str]] = {}
+        for n in graph.nodes:              # topological order: predecessors are done first
+            preds = [p.name for p in graph.predecessors(n)]
+            self._anc[n.name] = frozenset(preds).union(*(self._anc[p] for p in preds))
+
+    def ancestors(self, name: str) -> frozenset[str]:
+        return self._anc[name]
+
+    def users(self, name: str) -> list[str]:
+        """Nodes consuming any output of ``name``, in graph order, without repeats."""
+        seen = {c.name for v in self.node[name].outputs for c in self.graph.consumers.get(v, ())}
+        return sorted(seen, key=self.order.get)
+
+    def feeders(self, name: str) -> list[str]:
+        return sorted({p.name for p in self.graph.predecessors(self.node[name])}, key=self.order.get)
+
+
+def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, comm: Node, cost: CostModel) -> Candidate | None:
+    """The group if scheduling it with all time on ``anchor`` is sound (module docstring), else None."""
+    mset = set(members)
+    if any(FusedGroup.of(ix.node[m]) is not None for m in members):
+        return None
+    if anchor == members[-1]:          # comm-first: outside users of earlier members descend from the anchor
+        below = {n for n in ix.node if anchor in ix.ancestors(n)}
+        for m in members[:-1]:
+            if any(u not in mset and u not in below for u in ix.users(m)):
+                return None
+    else:                              # compute-first: later members' other inputs are ready at the anchor's start
+        ready = ix.ancestors(anchor) | {anchor}
+        for m in members[1:]:
+            if any(f not in mset and f not in ready for f in ix.feeders(m)):
+                return None
+    compute = tuple((ix.node[m].op.value, ix.node[m].flops, ix.node[m].mem_bytes, ix.node[m].phase.value)
+                    for m in members if not ix.node[m].is_comm)
+    group = FusedGroup(kind=kind, anchor=anchor, compute=compute,
+                       comm=(comm.op.value, comm.comm_bytes, comm.group, cost.scope(comm)))
+    return Candidate(tuple(sorted(members, key=ix.order.get)), group)
+
+
+def candidates(graph: Graph, cost: CostModel) -> list[Candidate]:
+    """Every eligible group of ``graph``, in graph order of its collective."""
+    ix = _Index(graph)
+    out: list[Candidate] = []
+    for c in graph.nodes:
+        if not c.is_comm or c.group < 2:
+            continue
+        same_phase = [u for u in ix.users(c.name) if ix.node[u].phase is c.phase]
+        match c.op:
+            case OpKind.ALL_TO_ALL:
+                if same_phase and all(ix.node[u].op is OpKind.GEMM for u in same_phase):
+                    cand = _candidate(ix, "a2a+gemm", [c.name, *same_phase], same_phase[-1], c, cost)
+                else:
+                    cand = _compute_first_a2a(ix, c, cost)
+            case OpKind.ALL_GATHER:
+                cand = None
+                if len(same_phase) == 1 and ix.node[same_phase[0]].op is OpKind.PERMUTE:
+                    gemms = [u for u in ix.users(same_phase[0]) if ix.node[u].phase is c.phase]
+                    if gemms and all(ix.node[u].op is OpKind.GROUPED_GEMM for u in gemms):
+                        cand = _candidate(ix, "ag+scatter+grouped_gemm", [c.name, same_phase[0], *gemms],
+                                          gemms[-1], c, cost)
+            case OpKind.REDUCE_SCATTER:
+                cand = None
+                feeders = ix.feeders(c.name)
+                if len(feeders) == 1 and ix.node[feeders[0]].op is OpKind.UNPERMUTE:
+                    gg = [f for f in ix.feeders(feeders[0]) if ix.node[f].op is OpKind.GROUPED_GEMM]
+                    if len(gg) == 1:
+                        cand = _candidate(ix, "grouped_gemm+gather+rs", [gg[0], feeders[0], c.name], gg[0], c, cost)
+            case OpKind.ALL_REDUCE:
+                cand = None            # gradient synchronisation: no fused kernel in the paper
+            case _:
+                raise NotImplementedError(f"fuse: no rule for collective {c.op}")
+        if cand is not None:
+            out.append(cand)
+    return out
+
+
+# ops between a QKV GEMM and its all-to-all that a fused GEMM+A2A epilogue applies per tile
+_EPILOGUE_OPS = frozenset({OpKind.SPLIT, OpKind.ROPE, OpKind.BIAS})
+
+
+def _compute_first_a2a(ix: _Index, c: Node, cost: CostModel) -> Candidate | None:
+    """GEMM -> epilogue ops -> c: walk c's feeders back through epilogue ops to one GEMM."""
+    chain, frontier, roots = [], list(ix.feeders(c.name)), set()
+    while frontier:
+        f = frontier.pop()
+        node = ix.node[f]
+        if node.op is OpKind.GEMM:
+            roots.add(f)
+        elif node.op in _EPILOGUE_OPS and node.phase is c.phase:
+            if f not in chain:
+                chain.append(f)
+                frontier.extend(ix.feeders(f))
+        else:
+            return None
+    if len(roots) != 1:
+        return None
+    (root,) = roots
+    return _candidate(ix, "gemm+a2a", [root, *chain, c.name], root, c, cost)
+
+
+def mark(graph: Graph, chosen: list[Candidate]) -> Graph:
+    """``graph`` with every member of the chosen groups carrying its FusedGroup attribute."""
+    attr = {m: cand.group.to_attr() for cand in chosen for m in cand.members}
+    nodes = tuple(n.with_attrs(**{FUSED_ATTR: attr[n.name]}) if n.name in attr else n for n in graph.nodes)
+    return dataclasses.replace(graph, nodes=nodes)
+
+
+@register("fuse", stage=5, valid="auto (the default), all, none", relowers=False)
+def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+    """Mark fused comm+compute groups (module docstring). Invariant: the same nodes, values and
+    saved set (only node attributes change), so the same function and the same memory."""
+    choice = arg or "auto"
+    if choice not in CHOICES:
+        raise ValueError(f"not one of {', '.join(CHOICES)}")
+    if cost is None:
+        raise ValueError("fuse needs a cost model")
+    me = label("fuse", arg)
+
+    def run(graph: Graph) -> PassResult:
+        cands = [] if choice == "none" else candidates(graph, cost)
+        baseline = overlap_time_us(graph, cost)
+        chosen: list[Candidate] = []
+        if choice == "all":
+            chosen = list(cands)
+        elif choice == "auto":
+            best = baseline
+            for cand in cands:              # greedy in graph order: keep a group if the estimate drops
+                t = overlap_time_us(mark(graph, [*chosen, cand]), cost)
+                if t < best:
+                    chosen, best = [*chosen, cand], t
+        new = mark(graph, chosen) if chosen else graph
+        groups = []
+        for cand in cands:
+            price = cost.fused_price(cand.group)
+            groups.append({"kind": cand.group.kind, "anchor": cand.group.anchor, "members": list(cand.members),
+                           "fused": cand in chosen, "fused_us": round(price.time_us, 3),
+                           "comm_us": round(price.comm_us, 3), "compute_us": round(price.compute_us, 3),
+                           "unfused_us": round(price.unfused_us, 3), "sm": price.sm, "tiles": price.tiles})
+        report = {"chosen": sum(g["fused"] for g in groups), "eligible": len(groups), "groups": groups,
+                  "estimate_us": {"unfused": round(baseline, 3),
+                                  "fused": round(overlap_time_us(new, cost), 3)},
+                  "estimate": "two-stream list schedule"}
+        if chosen:
+            new = mark_rewritten(record(new, me), me)
+        return PassResult(new, bool(chosen), report)
+    return run
