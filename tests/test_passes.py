@@ -45,7 +45,7 @@ def tiny(**kw):
 def test_unknown_pass_lists_valid_names(h800):
     with pytest.raises(PassError) as err:
         run_pipeline(tiny(), "sar=paper,sarr", cost=h800)
-    assert str(err.value) == "unknown pass 'sarr'; valid: chunk, compress, dispatch, gate-reorder, sar"
+    assert str(err.value) == "unknown pass 'sarr'; valid: chunk, compress, dispatch, fuse, gate-reorder, sar"
 
 
 @pytest.mark.parametrize("spec,message", [
@@ -60,7 +60,7 @@ def test_unknown_pass_lists_valid_names(h800):
     ("gate-reorder=never", "pass 'gate-reorder': invalid argument 'never' (not a gate order); "
                            "valid: before-fc2 (the default), after-fc2"),
     ("sar,chunk=2,sar=none", "pass 'sar' is given twice in pipeline 'sar,chunk=2,sar=none'"),
-    ("sar,,chunk", "empty pass name in pipeline 'sar,,chunk'; valid: chunk, compress, dispatch, gate-reorder, sar"),
+    ("sar,,chunk", "empty pass name in pipeline 'sar,,chunk'; valid: chunk, compress, dispatch, fuse, gate-reorder, sar"),
 ])
 def test_bad_arguments_name_the_valid_choices(h800, spec, message):
     with pytest.raises(PassError) as err:
@@ -130,7 +130,7 @@ def test_cli_maps_pass_errors_to_one_line_exit_2(capsys):
     rc = main(["trace", "--model", "tiny", "--n", "2", "--seq", "64", "--passes", "sarr"])
     assert rc == 2
     err = capsys.readouterr().err
-    assert err == "moegraph trace: error: unknown pass 'sarr'; valid: chunk, compress, dispatch, gate-reorder, sar\n"
+    assert err == "moegraph trace: error: unknown pass 'sarr'; valid: chunk, compress, dispatch, fuse, gate-reorder, sar\n"
 
 
 # -- sar ---------------------------------------------------------------------------------------
@@ -360,4 +360,4 @@ def test_trace_strategy_fields_reflect_the_choices():
 
 
 def test_registered_passes():
-    assert sorted(PASSES) == ["chunk", "compress", "dispatch", "gate-reorder", "sar"]
+    assert sorted(PASSES) == ["chunk", "compress", "dispatch", "fuse", "gate-reorder", "sar"]
