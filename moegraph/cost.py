@@ -46,13 +46,13 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Mapping, get_args
 
 from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware
 
 __all__ = ["CostModel", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
-           "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant"]
+           "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
 
 _US = 1e6  # seconds -> microseconds
 
@@ -111,7 +111,7 @@ class FusedGroup:
             return cls(kind=d["kind"], anchor=d["anchor"], comm=(op, int(nbytes), int(group), scope),
                        compute=tuple((c[0], int(c[1]), int(c[2]), c[3]) for c in d["compute"]))
         except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute {raw!r} ({err})") from None
+            raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute: {err}") from None
 
     def comm_node(self) -> Node:
         op, nbytes, group, scope = self.comm
@@ -135,11 +135,16 @@ class FusedPrice:
     tiles: int
 
 
-def variant(node: Node) -> Variant:
-    """The variant the cost model prices ``node`` as (what the Gantt chart and compile --json show)."""
-    if node.attr(FUSED_ATTR, None) is not None:
+def variant_of(attrs: Mapping[str, Any]) -> Variant:
+    """The variant a node with these attributes is priced as (what the Gantt chart and compile
+    --json show): a fused group's member, one of a chunked decomposition (attr "chunk"), or alone."""
+    if attrs.get(FUSED_ATTR) is not None:
         return "fused"
-    return "chunked" if node.attr("chunk", None) is not None else "unfused"
+    return "chunked" if attrs.get("chunk") is not None else "unfused"
+
+
+def variant(node: Node) -> Variant:
+    return variant_of(dict(node.attrs))
 
 
 def tile_pipeline_us(first: list[float] | tuple[float, ...], second: list[float] | tuple[float, ...]) -> float:

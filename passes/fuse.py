@@ -1,7 +1,7 @@
 """fuse: mark comm+compute pairs that run as one tile-level fused kernel (MegaScale-MoE §4.2).
 
-    fuse=auto   keep each eligible group whose fusion lowers the layer's two-stream estimate
-    fuse=all    every eligible group
+    fuse=auto   each eligible group whose fused kernel is faster than its members one after another
+    fuse=all    every eligible group (also those the per-tile overheads make slower)
     fuse=none   none (the graph is returned unchanged)
 
 A group is a collective and the compute chain it feeds or that feeds it, matching one of the
@@ -27,7 +27,14 @@ a zero-time node: it does not model the link as busy during the kernel (docs/cos
 The chunked alternative is a separate lowering (``chunk=N``, stage 2); fuse runs after it, so
 ``chunk=4,fuse=all`` fuses each chunk's pairs (weights re-read per chunk) and ``fuse=all`` on
 an unchunked layer fuses whole pairs (weights read once). Which one wins is the estimate's (or
-the schedule's) call, per pair with fuse=auto and per layer across chunk counts.
+the schedule's) call: per pair with fuse=auto, per layer across chunk counts.
+
+Why auto decides per group on the group's own times and not on the layer's two-stream
+estimate (``estimate.overlap_time_us``, what chunk=auto uses): that estimate ignores the
+compute slowdown of SMs held by collectives, so it credits an unfused collective with free
+overlap. Greedily keeping only the groups that lowered it kept 2 of 4 on mixtral-8x7b / h800,
+and CP-SAT then scheduled that layer at 6,516.5 us against 6,139.6 us with all 4
+(benchmarks/fuse_variants.py, 2026-11-23).
 """
 
 from __future__ import annotations
@@ -38,7 +45,6 @@ import dataclasses
 
 from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind
 from moegraph.ir import Graph, Node, OpKind
-from moegraph.passes.estimate import overlap_time_us
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 CHOICES = ("auto", "all", "none")
@@ -179,28 +185,16 @@ def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
 
     def run(graph: Graph) -> PassResult:
         cands = [] if choice == "none" else candidates(graph, cost)
-        baseline = overlap_time_us(graph, cost)
-        chosen: list[Candidate] = []
-        if choice == "all":
-            chosen = list(cands)
-        elif choice == "auto":
-            best = baseline
-            for cand in cands:              # greedy in graph order: keep a group if the estimate drops
-                t = overlap_time_us(mark(graph, [*chosen, cand]), cost)
-                if t < best:
-                    chosen, best = [*chosen, cand], t
+        prices = [cost.fused_price(cand.group) for cand in cands]
+        chosen = [c for c, p in zip(cands, prices) if choice == "all" or p.time_us < p.unfused_us]
         new = mark(graph, chosen) if chosen else graph
         groups = []
-        for cand in cands:
-            price = cost.fused_price(cand.group)
+        for cand, price in zip(cands, prices):
             groups.append({"kind": cand.group.kind, "anchor": cand.group.anchor, "members": list(cand.members),
                            "fused": cand in chosen, "fused_us": round(price.time_us, 3),
                            "comm_us": round(price.comm_us, 3), "compute_us": round(price.compute_us, 3),
                            "unfused_us": round(price.unfused_us, 3), "sm": price.sm, "tiles": price.tiles})
-        report = {"chosen": sum(g["fused"] for g in groups), "eligible": len(groups), "groups": groups,
-                  "estimate_us": {"unfused": round(baseline, 3),
-                                  "fused": round(overlap_time_us(new, cost), 3)},
-                  "estimate": "two-stream list schedule"}
+        report = {"chosen": len(chosen), "eligible": len(groups), "groups": groups}
         if chosen:
             new = mark_rewritten(record(new, me), me)
         return PassResult(new, bool(chosen), report)

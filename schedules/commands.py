@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import sys
 from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args, print_result
+from moegraph.cost import variant
 from moegraph.layers import layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
@@ -47,6 +49,7 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "source": result.source, "status": result.status,
             "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
+            "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
             "passes": layer.report,
             **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {})}
 

@@ -22,6 +22,7 @@ import io
 import json
 from pathlib import Path
 
+from moegraph.cost import FUSED_ATTR, variant_of
 from moegraph.ir import LAYER_ATTR
 from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, layer_exposed_comm,
                                                per_layer_summary)
@@ -233,6 +234,8 @@ def _bar_text(n: ScheduledNode, room: float) -> str:
     else its first CUT_MIN or more characters and ".", else nothing. Never shorter: at model
     scale short cuts ("l1..") read alike."""
     full = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
+    if FUSED_ATTR in n.attrs:  # predicted as (part of) a fused kernel, run by the runtime as its members
+        full = f"{n.name} (fused {n.attrs[FUSED_ATTR]['kind']})"
     keep = int(room) - 2  # characters before the "." with one to spare
     return next((t for t in (full, n.name) if len(t) + 1 <= room),
                 n.name[:keep] + "." if keep >= CUT_MIN else "")
@@ -281,7 +284,8 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tupl
             events.append({"name": n.name, "cat": _category(n), "ph": "X", "ts": n.start_us,
                            "dur": round(n.end_us - n.start_us, 6), "pid": p, "tid": tids[n.stream],
                            "args": {"op": n.op, "phase": n.phase, "role": n.role, "sm_budget": n.sm_budget,
-                                    "stream": n.stream, **({LAYER_ATTR: n.attrs[LAYER_ATTR]}
+                                    "stream": n.stream, "variant": variant_of(n.attrs),
+                                    **({LAYER_ATTR: n.attrs[LAYER_ATTR]}
                                                            if LAYER_ATTR in n.attrs else {})}})
 
     for s, label in zip(scheds, labels(scheds, sources)):

@@ -1,0 +1,157 @@
+"""Fused tile-level variants (issue 14 item 5): the cost model's tile pipeline, the fuse pass,
+and the runtime refusing what it cannot run.
+
+h800 numbers typed from hardware.yaml / Hardware defaults: P = 989e12, gemm_eff 0.75,
+B_nvlink = 200e9, a2a_eff_intra 0.55, ring_eff_intra 0.726, copy_engine_eff 0.6, alpha 2 us,
+kernel 4 us, copy engine +10 us, a2a saturation 24 SMs, 132 SMs, fused tile overhead 0.5 us.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, tile_pipeline_us, variant
+from moegraph.ir import Strategy, verify
+from moegraph.passes import PassError, run_pipeline
+from moegraph.passes.fuse import candidates
+from moegraph.registry import load_hardware, load_model
+from moegraph.tracer import trace_model
+
+A2A_BYTES = 14_680_064
+GEMM_BODY_US = 150.0                          # compute time above the kernel latency
+GEMM_FLOPS = int(GEMM_BODY_US * 1e-6 * 989e12 * 0.75)
+
+
+@pytest.fixture(scope="module")
+def h800() -> CostModel:
+    return CostModel(load_hardware("h800"))
+
+
+def a2a_gemm(kind="a2a+gemm", nbytes=A2A_BYTES, flops=GEMM_FLOPS) -> FusedGroup:
+    return FusedGroup(kind=kind, anchor="g", comm=("all_to_all", nbytes, 8, "intra"),
+                      compute=(("gemm", flops, 0, "forward"),))
+
+
+def hand_fused_us(b: int) -> float:
+    """The a2a+gemm tile pipeline at b SMs, by hand: n = 8 tiles, the local one needs no
+    transfer; equal tiles give T = kappa + max(n g, (n-1) c + g)."""
+    s = 1.0 if b == 0 else min(1.0, b / 24)
+    eff = 0.55 * (0.6 / 0.726 if b == 0 else s)
+    comm_body = 7 * 2 + (10 if b == 0 else 0) + A2A_BYTES / (200e9 * eff) * 1e6
+    c = comm_body / 7
+    g = (GEMM_FLOPS / (989e12 * 0.75) * 1e6) * 132 / (132 - b) / 8 + 0.5
+    return 4 + max(8 * g, 7 * c + g)
+
+
+def test_tile_pipeline_two_stage_flow():
+    assert tile_pipeline_us([0, 3, 3], [2, 2, 2]) == 8        # transfer-bound: 3 + 3 + the last tile's 2
+    assert tile_pipeline_us([0, 1, 1], [2, 2, 2]) == 6        # compute-bound: 3 tiles of 2 back to back
+    with pytest.raises(ValueError, match="2 first-stage tiles vs 3 second-stage tiles"):
+        tile_pipeline_us([1, 1], [1, 1, 1])
+
+
+def test_fused_a2a_gemm_on_h800_is_the_hand_computed_tile_pipeline(h800):
+    # b = 24 (a2a saturation): c = (14 + 133.4551)/7 = 21.065, g = 150 * 132/108 / 8 + 0.5 = 23.417
+    # T = 4 + max(187.33, 147.455 + 23.417) = 191.333; the other budgets are slower (b = 0: 208.7)
+    assert hand_fused_us(24) == pytest.approx(191.3333333, rel=1e-6)
+    assert min(hand_fused_us(b) for b in (0, 8, 16, 24, 32)) == hand_fused_us(24)
+    price = h800.fused_price(a2a_gemm())
+    assert price.time_us == pytest.approx(191.3333333, rel=1e-6)
+    assert price.sm == 24 and price.tiles == 8
+    # both stages: 4 + 14 + 14680064/(200e9*0.55) and 4 + 150 alone
+    assert price.unfused_us == pytest.approx(4 + 14 + A2A_BYTES / 110e9 * 1e6 + 154, rel=1e-6)
+
+
+def test_compute_first_mirrors_comm_first_for_equal_tiles(h800):
+    """GEMM+A2A runs compute tiles first and sends all but the local one; with equal tiles its
+    flow time equals A2A+GEMM's (max(n g, g + (n-1) c) either way)."""
+    assert h800.fused_price(a2a_gemm("gemm+a2a")).time_us == pytest.approx(h800.fused_price(a2a_gemm()).time_us)
+
+
+@pytest.mark.parametrize("hw", ["h800", "h20", "a100"])
+@pytest.mark.parametrize("nbytes, flops", [(10**4, 10**8), (A2A_BYTES, GEMM_FLOPS), (10**9, 10**10), (10**6, 10**13)])
+def test_fused_never_below_either_stage(hw, nbytes, flops):
+    cm = CostModel(load_hardware(hw))
+    for kind in ("a2a+gemm", "gemm+a2a"):
+        group = a2a_gemm(kind, nbytes, flops)
+        price = cm.fused_price(group)
+        assert price.time_us >= cm.best_time_us(group.comm_node()) - 1e-9
+        assert price.time_us >= price.compute_us - 1e-9
+
+
+@pytest.mark.parametrize("model", ["mixtral-8x7b", "internal-352b"])
+@pytest.mark.parametrize("hw", ["h800", "h20"])
+def test_model_groups_fused_at_most_unfused(model, hw):
+    cm = CostModel(load_hardware(hw))
+    g = trace_model(load_model(model), Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=8192)
+    cands = candidates(g, cm)
+    assert {c.group.kind for c in cands} == {"gemm+a2a", "a2a+gemm", "grouped_gemm+gather+rs"}
+    for c in cands:
+        p = cm.fused_price(c.group)
+        assert max(p.comm_us, p.compute_us) <= p.time_us <= p.unfused_us
+
+
+def test_fuse_marks_the_papers_kernels_and_keeps_the_graph(h800):
+    g = trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=8192)
+    out, report = run_pipeline(g, "fuse=all", cost=h800)
+    verify(out)
+    groups = {grp["anchor"]: (grp["kind"], grp["members"]) for grp in report["fuse"]["groups"]}
+    assert groups == {
+        "qkv_proj": ("gemm+a2a", ["qkv_proj", "qkv_split", "rope", "qkv_a2a"]),
+        "out_proj": ("a2a+gemm", ["attn_a2a", "out_proj"]),
+        "fc2": ("grouped_gemm+gather+rs", ["fc2", "combine_gather", "ffn_rs"]),
+        "out_proj.dgrad": ("gemm+a2a", ["out_proj.dgrad", "attn_a2a.bwd"]),
+    }
+    # the token all-gather is not fused: the router reads all gathered tokens before any expert
+    # tile may start, so charging the kernel to the GEMM would let the router start too early
+    assert FUSED_ATTR not in dict(out.node["ln2_ag"].attrs)
+    # only attributes change: same nodes otherwise, same values, same saved set
+    strip = [dataclasses.replace(n, attrs=tuple(kv for kv in n.attrs if kv[0] != FUSED_ATTR)) for n in out.nodes]
+    assert tuple(strip) == g.nodes and out.values == g.values and out.saved == g.saved
+    assert {n.name for n in out.nodes if variant(n) == "fused"} == {m for _, ms in groups.values() for m in ms}
+    # the anchor carries the whole kernel, the other members nothing
+    assert h800.node_time_us(out.node["out_proj"]) == pytest.approx(h800.fused_price(
+        FusedGroup.of(out.node["out_proj"])).time_us)
+    assert h800.node_time_us(out.node["attn_a2a"]) == 0.0 and h800.comm_sm_budgets(out.node["attn_a2a"]) == (0,)
+    assert run_pipeline(g, "fuse=none", cost=h800)[0] == g
+
+
+def test_fused_beats_chunk4_on_internal_352b(h800):
+    """Chunking re-reads the expert weights per chunk; the fused kernel reads them once: the
+    compute stream's busy time of the fused layer (fused kernels included) stays below chunk=4's."""
+    model = load_model("internal-352b")
+    fused, _ = run_pipeline(trace_model(model, Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=8192), "fuse=all",
+                            cost=h800)
+    chunked = trace_model(model, Strategy("sp", "ep", "ag-rs", 8, chunks=4), batch=1, seq=8192)
+    busy = {name: sum(h800.node_time_us(n) for n in g.nodes if not n.is_comm)
+            for name, g in (("fused", fused), ("chunk4", chunked))}
+    assert busy["fused"] < busy["chunk4"]
+    fc2 = FusedGroup.of(fused.node["fc2"])
+    chunk_fc2 = sum(h800.node_time_us(n) for n in chunked.nodes if n.name.startswith("fc2") and n.phase.value == "forward"
+                    and n.op.value == "grouped_gemm")
+    assert h800.fused_price(fc2).time_us < chunk_fc2 + sum(
+        h800.node_time_us(n) for n in chunked.nodes if n.name.startswith("ffn_rs") and n.phase.value == "forward")
+
+
+def test_bad_argument_and_bad_attr(h800):
+    with pytest.raises(PassError, match="pass 'fuse': invalid argument 'some'"):
+        run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=some",
+                     cost=h800)
+    g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64)
+    bad = g.nodes[1].with_attrs(**{FUSED_ATTR: {"kind": "gemm+ag", "anchor": "x", "comm": ["all_gather", 8, 2, "intra"],
+                                                "compute": [["gemm", 1, 1, "forward"]]}})
+    with pytest.raises(ValueError, match="node 'qkv_proj': bad 'fused' attribute: fused kind 'gemm\\+ag' is not one of a2a\\+gemm, "):
+        h800.node_time_us(bad)
+
+
+def test_runtime_refuses_a_fused_graph():
+    from moegraph.runtime import PlanError
+    from moegraph.runtime.plan import ExecutionPlan
+    cm = CostModel(load_hardware("cpu-gloo"))
+    g, _ = run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=all",
+                        cost=cm)
+    with pytest.raises(PlanError, match=r"node 'qkv_proj' is predicted as variant 'fused' \(gemm\+a2a\): the runtime "
+                                        r"has no fused kernels; compile the layer with fuse=none"):
+        ExecutionPlan.sequential(g)
