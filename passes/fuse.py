@@ -97,11 +97,12 @@ def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, com
         for m in members[1:]:
             if any(f not in mset and f not in ready for f in ix.feeders(m)):
                 return None
+    members = sorted(members, key=ix.order.get)
     compute = tuple((ix.node[m].op.value, ix.node[m].flops, ix.node[m].mem_bytes, ix.node[m].phase.value)
                     for m in members if not ix.node[m].is_comm)
     group = FusedGroup(kind=kind, anchor=anchor, compute=compute,
                        comm=(comm.op.value, comm.comm_bytes, comm.group, cost.scope(comm)))
-    return Candidate(tuple(sorted(members, key=ix.order.get)), group)
+    return Candidate(tuple(members), group)
 
 
 def candidates(graph: Graph, cost: CostModel) -> list[Candidate]:

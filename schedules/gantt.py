@@ -235,7 +235,7 @@ def _bar_text(n: ScheduledNode, room: float) -> str:
     scale short cuts ("l1..") read alike."""
     full = n.name if n.kind == "compute" else f"{n.name} ({'CE' if n.sm_budget == 0 else f'{n.sm_budget} SM'})"
     if FUSED_ATTR in n.attrs:  # predicted as (part of) a fused kernel, run by the runtime as its members
-        full = f"{n.name} (fused {n.attrs[FUSED_ATTR]['kind']})"
+        full = f"{n.name} (fused {dict(n.attrs[FUSED_ATTR])['kind']})"  # a file holds it as [key, value] pairs
     keep = int(room) - 2  # characters before the "." with one to spare
     return next((t for t in (full, n.name) if len(t) + 1 <= room),
                 n.name[:keep] + "." if keep >= CUT_MIN else "")

@@ -155,3 +155,18 @@ def test_runtime_refuses_a_fused_graph():
     with pytest.raises(PlanError, match=r"node 'qkv_proj' is predicted as variant 'fused' \(gemm\+a2a\): the runtime "
                                         r"has no fused kernels; compile the layer with fuse=none"):
         ExecutionPlan.sequential(g)
+
+
+def test_schedule_says_which_variant_was_predicted(h800):
+    """The Gantt bar label and the Chrome trace name the variant; a fused collective holds no SMs."""
+    from moegraph.schedules import gantt
+    from moegraph.schedules.api import compile_graph
+    g, _ = run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=all",
+                        cost=h800)
+    sched = compile_graph(g, h800, method="greedy").schedule
+    node = {n.name: n for n in sched.nodes}
+    assert gantt._bar_text(node["out_proj"], 200) == "out_proj (fused a2a+gemm)"
+    assert gantt._bar_text(node["router"], 200) == "router"
+    assert node["attn_a2a"].sm_budget == 0 and node["attn_a2a"].end_us == node["attn_a2a"].start_us
+    events = {e["name"]: e["args"]["variant"] for e in gantt.chrome_trace(sched)["traceEvents"] if e.get("ph") == "X"}
+    assert events["out_proj"] == events["attn_a2a"] == "fused" and events["router"] == "unfused"
