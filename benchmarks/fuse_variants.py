@@ -1,10 +1,10 @@
 """Unfused vs chunk=4 vs fused (tile-level, MegaScale-MoE §4.2) predicted layer times. Cost model only.
 
 For each model x hardware (sp+ep+ag-rs, the paper's strategy; n=8, b=1, s=8192) three graphs:
-    unfused   chunks=1
-    chunk=4   chunks=4 (every chunk re-reads the expert weights)
-    fused     chunks=1 + fuse=auto (the pass keeps the groups that lower its estimate)
-    fused-all chunks=1 + fuse=all
+    unfused        chunks=1
+    chunk=4        chunks=4 (every chunk re-reads the expert weights)
+    chunk=4+fused  chunks=4 + fuse=auto (each chunk's pairs fused)
+    fused          chunks=1 + fuse=auto (every group whose kernel beats its members in series)
 and, per graph: the serial sum of node times, the two-stream list-schedule estimate the passes
 use, the compute stream's busy time, and the step (fwd+bwd) makespan of the scheduler's greedy
 list-schedule baseline and of CP-SAT (--time-limit, deterministic seconds; `source` says where
@@ -31,7 +31,7 @@ from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.schedules.api import compile_graph  # noqa: E402
 from moegraph.tracer import trace_model  # noqa: E402
 
-VARIANTS = (("unfused", 1, None), ("chunk=4", 4, None), ("fused", 1, "fuse=auto"), ("fused-all", 1, "fuse=all"))
+VARIANTS = (("unfused", 1, None), ("chunk=4", 4, None), ("chunk=4+fused", 4, "fuse=auto"), ("fused", 1, "fuse=auto"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                 g = trace_model(model, Strategy("sp", "ep", "ag-rs", 8, chunks=chunks), batch=1, seq=8192)
                 if spec:
                     g, report = run_pipeline(g, spec, cost=cost)
-                    if spec == "fuse=all":
+                    if chunks == 1:
                         factors += [(model_name, hw_name, grp) for grp in report["fuse"]["groups"]
                                     if g.node[grp["anchor"]].phase is Phase.FORWARD]
                 busy = sum(cost.node_time_us(n) for n in g.nodes if not n.is_comm)
