@@ -170,3 +170,13 @@ def test_schedule_says_which_variant_was_predicted(h800):
     assert node["attn_a2a"].sm_budget == 0 and node["attn_a2a"].end_us == node["attn_a2a"].start_us
     events = {e["name"]: e["args"]["variant"] for e in gantt.chrome_trace(sched)["traceEvents"] if e.get("ph") == "X"}
     assert events["out_proj"] == events["attn_a2a"] == "fused" and events["router"] == "unfused"
+
+
+def test_auto_keeps_only_groups_faster_than_their_members():
+    """With a per-tile overhead that outweighs the overlap, auto fuses nothing; all still fuses."""
+    slow = CostModel(dataclasses.replace(load_hardware("h800"), fused_tile_overhead_us=500.0))
+    g = trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=8192)
+    auto = run_pipeline(g, "fuse=auto", cost=slow)[1]["fuse"]
+    assert (auto["eligible"], auto["chosen"]) == (4, 0)
+    assert all(grp["fused_us"] > grp["unfused_us"] for grp in auto["groups"])
+    assert run_pipeline(g, "fuse=all", cost=slow)[1]["fuse"]["chosen"] == 4
