@@ -236,7 +236,7 @@ class CostModel:
         n = comm.group
         members = group.compute_nodes()
         alone = [self.node_time_us(c) for c in members]
-        body = sum(t - kappa for t in alone)            # the chain as one kernel: one launch
+        body = sum(t - kappa for t in alone if t > 0)   # the chain as one kernel: one launch (views cost 0)
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
             c = (self._comm_us(comm, b) - kappa) / (n - 1)

@@ -115,6 +115,10 @@ def test_fuse_marks_the_papers_kernels_and_keeps_the_graph(h800):
     assert h800.node_time_us(out.node["out_proj"]) == pytest.approx(h800.fused_price(
         FusedGroup.of(out.node["out_proj"])).time_us)
     assert h800.node_time_us(out.node["attn_a2a"]) == 0.0 and h800.comm_sm_budgets(out.node["attn_a2a"]) == (0,)
+    # a view in the chain (qkv_split) adds nothing: the chain's compute is one kernel latency plus
+    # the GEMM's and rope's time above theirs
+    qkv = h800.fused_price(FusedGroup.of(out.node["qkv_proj"]))
+    assert qkv.compute_us == pytest.approx(h800.node_time_us(g.node["qkv_proj"]) + h800.node_time_us(g.node["rope"]) - 4)
     assert run_pipeline(g, "fuse=none", cost=h800)[0] == g
 
 
