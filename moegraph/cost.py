@@ -120,7 +120,8 @@ class FusedGroup:
 
     def compute_nodes(self) -> tuple[Node, ...]:
         return tuple(Node(name=f"{self.anchor}.fused_compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
-                          outputs=(), flops=flops, mem_bytes=mem) for i, (op, flops, mem, phase) in enumerate(self.compute))
+                          outputs=(), flops=flops, mem_bytes=mem)
+                     for i, (op, flops, mem, phase) in enumerate(self.compute))
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,8 @@ class _Index:
         return sorted({p.name for p in self.graph.predecessors(self.node[name])}, key=self.order.get)
 
 
-def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, comm: Node, cost: CostModel) -> Candidate | None:
+def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, comm: Node,
+               cost: CostModel) -> Candidate | None:
     """The group if scheduling it with all time on ``anchor`` is sound (module docstring), else None."""
     mset = set(members)
     if any(FusedGroup.of(ix.node[m]) is not None for m in members):

@@ -118,7 +118,8 @@ def test_fuse_marks_the_papers_kernels_and_keeps_the_graph(h800):
     # a view in the chain (qkv_split) adds nothing: the chain's compute is one kernel latency plus
     # the GEMM's and rope's time above theirs
     qkv = h800.fused_price(FusedGroup.of(out.node["qkv_proj"]))
-    assert qkv.compute_us == pytest.approx(h800.node_time_us(g.node["qkv_proj"]) + h800.node_time_us(g.node["rope"]) - 4)
+    assert qkv.compute_us == pytest.approx(
+        h800.node_time_us(g.node["qkv_proj"]) + h800.node_time_us(g.node["rope"]) - 4)
     assert run_pipeline(g, "fuse=none", cost=h800)[0] == g
 
 
@@ -133,8 +134,8 @@ def test_fused_beats_chunk4_on_internal_352b(h800):
             for name, g in (("fused", fused), ("chunk4", chunked))}
     assert busy["fused"] < busy["chunk4"]
     fc2 = FusedGroup.of(fused.node["fc2"])
-    chunk_fc2 = sum(h800.node_time_us(n) for n in chunked.nodes if n.name.startswith("fc2") and n.phase.value == "forward"
-                    and n.op.value == "grouped_gemm")
+    chunk_fc2 = sum(h800.node_time_us(n) for n in chunked.nodes
+                    if n.name.startswith("fc2") and n.phase.value == "forward" and n.op.value == "grouped_gemm")
     assert h800.fused_price(fc2).time_us < chunk_fc2 + sum(
         h800.node_time_us(n) for n in chunked.nodes if n.name.startswith("ffn_rs") and n.phase.value == "forward")
 
@@ -146,7 +147,8 @@ def test_bad_argument_and_bad_attr(h800):
     g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64)
     bad = g.nodes[1].with_attrs(**{FUSED_ATTR: {"kind": "gemm+ag", "anchor": "x", "comm": ["all_gather", 8, 2, "intra"],
                                                 "compute": [["gemm", 1, 1, "forward"]]}})
-    with pytest.raises(ValueError, match="node 'qkv_proj': bad 'fused' attribute: fused kind 'gemm\\+ag' is not one of a2a\\+gemm, "):
+    with pytest.raises(ValueError, match="node 'qkv_proj': bad 'fused' attribute: "
+                                         "fused kind 'gemm\\+ag' is not one of a2a\\+gemm, "):
         h800.node_time_us(bad)
 
 
