@@ -38,7 +38,7 @@ over n tiles, one per source/destination rank (the local tile needs no transfer)
         are even, with b (SMs the kernel gives its transfers; 0 = copy engines) the allowed budget
         that minimises T. The compute is the chain's unchunked nodes: weights are read once, not
         once per tile as chunking does. The whole T is charged to the group's anchor node
-        (``FusedGroup.anchor``); the group's other nodes cost 0.
+        (``FusedGroup.is_anchor``); the group's other nodes cost 0.
 """
 
 from __future__ import annotations
@@ -74,16 +74,16 @@ class FusedGroup:
     """One fused kernel: a collective and the compute chain around it, as a node attribute.
 
     kind:    which of the four kernels.
-    anchor:  the node charged the whole fused time (comm-first: the last compute node;
-             compute-first: the first), so every value the group produces is available only when
-             the kernel ends (passes/fuse.py checks that for consumers outside the group).
     comm:    the collective's (op, comm_bytes, group n, scope).
     compute: the compute members' (op, flops, mem_bytes, phase), in graph order.
-    Plain data (strings and ints), so a schedule file carries it and prices it again.
+    Each member's attribute adds ``anchor``: true on the one member charged the whole fused time
+    (comm-first: the last compute node; compute-first: the first), so every value the group
+    produces is available only when the kernel ends (passes/fuse.py checks that for consumers
+    outside the group). A flag, not a node name: restacking layers renames nodes.
+    Plain data (strings, ints, a bool), so a schedule file carries it and prices it again.
     """
 
     kind: FusedKind
-    anchor: str
     comm: tuple[str, int, int, Scope]
     compute: tuple[tuple[str, int, int, str], ...]
 
@@ -95,9 +95,14 @@ class FusedGroup:
         if not self.compute:
             raise ValueError(f"fused {self.kind} has no compute node")
 
-    def to_attr(self) -> dict[str, Any]:
-        return {"variant": "fused", "kind": self.kind, "anchor": self.anchor, "comm": list(self.comm),
+    def to_attr(self, anchor: bool) -> dict[str, Any]:
+        return {"variant": "fused", "kind": self.kind, "anchor": anchor, "comm": list(self.comm),
                 "compute": [list(c) for c in self.compute]}
+
+    @staticmethod
+    def is_anchor(node: Node) -> bool:
+        """True for the member that carries the fused kernel's time (``of`` checks the flag)."""
+        return dict(node.attr(FUSED_ATTR))["anchor"] is True
 
     @classmethod
     def of(cls, node: Node) -> "FusedGroup | None":
@@ -107,19 +112,21 @@ class FusedGroup:
             return None
         try:
             d = dict(raw)
+            if not isinstance(d["anchor"], bool):
+                raise ValueError(f"anchor {d['anchor']!r} is not true or false")
             op, nbytes, group, scope = d["comm"]
-            return cls(kind=d["kind"], anchor=d["anchor"], comm=(op, int(nbytes), int(group), scope),
+            return cls(kind=d["kind"], comm=(op, int(nbytes), int(group), scope),
                        compute=tuple((c[0], int(c[1]), int(c[2]), c[3]) for c in d["compute"]))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute: {err}") from None
 
     def comm_node(self) -> Node:
         op, nbytes, group, scope = self.comm
-        return Node(name=f"{self.anchor}.fused_comm", op=OpKind(op), phase=Phase.FORWARD, inputs=(), outputs=(),
+        return Node(name=f"fused.{self.kind}.comm", op=OpKind(op), phase=Phase.FORWARD, inputs=(), outputs=(),
                     comm_bytes=nbytes, group=group, attrs=(("scope", scope),))
 
     def compute_nodes(self) -> tuple[Node, ...]:
-        return tuple(Node(name=f"{self.anchor}.fused_compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
+        return tuple(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
                           outputs=(), flops=flops, mem_bytes=mem)
                      for i, (op, flops, mem, phase) in enumerate(self.compute))
 
@@ -212,9 +219,9 @@ class CostModel:
         group = FusedGroup.of(node)
         if group is not None:
             if node.is_comm and sm_budget not in (None, 0):
-                raise ValueError(f"sm_budget={sm_budget} is not allowed for {node.name!r}: it runs inside the "
-                                 f"fused kernel {group.anchor!r} ({group.kind}); allowed: 0")
-            return self.fused_price(group).time_us if node.name == group.anchor else 0.0
+                raise ValueError(f"sm_budget={sm_budget} is not allowed for {node.name!r}: it runs inside a "
+                                 f"fused {group.kind} kernel; allowed: 0")
+            return self.fused_price(group).time_us if FusedGroup.is_anchor(node) else 0.0
         cls = op_class(node)
         if cls == "comm":
             budget = self.default_sm_budget(node) if sm_budget is None else sm_budget

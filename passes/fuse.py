@@ -52,9 +52,11 @@ CHOICES = ("auto", "all", "none")
 
 @dataclass(frozen=True)
 class Candidate:
-    """An eligible group before it is marked: member names in graph order and its FusedGroup."""
+    """An eligible group before it is marked: member names in graph order, the one charged the
+    kernel's time, and its FusedGroup."""
 
     members: tuple[str, ...]
+    anchor: str
     group: FusedGroup
 
 
@@ -101,9 +103,8 @@ def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, com
     members = sorted(members, key=ix.order.get)
     compute = tuple((ix.node[m].op.value, ix.node[m].flops, ix.node[m].mem_bytes, ix.node[m].phase.value)
                     for m in members if not ix.node[m].is_comm)
-    group = FusedGroup(kind=kind, anchor=anchor, compute=compute,
-                       comm=(comm.op.value, comm.comm_bytes, comm.group, cost.scope(comm)))
-    return Candidate(tuple(members), group)
+    group = FusedGroup(kind=kind, compute=compute, comm=(comm.op.value, comm.comm_bytes, comm.group, cost.scope(comm)))
+    return Candidate(tuple(members), anchor, group)
 
 
 def candidates(graph: Graph, cost: CostModel) -> list[Candidate]:
@@ -169,7 +170,7 @@ def _compute_first_a2a(ix: _Index, c: Node, cost: CostModel) -> Candidate | None
 
 def mark(graph: Graph, chosen: list[Candidate]) -> Graph:
     """``graph`` with every member of the chosen groups carrying its FusedGroup attribute."""
-    attr = {m: cand.group.to_attr() for cand in chosen for m in cand.members}
+    attr = {m: cand.group.to_attr(anchor=m == cand.anchor) for cand in chosen for m in cand.members}
     nodes = tuple(n.with_attrs(**{FUSED_ATTR: attr[n.name]}) if n.name in attr else n for n in graph.nodes)
     return dataclasses.replace(graph, nodes=nodes)
 
@@ -192,7 +193,7 @@ def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         new = mark(graph, chosen) if chosen else graph
         groups = []
         for cand, price in zip(cands, prices):
-            groups.append({"kind": cand.group.kind, "anchor": cand.group.anchor, "members": list(cand.members),
+            groups.append({"kind": cand.group.kind, "anchor": cand.anchor, "members": list(cand.members),
                            "fused": cand in chosen, "fused_us": round(price.time_us, 3),
                            "comm_us": round(price.comm_us, 3), "compute_us": round(price.compute_us, 3),
                            "unfused_us": round(price.unfused_us, 3), "sm": price.sm, "tiles": price.tiles})

@@ -30,7 +30,7 @@ def h800() -> CostModel:
 
 
 def a2a_gemm(kind="a2a+gemm", nbytes=A2A_BYTES, flops=GEMM_FLOPS) -> FusedGroup:
-    return FusedGroup(kind=kind, anchor="g", comm=("all_to_all", nbytes, 8, "intra"),
+    return FusedGroup(kind=kind, comm=("all_to_all", nbytes, 8, "intra"),
                       compute=(("gemm", flops, 0, "forward"),))
 
 
@@ -145,11 +145,24 @@ def test_bad_argument_and_bad_attr(h800):
         run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=some",
                      cost=h800)
     g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64)
-    bad = g.nodes[1].with_attrs(**{FUSED_ATTR: {"kind": "gemm+ag", "anchor": "x", "comm": ["all_gather", 8, 2, "intra"],
-                                                "compute": [["gemm", 1, 1, "forward"]]}})
+    attr = {"kind": "gemm+ag", "anchor": True, "comm": ["all_gather", 8, 2, "intra"], "compute": [["gemm", 1, 1, "forward"]]}
+    bad = g.nodes[1].with_attrs(**{FUSED_ATTR: attr})
     with pytest.raises(ValueError, match="node 'qkv_proj': bad 'fused' attribute: "
                                          "fused kind 'gemm\\+ag' is not one of a2a\\+gemm, "):
         h800.node_time_us(bad)
+    with pytest.raises(ValueError, match="node 'qkv_proj': bad 'fused' attribute: anchor 'qkv_proj' is not true or false"):
+        h800.node_time_us(g.nodes[1].with_attrs(**{FUSED_ATTR: attr | {"kind": "gemm+a2a", "anchor": "qkv_proj"}}))
+
+
+def test_multi_layer_graph_keeps_one_anchor_per_group(h800):
+    """Restacking layers renames nodes (l0.out_proj ...): each layer's groups still price their kernel once."""
+    one, _ = run_pipeline(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8)), "fuse=all", cost=h800)
+    two, _ = run_pipeline(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8), layers=2),
+                          "fuse=all", cost=h800)
+    fused_us = sum(h800.node_time_us(n) for n in one.nodes if variant(n) == "fused")
+    assert fused_us > 0
+    assert sum(h800.node_time_us(n) for n in two.nodes if variant(n) == "fused") == pytest.approx(2 * fused_us)
+    assert sum(FusedGroup.is_anchor(n) for n in two.nodes if variant(n) == "fused") == 8
 
 
 def test_runtime_refuses_a_fused_graph():
