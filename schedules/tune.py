@@ -9,6 +9,11 @@ Two stages keep it quick: every candidate is scheduled by the list-scheduling ba
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
 
+With ``fuse`` (``--fuse``) every candidate whose layer has fused comm+compute groups
+(``fuse=auto``, moegraph.passes.fuse) is ranked a second time with them fused, so the search
+chooses between unfused, chunked and fused per layer (and the pass per pair). Off by default:
+`moegraph run` has no fused kernels and refuses a fused schedule.
+
 The pick: the top-ranked candidate, unless its predicted gain over the tp+tp sequential
 baseline is below ``min_gain`` (default: the profile's measured ``step_noise``, 0 for the
 analytical registry profiles); then the baseline is kept, since a gain smaller than the
@@ -28,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from moegraph.cost import CostModel
+from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_memory_budget_arg, print_result
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
@@ -138,9 +143,10 @@ def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batc
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
          memory_budget: int | None = None, time_limit: float = 5.0, refine: int = 3, cache: Cache | None = None,
-         progress=None, min_gain: float | None = None) -> dict:
+         progress=None, min_gain: float | None = None, fuse: bool = False) -> dict:
     """Rank every candidate and pick one (module doc); the result dict is what `moegraph tune
-    --json` prints. ``min_gain``: a fraction >= 0, None = ``hw.step_noise``."""
+    --json` prints. ``min_gain``: a fraction >= 0, None = ``hw.step_noise``. ``fuse``: also rank
+    each candidate with its fused groups (module doc)."""
     min_gain = hw.step_noise if min_gain is None else min_gain
     if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r} must be a fraction in [0, 1)")
@@ -154,15 +160,19 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     cands = candidates(model, n, seq, dtype)
     for i, cand in enumerate(cands, 1):
         graph = build_graph(model, cand, cost, batch=batch, seq=seq)
-        entry = evaluate(graph, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
-        rows.append({"candidate": cand, "graph": graph, "stage1": entry})
-        say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {cand.label():<40} greedy "
-            + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
+        for g in (graph, *((_fused(graph, cost),) if fuse else ())):
+            if g is None:
+                continue                # nothing to fuse in this layer: the unfused row stands for it
+            entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
+            rows.append({"candidate": cand, "graph": g, "stage1": entry})
+            say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
+                + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
     feasible = sorted((r for r in rows if r["stage1"]["feasible"]), key=lambda r: r["stage1"]["predicted_us"])
     for r in _to_refine(feasible, refine):
         r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
                               cache=cache)
-        say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {r['candidate'].label():<40} {r['final']['predicted_us']:.1f} us")
+        say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {_label(r['candidate'], r['graph']):<46} "
+            f"{r['final']['predicted_us']:.1f} us")
     ranked = sorted((_row(r, base["predicted_us"]) for r in rows), key=_rank_key)
     best_row = next((r for r in rows if _row(r, base["predicted_us"]) == ranked[0]), None)
     best, schedule = ranked[0], (best_row.get("final") or best_row["stage1"]).get("schedule") if best_row else None
@@ -174,6 +184,21 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
+
+
+def _fused(graph: Graph, cost: CostModel) -> Graph | None:
+    """``graph`` with fuse=auto's groups marked, or None when it marks none."""
+    from moegraph.passes import run_pipeline
+    fused, report = run_pipeline(graph, "fuse=auto", cost=cost)
+    return fused if report["fuse"]["chosen"] else None
+
+
+def _is_fused(graph: Graph) -> bool:
+    return any(variant(n) == "fused" for n in graph.nodes)
+
+
+def _label(cand: Strategy, graph: Graph) -> str:
+    return cand.label() + (" fused" if _is_fused(graph) else "")
 
 
 def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | None) -> str | None:
@@ -211,7 +236,8 @@ def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
 def _row(r: dict, baseline_us: float) -> dict:
     cand, final = r["candidate"], r.get("final") or r["stage1"]
     out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
-           "gate": cand.gate, "passes": list(r["graph"].strategy.passes), "feasible": final["feasible"],
+           "gate": cand.gate, "fused": _is_fused(r["graph"]), "passes": list(r["graph"].strategy.passes),
+           "feasible": final["feasible"],
            "scheduler": "cpsat" if "final" in r else "greedy"}
     if final["feasible"]:
         out |= {"predicted_us": final["predicted_us"], "peak_memory_bytes": final["peak_memory_bytes"],
@@ -223,7 +249,7 @@ def _row(r: dict, baseline_us: float) -> dict:
 
 def _rank_key(row: dict):
     return (not row["feasible"], row.get("predicted_us", float("inf")), row["peak_memory_bytes"] if row["feasible"] else 0,
-            row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"])
+            row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row.get("fused", False))
 
 
 def format_table(res: dict) -> str:
@@ -231,7 +257,8 @@ def format_table(res: dict) -> str:
              f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
              f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
     for i, r in enumerate(res["candidates"], 1):
-        name = Strategy(r["attn"], r["ffn"], r["dispatch"], res["n"], chunks=r["chunks"], remat=r["remat"]).label()
+        name = Strategy(r["attn"], r["ffn"], r["dispatch"], res["n"], chunks=r["chunks"], remat=r["remat"]).label() \
+            + (" fused" if r.get("fused") else "")
         if r["feasible"]:
             lines.append(f"{i:>3} {name:<40} {r['scheduler']:<6} {r['predicted_us']:>12.1f} "
                          f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
@@ -261,6 +288,9 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
                    help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
                         "faster (default: the profile's step_noise; 0 for registry profiles)")
+    p.add_argument("--fuse", action="store_true",
+                   help="also rank each candidate with its tile-level fused comm+compute groups (fuse=auto); "
+                        "`run` cannot execute a fused schedule")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     def run(args) -> int:
@@ -276,7 +306,7 @@ def tune_command(p: argparse.ArgumentParser):
         res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
                    cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
-                   progress=lambda m: print(m, file=sys.stderr, flush=True))
+                   progress=lambda m: print(m, file=sys.stderr, flush=True), fuse=args.fuse)
         schedule_json = res.pop("_best_schedule")
         if schedule_json and args.output:
             Path(args.output).parent.mkdir(parents=True, exist_ok=True)

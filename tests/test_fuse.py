@@ -218,3 +218,19 @@ def test_fused_graph_computes_the_eager_layer(spec, rng):
     y, dx, grads = eager_step(layer, x, dy)
     assert rel_err(res.output, y) < 1e-5 and rel_err(res.input_grad, dx) < 1e-5
     assert max_grad_err(res.param_grads, grads)[1] < 1e-5
+
+
+def test_tune_ranks_a_fused_twin_of_each_candidate(h800):
+    """tune --fuse: a candidate with fusable groups gets a second, fused row; a layer with none
+    (n = 1: no collectives) gets none."""
+    from moegraph.schedules.tune import _fused, _row, build_graph
+    model = load_model("tiny")
+    cand = Strategy("sp", "ep", "ag-rs", 2)
+    graph = build_graph(model, cand, h800, batch=1, seq=64)
+    fused = _fused(graph, h800)
+    assert fused is not None and fused.strategy.passes[-1] == "fuse=auto"
+    assert any(variant(n) == "fused" for n in fused.nodes) and not any(variant(n) == "fused" for n in graph.nodes)
+    assert _fused(build_graph(model, Strategy("sp", "ep", "ag-rs", 1), h800, batch=1, seq=64), h800) is None
+    entry = {"feasible": True, "predicted_us": 100.0, "peak_memory_bytes": 1}
+    assert _row({"candidate": cand, "graph": fused, "stage1": entry}, 200.0)["fused"] is True
+    assert _row({"candidate": cand, "graph": graph, "stage1": entry}, 200.0)["fused"] is False

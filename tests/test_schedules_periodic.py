@@ -19,7 +19,10 @@ from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution
                                          overlaps_compute)
 from moegraph.tracer import trace_model
 
-COST = CostModel(load_hardware("h800"))
+# h800 with the intra-node all-to-all efficiency these instances were sized on: issue 14 item 6
+# raised it to 0.55, and the small sp/ep/a2a layer then needs 4 deterministic seconds, not 2, to
+# be proven optimal (the scheduler tests are about tiling, not about the registry's numbers)
+COST = CostModel(dataclasses.replace(load_hardware("h800"), a2a_eff_intra=0.427))
 SMALL = load_model("small")
 SP = Strategy("sp", "ep", "ag-rs", 2)
 L = 4
