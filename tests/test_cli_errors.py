@@ -38,6 +38,8 @@ CORE_CASES = [
     (["trace", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["trace", "--model", "qwen2-57b-a14b", "--n", "7", "--attn", "sp"], "n=7 does not divide kv_heads=4"),
     (["trace", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
+    (["trace", *TINY, "--passes", "fuse=maybe"], "pass 'fuse': invalid argument 'maybe' (not one of auto, all, none); "
+     "valid: auto (the default), all, none"),
     (["trace", "--model", "tiny", "--n", "3"], "3"),
     (["nonsense"], "invalid choice: 'nonsense'"),
     (["trace", "--layers", "0"], "argument --layers: '0' is not a positive integer or 'all'"),
