@@ -9,9 +9,11 @@ from __future__ import annotations
 
 from transformers.models.mixtral import modeling_mixtral as hf
 
-from moegraph.lowering import LoweringError, register
+from torch import nn
+
+from moegraph.lowering import LoweringError, register, register_model
 from moegraph.lowering.blocks import MoESpec
-from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, rmsnorm
+from moegraph.lowering.hf_common import PROJECTIONS, attention, base_model, causal_lm, fused_experts, rmsnorm
 
 register(hf.MixtralRMSNorm)(rmsnorm)
 register(hf.MixtralAttention, children=PROJECTIONS)(attention)
@@ -23,3 +25,8 @@ def sparse_moe(module: hf.MixtralSparseMoeBlock, qualname: str) -> MoESpec:
         raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={module.jitter_noise} "
                             "is random per step and cannot be reproduced; set it to 0")
     return fused_experts(module, qualname, normalize=True)
+
+
+register_model(hf.MixtralModel, children={"embed_tokens": nn.Embedding, "layers": nn.ModuleList,
+                                          "norm": hf.MixtralRMSNorm, "rotary_emb": hf.MixtralRotaryEmbedding})(base_model)
+register_model(hf.MixtralForCausalLM, children={"model": hf.MixtralModel, "lm_head": nn.Linear})(causal_lm)
