@@ -109,3 +109,33 @@ def round_trip(rank: int, n: int, kind: str, seed: int) -> dict:
     return {"loss": rel(got.loss, ref.loss), "logits": rel(got.logits, ref.logits), "reloaded": rel(again, ref.loss),
             "keys_equal": list(state) == list(fresh.state_dict()),
             "trained": rel(state[next(iter(state))], MODELS[kind](seed, 2).state_dict()[next(iter(state))])}
+
+
+def family_model(family: str, seed: int, layers: int = 2):
+    """A tiny transformers ForCausalLM of ``family`` (h=32, 4 heads, 4 experts top-2, vocab 64),
+    random N(0, 0.2) weights (buffers too: DeepSeek-V3's score-correction bias)."""
+    import transformers as tf
+    common = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
+              "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attn_implementation": "sdpa",
+              "num_experts_per_tok": 2}
+    cfg_cls, lm_cls, extra = {
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                      {"intermediate_size": 64, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                       "num_experts": 4}),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM, {"intermediate_size": 24, "num_experts": 4}),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
+                        {"num_key_value_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 24,
+                         "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                         "routed_scaling_factor": 2.5, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                         "qk_rope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 0}),
+    }[family]
+    cfg = cfg_cls(**(common | extra))
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = lm_cls(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for name, b in model.named_buffers():
+        if "e_score_correction_bias" in name:
+            torch.nn.init.normal_(b, std=0.2)
+    return model

@@ -157,3 +157,22 @@ def test_mixtral_changed_rope_and_layer_count_raise():
     model.config.num_hidden_layers = 1
     with pytest.raises(LoweringError, match="num_hidden_layers=1"):
         _trace(model)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+@pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3"])
+def test_one_rank_family_causal_lm_loss_and_grads_match_eager(family, rng):
+    model = workers.family_model(family, int(torch.randint(0, 2**30, (1,), generator=rng)))
+    ids = torch.randint(0, workers.VOCAB, (2, 16), generator=rng)
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy")
+    loss = compiled(ids, labels=ids).loss
+    loss.backward()
+    ref = model(input_ids=ids, labels=ids).loss
+    ref.backward()
+    assert abs(loss.item() - ref.item()) / ref.item() < TOL
+    grads = compiled.full_grads()
+    expected = {k: p.grad for k, p in model.named_parameters()}
+    assert set(grads) == set(expected)
+    errs = {k: ((grads[k] - g).norm() / g.norm()).item() for k, g in expected.items()}
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < TOL, (worst, errs[worst])

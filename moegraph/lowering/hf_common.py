@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from moegraph.ir import ParamSource
-from moegraph.lowering import (LoweringError, ModelOutput, ModelSpec, check_embedding, check_head, find_model_rule)
+from moegraph.lowering import (LoweringError, ModelOutput, ModelSpec, check_embedding, check_head, find_model_rule,
+                               register_model)
 from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec, MLPSpec
 
 PROJECTIONS = {name: nn.Linear for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -104,6 +105,9 @@ def base_model(model: nn.Module) -> ModelSpec:
         raise LoweringError(f"layers: {len(model.layers)} decoder layers but config.num_hidden_layers="
                             f"{cfg.num_hidden_layers} (forward runs only the first num_hidden_layers)")
     check_rotary(model.rotary_emb, "rotary_emb")
+    odd = sorted({t for t in getattr(cfg, "layer_types", None) or () if t != "full_attention"})
+    if odd:
+        raise LoweringError(f"config.layer_types has {', '.join(odd)} layers: only full causal attention is supported")
     unused = {f"rotary_emb.{name}": "the default RoPE frequencies, recomputed from rope_theta by each layer's "
               "attention (check_rotary compared them)" for name, _ in model.rotary_emb.named_buffers()}
     return ModelSpec(embed="embed_tokens.weight", padding_idx=model.embed_tokens.padding_idx, layers="layers",
@@ -140,3 +144,11 @@ def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
                                norm=NormSpec(ParamSource(prefix + spec.norm.weight.qualname), spec.norm.eps),
                                head=None if spec.head is None else prefix + spec.head,
                                unused={prefix + k: v for k, v in spec.unused.items()})
+
+
+def register_models(base: type, causal_lm_cls: type, norm: type, rotary: type) -> None:
+    """Model rules for a family's base model and its ForCausalLM (the same four children and
+    the same head in every family today)."""
+    register_model(base, children={"embed_tokens": nn.Embedding, "layers": nn.ModuleList, "norm": norm,
+                                   "rotary_emb": rotary})(base_model)
+    register_model(causal_lm_cls, children={"model": base, "lm_head": nn.Linear})(causal_lm)

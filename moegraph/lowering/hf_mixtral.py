@@ -9,11 +9,9 @@ from __future__ import annotations
 
 from transformers.models.mixtral import modeling_mixtral as hf
 
-from torch import nn
-
-from moegraph.lowering import LoweringError, register, register_model
+from moegraph.lowering import LoweringError, register
 from moegraph.lowering.blocks import MoESpec
-from moegraph.lowering.hf_common import PROJECTIONS, attention, base_model, causal_lm, fused_experts, rmsnorm
+from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, register_models, rmsnorm
 
 register(hf.MixtralRMSNorm)(rmsnorm)
 register(hf.MixtralAttention, children=PROJECTIONS)(attention)
@@ -27,6 +25,4 @@ def sparse_moe(module: hf.MixtralSparseMoeBlock, qualname: str) -> MoESpec:
     return fused_experts(module, qualname, normalize=True)
 
 
-register_model(hf.MixtralModel, children={"embed_tokens": nn.Embedding, "layers": nn.ModuleList,
-                                          "norm": hf.MixtralRMSNorm, "rotary_emb": hf.MixtralRotaryEmbedding})(base_model)
-register_model(hf.MixtralForCausalLM, children={"model": hf.MixtralModel, "lm_head": nn.Linear})(causal_lm)
+register_models(hf.MixtralModel, hf.MixtralForCausalLM, hf.MixtralRMSNorm, hf.MixtralRotaryEmbedding)
