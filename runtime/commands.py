@@ -434,7 +434,8 @@ def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
     prediction); with ``check``, the eager model trained alike is compared (every rank)."""
     import torch
     from moegraph.models import MoETransformer
-    from moegraph.runtime.model import compile_model, train_against_eager
+    from moegraph.runtime.check import train_against_eager
+    from moegraph.runtime.model import compile_model
     torch.manual_seed(spec.seed)
     model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
     gen = torch.Generator().manual_seed(spec.seed + 1)
@@ -447,11 +448,11 @@ def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
     if spec.check:
         res = train_against_eager(model, compiled, batches)
     else:
-        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-3)
+        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
         losses = []
         for ids, labels in batches:
             opt.zero_grad()
-            loss = compiled(ids, labels).loss
+            loss = compiled(ids, labels=labels).loss
             loss.backward()
             opt.step()
             losses.append(loss.item())

@@ -28,6 +28,7 @@ Notation: b batch, s sequence, h hidden, n ranks, V vocabulary.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Mapping, NamedTuple, Sequence
 
 import torch
@@ -111,8 +112,12 @@ class CompiledModel(nn.Module):
     """A causal LM on this rank (module docstring). Build it with ``moegraph.compile(model, input_ids)``."""
 
     def __init__(self, spec: ModelSpec, layers: CompiledLayer, full: Mapping[str, torch.Tensor],
-                 state_keys: Sequence[str], *, batch: int, seq: int, rank: int, n: int):
+                 state_keys: Sequence[str], *, batch: int, seq: int, rank: int, n: int,
+                 positional: Sequence[str] = ("labels",)):
         super().__init__()
+        # the original forward's parameters after input_ids, so positional calls mean what they
+        # meant there (transformers: attention_mask comes second, labels much later)
+        self.positional = tuple(positional)
         self.spec, self.layers, self.rank, self.n = spec, layers, rank, n
         self.batch, self.seq = batch, seq
         self.embed = nn.Parameter(full[spec.embed].detach().clone())
@@ -124,11 +129,26 @@ class CompiledModel(nn.Module):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None, *,
-                attention_mask: torch.Tensor | None = None, output_logits: bool = False) -> ModelResult:
-        """input_ids, labels: the full [b, s] on every rank (the same on each). Returns ``.loss``
-        when labels are given, ``.logits`` [b, s, V] when asked or without labels (a base model:
-        ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones (no padding mask)."""
+    def forward(self, input_ids: torch.Tensor, *args: Any, output_logits: bool = False, **kwargs: Any) -> ModelResult:
+        """Called as the original: input_ids and labels the full [b, s] on every rank (the same on
+        each); positional arguments follow the original forward's order. Returns ``.loss`` when
+        labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
+        base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. Any other
+        argument of the original (position_ids, past_key_values, ...) raises unless None."""
+        if len(args) > len(self.positional):
+            raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
+                            f"{len(self.positional) + 1}")
+        for name, value in zip(self.positional, args):
+            if name in kwargs:
+                raise TypeError(f"got {name!r} both by position and by name")
+            kwargs[name] = value
+        labels, attention_mask = kwargs.pop("labels", None), kwargs.pop("attention_mask", None)
+        other = sorted(k for k, v in kwargs.items() if v is not None and not (k == "use_cache" and v is False))
+        if other:
+            raise ValueError(f"argument(s) {', '.join(other)} are not supported by the compiled model "
+                             "(only input_ids, labels and an all-ones attention_mask)")
+        if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
+            raise ValueError("labels given, but the compiled model is a base model without an LM head")
         if tuple(input_ids.shape) != (self.batch, self.seq):
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
                              f"[b, s] = {[self.batch, self.seq]}")
@@ -266,45 +286,10 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                   for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
     layers = build_layer(graph, plan, layer_full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate,
                          record=record)
-    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, rank=rank, n=n)
-
-
-def train_against_eager(eager: nn.Module, compiled: CompiledModel, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                        *, lr: float = 1e-3) -> dict[str, Any]:
-    """Train ``compiled`` and (then) ``eager`` one AdamW step per (input_ids, labels) batch from the
-    same starting weights; compare every step's loss and the final parameters (collective: every
-    rank calls it with the same batches). ``eager`` must hold the weights ``compiled`` was built from."""
-    def train(model: nn.Module, grads) -> tuple[list[float], dict[str, torch.Tensor]]:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        losses, first = [], {}
-        for step, (ids, labels) in enumerate(batches):
-            opt.zero_grad()
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            if step == 0:           # AdamW's update is nearly scale-free: compare the gradients too
-                first = grads(model)
-            opt.step()
-            losses.append(loss.item())
-        return losses, first
-
-    got, grads = train(compiled, lambda m: m.full_grads())
-    expected, grads_ref = train(eager, lambda m: {k: p.grad.clone() for k, p in m.named_parameters()
-                                                  if p.grad is not None})
-    loss_errs = [abs(a - b) / max(abs(b), 1e-30) for a, b in zip(got, expected)]
-    full, ref = compiled.full_state_dict(), eager.state_dict()
-    param_name, param_err = _worst(full, {k: t for k, t in ref.items() if t.is_floating_point()})
-    grad_name, grad_err = _worst(grads, grads_ref)
-    return {"losses": got, "eager_losses": expected, "max_rel_err_loss": max(loss_errs),
-            "max_rel_err_params": param_err, "worst_param": param_name,
-            "max_rel_err_grads": grad_err, "worst_grad": grad_name}
-
-
-def _worst(got: Mapping[str, torch.Tensor], expected: Mapping[str, torch.Tensor]) -> tuple[str, float]:
-    """The tensor of ``expected`` that ``got`` misses most (relative norm error; missing: inf)."""
-    errs = {k: ((got[k].float() - t.float()).norm() / t.float().norm().clamp_min(1e-30)).item() if k in got
-            else float("inf") for k, t in expected.items()}
-    worst = max(errs, key=errs.get)
-    return worst, errs[worst]
+    positional = [q.name for q in inspect.signature(model.forward).parameters.values()
+                  if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
+    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, rank=rank, n=n,
+                         positional=positional)
 
 
 def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:
@@ -315,4 +300,4 @@ def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:
     return spec.layers + graph_qualname[len(PARAM_PREFIX):]
 
 
-__all__ = ["CompiledModel", "ModelResult", "compile_model", "train_against_eager"]
+__all__ = ["CompiledModel", "ModelResult", "compile_model"]

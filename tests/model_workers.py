@@ -2,7 +2,7 @@
 
 Tiny causal LMs (h=32, vocab 64, s=16): moegraph.models.MoETransformer and, when transformers
 is installed, its MixtralForCausalLM, with random weights. Each case trains the compiled model
-and the eager one the same way and reports the errors (moegraph.runtime.model.train_against_eager).
+and the eager one the same way and reports the errors (moegraph.runtime.check.train_against_eager).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 import moegraph
 from moegraph.models import MoETransformer
 from moegraph.registry import load_model
-from moegraph.runtime.model import train_against_eager
+from moegraph.runtime.check import rel_err, train_against_eager
 
 B, S, VOCAB = 2, 16, 64
 
@@ -91,11 +91,11 @@ def round_trip(rank: int, n: int, kind: str, seed: int) -> dict:
     opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
     for ids, labels in data[:2]:
         opt.zero_grad()
-        compiled(ids, labels).loss.backward()
+        compiled(ids, labels=labels).loss.backward()
         opt.step()
     ids, labels = data[2]
     with torch.no_grad():
-        got = compiled(ids, labels, output_logits=True)
+        got = compiled(ids, labels=labels, output_logits=True)
     fresh = MODELS[kind](seed + 7, 2)
     state = compiled.full_state_dict()
     fresh.load_state_dict(state)
@@ -104,11 +104,11 @@ def round_trip(rank: int, n: int, kind: str, seed: int) -> dict:
     other = moegraph.compile(MODELS[kind](seed + 9, 2), ids, hardware="cpu-gloo", schedule="greedy", timeout_s=60.0)
     other.load_state_dict(fresh.state_dict())
     with torch.no_grad():
-        again = other(ids, labels).loss
-    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
-    return {"loss": rel(got.loss, ref.loss), "logits": rel(got.logits, ref.logits), "reloaded": rel(again, ref.loss),
-            "keys_equal": list(state) == list(fresh.state_dict()),
-            "trained": rel(state[next(iter(state))], MODELS[kind](seed, 2).state_dict()[next(iter(state))])}
+        again = other(ids, labels=labels).loss
+    first = next(iter(state))
+    return {"loss": rel_err(got.loss, ref.loss), "logits": rel_err(got.logits, ref.logits),
+            "reloaded": rel_err(again, ref.loss), "keys_equal": list(state) == list(fresh.state_dict()),
+            "trained": rel_err(state[first], MODELS[kind](seed, 2).state_dict()[first])}
 
 
 def family_model(family: str, seed: int, layers: int = 2):
