@@ -42,7 +42,13 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     leaves gradients in the shards' ``.grad``.
     """
     import torch
+
+    from moegraph.lowering import has_model_rule
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
+        raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "
+                         f"(an integer tensor), got {getattr(x, 'dtype', type(x).__name__)} "
+                         f"{list(getattr(x, 'shape', []))}")
     if isinstance(x, torch.Tensor) and not x.is_floating_point():
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
         return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,

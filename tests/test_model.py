@@ -98,6 +98,8 @@ def test_one_rank_logits_and_base_model_match_eager(rng):
         compiled(ids, position_ids=torch.arange(16)[None])
     with pytest.raises(ValueError, match=r"input_ids has shape \(2, 8\)"):
         compiled(ids[:, :8])
+    with pytest.raises(ValueError, match=r"MoETransformer is a whole model: example_inputs must be its token ids"):
+        moegraph.compile(model, torch.randn(2, 16, 32))
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
@@ -147,6 +149,8 @@ def test_unknown_parts_raise_naming_them():
     (dict(tie_word_embeddings=True), "tied word embeddings"),
     (dict(output_router_logits=True), "output_router_logits=True"),
     (dict(sliding_window=8), "sliding_window=8"),
+    (dict(attention_dropout=0.1), "attention_dropout=0.1 in training mode"),
+    (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 ])
 def test_unmodelled_mixtral_settings_raise(overrides, message):
     with pytest.raises(LoweringError, match=message):

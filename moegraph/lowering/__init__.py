@@ -173,6 +173,12 @@ def register_model(model_type: type, *, children: Mapping[str, type]) -> Callabl
     return wrap
 
 
+def has_model_rule(model: object) -> bool:
+    """Whether ``model`` is a causal LM a model rule recognises (its exact class)."""
+    _load_families()
+    return type(model) in _MODEL_RULES
+
+
 def find_model_rule(model: nn.Module) -> ModelRule:
     """The rule for exactly ``type(model)`` (a subclass may compute anything: no inheritance)."""
     _load_families()
