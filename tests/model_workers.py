@@ -40,7 +40,8 @@ def mixtral_model(seed: int, layers: int, **overrides):
     return model
 
 
-MODELS = {"ref": reference_model, "hf": mixtral_model}
+MODELS = {"ref": reference_model, "hf": mixtral_model,
+          "qwen2_moe": lambda seed, layers: family_model("qwen2_moe", seed, layers)}
 
 
 def batches(seed: int, steps: int, boundary_only: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -117,7 +118,7 @@ def family_model(family: str, seed: int, layers: int = 2):
     import transformers as tf
     common = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
               "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attn_implementation": "sdpa",
-              "num_experts_per_tok": 2}
+              "num_experts_per_tok": 2, "eos_token_id": None}
     cfg_cls, lm_cls, extra = {
         "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
                       {"intermediate_size": 64, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
