@@ -15,12 +15,16 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
             attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
             timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True) -> Any:
-    """Compile one MoE decoder layer for this rank; returns an ``nn.Module`` (moegraph.runtime.module.CompiledLayer).
+    """Compile one MoE decoder layer, or a whole causal LM, for this rank; returns an ``nn.Module``.
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
-                     MixtralDecoderLayer); its parameters are read once and sharded.
-    example_inputs:  the *full* layer input [b, s, h] (or a tuple starting with it): gives b, s and
-                     the dtype (fp32 or bf16); its values are not used.
+                     MixtralDecoderLayer, ...), or a causal LM (moegraph.models.MoETransformer,
+                     transformers' MixtralForCausalLM or MixtralModel); its parameters are read once
+                     and sharded.
+    example_inputs:  a layer: the *full* layer input [b, s, h] (or a tuple starting with it): gives
+                     b, s and the dtype (fp32 or bf16); its values are not used. A model: the token
+                     ids [b, s] (integer): returns a moegraph.runtime.model.CompiledModel, called
+                     like the original on every rank (``model(input_ids, labels).loss``).
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
     attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
                      same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
@@ -37,6 +41,19 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     ``.unshard_output`` and ``.full_grads``. ``loss.backward()`` runs the scheduled backward and
     leaves gradients in the shards' ``.grad``.
     """
+    import torch
+
+    from moegraph.lowering import has_model_rule
+    x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
+    if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
+        raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "
+                         f"(an integer tensor), got {getattr(x, 'dtype', type(x).__name__)} "
+                         f"{list(getattr(x, 'shape', []))}")
+    if isinstance(x, torch.Tensor) and not x.is_floating_point():
+        from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
+        return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
+                             memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
+                             time_limit_s=time_limit_s, record=record)
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,

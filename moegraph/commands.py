@@ -84,7 +84,7 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
     layers = resolve_layers(getattr(args, "layers", 1), model)
     if layers > 1 and not multi_layer:
         raise UsageError(f"--layers={layers}: this command runs one layer (multi-layer execution is not supported "
-                         "yet); use --layers 1, or trace/compile for a multi-layer graph")
+                         "yet); use --layers 1, or trace, compile or run for a multi-layer graph")
     if args.top_k is not None:
         if not 1 <= args.top_k <= model.experts:
             raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")

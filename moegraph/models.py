@@ -296,3 +296,56 @@ class MoETransformerLayer(nn.Module):
         h = x + self.attn(self.input_norm(x))
         ffn = self.moe if self.mlp is None else self.mlp
         return h + ffn(self.post_attn_norm(h))
+
+
+class CausalLMOutput:
+    """What ``MoETransformer.forward`` returns: ``loss`` (None without labels) and ``logits``
+    [b, s, vocab] (attributes, as transformers' outputs)."""
+
+    def __init__(self, loss: torch.Tensor | None, logits: torch.Tensor | None):
+        self.loss, self.logits = loss, logits
+
+
+IGNORE_INDEX = -100
+"""A label that contributes no loss (transformers' convention: padding, prompt tokens)."""
+
+
+def shift_labels(labels: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> [b, s]: the label position t is scored against, labels[t + 1]; IGNORE_INDEX at the end."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy, as transformers' ForCausalLMLoss: position t predicts
+    labels[t + 1]; the last position and IGNORE_INDEX labels contribute nothing; fp32."""
+    return F.cross_entropy(logits.float().flatten(0, 1), shift_labels(labels).flatten(), ignore_index=IGNORE_INDEX)
+
+
+class MoETransformer(nn.Module):
+    """A causal MoE language model: token embedding, L MoETransformerLayer, final RMSNorm, an
+    untied LM head. ``forward(input_ids [b, s], labels=None)`` -> CausalLMOutput."""
+
+    def __init__(self, vocab: int, layers: list[MoETransformerLayer], hidden: int, rms_eps: float = 1e-5):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, rms_eps)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+    @classmethod
+    def from_config(cls, cfg, *, layers: int | None = None, vocab: int = 32000) -> "MoETransformer":
+        """Build from a registry ModelConfig: ``layers`` layers (default: the model's cfg.layers;
+        DeepSeek-V3's first cfg.first_k_dense_replace are dense). The registry has no vocabulary
+        size; ``vocab`` defaults to Mixtral's 32000."""
+        count = cfg.layers if layers is None else layers
+        if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= cfg.layers:
+            raise ValueError(f"layers={count!r} must be between 1 and {cfg.name}'s {cfg.layers} layers")
+        return cls(vocab, [MoETransformerLayer.from_config(cfg, layer=i) for i in range(count)], cfg.hidden,
+                   cfg.rms_eps)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.lm_head(self.norm(x))
+        return CausalLMOutput(None if labels is None else causal_lm_loss(logits, labels), logits)

@@ -27,7 +27,7 @@ from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.ir import Dims, Graph, Strategy, verify
 from moegraph.layers import layer_count, stack_layers
-from moegraph.lowering import LoweringError, find_rule
+from moegraph.lowering import LoweringError, ModelSpec, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
 
@@ -330,6 +330,25 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
     return stack_layers(graph, len(layers))
 
 
+def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: int,
+                    name: str | None = None) -> tuple[Graph, ModelSpec]:
+    """Recognise a whole causal LM by its model rule (``moegraph.lowering.register_model``), never
+    tracing it as a whole: lower its decoder layers into one multi-layer graph (``trace_layers``:
+    identical layers, lowered once) and return that graph with the ModelSpec naming the parts
+    that run around it (embedding, final norm, LM head). Every parameter and buffer of the model
+    must belong to a layer or to one of those parts, or be declared unused by the rule."""
+    spec = find_model_rule(model).spec(model)
+    layers = model.get_submodule(spec.layers)
+    graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__)
+    around = {spec.embed, spec.norm.weight.qualname, *([spec.head] if spec.head else []), *spec.unused}
+    stray = [k for k, _ in [*model.named_parameters(), *model.named_buffers()]
+             if k not in around and not k.startswith(f"{spec.layers}.")]
+    if stray:
+        raise LoweringError(f"{type(model).__name__}: {', '.join(stray)} belong to no decoder layer, embedding, final "
+                            "norm or LM head: the model rule does not model them")
+    return graph, spec
+
+
 def _arg(env, a):
     if isinstance(a, fx.Node):
         return env[a]
@@ -368,4 +387,4 @@ def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, lay
     return stack_layers(trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name), layers)
 
 
-__all__ = ["trace_module", "trace_layers", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]
+__all__ = ["trace_module", "trace_layers", "trace_causal_lm", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]

@@ -11,7 +11,7 @@ of the maximum and reported apart: their error ||a - e|| divided by the largest 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -82,3 +82,37 @@ def check_against_interpreter(layer: Any, module: nn.Module, x: torch.Tensor, dy
     ref = interpret(layer.graph, {k: p.detach() for k, p in [*module.named_parameters(), *module.named_buffers()]}, x, dy)
     report = _grad_report({"<input>": (dx, ref.input_grad), **{k: (grads[k], g) for k, g in ref.param_grads.items()}})
     return {"max_rel_err_output": rel_err(y, ref.output), **report}
+
+
+def train_against_eager(eager: nn.Module, compiled: Any, batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        *, lr: float = 1e-4) -> dict[str, Any]:
+    """Train ``compiled`` and (then) ``eager`` one AdamW step per (input_ids, labels) batch from the
+    same starting weights; compare every step's loss and the final parameters (collective: every
+    rank calls it with the same batches). ``eager`` must hold the weights ``compiled`` was built from."""
+    def train(model: nn.Module, grads) -> tuple[list[float], dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses, first = [], {}
+        for step, (ids, labels) in enumerate(batches):
+            opt.zero_grad()
+            loss = model(input_ids=ids, labels=labels).loss
+            loss.backward()
+            if step == 0:           # AdamW's update is nearly scale-free: compare the gradients too
+                first = grads(model)
+            opt.step()
+            losses.append(loss.item())
+        return losses, first
+
+    got, grads = train(compiled, lambda m: m.full_grads())
+    expected, grads_ref = train(eager, lambda m: {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                                                  for k, p in m.named_parameters()})
+    full, ref = compiled.full_state_dict(), eager.state_dict()
+    missing = sorted((set(grads_ref) - set(grads)) | (set(ref) - set(full)))
+    if missing:
+        raise KeyError(f"the compiled model has no gradient or state for {missing}")
+    param_errs = {k: rel_err(full[k], t) for k, t in ref.items() if t.is_floating_point()}
+    worst_param = max(param_errs, key=param_errs.get)
+    report = _grad_report({k: (grads[k], g) for k, g in grads_ref.items()})
+    report.pop("rel_err_input_grad")
+    return {"losses": got, "eager_losses": expected,
+            "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),
+            "max_rel_err_params": param_errs[worst_param], "worst_param": worst_param, **report}

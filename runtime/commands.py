@@ -131,6 +131,26 @@ def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Imple
     return layer.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
 
 
+def seeded_stack(cfg: Any, seed: int, layers: int, dtype: str = "fp32",
+                 implementation: Implementation = "reference"):
+    """(eager module, its call) for a graph of ``layers`` stacked layers: one seeded layer
+    (``seeded_layer``), or an nn.Module whose ``layers`` ModuleList (seeds seed, seed+1, ...;
+    parameter names ``layers.{i}.<name>`` as moegraph.layers names them) runs in order."""
+    import torch
+    if layers == 1:
+        module = seeded_layer(cfg, seed, dtype, implementation)
+        return module, eager_call(module, implementation)
+    module = torch.nn.Module()
+    module.layers = torch.nn.ModuleList([seeded_layer(cfg, seed + i, dtype, implementation) for i in range(layers)])
+    one = eager_call(module.layers[0], implementation)
+
+    def call(stack, x):
+        for layer in stack.layers:
+            x = one(layer, x) if one else layer(x)
+        return x
+    return module, call
+
+
 def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
     """Run ``steps`` forward+backward steps; per step, wall microseconds on this rank (ranks start
     each step together: a barrier precedes it)."""
@@ -171,8 +191,10 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     from moegraph.runtime.check import check_against_eager
     from moegraph.runtime.module import build_layer
     from moegraph.runtime.trace import trace_to_dict
+    from moegraph.layers import layer_count
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
-    module = seeded_layer(spec.model, spec.seed, spec.dtype, spec.implementation).to(spec.device)
+    module, call = seeded_stack(spec.model, spec.seed, layer_count(spec.graph), spec.dtype, spec.implementation)
+    module = module.to(spec.device)
     # buffers too: DeepSeek-V3's router reads its score-correction bias
     full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
     layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
@@ -199,7 +221,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
-        out["check"] = check_against_eager(module, layers[0], x, dy, call=eager_call(module, spec.implementation))
+        out["check"] = check_against_eager(module, layers[0], x, dy, call=call)
     return out
 
 
@@ -236,6 +258,12 @@ def run_command(p: argparse.ArgumentParser):
     p.add_argument("--seed", type=non_negative_int, default=0, help="weights and inputs seed (default %(default)s)")
     p.add_argument("--check", action="store_true",
                    help="compare output and every gradient with the eager unsharded module")
+    p.add_argument("--train-steps", type=positive_int, default=None, metavar="K",
+                   help="instead of timing the layers: train the whole model (moegraph.models.MoETransformer "
+                        "with --layers layers) K AdamW steps, compiled on the N ranks; with --check, compare "
+                        "every step's loss and the final parameters with the eager model trained the same way")
+    p.add_argument("--vocab", type=positive_int, default=1024, metavar="V",
+                   help="vocabulary size of the --train-steps model (the registry has none; default %(default)s)")
     p.add_argument("--trace", metavar="OUT", help="write the measured schedule file (OUT), the predicted one "
                    "(OUT with suffix .predicted.json) and a Chrome trace (suffix .chrome.json)")
     p.add_argument("--compare-prediction", action="store_true",
@@ -318,6 +346,7 @@ def _hardware_name(hardware: str) -> str:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
+    from moegraph.layers import layer_count
     from moegraph.runtime.module import make_plan
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     args, schedule = resolve_layer_args(args)
@@ -330,6 +359,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if link is not None and args.backend != "gloo":
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
+    if args.train_steps is not None:
+        return train(args, link)
     device = "cpu"
     if args.backend == "nccl":
         import torch
@@ -343,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
     with emulated_link(link):                         # a missing privilege fails here, before any work
-        layer = layer_from_args(args)
+        layer = layer_from_args(args, multi_layer=True)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
         if schedule is not None:
@@ -355,6 +386,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
+        "layers": layer_count(g),
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
@@ -373,6 +405,113 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """What a training rank needs (``train_rank``); picklable."""
+
+    model: Any                    # registry ModelConfig
+    layers: int
+    vocab: int
+    plan: Any                     # ExecutionPlan of the model's stacked layers
+    attn: str
+    ffn: str
+    dispatch: str
+    passes: str
+    hardware: Any                 # registry Hardware
+    batch: int
+    seq: int
+    steps: int
+    seed: int
+    check: bool
+    timeout_s: float
+
+
+def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
+    """One rank of ``run --train-steps``: seeded MoETransformer, compiled with the parent's plan,
+    trained ``spec.steps`` AdamW steps on seeded random tokens (labels = the tokens: next-token
+    prediction); with ``check``, the eager model trained alike is compared (every rank)."""
+    import torch
+    from moegraph.models import MoETransformer
+    from moegraph.runtime.check import train_against_eager
+    from moegraph.runtime.model import compile_model
+    torch.manual_seed(spec.seed)
+    model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+    batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=gen)
+                                      for _ in range(spec.steps))]
+    compiled = compile_model(model, batches[0][0], hardware=spec.hardware, attn=spec.attn, ffn=spec.ffn,
+                             dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=n,
+                             timeout_s=spec.timeout_s)
+    t0 = time.perf_counter()
+    if spec.check:
+        res = train_against_eager(model, compiled, batches)
+    else:
+        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+        losses = []
+        for ids, labels in batches:
+            opt.zero_grad()
+            loss = compiled(ids, labels=labels).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        res = {"losses": losses}
+    res["seconds"] = round(time.perf_counter() - t0, 3)
+    return res
+
+
+def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
+    """``run --train-steps K``: plan once here, train on N spawned ranks (``train_rank``)."""
+    from moegraph.cli import UsageError
+    from moegraph.commands import layer_from_args
+    from moegraph.layers import layer_count
+    from moegraph.registry import load_model
+    from moegraph.runtime.launch import spawn
+    from moegraph.runtime.module import make_plan
+    refused = [flag for flag, given in (("--trace", args.trace), ("--compare-prediction", args.compare_prediction),
+                                         ("--link", link is not None), ("--backend nccl", args.backend != "gloo"))
+               if given]
+    if refused:
+        raise UsageError(f"--train-steps runs a CPU training check; it does not take {', '.join(refused)}")
+    model = load_model(args.model)
+    if model.first_k_dense_replace:
+        raise UsageError(f"--train-steps: {model.name} has {model.first_k_dense_replace} dense first layers; the "
+                         "compiled model needs identical layers")
+    layer = layer_from_args(args, multi_layer=True)
+    layers = layer_count(layer.graph)
+    plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
+                     time_limit_s=args.time_limit)
+    st = layer.graph.strategy
+    spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
+                     layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout)
+    results = spawn(train_rank, st.n, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
+    r = results[0]
+    report: dict[str, Any] = {
+        "model": layer.model.name, "layers": layers, "vocab": args.vocab, "hardware": layer.hardware.name,
+        "n": st.n, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
+                                "passes": list(st.passes)},
+        "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
+        "train_steps": args.train_steps, "losses": r["losses"], "seconds": max(x["seconds"] for x in results)}
+    if args.check:
+        report.update({k: r[k] for k in ("eager_losses", "max_rel_err_loss", "max_rel_err_params", "worst_param",
+                                         "max_rel_err_grads", "worst_grad")})
+    return report
+
+
+def format_train_report(r: dict[str, Any]) -> str:
+    st = r["strategy"]
+    lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: attn={st['attn']} "
+             f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']}"
+             + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
+             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps in "
+             f"{r['seconds']:.2f} s",
+             "losses: " + ", ".join(f"{x:.5f}" for x in r["losses"])]
+    if "max_rel_err_loss" in r:
+        lines.append(f"check vs eager training: max rel err loss {r['max_rel_err_loss']:.2e}, final params "
+                     f"{r['max_rel_err_params']:.2e} (worst: {r['worst_param']}), first-step grads "
+                     f"{r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")
+    return "\n".join(lines)
 
 
 def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
@@ -439,9 +578,12 @@ def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps
 
 
 def format_report(r: dict[str, Any]) -> str:
+    if "train_steps" in r:
+        return format_train_report(r)
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
              f"n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             + (f" layers={r['layers']}" if r.get("layers", 1) > 1 else "")
              + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up",

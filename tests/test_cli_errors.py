@@ -48,7 +48,6 @@ CORE_CASES = [
     (["compile", "--layers", "33"], "--layers=33 must be between 1 and mixtral-8x7b's 32 layers"),
     (["trace", "--model", "deepseek-v3", "--layers", "59"],
      "--layers=59 must be between 1 and deepseek-v3's 58 MoE layers (its first_k_dense_replace=3 dense layers"),
-    (["run", "--model", "small", "--n", "2", "--layers", "all"], "--layers=4: this command runs one layer"),
     (["tune", "--model", "small", "--layers", "2"], "unrecognized arguments: --layers"),
     (["compile", *TINY, "--memory-budget", "nan"], "'nan' is not a positive size"),
     (["compile", *TINY, "--memory-budget", "inf"], "'inf' is not a positive size"),
@@ -127,6 +126,12 @@ RUNTIME_CASES = [
     (["demo", "--link", "fast"], "'fast' is not a link rate such as 1gbit, 500mbit or 100kbit, or none, or auto"),
     (["demo", "--skip-run", "-o", "{tmp}/o", "--link-latency", "2ms"], "--link-latency 2000us needs --link RATE"),
     (["calibrate", "-o", "{tmp}/p.yaml", "--link", "0bit"], "'0bit' is not a link rate"),
+    (["run", "--model", "small", "--layers", "5"], "--layers=5 must be between 1 and small's 4 layers"),
+    (["run", "--train-steps", "0"], "'0' is not a positive integer"),
+    (["run", "--train-steps", "2", "--vocab", "-5"], "'-5' is not a positive integer"),
+    (["run", "--train-steps", "2", "--trace", "{tmp}/t.json"], "it does not take --trace"),
+    (["run", "--train-steps", "2", "--backend", "nccl"], "it does not take --backend nccl"),
+    (["run", "--train-steps", "2", "--model", "deepseek-v3"], "deepseek-v3 has 3 dense first layers"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

@@ -14,10 +14,16 @@ Never silently wrong: a rule stands for the exact class it was registered for.
     the experts) must be exactly the registered types.
   * After lowering, the tracer checks that every parameter and buffer of the layer reached
     the graph (``ParamSource`` names), unless a rule declares it ``unused`` with a reason.
+
+Whole causal language models plug in with ``register_model``: a model rule recognises the
+model's parts (embedding, decoder-layer list, final norm, LM head) by exact class and exact
+children, checks the configuration settings those parts read, and returns a ModelSpec. The
+model is never traced as a whole: its decoder layers are lowered with the layer rules above.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -94,6 +100,112 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
                                 f"describe it; register a rule for {cls.__name__}")
         return rule
     return None
+
+
+class ModelOutput(enum.Enum):
+    """What a recognised model's forward returns."""
+
+    CAUSAL_LM = "causal-lm"      # .loss (with labels) and .logits, from an LM head
+    HIDDEN = "hidden"            # .last_hidden_state: the final norm's output (a base model)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A causal LM's parts, by qualified name in the model (names of parameters, not modules).
+
+    embed:       the token embedding's weight [vocab, h]; ``padding_idx`` its row that gets no
+                 gradient (nn.Embedding's padding_idx), or None.
+    layers:      the nn.ModuleList of decoder layers, applied in order to the embedding.
+    norm:        the final RMSNorm, applied to the last layer's output.
+    head:        the LM head's weight [vocab, h] (no bias), or None for a base model.
+    unused:      other parameters or buffers of the model -> why nothing needs to read them.
+    """
+
+    embed: str
+    padding_idx: int | None
+    layers: str
+    norm: NormSpec
+    head: str | None
+    output: ModelOutput
+    unused: Mapping[str, str] = field(default_factory=dict)
+
+
+ModelSpecRule = Callable[[nn.Module], ModelSpec]
+
+
+@dataclass(frozen=True)
+class ModelRule:
+    """How one causal-LM class is recognised: ``fn(model)`` returns its ModelSpec.
+
+    children: the model's direct submodules, name -> exact type; any other child (a dropout,
+    an adapter) or a missing one raises naming it, since the rule would not describe it."""
+
+    model_type: type
+    fn: ModelSpecRule
+    children: Mapping[str, type]
+
+    def spec(self, model: nn.Module) -> ModelSpec:
+        found = dict(model.named_children())
+        for name, child in found.items():
+            expected = self.children.get(name)
+            if expected is None:
+                raise LoweringError(f"{name!r} ({type(child).__module__}.{type(child).__name__}) in "
+                                    f"{type(model).__name__}: the model rule knows only "
+                                    f"{', '.join(self.children)}; remove it or register a model rule that describes it")
+            if type(child) is not expected:
+                raise LoweringError(f"{name!r} ({type(child).__module__}.{type(child).__name__}): the model rule for "
+                                    f"{type(model).__name__} assumes a {expected.__name__} here")
+        missing = [name for name in self.children if name not in found]
+        if missing:
+            raise LoweringError(f"{type(model).__name__} has no {', '.join(map(repr, missing))}: the model rule "
+                                "assumes it")
+        return self.fn(model)
+
+
+_MODEL_RULES: dict[type, ModelRule] = {}
+
+
+def register_model(model_type: type, *, children: Mapping[str, type]) -> Callable[[ModelSpecRule], ModelSpecRule]:
+    """Decorator: ``@register_model(MyForCausalLM, children={...})`` on a function model -> ModelSpec."""
+    def wrap(fn: ModelSpecRule) -> ModelSpecRule:
+        _MODEL_RULES[model_type] = ModelRule(model_type, fn, dict(children))
+        return fn
+    return wrap
+
+
+def has_model_rule(model: object) -> bool:
+    """Whether ``model`` is a causal LM a model rule recognises (its exact class)."""
+    _load_families()
+    return type(model) in _MODEL_RULES
+
+
+def find_model_rule(model: nn.Module) -> ModelRule:
+    """The rule for exactly ``type(model)`` (a subclass may compute anything: no inheritance)."""
+    _load_families()
+    rule = _MODEL_RULES.get(type(model))
+    if rule is None:
+        cls = type(model)
+        known = ", ".join(sorted(t.__name__ for t in _MODEL_RULES))
+        raise LoweringError(f"the model ({cls.__module__}.{cls.__name__}) has no model rule: only these causal LMs "
+                            f"are recognised: {known} (compile one decoder layer with its [b, s, h] input instead)")
+    return rule
+
+
+def check_embedding(module: nn.Embedding, qualname: str) -> None:
+    """Raise naming the first nn.Embedding setting a plain row lookup does not model."""
+    for attr, plain in (("max_norm", None), ("scale_grad_by_freq", False), ("sparse", False)):
+        if getattr(module, attr) != plain:
+            raise LoweringError(f"{qualname}.{attr}={getattr(module, attr)!r}: only a plain embedding lookup is "
+                                f"supported ({attr}={plain!r})")
+
+
+def check_head(model: nn.Module, head: nn.Linear, embed: nn.Embedding, qualname: str) -> None:
+    """An untied LM head without bias: a tied one would get two gradients the runtime keeps apart."""
+    if head.bias is not None:
+        raise LoweringError(f"{qualname}.bias: an LM head with a bias is not supported")
+    if head.weight is embed.weight or getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise LoweringError(f"{qualname}: tied word embeddings (tie_word_embeddings=True, the head sharing the "
+                            "embedding's weight) are not supported; untie them")
 
 
 def _join(qualname: str, name: str) -> str:

@@ -4,10 +4,14 @@ are the same code there."""
 
 from __future__ import annotations
 
+import dataclasses
+
+import torch
 from torch import nn
 
 from moegraph.ir import ParamSource
-from moegraph.lowering import LoweringError
+from moegraph.lowering import (LoweringError, ModelOutput, ModelSpec, check_embedding, check_head, find_model_rule,
+                               register_model)
 from moegraph.lowering.blocks import AttentionSpec, MoESpec, NormSpec, MLPSpec
 
 PROJECTIONS = {name: nn.Linear for name in ("q_proj", "k_proj", "v_proj", "o_proj")}
@@ -89,3 +93,62 @@ def fused_experts(module: nn.Module, qualname: str, *, normalize: bool,
                    w2=ParamSource(f"{qualname}.experts.down_proj"), experts=experts.num_experts,
                    top_k=module.gate.top_k, ffn_hidden=f, hidden=experts.hidden_dim, normalize=normalize,
                    shared=shared, **router)
+
+
+def base_model(model: nn.Module) -> ModelSpec:
+    """A family's base model (embed_tokens, layers, norm, rotary_emb; children checked by its rule):
+    returns the final norm's output. Its layers compute RoPE themselves from the config (the
+    attention rule reads rope_theta), so the rotary module must hold exactly the default RoPE."""
+    cfg = model.config
+    check_embedding(model.embed_tokens, "embed_tokens")
+    if len(model.layers) != cfg.num_hidden_layers:
+        raise LoweringError(f"layers: {len(model.layers)} decoder layers but config.num_hidden_layers="
+                            f"{cfg.num_hidden_layers} (forward runs only the first num_hidden_layers)")
+    check_rotary(model.rotary_emb, "rotary_emb")
+    odd = sorted({t for t in getattr(cfg, "layer_types", None) or () if t != "full_attention"})
+    if odd:
+        raise LoweringError(f"config.layer_types has {', '.join(odd)} layers: only full causal attention is supported")
+    unused = {f"rotary_emb.{name}": "the default RoPE frequencies, recomputed from rope_theta by each layer's "
+              "attention (check_rotary compared them)" for name, _ in model.rotary_emb.named_buffers()}
+    return ModelSpec(embed="embed_tokens.weight", padding_idx=model.embed_tokens.padding_idx, layers="layers",
+                     norm=rmsnorm(model.norm, "norm"), head=None, output=ModelOutput.HIDDEN, unused=unused)
+
+
+def check_rotary(rotary: nn.Module, qualname: str) -> None:
+    """Default RoPE, unscaled, with the frequencies the config's rope_theta gives."""
+    if rotary.rope_type != "default":
+        raise LoweringError(f"{qualname}.rope_type={rotary.rope_type!r}: only 'default' RoPE is supported")
+    if rotary.attention_scaling != 1.0:
+        raise LoweringError(f"{qualname}.attention_scaling={rotary.attention_scaling}: only unscaled RoPE (1.0) "
+                            "is supported")
+    expected, _ = rotary.compute_default_rope_parameters(rotary.config)
+    if not torch.equal(rotary.inv_freq.detach().cpu().float(), expected.float()):
+        raise LoweringError(f"{qualname}.inv_freq differs from the default RoPE frequencies of rope_theta="
+                            f"{rotary.config.rope_parameters['rope_theta']}: the layers would compute other rotations")
+
+
+def causal_lm(model: nn.Module) -> ModelSpec:
+    """A family's ForCausalLM: ``model`` (its base model, recognised by its own rule) and an
+    untied ``lm_head``; the loss is transformers' mean next-token cross-entropy."""
+    if getattr(model.config, "output_router_logits", False):
+        raise LoweringError(f"{type(model).__name__}: config.output_router_logits=True adds the router's "
+                            "auxiliary load-balancing loss to the loss, which is not modelled; set it to False")
+    check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
+    base = prefixed(find_model_rule(model.model).spec(model.model), "model.")
+    return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM)
+
+
+def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
+    """``spec`` of a submodule, its names as seen from the parent (``prefix`` ends in a dot)."""
+    return dataclasses.replace(spec, embed=prefix + spec.embed, layers=prefix + spec.layers,
+                               norm=NormSpec(ParamSource(prefix + spec.norm.weight.qualname), spec.norm.eps),
+                               head=None if spec.head is None else prefix + spec.head,
+                               unused={prefix + k: v for k, v in spec.unused.items()})
+
+
+def register_models(base: type, causal_lm_cls: type, norm: type, rotary: type) -> None:
+    """Model rules for a family's base model and its ForCausalLM (the same four children and
+    the same head in every family today)."""
+    register_model(base, children={"embed_tokens": nn.Embedding, "layers": nn.ModuleList, "norm": norm,
+                                   "rotary_emb": rotary})(base_model)
+    register_model(causal_lm_cls, children={"model": base, "lm_head": nn.Linear})(causal_lm)

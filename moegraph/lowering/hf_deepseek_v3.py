@@ -19,7 +19,7 @@ from transformers.models.deepseek_v3 import modeling_deepseek_v3 as hf
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
 from moegraph.lowering.blocks import MLASpec, MoESpec
-from moegraph.lowering.hf_common import check_attention, fused_experts, mlp, rmsnorm
+from moegraph.lowering.hf_common import check_attention, fused_experts, mlp, register_models, rmsnorm
 
 register(hf.DeepseekV3RMSNorm)(rmsnorm)
 
@@ -75,3 +75,6 @@ def moe(module: hf.DeepseekV3MoE, qualname: str) -> MoESpec:
                          shared=mlp(module.shared_experts, f"{qualname}.shared_experts"), scoring="sigmoid",
                          score_bias=ParamSource(f"{qualname}.gate.e_score_correction_bias"), groups=gate.num_group,
                          topk_groups=gate.topk_group, scale=float(gate.routed_scaling_factor))
+
+
+register_models(hf.DeepseekV3Model, hf.DeepseekV3ForCausalLM, hf.DeepseekV3RMSNorm, hf.DeepseekV3RotaryEmbedding)

@@ -11,7 +11,7 @@ from transformers.models.mixtral import modeling_mixtral as hf
 
 from moegraph.lowering import LoweringError, register
 from moegraph.lowering.blocks import MoESpec
-from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, rmsnorm
+from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, register_models, rmsnorm
 
 register(hf.MixtralRMSNorm)(rmsnorm)
 register(hf.MixtralAttention, children=PROJECTIONS)(attention)
@@ -23,3 +23,6 @@ def sparse_moe(module: hf.MixtralSparseMoeBlock, qualname: str) -> MoESpec:
         raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={module.jitter_noise} "
                             "is random per step and cannot be reproduced; set it to 0")
     return fused_experts(module, qualname, normalize=True)
+
+
+register_models(hf.MixtralModel, hf.MixtralForCausalLM, hf.MixtralRMSNorm, hf.MixtralRotaryEmbedding)

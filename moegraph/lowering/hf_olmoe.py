@@ -12,7 +12,7 @@ from transformers.models.olmoe import modeling_olmoe as hf
 
 from moegraph.lowering import LoweringError, hf_common, register
 from moegraph.lowering.blocks import AttentionSpec, MoESpec
-from moegraph.lowering.hf_common import PROJECTIONS, fused_experts, rmsnorm
+from moegraph.lowering.hf_common import PROJECTIONS, fused_experts, register_models, rmsnorm
 
 register(hf.OlmoeRMSNorm)(rmsnorm)
 
@@ -34,3 +34,6 @@ def attention(module: hf.OlmoeAttention, qualname: str) -> AttentionSpec:
 @register(hf.OlmoeSparseMoeBlock, children={"gate": hf.OlmoeTopKRouter, "experts": hf.OlmoeExperts})
 def sparse_moe(module: hf.OlmoeSparseMoeBlock, qualname: str) -> MoESpec:
     return fused_experts(module, qualname, normalize=bool(module.gate.norm_topk_prob))
+
+
+register_models(hf.OlmoeModel, hf.OlmoeForCausalLM, hf.OlmoeRMSNorm, hf.OlmoeRotaryEmbedding)

@@ -17,7 +17,7 @@ from transformers.models.qwen2_moe import modeling_qwen2_moe as hf
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, register
 from moegraph.lowering.blocks import MoESpec
-from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, mlp, rmsnorm
+from moegraph.lowering.hf_common import PROJECTIONS, attention, fused_experts, mlp, register_models, rmsnorm
 
 register(hf.Qwen2MoeRMSNorm)(rmsnorm)
 register(hf.Qwen2MoeAttention, children=PROJECTIONS)(attention)  # + q/k/v biases
@@ -32,3 +32,6 @@ def sparse_moe(module: hf.Qwen2MoeSparseMoeBlock, qualname: str) -> MoESpec:
     shared = dataclasses.replace(mlp(module.shared_expert, f"{qualname}.shared_expert"),
                                  gate=ParamSource(f"{qualname}.shared_expert_gate.weight"))
     return fused_experts(module, qualname, normalize=bool(module.gate.norm_topk_prob), shared=shared)
+
+
+register_models(hf.Qwen2MoeModel, hf.Qwen2MoeForCausalLM, hf.Qwen2MoeRMSNorm, hf.Qwen2MoeRotaryEmbedding)

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from moegraph import models
 from moegraph.ir import ParamSource
-from moegraph.lowering import LoweringError, register
+from torch import nn
+
+from moegraph.lowering import (LoweringError, ModelOutput, ModelSpec, check_embedding, check_head, register,
+                               register_model)
 from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
 
 
@@ -66,3 +69,12 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
                    score_bias=None if module.e_score_correction_bias is None
                    else ParamSource(f"{qualname}.e_score_correction_bias"),
                    groups=module.groups, topk_groups=module.topk_groups, scale=module.scale)
+
+
+@register_model(models.MoETransformer, children={"embed": nn.Embedding, "layers": nn.ModuleList,
+                                                 "norm": models.RMSNorm, "lm_head": nn.Linear})
+def transformer(model: models.MoETransformer) -> ModelSpec:
+    check_embedding(model.embed, "embed")
+    check_head(model, model.lm_head, model.embed, "lm_head")
+    return ModelSpec(embed="embed.weight", padding_idx=model.embed.padding_idx, layers="layers",
+                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM)

@@ -1,0 +1,303 @@
+"""The compiled causal LM: a training-loop nn.Module around one scheduled multi-layer executor.
+
+Every rank of the group calls it with the same arguments as the original model (the full
+``input_ids`` [b, s] and ``labels``) and gets what the original returns (``.loss``; ``.logits``
+on request or without labels; a base model's ``.last_hidden_state``). Inside, rank r works on
+its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
+
+  * embedding, final RMSNorm, LM head and loss run eagerly on the shard;
+  * the decoder layers run as ONE CompiledLayer over the stacked graph (``moegraph.layers``):
+    one plan for all layers, so a layer's collectives may overlap other layers' compute;
+  * the loss is the global mean over the non-ignored next-token labels: each rank divides its
+    shard's summed cross-entropy by the global label count (every rank holds all labels, so the
+    count needs no communication) and an all-reduce sums the shards' terms;
+  * labels shift across shard boundaries: position t predicts labels[t + 1], which for the
+    shard's last position is the next shard's first label: the shift is taken on the full
+    labels before they are cut;
+  * the replicated eager parameters (embedding, final norm, head) get each rank's partial
+    gradient, all-reduced in backward. These are eager collectives on the default group, not
+    graph nodes the scheduler places: they run outside the plan, after (head, norm) and
+    before (embedding) the layers' scheduled backward.
+
+``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
+the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
+``load_state_dict(original_state_dict)`` cuts this rank's shards.
+
+Notation: b batch, s sequence, h hidden, n ranks, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from moegraph.commands import DEFAULT_PASSES
+from moegraph.interpreter import unshard_grad
+from moegraph.ir import Graph, Strategy
+from moegraph.layers import PARAM_PREFIX, layer_count
+from moegraph.lowering import ModelOutput, ModelSpec
+from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
+from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, rank_and_size, shard_input
+from moegraph.runtime.plan import COMM
+
+
+class ModelResult:
+    """What CompiledModel returns: the attributes the original's output has (None if not asked)."""
+
+    def __init__(self, loss=None, logits=None, last_hidden_state=None):
+        self.loss, self.logits, self.last_hidden_state = loss, logits, last_hidden_state
+
+
+class LoadResult(NamedTuple):
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum) of each rank's term of a global scalar. Backward: identity. Every
+    rank holds the same sum L = sum_r l_r and seeds its backward with the same dL; the gradient
+    of L by rank r's own term l_r is dL, which rank r already has (no communication)."""
+
+    @staticmethod
+    def forward(ctx, term: torch.Tensor) -> torch.Tensor:
+        total = term.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _ReplicatedGrad(torch.autograd.Function):
+    """Forward: identity on a replicated parameter. Backward: the sum of every rank's partial
+    gradient (each rank's shard of the sequence contributes its part), so every replica gets the
+    same full gradient and stays identical after the optimizer step."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Forward: every rank's sequence shard [b, s/n, ...] -> the full [b, s, ...]. Backward: this
+    rank's slice of the incoming gradient (every rank computes the same function of the full
+    tensor and seeds it with the same gradient)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, rank: int, n: int) -> torch.Tensor:
+        ctx.rank, ctx.n = rank, n
+        parts = [torch.empty_like(shard) for _ in range(n)]
+        dist.all_gather(parts, shard.contiguous())
+        return torch.cat(parts, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad.chunk(ctx.n, dim=1)[ctx.rank].contiguous(), None, None
+
+
+class CompiledModel(nn.Module):
+    """A causal LM on this rank (module docstring). Build it with ``moegraph.compile(model, input_ids)``."""
+
+    def __init__(self, spec: ModelSpec, layers: CompiledLayer, full: Mapping[str, torch.Tensor],
+                 state_keys: Sequence[str], *, batch: int, seq: int, rank: int, n: int,
+                 positional: Sequence[str] = ("labels",)):
+        super().__init__()
+        # the original forward's parameters after input_ids, so positional calls mean what they
+        # meant there (transformers: attention_mask comes second, labels much later)
+        self.positional = tuple(positional)
+        self.spec, self.layers, self.rank, self.n = spec, layers, rank, n
+        self.batch, self.seq = batch, seq
+        self.embed = nn.Parameter(full[spec.embed].detach().clone())
+        self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone())
+        self.lm_head = nn.Parameter(full[spec.head].detach().clone()) if spec.head is not None else None
+        self._state_keys = list(state_keys)
+        # persistent state no part reads (declared unused by the model rule): kept as it was
+        self._constants = {k: full[k].detach().clone() for k in self._state_keys if k in spec.unused}
+
+    # -- running ---------------------------------------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor, *args: Any, output_logits: bool = False, **kwargs: Any) -> ModelResult:
+        """Called as the original: input_ids and labels the full [b, s] on every rank (the same on
+        each); positional arguments follow the original forward's order. Returns ``.loss`` when
+        labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
+        base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. Any other
+        argument of the original (position_ids, past_key_values, ...) raises unless None."""
+        if len(args) > len(self.positional):
+            raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
+                            f"{len(self.positional) + 1}")
+        for name, value in zip(self.positional, args):
+            if name in kwargs:
+                raise TypeError(f"got {name!r} both by position and by name")
+            kwargs[name] = value
+        labels, attention_mask = kwargs.pop("labels", None), kwargs.pop("attention_mask", None)
+        other = sorted(k for k, v in kwargs.items() if v is not None and not (k == "use_cache" and v is False))
+        if other:
+            raise ValueError(f"argument(s) {', '.join(other)} are not supported by the compiled model "
+                             "(only input_ids, labels and an all-ones attention_mask)")
+        if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
+            raise ValueError("labels given, but the compiled model is a base model without an LM head")
+        if tuple(input_ids.shape) != (self.batch, self.seq):
+            raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
+                             f"[b, s] = {[self.batch, self.seq]}")
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise ValueError("attention_mask masks some positions: only causal attention over the whole "
+                             "sequence is compiled (pass None or all ones; mask the loss with labels=-100)")
+        if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
+            raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        x = F.embedding(shard_input(input_ids, self.rank, self.n), self._replicated(self.embed),
+                        padding_idx=self.spec.padding_idx)                        # [b, s/n, h]
+        x = self.layers(x)
+        x = rms_norm(x, self._replicated(self.norm), self.spec.norm.eps)
+        if self.spec.output is ModelOutput.HIDDEN:
+            return ModelResult(last_hidden_state=self._gather(x))
+        if self.spec.output is not ModelOutput.CAUSAL_LM:
+            raise RuntimeFailure(f"model output {self.spec.output} is not one of {[o.value for o in ModelOutput]}")
+        logits = F.linear(x, self._replicated(self.lm_head))                     # [b, s/n, V]
+        loss = None
+        if labels is not None:
+            shifted = shift_labels(labels)                                        # full [b, s]: crosses shards
+            count = (shifted != IGNORE_INDEX).sum()
+            mine = shard_input(shifted, self.rank, self.n)
+            term = F.cross_entropy(logits.float().flatten(0, 1), mine.flatten(), ignore_index=IGNORE_INDEX,
+                                   reduction="sum") / count
+            loss = _SumOverRanks.apply(term) if self.n > 1 else term
+        full_logits = self._gather(logits) if output_logits or labels is None else None
+        return ModelResult(loss=loss, logits=full_logits)
+
+    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        return _ReplicatedGrad.apply(weight) if self.n > 1 and torch.is_grad_enabled() else weight
+
+    def _gather(self, shard: torch.Tensor) -> torch.Tensor:
+        return _GatherSequence.apply(shard, self.rank, self.n) if self.n > 1 else shard
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def original_name(self, graph_qualname: str) -> str:
+        return original_name(self.spec, self.layers.graph, graph_qualname)
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full tensors under the original module's state_dict names, in its order, on every rank
+        (a collective: every rank must call it)."""
+        graph, rank, n = self.layers.graph, self.rank, self.n
+        regions: dict[str, torch.Tensor] = {}
+        for pname, spec in graph.params:
+            shard = self.layers.shard(pname)
+            for src in spec.sources:
+                regions.setdefault(src.qualname, shard.new_zeros(self.layers.full_shapes[src.qualname]))
+        for pname, spec in graph.params:
+            if spec.shard_dim is None and rank != 0:      # replicated: identical everywhere, written once
+                continue
+            unshard_grad(spec, self.layers.shard(pname).detach(), rank, n, regions)
+        if n > 1:
+            for t in regions.values():
+                dist.all_reduce(t)
+        out = {self.original_name(q): t for q, t in regions.items()}
+        out[self.spec.embed] = self.embed.detach().clone()
+        out[self.spec.norm.weight.qualname] = self.norm.detach().clone()
+        if self.lm_head is not None:
+            out[self.spec.head] = self.lm_head.detach().clone()
+        out |= {k: v.clone() for k, v in self._constants.items()}
+        missing = [k for k in self._state_keys if k not in out]
+        if missing:
+            raise RuntimeFailure(f"full_state_dict cannot rebuild {', '.join(missing)} (a runtime bug)")
+        return {k: out[k] for k in self._state_keys}
+
+    @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Full gradients under the original module's parameter names, on every rank (a collective;
+        parameters without a gradient count as zero)."""
+        out = {self.original_name(q): g for q, g in self.layers.full_grads().items()}
+        for name, p in ((self.spec.embed, self.embed), (self.spec.norm.weight.qualname, self.norm),
+                        (self.spec.head, self.lm_head)):
+            if p is not None:
+                out[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        return out
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False) -> LoadResult:
+        """Load the ORIGINAL module's state dict (e.g. ``model.state_dict()`` or a
+        ``full_state_dict()``): cut this rank's shards. Not a collective. ``strict``: keys the
+        original model does not have raise; missing keys always raise (no shard may stay stale)."""
+        if assign:
+            raise ValueError("assign=True is not supported: the compiled model's tensors are shards, not the originals")
+        missing = [k for k in self._state_keys if k not in state_dict]
+        unexpected = [k for k in state_dict if k not in set(self._state_keys)]
+        if missing or (strict and unexpected):
+            raise KeyError(f"state_dict: missing {missing}, unexpected {unexpected} (the original model's names)")
+        graph = self.layers.graph
+        sources = {src.qualname for _, spec in graph.params for src in spec.sources}
+        self.layers.load_full({q: state_dict[self.original_name(q)] for q in sources})
+        self.embed.copy_(state_dict[self.spec.embed])
+        self.norm.copy_(state_dict[self.spec.norm.weight.qualname])
+        if self.lm_head is not None:
+            self.lm_head.copy_(state_dict[self.spec.head])
+        return LoadResult([], unexpected)
+
+    def extra_repr(self) -> str:
+        return f"output={self.spec.output.value}, layers={layer_count(self.layers.graph)}, b={self.batch}, s={self.seq}"
+
+
+def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = "h800", attn: str = "sp",
+                  ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
+                  memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
+                  timeout_s: float = 300.0, time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
+                  emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledModel:
+    """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids [b, s]."""
+    from moegraph.cost import CostModel
+    from moegraph.registry import Hardware, load_hardware
+    from moegraph.tracer import trace_causal_lm
+
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
+                         f"{list(input_ids.shape)}")
+    rank, n = rank_and_size(n)
+    b, s = input_ids.shape
+    if s % n:
+        raise ValueError(f"sequence length {s} is not divisible by n={n}")
+    full = {k: t.detach() for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    dtypes = sorted({str(p.dtype) for p in model.parameters()})
+    if len(dtypes) != 1 or next(model.parameters()).dtype not in DTYPES:
+        raise ValueError(f"model parameters have dtypes {dtypes}: compile needs one of "
+                         f"{sorted(map(str, DTYPES))} for all of them")
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    cost = CostModel(hw)
+    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype])
+    graph, spec = trace_causal_lm(model, strategy, batch=b, seq=s, name=type(model).__name__)
+    if passes:
+        from moegraph.passes import run_pipeline
+        graph, _report = run_pipeline(graph, passes, cost=cost)
+    plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
+                     comm_streams=comm_streams)
+    layer_full = {q: full[original_name(spec, graph, q)]
+                  for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
+    layers = build_layer(graph, plan, layer_full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate,
+                         record=record)
+    positional = [q.name for q in inspect.signature(model.forward).parameters.values()
+                  if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
+    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, rank=rank, n=n,
+                         positional=positional)
+
+
+def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:
+    """The original model's name of a stacked graph's parameter source (``moegraph.layers``:
+    ``layers.{i}.<name>``; a one-layer graph keeps the layer's own names)."""
+    if layer_count(graph) == 1:
+        return f"{spec.layers}.0.{graph_qualname}"
+    return spec.layers + graph_qualname[len(PARAM_PREFIX):]
+
+
+__all__ = ["CompiledModel", "ModelResult", "compile_model"]

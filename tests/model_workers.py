@@ -1,0 +1,142 @@
+"""Rank functions for the compiled-model tests (spawned by moegraph.runtime.launch.spawn).
+
+Tiny causal LMs (h=32, vocab 64, s=16): moegraph.models.MoETransformer and, when transformers
+is installed, its MixtralForCausalLM, with random weights. Each case trains the compiled model
+and the eager one the same way and reports the errors (moegraph.runtime.check.train_against_eager).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+import moegraph
+from moegraph.models import MoETransformer
+from moegraph.registry import load_model
+from moegraph.runtime.check import rel_err, train_against_eager
+
+B, S, VOCAB = 2, 16, 64
+
+
+def reference_model(seed: int, layers: int) -> MoETransformer:
+    cfg = dataclasses.replace(load_model("tiny"), hidden=32, heads=4, kv_heads=2, ffn_hidden=48, experts=4, top_k=2,
+                              layers=layers)
+    torch.manual_seed(seed)
+    return MoETransformer.from_config(cfg, vocab=VOCAB)
+
+
+def mixtral_model(seed: int, layers: int, **overrides):
+    from transformers import MixtralConfig, MixtralForCausalLM
+    cfg = MixtralConfig(**{"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
+                           "intermediate_size": 48, "num_local_experts": 4, "num_experts_per_tok": 2,
+                           "num_hidden_layers": layers, "vocab_size": VOCAB, "rms_norm_eps": 1e-5,
+                           "tie_word_embeddings": False, "attn_implementation": "sdpa"} | overrides)
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    return model
+
+
+MODELS = {"ref": reference_model, "hf": mixtral_model,
+          "qwen2_moe": lambda seed, layers: family_model("qwen2_moe", seed, layers)}
+
+
+def batches(seed: int, steps: int, boundary_only: bool = False) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Random token ids and labels. boundary_only: every label ignored but the one at position
+    S/2 (the first of rank 1's shard on 2 ranks), which position S/2 - 1 (the last of rank 0's
+    shard) predicts: the loss is right only if labels shift across the shard boundary."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (B, S), generator=gen)
+        labels = ids.clone()
+        if boundary_only:
+            labels[:, : S // 2] = -100
+            labels[:, S // 2 + 1:] = -100
+        out.append((ids, labels))
+    return out
+
+
+def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
+    out = []
+    for i, case in enumerate(cases):
+        model = MODELS[case["model"]](seed + i, case["layers"])
+        data = batches(seed + 1000 + i, case.get("steps", 3), case.get("boundary_only", False))
+        compiled = moegraph.compile(model, data[0][0], hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                    dispatch=case.get("dispatch", "ag-rs"), passes=case["passes"],
+                                    schedule="greedy", timeout_s=60.0)
+        res = train_against_eager(model, compiled, data)
+        res["case"] = case
+        res["shard_params"] = sum(p.numel() for p in compiled.parameters())
+        res["full_params"] = sum(p.numel() for p in model.parameters())
+        out.append(res)
+    return out
+
+
+def model_checks(rank: int, n: int, cases: list[dict], round_trips: list[str], seed: int) -> dict:
+    """Both kinds of check on one process group (starting ranks costs seconds)."""
+    return {"train": train_cases(rank, n, cases, seed),
+            "round_trip": {kind: round_trip(rank, n, kind, seed + 500 + i) for i, kind in enumerate(round_trips)}}
+
+
+def round_trip(rank: int, n: int, kind: str, seed: int) -> dict:
+    """Train 2 steps compiled, load full_state_dict() into a fresh eager model (other weights):
+    its loss and logits must equal the compiled model's; then load_state_dict of the original's
+    names into a second compiled model gives the same loss again."""
+    model = MODELS[kind](seed, 2)
+    data = batches(seed + 1, 3)
+    compiled = moegraph.compile(model, data[0][0], hardware="cpu-gloo", schedule="greedy", timeout_s=60.0)
+    opt = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+    for ids, labels in data[:2]:
+        opt.zero_grad()
+        compiled(ids, labels=labels).loss.backward()
+        opt.step()
+    ids, labels = data[2]
+    with torch.no_grad():
+        got = compiled(ids, labels=labels, output_logits=True)
+    fresh = MODELS[kind](seed + 7, 2)
+    state = compiled.full_state_dict()
+    fresh.load_state_dict(state)
+    with torch.no_grad():
+        ref = fresh(input_ids=ids, labels=labels)
+    other = moegraph.compile(MODELS[kind](seed + 9, 2), ids, hardware="cpu-gloo", schedule="greedy", timeout_s=60.0)
+    other.load_state_dict(fresh.state_dict())
+    with torch.no_grad():
+        again = other(ids, labels=labels).loss
+    first = next(iter(state))
+    return {"loss": rel_err(got.loss, ref.loss), "logits": rel_err(got.logits, ref.logits),
+            "reloaded": rel_err(again, ref.loss), "keys_equal": list(state) == list(fresh.state_dict()),
+            "trained": rel_err(state[first], MODELS[kind](seed, 2).state_dict()[first])}
+
+
+def family_model(family: str, seed: int, layers: int = 2):
+    """A tiny transformers ForCausalLM of ``family`` (h=32, 4 heads, 4 experts top-2, vocab 64),
+    random N(0, 0.2) weights (buffers too: DeepSeek-V3's score-correction bias)."""
+    import transformers as tf
+    common = {"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": layers,
+              "vocab_size": VOCAB, "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attn_implementation": "sdpa",
+              "num_experts_per_tok": 2, "eos_token_id": None}
+    cfg_cls, lm_cls, extra = {
+        "qwen2_moe": (tf.Qwen2MoeConfig, tf.Qwen2MoeForCausalLM,
+                      {"intermediate_size": 64, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 40,
+                       "num_experts": 4}),
+        "olmoe": (tf.OlmoeConfig, tf.OlmoeForCausalLM, {"intermediate_size": 24, "num_experts": 4}),
+        "deepseek_v3": (tf.DeepseekV3Config, tf.DeepseekV3ForCausalLM,
+                        {"num_key_value_heads": 4, "intermediate_size": 48, "moe_intermediate_size": 24,
+                         "n_routed_experts": 4, "n_group": 2, "topk_group": 1, "n_shared_experts": 1,
+                         "routed_scaling_factor": 2.5, "q_lora_rank": 16, "kv_lora_rank": 16, "qk_nope_head_dim": 8,
+                         "qk_rope_head_dim": 8, "v_head_dim": 8, "first_k_dense_replace": 0}),
+    }[family]
+    cfg = cfg_cls(**(common | extra))
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = lm_cls(cfg)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.2)
+    for name, b in model.named_buffers():
+        if "e_score_correction_bias" in name:
+            torch.nn.init.normal_(b, std=0.2)
+    return model
