@@ -29,10 +29,11 @@ from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
-__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
+__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label"]
 
-METHODS = ("cpsat", "sequential", "greedy", "megascale", *MICROBATCH_BASELINES)
-"""CP-SAT and the baselines; megatron-1f1b and dualpipe need a merged micro-batch graph."""
+METHODS = ("cpsat", "sequential", "greedy", "megascale")
+MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
+"""Methods for a merged micro-batch step graph only (moegraph.microbatch): the paired baselines."""
 _BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
 
 
@@ -70,8 +71,8 @@ def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | N
     (deterministic seconds, see moegraph.schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
     a budget no schedule meets) on expected failures."""
     t0 = time.perf_counter()
-    if method not in METHODS:
-        raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS)}")
+    if method not in METHODS + MICROBATCH_METHODS:
+        raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS + MICROBATCH_METHODS)}")
     opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
     problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
     schedule, status, cap_hit = compile_problem(problem, method, opts)

@@ -231,8 +231,8 @@ def _pair_parts(problem: Problem) -> tuple[list[int], list[Stage], list[str]]:
             before_c, before_mlp = _reach(c_bwd, members, preds), _reach(mlp, members, preds)
             for i in members:
                 slot[i] = L + j * L + (L - 1 - layer)
-                stage[i] = 2 if i in after_d else 1 if i in mlp else 0 if i in before_c else 1 if i in before_mlp \
-                    else 2
+                stage[i] = 1 if i in d_bwd else 2 if i in after_d else 0 if i in c_bwd else 1 if i in mlp \
+                    else 0 if i in before_c else 1 if i in before_mlp else 2
                 part[i] = "Bw" if tasks[i].node.role is Role.WGRAD else "Bd"
     return slot, stage, part
 
