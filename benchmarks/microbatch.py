@@ -19,7 +19,7 @@ import platform
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
 from moegraph.microbatch import merge_microbatches
-from moegraph.options import positive_float, positive_int
+from moegraph.options import byte_size, format_bytes, positive_float, positive_int
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import compile_graph
@@ -35,18 +35,21 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=positive_int, default=4)
     ap.add_argument("--dispatch", default="ag-rs", choices=("ag-rs", "a2a"))
     ap.add_argument("--time-limit", type=positive_float, default=10.0)
+    ap.add_argument("--memory-budget", type=byte_size, default=None, help="for the merged step only")
     args = ap.parse_args()
     M = args.micro_batches
     cost = CostModel(load_hardware(args.hardware))
     graph = trace_model(load_model(args.model), Strategy("sp", "ep", args.dispatch, 8), seq=8192, layers=args.layers)
     graph, _ = run_pipeline(graph, "gate-reorder,sar=paper", cost=cost)
     one = compile_graph(graph, cost, time_limit_s=args.time_limit)
-    merged = compile_graph(merge_microbatches(graph, M), cost, time_limit_s=args.time_limit)
+    merged = compile_graph(merge_microbatches(graph, M), cost, time_limit_s=args.time_limit,
+                           memory_budget_bytes=args.memory_budget)
     assert verify_schedule(one.schedule) == [] and verify_schedule(merged.schedule) == []
     s1, s = one.schedule.summary, merged.schedule.summary
     span = s["makespan_us"]
     print(f"{args.model}, {args.layers} layers, {args.hardware}, sp+ep {args.dispatch}, n=8, s=8192, "
-          f"passes gate-reorder,sar=paper, M={M}, --time-limit {args.time_limit:g}; "
+          f"passes gate-reorder,sar=paper, M={M}, --time-limit {args.time_limit:g}"
+          + (f", merged step's memory budget {format_bytes(args.memory_budget)}" if args.memory_budget else "") + "; "
           f"{datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores)\n")
     gib = 2 ** 30
     print("| schedule | makespan us | exposed comm us | exposed / step | peak memory GiB |")
