@@ -59,7 +59,8 @@ def compile_summary(layer, result, output: str | None) -> dict:
 
 def format_compile(c: dict) -> str:
     b = c["baselines"]
-    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes, strategy "
+    mbs = f", {c['micro_batches']} micro-batches" if c.get("micro_batches", 1) > 1 else ""
+    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
              f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0
