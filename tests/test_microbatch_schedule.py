@@ -167,3 +167,16 @@ def test_memory_budget_counts_in_flight_micro_batches():
     r = compile_graph(g, COST, memory_budget_bytes=budget, time_limit_s=2)
     assert r.schedule.summary["peak_memory_bytes"] <= budget
     assert verify_schedule(r.schedule) == []
+
+
+def test_interleaved_warm_starts_are_feasible_and_beat_strict_pairing():
+    from moegraph.schedules.baselines import warm_starts
+    p = build_problem(_merged(3, layers=2), COST)
+    starts = [s for s in warm_starts(p) if s.method.startswith("interleave")]
+    assert {s.method for s in starts} >= {"interleave1+ce", "interleave2+ce", "interleave4+ce", "interleave1"}
+    for s in starts:
+        check_solution(p, s)
+    best = min(makespan_ticks(p, s) for s in starts)
+    assert best <= min(makespan_ticks(p, f(p)) for f in MICROBATCH_BASELINES.values())
+    assert not [s for s in warm_starts(build_problem(trace_model(TINY, Strategy("sp", "ep", "ag-rs", 2), seq=64),
+                                                     COST)) if s.method.startswith("interleave")]
