@@ -104,3 +104,10 @@ def test_merged_graph_structure():
         merge_microbatches(merged, 2)
     with pytest.raises(ValueError, match="micro_batches=0"):
         merge_microbatches(one, 0)
+
+
+def test_passes_refuse_a_merged_graph():
+    from moegraph.passes import PassError
+    merged = merge_microbatches(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=2), 2)
+    with pytest.raises(PassError, match="merged step of 2 micro-batches"):
+        run_pipeline(merged, "sar=paper", cost=CostModel(load_hardware("h800")))
