@@ -144,14 +144,14 @@ def merge_microbatches(graph: Graph, micro_batches: int) -> Graph:
         copies = [_renamed(n, j, rename) for n in graph.nodes if n.name not in sync_nodes]
         if j > 0:
             where = {c.outputs: i for i, c in enumerate(copies)}
-            for p, raw in raw_of.items():
-                done = _accumulate_into(graph, copies, where, mb_name(j, raw), total[raw], values)
+            for raw in raw_of.values():
+                done = _accumulate_into(copies, where, mb_name(j, raw), total[raw], values)
                 if done is not None:
                     copies.append(done)
         nodes += copies
         total = {raw: mb_name(j, raw) for raw in raw_of.values()}
     # the step's synchronisation: once, on the summed gradient
-    for p, (raw, chain) in chains.items():
+    for raw, chain in chains.values():
         for n in chain:
             nodes.append(dataclasses.replace(n, inputs=tuple(total[raw] if v == raw else v for v in n.inputs)))
     grads = tuple((p, total[g] if g in total else g) for p, g in graph.grads)
@@ -173,15 +173,15 @@ def _renamed(node: Node, j: int, rename) -> Node:
     return out.with_attrs(**{MB_ATTR: j})
 
 
-def _accumulate_into(graph: Graph, copies: list[Node], where: dict, part: str, acc: str, values: list) -> Node | None:
+def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, values: list) -> Node | None:
     """Make micro-batch j's gradient ``part`` the running sum ``acc`` + its own partial.
 
     The first weight-gradient kernel of ``part``'s chain (a parameter's per-chunk kernels
     already add into one another, attr accumulate) reads ``acc`` and adds into it, as a fused
     GEMM accumulating into the main gradient does; ``copies`` is updated in place and None
-    returned. Otherwise an ADD node (returned) sums them, and ``part``'s consumers... there are
-    none: ``part`` is a raw gradient, read only by the step's sync or the next micro-batch, so
-    the ADD's output takes ``part``'s name and ``part`` is renamed to its partial."""
+    returned. Otherwise an ADD node (returned) sums them: ``part`` is a raw gradient, read only
+    by the step's sync or the next micro-batch's sum, so the ADD's output takes ``part``'s name
+    and its producer writes ``<part>.partial`` instead. ``where``: outputs -> index in ``copies``."""
     i = where.get((part,))
     if i is None:
         raise GraphError(f"gradient {part!r} is not the single output of one node")

@@ -111,3 +111,21 @@ def test_passes_refuse_a_merged_graph():
     merged = merge_microbatches(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=2), 2)
     with pytest.raises(PassError, match="merged step of 2 micro-batches"):
         run_pipeline(merged, "sar=paper", cost=CostModel(load_hardware("h800")))
+
+
+def test_gradient_sum_falls_back_to_an_add_node():
+    """A partial gradient that is not a weight-gradient kernel's single output cannot add into
+    the running sum in place: an ADD node sums it (here forced by relabelling the router's
+    weight-gradient kernel as a data-gradient one)."""
+    import dataclasses
+    g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64)
+    nodes = tuple(dataclasses.replace(n, role=Role.DGRAD) if n.name == "router.wgrad" else n for n in g.nodes)
+    merged = merge_microbatches(dataclasses.replace(g, nodes=nodes), 3)
+    raw = g.node["router.wgrad"].outputs[0]
+    add = merged.node[f"mb2.{raw}.accumulate"]
+    assert add.op is OpKind.ADD and add.inputs == (f"mb1.{raw}", f"mb2.{raw}.partial") and add.outputs == (f"mb2.{raw}",)
+    assert merged.node["mb2.router.wgrad"].outputs == (f"mb2.{raw}.partial",)
+    assert not merged.node["mb2.router.wgrad"].attr("accumulate", False)
+    # the step's one all-reduce of the (replicated) router weight reads the last total
+    (ar,) = [n for n in merged.nodes if n.op is OpKind.ALL_REDUCE and n.inputs == (f"mb2.{raw}",)]
+    assert micro_batch_of(ar) is None
