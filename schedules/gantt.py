@@ -18,7 +18,8 @@ Merged micro-batch schedules (nodes carry the int attribute ``mb``, see moegraph
 each bar takes its category's colour shaded by its micro-batch (``mb_colour``: neighbouring
 micro-batches alternate dark and light, later ones lighter still), so a reader sees which
 micro-batch's forward collective runs under which micro-batch's backward compute; the legend
-lists the shades, the bar labels keep the ``mb{j}.`` prefix, and the Chrome trace carries
+lists the shades (step-level gradient sums and syncs darker), the bar labels keep the
+``mb{j}.`` prefix, and the Chrome trace carries
 ``mb`` in each slice's args. No barrier line is drawn: each micro-batch has its own.
 """
 
@@ -77,19 +78,27 @@ def micro_batches(s: Schedule) -> int:
     return 1 + max((n.attrs[MB_ATTR] for n in s.nodes if n.attrs.get(MB_ATTR) is not None), default=-1)
 
 
-def mb_colour(base: str, mb: int | None) -> str:
+STEP = "step"
+"""``mb_colour``'s micro-batch for a merged schedule's step-level nodes (gradient sums and syncs)."""
+
+
+def mb_colour(base: str, mb: int | str | None) -> str:
     """``base`` (#rrggbb) shaded for micro-batch ``mb``: odd micro-batches mixed 45% with white,
     and each pair further 10% (at most 75%), so micro-batches j and j+1 always differ
-    clearly; step-level nodes (None) keep ``base``."""
+    clearly; a merged schedule's step-level nodes (``STEP``) mixed 35% with black; None (an
+    unmerged schedule) keeps ``base``."""
     if mb is None:
         return base
-    mix = min(0.75, (0.45 if mb % 2 else 0.0) + 0.10 * (mb // 2))
     rgb = [int(base[i:i + 2], 16) for i in (1, 3, 5)]
+    if mb == STEP:
+        return "#" + "".join(f"{round(c * 0.65):02x}" for c in rgb)
+    mix = min(0.75, (0.45 if mb % 2 else 0.0) + 0.10 * (mb // 2))
     return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
 
 
-def _bar_colour(n: ScheduledNode) -> str:
-    return mb_colour(COLOURS[_category(n)], n.attrs.get(MB_ATTR))
+def _bar_colour(n: ScheduledNode, merged: bool) -> str:
+    mb = n.attrs.get(MB_ATTR)
+    return mb_colour(COLOURS[_category(n)], STEP if merged and mb is None else mb)
 
 
 def _category(n: ScheduledNode) -> str:
@@ -178,8 +187,10 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
     if any(by_layer is not None for by_layer in layered):
         handles += [Patch(color=c, label=f"layer {k}") for k, c in LAYER_COLOURS.items()]
-    handles += [Patch(color=mb_colour(COLOURS["compute"], j), label=f"mb{j}")
-                for j in range(max(micro_batches(s) for s in scheds))]
+    most = max(micro_batches(s) for s in scheds)
+    handles += [Patch(color=mb_colour(COLOURS["compute"], j), label=f"mb{j}") for j in range(most)]
+    if most:
+        handles.append(Patch(color=mb_colour(COLOURS["comm"], STEP), label="step (grad sync)"))
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=len(handles),
                    framealpha=0.8)
     return fig
@@ -231,12 +242,13 @@ def _chars_per_us(ax, span: float) -> float:
 def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
     chars_per_us = _chars_per_us(ax, span)
+    merged = micro_batches(s) > 0
     for n in s.nodes:
         d = n.end_us - n.start_us
         if d <= 0:
             continue
         y = rows[n.stream]
-        ax.barh(y, d, left=n.start_us, height=0.7, color=_bar_colour(n), edgecolor="white", linewidth=0.4)
+        ax.barh(y, d, left=n.start_us, height=0.7, color=_bar_colour(n, merged), edgecolor="white", linewidth=0.4)
         text = _bar_text(n, room=d * chars_per_us)
         if text:
             ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",

@@ -146,10 +146,12 @@ def test_gantt_shades_micro_batches_apart(tmp_path):
     # hand-computed: compute blue #4C72B0 mixed 45% with white for micro-batch 1
     assert mb_colour("#4C72B0", 0) == "#4c72b0" and mb_colour("#4C72B0", 1) == "#9db1d4"
     assert mb_colour("#4C72B0", None) == "#4C72B0"
+    assert mb_colour("#DD8452", "step") == "#905635"          # 65% of each channel
     merged = compile_graph(_merged(2), COST, method="greedy").schedule
     single = compile_graph(trace_model(TINY, Strategy("sp", "ep", "ag-rs", 2), seq=64), COST, method="greedy").schedule
     svg = render(merged, tmp_path / "mb.svg").read_text()
     assert "#4c72b0" in svg and "#9db1d4" in svg and "mb1" in svg
+    assert "#905635" in svg                                   # the step's gradient all-reduces
     assert "#9db1d4" not in render(single, tmp_path / "one.svg").read_text()
     trace = chrome_trace(merged)
     assert {e["args"].get("mb") for e in trace["traceEvents"] if e.get("ph") == "X"} >= {0, 1}
