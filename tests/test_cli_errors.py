@@ -97,6 +97,7 @@ SCHEDULES_CASES = [
     (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
     (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
+    (["tune", "--micro-batches", "-2"], "'-2' is not a positive integer"),
 ]
 
 # -- runtime: run, calibrate, demo ----------------------------------------------------------------------

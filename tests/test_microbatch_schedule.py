@@ -182,3 +182,20 @@ def test_interleaved_warm_starts_are_feasible_and_beat_strict_pairing():
     assert best <= min(makespan_ticks(p, f(p)) for f in MICROBATCH_BASELINES.values())
     assert not [s for s in warm_starts(build_problem(trace_model(TINY, Strategy("sp", "ep", "ag-rs", 2), seq=64),
                                                      COST)) if s.method.startswith("interleave")]
+
+
+def test_tune_ranks_merged_micro_batch_steps(tmp_path):
+    from moegraph.schedules.schedule_file import Schedule
+    from moegraph.schedules.tune import Cache, tune
+    res = tune(TINY, load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1, cache=Cache(tmp_path),
+               micro_batches=2)
+    assert res["micro_batches"] == 2
+    best = Schedule.from_json(res["_best_schedule"])
+    assert {n.attrs.get("mb") for n in best.nodes} >= {0, 1} and verify_schedule(best) == []
+    # the tp+tp sequential baseline is the merged step's: two micro-batches, one gradient sync
+    one = compile_graph(trace_model(TINY, Strategy("tp", "tp", "ag-rs", 2), seq=256), COST, method="sequential")
+    single = one.schedule.summary["makespan_us"]
+    sync = sum(n.end_us - n.start_us for n in one.schedule.nodes if n.op == "all_reduce" and n.role == "wgrad")
+    assert sync > 0
+    # (plus micro-batch 1's weight-gradient kernels reading the running sum they add into)
+    assert 2 * single - sync <= res["baseline"]["predicted_us"] < 2 * single - sync / 2
