@@ -57,6 +57,13 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
 
+def add_micro_batch_arg(p: argparse.ArgumentParser) -> None:
+    """--micro-batches M: schedule the step of M micro-batches (moegraph.microbatch)."""
+    p.add_argument("--micro-batches", type=positive_int, default=1, metavar="M",
+                   help="micro-batches per optimizer step (gradient accumulation): M >= 2 schedules one step "
+                        "graph in which a micro-batch's forward may overlap another's backward (default %(default)s)")
+
+
 def add_memory_budget_arg(p: argparse.ArgumentParser) -> None:
     """--memory-budget, one unit on every command (moegraph.options.byte_size)."""
     p.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
@@ -97,6 +104,10 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
     if args.passes:
         from moegraph.passes import run_pipeline
         graph, report = run_pipeline(graph, args.passes, cost=cost)
+    micro_batches = getattr(args, "micro_batches", 1)     # only commands that add_micro_batch_arg
+    if micro_batches > 1:
+        from moegraph.microbatch import merge_microbatches
+        graph = merge_microbatches(graph, micro_batches)   # after the passes: they rewrite one micro-batch
     return Layer(model, hw, cost, graph, report)
 
 

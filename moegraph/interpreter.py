@@ -17,12 +17,12 @@ axis="dp" run across the D replicas holding the same rank; all others within eac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
-from moegraph.layers import boundary
+from moegraph.microbatch import micro_batch_count, microbatch_boundaries
 from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 
 
@@ -61,23 +61,50 @@ def unshard_grad(spec: ParamSpec, grad: torch.Tensor, rank: int, n: int, out: di
         region.copy_(piece)
 
 
+@dataclass
+class MicroBatchResult:
+    outputs: list[torch.Tensor]              # per micro-batch [b, s, h] output, unsharded
+    input_grads: list[torch.Tensor]          # per micro-batch gradient of its input
+    param_grads: dict[str, torch.Tensor]     # module qualname -> full gradient summed over the micro-batches
+    envs: list[dict[str, Any]]
+
+
 def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor, dy: torch.Tensor) -> InterpreterResult:
     """Run ``graph`` on full input ``x`` [b, s, h] with seed gradient ``dy`` [b, s, h]; ``params``
     maps module qualnames to full parameters and the buffers the graph reads (ParamSpec.buffer).
 
     Results are read from replica 0; ``envs`` holds all D*n environments, replica-major.
+    A merged step graph of M micro-batches (moegraph.microbatch) runs with
+    ``interpret_microbatches``.
     """
+    if micro_batch_count(graph) != 1:
+        raise ValueError(f"graph {graph.name!r} holds {micro_batch_count(graph)} micro-batches: run it with "
+                         "interpret_microbatches (one input and seed gradient per micro-batch)")
+    r = interpret_microbatches(graph, params, [x], [dy])
+    return InterpreterResult(output=r.outputs[0], input_grad=r.input_grads[0], param_grads=r.param_grads,
+                             envs=r.envs)
+
+
+def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs: Sequence[torch.Tensor],
+                           dys: Sequence[torch.Tensor]) -> MicroBatchResult:
+    """Run a merged step graph (or, with one of each, any graph): micro-batch j's full input
+    ``xs[j]`` [b, s, h] and seed gradient ``dys[j]``; gradients are the step's (summed over the
+    micro-batches by the graph itself)."""
+    bounds = microbatch_boundaries(graph)
+    if len(xs) != len(bounds) or len(dys) != len(bounds):
+        raise ValueError(f"graph {graph.name!r} holds {len(bounds)} micro-batches but got {len(xs)} inputs and "
+                         f"{len(dys)} seed gradients")
     n, d = graph.strategy.n, graph.strategy.dp
     missing = sorted({src.qualname for _, spec in graph.params for src in spec.sources} - set(params))
     if missing:
         raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
                          "(dict(module.named_parameters()) | dict(module.named_buffers()))")
     envs: list[dict[str, Any]] = [{} for _ in range(n * d)]
-    x_name, seed_name, _, _ = boundary(graph)    # the layer input and seed gradient (moegraph.layers)
     for i, env in enumerate(envs):
         r = i % n
-        env[x_name] = x.chunk(n, dim=1)[r]
-        env[seed_name] = dy.chunk(n, dim=1)[r]
+        for (x_name, seed_name, _, _), x, dy in zip(bounds, xs, dys):   # moegraph.layers.boundary
+            env[x_name] = x.chunk(n, dim=1)[r]
+            env[seed_name] = dy.chunk(n, dim=1)[r]
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
     # collective groups: ranks of one replica, or (axis="dp") one rank across the replicas
@@ -101,7 +128,6 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
             if len(rank_outs) != len(node.outputs):
                 raise RuntimeError(f"node {node.name!r} produced {len(rank_outs)} outputs, expected {len(node.outputs)}")
             env.update(zip(node.outputs, rank_outs))
-    output_name, input_grad_name = graph.outputs[0], graph.outputs[1]
     trainable = [(pname, spec) for pname, spec in graph.params if not spec.buffer]    # buffers get no gradient
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
                   for _, spec in trainable for src in spec.sources}
@@ -110,9 +136,9 @@ def interpret(graph: Graph, params: Mapping[str, torch.Tensor], x: torch.Tensor,
         for r in ranks:
             unshard_grad(spec, envs[r][graph.grad_of[pname]], r, n, full_grads)
     replica0 = envs[:n]
-    return InterpreterResult(output=torch.cat([e[output_name] for e in replica0], dim=1),
-                             input_grad=torch.cat([e[input_grad_name] for e in replica0], dim=1),
-                             param_grads=full_grads, envs=envs)
+    return MicroBatchResult(outputs=[torch.cat([e[y] for e in replica0], dim=1) for _, _, y, _ in bounds],
+                            input_grads=[torch.cat([e[dx] for e in replica0], dim=1) for _, _, _, dx in bounds],
+                            param_grads=full_grads, envs=envs)
 
 
 # -- collectives over simulated ranks: ins[r] is rank r's input list -----------------------

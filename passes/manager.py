@@ -34,6 +34,7 @@ from typing import Any, Callable, Mapping
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, verify
 from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.microbatch import micro_batch_count
 
 
 class PassError(ValueError):
@@ -133,6 +134,10 @@ def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,
     Returns the final graph and the report: {"pipeline": [labels in run order], <pass name>:
     that pass's report, ...}.
     """
+    if micro_batch_count(graph) > 1:
+        # a pass rewrites one micro-batch's layer (restacking would drop the other micro-batches)
+        raise PassError(f"graph {graph.name!r} is a merged step of {micro_batch_count(graph)} micro-batches: run the "
+                        "passes on the micro-batch graph, then merge (moegraph.microbatch.merge_microbatches)")
     items = parse_pipeline(spec)
     passes = [(label(name, arg), build_pass(name, arg, cost))
               for name, arg in sorted(items, key=lambda it: PASSES[it[0]].stage)]

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.layers import layer_count, layer_graph, stack_layers
-from moegraph.schedules.baselines import BASELINES, warm_starts
+from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.periodic import is_stack, tile_layers
@@ -29,9 +29,11 @@ from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
-__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "build_schedule", "strategy_label"]
+__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label"]
 
 METHODS = ("cpsat", "sequential", "greedy", "megascale")
+MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
+"""Methods for a merged micro-batch step graph only (moegraph.microbatch): the paired baselines."""
 _BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
 
 
@@ -69,8 +71,8 @@ def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | N
     (deterministic seconds, see moegraph.schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
     a budget no schedule meets) on expected failures."""
     t0 = time.perf_counter()
-    if method not in METHODS:
-        raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS)}")
+    if method not in METHODS + MICROBATCH_METHODS:
+        raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS + MICROBATCH_METHODS)}")
     opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
     problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
     schedule, status, cap_hit = compile_problem(problem, method, opts)
@@ -86,7 +88,9 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
         if least > budget:
             raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory "
                                     f"{_gib(least)} for this graph (a sound lower bound: {why})", least, True)
-    base = {name: fn(problem) for name, fn in BASELINES.items()}
+    if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
+        raise ScheduleError(f"method={method!r} pairs micro-batches: it needs --micro-batches M >= 2")
+    base = {name: fn(problem) for name, fn in baselines_for(problem).items()}
     span = {name: makespan_ticks(problem, s) for name, s in base.items()}
     peak = {name: peak_memory_bytes(problem, s) for name, s in base.items()}
     fits = {name: budget is None or peak[name] <= budget for name in base}
@@ -102,7 +106,7 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     # Warm start: the shortest schedule within the budget among the baselines and extra list
     # schedules (copy-engine collectives; memory-checked ones under a budget), and on a stack
     # of layers 1- and 2-layer CP-SAT schedules tiled over the layers (moegraph.schedules.periodic).
-    cands = {n: base[n] for n in _BASELINE_ORDER}
+    cands = {n: base[n] for n in (*_BASELINE_ORDER, *(n for n in base if n not in _BASELINE_ORDER))}
     extra = warm_starts(problem, budget)
     if is_stack(problem.graph):
         extra += _periodic(problem, opts)
@@ -124,7 +128,7 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
         sol, status = _memory_fallback(problem, opts, result, cands, peak)
     if result.wall_cap_hit:
         status += " (wall-clock cap hit)"
-    schedule = build_schedule(problem, sol, bound, {n: span[n] for n in BASELINES}, solver_info)
+    schedule = build_schedule(problem, sol, bound, {n: span[n] for n in base}, solver_info)
     return schedule, status, result.wall_cap_hit
 
 

@@ -8,11 +8,12 @@ import json
 import sys
 from pathlib import Path
 
-from moegraph.commands import add_layer_args, add_memory_budget_arg, layer_from_args, print_result
+from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
 from moegraph.cost import variant
+from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.options import check_output, format_bytes, positive_float
-from moegraph.schedules.api import METHODS, compile_graph
+from moegraph.options import UsageError, check_output, format_bytes, positive_float
+from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
 from moegraph.schedules.schedule_file import Schedule, per_layer_summary
 
@@ -23,8 +24,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_memory_budget_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
-    p.add_argument("--schedule", default="cpsat", choices=METHODS,
-                   help="how to schedule: CP-SAT or one of the baselines (default %(default)s)")
+    p.add_argument("--schedule", default="cpsat", choices=METHODS + MICROBATCH_METHODS,
+                   help="how to schedule: CP-SAT or one of the baselines; megatron-1f1b and dualpipe need "
+                        "--micro-batches M >= 2 (default %(default)s)")
+    add_micro_batch_arg(p)
     p.add_argument("--comm-streams", type=int, default=1, choices=(1, 2),
                    help="1: one comm stream; 2: intra- and inter-node comm streams (default %(default)s)")
     p.add_argument("-o", "--output", default=None, metavar="SCHED.json", help="write the schedule file here")
@@ -33,6 +36,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 def compile_from_args(args):
     if args.output is not None:
         check_output(args.output, suffixes=(".json",))
+    if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
+        raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
+                         f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     layer = layer_from_args(args, multi_layer=True)
     streams = ("comm",) if args.comm_streams == 1 else ("comm.intra", "comm.inter")
     result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
@@ -50,13 +56,14 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
-            "passes": layer.report,
+            "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
             **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {})}
 
 
 def format_compile(c: dict) -> str:
     b = c["baselines"]
-    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes, strategy "
+    mbs = f", {c['micro_batches']} micro-batches" if c.get("micro_batches", 1) > 1 else ""
+    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
              f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0

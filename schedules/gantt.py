@@ -13,6 +13,14 @@ backward span (recompute included) and its exposed communication hatched red. In
 trace each layer is its own process (a collapsible track group in Perfetto) holding that
 layer's nodes on the stream threads, after one "layers" process with each layer's forward and
 backward spans. A one-layer schedule has no layer attribute, so no lane and one process.
+
+Merged micro-batch schedules (nodes carry the int attribute ``mb``, see moegraph.microbatch):
+each bar takes its category's colour shaded by its micro-batch (``mb_colour``: neighbouring
+micro-batches alternate dark and light, later ones lighter still), so a reader sees which
+micro-batch's forward collective runs under which micro-batch's backward compute; the legend
+lists the shades (step-level gradient sums and syncs darker), the bar labels keep the
+``mb{j}.`` prefix, and the Chrome trace carries
+``mb`` in each slice's args. No barrier line is drawn: each micro-batch has its own.
 """
 
 from __future__ import annotations
@@ -24,11 +32,12 @@ from pathlib import Path
 
 from moegraph.cost import FUSED_ATTR, variant_of
 from moegraph.ir import LAYER_ATTR
+from moegraph.microbatch import MB_ATTR
 from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, layer_exposed_comm,
                                                per_layer_summary)
 from moegraph.schedules.verify import memory_curve
 
-__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS"]
+__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS", "mb_colour", "micro_batches"]
 
 FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
@@ -63,6 +72,34 @@ def _metadata(suffix: str) -> dict:
     if suffix == ".svg":
         return {"Date": None, "Creator": None}
     return {"Software": None}
+
+
+def micro_batches(s: Schedule) -> int:
+    """How many micro-batches the schedule's nodes carry (0 when none is tagged)."""
+    return 1 + max((n.attrs[MB_ATTR] for n in s.nodes if n.attrs.get(MB_ATTR) is not None), default=-1)
+
+
+STEP = "step"
+"""``mb_colour``'s micro-batch for a merged schedule's step-level nodes (gradient sums and syncs)."""
+
+
+def mb_colour(base: str, mb: int | str | None) -> str:
+    """``base`` (#rrggbb) shaded for micro-batch ``mb``: odd micro-batches mixed 45% with white,
+    and each pair further 10% (at most 75%), so micro-batches j and j+1 always differ
+    clearly; a merged schedule's step-level nodes (``STEP``) mixed 35% with black; None (an
+    unmerged schedule) keeps ``base``."""
+    if mb is None:
+        return base
+    rgb = [int(base[i:i + 2], 16) for i in (1, 3, 5)]
+    if mb == STEP:
+        return "#" + "".join(f"{round(c * 0.65):02x}" for c in rgb)
+    mix = min(0.75, (0.45 if mb % 2 else 0.0) + 0.10 * (mb // 2))
+    return "#" + "".join(f"{round(c + (255 - c) * mix):02x}" for c in rgb)
+
+
+def _bar_colour(n: ScheduledNode, merged: bool) -> str:
+    mb = n.attrs.get(MB_ATTR)
+    return mb_colour(COLOURS[_category(n)], STEP if merged and mb is None else mb)
 
 
 def _category(n: ScheduledNode) -> str:
@@ -151,6 +188,10 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
     if any(by_layer is not None for by_layer in layered):
         handles += [Patch(color=c, label=f"layer {k}") for k, c in LAYER_COLOURS.items()]
+    most = max(micro_batches(s) for s in scheds)
+    handles += [Patch(color=mb_colour(COLOURS["compute"], j), label=f"mb{j}") for j in range(most)]
+    if most:
+        handles.append(Patch(color=mb_colour(COLOURS["comm"], STEP), label="step (grad sync)"))
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=len(handles),
                    framealpha=0.8)
     return fig
@@ -202,12 +243,13 @@ def _chars_per_us(ax, span: float) -> float:
 def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
     chars_per_us = _chars_per_us(ax, span)
+    merged = micro_batches(s) > 0
     for n in s.nodes:
         d = n.end_us - n.start_us
         if d <= 0:
             continue
         y = rows[n.stream]
-        ax.barh(y, d, left=n.start_us, height=0.7, color=COLOURS[_category(n)], edgecolor="white", linewidth=0.4)
+        ax.barh(y, d, left=n.start_us, height=0.7, color=_bar_colour(n, merged), edgecolor="white", linewidth=0.4)
         text = _bar_text(n, room=d * chars_per_us)
         if text:
             ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
@@ -221,7 +263,7 @@ def _gantt(ax, s: Schedule, span: float, label: str) -> None:
                 ax.barh(y, hi - lo, left=lo, height=0.7, facecolor="none", edgecolor=EXPOSED, hatch="///",
                         linewidth=0.8)
     barrier = s.summary.get("barrier_us")
-    if barrier:
+    if barrier and not micro_batches(s):
         ax.axvline(barrier, color="black", linestyle="--", linewidth=1)
         ax.text(barrier, len(rows) - 0.45, " backward", fontsize=7, va="bottom")
     ax.set_yticks(range(len(rows)), list(rows))
@@ -285,8 +327,8 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tupl
                            "dur": round(n.end_us - n.start_us, 6), "pid": p, "tid": tids[n.stream],
                            "args": {"op": n.op, "phase": n.phase, "role": n.role, "sm_budget": n.sm_budget,
                                     "stream": n.stream, "variant": variant_of(n.attrs),
-                                    **({LAYER_ATTR: n.attrs[LAYER_ATTR]}
-                                                           if LAYER_ATTR in n.attrs else {})}})
+                                    **{k: n.attrs[k] for k in (LAYER_ATTR, MB_ATTR)
+                                       if n.attrs.get(k) is not None}}})
 
     for s, label in zip(scheds, labels(scheds, sources)):
         by_layer = layer_nodes(s)

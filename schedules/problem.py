@@ -9,6 +9,12 @@ the cost model's durations plus less than one tick per node (the verifier's tole
 Semantics (docs/scheduler.md, the verifier implements them independently):
     * a node starts after the end of every producer of its inputs;
     * barrier: every BACKWARD / RECOMPUTE node starts at or after the end of every FORWARD node;
+      in a merged step graph of M micro-batches (moegraph.microbatch) the barrier is per
+      micro-batch: a node of micro-batch j (node attr ``mb``) waits for the end of every forward
+      node of micro-batch j only, and step-level backward nodes (no ``mb``) for every forward
+      node. There every task has ``side`` 0 and the barrier is carried by ``Task.preds``: edges
+      from micro-batch j's last forward nodes to its first backward ones (``barrier_preds``),
+      exact by transitivity, so baselines, bound and CP-SAT need no notion of it;
     * streams: one ``compute`` stream and one or more communication streams, one node at a
       time per stream;
     * modes: a collective holds ``b`` SMs (b from cost.comm_sm_budgets, 0 = copy engines) for
@@ -22,6 +28,9 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
     * memory: a value with storage, not PARAM/PARAM_GRAD, is live from its producer's start
       (graph inputs: time 0, or the barrier for GRAD inputs) until the last end of a consumer
       of it or of any view of it (graph outputs: the makespan; unconsumed: producer's end).
+      In a merged graph a micro-batch's seed gradient is counted from time 0 (conservative: it
+      is at most one activation-sized tensor per micro-batch, and this needs no per-micro-batch
+      barrier variable in the memory model).
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from moegraph.cost import CostModel
 from moegraph.registry import Hardware
 
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
+from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "comm_scope", "stream_of", "chunk_symmetry"]
+           "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "comm_scope", "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -73,7 +83,9 @@ class Mode:
 
 @dataclass(frozen=True)
 class Task:
-    """One node. ``side`` 0: before the barrier (FORWARD), 1: after it (BACKWARD, RECOMPUTE).
+    """One node. ``side`` 0: before the barrier (FORWARD), 1: after it (BACKWARD, RECOMPUTE);
+    0 for every node of a merged micro-batch graph, whose per-micro-batch barrier is in ``preds``
+    (producers of the inputs, plus ``barrier_preds``).
 
     For compute, ``Mode.sm`` is the SMs the kernel runs on (sm_count - b); for a collective it
     is the SM budget b it holds. ``default_mode`` indexes the mode baselines use: a collective's
@@ -263,11 +275,18 @@ def build_problem(graph: Graph, cost: CostModel, *, comm_streams: Sequence[str] 
 
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     producer = {v: index[n.name] for v, n in graph.producer.items()}
+    merged = micro_batch_count(graph) > 1
+    extra = barrier_preds(graph) if merged else {}
     tasks = []
     for i, node in enumerate(graph.nodes):
         modes, default = comm[node.name] if node.is_comm else _compute_modes(node, cost, sm_count, reserves)
-        preds = tuple(sorted({producer[v] for v in node.inputs if v in producer}))
-        side = 0 if node.phase is Phase.FORWARD else 1
+        preds = tuple(sorted({producer[v] for v in node.inputs if v in producer} | set(extra.get(i, ()))))
+        side = 0 if merged or node.phase is Phase.FORWARD else 1
+        if merged and node.phase is Phase.FORWARD:
+            late = [p for p in preds if graph.nodes[p].phase is not Phase.FORWARD]
+            if late:
+                raise ScheduleError(f"forward node {node.name!r} reads an output of {graph.nodes[late[0]].phase.value} "
+                                    f"node {graph.nodes[late[0]].name!r}, which the barrier runs after the forward")
         tasks.append(dict(index=i, name=node.name, node=node, kind="comm" if node.is_comm else "compute",
                           stream=stream[node.name], side=side, modes=modes,
                           default_mode=modes.index(default), preds=preds))
@@ -283,6 +302,40 @@ def build_problem(graph: Graph, cost: CostModel, *, comm_streams: Sequence[str] 
     return Problem(graph=graph, cost=cost, sm_count=sm_count, compute_budgets=reserves,
                    streams=(COMPUTE, *streams), tasks=built, mem_values=_mem_values(graph, index),
                    memory_budget_bytes=memory_budget_bytes)
+
+
+def barrier_preds(graph: Graph) -> dict[int, tuple[int, ...]]:
+    """The per-micro-batch barrier of a merged graph as precedence edges (node index -> the
+    forward node indices it must follow besides its producers): micro-batch j's forward sinks
+    (forward nodes of j that no forward node of j reads) to its backward sources (backward or
+    recompute nodes of j that read no backward or recompute node of j). By transitivity every
+    backward node of j then follows every forward node of j. Step-level backward nodes (no
+    ``mb``) that read no backward node follow every micro-batch's forward sinks."""
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    mb = [micro_batch_of(n) for n in graph.nodes]
+    fwd = [n.phase is Phase.FORWARD for n in graph.nodes]
+    preds = [{index[p.name] for p in graph.predecessors(n)} for n in graph.nodes]
+    reads_fwd_of_own = set()
+    for i, ps in enumerate(preds):
+        for p in ps:
+            if fwd[i] and fwd[p] and mb[p] == mb[i]:
+                reads_fwd_of_own.add(p)
+    sinks: dict[int | None, list[int]] = {}
+    for i in range(len(graph.nodes)):
+        if fwd[i] and i not in reads_fwd_of_own:
+            sinks.setdefault(mb[i], []).append(i)
+    everything = tuple(sorted(i for js in sinks.values() for i in js))
+    out = {}
+    for i in range(len(graph.nodes)):
+        if fwd[i] or any(not fwd[p] and mb[p] == mb[i] for p in preds[i]):
+            continue
+        if mb[i] is None:
+            if any(not fwd[p] for p in preds[i]):
+                continue
+            out[i] = everything
+        else:
+            out[i] = tuple(sinks.get(mb[i], ()))
+    return out
 
 
 def _base(graph: Graph, name: str) -> str:
@@ -304,6 +357,7 @@ def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
         for v in node.inputs:
             ends.setdefault(_base(graph, v), set()).add(index[node.name])
     graph_inputs = set(graph.inputs)
+    seed_start = "zero" if micro_batch_count(graph) > 1 else "barrier"
     out = []
     for v in graph.values:
         if v.storage_bytes <= 0 or v.kind in _EXCLUDED_KINDS:
@@ -312,7 +366,7 @@ def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
         if prod is not None:
             start, p = "producer", index[prod.name]
         elif v.name in graph_inputs:
-            start, p = ("barrier" if v.kind is ValueKind.GRAD else "zero"), None
+            start, p = (seed_start if v.kind is ValueKind.GRAD else "zero"), None
         else:
             continue  # declared but never defined: verify() rejects graphs that use it
         e = ends.get(v.name, set())

@@ -35,7 +35,8 @@ from typing import Any, Callable
 
 from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
-from moegraph.commands import add_memory_budget_arg, print_result
+from moegraph.commands import add_memory_budget_arg, add_micro_batch_arg, print_result
+from moegraph.microbatch import merge_microbatches
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
@@ -143,10 +144,12 @@ def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batc
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
          memory_budget: int | None = None, time_limit: float = 5.0, refine: int = 3, cache: Cache | None = None,
-         progress=None, min_gain: float | None = None, fuse: bool = False) -> dict:
+         progress=None, min_gain: float | None = None, fuse: bool = False, micro_batches: int = 1) -> dict:
     """Rank every candidate and pick one (module doc); the result dict is what `moegraph tune
     --json` prints. ``min_gain``: a fraction >= 0, None = ``hw.step_noise``. ``fuse``: also rank
-    each candidate with its fused groups (module doc)."""
+    each candidate with its fused groups (module doc). ``micro_batches`` M > 1: every candidate
+    (and the baseline) is the merged step of M micro-batches (moegraph.microbatch), so the ranking
+    includes the cross-micro-batch overlap."""
     min_gain = hw.step_noise if min_gain is None else min_gain
     if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r} must be a fraction in [0, 1)")
@@ -154,15 +157,18 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     cost = CostModel(hw)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    baseline_graph = trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch, seq=seq)
+    baseline_graph = merge_microbatches(trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch,
+                                                    seq=seq), micro_batches)
     base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype)
     for i, cand in enumerate(cands, 1):
         graph = build_graph(model, cand, cost, batch=batch, seq=seq)
+        # fuse before merging: passes refuse a merged graph
         for g in (graph, *((_fused(graph, cost),) if fuse else ())):
             if g is None:
                 continue                # nothing to fuse in this layer: the unfused row stands for it
+            g = merge_microbatches(g, micro_batches)
             entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
             rows.append({"candidate": cand, "graph": g, "stage1": entry})
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
@@ -181,6 +187,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         best, schedule = _baseline_row(base, kept), base.get("schedule")
         say(f"[{time.perf_counter() - t0:6.1f}s] {kept}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "min_gain": min_gain,
+            "micro_batches": micro_batches,
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
@@ -277,6 +284,7 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     add_memory_budget_arg(p)
+    add_micro_batch_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
                    help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
     p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
@@ -306,6 +314,7 @@ def tune_command(p: argparse.ArgumentParser):
         res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
                    cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
+                   micro_batches=args.micro_batches,
                    progress=lambda m: print(m, file=sys.stderr, flush=True), fuse=args.fuse)
         schedule_json = res.pop("_best_schedule")
         if schedule_json and args.output:

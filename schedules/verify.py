@@ -10,7 +10,9 @@ file by sweeping events over time. Checks, in the order violations are reported:
                 or listed as a graph output exists (a deleted node leaves its outputs
                 unproduced; the file's values are the graph's, see build_schedule)
     dependency  a node starts at or after the end of every producer of its inputs
-    barrier     backward/recompute nodes start at or after the end of every forward node
+    barrier     backward/recompute nodes start at or after the end of every forward node;
+                in a merged micro-batch step (nodes carry attr ``mb``) a node of micro-batch
+                j after every forward node of micro-batch j (step-level nodes: of all)
     stream      one node at a time per stream (nodes taking no time occupy no stream)
     sm          the SMs of running nodes sum to <= sm_count at every instant
     duration    each duration matches the cost model (rebuilt from the embedded hardware)
@@ -239,12 +241,29 @@ def _forward_end(s: Schedule) -> tuple[float, str | None]:
     return last.end_us, last.name
 
 
-def _barrier(s: Schedule, out: list[Violation]) -> None:
-    end, last = _forward_end(s)
+def _micro_batched(s: Schedule) -> bool:
+    return any(n.attrs.get("mb") is not None for n in s.nodes)
+
+
+def _forward_ends(s: Schedule) -> dict[Any, tuple[float, str | None]]:
+    """Micro-batch (None for the whole step) -> (end of its forward, its last forward node)."""
+    out = {None: _forward_end(s)}
     for n in s.nodes:
+        j = n.attrs.get("mb")
+        if n.phase == _FORWARD and j is not None and (j not in out or _ps(n.end_us) > _ps(out[j][0])
+                                                      or (_ps(n.end_us) == _ps(out[j][0]) and n.name > out[j][1])):
+            out[j] = (n.end_us, n.name)
+    return out
+
+
+def _barrier(s: Schedule, out: list[Violation]) -> None:
+    ends = _forward_ends(s)
+    for n in s.nodes:
+        end, last = ends.get(n.attrs.get("mb"), (0.0, None))
         if n.phase != _FORWARD and _ps(n.start_us) < _ps(end):
+            whose = "" if n.attrs.get("mb") is None else f" of micro-batch {n.attrs['mb']}"
             out.append(Violation("barrier", f"node {n.name!r} ({n.phase}) starts at {n.start_us:.2f} us before the "
-                                            f"forward pass ends at {end:.2f} us (last forward node {last!r})",
+                                            f"forward pass{whose} ends at {end:.2f} us (last forward node {last!r})",
                                  (n.name, last)))
 
 
@@ -379,7 +398,8 @@ def memory_events(s: Schedule) -> list[tuple[int, int, str]]:
     graph_inputs = set(s.graph.get("inputs", ()))
     outputs = {base.get(o, o) for o in s.graph.get("outputs", ())}
     makespan = max((_ps(n.end_us) for n in s.nodes), default=0)
-    barrier = _ps(_forward_end(s)[0])
+    # a merged micro-batch step counts each seed gradient from 0 (schedules.problem)
+    barrier = 0 if _micro_batched(s) else _ps(_forward_end(s)[0])
     last_use: dict[str, int] = {}
     for n in s.nodes:
         for v in n.inputs:

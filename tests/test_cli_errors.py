@@ -95,6 +95,10 @@ SCHEDULES_CASES = [
     (["gantt", "{tmp}/text_time.json", "-o", "{tmp}/c.json"], "end_us is str '1.5', not a finite number"),
     (["gantt", "{tmp}/nan_span.json", "-o", "{tmp}/c.svg"], "summary.makespan_us is NaN"),
     (["gantt", "{tmp}/sched.json", "--compare", "{tmp}/nan_time.json", "-o", "{tmp}/c.png"], "nan_time.json"),
+    (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
+    (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
+    (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
+    (["tune", "--micro-batches", "-2"], "'-2' is not a positive integer"),
 ]
 
 # -- runtime: run, calibrate, demo ----------------------------------------------------------------------
