@@ -23,9 +23,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))
 
 from moegraph.cost import CostModel  # noqa: E402
-from moegraph.ir import Phase, Strategy, ValueKind  # noqa: E402
+from moegraph.ir import Strategy  # noqa: E402
 from moegraph.passes import run_pipeline  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.schedules import compile_graph  # noqa: E402
@@ -33,20 +34,10 @@ from moegraph.schedules.baselines import BASELINES  # noqa: E402
 from moegraph.schedules.problem import build_problem  # noqa: E402
 from moegraph.schedules.solution import makespan_ticks, peak_memory_bytes  # noqa: E402
 from moegraph.tracer import trace_model  # noqa: E402
+from helpers import held_for_backward  # noqa: E402  (tests/helpers.py)
 
 PIPELINES = ("gate-reorder,sar=none", "gate-reorder,sar=paper")
 GIB = 2**30
-
-
-def held_for_backward(graph) -> int:
-    def base(v):
-        while graph.value[v].alias_of is not None:
-            v = graph.value[v].alias_of
-        return v
-    forward = {o for n in graph.nodes if n.phase is Phase.FORWARD for o in n.outputs}
-    forward |= {v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION}
-    read = {base(v) for n in graph.nodes if n.phase is not Phase.FORWARD for v in n.inputs if v in forward}
-    return sum(graph.value[v].nbytes for v in read if graph.value[v].kind is not ValueKind.PARAM)
 
 
 def main() -> int:

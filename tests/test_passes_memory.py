@@ -6,7 +6,7 @@ under test."""
 
 import pytest
 
-from moegraph.ir import Phase, Role, Strategy, ValueKind
+from moegraph.ir import Phase, Role, Strategy
 from moegraph.layers import stack_layers
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_model
@@ -15,6 +15,7 @@ from moegraph.schedules.baselines import BASELINES
 from moegraph.schedules.problem import build_problem, remat_anchors
 from moegraph.schedules.solution import memory_profile, peak_memory_bytes, solution_ends
 from moegraph.tracer import trace_model
+from helpers import held_for_backward
 from schedules_fakes import GRAD, PARAM, PGRAD, MiniBuilder, cost_model
 
 COST = cost_model()
@@ -42,19 +43,6 @@ def _two_gemm_layer():
     return g.build()
 
 
-def _held_for_backward(graph) -> int:
-    """Bytes of the values the forward must leave for backward: produced in forward (or the
-    activation input) and read, directly or through a view, by a backward or recompute node."""
-    def base(v):
-        while graph.value[v].alias_of is not None:
-            v = graph.value[v].alias_of
-        return v
-    forward = {o for n in graph.nodes if n.phase is Phase.FORWARD for o in n.outputs}
-    forward |= {v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION}
-    read = {base(v) for n in graph.nodes if n.phase is not Phase.FORWARD for v in n.inputs if v in forward}
-    return sum(graph.value[v].nbytes for v in read if graph.value[v].kind is not ValueKind.PARAM)
-
-
 def test_stacked_peak_equals_a_hand_sum():
     """3 stacked two-gemm layers, sequential schedule. After the forward, x0, a0, y0 (= x1), a1,
     y1 (= x2), a2 and the output y2 are live (7); the seed gradient arrives at the barrier (8);
@@ -64,7 +52,7 @@ def test_stacked_peak_equals_a_hand_sum():
     p = build_problem(three, COST)
     sol = BASELINES["sequential"](p)
     assert peak_memory_bytes(p, sol) == 9 * ACT_BYTES
-    assert _held_for_backward(three) == 6 * ACT_BYTES        # x0, a0, y0, a1, y1, a2
+    assert held_for_backward(three) == 6 * ACT_BYTES        # x0, a0, y0, a1, y1, a2
     # as the forward ends, every value saved for backward is live, plus the output y2
     barrier = max(solution_ends(p, sol)[t.index] for t in p.tasks if t.side == 0)
     assert [b for tick, b in memory_profile(p, sol) if tick < barrier][-1] == 7 * ACT_BYTES
@@ -77,8 +65,8 @@ def test_stacked_peak_without_remat_holds_every_saved_activation(method):
     peak below their sum; and the memory model holds no more than that plus what backward
     allocates (less than one layer's activations of this graph)."""
     g, _ = run_pipeline(trace_model(SMALL, SP, seq=64, layers=4), "gate-reorder,sar=none", cost=COST)
-    held = _held_for_backward(g)
-    one_layer = _held_for_backward(run_pipeline(trace_model(SMALL, SP, seq=64), "gate-reorder,sar=none",
+    held = held_for_backward(g)
+    one_layer = held_for_backward(run_pipeline(trace_model(SMALL, SP, seq=64), "gate-reorder,sar=none",
                                                 cost=COST)[0])
     assert held > 3 * one_layer          # the stack holds (nearly) four layers' worth
     peak = compile_graph(g, COST, method=method, time_limit_s=0.5).schedule.summary["peak_memory_bytes"]
