@@ -22,6 +22,8 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
     * memory: a value with storage, not PARAM/PARAM_GRAD, is live from its producer's start
       (graph inputs: time 0, or the barrier for GRAD inputs) until the last end of a consumer
       of it or of any view of it (graph outputs: the makespan; unconsumed: producer's end).
+    * remat anchors (a memory rule): in a stack of layers a RECOMPUTE node also starts after
+      ``remat_anchors``' nodes, so rebuilt values are made just ahead of their layer's backward.
 """
 
 from __future__ import annotations
