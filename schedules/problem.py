@@ -39,7 +39,8 @@ from moegraph.registry import Hardware
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "remat_anchors", "REMAT_LOOKAHEAD", "comm_scope", "stream_of", "chunk_symmetry"]
+           "Task", "MemValue", "Problem", "build_problem", "remat_anchors", "REMAT_LOOKAHEAD", "comm_scope",
+           "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
