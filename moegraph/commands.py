@@ -48,9 +48,7 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--top-k", type=positive_int, default=None, help="override the model's top-k")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
-    p.add_argument("--layers", type=layers_arg, default=1, metavar="L|all",
-                   help="decoder layers in the graph, at most the model's; 'all' = the model's count "
-                        "(default %(default)s)")
+    add_layers_arg(p)
     p.add_argument("--passes", type=passes_arg, default=DEFAULT_PASSES,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
                         "passes (default %(default)s)")
@@ -62,6 +60,12 @@ def add_micro_batch_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--micro-batches", type=positive_int, default=1, metavar="M",
                    help="micro-batches per optimizer step (gradient accumulation): M >= 2 schedules one step "
                         "graph in which a micro-batch's forward may overlap another's backward (default %(default)s)")
+
+def add_layers_arg(p: argparse.ArgumentParser) -> None:
+    """--layers, shared by the layer options and `moegraph tune` (resolved by ``resolve_layers``)."""
+    p.add_argument("--layers", type=layers_arg, default=1, metavar="L|all",
+                   help="decoder layers in the graph, at most the model's; 'all' = the model's count "
+                        "(default %(default)s)")
 
 
 def add_memory_budget_arg(p: argparse.ArgumentParser) -> None:

@@ -39,7 +39,9 @@ Policies
                    GiB) with the least predicted extra time: the serial sum of the rebuilt
                    nodes' cost-model times, minimised exactly by a small CP-SAT model
                    (``budget_keep``). A budget below the footprint of rebuilding everything
-                   from ``hidden`` is an error naming that minimum.
+                   from ``hidden`` is an error naming that minimum. On a stack of L layers B
+                   caps the whole stack: every layer gets the cheapest keep-set within B // L
+                   (the stack holds exactly L times one layer's activations).
 
 Invariant: the same function (rebuilt values are recomputed from the same inputs by the same
 kernels) and never more activation memory: ``saved`` after is a subset of ``saved`` before.
@@ -54,7 +56,7 @@ from dataclasses import dataclass
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
-from moegraph.layers import layer_count
+from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, per_layer, record, register,
                                      same_computation)
 
@@ -317,10 +319,27 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
 
     def run_layers(graph: Graph) -> PassResult:
         layers = layer_count(graph)
-        if policy == "budget" and layers > 1:
-            # the budget caps the whole model's activations; splitting it per layer would be a guess
-            raise ValueError(f"{me} on a {layers}-layer graph: a byte budget is decided per layer only, not "
-                             "yet for a model; use sar=paper or sar=none, or one layer")
-        return per_layer(run)(graph)
+        if policy != "budget" or layers == 1:
+            return per_layer(run)(graph)
+        return _model_budget(graph, layers)
+
+    def _model_budget(graph: Graph, layers: int) -> PassResult:
+        """The budget caps the whole stack's held activations. A stack holds exactly L times
+        one layer's (a layer's output is held, if at all, as the next layer's input: one value),
+        so every layer gets the same keep-set, the cheapest within budget // L. Layers are
+        identical, so this is the optimum among keep-sets shared by all layers (a mix of
+        per-layer sets could use the remainder; the periodic warm starts need identical layers)."""
+        one = layer_graph(graph)
+        try:
+            result = remat_pass("budget", budget // layers, cost, pass_label=me)(one)
+        except ValueError as err:
+            least = plan(one, frozenset(), cost).graph.activation_bytes() * layers
+            raise ValueError(f"budget {budget} bytes for {layers} layers is below their smallest activation "
+                             f"footprint {least} bytes (everything rebuilt from each layer's input)") from err
+        stacked = stack_layers(result.graph, layers)
+        stacked = dataclasses.replace(stacked, strategy=dataclasses.replace(stacked.strategy, remat_budget=budget))
+        report = {**result.report, "budget_bytes": budget, "layer_budget_bytes": budget // layers, "layers": layers,
+                  "report_is": "per layer (activation bytes of one layer; the stack holds layers times them)"}
+        return PassResult(stacked, result.changed, report)
     run_layers.layer_aware = True
     return run_layers

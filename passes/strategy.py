@@ -147,7 +147,8 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     return run
 
 
-def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: CostModel | None) -> tuple[Graph, dict]:
+def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: CostModel | None,
+                   layers: int = 1) -> tuple[Graph, dict]:
     """The graph of one typed ``strategy`` for a registry ModelConfig: lowered with its lowering
     fields (attn, ffn, dispatch, n, dtype, dp, chunks, gate: the layer is lowered for them
     directly, no re-lowering pass runs), then rematerialized by its remat policy (``remat_pass``).
@@ -163,7 +164,7 @@ def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: Cos
     relowered = (("gate-reorder",) if strategy.gate == "before-fc2" else ()) + \
         ((label("chunk", str(strategy.chunks)),) if strategy.chunks > 1 else ())
     lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, passes=relowered)
-    graph = trace_model(model, lowering, batch=batch, seq=seq)
+    graph = trace_model(model, lowering, batch=batch, seq=seq, layers=layers)   # layers > 1: a stack
     if strategy.remat == "none":
         return graph, {}
     result = remat_pass(strategy.remat, strategy.remat_budget, cost)(graph)

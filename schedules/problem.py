@@ -31,6 +31,8 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
       In a merged graph a micro-batch's seed gradient is counted from time 0 (conservative: it
       is at most one activation-sized tensor per micro-batch, and this needs no per-micro-batch
       barrier variable in the memory model).
+    * remat anchors (a memory rule): in a stack of layers a RECOMPUTE node also starts after
+      ``remat_anchors``' nodes, so rebuilt values are made just ahead of their layer's backward.
 """
 
 from __future__ import annotations
@@ -47,7 +49,8 @@ from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "comm_scope", "stream_of", "chunk_symmetry"]
+           "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
+           "comm_scope", "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -277,10 +280,12 @@ def build_problem(graph: Graph, cost: CostModel, *, comm_streams: Sequence[str] 
     producer = {v: index[n.name] for v, n in graph.producer.items()}
     merged = micro_batch_count(graph) > 1
     extra = barrier_preds(graph) if merged else {}
+    anchors = {r: {index[a] for a in after} for r, after in remat_anchors(graph).items()}
     tasks = []
     for i, node in enumerate(graph.nodes):
         modes, default = comm[node.name] if node.is_comm else _compute_modes(node, cost, sm_count, reserves)
-        preds = tuple(sorted({producer[v] for v in node.inputs if v in producer} | set(extra.get(i, ()))))
+        preds = tuple(sorted({producer[v] for v in node.inputs if v in producer} | set(extra.get(i, ()))
+                             | anchors.get(node.name, set())))
         side = 0 if merged or node.phase is Phase.FORWARD else 1
         if merged and node.phase is Phase.FORWARD:
             late = [p for p in preds if graph.nodes[p].phase is not Phase.FORWARD]
@@ -335,6 +340,51 @@ def barrier_preds(graph: Graph) -> dict[int, tuple[int, ...]]:
             out[i] = everything
         else:
             out[i] = tuple(sinks.get(mb[i], ()))
+    return out
+
+REMAT_LOOKAHEAD = 1
+"""Layers ahead a layer's rebuilds may run (``remat_anchors``): layer i's rebuilds start once
+layer i+1's backward has begun, so at most about two layers' rebuilt values are live. 0 (not
+before layer i's own backward) held mixtral-8x7b's 32-layer h800 peak at 4.98 GiB instead of
+5.16, but cost 1.8% makespan: the tiled 2-layer warm start (moegraph.schedules.periodic) then
+cannot fill the idle compute under a period's first collective with the lower layer's rebuilds
+(docs/passes.md, benchmarks/RESULTS.md)."""
+
+
+def remat_anchors(graph: Graph) -> dict[str, tuple[str, ...]]:
+    """Recompute node -> the nodes it starts after besides its producers. In a stack of layers
+    (moegraph.layers), layer i's recompute nodes start after the producers of the gradient
+    that begins layer i+REMAT_LOOKAHEAD's backward (that layer's incoming gradient, made by
+    the layer above it).
+
+    A rebuilt value exists to be held briefly (moegraph.passes.sar), but its inputs are held
+    values, available from the forward on, so with data edges alone a makespan-minded
+    scheduler may rebuild every layer's values at the barrier and hold them as long as the
+    originals: across L layers all rebuilt values are then live at once and remat saves
+    little (the greedy list schedule of 32 mixtral-8x7b layers: 12% instead of 54%). With
+    the anchors, rebuilds run a bounded distance ahead of their use, beside the collectives
+    that start a layer's backward (the paper's Fig 8b rebuilds fc2_in under the all-gather of
+    dffn_out). A one-layer graph, and the top layers of a stack, have no anchors: what would
+    start them is the seed gradient, a graph input the barrier already orders. No cycle: an
+    anchor belongs to a higher layer's backward, which reads nothing of layer i's. A memory
+    rule, not a data one: the verifier does not require it, and every schedule obeying it is
+    valid.
+    """
+    producer = graph.producer
+    # (micro-batch, layer) -> producers of the gradients that start its backward: in a merged
+    # graph (moegraph.microbatch) a micro-batch's rebuilds wait for its own backward only
+    entry: dict[tuple[int | None, int], set[str]] = {}
+    for node in graph.nodes:
+        if node.phase is Phase.BACKWARD and node.layer is not None:
+            entry.setdefault((micro_batch_of(node), node.layer), set()).update(
+                producer[v].name for v in node.inputs
+                if v in producer and graph.value[v].kind is ValueKind.GRAD and producer[v].layer != node.layer)
+    out = {}
+    for n in graph.nodes:
+        if n.phase is Phase.RECOMPUTE and n.layer is not None:
+            after = entry.get((micro_batch_of(n), n.layer + REMAT_LOOKAHEAD))
+            if after:
+                out[n.name] = tuple(sorted(after))
     return out
 
 

@@ -1,7 +1,8 @@
 """`moegraph tune`: search strategies for a model on a hardware profile.
 
 Search space: attention tp|sp x ffn tp|ep x dispatch a2a|ag-rs (ep only) x chunks x remat
-policy; SM budgets and order come from the scheduler. Each candidate is one typed
+policy; SM budgets and order come from the scheduler. With ``--layers L`` every candidate is a
+stack of L layers, so rematerialization and peak memory are judged at model level. Each candidate is one typed
 ``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), built
 into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between.
 Two stages keep it quick: every candidate is scheduled by the list-scheduling baselines
@@ -35,7 +36,7 @@ from typing import Any, Callable
 
 from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
-from moegraph.commands import add_memory_budget_arg, add_micro_batch_arg, print_result
+from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
 from moegraph.microbatch import merge_microbatches
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
@@ -137,19 +138,22 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
     return entry | {"cached": False}
 
 
-def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batch: int, seq: int) -> Graph:
+def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batch: int, seq: int,
+                layers: int = 1) -> Graph:
     from moegraph.passes import lower_strategy
-    return lower_strategy(model, strategy, batch=batch, seq=seq, cost=cost)[0]
+    return lower_strategy(model, strategy, batch=batch, seq=seq, cost=cost, layers=layers)[0]
 
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
          memory_budget: int | None = None, time_limit: float = 5.0, refine: int = 3, cache: Cache | None = None,
-         progress=None, min_gain: float | None = None, fuse: bool = False, micro_batches: int = 1) -> dict:
+         progress=None, min_gain: float | None = None, fuse: bool = False, micro_batches: int = 1,
+         layers: int = 1) -> dict:
     """Rank every candidate and pick one (module doc); the result dict is what `moegraph tune
     --json` prints. ``min_gain``: a fraction >= 0, None = ``hw.step_noise``. ``fuse``: also rank
     each candidate with its fused groups (module doc). ``micro_batches`` M > 1: every candidate
     (and the baseline) is the merged step of M micro-batches (moegraph.microbatch), so the ranking
-    includes the cross-micro-batch overlap."""
+    includes the cross-micro-batch overlap. ``layers``: every candidate (and the baseline) is a stack
+    of that many layers (moegraph.layers)."""
     min_gain = hw.step_noise if min_gain is None else min_gain
     if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r} must be a fraction in [0, 1)")
@@ -158,12 +162,12 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
     baseline_graph = merge_microbatches(trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch,
-                                                    seq=seq), micro_batches)
+                                                    seq=seq, layers=layers), micro_batches)
     base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype)
     for i, cand in enumerate(cands, 1):
-        graph = build_graph(model, cand, cost, batch=batch, seq=seq)
+        graph = build_graph(model, cand, cost, batch=batch, seq=seq, layers=layers)
         # fuse before merging: passes refuse a merged graph
         for g in (graph, *((_fused(graph, cost),) if fuse else ())):
             if g is None:
@@ -186,8 +190,8 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     if kept:
         best, schedule = _baseline_row(base, kept), base.get("schedule")
         say(f"[{time.perf_counter() - t0:6.1f}s] {kept}")
-    return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "min_gain": min_gain,
-            "micro_batches": micro_batches,
+    return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
+            "min_gain": min_gain, "micro_batches": micro_batches,
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
@@ -260,7 +264,8 @@ def _rank_key(row: dict):
 
 
 def format_table(res: dict) -> str:
-    lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}: "
+    lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}"
+             + (f", {res['layers']} layers" if res["layers"] > 1 else "") + ": "
              f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
              f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
     for i, r in enumerate(res["candidates"], 1):
@@ -283,6 +288,7 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
     p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
+    add_layers_arg(p)
     add_memory_budget_arg(p)
     add_micro_batch_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
@@ -304,6 +310,8 @@ def tune_command(p: argparse.ArgumentParser):
     def run(args) -> int:
         if args.min_gain is not None and not args.min_gain < 1:
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
+        model = load_model(args.model)
+        layers = resolve_layers(args.layers, model)
         if args.cache:
             check_output_dir(args.cache, flag="--cache")
         if args.output:
@@ -311,7 +319,7 @@ def tune_command(p: argparse.ArgumentParser):
             check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
                          suffixes=(".png", ".svg", ".html", ".json"))
         budget = args.memory_budget
-        res = tune(load_model(args.model), load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq,
+        res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
                    cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
                    micro_batches=args.micro_batches,

@@ -51,3 +51,19 @@ def assert_interpreted_matches_eager(layer, strategy, x: torch.Tensor, dy: torch
     assert set(res.param_grads) == set(grads_ref)
     name, err = max_grad_err(res.param_grads, grads_ref)
     assert err < tol, f"gradient of {name}: {err:.2e}"
+
+
+def held_for_backward(graph) -> int:
+    """Bytes of the values the forward must leave for backward, counted from the graph alone:
+    produced in forward (or the activation input) and read, directly or through a view, by a
+    backward or recompute node. What any schedule holds at the barrier."""
+    from moegraph.ir import Phase, ValueKind
+
+    def base(v):
+        while graph.value[v].alias_of is not None:
+            v = graph.value[v].alias_of
+        return v
+    forward = {o for n in graph.nodes if n.phase is Phase.FORWARD for o in n.outputs}
+    forward |= {v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION}
+    read = {base(v) for n in graph.nodes if n.phase is not Phase.FORWARD for v in n.inputs if v in forward}
+    return sum(graph.value[v].nbytes for v in read if graph.value[v].kind is not ValueKind.PARAM)

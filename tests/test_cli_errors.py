@@ -48,7 +48,7 @@ CORE_CASES = [
     (["compile", "--layers", "33"], "--layers=33 must be between 1 and mixtral-8x7b's 32 layers"),
     (["trace", "--model", "deepseek-v3", "--layers", "59"],
      "--layers=59 must be between 1 and deepseek-v3's 58 MoE layers (its first_k_dense_replace=3 dense layers"),
-    (["tune", "--model", "small", "--layers", "2"], "unrecognized arguments: --layers"),
+    (["tune", "--model", "small", "--layers", "5"], "--layers=5 must be between 1 and small's 4 layers, or 'all'"),
     (["compile", *TINY, "--memory-budget", "nan"], "'nan' is not a positive size"),
     (["compile", *TINY, "--memory-budget", "inf"], "'inf' is not a positive size"),
     (["compile", *TINY, "--memory-budget=-1GiB"], "'-1GiB' is not a positive size"),

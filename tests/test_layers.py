@@ -164,10 +164,24 @@ def test_every_pass_runs_on_a_multi_layer_graph(spec):
     assert {n.name for n in two.nodes if n.layer == 1} == {f"l1.{n.name}" for n in one.nodes}
 
 
-def test_sar_budget_refuses_a_multi_layer_graph():
-    g = trace_model(SMALL, SP, seq=64, layers=2)
-    with pytest.raises(PassError, match="sar=budget:1MiB.*2-layer graph"):
-        run_pipeline(g, "sar=budget:1MiB", cost=CostModel(load_hardware("h800")))
+def test_sar_budget_caps_the_whole_stack():
+    """sar=budget:B on 3 layers: the stack holds at most B activation bytes, each layer the
+    keep-set a single layer gets under B // 3 (a stack holds 3x one layer's activations); a
+    budget below 3x the least footprint is an error naming the stack."""
+    cost = CostModel(load_hardware("h800"))
+    g = trace_model(SMALL, SP, seq=64, layers=3)
+    one = trace_model(SMALL, SP, seq=64)
+    paper = run_pipeline(one, "sar=paper", cost=cost)[0].activation_bytes()
+    full = one.activation_bytes()
+    budget = 3 * (paper + full) // 2                  # between paper's and no remat's, per layer
+    three, report = run_pipeline(g, f"sar=budget:{budget}", cost=cost)
+    single, single_report = run_pipeline(one, f"sar=budget:{budget // 3}", cost=cost)
+    assert three.activation_bytes() == 3 * single.activation_bytes() <= budget
+    assert paper < single.activation_bytes() < full
+    assert report["sar"]["kept"] == single_report["sar"]["kept"] and report["sar"]["budget_bytes"] == budget
+    assert three.strategy.remat_budget == budget
+    with pytest.raises(PassError, match="budget 3000 bytes for 3 layers is below their smallest activation"):
+        run_pipeline(g, "sar=budget:3000", cost=cost)
 
 
 def test_relower_keeps_the_layer_count():

@@ -190,3 +190,19 @@ def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
     assert cache.get(key) is None and cache.get("other") is None
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("moegraph tune: warning: cache entry ")
+
+
+def test_tune_layers_schedules_stacks(tmp_path):
+    """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks, so
+    the best schedule has twice the one-layer graph's nodes, named by layer."""
+    from moegraph.schedules.schedule_file import Schedule
+    res = tune(load_model("small"), load_hardware("h800"), n=2, seq=64, time_limit=0.5, refine=1, layers=2,
+               cache=Cache(tmp_path))
+    assert res["layers"] == 2 and res["best"]["feasible"]
+    best = res["best"]
+    one = build_graph(load_model("small"), Strategy(best["attn"], best["ffn"], best["dispatch"], 2,
+                                                     chunks=best["chunks"], remat=best["remat"], gate=best["gate"]),
+                      CostModel(load_hardware("h800")), batch=1, seq=64)
+    sched = Schedule.from_json(res["_best_schedule"])
+    assert len(sched.nodes) == 2 * len(one.nodes)
+    assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1"}
