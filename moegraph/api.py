@@ -14,13 +14,14 @@ from moegraph.commands import DEFAULT_PASSES
 def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
             attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
-            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True) -> Any:
+            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1) -> Any:
     """Compile one MoE decoder layer for this rank; returns an ``nn.Module`` (moegraph.runtime.module.CompiledLayer).
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
                      MixtralDecoderLayer); its parameters are read once and sharded.
     example_inputs:  the *full* layer input [b, s, h] (or a tuple starting with it): gives b, s and
-                     the dtype (fp32 or bf16); its values are not used.
+                     the dtype (fp32 or bf16); its values are not used. With dp > 1 the global
+                     input [dp*b, s, h]: b rows per replica.
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
     attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
                      same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
@@ -30,6 +31,9 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     n:               group size; default and only supported value: the world size of the default
                      process group (1 without torch.distributed).
     timeout_s:       how long any collective may take before a CollectiveTimeout names it.
+    dp:              data-parallel replicas D: the world holds n x D ranks, replica-major (rank
+                     p*n + r is rank r of replica p); parameter gradients come back averaged over
+                     the replicas (docs/runtime.md, "Data parallelism").
 
     Collective: every rank must call it with the same arguments; ranks compare plan hashes and
     raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
@@ -40,4 +44,4 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                          time_limit_s=time_limit_s, record=record)
+                          time_limit_s=time_limit_s, record=record, dp=dp)

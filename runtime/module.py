@@ -108,11 +108,18 @@ class CompiledLayer(nn.Module):
     def full_grads(self, group: Any = None) -> dict[str, torch.Tensor]:
         """Module-shaped gradients (qualname -> tensor) on every rank; collective over ``group``
         (default: this rank's replica, the n ranks that hold the shards; every replica holds the
-        same DP-synchronised gradients).
+        same DP-synchronised gradients). Missing grads count as zero."""
+        return self._gather(lambda p: p.grad, group)
 
-        Each rank writes its shard's region, replicated parameters only from rank 0 (they are
-        identical everywhere), then one all_reduce sums the regions. Missing grads count as zero.
-        """
+    @torch.no_grad()
+    def full_params(self, group: Any = None) -> dict[str, torch.Tensor]:
+        """Module-shaped parameters (qualname -> tensor) gathered from the shards, on every rank
+        (e.g. after optimizer steps); collective over ``group`` as ``full_grads``."""
+        return self._gather(lambda p: p, group)
+
+    def _gather(self, pick, group: Any) -> dict[str, torch.Tensor]:
+        """Each rank writes its shard's region of ``pick(shard)``, replicated parameters only from
+        rank 0 (they are identical everywhere), then one all_reduce per tensor sums the regions."""
         group = group if group is not None else self.executor.comm.mp_group
         out: dict[str, torch.Tensor] = {}
         for pname, spec in self.graph.params:
@@ -125,9 +132,9 @@ class CompiledLayer(nn.Module):
         for pname, spec in self.graph.params:
             if (spec.shard_dim is None and self.rank != 0) or spec.buffer:
                 continue
-            g = self.shard(pname).grad
-            if g is not None:
-                unshard_grad(spec, g, self.rank, self.n, out)
+            t = pick(self.shard(pname))
+            if t is not None:
+                unshard_grad(spec, t.detach(), self.rank, self.n, out)
         if self.n > 1:
             for t in out.values():
                 dist.all_reduce(t, group=group)
