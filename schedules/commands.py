@@ -12,7 +12,7 @@ from moegraph.layers import layer_count
 from moegraph.options import check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
-from moegraph.schedules.schedule_file import Schedule, per_layer_summary
+from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, per_layer_summary
 
 
 
@@ -48,7 +48,8 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "passes": layer.report,
-            **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {})}
+            **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {}),
+            **(dp_sync_exposure(result.schedule.nodes) if layer.graph.strategy.dp > 1 else {})}
 
 
 def format_compile(c: dict) -> str:
