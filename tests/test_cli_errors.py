@@ -125,6 +125,10 @@ RUNTIME_CASES = [
     (["demo", "--link", "fast"], "'fast' is not a link rate such as 1gbit, 500mbit or 100kbit, or none, or auto"),
     (["demo", "--skip-run", "-o", "{tmp}/o", "--link-latency", "2ms"], "--link-latency 2000us needs --link RATE"),
     (["calibrate", "-o", "{tmp}/p.yaml", "--link", "0bit"], "'0bit' is not a link rate"),
+    (["run", "--dp", "0"], "'0' is not a positive integer"),
+    (["run", "--backend", "nccl", "--model", "small", "--dp", "2"], "--backend nccl needs 4 CUDA devices (--n 2 x "
+                                                                    "--dp 2 = 4 ranks), this machine has 0"),
+    (["run", "--n", "8", "--dp", "16"], "--n 8 x --dp 16 = 128 ranks: the gloo launcher starts at most 64 local ranks"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES
