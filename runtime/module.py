@@ -171,7 +171,7 @@ class CompiledLayer(nn.Module):
     def _new_recorder(self) -> StepRecorder | None:
         if not self.record:
             return None
-        rec = StepRecorder(self.rank, self.executor.cuda)
+        rec = StepRecorder(self.layout.rank, self.executor.cuda)     # global rank: one trace process per rank
         rec.start(torch.cuda.current_stream(self.executor.device) if self.executor.cuda else None)
         return rec
 

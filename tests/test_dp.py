@@ -92,3 +92,17 @@ def test_axis_and_layout_switches_end_in_errors():
         lay.partition("pp")
     with pytest.raises(RuntimeFailure, match="rank 6 does not fit a layout of n=2 x dp=3"):
         Layout(n=2, dp=3, rank=6)
+
+
+def test_run_dp_checks_against_eager_and_traces_every_rank(capsys, tmp_path):
+    import json
+
+    from moegraph.cli import main
+    out = tmp_path / "dp.json"
+    assert main(["run", "--n", "2", "--dp", "2", "--steps", "1", "--warmup", "0", "--schedule", "greedy", "--check",
+                 "--trace", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["n"] == 2 and report["dp"] == 2
+    assert report["max_rel_err_output"] < TOL and report["max_rel_err_grads"] < TOL, report
+    chrome = json.loads(out.with_suffix(".chrome.json").read_text())
+    assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1, 2, 3}
