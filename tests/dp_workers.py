@@ -60,15 +60,24 @@ def grad_cases(rank: int, world: int, cases: list[dict], seed: int, n: int) -> l
     return out
 
 
-def adamw_steps(rank: int, world: int, case: dict, seed: int, n: int, steps: int, lr: float) -> dict:
+def adamw_steps(rank: int, world: int, case: dict, seed: int, n: int, steps: int, lr: float,
+                eps: float = 1e-4) -> dict:
     """``steps`` AdamW steps on the compiled layer (this rank's shards) and on the eager module (the
-    global batch, seed gradient / dp); per step the output error, then every parameter's error."""
+    global batch, seed gradient / dp); per step the output error, then every parameter's error.
+
+    eps: Adam moves a weight by lr * m / (sqrt(v) + eps), whose slope at g = 0 is lr / eps. fp32
+    summation order leaves ~1e-7 of the largest gradient as rounding noise in every element (2.5e-8
+    at a largest gradient of 0.5, measured), which for a near-zero element is a large *relative*
+    difference: with torch's default eps=1e-8 it moved one expert weight by 7e-5 and the tensor by
+    2e-6 relative after the first step, and random seeds reached 1e-5. eps=1e-4 bounds that at
+    lr * 2.5e-8 / 1e-4 = 2.5e-6 per element, while gradients above ~1e-3 still get Adam's
+    normalised step."""
     dp = world // n
     module = reference_layer(seed)
     x0, _ = _data(seed, dp)
     layer = _compile(module, x0, case, n, dp)
-    opt_c = torch.optim.AdamW(layer.parameters(), lr=lr)
-    opt_e = torch.optim.AdamW(module.parameters(), lr=lr)
+    opt_c = torch.optim.AdamW(layer.parameters(), lr=lr, eps=eps)
+    opt_e = torch.optim.AdamW(module.parameters(), lr=lr, eps=eps)
     out_err = []
     for step in range(steps):
         x, dy = _data(seed, dp, step)

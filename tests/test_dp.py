@@ -106,3 +106,21 @@ def test_run_dp_checks_against_eager_and_traces_every_rank(capsys, tmp_path):
     assert report["max_rel_err_output"] < TOL and report["max_rel_err_grads"] < TOL, report
     chrome = json.loads(out.with_suffix(".chrome.json").read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1, 2, 3}
+
+
+def test_compile_json_reports_the_dp_sync_exposure(capsys):
+    """A sequential schedule runs every DP collective alone: all of it exposed. CP-SAT overlaps part
+    of it with backward compute. dp=1 has no DP sync and no such keys."""
+    import json
+
+    from moegraph.cli import main
+    base = ["compile", "--model", "tiny", "--n", "2", "--seq", "512", "--time-limit", "2", "--json"]
+    got = {}
+    for schedule in ("sequential", "cpsat"):
+        assert main([*base, "--dp", "2", "--schedule", schedule]) == 0
+        got[schedule] = json.loads(capsys.readouterr().out)
+    seq, cp = got["sequential"], got["cpsat"]
+    assert seq["dp_sync_us"] > 0 and seq["exposed_dp_sync_us"] == pytest.approx(seq["dp_sync_us"], abs=0.01)
+    assert 0 <= cp["exposed_dp_sync_us"] < cp["dp_sync_us"]
+    assert main([*base, "--dp", "1", "--schedule", "sequential"]) == 0
+    assert "dp_sync_us" not in json.loads(capsys.readouterr().out)
