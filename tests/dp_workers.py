@@ -96,3 +96,10 @@ def adamw_steps(rank: int, world: int, case: dict, seed: int, n: int, steps: int
             "params": {k: _rel(full[k], p.detach()) for k, p in module.named_parameters()},
             "moved": {k: _rel(p.detach(), q.detach()) for (k, p), q in zip(module.named_parameters(),
                                                                            start.parameters())}}
+
+
+def grads_then_adamw(rank: int, world: int, cases: list[dict], adam_case: dict, seed: int, n: int) -> dict:
+    """Both checks on one process group (starting 4 ranks costs seconds): ``grad_cases``, then
+    3 AdamW steps (lr 1e-2) of ``adamw_steps``."""
+    return {"grads": grad_cases(rank, world, cases, seed, n),
+            "adamw": adamw_steps(rank, world, adam_case, seed + len(cases), n, 3, 1e-2)}

@@ -34,10 +34,17 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(2), "little")
 
 
+ADAMW_CASE = dict(attn="sp", ffn="ep", dispatch="ag-rs", passes="sar=paper,gate-reorder")
+
+
 @pytest.fixture(scope="module")
-def grad_results():
-    res = spawn(dp_workers.grad_cases, N * DP, args=(CASES, _seed(), N), timeout_s=600)
-    return res
+def dp_results():
+    return spawn(dp_workers.grads_then_adamw, N * DP, args=(CASES, ADAMW_CASE, _seed(), N), timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def grad_results(dp_results):
+    return [r["grads"] for r in dp_results]
 
 
 @pytest.mark.parametrize("i", range(2))
@@ -65,10 +72,8 @@ def test_bf16_compressed_sync_within_its_rounding_bound(grad_results):
         assert same[worst] < TOL, (worst, same[worst])
 
 
-def test_three_adamw_steps_match_eager_training():
-    case = dict(attn="sp", ffn="ep", dispatch="ag-rs", passes="sar=paper,gate-reorder")
-    res = spawn(dp_workers.adamw_steps, N * DP, args=(case, _seed(), N, 3, 1e-2), timeout_s=600)
-    for r in res:
+def test_three_adamw_steps_match_eager_training(dp_results):
+    for r in (res["adamw"] for res in dp_results):
         assert max(r["output"]) < TOL, r["output"]
         worst = max(r["params"], key=r["params"].get)
         assert r["params"][worst] < TOL, (worst, r["params"][worst])
