@@ -384,7 +384,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                               backend=args.backend, timeout_s=args.timeout, check=args.check)
     g = layer.graph
     report: dict[str, Any] = {
-        "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n, "dp": g.strategy.dp,
+        "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
+        "dp": g.strategy.dp,
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
@@ -428,7 +429,8 @@ def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int 
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
                    timeout_s, check, implementation)
-    return spawn(run_rank, layer.graph.strategy.n * layer.graph.strategy.dp, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
+    world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
+    return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
 
 
@@ -471,7 +473,8 @@ def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps
 def format_report(r: dict[str, Any]) -> str:
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "") + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
+             + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
              + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up",

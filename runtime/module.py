@@ -229,7 +229,8 @@ class CompiledLayer(nn.Module):
     def extra_repr(self) -> str:
         st = self.graph.strategy
         return (f"graph={self.graph.name}, attn={st.attn}, ffn={st.ffn}, dispatch={st.dispatch}, rank={self.rank}, "
-                f"n={self.n}, dp={self.layout.dp}, replica={self.layout.replica}, plan={self.plan.method} ({self.plan.hash[:12]})")
+                f"n={self.n}, dp={self.layout.dp}, replica={self.layout.replica}, "
+                f"plan={self.plan.method} ({self.plan.hash[:12]})")
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
