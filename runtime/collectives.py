@@ -29,8 +29,8 @@ Data parallelism: 2-D process groups. n x D ranks run D replicas of an n-rank gr
 replica-major (``Layout``): global rank g = p * n + r is rank r of replica p. A collective runs
 on the group its attr ``axis`` names (``axis_of``): "mp" (the default) the n ranks of its own
 replica, g in [p*n, (p+1)*n); "dp" the D ranks holding the same rank r, {r, r+n, .., r+(D-1)n}.
-This is the simulated layout of ``moegraph.interpreter`` (envs replica-major). Group-rank order
-is replica order along dp and rank order along mp, as the reference stacks them.
+This is the simulated layout of ``moegraph.interpreter`` (``axis_groups``, envs replica-major).
+Group-rank order is replica order along dp and rank order along mp, as the reference stacks them.
 
 Every collective is issued with ``async_op=True`` and returns a ``Pending``; its outputs exist
 after ``Pending.wait`` (CPU: blocks the host; GPU: orders the current stream after it).
@@ -68,11 +68,12 @@ import datetime
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
+from moegraph.interpreter import Axis, axis_groups, axis_of
 from moegraph.ir import Node, OpKind
 from moegraph.kernels import IndexMap, RecvMap
 from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
@@ -81,20 +82,6 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 EMULABLE = frozenset({"reduce_scatter"})
 GLOO_EMULATED = frozenset({"reduce_scatter"})   # see "Backend gaps" above
-
-
-Axis = Literal["mp", "dp"]
-
-
-def axis_of(node: Node) -> Axis:
-    """The process-group axis a collective runs on (attr ``axis``; absent: "mp")."""
-    axis = node.attr("axis", "mp")
-    if axis == "mp":
-        return "mp"
-    if axis == "dp":
-        return "dp"
-    raise RuntimeFailure(f"collective {node.name!r} has axis={axis!r}; valid axes: mp (within a replica), "
-                         "dp (across replicas)")
 
 
 @dataclass(frozen=True)
@@ -126,16 +113,11 @@ class Layout:
             return self.n
         if axis == "dp":
             return self.dp
-        raise RuntimeFailure(f"axis {axis!r} is not one of mp, dp")
+        raise ValueError(f"axis {axis!r} is not one of mp, dp")
 
     def partition(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
         """Every group of ``axis``, as global ranks in group-rank order (the same on every rank)."""
-        n, d = self.n, self.dp
-        if axis == "mp":
-            return tuple(tuple(range(p * n, (p + 1) * n)) for p in range(d))
-        if axis == "dp":
-            return tuple(tuple(range(r, n * d, n)) for r in range(n))
-        raise RuntimeFailure(f"axis {axis!r} is not one of mp, dp")
+        return axis_groups(axis, self.n, self.dp)
 
 
 @dataclass

@@ -32,11 +32,11 @@ from torch import nn
 
 from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
-from moegraph.interpreter import shard_param, unshard_grad
+from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.runtime import PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
-from moegraph.runtime.collectives import Comm, Layout, NoComm, axis_of, check_same_plan, metadata_group
+from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.plan import COMM, ExecutionPlan, check_plan
 from moegraph.runtime.trace import StepRecorder, StepTrace

@@ -81,19 +81,20 @@ def test_three_adamw_steps_match_eager_training(dp_results):
 
 
 def test_axis_and_layout_switches_end_in_errors():
+    from moegraph.interpreter import axis_of
     from moegraph.ir import Node, OpKind, Phase
     from moegraph.runtime import RuntimeFailure
-    from moegraph.runtime.collectives import Layout, axis_of
+    from moegraph.runtime.collectives import Layout
     node = Node("x.grad_rs", OpKind.REDUCE_SCATTER, Phase.BACKWARD, ("a",), ("b",), group=2)
     assert axis_of(node) == "mp"
     assert axis_of(node.with_attrs(axis="dp")) == "dp"
-    with pytest.raises(RuntimeFailure, match=r"^collective 'x.grad_rs' has axis='pp'; valid axes: mp"):
+    with pytest.raises(ValueError, match=r"^collective 'x.grad_rs' has axis='pp'; valid axes: mp"):
         axis_of(node.with_attrs(axis="pp"))
     lay = Layout(n=2, dp=3, rank=3)                  # rank 1 of replica 1
     assert (lay.replica, lay.mp_rank, lay.world) == (1, 1, 6)
     assert lay.partition("mp") == ((0, 1), (2, 3), (4, 5))
     assert lay.partition("dp") == ((0, 2, 4), (1, 3, 5))
-    with pytest.raises(RuntimeFailure, match="axis 'pp' is not one of mp, dp"):
+    with pytest.raises(ValueError, match="axis 'pp' is not one of mp, dp"):
         lay.partition("pp")
     with pytest.raises(RuntimeFailure, match="rank 6 does not fit a layout of n=2 x dp=3"):
         Layout(n=2, dp=3, rank=6)
