@@ -11,19 +11,45 @@ Data parallelism (strategy.dp = D > 1): D replicas of the n-rank group are simul
 environments in all. Every replica gets the *same* input and seed gradient (identical copies),
 so the DP-averaged gradient equals the single-replica gradient and the results (read from
 replica 0) are compared against the eager module as for D = 1. Collectives with attr
-axis="dp" run across the D replicas holding the same rank; all others within each replica.
+axis="dp" run across the D replicas holding the same rank; axis="mp" (the default) within each
+replica (``axis_of``, ``axis_groups``: the runtime uses the same layout on real ranks).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
 from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
+
+
+Axis = Literal["mp", "dp"]
+
+
+def axis_of(node: Node) -> Axis:
+    """The group axis a collective runs on (attr ``axis``; absent: "mp"); anything else raises."""
+    axis = node.attr("axis", "mp")
+    if axis == "mp":
+        return "mp"
+    if axis == "dp":
+        return "dp"
+    raise ValueError(f"collective {node.name!r} has axis={axis!r}; valid axes: mp (within a replica), "
+                     "dp (across replicas)")
+
+
+def axis_groups(axis: Axis, n: int, d: int) -> tuple[tuple[int, ...], ...]:
+    """Every group of ``axis`` among n x d ranks laid out replica-major (rank p*n + r is rank r of
+    replica p), as ranks in group-rank order: mp, the n ranks of each replica; dp, the d ranks
+    holding the same rank r, in replica order."""
+    if axis == "mp":
+        return tuple(tuple(range(p * n, (p + 1) * n)) for p in range(d))
+    if axis == "dp":
+        return tuple(tuple(range(r, n * d, n)) for r in range(n))
+    raise ValueError(f"axis {axis!r} is not one of mp, dp")
 
 
 @dataclass
@@ -107,17 +133,15 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
             env[seed_name] = dy.chunk(n, dim=1)[r]
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
-    # collective groups: ranks of one replica, or (axis="dp") one rank across the replicas
-    mp_groups = [list(range(p * n, (p + 1) * n)) for p in range(d)]
-    dp_groups = [list(range(r, n * d, n)) for r in range(n)]
     for node in graph.nodes:
         shapes = [graph.value[o].shape for o in node.outputs]
         if node.is_comm:
             outs: list[list[Any]] = [[] for _ in envs]
-            for group in (dp_groups if node.attr("axis", "mp") == "dp" else mp_groups):
+            axis = axis_of(node)
+            for group in axis_groups(axis, n, d):
                 if len(group) != node.group:
                     raise RuntimeError(f"node {node.name!r}: group={node.group} but the interpreter's "
-                                       f"{node.attr('axis', 'mp')} group has {len(group)} ranks")
+                                       f"{axis} group has {len(group)} ranks")
                 res = run_collective(node, [[envs[i][v] for v in node.inputs] for i in group], shapes)
                 for i, rank_outs in zip(group, res):
                     outs[i] = rank_outs

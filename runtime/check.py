@@ -67,6 +67,9 @@ def check_against_eager(module: nn.Module, layer: Any, x: torch.Tensor, dy: torc
     """Run both on the same full x, dy; return the errors (collective: call on every rank)."""
     y, dx, grads = compiled_step(layer, x, dy)
     y_ref, dx_ref, grads_ref = eager_step(module, x, dy, call)
+    dp = layer.layout.dp
+    if dp > 1:    # x is the global batch; the DP sync averages parameter gradients over the replicas
+        grads_ref = {k: g / dp for k, g in grads_ref.items()}
     missing = sorted(set(grads_ref) - set(grads))
     if missing:
         raise KeyError(f"the compiled layer has no gradient for module parameters {missing}")
@@ -78,6 +81,10 @@ def check_against_interpreter(layer: Any, module: nn.Module, x: torch.Tensor, dy
     """Compare with the simulated-rank interpreter on the same graph (collective). Exact even for
     lossy passes (compression), which change the function the graph computes on purpose."""
     from moegraph.interpreter import interpret
+    from moegraph.runtime import RuntimeFailure
+    if layer.layout.dp > 1:
+        raise RuntimeFailure("check_against_interpreter runs dp=1 layers: the interpreter gives every replica the "
+                             "same input, the runtime each replica its own rows; use check_against_eager")
     y, dx, grads = compiled_step(layer, x, dy)
     ref = interpret(layer.graph, {k: p.detach() for k, p in [*module.named_parameters(), *module.named_buffers()]}, x, dy)
     report = _grad_report({"<input>": (dx, ref.input_grad), **{k: (grads[k], g) for k, g in ref.param_grads.items()}})

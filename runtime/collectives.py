@@ -25,6 +25,13 @@ Semantics are exactly ``moegraph.interpreter.run_collective`` (the simulated-ran
     flat=True             gathers / reduce-scatters / shards work on the flattened tensor
     reduce="mean"         reduce-scatter averages over ranks instead of summing
 
+Data parallelism: 2-D process groups. n x D ranks run D replicas of an n-rank group, laid out
+replica-major (``Layout``): global rank g = p * n + r is rank r of replica p. A collective runs
+on the group its attr ``axis`` names (``axis_of``): "mp" (the default) the n ranks of its own
+replica, g in [p*n, (p+1)*n); "dp" the D ranks holding the same rank r, {r, r+n, .., r+(D-1)n}.
+This is the simulated layout of ``moegraph.interpreter`` (``axis_groups``, envs replica-major).
+Group-rank order is replica order along dp and rank order along mp, as the reference stacks them.
+
 Every collective is issued with ``async_op=True`` and returns a ``Pending``; its outputs exist
 after ``Pending.wait`` (CPU: blocks the host; GPU: orders the current stream after it).
 
@@ -66,6 +73,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from moegraph.interpreter import Axis, axis_groups, axis_of
 from moegraph.ir import Node, OpKind
 from moegraph.kernels import IndexMap, RecvMap
 from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
@@ -74,6 +82,42 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 EMULABLE = frozenset({"reduce_scatter"})
 GLOO_EMULATED = frozenset({"reduce_scatter"})   # see "Backend gaps" above
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where one rank sits among n x dp ranks (module docstring: replica-major)."""
+
+    n: int                 # model-parallel group size (the graph's strategy.n)
+    dp: int                # replicas (strategy.dp)
+    rank: int              # global rank in the default process group
+
+    def __post_init__(self):
+        if self.n < 1 or self.dp < 1 or not 0 <= self.rank < self.n * self.dp:
+            raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp} ranks")
+
+    @property
+    def world(self) -> int:
+        return self.n * self.dp
+
+    @property
+    def replica(self) -> int:
+        return self.rank // self.n
+
+    @property
+    def mp_rank(self) -> int:
+        return self.rank % self.n
+
+    def size(self, axis: Axis) -> int:
+        if axis == "mp":
+            return self.n
+        if axis == "dp":
+            return self.dp
+        raise ValueError(f"axis {axis!r} is not one of mp, dp")
+
+    def partition(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
+        """Every group of ``axis``, as global ranks in group-rank order (the same on every rank)."""
+        return axis_groups(axis, self.n, self.dp)
 
 
 @dataclass
@@ -133,23 +177,33 @@ def _wait_host(work: Any, timeout_s: float, what: str, rank: int) -> None:
 class Comm:
     """The process groups one plan needs, and the IR collectives issued on them.
 
-    ``keys`` are the plan's distinct (stream, sm_budget) pairs. Must be created on every rank
-    with the same keys in the same order (``new_group`` is collective): callers check the plan
-    hash first (``check_same_plan``).
+    ``keys`` are the plan's distinct (stream, sm_budget) pairs; ``axes`` the group axes its
+    collectives use: one process group per (stream, budget, axis), this rank's group of that
+    axis (``Layout``). Must be created on every rank with the same keys in the same order
+    (``new_group`` is collective): callers check the plan hash first (``check_same_plan``).
+    ``rank`` is the global rank, ``n`` the model-parallel group size, ``dp`` the replicas.
     """
 
     def __init__(self, keys: Sequence[tuple[str, int]], *, rank: int, n: int, timeout_s: float,
-                 emulate: frozenset[str] = frozenset(), meta_group: Any = None):
+                 emulate: frozenset[str] = frozenset(), meta_group: Any = None, dp: int = 1,
+                 axes: Sequence[Axis] = ("mp",)):
         unknown = set(emulate) - EMULABLE
         if unknown:
             raise ValueError(f"cannot emulate {sorted(unknown)}; emulable collectives: {sorted(EMULABLE)}")
-        self.rank, self.n, self.timeout_s = rank, n, timeout_s
-        self.backend = dist.get_backend() if n > 1 else "none"
+        self.layout = Layout(n, dp, rank)
+        self.rank, self.n, self.dp, self.timeout_s = rank, n, dp, timeout_s
+        self.backend = dist.get_backend() if self.layout.world > 1 else "none"
         self.emulate = set(emulate) | (GLOO_EMULATED if self.backend == "gloo" else set())
-        self.meta = meta_group if meta_group is not None else metadata_group()
+        # token count exchanges run within the replica; plan-hash checks and barriers over all ranks
+        self.world_meta = metadata_group()
+        self.meta = meta_group if meta_group is not None else metadata_group(self.layout.partition("mp"))
+        # full_grads / unshard_output helpers within a replica (default backend); WORLD when dp=1
+        self.mp_group = None if dp == 1 else _member_group(self.layout.partition("mp"), None, {})
         self.native_budgets = self.backend == "nccl"
-        self.groups = {key: _group(self.backend, *key, timeout_s) for key in keys}
-        self.ctas = {key: nccl_ctas(key[1]) for key in keys} if self.native_budgets else {}
+        axes = tuple(dict.fromkeys(axes))
+        self.groups = {(*key, axis): _group(self.backend, *key, timeout_s, self.layout, axis)
+                       for key in keys for axis in axes}
+        self.ctas = {key: nccl_ctas(key[1]) for key in self.groups} if self.native_budgets else {}
         if self.backend == "nccl":
             self._connect()
 
@@ -160,7 +214,8 @@ class Comm:
         one = torch.zeros(1, device=torch.device("cuda", torch.cuda.current_device()))
         for key, pg in self.groups.items():
             work = dist.all_reduce(one, group=pg, async_op=True)
-            _wait_host(work, self.timeout_s, f"communicator set-up of stream {key[0]!r} (budget {key[1]})",
+            _wait_host(work, self.timeout_s, f"communicator set-up of stream {key[0]!r} (budget {key[1]}, "
+                       f"axis {key[2]})",
                        self.rank)
         torch.cuda.synchronize()
 
@@ -168,23 +223,31 @@ class Comm:
               shapes: Sequence[tuple[int, ...]] = ()) -> Pending:
         """Issue ``node`` on this rank's inputs ``ins``; ``shapes`` are its outputs' IR shapes
         (needed by flat=True gathers, which reshape the gathered bucket)."""
-        if node.group != self.n:
-            raise NotImplementedError(f"collective {node.name!r} has group size {node.group} (axis "
-                                      f"{node.attr('axis', 'mp')!r}) but the runtime runs one group of all "
-                                      f"{self.n} ranks (data parallelism across groups is not supported)")
-        pg = self.groups[(stream, budget)]
+        axis = axis_of(node)
+        g = self.layout.size(axis)
+        if node.group != g:
+            raise RuntimeFailure(f"collective {node.name!r} has group size {node.group} on axis {axis!r}, but "
+                                 f"the runtime's {axis} groups have {g} ranks (n={self.n} x dp={self.dp})")
+        key = (stream, budget, axis)
+        if key not in self.groups:
+            raise RuntimeFailure(f"collective {node.name!r}: no process group for stream {stream!r}, budget "
+                                 f"{budget}, axis {axis!r} (the Comm was built for another plan)")
+        pg = self.groups[key]
         issued = time.perf_counter_ns()
         if node.op is OpKind.ALL_GATHER:
-            works, finish, keep = self._all_gather(node, ins[0], pg, shapes)
+            works, finish, keep = self._all_gather(node, ins[0], pg, shapes, g)
         elif node.op is OpKind.REDUCE_SCATTER:
-            works, finish, keep = self._reduce_scatter(node, ins[0], pg)
+            works, finish, keep = self._reduce_scatter(node, ins[0], pg, g)
         elif node.op is OpKind.ALL_REDUCE:
             works, finish, keep = self._all_reduce(ins[0], pg)
         elif node.op is OpKind.ALL_TO_ALL:
             mode = node.attr("mode")
             if mode in ("heads", "shards"):
-                works, finish, keep = self._a2a_parts(node, ins, pg, stack=mode == "shards")
+                works, finish, keep = self._a2a_parts(node, ins, pg, g, stack=mode == "shards")
             elif mode == "tokens":
+                if axis != "mp":      # routing metadata (counts, maps) lives within a replica
+                    raise RuntimeFailure(f"token all_to_all {node.name!r} on axis {axis!r}: token exchanges "
+                                         "run within a replica (axis mp) only")
                 works, finish, keep = self._a2a_tokens(node, ins, pg)
             else:
                 raise NotImplementedError(f"no all_to_all mode {mode!r} (node {node.name!r}); "
@@ -198,8 +261,8 @@ class Comm:
     # ones a backend cannot reduce or even carry (fp8 on gloo), and several tensors of different
     # dtypes pack into one exchange.
 
-    def _all_gather(self, node: Node, x: torch.Tensor, pg, shapes):
-        n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
+    def _all_gather(self, node: Node, x: torch.Tensor, pg, shapes, n: int):
+        dim, flat = node.attr("dim"), node.attr("flat", False)
         x = (x.reshape(-1) if flat else x).contiguous()
         send = _bytes(x)                                            # [numel * itemsize] uint8
         out = send.new_empty((n * send.numel(),))                   # preallocated: shards in rank order
@@ -212,9 +275,12 @@ class Comm:
             return [full.view(shapes[0]) if flat and shapes else full]
         return [work], finish, (send, out)
 
-    def _reduce_scatter(self, node: Node, x: torch.Tensor, pg):
-        n, dim, flat = self.n, node.attr("dim"), node.attr("flat", False)
-        mean = node.attr("reduce", "sum") == "mean"
+    def _reduce_scatter(self, node: Node, x: torch.Tensor, pg, n: int):
+        dim, flat = node.attr("dim"), node.attr("flat", False)
+        how = node.attr("reduce", "sum")
+        if how not in ("sum", "mean"):
+            raise RuntimeFailure(f"reduce_scatter {node.name!r}: reduce={how!r} is not one of sum, mean")
+        mean = how == "mean"
         chunks = _to_rank_major((x.reshape(-1) if flat else x), dim, n)    # [n, ..S..]: chunk j to rank j
         if "reduce_scatter" not in self.emulate:
             out = chunks.new_empty(chunks.shape[1:])
@@ -237,11 +303,11 @@ class Comm:
         work = dist.all_reduce(out, group=pg, async_op=True)
         return [work], lambda: [out], (out,)
 
-    def _a2a_parts(self, node: Node, ins: list[torch.Tensor], pg, *, stack: bool):
+    def _a2a_parts(self, node: Node, ins: list[torch.Tensor], pg, n: int, *, stack: bool):
         """heads: part j of each tensor (split along split_dim) to rank j, received parts concatenated
         along cat_dim in rank order. shards (flat=True flattens first): received parts stacked,
         [.., X, ..] -> [n, .., X/n, ..]. All tensors packed into one [n, bytes] exchange."""
-        n, split_dim = self.n, node.attr("split_dim")
+        split_dim = node.attr("split_dim")
         cat_dim = None if stack else node.attr("cat_dim")
         flat = stack and node.attr("flat", False)
         parts = [(t.reshape(-1) if flat else t).chunk(n, dim=split_dim) for t in ins]   # per tensor: n equal parts
@@ -315,15 +381,37 @@ class Comm:
 _GROUPS: dict[tuple, Any] = {}
 
 
-def _group(backend: str, stream: str, budget: int, timeout_s: float) -> Any:
-    """The process group of one (stream, budget): NCCL, one per pair (its communicator carries the
-    CTA limit); gloo, one per stream (budgets are not enforced). Cached per default group, so
-    compiling several layers reuses them; ``new_group`` is collective, and every rank compiles
-    the same plans in the same order, so every rank hits or misses the cache alike."""
-    key = (id(dist.group.WORLD), backend, stream, budget if backend == "nccl" else None, timeout_s)
+def _group(backend: str, stream: str, budget: int, timeout_s: float, layout: Layout | None = None,
+           axis: Axis = "mp") -> Any:
+    """This rank's process group of one (stream, budget, axis): NCCL, one per budget (its
+    communicator carries the CTA limit); gloo, one per stream (budgets are not enforced). Cached
+    per default group, so compiling several layers reuses them; ``new_group`` is collective, and
+    every rank compiles the same plans in the same order, so every rank hits or misses the cache
+    alike. Without a layout: one group of all ranks."""
+    kw: dict[str, Any] = {"timeout": datetime.timedelta(seconds=timeout_s)}
+    if backend == "nccl":
+        kw["pg_options"] = nccl_options(budget)
+    parts = None if layout is None else layout.partition(axis)
+    return _member_group(parts, backend, kw, (stream, budget if backend == "nccl" else None, timeout_s))
+
+
+def _member_group(parts: tuple[tuple[int, ...], ...] | None, backend: str | None, kw: dict[str, Any],
+                  tag: tuple = ()) -> Any:
+    """Create every group of ``parts`` (``Layout.partition``; collective: all ranks create all
+    groups, in the same order) and return the one holding this rank; cached. None, or a single
+    part: one group of all ranks. ``backend`` None: the default group's."""
+    if parts is not None and len(parts) == 1:
+        parts = None                                # the partition spans every rank
+    key = (id(dist.group.WORLD), backend, tag, parts)
     if key not in _GROUPS:
-        kw = {"pg_options": nccl_options(budget)} if backend == "nccl" else {}
-        _GROUPS[key] = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **kw)
+        backend_kw = {"backend": backend} if backend is not None else {}
+        if parts is None:
+            _GROUPS[key] = dist.new_group(**backend_kw, **kw)
+        else:
+            for ranks in parts:
+                pg = dist.new_group(ranks=list(ranks), **backend_kw, **kw)
+                if dist.get_rank() in ranks:
+                    _GROUPS[key] = pg
     return _GROUPS[key]
 
 
@@ -360,17 +448,15 @@ def _unbytes(b: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch
     return b.view(dtype).view(tuple(shape))
 
 
-def metadata_group() -> Any:
-    """A CPU (gloo) group for split sizes and plan hashes: WORLD under gloo, a new (cached) group
-    under NCCL. Collective: every rank must call it at the same point."""
+def metadata_group(parts: tuple[tuple[int, ...], ...] | None = None) -> Any:
+    """A CPU (gloo) group for split sizes and plan hashes: this rank's group of ``parts``
+    (``Layout.partition``), or all ranks when None: WORLD under gloo, else a new (cached) group.
+    Collective: every rank must call it at the same point."""
     if not dist.is_initialized():
         return None
-    if dist.get_backend() == "gloo":
+    if (parts is None or len(parts) == 1) and dist.get_backend() == "gloo":
         return dist.group.WORLD
-    key = (id(dist.group.WORLD), "meta")
-    if key not in _GROUPS:
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    return _GROUPS[key]
+    return _member_group(parts, "gloo", {}, ("meta",))
 
 
 NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count (MAXCHANNELS: 32, or 64 on newer NCCL)
@@ -441,6 +527,8 @@ class NoComm:
     native_budgets: bool = False
     groups: dict = field(default_factory=dict)
     meta: Any = None                      # no metadata group (Comm.meta): barriers need none
+    world_meta: Any = None
+    mp_group: Any = None
 
     def issue(self, node: Node, *_args) -> Pending:
         raise RuntimeFailure(f"collective {node.name!r} needs torch.distributed initialised with "

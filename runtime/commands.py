@@ -6,6 +6,10 @@ plan once (so N ranks do not each run the scheduler), then spawns N ranks on loo
 ``MoETransformerLayer.from_config`` with the same seeded random weights, shards it, and runs
 warm-up + K steps (forward + backward). Step time of a step = the slowest rank's; the report
 gives the median over the K steps.
+
+``--dp D`` runs n x D ranks (``world_size``): D replicas of the n-rank group, replica-major
+(``moegraph.runtime.collectives.Layout``). The seeded input is the global batch [D*b, s, h];
+replica p trains on rows p*b .. (p+1)*b - 1 (``CompiledLayer.shard_input``).
 """
 
 from __future__ import annotations
@@ -197,13 +201,11 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     module = module.to(spec.device)
     # buffers too: DeepSeek-V3's router reads its score-correction bias
     full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
+    n = spec.graph.strategy.n                   # ``rank`` is global: one of n x dp (world_size)
     layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
-    dims = spec.graph.dims
-    gen = torch.Generator().manual_seed(spec.seed + 1)
-    x = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
-    dy = torch.randn(dims.b, dims.s, dims.h, generator=gen).to(device=spec.device, dtype=dtype)
+    x, dy = global_batch(spec.graph, spec.seed, device=spec.device, dtype=dtype)
     xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
-    meta = layers[0].executor.comm.meta
+    meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
         timed_steps(layer, xs, dys, spec.warmup, meta)
@@ -223,6 +225,37 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     if spec.check:
         out["check"] = check_against_eager(module, layers[0], x, dy, call=call)
     return out
+
+
+def global_batch(graph: Any, seed: int, *, device: Any = "cpu", dtype: Any = None):
+    """The seeded input and seed gradient of one step for all replicas: [dp*b, s, h] each
+    (replica p's rows p*b .. (p+1)*b - 1: distinct data per replica)."""
+    import torch
+    dims, dp = graph.dims, graph.strategy.dp
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
+    return x, dy
+
+
+MAX_LOCAL_RANKS = 64      # local CPU (gloo) ranks the launcher starts at most (as calibrate --n)
+
+
+def world_size(args: argparse.Namespace) -> int:
+    """n x dp ranks to launch; a UsageError (before any work) when this machine cannot start them:
+    nccl needs one CUDA device per rank, gloo at most MAX_LOCAL_RANKS local processes."""
+    from moegraph.options import UsageError
+    world = args.n * args.dp
+    what = f"--n {args.n} x --dp {args.dp} = {world} ranks" if args.dp > 1 else f"--n {args.n} ranks"
+    if args.backend == "nccl":
+        import torch
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if have < world:
+            need = f"{world} CUDA devices" + (f" ({what})" if args.dp > 1 else "")
+            raise UsageError(f"--backend nccl needs {need}, this machine has {have}")
+    elif world > MAX_LOCAL_RANKS:
+        raise UsageError(f"{what}: the gloo launcher starts at most {MAX_LOCAL_RANKS} local ranks")
+    return world
 
 
 def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, Any]:
@@ -362,11 +395,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.train_steps is not None:
         return train(args, link)
     device = "cpu"
+    world_size(args)
     if args.backend == "nccl":
-        import torch
-        if not torch.cuda.is_available() or torch.cuda.device_count() < args.n:
-            raise UsageError(f"--backend nccl needs {args.n} CUDA devices, this machine has "
-                             f"{torch.cuda.device_count() if torch.cuda.is_available() else 0}")
         if args.hardware in CPU_PROFILES:
             from moegraph.registry import hardware_names
             gpus = [h for h in hardware_names() if h not in CPU_PROFILES]
@@ -386,7 +416,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
-        "layers": layer_count(g),
+        "layers": layer_count(g), "dp": g.strategy.dp,
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
@@ -537,7 +567,8 @@ def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int 
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
                    timeout_s, check, implementation)
-    return spawn(run_rank, layer.graph.strategy.n, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
+    world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
+    return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
 
 
@@ -582,7 +613,8 @@ def format_report(r: dict[str, Any]) -> str:
         return format_train_report(r)
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
+             + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
              + (f" layers={r['layers']}" if r.get("layers", 1) > 1 else "")
              + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),

@@ -8,6 +8,14 @@ sharded ones hold 1/n, replicated ones (norms, router, SP attention) a full copy
 every rank because their gradients are all-reduced by the graph. ``full_grads`` reassembles
 module-shaped gradients (a collective).
 
+Data parallelism (strategy.dp = D > 1): n x D ranks, replica-major (``collectives.Layout``:
+global rank p*n + r is rank r of replica p). The *global* input is [D*b, s, h]: replica p takes
+batch rows p*b .. (p+1)*b - 1, then its rank's sequence shard (``shard_input``); ``unshard_output``
+gathers all n x D shards back. The graph's DP sync (reduce="mean" across replicas) leaves every
+replica the MEAN over replicas of its parameter gradients: the gradient of the mean of the
+replicas' losses, which equals the eager module's gradient on the concatenated data with the
+seed gradient divided by D. Input (activation) gradients stay each replica's own, unscaled.
+
 ``compile_module`` is the pipeline: trace -> passes -> schedule -> plan -> check that every
 rank holds the same plan -> process groups -> CompiledLayer. ``moegraph.compile`` calls it.
 """
@@ -24,11 +32,11 @@ from torch import nn
 
 from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
-from moegraph.interpreter import shard_param, unshard_grad
+from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.runtime import PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
-from moegraph.runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
+from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.plan import COMM, ExecutionPlan, check_plan
 from moegraph.runtime.trace import StepRecorder, StepTrace
@@ -52,9 +60,15 @@ class CompiledLayer(nn.Module):
     """
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
-                 rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True):
+                 rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True,
+                 layout: Layout | None = None):
+        """``rank``: this rank's index in its n-rank group; ``layout``: its place among n x dp
+        ranks (default: dp=1, the group is the world)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
+        self.layout = layout if layout is not None else Layout(n, 1, rank)
+        if (self.layout.n, self.layout.mp_rank) != (n, rank):
+            raise RuntimeFailure(f"rank {rank} of n={n} disagrees with the layout {self.layout}")
         self.timeout_s, self.record = timeout_s, record
         self._attr: dict[str, str] = {}
         self.full_shapes = {src.qualname: tuple(full_params[src.qualname].shape)
@@ -92,11 +106,21 @@ class CompiledLayer(nn.Module):
 
     @torch.no_grad()
     def full_grads(self, group: Any = None) -> dict[str, torch.Tensor]:
-        """Module-shaped gradients (qualname -> tensor) on every rank; collective over ``group``.
+        """Module-shaped gradients (qualname -> tensor) on every rank; collective over ``group``
+        (default: this rank's replica, the n ranks that hold the shards; every replica holds the
+        same DP-synchronised gradients). Missing grads count as zero."""
+        return self._gather(lambda p: p.grad, group)
 
-        Each rank writes its shard's region, replicated parameters only from rank 0 (they are
-        identical everywhere), then one all_reduce sums the regions. Missing grads count as zero.
-        """
+    @torch.no_grad()
+    def full_params(self, group: Any = None) -> dict[str, torch.Tensor]:
+        """Module-shaped parameters (qualname -> tensor) gathered from the shards, on every rank
+        (e.g. after optimizer steps); collective over ``group`` as ``full_grads``."""
+        return self._gather(lambda p: p, group)
+
+    def _gather(self, pick, group: Any) -> dict[str, torch.Tensor]:
+        """Each rank writes its shard's region of ``pick(shard)``, replicated parameters only from
+        rank 0 (they are identical everywhere), then one all_reduce per tensor sums the regions."""
+        group = group if group is not None else self.executor.comm.mp_group
         out: dict[str, torch.Tensor] = {}
         for pname, spec in self.graph.params:
             if spec.buffer:
@@ -108,9 +132,9 @@ class CompiledLayer(nn.Module):
         for pname, spec in self.graph.params:
             if (spec.shard_dim is None and self.rank != 0) or spec.buffer:
                 continue
-            g = self.shard(pname).grad
-            if g is not None:
-                unshard_grad(spec, g, self.rank, self.n, out)
+            t = pick(self.shard(pname))
+            if t is not None:
+                unshard_grad(spec, t.detach(), self.rank, self.n, out)
         if self.n > 1:
             for t in out.values():
                 dist.all_reduce(t, group=group)
@@ -147,7 +171,7 @@ class CompiledLayer(nn.Module):
     def _new_recorder(self) -> StepRecorder | None:
         if not self.record:
             return None
-        rec = StepRecorder(self.rank, self.executor.cuda)
+        rec = StepRecorder(self.layout.rank, self.executor.cuda)     # global rank: one trace process per rank
         rec.start(torch.cuda.current_stream(self.executor.device) if self.executor.cuda else None)
         return rec
 
@@ -184,15 +208,29 @@ class CompiledLayer(nn.Module):
     # -- sharding helpers --------------------------------------------------------------------------
 
     def shard_input(self, x: torch.Tensor) -> torch.Tensor:
+        """The global input [dp*b, s, h] -> this rank's [b, s/n, h] (its replica's rows, its
+        sequence shard)."""
+        if self.layout.dp > 1:
+            if x.shape[0] % self.layout.dp:
+                raise ValueError(f"batch {x.shape[0]} is not divisible by dp={self.layout.dp} replicas")
+            x = x.chunk(self.layout.dp, dim=0)[self.layout.replica]
         return shard_input(x, self.rank, self.n)
 
     def unshard_output(self, y: torch.Tensor, group: Any = None) -> torch.Tensor:
-        return unshard_output(y, self.n, group)
+        """Every rank's [b, s/n, h] -> the global [dp*b, s, h] on every rank (collective over all
+        n x dp ranks; ``group``: the n ranks' group when dp=1)."""
+        if self.layout.dp == 1:
+            return unshard_output(y, self.n, group)
+        parts = [torch.empty_like(y) for _ in range(self.layout.world)]
+        dist.all_gather(parts, y.contiguous())                       # global rank order: replica-major
+        n = self.n
+        return torch.cat([torch.cat(parts[p * n:(p + 1) * n], dim=1) for p in range(self.layout.dp)], dim=0)
 
     def extra_repr(self) -> str:
         st = self.graph.strategy
         return (f"graph={self.graph.name}, attn={st.attn}, ffn={st.ffn}, dispatch={st.dispatch}, rank={self.rank}, "
-                f"n={self.n}, plan={self.plan.method} ({self.plan.hash[:12]})")
+                f"n={self.n}, dp={self.layout.dp}, replica={self.layout.replica}, "
+                f"plan={self.plan.method} ({self.plan.hash[:12]})")
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -237,41 +275,58 @@ def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | Executi
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)
 
 
-def rank_and_size(n: int | None) -> tuple[int, int]:
-    """(rank, n): n defaults to the world size; without torch.distributed only n=1 runs."""
+def rank_and_size(n: int | None, dp: int = 1) -> tuple[int, int]:
+    """(global rank, n): n defaults to the world size / dp; the world must be n x dp ranks;
+    without torch.distributed only n = dp = 1 runs."""
     if dist.is_available() and dist.is_initialized():
         world = dist.get_world_size()
-        if n is not None and n != world:
-            raise RuntimeFailure(f"n={n} but the default process group has {world} ranks; the runtime runs one "
-                                 "group of all ranks (launch n processes)")
-        return dist.get_rank(), world
-    if n not in (None, 1):
-        raise RuntimeFailure(f"n={n} needs torch.distributed initialised with {n} ranks "
+        if n is None and world % dp == 0:
+            n = world // dp
+        if n is None or n * dp != world:
+            what = f"n={n}" + (f" x dp={dp}" if dp > 1 else "")
+            raise RuntimeFailure(f"{what} but the default process group has {world} ranks; the runtime runs "
+                                 "n x dp ranks (launch that many processes)")
+        return dist.get_rank(), n
+    if n not in (None, 1) or dp != 1:
+        what = f"n={n or 1}" + (f" x dp={dp}" if dp > 1 else "")
+        raise RuntimeFailure(f"{what} needs torch.distributed initialised with {(n or 1) * dp} ranks "
                              "(torchrun, or moegraph.runtime.launch.spawn)")
     return 0, 1
+
+
+def comm_axes(graph: Graph) -> tuple[str, ...]:
+    """The group axes the graph's collectives run on (each checked: an unknown axis raises)."""
+    return tuple(sorted({axis_of(node) for node in graph.nodes if node.is_comm}))
 
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
                 timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
-    groups, and shard the parameters. Collective when n > 1."""
+    groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
+    Collective when n x dp > 1."""
     check_plan(graph, plan)
     if graph.strategy.n != n:
         raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
-    if n == 1:
+    layout = Layout(n, graph.strategy.dp, rank)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != layout.world:
+        raise RuntimeFailure(f"graph {graph.name!r} runs on n={n} x dp={layout.dp} = {layout.world} ranks, the "
+                             f"default process group has {dist.get_world_size()}")
+    if layout.world == 1:
         comm = NoComm()
     else:
-        meta = metadata_group()
-        check_same_plan(plan.hash, rank=rank, n=n, group=meta, timeout_s=timeout_s)
-        comm = Comm(plan.comm_keys(graph), rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, meta_group=meta)
-    return CompiledLayer(graph, plan, full_params, rank=rank, n=n, comm=comm, timeout_s=timeout_s, record=record)
+        world_meta = metadata_group()
+        check_same_plan(plan.hash, rank=rank, n=layout.world, group=world_meta, timeout_s=timeout_s)
+        comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
+                    emulate=emulate)
+    return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
+                         record=record, layout=layout)
 
 
 def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
                    ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES, memory_budget: int | None = None,
                    schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
                    time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                   emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
+                   emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1) -> CompiledLayer:
     """See ``moegraph.compile``."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
@@ -282,11 +337,16 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
         raise ValueError("example_inputs must be the layer input [b, s, h] (a tensor, or a tuple starting with it)")
     if x.dtype not in DTYPES:
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
-    rank, n = rank_and_size(n)
-    b, s, _ = x.shape
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} must be a positive integer (data-parallel replicas)")
+    rank, n = rank_and_size(n, dp)
+    if x.shape[0] % dp:
+        raise ValueError(f"example_inputs has batch {x.shape[0]}, not divisible by dp={dp}: with data parallelism "
+                         "it is the global input [dp*b, s, h], b rows per replica")
+    b, s = x.shape[0] // dp, x.shape[1]
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     cost = CostModel(hw)
-    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype])
+    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype], dp=dp)
     graph = trace_module(module, strategy, batch=b, seq=s, name=type(module).__name__)
     if passes:
         from moegraph.passes import run_pipeline

@@ -15,7 +15,7 @@ from moegraph.layers import layer_count
 from moegraph.options import UsageError, check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
-from moegraph.schedules.schedule_file import Schedule, per_layer_summary
+from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, per_layer_summary
 
 
 
@@ -57,7 +57,8 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
             "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
-            **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {})}
+            **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {}),
+            **(dp_sync_exposure(result.schedule.nodes) if layer.graph.strategy.dp > 1 else {})}
 
 
 def format_compile(c: dict) -> str:

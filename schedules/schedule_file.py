@@ -43,7 +43,8 @@ from typing import Any, Callable, Literal
 from moegraph.ir import LAYER_ATTR
 
 __all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
-           "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "per_layer_summary", "Origin"]
+           "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "dp_sync_exposure",
+           "per_layer_summary", "Origin"]
 
 FORMAT = "moegraph.schedule"
 VERSION = 1
@@ -334,6 +335,17 @@ def layer_exposed_comm(compute: list[ScheduledNode], mine: list[ScheduledNode]) 
     """Intervals where one layer's collectives (in ``mine``) run and no compute of any layer
     (``compute``: every compute node of the schedule) does: that layer's exposed communication."""
     return exposed_comm([*compute, *(n for n in mine if n.kind == "comm")])
+
+
+def dp_sync_exposure(nodes: tuple[ScheduledNode, ...] | list[ScheduledNode]) -> dict[str, float]:
+    """Data-parallel gradient sync (collectives with attr dp=True, MegaScale-MoE A.1, compressed
+    or not): ``dp_sync_us``, its collectives' scheduled time added up, which is what a sequential
+    sync at the end of the step, after the last compute, would expose; ``exposed_dp_sync_us``,
+    the time in this schedule where a DP collective runs and no compute does."""
+    dp = [n for n in nodes if n.kind == "comm" and n.attrs.get("dp", False)]
+    compute = [n for n in nodes if n.kind == "compute"]
+    return {"dp_sync_us": round_us(sum(n.end_us - n.start_us for n in dp)),
+            "exposed_dp_sync_us": round_us(sum(e - s for s, e in layer_exposed_comm(compute, dp)))}
 
 
 def per_layer_summary(schedule: Schedule) -> list[dict]:

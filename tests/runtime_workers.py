@@ -132,9 +132,9 @@ def _apply_fault(layer, fault: str | None) -> None:
     comm = layer.executor.comm
     if fault == "drop-partial-sums":
         # reduce-scatter keeps only this rank's partial: the summed contributions of others are lost
-        def rs(node, x, pg, _orig=comm._reduce_scatter):
-            works, _finish, keep = _orig(node, x, pg)
-            mine = torch.stack(x.chunk(comm.n, dim=node.attr("dim")))[comm.rank]
+        def rs(node, x, pg, g, _orig=comm._reduce_scatter):
+            works, _finish, keep = _orig(node, x, pg, g)
+            mine = torch.stack(x.chunk(g, dim=node.attr("dim")))[comm.rank]
             return works, (lambda: [mine.clone()]), keep
         comm._reduce_scatter = rs
     else:
