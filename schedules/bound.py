@@ -189,7 +189,13 @@ def _strengthen(res: _Resources, order: list[int], before: dict[int, list[int]],
 
 def strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
     """``heads_tails`` raised by the per-resource Jackson bounds over each task's ancestors
-    (heads) and descendants (tails) in its side (module doc). Sound; O(n^2 log n) per side."""
+    (heads) and descendants (tails) in its side (module doc). Sound; O(n W log W) per side,
+    cached per Problem object (copies: callers may not change them)."""
+    head, tail, _ = _analysis(problem)
+    return list(head), list(tail)
+
+
+def _strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
     head, tail = heads_tails(problem)
     tasks = problem.tasks
     res = _Resources(problem)
@@ -202,42 +208,26 @@ def strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
     return head, tail
 
 
-def jackson_preemptive(jobs: list[tuple[int, int, int]]) -> int:
-    """Optimal makespan of one machine, preemption allowed, jobs (release, work, tail): at
-    every moment run the released job with the longest tail (Jackson's rule)."""
-    jobs = sorted(jobs)
-    avail: list[tuple[int, int]] = []  # (-tail, remaining work)
-    t, i, best = 0, 0, 0
-    while i < len(jobs) or avail:
-        if not avail:
-            t = max(t, jobs[i][0])
-        while i < len(jobs) and jobs[i][0] <= t:
-            r, p, q = jobs[i]
-            heapq.heappush(avail, (-q, p))
-            i += 1
-        neg_q, rem = heapq.heappop(avail)
-        run = rem if i == len(jobs) else min(rem, jobs[i][0] - t)
-        t += run
-        if run == rem:
-            best = max(best, t - neg_q)
-        else:
-            heapq.heappush(avail, (neg_q, rem - run))
-    return best
-
-
 def lower_bound(problem: Problem) -> Bound:
-    """The makespan bound of the module doc (cached per Problem object: it is O(n^2 log n))."""
+    """The makespan bound of the module doc (cached per Problem object)."""
+    return _analysis(problem)[2]
+
+
+def _analysis(problem: Problem) -> tuple[tuple[int, ...], tuple[int, ...], Bound]:
+    """(heads, tails, bound), computed once per Problem object: the model builder, the effort
+    split and compile_problem all ask, and 32 stacked layers take seconds."""
     key = id(problem)
     hit = _CACHE.get(key)
     if hit is not None and hit[0]() is problem:
         return hit[1]
-    head, tail = strong_heads_tails(problem)
+    head, tail = _strong_heads_tails(problem)
     bound = Bound(_side(problem, 0, head, tail), _side(problem, 1, head, tail), problem.tick_us)
-    _CACHE[key] = (weakref.ref(problem, lambda _, key=key: _CACHE.pop(key, None)), bound)
-    return bound
+    value = (tuple(head), tuple(tail), bound)
+    _CACHE[key] = (weakref.ref(problem, lambda _, key=key: _CACHE.pop(key, None)), value)
+    return value
 
 
-_CACHE: dict[int, tuple[weakref.ref, Bound]] = {}
+_CACHE: dict[int, tuple[weakref.ref, tuple]] = {}
 
 
 def memory_lower_bound(problem: Problem) -> tuple[int, str]:
