@@ -208,6 +208,29 @@ def _strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
     return head, tail
 
 
+def jackson_preemptive(jobs: list[tuple[int, int, int]]) -> int:
+    """Optimal makespan of one machine, preemption allowed, jobs (release, work, tail): at
+    every moment run the released job with the longest tail (Jackson's rule)."""
+    jobs = sorted(jobs)
+    avail: list[tuple[int, int]] = []  # (-tail, remaining work)
+    t, i, best = 0, 0, 0
+    while i < len(jobs) or avail:
+        if not avail:
+            t = max(t, jobs[i][0])
+        while i < len(jobs) and jobs[i][0] <= t:
+            r, p, q = jobs[i]
+            heapq.heappush(avail, (-q, p))
+            i += 1
+        neg_q, rem = heapq.heappop(avail)
+        run = rem if i == len(jobs) else min(rem, jobs[i][0] - t)
+        t += run
+        if run == rem:
+            best = max(best, t - neg_q)
+        else:
+            heapq.heappush(avail, (neg_q, rem - run))
+    return best
+
+
 def lower_bound(problem: Problem) -> Bound:
     """The makespan bound of the module doc (cached per Problem object)."""
     return _analysis(problem)[2]
