@@ -78,7 +78,8 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time_limit_s per unchunked layer")
-    ap.add_argument("--chunk-time-limit", type=float, default=60.0, help="time_limit_s per chunked layer")
+    ap.add_argument("--chunk-time-limit", type=float, default=40.0,
+                    help="time_limit_s per chunked layer (40: about 40 s of CPU on the 2-core box, docs/scheduler.md)")
     ap.add_argument("--budget-frac", type=float, default=0.9,
                     help="memory budget for chunked layers, as a fraction of the largest baseline peak")
     ap.add_argument("--synthetic", action="store_true", help="use tests/schedules_fakes graphs")
