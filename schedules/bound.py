@@ -41,7 +41,7 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
-from moegraph.schedules.problem import Problem
+from moegraph.schedules.problem import Problem, ScheduleError
 
 __all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound",
            "memory_lower_bound"]
@@ -200,9 +200,10 @@ def _strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
     tasks = problem.tasks
     res = _Resources(problem)
     for side in (0, 1):
-        order = [t.index for t in tasks if t.side == side]  # tasks are in topological order
-        preds = {i: [p for p in tasks[i].preds if tasks[p].side == side] for i in order}
-        succs = {i: [s for s in tasks[i].succs if tasks[s].side == side] for i in order}
+        ids = [t.index for t in tasks if t.side == side]
+        preds = {i: [p for p in tasks[i].preds if tasks[p].side == side] for i in ids}
+        succs = {i: [s for s in tasks[i].succs if tasks[s].side == side] for i in ids}
+        order = _topological(ids, preds, succs)
         _strengthen(res, order, preds, succs, head)
         _strengthen(res, order[::-1], succs, preds, tail)
     return head, tail
@@ -229,6 +230,26 @@ def jackson_preemptive(jobs: list[tuple[int, int, int]]) -> int:
         else:
             heapq.heappush(avail, (neg_q, rem - run))
     return best
+
+
+def _topological(ids: list[int], preds: dict[int, list[int]], succs: dict[int, list[int]]) -> list[int]:
+    """``ids`` in a topological order (Kahn's, smallest index first: deterministic). Node order
+    is topological for data edges, but a Problem may add precedence edges (remat anchors,
+    micro-batch barriers) that the node order need not follow."""
+    waiting = {i: len(preds[i]) for i in ids}
+    ready = [i for i in ids if not waiting[i]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(i)
+        for s in succs[i]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                heapq.heappush(ready, s)
+    if len(out) != len(ids):
+        raise ScheduleError("the problem's precedence edges form a cycle")
+    return out
 
 
 def lower_bound(problem: Problem) -> Bound:

@@ -214,3 +214,22 @@ def test_heads_hold_on_a_stack_beyond_the_ancestor_window():
             assert sol.start[t.index] - begin >= head[t.index], (sol.method, t.name)
             assert finish - ends[t.index] >= tail[t.index], (sol.method, t.name)
     assert _plain_bound(p) < lower_bound(p).ticks <= min(makespan_ticks(p, s) for s in sols)
+
+
+def test_bound_does_not_assume_tasks_in_topological_order():
+    """A Problem may carry precedence edges that the node order does not follow (remat anchors,
+    micro-batch barriers): with the tasks indexed backwards (every edge against the index
+    order) the heads, tails and bound are the same (these problems are below the window)."""
+    import dataclasses
+    for name in sorted(PROBLEMS)[:12]:
+        p = PROBLEMS[name]
+        n = len(p.tasks)
+        flip = lambda i: n - 1 - i  # noqa: E731
+        tasks = tuple(dataclasses.replace(t, index=flip(t.index), preds=tuple(sorted(map(flip, t.preds))),
+                                          succs=tuple(sorted(map(flip, t.succs))))
+                      for t in reversed(p.tasks))
+        q = dataclasses.replace(p, tasks=tasks, mem_values=())
+        head, tail = strong_heads_tails(p)
+        qhead, qtail = strong_heads_tails(q)
+        assert [qhead[flip(i)] for i in range(n)] == head and [qtail[flip(i)] for i in range(n)] == tail, name
+        assert lower_bound(q).ticks == lower_bound(p).ticks, name
