@@ -7,7 +7,8 @@
 Prints one markdown table (date and machine in the heading) with, per layer graph: nodes, the
 analytic lower bound, the three baselines, CP-SAT's makespan, CP-SAT / analytic bound, CP-SAT
 / proven bound (the larger of the analytic bound and CP-SAT's own), best baseline / CP-SAT,
-solver status, wall seconds and peak memory; ``source`` says whether the returned schedule is
+solver status, wall and CPU seconds (CPU: this process, which runs the one-thread search; on
+the shared box it is the figure that does not grow with other people's load) and peak memory; ``source`` says whether the returned schedule is
 CP-SAT's (``cpsat``) or a baseline kept, and ``solver own`` is CP-SAT's own makespan. Chunked pipelines (chunk=N) are solved with --chunk-time-limit and a
 memory budget of --budget-frac times the largest baseline peak (tight enough that the overlap
 the baselines buy with memory is not free), as the acceptance target states ("<= 60 s with 4
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import platform
 import statistics
 import sys
@@ -35,7 +37,7 @@ from moegraph.schedules.solution import peak_memory_bytes  # noqa: E402
 STRATEGIES = (("sp", "ep", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"))
 
 
-def traced(models, pipelines, hw_name, n, seq, strategies=STRATEGIES):
+def traced(models, pipelines, hw_name, n, seq, strategies=STRATEGIES, layers=1):
     from moegraph.cost import CostModel
     from moegraph.ir import Strategy
     from moegraph.registry import load_hardware, load_model
@@ -50,7 +52,11 @@ def traced(models, pipelines, hw_name, n, seq, strategies=STRATEGIES):
             base = trace_model(load_model(model), Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n), seq=seq)
             for pipe in pipelines:
                 g = run_pipeline(base, pipe, cost=cost)[0] if pipe else base
-                yield f"{model} {attn}/{ffn}/{dispatch} {pipe or '-'}", g, cost, "chunk=" in pipe
+                label = f"{model} {attn}/{ffn}/{dispatch} {pipe or '-'}"
+                if layers > 1:
+                    from moegraph.layers import stack_layers
+                    g, label = stack_layers(g, layers), f"{label} x{layers} layers"
+                yield label, g, cost, "chunk=" in pipe
 
 
 def synthetic(hw_name):
@@ -72,22 +78,25 @@ def main(argv=None) -> int:
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT time_limit_s per unchunked layer")
-    ap.add_argument("--chunk-time-limit", type=float, default=60.0, help="time_limit_s per chunked layer")
+    ap.add_argument("--chunk-time-limit", type=float, default=40.0,
+                    help="time_limit_s per chunked layer (40: about 40 s of CPU on the 2-core box, docs/scheduler.md)")
     ap.add_argument("--budget-frac", type=float, default=0.9,
                     help="memory budget for chunked layers, as a fraction of the largest baseline peak")
     ap.add_argument("--synthetic", action="store_true", help="use tests/schedules_fakes graphs")
+    ap.add_argument("--layers", type=int, default=1, help="stack each traced layer L times (moegraph.layers)")
     ap.add_argument("--strategies", nargs="+", default=["/".join(s) for s in STRATEGIES],
                     help="attn/ffn/dispatch triples (default: all three)")
     args = ap.parse_args(argv)
 
     strategies = [tuple(s.split("/")) for s in args.strategies]
     cases = (synthetic(args.hw) if args.synthetic
-             else traced(args.models, args.pipelines, args.hw, args.n, args.seq, strategies))
+             else traced(args.models, args.pipelines, args.hw, args.n, args.seq, strategies, args.layers))
     print(f"## Scheduler benchmark, {datetime.date.today().isoformat()}, {platform.node()} "
-          f"({platform.processor() or platform.machine()}), hw={args.hw}\n")
+          f"({platform.processor() or platform.machine()}), hw={args.hw}, load average at start "
+          f"{os.getloadavg()[0]:.1f}\n")
     print("| layer | nodes | budget GiB | bound us | sequential | greedy | megascale | returned | source "
-          "| solver own | returned/bound | returned/proven | best baseline/returned | status | wall s | peak GiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| solver own | returned/bound | returned/proven | best baseline/returned | status | wall s | cpu s | peak GiB |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ratios, proven = [], []
     for name, graph, cost, chunked in cases:
         budget = None
@@ -95,13 +104,13 @@ def main(argv=None) -> int:
             p = build_problem(graph, cost)
             budget = int(args.budget_frac * max(peak_memory_bytes(p, f(p)) for f in BASELINES.values()))
         limit = args.chunk_time_limit if chunked else args.time_limit
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         try:
             r = compile_graph(graph, cost, memory_budget_bytes=budget, time_limit_s=limit)
         except MemoryBudgetError as err:
             print(f"| {name} | {len(graph.nodes)} | {budget / 2**30:.2f} | error: {err} |")
             continue
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
         s = r.schedule
         bad = verify_schedule(s)
         sm = s.summary
@@ -113,7 +122,7 @@ def main(argv=None) -> int:
               f"| {sm['lower_bound_us']:.1f} | {b['sequential']:.1f} | {b['greedy']:.1f} | {b['megascale']:.1f} "
               f"| {sm['makespan_us']:.1f} | {r.source} | {sm['solver']['makespan_us']} "
               f"| {ratio:.4f} | {proven[-1]:.4f} | {min(b.values()) / sm['makespan_us']:.3f} "
-              f"| {r.status}{' INVALID: ' + bad[0].message if bad else ''} | {wall:.1f} "
+              f"| {r.status}{' INVALID: ' + bad[0].message if bad else ''} | {wall:.1f} | {cpu:.1f} "
               f"| {sm['peak_memory_bytes'] / 2**30:.3f} |", flush=True)
     if ratios:
         print(f"\nmedian cpsat/bound {statistics.median(ratios):.4f} (max {max(ratios):.4f}); "
