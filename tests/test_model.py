@@ -84,6 +84,39 @@ def test_checkpoint_round_trip(n2, kind):
     assert res["loss"] < TOL and res["logits"] < TOL and res["reloaded"] < TOL, res
 
 
+# -- n=2 x dp=2: four gloo ranks, the global batch split over two replicas ----------------------
+
+DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
+            dict(model="hf", layers=2, attn="sp", ffn="ep", passes=DEFAULT)]
+
+
+@pytest.fixture(scope="module")
+def n2dp2():
+    cases = [c for c in DP_CASES if c["model"] == "ref" or HAS_HF]
+    res = spawn(workers.dp_cases, 4, args=(cases, _seed(), 2), timeout_s=600)
+    for r in res[1:]:      # every rank of both replicas reports the same loss
+        assert [t["losses"] for t in r] == [t["losses"] for t in res[0]]
+    return {t["case"]["model"]: t for t in res[0]}
+
+
+@pytest.mark.parametrize("model", ["ref", "hf"])
+def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, model):
+    """3 AdamW steps, n=2 x dp=2: loss, first-step gradients and final parameters equal eager
+    training on the global batch (not divided by dp); the replicas score different numbers of
+    tokens, and the loss is still eager's global token mean (the mean of the replicas' means is
+    not)."""
+    if model == "hf" and not HAS_HF:
+        pytest.skip("transformers is not installed")
+    res = n2dp2[model]
+    assert res["dp_nodes"] > 0, "the stacked layers have no data-parallel sync"
+    assert res["max_rel_err_loss"] < TOL and res["max_rel_err_grads"] < TOL, res
+    assert res["max_rel_err_params"] < TOL, res
+    assert res["losses"][0] != res["losses"][-1]
+    assert res["logits"] < TOL and abs(res["eval_loss"] - res["eval_loss_ref"]) < TOL * res["eval_loss_ref"], res
+    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > 100 * TOL * res["eval_loss_ref"]
+    assert res["reload_equal"]
+
+
 # -- one rank ------------------------------------------------------------------------------------
 
 def test_one_rank_logits_and_base_model_match_eager(rng):
