@@ -77,15 +77,16 @@ def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
 
 
 def dp_batches(seed: int, steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batches [dp*B, S] of ``batches``, replica 0's rows with their first 10 labels
-    ignored: the replicas hold different numbers of scored tokens, so the global token mean
-    (eager's loss) differs from the mean of the replicas' means."""
+    """The global batches [dp*B, S] of ``batches``, replica 0's rows with all labels but the last
+    two ignored (2 scored tokens per row, all on its last rank's shard, none on rank 0's): the
+    replicas hold different numbers of scored tokens, so the global token mean (eager's loss)
+    differs from the mean of the replicas' means."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
         ids = torch.randint(0, VOCAB, (dp * B, S), generator=gen)
         labels = ids.clone()
-        labels[:B, :10] = -100
+        labels[:B, :S - 2] = -100
         out.append((ids, labels))
     return out
 

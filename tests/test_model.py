@@ -113,7 +113,8 @@ def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, model):
     assert res["max_rel_err_params"] < TOL, res
     assert res["losses"][0] != res["losses"][-1]
     assert res["logits"] < TOL and abs(res["eval_loss"] - res["eval_loss_ref"]) < TOL * res["eval_loss_ref"], res
-    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > 100 * TOL * res["eval_loss_ref"]
+    # the mean of the replicas' means would fail the loss check above
+    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > TOL * res["eval_loss_ref"], res
     assert res["reload_equal"]
 
 
