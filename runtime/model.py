@@ -57,7 +57,7 @@ from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, rank_and_size
+from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, replica_batch
 from moegraph.runtime.plan import COMM
 
 
@@ -295,13 +295,8 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp={dp!r} must be a positive integer (data-parallel replicas)")
-    rank, n = rank_and_size(n, dp)
-    if input_ids.shape[0] % dp:
-        raise ValueError(f"input_ids has batch {input_ids.shape[0]}, not divisible by dp={dp}: with data "
-                         "parallelism it is the global batch [dp*b, s], b rows per replica")
-    b, s = input_ids.shape[0] // dp, input_ids.shape[1]
+    rank, n, b = replica_batch(input_ids.shape[0], n, dp, "input_ids [dp*b, s]")
+    s = input_ids.shape[1]
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by n={n}")
     full = {k: t.detach() for k, t in [*model.named_parameters(), *model.named_buffers()]}
