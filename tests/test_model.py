@@ -87,7 +87,8 @@ def test_checkpoint_round_trip(n2, kind):
 # -- n=2 x dp=2: four gloo ranks, the global batch split over two replicas ----------------------
 
 DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
-            dict(model="hf", layers=2, attn="sp", ffn="ep", passes=DEFAULT)]
+            dict(model="hf", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
+            dict(model="ref", layers=2, attn="tp", ffn="tp", passes="")]
 
 
 @pytest.fixture(scope="module")
@@ -96,18 +97,18 @@ def n2dp2():
     res = spawn(workers.dp_cases, 4, args=(cases, _seed(), 2), timeout_s=600)
     for r in res[1:]:      # every rank of both replicas reports the same loss
         assert [t["losses"] for t in r] == [t["losses"] for t in res[0]]
-    return {t["case"]["model"]: t for t in res[0]}
+    return {_id(t["case"]): t for t in res[0]}
 
 
-@pytest.mark.parametrize("model", ["ref", "hf"])
-def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, model):
+@pytest.mark.parametrize("case", DP_CASES, ids=[_id(c) for c in DP_CASES])
+def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, case):
     """3 AdamW steps, n=2 x dp=2: loss, first-step gradients and final parameters equal eager
     training on the global batch (not divided by dp); the replicas score different numbers of
     tokens, and the loss is still eager's global token mean (the mean of the replicas' means is
     not)."""
-    if model == "hf" and not HAS_HF:
+    if case["model"] == "hf" and not HAS_HF:
         pytest.skip("transformers is not installed")
-    res = n2dp2[model]
+    res = n2dp2[_id(case)]
     assert res["dp_nodes"] > 0, "the stacked layers have no data-parallel sync"
     assert res["max_rel_err_loss"] < TOL and res["max_rel_err_grads"] < TOL, res
     assert res["max_rel_err_params"] < TOL, res
