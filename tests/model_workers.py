@@ -79,8 +79,7 @@ def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
 def dp_batches(seed: int, steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches [dp*B, S] of ``batches``, replica 0's rows with all labels but the last
     two ignored (2 scored tokens per row, all on its last rank's shard, none on rank 0's): the
-    replicas hold different numbers of scored tokens, so the global token mean (eager's loss)
-    differs from the mean of the replicas' means."""
+    replicas hold different numbers of scored tokens, so training uses the global token count."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
@@ -104,8 +103,9 @@ def dp_cases(rank: int, world: int, cases: list[dict], seed: int, dp: int) -> li
         res = train_against_eager(model, compiled, data)
         res["case"] = case
         res["dp_nodes"] = sum(1 for nd in compiled.layers.graph.nodes if nd.attr("axis", "mp") == "dp")
-        ids, labels = data[-1]
+        ids = data[-1][0]
         with torch.no_grad():                                   # eager holds the eager-trained weights
+            labels = _far_apart_labels(model(input_ids=ids).logits, dp)
             got, ref = compiled(ids, labels=labels, output_logits=True), model(input_ids=ids, labels=labels)
         res["logits"] = rel_err(got.logits, ref.logits)
         res["mean_of_means"] = _mean_of_replica_means(ref.logits, labels, dp)
@@ -116,6 +116,18 @@ def dp_cases(rank: int, world: int, cases: list[dict], seed: int, dp: int) -> li
         res["reload_equal"] = list(back) == list(fresh) and all(torch.equal(back[k], fresh[k]) for k in fresh)
         out.append(res)
     return out
+
+
+def _far_apart_labels(logits: torch.Tensor, dp: int) -> torch.Tensor:
+    """Labels [dp*B, S] for ``logits`` [dp*B, S, V] whose replicas' mean losses lie far apart:
+    replica 0 scores 2 tokens per row, each the least likely one (cross-entropy above log V),
+    the others every position's most likely token (below log V). The global token mean then
+    differs from the mean of the replicas' means by a wide margin, whatever the weights."""
+    labels = torch.full(logits.shape[:2], -100, dtype=torch.long)
+    labels[:, 1:] = logits[:, :-1].argmax(-1)               # position t predicts labels[t + 1]
+    labels[:B, 1:] = logits[:B, :-1].argmin(-1)
+    labels[:B, :S - 2] = -100
+    return labels
 
 
 def _mean_of_replica_means(logits: torch.Tensor, labels: torch.Tensor, dp: int) -> float:

@@ -103,9 +103,9 @@ def n2dp2():
 @pytest.mark.parametrize("case", DP_CASES, ids=[_id(c) for c in DP_CASES])
 def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, case):
     """3 AdamW steps, n=2 x dp=2: loss, first-step gradients and final parameters equal eager
-    training on the global batch (not divided by dp); the replicas score different numbers of
-    tokens, and the loss is still eager's global token mean (the mean of the replicas' means is
-    not)."""
+    training on the global batch (not divided by dp), with replicas scoring different numbers of
+    tokens; then the global logits, a loss eager's global token mean (with labels chosen so the
+    mean of the replicas' means is far from it), and load_state_dict -> full_state_dict exactly."""
     if case["model"] == "hf" and not HAS_HF:
         pytest.skip("transformers is not installed")
     res = n2dp2[_id(case)]
@@ -114,8 +114,8 @@ def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, case):
     assert res["max_rel_err_params"] < TOL, res
     assert res["losses"][0] != res["losses"][-1]
     assert res["logits"] < TOL and abs(res["eval_loss"] - res["eval_loss_ref"]) < TOL * res["eval_loss_ref"], res
-    # the mean of the replicas' means would fail the loss check above
-    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > TOL * res["eval_loss_ref"], res
+    # the mean of the replicas' means would fail the loss check above by far
+    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > 1e3 * TOL * res["eval_loss_ref"], res
     assert res["reload_equal"]
 
 
