@@ -25,7 +25,9 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      b, s and the dtype (fp32 or bf16); its values are not used. A model: the token
                      ids [b, s] (integer): returns a moegraph.runtime.model.CompiledModel, called
                      like the original on every rank (``model(input_ids, labels).loss``).
-                     With dp > 1 (layers only) the global input [dp*b, s, h]: b rows per replica.
+                     With dp > 1 the global input: [dp*b, s, h] for a layer, token ids [dp*b, s]
+                     for a model (called with the global input_ids / labels on every rank): b rows
+                     per replica.
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
     attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
                      same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
@@ -37,7 +39,8 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     timeout_s:       how long any collective may take before a CollectiveTimeout names it.
     dp:              data-parallel replicas D: the world holds n x D ranks, replica-major (rank
                      p*n + r is rank r of replica p); parameter gradients come back averaged over
-                     the replicas (docs/runtime.md, "Data parallelism").
+                     the replicas (docs/runtime.md, "Data parallelism"); a whole model's come back
+                     as eager's on the global batch (its loss is the global token mean).
 
     Collective: every rank must call it with the same arguments; ranks compare plan hashes and
     raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
@@ -54,13 +57,10 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                          f"(an integer tensor), got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{list(getattr(x, 'shape', []))}")
     if isinstance(x, torch.Tensor) and not x.is_floating_point():
-        if dp != 1:
-            raise ValueError(f"dp={dp!r}: data parallelism is supported for one compiled layer or a layer stack, "
-                             f"not yet for a whole causal LM ({type(module).__name__}); use dp=1")
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
         return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
                              memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                             time_limit_s=time_limit_s, record=record)
+                             time_limit_s=time_limit_s, record=record, dp=dp)
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,

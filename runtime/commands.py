@@ -456,12 +456,14 @@ class TrainSpec:
     seed: int
     check: bool
     timeout_s: float
+    dp: int = 1                   # replicas: the spawned world is n x dp ranks
 
 
-def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
-    """One rank of ``run --train-steps``: seeded MoETransformer, compiled with the parent's plan,
-    trained ``spec.steps`` AdamW steps on seeded random tokens (labels = the tokens: next-token
-    prediction); with ``check``, the eager model trained alike is compared (every rank)."""
+def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
+    """One rank (of ``world`` = n x dp) of ``run --train-steps``: seeded MoETransformer, compiled
+    with the parent's plan, trained ``spec.steps`` AdamW steps on seeded random tokens (labels =
+    the tokens: next-token prediction; the global batch [dp*b, s], replica p its rows p*b ..);
+    with ``check``, the eager model trained alike on the global batch is compared (every rank)."""
     import torch
     from moegraph.models import MoETransformer
     from moegraph.runtime.check import train_against_eager
@@ -469,11 +471,11 @@ def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
     torch.manual_seed(spec.seed)
     model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
     gen = torch.Generator().manual_seed(spec.seed + 1)
-    batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.batch, spec.seq), generator=gen)
+    batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.dp * spec.batch, spec.seq), generator=gen)
                                       for _ in range(spec.steps))]
     compiled = compile_model(model, batches[0][0], hardware=spec.hardware, attn=spec.attn, ffn=spec.ffn,
-                             dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=n,
-                             timeout_s=spec.timeout_s)
+                             dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=world // spec.dp,
+                             timeout_s=spec.timeout_s, dp=spec.dp)
     t0 = time.perf_counter()
     if spec.check:
         res = train_against_eager(model, compiled, batches)
@@ -492,7 +494,7 @@ def train_rank(rank: int, n: int, spec: TrainSpec) -> dict[str, Any]:
 
 
 def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
-    """``run --train-steps K``: plan once here, train on N spawned ranks (``train_rank``)."""
+    """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``)."""
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.layers import layer_count
@@ -508,18 +510,19 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     if model.first_k_dense_replace:
         raise UsageError(f"--train-steps: {model.name} has {model.first_k_dense_replace} dense first layers; the "
                          "compiled model needs identical layers")
+    world = world_size(args)
     layer = layer_from_args(args, multi_layer=True)
     layers = layer_count(layer.graph)
     plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                      time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
-                     layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout)
-    results = spawn(train_rank, st.n, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
+                     layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp)
+    results = spawn(train_rank, world, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
     r = results[0]
     report: dict[str, Any] = {
         "model": layer.model.name, "layers": layers, "vocab": args.vocab, "hardware": layer.hardware.name,
-        "n": st.n, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
+        "n": st.n, "dp": st.dp, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
                                 "passes": list(st.passes)},
         "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
         "train_steps": args.train_steps, "losses": r["losses"], "seconds": max(x["seconds"] for x in results)}
@@ -532,7 +535,8 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
 def format_train_report(r: dict[str, Any]) -> str:
     st = r["strategy"]
     lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: attn={st['attn']} "
-             f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']} b={r['batch']} s={r['seq']} {st['dtype']}"
+             f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
+             + f" b={r['batch']} s={r['seq']} {st['dtype']}"
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps in "
              f"{r['seconds']:.2f} s",

@@ -19,11 +19,25 @@ its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
     graph nodes the scheduler places: they run outside the plan, after (head, norm) and
     before (embedding) the layers' scheduled backward.
 
+Data parallelism (dp = D > 1, n x D ranks, replica-major as ``collectives.Layout``): every rank
+still gets the GLOBAL batch (input_ids, labels [D*b, s]); replica p takes rows p*b .. (p+1)*b - 1
+(``CompiledLayer.shard_input``), rank r of it its sequence shard. The loss is the global mean
+over ALL replicas' non-ignored tokens (the count comes from the full labels every rank holds), so
+it equals eager on the global batch even when replicas hold different numbers of ignored labels
+(a mean of replica means would not). Its terms are summed over all n x D ranks (the default
+group). The graph's DP sync averages the layer parameters' gradients over replicas (a MEAN,
+docs/runtime.md "Data parallelism"), so every global-to-local backward boundary here (the loss
+all-reduce, the logits / hidden-state gather) seeds this rank's part with D x the incoming
+gradient, and the replicated eager parameters' all-reduce over all n x D ranks divides by D: the
+replica-mean of D x each replica's gradient is the sum over replicas, i.e. after backward every
+parameter gradient equals eager's on the global batch (not divided by D, unlike a bare
+CompiledLayer). Logits [D*b, s, V] are gathered from all n x D ranks.
+
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
 ``load_state_dict(original_state_dict)`` cuts this rank's shards.
 
-Notation: b batch, s sequence, h hidden, n ranks, V vocabulary.
+Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas, V vocabulary.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, rank_and_size, shard_input
+from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, replica_batch
 from moegraph.runtime.plan import COMM
 
 
@@ -60,65 +74,77 @@ class LoadResult(NamedTuple):
 
 
 class _SumOverRanks(torch.autograd.Function):
-    """Forward: all-reduce (sum) of each rank's term of a global scalar. Backward: identity. Every
-    rank holds the same sum L = sum_r l_r and seeds its backward with the same dL; the gradient
-    of L by rank r's own term l_r is dL, which rank r already has (no communication)."""
+    """Forward: all-reduce (sum, all n x dp ranks) of each rank's term of a global scalar.
+    Backward: dp x identity. Every rank holds the same sum L = sum_r l_r and seeds its backward
+    with the same dL; the gradient of L by rank r's own term l_r is dL, which rank r already has
+    (no communication); x dp because the gradients are then averaged over replicas (module
+    docstring)."""
 
     @staticmethod
-    def forward(ctx, term: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, term: torch.Tensor, dp: int) -> torch.Tensor:
+        ctx.dp = dp
         total = term.clone()
         dist.all_reduce(total)
         return total
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.dp if ctx.dp > 1 else grad, None
 
 
 class _ReplicatedGrad(torch.autograd.Function):
     """Forward: identity on a replicated parameter. Backward: the sum of every rank's partial
-    gradient (each rank's shard of the sequence contributes its part), so every replica gets the
-    same full gradient and stays identical after the optimizer step."""
+    gradient (each rank's shard of the sequence, each replica's rows contribute their part; all
+    n x dp ranks), divided by dp (the replicas seeded dp x: module docstring), so every rank gets
+    the same full gradient and stays identical after the optimizer step."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, weight: torch.Tensor, dp: int) -> torch.Tensor:
+        ctx.dp = dp
         return weight.view_as(weight)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx, grad: torch.Tensor):
         grad = grad.contiguous().clone()
         dist.all_reduce(grad)
-        return grad
+        if ctx.dp > 1:
+            grad /= ctx.dp
+        return grad, None
 
 
 class _GatherSequence(torch.autograd.Function):
-    """Forward: every rank's sequence shard [b, s/n, ...] -> the full [b, s, ...]. Backward: this
-    rank's slice of the incoming gradient (every rank computes the same function of the full
-    tensor and seeds it with the same gradient)."""
+    """Forward: every rank's shard [b, s/n, ...] -> the global [dp*b, s, ...] (all n x dp ranks:
+    ``CompiledLayer.unshard_output``). Backward: this rank's part of the incoming gradient
+    (``CompiledLayer.shard_input``; every rank computes the same function of the global tensor and
+    seeds it with the same gradient), x dp as the loss (module docstring)."""
 
     @staticmethod
-    def forward(ctx, shard: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-        ctx.rank, ctx.n = rank, n
-        parts = [torch.empty_like(shard) for _ in range(n)]
-        dist.all_gather(parts, shard.contiguous())
-        return torch.cat(parts, dim=1)
+    def forward(ctx, shard: torch.Tensor, layers: CompiledLayer) -> torch.Tensor:
+        ctx.layers = layers
+        return layers.unshard_output(shard)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        return grad.chunk(ctx.n, dim=1)[ctx.rank].contiguous(), None, None
+        part = ctx.layers.shard_input(grad)
+        dp = ctx.layers.layout.dp
+        return (part * dp if dp > 1 else part), None
 
 
 class CompiledModel(nn.Module):
     """A causal LM on this rank (module docstring). Build it with ``moegraph.compile(model, input_ids)``."""
 
     def __init__(self, spec: ModelSpec, layers: CompiledLayer, full: Mapping[str, torch.Tensor],
-                 state_keys: Sequence[str], *, batch: int, seq: int, rank: int, n: int,
+                 state_keys: Sequence[str], *, batch: int, seq: int,
                  positional: Sequence[str] = ("labels",)):
+        """``batch``: b, one replica's rows (the global batch is dp*b); rank, n and dp come from
+        ``layers.layout``."""
         super().__init__()
         # the original forward's parameters after input_ids, so positional calls mean what they
         # meant there (transformers: attention_mask comes second, labels much later)
         self.positional = tuple(positional)
-        self.spec, self.layers, self.rank, self.n = spec, layers, rank, n
+        self.spec, self.layers = spec, layers
+        # rank: within the replica (the sequence shard); the world is n x dp ranks
+        self.rank, self.n, self.dp = layers.layout.mp_rank, layers.layout.n, layers.layout.dp
         self.batch, self.seq = batch, seq
         self.embed = nn.Parameter(full[spec.embed].detach().clone())
         self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone())
@@ -130,8 +156,8 @@ class CompiledModel(nn.Module):
     # -- running ---------------------------------------------------------------------------------
 
     def forward(self, input_ids: torch.Tensor, *args: Any, output_logits: bool = False, **kwargs: Any) -> ModelResult:
-        """Called as the original: input_ids and labels the full [b, s] on every rank (the same on
-        each); positional arguments follow the original forward's order. Returns ``.loss`` when
+        """Called as the original: input_ids and labels the full [dp*b, s] on every rank (the same
+        on each); positional arguments follow the original forward's order. Returns ``.loss`` when
         labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
         base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. Any other
         argument of the original (position_ids, past_key_values, ...) raises unless None."""
@@ -149,15 +175,16 @@ class CompiledModel(nn.Module):
                              "(only input_ids, labels and an all-ones attention_mask)")
         if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
             raise ValueError("labels given, but the compiled model is a base model without an LM head")
-        if tuple(input_ids.shape) != (self.batch, self.seq):
+        if tuple(input_ids.shape) != (self.dp * self.batch, self.seq):
+            what = "[b, s]" if self.dp == 1 else f"[dp*b, s] (dp={self.dp} replicas of b={self.batch} rows)"
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
-                             f"[b, s] = {[self.batch, self.seq]}")
+                             f"{what} = {[self.dp * self.batch, self.seq]}")
         if attention_mask is not None and not bool(attention_mask.all()):
             raise ValueError("attention_mask masks some positions: only causal attention over the whole "
                              "sequence is compiled (pass None or all ones; mask the loss with labels=-100)")
         if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-        x = F.embedding(shard_input(input_ids, self.rank, self.n), self._replicated(self.embed),
+        x = F.embedding(self.layers.shard_input(input_ids), self._replicated(self.embed),
                         padding_idx=self.spec.padding_idx)                        # [b, s/n, h]
         x = self.layers(x)
         x = rms_norm(x, self._replicated(self.norm), self.spec.norm.eps)
@@ -168,20 +195,22 @@ class CompiledModel(nn.Module):
         logits = F.linear(x, self._replicated(self.lm_head))                     # [b, s/n, V]
         loss = None
         if labels is not None:
-            shifted = shift_labels(labels)                                        # full [b, s]: crosses shards
-            count = (shifted != IGNORE_INDEX).sum()
-            mine = shard_input(shifted, self.rank, self.n)
+            shifted = shift_labels(labels)                                        # full [dp*b, s]: crosses shards
+            count = (shifted != IGNORE_INDEX).sum()                               # every replica's tokens
+            mine = self.layers.shard_input(shifted)
             term = F.cross_entropy(logits.float().flatten(0, 1), mine.flatten(), ignore_index=IGNORE_INDEX,
                                    reduction="sum") / count
-            loss = _SumOverRanks.apply(term) if self.n > 1 else term
+            loss = _SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
         full_logits = self._gather(logits) if output_logits or labels is None else None
         return ModelResult(loss=loss, logits=full_logits)
 
     def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
-        return _ReplicatedGrad.apply(weight) if self.n > 1 and torch.is_grad_enabled() else weight
+        if self.layers.layout.world > 1 and torch.is_grad_enabled():
+            return _ReplicatedGrad.apply(weight, self.dp)
+        return weight
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        return _GatherSequence.apply(shard, self.rank, self.n) if self.n > 1 else shard
+        return _GatherSequence.apply(shard, self.layers) if self.layers.layout.world > 1 else shard
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -191,7 +220,7 @@ class CompiledModel(nn.Module):
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full tensors under the original module's state_dict names, in its order, on every rank
-        (a collective: every rank must call it)."""
+        (a collective: every rank must call it; the shards are gathered within each replica)."""
         graph, rank, n = self.layers.graph, self.rank, self.n
         regions: dict[str, torch.Tensor] = {}
         for pname, spec in graph.params:
@@ -203,8 +232,8 @@ class CompiledModel(nn.Module):
                 continue
             unshard_grad(spec, self.layers.shard(pname).detach(), rank, n, regions)
         if n > 1:
-            for t in regions.values():
-                dist.all_reduce(t)
+            for t in regions.values():                    # within the replica: each holds every shard
+                dist.all_reduce(t, group=self.layers.executor.comm.mp_group)
         out = {self.original_name(q): t for q, t in regions.items()}
         out[self.spec.embed] = self.embed.detach().clone()
         out[self.spec.norm.weight.qualname] = self.norm.detach().clone()
@@ -248,15 +277,17 @@ class CompiledModel(nn.Module):
         return LoadResult([], unexpected)
 
     def extra_repr(self) -> str:
-        return f"output={self.spec.output.value}, layers={layer_count(self.layers.graph)}, b={self.batch}, s={self.seq}"
+        return (f"output={self.spec.output.value}, layers={layer_count(self.layers.graph)}, b={self.batch}, "
+                f"s={self.seq}, n={self.n}, dp={self.dp}")
 
 
 def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = "h800", attn: str = "sp",
                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
                   memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
                   timeout_s: float = 300.0, time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                  emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledModel:
-    """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids [b, s]."""
+                  emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1) -> CompiledModel:
+    """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids
+    [b, s] ([dp*b, s], the global batch, with dp replicas)."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
     from moegraph.tracer import trace_causal_lm
@@ -264,8 +295,8 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
-    rank, n = rank_and_size(n)
-    b, s = input_ids.shape
+    rank, n, b = replica_batch(input_ids.shape[0], n, dp, "input_ids [dp*b, s]")
+    s = input_ids.shape[1]
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by n={n}")
     full = {k: t.detach() for k, t in [*model.named_parameters(), *model.named_buffers()]}
@@ -275,7 +306,8 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                          f"{sorted(map(str, DTYPES))} for all of them")
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     cost = CostModel(hw)
-    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype])
+    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype],
+                        dp=dp)
     graph, spec = trace_causal_lm(model, strategy, batch=b, seq=s, name=type(model).__name__)
     if passes:
         from moegraph.passes import run_pipeline
@@ -288,8 +320,7 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                          record=record)
     positional = [q.name for q in inspect.signature(model.forward).parameters.values()
                   if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
-    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, rank=rank, n=n,
-                         positional=positional)
+    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional)
 
 
 def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:

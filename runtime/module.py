@@ -294,6 +294,18 @@ def rank_and_size(n: int | None, dp: int = 1) -> tuple[int, int]:
     return 0, 1
 
 
+def replica_batch(rows: int, n: int | None, dp: Any, what: str) -> tuple[int, int, int]:
+    """(global rank, n, b) for a global input of ``rows`` batch rows over ``dp`` replicas (b rows
+    each; ``rank_and_size``); ``what`` names the input (and its shape) in the errors."""
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"dp={dp!r} must be a positive integer (data-parallel replicas)")
+    rank, n = rank_and_size(n, dp)
+    if rows % dp:
+        raise ValueError(f"{what} has batch {rows}, not divisible by dp={dp}: with data parallelism it is the "
+                         "global batch, b rows per replica")
+    return rank, n, rows // dp
+
+
 def comm_axes(graph: Graph) -> tuple[str, ...]:
     """The group axes the graph's collectives run on (each checked: an unknown axis raises)."""
     return tuple(sorted({axis_of(node) for node in graph.nodes if node.is_comm}))
@@ -337,13 +349,8 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
         raise ValueError("example_inputs must be the layer input [b, s, h] (a tensor, or a tuple starting with it)")
     if x.dtype not in DTYPES:
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise ValueError(f"dp={dp!r} must be a positive integer (data-parallel replicas)")
-    rank, n = rank_and_size(n, dp)
-    if x.shape[0] % dp:
-        raise ValueError(f"example_inputs has batch {x.shape[0]}, not divisible by dp={dp}: with data parallelism "
-                         "it is the global input [dp*b, s, h], b rows per replica")
-    b, s = x.shape[0] // dp, x.shape[1]
+    rank, n, b = replica_batch(x.shape[0], n, dp, "example_inputs [dp*b, s, h]")
+    s = x.shape[1]
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
     cost = CostModel(hw)
     strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype], dp=dp)

@@ -76,6 +76,68 @@ def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     return out
 
 
+def dp_batches(seed: int, steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches [dp*B, S] of ``batches``, replica 0's rows with all labels but the last
+    two ignored (2 scored tokens per row, all on its last rank's shard, none on rank 0's): the
+    replicas hold different numbers of scored tokens, so training uses the global token count."""
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(steps):
+        ids = torch.randint(0, VOCAB, (dp * B, S), generator=gen)
+        labels = ids.clone()
+        labels[:B, :S - 2] = -100
+        out.append((ids, labels))
+    return out
+
+
+def dp_cases(rank: int, world: int, cases: list[dict], seed: int, dp: int) -> list[dict]:
+    """n x dp = ``world`` ranks: each case trains the compiled model on the global batch (AdamW,
+    ``train_against_eager``), then checks the global logits and a load_state_dict round trip."""
+    out = []
+    for i, case in enumerate(cases):
+        model = MODELS[case["model"]](seed + i, case["layers"])
+        data = dp_batches(seed + 1000 + i, case.get("steps", 3), dp)
+        compiled = moegraph.compile(model, data[0][0], hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                    dispatch=case.get("dispatch", "ag-rs"), passes=case["passes"],
+                                    schedule="greedy", timeout_s=60.0, dp=dp)
+        res = train_against_eager(model, compiled, data)
+        res["case"] = case
+        res["dp_nodes"] = sum(1 for nd in compiled.layers.graph.nodes if nd.attr("axis", "mp") == "dp")
+        ids = data[-1][0]
+        with torch.no_grad():                                   # eager holds the eager-trained weights
+            labels = _far_apart_labels(model(input_ids=ids).logits, dp)
+            got, ref = compiled(ids, labels=labels, output_logits=True), model(input_ids=ids, labels=labels)
+        res["logits"] = rel_err(got.logits, ref.logits)
+        res["mean_of_means"] = _mean_of_replica_means(ref.logits, labels, dp)
+        res["eval_loss"], res["eval_loss_ref"] = got.loss.item(), ref.loss.item()
+        compiled.load_state_dict(MODELS[case["model"]](seed + 77, case["layers"]).state_dict())
+        fresh = MODELS[case["model"]](seed + 77, case["layers"]).state_dict()
+        back = compiled.full_state_dict()
+        res["reload_equal"] = list(back) == list(fresh) and all(torch.equal(back[k], fresh[k]) for k in fresh)
+        out.append(res)
+    return out
+
+
+def _far_apart_labels(logits: torch.Tensor, dp: int) -> torch.Tensor:
+    """Labels [dp*B, S] for ``logits`` [dp*B, S, V] whose replicas' mean losses lie far apart:
+    replica 0 scores 2 tokens per row, each the least likely one (cross-entropy above log V),
+    the others every position's most likely token (below log V). The global token mean then
+    differs from the mean of the replicas' means by a wide margin, whatever the weights."""
+    labels = torch.full(logits.shape[:2], -100, dtype=torch.long)
+    labels[:, 1:] = logits[:, :-1].argmax(-1)               # position t predicts labels[t + 1]
+    labels[:B, 1:] = logits[:B, :-1].argmin(-1)
+    labels[:B, :S - 2] = -100
+    return labels
+
+
+def _mean_of_replica_means(logits: torch.Tensor, labels: torch.Tensor, dp: int) -> float:
+    from moegraph.models import shift_labels
+    shifted = shift_labels(labels)
+    means = [torch.nn.functional.cross_entropy(lg.flatten(0, 1), lb.flatten(), ignore_index=-100)
+             for lg, lb in zip(logits.chunk(dp), shifted.chunk(dp))]
+    return torch.stack(means).mean().item()
+
+
 def model_checks(rank: int, n: int, cases: list[dict], round_trips: list[str], seed: int) -> dict:
     """Both kinds of check on one process group (starting ranks costs seconds)."""
     return {"train": train_cases(rank, n, cases, seed),

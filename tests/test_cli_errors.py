@@ -136,6 +136,7 @@ RUNTIME_CASES = [
     (["run", "--train-steps", "2", "--trace", "{tmp}/t.json"], "it does not take --trace"),
     (["run", "--train-steps", "2", "--backend", "nccl"], "it does not take --backend nccl"),
     (["run", "--train-steps", "2", "--model", "deepseek-v3"], "deepseek-v3 has 3 dense first layers"),
+    (["run", "--train-steps", "2", "--n", "8", "--dp", "16"], "--n 8 x --dp 16 = 128 ranks: the gloo launcher starts at most 64"),
     (["run", "--dp", "0"], "'0' is not a positive integer"),
     (["run", "--backend", "nccl", "--model", "small", "--dp", "2"], "--backend nccl needs 4 CUDA devices (--n 2 x "
                                                                     "--dp 2 = 4 ranks), this machine has 0"),

@@ -84,6 +84,41 @@ def test_checkpoint_round_trip(n2, kind):
     assert res["loss"] < TOL and res["logits"] < TOL and res["reloaded"] < TOL, res
 
 
+# -- n=2 x dp=2: four gloo ranks, the global batch split over two replicas ----------------------
+
+DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
+            dict(model="hf", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
+            dict(model="ref", layers=2, attn="tp", ffn="tp", passes="")]
+
+
+@pytest.fixture(scope="module")
+def n2dp2():
+    cases = [c for c in DP_CASES if c["model"] == "ref" or HAS_HF]
+    res = spawn(workers.dp_cases, 4, args=(cases, _seed(), 2), timeout_s=600)
+    for r in res[1:]:      # every rank of both replicas reports the same loss
+        assert [t["losses"] for t in r] == [t["losses"] for t in res[0]]
+    return {_id(t["case"]): t for t in res[0]}
+
+
+@pytest.mark.parametrize("case", DP_CASES, ids=[_id(c) for c in DP_CASES])
+def test_training_matches_eager_on_the_global_batch_dp2(n2dp2, case):
+    """3 AdamW steps, n=2 x dp=2: loss, first-step gradients and final parameters equal eager
+    training on the global batch (not divided by dp), with replicas scoring different numbers of
+    tokens; then the global logits, a loss eager's global token mean (with labels chosen so the
+    mean of the replicas' means is far from it), and load_state_dict -> full_state_dict exactly."""
+    if case["model"] == "hf" and not HAS_HF:
+        pytest.skip("transformers is not installed")
+    res = n2dp2[_id(case)]
+    assert res["dp_nodes"] > 0, "the stacked layers have no data-parallel sync"
+    assert res["max_rel_err_loss"] < TOL and res["max_rel_err_grads"] < TOL, res
+    assert res["max_rel_err_params"] < TOL, res
+    assert res["losses"][0] != res["losses"][-1]
+    assert res["logits"] < TOL and abs(res["eval_loss"] - res["eval_loss_ref"]) < TOL * res["eval_loss_ref"], res
+    # the mean of the replicas' means would fail the loss check above by far
+    assert abs(res["mean_of_means"] - res["eval_loss_ref"]) > 1e3 * TOL * res["eval_loss_ref"], res
+    assert res["reload_equal"]
+
+
 # -- one rank ------------------------------------------------------------------------------------
 
 def test_one_rank_logits_and_base_model_match_eager(rng):

@@ -38,3 +38,12 @@ def test_run_layers_checks_the_stack_against_eager(tiny2, capsys):
     assert r["layers"] == 2
     assert r["max_rel_err_output"] < 1e-5 and r["max_rel_err_grads"] < 1e-5, r
     assert r["worst_grad"].startswith("layers.")
+
+
+def test_run_train_steps_dp2_check_matches_eager(tiny2, capsys):
+    """n=2 x dp=2 (4 ranks): the global batch [dp*b, s] is split over the replicas; training still
+    follows eager training on the whole batch."""
+    r = _run(["run", "--model", tiny2, "--layers", "all", "--train-steps", "2", "--vocab", "64", "--dp", "2",
+              "--check", *COMMON], capsys)
+    assert r["n"] == 2 and r["dp"] == 2 and len(r["losses"]) == 2
+    assert r["max_rel_err_loss"] < 1e-5 and r["max_rel_err_params"] < 1e-5 and r["max_rel_err_grads"] < 1e-5, r
