@@ -381,6 +381,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.commands import layer_from_args
     from moegraph.layers import layer_count
     from moegraph.runtime.module import make_plan
+    from moegraph.runtime.plan import FUSED_AS_MEMBERS, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
@@ -425,6 +426,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1),
         # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels)
         "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results)}
+    if fused := fused_group_count(g):
+        report.update({"fused_groups": fused, "executed_as": FUSED_AS_MEMBERS})
     if args.check:
         c = results[0]["check"]
         report.update({k: v for k, v in c.items() if k != "rel_err_input_grad"})
@@ -626,6 +629,8 @@ def format_report(r: dict[str, Any]) -> str:
              f"step time: median {r['step_us'] / 1e3:.3f} ms (min {r['step_us_min'] / 1e3:.3f}, "
              f"max {r['step_us_max'] / 1e3:.3f})"
              + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else "")]
+    if r.get("fused_groups"):
+        lines.append(f"{r['fused_groups']} {r['executed_as']}")
     if "max_rel_err_output" in r:
         lines.append(f"check vs eager: max rel err output {r['max_rel_err_output']:.2e}, "
                      f"grads {r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")

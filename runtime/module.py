@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import re
+import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
@@ -38,7 +39,7 @@ from moegraph.runtime import PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
 from moegraph.runtime.executor import Executor
-from moegraph.runtime.plan import COMM, ExecutionPlan, check_plan
+from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
 
 if TYPE_CHECKING:
@@ -367,5 +368,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
                          "move the module and the input to one device and dtype")
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)
+    if fused := fused_group_count(graph):
+        warnings.warn(f"{fused} {FUSED_AS_MEMBERS}", stacklevel=3)
     layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record)
     return layer

@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
-from moegraph.cost import FUSED_ATTR, variant
+from moegraph.cost import FusedGroup, variant
 from moegraph.ir import Graph, Phase, graph_digest
 from moegraph.runtime import PlanError
 
@@ -160,15 +160,21 @@ class ExecutionPlan:
                 "source_hash": self.source_hash, "entries": [dataclasses.asdict(e) for e in self.entries]}
 
 
+FUSED_AS_MEMBERS = ("fused groups run as their member kernels (the runtime has no tile-level fused kernels): "
+                    "values and gradients are the same, but the predicted times assume fused kernels")
+"""How the runtime executes a fused variant (passes/fuse.py), said wherever such a run is reported."""
+
+
+def fused_group_count(graph: Graph) -> int:
+    """Fused kernels the schedule predicts (their anchors); the runtime runs each as its members,
+    one kernel per node in the plan's order: the same decomposition the pass marked (nodes, values
+    and edges are unchanged by fusing), on a timeline the fused prediction does not describe."""
+    return sum(1 for n in graph.nodes if variant(n) == "fused" and FusedGroup.is_anchor(n))
+
+
 def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
     """Raise PlanError naming the first problem: a node missing or repeated, a forward node after
     a backward one, a node issued before a producer of its inputs, a stream of the wrong kind."""
-    fused = next((n for n in graph.nodes if variant(n) == "fused"), None)
-    if fused is not None:  # the runtime has no tile-level fused kernels; running the members one
-        # by one would compute the same values on a timeline the prediction does not describe
-        raise PlanError(f"node {fused.name!r} is predicted as variant 'fused' "
-                        f"({dict(fused.attr(FUSED_ATTR))['kind']}): the runtime has no fused kernels; "
-                        "compile the layer with fuse=none (or chunk=N, its chunked decomposition) to run it")
     names = [e.name for e in plan.entries]
     missing = [n.name for n in graph.nodes if n.name not in set(names)]
     if missing:

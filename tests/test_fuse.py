@@ -8,6 +8,8 @@ kernel 4 us, copy engine +10 us, a2a saturation 24 SMs, 132 SMs, fused tile over
 
 from __future__ import annotations
 
+import json
+
 import dataclasses
 
 import pytest
@@ -165,15 +167,27 @@ def test_multi_layer_graph_keeps_one_anchor_per_group(h800):
     assert sum(FusedGroup.is_anchor(n) for n in two.nodes if variant(n) == "fused") == 8
 
 
-def test_runtime_refuses_a_fused_graph():
-    from moegraph.runtime import PlanError
-    from moegraph.runtime.plan import ExecutionPlan
+def test_runtime_runs_a_fused_graph_as_its_members_and_says_so(capsys):
+    """No fused kernels on the ranks: each group runs as its member kernels (the decomposition the
+    pass marked), matching eager, and the report names the fused groups and what ran."""
+    from moegraph.cli import main
+    rc = main(["run", "--n", "2", "--steps", "1", "--passes", "fuse=all", "--schedule", "greedy", "--check", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    # tiny sp+ep+ag-rs: qkv_proj, out_proj and fc2 in forward, out_proj.dgrad -> attn_a2a in backward
+    assert report["fused_groups"] == 4
+    assert report["executed_as"].startswith("fused groups run as their member kernels")
+    assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
+
+
+def test_fused_group_count_counts_kernels():
+    from moegraph.runtime.plan import fused_group_count
     cm = CostModel(load_hardware("cpu-gloo"))
-    g, _ = run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=all",
+    g, _ = run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), "fuse=none",
                         cost=cm)
-    with pytest.raises(PlanError, match=r"node 'qkv_proj' is predicted as variant 'fused' \(gemm\+a2a\): the runtime "
-                                        r"has no fused kernels; compile the layer with fuse=none"):
-        ExecutionPlan.sequential(g)
+    assert fused_group_count(g) == 0
+    fused, _ = run_pipeline(g, "fuse=all", cost=cm)
+    assert fused_group_count(fused) == 4
 
 
 def test_schedule_says_which_variant_was_predicted(h800):
