@@ -111,8 +111,8 @@ RUNTIME_CASES = [
     (["demo", "--skip-run", "-o", "{tmp}/a_file.txt"], "is an existing file"),
     (["calibrate", "-o", "{tmp}/a_dir"], "a_dir"),
     (["run", "--schedule", "{tmp}/missing.json"], "missing.json: no such file"),
-    (["run", "--schedule", "fastest"], "'fastest' is not one of cpsat, sequential, greedy, megascale or a schedule "
-                                       "file (.json)"),
+    (["run", "--schedule", "fastest"], "'fastest' is not one of cpsat, sequential, greedy, megascale, "
+                                       "megatron-1f1b, dualpipe (with --micro-batches) or a schedule file (.json)"),
     (["run", "--schedule", "{tmp}/sched.json", "--seq", "128"], "--seq 128 does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--model", "small"], "--model small does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
