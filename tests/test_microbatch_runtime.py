@@ -126,9 +126,15 @@ def test_plans_interleave_micro_batches(plans):
     """megatron-1f1b's plan keeps micro-batch 1's forward between micro-batch 0's backward entries
     (the executor runs it in that order), and check_plan still enforces each micro-batch's barrier."""
     g, plan = plans[(2, "megatron-1f1b")]
+
+    def inside(p: ExecutionPlan) -> int:
+        """Micro-batch 1's forward entries between micro-batch 0's first and last backward entries."""
+        kinds = [(micro_batch_of(g.node[e.name]), g.node[e.name].phase is Phase.FORWARD) for e in p.entries]
+        first, last = kinds.index((0, False)), len(kinds) - 1 - kinds[::-1].index((0, False))
+        return kinds[first:last].count((1, True))
+    assert inside(plan) > 0
+    assert inside(ExecutionPlan.sequential(g)) == 0
     kinds = [(micro_batch_of(g.node[e.name]), g.node[e.name].phase is Phase.FORWARD) for e in plan.entries]
-    first_bwd0 = kinds.index((0, False))
-    assert (1, True) in kinds[first_bwd0:]
     fwd0 = [e for e in plan.entries if kinds[plan.entries.index(e)] == (0, True)]
     bad = plan.with_entries([e for e in plan.entries if e is not fwd0[-1]] + [fwd0[-1]])
     with pytest.raises(PlanError, match="comes after"):
