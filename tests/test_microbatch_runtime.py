@@ -5,8 +5,12 @@ megatron-1f1b, for M = 2 and 4; 3 AdamW steps equal eager training with accumula
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
+
+from moegraph.cli import main
 
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
@@ -164,3 +168,13 @@ def test_train_step_refuses_unmerged_and_wrong_counts(plans):
     layer = build_layer(merged, ExecutionPlan.sequential(merged), dict(module.named_parameters()), rank=0, n=1)
     with pytest.raises(ValueError, match="2 micro-batches but got 1"):
         layer.train_step([torch.zeros(B, S, H)], [torch.zeros(B, S, H)])
+
+
+def test_run_micro_batches_checks_against_eager_accumulation(capsys):
+    """`moegraph run --micro-batches 2 --check` under megatron-1f1b (no solver time): the report's
+    errors are against eager gradient accumulation."""
+    assert main(["run", "--micro-batches", "2", "--schedule", "megatron-1f1b", "--seq", "32", "--steps", "1",
+                 "--warmup", "0", "--check", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["micro_batches"] == 2 and r["schedule"] == "megatron-1f1b" and r["step_us"] > 0
+    assert r["max_rel_err_output"] < 1e-5 and r["max_rel_err_grads"] < 1e-5, r
