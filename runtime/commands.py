@@ -660,7 +660,8 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
     names, scheduled = {n.name for n in graph.nodes}, {n.name for n in schedule.nodes}
     if names != scheduled:
         odd = sorted(names ^ scheduled)
-        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]})")
+        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]}); a file "
+                        "compiled with --micro-batches M runs with the same --micro-batches M")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
