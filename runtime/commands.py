@@ -10,6 +10,13 @@ gives the median over the K steps.
 ``--dp D`` runs n x D ranks (``world_size``): D replicas of the n-rank group, replica-major
 (``moegraph.runtime.collectives.Layout``). The seeded input is the global batch [D*b, s, h];
 replica p trains on rows p*b .. (p+1)*b - 1 (``CompiledLayer.shard_input``).
+
+``--micro-batches M`` (M >= 2) runs one optimizer step of M micro-batches (gradient
+accumulation) as the merged step graph (``moegraph.microbatch``): scheduled whole (cpsat, or
+the paired baselines megatron-1f1b / dualpipe, or sequential), run by ``CompiledLayer.train_step``;
+the step time is the whole step's. ``--check`` compares every parameter gradient (summed over
+the M micro-batches) and each micro-batch's output and input gradient with eager gradient
+accumulation on the same seeded micro-batches.
 """
 
 from __future__ import annotations
@@ -39,14 +46,15 @@ class Unset:
 
 
 def schedule_arg(text: str) -> "str | Path":
-    """--schedule value: a method name (``moegraph.schedules`` METHODS), or a schedule file written
-    by ``compile`` or ``tune``."""
-    from moegraph.schedules.api import METHODS
-    if text in METHODS:
+    """--schedule value: a method name (``moegraph.schedules`` METHODS, or MICROBATCH_METHODS with
+    --micro-batches), or a schedule file written by ``compile`` or ``tune``."""
+    from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
+    if text in METHODS + MICROBATCH_METHODS:
         return text
     if text.endswith(".json"):
         return Path(text)
-    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(METHODS)} or a schedule file (.json)")
+    raise argparse.ArgumentTypeError(f"{text!r} is not one of {', '.join(METHODS)}, "
+                                     f"{', '.join(MICROBATCH_METHODS)} (with --micro-batches) or a schedule file (.json)")
 
 
 @dataclass(frozen=True)
@@ -196,6 +204,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     from moegraph.runtime.module import build_layer
     from moegraph.runtime.trace import trace_to_dict
     from moegraph.layers import layer_count
+    from moegraph.microbatch import micro_batch_count
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype]
     module, call = seeded_stack(spec.model, spec.seed, layer_count(spec.graph), spec.dtype, spec.implementation)
     module = module.to(spec.device)
@@ -203,26 +212,36 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
     n = spec.graph.strategy.n                   # ``rank`` is global: one of n x dp (world_size)
     layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
-    x, dy = global_batch(spec.graph, spec.seed, device=spec.device, dtype=dtype)
-    xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
+    M = micro_batch_count(spec.graph)
+    batches = micro_batch_inputs(spec.graph, spec.seed, M, device=spec.device, dtype=dtype)
+    if M > 1:
+        xs = [layers[0].shard_input(x) for x, _ in batches]
+        dys = [layers[0].shard_input(dy) for _, dy in batches]
+        steps_of = timed_microbatch_steps
+    else:
+        (x, dy), = batches
+        xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
+        steps_of = timed_steps
     meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
-        timed_steps(layer, xs, dys, spec.warmup, meta)
+        steps_of(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
         layer.executor.host.reset()
     for i, count in measurement_blocks(len(layers), spec.steps):
         if spec.warmup and len(layers) > 1:                  # re-warm this layer's memory, unrecorded
             recording, layers[i].record = layers[i].record, False
-            timed_steps(layers[i], xs, dys, 1, meta)
+            steps_of(layers[i], xs, dys, 1, meta)
             layers[i].record = recording
-        times[i] += timed_steps(layers[i], xs, dys, count, meta)
+        times[i] += steps_of(layers[i], xs, dys, count, meta)
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
-    if spec.check:
+    if spec.check and M > 1:
+        out["check"] = check_microbatches_against_eager(module, layers[0], batches, call=call)
+    elif spec.check:
         out["check"] = check_against_eager(module, layers[0], x, dy, call=call)
     return out
 
@@ -230,12 +249,73 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
 def global_batch(graph: Any, seed: int, *, device: Any = "cpu", dtype: Any = None):
     """The seeded input and seed gradient of one step for all replicas: [dp*b, s, h] each
     (replica p's rows p*b .. (p+1)*b - 1: distinct data per replica)."""
+    return micro_batch_inputs(graph, seed, 1, device=device, dtype=dtype)[0]
+
+
+def micro_batch_inputs(graph: Any, seed: int, micro_batches: int, *, device: Any = "cpu",
+                       dtype: Any = None) -> list[tuple[Any, Any]]:
+    """Seeded (input, seed gradient) of each of ``micro_batches`` micro-batches, [dp*b, s, h] each
+    (the first is ``global_batch``'s)."""
     import torch
     dims, dp = graph.dims, graph.strategy.dp
     gen = torch.Generator().manual_seed(seed + 1)
-    x = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
-    dy = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
-    return x, dy
+    out = []
+    for _ in range(micro_batches):
+        x = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
+        dy = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
+        out.append((x, dy))
+    return out
+
+
+def timed_microbatch_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
+    """``timed_steps`` for a micro-batch layer: each step is one ``train_step`` of its M micro-batches
+    (``xs``, ``dys``: lists of shards)."""
+    import torch
+    import torch.distributed as dist
+    times = []
+    for _ in range(steps):
+        for p in layer.parameters():
+            p.grad = None
+        if dist.is_initialized():
+            dist.barrier(group=barrier_group)
+        if xs[0].is_cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        layer.train_step(xs, dys)
+        if xs[0].is_cuda:
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e6)
+    return times
+
+
+def check_microbatches_against_eager(module: Any, layer: Any, batches: list[tuple[Any, Any]], *,
+                                     call: Any = None) -> dict[str, Any]:
+    """One ``train_step`` against eager gradient accumulation (M forward/backward passes of the
+    eager module into the same .grad) on the same full micro-batches (collective). Worst relative
+    error over the micro-batches' outputs; over their input gradients and every parameter gradient."""
+    import torch
+    from moegraph.runtime.check import _grad_report, rel_err     # near-zero gradients as run --check reports them
+    for p in layer.parameters():
+        p.grad = None
+    ys, dxs = layer.train_step([layer.shard_input(x) for x, _ in batches], [layer.shard_input(dy) for _, dy in batches])
+    grads = layer.full_grads()
+    module.zero_grad(set_to_none=True)
+    errs_y, pairs = [], {}
+    for j, ((x, dy), y, dx) in enumerate(zip(batches, ys, dxs)):
+        xr = x.detach().clone().requires_grad_(True)
+        y_ref = call(module, xr) if call else module(xr)
+        y_ref.backward(dy)
+        errs_y.append(rel_err(layer.unshard_output(y), y_ref.detach()))
+        pairs[f"<input mb{j}>"] = (layer.unshard_output(dx.contiguous()), xr.grad)
+    dp = layer.layout.dp    # the DP sync averages parameter gradients over the replicas
+    ref = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) / dp for k, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    missing = sorted(set(ref) - set(grads))
+    if missing:
+        raise KeyError(f"the compiled layer has no gradient for module parameters {missing}")
+    report = _grad_report({**pairs, **{k: (grads[k], g) for k, g in ref.items()}})
+    report.pop("rel_err_input_grad")
+    return {"max_rel_err_output": max(errs_y), **report}
 
 
 MAX_LOCAL_RANKS = 64      # local CPU (gloo) ranks the launcher starts at most (as calibrate --n)
@@ -272,18 +352,20 @@ CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU 
 
 
 def run_command(p: argparse.ArgumentParser):
-    from moegraph.commands import add_layer_args, add_memory_budget_arg, print_result
+    from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, print_result
     from moegraph.options import non_negative_int, positive_float, positive_int
-    from moegraph.schedules.api import METHODS
+    from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
     from moegraph.runtime.netns import add_link_args
     add_layer_args(p, model_default="tiny")
+    add_micro_batch_arg(p)
     # the shipped calibrated CPU profile: the uncalibrated cpu-gloo placeholder predicts ~-86% off
     # (--backend nccl refuses the CPU profiles, see ``run``)
     p.set_defaults(seq=128, n=2, dtype="fp32", hardware="cpu-2core-gloo")
     p.add_argument("--backend", default="gloo", choices=("gloo", "nccl"),
                    help="gloo: CPU ranks; nccl: one CUDA device per rank (default %(default)s)")
     p.add_argument("--schedule", default="cpsat", type=schedule_arg, metavar="METHOD|FILE.json",
-                   help=f"a scheduling method ({', '.join(METHODS)}), or a schedule file written by compile "
+                   help=f"a scheduling method ({', '.join(METHODS)}; with --micro-batches also "
+                        f"{', '.join(MICROBATCH_METHODS)}), or a schedule file written by compile "
                         "or tune: its model, strategy, passes and hardware are used, and any of those flags "
                         "given must agree with it (default %(default)s)")
     p.add_argument("--steps", type=positive_int, default=5, help="measured steps (default %(default)s)")
@@ -380,6 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.layers import layer_count
+    from moegraph.microbatch import micro_batch_count
     from moegraph.runtime.module import make_plan
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
@@ -393,6 +476,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if link is not None and args.backend != "gloo":
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
+    check_micro_batch_args(args)
     if args.train_steps is not None:
         return train(args, link)
     device = "cpu"
@@ -421,7 +505,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
                      "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
-        "batch": g.dims.b, "seq": g.dims.s, "schedule": plan.method, "plan_hash": plan.hash,
+        "batch": g.dims.b, "seq": g.dims.s, "micro_batches": micro_batch_count(g),
+        "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),
         "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1),
         # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels)
@@ -438,6 +523,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+
+def check_micro_batch_args(args: argparse.Namespace) -> None:
+    """--micro-batches against the other flags (UsageError before any work): the paired baselines
+    need M >= 2; --train-steps trains one micro-batch per step; --trace and --compare-prediction
+    read a forward/backward step's timeline, which a merged step does not have yet."""
+    from moegraph.options import UsageError
+    from moegraph.schedules.api import MICROBATCH_METHODS
+    M = getattr(args, "micro_batches", 1)       # code that builds run's args by hand may leave it out
+    if args.schedule in MICROBATCH_METHODS and M < 2:
+        raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
+                         f"it needs --micro-batches M >= 2 (got {M})")
+    if M < 2:
+        return
+    for flag, given in (("--train-steps", args.train_steps is not None), ("--trace", bool(args.trace)),
+                        ("--compare-prediction", args.compare_prediction)):
+        if given:
+            raise UsageError(f"--micro-batches {M} with {flag}: not supported (a merged micro-batch step runs "
+                             f"with --steps and --check); leave out {flag} or --micro-batches")
 
 
 @dataclass(frozen=True)
@@ -563,7 +667,8 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
     names, scheduled = {n.name for n in graph.nodes}, {n.name for n in schedule.nodes}
     if names != scheduled:
         odd = sorted(names ^ scheduled)
-        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]})")
+        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]}); a file "
+                        "compiled with --micro-batches M runs with the same --micro-batches M")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
@@ -625,14 +730,16 @@ def format_report(r: dict[str, Any]) -> str:
              + (f" layers={r['layers']}" if r.get("layers", 1) > 1 else "")
              + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
-             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up",
+             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['steps']} steps after {r['warmup']} warm-up"
+             + (f", {r['micro_batches']} micro-batches per step" if r.get("micro_batches", 1) > 1 else ""),
              f"step time: median {r['step_us'] / 1e3:.3f} ms (min {r['step_us_min'] / 1e3:.3f}, "
              f"max {r['step_us_max'] / 1e3:.3f})"
              + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else "")]
     if r.get("fused_groups"):
         lines.append(f"{r['fused_groups']} {r['executed_as']}")
     if "max_rel_err_output" in r:
-        lines.append(f"check vs eager: max rel err output {r['max_rel_err_output']:.2e}, "
+        lines.append(("check vs eager gradient accumulation" if r.get("micro_batches", 1) > 1 else "check vs eager")
+                     + f": max rel err output {r['max_rel_err_output']:.2e}, "
                      f"grads {r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")
         if r.get("near_zero_grads"):
             lines.append(f"  analytically zero gradients {', '.join(r['near_zero_grads'])}: error "

@@ -22,6 +22,13 @@ Values live in an environment keyed by value name and are dropped after their la
 the phase. Forward keeps what backward and recompute nodes read (the graph's saved values and
 the parameters); backward returns the layer-input gradient and the parameter gradients. Every
 collective issued in a phase completes before the phase returns.
+
+Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
+``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
+so micro-batch j+1's forward runs between micro-batch j's backward entries where the schedule
+put it; ``forward``/``backward`` refuse such a graph. Parameter gradients come out summed over
+the micro-batches by the graph itself (accumulating weight-gradient kernels, ADD nodes), then
+synchronised once per step.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from torch.profiler import record_function
 
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
+from moegraph.microbatch import micro_batch_count, microbatch_boundaries
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.collectives import Pending
 from moegraph.runtime.plan import COMPUTE, ExecutionPlan, PlanEntry, check_plan
@@ -80,23 +88,7 @@ class Executor:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.ctx = RankContext(rank, n, graph.dims.s)
-        self.fwd, self.bwd = plan.split(graph)
-        acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
-        seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
-        if len(acts) != 1 or len(seeds) != 1:
-            raise RuntimeFailure(f"graph {graph.name!r} has activation inputs {acts} and seed gradients {seeds}; "
-                                 "the runtime runs layers with exactly one of each")
-        self.input_name, self.seed_name = acts[0], seeds[0]
         self.param_names = tuple(p for p, _ in graph.params)
-        self.output_name = graph.outputs[0]
-        param_grads = set(graph.grad_of.values())
-        rest = [o for o in graph.outputs[1:] if o not in param_grads]
-        self.input_grad_name = rest[0] if rest else None
-        made_fwd = set(graph.inputs) | {o for e in self.fwd for o in graph.node[e.name].outputs}
-        self.saved = frozenset(i for e in self.bwd for i in graph.node[e.name].inputs
-                               if i in made_fwd and i != self.seed_name)
-        self._release_fwd = _releases(graph, self.fwd, keep=self.saved | {self.output_name})
-        self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
         self._cross = _cross_stream_values(graph, plan)
         self.comm_streams: dict[str, Any] = {}
         self.host = HostTime()
@@ -107,6 +99,28 @@ class Executor:
                     # highest priority (torch maps any lower number to the device's highest): a
                     # collective's kernels get SMs before a resident GEMM's next blocks
                     self.comm_streams[s] = torch.cuda.Stream(self.device, priority=COMM_STREAM_PRIORITY)
+        self.micro_batches = micro_batch_count(graph)
+        if self.micro_batches > 1:
+            # (input, seed, output, input gradient) per micro-batch; the whole plan is one phase
+            self.boundaries = microbatch_boundaries(graph)
+            self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
+            return
+        self.fwd, self.bwd = plan.split(graph)
+        acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
+        seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
+        if len(acts) != 1 or len(seeds) != 1:
+            raise RuntimeFailure(f"graph {graph.name!r} has activation inputs {acts} and seed gradients {seeds}; "
+                                 "the runtime runs layers with exactly one of each")
+        self.input_name, self.seed_name = acts[0], seeds[0]
+        self.output_name = graph.outputs[0]
+        param_grads = set(graph.grad_of.values())
+        rest = [o for o in graph.outputs[1:] if o not in param_grads]
+        self.input_grad_name = rest[0] if rest else None
+        made_fwd = set(graph.inputs) | {o for e in self.fwd for o in graph.node[e.name].outputs}
+        self.saved = frozenset(i for e in self.bwd for i in graph.node[e.name].inputs
+                               if i in made_fwd and i != self.seed_name)
+        self._release_fwd = _releases(graph, self.fwd, keep=self.saved | {self.output_name})
+        self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
 
     # -- public --------------------------------------------------------------------------------
 
@@ -114,6 +128,7 @@ class Executor:
                 recorder: StepRecorder | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
         """Run the forward entries on this rank's input shard [b, s/n, h]; return the output shard
         and the values backward reads (empty when ``keep_saved`` is False)."""
+        self._refuse_merged("forward")
         expected = self.graph.value[self.input_name].shape
         if tuple(x.shape) != expected:
             raise ValueError(f"input shard has shape {tuple(x.shape)}, the graph expects {expected} "
@@ -128,12 +143,46 @@ class Executor:
                  recorder: StepRecorder | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run backward and recompute entries; return (input-shard gradient, parameter-shard gradients
         in ``param_names`` order; replicated parameters' gradients already summed over ranks)."""
+        self._refuse_merged("backward")
         inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous()}
         keep = set(self.graph.outputs[1:])
         env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
         dx = env.get(self.input_grad_name) if self.input_grad_name else None
         # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
         return dx, [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+
+    def step(self, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *,
+             recorder: StepRecorder | None = None
+             ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """A merged step graph's whole step: micro-batch j's input shard ``xs[j]`` [b, s/n, h] and
+        seed gradient ``dys[j]``; every plan entry in issue order, in one pass. Returns (outputs,
+        input gradients, parameter-shard gradients in ``param_names`` order, summed over the
+        micro-batches and synchronised; None for buffers)."""
+        if self.micro_batches == 1:
+            raise RuntimeFailure(f"graph {self.graph.name!r} holds one micro-batch: run it with forward and backward "
+                                 "(merge_microbatches builds a step graph of M >= 2)")
+        M = self.micro_batches
+        if len(xs) != M or len(dys) != M:
+            raise ValueError(f"graph {self.graph.name!r} holds {M} micro-batches but got {len(xs)} inputs and "
+                             f"{len(dys)} seed gradients")
+        inputs: dict[str, Any] = dict(zip(self.param_names, params))
+        for j, ((x_name, seed_name, _, _), x, dy) in enumerate(zip(self.boundaries, xs, dys)):
+            expected = self.graph.value[x_name].shape
+            for what, t in (("input", x), ("seed gradient", dy)):
+                if tuple(t.shape) != expected:
+                    raise ValueError(f"micro-batch {j}'s {what} shard has shape {tuple(t.shape)}, the graph expects "
+                                     f"{expected} (this rank's sequence shard [b, s/n, h] with n={self.n})")
+            inputs[x_name], inputs[seed_name] = x, dy.contiguous()
+        env = self._run(self.plan.entries, inputs, self._release_step, recorder, set(self.graph.outputs))
+        ys = [env[y] for _, _, y, _ in self.boundaries]
+        dxs = [env.get(dx) for _, _, _, dx in self.boundaries]
+        return ys, dxs, [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+
+    def _refuse_merged(self, what: str) -> None:
+        if self.micro_batches > 1:
+            raise RuntimeFailure(f"graph {self.graph.name!r} is a step of {self.micro_batches} micro-batches whose "
+                                 f"forward and backward interleave: it has no separate {what}; run the whole step "
+                                 "with CompiledLayer.train_step(xs, dys) (Executor.step)")
 
     # -- one phase -------------------------------------------------------------------------------
 

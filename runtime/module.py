@@ -16,6 +16,10 @@ replica the MEAN over replicas of its parameter gradients: the gradient of the m
 replicas' losses, which equals the eager module's gradient on the concatenated data with the
 seed gradient divided by D. Input (activation) gradients stay each replica's own, unscaled.
 
+Micro-batches (gradient accumulation): a layer built on a merged step graph of M micro-batches
+(``moegraph.microbatch.merge_microbatches``) runs a whole optimizer step's forwards and backwards
+with ``train_step(xs, dys)``, in the schedule's interleaved order; ``forward`` refuses it.
+
 ``compile_module`` is the pipeline: trace -> passes -> schedule -> plan -> check that every
 rank holds the same plan -> process groups -> CompiledLayer. ``moegraph.compile`` calls it.
 """
@@ -146,8 +150,17 @@ class CompiledLayer(nn.Module):
     def params(self) -> tuple[nn.Parameter, ...]:
         return tuple(self.shard(p) for p, _ in self.graph.params)
 
+    @property
+    def micro_batches(self) -> int:
+        """M of the step graph this layer runs (1: an ordinary layer, run by ``forward``)."""
+        return self.executor.micro_batches
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: this rank's sequence shard [b, s/n, h] -> the layer output's shard [b, s/n, h]."""
+        if self.micro_batches > 1:
+            raise RuntimeFailure(f"layer {self.graph.name!r} runs a step of {self.micro_batches} micro-batches whose "
+                                 "forwards and backwards interleave: call train_step(xs, dys) with one input and "
+                                 "one seed gradient per micro-batch, not forward")
         params = self.params()
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return ScheduledLayerFunction.apply(self, x, *params)
@@ -155,6 +168,33 @@ class CompiledLayer(nn.Module):
         y, _ = self.executor.forward(x, params, keep_saved=False, recorder=rec)
         self._keep(rec)
         return y
+
+    @torch.no_grad()
+    def train_step(self, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor]
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """One optimizer step's forwards and backwards of a micro-batch layer (``micro_batches`` M
+        >= 2) in the schedule's order: ``xs[j]``, ``dys[j]`` are micro-batch j's input shard and
+        the gradient of its output shard, each [b, s/n, h]. Adds the parameter gradients, summed
+        over the M micro-batches (as M separate forward/backward passes accumulate them), into
+        the shards' ``.grad``; returns (output shards, input-gradient shards), one per
+        micro-batch. Outside autograd: nothing upstream of ``xs`` receives a gradient."""
+        if self.micro_batches == 1:
+            raise RuntimeFailure(f"layer {self.graph.name!r} runs one micro-batch: call it (forward) and backward; "
+                                 "train_step runs a step graph of M >= 2 micro-batches (--micro-batches, "
+                                 "moegraph.microbatch.merge_microbatches)")
+        params = self.params()
+        rec = self._new_recorder()
+        ys, dxs, grads = self.executor.step([x.detach() for x in xs], [dy.detach() for dy in dys],
+                                            [p.detach() for p in params], recorder=rec)
+        self._keep(rec)
+        for p, g in zip(params, grads):
+            if g is None or not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = g.detach().clone()      # the env's tensor may alias another step value
+            else:
+                p.grad.add_(g)
+        return ys, dxs
 
     def run_forward(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
         rec = self._new_recorder()
@@ -268,9 +308,9 @@ def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | Executi
         return check_plan(graph, schedule)
     if not isinstance(schedule, str):
         return ExecutionPlan.from_schedule(graph, schedule)
-    from moegraph.schedules.api import METHODS, compile_graph
-    if schedule not in METHODS:
-        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(METHODS)}")
+    from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph
+    if schedule not in METHODS + MICROBATCH_METHODS:
+        raise PlanError(f"schedule {schedule!r} is not one of {', '.join(METHODS + MICROBATCH_METHODS)}")
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
                            comm_streams=tuple(comm_streams), method=schedule)
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)

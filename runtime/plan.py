@@ -20,7 +20,9 @@ collectives on its own threads, so overlap happens between an issued collective 
 issued after it.
 
 Forward entries come first, then backward and recompute entries (the barrier: backward runs
-when autograd calls it).
+when autograd calls it). A merged step graph of M micro-batches (``moegraph.microbatch``) has
+the barrier per micro-batch: micro-batch j's forward entries precede its backward entries, and
+micro-batch j+1's forward may come between them (run whole by ``Executor.step``).
 
 Alone collectives: an entry with ``alone`` set is a collective the schedule runs with no compute
 beside it (``moegraph.schedules.solution.overlaps_compute`` is false for it: on hardware where
@@ -42,6 +44,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 
 from moegraph.cost import FusedGroup, variant
 from moegraph.ir import Graph, Phase, graph_digest
+from moegraph.microbatch import micro_batch_count, micro_batch_of
 from moegraph.runtime import PlanError
 
 if TYPE_CHECKING:
@@ -93,7 +96,11 @@ class ExecutionPlan:
         return {e.name: e for e in self.entries}
 
     def split(self, graph: Graph) -> tuple[tuple[PlanEntry, ...], tuple[PlanEntry, ...]]:
-        """(forward entries, backward + recompute entries), each in issue order."""
+        """(forward entries, backward + recompute entries), each in issue order. A merged step
+        graph has no such split (its phases interleave): PlanError."""
+        if micro_batch_count(graph) > 1:
+            raise PlanError(f"graph {graph.name!r} holds {micro_batch_count(graph)} micro-batches whose forward and "
+                            "backward interleave: its plan runs whole (Executor.step), not as two phases")
         fwd = tuple(e for e in self.entries if graph.node[e.name].phase is Phase.FORWARD)
         bwd = tuple(e for e in self.entries if graph.node[e.name].phase is not Phase.FORWARD)
         return fwd, bwd
@@ -113,9 +120,11 @@ class ExecutionPlan:
 
     @classmethod
     def sequential(cls, graph: Graph) -> "ExecutionPlan":
-        """Graph order (forward first), one node at a time, every collective alone; no times."""
+        """Graph order (forward first; in a merged step graph micro-batch by micro-batch, then the
+        step's gradient synchronisation), one node at a time, every collective alone; no times."""
         index = {n.name: i for i, n in enumerate(graph.nodes)}
-        order = sorted(graph.nodes, key=lambda n: (n.phase is not Phase.FORWARD, index[n.name]))
+        last = micro_batch_count(graph)         # step-level nodes (mb None) after every micro-batch
+        order = sorted(graph.nodes, key=lambda n: (_mb_key(n, last), n.phase is not Phase.FORWARD, index[n.name]))
         entries = tuple(PlanEntry(n.name, COMM if n.is_comm else COMPUTE, alone=n.is_comm) for n in order)
         return check_plan(graph, cls("sequential", entries, graph_digest(graph)))
 
@@ -143,8 +152,13 @@ class ExecutionPlan:
                     raise PlanError(f"schedule node {r.name!r} has {what}={t!r}: not a finite number")
             if r.end_us < r.start_us:
                 raise PlanError(f"schedule node {r.name!r} ends at {r.end_us} us before it starts at {r.start_us} us")
-        rows = sorted(schedule.nodes, key=lambda r: (graph.node[r.name].phase is not Phase.FORWARD, r.start_us,
-                                                      index[r.name]))
+        if micro_batch_count(graph) > 1:
+            # the schedule keeps each micro-batch's barrier itself (moegraph.schedules.problem); a
+            # global forward-first order would undo the interleaving it chose. check_plan verifies
+            rows = sorted(schedule.nodes, key=lambda r: (r.start_us, index[r.name]))
+        else:
+            rows = sorted(schedule.nodes, key=lambda r: (graph.node[r.name].phase is not Phase.FORWARD, r.start_us,
+                                                          index[r.name]))
         beside = _beside_compute(graph, schedule)
         entries = tuple(PlanEntry(r.name, r.stream, int(r.sm_budget), float(r.start_us),
                                   float(r.end_us), r.kind == "comm" and r.name not in beside) for r in rows)
@@ -174,7 +188,8 @@ def fused_group_count(graph: Graph) -> int:
 
 def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
     """Raise PlanError naming the first problem: a node missing or repeated, a forward node after
-    a backward one, a node issued before a producer of its inputs, a stream of the wrong kind."""
+    a backward one (of the same micro-batch, in a merged step graph), a node issued before a
+    producer of its inputs, a stream of the wrong kind."""
     names = [e.name for e in plan.entries]
     missing = [n.name for n in graph.nodes if n.name not in set(names)]
     if missing:
@@ -183,16 +198,17 @@ def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
         dup = next(x for x in names if names.count(x) > 1)
         raise PlanError(f"plan {plan.method!r} lists node {dup!r} twice")
     produced = set(graph.inputs)
-    seen_backward = None
+    seen_backward: dict[int | None, str] = {}     # micro-batch (None: unmerged) -> its first backward node
     for e in plan.entries:
         node = graph.node.get(e.name)
         if node is None:
             raise PlanError(f"plan {plan.method!r} names unknown node {e.name!r}")
-        if node.phase is Phase.FORWARD and seen_backward:
-            raise PlanError(f"plan {plan.method!r}: forward node {e.name!r} comes after {seen_backward!r} "
-                            f"({graph.node[seen_backward].phase.value})")
+        mb = micro_batch_of(node)
+        if node.phase is Phase.FORWARD and mb in seen_backward:
+            raise PlanError(f"plan {plan.method!r}: forward node {e.name!r} comes after {seen_backward[mb]!r} "
+                            f"({graph.node[seen_backward[mb]].phase.value})")
         if node.phase is not Phase.FORWARD:
-            seen_backward = seen_backward or e.name
+            seen_backward.setdefault(mb, e.name)
         late = [i for i in node.inputs if i not in produced]
         if late:
             raise PlanError(f"plan {plan.method!r}: node {e.name!r} is issued before {late[0]!r} is produced "
@@ -206,6 +222,12 @@ def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
             raise PlanError(f"plan {plan.method!r}: collective {e.name!r} has SM budget {e.sm_budget} < 0")
         produced.update(node.outputs)
     return plan
+
+
+def _mb_key(node, last: int) -> int:
+    """Sort key of a node's micro-batch: its index, ``last`` for step-level nodes."""
+    j = micro_batch_of(node)
+    return last if j is None else j
 
 
 # -- schedule adapter --------------------------------------------------------------------------

@@ -111,8 +111,8 @@ RUNTIME_CASES = [
     (["demo", "--skip-run", "-o", "{tmp}/a_file.txt"], "is an existing file"),
     (["calibrate", "-o", "{tmp}/a_dir"], "a_dir"),
     (["run", "--schedule", "{tmp}/missing.json"], "missing.json: no such file"),
-    (["run", "--schedule", "fastest"], "'fastest' is not one of cpsat, sequential, greedy, megascale or a schedule "
-                                       "file (.json)"),
+    (["run", "--schedule", "fastest"], "'fastest' is not one of cpsat, sequential, greedy, megascale, "
+                                       "megatron-1f1b, dualpipe (with --micro-batches) or a schedule file (.json)"),
     (["run", "--schedule", "{tmp}/sched.json", "--seq", "128"], "--seq 128 does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--model", "small"], "--model small does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
@@ -141,6 +141,12 @@ RUNTIME_CASES = [
     (["run", "--backend", "nccl", "--model", "small", "--dp", "2"], "--backend nccl needs 4 CUDA devices (--n 2 x "
                                                                     "--dp 2 = 4 ranks), this machine has 0"),
     (["run", "--n", "8", "--dp", "16"], "--n 8 x --dp 16 = 128 ranks: the gloo launcher starts at most 64 local ranks"),
+    (["run", "--micro-batches", "0"], "'0' is not a positive integer"),
+    (["run", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward with "
+                                             "another's backward: it needs --micro-batches M >= 2 (got 1)"),
+    (["run", "--micro-batches", "2", "--trace", "{tmp}/t.json"], "--micro-batches 2 with --trace: not supported"),
+    (["run", "--micro-batches", "2", "--train-steps", "2"], "--micro-batches 2 with --train-steps: not supported"),
+    (["run", "--micro-batches", "3", "--compare-prediction"], "--micro-batches 3 with --compare-prediction"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

@@ -86,7 +86,8 @@ def test_plan_from_a_schedule_follows_predicted_starts(graph):
 
 
 def test_plans_come_only_from_schedules(graph):
-    with pytest.raises(PlanError, match=r"^schedule 'asap' is not one of cpsat, sequential, greedy, megascale$"):
+    with pytest.raises(PlanError, match=r"^schedule 'asap' is not one of cpsat, sequential, greedy, megascale, "
+                                       r"megatron-1f1b, dualpipe$"):
         make_plan(graph, COST, "asap")
     with pytest.raises(PlanError, match=r"^cannot build a plan from a SimpleNamespace: expected a moegraph.schedules "
                                         r"Schedule"):
