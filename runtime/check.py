@@ -25,7 +25,7 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
 
 
-def _grad_report(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
+def grad_report(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:
     """Worst relative error over gradients (actual, expected), near-zero gradients apart."""
     norms = {k: e.double().norm().item() for k, (_, e) in pairs.items()}
     top = max(norms.values())
@@ -73,7 +73,7 @@ def check_against_eager(module: nn.Module, layer: Any, x: torch.Tensor, dy: torc
     missing = sorted(set(grads_ref) - set(grads))
     if missing:
         raise KeyError(f"the compiled layer has no gradient for module parameters {missing}")
-    report = _grad_report({"<input>": (dx, dx_ref), **{k: (grads[k], g) for k, g in grads_ref.items()}})
+    report = grad_report({"<input>": (dx, dx_ref), **{k: (grads[k], g) for k, g in grads_ref.items()}})
     return {"max_rel_err_output": rel_err(y, y_ref), **report}
 
 
@@ -87,7 +87,7 @@ def check_against_interpreter(layer: Any, module: nn.Module, x: torch.Tensor, dy
                              "same input, the runtime each replica its own rows; use check_against_eager")
     y, dx, grads = compiled_step(layer, x, dy)
     ref = interpret(layer.graph, {k: p.detach() for k, p in [*module.named_parameters(), *module.named_buffers()]}, x, dy)
-    report = _grad_report({"<input>": (dx, ref.input_grad), **{k: (grads[k], g) for k, g in ref.param_grads.items()}})
+    report = grad_report({"<input>": (dx, ref.input_grad), **{k: (grads[k], g) for k, g in ref.param_grads.items()}})
     return {"max_rel_err_output": rel_err(y, ref.output), **report}
 
 
@@ -118,7 +118,7 @@ def train_against_eager(eager: nn.Module, compiled: Any, batches: Sequence[tuple
         raise KeyError(f"the compiled model has no gradient or state for {missing}")
     param_errs = {k: rel_err(full[k], t) for k, t in ref.items() if t.is_floating_point()}
     worst_param = max(param_errs, key=param_errs.get)
-    report = _grad_report({k: (grads[k], g) for k, g in grads_ref.items()})
+    report = grad_report({k: (grads[k], g) for k, g in grads_ref.items()})
     report.pop("rel_err_input_grad")
     return {"losses": got, "eager_losses": expected,
             "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),

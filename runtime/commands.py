@@ -294,7 +294,7 @@ def check_microbatches_against_eager(module: Any, layer: Any, batches: list[tupl
     eager module into the same .grad) on the same full micro-batches (collective). Worst relative
     error over the micro-batches' outputs; over their input gradients and every parameter gradient."""
     import torch
-    from moegraph.runtime.check import _grad_report, rel_err     # near-zero gradients as run --check reports them
+    from moegraph.runtime.check import grad_report, rel_err     # near-zero gradients as run --check reports them
     for p in layer.parameters():
         p.grad = None
     ys, dxs = layer.train_step([layer.shard_input(x) for x, _ in batches], [layer.shard_input(dy) for _, dy in batches])
@@ -313,7 +313,7 @@ def check_microbatches_against_eager(module: Any, layer: Any, batches: list[tupl
     missing = sorted(set(ref) - set(grads))
     if missing:
         raise KeyError(f"the compiled layer has no gradient for module parameters {missing}")
-    report = _grad_report({**pairs, **{k: (grads[k], g) for k, g in ref.items()}})
+    report = grad_report({**pairs, **{k: (grads[k], g) for k, g in ref.items()}})
     report.pop("rel_err_input_grad")
     return {"max_rel_err_output": max(errs_y), **report}
 

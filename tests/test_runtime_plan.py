@@ -182,13 +182,13 @@ def test_module_and_input_must_share_device_and_dtype():
 
 
 def test_analytically_zero_gradients_are_reported_apart(rng):
-    from moegraph.runtime.check import _grad_report
+    from moegraph.runtime.check import grad_report
     big = torch.randn(64, 64, generator=rng)
     noise = 1e-9 * torch.randn(8, 64, generator=rng)             # e.g. the router's gradient under top-1
-    ok = _grad_report({"w": (big * (1 + 1e-7), big), "router": (noise.flip(0), noise)})
+    ok = grad_report({"w": (big * (1 + 1e-7), big), "router": (noise.flip(0), noise)})
     assert ok["worst_grad"] == "w" and ok["max_rel_err_grads"] < 1e-6
     assert ok["near_zero_grads"] == ["router"] and ok["max_err_near_zero_grads"] < 1e-6
-    bad = _grad_report({"w": (big, big), "router": (noise + 1e-2, noise)})   # a real gradient where none is
+    bad = grad_report({"w": (big, big), "router": (noise + 1e-2, noise)})   # a real gradient where none is
     assert bad["max_err_near_zero_grads"] > 1e-4
 
 
