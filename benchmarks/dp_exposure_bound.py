@@ -1,4 +1,5 @@
-"""A lower bound on the exposed data-parallel gradient sync of one step, beside the scheduled one.
+"""A lower bound on the exposed data-parallel gradient sync of one step, beside the scheduled one
+(``moegraph.schedules.bound.dp_sync_exposure_bound``; ``compile --json``: ``exposed_dp_sync_bound_us``).
 
 Why: issue 15 asks that the DP sync (mixtral-8x7b, h800, dp=4) be exposed at most 5% as much as
 a sequential end-of-step sync. This shows which sizes allow it at all. With one communication
@@ -19,10 +20,11 @@ from __future__ import annotations
 import argparse
 
 from moegraph.cost import CostModel
-from moegraph.ir import Phase, Strategy
+from moegraph.ir import Strategy
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import compile_graph
+from moegraph.schedules.bound import dp_sync_exposure_bound
 from moegraph.schedules.problem import build_problem
 from moegraph.schedules.schedule_file import dp_sync_exposure
 from moegraph.tracer import trace_model
@@ -46,12 +48,7 @@ def main() -> None:
             g = trace_model(load_model(args.model), Strategy("sp", "ep", "ag-rs", 8, dp=args.dp), batch=b, seq=8192,
                             layers=args.layers)
             g, _ = run_pipeline(g, passes, cost=cost)
-            p = build_problem(g, cost)
-            sync = [t for t in p.tasks if t.node.is_comm and t.node.attr("dp", False)]
-            fastest = sum(min(m.ticks for m in t.modes) for t in sync) * p.tick_us
-            covering = sum(max(m.ticks for m in t.modes) for t in p.tasks
-                           if t.kind == "compute" and t.node.phase is not Phase.FORWARD) * p.tick_us
-            bound = max(0.0, fastest - covering)
+            bound = dp_sync_exposure_bound(build_problem(g, cost))
             sched = compile_graph(g, cost, time_limit_s=args.time_limit).schedule
             got = dp_sync_exposure(sched.nodes)
             seq_us, exp_us = got["dp_sync_us"], got["exposed_dp_sync_us"]

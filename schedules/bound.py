@@ -41,9 +41,10 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
+from moegraph.ir import Phase
 from moegraph.schedules.problem import Problem, ScheduleError
 
-__all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound",
+__all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound", "dp_sync_exposure_bound",
            "memory_lower_bound"]
 
 
@@ -313,3 +314,26 @@ def memory_lower_bound(problem: Problem) -> tuple[int, str]:
         if total > best:
             best, why = total, f"values that must be live while {t.name!r} runs"
     return best, why
+
+
+def dp_sync_exposure_bound(problem: Problem) -> float:
+    """Least time, in us, that any schedule of ``problem`` runs data-parallel gradient sync
+    (collectives with attr dp=True) with no compute beside it (the schedule_file
+    ``exposed_dp_sync_us`` of every schedule is at least this).
+
+    A stream runs one task at a time, each at least its fastest mode (overlap stretch only
+    lengthens a collective), so a stream's DP collectives cover at least the sum of their
+    fastest durations. The sync reads the backward's weight gradients, so the only compute that
+    can run beside it is non-forward compute (every forward node of its micro-batch, or of the
+    step, ends first), which is busy for at most the sum of its slowest modes. Whatever the
+    order, the stream's sync time not covered by compute is at least the difference; the bound is
+    its largest value over the streams. 0 without DP sync."""
+    sync: dict[str, int] = {}
+    for t in problem.tasks:
+        if t.kind == "comm" and t.node.attr("dp", False):
+            sync[t.stream] = sync.get(t.stream, 0) + min(m.ticks for m in t.modes)
+    if not sync:
+        return 0.0
+    covering = sum(max(m.ticks for m in t.modes) for t in problem.tasks
+                   if t.kind == "compute" and t.node.phase is not Phase.FORWARD)
+    return max(0, max(sync.values()) - covering) * problem.tick_us

@@ -40,13 +40,28 @@ def compile_from_args(args):
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     layer = layer_from_args(args, multi_layer=True)
-    streams = ("comm",) if args.comm_streams == 1 else ("comm.intra", "comm.inter")
+    streams = comm_streams_from(args)
     result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
                            time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)
     return layer, result
 
 
-def compile_summary(layer, result, output: str | None) -> dict:
+def comm_streams_from(args: argparse.Namespace) -> tuple[str, ...]:
+    """--comm-streams 1: one stream; 2: intra- and inter-node streams (docs/scheduler.md)."""
+    return ("comm",) if args.comm_streams == 1 else ("comm.intra", "comm.inter")
+
+
+def dp_summary(layer, result, comm_streams) -> dict:
+    """DP sync of a dp > 1 step: scheduled and exposed (schedule_file.dp_sync_exposure), and the
+    least exposure any schedule could have (bound.dp_sync_exposure_bound), so a large exposure
+    can be told apart from an unavoidable one."""
+    from moegraph.schedules.bound import dp_sync_exposure_bound
+    from moegraph.schedules.problem import build_problem
+    bound = dp_sync_exposure_bound(build_problem(layer.graph, layer.cost, comm_streams=comm_streams))
+    return {**dp_sync_exposure(result.schedule.nodes), "exposed_dp_sync_bound_us": round(bound, 3)}
+
+
+def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -> dict:
     s = result.schedule.summary
     return {"model": layer.model.name, "hardware": layer.hardware.name,
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
@@ -58,7 +73,7 @@ def compile_summary(layer, result, output: str | None) -> dict:
             "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
             "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
             **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {}),
-            **(dp_sync_exposure(result.schedule.nodes) if layer.graph.strategy.dp > 1 else {})}
+            **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {})}
 
 
 def format_compile(c: dict) -> str:
@@ -88,7 +103,8 @@ def compile_command(p: argparse.ArgumentParser):
         layer, result = compile_from_args(args)
         if args.output:
             result.schedule.save(args.output)
-        summary = compile_summary(layer, result, args.output)
+        summary = compile_summary(layer, result, args.output,
+                                  comm_streams=comm_streams_from(args))
         print_result(summary, args.json, format_compile)
         return 0
     return run

@@ -128,5 +128,7 @@ def test_compile_json_reports_the_dp_sync_exposure(capsys):
     seq, cp = got["sequential"], got["cpsat"]
     assert seq["dp_sync_us"] > 0 and seq["exposed_dp_sync_us"] == pytest.approx(seq["dp_sync_us"], abs=0.01)
     assert 0 <= cp["exposed_dp_sync_us"] < cp["dp_sync_us"]
+    # the least exposure any schedule could have: both schedules respect it, and it is the same bound
+    assert seq["exposed_dp_sync_bound_us"] == cp["exposed_dp_sync_bound_us"] <= cp["exposed_dp_sync_us"] + 0.02
     assert main([*base, "--dp", "1", "--schedule", "sequential"]) == 0
     assert "dp_sync_us" not in json.loads(capsys.readouterr().out)
