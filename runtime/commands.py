@@ -32,7 +32,8 @@ from typing import Any, Literal
 from moegraph.runtime import RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
-LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes")
+LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
+               "micro_batches")
 
 
 @dataclass(frozen=True)
@@ -408,6 +409,7 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                                                    if isinstance(getattr(args, f, None), Unset)}})
     if not isinstance(args.schedule, Path):
         return plain, None
+    from moegraph.microbatch import MB_ATTR
     from moegraph.registry import RegistryError, load_hardware
     from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
     path = args.schedule
@@ -421,7 +423,10 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
     try:
         from_file = {"model": g["name"], "hardware": schedule.hardware["name"], "attn": st["attn"], "ffn": st["ffn"],
                      "dispatch": st["dispatch"], "n": st["n"], "batch": g["dims"]["b"], "seq": g["dims"]["s"],
-                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"])}
+                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"]),
+                     # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
+                     "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
+                     or 1}
     except (KeyError, TypeError) as err:
         raise UsageError(f"--schedule {path}: its graph or hardware misses {err}") from None
     for flag, value in given.items():

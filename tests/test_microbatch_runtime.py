@@ -178,7 +178,7 @@ def test_train_step_refuses_unmerged_and_wrong_counts(plans):
 def test_run_micro_batches_checks_against_eager_accumulation(capsys, tmp_path):
     """`compile --micro-batches 2` writes a megatron-1f1b schedule file; `run --micro-batches 2
     --schedule FILE --check` runs it and its errors are against eager gradient accumulation; the
-    same file without --micro-batches is refused naming the flag."""
+    same file without --micro-batches takes M from the file, and a different M is refused naming both."""
     sched = tmp_path / "mb2.json"
     assert main(["compile", "--model", "tiny", "--hardware", "cpu-2core-gloo", "--n", "2", "--seq", "32", "--dtype",
                  "fp32", "--micro-batches", "2", "--schedule", "megatron-1f1b", "-o", str(sched)]) == 0
@@ -188,5 +188,8 @@ def test_run_micro_batches_checks_against_eager_accumulation(capsys, tmp_path):
     r = json.loads(capsys.readouterr().out)
     assert r["micro_batches"] == 2 and r["schedule"] == "megatron-1f1b" and r["step_us"] > 0
     assert r["max_rel_err_output"] < 1e-5 and r["max_rel_err_grads"] < 1e-5, r
-    assert main(["run", "--schedule", str(sched), "--steps", "1"]) == 2
-    assert "runs with the same --micro-batches M" in capsys.readouterr().err
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["micro_batches"] == 2
+    assert main(["run", "--micro-batches", "3", "--schedule", str(sched), "--steps", "1"]) == 2
+    assert ("--micro-batches 3 does not match the schedule file" in (err := capsys.readouterr().err)
+            and "micro-batches=2" in err), err
