@@ -532,8 +532,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def check_micro_batch_args(args: argparse.Namespace) -> None:
     """--micro-batches against the other flags (UsageError before any work): the paired baselines
-    need M >= 2; --train-steps trains one micro-batch per step; --trace and --compare-prediction
-    read a forward/backward step's timeline, which a merged step does not have yet."""
+    need M >= 2; --train-steps trains one micro-batch per step."""
     from moegraph.options import UsageError
     from moegraph.schedules.api import MICROBATCH_METHODS
     M = getattr(args, "micro_batches", 1)       # code that builds run's args by hand may leave it out
@@ -542,11 +541,10 @@ def check_micro_batch_args(args: argparse.Namespace) -> None:
                          f"it needs --micro-batches M >= 2 (got {M})")
     if M < 2:
         return
-    for flag, given in (("--train-steps", args.train_steps is not None), ("--trace", bool(args.trace)),
-                        ("--compare-prediction", args.compare_prediction)):
+    for flag, given in (("--train-steps", args.train_steps is not None),):
         if given:
-            raise UsageError(f"--micro-batches {M} with {flag}: not supported (a merged micro-batch step runs "
-                             f"with --steps and --check); leave out {flag} or --micro-batches")
+            raise UsageError(f"--micro-batches {M} with {flag}: not supported (--train-steps trains one "
+                             f"micro-batch per optimizer step); leave out {flag} or --micro-batches")
 
 
 @dataclass(frozen=True)

@@ -176,8 +176,12 @@ def measured_schedule(trace: StepTrace, graph: Graph, plan: "ExecutionPlan", *, 
                       **summary: Any) -> Any:
     """One measured step as a Schedule: same node fields as the predicted one, summary.measured = True."""
     times = {t.name: (t.start_us, t.end_us) for t in trace.nodes}
+    barrier = trace.backward_start_us
+    if barrier is None:     # a merged micro-batch step runs in one pass: no single barrier; as the
+        # compiler writes it (schedules.solution.barrier_ticks: every task on side 0), the step's end
+        barrier = max((end for _, end in times.values()), default=0.0)
     return as_schedule(graph, plan, times, hardware=hardware, measured=True, rank=trace.rank, device=trace.device,
-                       barrier_us=trace.backward_start_us, **summary)
+                       barrier_us=barrier, **summary)
 
 
 def predicted_schedule(graph: Graph, plan: "ExecutionPlan", *, hardware: "Hardware | None" = None) -> Any:

@@ -144,9 +144,7 @@ RUNTIME_CASES = [
     (["run", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["run", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward with "
                                              "another's backward: it needs --micro-batches M >= 2 (got 1)"),
-    (["run", "--micro-batches", "2", "--trace", "{tmp}/t.json"], "--micro-batches 2 with --trace: not supported"),
     (["run", "--micro-batches", "2", "--train-steps", "2"], "--micro-batches 2 with --train-steps: not supported"),
-    (["run", "--micro-batches", "3", "--compare-prediction"], "--micro-batches 3 with --compare-prediction"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

@@ -193,3 +193,17 @@ def test_run_micro_batches_checks_against_eager_accumulation(capsys, tmp_path):
     assert main(["run", "--micro-batches", "3", "--schedule", str(sched), "--steps", "1"]) == 2
     assert ("--micro-batches 3 does not match the schedule file" in (err := capsys.readouterr().err)
             and "micro-batches=2" in err), err
+
+
+def test_run_micro_batches_writes_traces_verify_accepts(capsys, tmp_path):
+    """`run --micro-batches 2 --trace OUT --compare-prediction`: the measured merged step and its
+    prediction are schedule files `verify` accepts, and the comparison covers every node."""
+    out = tmp_path / "m.json"
+    assert main(["run", "--micro-batches", "2", "--n", "2", "--seq", "64", "--steps", "1", "--warmup", "0",
+                 "--trace", str(out), "--compare-prediction", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["micro_batches"] == 2 and r["prediction"]["total"]["predicted_us"] > 0
+    assert any(n["name"].startswith("mb1.") for n in r["prediction"]["nodes"])
+    for f in (out, out.with_suffix(".predicted.json")):
+        assert main(["verify", str(f)]) == 0, capsys.readouterr()
+    capsys.readouterr()
