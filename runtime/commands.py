@@ -165,22 +165,30 @@ def seeded_stack(cfg: Any, seed: int, layers: int, dtype: str = "fp32",
 
 
 def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
-    """Run ``steps`` forward+backward steps; per step, wall microseconds on this rank (ranks start
-    each step together: a barrier precedes it)."""
+    """Run ``steps`` training steps; per step, wall microseconds on this rank (ranks start each
+    step together: a barrier precedes it). A step is forward+backward of the shard ``xs`` seeded
+    with ``dys``, or, for a merged micro-batch layer (``xs``, ``dys``: lists of shards), one
+    ``train_step`` of its M micro-batches."""
     import torch
     import torch.distributed as dist
+    merged = isinstance(xs, list)
+    cuda = (xs[0] if merged else xs).is_cuda
     times = []
     for _ in range(steps):
         for p in layer.parameters():
             p.grad = None
-        xs.grad = None
+        if not merged:
+            xs.grad = None
         if dist.is_initialized():
             dist.barrier(group=barrier_group)
-        if xs.is_cuda:
+        if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        layer(xs).backward(dys)
-        if xs.is_cuda:
+        if merged:
+            layer.train_step(xs, dys)
+        else:
+            layer(xs).backward(dys)
+        if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
     return times
@@ -218,23 +226,21 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     if M > 1:
         xs = [layers[0].shard_input(x) for x, _ in batches]
         dys = [layers[0].shard_input(dy) for _, dy in batches]
-        steps_of = timed_microbatch_steps
     else:
         (x, dy), = batches
         xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
-        steps_of = timed_steps
     meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
-        steps_of(layer, xs, dys, spec.warmup, meta)
+        timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
         layer.executor.host.reset()
     for i, count in measurement_blocks(len(layers), spec.steps):
         if spec.warmup and len(layers) > 1:                  # re-warm this layer's memory, unrecorded
             recording, layers[i].record = layers[i].record, False
-            steps_of(layers[i], xs, dys, 1, meta)
+            timed_steps(layers[i], xs, dys, 1, meta)
             layers[i].record = recording
-        times[i] += steps_of(layers[i], xs, dys, count, meta)
+        times[i] += timed_steps(layers[i], xs, dys, count, meta)
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
@@ -266,27 +272,6 @@ def micro_batch_inputs(graph: Any, seed: int, micro_batches: int, *, device: Any
         dy = torch.randn(dp * dims.b, dims.s, dims.h, generator=gen).to(device=device, dtype=dtype)
         out.append((x, dy))
     return out
-
-
-def timed_microbatch_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
-    """``timed_steps`` for a micro-batch layer: each step is one ``train_step`` of its M micro-batches
-    (``xs``, ``dys``: lists of shards)."""
-    import torch
-    import torch.distributed as dist
-    times = []
-    for _ in range(steps):
-        for p in layer.parameters():
-            p.grad = None
-        if dist.is_initialized():
-            dist.barrier(group=barrier_group)
-        if xs[0].is_cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        layer.train_step(xs, dys)
-        if xs[0].is_cuda:
-            torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e6)
-    return times
 
 
 def check_microbatches_against_eager(module: Any, layer: Any, batches: list[tuple[Any, Any]], *,
@@ -539,12 +524,9 @@ def check_micro_batch_args(args: argparse.Namespace) -> None:
     if args.schedule in MICROBATCH_METHODS and M < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {M})")
-    if M < 2:
-        return
-    for flag, given in (("--train-steps", args.train_steps is not None),):
-        if given:
-            raise UsageError(f"--micro-batches {M} with {flag}: not supported (--train-steps trains one "
-                             f"micro-batch per optimizer step); leave out {flag} or --micro-batches")
+    if M > 1 and args.train_steps is not None:
+        raise UsageError(f"--micro-batches {M} with --train-steps: not supported (--train-steps trains one "
+                         "micro-batch per optimizer step); leave out --train-steps or --micro-batches")
 
 
 @dataclass(frozen=True)
@@ -670,8 +652,7 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
     names, scheduled = {n.name for n in graph.nodes}, {n.name for n in schedule.nodes}
     if names != scheduled:
         odd = sorted(names ^ scheduled)
-        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]}); a file "
-                        "compiled with --micro-batches M runs with the same --micro-batches M")
+        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]})")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
