@@ -26,6 +26,20 @@ A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evalu
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
 multiply everything above kernel_latency by the node's op class factor (``op_class``).
+In-step weight streaming: an expert GEMM (GROUPED_GEMM) runs one GEMM per row segment (per
+local expert, and per source rank when all-to-all fed it; again for every chunk), and inside a
+step each of them reads that expert's weights (dgrad, forward) or writes its weight gradient
+(wgrad) from memory the rest of the step has evicted from cache. Where the profile has a rate
+W_s = ``hw.in_step_stream_bw_bytes_s`` > 0 the node adds
+    t_stream = stream_bytes / W_s          (node attr "stream_bytes", moegraph/lowering/blocks.py)
+after the in-step factor; W_s = 0 (datasheet GPU profiles, older CPU profiles): no term. A fused
+group prices its members without it (the fused kernel reads each expert's weights once).
+Gradient accumulation: a weight-gradient kernel with attr accumulate=True (each token chunk's
+but the last, moegraph.autodiff) adds its result to the running sum, which the runtime does as
+a separate pass over a fresh weight-sized tensor (``kernels.run_compute``). Where the profile
+has a rate W_a = ``hw.accumulate_bw_bytes_s`` > 0 the node adds
+    t_acc = accumulate_bytes / W_a         (node attr "accumulate_bytes": the running sum's bytes)
+measured as the runtime runs it; W_a = 0: no term.
 
 Fused tile-level variants (MegaScale-MoE §4.2, Fig 10; the `fuse` pass marks them): a group of
 one collective and the compute chain it feeds (or that feeds it) runs as one kernel, pipelined
@@ -304,7 +318,24 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
+        return (hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls) + self._stream_us(node)
+                + self._accumulate_us(node))
+
+    def _accumulate_us(self, node: Node) -> float:
+        """Adding a weight-gradient kernel's result to the running sum (module docstring):
+        accumulate_bytes / the profile's accumulate_bw_bytes_s; 0 where either is absent."""
+        bw = self.hw.accumulate_bw_bytes_s
+        if bw <= 0 or not node.attr("accumulate", False):
+            return 0.0
+        return node.attr("accumulate_bytes", 0) / bw * _US
+
+    def _stream_us(self, node: Node) -> float:
+        """In-step weight streaming of an expert GEMM (module docstring): stream_bytes / the
+        profile's in_step_stream_bw_bytes_s; 0 where the profile has no rate or the node no bytes."""
+        bw = self.hw.in_step_stream_bw_bytes_s
+        if node.op is not OpKind.GROUPED_GEMM or bw <= 0:
+            return 0.0
+        return node.attr("stream_bytes", 0) / bw * _US
 
     def scope(self, node: Node) -> Scope:
         """Which link a collective crosses: node attr "scope", else intra iff its group fits

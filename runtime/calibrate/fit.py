@@ -297,6 +297,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     prof["curves"] = curves
     prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
     prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
+    prof["in_step_stream_bw_bytes_s"] = 0.0     # the in-step stage fits these (steps.py); never the base's
+    prof["accumulate_bw_bytes_s"] = 0.0
     prof.pop("measured", None)
     prof.pop("description", None)
     facts = CalibrationFacts.of_run(opts, info, wall_s, unmeasured, skipped, notes)
