@@ -27,9 +27,10 @@ longer than the summed isolated prediction. This stage measures that directly:
    in it at similar FLOPs (all-to-all dispatch feeds two segments per expert, ag-rs one), which
    separates the weight traffic from the FLOPs; a chunked layer pays W_s once per chunk. W_s is
    scaled by r with the factors and stored as in_step_stream_bw_bytes_s.
-   Weight-gradient kernels with attr accumulate=True (only the chunked ACCUMULATE_LAYER has
-   them) stay out of the factors and of that fit: what they take beyond their price without
-   the running sum, summed, over their summed accumulate_bytes gives accumulate_bw_bytes_s
+   The chunked ACCUMULATE_LAYER, whose weight-gradient kernels but the last chunk's carry
+   attr accumulate=True, stays out of all of that: what its accumulating kernels take beyond
+   the same kernel without the running sum (the last chunk's, timed in the same steps; else
+   their fitted price), summed, over their summed accumulate_bytes gives accumulate_bw_bytes_s
    (scaled by r too). The runtime adds the sum as a separate pass over a fresh weight-sized
    tensor, which inside a step cost 3-5 ms per 8 MiB on the 2-core VM (page faults on the new
    buffer included), 4x what the same kernel pair takes alone in a loop.
@@ -77,9 +78,8 @@ class LayerConfig:
 CALIBRATION_LAYERS = (LayerConfig("small", 512, "sp", "ep", "ag-rs"), LayerConfig("small", 256, "tp", "ep", "a2a"),
                       LayerConfig("small", 384, "tp", "tp", "ag-rs"))
 # Timed in the same stage after them: the first calibration layer in two token chunks, the one
-# place the calibration sees a weight gradient accumulated into a running sum (fits
-# accumulate_bw_bytes_s; its other nodes count like every layer's). Chunked layers of these
-# sizes are therefore in-sample too.
+# place the calibration sees a weight gradient accumulated into a running sum. It fits only
+# accumulate_bw_bytes_s; a chunked layer of these sizes is in-sample for that number.
 ACCUMULATE_LAYER = LayerConfig("small", 512, "sp", "ep", "ag-rs", chunks=2)
 IN_STEP_LAYERS = CALIBRATION_LAYERS + (ACCUMULATE_LAYER,)
 STEPS, WARMUP = 12, 2
@@ -194,9 +194,16 @@ def fit_stream(xs: Sequence[float], ys: Sequence[float], zs: Sequence[float]) ->
     return (f, c) if f > 0 and c > 0 and c * sum(zs) >= 0.01 * sum(ys) else plain
 
 
+def _kernel_key(node: Any, accumulate_bytes: int) -> tuple:
+    """What makes two compute nodes the same kernel call, the running sum's input taken off."""
+    return node.op, node.role, node.module, node.flops, node.mem_bytes - accumulate_bytes
+
+
 def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
     """Factors and rates as the module docstring's step 3 defines them. ``hw`` prices the nodes
-    alone: its own in-step factors and in-step rates are ignored."""
+    alone: its own in-step factors and in-step rates are ignored. A layer with accumulating
+    kernels (the chunked ACCUMULATE_LAYER) gives only the accumulation rate, so the factors,
+    the streaming rate and the common scale come from the unchunked calibration layers alone."""
     import dataclasses
 
     from moegraph.cost import CostModel, op_class
@@ -205,51 +212,62 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
         raise ValueError("fit_in_step needs at least one measured layer")
     alone = dataclasses.replace(hw, in_step_factors=(), in_step_stream_bw_bytes_s=0.0, accumulate_bw_bytes_s=0.0)
     cost, kappa = CostModel(alone), hw.kernel_latency_us
-    measured: dict[str, float] = defaultdict(float)   # nodes without accumulation: the factors
+    measured: dict[str, float] = defaultdict(float)
     predicted: dict[str, float] = defaultdict(float)
-    total: dict[str, float] = defaultdict(float)      # every node: the common scale
-    grouped: list[tuple[float, float, float]] = []    # (x, y, z) of the expert GEMMs without accumulation
-    summing: list[tuple[str, float, float, float, float]] = []   # (class, x, y, z, accumulate_bytes)
+    grouped: list[tuple[float, float, float]] = []    # (x, y, z) of the expert GEMMs
+    summing: list[tuple[str, float, float, float, float, tuple[float, float] | None]] = []
+    # ^ (class, x, y, z, accumulate_bytes, (x, y) of the same kernel without the sum in that layer or None)
     steps = 0.0
-    priced = 0
+    priced = streamed = 0
     for s in samples:
         spans = dict(s.node_us)
         missing = [node.name for node in s.graph.nodes if node.name not in spans]
         if missing:
             raise ValueError(f"{s.label}: no measured span for node {missing[0]!r}")
-        for node in s.graph.nodes:
-            if node.op is OpKind.SPLIT:                    # a view: free in the cost model
-                continue
+        nodes = [node for node in s.graph.nodes if node.op is not OpKind.SPLIT]   # views: free in the model
+        x = {node.name: cost.node_time_us(node) - kappa for node in nodes}
+        if any(node.attr("accumulate", False) for node in nodes):
+            # the last chunk's kernel of the same shapes runs without the running sum: its sibling
+            plain = {_kernel_key(node, 0): (x[node.name], spans[node.name] - kappa) for node in nodes
+                     if not node.attr("accumulate", False)}
+            for node in nodes:
+                if node.attr("accumulate", False):
+                    w = int(node.attr("accumulate_bytes", 0))
+                    z = float(node.attr("stream_bytes", 0)) if node.op is OpKind.GROUPED_GEMM else 0.0
+                    summing.append((op_class(node), x[node.name], spans[node.name] - kappa, z, float(w),
+                                    plain.get(_kernel_key(node, w))))
+            continue
+        for node in nodes:
             c = op_class(node)
-            m, p = spans[node.name] - kappa, cost.node_time_us(node) - kappa
-            z = float(node.attr("stream_bytes", 0)) if node.op is OpKind.GROUPED_GEMM else 0.0
-            total[c] += p
-            priced += 1
-            if node.attr("accumulate", False):
-                summing.append((c, p, m, z, float(node.attr("accumulate_bytes", 0))))
-                continue
-            measured[c] += m
-            predicted[c] += p
+            measured[c] += spans[node.name] - kappa
+            predicted[c] += x[node.name]
             if node.op is OpKind.GROUPED_GEMM:
-                grouped.append((p, m, z))
+                grouped.append((x[node.name], spans[node.name] - kappa, float(node.attr("stream_bytes", 0))))
+            priced += 1
         steps += s.step_us
+    if priced == 0:
+        raise ValueError("fit_in_step needs at least one measured layer without gradient accumulation")
     factors = {c: measured[c] / predicted[c] for c in IN_STEP_CLASSES if predicted[c] > 0}
     us_per_byte = 0.0
     if grouped:
         xs, ys, zs = zip(*grouped)
         factors["grouped_gemm"], us_per_byte = fit_stream(xs, ys, zs)
-    # accumulating kernels: what they take beyond the same kernel without the running sum
-    us_per_sum_byte = 0.0
-    sum_bytes = sum(w for *_, w in summing)
-    if sum_bytes > 0:
-        extra = sum(y - factors.get(c, 1.0) * x - us_per_byte * z for c, x, y, z, _ in summing)
-        us_per_sum_byte = max(0.0, extra) / sum_bytes
+        streamed = sum(zs)
     # What the medians of single nodes miss: gaps between nodes, the slowest rank setting each
     # step, and the skew of each node's spans (the sum of medians undershoots the median sum)
-    streamed = sum(z for _, _, z in grouped) + sum(z for _, _, _, z, _ in summing)
-    scaled = (sum(factors.get(c, 1.0) * total[c] for c in total) + us_per_byte * streamed
-              + us_per_sum_byte * sum_bytes)
+    scaled = sum(factors[c] * predicted[c] for c in factors) + us_per_byte * streamed
     scale = max(1e-9, steps - priced * kappa) / scaled
+    # accumulating kernels: what they take beyond the same kernel without the running sum, timed
+    # in the same steps where the layer has one (a paired difference: neither load drift between
+    # layers nor the fits above enter it; the sum's input is also priced as memory traffic, so the
+    # price difference of the two comes off), else beyond their fitted price
+    us_per_sum_byte = 0.0
+    sum_bytes = sum(w for *_, w, _ in summing)
+    if sum_bytes > 0:
+        extra = sum(y - (sib[1] + factors.get(c, 1.0) * (x - sib[0]) if sib is not None
+                         else factors.get(c, 1.0) * x + us_per_byte * z)
+                    for c, x, y, z, _, sib in summing)
+        us_per_sum_byte = max(0.0, extra) / sum_bytes
 
     def rate(us: float) -> float:
         return float(f"{1e6 / (us * scale):.4g}") if us > 0 else 0.0
