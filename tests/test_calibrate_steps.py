@@ -190,3 +190,31 @@ def test_fit_recovers_the_streaming_and_accumulation_rates():
                                  accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s)
     for check in in_step_checks(fitted, samples):
         assert abs(check.error) < 1e-3, check.line()
+
+
+def test_a_chunked_layer_alone_gives_no_factors():
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    with pytest.raises(ValueError, match="needs at least one measured layer without gradient accumulation"):
+        fit_in_step(BASE, [_with_terms(chunked, "c")])
+
+
+def test_in_step_stage_stores_both_rates_in_the_profile(monkeypatch):
+    import time
+
+    import moegraph.runtime.calibrate.steps as steps
+    from moegraph.runtime.calibrate.benchmarks import MachineInfo
+    from moegraph.runtime.calibrate.command import _in_step_stage
+    from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    samples = [_with_terms(_graph(64, "sp", "ep", "ag-rs"), "a"), _with_terms(_graph(32, "tp", "ep", "a2a"), "b"),
+               _with_terms(chunked, "c")]
+    monkeypatch.setattr(steps, "measure_steps", lambda *a, **k: samples)
+    opts = CalibrationOptions(time_budget_s=180.0, verbose=False)
+    facts = CalibrationFacts.of_run(opts, MachineInfo("h", "c", 2, "t"), 1.0, (), (), ())
+    profile, checks = _in_step_stage(Profile(BASE.to_dict(), facts, "d"), opts, time.time())
+    hw = profile.hardware()
+    assert hw.in_step_stream_bw_bytes_s == pytest.approx(STREAM_BW, rel=1e-3)
+    assert hw.accumulate_bw_bytes_s == pytest.approx(SUM_BW, rel=1e-3)
+    assert len(checks) == 3 and all(abs(c.error) < 1e-3 for c in checks)
