@@ -257,7 +257,8 @@ class CostModel:
         comm = group.comm_node()
         n = comm.group
         members = group.compute_nodes()
-        alone = [self.node_time_us(c) for c in members]
+        alone = [0.0 if c.op is OpKind.SPLIT else self._compute_us(c, op_class(c), in_step_terms=False)
+                 for c in members]
         body = sum(t - kappa for t in alone if t > 0)   # the chain as one kernel: one launch (views cost 0)
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
@@ -309,7 +310,7 @@ class CostModel:
         points = self.hw.curve(curve_name)
         return scalar if points is None else interpolate(points, size)
 
-    def _compute_us(self, node: Node, cls: str) -> float:
+    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True) -> float:
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
@@ -318,24 +319,34 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        return (hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls) + self._stream_us(node)
-                + self._accumulate_us(node))
-
-    def _accumulate_us(self, node: Node) -> float:
-        """Adding a weight-gradient kernel's result to the running sum (module docstring):
-        accumulate_bytes / the profile's accumulate_bw_bytes_s; 0 where either is absent."""
-        bw = self.hw.accumulate_bw_bytes_s
-        if bw <= 0 or not node.attr("accumulate", False):
-            return 0.0
-        return node.attr("accumulate_bytes", 0) / bw * _US
+        t = hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
+        return t + self._stream_us(node) + self._accumulate_us(node) if in_step_terms else t
 
     def _stream_us(self, node: Node) -> float:
         """In-step weight streaming of an expert GEMM (module docstring): stream_bytes / the
-        profile's in_step_stream_bw_bytes_s; 0 where the profile has no rate or the node no bytes."""
+        profile's in_step_stream_bw_bytes_s; 0 where the profile has no rate."""
         bw = self.hw.in_step_stream_bw_bytes_s
         if node.op is not OpKind.GROUPED_GEMM or bw <= 0:
             return 0.0
-        return node.attr("stream_bytes", 0) / bw * _US
+        return self._bytes_attr(node, "stream_bytes", "in_step_stream_bw_bytes_s") / bw * _US
+
+    def _accumulate_us(self, node: Node) -> float:
+        """Adding a weight-gradient kernel's result to the running sum (module docstring):
+        accumulate_bytes / the profile's accumulate_bw_bytes_s; 0 where the profile has no rate."""
+        bw = self.hw.accumulate_bw_bytes_s
+        if bw <= 0 or not node.attr("accumulate", False):
+            return 0.0
+        return self._bytes_attr(node, "accumulate_bytes", "accumulate_bw_bytes_s") / bw * _US
+
+    def _bytes_attr(self, node: Node, key: str, field: str) -> int:
+        """A byte count the lowering writes. A node without it (a graph built by other code) would
+        be priced without the profile's term, so it is an error, not a 0."""
+        value = node.attr(key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"node {node.name!r} ({node.op.value}) has {key}={value!r}, but profile "
+                             f"{self.hw.name!r} prices it by {field}: expected a byte count >= 0 "
+                             f"(moegraph/lowering/blocks.py and moegraph/autodiff.py write it)")
+        return value
 
     def scope(self, node: Node) -> Scope:
         """Which link a collective crosses: node attr "scope", else intra iff its group fits

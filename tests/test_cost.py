@@ -333,3 +333,18 @@ def test_all_to_all_fed_expert_gemm_streams_each_expert_per_source_rank():
                     batch=1, seq=256)
     fc1 = next(nd for nd in g.nodes if nd.name == "fc1")
     assert fc1.attr("stream_bytes") == 2 * 4 * 1024 * 512 * 4      # 2 source ranks x 4 experts x 2 MiB
+
+
+def test_a_node_without_the_byte_count_a_rate_needs_is_an_error():
+    hw = dataclasses.replace(load_hardware("cpu-2core-gloo-1gbit"), in_step_stream_bw_bytes_s=8e9,
+                             accumulate_bw_bytes_s=2e9)
+    bare = compute(OpKind.GROUPED_GEMM, flops=10**9, mem_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"node 'x.grouped_gemm' \(grouped_gemm\) has stream_bytes=None, but profile "
+                                         r"'cpu-2core-gloo-1gbit' prices it by in_step_stream_bw_bytes_s"):
+        CostModel(hw).node_time_us(bare)
+    summing = compute(OpKind.GEMM, flops=10**9).with_attrs(accumulate=True)
+    with pytest.raises(ValueError, match="has accumulate_bytes=None"):
+        CostModel(hw).node_time_us(summing)
+    # without the rates the same nodes are priced as before
+    plain = CostModel(load_hardware("cpu-2core-gloo-1gbit"))
+    assert plain.node_time_us(bare) > 0 and plain.node_time_us(summing) > 0
