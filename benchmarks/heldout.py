@@ -6,7 +6,9 @@ runs configurations outside that set (refused in code if one is in it: same mode
 length and strategy, whatever the model's name or implementation): a model YAML the calibration
 never saw (benchmarks/mid.yaml), another sequence length, another strategy, and transformers'
 MixtralDecoderLayer. Per configuration one launch of n=2 gloo ranks times the CP-SAT and the
-sequential schedule in ABBA blocks (moegraph.runtime.commands.measurement_blocks); step time is the
+sequential schedule in ABBA blocks (moegraph.runtime.commands.measurement_blocks); a chunked
+preset adds ``chunk=N`` to ``--passes`` (its accumulation rate was fitted on s=512 chunk=2, the
+calibration's ACCUMULATE_LAYER, so s=768 chunk=2 is held out in sequence length); step time is the
 slowest rank's, the table gives medians. The in-sample rows (the calibration layers themselves,
 measured the same way) are reported beside them, and the summary gives the two errors separately,
 never pooled.
@@ -70,6 +72,7 @@ HELD_OUT = {
     "small-sp-ep-a2a": Config(LayerConfig("small", 512, "sp", "ep", "a2a")),                # unseen strategy
     "small-sp-tp": Config(LayerConfig("small", 512, "sp", "tp", "ag-rs")),                  # unseen strategy
     "hf-mixtral": Config(LayerConfig("small", 448, "sp", "ep", "ag-rs"), "hf-mixtral"),     # transformers' layer
+    "small-s768-chunk2": Config(LayerConfig("small", 768, "sp", "ep", "ag-rs", chunks=2)),  # chunked (issue 13 item 4)
 }
 
 
@@ -132,6 +135,8 @@ def configs_arg(text: str) -> tuple[Config, ...]:
 def build_layer(config: Config, hardware: str, passes: Any) -> Layer:
     """The layer lowered for N ranks with ``passes``, traced from ``config``'s implementation."""
     lc = config.layer
+    if lc.chunks > 1:                   # the chunk pass after the common pipeline
+        passes = f"{passes},chunk={lc.chunks}" if passes else f"chunk={lc.chunks}"
     args = argparse.Namespace(model=lc.model, hardware=hardware, attn=lc.attn, ffn=lc.ffn, dispatch=lc.dispatch,
                               n=N, batch=1, seq=lc.seq, top_k=None, dtype="fp32", dp=1, passes=passes)
     layer = layer_from_args(args)

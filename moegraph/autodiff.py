@@ -68,7 +68,7 @@ def _accumulate_in_place(g: GraphBuilder, param: str, parts: list[str]) -> str |
         if node is None or node.role is not Role.WGRAD or i < index.get((acc,), len(g.nodes)):
             return _accumulate(g, param, [acc, *parts[k:]])   # plain ADD chain from here on
         g.nodes[i] = dataclasses.replace(node, inputs=node.inputs + (acc,), mem_bytes=node.mem_bytes + g.nbytes(acc),
-                                         attrs=node.with_attrs(accumulate=True).attrs)
+                                         attrs=node.with_attrs(accumulate=True, accumulate_bytes=g.nbytes(acc)).attrs)
         acc = part
     return acc
 

@@ -26,6 +26,20 @@ A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evalu
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
 multiply everything above kernel_latency by the node's op class factor (``op_class``).
+In-step weight streaming: an expert GEMM (GROUPED_GEMM) runs one GEMM per row segment (per
+local expert, and per source rank when all-to-all fed it; again for every chunk), and inside a
+step each of them reads that expert's weights (dgrad, forward) or writes its weight gradient
+(wgrad) from memory the rest of the step has evicted from cache. Where the profile has a rate
+W_s = ``hw.in_step_stream_bw_bytes_s`` > 0 the node adds
+    t_stream = stream_bytes / W_s          (node attr "stream_bytes", moegraph/lowering/blocks.py)
+after the in-step factor; W_s = 0 (datasheet GPU profiles, older CPU profiles): no term. A fused
+group prices its members without it (the fused kernel reads each expert's weights once).
+Gradient accumulation: a weight-gradient kernel with attr accumulate=True (each token chunk's
+but the last, moegraph.autodiff) adds its result to the running sum, which the runtime does as
+a separate pass over a fresh weight-sized tensor (``kernels.run_compute``). Where the profile
+has a rate W_a = ``hw.accumulate_bw_bytes_s`` > 0 the node adds
+    t_acc = accumulate_bytes / W_a         (node attr "accumulate_bytes": the running sum's bytes)
+measured as the runtime runs it; W_a = 0: no term.
 
 Fused tile-level variants (MegaScale-MoE §4.2, Fig 10; the `fuse` pass marks them): a group of
 one collective and the compute chain it feeds (or that feeds it) runs as one kernel, pipelined
@@ -243,7 +257,8 @@ class CostModel:
         comm = group.comm_node()
         n = comm.group
         members = group.compute_nodes()
-        alone = [self.node_time_us(c) for c in members]
+        alone = [0.0 if c.op is OpKind.SPLIT else self._compute_us(c, op_class(c), in_step_terms=False)
+                 for c in members]
         body = sum(t - kappa for t in alone if t > 0)   # the chain as one kernel: one launch (views cost 0)
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
@@ -295,7 +310,7 @@ class CostModel:
         points = self.hw.curve(curve_name)
         return scalar if points is None else interpolate(points, size)
 
-    def _compute_us(self, node: Node, cls: str) -> float:
+    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True) -> float:
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
@@ -304,7 +319,34 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        return hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
+        t = hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
+        return t + self._stream_us(node) + self._accumulate_us(node) if in_step_terms else t
+
+    def _stream_us(self, node: Node) -> float:
+        """In-step weight streaming of an expert GEMM (module docstring): stream_bytes / the
+        profile's in_step_stream_bw_bytes_s; 0 where the profile has no rate."""
+        bw = self.hw.in_step_stream_bw_bytes_s
+        if node.op is not OpKind.GROUPED_GEMM or bw <= 0:
+            return 0.0
+        return self._bytes_attr(node, "stream_bytes", "in_step_stream_bw_bytes_s") / bw * _US
+
+    def _accumulate_us(self, node: Node) -> float:
+        """Adding a weight-gradient kernel's result to the running sum (module docstring):
+        accumulate_bytes / the profile's accumulate_bw_bytes_s; 0 where the profile has no rate."""
+        bw = self.hw.accumulate_bw_bytes_s
+        if bw <= 0 or not node.attr("accumulate", False):
+            return 0.0
+        return self._bytes_attr(node, "accumulate_bytes", "accumulate_bw_bytes_s") / bw * _US
+
+    def _bytes_attr(self, node: Node, key: str, field: str) -> int:
+        """A byte count the lowering writes. A node without it (a graph built by other code) would
+        be priced without the profile's term, so it is an error, not a 0."""
+        value = node.attr(key, None)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"node {node.name!r} ({node.op.value}) has {key}={value!r}, but profile "
+                             f"{self.hw.name!r} prices it by {field}: expected a byte count >= 0 "
+                             f"(moegraph/lowering/blocks.py and moegraph/autodiff.py write it)")
+        return value
 
     def scope(self, node: Node) -> Scope:
         """Which link a collective crosses: node attr "scope", else intra iff its group fits

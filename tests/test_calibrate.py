@@ -272,3 +272,23 @@ def test_cuda_calibration_writes_single_gpu_curves(tmp_path):
     hw = load_hardware(out)
     assert {"gemm_eff", "mem_eff"} <= {name for name, _ in hw.curves}
     assert "all_gather" in read_facts(hw).unmeasured
+
+
+def test_link_peak_is_the_best_size_bin_so_no_curve_point_is_clamped(tmp_path):
+    """Mid-size messages faster than the largest ones (the emulated link's token-bucket burst):
+    the profile's link bandwidth is their rate, and the curve gives every size its own rate back."""
+    from moegraph.runtime.calibrate.fit import link_peak
+    assert link_peak([(1e6, 1e-3), (1e6, 3e-3), (4e6, 2e-3)]) == pytest.approx(2e9)   # bins: 1e6 -> 0.5e9
+    assert link_peak([]) == 0.0
+    rate = {1024.0: 1.0, 1e5: 0.7, 3e5: 1.0, 1e6: 0.9, 4e6: 0.85}   # fraction of LINK by message size
+    comm = [BenchResult(kind, tuple(Sample(kind, kind, KAPPA + (N - 1) * ALPHA + b / (LINK * e), comm_bytes=b)
+                                    for b, e in rate.items()), "", 0.0)
+            for kind in ("all_gather", "reduce_scatter")]
+    base = [r for r in _synthetic_results() if r.name in ("kernel", "gemm", "memory")]
+    opts = CalibrationOptions(n=N, output=tmp_path / "burst.yaml")
+    hw = fit_profile(base + comm, load_hardware("cpu-gloo"), opts, MACHINE, 1.0).hardware()
+    assert hw.nvlink_bw_bytes_s == pytest.approx(LINK, rel=1e-2)          # the 3e5 B messages, not the largest
+    cost = CostModel(hw)
+    for b, e in rate.items():
+        node = Node("c", OpKind.ALL_GATHER, Phase.FORWARD, (), ("y",), comm_bytes=int(b), group=N)
+        assert cost.node_time_us(node) == pytest.approx((KAPPA + (N - 1) * ALPHA + b / (LINK * e)) * 1e6, rel=1e-2), b

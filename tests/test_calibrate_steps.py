@@ -13,7 +13,8 @@ from moegraph.ir import Node, OpKind, Phase, Strategy
 from moegraph.registry import IN_STEP_CLASSES, RegistryError, load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.runtime.calibrate.options import CalibrationOptions, in_step_enabled
-from moegraph.runtime.calibrate.steps import StepSample, fit_in_step, in_step_checks
+from moegraph.runtime.calibrate.steps import StepSample, fit_in_step, fit_stream, in_step_checks, service_spans
+from moegraph.runtime.trace import NodeTiming
 
 BASE = load_hardware("cpu-gloo")
 
@@ -81,7 +82,9 @@ def _layers(gap_us: float, split_us: float = 0.0) -> list[StepSample]:
 
 
 def test_fit_recovers_known_factors():
-    factors = fit_in_step(BASE, _layers(0.0))
+    fit = fit_in_step(BASE, _layers(0.0))
+    factors = fit.factors
+    assert (fit.stream_bw_bytes_s, fit.accumulate_bw_bytes_s) == (0.0, 0.0)   # no such terms in the data
     assert set(factors) == set(IN_STEP_CLASSES)
     for c, f in TRUE.items():
         assert factors[c] == pytest.approx(f, rel=1e-3), c
@@ -89,7 +92,7 @@ def test_fit_recovers_known_factors():
 
 def test_time_between_nodes_is_spread_over_the_classes():
     samples = _layers(GAP_US, split_us=3.0)
-    factors = fit_in_step(BASE, samples)
+    factors = fit_in_step(BASE, samples).factors
     ratio = factors["gemm"] / TRUE["gemm"]
     assert ratio > 1.01
     for c, f in TRUE.items():                       # one common scale ...
@@ -124,3 +127,94 @@ def test_relative_mad_ignores_a_stalled_step():
     from moegraph.runtime.calibrate.steps import relative_mad
     assert relative_mad([1.0, 2.0, 3.0, 4.0, 100.0]) == pytest.approx(1 / 3)   # median 3, deviations' median 1
     assert relative_mad([5.0, 5.0, 5.0]) == 0.0
+
+
+# --- service times, weight streaming and accumulation (issue 13 item 4) ---------------------
+
+def _t(name: str, stream: str, start: float, end: float) -> NodeTiming:
+    return NodeTiming(name, stream, 0, "backward", start, end)
+
+
+def test_service_spans_remove_the_wait_behind_queued_collectives():
+    # three all-reduces issued together at 100 us on one stream finish one after another;
+    # a compute node on the host stream and a later collective are their own spans
+    nodes = [_t("mm", "compute", 0.0, 100.0), _t("ar1", "comm", 100.0, 140.0), _t("ar2", "comm", 100.5, 300.0),
+             _t("ar3", "comm", 101.0, 310.0), _t("late", "comm", 400.0, 450.0), _t("mm2", "compute", 310.0, 330.0)]
+    assert service_spans(nodes) == pytest.approx({"mm": 100.0, "ar1": 40.0, "ar2": 160.0, "ar3": 10.0,
+                                                  "late": 50.0, "mm2": 20.0})
+
+
+def test_fit_stream_recovers_a_known_line_and_refuses_an_unseparable_one():
+    xs, zs = [100.0, 200.0, 300.0, 150.0], [8.0, 8.0, 16.0, 32.0]
+    ys = [0.9 * x + 2.5 * z for x, z in zip(xs, zs)]
+    assert fit_stream(xs, ys, zs) == pytest.approx((0.9, 2.5))
+    # z proportional to x: the two terms cannot be told apart, so no streaming term
+    assert fit_stream(xs, [1.2 * x for x in xs], [x / 10 for x in xs]) == pytest.approx((1.2, 0.0))
+    # the data say less time for more bytes: no negative streaming
+    f, c = fit_stream(xs, [x - 0.5 * z for x, z in zip(xs, zs)], zs)
+    assert c == 0.0 and f == pytest.approx(sum(x - 0.5 * z for x, z in zip(xs, zs)) / sum(xs))
+
+
+STREAM_BW, SUM_BW = 4e9, 2e9          # bytes/s the synthetic steps are made with
+
+
+def _with_terms(graph, label: str) -> StepSample:
+    """Measurements from known factors plus the two in-step terms at known rates."""
+    cost, kappa = CostModel(BASE), BASE.kernel_latency_us
+    spans = {}
+    for node in graph.nodes:
+        p = cost.node_time_us(node)
+        t = 0.0 if node.op is OpKind.SPLIT else kappa + TRUE[op_class(node)] * (p - kappa)
+        if node.op is OpKind.GROUPED_GEMM:
+            t += node.attr("stream_bytes") / STREAM_BW * 1e6
+        if node.attr("accumulate", False):
+            t += node.attr("accumulate_bytes") / SUM_BW * 1e6
+        spans[node.name] = t
+    return StepSample(label, graph, tuple(spans.items()), sum(spans.values()))
+
+
+def test_fit_recovers_the_streaming_and_accumulation_rates():
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    summing = [nd for nd in chunked.nodes if nd.attr("accumulate", False)]
+    assert summing and all(nd.attr("accumulate_bytes") > 0 for nd in summing)
+    samples = [_with_terms(_graph(64, "sp", "ep", "ag-rs"), "a"), _with_terms(_graph(32, "tp", "ep", "a2a"), "b"),
+               _with_terms(chunked, "c")]
+    fit = fit_in_step(BASE, samples)
+    assert fit.stream_bw_bytes_s == pytest.approx(STREAM_BW, rel=1e-3)
+    assert fit.accumulate_bw_bytes_s == pytest.approx(SUM_BW, rel=1e-3)
+    for c, f in TRUE.items():
+        assert fit.factors[c] == pytest.approx(f, rel=1e-3), c
+    fitted = dataclasses.replace(BASE, in_step_factors=tuple(fit.factors.items()),
+                                 in_step_stream_bw_bytes_s=fit.stream_bw_bytes_s,
+                                 accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s)
+    for check in in_step_checks(fitted, samples):
+        assert abs(check.error) < 1e-3, check.line()
+
+
+def test_a_chunked_layer_alone_gives_no_factors():
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    with pytest.raises(ValueError, match="needs at least one measured layer without gradient accumulation"):
+        fit_in_step(BASE, [_with_terms(chunked, "c")])
+
+
+def test_in_step_stage_stores_both_rates_in_the_profile(monkeypatch):
+    import time
+
+    import moegraph.runtime.calibrate.steps as steps
+    from moegraph.runtime.calibrate.benchmarks import MachineInfo
+    from moegraph.runtime.calibrate.command import _in_step_stage
+    from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    samples = [_with_terms(_graph(64, "sp", "ep", "ag-rs"), "a"), _with_terms(_graph(32, "tp", "ep", "a2a"), "b"),
+               _with_terms(chunked, "c")]
+    monkeypatch.setattr(steps, "measure_steps", lambda *a, **k: samples)
+    opts = CalibrationOptions(time_budget_s=180.0, verbose=False)
+    facts = CalibrationFacts.of_run(opts, MachineInfo("h", "c", 2, "t"), 1.0, (), (), ())
+    profile, checks = _in_step_stage(Profile(BASE.to_dict(), facts, "d"), opts, time.time())
+    hw = profile.hardware()
+    assert hw.in_step_stream_bw_bytes_s == pytest.approx(STREAM_BW, rel=1e-3)
+    assert hw.accumulate_bw_bytes_s == pytest.approx(SUM_BW, rel=1e-3)
+    assert len(checks) == 3 and all(abs(c.error) < 1e-3 for c in checks)

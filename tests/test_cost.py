@@ -285,3 +285,66 @@ def test_collective_bytes():
     with pytest.raises(ValueError) as e:
         collective_bytes(OpKind.ALL_TO_ALL, 10, 1)
     assert str(e.value) == "collective group size n=1 must be >= 2"
+
+
+# --- in-step weight streaming and gradient accumulation (issue 13 item 4) ---------------------
+
+def _expert_wgrads(graph):
+    return [nd for nd in graph.nodes if nd.op is OpKind.GROUPED_GEMM and nd.role.value == "wgrad"]
+
+
+def test_old_and_datasheet_profiles_have_no_streaming_or_accumulation_term():
+    for name in ("h800", "a100", "h20", "cpu-2core-gloo-1gbit"):
+        hw = load_hardware(name)
+        assert (hw.in_step_stream_bw_bytes_s, hw.accumulate_bw_bytes_s) == (0.0, 0.0), name
+
+
+def test_chunked_expert_wgrad_pays_weight_streaming_and_accumulation():
+    from moegraph.ir import Strategy
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    base = load_hardware("cpu-2core-gloo-1gbit")
+    hw = dataclasses.replace(base, in_step_stream_bw_bytes_s=8e9, accumulate_bw_bytes_s=2e9)
+    plain, rated = CostModel(base), CostModel(hw)
+    strat = dict(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32")
+    one = trace_model(load_model("small"), Strategy(**strat), batch=1, seq=512)
+    two = trace_model(load_model("small"), Strategy(**strat, chunks=2), batch=1, seq=512)
+    # small: 8 experts / 2 ranks = 4 local experts of [1024, 512] fp32 = 8 MiB per weight, one row
+    # segment per expert (index map): each expert GEMM streams 8 MiB, once per chunk
+    weight = 4 * 1024 * 512 * 4
+    for nd in _expert_wgrads(one) + _expert_wgrads(two):
+        assert nd.attr("stream_bytes") == weight, nd.name
+        extra = weight / 8e9 * 1e6 + (weight / 2e9 * 1e6 if nd.attr("accumulate", False) else 0.0)
+        assert rated.node_time_us(nd) == pytest.approx(plain.node_time_us(nd) + extra), nd.name
+    summing = [nd for nd in _expert_wgrads(two) if nd.attr("accumulate", False)]
+    assert len(summing) == 3 and all(nd.attr("accumulate_bytes") == weight for nd in summing)
+    t1 = sum(rated.node_time_us(nd) for nd in _expert_wgrads(one))
+    t2 = sum(rated.node_time_us(nd) for nd in _expert_wgrads(two))
+    # chunking the layer in two adds three weight passes and three accumulations: >= 6.3 ms here
+    assert t2 - t1 >= 3 * (weight / 8e9 + weight / 2e9) * 1e6 - 2 * 1e3
+    assert t2 > 1.3 * t1
+
+
+def test_all_to_all_fed_expert_gemm_streams_each_expert_per_source_rank():
+    from moegraph.ir import Strategy
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    g = trace_model(load_model("small"), Strategy(attn="tp", ffn="ep", dispatch="a2a", n=2, dtype="fp32"),
+                    batch=1, seq=256)
+    fc1 = next(nd for nd in g.nodes if nd.name == "fc1")
+    assert fc1.attr("stream_bytes") == 2 * 4 * 1024 * 512 * 4      # 2 source ranks x 4 experts x 2 MiB
+
+
+def test_a_node_without_the_byte_count_a_rate_needs_is_an_error():
+    hw = dataclasses.replace(load_hardware("cpu-2core-gloo-1gbit"), in_step_stream_bw_bytes_s=8e9,
+                             accumulate_bw_bytes_s=2e9)
+    bare = compute(OpKind.GROUPED_GEMM, flops=10**9, mem_bytes=1 << 20)
+    with pytest.raises(ValueError, match=r"node 'x.grouped_gemm' \(grouped_gemm\) has stream_bytes=None, but profile "
+                                         r"'cpu-2core-gloo-1gbit' prices it by in_step_stream_bw_bytes_s"):
+        CostModel(hw).node_time_us(bare)
+    summing = compute(OpKind.GEMM, flops=10**9).with_attrs(accumulate=True)
+    with pytest.raises(ValueError, match="has accumulate_bytes=None"):
+        CostModel(hw).node_time_us(summing)
+    # without the rates the same nodes are priced as before
+    plain = CostModel(load_hardware("cpu-2core-gloo-1gbit"))
+    assert plain.node_time_us(bare) > 0 and plain.node_time_us(summing) > 0

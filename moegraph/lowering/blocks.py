@@ -36,6 +36,8 @@ fill these specs from its module (see lowering/reference.py, lowering/hf_mixtral
 
 from __future__ import annotations
 
+import math
+
 import contextlib
 from dataclasses import dataclass
 from typing import Literal
@@ -621,9 +623,16 @@ def router_attrs(spec: MoESpec) -> dict:
 
 
 def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:
-    """Per-expert y = x @ w[e].T over row segments. [R, K] -> [R, N], w: [El, N, K]."""
-    _, n_out, k_in = g.shape(w)
+    """Per-expert y = x @ w[e].T over row segments. [R, K] -> [R, N], w: [El, N, K].
+
+    Attr ``stream_bytes``: expert-weight bytes the kernel streams, one expert's weights per row
+    segment: an index map (shape [R]) has one segment per local expert, a recv map ([n, El]) one
+    per source rank and expert (the runtime runs one GEMM per segment). The cost model prices
+    them at the profile's in-step weight-streaming rate (moegraph.cost, ``stream_bytes``)."""
+    experts, n_out, k_in = g.shape(w)
     r = g.shape(rows)[0]
     y = g.value(out, (r, n_out), routed=True)
-    g.node(name, OpKind.GROUPED_GEMM, (rows, w, seg), (y,), flops=2 * r * n_out * k_in, **kw)
+    segments = math.prod(g.shape(seg)) if len(g.shape(seg)) == 2 else experts
+    g.node(name, OpKind.GROUPED_GEMM, (rows, w, seg), (y,), flops=2 * r * n_out * k_in,
+           attrs={"stream_bytes": segments * (g.nbytes(w) // experts)}, **kw)
     return y

@@ -346,6 +346,19 @@ class Hardware(_Record):
     inside a real training step than alone (caches shared with the rest of the step, host
     overhead, collectives absorbing rank skew), measured by ``moegraph calibrate`` from real steps.
     Multiplies a node's time above kernel_latency_us; a missing class counts 1."""
+    in_step_stream_bw_bytes_s: float = checked(nonneg_float, 0.0)
+    """Optional, bytes/s: the rate at which an expert GEMM (GROUPED_GEMM) streams its expert weights
+    inside a real step, once per row segment (node attr ``stream_bytes``). The time is added to
+    the node's in-step compute time, so a chunked or all-to-all-fed expert GEMM, which runs one
+    GEMM per chunk and segment, pays for every pass over the weights. Fitted by ``moegraph
+    calibrate``'s in-step stage; 0 (the default, and every profile written before it existed):
+    not modelled, no term."""
+    accumulate_bw_bytes_s: float = checked(nonneg_float, 0.0)
+    """Optional, bytes/s: the rate at which a weight-gradient kernel that accumulates into a running
+    sum (attr accumulate=True: every token chunk's but the last) adds its result to that sum, bytes
+    of the sum (node attr ``accumulate_bytes``) per second, as the runtime runs it. Measured by
+    ``moegraph calibrate``'s accumulate benchmark; 0 (the default, and every profile written before
+    it existed): not modelled, no term."""
     measured: tuple[tuple[str, str], ...] = checked(measured, ())
     """Optional provenance of calibrated numbers: date, machine, notes."""
 

@@ -187,11 +187,14 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
     samples = measure_steps(profile.hardware(), opts.n, deadline=t0 + opts.time_budget_s - RESERVE_S, log=log)
     if not samples:
         return profile.with_remark("in_step=skipped (out of time)"), []
-    factors = fit_in_step(profile.hardware(), samples)
+    fit = fit_in_step(profile.hardware(), samples)
     noise = round(statistics.median(s.noise for s in samples), 4)
-    profile = profile.with_fields(in_step_factors=factors, step_noise=noise)
+    profile = profile.with_fields(in_step_factors=fit.factors, in_step_stream_bw_bytes_s=fit.stream_bw_bytes_s,
+                                  accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s, step_noise=noise)
     checks = in_step_checks(profile.hardware(), samples)
-    text = ", ".join(f"{c} x{f:.2f}" for c, f in factors.items())
+    text = ", ".join(f"{c} x{f:.2f}" for c, f in fit.factors.items()) + (
+        f", expert weights streamed at {fit.stream_bw_bytes_s / 1e9:.2f} GB/s" if fit.stream_bw_bytes_s else "") + (
+        f", gradients accumulated at {fit.accumulate_bw_bytes_s / 1e9:.2f} GB/s" if fit.accumulate_bw_bytes_s else "")
     profile = profile.with_remark(f"in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s; "
                                   f"step_noise {noise} (median over layers of the steps' relative MAD)")
     log(f"in-step factors {text}")

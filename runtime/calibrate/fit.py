@@ -14,8 +14,9 @@ evaluating its own formulas, reproduces the measurements:
     hbm_bw_bytes_s     W = best copy or memory-bound kernel bandwidth (reads + writes); mem_eff
                        by mem_bytes as above
     latencies, link    alpha = min over collectives of (t_smallest - kappa) / (steps (n-1));
-                       B = best comm_bytes / (t - kappa - steps (n-1) alpha) over messages of
-                       >= 1 MiB taking at least twice that fixed part; curves by comm_bytes:
+                       B = the best size bin of any collective (link_peak) of comm_bytes /
+                       (t - kappa - steps (n-1) alpha) over messages taking at least twice that
+                       fixed part, so no curve point exceeds 1; curves by comm_bytes:
                        ring_eff (all-gather + reduce-scatter), a2a_eff (even + uneven; each also
                        sets its scalars *_intra = *_inter: one link measured),
                        all_reduce_eff
@@ -41,7 +42,7 @@ from moegraph.runtime.calibrate.benchmarks import MEMORY_BOUND_OPS, BenchResult,
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
 
-__all__ = ["fit_profile", "binned_curve", "graph_first", "refine_compute_curves", "self_check", "summarize_checks",
+__all__ = ["fit_profile", "link_peak", "COMM_BIN_WIDTH", "binned_curve", "graph_first", "refine_compute_curves", "self_check", "summarize_checks",
            "GraphCheck", "BenchCheck", "fit_bin", "COMPUTE_CURVES", "COMM_CURVES", "COMM_KINDS", "BIN_WIDTH"]
 
 CPU_SHARES = 100            # sm_count of a CPU profile: compute "SMs" are percent of the cores
@@ -52,6 +53,7 @@ COMPUTE_CURVES = {"gemm_eff": ("gemm",), "grouped_gemm_eff": ("grouped_gemm",), 
 BIN_WIDTH = 0.5             # log10 width of a compute / memory curve bin (half a decade)
 COMM_CURVES = {"ring_eff": ("all_gather", "reduce_scatter"), "a2a_eff": ("all_to_all", "all_to_all_uneven"),
                "all_reduce_eff": ("all_reduce",)}
+COMM_BIN_WIDTH = math.log10(4)   # log10 width of a collective curve bin: one bin per benchmarked size
 COMM_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_to_all_uneven", "all_reduce")
 
 
@@ -97,6 +99,21 @@ def graph_first(samples: Sequence[Any], size: Any, width: float = BIN_WIDTH) -> 
         real = [s for s in pts if s.bench == "model_graphs"]
         out += real or pts
     return out
+
+
+def link_peak(points: Sequence[tuple[float, float]], width: float = COMM_BIN_WIDTH) -> float:
+    """points: (bytes, net transfer seconds) of one collective's messages. The best bin's bandwidth,
+    sum(bytes) / sum(seconds) per log10 bin of ``width`` as ``binned_curve`` bins them; 0 if none.
+
+    The profile's link bandwidth B: every curve point is then <= 1 of it and none is clamped. A
+    peak taken from the largest messages only (>= 1 MiB, as before 2026-11-23) lay below what
+    256-768 KiB messages reach on the emulated 1 Gbit/s link (the token bucket's burst), so their
+    points were clamped at 1 and the cost model priced the layers' collectives 3-9% long."""
+    bins: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    for size, net in points:
+        if size > 0 and net > 0:
+            bins[round(math.log10(size) / width)].append((size, net))
+    return max((sum(b for b, _ in pts) / sum(t for _, t in pts) for pts in bins.values()), default=0.0)
 
 
 def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str, list[Any]], peak: float,
@@ -233,12 +250,13 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
                   for k, ss in comm.items() if ss]
         alpha = max(0.0, min(alphas))
         fixed = {k: kappa + steps(k) * (n - 1) * alpha for k in COMM_KINDS}
-        # the link peak from messages whose time is mostly transfer (at least twice the fixed part),
-        # large ones first: near the fixed part, noise in alpha would make the quotient explode
-        big = [(k, s) for k, ss in comm.items() for s in ss if s.seconds >= 2 * fixed[k]]
-        link = ([s.comm_bytes / (s.seconds - fixed[k]) for k, s in big if s.comm_bytes >= 1 << 20]
-                or [s.comm_bytes / (s.seconds - fixed[k]) for k, s in big])
-        bw = max(link) if link else max(s.comm_bytes / s.seconds for ss in comm.values() for s in ss)
+        # the link peak: the best size bin of any collective, over messages whose time is mostly
+        # transfer (at least twice the fixed part: near it, noise in alpha would make the quotient
+        # explode); a curve pools kinds per bin, so none of its points exceeds 1 of it
+        bw = max((link_peak([(s.comm_bytes, s.seconds - fixed[k]) for s in ss if s.seconds >= 2 * fixed[k]])
+                  for k, ss in comm.items()), default=0.0)
+        if bw <= 0:
+            bw = max(s.comm_bytes / s.seconds for ss in comm.values() for s in ss)
         prof.update(nvlink_bw_bytes_s=_sig(bw), nic_bw_bytes_s=_sig(bw), intra_node_latency_us=_sig(alpha * 1e6),
                     inter_node_latency_us=_sig(alpha * 1e6), copy_engine_latency_us=0.0,
                     gpus_per_node=max(base.gpus_per_node, n))
@@ -247,7 +265,7 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
         for curve, kinds in COMM_CURVES.items():
             pts = [(s.comm_bytes, s.seconds - fixed[k], False) for k in kinds for s in comm[k]]
             if pts:
-                curves[curve] = binned_curve(pts, bw, width=math.log10(4))
+                curves[curve] = binned_curve(pts, bw, width=COMM_BIN_WIDTH)
                 if curve != "all_reduce_eff":        # one link measured: it prices both scopes
                     prof[f"{curve}_intra"] = prof[f"{curve}_inter"] = _overall(pts, bw)
             else:
@@ -297,6 +315,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     prof["curves"] = curves
     prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
     prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
+    prof["in_step_stream_bw_bytes_s"] = 0.0     # the in-step stage fits these (steps.py); never the base's
+    prof["accumulate_bw_bytes_s"] = 0.0
     prof.pop("measured", None)
     prof.pop("description", None)
     facts = CalibrationFacts.of_run(opts, info, wall_s, unmeasured, skipped, notes)

@@ -8,11 +8,12 @@ executor's per-node host overhead, and every collective also absorbs the other r
 (uneven routing, OS scheduling). On the 2-core VM these made a `small` layer's step 1.4-1.7x
 longer than the summed isolated prediction. This stage measures that directly:
 
-1. For each layer of CALIBRATION_LAYERS, lower it for ``n`` ranks and run it with the runtime
+1. For each layer of IN_STEP_LAYERS (CALIBRATION_LAYERS and ACCUMULATE_LAYER), lower it for ``n`` ranks and run it with the runtime
    (``moegraph.runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
    host, so a node's measured span is its in-step time.
-2. Per node, the median span over steps and ranks (m); per step, the slowest rank's time; the
-   median step (T). The freshly fitted isolated profile prices each node (p, its kernel latency
+2. Per node, the median over steps and ranks of its service time (m: its span minus any wait
+   behind the node before it on the same stream, ``service_spans``); per step, the slowest
+   rank's time; the median step (T). The freshly fitted isolated profile prices each node (p, its kernel latency
    kappa).
 3. Fit, pooling the layers: per op class c (``moegraph.cost.op_class``) the factor
    F_c = sum_c (m - kappa) / sum_c (p - kappa), over the N priced nodes (views cost 0 in the
@@ -20,6 +21,19 @@ longer than the summed isolated prediction. This stage measures that directly:
    what the per-node medians miss (gaps between nodes, the slowest rank setting each step, the
    right skew of each node's spans) is spread over the classes in proportion to their time, so
    the profile's sequential makespan of the pooled layers equals their pooled measured steps.
+   Expert GEMMs (GROUPED_GEMM) get two numbers instead of one factor: least squares over their
+   nodes of m - kappa = F (p - kappa) + stream_bytes / W_s (``fit_stream``). stream_bytes is one
+   expert's weights per row segment (moegraph/lowering/blocks.py): the calibration layers differ
+   in it at similar FLOPs (all-to-all dispatch feeds two segments per expert, ag-rs one), which
+   separates the weight traffic from the FLOPs; a chunked layer pays W_s once per chunk. W_s is
+   scaled by r with the factors and stored as in_step_stream_bw_bytes_s.
+   The chunked ACCUMULATE_LAYER, whose weight-gradient kernels but the last chunk's carry
+   attr accumulate=True, stays out of all of that: what its accumulating kernels take beyond
+   the same kernel without the running sum (the last chunk's, timed in the same steps; else
+   their fitted price), summed, over their summed accumulate_bytes gives accumulate_bw_bytes_s
+   (scaled by r too). The runtime adds the sum as a separate pass over a fresh weight-sized
+   tensor, which inside a step cost 3-5 ms per 8 MiB on the 2-core VM (page faults on the new
+   buffer included), 4x what the same kernel pair takes alone in a loop.
 
 CALIBRATION_LAYERS is the calibration set, named as data: the factors are fitted on exactly these
 layers, so a prediction for one of them is in-sample. Held-out validation
@@ -36,7 +50,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["CALIBRATION_LAYERS", "LayerConfig", "StepSample", "measure_steps", "fit_in_step", "in_step_checks", "relative_mad",
+__all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "InStepFit", "in_step_checks", "relative_mad",
            "STEP_STAGE_S"]
 
 
@@ -52,17 +66,24 @@ class LayerConfig:
     attn: Literal["tp", "sp"]
     ffn: Literal["tp", "ep"]
     dispatch: Literal["a2a", "ag-rs"]
+    chunks: int = 1                   # token chunks of the MoE block (the chunk pass's N)
 
     def __str__(self) -> str:
-        return f"{self.model} s={self.seq} {self.attn}/{self.ffn}/{self.dispatch}"
+        return (f"{self.model} s={self.seq} {self.attn}/{self.ffn}/{self.dispatch}"
+                + (f" chunk={self.chunks}" if self.chunks > 1 else ""))
 
 
 # The calibration set: both attention and FFN strategies and both dispatches, so every collective
 # kind and every op class is timed. docs/calibration.md lists it; change both together.
 CALIBRATION_LAYERS = (LayerConfig("small", 512, "sp", "ep", "ag-rs"), LayerConfig("small", 256, "tp", "ep", "a2a"),
                       LayerConfig("small", 384, "tp", "tp", "ag-rs"))
+# Timed in the same stage after them: the first calibration layer in two token chunks, the one
+# place the calibration sees a weight gradient accumulated into a running sum. It fits only
+# accumulate_bw_bytes_s; a chunked layer of these sizes is in-sample for that number.
+ACCUMULATE_LAYER = LayerConfig("small", 512, "sp", "ep", "ag-rs", chunks=2)
+IN_STEP_LAYERS = CALIBRATION_LAYERS + (ACCUMULATE_LAYER,)
 STEPS, WARMUP = 12, 2
-STEP_STAGE_S = 60.0          # what the stage needs on the 2-core VM (three spawns of ~10-20 s)
+STEP_STAGE_S = 60.0          # what the stage needs on the 2-core VM (four spawns of ~5-15 s)
 
 
 @dataclass(frozen=True)
@@ -83,7 +104,27 @@ def relative_mad(values: Sequence[float]) -> float:
     return statistics.median(abs(v - mid) for v in values) / mid if mid > 0 else 0.0
 
 
-def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = CALIBRATION_LAYERS, steps: int = STEPS,
+def service_spans(nodes: Sequence[Any]) -> dict[str, float]:
+    """Per node of one measured step (``moegraph.runtime.trace.NodeTiming``): the time it kept its
+    stream busy, end - max(start, end of the previous node on the same stream).
+
+    A collective's recorded span runs from its issue to its completion. The sequential plan issues
+    back-to-back collectives (the weight-gradient all-reduces at the end of the backward) at once,
+    and gloo runs one stream's collectives one after another, so each later span also holds the
+    wait for the ones queued before it: on the 1 Gbit/s link the five all-reduces of a `small`
+    sp layer summed 206 ms of spans in a 186 ms step. The cost model prices a node alone and
+    the sequential makespan is the sum of the node prices, so the in-step fit needs each node's
+    own service time."""
+    out: dict[str, float] = {}
+    free: dict[str, float] = {}                       # stream -> end of its last node so far
+    for nt in sorted(nodes, key=lambda t: (t.start_us, t.end_us)):
+        begin = max(nt.start_us, free.get(nt.stream, nt.start_us))
+        out[nt.name] = max(0.0, nt.end_us - begin)
+        free[nt.stream] = max(free.get(nt.stream, nt.end_us), nt.end_us)
+    return out
+
+
+def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_STEP_LAYERS, steps: int = STEPS,
                   warmup: int = WARMUP, deadline: float | None = None,
                   log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
     """Run each layer's sequential schedule on ``n`` fresh gloo CPU ranks; stop early (fewer
@@ -104,54 +145,134 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = CALIB
             break
         t = time.time()
         model = load_model(model_name)
-        graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32"),
-                            batch=1, seq=seq)
+        graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32",
+                                            chunks=lc.chunks), batch=1, seq=seq)
         plan = ExecutionPlan.sequential(graph)      # one node at a time: each span is in-step time
         results = spawn_plans(Layer(model, hw, cost, graph, {}), (plan,), steps=steps, warmup=warmup)
         spans: dict[str, list[float]] = defaultdict(list)
         for r in results:
             for d in r["plans"][0]["traces"]:
-                for nt in trace_from_dict(d).nodes:
-                    spans[nt.name].append(nt.duration_us)
+                for name, us in service_spans(trace_from_dict(d).nodes).items():
+                    spans[name].append(us)
         stats = step_stats(results)
         step = stats["step_us"]
-        label = f"{model_name} s={seq} {attn}/{ffn}/{dispatch} n={n}"
+        label = f"{lc} n={n}"
         out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step,
                               relative_mad(stats["step_us_all"])))
         log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms ({time.time() - t:.1f}s)")
     return out
 
 
-def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> dict[str, float]:
-    """Per-class factors as the module docstring's step 3 defines them."""
+@dataclass(frozen=True)
+class InStepFit:
+    """What the in-step stage fits: per op class factors (Hardware.in_step_factors), the expert
+    GEMMs' weight-streaming rate (Hardware.in_step_stream_bw_bytes_s) and the gradient
+    accumulation rate (Hardware.accumulate_bw_bytes_s); a rate of 0 = no such term."""
+
+    factors: dict[str, float]
+    stream_bw_bytes_s: float = 0.0
+    accumulate_bw_bytes_s: float = 0.0
+
+
+def fit_stream(xs: Sequence[float], ys: Sequence[float], zs: Sequence[float]) -> tuple[float, float]:
+    """Least squares y = F x + c z over one class's nodes (x: isolated price above kappa, z: the
+    node's stream_bytes, y: measured above kappa); (F, c). Falls back to (sum y / sum x, 0) where
+    the data cannot separate the two terms (every node the same z/x) or the fit gives c <= 0 or
+    F <= 0, or the term would explain under 1% of the nodes' time: then no streaming term is
+    claimed."""
+    sxx = sum(x * x for x in xs)
+    szz = sum(z * z for z in zs)
+    sxz = sum(x * z for x, z in zip(xs, zs))
+    sxy = sum(x * y for x, y in zip(xs, ys))
+    szy = sum(z * y for z, y in zip(zs, ys))
+    det = sxx * szz - sxz * sxz
+    plain = (sum(ys) / sum(xs), 0.0) if sum(xs) > 0 else (1.0, 0.0)
+    if szz <= 0 or det <= 1e-9 * sxx * szz:
+        return plain
+    f = (sxy * szz - szy * sxz) / det
+    c = (szy * sxx - sxy * sxz) / det
+    return (f, c) if f > 0 and c > 0 and c * sum(zs) >= 0.01 * sum(ys) else plain
+
+
+def _kernel_key(node: Any, accumulate_bytes: int) -> tuple:
+    """What makes two compute nodes the same kernel call, the running sum's input taken off."""
+    return node.op, node.role, node.module, node.flops, node.mem_bytes - accumulate_bytes
+
+
+def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
+    """Factors and rates as the module docstring's step 3 defines them. ``hw`` prices the nodes
+    alone: its own in-step factors and in-step rates are ignored. A layer with accumulating
+    kernels (the chunked ACCUMULATE_LAYER) gives only the accumulation rate, so the factors,
+    the streaming rate and the common scale come from the unchunked calibration layers alone."""
+    import dataclasses
+
     from moegraph.cost import CostModel, op_class
     from moegraph.ir import OpKind
     if not samples:
         raise ValueError("fit_in_step needs at least one measured layer")
-    cost, kappa = CostModel(hw), hw.kernel_latency_us
+    alone = dataclasses.replace(hw, in_step_factors=(), in_step_stream_bw_bytes_s=0.0, accumulate_bw_bytes_s=0.0)
+    cost, kappa = CostModel(alone), hw.kernel_latency_us
     measured: dict[str, float] = defaultdict(float)
     predicted: dict[str, float] = defaultdict(float)
+    grouped: list[tuple[float, float, float]] = []    # (x, y, z) of the expert GEMMs
+    summing: list[tuple[str, float, float, float, float, tuple[float, float] | None]] = []
+    # ^ (class, x, y, z, accumulate_bytes, (x, y) of the same kernel without the sum in that layer or None)
     steps = 0.0
-    priced = 0
+    priced = streamed = 0
     for s in samples:
         spans = dict(s.node_us)
         missing = [node.name for node in s.graph.nodes if node.name not in spans]
         if missing:
             raise ValueError(f"{s.label}: no measured span for node {missing[0]!r}")
-        for node in s.graph.nodes:
-            if node.op is OpKind.SPLIT:                    # a view: free in the cost model
-                continue
+        nodes = [node for node in s.graph.nodes if node.op is not OpKind.SPLIT]   # views: free in the model
+        x = {node.name: cost.node_time_us(node) - kappa for node in nodes}
+        if any(node.attr("accumulate", False) for node in nodes):
+            # the last chunk's kernel of the same shapes runs without the running sum: its sibling
+            plain = {_kernel_key(node, 0): (x[node.name], spans[node.name] - kappa) for node in nodes
+                     if not node.attr("accumulate", False)}
+            for node in nodes:
+                if node.attr("accumulate", False):
+                    w = int(node.attr("accumulate_bytes", 0))
+                    z = float(node.attr("stream_bytes", 0)) if node.op is OpKind.GROUPED_GEMM else 0.0
+                    summing.append((op_class(node), x[node.name], spans[node.name] - kappa, z, float(w),
+                                    plain.get(_kernel_key(node, w))))
+            continue
+        for node in nodes:
             c = op_class(node)
             measured[c] += spans[node.name] - kappa
-            predicted[c] += cost.node_time_us(node) - kappa
+            predicted[c] += x[node.name]
+            if node.op is OpKind.GROUPED_GEMM:
+                grouped.append((x[node.name], spans[node.name] - kappa, float(node.attr("stream_bytes", 0))))
             priced += 1
         steps += s.step_us
+    if priced == 0:
+        raise ValueError("fit_in_step needs at least one measured layer without gradient accumulation")
     factors = {c: measured[c] / predicted[c] for c in IN_STEP_CLASSES if predicted[c] > 0}
+    us_per_byte = 0.0
+    if grouped:
+        xs, ys, zs = zip(*grouped)
+        factors["grouped_gemm"], us_per_byte = fit_stream(xs, ys, zs)
+        streamed = sum(zs)
     # What the medians of single nodes miss: gaps between nodes, the slowest rank setting each
     # step, and the skew of each node's spans (the sum of medians undershoots the median sum)
-    scaled = sum(factors[c] * predicted[c] for c in factors)
+    scaled = sum(factors[c] * predicted[c] for c in factors) + us_per_byte * streamed
     scale = max(1e-9, steps - priced * kappa) / scaled
-    return {c: round(min(100.0, max(0.1, f * scale)), 4) for c, f in factors.items()}
+    # accumulating kernels: what they take beyond the same kernel without the running sum, timed
+    # in the same steps where the layer has one (a paired difference: neither load drift between
+    # layers nor the fits above enter it; the sum's input is also priced as memory traffic, so the
+    # price difference of the two comes off), else beyond their fitted price
+    us_per_sum_byte = 0.0
+    sum_bytes = sum(w for *_, w, _ in summing)
+    if sum_bytes > 0:
+        extra = sum(y - (sib[1] + factors.get(c, 1.0) * (x - sib[0]) if sib is not None
+                         else factors.get(c, 1.0) * x + us_per_byte * z)
+                    for c, x, y, z, _, sib in summing)
+        us_per_sum_byte = max(0.0, extra) / sum_bytes
+
+    def rate(us: float) -> float:
+        return float(f"{1e6 / (us * scale):.4g}") if us > 0 else 0.0
+    return InStepFit({c: round(min(100.0, max(0.1, f * scale)), 4) for c, f in factors.items()},
+                     rate(us_per_byte), rate(us_per_sum_byte))
 
 
 @dataclass(frozen=True)
