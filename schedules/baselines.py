@@ -324,8 +324,10 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
 def _interleaved(problem: Problem, level: list[int], budget: int | None) -> list[Solution]:
     """Warm starts for a merged micro-batch graph: the critical-path rule within windows of k
     pair slots (``pair_slots``: window w holds slots [w k, (w+1) k)), earlier windows first, for
-    k in 1, 2, L and 2L layers (L: layers per micro-batch), with collectives on the fewest SMs
-    and at their default budgets; under a memory budget also gated like the paired baselines. A window of L slots lets one micro-batch pair's work fill
+    k in 1, 2, L and 2L layers (L: layers per micro-batch), with collectives on the fewest SMs,
+    at their default budgets, and "+ends" (default budgets in the warm-up and cool-down slots
+    only, below); under a memory budget also gated like the paired baselines. A window of L
+    slots lets one micro-batch pair's work fill
     any gap of the pair (mixtral-8x7b, 4 layers, M=4 on h800: 86,836 us, against greedy's
     91,635 and 1 slot's 89,587; docs/scheduler.md "Micro-batches")."""
     if micro_batch_count(problem.graph) < 2:
