@@ -140,14 +140,17 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 LNS_MIN_TASKS = 400
 """Merged micro-batch step graphs of at least this many tasks get the window search
 (moegraph.schedules.lns) after the full-model solve: below it the full model is small enough
-for CP-SAT's own search (and the small graphs of the test suite keep their quick solves)."""
+for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Not
+under a memory budget: each window then needs the full model (the held tasks' live values
+count), which took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and hit the wall-clock cap
+(88,955.9 -> 88,660.1 us)."""
 
 
 def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -> tuple[CpSatResult, dict[str, Any]]:
     """On a large merged micro-batch step, CP-SAT's full-model result improved window by window
     (``lns.improve``; never worse). Returns the result to report and ``summary.solver.lns``."""
     if (result.solution is None or result.status == "OPTIMAL" or micro_batch_count(problem.graph) < 2
-            or len(problem.tasks) < LNS_MIN_TASKS):
+            or len(problem.tasks) < LNS_MIN_TASKS or problem.memory_budget_bytes is not None):
         return result, {}
     before = makespan_ticks(problem, result.solution)
     r = lns.improve(problem, result.solution, opts)

@@ -6,6 +6,7 @@ variables that are too scattered, and one full-model search step costs more than
 limit allows. A window of ~100 tasks consecutive in time, with the rest of the schedule held,
 is a model CP-SAT packs well (DeepSeek-V3, 4 layers, M=4, h800: the last 112 tasks re-solved
 took 191,674 -> 188,728 us, while a window of 400-560 tasks found nothing in the same effort).
+compile_graph runs it on large merged steps without a memory budget (schedules.api).
 
 The neighbourhood of window [i, i + W) (tasks ranked by their incumbent start, ties by index):
     before the window  start and mode fixed to the incumbent's;
@@ -35,12 +36,14 @@ from moegraph.schedules.solution import Solution, makespan_ticks, solution_ends
 
 __all__ = ["LnsResult", "improve", "windows", "WINDOW_TASKS", "WINDOW_EFFORT_S", "LNS_SHARE"]
 
-WINDOW_TASKS = 100
-"""Tasks per window. DeepSeek-V3 merged (1,684 tasks): a 112-task suffix gained 2,945 us at 3.6
-deterministic units, 250 tasks 304 us, 416 and 564 none (docs/scheduler.md, "Micro-batches")."""
+WINDOW_TASKS = 60
+"""Tasks per window. DeepSeek-V3 merged (1,684 tasks), from interleave4+ends (187,365.4 us), 10
+windows at 3 s: 40 tasks 186,931.7 (26 s wall), 60: 186,698.5 (44 s), 100: 187,148.7, 150:
+187,259.4 (201 s wall, cap hit); 20 windows of 60 found nothing more. A suffix of 112 tasks at
+20 s gained 2,945 us, of 250 tasks 304, of 416 and 564 nothing (docs/scheduler.md)."""
 WINDOW_EFFORT_S = 3.0
-"""Search effort per window (``time_limit_s`` units, DTIME_PER_SECOND each). The 100-task
-suffix window of DeepSeek-V3's merged step gains 2,063 us at 3 and 0 at 1."""
+"""Search effort per window (``time_limit_s`` units, DTIME_PER_SECOND each). The last 100-task
+window of DeepSeek-V3's merged step (from interleave4+ce) gains 2,063 us at 3 and 0 at 1."""
 LNS_SHARE = 3.0
 """Multiple of ``time_limit_s`` the whole window sequence gets on top of the full-model solve:
 ``LNS_SHARE * time_limit_s / WINDOW_EFFORT_S`` windows (at least one), from the end."""
