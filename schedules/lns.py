@@ -1,9 +1,9 @@
 """Large-neighbourhood search: CP-SAT re-solves one window of a complete schedule at a time.
 
 On a merged micro-batch step graph (moegraph.microbatch: 1,000-1,700 tasks) CP-SAT's search of
-the whole model returns its warm start unchanged: its own LNS workers relax random sets of
-variables that are too scattered, and one full-model search step costs more than its time
-limit allows. A window of ~100 tasks consecutive in time, with the rest of the schedule held,
+the whole model returns its warm start unchanged within the time limit (its own LNS
+neighbourhoods did not find improvements there). A window of ~60 tasks consecutive in time,
+with the rest of the schedule held,
 is a model CP-SAT packs well (DeepSeek-V3, 4 layers, M=4, h800: the last 112 tasks re-solved
 took 191,674 -> 188,728 us, while a window of 400-560 tasks found nothing in the same effort).
 compile_graph runs it on large merged steps without a memory budget (schedules.api).
@@ -20,8 +20,8 @@ window never returns a worse schedule; only strictly shorter ones are accepted.
 
 Windows go from the end of the schedule towards its start, overlapping by half: the exposed
 communication of a merged step is in the cool-down (the step-level gradient all-reduces wait
-for the last micro-batch's weight gradients), and an improvement late in the schedule is
-never undone by an earlier window (those fix only earlier tasks). Deterministic: a fixed window
+for the last micro-batch's weight gradients), and an earlier window keeps the later tasks'
+order and modes, so it keeps what a later window found. Deterministic: a fixed window
 sequence, each solve under a deterministic time limit (moegraph.schedules.cpsat).
 """
 
