@@ -109,9 +109,9 @@ def _window(problem: Problem, sol: Solution, lo: int, hi: int, opts: SolverOptio
     t0 = sol.start[rank[lo]]
     if problem.memory_budget_bytes is None:
         keep = tuple(sorted(i for i in range(len(tasks)) if where[i] >= lo or ends[i] > t0))
-    else:
-        keep = tuple(range(len(tasks)))
-    sub = sub_problem(problem, keep)
+        sub = sub_problem(problem, keep)
+    else:  # sub_problem drops the memory values
+        keep, sub = tuple(range(len(tasks))), problem
     sub_sol = Solution(sol.method, tuple(sol.start[i] for i in keep), tuple(sol.mode[i] for i in keep))
     # symmetry breaking would reorder the hint's chunks (canonical_chunk_order), which the
     # fixed starts below forbid

@@ -17,7 +17,7 @@ from moegraph.schedules.baselines import sequential
 from moegraph.schedules.bound import lower_bound
 from moegraph.schedules.cpsat import SolverOptions, solve
 from moegraph.schedules.problem import ScheduleError, build_problem
-from moegraph.schedules.solution import makespan_ticks
+from moegraph.schedules.solution import makespan_ticks, peak_memory_bytes
 from moegraph.schedules.verify import verify_schedule
 from moegraph.tracer import trace_model
 from schedules_fakes import B, GRAD, PARAM, PGRAD, MiniBuilder, cost_model
@@ -97,3 +97,16 @@ def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     assert r.status == "FEASIBLE" and solver["lns"]["windows"] == 1
     assert r.schedule.summary["makespan_us"] == solver["makespan_us"] <= solver["lns"]["makespan_before_us"]
     assert verify_schedule(r.schedule) == []
+
+
+def test_window_search_keeps_the_memory_budget(merged):
+    warm = sequential(merged)
+    budget = peak_memory_bytes(merged, warm)
+    opts = SolverOptions(time_limit_s=1)
+    free = lns.improve(merged, warm, opts, size=8, share=4, effort_s=1)
+    assert peak_memory_bytes(merged, free.solution) > budget       # without it the budget would break
+    p = build_problem(merged.graph, COST, memory_budget_bytes=budget)
+    r = lns.improve(p, warm, opts, size=8, share=4, effort_s=1)
+    assert peak_memory_bytes(p, r.solution) <= budget
+    assert makespan_ticks(p, r.solution) < makespan_ticks(p, warm)
+    assert verify_schedule(build_schedule(p, r.solution, lower_bound(p), {}, {})) == []
