@@ -141,9 +141,9 @@ LNS_MIN_TASKS = 400
 """Merged micro-batch step graphs of at least this many tasks get the window search
 (moegraph.schedules.lns) after the full-model solve: below it the full model is small enough
 for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Not
-under a memory budget: each window then needs the full model (the held tasks' live values
-count), which took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and hit the wall-clock cap
-(88,955.9 -> 88,660.1 us)."""
+under a memory budget: each window then keeps every task in its model (the held tasks' live
+values count); windows of that size took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and
+hit the wall-clock cap (benchmarks/RESULTS.md)."""
 
 
 def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -> tuple[CpSatResult, dict[str, Any]]:
