@@ -50,7 +50,8 @@ def main() -> None:
     print(f"{args.model}, {args.layers} layers, {args.hardware}, sp+ep {args.dispatch}, n=8, s=8192, "
           f"passes gate-reorder,sar=paper, M={M}, --time-limit {args.time_limit:g}"
           + (f", merged step's memory budget {format_bytes(args.memory_budget)}" if args.memory_budget else "") + "; "
-          f"{datetime.date.today()} on {platform.node()} ({os.cpu_count()} cores)\n")
+          f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
+          f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})\n")
     gib = 2 ** 30
     print("| schedule | makespan us | exposed comm us | exposed / step | peak memory GiB |")
     print("|---|---:|---:|---:|---:|")
@@ -65,6 +66,10 @@ def main() -> None:
     print(f"\nlower bound {s['lower_bound_us']:.1f} us; warm start {s['solver']['warm_start']} "
           f"({s['solver']['warm_start_makespan_us']:.1f} us); speed-up over {M} x single: "
           f"{M * s1['makespan_us'] / span:.3f}x; wall {one.wall_s:.0f} s + {merged.wall_s:.0f} s")
+    window = s["solver"].get("lns")
+    if window:
+        print(f"window search (moegraph.schedules.lns): {window['improved']} of {window['windows']} windows kept, "
+              f"{window['makespan_before_us']:.1f} -> {span:.1f} us")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ result is never worse than that warm start (a staged solve, moegraph.schedules.c
 file reports it apart from the returned schedule: ``summary.solver`` holds the solver's status,
 its own makespan and the warm start it began from; ``summary.method`` (``source`` in
 ``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
-kept if the solver found none (a warm start the model rejects, a wall-clock cap).
+kept if the solver found none (a warm start the model rejects, a wall-clock cap). On a large
+merged micro-batch step the solver's result then goes through the window search
+(moegraph.schedules.lns; ``summary.solver.lns``), never worse.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from typing import Any, Sequence
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.microbatch import micro_batch_count
+from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
@@ -119,7 +123,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
-    solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name])
+    result, lns_info = _window_search(problem, result, opts)
+    solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name]) | lns_info
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
         sol, status = result.solution, result.status
     elif best is not None:  # the solve's staging makes this unreachable unless the model rejected the hint
@@ -130,6 +135,31 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
         status += " (wall-clock cap hit)"
     schedule = build_schedule(problem, sol, bound, {n: span[n] for n in base}, solver_info)
     return schedule, status, result.wall_cap_hit
+
+
+LNS_MIN_TASKS = 400
+"""Merged micro-batch step graphs of at least this many tasks get the window search
+(moegraph.schedules.lns) after the full-model solve: below it the full model is small enough
+for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Not
+under a memory budget: each window then keeps every task in its model (the held tasks' live
+values count); windows of that size took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and
+hit the wall-clock cap (benchmarks/RESULTS.md)."""
+
+
+def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -> tuple[CpSatResult, dict[str, Any]]:
+    """On a large merged micro-batch step, CP-SAT's full-model result improved window by window
+    (``lns.improve``; never worse). Returns the result to report and ``summary.solver.lns``."""
+    if (result.solution is None or result.status == "OPTIMAL" or micro_batch_count(problem.graph) < 2
+            or len(problem.tasks) < LNS_MIN_TASKS or problem.memory_budget_bytes is not None):
+        return result, {}
+    before = makespan_ticks(problem, result.solution)
+    r = lns.improve(problem, result.solution, opts)
+    after = makespan_ticks(problem, r.solution)
+    info = {"lns": {"windows": r.windows, "improved": r.improved,
+                    "makespan_before_us": round_us(before * problem.tick_us)}}
+    return dataclasses.replace(result, solution=r.solution, objective=after, wall_s=result.wall_s + r.wall_s,
+                               deterministic_time=result.deterministic_time + r.deterministic_time,
+                               wall_cap_hit=result.wall_cap_hit or r.wall_cap_hit), info
 
 
 def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:

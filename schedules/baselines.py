@@ -324,13 +324,22 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
 def _interleaved(problem: Problem, level: list[int], budget: int | None) -> list[Solution]:
     """Warm starts for a merged micro-batch graph: the critical-path rule within windows of k
     pair slots (``pair_slots``: window w holds slots [w k, (w+1) k)), earlier windows first, for
-    k in 1, 2, L and 2L layers (L: layers per micro-batch), with collectives on the fewest SMs
-    and at their default budgets; under a memory budget also gated like the paired baselines. A window of L slots lets one micro-batch pair's work fill
+    k in 1, 2, L and 2L layers (L: layers per micro-batch), with collectives on the fewest SMs,
+    at their default budgets, and "+ends" (default budgets in the warm-up and cool-down slots
+    only, below); under a memory budget also gated like the paired baselines. A window of L
+    slots lets one micro-batch pair's work fill
     any gap of the pair (mixtral-8x7b, 4 layers, M=4 on h800: 86,836 us, against greedy's
     91,635 and 1 slot's 89,587; docs/scheduler.md "Micro-batches")."""
     if micro_batch_count(problem.graph) < 2:
         return []
-    slots, L = pair_slots(problem), layer_count(problem.graph)
+    slots, L, M = pair_slots(problem), layer_count(problem.graph), micro_batch_count(problem.graph)
+    # "ends": copy engines in the paired slots, default budgets in the warm-up (slots < L: only
+    # micro-batch 0's forward is there) and the cool-down (slots >= M L: the last backward and the
+    # step's gradient all-reduces). With no other micro-batch's compute to hide under,
+    # communication is the bottleneck there and the faster budgets pay for the slower compute
+    # (DeepSeek-V3, 4 layers, M=4, h800, window L: 187,365 us against 191,674 on copy engines
+    # throughout and 201,524 at default budgets; docs/scheduler.md "Micro-batches").
+    ends = [_issue_mode(t, "fewest") if L <= slots[t.index] < M * L else t.default_mode for t in problem.tasks]
     out = []
     # under a memory budget also gated (one window at a time, as the paired baselines): fewer
     # micro-batches in flight. At megatron-1f1b's own peak (1.08 GiB) the gated 1-slot rule
@@ -339,11 +348,14 @@ def _interleaved(problem: Problem, level: list[int], budget: int | None) -> list
     for k in sorted({1, 2, L, 2 * L}):
         key: Key = lambda t, k=k: (slots[t.index] // k, -level[t.index], t.index)  # noqa: E731
         for gated in gates:
-            for comm_mode in ("fewest", "default"):
-                label = (f"{'paired' if gated else 'interleave'}{k}" + ("+ce" if comm_mode == "fewest" else "")
+            for comm_mode in ("fewest", "default", "ends"):
+                label = (f"{'paired' if gated else 'interleave'}{k}"
+                         + {"fewest": "+ce", "default": "", "ends": "+ends"}[comm_mode]
                          + ("+mem" if budget is not None else ""))
                 sol = list_schedule(problem, label, comm_key=key, compute_key=key, memory_budget=budget,
-                                    comm_mode=comm_mode, slots=[x // k for x in slots] if gated else None)
+                                    comm_mode="default" if comm_mode == "ends" else comm_mode,
+                                    slots=[x // k for x in slots] if gated else None,
+                                    issue_modes=ends if comm_mode == "ends" else None)
                 if sol is not None:
                     out.append(sol)
     return out
@@ -351,7 +363,7 @@ def _interleaved(problem: Problem, level: list[int], budget: int | None) -> list
 
 def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: Key,
                   memory_budget: int | None = None, comm_mode: CommMode = "default",
-                  slots: list[int] | None = None) -> Solution | None:
+                  slots: list[int] | None = None, issue_modes: list[int] | None = None) -> Solution | None:
     """Event-driven list scheduling on the tick grid (see the module docstring).
 
     At each event time: finished tasks release their successors (and, once every forward
@@ -367,10 +379,12 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
     up overlapping are then settled into their alone mode (``settle_alone``).
     ``slots`` (per task, each task's predecessors in the same or earlier slots): a task may
     start only once every task of every earlier slot has started (the paired baselines).
+    ``issue_modes`` (per task, a mode index, read for collectives only) overrides comm_mode's
+    choice collective by collective.
     """
     tasks = problem.tasks
     n = len(tasks)
-    issue = [_issue_mode(t, comm_mode) for t in tasks]
+    issue = list(issue_modes) if issue_modes is not None else [_issue_mode(t, comm_mode) for t in tasks]
     exclusive = comm_mode == "exclusive"
     waiting = [len(t.preds) for t in tasks]
     fwd_left = sum(1 for t in tasks if t.side == 0)

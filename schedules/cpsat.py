@@ -49,7 +49,8 @@ from moegraph.schedules.bound import Bound, heads_tails, lower_bound
 from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
 from moegraph.schedules.solution import Solution, canonical_chunk_order, settle_alone, solution_ends
 
-__all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory",
+__all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory", "staged_solve",
+           "sub_problem",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
 
 DTIME_PER_SECOND = 0.18
@@ -341,7 +342,7 @@ def _run(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, *,
     return CpSatResult(status, None, None, 0, wall, dtime, cap_hit), None
 
 
-def _staged(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, objective: cp_model.IntVar,
+def staged_solve(problem: Problem, h: CpHandles, opts: SolverOptions, method: str, objective: cp_model.IntVar,
             hinted: bool) -> CpSatResult:
     """Stage 1: the hint fixed; stage 2: the full search from stage 1's complete solution with
     ``objective <= stage 1's`` (module doc). Without a hint, or with one the model rejects,
@@ -373,7 +374,7 @@ def solve(problem: Problem, opts: SolverOptions = SolverOptions(), *, hint: Solu
     if problem.memory_budget_bytes is None and sides == [0, 1] and SPLIT_AT_BARRIER:
         return _solve_by_sides(problem, opts, hint)
     h = build_model(problem, horizon=horizon, hint=hint)
-    return _staged(problem, h, opts, "cpsat", h.makespan, hint is not None)
+    return staged_solve(problem, h, opts, "cpsat", h.makespan, hint is not None)
 
 
 SPLIT_AT_BARRIER = True
@@ -384,12 +385,18 @@ def side_problem(problem: Problem, side: int) -> tuple[Problem, tuple[int, ...]]
     """The tasks of one side of the barrier as a Problem of their own (re-indexed; no memory
     values), and the original index of each of its tasks."""
     keep = tuple(t.index for t in problem.tasks if t.side == side)
+    return sub_problem(problem, keep), keep
+
+
+def sub_problem(problem: Problem, keep: tuple[int, ...]) -> Problem:
+    """The tasks ``keep`` (original indices, ascending) as a Problem of their own: re-indexed,
+    edges to tasks left out dropped, no memory values (the caller accounts for both)."""
     new = {old: i for i, old in enumerate(keep)}
     tasks = tuple(dataclasses.replace(problem.tasks[old], index=i,
                                       preds=tuple(new[p] for p in problem.tasks[old].preds if p in new),
                                       succs=tuple(new[c] for c in problem.tasks[old].succs if c in new))
                   for i, old in enumerate(keep))
-    return dataclasses.replace(problem, tasks=tasks, mem_values=()), keep
+    return dataclasses.replace(problem, tasks=tasks, mem_values=())
 
 
 def _forward_share(subs: list[tuple[Problem, tuple[int, ...], Solution | None]]) -> float:
@@ -435,7 +442,7 @@ def _solve_by_sides(problem: Problem, opts: SolverOptions, hint: Solution | None
         share = max(opts.time_limit_s * forward_share if side == 0 else opts.time_limit_s - used, 1e-3)
         h = build_model(sub, hint=sub_hint,
                         horizon=max(solution_ends(sub, sub_hint), default=0) if sub_hint is not None else None)
-        r = _staged(sub, h, dataclasses.replace(opts, time_limit_s=share), "cpsat", h.makespan, sub_hint is not None)
+        r = staged_solve(sub, h, dataclasses.replace(opts, time_limit_s=share), "cpsat", h.makespan, sub_hint is not None)
         parts.append(r)
         if r.solution is None:
             break
@@ -460,4 +467,4 @@ def min_peak_memory(problem: Problem, opts: SolverOptions = SolverOptions(), *,
                     hint: Solution | None = None) -> tuple[CpSatResult, int]:
     """Minimise peak live bytes ignoring the makespan. Returns (result in memory units, unit)."""
     h = build_model(problem, hint=hint, objective="peak_memory")
-    return _staged(problem, h, opts, "min-peak-memory", h.peak, hint is not None), h.memory_unit
+    return staged_solve(problem, h, opts, "min-peak-memory", h.peak, hint is not None), h.memory_unit

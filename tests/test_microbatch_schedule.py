@@ -184,6 +184,27 @@ def test_interleaved_warm_starts_are_feasible_and_beat_strict_pairing():
                                                      COST)) if s.method.startswith("interleave")]
 
 
+def test_ends_warm_starts_use_default_budgets_only_in_warm_up_and_cool_down():
+    from moegraph.schedules.baselines import warm_starts
+    M, L = 3, 2
+    p = build_problem(_merged(M, layers=L), COST)
+    slots = pair_slots(p)
+    s = next(s for s in warm_starts(p) if s.method == "interleave2+ends")
+    check_solution(p, s)
+    ends = paired = 0
+    for t in p.tasks:
+        if t.kind != "comm":
+            continue
+        sm = t.modes[s.mode[t.index]].sm
+        if L <= slots[t.index] < M * L:       # a paired slot: copy engines (the fewest SMs)
+            assert sm == min(m.sm for m in t.modes), t.name
+            paired += 1
+        else:                                  # warm-up (micro-batch 0's forward) or cool-down
+            assert sm == t.modes[t.default_mode].sm > 0, t.name
+            ends += 1
+    assert ends and paired
+
+
 def test_tune_ranks_merged_micro_batch_steps(tmp_path):
     from moegraph.schedules.schedule_file import Schedule
     from moegraph.schedules.tune import Cache, tune
