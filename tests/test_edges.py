@@ -1,0 +1,79 @@
+"""The edges of a compiled causal LM (moegraph.edges): the embedding, final norm and LM head
+gradients are synchronised by graph collectives that the scheduler places and the runtime
+executes from the plan. Small graphs and 2 gloo ranks."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import edges_workers as workers
+from moegraph.cost import CostModel
+from moegraph.edges import add_edges, edge_values
+from moegraph.ir import GraphError, Strategy
+from moegraph.registry import load_hardware, load_model
+from moegraph.runtime.launch import spawn
+from moegraph.schedules.api import compile_graph
+from moegraph.tracer import trace_model
+
+TOL = 1e-5
+SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
+
+
+def _graph(dp: int = 1, vocab: int | None = 32000, layers: int = 2):
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=layers)
+    return add_edges(g, vocab=vocab)
+
+
+@pytest.mark.parametrize("method", ["greedy", "cpsat"])
+def test_edge_sync_is_scheduled_under_the_layers_backward(method):
+    """The head and norm gradient all-reduces start before the layers' backward compute ends
+    (their partials exist at the barrier, nothing else reads them); the embedding gather starts
+    after layer 0's input gradient is made."""
+    g = _graph()
+    s = compile_graph(g, CostModel(load_hardware("h800")), method=method, time_limit_s=2.0).schedule
+    by = {n.name: n for n in s.nodes}
+    assert set(SYNC) | {"edges.embed.grad_gather"} <= set(by)
+    backward = [n for n in s.nodes if n.kind == "compute" and n.phase != "forward"]
+    last_end = max(n.end_us for n in backward)
+    forward_end = max(n.end_us for n in s.nodes if n.phase == "forward")
+    for name in SYNC:
+        assert forward_end <= by[name].start_us < last_end, (name, by[name].start_us, forward_end, last_end)
+    dx = g.producer[g.outputs[1]].name                     # layer 0's input gradient
+    assert by["edges.embed.grad_gather"].start_us >= by[dx].end_us
+    assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in SYNC)
+
+
+def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
+    g = _graph(dp=2, layers=1)
+    names = {n.name for n in g.nodes if n.attr("edge", False)}
+    # the hierarchical sync of a replicated parameter (autodiff._dp_sync), the rows gathered over replicas
+    assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.lm_head.grad_ag_inter",
+            "edges.lm_head.grad_ag_intra", "edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
+    assert g.value[edge_values(g).embed_rows].shape == (2, 2048, 4096)
+    base = _graph(vocab=None, layers=1)
+    assert edge_values(base).head_partial is None and not any("lm_head" in n.name for n in base.nodes)
+    with pytest.raises(GraphError, match="already has its edges"):
+        add_edges(base, vocab=None)
+
+
+@pytest.fixture(scope="module")
+def n2():
+    res = spawn(workers.edge_grad_checks, 2, args=(int.from_bytes(os.urandom(3), "little"),), timeout_s=300)
+    return res[0]
+
+
+def test_compiled_model_runs_the_edge_collectives_from_the_plan(n2):
+    assert {*SYNC, "edges.embed.grad_gather"} <= set(n2["edge_nodes"])
+    assert max(n2["scheduled"].values()) < TOL, n2["scheduled"]
+
+
+def test_without_the_edge_collectives_the_edge_gradients_are_wrong(n2):
+    """The same step with the plan's edge collectives made local no-ops: the edges' gradients
+    are each rank's partials, so nothing else synchronises them (no eager all-reduce)."""
+    removed = n2["removed"]
+    for part in ("embed", "norm", "head"):
+        assert removed[part] > 1e-2, removed
+    assert removed["layers"] < TOL, removed           # the layers' own sync is untouched
