@@ -77,3 +77,25 @@ def test_without_the_edge_collectives_the_edge_gradients_are_wrong(n2):
     for part in ("embed", "norm", "head"):
         assert removed[part] > 1e-2, removed
     assert removed["layers"] < TOL, removed           # the layers' own sync is untouched
+
+
+def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
+    """compile --layers: the per-layer rows end with an "edges" row holding the edge collectives'
+    time; the Chrome trace has an "edges" process and lane thread."""
+    import json
+
+    from moegraph.cli import main
+    out = tmp_path / "s.json"
+    assert main(["compile", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "1024", "--schedule", "greedy",
+                 "--json", "-o", str(out)]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert [r["layer"] for r in c["layers"]] == [0, 1, "edges"]
+    edges = c["layers"][-1]
+    assert edges["comm_us"] > 0 and edges["compute_us"] == 0 and edges["forward_us"] == []
+    assert 0 <= edges["exposed_comm_us"] <= edges["comm_us"]
+    sched = json.loads(out.read_text())
+    assert {n["name"] for n in sched["nodes"] if n["attrs"].get("edge")} == {*SYNC, "edges.embed.grad_gather"}
+    assert main(["gantt", str(out), "-o", str(tmp_path / "t.json")]) == 0
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    names = [e["args"]["name"] for e in trace if e["name"] in ("process_name", "thread_name")]
+    assert "edges" in names and any(n.endswith(" edges") for n in names)
