@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 from torch.profiler import record_function
 
-from moegraph.edges import edge_values, is_edge
+from moegraph.edges import edge_values, is_eager, is_edge
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
@@ -106,9 +106,15 @@ class Executor:
             self.boundaries = microbatch_boundaries(graph)
             self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
             return
-        self.fwd, self.bwd = plan.split(graph)
+        # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
+        # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
+        # synchronised gradients and the gathered embedding-gradient rows go back out
+        self.edges = edge_values(graph)
+        self.fwd, self.bwd = (tuple(e for e in part if not is_eager(dict(graph.node[e.name].attrs)))
+                              for part in plan.split(graph))
         acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
-        seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
+        seeds = ([self.edges.seed] if self.edges is not None else
+                 [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD])
         if len(acts) != 1 or len(seeds) != 1:
             raise RuntimeFailure(f"graph {graph.name!r} has activation inputs {acts} and seed gradients {seeds}; "
                                  "the runtime runs layers with exactly one of each")
@@ -116,10 +122,7 @@ class Executor:
         self.output_name = graph.outputs[0]
         param_grads = set(graph.grad_of.values())
         rest = [o for o in graph.outputs[1:] if o not in param_grads]
-        # a model step graph's edges (moegraph.edges): partial gradients fed at backward, their
-        # synchronised values and the gathered embedding-gradient rows read back
-        self.edges = edge_values(graph)
-        edge_in = frozenset(self.edges.inputs) if self.edges else frozenset()
+        edge_in = frozenset(self.edges.partials) if self.edges else frozenset()
         edge_made = {o for n in graph.nodes if is_edge(dict(n.attrs)) for o in n.outputs}
         rest = [o for o in rest if o not in edge_made and o not in edge_in]
         self.input_grad_name = rest[0] if rest else None
@@ -159,15 +162,16 @@ class Executor:
     def backward_edges(self, saved: dict[str, Any], dy: torch.Tensor, params: Sequence[torch.Tensor],
                        partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None
                        ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[str, torch.Tensor]]:
-        """``backward`` of a graph with edges (``moegraph.edges``): ``partials`` holds this rank's
-        partial gradient of every edge input (``EdgeValues.inputs``); also returns the edges'
+        """``backward`` of a graph with edges (``moegraph.edges``): ``dy`` is the last layer's
+        incoming gradient (``EdgeValues.seed``) and ``partials`` this rank's partial gradients
+        (``EdgeValues.partials``), all made by the eager head and norm backward; also returns the edges'
         outputs (``EdgeValues.outputs``: synchronised gradients, gathered embedding rows), run by
         the plan's edge collectives in its order."""
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
-        if set(partials) != set(self.edges.inputs):
+        if set(partials) != set(self.edges.partials):
             raise RuntimeFailure(f"edge partial gradients {sorted(partials)} given, the graph reads "
-                                 f"{sorted(self.edges.inputs)}")
+                                 f"{sorted(self.edges.partials)}")
         for name, t in partials.items():
             if tuple(t.shape) != self.graph.value[name].shape:
                 raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "

@@ -135,7 +135,7 @@ class _ScheduledStep(torch.autograd.Function):
         (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
         (out, leaves), ctx.eager = ctx.eager, None
         dy, *partial = torch.autograd.grad(out, leaves, d_out)
-        partials = dict(zip(edges.inputs, partial))        # (norm, head) in EdgeValues.inputs order
+        partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
         if rec is not None:
             rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
         _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec)

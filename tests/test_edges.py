@@ -43,7 +43,29 @@ def test_edge_sync_is_scheduled_under_the_layers_backward(method):
         assert forward_end <= by[name].start_us < last_end, (name, by[name].start_us, forward_end, last_end)
     dx = g.producer[g.outputs[1]].name                     # layer 0's input gradient
     assert by["edges.embed.grad_gather"].start_us >= by[dx].end_us
+    # the eager head and norm backward make the seed: every layer's backward starts after it
+    seed_made = by["edges.norm.dgrad"].end_us
+    assert all(n.start_us >= seed_made for n in s.nodes if "layer" in n.attrs and n.phase == "backward")
+    assert by["edges.lm_head"].start_us >= max(n.end_us for n in s.nodes if n.attrs.get("layer") == 1
+                                              and n.phase == "forward")
     assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in SYNC)
+
+
+def test_eager_edge_compute_is_priced():
+    """The head GEMMs: 2*T*h*V FLOPs each (T = b*s/n = 2048/8 tokens, h 4096, V 32000), reading
+    the [V, h] weight; the norm's forward 4*T*h. All marked eager (the runtime's autograd runs them)."""
+    g = _graph(layers=1)
+    T, h, V = 2048 // 8, 4096, 32000
+    node = {n.name: n for n in g.nodes}
+    for name in ("edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad"):
+        assert node[name].flops == 2 * T * h * V
+        assert node[name].mem_bytes == 2 * (T * h + V * h + T * V)          # bf16
+    assert node["edges.norm"].flops == 4 * T * h
+    eager = {n.name for n in g.nodes if n.attr("eager", False)}
+    assert eager == {"edges.norm", "edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad",
+                     "edges.norm.dgrad", "edges.norm.wgrad"}
+    assert not any(node[n].is_comm for n in eager)
+    assert g.producer[edge_values(g).seed].name == "edges.norm.dgrad"
 
 
 def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
@@ -91,10 +113,12 @@ def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
     c = json.loads(capsys.readouterr().out)
     assert [r["layer"] for r in c["layers"]] == [0, 1, "edges"]
     edges = c["layers"][-1]
-    assert edges["comm_us"] > 0 and edges["compute_us"] == 0 and edges["forward_us"] == []
+    # the eager norm and head compute is priced in the forward and the backward, the syncs in the backward
+    assert edges["comm_us"] > 0 and edges["compute_us"] > 0 and edges["forward_us"] and edges["backward_us"]
     assert 0 <= edges["exposed_comm_us"] <= edges["comm_us"]
     sched = json.loads(out.read_text())
-    assert {n["name"] for n in sched["nodes"] if n["attrs"].get("edge")} == {*SYNC, "edges.embed.grad_gather"}
+    assert {n["name"] for n in sched["nodes"] if n["attrs"].get("edge") and n["kind"] == "comm"} == \
+        {*SYNC, "edges.embed.grad_gather"}
     assert main(["gantt", str(out), "-o", str(tmp_path / "t.json")]) == 0
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = [e["args"]["name"] for e in trace if e["name"] in ("process_name", "thread_name")]
