@@ -15,15 +15,31 @@ its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
     shard's last position is the next shard's first label: the shift is taken on the full
     labels before they are cut;
   * the replicated eager parameters (embedding, final norm, head) get their gradients from the
-    SCHEDULED PLAN, not from eager collectives: the layer graph carries the edges' gradient sync
-    (``moegraph.edges``, added after the passes), and one autograd Function (``_ScheduledStep``)
-    runs embedding -> the plan's forward -> norm -> head, and in backward the eager head and norm
-    backward first, then the plan's backward with their partial gradients as inputs. The plan
-    all-reduces those (``edges.*.grad_allreduce``; ``_dp_sync`` with dp > 1) wherever the
-    scheduler put them, typically under the layers' backward, and all-gathers layer 0's input
-    gradient (``edges.embed.grad_gather``) after layer 0's backward; every rank then scatters
-    the gathered rows into the full embedding gradient by the full input_ids it holds.
-    Without gradients (``torch.no_grad``) the same parts run as plain eager code.
+    SCHEDULED PLAN, not from eager collectives (design below).
+
+The edges in the schedule (``moegraph.edges``, added to the stacked graph after the passes).
+The graph the plan schedules holds, besides the layers:
+  * the eager compute, priced (nodes with attr ``eager``, which the executor skips: autograd
+    runs them): forward ``edges.norm`` (RMSNORM, 4*T*h FLOPs) and ``edges.lm_head`` (GEMM,
+    2*T*h*V) after the last layer's forward; backward ``edges.lm_head.dgrad`` / ``.wgrad``
+    (2*T*h*V each) and ``edges.norm.dgrad`` / ``.wgrad``, which make the last layer's incoming
+    gradient (the layers' seed) and the partial gradients: every layer's backward is scheduled
+    after them, as autograd runs it (T = b*s/n tokens on this rank);
+  * the head and norm gradient sync: the partials' all-reduce (``edges.lm_head.grad_allreduce``,
+    ``edges.norm.grad_allreduce``; with dp > 1 ``autodiff._dp_sync``'s hierarchical
+    reduce-scatter / all-gather), read by nothing else, so it may run under any layer's backward;
+  * the embedding gradient: ``edges.embed.grad_gather`` all-gathers layer 0's input gradient
+    [b, s/n, h] -> [b, s, h] (then over the replicas to [dp*b, s, h]) after layer 0's backward;
+    each rank scatters the rows into the FULL embedding gradient by the global input_ids it
+    holds ((n-1)/n*b*s*h bytes per rank instead of an all-reduce's 2(n-1)/n*V*h).
+Runtime: ONE autograd Function (``_ScheduledStep``) runs embedding -> the plan's forward -> norm
+-> head. Its backward runs the head and norm backward eagerly (``torch.autograd.grad`` on the
+graph its forward recorded), then the plan's backward (``Executor.backward_edges``) with the
+seed and the partials as inputs; the plan issues the edge collectives in its order on its
+streams and returns the synchronised gradients and the gathered rows. If the plan lacked them
+the edges' gradients would be each rank's partials (tests/test_edges.py makes them no-ops and
+sees the gradients go wrong). Without gradients (``torch.no_grad``) the same parts run as plain
+eager code around ``CompiledLayer.forward``.
 
 Data parallelism (dp = D > 1, n x D ranks, replica-major as ``collectives.Layout``): every rank
 still gets the GLOBAL batch (input_ids, labels [D*b, s]); replica p takes rows p*b .. (p+1)*b - 1
@@ -37,13 +53,15 @@ all-reduce, the logits / hidden-state gather) seeds this rank's part with D x th
 gradient: the
 replica-mean of D x each replica's gradient is the sum over replicas, i.e. after backward every
 parameter gradient equals eager's on the global batch (not divided by D, unlike a bare
-CompiledLayer). Logits [D*b, s, V] are gathered from all n x D ranks.
+CompiledLayer). The head and norm partials take the same replica-mean (``_dp_sync``); the
+embedding's rows, gathered from all n x D ranks, are scattered and divided by D. Logits [D*b, s, V] are gathered from all n x D ranks.
 
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
 ``load_state_dict(original_state_dict)`` cuts this rank's shards.
 
-Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas, V vocabulary.
+Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas, V vocabulary,
+T = b*s/n tokens on this rank.
 """
 
 from __future__ import annotations
