@@ -60,3 +60,18 @@ def edge_grad_checks(rank: int, n: int, seed: int) -> dict:
     finally:
         Comm.issue = issue
     return {"edge_nodes": edge_nodes, "scheduled": scheduled, "removed": removed}
+
+
+def base_model_grad_checks(rank: int, n: int, seed: int) -> dict:
+    """A base model (transformers' MixtralModel: no LM head, last_hidden_state out): the gradient
+    of a fixed linear function of the hidden states, compiled against eager."""
+    from model_workers import mixtral_model
+    base = mixtral_model(seed, 2).model
+    ids, _ = batches(seed + 1, 1)[0]
+    compiled = moegraph.compile(base, ids, hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0)
+    weight = torch.randn(base.config.hidden_size, generator=torch.Generator().manual_seed(seed + 2))
+    (base(input_ids=ids).last_hidden_state * weight).sum().backward()
+    (compiled(ids).last_hidden_state * weight).sum().backward()
+    full = compiled.full_grads()
+    return {"edge_nodes": [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")],
+            "errors": {k: rel_err(full[k], p.grad) for k, p in base.named_parameters()}}

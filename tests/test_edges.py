@@ -4,6 +4,7 @@ executes from the plan. Small graphs and 2 gloo ranks."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
 import pytest
@@ -18,6 +19,7 @@ from moegraph.schedules.api import compile_graph
 from moegraph.tracer import trace_model
 
 TOL = 1e-5
+HAS_HF = importlib.util.find_spec("transformers") is not None
 SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
 
 
@@ -123,3 +125,14 @@ def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = [e["args"]["name"] for e in trace if e["name"] in ("process_name", "thread_name")]
     assert "edges" in names and any(n.endswith(" edges") for n in names)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_base_model_gradients_match_eager_on_2_ranks():
+    """No head: the norm's all-reduce and the embedding gather still run from the plan, and
+    every gradient (embedding, final norm, layers) equals eager's."""
+    res = spawn(workers.base_model_grad_checks, 2, args=(int.from_bytes(os.urandom(3), "little"),),
+                timeout_s=300)[0]
+    assert {"edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= set(res["edge_nodes"])
+    assert not any("lm_head" in e for e in res["edge_nodes"])
+    assert max(res["errors"].values()) < TOL, res["errors"]
