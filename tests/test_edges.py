@@ -136,3 +136,27 @@ def test_base_model_gradients_match_eager_on_2_ranks():
     assert {"edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= set(res["edge_nodes"])
     assert not any("lm_head" in e for e in res["edge_nodes"])
     assert max(res["errors"].values()) < TOL, res["errors"]
+
+
+def test_periodic_warm_start_tiles_the_layers_around_the_edges():
+    """The periodic warm start (moegraph.schedules.periodic) on a stack with edges: feasible,
+    the layers tiled as without edges, the eager compute in a window between the forward and
+    the backward, the edge collectives alone after it: makespan L x the unit's + the edges'."""
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.periodic import is_stack, tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import alone_twin, check_solution, makespan_ticks
+
+    cost = CostModel(load_hardware("h800"))
+    g = _graph(layers=2)
+    assert is_stack(g)
+    problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+    sol = greedy(unit)
+    tiled = tile_layers(problem, unit, sol)
+    check_solution(problem, tiled)
+    edges = [t for t in problem.tasks if t.node.attr("edge", False)]
+    extra = sum(t.modes[t.default_mode if t.kind == "compute" else alone_twin(t, t.default_mode)].ticks
+                for t in edges)
+    assert len(edges) == 9
+    assert makespan_ticks(problem, tiled) == 2 * makespan_ticks(unit, sol) + extra
