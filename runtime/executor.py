@@ -23,6 +23,12 @@ the phase. Forward keeps what backward and recompute nodes read (the graph's sav
 the parameters); backward returns the layer-input gradient and the parameter gradients. Every
 collective issued in a phase completes before the phase returns.
 
+A model step graph's edges (``moegraph.edges``, run by ``runtime.model.CompiledModel``): the
+nodes marked ``eager`` (the final norm and LM head compute, priced for the schedule) are never
+run here, autograd runs them; ``backward_edges`` takes their outputs (the last layer's incoming
+gradient, the head and norm partial gradients) as inputs and returns, besides the layers'
+gradients, what the plan's edge collectives made (synchronised gradients, gathered rows).
+
 Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
 ``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
 so micro-batch j+1's forward runs between micro-batch j's backward entries where the schedule

@@ -164,8 +164,8 @@ class _ScheduledStep(torch.autograd.Function):
             d_embed[model.spec.padding_idx] = 0
         if model.dp > 1:                                   # the rows hold dp x each replica's (module docstring)
             d_embed /= model.dp
-        d_norm = synced[edges.norm_synced].to(embed.dtype)
-        d_head = synced[edges.head_synced].to(embed.dtype) if edges.head_synced is not None else None
+        d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
+        d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
         return None, None, d_embed, d_norm, d_head, *grads
 
 
