@@ -306,6 +306,9 @@ class CausalLMOutput:
         self.loss, self.logits = loss, logits
 
 
+VOCAB = 32000
+"""The vocabulary size when the registry gives none (it has no such field): Mixtral's."""
+
 IGNORE_INDEX = -100
 """A label that contributes no loss (transformers' convention: padding, prompt tokens)."""
 
@@ -333,7 +336,7 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 
     @classmethod
-    def from_config(cls, cfg, *, layers: int | None = None, vocab: int = 32000) -> "MoETransformer":
+    def from_config(cls, cfg, *, layers: int | None = None, vocab: int = VOCAB) -> "MoETransformer":
         """Build from a registry ModelConfig: ``layers`` layers (default: the model's cfg.layers;
         DeepSeek-V3's first cfg.first_k_dense_replace are dense). The registry has no vocabulary
         size; ``vocab`` defaults to Mixtral's 32000."""

@@ -589,6 +589,7 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``)."""
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
+    from moegraph.edges import add_edges
     from moegraph.layers import layer_count
     from moegraph.registry import load_model
     from moegraph.runtime.launch import spawn
@@ -605,7 +606,9 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     world = world_size(args)
     layer = layer_from_args(args, multi_layer=True)
     layers = layer_count(layer.graph)
-    plan = make_plan(layer.graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
+    # the graph compile_model builds on every rank: the stack plus the edges' gradient sync
+    graph = add_edges(layer.graph, vocab=args.vocab)
+    plan = make_plan(graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                      time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,

@@ -23,6 +23,12 @@ the phase. Forward keeps what backward and recompute nodes read (the graph's sav
 the parameters); backward returns the layer-input gradient and the parameter gradients. Every
 collective issued in a phase completes before the phase returns.
 
+A model step graph's edges (``moegraph.edges``, run by ``runtime.model.CompiledModel``): the
+nodes marked ``eager`` (the final norm and LM head compute, priced for the schedule) are never
+run here, autograd runs them; ``backward_edges`` takes their outputs (the last layer's incoming
+gradient, the head and norm partial gradients) as inputs and returns, besides the layers'
+gradients, what the plan's edge collectives made (synchronised gradients, gathered rows).
+
 Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
 ``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
 so micro-batch j+1's forward runs between micro-batch j's backward entries where the schedule
@@ -40,6 +46,7 @@ from typing import Any, Sequence
 import torch
 from torch.profiler import record_function
 
+from moegraph.edges import edge_values, is_eager, is_edge
 from moegraph.ir import Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
@@ -105,9 +112,15 @@ class Executor:
             self.boundaries = microbatch_boundaries(graph)
             self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
             return
-        self.fwd, self.bwd = plan.split(graph)
+        # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
+        # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
+        # synchronised gradients and the gathered embedding-gradient rows go back out
+        self.edges = edge_values(graph)
+        self.fwd, self.bwd = (tuple(e for e in part if not is_eager(dict(graph.node[e.name].attrs)))
+                              for part in plan.split(graph))
         acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
-        seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
+        seeds = ([self.edges.seed] if self.edges is not None else
+                 [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD])
         if len(acts) != 1 or len(seeds) != 1:
             raise RuntimeFailure(f"graph {graph.name!r} has activation inputs {acts} and seed gradients {seeds}; "
                                  "the runtime runs layers with exactly one of each")
@@ -115,10 +128,13 @@ class Executor:
         self.output_name = graph.outputs[0]
         param_grads = set(graph.grad_of.values())
         rest = [o for o in graph.outputs[1:] if o not in param_grads]
+        edge_in = frozenset(self.edges.partials) if self.edges else frozenset()
+        edge_made = {o for n in graph.nodes if is_edge(dict(n.attrs)) for o in n.outputs}
+        rest = [o for o in rest if o not in edge_made and o not in edge_in]
         self.input_grad_name = rest[0] if rest else None
         made_fwd = set(graph.inputs) | {o for e in self.fwd for o in graph.node[e.name].outputs}
         self.saved = frozenset(i for e in self.bwd for i in graph.node[e.name].inputs
-                               if i in made_fwd and i != self.seed_name)
+                               if i in made_fwd and i != self.seed_name and i not in edge_in)
         self._release_fwd = _releases(graph, self.fwd, keep=self.saved | {self.output_name})
         self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
 
@@ -143,13 +159,41 @@ class Executor:
                  recorder: StepRecorder | None = None) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Run backward and recompute entries; return (input-shard gradient, parameter-shard gradients
         in ``param_names`` order; replicated parameters' gradients already summed over ranks)."""
+        if self.edges is not None:
+            raise RuntimeFailure(f"graph {self.graph.name!r} carries a model's edges (moegraph.edges): its backward "
+                                 "needs the edges' partial gradients: run it with backward_edges (CompiledModel)")
+        dx, grads, _ = self._backward(saved, dy, params, {}, recorder)
+        return dx, grads
+
+    def backward_edges(self, saved: dict[str, Any], dy: torch.Tensor, params: Sequence[torch.Tensor],
+                       partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None
+                       ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[str, torch.Tensor]]:
+        """``backward`` of a graph with edges (``moegraph.edges``): ``dy`` is the last layer's
+        incoming gradient (``EdgeValues.seed``) and ``partials`` this rank's partial gradients
+        (``EdgeValues.partials``), all made by the eager head and norm backward; also returns the edges'
+        outputs (``EdgeValues.outputs``: synchronised gradients, gathered embedding rows), run by
+        the plan's edge collectives in its order."""
+        if self.edges is None:
+            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
+        if set(partials) != set(self.edges.partials):
+            raise RuntimeFailure(f"edge partial gradients {sorted(partials)} given, the graph reads "
+                                 f"{sorted(self.edges.partials)}")
+        for name, t in partials.items():
+            if tuple(t.shape) != self.graph.value[name].shape:
+                raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "
+                                 f"{self.graph.value[name].shape}")
+        return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder)
+
+    def _backward(self, saved, dy, params, partials, recorder):
         self._refuse_merged("backward")
-        inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous()}
-        keep = set(self.graph.outputs[1:])
+        inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous(), **partials}
+        edge_out = set(self.edges.outputs) if self.edges is not None else set()
+        keep = set(self.graph.outputs[1:]) | edge_out
         env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
         dx = env.get(self.input_grad_name) if self.input_grad_name else None
         # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
-        return dx, [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+        grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+        return dx, grads, {k: env[k] for k in edge_out}
 
     def step(self, xs: Sequence[torch.Tensor], dys: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *,
              recorder: StepRecorder | None = None

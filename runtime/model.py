@@ -14,10 +14,32 @@ its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
   * labels shift across shard boundaries: position t predicts labels[t + 1], which for the
     shard's last position is the next shard's first label: the shift is taken on the full
     labels before they are cut;
-  * the replicated eager parameters (embedding, final norm, head) get each rank's partial
-    gradient, all-reduced in backward. These are eager collectives on the default group, not
-    graph nodes the scheduler places: they run outside the plan, after (head, norm) and
-    before (embedding) the layers' scheduled backward.
+  * the replicated eager parameters (embedding, final norm, head) get their gradients from the
+    SCHEDULED PLAN, not from eager collectives (design below).
+
+The edges in the schedule (``moegraph.edges``, added to the stacked graph after the passes).
+The graph the plan schedules holds, besides the layers:
+  * the eager compute, priced (nodes with attr ``eager``, which the executor skips: autograd
+    runs them): forward ``edges.norm`` (RMSNORM, 4*T*h FLOPs) and ``edges.lm_head`` (GEMM,
+    2*T*h*V) after the last layer's forward; backward ``edges.lm_head.dgrad`` / ``.wgrad``
+    (2*T*h*V each) and ``edges.norm.dgrad`` / ``.wgrad``, which make the last layer's incoming
+    gradient (the layers' seed) and the partial gradients: every layer's backward is scheduled
+    after them, as autograd runs it (T = b*s/n tokens on this rank);
+  * the head and norm gradient sync: the partials' all-reduce (``edges.lm_head.grad_allreduce``,
+    ``edges.norm.grad_allreduce``; with dp > 1 ``autodiff._dp_sync``'s hierarchical
+    reduce-scatter / all-gather), read by nothing else, so it may run under any layer's backward;
+  * the embedding gradient: ``edges.embed.grad_gather`` all-gathers layer 0's input gradient
+    [b, s/n, h] -> [b, s, h] (then over the replicas to [dp*b, s, h]) after layer 0's backward;
+    each rank scatters the rows into the FULL embedding gradient by the global input_ids it
+    holds ((n-1)/n*b*s*h bytes per rank instead of an all-reduce's 2(n-1)/n*V*h).
+Runtime: ONE autograd Function (``_ScheduledStep``) runs embedding -> the plan's forward -> norm
+-> head. Its backward runs the head and norm backward eagerly (``torch.autograd.grad`` on the
+graph its forward recorded), then the plan's backward (``Executor.backward_edges``) with the
+seed and the partials as inputs; the plan issues the edge collectives in its order on its
+streams and returns the synchronised gradients and the gathered rows. If the plan lacked them
+the edges' gradients would be each rank's partials (tests/test_edges.py makes them no-ops and
+sees the gradients go wrong). Without gradients (``torch.no_grad``) the same parts run as plain
+eager code around ``CompiledLayer.forward``.
 
 Data parallelism (dp = D > 1, n x D ranks, replica-major as ``collectives.Layout``): every rank
 still gets the GLOBAL batch (input_ids, labels [D*b, s]); replica p takes rows p*b .. (p+1)*b - 1
@@ -28,16 +50,18 @@ it equals eager on the global batch even when replicas hold different numbers of
 group). The graph's DP sync averages the layer parameters' gradients over replicas (a MEAN,
 docs/runtime.md "Data parallelism"), so every global-to-local backward boundary here (the loss
 all-reduce, the logits / hidden-state gather) seeds this rank's part with D x the incoming
-gradient, and the replicated eager parameters' all-reduce over all n x D ranks divides by D: the
+gradient: the
 replica-mean of D x each replica's gradient is the sum over replicas, i.e. after backward every
 parameter gradient equals eager's on the global batch (not divided by D, unlike a bare
-CompiledLayer). Logits [D*b, s, V] are gathered from all n x D ranks.
+CompiledLayer). The head and norm partials take the same replica-mean (``_dp_sync``); the
+embedding's rows, gathered from all n x D ranks, are scattered and divided by D. Logits [D*b, s, V] are gathered from all n x D ranks.
 
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
 ``load_state_dict(original_state_dict)`` cuts this rank's shards.
 
-Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas, V vocabulary.
+Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas, V vocabulary,
+T = b*s/n tokens on this rank.
 """
 
 from __future__ import annotations
@@ -49,8 +73,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from moegraph.commands import DEFAULT_PASSES
+from moegraph.edges import add_edges, edge_values
 from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
@@ -92,24 +118,55 @@ class _SumOverRanks(torch.autograd.Function):
         return grad * ctx.dp if ctx.dp > 1 else grad, None
 
 
-class _ReplicatedGrad(torch.autograd.Function):
-    """Forward: identity on a replicated parameter. Backward: the sum of every rank's partial
-    gradient (each rank's shard of the sequence, each replica's rows contribute their part; all
-    n x dp ranks), divided by dp (the replicas seeded dp x: module docstring), so every rank gets
-    the same full gradient and stays identical after the optimizer step."""
+class _ScheduledStep(torch.autograd.Function):
+    """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
+    synchronised by the plan (module docstring). Forward returns this rank's logits shard
+    [b, s/n, V] (a base model: the normed hidden shard [b, s/n, h]). Backward: the eager head and
+    norm backward give dy and their partial gradients; the plan's backward takes dy and the
+    partials and returns the layer gradients, the synchronised head and norm gradients and the
+    gathered layer-0 input gradient rows [dp*b, s, h], which scatter into the full embedding
+    gradient by the global input_ids (every rank holds them)."""
 
     @staticmethod
-    def forward(ctx, weight: torch.Tensor, dp: int) -> torch.Tensor:
-        ctx.dp = dp
-        return weight.view_as(weight)
+    def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
+                head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        layers = model.layers
+        x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
+        rec = layers._new_recorder()
+        y, saved = layers.executor.forward(x, params, recorder=rec)
+        with torch.enable_grad():
+            y_in = y.detach().requires_grad_()
+            leaves = [y_in, norm.detach().requires_grad_()]
+            out = rms_norm(y_in, leaves[1], model.spec.norm.eps)
+            if head is not None:
+                leaves.append(head.detach().requires_grad_())
+                out = F.linear(out, leaves[2])                                    # [b, s/n, V]
+        ctx.model, ctx.state, ctx.eager = model, (saved, rec), (out, leaves)
+        ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
+        return out.detach()
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous().clone()
-        dist.all_reduce(grad)
-        if ctx.dp > 1:
-            grad /= ctx.dp
-        return grad, None
+    @once_differentiable
+    def backward(ctx, d_out: torch.Tensor):
+        model, layers, edges = ctx.model, ctx.model.layers, ctx.model.edges
+        input_ids, embed, *params = ctx.saved_tensors
+        (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
+        (out, leaves), ctx.eager = ctx.eager, None
+        dy, *partial = torch.autograd.grad(out, leaves, d_out)
+        partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
+        if rec is not None:
+            rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
+        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec)
+        layers._keep(rec)
+        rows = synced[edges.embed_rows]                    # [dp*b, s, h]: the global batch's rows
+        d_embed = torch.zeros_like(embed).index_add_(0, input_ids.flatten(), rows.flatten(0, 1).to(embed.dtype))
+        if model.spec.padding_idx is not None:             # nn.Embedding: the padding row gets no gradient
+            d_embed[model.spec.padding_idx] = 0
+        if model.dp > 1:                                   # the rows hold dp x each replica's (module docstring)
+            d_embed /= model.dp
+        d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
+        d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
+        return None, None, d_embed, d_norm, d_head, *grads
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -152,6 +209,11 @@ class CompiledModel(nn.Module):
         self._state_keys = list(state_keys)
         # persistent state no part reads (declared unused by the model rule): kept as it was
         self._constants = {k: full[k].detach().clone() for k in self._state_keys if k in spec.unused}
+        edges = edge_values(layers.graph)
+        if edges is None or (edges.head_partial is None) != (self.lm_head is None):
+            raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
+                                 f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
+        self.edges = edges
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -184,15 +246,18 @@ class CompiledModel(nn.Module):
                              "sequence is compiled (pass None or all ones; mask the loss with labels=-100)")
         if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
-        x = F.embedding(self.layers.shard_input(input_ids), self._replicated(self.embed),
-                        padding_idx=self.spec.padding_idx)                        # [b, s/n, h]
-        x = self.layers(x)
-        x = rms_norm(x, self._replicated(self.norm), self.spec.norm.eps)
+        if torch.is_grad_enabled():
+            out = _ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head, *self.layers.params())
+        else:
+            x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
+            out = rms_norm(self.layers(x), self.norm, self.spec.norm.eps)      # [b, s/n, h]
+            if self.lm_head is not None:
+                out = F.linear(out, self.lm_head)                               # [b, s/n, V]
         if self.spec.output is ModelOutput.HIDDEN:
-            return ModelResult(last_hidden_state=self._gather(x))
+            return ModelResult(last_hidden_state=self._gather(out))
         if self.spec.output is not ModelOutput.CAUSAL_LM:
             raise RuntimeFailure(f"model output {self.spec.output} is not one of {[o.value for o in ModelOutput]}")
-        logits = F.linear(x, self._replicated(self.lm_head))                     # [b, s/n, V]
+        logits = out
         loss = None
         if labels is not None:
             shifted = shift_labels(labels)                                        # full [dp*b, s]: crosses shards
@@ -203,11 +268,6 @@ class CompiledModel(nn.Module):
             loss = _SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
         full_logits = self._gather(logits) if output_logits or labels is None else None
         return ModelResult(loss=loss, logits=full_logits)
-
-    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
-        if self.layers.layout.world > 1 and torch.is_grad_enabled():
-            return _ReplicatedGrad.apply(weight, self.dp)
-        return weight
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(shard, self.layers) if self.layers.layout.world > 1 else shard
@@ -312,6 +372,8 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     if passes:
         from moegraph.passes import run_pipeline
         graph, _report = run_pipeline(graph, passes, cost=cost)
+    # the edges' gradient sync joins the plan (after the passes, which rewrite one layer and restack)
+    graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)
     layer_full = {q: full[original_name(spec, graph, q)]

@@ -4,18 +4,21 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import sys
 from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
 from moegraph.cost import variant
+from moegraph.edges import add_edges
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
+from moegraph.models import VOCAB
 from moegraph.options import UsageError, check_output, format_bytes, positive_float
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph
 from moegraph.schedules.problem import ScheduleError
-from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, per_layer_summary
+from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, per_layer_summary
 
 
 
@@ -40,6 +43,10 @@ def compile_from_args(args):
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     layer = layer_from_args(args, multi_layer=True)
+    if layer_count(layer.graph) > 1 and micro_batch_count(layer.graph) == 1:
+        # a model step: the embedding, final norm and LM head gradients are synchronised by graph
+        # collectives the scheduler places (moegraph.edges; after the passes, as compile_model)
+        layer = dataclasses.replace(layer, graph=add_edges(layer.graph, vocab=VOCAB))
     streams = comm_streams_from(args)
     result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
                            time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)
@@ -91,8 +98,9 @@ def format_compile(c: dict) -> str:
               f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
     if "layers" in c:
-        lines.append(f"{len(c['layers'])} layers, exposed comm per layer (us): "
-                     + " ".join(f"l{r['layer']} {r['exposed_comm_us']:.1f}" for r in c["layers"]))
+        count = sum(isinstance(r["layer"], int) for r in c["layers"])
+        lines.append(f"{count} layers, exposed comm per layer (us): "
+                     + " ".join(f"{group_label(r['layer'])} {r['exposed_comm_us']:.1f}" for r in c["layers"]))
     return "\n".join(lines)
 
 

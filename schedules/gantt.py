@@ -12,7 +12,10 @@ add a per-layer summary lane under the streams: one row per layer with its forwa
 backward span (recompute included) and its exposed communication hatched red. In the Chrome
 trace each layer is its own process (a collapsible track group in Perfetto) holding that
 layer's nodes on the stream threads, after one "layers" process with each layer's forward and
-backward spans. A one-layer schedule has no layer attribute, so no lane and one process.
+backward spans. A model step's edge nodes (``moegraph.edges``: the embedding, final norm and
+LM head gradient sync, attr ``edge``) form one more group, "edges", after the layers: a row
+in the lane, a thread in the "layers" process and a process of their own. A one-layer schedule
+has no layer attribute, so no lane and one process.
 
 Merged micro-batch schedules (nodes carry the int attribute ``mb``, see moegraph.microbatch):
 each bar takes its category's colour shaded by its micro-batch (``mb_colour``: neighbouring
@@ -31,10 +34,11 @@ import json
 from pathlib import Path
 
 from moegraph.cost import FUSED_ATTR, variant_of
+from moegraph.edges import EDGES
 from moegraph.ir import LAYER_ATTR
 from moegraph.microbatch import MB_ATTR
-from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, layer_exposed_comm,
-                                               per_layer_summary)
+from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, group_label, layer_exposed_comm,
+                                               layer_group, per_layer_summary)
 from moegraph.schedules.verify import memory_curve
 
 __all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS", "mb_colour", "micro_batches"]
@@ -108,20 +112,28 @@ def _category(n: ScheduledNode) -> str:
     return "comm" if n.kind == "comm" else "compute"
 
 
-def layer_nodes(s: Schedule) -> dict[int, list[ScheduledNode]] | None:
-    """A multi-layer schedule's nodes by layer index (ascending); None for a one-layer
-    schedule, whose nodes carry no ``layer`` attribute. Raises ValueError when only some nodes
-    carry one, or one is not a non-negative integer: the grouping would be wrong."""
+def layer_nodes(s: Schedule) -> dict[int | str, list[ScheduledNode]] | None:
+    """A multi-layer schedule's nodes by layer index (ascending), a model step's edge nodes
+    (``moegraph.edges``) last as the group "edges"; None for a one-layer schedule, whose nodes
+    carry no ``layer`` attribute. Raises ValueError when only some nodes carry one, or one is not
+    a non-negative integer: the grouping would be wrong."""
     if not any(LAYER_ATTR in n.attrs for n in s.nodes):
         return None
-    out: dict[int, list[ScheduledNode]] = {}
+    out: dict[int | str, list[ScheduledNode]] = {}
+    edges: list[ScheduledNode] = []
     for n in s.nodes:
+        if layer_group(n.attrs) == EDGES:
+            edges.append(n)
+            continue
         i = n.attrs.get(LAYER_ATTR)
         if isinstance(i, bool) or not isinstance(i, int) or i < 0:
             raise ValueError(f"node {n.name!r} has attribute {LAYER_ATTR!r} = {i!r}; in a multi-layer schedule "
-                             "every node needs a non-negative integer layer index")
+                             "every node needs a non-negative integer layer index (or is an edge node)")
         out.setdefault(i, []).append(n)
-    return dict(sorted(out.items()))
+    out = dict(sorted(out.items()))
+    if edges:
+        out[EDGES] = edges
+    return out
 
 
 def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
@@ -214,7 +226,7 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
             bar = ax.barh(y, hi - lo, left=lo, height=0.72, color=LAYER_COLOURS[phase], edgecolor="white",
                           linewidth=0.3)
             bar.patches[0].set_gid(f"layer{i}.{phase}")
-            text = f"l{i} {'fwd' if phase == 'forward' else 'bwd'}"
+            text = f"{group_label(i)} {'fwd' if phase == 'forward' else 'bwd'}"
             if (hi - lo) * chars_per_us >= len(text) + 1:  # label only bars wide enough for it
                 ax.text((lo + hi) / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
                         clip_on=True)
@@ -227,7 +239,7 @@ def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span:
     ax.text(1.003, -0.9, "exposed\nus", transform=ax.get_yaxis_transform(), fontsize=6, va="bottom", ha="left",
             color=EXPOSED)
     step = max(1, -(-len(rows) // 40))  # at most ~40 tick labels, however many layers
-    ax.set_yticks(range(0, len(rows), step), [f"l{i}" for i in rows[::step]], fontsize=6)
+    ax.set_yticks(range(0, len(rows), step), [group_label(i) for i in rows[::step]], fontsize=6)
     ax.set_ylim(len(rows) - 0.4, -0.6)
     ax.set_ylabel("layers", fontsize=8)
     ax.set_gid("layers")
@@ -337,16 +349,16 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tupl
             slices(p, threads(p, s.streams), s.nodes)
             continue
         p = process(f"{label} layers")
-        tids = threads(p, [f"l{i}" for i in by_layer])
+        tids = threads(p, [group_label(i) for i in by_layer])
         for row in per_layer_summary(s):
             for phase, key in (("forward", "forward_us"), ("backward", "backward_us")):
                 if row[key]:
                     lo, hi = row[key]
-                    events.append({"name": f"l{row['layer']} {phase}", "cat": "layer", "ph": "X", "ts": lo,
-                                   "dur": round(hi - lo, 6), "pid": p, "tid": tids[f"l{row['layer']}"],
+                    events.append({"name": f"{group_label(row['layer'])} {phase}", "cat": "layer", "ph": "X",
+                                   "ts": lo, "dur": round(hi - lo, 6), "pid": p, "tid": tids[group_label(row['layer'])],
                                    "args": {k: v for k, v in row.items() if k not in ("forward_us", "backward_us")}})
         for i, mine in by_layer.items():
-            p = process(f"{label} l{i}")
+            p = process(f"{label} {group_label(i)}")
             slices(p, threads(p, s.streams), mine)
     return {"traceEvents": events, "displayTimeUnit": "ns"}
 

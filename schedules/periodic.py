@@ -23,16 +23,23 @@ after every forward node (the barrier). ``check_solution`` re-checks the result;
 budget is not considered (the caller compares each candidate's peak with it, as for every
 warm start).
 
-Makespan (L/K) (F + B). These are warm starts: CP-SAT then searches from the best
+A model step's edges (``moegraph.edges``: nodes with attr ``edge``, no layer) take a window of
+their own: the eager norm and head compute runs one node after another between the last
+forward window and the first backward window (its forward nodes, then its backward ones, which
+make the layers' seed), each at full SMs; the edges' collectives run after the last backward
+window, one after another, each alone. CP-SAT then moves them under the layers' backward.
+
+Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.
 """
 
 from __future__ import annotations
 
+from moegraph.edges import EDGE_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
 from moegraph.schedules.problem import Problem, ScheduleError
-from moegraph.schedules.solution import Solution, barrier_ticks, makespan_ticks
+from moegraph.schedules.solution import Solution, alone_twin, barrier_ticks, makespan_ticks
 
 __all__ = ["PERIODIC", "is_stack", "tile_layers"]
 
@@ -49,10 +56,11 @@ def is_stack(graph: Graph) -> bool:
     if layers <= 1:
         return False
     one = layer_graph(graph)
-    if len(graph.nodes) != layers * len(one.nodes):
+    nodes = [n for n in graph.nodes if not n.attr(EDGE_ATTR, False)]     # a model's edges: own windows
+    if len(nodes) != layers * len(one.nodes):
         return False
     by_name = {n.name: n for n in one.nodes}
-    for node in graph.nodes:
+    for node in nodes:
         i = node.layer
         prefix = f"l{i}."
         base = by_name.get(node.name[len(prefix):]) if i is not None and node.name.startswith(prefix) else None
@@ -77,7 +85,22 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
     bwd = span - fwd
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
+    edges = [t for t in problem.tasks if t.node.attr(EDGE_ATTR, False)]
+    edge_compute = [t for t in edges if t.kind == "compute"]        # graph order: forward, then backward
+    ef = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 0)
+    eb = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 1)
+    at = periods * fwd
+    for t in edge_compute:                          # between the forward and the backward windows
+        start[t.index], mode[t.index] = at, t.default_mode
+        at += t.modes[t.default_mode].ticks
+    at = periods * (fwd + bwd) + ef + eb
+    for t in edges:
+        if t.kind == "comm":                        # after the layers' backward, one after another, alone
+            start[t.index], mode[t.index] = at, alone_twin(t, t.default_mode)
+            at += t.modes[mode[t.index]].ticks
     for t in problem.tasks:
+        if t.node.attr(EDGE_ATTR, False):
+            continue
         i = t.node.layer
         q, u = divmod(i, K)
         base = t.name[len(f"l{i}."):]
@@ -85,7 +108,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
         s = sol.start[src.index]
         # period q's forward after q earlier ones; backward periods last first, after the
         # last forward ends ((periods - 1) fwd + fwd; s >= fwd for a backward node)
-        start[t.index] = s + q * fwd if t.side == 0 else s + (periods - 1) * fwd + (periods - 1 - q) * bwd
+        start[t.index] = s + q * fwd if t.side == 0 else s + (periods - 1) * fwd + ef + eb + (periods - 1 - q) * bwd
         m = src.modes[sol.mode[src.index]]
         k = next((k for k, x in enumerate(t.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)), None)
         if k is None:

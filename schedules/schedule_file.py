@@ -38,13 +38,14 @@ import json
 import math
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Literal, Mapping
 
+from moegraph.edges import EDGES, is_edge
 from moegraph.ir import LAYER_ATTR
 
 __all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
            "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "dp_sync_exposure",
-           "per_layer_summary", "Origin"]
+           "per_layer_summary", "layer_group", "group_label", "Origin"]
 
 FORMAT = "moegraph.schedule"
 VERSION = 1
@@ -348,14 +349,32 @@ def dp_sync_exposure(nodes: tuple[ScheduledNode, ...] | list[ScheduledNode]) -> 
             "exposed_dp_sync_us": round_us(sum(e - s for s, e in layer_exposed_comm(compute, dp)))}
 
 
+def layer_group(attrs: Mapping[str, Any]) -> int | str | None:
+    """A scheduled node's group in a multi-layer schedule: its layer index (attr 'layer'), or
+    "edges" for a model's edge node (``moegraph.edges``: embedding, final norm, LM head), or
+    None (a one-layer schedule's node)."""
+    return EDGES if is_edge(attrs) else attrs.get(LAYER_ATTR)
+
+
+def group_label(group: int | str) -> str:
+    """How charts and tables name a group: "l3" for layer 3, "edges" for the edges."""
+    return f"l{group}" if isinstance(group, int) else str(group)
+
+
 def per_layer_summary(schedule: Schedule) -> list[dict]:
     """Per layer of a multi-layer schedule (nodes carry attr 'layer'): when its forward and its
     backward (with recompute) run, its compute and communication time, and its exposed
-    communication (its collectives' time with no compute of any layer running)."""
+    communication (its collectives' time with no compute of any layer running). A model step's
+    edge nodes (``moegraph.edges``) come last, as one row with "layer": "edges"."""
     compute = [n for n in schedule.nodes if n.kind == "compute"]
-    by_layer: dict[int, list] = {}
+    by_layer: dict[int | str, list] = {}
     for n in schedule.nodes:
-        by_layer.setdefault(n.attrs[LAYER_ATTR], []).append(n)
+        group = layer_group(n.attrs)
+        if group is None:
+            raise ValueError(f"node {n.name!r} has no attribute {LAYER_ATTR!r} and is no edge node: in a "
+                             "multi-layer schedule every node belongs to a layer or to the edges")
+        by_layer.setdefault(group, []).append(n)
+    order = sorted((k for k in by_layer if isinstance(k, int))) + [k for k in by_layer if not isinstance(k, int)]
 
     def span(nodes) -> list[float]:
         return [round_us(min(n.start_us for n in nodes)), round_us(max(n.end_us for n in nodes))] if nodes else []
@@ -364,7 +383,8 @@ def per_layer_summary(schedule: Schedule) -> list[dict]:
         return round_us(sum(n.end_us - n.start_us for n in nodes if n.kind == kind))
 
     out = []
-    for i, mine in sorted(by_layer.items()):
+    for i in order:
+        mine = by_layer[i]
         exposed = layer_exposed_comm(compute, mine)
         out.append({"layer": i, "forward_us": span([n for n in mine if n.phase == "forward"]),
                     "backward_us": span([n for n in mine if n.phase != "forward"]),

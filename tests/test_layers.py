@@ -210,7 +210,8 @@ def test_compile_layers_reports_each_layer(capsys):
     assert "layers" not in one
     assert main(["compile", *small, "--layers", "2", "--json"]) == 0
     two = json.loads(capsys.readouterr().out)
-    assert two["nodes"] == 2 * one["nodes"] and [r["layer"] for r in two["layers"]] == [0, 1]
+    # plus the model's edges (moegraph.edges): 6 eager norm/head nodes, 2 all-reduces, 1 gather
+    assert two["nodes"] == 2 * one["nodes"] + 9 and [r["layer"] for r in two["layers"]] == [0, 1, "edges"]
     for r in two["layers"]:
         assert r["forward_us"][0] < r["forward_us"][1] <= r["backward_us"][1] <= two["makespan_us"]
         assert 0 <= r["exposed_comm_us"] <= r["comm_us"]

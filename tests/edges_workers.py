@@ -1,0 +1,77 @@
+"""Rank functions for tests/test_edges.py (spawned by moegraph.runtime.launch.spawn): one
+training step's gradients of a compiled tiny causal LM against eager, with the plan's edge
+collectives as compiled and with them replaced by local no-ops (no communication)."""
+
+from __future__ import annotations
+
+import torch
+
+import moegraph
+from moegraph.runtime.check import rel_err
+from moegraph.runtime.collectives import Comm, Pending
+from model_workers import batches, reference_model
+
+EDGE_PARTS = {"embed": "embed.weight", "norm": "norm.weight", "head": "lm_head.weight"}
+
+
+def _grads(model, compiled, ids, labels) -> dict[str, float]:
+    """Relative error of the compiled model's full gradients against eager's: the edges' three
+    parameters by name, every layer parameter as one maximum."""
+    model.zero_grad()
+    compiled.zero_grad()
+    model(ids, labels=labels).loss.backward()
+    compiled(ids, labels=labels).loss.backward()
+    full = compiled.full_grads()
+    eager = {k: p.grad for k, p in model.named_parameters()}
+    out = {part: rel_err(full[name], eager[name]) for part, name in EDGE_PARTS.items()}
+    out["layers"] = max(rel_err(full[k], g) for k, g in eager.items() if k.startswith("layers."))
+    return out
+
+
+def _local_noop(node, ins, stream, shapes, rank: int) -> Pending:
+    """What an edge collective would give if it communicated nothing: an all-reduce keeps this
+    rank's partial, a gather holds only this rank's own rows (zeros elsewhere)."""
+    if node.op.value == "all_reduce":
+        outs = [ins[0].clone()]
+    else:
+        full = ins[0].new_zeros(shapes[0])
+        full.chunk(node.group, dim=node.attr("dim"))[rank].copy_(ins[0])
+        outs = [full]
+    return Pending(node, stream, [], lambda: outs)
+
+
+def edge_grad_checks(rank: int, n: int, seed: int) -> dict:
+    model = reference_model(seed, 2)
+    ids, labels = batches(seed + 1, 1)[0]
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn="sp", ffn="ep", passes="",
+                                schedule="greedy", timeout_s=60.0)
+    edge_nodes = [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")]
+    scheduled = _grads(model, compiled, ids, labels)
+    issue = Comm.issue
+
+    def patched(self, node, ins, stream, budget, shapes=None):
+        if node.name.startswith("edges."):
+            return _local_noop(node, ins, stream, shapes, self.layout.mp_rank)
+        return issue(self, node, ins, stream, budget, shapes)
+
+    Comm.issue = patched
+    try:
+        removed = _grads(model, compiled, ids, labels)
+    finally:
+        Comm.issue = issue
+    return {"edge_nodes": edge_nodes, "scheduled": scheduled, "removed": removed}
+
+
+def base_model_grad_checks(rank: int, n: int, seed: int) -> dict:
+    """A base model (transformers' MixtralModel: no LM head, last_hidden_state out): the gradient
+    of a fixed linear function of the hidden states, compiled against eager."""
+    from model_workers import mixtral_model
+    base = mixtral_model(seed, 2).model
+    ids, _ = batches(seed + 1, 1)[0]
+    compiled = moegraph.compile(base, ids, hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0)
+    weight = torch.randn(base.config.hidden_size, generator=torch.Generator().manual_seed(seed + 2))
+    (base(input_ids=ids).last_hidden_state * weight).sum().backward()
+    (compiled(ids).last_hidden_state * weight).sum().backward()
+    full = compiled.full_grads()
+    return {"edge_nodes": [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")],
+            "errors": {k: rel_err(full[k], p.grad) for k, p in base.named_parameters()}}
