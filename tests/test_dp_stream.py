@@ -1,0 +1,116 @@
+"""Inter-node DP collectives on their own stream (schedules/problem.py DP_STREAM), the DP-aware
+warm start (schedules/dp_order.py) and the DP-sync exposure bound (schedules/bound.py).
+
+The graphs are tiny hand-built ones (tests/schedules_fakes.MiniBuilder) on the h800 cost
+model, whose collectives do not stretch beside compute (comm_overlap_stretch 1), so expected
+makespans are sums and maxima of node times read from the cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+from moegraph.ir import OpKind, Role
+from moegraph.schedules.problem import COMPUTE, TICK_US, build_problem
+
+from schedules_fakes import B, GRAD, PARAM, PGRAD, MiniBuilder, cost_model
+
+DP = 4
+DP_ATTRS = dict(flat=True, dp=True, scope="inter", axis="dp", dim=0)
+
+
+def _ticks(us: float) -> int:
+    return math.ceil(us / TICK_US - 1e-9)
+
+
+def _fastest(cost, node) -> int:
+    return min(_ticks(cost.node_time_us(node, b)) for b in cost.comm_sm_budgets(node))
+
+
+def _with_group(b: MiniBuilder, name: str, group: int) -> None:
+    b.nodes = [dataclasses.replace(n, group=group) if n.name == name else n for n in b.nodes]
+
+
+def fork_graph(tokens: int = 4096, h: int = 4096):
+    """forward y = x w; backward one GEMM node making two gradients, g and a quarter-size gd,
+    then two collectives of similar length: an intra-node reduce-scatter of g (NVLink, group
+    n=8) and an inter-node DP reduce-scatter of gd (NIC, group dp=4, about 4x slower per
+    byte). Nothing follows them, so the best schedule runs them together, each in its fastest
+    mode (16 SMs each; together they fit the 132)."""
+    b = MiniBuilder("dp_fork", n=8)
+    x = b.inp("x", (tokens, h))
+    w = b.inp("w", (h, h), kind=PARAM)
+    b.gemm("fwd", x, w, b.val("y", (tokens, h)), tokens, h, h)
+    dy = b.inp("dy", (tokens, h), kind=GRAD)
+    g, gd = b.val("g", (h, h), kind=PGRAD, dtype="fp32"), b.val("gd", (h // 4, h), kind=PGRAD, dtype="fp32")
+    b.node("bwd", OpKind.GEMM, (dy, x), (g, gd), B, Role.WGRAD, flops=2 * tokens * h * h)
+    b.comm("g.rs_intra", OpKind.REDUCE_SCATTER, g, b.val("g_intra", (h // 8, h), kind=PGRAD, dtype="fp32"),
+           phase=B, role=Role.WGRAD, scope="intra", dim=0)
+    b.comm("g.rs_inter", OpKind.REDUCE_SCATTER, gd, b.val("g_inter", (h // 4 // DP, h), kind=PGRAD, dtype="fp32"),
+           phase=B, role=Role.WGRAD, **DP_ATTRS)
+    _with_group(b, "g.rs_inter", DP)
+    b.outputs += ["y", "g_intra", "g_inter"]
+    return b.build()
+
+
+def test_dp_collective_gets_its_own_stream_and_overlaps_an_intra_node_one():
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.cpsat import SolverOptions, solve
+    cost = cost_model("h800")
+    assert cost.comm_overlap_stretch() == 1
+    g = fork_graph()
+    for streams in (("comm",), ("comm.intra", "comm.inter")):
+        p = build_problem(g, cost, comm_streams=streams)
+        assert p.streams == (COMPUTE, *streams, "comm.dp")
+        assert p.by_name["g.rs_inter"].stream == "comm.dp"
+        assert p.by_name["g.rs_intra"].stream == streams[0]
+    node = {n.name: n for n in g.nodes}
+    fwd, bwd = (_ticks(cost.node_time_us(node[k])) for k in ("fwd", "bwd"))
+    intra, inter = _fastest(cost, node["g.rs_intra"]), _fastest(cost, node["g.rs_inter"])
+    assert min(intra, inter) > 0
+    # each is faster in its SM mode than the other on copy engines: the best schedule needs both
+    # holding SMs at once on two streams (what CP-SAT's SM constraints must allow)
+    slow = {k: max(_ticks(cost.node_time_us(node[k], b)) for b in cost.comm_sm_budgets(node[k]))
+            for k in ("g.rs_intra", "g.rs_inter")}
+    assert slow["g.rs_intra"] > inter and slow["g.rs_inter"] > intra
+    expected = fwd + bwd + max(intra, inter)          # the two collectives side by side
+    # CP-SAT's own model, no warm start (compile_graph would keep a baseline it could not beat)
+    r = solve(build_problem(g, cost), SolverOptions(time_limit_s=2))
+    assert r.status == "OPTIMAL" and r.objective == expected
+    sched = compile_graph(g, cost, time_limit_s=2).schedule
+    assert sched.streams == (COMPUTE, "comm", "comm.dp")
+    assert round(sched.makespan_us / TICK_US) == expected
+    rows = {r.name: r for r in sched.nodes}
+    a, c = rows["g.rs_intra"], rows["g.rs_inter"]
+    assert max(a.start_us, c.start_us) < min(a.end_us, c.end_us), "the two collectives should overlap"
+    # one shared stream (the model before DP_STREAM) could not beat running them one after the other
+    assert expected < fwd + bwd + intra + inter
+
+
+def test_runtime_plan_maps_the_dp_stream():
+    """The runtime adapts a schedule with the DP stream: the plan lists it as a stream of its own
+    and the DP collective is issued on it (runtime/plan.py needs no stream names)."""
+    from moegraph.runtime.plan import ExecutionPlan
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.verify import verdict
+    g = fork_graph()
+    sched = compile_graph(g, cost_model("h800"), time_limit_s=1).schedule
+    assert verdict(sched).ok
+    plan = ExecutionPlan.from_schedule(g, sched)
+    assert plan.streams == (COMPUTE, "comm", "comm.dp")
+    assert [e.name for e in plan.queue("comm.dp")] == ["g.rs_inter"]
+    assert plan.entry["g.rs_inter"].alone is True      # nothing computes beside it in this graph
+
+
+def test_a_scheduled_problem_rebuilds_from_its_streams():
+    """A Problem's (or schedule file's) stream list, DP_STREAM included, is accepted back as
+    comm_streams and gives the same problem; anything else is still refused."""
+    from moegraph.schedules.problem import ScheduleError
+    cost = cost_model("h800")
+    g = fork_graph()
+    p = build_problem(g, cost)
+    assert build_problem(g, cost, comm_streams=p.streams[1:]).streams == p.streams
+    with pytest.raises(ScheduleError, match="comm_streams="):
+        build_problem(g, cost, comm_streams=("comm.dp",))
