@@ -114,3 +114,46 @@ def test_a_scheduled_problem_rebuilds_from_its_streams():
     assert build_problem(g, cost, comm_streams=p.streams[1:]).streams == p.streams
     with pytest.raises(ScheduleError, match="comm_streams="):
         build_problem(g, cost, comm_streams=("comm.dp",))
+
+
+def chain_graph(tokens: int = 4096, h: int = 4096):
+    """Two weight gradients made one after the other, each synced by a DP reduce-scatter: g1 by
+    a short GEMM, then g2 by a long one (32x the flops) that reads g1. d1 (g1's sync) can hide
+    under the long GEMM; d2 (g2's sync) is ready only once all compute has run."""
+    b = MiniBuilder("dp_chain", n=8)
+    x = b.inp("x", (tokens, h))
+    w = b.inp("w", (h, h), kind=PARAM)
+    b.gemm("fwd", x, w, b.val("y", (tokens, h)), tokens, h, h)
+    dy = b.inp("dy", (tokens, h), kind=GRAD)
+    g1 = b.gemm("bwd1", dy, x, b.val("g1", (h, h), kind=PGRAD, dtype="fp32"), h, tokens, h, phase=B, role=Role.WGRAD)
+    g2 = b.gemm("bwd2", dy, g1, b.val("g2", (h, h), kind=PGRAD, dtype="fp32"), 32 * h, tokens, h, phase=B,
+                role=Role.WGRAD)
+    for k, gk in (("1", g1), ("2", g2)):
+        b.comm(f"d{k}", OpKind.REDUCE_SCATTER, gk, b.val(f"g{k}_synced", (h // DP, h), kind=PGRAD, dtype="fp32"),
+               phase=B, role=Role.WGRAD, **DP_ATTRS)
+        _with_group(b, f"d{k}", DP)
+    b.outputs += ["y", "g1_synced", "g2_synced"]
+    return b.build()
+
+
+def test_the_last_ready_sync_is_exposed_in_every_schedule():
+    """The bound's ancestor-closed sets: d2 follows every compute node, so no schedule hides any
+    of it: bound = d2's fastest time exactly, though the whole stream's sync (d1 + d2) is less
+    than the backward compute and the whole-stream set alone gives 0. CP-SAT meets it (d1 under
+    bwd2), and the sequential schedule exposes both."""
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.bound import dp_sync_exposure_bound
+    from moegraph.schedules.schedule_file import dp_sync_exposure
+    cost = cost_model("h800")
+    g = chain_graph()
+    node = {n.name: n for n in g.nodes}
+    d1, d2 = _fastest(cost, node["d1"]), _fastest(cost, node["d2"])
+    bwd_fast = sum(_ticks(cost.node_time_us(node[k])) for k in ("bwd1", "bwd2"))
+    assert d1 + d2 < bwd_fast and d1 < _ticks(cost.node_time_us(node["bwd2"]))
+    p = build_problem(g, cost)
+    assert dp_sync_exposure_bound(p) == pytest.approx(d2 * TICK_US)
+    got = dp_sync_exposure(compile_graph(g, cost, time_limit_s=2).schedule.nodes)
+    assert got["exposed_dp_sync_us"] == pytest.approx(d2 * TICK_US, abs=0.02)
+    seq = dp_sync_exposure(compile_graph(g, cost, method="sequential").schedule.nodes)
+    assert seq["exposed_dp_sync_us"] == pytest.approx(seq["dp_sync_us"], abs=0.02)
+    assert seq["dp_sync_us"] > (d1 + d2) * TICK_US - 0.02
