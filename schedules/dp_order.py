@@ -26,10 +26,9 @@ barrier, a stream or the SM capacity (list_schedule).
 
 from __future__ import annotations
 
-import heapq
-
 from moegraph.ir import Role
-from moegraph.schedules.baselines import Key, list_schedule
+from moegraph.schedules.baselines import Key, _bottom_levels, list_schedule
+from moegraph.schedules.bound import _topological
 from moegraph.schedules.problem import DP_STREAM, Problem, Task
 from moegraph.schedules.solution import Solution
 
@@ -62,32 +61,12 @@ def dp_released_ticks(problem: Problem) -> list[int]:
 
 
 def _order(problem: Problem) -> list[Task]:
-    """Tasks in a topological order of ``preds`` (Kahn's, lowest index first)."""
-    tasks = problem.tasks
-    waiting = [len(t.preds) for t in tasks]
-    ready = [t.index for t in tasks if not t.preds]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        i = heapq.heappop(ready)
-        out.append(tasks[i])
-        for s in tasks[i].succs:
-            waiting[s] -= 1
-            if not waiting[s]:
-                heapq.heappush(ready, s)
-    return out
-
-
-def _levels(problem: Problem, extra: list[int] | None = None) -> list[int]:
-    """Longest default-mode path from a task's start to the end of its side, plus ``extra``."""
-    tasks = problem.tasks
-    level = [0] * len(tasks)
-    for t in reversed(_order(problem)):
-        after = max((level[s] for s in t.succs if tasks[s].side == t.side), default=0)
-        level[t.index] = t.modes[t.default_mode].ticks + after
-    if extra is not None:
-        level = [a + b for a, b in zip(level, extra)]
-    return level
+    """Tasks in a topological order of ``preds`` (remat anchors and micro-batch barriers may
+    run against graph order)."""
+    ids = [t.index for t in problem.tasks]
+    order = _topological(ids, {t.index: list(t.preds) for t in problem.tasks},
+                         {t.index: list(t.succs) for t in problem.tasks})
+    return [problem.tasks[i] for i in order]
 
 
 def dp_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
@@ -95,8 +74,8 @@ def dp_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution
     memory budget the memory-checked list schedule, left out where it fails)."""
     if not any(_is_dp(t) for t in problem.tasks):
         return []
-    level = _levels(problem)
-    boosted = _levels(problem, dp_released_ticks(problem))
+    level = _bottom_levels(problem)
+    boosted = [a + b for a, b in zip(level, dp_released_ticks(problem))]
     feeders = dp_feeders(problem)
     # the DP stream in reverse layer order (the order the backward makes its gradients); other
     # streams, which carry the backward's own collectives too, by remaining path
