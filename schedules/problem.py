@@ -51,8 +51,8 @@ from moegraph.registry import Hardware
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 from moegraph.microbatch import micro_batch_count, micro_batch_of
 
-__all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
+__all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
+           "MemoryBudgetError", "Mode", "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
            "comm_scope", "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
