@@ -113,8 +113,9 @@ def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
         intra-node all-gather     [P/n] -> [P]        (group n, NVLink)
     A sharded parameter (TP/EP) takes the two inter-node steps on its shard only. Collectives
     work on the flattened gradient (attr flat=True, as on a flat gradient bucket); inter-node
-    ones carry scope="inter" (the cost model prices them on the NIC) and axis="dp" (the
-    interpreter runs them across replicas). Every DP reduce-scatter is marked dp=True, which is
+    ones carry scope="inter" (the cost model prices them on the NIC; the scheduler gives them a
+    stream of their own, moegraph.schedules.problem.DP_STREAM) and axis="dp" (the interpreter
+    runs them across replicas). Every DP reduce-scatter is marked dp=True, which is
     what ``compress=dp-bf16`` rewrites. Lowering adds these nodes whenever strategy.dp > 1.
     """
     n, d = g.strategy.n, g.strategy.dp

@@ -310,6 +310,8 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
     if budget is not None:
         rules.append(("lean", lean, lean))
     out = _interleaved(problem, level, budget)
+    from moegraph.schedules.dp_order import dp_warm_starts  # DP-sync-aware rules (issue 15; imports this module)
+    out += dp_warm_starts(problem, budget)
     for name, ck, pk in rules:
         for comm_mode in ("default", "fewest") if budget is not None else ("fewest",):
             label = name + ("+ce" if comm_mode == "fewest" else "") + ("+mem" if budget is not None else "")

@@ -322,18 +322,52 @@ def dp_sync_exposure_bound(problem: Problem) -> float:
     ``exposed_dp_sync_us`` of every schedule is at least this).
 
     A stream runs one task at a time, each at least its fastest mode (overlap stretch only
-    lengthens a collective), so a stream's DP collectives cover at least the sum of their
-    fastest durations. The sync reads the backward's weight gradients, so the only compute that
-    can run beside it is non-forward compute (every forward node of its micro-batch, or of the
-    step, ends first), which is busy for at most the sum of its slowest modes. Whatever the
-    order, the stream's sync time not covered by compute is at least the difference; the bound is
-    its largest value over the streams. 0 without DP sync."""
-    sync: dict[str, int] = {}
-    for t in problem.tasks:
-        if t.kind == "comm" and t.node.attr("dp", False):
-            sync[t.stream] = sync.get(t.stream, 0) + min(m.ticks for m in t.modes)
-    if not sync:
+    lengthens a collective). Take a set T of DP collectives on one stream: they cover at least
+    the sum of their fastest durations, and the only compute that can run beside any of them
+    is a compute task that is neither an ancestor of every member of T (it ends before all of
+    them start) nor a descendant of every member (it starts after all of them end), nor on an
+    earlier side of the barrier than every member; such compute is busy for at most the sum of
+    its slowest modes. Whatever the order, T's time not covered by compute is at least the
+    difference. The bound is the largest difference over the sets tried, per stream: all of
+    the stream's DP collectives (beside all later-side compute), and for each DP collective j,
+    the collectives whose ancestors include all of j's (so the compute ancestors of j are out).
+    The second family is what makes it tight on a stack of layers: the first layer's sync is
+    ready only when nearly the whole backward has run, so almost nothing is left to hide it.
+    0 without DP sync."""
+    tasks = problem.tasks
+    dp = [t.index for t in tasks if t.kind == "comm" and t.node.attr("dp", False)]
+    if not dp:
         return 0.0
-    covering = sum(max(m.ticks for m in t.modes) for t in problem.tasks
-                   if t.kind == "compute" and t.node.phase is not Phase.FORWARD)
-    return max(0, max(sync.values()) - covering) * problem.tick_us
+    preds = {t.index: list(t.preds) for t in tasks}
+    succs = {t.index: list(t.succs) for t in tasks}
+    order = _topological([t.index for t in tasks], preds, succs)
+    anc = [0] * len(tasks)
+    for j in order:
+        for p in preds[j]:
+            anc[j] |= anc[p] | (1 << p)
+    desc = [0] * len(tasks)
+    for j in reversed(order):
+        for c in succs[j]:
+            desc[j] |= desc[c] | (1 << c)
+    compute = [(t.index, t.side, max(m.ticks for m in t.modes)) for t in tasks if t.kind == "compute"]
+    fastest = {j: tasks[j].min_ticks for j in dp}
+    by_stream: dict[str, list[int]] = {}
+    for j in dp:
+        by_stream.setdefault(tasks[j].stream, []).append(j)
+
+    def uncovered(members: list[int]) -> int:
+        side = min(tasks[k].side for k in members)
+        before, after = -1, -1                     # masks: ancestors / descendants of every member
+        for k in members:
+            before &= anc[k]
+            after &= desc[k]
+        cover = sum(ticks for c, c_side, ticks in compute
+                    if c_side >= side and not (before >> c & 1) and not (after >> c & 1))
+        return sum(fastest[k] for k in members) - cover
+
+    best = 0
+    for members in by_stream.values():
+        best = max(best, uncovered(members))
+        for j in members:
+            best = max(best, uncovered([k for k in members if anc[k] & anc[j] == anc[j]]))
+    return best * problem.tick_us

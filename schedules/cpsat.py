@@ -202,8 +202,9 @@ def _sm_constraints(problem: Problem, m: cp_model.CpModel, tv: dict[str, TaskVar
     """At every instant the SMs of running nodes sum to <= sm_count.
 
     A compute mode leaving r SMs to collectives conflicts exactly with collectives holding
-    more than r. For each budget b a collective may hold, NoOverlap over {compute modes with
-    r < b} + {collective modes with budget >= b} forbids exactly those pairs (compute-compute
+    more than r. For each budget b a collective may hold and each comm stream, NoOverlap over
+    {compute modes with r < b} + {that stream's collective modes with budget >= b} forbids
+    exactly those pairs (compute-compute
     and same-stream collective pairs never overlap anyway). With one comm stream that is the
     whole constraint; with several, collectives on different streams add up, so an
     AddCumulative with capacity sm_count is added as well.
@@ -212,11 +213,14 @@ def _sm_constraints(problem: Problem, m: cp_model.CpModel, tv: dict[str, TaskVar
     runs = [(t, mode, iv) for t in problem.tasks for mode, iv in zip(t.modes, tv[t.name].mode_runs)
             if mode.ticks > 0 and iv is not None]
     budgets = sorted({mode.sm for t, mode, _ in runs if t.kind == "comm" and mode.sm > 0})
+    # one NoOverlap per (budget, comm stream): collectives on different streams may run together
+    # (their SMs add up in the cumulative below); one group over all streams forbade that
     for b in budgets:
-        group = [iv for t, mode, iv in runs
-                 if (t.kind == "compute" and S - mode.sm < b) or (t.kind == "comm" and mode.sm >= b)]
-        if any(t.kind == "comm" and mode.sm >= b for t, mode, _ in runs) and len(group) > 1:
-            m.add_no_overlap(group)
+        for stream in problem.streams[1:]:
+            group = [iv for t, mode, iv in runs if (t.kind == "compute" and S - mode.sm < b)
+                     or (t.kind == "comm" and t.stream == stream and mode.sm >= b)]
+            if any(t.kind == "comm" and t.stream == stream and mode.sm >= b for t, mode, _ in runs) and len(group) > 1:
+                m.add_no_overlap(group)
     if len(problem.streams) > 2:
         held = [(iv, mode.sm) for _, mode, iv in runs if mode.sm > 0]
         if held and sum(d for _, d in held) > S:

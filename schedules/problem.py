@@ -16,7 +16,10 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
       from micro-batch j's last forward nodes to its first backward ones (``barrier_preds``),
       exact by transitivity, so baselines, bound and CP-SAT need no notion of it;
     * streams: one ``compute`` stream and one or more communication streams, one node at a
-      time per stream;
+      time per stream. Inter-node data-parallel collectives (attr axis="dp", scope "inter":
+      the NIC stages of the gradient sync, moegraph.autodiff._dp_sync) always get their own
+      stream ``DP_STREAM``: they use the NIC, not NVLink, and real systems issue them on a
+      separate stream (MegaScale-MoE §5), so they never queue behind intra-node collectives;
     * modes: a collective holds ``b`` SMs (b from cost.comm_sm_budgets, 0 = copy engines) for
       ``cost.node_time_us(node, b)``; a compute node runs on ``sm_count - b`` SMs
       (b in {0} | hardware budgets) for ``base * sm_count / (sm_count - b)``; at any instant
@@ -48,8 +51,8 @@ from moegraph.registry import Hardware
 from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
 from moegraph.microbatch import micro_batch_count, micro_batch_of
 
-__all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "ScheduleError", "MemoryBudgetError", "Mode",
-           "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
+__all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
+           "MemoryBudgetError", "Mode", "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
            "comm_scope", "stream_of", "chunk_symmetry"]
 
 TICK_US = 0.01
@@ -57,6 +60,10 @@ TICK_US = 0.01
 COMPUTE = "compute"
 DEFAULT_COMM_STREAMS = ("comm",)
 SCOPED_COMM_STREAMS = ("comm.intra", "comm.inter")
+DP_STREAM = "comm.dp"
+"""The stream of inter-node DP collectives (``is_dp_inter``), added after the chosen comm
+streams whenever the graph has any: with one shared comm stream the DP sync (tens of ms on the
+NIC per layer) would serialise behind NVLink all-to-alls it does not share a link with."""
 _EXCLUDED_KINDS = (ValueKind.PARAM, ValueKind.PARAM_GRAD)  # persistent buffers: not scheduled memory
 
 
@@ -172,16 +179,28 @@ def comm_scope(node: Node, hw: Hardware) -> str:
     return scope
 
 
+def is_dp_inter(node: Node, hw: Hardware) -> bool:
+    """An inter-node stage of the data-parallel gradient sync: a collective across replicas
+    (attr axis="dp") on the NIC (scope "inter")."""
+    return node.is_comm and node.attr("axis", None) == "dp" and comm_scope(node, hw) == "inter"
+
+
 def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
     if not node.is_comm:
         return COMPUTE
+    if is_dp_inter(node, hw):
+        return DP_STREAM
     if len(comm_streams) == 1:
         return comm_streams[0]
     return f"comm.{comm_scope(node, hw)}"
 
 
 def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
+    """The chosen comm streams; a trailing DP_STREAM (as in a Problem's or a schedule file's
+    ``streams``) is accepted and dropped: build_problem adds it from the graph."""
     streams = tuple(comm_streams)
+    if streams[-1:] == (DP_STREAM,):
+        streams = streams[:-1]
     if streams not in (DEFAULT_COMM_STREAMS, SCOPED_COMM_STREAMS):
         raise ScheduleError(f"comm_streams={list(streams)} is not one of {list(DEFAULT_COMM_STREAMS)}, "
                             f"{list(SCOPED_COMM_STREAMS)}")
@@ -270,6 +289,8 @@ def build_problem(graph: Graph, cost: CostModel, *, comm_streams: Sequence[str] 
         raise ScheduleError(f"SM budgets {list(allowed)} leave no SMs for compute (sm_count={sm_count})")
 
     stream = {n.name: stream_of(n, streams, hw) for n in graph.nodes}
+    if DP_STREAM in stream.values():
+        streams = (*streams, DP_STREAM)
     comm = {n.name: _comm_modes(n, cost, sm_count) for n in graph.nodes if n.is_comm}
     held: dict[str, set[int]] = {}
     for name, (modes, _) in comm.items():

@@ -262,11 +262,12 @@ def test_dp_sync_exposure_bound_holds_for_every_scheduler(model, batch, seq, str
 
 
 def test_dp_sync_exposure_bound_by_hand():
-    """Hand arithmetic on mixtral-8x7b, h800, dp=4, b=1: the DP collectives (attr dp) on the one
-    comm stream, fastest modes, minus the non-forward compute at its slowest modes. The two sums
-    come from the cost model's node times (sequential schedule's durations are the default modes,
-    so the test re-derives min and max over each task's modes itself) and the bound must be
-    their difference, and large: one layer's fp32 gradient traffic far exceeds its backward."""
+    """Hand arithmetic on mixtral-8x7b, h800, dp=4, b=1: the inter-node DP collectives (attr dp,
+    on their own stream comm.dp) at their fastest modes, minus the non-forward compute at its
+    slowest modes, is a floor of the bound (its whole-stream set); the sets of later-ready
+    collectives can only raise it, never above the stream's fastest total. The sums come from
+    the cost model's node times (the test re-derives min and max over each task's modes), and
+    the bound is large: one layer's fp32 gradient traffic on the NIC far exceeds its backward."""
     from moegraph.cost import CostModel
     from moegraph.ir import Phase, Strategy
     from moegraph.passes import run_pipeline
@@ -278,10 +279,11 @@ def test_dp_sync_exposure_bound_by_hand():
     g, _ = run_pipeline(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8, dp=4)),
                         "gate-reorder,sar=paper", cost=cost)
     p = build_problem(g, cost)
-    sync_nodes = [n for n in g.nodes if n.is_comm and n.attr("dp", False)]
+    sync_nodes = [n for n in g.nodes if n.is_comm and n.attr("dp", False) and n.attr("scope", "") == "inter"]
     assert sync_nodes, "dp=4 lowers gradient-sync collectives"
     fastest = sum(min(cost.node_time_us(n, b) for b in cost.comm_sm_budgets(n)) for n in sync_nodes)
     bwd = [t for t in p.tasks if t.kind == "compute" and t.node.phase is not Phase.FORWARD]
     slowest = sum(max(m.ticks for m in t.modes) for t in bwd) * p.tick_us
-    assert dp_sync_exposure_bound(p) == pytest.approx(fastest - slowest, rel=1e-3)
-    assert dp_sync_exposure_bound(p) > 0.7 * fastest
+    bound = dp_sync_exposure_bound(p)
+    assert fastest - slowest - 0.01 * len(sync_nodes) <= bound <= fastest + 0.01 * len(sync_nodes)
+    assert bound > 0.7 * fastest
