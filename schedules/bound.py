@@ -41,7 +41,6 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
-from moegraph.ir import Phase
 from moegraph.schedules.problem import Problem, ScheduleError
 
 __all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound", "dp_sync_exposure_bound",
