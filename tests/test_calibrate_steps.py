@@ -13,7 +13,8 @@ from moegraph.ir import Node, OpKind, Phase, Strategy
 from moegraph.registry import IN_STEP_CLASSES, RegistryError, load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.runtime.calibrate.options import CalibrationOptions, in_step_enabled
-from moegraph.runtime.calibrate.steps import StepSample, fit_in_step, fit_stream, in_step_checks, service_spans
+from moegraph.runtime.calibrate.steps import (StepSample, fit_in_step, fit_overlap_stretch, fit_stream, in_step_checks,
+                                          retimed_makespan_us, service_spans)
 from moegraph.runtime.trace import NodeTiming
 
 BASE = load_hardware("cpu-gloo")
@@ -218,3 +219,39 @@ def test_in_step_stage_stores_both_rates_in_the_profile(monkeypatch):
     assert hw.in_step_stream_bw_bytes_s == pytest.approx(STREAM_BW, rel=1e-3)
     assert hw.accumulate_bw_bytes_s == pytest.approx(SUM_BW, rel=1e-3)
     assert len(checks) == 3 and all(abs(c.error) < 1e-3 for c in checks)
+
+
+# --- comm_overlap_stretch fitted in-step on a greedy plan (fit_overlap_stretch) ---------------------
+
+def _probed(seq: int, measured_us: float | None = None, stretch: float | None = None) -> StepSample:
+    from moegraph.runtime.module import make_plan
+    graph = _graph(seq, "sp", "ep", "ag-rs")
+    hw = dataclasses.replace(BASE, comm_overlap_stretch=1.0)
+    plan = make_plan(graph, CostModel(hw), "greedy")
+    if measured_us is None:
+        measured_us = retimed_makespan_us(graph, CostModel(hw), plan, stretch)
+    return StepSample(f"s{seq}", graph, (), 1.0, overlap_plan=plan, overlap_step_us=measured_us)
+
+
+def test_retimed_order_reproduces_the_schedulers_makespan_at_stretch_one():
+    # the list scheduler (moegraph.schedules) timed this plan; the retiming re-derives it from
+    # the plan's order alone
+    from moegraph.runtime.module import make_plan
+    graph = _graph(64, "sp", "ep", "ag-rs")
+    cost = CostModel(dataclasses.replace(BASE, comm_overlap_stretch=1.0))
+    plan = make_plan(graph, cost, "greedy")
+    assert any(not e.alone for e in plan.entries if graph.node[e.name].is_comm)     # it overlaps
+    assert retimed_makespan_us(graph, cost, plan, 1.0) == pytest.approx(plan.predicted_makespan_us, rel=2e-3)
+    # collectives beside compute that take longer push the makespan out
+    assert retimed_makespan_us(graph, cost, plan, 3.0) > retimed_makespan_us(graph, cost, plan, 1.0) * 1.01
+
+
+def test_fit_overlap_stretch_recovers_a_known_stretch_and_clamps():
+    hw = dataclasses.replace(BASE, comm_overlap_stretch=1.0)
+    assert fit_overlap_stretch(hw, [_probed(64, stretch=1.7), _probed(32, stretch=1.7)]) == pytest.approx(1.7, abs=2e-3)
+    # measured no longer than the order at x = 1: no stretch
+    assert fit_overlap_stretch(hw, [_probed(64, measured_us=1.0)]) == 1.0
+    # unreachable: clamped at the maximum
+    assert fit_overlap_stretch(hw, [_probed(64, measured_us=1e12)]) == 4.0
+    # no probed layer: nothing fitted
+    assert fit_overlap_stretch(hw, _layers(0.0)) is None

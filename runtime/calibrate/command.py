@@ -174,7 +174,7 @@ def run_calibration(opts: CalibrationOptions) -> Calibration:
 
 def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tuple[Profile, list[Any]]:
     """Measure real steps, store the in-step factors in the profile; (profile, StepChecks)."""
-    from moegraph.runtime.calibrate.steps import fit_in_step, in_step_checks, measure_steps
+    from moegraph.runtime.calibrate.steps import fit_in_step, fit_overlap_stretch, in_step_checks, measure_steps
     if not in_step_enabled(opts):
         why = "CUDA: not implemented" if opts.device != "cpu" else (
             "n=1 times no collective" if opts.n < 2 else f"--time-budget < {MIN_IN_STEP_BUDGET_S:g} s")
@@ -191,13 +191,20 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
     noise = round(statistics.median(s.noise for s in samples), 4)
     profile = profile.with_fields(in_step_factors=fit.factors, in_step_stream_bw_bytes_s=fit.stream_bw_bytes_s,
                                   accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s, step_noise=noise)
+    stretch = fit_overlap_stretch(profile.hardware(), samples)
+    if stretch is not None:
+        profile = profile.with_fields(comm_overlap_stretch=stretch)
     checks = in_step_checks(profile.hardware(), samples)
     text = ", ".join(f"{c} x{f:.2f}" for c, f in fit.factors.items()) + (
         f", expert weights streamed at {fit.stream_bw_bytes_s / 1e9:.2f} GB/s" if fit.stream_bw_bytes_s else "") + (
         f", gradients accumulated at {fit.accumulate_bw_bytes_s / 1e9:.2f} GB/s" if fit.accumulate_bw_bytes_s else "")
     profile = profile.with_remark(f"in_step=[{text}] from {len(samples)} layer(s) in {time.time() - t:.0f}s; "
                                   f"step_noise {noise} (median over layers of the steps' relative MAD)")
-    log(f"in-step factors {text}")
+    if stretch is not None:
+        profile = profile.with_remark(f"comm_overlap_stretch {stretch} fitted in-step on the greedy plans of "
+                                      f"{sum(s.overlap_plan is not None for s in samples)} layer(s) "
+                                      "(replaces the microbenchmark's)")
+    log(f"in-step factors {text}" + (f"; comm_overlap_stretch {stretch} (greedy plans)" if stretch is not None else ""))
     return profile, checks
 
 

@@ -35,6 +35,10 @@ longer than the summed isolated prediction. This stage measures that directly:
    tensor, which inside a step cost 3-5 ms per 8 MiB on the 2-core VM (page faults on the new
    buffer included), 4x what the same kernel pair takes alone in a loop.
 
+4. Collectives beside compute: each unchunked layer also times a greedy plan in the same launch;
+   comm_overlap_stretch is fitted so that its measured order, re-timed with the in-step profile
+   (``retimed_makespan_us``), takes the pooled measured steps (``fit_overlap_stretch``).
+
 CALIBRATION_LAYERS is the calibration set, named as data: the factors are fitted on exactly these
 layers, so a prediction for one of them is in-sample. Held-out validation
 (benchmarks/heldout.py, docs/calibration.md "Calibration set") runs only layers outside it.
@@ -96,6 +100,8 @@ class StepSample:
     node_us: tuple[tuple[str, float], ...]
     step_us: float
     noise: float = 0.0                # relative median absolute deviation of the steps
+    overlap_plan: Any = None          # the greedy plan timed beside the sequential one (ExecutionPlan)
+    overlap_step_us: float = 0.0      # its median step (us, slowest rank per step)
 
 
 def relative_mad(values: Sequence[float]) -> float:
@@ -135,6 +141,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
     from moegraph.runtime.commands import spawn_plans, step_stats
+    from moegraph.runtime.module import make_plan
     from moegraph.runtime.plan import ExecutionPlan
     from moegraph.runtime.trace import trace_from_dict
     cost = CostModel(hw)
@@ -148,7 +155,11 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
         graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32",
                                             chunks=lc.chunks), batch=1, seq=seq)
         plan = ExecutionPlan.sequential(graph)      # one node at a time: each span is in-step time
-        results = spawn_plans(Layer(model, hw, cost, graph, {}), (plan,), steps=steps, warmup=warmup)
+        # the unchunked layers also time a greedy plan (collectives beside compute) in the same
+        # launch, ABBA-interleaved: fit_overlap_stretch fits comm_overlap_stretch on it
+        probe = make_plan(graph, cost, "greedy") if lc.chunks == 1 else None
+        plans = (plan,) if probe is None else (plan, probe)
+        results = spawn_plans(Layer(model, hw, cost, graph, {}), plans, steps=steps, warmup=warmup)
         spans: dict[str, list[float]] = defaultdict(list)
         for r in results:
             for d in r["plans"][0]["traces"]:
@@ -157,9 +168,11 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
         stats = step_stats(results)
         step = stats["step_us"]
         label = f"{lc} n={n}"
+        overlap_us = step_stats(results, 1)["step_us"] if probe is not None else 0.0
         out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step,
-                              relative_mad(stats["step_us_all"])))
-        log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms ({time.time() - t:.1f}s)")
+                              relative_mad(stats["step_us_all"]), probe, overlap_us))
+        log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms"
+            + (f"; greedy {overlap_us / 1e3:.1f} ms" if probe is not None else "") + f" ({time.time() - t:.1f}s)")
     return out
 
 
@@ -275,6 +288,65 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
                      rate(us_per_byte), rate(us_per_sum_byte))
 
 
+def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> float:
+    """The makespan of ``plan``'s fixed order (per stream, forward before backward) when ``cost``
+    prices every node and each collective that the plan runs beside compute takes ``stretch``
+    times its alone time; a node starts once its inputs' producers and the node before it on its
+    stream have ended. The order stays what was measured, so the makespan grows with stretch."""
+    producer = {v: nd.name for nd in graph.nodes for v in nd.outputs}
+    node = graph.node
+    end: dict[str, float] = {}
+    stream_free: dict[str, float] = defaultdict(float)
+    fwd_end = 0.0
+    fwd, bwd = plan.split(graph)
+    for phase_entries, is_fwd in ((fwd, True), (bwd, False)):
+        for e in phase_entries:
+            nd = node[e.name]
+            if nd.is_comm:
+                us = cost.node_time_us(nd, e.sm_budget) * (1.0 if e.alone else stretch)
+            else:
+                held = cost.sm_count() - e.sm_budget if e.sm_budget else 0
+                us = cost.node_time_us(nd) * (cost.compute_slowdown(held) if held > 0 else 1.0)
+            ready = max([end[producer[v]] for v in nd.inputs if v in producer and producer[v] in end], default=0.0)
+            begin = max(ready, stream_free[e.stream], 0.0 if is_fwd else fwd_end)
+            end[e.name] = begin + us
+            stream_free[e.stream] = end[e.name]
+        if is_fwd:
+            fwd_end = max(end.values(), default=0.0)
+    return max(end.values(), default=0.0)
+
+
+MAX_STRETCH = 4.0
+
+
+def fit_overlap_stretch(hw: Hardware, samples: Sequence[StepSample]) -> float | None:
+    """comm_overlap_stretch fitted in-step: the x in [1, MAX_STRETCH] at which the pooled
+    retimed makespans of the probed (greedy) plans equal their pooled measured steps, by
+    bisection (the retimed makespan does not fall as x grows). ``hw`` must already carry the
+    in-step factors, so the sequential steps are priced right and what the overlapped steps
+    take beyond the retimed order is put down to the collectives beside compute (on a CPU their
+    transfer threads share the cores with the compute). None without a probed layer; 1 when
+    the measured steps are no longer than the retimed order at x = 1."""
+    from moegraph.cost import CostModel
+    probed = [s for s in samples if s.overlap_plan is not None and s.overlap_step_us > 0]
+    if not probed:
+        return None
+    cost = CostModel(hw)
+    target = sum(s.overlap_step_us for s in probed)
+
+    def total(x: float) -> float:
+        return sum(retimed_makespan_us(s.graph, cost, s.overlap_plan, x) for s in probed)
+    if total(1.0) >= target:
+        return 1.0
+    if total(MAX_STRETCH) <= target:
+        return MAX_STRETCH
+    lo, hi = 1.0, MAX_STRETCH
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if total(mid) < target else (lo, mid)
+    return round((lo + hi) / 2, 3)
+
+
 @dataclass(frozen=True)
 class StepCheck:
     """One measured layer: the sequential makespan the profile predicts against the measured step."""
@@ -282,18 +354,23 @@ class StepCheck:
     label: str
     predicted_us: float
     measured_us: float
+    schedule: str = "sequential"
 
     @property
     def error(self) -> float:
         return self.predicted_us / self.measured_us - 1
 
     def line(self) -> str:
-        return (f"in-step {self.label}: sequential step {self.predicted_us / 1e3:.1f} ms predicted vs "
+        return (f"in-step {self.label}: {self.schedule} step {self.predicted_us / 1e3:.1f} ms predicted vs "
                 f"{self.measured_us / 1e3:.1f} ms measured ({self.error:+.1%})")
 
 
 def in_step_checks(hw: Hardware, samples: Sequence[StepSample]) -> list[StepCheck]:
-    """Per measured layer: the sequential makespan ``hw`` predicts against the measured step."""
+    """Per measured layer: the sequential makespan ``hw`` predicts against the measured step; per
+    probed layer also its greedy plan's retimed makespan against its measured step."""
     from moegraph.cost import CostModel
     cost = CostModel(hw)
-    return [StepCheck(s.label, sum(cost.node_time_us(node) for node in s.graph.nodes), s.step_us) for s in samples]
+    checks = [StepCheck(s.label, sum(cost.node_time_us(node) for node in s.graph.nodes), s.step_us) for s in samples]
+    # the greedy probes at the profile's stretch (fitted pooled over them: in-sample, per-layer spread)
+    return checks + [StepCheck(s.label, retimed_makespan_us(s.graph, cost, s.overlap_plan, hw.comm_overlap_stretch),
+                               s.overlap_step_us, "greedy") for s in samples if s.overlap_plan is not None]
