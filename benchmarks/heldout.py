@@ -73,6 +73,8 @@ HELD_OUT = {
     "small-sp-tp": Config(LayerConfig("small", 512, "sp", "tp", "ag-rs")),                  # unseen strategy
     "hf-mixtral": Config(LayerConfig("small", 448, "sp", "ep", "ag-rs"), "hf-mixtral"),     # transformers' layer
     "small-s768-chunk2": Config(LayerConfig("small", 768, "sp", "ep", "ag-rs", chunks=2)),  # chunked (issue 13 item 4)
+    "mid-a2a": Config(LayerConfig(str(HERE / "mid.yaml"), 512, "sp", "ep", "a2a")),         # unseen sizes, a2a
+    "mid-chunk2": Config(LayerConfig(str(HERE / "mid.yaml"), 512, "sp", "ep", "ag-rs", chunks=2)),  # unseen sizes, chunked
 }
 
 
