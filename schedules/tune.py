@@ -318,6 +318,11 @@ def tune_command(p: argparse.ArgumentParser):
             check_output(args.output, suffixes=(".json",))
             check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
                          suffixes=(".png", ".svg", ".html", ".json"))
+        if layers > 1:
+            # never silently partial: tune ranks layer stacks without the model's edges (docs/scheduler.md)
+            print(f"moegraph tune: note: --layers {layers}: the candidates are layer stacks without the model's "
+                  "edges (embedding, final norm, LM head and their gradient sync); `moegraph compile --layers` "
+                  "schedules them", file=sys.stderr)
         budget = args.memory_budget
         res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,

@@ -217,3 +217,13 @@ def test_compile_layers_reports_each_layer(capsys):
         assert 0 <= r["exposed_comm_us"] <= r["comm_us"]
     assert two["layers"][0]["forward_us"][1] <= two["layers"][1]["forward_us"][1]
     assert sum(r["exposed_comm_us"] for r in two["layers"]) >= two["exposed_comm_us"] - 0.01
+
+
+def test_compile_merged_layers_says_the_edges_are_left_out(capsys):
+    """--layers 2 --micro-batches 2: the merged graph has no edges, and compile says so on stderr."""
+    from moegraph.cli import main
+    small = ["--model", "small", "--n", "2", "--seq", "64", "--time-limit", "1", "--layers", "2"]
+    assert main(["compile", *small, "--micro-batches", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert "edges" not in [r["layer"] for r in json.loads(out.out)["layers"]]
+    assert "edges (embedding, final norm, LM head" in out.err and "--micro-batches 2" in out.err

@@ -206,3 +206,12 @@ def test_tune_layers_schedules_stacks(tmp_path):
     sched = Schedule.from_json(res["_best_schedule"])
     assert len(sched.nodes) == 2 * len(one.nodes)
     assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1"}
+
+
+def test_tune_layers_says_the_edges_are_left_out(capsys, tmp_path):
+    """`tune --layers 2` ranks stacks without the model's edges and says so on stderr."""
+    from moegraph.cli import main
+    assert main(["tune", "--model", "small", "--hardware", "h800", "--n", "2", "--seq", "64", "--layers", "2",
+                 "--time-limit", "0.05", "--refine", "1", "--cache", str(tmp_path / "c"), "--json"]) == 0
+    err = capsys.readouterr().err
+    assert "--layers 2: the candidates are layer stacks without the model's edges" in err
