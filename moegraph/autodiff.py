@@ -46,7 +46,7 @@ def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next")
             if pending.pop(inp, []):
                 raise NotImplementedError(f"buffer {inp!r} received a gradient: buffers are never differentiated")
         elif kind is ValueKind.PARAM:
-            g.grads[inp] = _param_grad(g, inp, _accumulate_in_place(g, inp, pending.pop(inp, [])))
+            g.grads[inp] = param_grad(g, inp, _accumulate_in_place(g, inp, pending.pop(inp, [])))
         elif kind is ValueKind.ACTIVATION:
             d = _accumulate(g, inp, pending.pop(inp, []))
             if d is not None:
@@ -86,7 +86,7 @@ def _accumulate(g: GraphBuilder, value: str, parts: list[str]) -> str | None:
     return acc
 
 
-def _param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
+def param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
     if grad is None:
         raise NotImplementedError(f"parameter {param!r} receives no gradient; the graph does not use it")
     if g.strategy.dp > 1:

@@ -10,7 +10,7 @@ rewrite one layer and restack it: ``add_edges`` is the last model-level step):
                 downstream of the layers) and make this rank's partial gradients
                 (``edges.d_lm_head.partial`` [V, h], ``edges.d_norm.partial`` [h]); those are
                 synchronised by the same rule as a replicated layer parameter
-                (``autodiff._param_grad``: an ALL_REDUCE over the n ranks; with dp > 1 the
+                (``autodiff.param_grad``: an ALL_REDUCE over the n ranks; with dp > 1 the
                 hierarchical ``_dp_sync``). Nothing else reads them, so their sync may overlap
                 every layer's backward.
   embedding     its gradient needs layer 0's input gradient dx [b, s/n, h], the last value the
@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moegraph.autodiff import _param_grad
+from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
 from moegraph.ir import Graph, GraphError, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
 from moegraph.microbatch import micro_batch_count
@@ -159,11 +159,11 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
            role=Role.WGRAD, flops=4 * T * h, mem_bytes=(2 * T * h + h) * item, **eager)
     n_compute = len(g.nodes)
 
-    # the replicated parameters' rule (autodiff._param_grad): ALL_REDUCE, or _dp_sync with dp > 1
+    # the replicated parameters' rule (autodiff.param_grad): ALL_REDUCE, or _dp_sync with dp > 1
     def synced(name: str, partial: str) -> str:
         param = f"{EDGES}.{name}"
         g.params[param] = ParamSpec(sources=(), shard_dim=None)
-        return _param_grad(g, param, partial)
+        return param_grad(g, param, partial)
 
     norm_synced = synced("norm", norm_partial)
     head_synced = synced("lm_head", head_partial) if head_partial is not None else None

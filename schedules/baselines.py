@@ -87,7 +87,7 @@ def sequential(problem: Problem) -> Solution:
     return Solution("sequential", tuple(start), tuple(mode))
 
 
-def _bottom_levels(problem: Problem) -> list[int]:
+def bottom_levels(problem: Problem) -> list[int]:
     """Longest path (default-mode ticks) from a task's start to the end of its side."""
     tasks = problem.tasks
     level = [0] * len(tasks)
@@ -147,7 +147,7 @@ def _fair(problem: Problem, method: str, comm_key: Key, compute_key: Key, slots:
 
 
 def greedy(problem: Problem) -> Solution:
-    level = _bottom_levels(problem)
+    level = bottom_levels(problem)
     key = lambda t: (-level[t.index], t.index)  # noqa: E731
     return _fair(problem, "greedy", key, key)
 
@@ -302,7 +302,7 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
     rules with collectives on the fewest SMs (copy engines: slower collectives that never
     slow compute); with a budget, also the plain rules and a "lean" rule (least net
     allocation first), all under the memory check. Schedules that fail it are left out."""
-    level = _bottom_levels(problem)
+    level = bottom_levels(problem)
     net = _net_allocation(problem)
     critical: Key = lambda t: (-level[t.index], t.index)  # noqa: E731
     lean: Key = lambda t: (net[t.index], -level[t.index], t.index)  # noqa: E731

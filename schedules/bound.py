@@ -203,7 +203,7 @@ def _strong_heads_tails(problem: Problem) -> tuple[list[int], list[int]]:
         ids = [t.index for t in tasks if t.side == side]
         preds = {i: [p for p in tasks[i].preds if tasks[p].side == side] for i in ids}
         succs = {i: [s for s in tasks[i].succs if tasks[s].side == side] for i in ids}
-        order = _topological(ids, preds, succs)
+        order = topological(ids, preds, succs)
         _strengthen(res, order, preds, succs, head)
         _strengthen(res, order[::-1], succs, preds, tail)
     return head, tail
@@ -232,7 +232,7 @@ def jackson_preemptive(jobs: list[tuple[int, int, int]]) -> int:
     return best
 
 
-def _topological(ids: list[int], preds: dict[int, list[int]], succs: dict[int, list[int]]) -> list[int]:
+def topological(ids: list[int], preds: dict[int, list[int]], succs: dict[int, list[int]]) -> list[int]:
     """``ids`` in a topological order (Kahn's, smallest index first: deterministic). Node order
     is topological for data edges, but a Problem may add precedence edges (remat anchors,
     micro-batch barriers) that the node order need not follow."""
@@ -339,7 +339,7 @@ def dp_sync_exposure_bound(problem: Problem) -> float:
         return 0.0
     preds = {t.index: list(t.preds) for t in tasks}
     succs = {t.index: list(t.succs) for t in tasks}
-    order = _topological([t.index for t in tasks], preds, succs)
+    order = topological([t.index for t in tasks], preds, succs)
     anc = [0] * len(tasks)
     for j in order:
         for p in preds[j]:

@@ -27,8 +27,8 @@ barrier, a stream or the SM capacity (list_schedule).
 from __future__ import annotations
 
 from moegraph.ir import Role
-from moegraph.schedules.baselines import Key, _bottom_levels, list_schedule
-from moegraph.schedules.bound import _topological
+from moegraph.schedules.baselines import Key, bottom_levels, list_schedule
+from moegraph.schedules.bound import topological
 from moegraph.schedules.problem import DP_STREAM, Problem, Task
 from moegraph.schedules.solution import Solution
 
@@ -64,7 +64,7 @@ def _order(problem: Problem) -> list[Task]:
     """Tasks in a topological order of ``preds`` (remat anchors and micro-batch barriers may
     run against graph order)."""
     ids = [t.index for t in problem.tasks]
-    order = _topological(ids, {t.index: list(t.preds) for t in problem.tasks},
+    order = topological(ids, {t.index: list(t.preds) for t in problem.tasks},
                          {t.index: list(t.succs) for t in problem.tasks})
     return [problem.tasks[i] for i in order]
 
@@ -74,7 +74,7 @@ def dp_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution
     memory budget the memory-checked list schedule, left out where it fails)."""
     if not any(_is_dp(t) for t in problem.tasks):
         return []
-    level = _bottom_levels(problem)
+    level = bottom_levels(problem)
     boosted = [a + b for a, b in zip(level, dp_released_ticks(problem))]
     feeders = dp_feeders(problem)
     # the DP stream in reverse layer order (the order the backward makes its gradients); other

@@ -179,10 +179,10 @@ def test_default_budgets_alone_lose_to_sequential_on_h20(traced_layers):
     from moegraph.cost import CostModel
     from moegraph.passes import run_pipeline
     from moegraph.registry import load_hardware
-    from moegraph.schedules.baselines import _bottom_levels
+    from moegraph.schedules.baselines import bottom_levels
     cost = CostModel(load_hardware("h20"))
     p = build_problem(run_pipeline(traced_layers["sp/ep/a2a"], "gate-reorder,sar=paper", cost=cost)[0], cost)
-    level = _bottom_levels(p)
+    level = bottom_levels(p)
     key = lambda t: (-level[t.index], t.index)  # noqa: E731
     fixed = list_schedule(p, "greedy", comm_key=key, compute_key=key, comm_mode="default")
     seq = makespan_ticks(p, sequential(p))

@@ -356,8 +356,8 @@ class Hardware(_Record):
     accumulate_bw_bytes_s: float = checked(nonneg_float, 0.0)
     """Optional, bytes/s: the rate at which a weight-gradient kernel that accumulates into a running
     sum (attr accumulate=True: every token chunk's but the last) adds its result to that sum, bytes
-    of the sum (node attr ``accumulate_bytes``) per second, as the runtime runs it. Measured by
-    ``moegraph calibrate``'s accumulate benchmark; 0 (the default, and every profile written before
+    of the sum (node attr ``accumulate_bytes``) per second, as the runtime runs it. Fitted by
+    ``moegraph calibrate``'s in-step stage on its chunked layer (ACCUMULATE_LAYER); 0 (the default, and every profile written before
     it existed): not modelled, no term."""
     measured: tuple[tuple[str, str], ...] = checked(measured, ())
     """Optional provenance of calibrated numbers: date, machine, notes."""

@@ -293,8 +293,7 @@ def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> flo
     prices every node and each collective that the plan runs beside compute takes ``stretch``
     times its alone time; a node starts once its inputs' producers and the node before it on its
     stream have ended. The order stays what was measured, so the makespan grows with stretch."""
-    producer = {v: nd.name for nd in graph.nodes for v in nd.outputs}
-    node = graph.node
+    producer, node = graph.producer, graph.node
     end: dict[str, float] = {}
     stream_free: dict[str, float] = defaultdict(float)
     fwd_end = 0.0
@@ -304,10 +303,11 @@ def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> flo
             nd = node[e.name]
             if nd.is_comm:
                 us = cost.node_time_us(nd, e.sm_budget) * (1.0 if e.alone else stretch)
-            else:
+            else:                       # a compute entry's sm_budget: the SMs it runs on (0: unset, all)
                 held = cost.sm_count() - e.sm_budget if e.sm_budget else 0
-                us = cost.node_time_us(nd) * (cost.compute_slowdown(held) if held > 0 else 1.0)
-            ready = max([end[producer[v]] for v in nd.inputs if v in producer and producer[v] in end], default=0.0)
+                us = cost.node_time_us(nd) * cost.compute_slowdown(held)
+            ready = max([end[producer[v].name] for v in nd.inputs if v in producer and producer[v].name in end],
+                        default=0.0)
             begin = max(ready, stream_free[e.stream], 0.0 if is_fwd else fwd_end)
             end[e.name] = begin + us
             stream_free[e.stream] = end[e.name]
