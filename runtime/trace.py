@@ -133,6 +133,21 @@ class StepRecorder:
         return StepTrace(self.rank, "cuda" if self.cuda else "cpu", tuple(nodes), waits, bwd)
 
 
+def hidden_comm_fraction(trace: StepTrace) -> float:
+    """Share of the step's collective time during which a compute node ran (0 with no
+    collectives): 1 - exposed/total communication, measured. Compute nodes run one at a time on
+    the compute stream, so their intervals do not overlap one another."""
+    from moegraph.runtime.plan import COMPUTE
+    compute = [(t.start_us, t.end_us) for t in trace.nodes if t.stream == COMPUTE]
+    total = hidden = 0.0
+    for t in trace.nodes:
+        if t.stream == COMPUTE:
+            continue
+        total += t.duration_us
+        hidden += sum(max(0.0, min(t.end_us, e) - max(t.start_us, s)) for s, e in compute)
+    return hidden / total if total else 0.0
+
+
 def new_event(stream: Any = None) -> Any:
     import torch
     ev = torch.cuda.Event(enable_timing=True)

@@ -1,0 +1,95 @@
+"""EmulatedComm (moegraph.runtime.emulated) on CPU: an n=2 rank graph run by one process, its
+collectives replaced by same-sized copies; the same code the single-GPU overlap test runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from moegraph.ir import Node, OpKind, Phase, Role
+from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.emulated import TINY_SIZES, EmulatedComm, EmulatedRankGraph
+from moegraph.runtime.trace import NodeTiming, StepTrace, hidden_comm_fraction
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def rank_graph():
+    return EmulatedRankGraph(TINY_SIZES, "cpu")
+
+
+def _run(rg, schedule):
+    ex = rg.executor(rg.plan(schedule))
+    return rg.step(ex), ex
+
+
+def test_emulated_rank_graph_runs_on_cpu_for_sequential_and_greedy(rank_graph):
+    """The step completes with finite outputs of the graph's shapes; sequential and greedy plans
+    issue the same copies of the same inputs, so they give identical numbers."""
+    rg = rank_graph
+    z = TINY_SIZES
+    comm_nodes = [nd for nd in rg.graph.nodes if nd.is_comm]
+    assert comm_nodes, "the rank graph has no collectives to emulate"
+    steps = {}
+    for schedule in ("sequential", "greedy"):
+        st, ex = _run(rg, schedule)
+        assert ex.comm.issued == len(comm_nodes)
+        assert tuple(st.y.shape) == (z.b, z.s // z.n, z.h) and tuple(st.dx.shape) == (z.b, z.s // z.n, z.h)
+        assert torch.isfinite(st.y).all() and torch.isfinite(st.dx).all()
+        for (pname, _), p, g in zip(rg.graph.params, rg.params, st.grads):
+            assert g is not None and g.shape == p.shape and torch.isfinite(g).all(), pname
+        assert {t.name for t in st.trace.nodes} == {nd.name for nd in rg.graph.nodes}
+        steps[schedule] = st
+    seq, greedy = steps["sequential"], steps["greedy"]
+    assert torch.equal(seq.y, greedy.y) and torch.equal(seq.dx, greedy.dx)
+    assert all(torch.equal(a, b) for a, b in zip(seq.grads, greedy.grads))
+
+
+def _node(op, mode=None, outputs=("out",)):
+    attrs = (("mode", mode),) if mode else ()
+    return Node("c", op, Phase.FORWARD, ("a", "b"), outputs, Role.FORWARD, group=2, attrs=attrs)
+
+
+def test_emulated_collective_is_a_copy_of_its_inputs():
+    """Outputs: the inputs, flattened, concatenated and repeated to the output shape, in the
+    operand's dtype; the work is complete once issued (CPU)."""
+    comm = EmulatedComm(2)
+    a, b = torch.randn(2, 3), torch.randn(4)
+    p = comm.issue(_node(OpKind.ALL_GATHER), [a, b], "comm", 0, [(4, 5)])
+    (out,) = p.wait(1.0, 0)
+    src = torch.cat([a.reshape(-1), b])
+    assert out.shape == (4, 5) and out.dtype == a.dtype
+    assert torch.equal(out.reshape(-1), torch.cat([src, src])[:20])
+    assert p.works[0].is_completed() and p.issued_ns > 0
+
+
+@pytest.mark.parametrize("op,mode,match", [
+    (OpKind.ALL_TO_ALL, "tokens", "row counts depend on the routing"),
+    (OpKind.ALL_TO_ALL, "experts", "no emulation of all_to_all mode 'experts'"),
+    (OpKind.GEMM, None, "gemm is not a collective EmulatedComm emulates"),
+])
+def test_emulated_comm_refuses_what_it_cannot_size(op, mode, match):
+    with pytest.raises(RuntimeFailure, match=match):
+        EmulatedComm(2).issue(_node(op, mode), [torch.ones(4)], "comm", 0, [(4,)])
+
+
+def test_emulated_comm_needs_other_ranks():
+    with pytest.raises(ValueError, match="n=1 must be at least 2"):
+        EmulatedComm(1)
+
+
+def test_hidden_comm_fraction_counts_compute_beside_collectives():
+    nodes = (NodeTiming("g1", "compute", 0, "forward", 0.0, 10.0),
+             NodeTiming("c1", "comm", 0, "forward", 5.0, 15.0),         # 5 of 10 us beside g1
+             NodeTiming("g2", "compute", 0, "forward", 15.0, 20.0),
+             NodeTiming("c2", "comm", 0, "forward", 14.0, 24.0))        # 5 of 10 us beside g2, none beside g1
+    frac = hidden_comm_fraction(StepTrace(0, "cpu", nodes))
+    assert frac == pytest.approx((5.0 + 5.0) / 20.0)
+    assert hidden_comm_fraction(StepTrace(0, "cpu", nodes[:1])) == 0.0
