@@ -1,0 +1,72 @@
+"""The GPU benchmarks' CPU smoke modes (``--device cpu --tiny``): the same code the GPU session
+runs, at tiny sizes in fp32, so a broken benchmark is found here and not on lent device time."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _load(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod             # dataclasses look their module up while being built
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _table(out: str) -> tuple[list[str], list[dict[str, str]]]:
+    """The markdown table printed on stdout: (header, rows as dicts)."""
+    lines = [ln for ln in out.splitlines() if ln.startswith("|")]
+    header = [c.strip() for c in lines[0].strip("|").split("|")]
+    rows = [dict(zip(header, (c.strip() for c in ln.strip("|").split("|")))) for ln in lines[2:]]
+    return header, rows
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def test_gpu_layer_tiny_cpu_smoke(capsys, tmp_path):
+    gpu_layer = _load("gpu_layer")
+    t0 = time.perf_counter()
+    assert gpu_layer.main(["--device", "cpu", "--tiny", "--json", str(tmp_path / "r.json")]) == 0
+    assert time.perf_counter() - t0 < 15
+    header, rows = _table(capsys.readouterr().out)
+    assert header == ["variant", "median_ms", "ratio_vs_eager", "host_us_per_node", "max_rel_err"]
+    assert [r["variant"] for r in rows] == ["eager", "sequential", "greedy", "cpsat"]
+    for r in rows:
+        assert float(r["median_ms"]) > 0
+    for r in rows[1:]:
+        assert float(r["max_rel_err"]) < 1e-5          # fp32 against the eager module
+        assert float(r["host_us_per_node"]) > 0
+    assert (tmp_path / "r.json").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+@pytest.mark.parametrize("name", ["gpu_layer"])
+def test_gpu_benchmark_without_cuda_exits_2_with_one_line(name, capsys):
+    mod = _load(name)
+    with pytest.raises(SystemExit) as exc:
+        mod.main([])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and "--device cpu" in err
+
+
+def test_gpu_layer_refuses_a_scale_that_does_not_divide_the_heads(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("gpu_layer").main(["--device", "cpu", "--scale", "3"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip() == "gpu_layer.py: error: --scale 3 is not one of 1, 2, 4, 8"
+
