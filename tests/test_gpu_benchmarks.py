@@ -55,7 +55,7 @@ def test_gpu_layer_tiny_cpu_smoke(capsys, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
-@pytest.mark.parametrize("name", ["gpu_layer"])
+@pytest.mark.parametrize("name", ["gpu_layer", "gpu_overlap"])
 def test_gpu_benchmark_without_cuda_exits_2_with_one_line(name, capsys):
     mod = _load(name)
     with pytest.raises(SystemExit) as exc:
@@ -70,3 +70,15 @@ def test_gpu_layer_refuses_a_scale_that_does_not_divide_the_heads(capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.strip() == "gpu_layer.py: error: --scale 3 is not one of 1, 2, 4, 8"
 
+
+
+def test_gpu_overlap_tiny_cpu_smoke(capsys):
+    """The emulated n=2 rank graph under every plan: the table's columns, and every plan's
+    numbers equal the sequential plan's (on CPU collectives complete when issued: nothing hides)."""
+    assert _load("gpu_overlap").main(["--device", "cpu", "--tiny", "--time-limit", "1"]) == 0
+    header, rows = _table(capsys.readouterr().out)
+    assert header == ["plan", "median_step_ms", "predicted_ms", "hidden_comm_fraction", "equal_to_sequential"]
+    assert [r["plan"] for r in rows] == ["sequential", "greedy", "cpsat"]
+    assert all(float(r["median_step_ms"]) > 0 and r["equal_to_sequential"] == "yes" for r in rows)
+    assert all(0 <= float(r["hidden_comm_fraction"]) <= 1 for r in rows)
+    assert float(rows[0]["hidden_comm_fraction"]) < 0.05

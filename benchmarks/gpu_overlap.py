@@ -1,0 +1,142 @@
+"""Emulated-collective overlap on one GPU (issue 17): how much comm time the plans hide.
+
+The n=2 rank graph of ``moegraph.runtime.emulated`` (attn=sp, ffn=tp, dispatch=ag-rs, chunk=4;
+b=2, s=1024, h=512, fp32; the graph the single-GPU test runs) on ONE device, its collectives
+replaced by ``EmulatedComm``: a same-sized copy on the plan's comm stream after
+``torch.cuda._sleep(--sleep-cycles)``. Per plan (sequential, greedy, cpsat), steps interleaved
+after a warm-up: the median measured step (CUDA events from the start of the forward to the
+last node's end), the plan's predicted makespan (h100 cost model), the median hidden comm
+fraction (``runtime.trace.hidden_comm_fraction``: share of the emulated collectives' time during
+which a compute node ran; the issue's bar: >= 0.80), and whether the plan's outputs and
+gradients equal the sequential plan's bit for bit (copies are a fixed function of their inputs,
+so any difference is a missed event wait).
+
+    python benchmarks/gpu_overlap.py                            # CUDA
+    python benchmarks/gpu_overlap.py --sleep-cycles 40000 --json out.json
+    python benchmarks/gpu_overlap.py --device cpu --tiny        # smoke test (no sleep, no overlap on CPU)
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moegraph.cli import OneLineParser  # noqa: E402
+from moegraph.options import UsageError, check_output, non_negative_int, positive_float, positive_int  # noqa: E402
+from moegraph.runtime.emulated import DEFAULT_SLEEP_CYCLES  # noqa: E402
+
+PLANS = ("sequential", "greedy", "cpsat")
+BAR = 0.80
+COLUMNS = ("plan", "median_step_ms", "predicted_ms", "hidden_comm_fraction", "equal_to_sequential")
+
+
+@dataclass(frozen=True)
+class Setup:
+    device: str
+    tiny: bool
+    steps: int
+    warmup: int
+    sleep_cycles: int
+    time_limit_s: float
+    json_path: Path | None
+
+
+def parse(argv: list[str] | None) -> Setup:
+    p = OneLineParser(prog="gpu_overlap.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    p.add_argument("--tiny", action="store_true", help="tiny rank graph (runtime.emulated.TINY_SIZES): a smoke test")
+    p.add_argument("--steps", type=positive_int, default=None, help="timed steps per plan (default 10, tiny 2)")
+    p.add_argument("--warmup", type=positive_int, default=2)
+    p.add_argument("--sleep-cycles", type=non_negative_int, default=DEFAULT_SLEEP_CYCLES,
+                   help="device cycles each emulated collective spins (CUDA; default %(default)s)")
+    p.add_argument("--time-limit", type=positive_float, default=None, help="cpsat seconds (default 10, tiny 2)")
+    p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    args = p.parse_args(argv)
+    import torch
+    try:
+        if args.device == "cuda" and not torch.cuda.is_available():
+            raise UsageError("--device cuda but torch sees no CUDA device: run on a GPU machine, or pass "
+                             "--device cpu (with --tiny for the smoke test)")
+        json_path = check_output(args.json, suffixes=(".json",), flag="--json") if args.json else None
+    except UsageError as err:
+        p.exit(2, f"gpu_overlap.py: error: {err}\n")
+    return Setup(args.device, args.tiny, args.steps or (2 if args.tiny else 10), args.warmup, args.sleep_cycles,
+                 args.time_limit or (2.0 if args.tiny else 10.0), json_path)
+
+
+def run(setup: Setup) -> tuple[Any, list[dict[str, Any]]]:
+    import torch
+    from moegraph.runtime.emulated import GPU_SIZES, TINY_SIZES, EmulatedRankGraph
+    from moegraph.runtime.trace import hidden_comm_fraction
+    if setup.device == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    rg = EmulatedRankGraph(TINY_SIZES if setup.tiny else GPU_SIZES, setup.device)
+    plans = {m: rg.plan(m, time_limit_s=setup.time_limit_s) for m in PLANS}
+    execs = {m: rg.executor(plan, sleep_cycles=setup.sleep_cycles) for m, plan in plans.items()}
+    last: dict[str, Any] = {}
+    for _ in range(setup.warmup):
+        for m, ex in execs.items():
+            last[m] = rg.step(ex)
+    steps: dict[str, list[float]] = {m: [] for m in PLANS}
+    hidden: dict[str, list[float]] = {m: [] for m in PLANS}
+    for _ in range(setup.steps):                   # interleaved: step i of every plan, then i+1
+        for m, ex in execs.items():
+            st = rg.step(ex)
+            steps[m].append(st.trace.step_us)
+            hidden[m].append(hidden_comm_fraction(st.trace))
+            last[m] = st
+    ref = last["sequential"]
+    rows = []
+    for m in PLANS:
+        st = last[m]
+        same = (torch.equal(st.y, ref.y) and torch.equal(st.dx, ref.dx)
+                and all(torch.equal(a, b) for a, b in zip(st.grads, ref.grads)))
+        pred = plans[m].predicted_makespan_us
+        rows.append({"plan": m, "median_step_ms": statistics.median(steps[m]) / 1e3,
+                     "predicted_ms": None if pred is None else pred / 1e3,
+                     "hidden_comm_fraction": statistics.median(hidden[m]),
+                     "equal_to_sequential": "yes" if same else "NO"})
+    return rg, rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def cell(v: Any) -> str:
+        if v is None:
+            return "-"
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup = parse(argv)
+    import torch
+    device = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
+    rg, rows = run(setup)
+    z = rg.sizes
+    comm = sum(nd.is_comm for nd in rg.graph.nodes)
+    print(f"# gpu_overlap: rank 0 of n={z.n}, attn=sp ffn=tp dispatch=ag-rs chunk={z.chunks}; b={z.b} s={z.s} "
+          f"h={z.h} f={z.f} experts={z.experts} k={z.k} fp32; {len(rg.graph.nodes)} nodes, {comm} emulated collectives; "
+          f"sleep {setup.sleep_cycles if setup.device == 'cuda' else 0} cycles")
+    print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} warm-up")
+    print(table(rows))
+    best = max(r["hidden_comm_fraction"] for r in rows if r["plan"] != "sequential")
+    print(f"# best hidden comm fraction {best:.2f} (bar: >= {BAR:.2f}); "
+          f"all plans equal to sequential: {'yes' if all(r['equal_to_sequential'] == 'yes' for r in rows) else 'NO'}")
+    if setup.json_path is not None:
+        setup.json_path.parent.mkdir(parents=True, exist_ok=True)
+        setup.json_path.write_text(json.dumps({"device": device, "torch": torch.__version__,
+                                               "sleep_cycles": setup.sleep_cycles, "sizes": asdict(z),
+                                               "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
