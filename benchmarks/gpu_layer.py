@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moegraph.cli import OneLineParser  # noqa: E402
-from moegraph.options import UsageError, check_output, format_bytes, positive_int, positive_float  # noqa: E402
+# no sys.path insert of the repo root: moegraph is imported as installed (editable here; on the GPU
+# device a --target copy, which the root folder moegraph/ would shadow: docs/gpu.md)
+from moegraph.cli import OneLineParser
+from moegraph.options import UsageError, check_output, format_bytes, positive_int, positive_float
 
 SCHEDULES = ("sequential", "greedy", "cpsat")
 BF16_TOL, FP32_TOL = 5e-2, 1e-5

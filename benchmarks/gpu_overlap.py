@@ -25,11 +25,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from moegraph.cli import OneLineParser  # noqa: E402
-from moegraph.options import UsageError, check_output, non_negative_int, positive_float, positive_int  # noqa: E402
-from moegraph.runtime.emulated import DEFAULT_SLEEP_CYCLES  # noqa: E402
+# no sys.path insert of the repo root: moegraph is imported as installed (editable here; on the GPU
+# device a --target copy, which the root folder moegraph/ would shadow: docs/gpu.md)
+from moegraph.cli import OneLineParser
+from moegraph.options import UsageError, check_output, non_negative_int, positive_float, positive_int
+from moegraph.runtime.emulated import DEFAULT_SLEEP_CYCLES
 
 PLANS = ("sequential", "greedy", "cpsat")
 BAR = 0.80

@@ -1,0 +1,110 @@
+#!/usr/bin/env bash
+# One part of a GPU session, run ON THE DEVICE from the repo root (docs/gpu.md):
+#     bash scripts/gpu_session.sh env|tests|bench|calibrate|all
+# The device is bare and offline: python3 with torch 2.11 (not our 2.13), no ortools. This installs
+# the carried wheels (.whl/, made here by scripts/gpu_wheels.sh) and this repo into $SITE with
+# --no-deps (torch stays the device's own), then runs the part under `timeout`, its log tee'd to
+# $OUT (the device tool brings $OUT back, also after a kill). At most 8 files come back from $OUT:
+# `all` writes exactly 8 (env.log tests.log gpu_layer.md gpu_layer.json gpu_overlap.md
+# gpu_overlap.json calibrate.log <gpu>-<date>.yaml).
+#
+# PYTHONSAFEPATH=1: python must not put the repo root (cwd) on sys.path, where the folder
+# moegraph/ (the core package alone, without passes/ schedules/ runtime/) would shadow the
+# installed package.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+PART=${1:-}
+case "$PART" in
+    env|tests|bench|calibrate|all) ;;
+    *) echo "gpu_session.sh: unknown part '${PART}': one of env, tests, bench, calibrate, all" >&2; exit 2 ;;
+esac
+
+export PY=${PY:-python3} SITE=${SITE:-/tmp/site}
+OUT=${OUT:-$PWD/out/gpu-session}           # the device tool sets OUT; elsewhere a local folder
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1 MOEGRAPH_SITE="$SITE"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+STAMP=$(date -u +%Y-%m-%d)
+
+# per-part limits (seconds) for one part per device call (10 min each); `all` fits one call
+if [ "$PART" = all ]; then
+    T_ENV=60 T_TESTS=200 T_LAYER=120 T_OVERLAP=60 T_CAL=140 CAL_BUDGET=120
+else
+    T_ENV=150 T_TESTS=560 T_LAYER=400 T_OVERLAP=150 T_CAL=570 CAL_BUDGET=480
+fi
+
+# step NAME LOG LIMIT CMD...: run CMD under timeout, stdout+stderr tee'd to $OUT/LOG
+step() {
+    local name=$1 logf=$2 limit=$3; shift 3
+    echo "[gpu_session $(date -u +%H:%M:%S)] $name: $* (timeout ${limit}s)" | tee -a "$OUT/$logf"
+    timeout --kill-after=15 "$limit" "$@" 2>&1 | tee -a "$OUT/$logf"
+    local rc=${PIPESTATUS[0]}
+    echo "[gpu_session $(date -u +%H:%M:%S)] $name: rc=$rc$([ "$rc" = 124 ] && echo ' (TIMED OUT)')" | tee -a "$OUT/$logf"
+    return "$rc"
+}
+
+install_repo() {
+    if ! ls .whl/*.whl >/dev/null 2>&1; then
+        echo "gpu_session.sh: no wheels in .whl/: run bash scripts/gpu_wheels.sh on the dev machine and pass carry=[\".whl\"]" >&2
+        return 2
+    fi
+    "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl &&
+    # the repo itself, non-editable: the package-dir mapping (passes/ -> moegraph.passes, ...) is
+    # applied by the build; --no-build-isolation uses the device's setuptools (no network)
+    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" .
+}
+export -f install_repo                     # `timeout` runs programs, not functions: bash -c install_repo
+
+part_env() {
+    step "nvidia-smi" env.log 30 nvidia-smi
+    ensure_installed || return $?
+    step "probe" env.log "$T_ENV" "$PY" scripts/gpu_env.py
+}
+
+part_tests() {
+    local rc=0
+    # -m gpu: tests/test_runtime_gpu.py (single GPU, the emulated n=2 overlap, NCCL options);
+    # then the CPU-run device-mixing and emulated-collective tests, on the device's torch
+    step "pytest -m gpu" tests.log "$((T_TESTS / 2))" "$PY" -m pytest tests -m gpu -q -rs -p no:cacheprovider \
+        --continue-on-collection-errors -s || rc=$?
+    step "pytest fake_device/emulated" tests.log "$((T_TESTS / 2))" "$PY" -m pytest tests -q -rs -p no:cacheprovider \
+        --continue-on-collection-errors -k "fake_device or emulated" || rc=$?
+    return $rc
+}
+
+part_bench() {
+    local rc=0
+    step "gpu_layer" gpu_layer.md "$T_LAYER" "$PY" benchmarks/gpu_layer.py --json "$OUT/gpu_layer.json" || rc=$?
+    step "gpu_overlap" gpu_overlap.md "$T_OVERLAP" "$PY" benchmarks/gpu_overlap.py --json "$OUT/gpu_overlap.json" || rc=$?
+    return $rc
+}
+
+part_calibrate() {
+    local gpu
+    gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
+    # single-GPU curves (n=1: collectives left unmeasured, from the h100 base profile)
+    step "calibrate" calibrate.log "$T_CAL" "$PY" -m moegraph calibrate --device cuda --n 1 \
+        --time-budget "$CAL_BUDGET" -o "$OUT/${gpu:-cuda}-$STAMP.yaml"
+}
+
+# every call: the device tool re-sends the working tree, and a warm machine's $SITE may hold an
+# older copy of it (the wheels' part of the install is a no-op then)
+ensure_installed() { step "install" env.log 120 bash -c install_repo; }
+
+rc=0
+case "$PART" in
+    env) part_env || rc=$? ;;
+    tests) ensure_installed && part_tests || rc=$? ;;
+    bench) ensure_installed && part_bench || rc=$? ;;
+    calibrate) ensure_installed && part_calibrate || rc=$? ;;
+    all)
+        part_env || rc=$?        # installs
+        part_tests || rc=$?
+        part_bench || rc=$?
+        part_calibrate || rc=$?
+        ;;
+esac
+echo "[gpu_session] part $PART: rc=$rc; files in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+exit $rc
