@@ -30,7 +30,6 @@ Notation: b batch, s sequence, h hidden, f expert ffn width, k top-k.
 from __future__ import annotations
 
 import dataclasses
-import json
 import statistics
 import sys
 import time
@@ -38,10 +37,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-# no sys.path insert of the repo root: moegraph is imported as installed (editable here; on the GPU
-# device a --target copy, which the root folder moegraph/ would shadow: docs/gpu.md)
 from moegraph.cli import OneLineParser
 from moegraph.options import UsageError, check_output, format_bytes, positive_int, positive_float
+from moegraph.runtime.trace import write_json
+
+# moegraph is imported as installed (editable here; on the GPU device a --target copy, which the
+# repo root's folder moegraph/ would shadow: never put the root on sys.path, docs/gpu.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # gpu_common, beside this file
+from gpu_common import check_device, device_name, markdown_table  # noqa: E402
 
 SCHEDULES = ("sequential", "greedy", "cpsat")
 BF16_TOL, FP32_TOL = 5e-2, 1e-5
@@ -108,11 +111,8 @@ def parse(argv: list[str] | None) -> Setup:
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of %(default)s")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    import torch
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("--device cuda but torch sees no CUDA device: run on a GPU machine, or pass "
-                             "--device cpu (with --tiny for the smoke test)")
+        check_device(args.device)
         schedules = tuple(m.strip() for m in args.schedules.split(",") if m.strip())
         bad = [m for m in schedules if m not in SCHEDULES]
         if bad or not schedules:
@@ -224,14 +224,6 @@ def run(setup: Setup) -> list[dict[str, Any]]:
     return rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -239,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     cfg = setup.model
     tol = BF16_TOL if setup.dtype == "bf16" else FP32_TOL
-    device = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
+    device = device_name(setup.device)
     elem = 2 if setup.dtype == "bf16" else 4
     est = memory_estimate(cfg, setup.b, setup.s, 1 + len(setup.schedules), elem)
     print(f"# gpu_layer: {cfg.name} / scale {setup.scale}: h={cfg.hidden} heads={cfg.heads} kv_heads={cfg.kv_heads} "
@@ -248,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} "
           f"warm-up; tolerance {tol:g}")
     rows = run(setup)
-    print(table(rows))
+    print(markdown_table(rows, COLUMNS))
     worst = max((r["max_rel_err"] for r in rows if r["max_rel_err"] is not None), default=0.0)
     best = min(r["ratio_vs_eager"] for r in rows if r["variant"] != "eager")
     print(f"# best compiled/eager {best:.3f} (bar: <= 1.0); worst rel err {worst:.2e} "
@@ -256,10 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     if setup.device == "cuda":
         print(f"# peak memory {format_bytes(torch.cuda.max_memory_allocated())}")
     if setup.json_path is not None:
-        setup.json_path.parent.mkdir(parents=True, exist_ok=True)
-        setup.json_path.write_text(json.dumps({"device": device, "torch": torch.__version__, "dtype": setup.dtype,
-                                               "scale": setup.scale, "b": setup.b, "s": setup.s,
-                                               "model": cfg.to_dict(), "tolerance": tol, "rows": rows}, indent=1))
+        write_json(setup.json_path, {"device": device, "torch": torch.__version__, "dtype": setup.dtype,
+                                     "scale": setup.scale, "b": setup.b, "s": setup.s,
+                                     "model": cfg.to_dict(), "tolerance": tol, "rows": rows})
     return 0
 
 

@@ -18,18 +18,21 @@ so any difference is a missed event wait).
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-# no sys.path insert of the repo root: moegraph is imported as installed (editable here; on the GPU
-# device a --target copy, which the root folder moegraph/ would shadow: docs/gpu.md)
 from moegraph.cli import OneLineParser
 from moegraph.options import UsageError, check_output, non_negative_int, positive_float, positive_int
 from moegraph.runtime.emulated import DEFAULT_SLEEP_CYCLES
+from moegraph.runtime.trace import write_json
+
+# moegraph is imported as installed (editable here; on the GPU device a --target copy, which the
+# repo root's folder moegraph/ would shadow: never put the root on sys.path, docs/gpu.md)
+sys.path.insert(0, str(Path(__file__).resolve().parent))       # gpu_common, beside this file
+from gpu_common import check_device, device_name, markdown_table  # noqa: E402
 
 PLANS = ("sequential", "greedy", "cpsat")
 BAR = 0.80
@@ -58,11 +61,8 @@ def parse(argv: list[str] | None) -> Setup:
     p.add_argument("--time-limit", type=positive_float, default=None, help="cpsat seconds (default 10, tiny 2)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
-    import torch
     try:
-        if args.device == "cuda" and not torch.cuda.is_available():
-            raise UsageError("--device cuda but torch sees no CUDA device: run on a GPU machine, or pass "
-                             "--device cpu (with --tiny for the smoke test)")
+        check_device(args.device)
         json_path = check_output(args.json, suffixes=(".json",), flag="--json") if args.json else None
     except UsageError as err:
         p.exit(2, f"gpu_overlap.py: error: {err}\n")
@@ -105,20 +105,12 @@ def run(setup: Setup) -> tuple[Any, list[dict[str, Any]]]:
     return rg, rows
 
 
-def table(rows: list[dict[str, Any]]) -> str:
-    def cell(v: Any) -> str:
-        if v is None:
-            return "-"
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(cell(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     setup = parse(argv)
     import torch
-    device = torch.cuda.get_device_name() if setup.device == "cuda" else "cpu"
+    device = device_name(setup.device)
     rg, rows = run(setup)
     z = rg.sizes
     comm = sum(nd.is_comm for nd in rg.graph.nodes)
@@ -126,15 +118,14 @@ def main(argv: list[str] | None = None) -> int:
           f"h={z.h} f={z.f} experts={z.experts} k={z.k} fp32; {len(rg.graph.nodes)} nodes, {comm} emulated collectives; "
           f"sleep {setup.sleep_cycles if setup.device == 'cuda' else 0} cycles")
     print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} warm-up")
-    print(table(rows))
+    print(markdown_table(rows, COLUMNS))
     best = max(r["hidden_comm_fraction"] for r in rows if r["plan"] != "sequential")
     print(f"# best hidden comm fraction {best:.2f} (bar: >= {BAR:.2f}); "
           f"all plans equal to sequential: {'yes' if all(r['equal_to_sequential'] == 'yes' for r in rows) else 'NO'}")
     if setup.json_path is not None:
-        setup.json_path.parent.mkdir(parents=True, exist_ok=True)
-        setup.json_path.write_text(json.dumps({"device": device, "torch": torch.__version__,
-                                               "sleep_cycles": setup.sleep_cycles, "sizes": asdict(z),
-                                               "rows": rows}, indent=1))
+        write_json(setup.json_path, {"device": device, "torch": torch.__version__,
+                                     "sleep_cycles": setup.sleep_cycles, "sizes": asdict(z),
+                                     "rows": rows})
     return 0
 
 

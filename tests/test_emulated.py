@@ -12,12 +12,7 @@ from moegraph.runtime.emulated import TINY_SIZES, EmulatedComm, EmulatedRankGrap
 from moegraph.runtime.trace import NodeTiming, StepTrace, hidden_comm_fraction
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")       # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

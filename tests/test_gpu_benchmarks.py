@@ -30,12 +30,7 @@ def _table(out: str) -> tuple[list[str], list[dict[str, str]]]:
     return header, rows
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")       # tests/conftest.py
 
 
 def test_gpu_layer_tiny_cpu_smoke(capsys, tmp_path):
