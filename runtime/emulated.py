@@ -156,7 +156,7 @@ class EmulatedStep:
     y: torch.Tensor                       # this rank's output shard [b, s/n, h]
     dx: torch.Tensor | None               # its input-shard gradient
     grads: list[torch.Tensor | None]      # parameter-shard gradients, graph order
-    trace: Any                            # runtime.trace.StepTrace of the recorded step
+    trace: Any                            # runtime.trace.StepTrace of the step (None: not recorded)
 
 
 class EmulatedRankGraph:
@@ -198,14 +198,18 @@ class EmulatedRankGraph:
         comm = EmulatedComm(self.sizes.n, synchronous=synchronous, sleep_cycles=sleep_cycles)
         return Executor(self.graph, plan, comm, rank=0, n=self.sizes.n, device=self.device)
 
-    def step(self, executor: Any) -> EmulatedStep:
-        """One recorded forward + backward step of ``executor`` (made by ``self.executor``)."""
+    def step(self, executor: Any, *, record: bool = True) -> EmulatedStep:
+        """One forward + backward step of ``executor`` (made by ``self.executor``). ``record``:
+        time every node (reading the CUDA events synchronises the device once, after the step);
+        without it nothing in the step asks the host to wait, and ``trace`` is None."""
         from moegraph.runtime.trace import StepRecorder
         cuda = self.device.type == "cuda"
         stream = torch.cuda.current_stream(self.device) if cuda else None
-        rec = StepRecorder(0, cuda)
-        rec.start(stream)
+        rec = StepRecorder(0, cuda) if record else None
+        if rec:
+            rec.start(stream)
         y, saved = executor.forward(self.x, self.params, recorder=rec)
-        rec.mark_backward(stream)
+        if rec:
+            rec.mark_backward(stream)
         dx, grads = executor.backward(saved, self.dy, self.params, recorder=rec)
-        return EmulatedStep(y, dx, grads, rec.finalize())
+        return EmulatedStep(y, dx, grads, rec.finalize() if rec else None)

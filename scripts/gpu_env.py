@@ -149,7 +149,7 @@ def _stream(torch, cuda: bool) -> str:
     if not cuda:
         return "not run: no CUDA"
     s = torch.cuda.Stream(priority=-100)
-    lo, hi = torch.cuda.Stream.priority_range()
+    lo, hi = s.priority_range()
     return f"priority {s.priority} (range {lo}..{hi})"
 
 

@@ -52,8 +52,10 @@ install_repo() {
     "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl &&
     # the repo itself, non-editable: the package-dir mapping (passes/ -> moegraph.passes, ...) is
     # applied by the build; --no-build-isolation uses the device's setuptools (no network)
-    "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
-        --target "$SITE" .
+    { "$PY" -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --no-cache-dir --upgrade \
+        --target "$SITE" . ||
+      { echo "install: pip could not build the repo offline; copying its packages as pyproject.toml maps them" >&2
+        rm -rf "$SITE/moegraph" && "$PY" scripts/gpu_copy_install.py "$SITE"; }; }
 }
 export -f install_repo                     # `timeout` runs programs, not functions: bash -c install_repo
 

@@ -105,3 +105,21 @@ def test_emulated_collectives_overlap_and_fences():
           f"greedy {hidden_comm_fraction(greedy):.2f} (issue 17's bar: 0.80)")
     assert hidden_comm_fraction(seq) < 0.05
     assert hidden_comm_fraction(greedy) > 0.5
+
+
+def test_emulated_ag_rs_step_does_not_synchronise_the_host():
+    """Issue 17: no host synchronisation inside a step on the ag-rs path (ffn=tp: no data-dependent
+    sizes). torch.cuda.set_sync_debug_mode("error") raises at any synchronising call (.item(),
+    a device-to-host copy, nonzero, a synchronize) during an unrecorded greedy step; the step's
+    numbers equal a recorded step's."""
+    from moegraph.runtime.emulated import GPU_SIZES, EmulatedRankGraph
+    rg = EmulatedRankGraph(GPU_SIZES, "cuda")
+    ex = rg.executor(rg.plan("greedy"))
+    ref = rg.step(ex)                                       # warm-up (allocator, kernels), recorded
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        st = rg.step(ex, record=False)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    assert torch.equal(st.y, ref.y) and torch.equal(st.dx, ref.dx)
