@@ -8,6 +8,7 @@ import torch
 
 from moegraph.ir import Node, OpKind, Phase, Role
 from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.check import rel_err
 from moegraph.runtime.emulated import TINY_SIZES, EmulatedComm, EmulatedRankGraph
 from moegraph.runtime.trace import NodeTiming, StepTrace, hidden_comm_fraction
 
@@ -88,3 +89,27 @@ def test_hidden_comm_fraction_counts_compute_beside_collectives():
     frac = hidden_comm_fraction(StepTrace(0, "cpu", nodes))
     assert frac == pytest.approx((5.0 + 5.0) / 20.0)
     assert hidden_comm_fraction(StepTrace(0, "cpu", nodes[:1])) == 0.0
+
+
+def test_fake_device_emulated_ag_rs_step_has_no_host_sync(rank_graph, monkeypatch):
+    """The CUDA path of the executor with EmulatedComm, on the fake accelerator (tests/fake_cuda.py):
+    no CPU tensor meets a device one, and nothing in an ag-rs (ffn=tp) step would block the host
+    (value reads, device-to-host copies, data-dependent shapes, synchronize): what the GPU test
+    checks with torch.cuda.set_sync_debug_mode. The numbers match the CPU run's (to 1e-5: the
+    fake device runs SDPA's math backend, the CPU run may not)."""
+    import fake_cuda as fc
+    from moegraph.runtime.executor import Executor
+    rg = rank_graph
+    plan = rg.plan("greedy")
+    cpu, _ = _run(rg, "greedy")
+    state = fc.fake_streams(monkeypatch)
+    with fc.FakeCuda() as mode:
+        ex = Executor(rg.graph, plan, EmulatedComm(2), rank=0, n=2, device=torch.device("cuda", 0))
+        params = [fc.to_fake(p) for p in rg.params]
+        y, saved = ex.forward(fc.to_fake(rg.x), params)
+        dx, grads = ex.backward(saved, fc.to_fake(rg.dy), params)
+        got = fc.real(y), fc.real(dx), [fc.real(g) for g in grads]
+    assert state.streams, "the CUDA path made no comm stream"
+    assert not dict(+mode.syncs) and not dict(+state.syncs)
+    assert rel_err(got[0], cpu.y) < 1e-5 and rel_err(got[1], cpu.dx) < 1e-5
+    assert all(rel_err(g, c) < 1e-5 for g, c in zip(got[2], cpu.grads))
