@@ -149,7 +149,7 @@ class StepTimer:
     """Times one call on the device: CUDA events (read after the run), or the host clock (CPU)."""
 
     def __init__(self, cuda: bool):
-        self.cuda, self.pending = cuda, []
+        self.cuda = cuda
 
     def time(self, fn: Callable[[], None]) -> Any:
         import torch
