@@ -27,12 +27,14 @@ export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1 MOEGRAPH_SI
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 STAMP=$(date -u +%Y-%m-%d)
 
-# per-part limits (seconds) for one part per device call (10 min each); `all` fits one call
+# per-part limits (seconds) for one part per device call (10 min each); `all` fits one call.
+# CAL_BUDGET (calibrate's --time-budget) may be set by the caller when device time runs short.
 if [ "$PART" = all ]; then
-    T_ENV=60 T_TESTS=200 T_LAYER=120 T_OVERLAP=60 T_CAL=140 CAL_BUDGET=120
+    T_ENV=60 T_TESTS=200 T_LAYER=120 T_OVERLAP=60 CAL_BUDGET=${CAL_BUDGET:-120}
 else
-    T_ENV=150 T_TESTS=560 T_LAYER=400 T_OVERLAP=150 T_CAL=570 CAL_BUDGET=480
+    T_ENV=150 T_TESTS=560 T_LAYER=400 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-480}
 fi
+T_CAL=$((CAL_BUDGET + 30))
 
 # step NAME LOG LIMIT CMD...: run CMD under timeout, stdout+stderr tee'd to $OUT/LOG
 step() {
