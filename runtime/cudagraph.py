@@ -61,12 +61,10 @@ import torch
 
 from moegraph.ir import Graph, Node, OpKind, ValueKind
 from moegraph.kernels import IndexMap
-from moegraph.runtime import RuntimeFailure
+from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 from moegraph.runtime.executor import Executor, _releases
 from moegraph.runtime.plan import ExecutionPlan, PlanEntry
 
-CudaGraphs = Literal["off", "attention", "layer"]
-CUDA_GRAPH_MODES: tuple[str, ...] = typing.get_args(CudaGraphs)
 WARMUP_RUNS = 2            # eager runs before capture (torch's examples use a few; lazy init happens in the first)
 
 # compute kernels whose shapes follow their inputs' and that read nothing on the host

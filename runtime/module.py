@@ -39,10 +39,10 @@ from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
-from moegraph.runtime import PlanError, RuntimeFailure
+from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
-from moegraph.runtime.cudagraph import CudaGraphs, GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
+from moegraph.runtime.cudagraph import GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
