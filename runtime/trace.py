@@ -134,8 +134,11 @@ class StepRecorder:
 
 
 def new_event(stream: Any = None) -> Any:
+    """A CUDA event recorded on ``stream``. Inside a CUDA graph capture (runtime.cudagraph) an
+    event is a fork/join marker, not a clock: it is made without timing there."""
     import torch
-    ev = torch.cuda.Event(enable_timing=True)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    ev = torch.cuda.Event(enable_timing=not capturing)
     ev.record(stream)
     return ev
 
