@@ -244,7 +244,11 @@ class TorchGraphs:
         if torch.device(device).type != "cuda" or not torch.cuda.is_available():
             raise ValueError(f"CUDA graphs need a CUDA device, the layer is on {device}")
         self.device = torch.device(device)
-        self.pool = torch.cuda.graph_pool_handle()          # one pool per layer: its segments share memory
+        # one pool per layer, shared by its segments' graphs. torch makes sharing safe when graphs
+        # replay in capture order; here it is safe in any order (a forward without backward, two
+        # forwards before their backwards): placeholders live outside the pool, and a graph's outputs
+        # are cloned right after its replay, so no graph's pool memory must survive another's replay
+        self.pool = torch.cuda.graph_pool_handle()
 
     def capture(self, fn, fork):
         side = torch.cuda.Stream(self.device)

@@ -13,8 +13,6 @@ that exclusion against the fake device's counter of host-synchronising calls.
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -102,43 +100,31 @@ def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode)
     backends = [FakeGraphs() for _ in range(n)]
     got: dict[int, list] = {r: [] for r in range(n)}
     first_y: dict[int, tuple] = {}
-    errors: list[BaseException] = []
     replaced = next(p for p, spec in graph.params if spec.shard_dim is not None)   # its storage is swapped at step 3
 
     def rank_main(rank):
-        try:
-            layer = CompiledLayer(graph, plan, full[0], rank=rank, n=n, comm=shared.for_rank(rank) if shared else NoComm(),
-                                  cuda_graphs=mode, graph_backend=backends[rank])
-            for step, (x, dy) in enumerate(data):
-                if step:
-                    with torch.no_grad():
-                        for pname, spec in graph.params:
-                            new = shard_param(spec, full[step], rank, n)
-                            if step == STEPS - 1 and pname == replaced:
-                                layer.shard(pname).data = new.clone()      # new storage: must be copied in
-                            else:
-                                layer.shard(pname).copy_(new)              # in place: the graph reads it
-                for p in layer.parameters():
-                    p.grad = None
-                xs = layer.shard_input(x).requires_grad_(True)
-                y = layer(xs)
-                y.backward(layer.shard_input(dy))
-                if step == 0:
-                    first_y[rank] = (y, y.detach().clone())                # y itself stays held
-                got[rank].append((y.detach().clone(), xs.grad.clone(),
-                                  {p: layer.shard(p).grad.clone() for p, _ in layer.named_shards()}))
-        except BaseException as err:                            # noqa: BLE001 - re-raised below
-            errors.append(err)
-            if shared:
-                shared.barrier.abort()
+        layer = CompiledLayer(graph, plan, full[0], rank=rank, n=n, comm=shared.for_rank(rank) if shared else NoComm(),
+                              cuda_graphs=mode, graph_backend=backends[rank])
+        for step, (x, dy) in enumerate(data):
+            if step:
+                with torch.no_grad():
+                    for pname, spec in graph.params:
+                        new = shard_param(spec, full[step], rank, n)
+                        if step == STEPS - 1 and pname == replaced:
+                            layer.shard(pname).data = new.clone()      # new storage: must be copied in
+                        else:
+                            layer.shard(pname).copy_(new)              # in place: the graph reads it
+            for p in layer.parameters():
+                p.grad = None
+            xs = layer.shard_input(x).requires_grad_(True)
+            y = layer(xs)
+            y.backward(layer.shard_input(dy))
+            if step == 0:
+                first_y[rank] = (y, y.detach().clone())                # y itself stays held
+            got[rank].append((y.detach().clone(), xs.grad.clone(),
+                              {p: layer.shard(p).grad.clone() for p, _ in layer.named_shards()}))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
+    tfd.run_rank_threads(n, rank_main, shared)
     for step, (y_ref, dx_ref, g_ref) in enumerate(ref):
         y = torch.cat([got[r][step][0] for r in range(n)], dim=1)
         dx = torch.cat([got[r][step][1] for r in range(n)], dim=1)
@@ -247,6 +233,18 @@ def test_cudagraph_host_reads_cover_both_phases_and_spare_attention(ffn, dispatc
     assert attention and not sorted(set(attention) & set(reads))
 
 
+@pytest.mark.parametrize("config,spec,family", tfd.GRAPHS,
+                         ids=[f"{fam}-{a}-{f}-{d}-dp{dp}" for (a, f, d, dp), _, fam in tfd.GRAPHS])
+def test_cudagraph_host_reads_has_a_rule_for_every_kernel(config, spec, family):
+    """The graphs that together use every kernel (test_fake_device.GRAPHS): ``host_reads`` decides
+    every node (an op kind without a rule raises), and ffn=tp with ag-rs has no host read."""
+    from moegraph.runtime.cudagraph import host_reads
+    _, graph, *_ = tfd.build(*config, spec, family)
+    reads = host_reads(graph)
+    attn, ffn, dispatch, _ = config
+    assert (not reads) == (ffn == "tp" and dispatch == "ag-rs"), sorted(reads)
+
+
 def test_cudagraph_refuses_cpu_with_the_real_backend_and_bad_modes():
     module, graph = lowered("tp", "tp", "ag-rs", 1)
     plan = make_plan(graph, tfd.COST, "greedy")
@@ -271,12 +269,12 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 @gpu
 @pytest.mark.parametrize("mode", ["layer", "attention"])
-def test_cudagraph_gpu_capture_matches_eager_fp32(mode):
+def test_cudagraph_gpu_capture_matches_eager_fp32(mode, monkeypatch):
     """Real capture on one GPU (n=1, ffn=tp): three steps with new inputs and an in-place
     parameter update between them, against the eager module on the same device."""
     import moegraph
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)     # fp32 means fp32 on both sides
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     module = small_layer(1, seed=0).cuda()
     gen = torch.Generator(device="cuda").manual_seed(5)
     x0 = torch.randn(B, S, H, device="cuda", generator=gen)
