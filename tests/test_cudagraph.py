@@ -163,16 +163,28 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
     inside: list = []                              # (syncs, stream syncs) while a captured segment ran
     state = None
 
+    forked: list[bool] = []                        # every comm stream ordered after the capturing stream
+
     class Counting(FakeGraphs):
+        comm_streams: dict = {}
+
         def capture(self, fn, fork):
+            def checked_fork():
+                comm = list(self.comm_streams.values())
+                waits = [len(s.waits) for s in comm]
+                fork()
+                forked.append(bool(comm) and all(len(s.waits) == w + 1 for s, w in zip(comm, waits)))
             before, streams = +fc._ACTIVE.mode.syncs, +state.syncs
-            handle = super().capture(fn, fork)
+            handle = super().capture(fn, checked_fork)
             inside.append((fc._ACTIVE.mode.syncs - before, state.syncs - streams))
             return handle
 
     def executor(graph, plan, comm, *, rank, n, device, timeout_s):
-        return GraphedExecutor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s, mode=mode,
-                               backend=Counting())
+        backend = Counting()
+        ex = GraphedExecutor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s, mode=mode,
+                             backend=backend)
+        backend.comm_streams = ex.comm_streams
+        return ex
 
     monkeypatch.setattr(tfd, "Executor", executor)
     real_streams = fc.fake_streams
@@ -186,6 +198,7 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
     got, _, modes = tfd._run_fake(graph, plan, params, x, dy, 2, monkeypatch)
     assert len(inside) == 2 * _captured_segments(graph, plan, mode) > 0
     assert all(not +a and not +b for a, b in inside), f"a captured segment synchronised the host: {inside}"
+    assert forked and all(forked), "a comm stream was not forked from the capturing stream"
     total = sum((+m.syncs for m in modes), start=fc.collections.Counter())
     assert bool(total) == (ffn == "ep"), total
     y_ref, _, _ = eager_step(module, x, dy)
