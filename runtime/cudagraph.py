@@ -22,7 +22,11 @@ a grouped GEMM over by-destination rows (it loops over host row segments), and a
 reads a value whose row count depends on the routing. Capacity-padded routing (fixed rows per
 expert), which would make ffn=ep under ag-rs static, is not implemented: the refusal says so.
 Index maps are Python objects, not tensors: the 'attention' segments stop before a node that
-reads or makes one, so no index map crosses a graph boundary.
+reads or makes one, so no index map crosses a graph boundary. One host read depends on the GPU,
+not the graph: ``torch._grouped_mm`` runs on the device for bf16 on sm90/sm100 and elsewhere
+falls back to copying its group offsets to the host; 'layer' on the real backend probes it
+(``grouped_mm_host_read``) and refuses naming the first grouped GEMM (so an fp32 layer captures
+in 'attention' mode only, where the grouped GEMMs stay in the eager middle).
 
 Replay (``CapturedSegment``). The first call warms the segment up eagerly on a side stream
 (torch requires it: lazy cuBLAS/NCCL initialisation must not be captured), with
@@ -60,7 +64,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 import torch
 
 from moegraph.ir import Graph, Node, OpKind, ValueKind
-from moegraph.kernels import IndexMap
+from moegraph.kernels import TORCH_DTYPES, IndexMap
 from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 from moegraph.runtime.executor import Executor, _releases
 from moegraph.runtime.plan import ExecutionPlan, PlanEntry
@@ -89,12 +93,13 @@ class HostRead:
     node: str
     phase: Literal["forward", "backward"]      # the executor's phase (backward includes recompute)
     reason: str
+    remedy: str = ("capture needs static shapes (ffn=tp with dispatch=ag-rs captures whole, or use "
+                   "cuda_graphs='attention')")
 
     def refusal(self, graph: Graph) -> str:
         st = graph.strategy
         return (f"cuda_graphs: {self.phase} node {self.node!r} (ffn={st.ffn}, dispatch={st.dispatch}) {self.reason}; "
-                "capture needs static shapes (ffn=tp with dispatch=ag-rs captures whole, or use "
-                "cuda_graphs='attention')")
+                f"{self.remedy}")
 
 
 def host_reads(graph: Graph) -> dict[str, str]:
@@ -190,6 +195,54 @@ def check_device(mode: CudaGraphs, device: torch.device) -> None:
     if mode != "off" and torch.device(device).type != "cuda":
         raise ValueError(f"cuda_graphs={mode!r} needs the layer on a CUDA device (NCCL across ranks), it is on "
                          f"{torch.device(device)}; use cuda_graphs='off'")
+
+
+def grouped_mm_host_read(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``torch._grouped_mm`` reads the host on this CUDA device and dtype, or None when it runs
+    on the device. Its device-side path takes bf16 on sm90/sm100; elsewhere torch's fallback copies
+    the group offsets to the host, and the kernels' own fallback (``moegraph.kernels._grouped``)
+    loops over host segments. A property of torch's build and the GPU, not of the graph: probed on
+    tiny operands shaped as the kernels call it, under sync debug mode 'error'. Cached."""
+    key = (str(device), dtype)
+    if key not in _GROUPED_MM_PROBES:
+        grouped_mm = getattr(torch, "_grouped_mm", None)
+        why = None
+        if grouped_mm is None:
+            why = "has no torch._grouped_mm, so the grouped GEMM loops over host row segments"
+        else:
+            x = torch.zeros(32, 16, dtype=dtype, device=device)                  # [R, K], two groups of 16 rows
+            w = torch.zeros(2, 16, 16, dtype=dtype, device=device)               # [E, N, K]
+            ends = torch.tensor([16, 32], dtype=torch.int32, device=device)
+            old = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                grouped_mm(x, w.transpose(-2, -1), offs=ends)
+            except RuntimeError as err:
+                why = (f"runs torch._grouped_mm's host fallback for {str(dtype).removeprefix('torch.')} on {device} "
+                       f"({str(err).splitlines()[0]})")
+            finally:
+                torch.cuda.set_sync_debug_mode(old)
+        _GROUPED_MM_PROBES[key] = why
+    return _GROUPED_MM_PROBES[key]
+
+
+_GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], str | None] = {}
+
+
+def device_host_read(graph: Graph, plan: ExecutionPlan, device: torch.device) -> HostRead | None:
+    """The first grouped GEMM (issue order) that reads the host on this CUDA device
+    (``grouped_mm_host_read`` for the graph's dtype), or None. 'layer' mode only: 'attention'
+    leaves every grouped GEMM in its eager middle (they read index maps)."""
+    grouped = [(phase, e.name) for phase, entries in zip(("forward", "backward"), plan.split(graph))
+               for e in entries if graph.node[e.name].op is OpKind.GROUPED_GEMM]
+    if not grouped:
+        return None
+    why = grouped_mm_host_read(device, TORCH_DTYPES[graph.strategy.dtype])
+    if why is None:
+        return None
+    phase, name = grouped[0]
+    return HostRead(name, phase, why, remedy="capture needs kernels that stay on the device (bf16 on an sm90/sm100 "
+                                             "GPU, or use cuda_graphs='attention')")
 
 
 # -- segments -----------------------------------------------------------------------------------
@@ -364,6 +417,8 @@ class GraphedExecutor(Executor):
         why = capture_refusal(graph, plan, mode)
         if why is not None:
             raise RuntimeFailure(why)
+        if backend is None and mode == "layer" and (hit := device_host_read(graph, plan, device)) is not None:
+            raise RuntimeFailure(hit.refusal(graph))
         super().__init__(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s)
         self.mode = mode
         self.backend = backend if backend is not None else TorchGraphs(self.device)
