@@ -152,7 +152,8 @@ SYNC_CASES = [("tp", "tp", "ag-rs", "layer"), ("tp", "tp", "ag-rs", "attention")
 def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monkeypatch):
     """On the fake CUDA device (streams, events, n=2 emulated collectives: the GPU code path), the
     segments the check lets capture make no host-synchronising call (.item/.tolist, device-to-host
-    copies, data-dependent shapes, stream/event synchronize): capture's precondition. The eager
+    copies, data-dependent shapes, stream/event synchronize) and no host-to-device copy (a graph
+    would replay it from a host buffer long freed): capture's precondition. The eager
     middle of an ffn=ep layer does sync (so the counter sees syncs where they are), and the
     step's output equals the eager module's."""
     module, graph = lowered(attn, ffn, dispatch, 2)
@@ -164,6 +165,7 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
     state = None
 
     forked: list[bool] = []                        # every comm stream ordered after the capturing stream
+    uploads: list[int] = []                        # host-to-device copies (a captured one reads freed host memory)
 
     class Counting(FakeGraphs):
         comm_streams: dict = {}
@@ -174,9 +176,11 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
                 waits = [len(s.waits) for s in comm]
                 fork()
                 forked.append(bool(comm) and all(len(s.waits) == w + 1 for s, w in zip(comm, waits)))
-            before, streams = +fc._ACTIVE.mode.syncs, +state.syncs
+            mode_ = fc._ACTIVE.mode
+            before, streams, h2d = +mode_.syncs, +state.syncs, mode_.h2d
             handle = super().capture(fn, checked_fork)
-            inside.append((fc._ACTIVE.mode.syncs - before, state.syncs - streams))
+            inside.append((mode_.syncs - before, state.syncs - streams))
+            uploads.append(mode_.h2d - h2d)
             return handle
 
     def executor(graph, plan, comm, *, rank, n, device, timeout_s):
@@ -199,6 +203,7 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
     assert len(inside) == 2 * _captured_segments(graph, plan, mode) > 0
     assert all(not +a and not +b for a, b in inside), f"a captured segment synchronised the host: {inside}"
     assert forked and all(forked), "a comm stream was not forked from the capturing stream"
+    assert not any(uploads), f"a captured segment copied host memory to the device: {uploads}"
     total = sum((+m.syncs for m in modes), start=fc.collections.Counter())
     assert bool(total) == (ffn == "ep"), total
     y_ref, _, _ = eager_step(module, x, dy)
