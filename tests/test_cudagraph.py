@@ -275,6 +275,12 @@ def test_cudagraph_refuses_cpu_with_the_real_backend_and_bad_modes():
     x = torch.randn(B, S, H)
     with pytest.raises(ValueError, match=r"cuda_graphs='attention' needs the layer on a CUDA device"):
         moegraph.compile(module, x, cuda_graphs="attention", schedule="sequential")
+    from moegraph.models import MoETransformer
+    from moegraph.registry import load_model
+    model = MoETransformer.from_config(load_model("tiny"), vocab=64)
+    with pytest.raises(ValueError, match=r"cuda_graphs='layer' captures a compiled layer; a whole model "
+                                         r"\(MoETransformer\) runs uncaptured"):
+        moegraph.compile(model, torch.zeros(2, 16, dtype=torch.long), cuda_graphs="layer")
     # off is the plain executor: nothing changes
     layer = CompiledLayer(graph, plan, full, rank=0, n=1, comm=NoComm())
     assert type(layer.executor).__name__ == "Executor" and layer.record
