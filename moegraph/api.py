@@ -14,7 +14,8 @@ from moegraph.commands import DEFAULT_PASSES
 def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
             attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
-            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1) -> Any:
+            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1,
+            cuda_graphs: str = "off") -> Any:
     """Compile one MoE decoder layer, or a whole causal LM, for this rank; returns an ``nn.Module``.
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
@@ -41,6 +42,12 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      p*n + r is rank r of replica p); parameter gradients come back averaged over
                      the replicas (docs/runtime.md, "Data parallelism"); a whole model's come back
                      as eager's on the global batch (its loss is the global token mean).
+    cuda_graphs:     'off' (default) | 'attention' | 'layer': replay CUDA graphs of a layer's
+                     static-shape segments (moegraph.runtime.cudagraph; docs/runtime.md, "CUDA
+                     graphs"): 'attention' the static prefix and suffix of each phase (the
+                     attention block with its collectives), 'layer' whole phases (refused, naming
+                     the node, where routing makes shapes data-dependent). CUDA devices only; a
+                     layer only (ValueError otherwise); no per-node traces.
 
     Collective: every rank must call it with the same arguments; ranks compare plan hashes and
     raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
@@ -57,6 +64,9 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                          f"(an integer tensor), got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{list(getattr(x, 'shape', []))}")
     if isinstance(x, torch.Tensor) and not x.is_floating_point():
+        if cuda_graphs != "off":
+            raise ValueError(f"cuda_graphs={cuda_graphs!r} captures a compiled layer; a whole model "
+                             f"({type(module).__name__}) runs uncaptured: use cuda_graphs='off'")
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
         return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
                              memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
@@ -64,4 +74,4 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                          time_limit_s=time_limit_s, record=record, dp=dp)
+                          time_limit_s=time_limit_s, record=record, dp=dp, cuda_graphs=cuda_graphs)

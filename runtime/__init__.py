@@ -11,6 +11,14 @@ This file stays import-light (no torch): the CLI imports it to learn the expecte
 
 from __future__ import annotations
 
+import typing
+from typing import Literal
+
+CudaGraphs = Literal["off", "attention", "layer"]
+"""What a layer captures as CUDA graphs (``runtime.cudagraph``): nothing, the static prefix and
+suffix of each phase (the attention block), or whole phases. Here, torch-free, for the CLI."""
+CUDA_GRAPH_MODES: tuple[str, ...] = typing.get_args(CudaGraphs)
+
 
 class RuntimeFailure(RuntimeError):
     """An expected runtime failure, reported by the CLI as one line and exit code 2."""
@@ -38,4 +46,4 @@ class RankFailure(RuntimeFailure):
         self.traceback = traceback
 
 
-__all__ = ["RuntimeFailure", "ScheduleMismatch", "PlanError", "CollectiveTimeout", "RankFailure"]
+__all__ = ["CudaGraphs", "CUDA_GRAPH_MODES", "RuntimeFailure", "ScheduleMismatch", "PlanError", "CollectiveTimeout", "RankFailure"]

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from moegraph.runtime import RuntimeFailure
+from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
@@ -73,6 +73,7 @@ class RunSpec:
     timeout_s: float
     check: bool = False
     implementation: "Implementation" = "reference"
+    cuda_graphs: CudaGraphs = "off"     # runtime.cudagraph: what each layer replays as CUDA graphs
 
 
 # Which eager module supplies the parameters (their names are the graph's): the project's
@@ -220,7 +221,8 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     # buffers too: DeepSeek-V3's router reads its score-correction bias
     full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
     n = spec.graph.strategy.n                   # ``rank`` is global: one of n x dp (world_size)
-    layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s) for plan in spec.plans]
+    layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s, cuda_graphs=spec.cuda_graphs)
+              for plan in spec.plans]
     M = micro_batch_count(spec.graph)
     batches = micro_batch_inputs(spec.graph, spec.seed, M, device=spec.device, dtype=dtype)
     if M > 1:
@@ -375,6 +377,11 @@ def run_command(p: argparse.ArgumentParser):
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
                    help="seconds any collective may take before the run fails naming it (default %(default)s)")
+    p.add_argument("--cuda-graphs", default="off", choices=CUDA_GRAPH_MODES, metavar="MODE",
+                   help="replay CUDA graphs (--backend nccl): attention = each phase's static prefix and suffix "
+                        "(the attention block with its collectives), layer = whole phases (refused, naming the "
+                        "node, where routing makes shapes data-dependent); no per-node traces then. "
+                        f"One of {', '.join(CUDA_GRAPH_MODES)} (default %(default)s)")
     p.set_defaults(**{flag: Unset(p.get_default(flag)) for flag in LAYER_FLAGS})
 
     def handler(args) -> int:
@@ -454,7 +461,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.layers import layer_count
     from moegraph.microbatch import micro_batch_count
     from moegraph.runtime.module import make_plan
-    from moegraph.runtime.plan import FUSED_AS_MEMBERS, fused_group_count
+    from moegraph.runtime.cudagraph import capture_refusal
+    from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
@@ -462,6 +470,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
+    check_cuda_graph_args(args)
     link = link_from_args(args)
     if link is not None and args.backend != "gloo":
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
@@ -484,10 +493,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(warning, file=sys.stderr, flush=True)
         if schedule is not None:
             _check_same_graph(layer.graph, schedule, args.schedule)
+        if why := capture_refusal(layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs):
+            raise UsageError(why)                         # before scheduling and spawning
         plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
                          memory_budget=args.memory_budget, time_limit_s=args.time_limit)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
-                              backend=args.backend, timeout_s=args.timeout, check=args.check)
+                              backend=args.backend, timeout_s=args.timeout, check=args.check,
+                              cuda_graphs=args.cuda_graphs)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
@@ -499,8 +511,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),
         "predicted_step_us": None if plan.predicted_makespan_us is None else round(plan.predicted_makespan_us, 1),
-        # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels)
-        "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results)}
+        # the slowest rank's host time per node (runtime.executor.HostTime; CPU: includes the kernels;
+        # with CUDA graphs: replay launch overhead, copies in and out included)
+        "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results),
+        # per-node timing events cannot be recorded inside a CUDA graph: such a run keeps step times only
+        "cuda_graphs": args.cuda_graphs, "per_node_traces": args.cuda_graphs == "off"}
     if fused := fused_group_count(g):
         report.update({"fused_groups": fused, "executed_as": FUSED_AS_MEMBERS})
     if args.check:
@@ -513,6 +528,24 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+
+def check_cuda_graph_args(args: argparse.Namespace) -> None:
+    """--cuda-graphs against the other flags (UsageError before any work): CUDA graphs need NCCL
+    ranks on CUDA devices, capture one-micro-batch layers, and record no per-node traces."""
+    from moegraph.options import UsageError
+    mode = args.cuda_graphs
+    if mode == "off":
+        return
+    if args.backend != "nccl":
+        raise UsageError(f"--cuda-graphs {mode} needs --backend nccl on CUDA devices (--backend {args.backend} runs "
+                         "CPU ranks)")
+    refused = [flag for flag, given in (("--trace", args.trace), ("--compare-prediction", args.compare_prediction),
+                                         ("--train-steps", args.train_steps is not None),
+                                         ("--micro-batches", getattr(args, "micro_batches", 1) > 1)) if given]
+    if refused:
+        raise UsageError(f"--cuda-graphs {mode} records no per-node traces and captures one-micro-batch layers only; "
+                         f"it does not take {', '.join(refused)}")
 
 
 def check_micro_batch_args(args: argparse.Namespace) -> None:
@@ -660,12 +693,13 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
                 backend: str = "gloo", timeout_s: float = 120.0, check: bool = False,
-                implementation: Implementation = "reference") -> list[dict[str, Any]]:
+                implementation: Implementation = "reference", cuda_graphs: CudaGraphs = "off") -> list[dict[str, Any]]:
     """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank.
-    ``implementation``: the eager module the layer's graph was traced from (its parameter names)."""
+    ``implementation``: the eager module the layer's graph was traced from (its parameter names);
+    ``cuda_graphs``: what the layers replay as CUDA graphs (``runtime.cudagraph``)."""
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
-                   timeout_s, check, implementation)
+                   timeout_s, check, implementation, cuda_graphs)
     world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
     return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
@@ -714,6 +748,7 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
              f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
+             + (f" cuda_graphs={r['cuda_graphs']}" if r.get("cuda_graphs", "off") != "off" else "")
              + (f" layers={r['layers']}" if r.get("layers", 1) > 1 else "")
              + (f" link={r['link']}" if r.get("link", "none") != "none" else "")
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),

@@ -39,9 +39,10 @@ from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import Graph, Strategy
-from moegraph.runtime import PlanError, RuntimeFailure
+from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
+from moegraph.runtime.cudagraph import GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
@@ -66,15 +67,19 @@ class CompiledLayer(nn.Module):
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
                  rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True,
-                 layout: Layout | None = None):
+                 layout: Layout | None = None, cuda_graphs: CudaGraphs = "off", graph_backend: GraphBackend | None = None):
         """``rank``: this rank's index in its n-rank group; ``layout``: its place among n x dp
-        ranks (default: dp=1, the group is the world)."""
+        ranks (default: dp=1, the group is the world). ``cuda_graphs``: 'attention' | 'layer'
+        replays captured segments (``runtime.cudagraph``; no per-node traces then, ``record`` is
+        off); ``graph_backend``: its capture backend (default: real CUDA graphs)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
         self.layout = layout if layout is not None else Layout(n, 1, rank)
         if (self.layout.n, self.layout.mp_rank) != (n, rank):
             raise RuntimeFailure(f"rank {rank} of n={n} disagrees with the layout {self.layout}")
-        self.timeout_s, self.record = timeout_s, record
+        self.cuda_graphs = check_mode(cuda_graphs)
+        # per-node timing events cannot be recorded inside a CUDA graph: a graphed layer keeps no traces
+        self.timeout_s, self.record = timeout_s, record and self.cuda_graphs == "off"
         self._attr: dict[str, str] = {}
         self.full_shapes = {src.qualname: tuple(full_params[src.qualname].shape)
                             for _, spec in graph.params for src in spec.sources}
@@ -88,8 +93,12 @@ class CompiledLayer(nn.Module):
             else:
                 self.register_parameter(attr, nn.Parameter(shard))
             self._attr[pname] = attr
-        self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device or torch.device("cpu"),
-                                 timeout_s=timeout_s)
+        device = device or torch.device("cpu")
+        if self.cuda_graphs == "off":
+            self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s)
+        else:
+            self.executor = GraphedExecutor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s,
+                                            mode=self.cuda_graphs, backend=graph_backend)
         self._recorders: collections.deque[StepRecorder] = collections.deque()
         self.dropped_traces = 0
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
@@ -271,7 +280,8 @@ class CompiledLayer(nn.Module):
         st = self.graph.strategy
         return (f"graph={self.graph.name}, attn={st.attn}, ffn={st.ffn}, dispatch={st.dispatch}, rank={self.rank}, "
                 f"n={self.n}, dp={self.layout.dp}, replica={self.layout.replica}, "
-                f"plan={self.plan.method} ({self.plan.hash[:12]})")
+                f"plan={self.plan.method} ({self.plan.hash[:12]})"
+                + (f", cuda_graphs={self.cuda_graphs}" if self.cuda_graphs != "off" else ""))
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -353,7 +363,8 @@ def comm_axes(graph: Graph) -> tuple[str, ...]:
 
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
-                timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True) -> CompiledLayer:
+                timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True,
+                cuda_graphs: CudaGraphs = "off") -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
     groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
     Collective when n x dp > 1."""
@@ -372,14 +383,15 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
                     emulate=emulate)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                         record=record, layout=layout)
+                         record=record, layout=layout, cuda_graphs=cuda_graphs)
 
 
 def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
                    ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES, memory_budget: int | None = None,
                    schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
                    time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                   emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1) -> CompiledLayer:
+                   emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
+                   cuda_graphs: CudaGraphs = "off") -> CompiledLayer:
     """See ``moegraph.compile``."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
@@ -390,6 +402,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
         raise ValueError("example_inputs must be the layer input [b, s, h] (a tensor, or a tuple starting with it)")
     if x.dtype not in DTYPES:
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
+    check_device(check_mode(cuda_graphs), x.device)              # before tracing and scheduling
     rank, n, b = replica_batch(x.shape[0], n, dp, "example_inputs [dp*b, s, h]")
     s = x.shape[1]
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
@@ -406,9 +419,13 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     if odd:
         raise ValueError(f"module parameters live on {odd} but example_inputs is {x.device}/{x.dtype}: "
                          "move the module and the input to one device and dtype")
+    # data-dependent nodes refuse 'layer' whatever the order: ask before scheduling
+    if why := capture_refusal(graph, ExecutionPlan.sequential(graph), cuda_graphs):
+        raise ValueError(why)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)
     if fused := fused_group_count(graph):
         warnings.warn(f"{fused} {FUSED_AS_MEMBERS}", stacklevel=3)
-    layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record)
+    layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record,
+                        cuda_graphs=cuda_graphs)
     return layer

@@ -149,8 +149,11 @@ def hidden_comm_fraction(trace: StepTrace) -> float:
 
 
 def new_event(stream: Any = None) -> Any:
+    """A CUDA event recorded on ``stream``. Inside a CUDA graph capture (runtime.cudagraph) an
+    event is a fork/join marker, not a clock: it is made without timing there."""
     import torch
-    ev = torch.cuda.Event(enable_timing=True)
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    ev = torch.cuda.Event(enable_timing=not capturing)
     ev.record(stream)
     return ev
 

@@ -145,6 +145,16 @@ RUNTIME_CASES = [
     (["run", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward with "
                                              "another's backward: it needs --micro-batches M >= 2 (got 1)"),
     (["run", "--micro-batches", "2", "--train-steps", "2"], "--micro-batches 2 with --train-steps: not supported"),
+    (["run", "--cuda-graphs", "layer"], "--cuda-graphs layer needs --backend nccl on CUDA devices"),
+    (["run", "--cuda-graphs", "attention", "--backend", "gloo", "--model", "small"],
+     "--cuda-graphs attention needs --backend nccl on CUDA devices (--backend gloo runs CPU ranks)"),
+    (["run", "--cuda-graphs", "whole"], "argument --cuda-graphs: invalid choice: 'whole' (choose from 'off', "
+                                        "'attention', 'layer')"),
+    (["run", "--backend", "nccl", "--hardware", "h800", "--cuda-graphs", "layer", "--trace", "{tmp}/t.json"],
+     "--cuda-graphs layer records no per-node traces and captures one-micro-batch layers only; it does not take "
+     "--trace"),
+    (["run", "--backend", "nccl", "--hardware", "h800", "--cuda-graphs", "attention", "--micro-batches", "2",
+      "--compare-prediction"], "it does not take --compare-prediction, --micro-batches"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

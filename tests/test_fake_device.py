@@ -171,38 +171,48 @@ def _executor_step(graph, plan, comm, rank, n, x, dy, params, device, results):
     results[rank] = (y, dx, grads)
 
 
-def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
-    """Every rank's executor step on fake CUDA (one thread per rank); returns CPU results."""
-    state = fc.fake_streams(monkeypatch)
-    shared = EmulatedComm(n) if n > 1 else None
-    results: dict[int, tuple] = {}
+def run_rank_threads(n, rank_main, shared) -> None:
+    """``rank_main(rank)`` for every rank, each in its own thread; re-raises the first error (a
+    failing rank aborts the emulated collectives' barrier, so the others do not wait for it)."""
     errors: list[BaseException] = []
-    modes: list[fc.FakeCuda] = []
-    state.comm = shared
 
-    def rank_main(rank):
+    def guarded(rank):
         try:
-            with fc.FakeCuda() as mode:
-                modes.append(mode)
-                fparams = {k: fc.to_fake(v) for k, v in params.items()}
-                comm = shared.for_rank(rank) if shared else NoComm()
-                _executor_step(graph, plan, comm, rank, n, fc.to_fake(x), fc.to_fake(dy), fparams,
-                               torch.device("cuda", 0), results)
-                y, dx, grads = results[rank]
-                assert y.device == fc.CUDA and all(g.device == fc.CUDA for g in grads)
-                results[rank] = (fc.real(y), fc.real(dx), [fc.real(g) for g in grads])
+            rank_main(rank)
         except BaseException as err:                       # noqa: BLE001 - re-raised in the test thread
             errors.append(err)
             if shared:
                 shared.barrier.abort()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(n)]
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
     if errors:
         raise errors[0]
+
+
+def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
+    """Every rank's executor step on fake CUDA (one thread per rank); returns CPU results."""
+    state = fc.fake_streams(monkeypatch)
+    shared = EmulatedComm(n) if n > 1 else None
+    results: dict[int, tuple] = {}
+    modes: list[fc.FakeCuda] = []
+    state.comm = shared
+
+    def rank_main(rank):
+        with fc.FakeCuda() as mode:
+            modes.append(mode)
+            fparams = {k: fc.to_fake(v) for k, v in params.items()}
+            comm = shared.for_rank(rank) if shared else NoComm()
+            _executor_step(graph, plan, comm, rank, n, fc.to_fake(x), fc.to_fake(dy), fparams,
+                           torch.device("cuda", 0), results)
+            y, dx, grads = results[rank]
+            assert y.device == fc.CUDA and all(g.device == fc.CUDA for g in grads)
+            results[rank] = (fc.real(y), fc.real(dx), [fc.real(g) for g in grads])
+
+    run_rank_threads(n, rank_main, shared)
     return results, state, modes
 
 
