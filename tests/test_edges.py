@@ -302,3 +302,17 @@ def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2():
     for part in ("norm", "head", "layers"):
         assert err[part] < BF16_TOL, err
     assert err["head"] > 1e-6, err
+
+
+def test_builder_extend_continues_a_graph():
+    """GraphBuilder.extend: new names unique against the continued graph's values and nodes; only
+    what was added is listed (add_edges splices it in)."""
+    from moegraph.builder import GraphBuilder
+    from moegraph.ir import OpKind
+    g = _graph(layers=1)
+    b = GraphBuilder.extend(g)
+    v = b.value("edges.normed", (4,))
+    b.node("edges.norm", OpKind.ADD, (v,), (v,))
+    assert v == "edges.normed_2" and [n.name for n in b.nodes] == ["edges.norm_2"]
+    assert [x.name for x in b.added_values()] == [v] and b.inputs == [] and b.shape("edges.normed") == \
+        g.value["edges.normed"].shape
