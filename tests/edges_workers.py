@@ -88,6 +88,6 @@ def dp_bf16_edge_grads(rank: int, world: int, seed: int, dp: int) -> dict:
                                 schedule="greedy", timeout_s=60.0, dp=dp)
     graph = compiled.layers.graph
     planned = {e.name for e in compiled.layers.plan.entries}
-    compressed = sorted(nd.name for nd in graph.nodes
-                        if nd.name.startswith("edges.") and nd.attr("compressed", None) == "bf16" and nd.name in planned)
+    compressed = sorted(nd.name for nd in graph.nodes if nd.name.startswith("edges.") and nd.name in planned
+                        and nd.attr("compressed", None) == "bf16")
     return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels)}

@@ -228,7 +228,8 @@ def test_merged_edges_in_the_paired_slots():
     slot = dict(zip((t.name for t in p.tasks), pair_slots(p)))
     for j in range(M):
         layer_bwd = lambda layer: [s for name, s in slot.items()  # noqa: E731
-                                   if name.startswith(f"mb{j}.l{layer}.") and p.graph.node[name].phase.value != "forward"]
+                                   if name.startswith(f"mb{j}.l{layer}.")
+                                   and p.graph.node[name].phase.value != "forward"]
         assert slot[f"mb{j}.edges.norm.dgrad"] == min(layer_bwd(L - 1)) == L + j * L
         assert slot[f"mb{j}.edges.embed.grad_gather"] == max(layer_bwd(0)) == L + j * L + L - 1
         assert slot[f"mb{j}.edges.lm_head"] == max(s for name, s in slot.items()
