@@ -317,3 +317,19 @@ def test_builder_extend_continues_a_graph():
     assert v == "edges.normed_2" and [n.name for n in b.nodes] == ["edges.norm_2"]
     assert [x.name for x in b.added_values()] == [v] and b.inputs == [] and b.shape("edges.normed") == \
         g.value["edges.normed"].shape
+
+
+def test_dp_warm_starts_issue_the_edges_sync_first():
+    """dp=2: the DP-aware warm starts (schedules.dp_order) put the head and norm DP collectives
+    first on the DP stream (their partials exist before any layer's backward), not after layer 0's
+    as a layer-less node's key did."""
+    from moegraph.schedules.dp_order import dp_warm_starts
+    from moegraph.schedules.problem import DP_STREAM, build_problem
+    p = build_problem(_graph(dp=2, layers=2), CostModel(load_hardware("h800")))
+    sols = dp_warm_starts(p)
+    assert len(sols) == 2
+    for sol in sols:
+        dp = sorted((t for t in p.tasks if t.stream == DP_STREAM), key=lambda t: sol.start[t.index])
+        order = [t.name for t in dp]
+        head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
+        assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]
