@@ -41,6 +41,23 @@ class GraphBuilder:
         self.grads: dict[str, str] = {}
         self.saved: set[str] = set()
         self._node_names: set[str] = set()
+        self._extended: frozenset[str] = frozenset()      # the continued graph's values (``extend``)
+
+    @classmethod
+    def extend(cls, graph: Graph) -> "GraphBuilder":
+        """A builder that continues ``graph``: its values are readable (``values``, ``shape``,
+        ``like``) and new value and node names are unique against the whole graph, but ``nodes``,
+        ``inputs``, ``outputs``, ``params`` and ``grads`` hold only what is added from here on
+        (the caller splices them into ``graph``: ``added_values`` lists the new values)."""
+        g = cls(graph.name, graph.dims, graph.strategy)
+        g.values = {v.name: v for v in graph.values}
+        g._node_names = {n.name for n in graph.nodes}
+        g._extended = frozenset(g.values)
+        return g
+
+    def added_values(self) -> tuple[Value, ...]:
+        """The values made since ``extend`` (every value of a fresh builder)."""
+        return tuple(v for name, v in self.values.items() if name not in self._extended)
 
     # -- values -------------------------------------------------------------------------
     @property

@@ -42,10 +42,25 @@ logits value (same shape); the cross-entropy itself and the embedding's gather a
 input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
 (no head) has no head nodes; its incoming gradient is the graph input ``edges.d_normed``.
 
+Merged micro-batch steps (``moegraph.microbatch``, M >= 2): every micro-batch j has its own
+eager norm and head, forward and backward (``mb{j}.edges.norm`` ..., attr ``mb`` = j, priced
+per micro-batch as above), between its forward and its backward; its ``edges.norm.dgrad`` makes
+its seed ``mb{j}.<seed>``. The head and norm partial gradients are summed over the micro-batches
+as ``merge_microbatches`` sums a replicated layer parameter's: micro-batch j >= 1's weight-
+gradient node adds into micro-batch j-1's sum (attr accumulate, the sum read last), and the
+sync runs once per step on the last micro-batch's sum (no ``mb``: one all-reduce of the same
+bytes as a one-micro-batch step's, never M). The embedding gather runs per micro-batch, after
+its layer 0's backward (``mb{j}.edges.embed.grad_gather``).
+
+With ``compress=dp-bf16`` among the passes (``graph.meta["dp_grad_wire"]``,
+``moegraph.compression``), the edges' own DP reduce-scatters are rewritten the same way: half
+the bytes, as the layers'.
+
 Edge nodes carry ``block`` "edges" and the node attribute ``edge`` = True (``EDGE_ATTR``, no
 ``layer``): schedule summaries and Gantt charts group them as "edges". ``graph.meta["edges"]``
-names the values (``edge_values``): the runtime feeds the seed and the partial gradients and
-reads the synchronised ones.
+names the values (``edge_values``): the runtime feeds the seeds and the partial gradients and
+reads the synchronised ones (a merged step's edges are not run by the runtime yet: its
+executor refuses such a graph).
 
 Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas,
 V vocabulary, T = b*s/n tokens per rank.
@@ -58,8 +73,9 @@ from dataclasses import dataclass
 
 from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
-from moegraph.ir import Graph, GraphError, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
-from moegraph.microbatch import micro_batch_count
+from moegraph.compression import DpGradWire, dp_bf16, dp_grad_wire, is_dp_fp32_reduce_scatter
+from moegraph.ir import Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
+from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch_of, microbatch_boundaries
 
 EDGES = "edges"
 """Block, node-name prefix and schedule group of the edge nodes."""
@@ -70,26 +86,50 @@ EDGE_ATTR = "edge"
 EAGER_ATTR = "eager"
 """Node attribute (True) marking an edge node the runtime's autograd runs, not the plan."""
 
+EMBED_ATTR = "embed"
+"""Node attribute (True) marking the embedding gradient's gathers (they follow layer 0's backward)."""
+
 
 @dataclass(frozen=True)
 class EdgeValues:
     """Value names of a graph's edges (``graph.meta["edges"]``).
 
-    seed: the last layer's incoming gradient [b, s/n, h], made by the eager norm backward.
-    norm_partial / head_partial: inputs, this rank's partial gradient of the final norm [h] and
-    of the LM head [V, h] (head: None for a base model without one).
-    norm_synced / head_synced: the synchronised gradients (the partial itself when the world
-    is one rank: nothing to sync).
-    embed_rows: layer 0's input gradient gathered over every rank ([dp*b, s, h]: the global
-    batch's rows in input_ids order); layer 0's input gradient itself when the world is one rank.
+    seeds: per micro-batch, the last layer's incoming gradient [b, s/n, h], made by that
+    micro-batch's eager norm backward (one entry for a one-micro-batch graph).
+    norm_partial / head_partial: this rank's partial gradient of the final norm [h] and of the
+    LM head [V, h] for the whole step (head: None for a base model without one), made by the
+    eager weight-gradient nodes; in a merged step each micro-batch's adds into the previous
+    one's (attr accumulate), so this is the last micro-batch's, the sum over all of them.
+    norm_synced / head_synced: the synchronised gradients, once per step (the partial itself
+    when the world is one rank: nothing to sync).
+    embed_gathered: per micro-batch, its layer 0's input gradient gathered over every rank
+    ([dp*b, s, h]: the global batch's rows in input_ids order); layer 0's input gradient itself
+    when the world is one rank.
     """
 
-    seed: str
+    seeds: tuple[str, ...]
     norm_partial: str
     norm_synced: str
     head_partial: str | None
     head_synced: str | None
-    embed_rows: str
+    embed_gathered: tuple[str, ...]
+
+    @property
+    def seed(self) -> str:
+        """The one seed of a one-micro-batch graph."""
+        return self._one(self.seeds, "seeds")
+
+    @property
+    def embed_rows(self) -> str:
+        """The one gathered embedding gradient of a one-micro-batch graph."""
+        return self._one(self.embed_gathered, "embed_gathered")
+
+    @staticmethod
+    def _one(names: tuple[str, ...], field: str) -> str:
+        if len(names) != 1:
+            raise GraphError(f"the edges of a step of {len(names)} micro-batches have one value per micro-batch: "
+                             f"read EdgeValues.{field} ({', '.join(names)})")
+        return names[0]
 
     @property
     def partials(self) -> tuple[str, ...]:
@@ -98,7 +138,7 @@ class EdgeValues:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(v for v in (self.norm_synced, self.head_synced, self.embed_rows)
+        return tuple(dict.fromkeys(v for v in (self.norm_synced, self.head_synced, *self.embed_gathered)
                                    if v is not None))
 
 
@@ -109,57 +149,36 @@ def edge_values(graph: Graph) -> EdgeValues | None:
 
 
 def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
-    """``graph`` (one layer or a stack, after the passes) with the edges' gradient sync appended
-    (module docstring); ``vocab`` V, or None for a base model without an LM head. Verified."""
+    """``graph`` (one layer or a stack, after the passes; or the merged step of M micro-batches
+    of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
+    None for a base model without an LM head. Verified."""
     if edge_values(graph) is not None:
         raise GraphError(f"graph {graph.name!r} already has its edges")
-    if micro_batch_count(graph) > 1:
-        raise GraphError(f"graph {graph.name!r} is a step of {micro_batch_count(graph)} micro-batches: the edges' "
-                         "gradient sync is modelled for a one-micro-batch step only")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
         raise ValueError(f"vocab={vocab!r} must be a positive integer or None (no LM head)")
     st, d = graph.strategy, graph.dims
-    dx = graph.outputs[1]                              # layer 0's input gradient (moegraph.layers)
-    if graph.value[dx].kind is not ValueKind.GRAD or graph.value[dx].shape != (d.b, d.s // st.n, d.h):
-        raise GraphError(f"graph {graph.name!r}: outputs[1] {dx!r} is not layer 0's input gradient [b, s/n, h]")
-    seeds = [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD]
-    if len(seeds) != 1:
-        raise GraphError(f"graph {graph.name!r} has seed gradients {seeds}; the edges join a stack with one")
-    seed, y = seeds[0], graph.outputs[0]               # the last layer's incoming gradient and output
-    g = GraphBuilder(graph.name, graph.dims, graph.strategy)
-    g.values = {v.name: v for v in graph.values}       # unique names against the whole graph
-    g._node_names = {n.name for n in graph.nodes}
-    grad_dtype = graph.value[dx].dtype
-    T, h = d.b * d.s // st.n, d.h                       # tokens on this rank, hidden
-    item = graph.value[y].nbytes // (T * h)             # bytes per element of the activations
-    eager = dict(block=EDGES, attrs={EAGER_ATTR: True})
+    M = micro_batch_count(graph)
+    at = (lambda j, name: name) if M == 1 else mb_name      # micro-batch j's copy of a name
+    bounds = microbatch_boundaries(graph)                    # per micro-batch (x, seed, y, dx)
+    for _, _, _, dx in bounds:                               # layer 0's input gradient (moegraph.layers)
+        if graph.value[dx].kind is not ValueKind.GRAD or graph.value[dx].shape != (d.b, d.s // st.n, d.h):
+            raise GraphError(f"graph {graph.name!r}: {dx!r} is not layer 0's input gradient [b, s/n, h]")
+    g = GraphBuilder.extend(graph)                          # unique names against the whole graph
+    grad_dtype = graph.value[bounds[0][3]].dtype
+    T, h = d.b * d.s // st.n, d.h                           # tokens on this rank (per micro-batch), hidden
+    item = graph.value[bounds[0][2]].nbytes // (T * h)      # bytes per element of the activations
+    computes: list[list[Node]] = []
+    norm_partial = head_partial = None                      # the running sums over the micro-batches
+    for j, (_, seed, y, _) in enumerate(bounds):
+        first = len(g.nodes)
+        norm_partial, head_partial = _eager_compute(g, j, at, seed, y, vocab, T, h, item, grad_dtype,
+                                                    norm_partial, head_partial)
+        computes.append(g.nodes[first:])
 
-    # the eager compute, priced (module docstring): forward, then the backward that makes the seed
-    normed = g.like(f"{EDGES}.normed", y)
-    g.node(f"{EDGES}.norm", OpKind.RMSNORM, (y,), (normed,), flops=4 * T * h, mem_bytes=(2 * T * h + h) * item,
-           **eager)
-    norm_partial = g.value(f"{EDGES}.d_norm.partial", (h,), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
-    head_partial = None
-    if vocab is not None:
-        logits = g.value(f"{EDGES}.logits", (d.b, d.s // st.n, vocab))
-        gemm = 2 * T * h * vocab
-        g.node(f"{EDGES}.lm_head", OpKind.GEMM, (normed,), (logits,), flops=gemm,
-               mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
-        d_normed = g.like(f"{EDGES}.d_normed", normed, kind=ValueKind.GRAD)
-        head_partial = g.value(f"{EDGES}.d_lm_head.partial", (vocab, h), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
-        bwd = dict(phase=Phase.BACKWARD, flops=gemm, mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
-        g.node(f"{EDGES}.lm_head.dgrad", OpKind.GEMM, (logits,), (d_normed,), role=Role.DGRAD, **bwd)
-        g.node(f"{EDGES}.lm_head.wgrad", OpKind.GEMM, (normed, logits), (head_partial,), role=Role.WGRAD, **bwd)
-    else:
-        d_normed = g.input(f"{EDGES}.d_normed", g.shape(normed), kind=ValueKind.GRAD)
-    # as autodiff's rmsnorm rule: the data gradient twice the forward's FLOPs, the weight's once
-    g.node(f"{EDGES}.norm.dgrad", OpKind.RMSNORM, (y, d_normed), (seed,), phase=Phase.BACKWARD, role=Role.DGRAD,
-           flops=8 * T * h, mem_bytes=3 * T * h * item, **eager)
-    g.node(f"{EDGES}.norm.wgrad", OpKind.RMSNORM, (y, d_normed), (norm_partial,), phase=Phase.BACKWARD,
-           role=Role.WGRAD, flops=4 * T * h, mem_bytes=(2 * T * h + h) * item, **eager)
-    n_compute = len(g.nodes)
+    # the replicated parameters' rule (autodiff.param_grad): ALL_REDUCE, or _dp_sync with dp > 1;
+    # once per step on the summed partials (as merge_microbatches syncs a layer's parameters)
+    first = len(g.nodes)
 
-    # the replicated parameters' rule (autodiff.param_grad): ALL_REDUCE, or _dp_sync with dp > 1
     def synced(name: str, partial: str) -> str:
         param = f"{EDGES}.{name}"
         g.params[param] = ParamSpec(sources=(), shard_dim=None)
@@ -167,34 +186,122 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
 
     norm_synced = synced("norm", norm_partial)
     head_synced = synced("lm_head", head_partial) if head_partial is not None else None
-    kw = dict(phase=Phase.BACKWARD, role=Role.WGRAD, block=EDGES)
-    rows = dx
-    if st.n > 1:                                        # [b, s/n, h] -> [b, s, h]
-        out = g.value(f"{EDGES}.d_embed_rows" if st.dp == 1 else f"{EDGES}.d_embed_rows_replica",
-                      (d.b, d.s, d.h), kind=ValueKind.GRAD, dtype=graph.value[dx].dtype)
-        g.collective(f"{EDGES}.embed.grad_gather", OpKind.ALL_GATHER, (rows,), (out,), group=st.n,
-                     full_bytes=g.nbytes(out), attrs={"dim": 1}, **kw)
-        rows = out
-    if st.dp > 1:                                       # [b, s, h] -> [dp*b, s, h], replica-major
-        out = g.value(f"{EDGES}.d_embed_rows", (st.dp * d.b, d.s, d.h), kind=ValueKind.GRAD,
-                      dtype=graph.value[dx].dtype)
-        g.collective(f"{EDGES}.embed.grad_gather_dp", OpKind.ALL_GATHER, (rows,), (out,), group=st.dp,
-                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp"}, **kw)
-        rows = out
-    names = EdgeValues(seed, norm_partial, norm_synced, head_partial, head_synced, rows)
-    old = {v.name for v in graph.values}
-    new_values = tuple(v for name, v in g.values.items() if name not in old)
-    marked = [dataclasses.replace(n, block=EDGES, module=EDGES).with_attrs(**{EDGE_ATTR: True}) for n in g.nodes]
-    compute, sync = marked[:n_compute], marked[n_compute:]
-    # the eager compute runs between the layers' forward and backward; the sync after the layers
-    first_bwd = next(i for i, n in enumerate(graph.nodes) if n.phase is not Phase.FORWARD)
-    nodes = graph.nodes[:first_bwd] + tuple(compute) + graph.nodes[first_bwd:] + tuple(sync)
+    sync = g.nodes[first:]
+    if dp_grad_wire(graph) is DpGradWire.BF16:
+        # the passes compressed the layers' DP reduce-scatters (compress=dp-bf16): the edges' too,
+        # never an fp32 sync beside bf16 ones
+        sync = [r for n in sync for r in (dp_bf16(n, g.values) if is_dp_fp32_reduce_scatter(g.values, n) else [n])]
+    gathers, gathered = [], []
+    for j, (_, _, _, dx) in enumerate(bounds):
+        first = len(g.nodes)
+        gathered.append(_embed_gather(g, j, at, dx))
+        gathers.append(g.nodes[first:])
+    names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
+                       tuple(gathered))
+
+    def marked(nodes, j):
+        mb = {MB_ATTR: j} if M > 1 and j is not None else {}
+        return [dataclasses.replace(n, block=EDGES, module=EDGES).with_attrs(**{EDGE_ATTR: True}, **mb)
+                for n in nodes]
+
+    nodes = _splice(graph, [marked(c, j) for j, c in enumerate(computes)], marked(sync, None),
+                    [marked(c, j) for j, c in enumerate(gathers)])
     meta = dict(graph.meta) | {EDGES: freeze_attrs(dataclasses.asdict(names))}
     out_names = tuple(o for o in names.outputs if o not in graph.outputs)
-    edged = dataclasses.replace(graph, values=graph.values + new_values, nodes=nodes,
-                                inputs=tuple(v for v in graph.inputs if v != seed) + tuple(g.inputs),
+    seeds = set(names.seeds)
+    edged = dataclasses.replace(graph, values=graph.values + g.added_values(), nodes=nodes,
+                                inputs=tuple(v for v in graph.inputs if v not in seeds) + tuple(g.inputs),
                                 outputs=graph.outputs + out_names, meta=freeze_attrs(meta))
     return verify(edged)
+
+
+def _eager_compute(g: GraphBuilder, j: int, at, seed: str, y: str, vocab: int | None, T: int, h: int, item: int,
+                   grad_dtype: str, norm_acc: str | None, head_acc: str | None) -> tuple[str, str | None]:
+    """Micro-batch j's eager norm and head, forward and backward, priced (module docstring):
+    the backward makes ``seed``; the weight-gradient nodes add into ``norm_acc`` / ``head_acc``
+    (the previous micro-batches' sums) when given. Returns the (norm, head) partial sums."""
+    d = g.dims
+    eager = dict(block=EDGES, attrs={EAGER_ATTR: True})
+    normed = g.like(at(j, f"{EDGES}.normed"), y)
+    g.node(at(j, f"{EDGES}.norm"), OpKind.RMSNORM, (y,), (normed,), flops=4 * T * h,
+           mem_bytes=(2 * T * h + h) * item, **eager)
+    norm_partial = g.value(at(j, f"{EDGES}.d_norm.partial"), (h,), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
+    head_partial = None
+    if vocab is not None:
+        logits = g.value(at(j, f"{EDGES}.logits"), (d.b, d.s // g.strategy.n, vocab))
+        gemm = 2 * T * h * vocab
+        g.node(at(j, f"{EDGES}.lm_head"), OpKind.GEMM, (normed,), (logits,), flops=gemm,
+               mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
+        d_normed = g.like(at(j, f"{EDGES}.d_normed"), normed, kind=ValueKind.GRAD)
+        head_partial = g.value(at(j, f"{EDGES}.d_lm_head.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD,
+                               dtype=grad_dtype)
+        bwd = dict(phase=Phase.BACKWARD, flops=gemm, mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
+        g.node(at(j, f"{EDGES}.lm_head.dgrad"), OpKind.GEMM, (logits,), (d_normed,), role=Role.DGRAD, **bwd)
+        _wgrad(g, at(j, f"{EDGES}.lm_head.wgrad"), OpKind.GEMM, (normed, logits), head_partial, head_acc, **bwd)
+    else:
+        d_normed = g.input(at(j, f"{EDGES}.d_normed"), g.shape(normed), kind=ValueKind.GRAD)
+    # as autodiff's rmsnorm rule: the data gradient twice the forward's FLOPs, the weight's once
+    g.node(at(j, f"{EDGES}.norm.dgrad"), OpKind.RMSNORM, (y, d_normed), (seed,), phase=Phase.BACKWARD,
+           role=Role.DGRAD, flops=8 * T * h, mem_bytes=3 * T * h * item, **eager)
+    _wgrad(g, at(j, f"{EDGES}.norm.wgrad"), OpKind.RMSNORM, (y, d_normed), norm_partial, norm_acc,
+           phase=Phase.BACKWARD, flops=4 * T * h, mem_bytes=(2 * T * h + h) * item, **eager)
+    return norm_partial, head_partial
+
+
+def _wgrad(g: GraphBuilder, name: str, op: OpKind, inputs: tuple[str, ...], out: str, acc: str | None, *,
+           mem_bytes: int, attrs: dict, **kw) -> None:
+    """A weight-gradient node; with ``acc`` (the previous micro-batches' sum) it adds into it, as
+    ``moegraph.microbatch`` makes a layer's weight-gradient kernel accumulate: ``acc`` read last,
+    its bytes read once more, attrs accumulate / accumulate_bytes."""
+    if acc is not None:
+        nbytes = g.nbytes(acc)
+        inputs, mem_bytes = inputs + (acc,), mem_bytes + nbytes
+        attrs = attrs | {"accumulate": True, "accumulate_bytes": nbytes}
+    g.node(name, op, inputs, (out,), role=Role.WGRAD, mem_bytes=mem_bytes, attrs=attrs, **kw)
+
+
+def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:
+    """Micro-batch j's layer-0 input gradient gathered over every rank (module docstring); the
+    gathered value (``dx`` itself on one rank)."""
+    st, d = g.strategy, g.dims
+    kw = dict(phase=Phase.BACKWARD, role=Role.WGRAD, block=EDGES)
+    embed = {EMBED_ATTR: True}
+    rows = dx
+    if st.n > 1:                                        # [b, s/n, h] -> [b, s, h]
+        out = g.value(at(j, f"{EDGES}.d_embed_rows" if st.dp == 1 else f"{EDGES}.d_embed_rows_replica"),
+                      (d.b, d.s, d.h), kind=ValueKind.GRAD, dtype=g.values[dx].dtype)
+        g.collective(at(j, f"{EDGES}.embed.grad_gather"), OpKind.ALL_GATHER, (rows,), (out,), group=st.n,
+                     full_bytes=g.nbytes(out), attrs={"dim": 1} | embed, **kw)
+        rows = out
+    if st.dp > 1:                                       # [b, s, h] -> [dp*b, s, h], replica-major
+        out = g.value(at(j, f"{EDGES}.d_embed_rows"), (st.dp * d.b, d.s, d.h), kind=ValueKind.GRAD,
+                      dtype=g.values[dx].dtype)
+        g.collective(at(j, f"{EDGES}.embed.grad_gather_dp"), OpKind.ALL_GATHER, (rows,), (out,), group=st.dp,
+                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp"} | embed, **kw)
+        rows = out
+    return rows
+
+
+def _splice(graph: Graph, computes: list[list[Node]], sync: list[Node], gathers: list[list[Node]]) -> tuple[Node, ...]:
+    """``graph``'s nodes with the edges in one valid topological order: micro-batch j's eager
+    compute between its forward and its backward (before its first backward node), its
+    embedding gather after its last node (layer 0's backward), the step's sync at the end. A
+    one-micro-batch graph keeps the order sync, then gather."""
+    M = len(computes)
+    mb = [(micro_batch_of(n) if M > 1 else 0) for n in graph.nodes]
+    first_bwd = {j: next(i for i, n in enumerate(graph.nodes) if mb[i] == j and n.phase is not Phase.FORWARD)
+                 for j in range(M)}
+    last = {j: max(i for i in range(len(graph.nodes)) if mb[i] == j) for j in range(M)}
+    out: list[Node] = []
+    for i, node in enumerate(graph.nodes):
+        for j in range(M):
+            if first_bwd[j] == i:
+                out += computes[j]
+        out.append(node)
+        for j in range(M):
+            if M > 1 and last[j] == i:
+                out += gathers[j]
+    return tuple(out + sync + (gathers[0] if M == 1 else []))
 
 
 def is_eager(attrs) -> bool:
@@ -207,4 +314,16 @@ def is_edge(attrs) -> bool:
     return attrs.get(EDGE_ATTR) is True
 
 
-__all__ = ["EDGES", "EDGE_ATTR", "EAGER_ATTR", "EdgeValues", "add_edges", "edge_values", "is_edge", "is_eager"]
+def edge_layer(node: Node, layers: int) -> int:
+    """The layer an edge node is placed beside by the hand-written orders (the paired
+    micro-batch baselines' slots, the DP stream's order): the embedding gathers beside layer 0,
+    whose backward they follow; everything else (the head and norm, forward and backward, and
+    their gradient sync) beside the last layer L-1, whose forward it follows and whose backward
+    it starts (the sync's partials exist from then on)."""
+    if not is_edge(dict(node.attrs)):
+        raise GraphError(f"node {node.name!r} is not an edge node (attr {EDGE_ATTR!r})")
+    return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
+
+
+__all__ = ["EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EdgeValues", "add_edges", "edge_layer", "edge_values",
+           "is_edge", "is_eager"]

@@ -13,7 +13,9 @@ rewired and ``saved`` is untouched; the new buffers are transient.
 Modes
     dp-bf16   every data-parallel gradient reduce-scatter in FP32 (attr dp=True, added by
               lowering when strategy.dp > 1: intra- and inter-node stages) sends BF16: half
-              the bytes. Main gradients stay FP32 before and after.
+              the bytes. Main gradients stay FP32 before and after. The rewrite itself is
+              moegraph.compression's (the edges, added after the passes, apply it too); the
+              pass records graph.meta["dp_grad_wire"] = DpGradWire.BF16.
     tp-fp8    every forward (and recompute) tensor-parallel reduce-scatter of activations
               (attn='tp' output projection, ag-rs dispatch combine) sends FP8 E4M3 with a
               per-token scale (amax/448 per row, sent alongside as fp32), summed in FP32.
@@ -29,41 +31,12 @@ from __future__ import annotations
 
 import dataclasses
 
+from moegraph.compression import DP_WIRE_META, DpGradWire, derived, dp_bf16, is_dp_fp32_reduce_scatter
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, OpKind, Phase, Value, collective_bytes
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 MODES = ("dp-bf16", "tp-fp8")
-
-
-def _derived(like: Node, name: str, op: OpKind, inputs: tuple[str, ...], outputs: tuple[str, ...],
-             values: dict[str, Value], *, attrs: dict, flops: int = 0, comm_bytes: int = 0) -> Node:
-    """A node in ``like``'s place (phase, role, module, block, chunk tag); mem_bytes from its values."""
-    chunk = {"chunk": like.attr("chunk")} if like.attr("chunk", None) is not None else {}
-    node = dataclasses.replace(like, name=name, op=op, inputs=inputs, outputs=outputs, flops=flops,
-                               mem_bytes=0 if op.is_comm else sum(values[v].nbytes for v in {*inputs, *outputs}),
-                               comm_bytes=comm_bytes, group=like.group if op.is_comm else 0, attrs=())
-    return node.with_attrs(**(chunk | attrs))
-
-
-def _dp_bf16(rs: Node, values: dict[str, Value]) -> list[Node]:
-    """FP32 gradient reduce-scatter -> BF16 all-to-all + FP32 local sum (flat buckets)."""
-    (x,), (y,), g = rs.inputs, rs.outputs, rs.group
-    xv, numel = values[x], values[x].numel
-    values[f"{x}.bf16"] = dataclasses.replace(xv, name=f"{x}.bf16", dtype="bf16", alias_of=None)
-    values[f"{y}.parts"] = dataclasses.replace(values[y], name=f"{y}.parts", shape=(g, numel // g), dtype="bf16")
-    values[f"{y}.parts32"] = dataclasses.replace(values[f"{y}.parts"], name=f"{y}.parts32", dtype="fp32")
-    keep = {k: v for k, v in rs.attrs if k in ("scope", "axis", "dp")}
-    return [
-        _derived(rs, f"{rs.name}.cast", OpKind.CAST, (x,), (f"{x}.bf16",), values, attrs={"to": "bf16"}),
-        _derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.bf16",), (f"{y}.parts",), values,
-                 comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, values[f"{x}.bf16"].nbytes, g),
-                 attrs=keep | {"mode": "shards", "split_dim": 0, "flat": True, "compressed": "bf16"}),
-        _derived(rs, f"{rs.name}.upcast", OpKind.CAST, (f"{y}.parts",), (f"{y}.parts32",), values,
-                 attrs={"to": "fp32"}),
-        _derived(rs, f"{rs.name}.sum", OpKind.ADD, (f"{y}.parts32",), (y,), values, flops=numel,
-                 attrs={"reduce_dim": 0, "reduce": rs.attr("reduce", "sum"), "to": "fp32"}),
-    ]
 
 
 def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
@@ -79,22 +52,21 @@ def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
     values[f"{y}.parts32"] = dataclasses.replace(yv, name=f"{y}.parts32", shape=parts, dtype="fp32", alias_of=None)
     sent = values[f"{x}.fp8"].nbytes + values[f"{x}.scale"].nbytes
     return [
-        _derived(rs, f"{rs.name}.quant", OpKind.CAST, (x,), (f"{x}.fp8", f"{x}.scale"), values,
+        derived(rs, f"{rs.name}.quant", OpKind.CAST, (x,), (f"{x}.fp8", f"{x}.scale"), values,
                  attrs={"to": "fp8", "scale": "per_token"}),
-        _derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.fp8", f"{x}.scale"), (f"{y}.parts", f"{y}.scale_parts"),
+        derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.fp8", f"{x}.scale"), (f"{y}.parts", f"{y}.scale_parts"),
                  values, comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, sent, g),
                  attrs={"mode": "shards", "split_dim": dim, "compressed": "fp8"}),
-        _derived(rs, f"{rs.name}.dequant", OpKind.CAST, (f"{y}.parts", f"{y}.scale_parts"), (f"{y}.parts32",),
+        derived(rs, f"{rs.name}.dequant", OpKind.CAST, (f"{y}.parts", f"{y}.scale_parts"), (f"{y}.parts32",),
                  values, attrs={"to": "fp32", "scale": "apply"}),
-        _derived(rs, f"{rs.name}.sum", OpKind.ADD, (f"{y}.parts32",), (y,), values, flops=values[x].numel,
+        derived(rs, f"{rs.name}.sum", OpKind.ADD, (f"{y}.parts32",), (y,), values, flops=values[x].numel,
                  attrs={"reduce_dim": 0, "reduce": "sum", "to": yv.dtype}),
     ]
 
 
 def _targets(graph: Graph, mode: str) -> list[Node]:
     if mode == "dp-bf16":
-        return [n for n in graph.nodes if n.op is OpKind.REDUCE_SCATTER and n.attr("dp", False)
-                and graph.value[n.inputs[0]].dtype == "fp32"]
+        return [n for n in graph.nodes if is_dp_fp32_reduce_scatter(graph.value, n)]
     return [n for n in graph.nodes if n.op is OpKind.REDUCE_SCATTER and not n.attr("dp", False)
             and n.phase in (Phase.FORWARD, Phase.RECOMPUTE)]
 
@@ -107,7 +79,7 @@ def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """
     if arg not in MODES:
         raise ValueError("a mode is required" if arg is None else "not a compression mode")
-    rewrite = _dp_bf16 if arg == "dp-bf16" else _tp_fp8
+    rewrite = dp_bf16 if arg == "dp-bf16" else _tp_fp8
     me = label("compress", arg)
 
     def run(graph: Graph) -> PassResult:
@@ -132,5 +104,8 @@ def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         if cost is not None:
             report["predicted_us_before"] = round(sum(cost.node_time_us(n) for n in before), 3)
             report["predicted_us_after"] = round(sum(cost.node_time_us(n) for n in after), 3)
+        if arg == "dp-bf16":
+            # what is appended after the passes (the model's edges) syncs the same way
+            new = new.with_meta(**{DP_WIRE_META: DpGradWire.BF16})
         return PassResult(mark_rewritten(record(new, me), me), True, report)
     return run

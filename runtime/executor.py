@@ -108,6 +108,11 @@ class Executor:
                     self.comm_streams[s] = torch.cuda.Stream(self.device, priority=COMM_STREAM_PRIORITY)
         self.micro_batches = micro_batch_count(graph)
         if self.micro_batches > 1:
+            if edge_values(graph) is not None:
+                # its eager head/norm would have to run between the plan's entries: not supported yet
+                raise RuntimeFailure(f"graph {graph.name!r} is a step of {self.micro_batches} micro-batches with the "
+                                     "model's edges (moegraph.edges.add_edges): the merged-step executor does not "
+                                     "run the edges' eager head and norm; execute a merged step graph without edges")
             # (input, seed, output, input gradient) per micro-batch; the whole plan is one phase
             self.boundaries = microbatch_boundaries(graph)
             self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))

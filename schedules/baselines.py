@@ -62,6 +62,7 @@ from __future__ import annotations
 import heapq
 from typing import Callable, Literal, Union
 
+from moegraph.edges import edge_layer, is_edge
 from moegraph.ir import OpKind, Phase, Role
 from moegraph.layers import layer_count
 from moegraph.microbatch import micro_batch_count, micro_batch_of
@@ -199,7 +200,11 @@ def _pair_parts(problem: Problem) -> tuple[list[int], list[Stage], list[str]]:
         j = micro_batch_of(t.node)
         j = M - 1 if j is None else j                    # step-level: the cool-down's
         fwd = t.node.phase is Phase.FORWARD
-        groups.setdefault((j, t.node.layer or 0, fwd), set()).add(t.index)
+        # the model's edges beside the layer they follow or start (moegraph.edges.edge_layer): the
+        # head's forward after the last layer's, its backward (which makes the seed) and sync
+        # opening the last layer's backward slot, the embedding gather with layer 0's backward
+        layer = edge_layer(t.node, L) if is_edge(dict(t.node.attrs)) else t.node.layer or 0
+        groups.setdefault((j, layer, fwd), set()).add(t.index)
     slot, stage, part = [0] * len(tasks), [0] * len(tasks), [""] * len(tasks)
     succs, preds = [t.succs for t in tasks], [t.preds for t in tasks]
     for (j, layer, fwd), members in groups.items():

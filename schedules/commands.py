@@ -43,15 +43,11 @@ def compile_from_args(args):
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     layer = layer_from_args(args, multi_layer=True)
-    if layer_count(layer.graph) > 1 and micro_batch_count(layer.graph) == 1:
-        # a model step: the embedding, final norm and LM head gradients are synchronised by graph
-        # collectives the scheduler places (moegraph.edges; after the passes, as compile_model)
+    if layer_count(layer.graph) > 1:
+        # a model step (one micro-batch or the merged step of M): the embedding, final norm and LM
+        # head gradients are synchronised by graph collectives the scheduler places
+        # (moegraph.edges; after the passes and the merge, as compile_model)
         layer = dataclasses.replace(layer, graph=add_edges(layer.graph, vocab=VOCAB))
-    elif layer_count(layer.graph) > 1:
-        # never silently partial: the merged step graph has no edges yet (docs/scheduler.md)
-        print(f"moegraph compile: note: --micro-batches {micro_batch_count(layer.graph)}: the model's edges (embedding, "
-              "final norm, LM head and their gradient sync) are not in the merged step graph; its times exclude "
-              "them", file=sys.stderr)
     streams = comm_streams_from(args)
     result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
                            time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)

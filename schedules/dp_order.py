@@ -26,7 +26,9 @@ barrier, a stream or the SM capacity (list_schedule).
 
 from __future__ import annotations
 
+from moegraph.edges import edge_layer, is_edge
 from moegraph.ir import Role
+from moegraph.layers import layer_count
 from moegraph.schedules.baselines import Key, bottom_levels, list_schedule
 from moegraph.schedules.bound import topological
 from moegraph.schedules.problem import DP_STREAM, Problem, Task
@@ -79,8 +81,17 @@ def dp_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution
     feeders = dp_feeders(problem)
     # the DP stream in reverse layer order (the order the backward makes its gradients); other
     # streams, which carry the backward's own collectives too, by remaining path
-    comm: Key = lambda t: ((-(t.node.layer or 0), t.index) if t.stream == DP_STREAM  # noqa: E731
-                           else (-level[t.index], t.index))
+    # the model's edges by the layer they sit beside (moegraph.edges.edge_layer): the head and norm
+    # sync with the last layer, ahead of its own (their partials exist before any layer's
+    # backward), the embedding gather with layer 0
+    L = layer_count(problem.graph)
+
+    def position(t: Task) -> tuple[int, int]:
+        if is_edge(dict(t.node.attrs)):
+            return edge_layer(t.node, L), 1
+        return t.node.layer or 0, 0
+    comm: Key = lambda t: ((*(-p for p in position(t)), t.index) if t.stream == DP_STREAM  # noqa: E731
+                           else (-level[t.index], t.index, 0))
     rules: list[tuple[str, Key]] = [
         ("dp-first", lambda t: (t.index not in feeders, -level[t.index], t.index)),
         ("dp-critical", lambda t: (-boosted[t.index], t.index)),

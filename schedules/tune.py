@@ -37,7 +37,10 @@ from typing import Any, Callable
 from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
+from moegraph.edges import add_edges
+from moegraph.layers import layer_count
 from moegraph.microbatch import merge_microbatches
+from moegraph.models import VOCAB
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
@@ -161,8 +164,8 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     cost = CostModel(hw)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    baseline_graph = merge_microbatches(trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch,
-                                                    seq=seq, layers=layers), micro_batches)
+    baseline_graph = _step(trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch, seq=seq,
+                                       layers=layers), micro_batches)
     base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype)
@@ -172,7 +175,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         for g in (graph, *((_fused(graph, cost),) if fuse else ())):
             if g is None:
                 continue                # nothing to fuse in this layer: the unfused row stands for it
-            g = merge_microbatches(g, micro_batches)
+            g = _step(g, micro_batches)
             entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
             rows.append({"candidate": cand, "graph": g, "stage1": entry})
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
@@ -195,6 +198,15 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
+
+
+def _step(graph: Graph, micro_batches: int) -> Graph:
+    """The step graph a candidate (or the baseline) is ranked on: the merged step of M
+    micro-batches, and for a stack of layers the model's edges (moegraph.edges: eager head and
+    norm, their gradient sync, the embedding gather), as `compile --layers` schedules it, so
+    every candidate and the baseline compare like with like."""
+    graph = merge_microbatches(graph, micro_batches)
+    return add_edges(graph, vocab=VOCAB) if layer_count(graph) > 1 else graph
 
 
 def _fused(graph: Graph, cost: CostModel) -> Graph | None:
@@ -318,11 +330,6 @@ def tune_command(p: argparse.ArgumentParser):
             check_output(args.output, suffixes=(".json",))
             check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
                          suffixes=(".png", ".svg", ".html", ".json"))
-        if layers > 1:
-            # never silently partial: tune ranks layer stacks without the model's edges (docs/scheduler.md)
-            print(f"moegraph tune: note: --layers {layers}: the candidates are layer stacks without the model's "
-                  "edges (embedding, final norm, LM head and their gradient sync); `moegraph compile --layers` "
-                  "schedules them", file=sys.stderr)
         budget = args.memory_budget
         res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,

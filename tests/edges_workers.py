@@ -75,3 +75,19 @@ def base_model_grad_checks(rank: int, n: int, seed: int) -> dict:
     full = compiled.full_grads()
     return {"edge_nodes": [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")],
             "errors": {k: rel_err(full[k], p.grad) for k, p in base.named_parameters()}}
+
+
+def dp_bf16_edge_grads(rank: int, world: int, seed: int, dp: int) -> dict:
+    """n x dp = ``world`` ranks, compress=dp-bf16: one step's gradients against eager on the
+    global batch, and the edge nodes the plan runs compressed (the edges follow the passes' wire
+    format, moegraph.compression)."""
+    from model_workers import dp_batches
+    model = reference_model(seed, 2)
+    ids, labels = dp_batches(seed + 1, 1, dp)[0]
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn="sp", ffn="ep", passes="compress=dp-bf16",
+                                schedule="greedy", timeout_s=60.0, dp=dp)
+    graph = compiled.layers.graph
+    planned = {e.name for e in compiled.layers.plan.entries}
+    compressed = sorted(nd.name for nd in graph.nodes if nd.name.startswith("edges.") and nd.name in planned
+                        and nd.attr("compressed", None) == "bf16")
+    return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels)}

@@ -160,3 +160,176 @@ def test_periodic_warm_start_tiles_the_layers_around_the_edges():
                 for t in edges)
     assert len(edges) == 9
     assert makespan_ticks(problem, tiled) == 2 * makespan_ticks(unit, sol) + extra
+
+
+# -- merged micro-batch steps (moegraph.microbatch): per micro-batch head and gather, one sync --------
+
+def _merged(M: int, dp: int = 1, passes: str = ""):
+    from moegraph.microbatch import merge_microbatches
+    from moegraph.passes import run_pipeline
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    if passes:
+        g, _ = run_pipeline(g, passes, cost=CostModel(load_hardware("h800")))
+    return add_edges(merge_microbatches(g, M), vocab=32000)
+
+
+def test_merged_step_edges_closed_form():
+    """M=3: per micro-batch its own eager norm/head forward and backward (2*T*h*V FLOPs per GEMM,
+    T = b*s/n tokens of ONE micro-batch) and its own embedding gather ((n-1)/n * b*s*h bf16 bytes,
+    reading its layer 0's input gradient); the head and norm partials accumulate micro-batch by
+    micro-batch and are all-reduced ONCE per step, 2(n-1)/n * V*h*2 bytes (the same as a
+    one-micro-batch step's all-reduce)."""
+    from moegraph.microbatch import microbatch_boundaries
+    M, n, T, h, V = 3, 8, 2048 // 8, 4096, 32000
+    g = _merged(M)
+    node = {nd.name: nd for nd in g.nodes}
+    per_mb = ("edges.norm", "edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad", "edges.norm.dgrad",
+              "edges.norm.wgrad", "edges.embed.grad_gather")
+    edge_nodes = [nd for nd in g.nodes if nd.attr("edge", False)]
+    assert len(edge_nodes) == M * len(per_mb) + 2
+    ev = edge_values(g)
+    for j, (_, seed, _, dx) in enumerate(microbatch_boundaries(g)):
+        for name in per_mb:
+            assert node[f"mb{j}.{name}"].attr("mb") == j
+        for name in ("edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad"):
+            assert node[f"mb{j}.{name}"].flops == 2 * T * h * V
+        assert g.producer[seed].name == f"mb{j}.edges.norm.dgrad" and seed not in g.inputs
+        gather = node[f"mb{j}.edges.embed.grad_gather"]
+        assert gather.inputs == (dx,) and gather.comm_bytes == (n - 1) * 2048 * h * 2 // n
+        assert ev.seeds[j] == seed and ev.embed_gathered[j] == gather.outputs[0]
+        wgrad = node[f"mb{j}.edges.lm_head.wgrad"]
+        if j == 0:
+            assert not wgrad.attr("accumulate", False)
+        else:                                  # adds into the previous micro-batches' sum
+            assert wgrad.inputs[-1] == f"mb{j - 1}.edges.d_lm_head.partial" and wgrad.attr("accumulate")
+            assert wgrad.mem_bytes == node["mb0.edges.lm_head.wgrad"].mem_bytes + V * h * 2
+    sync = [nd for nd in edge_nodes if nd.is_comm and nd.attr("mb", None) is None]
+    assert sorted(nd.name for nd in sync) == sorted(SYNC)
+    head = node["edges.lm_head.grad_allreduce"]
+    assert head.inputs == (f"mb{M - 1}.edges.d_lm_head.partial",) == (ev.head_partial,)
+    assert head.comm_bytes == 2 * (n - 1) * V * h * 2 // n
+    one = {nd.name: nd for nd in _graph(layers=2).nodes}
+    assert all(node[k].comm_bytes == one[k].comm_bytes for k in SYNC)
+    with pytest.raises(GraphError, match="one value per micro-batch"):
+        ev.seed
+
+
+def test_merged_edges_in_the_paired_slots():
+    """The paired baselines' slots (baselines.pair_slots): micro-batch j's eager head backward
+    opens its backward (the slot of its last layer's backward), its embedding gather sits with its
+    layer 0's backward, the step's sync opens the cool-down; megatron-1f1b and dualpipe are
+    feasible."""
+    from moegraph.schedules.baselines import dualpipe, megatron_1f1b, pair_slots
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution
+    M, L = 2, 2
+    p = build_problem(_merged(M), CostModel(load_hardware("h800")))
+    slot = dict(zip((t.name for t in p.tasks), pair_slots(p)))
+    for j in range(M):
+        layer_bwd = lambda layer: [s for name, s in slot.items()  # noqa: E731
+                                   if name.startswith(f"mb{j}.l{layer}.")
+                                   and p.graph.node[name].phase.value != "forward"]
+        assert slot[f"mb{j}.edges.norm.dgrad"] == min(layer_bwd(L - 1)) == L + j * L
+        assert slot[f"mb{j}.edges.embed.grad_gather"] == max(layer_bwd(0)) == L + j * L + L - 1
+        assert slot[f"mb{j}.edges.lm_head"] == max(s for name, s in slot.items()
+                                                   if name.startswith(f"mb{j}.l{L - 1}.")
+                                                   and p.graph.node[name].phase.value == "forward")
+    assert slot["edges.lm_head.grad_allreduce"] == L + (M - 1) * L
+    for fn in (megatron_1f1b, dualpipe):
+        check_solution(p, fn(p))
+
+
+def test_dp_bf16_compresses_the_edges_sync_too():
+    """compress=dp-bf16 records its wire format in graph.meta; the edges (added after the passes)
+    then send their DP reduce-scatters as bf16 all-to-alls: half the fp32 bytes, closed form
+    (n-1)/n * V*h * 2 intra-node and (dp-1)/dp * V*h/n * 2 inter-node; in a merged step too."""
+    from moegraph.compression import DpGradWire, dp_grad_wire
+    n, dp, V, h = 8, 2, 32000, 4096
+    plain = {nd.name: nd for nd in _graph(dp=dp, layers=2).nodes}
+    for g in (_graph_passes(dp, "compress=dp-bf16"), _merged(2, dp=dp, passes="compress=dp-bf16")):
+        assert dp_grad_wire(g) is DpGradWire.BF16
+        node = {nd.name: nd for nd in g.nodes}
+        for name, fp32, bf16 in (("edges.lm_head.grad_rs_intra", (n - 1) * V * h * 4 // n, (n - 1) * V * h * 2 // n),
+                                 ("edges.lm_head.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
+                                  (dp - 1) * V * h // n * 2 // dp)):
+            assert plain[name].op.value == "reduce_scatter" and plain[name].comm_bytes == fp32
+            assert node[name].op.value == "all_to_all" and node[name].attr("compressed") == "bf16"
+            assert node[name].comm_bytes == bf16 == fp32 // 2
+            assert node[f"{name}.sum"].attr("edge") is True
+        assert not [nd.name for nd in g.nodes if nd.op.value == "reduce_scatter" and nd.attr("dp", False)]
+    assert dp_grad_wire(_graph(dp=dp, layers=2)) is DpGradWire.FP32
+
+
+def _graph_passes(dp: int, passes: str):
+    from moegraph.passes import run_pipeline
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    g, _ = run_pipeline(g, passes, cost=CostModel(load_hardware("h800")))
+    return add_edges(g, vocab=32000)
+
+
+def test_merged_step_executor_refuses_the_edges():
+    """The merged-step executor does not run the edges' eager head and norm: a clear refusal."""
+    from moegraph.microbatch import merge_microbatches
+    import torch
+
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.executor import Executor
+    from moegraph.runtime.module import make_plan
+    cfg = load_model("small")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1, seq=64, layers=2)
+    merged = add_edges(merge_microbatches(g, 2), vocab=64)
+    cost = CostModel(load_hardware("h800"))
+    plan = make_plan(merged, cost, "greedy")
+    with pytest.raises(RuntimeFailure, match="micro-batches with the model's edges"):
+        Executor(merged, plan, None, rank=0, n=2, device=torch.device("cpu"))
+    # without edges the same merged graph is accepted
+    Executor(merge_microbatches(g, 2), make_plan(merge_microbatches(g, 2), cost, "greedy"), None, rank=0, n=2,
+             device=torch.device("cpu"))
+
+
+def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2():
+    """n=2 x dp=2 on 4 gloo ranks with compress=dp-bf16: the plan runs the edges' head and norm
+    sync as bf16 all-to-alls (intra- and inter-node), and their gradients equal eager's within the
+    bf16 wire format's rounding (tests/test_dp.py BF16_TOL) but visibly not to fp32 precision (the
+    compressed path ran); the embedding gather is not compressed and stays exact."""
+    from test_dp import BF16_TOL
+    res = spawn(workers.dp_bf16_edge_grads, 4, args=(int.from_bytes(os.urandom(3), "little"), 2), timeout_s=300)[0]
+    assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.norm.grad_rs_intra",
+            "edges.norm.grad_rs_inter"} <= set(res["compressed"]), res["compressed"]
+    err = res["errors"]
+    assert err["embed"] < TOL, err
+    for part in ("norm", "head", "layers"):
+        assert err[part] < BF16_TOL, err
+    assert err["head"] > 1e-6, err
+
+
+def test_builder_extend_continues_a_graph():
+    """GraphBuilder.extend: new names unique against the continued graph's values and nodes; only
+    what was added is listed (add_edges splices it in)."""
+    from moegraph.builder import GraphBuilder
+    from moegraph.ir import OpKind
+    g = _graph(layers=1)
+    b = GraphBuilder.extend(g)
+    v = b.value("edges.normed", (4,))
+    b.node("edges.norm", OpKind.ADD, (v,), (v,))
+    assert v == "edges.normed_2" and [n.name for n in b.nodes] == ["edges.norm_2"]
+    assert [x.name for x in b.added_values()] == [v] and b.inputs == [] and b.shape("edges.normed") == \
+        g.value["edges.normed"].shape
+
+
+def test_dp_warm_starts_issue_the_edges_sync_first():
+    """dp=2: the DP-aware warm starts (schedules.dp_order) put the head and norm DP collectives
+    first on the DP stream (their partials exist before any layer's backward), not after layer 0's
+    as a layer-less node's key did."""
+    from moegraph.schedules.dp_order import dp_warm_starts
+    from moegraph.schedules.problem import DP_STREAM, build_problem
+    p = build_problem(_graph(dp=2, layers=2), CostModel(load_hardware("h800")))
+    sols = dp_warm_starts(p)
+    assert len(sols) == 2
+    for sol in sols:
+        dp = sorted((t for t in p.tasks if t.stream == DP_STREAM), key=lambda t: sol.start[t.index])
+        order = [t.name for t in dp]
+        head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
+        assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]

@@ -219,11 +219,23 @@ def test_compile_layers_reports_each_layer(capsys):
     assert sum(r["exposed_comm_us"] for r in two["layers"]) >= two["exposed_comm_us"] - 0.01
 
 
-def test_compile_merged_layers_says_the_edges_are_left_out(capsys):
-    """--layers 2 --micro-batches 2: the merged graph has no edges, and compile says so on stderr."""
+def test_compile_merged_layers_schedules_the_edges(capsys, tmp_path):
+    """--layers 2 --micro-batches 2: the merged step graph has the model's edges (an "edges" row,
+    no stderr note); CP-SAT schedules every micro-batch's embedding gather and the step's one
+    head and norm all-reduce each, and the verifier accepts the schedule file."""
     from moegraph.cli import main
+    from moegraph.schedules.schedule_file import Schedule
+    from moegraph.schedules.verify import verify_schedule
+    out = tmp_path / "s.json"
     small = ["--model", "small", "--n", "2", "--seq", "64", "--time-limit", "1", "--layers", "2"]
-    assert main(["compile", *small, "--micro-batches", "2", "--json"]) == 0
-    out = capsys.readouterr()
-    assert "edges" not in [r["layer"] for r in json.loads(out.out)["layers"]]
-    assert "edges (embedding, final norm, LM head" in out.err and "--micro-batches 2" in out.err
+    assert main(["compile", *small, "--micro-batches", "2", "--json", "-o", str(out)]) == 0
+    res = capsys.readouterr()
+    c = json.loads(res.out)
+    assert c["source"] == "cpsat" and c["micro_batches"] == 2
+    assert [r["layer"] for r in c["layers"]] == [0, 1, "edges"] and c["layers"][-1]["comm_us"] > 0
+    assert "edges" not in res.err
+    sched = Schedule.load(str(out))
+    comm = sorted(n.name for n in sched.nodes if n.attrs.get("edge") and n.kind == "comm")
+    assert comm == ["edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "mb0.edges.embed.grad_gather",
+                    "mb1.edges.embed.grad_gather"]
+    assert verify_schedule(sched) == []

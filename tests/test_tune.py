@@ -193,8 +193,9 @@ def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
 
 
 def test_tune_layers_schedules_stacks(tmp_path):
-    """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks, so
-    the best schedule has twice the one-layer graph's nodes, named by layer."""
+    """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks with the
+    model's edges, so the best schedule has twice the one-layer graph's nodes, named by layer, and
+    the 9 edge nodes (6 eager head/norm, 2 all-reduces, 1 embedding gather at n=2)."""
     from moegraph.schedules.schedule_file import Schedule
     res = tune(load_model("small"), load_hardware("h800"), n=2, seq=64, time_limit=0.5, refine=1, layers=2,
                cache=Cache(tmp_path))
@@ -204,14 +205,21 @@ def test_tune_layers_schedules_stacks(tmp_path):
                                                      chunks=best["chunks"], remat=best["remat"], gate=best["gate"]),
                       CostModel(load_hardware("h800")), batch=1, seq=64)
     sched = Schedule.from_json(res["_best_schedule"])
-    assert len(sched.nodes) == 2 * len(one.nodes)
-    assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1"}
+    assert len(sched.nodes) == 2 * len(one.nodes) + 9
+    assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1", "edges"}
 
 
-def test_tune_layers_says_the_edges_are_left_out(capsys, tmp_path):
-    """`tune --layers 2` ranks stacks without the model's edges and says so on stderr."""
-    from moegraph.cli import main
+def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path):
+    """`tune --layers 2` ranks each candidate's stack with the model's edges (eager head and norm,
+    their sync, the embedding gather), as compile --layers schedules it, and says nothing on stderr
+    about edges being left out."""
+    from moegraph.schedules.schedule_file import Schedule
+    out = tmp_path / "best.json"
     assert main(["tune", "--model", "small", "--hardware", "h800", "--n", "2", "--seq", "64", "--layers", "2",
-                 "--time-limit", "0.05", "--refine", "1", "--cache", str(tmp_path / "c"), "--json"]) == 0
+                 "--time-limit", "0.05", "--refine", "1", "--cache", str(tmp_path / "c"), "--json",
+                 "-o", str(out)]) == 0
     err = capsys.readouterr().err
-    assert "--layers 2: the candidates are layer stacks without the model's edges" in err
+    assert "without the model's edges" not in err
+    sched = Schedule.load(str(out))
+    assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather",
+            "edges.lm_head"} <= {n.name for n in sched.nodes}
