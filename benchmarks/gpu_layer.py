@@ -65,6 +65,7 @@ class Setup:
     warmup: int
     time_limit_s: float
     schedules: tuple[str, ...]
+    cuda_graphs: str            # "off", "attention", "layer": the extra graphed variant's mode
     json_path: Path | None
 
 
@@ -109,6 +110,8 @@ def parse(argv: list[str] | None) -> Setup:
     p.add_argument("--warmup", type=positive_int, default=None, help="default 3 (tiny 1)")
     p.add_argument("--time-limit", type=positive_float, default=None, help="cpsat seconds (default 10, tiny 2)")
     p.add_argument("--schedules", default=",".join(SCHEDULES), help="comma-separated subset of %(default)s")
+    p.add_argument("--cuda-graphs", choices=("off", "attention", "layer"), default=None,
+                   help="mode of the extra graphed variant of the last schedule (default: layer on cuda, off on cpu)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
     try:
@@ -123,6 +126,10 @@ def parse(argv: list[str] | None) -> Setup:
         b = args.batch or 2
         s = args.seq or (16 if tiny else 4096)
         dtype = args.dtype or ("fp32" if tiny or args.device == "cpu" else "bf16")
+        graphs = args.cuda_graphs or ("layer" if args.device == "cuda" else "off")
+        if graphs != "off" and args.device != "cuda":
+            raise UsageError(f"--cuda-graphs {graphs} needs --device cuda (CUDA graphs capture device work)")
+        variants = 1 + len(schedules) + (graphs != "off")
         base = load_model("tiny" if tiny else "mixtral-8x7b")
         if args.scale is not None:
             scale = args.scale
@@ -132,7 +139,7 @@ def parse(argv: list[str] | None) -> Setup:
             scale = 1
         else:
             elem = 2 if dtype == "bf16" else 4
-            fits = [d for d in SCALES if memory_estimate(scaled(base, d), b, s, 1 + len(schedules), elem)
+            fits = [d for d in SCALES if memory_estimate(scaled(base, d), b, s, variants, elem)
                     <= MEMORY_TARGET]
             if not fits:
                 raise UsageError(f"b={b}, s={s} do not fit {format_bytes(MEMORY_TARGET)} at any --scale in {SCALES}: "
@@ -140,7 +147,7 @@ def parse(argv: list[str] | None) -> Setup:
             scale = fits[0]
         return Setup(args.device, dtype, scaled(base, scale), scale, b, s, args.steps or (3 if tiny else 20),
                      args.warmup or (1 if tiny else 3), args.time_limit or (2.0 if tiny else 10.0), schedules,
-                     json_path)
+                     graphs, json_path)
     except UsageError as err:
         p.exit(2, f"gpu_layer.py: error: {err}\n")
 
@@ -194,9 +201,18 @@ def run(setup: Setup) -> list[dict[str, Any]]:
     x = torch.randn(z.b, z.s, z.model.hidden, generator=gen).to(dev, torch_dtype)       # [b, s, h]
     dy = torch.randn(z.b, z.s, z.model.hidden, generator=gen).to(dev, torch_dtype)
     variants: dict[str, Any] = {"eager": eager}
+    # ffn=tp: the module docstring says why
     for m in z.schedules:
-        variants[m] = moegraph.compile(eager, x, hardware="h100", schedule=m, time_limit_s=z.time_limit_s,
-                                       record=False)
+        variants[m] = moegraph.compile(eager, x, hardware="h100", ffn="tp", schedule=m,
+                                       time_limit_s=z.time_limit_s, record=False)
+    if z.cuda_graphs != "off":
+        m = z.schedules[-1]
+        try:
+            variants[f"{m}+graphs:{z.cuda_graphs}"] = moegraph.compile(
+                eager, x, hardware="h100", ffn="tp", schedule=m, time_limit_s=z.time_limit_s, record=False,
+                cuda_graphs=z.cuda_graphs)
+        except ValueError as err:           # a refusal names its node: print it, keep the other rows
+            print(f"# cuda graphs ({z.cuda_graphs}) refused: {err}")
     timer = StepTimer(cuda)
     for _ in range(z.warmup):
         for mod in variants.values():
@@ -233,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     tol = BF16_TOL if setup.dtype == "bf16" else FP32_TOL
     device = device_name(setup.device)
     elem = 2 if setup.dtype == "bf16" else 4
-    est = memory_estimate(cfg, setup.b, setup.s, 1 + len(setup.schedules), elem)
+    est = memory_estimate(cfg, setup.b, setup.s, 1 + len(setup.schedules) + (setup.cuda_graphs != "off"), elem)
     print(f"# gpu_layer: {cfg.name} / scale {setup.scale}: h={cfg.hidden} heads={cfg.heads} kv_heads={cfg.kv_heads} "
           f"head_dim={cfg.head_dim} f={cfg.ffn_hidden} experts={cfg.experts} k={cfg.top_k}; b={setup.b} "
           f"s={setup.s} {setup.dtype}; {param_count(cfg) / 1e6:.1f}M params; estimate {format_bytes(est)}")

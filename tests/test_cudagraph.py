@@ -288,7 +288,9 @@ def test_cudagraph_refuses_cpu_with_the_real_backend_and_bad_modes():
 
 # -- on a real GPU ----------------------------------------------------------------------------------
 
-gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def gpu(test):
+    """A real-GPU test: marked ``gpu`` (``pytest -m gpu``, scripts/gpu_session.sh) and skipped without CUDA."""
+    return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
 def _gpu_layer(mode, dtype, seed=0):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -35,9 +34,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")       # tests/conftest.py
 
 def test_gpu_layer_tiny_cpu_smoke(capsys, tmp_path):
     gpu_layer = _load("gpu_layer")
-    t0 = time.perf_counter()
     assert gpu_layer.main(["--device", "cpu", "--tiny", "--json", str(tmp_path / "r.json")]) == 0
-    assert time.perf_counter() - t0 < 15
     header, rows = _table(capsys.readouterr().out)
     assert header == ["variant", "median_ms", "ratio_vs_eager", "host_us_per_node", "max_rel_err"]
     assert [r["variant"] for r in rows] == ["eager", "sequential", "greedy", "cpsat"]
@@ -65,6 +62,13 @@ def test_gpu_layer_refuses_a_scale_that_does_not_divide_the_heads(capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and err.strip() == "gpu_layer.py: error: --scale 3 is not one of 1, 2, 4, 8"
 
+
+def test_gpu_layer_refuses_cuda_graphs_off_cuda(capsys):
+    with pytest.raises(SystemExit) as exc:
+        _load("gpu_layer").main(["--device", "cpu", "--tiny", "--cuda-graphs", "layer"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.strip() == ("gpu_layer.py: error: --cuda-graphs layer needs --device cuda "
+                                                  "(CUDA graphs capture device work)")
 
 
 def test_gpu_overlap_tiny_cpu_smoke(capsys):
