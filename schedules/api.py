@@ -9,7 +9,7 @@ its own makespan and the warm start it began from; ``summary.method`` (``source`
 ``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
 kept if the solver found none (a warm start the model rejects, a wall-clock cap). On a large
 merged micro-batch step the solver's result then goes through the window search
-(moegraph.schedules.lns; ``summary.solver.lns``), never worse.
+(moegraph.schedules.lns; ``summary.solver.lns``), never worse, within the memory budget if any.
 """
 
 from __future__ import annotations
@@ -140,17 +140,16 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 LNS_MIN_TASKS = 400
 """Merged micro-batch step graphs of at least this many tasks get the window search
 (moegraph.schedules.lns) after the full-model solve: below it the full model is small enough
-for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Not
-under a memory budget: each window then keeps every task in its model (the held tasks' live
-values count); windows of that size took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and
-hit the wall-clock cap (benchmarks/RESULTS.md)."""
+for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Under
+a memory budget too: a window's model holds the tasks outside it with their live values as
+fixed demand (cpsat.Held), so it stays the size of a window without a budget."""
 
 
 def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -> tuple[CpSatResult, dict[str, Any]]:
     """On a large merged micro-batch step, CP-SAT's full-model result improved window by window
     (``lns.improve``; never worse). Returns the result to report and ``summary.solver.lns``."""
     if (result.solution is None or result.status == "OPTIMAL" or micro_batch_count(problem.graph) < 2
-            or len(problem.tasks) < LNS_MIN_TASKS or problem.memory_budget_bytes is not None):
+            or len(problem.tasks) < LNS_MIN_TASKS):
         return result, {}
     before = makespan_ticks(problem, result.solution)
     r = lns.improve(problem, result.solution, opts)
