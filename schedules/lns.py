@@ -24,7 +24,8 @@ memory budget the tasks left out are held too (cpsat.Held): a value between two 
 constant live interval in the cumulative, and one shared with a task in the model has its
 held end as a constant in its max; values dead by t0 are left out (before t0 nothing moves, so
 the live memory there is the incumbent's, within the budget). So a window under a budget is
-as small as one without (mixtral-8x7b M=4: ... tasks for a 60-task window of ...).
+as small as one without: on mixtral-8x7b's merged step (4 layers, M=4, 1,012 tasks), the 10
+windows of 60 tasks from the end hold 60-330 tasks (the window and the tasks after it).
 
 Windows go from the end of the schedule towards its start, overlapping by half: the exposed
 communication of a merged step is in the cool-down (the step-level gradient all-reduces wait
