@@ -28,7 +28,7 @@ from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baseli
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.periodic import is_stack, tile_layers
-from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
+from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, DP_STREAM, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
@@ -178,9 +178,13 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         hint = min(cands, key=lambda s: makespan_ticks(unit, s))  # first of equals: deterministic
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
-        tiled = tile_layers(problem, unit, r.solution if r.solution is not None else hint)
-        check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
-        out.append(tiled)
+        sol = r.solution if r.solution is not None else hint
+        # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
+        # later periods' backward (moegraph.schedules.periodic)
+        for dp_slide in (False, True) if DP_STREAM in unit.streams else (False,):
+            tiled = tile_layers(problem, unit, sol, dp_slide=dp_slide)
+            check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
+            out.append(tiled)
     return out
 
 
