@@ -202,7 +202,10 @@ def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[
                 if not waiting[c]:
                     heapq.heappush(queue, (late[c], c))
         ready = max([late[i], *(start[p] + tasks[p].modes[mode[p]].ticks for p in t.preds)])
-        modes = {mode[i]}
+        # beside compute only modes priced beside it (an alone mode excludes compute)
+        tiled = t.modes[mode[i]]
+        modes = {k for k, m in enumerate(t.modes) if not m.alone and m.sm == tiled.sm
+                 and (k == mode[i] or tiled.alone)}
         copy = [k for k, m in enumerate(t.modes) if m.sm == 0 and not m.alone]
         if copy:
             modes.add(min(copy, key=lambda k: (t.modes[k].ticks, k)))
