@@ -103,6 +103,20 @@ def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     assert verify_schedule(r.schedule) == []
 
 
+def test_compile_runs_the_window_search_under_a_memory_budget(monkeypatch):
+    """compile_graph under a budget (the sequential baseline's peak on the tiny model's merged step)
+    runs the window search too, and its schedule verifies within the budget."""
+    monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)
+    graph = merge_microbatches(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1), 2)
+    budget = peak_memory_bytes(build_problem(graph, COST), sequential(build_problem(graph, COST)))
+    r = compile_graph(graph, COST, time_limit_s=0.2, memory_budget_bytes=budget)
+    solver = r.schedule.summary["solver"]
+    assert solver["lns"]["windows"] == 1
+    assert r.schedule.summary["makespan_us"] <= solver["lns"]["makespan_before_us"]
+    assert r.schedule.summary["peak_memory_bytes"] <= budget
+    assert verify_schedule(r.schedule) == []
+
+
 def _verified(p, sol) -> list[str]:
     return verify_schedule(build_schedule(p, sol, lower_bound(p), {}, {}))
 
