@@ -27,8 +27,8 @@ from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from moegraph.schedules.periodic import is_stack, tile_layers
-from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, DP_STREAM, MemoryBudgetError, Problem, ScheduleError, build_problem
+from moegraph.schedules.periodic import can_slide, is_stack, tile_layers
+from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
@@ -181,7 +181,7 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         sol = r.solution if r.solution is not None else hint
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
         # later periods' backward (moegraph.schedules.periodic)
-        for dp_slide in (False, True) if DP_STREAM in unit.streams else (False,):
+        for dp_slide in (False, True) if can_slide(unit) else (False,):
             tiled = tile_layers(problem, unit, sol, dp_slide=dp_slide)
             check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
             out.append(tiled)

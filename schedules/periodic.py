@@ -46,7 +46,9 @@ slower, beside anything) wherever their stream is free; their alone mode after t
 So a period's sync slides under the following periods' backward on its own stream, and the
 LM head's gradient sync under the layers' backward instead of after it. The kept gradients
 live longer: the caller checks each candidate's peak against the budget, as for every warm
-start. Both tilings are offered (schedules.api); the shorter one warm-starts CP-SAT.
+start. Both tilings are offered (schedules.api); the shorter one warm-starts CP-SAT. Not
+offered when the tail holds compute (``can_slide``: compress=dp-bf16's FP32 local sums after
+the all-to-all), which the placement would have to fit into the tile's compute stream.
 """
 
 from __future__ import annotations
@@ -62,7 +64,7 @@ from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 
-__all__ = ["PERIODIC", "dp_tail", "is_stack", "tile_layers"]
+__all__ = ["PERIODIC", "can_slide", "dp_tail", "is_stack", "tile_layers"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -107,6 +109,10 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     periods = L // K
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
     tail = dp_tail(unit) if dp_slide else set()
+    compute = [unit.tasks[i].name for i in sorted(tail) if unit.tasks[i].kind != "comm"]
+    if compute:
+        raise ScheduleError(f"compute {compute[0]!r} depends on a DP collective: the DP-aware tiling moves only "
+                            f"collectives (can_slide)")
     unit_ends = solution_ends(unit, sol)
     # the period's backward window: up to the last end of what stays in the tile
     bwd = max((unit_ends[t.index] for t in unit.tasks if t.side == 1 and t.index not in tail), default=fwd) - fwd
@@ -159,20 +165,23 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
 
 def dp_tail(unit: Problem) -> set[int]:
     """The unit's inter-node DP collectives (stream DP_STREAM) and every task downstream of one
-    (the intra-node all-gathers that finish a hierarchical sync): what the DP-aware tiling
-    moves out of a period. Raises ScheduleError if a compute task is among them (moving it
-    would change what the tile's collectives overlap)."""
+    (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
+    the local FP32 sums): what the DP-aware tiling moves out of a period."""
     tasks = unit.tasks
     tail = {t.index for t in tasks if t.stream == DP_STREAM}
     for i in topological([t.index for t in tasks], {t.index: list(t.preds) for t in tasks},
                          {t.index: list(t.succs) for t in tasks}):
         if any(p in tail for p in tasks[i].preds):
             tail.add(i)
-    compute = [tasks[i].name for i in sorted(tail) if tasks[i].kind != "comm"]
-    if compute:
-        raise ScheduleError(f"compute {compute[0]!r} depends on a DP collective: the DP-aware tiling moves only "
-                            f"collectives")
     return tail
+
+
+def can_slide(unit: Problem) -> bool:
+    """Whether the DP-aware tiling applies: the unit has DP collectives and its DP tail holds
+    collectives only (moving a compute task would change what the tile's collectives overlap;
+    compress=dp-bf16's local sums are compute)."""
+    tail = dp_tail(unit)
+    return bool(tail) and all(unit.tasks[i].kind == "comm" for i in tail)
 
 
 def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[int, int], end: int) -> None:

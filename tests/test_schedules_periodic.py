@@ -120,7 +120,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     805,253 -> 742,306 ticks); without DP collectives the two tilings are the same."""
     from moegraph.edges import add_edges
     from moegraph.schedules.baselines import BASELINES, warm_starts
-    from moegraph.schedules.periodic import dp_tail
+    from moegraph.schedules.periodic import can_slide, dp_tail
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
     cost = CostModel(load_hardware("h800"))
@@ -130,6 +130,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
     tail = dp_tail(unit)
     assert {unit.tasks[i].stream for i in tail} >= {DP_STREAM} and all(unit.tasks[i].kind == "comm" for i in tail)
+    assert can_slide(unit)
     sol = min([fn(unit) for fn in BASELINES.values()] + warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
     plain, slid = tile_layers(p, unit, sol), tile_layers(p, unit, sol, dp_slide=True)
     assert slid.method == f"{PERIODIC}+dp"
@@ -144,5 +145,22 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     g1 = trace_model(SMALL, SP, seq=64, layers=2)
     p1, u1 = build_problem(g1, COST), build_problem(layer_graph(g1), COST)
     s1 = BASELINES["greedy"](u1)
-    assert dp_tail(u1) == set()
+    assert dp_tail(u1) == set() and not can_slide(u1)
     assert tile_layers(p1, u1, s1, dp_slide=True).start == tile_layers(p1, u1, s1).start
+
+
+def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
+    """compress=dp-bf16 sums the all-to-all's BF16 shards in FP32 after the inter-node
+    collective: compute in the DP tail, which the tiling would have to move, so it is not
+    offered (can_slide) and tile_layers names the node."""
+    from moegraph.schedules.baselines import BASELINES
+    from moegraph.schedules.periodic import can_slide, dp_tail
+    cost = CostModel(load_hardware("h800"))
+    g = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512, layers=2)
+    g = run_pipeline(g, "gate-reorder,sar=paper,compress=dp-bf16", cost=cost)[0]
+    p = build_problem(g, cost)
+    unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
+    assert any(unit.tasks[i].kind == "compute" for i in dp_tail(unit)) and not can_slide(unit)
+    with pytest.raises(ScheduleError, match="depends on a DP collective"):
+        tile_layers(p, unit, BASELINES["greedy"](unit), dp_slide=True)
+    assert len(_periodic(p, SolverOptions(time_limit_s=0.2))) == 1        # the plain tiling only (L=2: K=1)
