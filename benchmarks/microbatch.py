@@ -4,9 +4,13 @@ megatron-1f1b and dualpipe orders.
 
     .venv/bin/python benchmarks/microbatch.py [--model mixtral-8x7b] [--hardware h800] [--layers 4]
                                               [--micro-batches 4] [--dispatch ag-rs] [--time-limit 10]
+                                              [--memory-budget BYTES | --budget-factor F] [--compare-window-search]
 
 Both schedules are CP-SAT's at the same deterministic time limit, on the default pass
 pipeline (gate-reorder, sar=paper), n=8, s=8192. Prints one Markdown block for RESULTS.md.
+``--budget-factor F`` bounds the merged step's memory at F x the single-micro-batch schedule's
+peak; ``--compare-window-search`` also compiles the merged step without the window search
+(moegraph.schedules.lns) and prints both (makespan, peak, wall time).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from moegraph.microbatch import merge_microbatches
 from moegraph.options import byte_size, format_bytes, positive_float, positive_int
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
+from moegraph.schedules import api
 from moegraph.schedules.api import compile_graph
 from moegraph.schedules.verify import verify_schedule
 from moegraph.tracer import trace_model
@@ -35,16 +40,30 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=positive_int, default=4)
     ap.add_argument("--dispatch", default="ag-rs", choices=("ag-rs", "a2a"))
     ap.add_argument("--time-limit", type=positive_float, default=10.0)
-    ap.add_argument("--memory-budget", type=byte_size, default=None, help="for the merged step only")
+    budget = ap.add_mutually_exclusive_group()
+    budget.add_argument("--memory-budget", type=byte_size, default=None, help="for the merged step only")
+    budget.add_argument("--budget-factor", type=positive_float, default=None,
+                        help="merged step's budget = F x the single-micro-batch schedule's peak")
+    ap.add_argument("--compare-window-search", action="store_true",
+                    help="also compile the merged step without the window search")
     args = ap.parse_args()
     M = args.micro_batches
     cost = CostModel(load_hardware(args.hardware))
     graph = trace_model(load_model(args.model), Strategy("sp", "ep", args.dispatch, 8), seq=8192, layers=args.layers)
     graph, _ = run_pipeline(graph, "gate-reorder,sar=paper", cost=cost)
     one = compile_graph(graph, cost, time_limit_s=args.time_limit)
-    merged = compile_graph(merge_microbatches(graph, M), cost, time_limit_s=args.time_limit,
-                           memory_budget_bytes=args.memory_budget)
+    if args.budget_factor is not None:
+        args.memory_budget = int(args.budget_factor * one.schedule.summary["peak_memory_bytes"])
+    step = merge_microbatches(graph, M)
+    merged = compile_graph(step, cost, time_limit_s=args.time_limit, memory_budget_bytes=args.memory_budget)
     assert verify_schedule(one.schedule) == [] and verify_schedule(merged.schedule) == []
+    if args.compare_window_search:
+        min_tasks, api.LNS_MIN_TASKS = api.LNS_MIN_TASKS, float("inf")
+        try:
+            plain = compile_graph(step, cost, time_limit_s=args.time_limit, memory_budget_bytes=args.memory_budget)
+        finally:
+            api.LNS_MIN_TASKS = min_tasks
+        assert verify_schedule(plain.schedule) == []
     s1, s = one.schedule.summary, merged.schedule.summary
     span = s["makespan_us"]
     print(f"{args.model}, {args.layers} layers, {args.hardware}, sp+ep {args.dispatch}, n=8, s=8192, "
@@ -70,6 +89,14 @@ def main() -> None:
     if window:
         print(f"window search (moegraph.schedules.lns): {window['improved']} of {window['windows']} windows kept, "
               f"{window['makespan_before_us']:.1f} -> {span:.1f} us")
+    if args.compare_window_search:
+        print("\n| merged step | makespan us | exposed comm us | peak memory GiB | budget GiB | wall s |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for label, r in (("without the window search", plain), ("with the window search", merged)):
+            t = r.schedule.summary
+            print(f"| {label} ({r.source}, {r.status}) | {t['makespan_us']:.1f} | {t['exposed_comm_us']:.1f} | "
+                  f"{t['peak_memory_bytes'] / gib:.3f} | "
+                  f"{'-' if args.memory_budget is None else f'{args.memory_budget / gib:.3f}'} | {r.wall_s:.0f} |")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ its own makespan and the warm start it began from; ``summary.method`` (``source`
 ``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
 kept if the solver found none (a warm start the model rejects, a wall-clock cap). On a large
 merged micro-batch step the solver's result then goes through the window search
-(moegraph.schedules.lns; ``summary.solver.lns``), never worse.
+(moegraph.schedules.lns; ``summary.solver.lns``), never worse, within the memory budget if any.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from moegraph.schedules.periodic import is_stack, tile_layers
+from moegraph.schedules.periodic import can_slide, is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
@@ -140,17 +140,16 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 LNS_MIN_TASKS = 400
 """Merged micro-batch step graphs of at least this many tasks get the window search
 (moegraph.schedules.lns) after the full-model solve: below it the full model is small enough
-for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Not
-under a memory budget: each window then keeps every task in its model (the held tasks' live
-values count); windows of that size took 189 s of wall time on mixtral-8x7b M=4 at 2 GiB and
-hit the wall-clock cap (benchmarks/RESULTS.md)."""
+for CP-SAT's own search (and the small graphs of the test suite keep their quick solves). Under
+a memory budget too: a window's model holds the tasks outside it with their live values as
+fixed demand (cpsat.Held), so it stays the size of a window without a budget."""
 
 
 def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -> tuple[CpSatResult, dict[str, Any]]:
     """On a large merged micro-batch step, CP-SAT's full-model result improved window by window
     (``lns.improve``; never worse). Returns the result to report and ``summary.solver.lns``."""
     if (result.solution is None or result.status == "OPTIMAL" or micro_batch_count(problem.graph) < 2
-            or len(problem.tasks) < LNS_MIN_TASKS or problem.memory_budget_bytes is not None):
+            or len(problem.tasks) < LNS_MIN_TASKS):
         return result, {}
     before = makespan_ticks(problem, result.solution)
     r = lns.improve(problem, result.solution, opts)
@@ -179,9 +178,13 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         hint = min(cands, key=lambda s: makespan_ticks(unit, s))  # first of equals: deterministic
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
-        tiled = tile_layers(problem, unit, r.solution if r.solution is not None else hint)
-        check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
-        out.append(tiled)
+        sol = r.solution if r.solution is not None else hint
+        # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
+        # later periods' backward (moegraph.schedules.periodic)
+        for dp_slide in (False, True) if can_slide(unit) else (False,):
+            tiled = tile_layers(problem, unit, sol, dp_slide=dp_slide)
+            check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
+            out.append(tiled)
     return out
 
 

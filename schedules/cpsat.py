@@ -49,7 +49,7 @@ from moegraph.schedules.bound import Bound, heads_tails, lower_bound
 from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
 from moegraph.schedules.solution import Solution, canonical_chunk_order, settle_alone, solution_ends
 
-__all__ = ["CpHandles", "CpSatResult", "SolverOptions", "build_model", "solve", "min_peak_memory", "staged_solve",
+__all__ = ["CpHandles", "CpSatResult", "Held", "SolverOptions", "build_model", "solve", "min_peak_memory", "staged_solve",
            "sub_problem",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
 
@@ -125,13 +125,47 @@ def _memory_unit(problem: Problem) -> int:
     return math.gcd(*(v.nbytes for v in problem.mem_values)) or 1
 
 
+@dataclass(frozen=True)
+class Held:
+    """The rest of a larger schedule around a sub-problem (``sub_problem``), for its memory:
+    the tasks of ``problem`` outside ``keep`` stay at ``solution``'s starts and modes, so the
+    live intervals they bound are fixed demand in the sub-problem's memory constraint, and
+    those they share with the sub-problem's tasks are bounded by constants on that side.
+    (moegraph.schedules.lns holds everything before a window this way.)"""
+
+    problem: Problem
+    """The full problem; its memory values and budget are the ones constrained."""
+    keep: tuple[int, ...]
+    """Original indices of the sub-problem's tasks (as passed to ``sub_problem``)."""
+    solution: Solution
+    """A solution of ``problem`` within its budget: where the held tasks run."""
+    since: int
+    """The caller's guarantee that before this tick the live memory is ``solution``'s (every
+    sub-problem task starts at or after it, or is constrained to its start in ``solution``):
+    a value held entirely by held tasks that is dead by then is left out of the model."""
+
+    def __post_init__(self):
+        n = len(self.problem.tasks)
+        if list(self.keep) != sorted(set(self.keep)) or not all(0 <= i < n for i in self.keep):
+            raise ScheduleError("Held.keep must be ascending, distinct task indices of Held.problem")
+        if len(self.solution.start) != len(self.problem.tasks):
+            raise ScheduleError(f"Held.solution has {len(self.solution.start)} starts for "
+                                f"{len(self.problem.tasks)} tasks")
+
+
 def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution | None = None,
-                objective: str = "makespan", bound: Bound | None = None, symmetry: bool = True) -> CpHandles:
+                objective: str = "makespan", bound: Bound | None = None, symmetry: bool = True,
+                held: Held | None = None) -> CpHandles:
     """objective: "makespan" (memory budget as a constraint, if any) or "peak_memory"
     (minimise the peak live bytes; no budget). symmetry: order interchangeable chunks by
-    their first task's start (problem.chunk_symmetry)."""
+    their first task's start (problem.chunk_symmetry). held: ``problem`` is
+    ``sub_problem(held.problem, held.keep)`` and its memory is accounted as held.problem's, with
+    the tasks outside it fixed (``Held``)."""
     if objective not in ("makespan", "peak_memory"):
         raise ValueError(f"objective={objective!r} is not one of 'makespan', 'peak_memory'")
+    if held is not None and (problem.mem_values or len(problem.tasks) != len(held.keep)
+                             or any(t.name != held.problem.tasks[i].name for t, i in zip(problem.tasks, held.keep))):
+        raise ScheduleError("build_model(held=...) takes sub_problem(held.problem, held.keep) as its problem")
     tasks = problem.tasks
     H = problem.horizon if horizon is None else horizon
     bound = bound or lower_bound(problem)
@@ -188,7 +222,7 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
 
     h = CpHandles(model=m, horizon=H, tasks=tv, makespan=mk, barrier=barrier, chunk_groups=groups)
     if objective == "peak_memory" or problem.memory_budget_bytes is not None:
-        _memory(problem, h, peak=objective == "peak_memory")
+        _memory(problem, h, peak=objective == "peak_memory", held=held)
     if objective == "makespan":
         m.minimize(mk)
     else:
@@ -246,36 +280,80 @@ def _task_vars(m: cp_model.CpModel, t: Task, start, lo: int, hi: int) -> TaskVar
     return TaskVars(start, end, run, lits, mode_runs)
 
 
-def _memory(problem: Problem, h: CpHandles, *, peak: bool) -> None:
-    m, tv, tasks = h.model, h.tasks, problem.tasks
-    unit = _memory_unit(problem)
+def _memory(problem: Problem, h: CpHandles, *, peak: bool, held: Held | None = None) -> None:
+    """live[v] for every memory value under one AddCumulative (module doc). With ``held``,
+    the values are held.problem's: a task outside the model contributes its start or end as a
+    constant, so a value between two held tasks is a fixed interval (left out when it is dead
+    by ``held.since``), and the budget is held.problem's."""
+    m, tv = h.model, h.tasks
+    full = problem if held is None else held.problem
+    tasks = full.tasks
+    unit = _memory_unit(full)
     h.memory_unit = unit
+    inside = set(range(len(tasks))) if held is None else set(held.keep)
+    ends_held = None if held is None else solution_ends(full, held.solution)
+
+    def start_of(i: int) -> cp_model.LinearExprT:
+        return tv[tasks[i].name].start if i in inside else held.solution.start[i]
+
+    def end_of(i: int) -> cp_model.LinearExprT:
+        return tv[tasks[i].name].end if i in inside else ends_held[i]
+
+    barrier, span = h.barrier, h.makespan
+    if held is not None:  # the full step's barrier and makespan also count the held tasks' ends
+        outside = [i for i in range(len(tasks)) if i not in inside]
+        barrier = _max_of(m, h.barrier, [ends_held[i] for i in outside if tasks[i].side == 0], "barrier[all]")
+        span = _max_of(m, h.makespan, [ends_held[i] for i in outside], "makespan[all]")
     ivs, dem = [], []
-    for v in problem.mem_values:
+    for v in full.mem_values:
         if v.start == "producer":
-            s = tv[tasks[v.producer].name].start
+            s = start_of(v.producer)
         elif v.start == "zero":
             s = 0
+        elif v.start == "barrier":
+            s = barrier
         else:
-            s = h.barrier
+            raise ScheduleError(f"memory value {v.name!r} has start {v.start!r}, not producer, zero or barrier")
+        ends = [end_of(i) for i in v.ends]
         if v.until_makespan:
-            e = h.makespan
+            e = span
+        elif held is not None and all(isinstance(x, int) for x in ends):
+            e = max(ends, default=s)  # held by held tasks alone: a constant (no consumer: never live)
         else:  # functionally determined, so the search never branches on it
+            if held is not None:  # the held ends folded into one constant
+                fixed = [x for x in ends if isinstance(x, int)]
+                ends = [x for x in ends if not isinstance(x, int)] + ([max(fixed)] if fixed else [])
             e = m.new_int_var(0, h.horizon, f"live_end[{v.name}]")
-            m.add_max_equality(e, [tv[tasks[i].name].end for i in v.ends])
-        size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
-        ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
+            m.add_max_equality(e, ends)
+        if held is not None and isinstance(s, int) and isinstance(e, int):
+            if e <= max(s, held.since):
+                continue  # dead before the model's tasks can run: its bytes are in the held past
+            ivs.append(m.new_fixed_size_interval_var(s, e - s, f"live[{v.name}]"))
+        else:
+            size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
+            ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
+            h.live_end[v.name] = e
         dem.append(v.nbytes // unit)
-        h.live_end[v.name] = e
     total = sum(dem)
     if peak:
         h.peak = m.new_int_var(0, total, "peak_memory")
         if ivs:
             m.add_cumulative(ivs, dem, h.peak)
     else:
-        cap = problem.memory_budget_bytes // unit
+        cap = full.memory_budget_bytes // unit
         if ivs and total > cap:
             m.add_cumulative(ivs, dem, cap)
+
+
+def _max_of(m: cp_model.CpModel, var: cp_model.IntVar, consts: list[int], name: str) -> cp_model.IntVar:
+    """max(var, *consts): ``var`` itself when no constant exceeds its lower bound."""
+    domain = list(var.proto.domain)  # the proto's repeated field has no negative indexing
+    lo, hi = domain[0], domain[-1]
+    if max(consts, default=lo) <= lo:
+        return var
+    v = m.new_int_var(max(consts), max(hi, *consts), name)
+    m.add_max_equality(v, [var, max(consts)])
+    return v
 
 
 def _add_hint(problem: Problem, h: CpHandles, sol: Solution) -> None:

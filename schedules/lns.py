@@ -6,7 +6,7 @@ neighbourhoods did not find improvements there). A window of ~60 tasks consecuti
 with the rest of the schedule held,
 is a model CP-SAT packs well (DeepSeek-V3, 4 layers, M=4, h800: the last 112 tasks re-solved
 took 191,674 -> 188,728 us, while a window of 400-560 tasks found nothing in the same effort).
-compile_graph runs it on large merged steps without a memory budget (schedules.api).
+compile_graph runs it on large merged steps (schedules.api), with or without a memory budget.
 
 The neighbourhood of window [i, i + W) (tasks ranked by their incumbent start, ties by index):
     before the window  start and mode fixed to the incumbent's;
@@ -17,6 +17,15 @@ The neighbourhood of window [i, i + W) (tasks ranked by their incumbent start, t
 Every solution of that model is a solution of the full model (build_model, memory budget
 included) plus constraints, and the incumbent is one of them (the staged solve's hint), so a
 window never returns a worse schedule; only strictly shorter ones are accepted.
+
+Only the tasks that can still move are in the model: those ranked from the window on, and the
+earlier ones still running at the window's first start t0 (held at their starts). Under a
+memory budget the tasks left out are held too (cpsat.Held): a value between two of them is a
+constant live interval in the cumulative, and one shared with a task in the model has its
+held end as a constant in its max; values dead by t0 are left out (before t0 nothing moves, so
+the live memory there is the incumbent's, within the budget). So a window under a budget is
+as small as one without: on mixtral-8x7b's merged step (4 layers, M=4, 1,012 tasks), the 10
+windows of 60 tasks from the end hold 60-330 tasks (the window and the tasks after it).
 
 Windows go from the end of the schedule towards its start, overlapping by half: the exposed
 communication of a merged step is in the cool-down (the step-level gradient all-reduces wait
@@ -30,11 +39,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from moegraph.schedules.cpsat import CpSatResult, SolverOptions, build_model, staged_solve, sub_problem
+from moegraph.schedules.cpsat import CpHandles, CpSatResult, Held, SolverOptions, build_model, staged_solve, sub_problem
 from moegraph.schedules.problem import Problem, ScheduleError
-from moegraph.schedules.solution import Solution, makespan_ticks, solution_ends
+from moegraph.schedules.solution import Solution, makespan_ticks, peak_memory_bytes, solution_ends
 
-__all__ = ["LnsResult", "improve", "windows", "WINDOW_TASKS", "WINDOW_EFFORT_S", "LNS_SHARE"]
+__all__ = ["LnsResult", "Neighbourhood", "improve", "neighbourhood", "windows", "WINDOW_TASKS", "WINDOW_EFFORT_S", "LNS_SHARE"]
 
 WINDOW_TASKS = 60
 """Tasks per window. DeepSeek-V3 merged (1,684 tasks), from interleave4+ends (187,365.4 us), 10
@@ -84,6 +93,10 @@ def improve(problem: Problem, incumbent: Solution, opts: SolverOptions, *, size:
     (from the end) are re-solved, each at ``effort_s``."""
     if not share > 0 or not effort_s > 0:
         raise ScheduleError(f"share={share!r} and effort_s={effort_s!r} must be positive")
+    budget = problem.memory_budget_bytes
+    if budget is not None and peak_memory_bytes(problem, incumbent) > budget:  # the windows hold its past
+        raise ScheduleError(f"the incumbent peaks at {peak_memory_bytes(problem, incumbent)} bytes, above the memory "
+                            f"budget {budget}: the window search improves a schedule within the budget")
     best, span = incumbent, makespan_ticks(problem, incumbent)
     count = max(1, int(share * opts.time_limit_s / effort_s))
     ws = windows(len(problem.tasks), size)[:count]
@@ -97,25 +110,34 @@ def improve(problem: Problem, incumbent: Solution, opts: SolverOptions, *, size:
     return LnsResult(Solution(incumbent.method, best.start, best.mode), improved, len(ws), wall, dtime, cap)
 
 
-def _window(problem: Problem, sol: Solution, lo: int, hi: int, opts: SolverOptions) -> CpSatResult:
-    """Re-solve window [lo, hi) of ``sol``'s start ranking (module doc). Every free task starts
-    at or after ``t0``, the window's earliest incumbent start; a task before the window that
-    ends by ``t0`` then constrains nothing but through that, so it is left out of the model
-    (without a memory budget: under one, its live values count, and the full model is kept)."""
+@dataclass(frozen=True)
+class Neighbourhood:
+    """The model of one window (module doc): ``sub`` holds the tasks ``keep`` (original indices)."""
+
+    keep: tuple[int, ...]
+    sub: Problem
+    handles: CpHandles
+
+
+def neighbourhood(problem: Problem, sol: Solution, lo: int, hi: int) -> Neighbourhood:
+    """The CP-SAT model of window [lo, hi) of ``sol``'s start ranking (module doc). Every free
+    task starts at or after ``t0``, the window's earliest incumbent start; a task before the
+    window that ends by ``t0`` then constrains nothing but through that, so it is left out of
+    the model. Under a memory budget the left-out tasks are held (cpsat.Held): the live values
+    they bound are constant intervals, and those dead by ``t0`` drop out, since before ``t0``
+    the live memory is the incumbent's (everything running then is held at its start)."""
     tasks = problem.tasks
     rank = sorted(range(len(tasks)), key=lambda i: (sol.start[i], i))
     where = {i: r for r, i in enumerate(rank)}
     ends = solution_ends(problem, sol)
     t0 = sol.start[rank[lo]]
-    if problem.memory_budget_bytes is None:
-        keep = tuple(sorted(i for i in range(len(tasks)) if where[i] >= lo or ends[i] > t0))
-        sub = sub_problem(problem, keep)
-    else:  # sub_problem drops the memory values
-        keep, sub = tuple(range(len(tasks))), problem
+    keep = tuple(sorted(i for i in range(len(tasks)) if where[i] >= lo or ends[i] > t0))
+    sub = sub_problem(problem, keep)
+    held = Held(problem, keep, sol, t0) if problem.memory_budget_bytes is not None else None
     sub_sol = Solution(sol.method, tuple(sol.start[i] for i in keep), tuple(sol.mode[i] for i in keep))
     # symmetry breaking would reorder the hint's chunks (canonical_chunk_order), which the
     # fixed starts below forbid
-    h = build_model(sub, hint=sub_sol, horizon=makespan_ticks(problem, sol), symmetry=False)
+    h = build_model(sub, hint=sub_sol, horizon=makespan_ticks(problem, sol), symmetry=False, held=held)
     m = h.model
     for t in sub.tasks:
         v, r = h.tasks[t.name], where[keep[t.index]]
@@ -131,10 +153,17 @@ def _window(problem: Problem, sol: Solution, lo: int, hi: int, opts: SolverOptio
         for a, b in zip(seq, seq[1:]):
             if where[b] >= hi:
                 m.add(h.tasks[tasks[b].name].start >= h.tasks[tasks[a].name].end)
-    r = staged_solve(sub, h, opts, sol.method, h.makespan, True)
+    return Neighbourhood(keep, sub, h)
+
+
+def _window(problem: Problem, sol: Solution, lo: int, hi: int, opts: SolverOptions) -> CpSatResult:
+    """Re-solve window [lo, hi) of ``sol``'s start ranking (``neighbourhood``); the result is a
+    solution of the whole ``problem``."""
+    nb = neighbourhood(problem, sol, lo, hi)
+    r = staged_solve(nb.sub, nb.handles, opts, sol.method, nb.handles.makespan, True)
     if r.solution is None:
         return r
     start, mode = list(sol.start), list(sol.mode)
-    for j, i in enumerate(keep):
+    for j, i in enumerate(nb.keep):
         start[i], mode[i] = r.solution.start[j], r.solution.mode[j]
     return dataclasses.replace(r, solution=Solution(sol.method, tuple(start), tuple(mode)))

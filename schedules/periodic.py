@@ -31,17 +31,40 @@ window, one after another, each alone. CP-SAT then moves them under the layers' 
 
 Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.
+
+DP-aware tiling (``dp_slide``). With data parallelism the unit's schedule must finish its own
+layers' DP gradient sync (``dp_tail``: the inter-node collectives on DP_STREAM and the
+intra-node all-gathers after them) inside its period, although nothing in the step needs it
+before the step's end; at mixtral-8x7b sizes with b=8 one layer's sync on the NIC is about as
+long as its backward compute, so every period ends with sync exposed or compute slowed. The
+DP-aware tiling takes the tail out of the tile: period q's backward window shrinks to B' (the
+last end of what stays in it), and the tail tasks, with the edges' collectives, are then
+placed one by one (by their tiled start, each after its inputs) at the earliest end among:
+their tiled mode wherever their stream is free and the SMs beside them leave room (beside the
+compute the tile slowed for them, which later periods repeat); their copy-engine mode (0 SMs,
+slower, beside anything) wherever their stream is free; their alone mode after the tile ends.
+So a period's sync slides under the following periods' backward on its own stream, and the
+LM head's gradient sync under the layers' backward instead of after it. The kept gradients
+live longer: the caller checks each candidate's peak against the budget, as for every warm
+start. Both tilings are offered (schedules.api); the shorter one warm-starts CP-SAT. Not
+offered when the tail holds compute (``can_slide``: compress=dp-bf16's FP32 local sums after
+the all-to-all), which the placement would have to fit into the tile's compute stream.
 """
 
 from __future__ import annotations
 
+import bisect
+import heapq
+
 from moegraph.edges import EDGE_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
-from moegraph.schedules.problem import Problem, ScheduleError
-from moegraph.schedules.solution import Solution, alone_twin, barrier_ticks, makespan_ticks
+from moegraph.schedules.bound import topological
+from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
+from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
+                                         solution_ends)
 
-__all__ = ["PERIODIC", "is_stack", "tile_layers"]
+__all__ = ["PERIODIC", "can_slide", "dp_tail", "is_stack", "tile_layers"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -69,12 +92,14 @@ def is_stack(graph: Graph) -> bool:
     return True
 
 
-def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
+def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: bool = False) -> Solution:
     """``sol`` (a solution of ``unit``: the one-layer graph, or a stack of K of its layers)
     repeated over the layers of ``problem``'s graph (module doc), K layers per period: layer
-    i = q K + u runs as the unit's layer u in period q. Raises ScheduleError if the graph is
-    not a stack of the layer (``is_stack``), L is not a multiple of K, or a node's mode in the
-    unit has no twin (same SMs, alone flag and ticks) in the stacked problem."""
+    i = q K + u runs as the unit's layer u in period q. ``dp_slide``: the DP tail of each
+    period (``dp_tail``) leaves the tile and slides into later periods' backward (module doc,
+    "DP-aware tiling"). Raises ScheduleError if the graph is not a stack of the layer
+    (``is_stack``), L is not a multiple of K, or a node's mode in the unit has no twin (same
+    SMs, alone flag and ticks) in the stacked problem."""
     graph = problem.graph
     if not is_stack(graph):
         raise ScheduleError(f"graph {graph.name!r} is not a stack of its one-layer graph: nothing to tile")
@@ -83,7 +108,16 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
         raise ScheduleError(f"{L} layers cannot be tiled by a unit of {K}")
     periods = L // K
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
-    bwd = span - fwd
+    tail = dp_tail(unit) if dp_slide else set()
+    compute = [unit.tasks[i].name for i in sorted(tail) if unit.tasks[i].kind != "comm"]
+    if compute:
+        raise ScheduleError(f"compute {compute[0]!r} depends on a DP collective: the DP-aware tiling moves only "
+                            f"collectives (can_slide)")
+    unit_ends = solution_ends(unit, sol)
+    # the period's backward window: up to the last end of what stays in the tile
+    bwd = max((unit_ends[t.index] for t in unit.tasks if t.side == 1 and t.index not in tail), default=fwd) - fwd
+    if not tail:
+        bwd = span - fwd
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
     edges = [t for t in problem.tasks if t.node.attr(EDGE_ATTR, False)]
     edge_compute = [t for t in edges if t.kind == "compute"]        # graph order: forward, then backward
@@ -94,10 +128,12 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
         start[t.index], mode[t.index] = at, t.default_mode
         at += t.modes[t.default_mode].ticks
     at = periods * (fwd + bwd) + ef + eb
-    for t in edges:
-        if t.kind == "comm":                        # after the layers' backward, one after another, alone
-            start[t.index], mode[t.index] = at, alone_twin(t, t.default_mode)
-            at += t.modes[mode[t.index]].ticks
+    if not dp_slide:
+        for t in edges:
+            if t.kind == "comm":                    # after the layers' backward, one after another, alone
+                start[t.index], mode[t.index] = at, alone_twin(t, t.default_mode)
+                at += t.modes[mode[t.index]].ticks
+    late: dict[int, int] = {}                       # a task of a period's DP tail -> where the tile puts it
     for t in problem.tasks:
         if t.node.attr(EDGE_ATTR, False):
             continue
@@ -115,4 +151,127 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution) -> Solution:
             raise ScheduleError(f"{t.name!r} has no mode like its unit node {src.name!r}'s "
                                 f"({m.sm} SMs, {m.ticks} ticks): the layers are not costed alike")
         mode[t.index] = k
-    return Solution(PERIODIC if K == 1 else f"{PERIODIC}x{K}", tuple(start), tuple(mode))
+        if src.index in tail:
+            late[t.index] = start[t.index]
+    name = PERIODIC if K == 1 else f"{PERIODIC}x{K}"
+    if not dp_slide:
+        return Solution(name, tuple(start), tuple(mode))
+    for t in edges:
+        if t.kind == "comm":  # as soon as its inputs allow, beside the layers' backward if there is room
+            late[t.index], mode[t.index] = 0, t.default_mode
+    _place_late(problem, start, mode, late, at)
+    return settle_alone(problem, Solution(f"{name}+dp", tuple(start), tuple(mode)))
+
+
+def dp_tail(unit: Problem) -> set[int]:
+    """The unit's inter-node DP collectives (stream DP_STREAM) and every task downstream of one
+    (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
+    the local FP32 sums): what the DP-aware tiling moves out of a period."""
+    tasks = unit.tasks
+    tail = {t.index for t in tasks if t.stream == DP_STREAM}
+    for i in topological([t.index for t in tasks], {t.index: list(t.preds) for t in tasks},
+                         {t.index: list(t.succs) for t in tasks}):
+        if any(p in tail for p in tasks[i].preds):
+            tail.add(i)
+    return tail
+
+
+def can_slide(unit: Problem) -> bool:
+    """Whether the DP-aware tiling applies: the unit has DP collectives and its DP tail holds
+    collectives only (moving a compute task would change what the tile's collectives overlap;
+    compress=dp-bf16's local sums are compute)."""
+    tail = dp_tail(unit)
+    return bool(tail) and all(unit.tasks[i].kind == "comm" for i in tail)
+
+
+def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[int, int], end: int) -> None:
+    """Place the ``late`` tasks (index -> earliest start the tile gives it), by that start and
+    each after its inputs, each at the earliest end among: its tiled mode at the earliest start
+    where its stream is free and the SMs in use beside it leave it room (beside compute the tile
+    slowed, or where compute is idle); its fastest copy-engine mode (0 SMs: beside anything) at
+    the earliest start its stream is free; its alone mode after ``end``, where every tile task
+    has ended. ``start``/``mode`` hold every other task already; settle_alone runs after."""
+    tasks = problem.tasks
+    busy: dict[str, list[tuple[int, int, int]]] = {s: [] for s in problem.streams}
+    for t in tasks:
+        m = t.modes[mode[t.index]]
+        if t.index not in late and m.ticks > 0:
+            busy[t.stream].append((start[t.index], start[t.index] + m.ticks, m.sm))
+    for v in busy.values():
+        v.sort()
+    waiting = {i: sum(p in late for p in tasks[i].preds) for i in late}
+    queue = [(late[i], i) for i in late if not waiting[i]]
+    heapq.heapify(queue)
+    while queue:  # by tiled start, each after its late inputs
+        _, i = heapq.heappop(queue)
+        t = tasks[i]
+        for c in t.succs:
+            if c in late:
+                waiting[c] -= 1
+                if not waiting[c]:
+                    heapq.heappush(queue, (late[c], c))
+        ready = max([late[i], *(start[p] + tasks[p].modes[mode[p]].ticks for p in t.preds)])
+        # beside compute only modes priced beside it (an alone mode excludes compute)
+        tiled = t.modes[mode[i]]
+        modes = {k for k, m in enumerate(t.modes) if not m.alone and m.sm == tiled.sm
+                 and (k == mode[i] or tiled.alone)}
+        copy = [k for k, m in enumerate(t.modes) if m.sm == 0 and not m.alone]
+        if copy:
+            modes.add(min(copy, key=lambda k: (t.modes[k].ticks, k)))
+        options = [(s + t.modes[k].ticks, s, k) for k in sorted(modes)
+                   for s in [_earliest(problem, busy, t.stream, ready, t.modes[k].ticks, t.modes[k].sm)]]
+        k = alone_twin(t, mode[i])
+        s = _earliest(problem, busy, t.stream, max(ready, end), t.modes[k].ticks, t.modes[k].sm)
+        options.append((s + t.modes[k].ticks, s, k))
+        e, s, k = min(options)
+        start[i], mode[i] = s, k
+        if e > s:
+            bisect.insort(busy[t.stream], (s, e, t.modes[k].sm))
+
+
+def _earliest(problem: Problem, busy: dict[str, list[tuple[int, int, int]]], stream: str, t: int, d: int,
+              sm: int) -> int:
+    """The earliest s >= t with [s, s + d) clear of ``stream``'s spans (sorted, disjoint) and
+    with ``sm`` SMs free beside every span there (each span: start, end, SMs held)."""
+    s = t
+    if d <= 0:
+        return s
+    while True:
+        s = _free_from(busy[stream], s, d)
+        if not sm:
+            return s
+        beside = [x for v in busy.values() for x in _overlapping(v, s, s + d) if x[2]]
+        if not beside:
+            return s
+        events = sorted([(a, x) for a, _, x in beside] + [(b, -x) for _, b, x in beside])
+        used, peak = 0, 0
+        for tick, delta in events:  # ends (negative) sort before starts at the same tick
+            used += delta
+            if max(tick, s) < s + d:
+                peak = max(peak, used)
+        if peak + sm <= problem.sm_count:
+            return s
+        s = min(b for _, b, _ in beside)    # the next instant something beside it ends
+
+
+def _overlapping(spans: list[tuple[int, int, int]], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """The sorted, disjoint ``spans`` that intersect [lo, hi)."""
+    out = []
+    for x in spans[max(bisect.bisect_right(spans, (lo, lo, 0)) - 1, 0):]:
+        if x[0] >= hi:
+            break
+        if x[1] > lo:
+            out.append(x)
+    return out
+
+
+def _free_from(spans: list[tuple[int, int, int]], t: int, d: int) -> int:
+    """The earliest s >= t with [s, s + d) clear of the sorted, disjoint ``spans``."""
+    s = t
+    for a, b, _ in spans[max(bisect.bisect_right(spans, (t, t, 0)) - 1, 0):]:
+        if b <= s:
+            continue
+        if a >= s + d:
+            break
+        s = b
+    return s

@@ -1,12 +1,16 @@
 """The window search (moegraph.schedules.lns) on a merged micro-batch step small enough to solve
 exactly: it must beat a warm start known to be suboptimal, never go below the proven optimum,
-reach that optimum when one window holds every task, and give a file the verifier accepts."""
+reach that optimum when one window holds every task, and give a file the verifier accepts. Under
+a memory budget a window's model holds the tasks outside it as fixed memory demand: every
+window result stays within the budget (verify_schedule), and the model stays window-sized."""
 
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from moegraph.ir import OpKind, Role, Strategy, verify
 from moegraph.microbatch import merge_microbatches
@@ -99,6 +103,24 @@ def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     assert verify_schedule(r.schedule) == []
 
 
+def test_compile_runs_the_window_search_under_a_memory_budget(monkeypatch):
+    """compile_graph under a budget (the sequential baseline's peak on the tiny model's merged step)
+    runs the window search too, and its schedule verifies within the budget."""
+    monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)
+    graph = merge_microbatches(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1), 2)
+    budget = peak_memory_bytes(build_problem(graph, COST), sequential(build_problem(graph, COST)))
+    r = compile_graph(graph, COST, time_limit_s=0.2, memory_budget_bytes=budget)
+    solver = r.schedule.summary["solver"]
+    assert solver["lns"]["windows"] == 1
+    assert r.schedule.summary["makespan_us"] <= solver["lns"]["makespan_before_us"]
+    assert r.schedule.summary["peak_memory_bytes"] <= budget
+    assert verify_schedule(r.schedule) == []
+
+
+def _verified(p, sol) -> list[str]:
+    return verify_schedule(build_schedule(p, sol, lower_bound(p), {}, {}))
+
+
 def test_window_search_keeps_the_memory_budget(merged):
     warm = sequential(merged)
     budget = peak_memory_bytes(merged, warm)
@@ -109,4 +131,63 @@ def test_window_search_keeps_the_memory_budget(merged):
     r = lns.improve(p, warm, opts, size=8, share=4, effort_s=1)
     assert peak_memory_bytes(p, r.solution) <= budget
     assert makespan_ticks(p, r.solution) < makespan_ticks(p, warm)
-    assert verify_schedule(build_schedule(p, r.solution, lower_bound(p), {}, {})) == []
+    assert _verified(p, r.solution) == []
+
+
+def test_every_window_under_a_budget_verifies_and_one_needs_the_held_memory(merged):
+    """Each window of the sequential schedule re-solved on its own, under a budget just above
+    its peak: every result is a schedule of the whole step the verifier accepts (budget
+    included). In some window the same re-solve without the budget goes above it, so there the
+    held tasks' memory is what the window must respect, and some window still improves."""
+    warm = sequential(merged)
+    budget = peak_memory_bytes(merged, warm) + 1
+    p = build_problem(merged.graph, COST, memory_budget_bytes=budget)
+    opts = SolverOptions(time_limit_s=0.5)
+    needed = improved = 0
+    for lo, hi in lns.windows(len(p.tasks), 8):
+        nb = lns.neighbourhood(p, warm, lo, hi)
+        assert lo == 0 or len(nb.keep) < len(p.tasks)          # not the whole model
+        r = lns._window(p, warm, lo, hi, opts)
+        assert r.solution is not None                          # the incumbent is feasible in it
+        assert _verified(p, r.solution) == []
+        assert peak_memory_bytes(p, r.solution) <= budget
+        assert makespan_ticks(p, r.solution) <= makespan_ticks(p, warm)
+        improved += makespan_ticks(p, r.solution) < makespan_ticks(p, warm)
+        free = lns._window(merged, warm, lo, hi, opts)
+        needed += peak_memory_bytes(merged, free.solution) > budget
+    assert needed >= 1 and improved >= 1
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lo=st.integers(0, 18), width=st.integers(2, 10), slack=st.integers(0, 3))
+def test_random_windows_never_break_the_budget(merged, lo, width, slack):
+    """Random windows, random warm starts (the best sequential or a CP-SAT window's result),
+    budgets from the incumbent's peak up: the verifier never rejects a window's result."""
+    warm = sequential(merged)
+    unit = 2 ** 20
+    budget = peak_memory_bytes(merged, warm) + slack * unit
+    p = build_problem(merged.graph, COST, memory_budget_bytes=budget)
+    hi = min(lo + width, len(p.tasks))
+    r = lns._window(p, warm, lo, hi, SolverOptions(time_limit_s=0.2))
+    assert r.solution is not None
+    assert peak_memory_bytes(p, r.solution) <= budget
+    assert _verified(p, r.solution) == []
+
+
+def test_window_model_under_a_budget_is_window_sized():
+    """A merged tiny-model step (M=4) under a budget: the last window's model holds about the
+    window's tasks, not the step's, and it carries the memory cumulative."""
+    graph = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1)
+    merged = merge_microbatches(graph, 4)
+    free = build_problem(merged, COST)
+    warm = sequential(free)
+    budget = peak_memory_bytes(free, warm)
+    p = build_problem(merged, COST, memory_budget_bytes=budget)
+    n, size = len(p.tasks), 20
+    assert n >= 150
+    for lo, hi in lns.windows(n, size)[:2]:
+        nb = lns.neighbourhood(p, warm, lo, hi)
+        assert len(nb.keep) <= 2 * (n - lo) and len(nb.keep) <= n // 3
+        assert nb.keep == lns.neighbourhood(free, warm, lo, hi).keep    # as small as without a budget
+        live = [c for c in nb.handles.model.proto.constraints if c.name.startswith("live[")]
+        assert live and len(live) < len(p.mem_values)      # held values dead before the window left out
