@@ -96,7 +96,7 @@ def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode)
                 p.copy_(params[k])
         ref.append(eager_step(module, x, dy))
 
-    shared = tfd.EmulatedComm(n) if n > 1 else None
+    shared = tfd.ThreadComm(n) if n > 1 else None
     backends = [FakeGraphs() for _ in range(n)]
     got: dict[int, list] = {r: [] for r in range(n)}
     first_y: dict[int, tuple] = {}

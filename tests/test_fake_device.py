@@ -118,7 +118,7 @@ class _DoneWork:
     the host waits on it: a wait with a timeout, or a completion poll (GPU: ``work.wait()``
     without one only orders the current stream)."""
 
-    def __init__(self, shared: "EmulatedComm"):
+    def __init__(self, shared: "ThreadComm"):
         self.shared = shared
 
     def wait(self, timeout=None):
@@ -131,9 +131,10 @@ class _DoneWork:
         return True
 
 
-class EmulatedComm:
+class ThreadComm:
     """n ranks in n threads of one process: each ``issue`` waits for every rank's inputs, then
-    computes the outputs with the reference interpreter's collectives."""
+    computes the outputs with the reference interpreter's collectives (real collectives; not
+    ``moegraph.runtime.emulated.EmulatedComm``, whose copies only stand in for a collective's time)."""
 
     def __init__(self, n: int):
         self.n, self.backend, self.native_budgets = n, "emulated", False
@@ -148,7 +149,7 @@ class EmulatedComm:
 
 
 class _RankComm:
-    def __init__(self, shared: EmulatedComm, rank: int):
+    def __init__(self, shared: ThreadComm, rank: int):
         self.shared, self.rank, self.n = shared, rank, shared.n
         self.backend, self.native_budgets, self.groups = "emulated", False, {}
 
@@ -196,7 +197,7 @@ def run_rank_threads(n, rank_main, shared) -> None:
 def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
     """Every rank's executor step on fake CUDA (one thread per rank); returns CPU results."""
     state = fc.fake_streams(monkeypatch)
-    shared = EmulatedComm(n) if n > 1 else None
+    shared = ThreadComm(n) if n > 1 else None
     results: dict[int, tuple] = {}
     modes: list[fc.FakeCuda] = []
     state.comm = shared
@@ -217,7 +218,7 @@ def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
 
 
 def _cpu_step(graph, plan, params, x, dy, n):
-    shared = EmulatedComm(n) if n > 1 else None
+    shared = ThreadComm(n) if n > 1 else None
     results: dict[int, tuple] = {}
     threads = [threading.Thread(target=_executor_step,
                                 args=(graph, plan, shared.for_rank(r) if shared else NoComm(), r, n, x, dy,
