@@ -15,7 +15,7 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
             attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
             timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1,
-            cuda_graphs: str = "off") -> Any:
+            cuda_graphs: str = "off", expert_rows: str = "exact") -> Any:
     """Compile one MoE decoder layer, or a whole causal LM, for this rank; returns an ``nn.Module``.
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
@@ -48,6 +48,13 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      attention block with its collectives), 'layer' whole phases (refused, naming
                      the node, where routing makes shapes data-dependent). CUDA devices only; a
                      layer only (ValueError otherwise); no per-node traces.
+    expert_rows:     'exact' (default) | 'padded': rows of the local index map of ffn='ep' with
+                     dispatch='ag-rs' (moegraph.kernels.build_index_map). 'exact' sizes the expert
+                     buffers by this step's R routed rows (one host read per map); 'padded' by the
+                     static worst case C = T * min(k, E/n) >= R, still dropless (same numerics), no
+                     host read, so cuda_graphs='layer' captures ffn=ep under ag-rs; costs C/R x the
+                     expert-row memory (``moegraph.kernels.padded_rows_extra_bytes``). A layer with a
+                     local index map only (ValueError otherwise).
 
     Collective: every rank must call it with the same arguments; ranks compare plan hashes and
     raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
@@ -57,7 +64,9 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     """
     import torch
 
+    from moegraph.ir import check_expert_rows
     from moegraph.lowering import has_model_rule
+    check_expert_rows(expert_rows)
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
         raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "
@@ -67,6 +76,9 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
         if cuda_graphs != "off":
             raise ValueError(f"cuda_graphs={cuda_graphs!r} captures a compiled layer; a whole model "
                              f"({type(module).__name__}) runs uncaptured: use cuda_graphs='off'")
+        if expert_rows != "exact":
+            raise ValueError(f"expert_rows={expert_rows!r} applies to a compiled layer; a whole model "
+                             f"({type(module).__name__}) runs with expert_rows='exact'")
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
         return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
                              memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
@@ -74,4 +86,5 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                          time_limit_s=time_limit_s, record=record, dp=dp, cuda_graphs=cuda_graphs)
+                          time_limit_s=time_limit_s, record=record, dp=dp, cuda_graphs=cuda_graphs,
+                          expert_rows=expert_rows)

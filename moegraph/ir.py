@@ -271,6 +271,20 @@ Gate = Literal["after-fc2", "before-fc2"]
 """Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
 Remat = Literal["none", "paper", "budget"]
 """Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
+ExpertRows = Literal["exact", "padded"]
+"""Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.kernels.build_index_map``):
+exactly this rank's R routed rows (R read on the host once per map), or padded to the static worst
+case C = T * min(k, E/n), rows R..C-1 zero (dropless; no host read, so the layer can be captured
+whole as a CUDA graph). A runtime choice, not a graph property: the graph's routed values keep
+their balanced expectation (planning shapes)."""
+EXPERT_ROWS: tuple[str, ...] = typing.get_args(ExpertRows)
+
+
+def check_expert_rows(value: Any) -> ExpertRows:
+    """``value`` if it is one of EXPERT_ROWS, else ValueError naming the valid ones."""
+    if not isinstance(value, str) or value not in EXPERT_ROWS:
+        raise ValueError(f"expert_rows={value!r} is not one of {', '.join(map(repr, EXPERT_ROWS))}")
+    return typing.cast(ExpertRows, value)
 
 
 class ConfigError(ValueError):

@@ -7,19 +7,28 @@ SwiGLU); attention and the router differentiate their forward kernel with autogr
 exact and, unlike ``torch.func.vjp``, adds no functional-transform overhead per call.
 
 Notation: b batch, S sequence on this rank after the op's layout, h hidden, T tokens,
-k top-k, R expert rows, El experts on this rank.
+k top-k, R expert rows, El experts on this rank, C = T * min(k, El) padded expert rows.
+
+Padded expert rows (``RankContext.expert_rows == "padded"``, layout 'local' only): the index map
+has C >= R rows, the first R real, rows R..C-1 padding (other ranks' rows, left in place by the
+sort). Padding must contribute exactly nothing: a grouped GEMM's output rows past the last offset
+are uncomputed memory (``torch._grouped_mm``) and are zeroed; every kernel that sums rows back into
+tokens or routing slots (UNPERMUTE, PERMUTE's backward, UNPERMUTE's weight gradient) masks them
+first; grouped weight gradients never read rows past the last offset. Masks are ``masked_fill``
+(NaN-safe: garbage times a zero mask would still be NaN).
 """
 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from moegraph.ir import Node, OpKind, Role
+from moegraph.ir import ExpertRows, Graph, Node, OpKind, Role, check_expert_rows
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, route
 
 
@@ -28,6 +37,10 @@ class RankContext:
     rank: int
     n: int
     seq: int                      # full sequence length s
+    expert_rows: ExpertRows = "exact"   # the local index map's rows (build_index_map)
+
+    def __post_init__(self):
+        check_expert_rows(self.expert_rows)
 
 
 @dataclass(frozen=True)
@@ -44,6 +57,9 @@ class IndexMap:
     offsets:  [groups] int32 cumulative row ends (layouts 'local', 'all'): the grouped GEMM's
               device-side group boundaries (None for 'by_dest', whose rows leave the rank).
     per_dest: experts per destination rank for 'by_dest', else 0.
+    rows:     padded maps only (layout 'local', ``expert_rows='padded'``): 0-dim device tensor R, the
+              real rows; ``flat`` then has C >= R rows and rows R..C-1 are padding (``real_rows``).
+              None: every row is real.
 
     ``segments`` and ``splits`` are host tuples read from ``counts`` with one device-to-host copy
     (cached): the all-to-all needs its split sizes on the host, once per exchange.
@@ -54,11 +70,17 @@ class IndexMap:
     counts: torch.Tensor
     offsets: torch.Tensor | None = None
     per_dest: int = 0
+    rows: torch.Tensor | None = None
     _host: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def tokens(self) -> torch.Tensor:
         return torch.div(self.flat, self.top_k, rounding_mode="floor")
+
+    def real_rows(self, t: torch.Tensor) -> torch.Tensor:
+        """t [C, ...] in this map's row order with the padding rows (R..C-1) set to zero, on the
+        device; t itself when the map is not padded."""
+        return _mask_padding(t, self.rows)
 
     def host_counts(self) -> tuple[int, ...]:
         """Rows per group on the host: one device-to-host copy, the first time only."""
@@ -108,9 +130,65 @@ class RecvMap:
     splits: tuple[int, ...]
     sent: tuple[int, ...] = ()
     offsets = None                       # segments are source-major, not one per expert: no grouped GEMM offsets
+    rows = None                          # never padded: every received row is real
 
 
-def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int) -> IndexMap:
+def _mask_padding(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+    """Rows at index >= ``rows`` (a 0-dim device tensor) of t set to zero; t itself for None.
+    masked_fill, not a multiply: padding rows may hold uncomputed memory (NaN, inf)."""
+    if rows is None:
+        return t
+    pad = torch.arange(t.shape[0], device=t.device) >= rows
+    return t.masked_fill(pad.view(-1, *([1] * (t.dim() - 1))), 0)
+
+
+def padded_rows(tokens: int, top_k: int, experts_per_rank: int) -> int:
+    """C = T * min(k, El): the most rows T tokens can put on one rank's El experts (a token picks
+    k distinct experts, at most El of them here), so R <= C for any routing: padding to C drops
+    nothing."""
+    return tokens * min(top_k, experts_per_rank)
+
+
+def local_index_maps(graph: Graph) -> list[Node]:
+    """The graph's INDEX_MAP nodes of layout 'local' (ffn=ep under dispatch=ag-rs): the ones
+    ``expert_rows`` pads."""
+    return [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP and nd.attr("layout") == "local"]
+
+
+def expert_rows_refusal(graph: Graph, expert_rows: ExpertRows) -> str | None:
+    """Why ``expert_rows`` does not apply to this graph, or None: 'padded' pads local index maps,
+    and a graph without one (ffn=tp, or dispatch=a2a) would run exactly as 'exact'."""
+    if check_expert_rows(expert_rows) == "padded" and not local_index_maps(graph):
+        st = graph.strategy
+        return (f"expert_rows='padded' pads the local index map of ffn=ep with dispatch=ag-rs; graph {graph.name!r} "
+                f"(ffn={st.ffn}, dispatch={st.dispatch}) has none: use expert_rows='exact'")
+    return None
+
+
+def padded_rows_extra_bytes(graph: Graph) -> int:
+    """Bytes a step's routed values (expert rows, ``Value.routed``) hold beyond the graph's planning
+    shapes when the local index maps are padded: each one's bytes x (C / R_expected - 1), with
+    R_expected its planning rows (the balanced T*k/n) and C = T * min(k, El). Summed over every
+    routed value of the step (forward, backward, recompute): an allocation volume, not a peak.
+    The scheduler's memory model keeps R_expected; this is what padding adds on top. 0 without a
+    local index map."""
+    ratios = set()
+    for nd in local_index_maps(graph):
+        T, k = graph.value[nd.inputs[0]].shape
+        expected = graph.value[nd.outputs[0]].shape[0]
+        ratios.add(Fraction(padded_rows(T, k, nd.attr("experts_per_rank")), expected))
+    if not ratios:
+        return 0
+    if len(ratios) > 1:
+        raise ValueError(f"graph {graph.name!r}: local index maps pad by different ratios {sorted(map(str, ratios))}; "
+                         "padded_rows_extra_bytes assumes one")
+    (ratio,) = ratios
+    routed = sum(v.storage_bytes for v in graph.values if v.routed)
+    return int(routed * (ratio - 1))
+
+
+def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int,
+                    expert_rows: ExpertRows = "exact") -> IndexMap:
     """experts: [T, k] routed expert ids -> rows sorted by expert (stable in token order).
 
     layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
@@ -118,9 +196,14 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     that owns its expert (all-to-all dispatch).
 
     Sorting keys, not filtering rows, keeps every shape static (T*k rows) and the work on the
-    device. 'local' keeps only the R rows of this rank's experts, a data-dependent count: reading R
-    is the one host synchronisation of this layout (dropless routing sizes its buffers by it).
+    device. 'local' keeps only this rank's rows, R of them, a data-dependent count. With
+    ``expert_rows='exact'`` the map has R rows: reading R is the one host synchronisation of this
+    layout (dropless routing sizes its buffers by it). With 'padded' it has the static
+    C = T * min(k, El) >= R rows (``padded_rows``): no host read; the last offset (R) stays on the
+    device and rows R..C-1 are padding the kernels zero or mask (module doc). Other layouts have
+    T*k rows either way.
     """
+    expert_rows = check_expert_rows(expert_rows)
     flat_experts = experts.reshape(-1)                          # [T*k]
     if layout == "local":
         key = flat_experts - rank * experts_per_rank
@@ -139,6 +222,10 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     k = experts.shape[1]
     if layout == "by_dest":
         return IndexMap(order, k, counts, None, experts_per_rank)
+    if layout == "local" and expert_rows == "padded":
+        C = padded_rows(experts.shape[0], k, experts_per_rank)
+        real = ends[-1] if groups else ends.new_zeros(())
+        return IndexMap(order[:C], k, counts, ends.to(torch.int32), rows=real)
     if layout == "local":
         order = order[:int(ends[-1].item())] if groups else order[:0]   # the layout's one host sync
     return IndexMap(order, k, counts, ends.to(torch.int32))
@@ -283,24 +370,30 @@ def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torc
 
 def _grouped(x, w, seg, transpose_w: bool = False):
     """Per-segment x @ w[e].T (or x @ w[e] for data gradients). seg: an IndexMap (device-side
-    offsets, one group per expert) or a RecvMap (host segments)."""
+    offsets, one group per expert) or a RecvMap (host segments). A padded map's rows past its
+    last offset come out zero (torch._grouped_mm leaves them uncomputed)."""
     if seg.offsets is not None:
         if seg.offsets.shape[0] != w.shape[0]:
             raise ValueError(f"index map has {seg.offsets.shape[0]} groups for {w.shape[0]} expert weights")
         out = _grouped_mm(x, w if transpose_w else w.transpose(-2, -1), seg.offsets)
         if out is not None:
-            return out
+            return _mask_padding(out, seg.rows)
     outs, start = [], 0
     for e, count in seg.segments:
         xe = x[start:start + count]
         outs.append(xe @ w[e] if transpose_w else F.linear(xe, w[e]))
         start += count
+    width = w.shape[2] if transpose_w else w.shape[1]
+    if seg.rows is not None and start < x.shape[0]:          # a padded map: zero rows R..C-1
+        outs.append(x.new_zeros((x.shape[0] - start, width)))
     if not outs:
-        return x.new_zeros((0, w.shape[2] if transpose_w else w.shape[1]))
+        return x.new_zeros((0, width))
     return torch.cat(outs)
 
 
 def _grouped_wgrad(x, dy, seg, w_shape):
+    # rows past the last offset (a padded map's padding) are read by neither path: the grouped
+    # GEMM's groups end there, the host loop's segments cover the R real rows only
     if seg.offsets is not None and seg.offsets.shape[0] == w_shape[0]:
         dw = _grouped_mm(dy.T, x, seg.offsets)                  # [E, out, in]; empty groups are zero
         if dw is not None:
@@ -385,7 +478,8 @@ def _k_router(ctx, node, ins, shapes):
 
 
 def _k_index_map(ctx, node, ins, shapes):
-    return [build_index_map(ins[0], node.attr("layout"), node.attr("experts_per_rank"), ctx.rank, ctx.n)]
+    return [build_index_map(ins[0], node.attr("layout"), node.attr("experts_per_rank"), ctx.rank, ctx.n,
+                            ctx.expert_rows)]
 
 
 def _k_permute(ctx, node, ins, shapes):
@@ -402,7 +496,7 @@ def _k_unpermute(ctx, node, ins, shapes):
     else:
         rows, imap = ins
     out = rows.new_zeros((_tokens_count(shapes[0]), rows.shape[1]))
-    return [out.index_add(0, imap.tokens, rows).view(shapes[0])]        # [R, h] -> [b, S, h]
+    return [out.index_add(0, imap.tokens, imap.real_rows(rows)).view(shapes[0])]   # [R, h] -> [b, S, h]
 
 
 def _tokens_count(shape):
@@ -584,6 +678,7 @@ def _k_router_wgrad(ctx, node, ins, shapes):
 
 def _k_permute_dgrad(ctx, node, ins, shapes):
     drows, imap = ins
+    drows = imap.real_rows(drows)                                       # a padded map's padding adds nothing
     if node.attr("index", "token") == "slot":                           # [R] -> [T, k], zero where unrouted here
         out = drows.new_zeros(math.prod(shapes[0]))
         return [out.index_add(0, imap.flat, drows).view(shapes[0])]
@@ -600,7 +695,8 @@ def _k_unpermute_dgrad(ctx, node, ins, shapes):
     w_rows = weights.reshape(-1)[imap.flat]
     drows = dy_rows * w_rows[:, None].to(dy_rows.dtype)
     dweights = torch.zeros_like(weights).reshape(-1)
-    dweights[imap.flat] = (dy_rows * rows).sum(-1).to(weights.dtype)
+    # padding rows of a padded map are other ranks' slots: they must stay zero here
+    dweights[imap.flat] = imap.real_rows((dy_rows * rows).sum(-1)).to(weights.dtype)
     return [drows, dweights.view_as(weights)]
 
 

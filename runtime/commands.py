@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from moegraph.ir import EXPERT_ROWS, ExpertRows
 from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
@@ -74,6 +75,7 @@ class RunSpec:
     check: bool = False
     implementation: "Implementation" = "reference"
     cuda_graphs: CudaGraphs = "off"     # runtime.cudagraph: what each layer replays as CUDA graphs
+    expert_rows: ExpertRows = "exact"   # moegraph.kernels.build_index_map: the local index maps' rows
 
 
 # Which eager module supplies the parameters (their names are the graph's): the project's
@@ -221,7 +223,8 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     # buffers too: DeepSeek-V3's router reads its score-correction bias
     full = {k: t.detach() for k, t in [*module.named_parameters(), *module.named_buffers()]}
     n = spec.graph.strategy.n                   # ``rank`` is global: one of n x dp (world_size)
-    layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s, cuda_graphs=spec.cuda_graphs)
+    layers = [build_layer(spec.graph, plan, full, rank=rank, n=n, timeout_s=spec.timeout_s, cuda_graphs=spec.cuda_graphs,
+                          expert_rows=spec.expert_rows)
               for plan in spec.plans]
     M = micro_batch_count(spec.graph)
     batches = micro_batch_inputs(spec.graph, spec.seed, M, device=spec.device, dtype=dtype)
@@ -382,6 +385,11 @@ def run_command(p: argparse.ArgumentParser):
                         "(the attention block with its collectives), layer = whole phases (refused, naming the "
                         "node, where routing makes shapes data-dependent); no per-node traces then. "
                         f"One of {', '.join(CUDA_GRAPH_MODES)} (default %(default)s)")
+    p.add_argument("--expert-rows", default="exact", choices=EXPERT_ROWS, metavar="ROWS",
+                   help="rows of the local index map (--ffn ep --dispatch ag-rs): exact = this step's routed rows "
+                        "(one host read per map), padded = the static worst case T*min(k, E/n), still dropless, no "
+                        "host read, so --cuda-graphs layer captures it; costs memory, reported as "
+                        f"padded_rows_extra_bytes. One of {', '.join(EXPERT_ROWS)} (default %(default)s)")
     p.set_defaults(**{flag: Unset(p.get_default(flag)) for flag in LAYER_FLAGS})
 
     def handler(args) -> int:
@@ -461,6 +469,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.layers import layer_count
     from moegraph.microbatch import micro_batch_count
     from moegraph.runtime.module import make_plan
+    from moegraph.kernels import expert_rows_refusal, padded_rows_extra_bytes
     from moegraph.runtime.cudagraph import capture_refusal
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
@@ -471,6 +480,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
     check_cuda_graph_args(args)
+    if args.expert_rows != "exact" and args.train_steps is not None:
+        raise UsageError(f"--expert-rows {args.expert_rows} applies to the timed layer; --train-steps trains a whole "
+                         "model with exact expert rows (leave --expert-rows out)")
     link = link_from_args(args)
     if link is not None and args.backend != "gloo":
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
@@ -493,13 +505,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             print(warning, file=sys.stderr, flush=True)
         if schedule is not None:
             _check_same_graph(layer.graph, schedule, args.schedule)
-        if why := capture_refusal(layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs):
+        if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
+                layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
         plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
                          memory_budget=args.memory_budget, time_limit_s=args.time_limit)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
                               backend=args.backend, timeout_s=args.timeout, check=args.check,
-                              cuda_graphs=args.cuda_graphs)
+                              cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
@@ -515,7 +528,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # with CUDA graphs: replay launch overhead, copies in and out included)
         "host_us_per_node": max(r["plans"][0]["host_us_per_node"] for r in results),
         # per-node timing events cannot be recorded inside a CUDA graph: such a run keeps step times only
-        "cuda_graphs": args.cuda_graphs, "per_node_traces": args.cuda_graphs == "off"}
+        "cuda_graphs": args.cuda_graphs, "per_node_traces": args.cuda_graphs == "off",
+        # padding holds C = T*min(k, E/n) rows where the plan's memory accounting expects about T*k/n:
+        # the bytes every expert-row buffer of a step adds on top (docs/runtime.md, "CUDA graphs")
+        "expert_rows": args.expert_rows,
+        "padded_rows_extra_bytes": padded_rows_extra_bytes(g) if args.expert_rows == "padded" else 0}
     if fused := fused_group_count(g):
         report.update({"fused_groups": fused, "executed_as": FUSED_AS_MEMBERS})
     if args.check:
@@ -693,13 +710,15 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
                 backend: str = "gloo", timeout_s: float = 120.0, check: bool = False,
-                implementation: Implementation = "reference", cuda_graphs: CudaGraphs = "off") -> list[dict[str, Any]]:
+                implementation: Implementation = "reference", cuda_graphs: CudaGraphs = "off",
+                expert_rows: ExpertRows = "exact") -> list[dict[str, Any]]:
     """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank.
     ``implementation``: the eager module the layer's graph was traced from (its parameter names);
-    ``cuda_graphs``: what the layers replay as CUDA graphs (``runtime.cudagraph``)."""
+    ``cuda_graphs``: what the layers replay as CUDA graphs (``runtime.cudagraph``);
+    ``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``)."""
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
-                   timeout_s, check, implementation, cuda_graphs)
+                   timeout_s, check, implementation, cuda_graphs, expert_rows)
     world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
     return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
@@ -759,6 +778,10 @@ def format_report(r: dict[str, Any]) -> str:
              + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else "")]
     if r.get("fused_groups"):
         lines.append(f"{r['fused_groups']} {r['executed_as']}")
+    if r.get("expert_rows", "exact") != "exact":
+        from moegraph.options import format_bytes
+        lines.append(f"expert rows {r['expert_rows']}: {format_bytes(r['padded_rows_extra_bytes'])} of expert-row "
+                     "buffers per step beyond the plan's memory accounting")
     if "max_rel_err_output" in r:
         lines.append(("check vs eager gradient accumulation" if r.get("micro_batches", 1) > 1 else "check vs eager")
                      + f": max rel err output {r['max_rel_err_output']:.2e}, "

@@ -14,13 +14,17 @@ Modes (``CudaGraphs``, a Literal; ``"off"`` is the default and runs the plain ex
     layer       each whole phase (forward, backward + recompute) as one graph. Refused, naming
                 the first node, where a node of the phase needs a host value (``host_read``).
 
-What cannot be captured (``host_read``, a pure function of the graph): a CUDA graph replays
-fixed kernels on fixed buffers, so a node whose work depends on a value read on the host breaks
-it: the local index map of ffn=ep under dispatch=ag-rs (its row count R is read back, dropless
-routing sizes every expert buffer by it), a token all-to-all (its split sizes go to the host),
-a grouped GEMM over by-destination rows (it loops over host row segments), and any node that
-reads a value whose row count depends on the routing. Capacity-padded routing (fixed rows per
-expert), which would make ffn=ep under ag-rs static, is not implemented: the refusal says so.
+What cannot be captured (``host_reads``, a pure function of the graph and ``expert_rows``): a
+CUDA graph replays fixed kernels on fixed buffers, so a node whose work depends on a value read
+on the host breaks it: the local index map of ffn=ep under dispatch=ag-rs with
+``expert_rows='exact'`` (its row count R is read back, dropless routing sizes every expert buffer
+by it), a token all-to-all (its split sizes go to the host), a grouped GEMM over by-destination
+rows (it loops over host row segments), and any node that reads a value whose row count depends
+on the routing. With ``expert_rows='padded'`` (capacity-padded, still dropless:
+``moegraph.kernels.build_index_map``) the local map has the static C = T * min(k, E/n) rows and
+its real row count stays on the device, so ffn=ep under ag-rs captures whole; the refusal for
+'exact' points there. Padding costs memory: C instead of about R rows in every expert buffer
+(``padded_rows_extra_bytes``; ``run --json`` reports it).
 Index maps are Python objects, not tensors: the 'attention' segments stop before a node that
 reads or makes one, so no index map crosses a graph boundary. One host read depends on the GPU,
 not the graph: ``torch._grouped_mm`` runs on the device for bf16 on sm90/sm100 and elsewhere
@@ -63,7 +67,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 
 import torch
 
-from moegraph.ir import Graph, Node, OpKind, ValueKind
+from moegraph.ir import ExpertRows, Graph, Node, OpKind, ValueKind, check_expert_rows
 from moegraph.kernels import TORCH_DTYPES, IndexMap
 from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 from moegraph.runtime.executor import Executor, _releases
@@ -102,8 +106,9 @@ class HostRead:
                 f"{self.remedy}")
 
 
-def host_reads(graph: Graph) -> dict[str, str]:
+def host_reads(graph: Graph, expert_rows: ExpertRows = "exact") -> dict[str, str]:
     """Node name -> why it needs a host value, for every node that does (graph order). Pure.
+    ``expert_rows``: how local index maps are built ('padded' ones read nothing on the host).
 
     A value's rows are data-dependent when a local index map or a token all-to-all makes it, or
     when a node that reads such a value makes it as a routed (``Value.routed``) or routing value;
@@ -112,7 +117,7 @@ def host_reads(graph: Graph) -> dict[str, str]:
     out: dict[str, str] = {}
     maps = {o: nd.attr("layout") for nd in graph.nodes if nd.op is OpKind.INDEX_MAP for o in nd.outputs}
     for node in graph.nodes:
-        reason = _own_host_read(node, maps)
+        reason = _own_host_read(node, maps, expert_rows)
         if reason is None:
             read = next((v for v in node.inputs if v in dynamic), None)
             if read is not None:
@@ -128,14 +133,17 @@ def host_reads(graph: Graph) -> dict[str, str]:
     return out
 
 
-def _own_host_read(node: Node, maps: dict[str, str]) -> str | None:
+def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) -> str | None:
     """Why the node's kernel itself reads the host (regardless of its inputs' shapes), or None."""
     match node.op:
         case OpKind.INDEX_MAP:
             layout = node.attr("layout")
+            if layout == "local" and check_expert_rows(expert_rows) == "exact":
+                return ("builds a local index map whose row count R is read on the host (expert_rows='exact': "
+                        "dropless routing sizes the expert buffers by it; expert_rows='padded' fixes them at "
+                        "C = T * min(k, E/n) rows, still dropless, and captures)")
             if layout == "local":
-                return ("builds a local index map whose row count R is read on the host (dropless routing sizes "
-                        "the expert buffers by it; capacity-padded routing, which would fix R, is not implemented)")
+                return None
             if layout in ("all", "by_dest"):
                 return None
             raise ValueError(f"node {node.name!r}: index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
@@ -157,10 +165,10 @@ def _own_host_read(node: Node, maps: dict[str, str]) -> str | None:
     raise NotImplementedError(f"no cuda_graphs rule for {node.op.value} (node {node.name!r})")
 
 
-def first_host_read(graph: Graph, plan: ExecutionPlan) -> HostRead | None:
+def first_host_read(graph: Graph, plan: ExecutionPlan, expert_rows: ExpertRows = "exact") -> HostRead | None:
     """The first node in issue order (forward, then backward) that needs a host value, or None
-    when both phases can be captured whole. Pure function of (graph, plan)."""
-    reads = host_reads(graph)
+    when both phases can be captured whole. Pure function of (graph, plan, expert_rows)."""
+    reads = host_reads(graph, expert_rows)
     for phase, entries in zip(("forward", "backward"), plan.split(graph)):
         for e in entries:
             if e.name in reads:
@@ -168,8 +176,10 @@ def first_host_read(graph: Graph, plan: ExecutionPlan) -> HostRead | None:
     return None
 
 
-def capture_refusal(graph: Graph, plan: ExecutionPlan, mode: CudaGraphs) -> str | None:
-    """Why ``mode`` cannot run this (graph, plan), or None. Device independent (see ``check_device``)."""
+def capture_refusal(graph: Graph, plan: ExecutionPlan, mode: CudaGraphs,
+                    expert_rows: ExpertRows = "exact") -> str | None:
+    """Why ``mode`` cannot run this (graph, plan) with ``expert_rows``, or None. Device independent
+    (see ``check_device``)."""
     check_mode(mode)
     if mode == "off":
         return None
@@ -181,7 +191,7 @@ def capture_refusal(graph: Graph, plan: ExecutionPlan, mode: CudaGraphs) -> str 
     if edge_values(graph) is not None:
         return f"cuda_graphs: graph {graph.name!r} carries a model's edges (moegraph.edges); only layers are captured"
     if mode == "layer":
-        hit = first_host_read(graph, plan)
+        hit = first_host_read(graph, plan, expert_rows)
         return None if hit is None else hit.refusal(graph)
     if mode == "attention":
         if not any(s.captured for entries in plan.split(graph) for s in segments(graph, entries, mode)):
@@ -367,7 +377,7 @@ def _own(v: Any, name: str, segment: str) -> Any:
         return v.detach().clone()
     if isinstance(v, IndexMap):
         return IndexMap(v.flat.clone(), v.top_k, v.counts.clone(), None if v.offsets is None else v.offsets.clone(),
-                        v.per_dest)
+                        v.per_dest, None if v.rows is None else v.rows.clone())
     raise RuntimeFailure(f"cuda_graphs: segment {segment} value {name!r} is a {type(v).__name__}, neither a tensor nor "
                          "an index map: it cannot be a graph's static buffer")
 
@@ -375,12 +385,13 @@ def _own(v: Any, name: str, segment: str) -> Any:
 def _copy_into(static: Any, v: Any, name: str, segment: str) -> None:
     """Copy a new step's value into its placeholder; shapes must be the captured ones."""
     if isinstance(static, IndexMap):
-        if not isinstance(v, IndexMap) or (v.top_k, v.per_dest, v.offsets is None) != \
-                (static.top_k, static.per_dest, static.offsets is None):
+        if not isinstance(v, IndexMap) or (v.top_k, v.per_dest, v.offsets is None, v.rows is None) != \
+                (static.top_k, static.per_dest, static.offsets is None, static.rows is None):
             raise RuntimeFailure(f"cuda_graphs: segment {segment} input {name!r} is not an index map of the captured "
                                  "layout")
         pairs = [(static.flat, v.flat), (static.counts, v.counts)] + \
-            ([] if v.offsets is None else [(static.offsets, v.offsets)])
+            ([] if v.offsets is None else [(static.offsets, v.offsets)]) + \
+            ([] if v.rows is None else [(static.rows, v.rows)])
     else:
         pairs = [(static, v)]
     for s, t in pairs:
@@ -408,18 +419,20 @@ class GraphedExecutor(Executor):
     graphs, which need a CUDA device). Merged micro-batch steps and model edges are refused."""
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int, device: torch.device,
-                 timeout_s: float = 300.0, mode: CudaGraphs, backend: GraphBackend | None = None):
+                 timeout_s: float = 300.0, mode: CudaGraphs, backend: GraphBackend | None = None,
+                 expert_rows: ExpertRows = "exact"):
         mode = check_mode(mode)
         if mode == "off":
             raise ValueError("GraphedExecutor with cuda_graphs='off': use Executor")
         if backend is None:
             check_device(mode, device)
-        why = capture_refusal(graph, plan, mode)
+        why = capture_refusal(graph, plan, mode, expert_rows)
         if why is not None:
             raise RuntimeFailure(why)
         if backend is None and mode == "layer" and (hit := device_host_read(graph, plan, device)) is not None:
             raise RuntimeFailure(hit.refusal(graph))
-        super().__init__(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s)
+        super().__init__(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s,
+                         expert_rows=expert_rows)
         self.mode = mode
         self.backend = backend if backend is not None else TorchGraphs(self.device)
         params = frozenset(self.param_names)

@@ -47,7 +47,7 @@ import torch
 from torch.profiler import record_function
 
 from moegraph.edges import edge_values, is_eager, is_edge
-from moegraph.ir import Graph, ValueKind
+from moegraph.ir import ExpertRows, Graph, ValueKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
 from moegraph.runtime import RuntimeFailure
@@ -89,12 +89,13 @@ class HostTime:
 
 class Executor:
     def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int,
-                 device: torch.device, timeout_s: float = 300.0):
+                 device: torch.device, timeout_s: float = 300.0, expert_rows: ExpertRows = "exact"):
+        """``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``)."""
         self.graph, self.plan, self.comm = graph, check_plan(graph, plan), comm
         self.rank, self.n, self.timeout_s = rank, n, timeout_s
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.ctx = RankContext(rank, n, graph.dims.s)
+        self.ctx = RankContext(rank, n, graph.dims.s, expert_rows)
         self.param_names = tuple(p for p, _ in graph.params)
         self._cross = _cross_stream_values(graph, plan)
         self.comm_streams: dict[str, Any] = {}

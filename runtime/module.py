@@ -38,7 +38,8 @@ from torch import nn
 from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
-from moegraph.ir import Graph, Strategy
+from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
+from moegraph.kernels import expert_rows_refusal
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
@@ -67,17 +68,23 @@ class CompiledLayer(nn.Module):
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
                  rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True,
-                 layout: Layout | None = None, cuda_graphs: CudaGraphs = "off", graph_backend: GraphBackend | None = None):
+                 layout: Layout | None = None, cuda_graphs: CudaGraphs = "off", graph_backend: GraphBackend | None = None,
+                 expert_rows: ExpertRows = "exact"):
         """``rank``: this rank's index in its n-rank group; ``layout``: its place among n x dp
         ranks (default: dp=1, the group is the world). ``cuda_graphs``: 'attention' | 'layer'
         replays captured segments (``runtime.cudagraph``; no per-node traces then, ``record`` is
-        off); ``graph_backend``: its capture backend (default: real CUDA graphs)."""
+        off); ``graph_backend``: its capture backend (default: real CUDA graphs).
+        ``expert_rows``: 'exact' | 'padded', the local index maps' rows (``moegraph.kernels.build_index_map``;
+        'padded' only where the graph has one: ValueError otherwise)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
         self.layout = layout if layout is not None else Layout(n, 1, rank)
         if (self.layout.n, self.layout.mp_rank) != (n, rank):
             raise RuntimeFailure(f"rank {rank} of n={n} disagrees with the layout {self.layout}")
         self.cuda_graphs = check_mode(cuda_graphs)
+        self.expert_rows = check_expert_rows(expert_rows)
+        if why := expert_rows_refusal(graph, self.expert_rows):
+            raise ValueError(why)
         # per-node timing events cannot be recorded inside a CUDA graph: a graphed layer keeps no traces
         self.timeout_s, self.record = timeout_s, record and self.cuda_graphs == "off"
         self._attr: dict[str, str] = {}
@@ -95,10 +102,11 @@ class CompiledLayer(nn.Module):
             self._attr[pname] = attr
         device = device or torch.device("cpu")
         if self.cuda_graphs == "off":
-            self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s)
+            self.executor = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s,
+                                     expert_rows=self.expert_rows)
         else:
             self.executor = GraphedExecutor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s,
-                                            mode=self.cuda_graphs, backend=graph_backend)
+                                            mode=self.cuda_graphs, backend=graph_backend, expert_rows=self.expert_rows)
         self._recorders: collections.deque[StepRecorder] = collections.deque()
         self.dropped_traces = 0
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
@@ -281,7 +289,8 @@ class CompiledLayer(nn.Module):
         return (f"graph={self.graph.name}, attn={st.attn}, ffn={st.ffn}, dispatch={st.dispatch}, rank={self.rank}, "
                 f"n={self.n}, dp={self.layout.dp}, replica={self.layout.replica}, "
                 f"plan={self.plan.method} ({self.plan.hash[:12]})"
-                + (f", cuda_graphs={self.cuda_graphs}" if self.cuda_graphs != "off" else ""))
+                + (f", cuda_graphs={self.cuda_graphs}" if self.cuda_graphs != "off" else "")
+                + (f", expert_rows={self.expert_rows}" if self.expert_rows != "exact" else ""))
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
@@ -364,7 +373,7 @@ def comm_axes(graph: Graph) -> tuple[str, ...]:
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
                 timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True,
-                cuda_graphs: CudaGraphs = "off") -> CompiledLayer:
+                cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact") -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
     groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
     Collective when n x dp > 1."""
@@ -383,7 +392,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
                     emulate=emulate)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                         record=record, layout=layout, cuda_graphs=cuda_graphs)
+                         record=record, layout=layout, cuda_graphs=cuda_graphs, expert_rows=expert_rows)
 
 
 def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
@@ -391,7 +400,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
                    schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
                    time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
                    emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
-                   cuda_graphs: CudaGraphs = "off") -> CompiledLayer:
+                   cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact") -> CompiledLayer:
     """See ``moegraph.compile``."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
@@ -403,6 +412,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     if x.dtype not in DTYPES:
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
     check_device(check_mode(cuda_graphs), x.device)              # before tracing and scheduling
+    check_expert_rows(expert_rows)
     rank, n, b = replica_batch(x.shape[0], n, dp, "example_inputs [dp*b, s, h]")
     s = x.shape[1]
     hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
@@ -420,12 +430,13 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
         raise ValueError(f"module parameters live on {odd} but example_inputs is {x.device}/{x.dtype}: "
                          "move the module and the input to one device and dtype")
     # data-dependent nodes refuse 'layer' whatever the order: ask before scheduling
-    if why := capture_refusal(graph, ExecutionPlan.sequential(graph), cuda_graphs):
+    if why := expert_rows_refusal(graph, expert_rows) or capture_refusal(graph, ExecutionPlan.sequential(graph),
+                                                                         cuda_graphs, expert_rows):
         raise ValueError(why)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)
     if fused := fused_group_count(graph):
         warnings.warn(f"{fused} {FUSED_AS_MEMBERS}", stacklevel=3)
     layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record,
-                        cuda_graphs=cuda_graphs)
+                        cuda_graphs=cuda_graphs, expert_rows=expert_rows)
     return layer
