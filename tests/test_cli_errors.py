@@ -155,6 +155,14 @@ RUNTIME_CASES = [
      "--trace"),
     (["run", "--backend", "nccl", "--hardware", "h800", "--cuda-graphs", "attention", "--micro-batches", "2",
       "--compare-prediction"], "it does not take --compare-prediction, --micro-batches"),
+    (["run", "--expert-rows", "capped"], "argument --expert-rows: invalid choice: 'capped' (choose from 'exact', "
+                                         "'padded')"),
+    (["run", "--expert-rows", "padded", "--ffn", "tp"], "expert_rows='padded' pads the local index map of ffn=ep "
+                                                        "with dispatch=ag-rs; graph"),
+    (["run", "--expert-rows", "padded", "--dispatch", "a2a"], "(ffn=ep, dispatch=a2a) has none: use "
+                                                              "expert_rows='exact'"),
+    (["run", "--expert-rows", "padded", "--train-steps", "2"], "--expert-rows padded applies to the timed layer; "
+                                                               "--train-steps trains a whole model"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

@@ -53,7 +53,8 @@ class FakeGraphs:
             if isinstance(v, torch.Tensor):
                 out[k].copy_(v)
             else:                           # an index map: its tensors, in place
-                for a, b in ((out[k].flat, v.flat), (out[k].counts, v.counts), (out[k].offsets, v.offsets)):
+                for a, b in ((out[k].flat, v.flat), (out[k].counts, v.counts), (out[k].offsets, v.offsets),
+                             (out[k].rows, v.rows)):
                     if a is not None:
                         a.copy_(b)
         self.replays += 1
@@ -73,15 +74,18 @@ def _captured_segments(graph, plan, mode):
 
 # -- numerics over steps: stale placeholders, aliased outputs -------------------------------------
 
-CASES = [(1, "sp", "tp", "ag-rs", "layer"), (2, "tp", "tp", "ag-rs", "layer"),
-         (2, "tp", "tp", "ag-rs", "attention"), (2, "sp", "ep", "ag-rs", "attention")]
+CASES = [(1, "sp", "tp", "ag-rs", "layer", "exact"), (2, "tp", "tp", "ag-rs", "layer", "exact"),
+         (2, "tp", "tp", "ag-rs", "attention", "exact"), (2, "sp", "ep", "ag-rs", "attention", "exact"),
+         (2, "sp", "ep", "ag-rs", "layer", "padded"), (4, "sp", "ep", "ag-rs", "layer", "padded")]
 
 
-@pytest.mark.parametrize("n,attn,ffn,dispatch,mode", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode):
+@pytest.mark.parametrize("n,attn,ffn,dispatch,mode,expert_rows", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode, expert_rows):
     """Three steps with different inputs and parameters changed between steps (in place, and at
     step 3 one parameter's storage replaced): every step's output, input gradient and parameter
-    gradients equal the eager module's; step 1's returned output is unchanged after step 2."""
+    gradients equal the eager module's; step 1's returned output is unchanged after step 2.
+    ffn=ep under ag-rs captures whole ('layer') with capacity-padded expert rows: the routing
+    changes every step, the captured shapes do not."""
     module, graph = lowered(attn, ffn, dispatch, n)
     plan = make_plan(graph, tfd.COST, "greedy")
     gen = torch.Generator().manual_seed(7)
@@ -104,7 +108,7 @@ def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode)
 
     def rank_main(rank):
         layer = CompiledLayer(graph, plan, full[0], rank=rank, n=n, comm=shared.for_rank(rank) if shared else NoComm(),
-                              cuda_graphs=mode, graph_backend=backends[rank])
+                              cuda_graphs=mode, graph_backend=backends[rank], expert_rows=expert_rows)
         for step, (x, dy) in enumerate(data):
             if step:
                 with torch.no_grad():
@@ -144,18 +148,20 @@ def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode)
 
 # -- the capturability check against the sync counter ----------------------------------------------
 
-SYNC_CASES = [("tp", "tp", "ag-rs", "layer"), ("tp", "tp", "ag-rs", "attention"),
-              ("sp", "ep", "ag-rs", "attention"), ("sp", "ep", "a2a", "attention")]
+SYNC_CASES = [("tp", "tp", "ag-rs", "layer", "exact"), ("tp", "tp", "ag-rs", "attention", "exact"),
+              ("sp", "ep", "ag-rs", "attention", "exact"), ("sp", "ep", "a2a", "attention", "exact"),
+              ("sp", "ep", "ag-rs", "layer", "padded")]
 
 
-@pytest.mark.parametrize("attn,ffn,dispatch,mode", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
-def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monkeypatch):
+@pytest.mark.parametrize("attn,ffn,dispatch,mode,expert_rows", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, expert_rows, monkeypatch):
     """On the fake CUDA device (streams, events, n=2 emulated collectives: the GPU code path), the
     segments the check lets capture make no host-synchronising call (.item/.tolist, device-to-host
     copies, data-dependent shapes, stream/event synchronize) and no host-to-device copy (a graph
     would replay it from a host buffer long freed): capture's precondition. The eager
-    middle of an ffn=ep layer does sync (so the counter sees syncs where they are), and the
-    step's output equals the eager module's."""
+    middle of an ffn=ep layer with exact expert rows does sync (so the counter sees syncs where
+    they are); with padded ones the whole step makes none. The step's output equals the eager
+    module's."""
     module, graph = lowered(attn, ffn, dispatch, 2)
     plan = make_plan(graph, tfd.COST, "greedy")
     params = {k: p.detach() for k, p in module.named_parameters()}
@@ -183,10 +189,10 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
             uploads.append(mode_.h2d - h2d)
             return handle
 
-    def executor(graph, plan, comm, *, rank, n, device, timeout_s):
+    def executor(graph, plan, comm, *, rank, n, device, timeout_s, expert_rows):
         backend = Counting()
         ex = GraphedExecutor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s, mode=mode,
-                             backend=backend)
+                             backend=backend, expert_rows=expert_rows)
         backend.comm_streams = ex.comm_streams
         return ex
 
@@ -199,13 +205,13 @@ def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, monke
         return state
 
     monkeypatch.setattr(fc, "fake_streams", streams)
-    got, _, modes = tfd._run_fake(graph, plan, params, x, dy, 2, monkeypatch)
+    got, _, modes = tfd._run_fake(graph, plan, params, x, dy, 2, monkeypatch, expert_rows)
     assert len(inside) == 2 * _captured_segments(graph, plan, mode) > 0
     assert all(not +a and not +b for a, b in inside), f"a captured segment synchronised the host: {inside}"
     assert forked and all(forked), "a comm stream was not forked from the capturing stream"
     assert not any(uploads), f"a captured segment copied host memory to the device: {uploads}"
     total = sum((+m.syncs for m in modes), start=fc.collections.Counter())
-    assert bool(total) == (ffn == "ep"), total
+    assert bool(total) == (ffn == "ep" and expert_rows == "exact"), total
     y_ref, _, _ = eager_step(module, x, dy)
     assert rel_err(torch.cat([got[r][0] for r in range(2)], dim=1), y_ref) < TOL
 
@@ -226,11 +232,20 @@ def test_cudagraph_layer_refuses_a2a_by_name():
     assert capture_refusal(graph, plan, "attention") is None
 
 
-def test_cudagraph_layer_refuses_local_index_map_and_says_capacity_padding_is_missing():
-    _, graph = lowered("sp", "ep", "ag-rs", 2)
-    hit = first_host_read(graph, ExecutionPlan.sequential(graph))
+def test_cudagraph_layer_refuses_exact_local_index_map_and_points_to_padded():
+    module, graph = lowered("sp", "ep", "ag-rs", 2)
+    plan = ExecutionPlan.sequential(graph)
+    hit = first_host_read(graph, plan)
     assert (hit.node, hit.phase) == ("index_map", "forward")
-    assert "capacity-padded routing, which would fix R, is not implemented" in hit.refusal(graph)
+    want = ("cuda_graphs: forward node 'index_map' (ffn=ep, dispatch=ag-rs) builds a local index map whose row count "
+            "R is read on the host (expert_rows='exact': dropless routing sizes the expert buffers by it; "
+            "expert_rows='padded' fixes them at C = T * min(k, E/n) rows, still dropless, and captures); ")
+    assert hit.refusal(graph).startswith(want)
+    assert capture_refusal(graph, plan, "layer", "exact").startswith(want)
+    assert first_host_read(graph, plan, "padded") is None and capture_refusal(graph, plan, "layer", "padded") is None
+    full = {k: p.detach() for k, p in module.named_parameters()}
+    with pytest.raises(RuntimeFailure, match="expert_rows='padded' fixes them"):
+        CompiledLayer(graph, plan, full, rank=0, n=2, comm=NoComm(), cuda_graphs="layer", graph_backend=FakeGraphs())
     _, tp = lowered("tp", "tp", "ag-rs", 2)
     assert first_host_read(tp, ExecutionPlan.sequential(tp)) is None
 
@@ -293,12 +308,12 @@ def gpu(test):
     return pytest.mark.gpu(pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")(test))
 
 
-def _gpu_layer(mode, dtype, seed=0):
+def _gpu_layer(mode, dtype, seed=0, ffn="tp", expert_rows="exact"):
     import moegraph
     module = small_layer(1, seed=seed).to("cuda", dtype)
     x0 = torch.randn(B, S, H, device="cuda", dtype=dtype)
-    return module, moegraph.compile(module, x0, attn="sp", ffn="tp", dispatch="ag-rs", schedule="greedy",
-                                    cuda_graphs=mode)
+    return module, moegraph.compile(module, x0, attn="sp", ffn=ffn, dispatch="ag-rs", schedule="greedy",
+                                    cuda_graphs=mode, expert_rows=expert_rows)
 
 
 def _gpu_steps(module, layer, dtype, tol, reference=None):
@@ -374,3 +389,77 @@ def test_cudagraph_gpu_layer_bf16_matches_the_uncaptured_layer():
     _gpu_steps(module, layer, torch.bfloat16, 1e-2, reference=plain)
     module, layer = _gpu_layer("layer", torch.bfloat16, seed=1)
     _gpu_steps(module, layer, torch.bfloat16, 5e-2)
+
+
+@gpu
+def test_cudagraph_gpu_layer_bf16_ep_padded_matches_the_uncaptured_layer():
+    """ffn=ep under ag-rs with padded expert rows, 'layer' in bf16 (n=1: the whole layer, its index
+    map included, in one graph per phase) against the same plan run without graphs, and loosely
+    against eager bf16; the routing changes with every step's input."""
+    from moegraph.runtime.cudagraph import grouped_mm_host_read
+    why = grouped_mm_host_read(torch.device("cuda"), torch.bfloat16)
+    if why is not None:
+        pytest.skip(f"this GPU {why}")
+    module, layer = _gpu_layer("layer", torch.bfloat16, ffn="ep", expert_rows="padded")
+    _, plain = _gpu_layer("off", torch.bfloat16, ffn="ep", expert_rows="padded")
+    assert type(layer.executor).__name__ == "GraphedExecutor"
+    _gpu_steps(module, layer, torch.bfloat16, 1e-2, reference=plain)
+    module, layer = _gpu_layer("layer", torch.bfloat16, seed=1, ffn="ep", expert_rows="padded")
+    _gpu_steps(module, layer, torch.bfloat16, 5e-2)
+
+
+@gpu
+def test_cudagraph_gpu_padded_expert_rows_replay_new_routing_bf16():
+    """Real padding under real capture (n=1 has none: C = R there): rank 0 of n=2 (El=4 of E=8,
+    k=3) builds its padded index map, dispatches, runs the grouped GEMM and combines, all in one
+    CUDA graph; replayed on three new routings (one sending rank 0 every row, one none) it equals
+    the same kernels run eagerly with the exact map."""
+    from moegraph.ir import Node, OpKind, Phase, Role
+    from moegraph.kernels import KERNELS, RankContext, _grouped, build_index_map
+    from moegraph.runtime.cudagraph import grouped_mm_host_read
+    why = grouped_mm_host_read(torch.device("cuda"), torch.bfloat16)
+    if why is not None:
+        pytest.skip(f"this GPU {why}")
+    T, k, El, f = 64, 3, 4, 32
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    w = torch.randn(El, f, H, device="cuda", dtype=torch.bfloat16, generator=gen)
+    x = torch.zeros(T, H, device="cuda", dtype=torch.bfloat16)
+    experts = torch.zeros(T, k, device="cuda", dtype=torch.int64)
+    ctx = RankContext(0, 2, T)
+    combine = Node(name="combine", op=OpKind.UNPERMUTE, phase=Phase.FORWARD, inputs=(), outputs=(),
+                   role=Role.FORWARD, attrs=(("weighted", False),))
+
+    def moe(rows_mode):
+        imap = build_index_map(experts, "local", El, 0, 2, rows_mode)
+        y = _grouped(x[imap.tokens], w, imap)                                          # [C, f]
+        return KERNELS[(OpKind.UNPERMUTE, Role.FORWARD)](ctx, combine, [y, imap], [(T, f)])[0]
+
+    def routing(step):
+        if step == 1:                                                                  # every row here
+            return torch.stack([torch.randperm(El, device="cuda", generator=gen)[:k] for _ in range(T)])
+        if step == 2:                                                                  # none here
+            return El + torch.stack([torch.randperm(El, device="cuda", generator=gen)[:k] for _ in range(T)])
+        return torch.stack([torch.randperm(2 * El, device="cuda", generator=gen)[:k] for _ in range(T)])
+
+    experts.copy_(routing(0))
+    x.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda.set_sync_debug_mode("error")          # padded: nothing reads the host
+        try:
+            moe("padded")
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe("padded")
+    for step in range(3):
+        experts.copy_(routing(step))
+        x.copy_(torch.randn(T, H, device="cuda", dtype=torch.bfloat16, generator=gen))
+        graph.replay()
+        want = moe("exact")
+        assert torch.isfinite(out).all(), f"step {step + 1}: padding leaked"
+        assert rel_err(out.float(), want.float()) < 1e-2 if want.abs().max() > 0 else torch.equal(out, want), \
+            f"step {step + 1}"

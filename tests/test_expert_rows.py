@@ -239,3 +239,26 @@ def test_expert_rows_api_errors():
     y = layer(xs)
     y.backward(torch.ones_like(x))
     assert rel_err(y.detach(), y_ref) < TOL and rel_err(xs.grad, dx_ref) < TOL
+
+
+def test_run_padded_on_gloo_matches_eager_and_reports_the_extra_bytes(capsys):
+    """``moegraph run --expert-rows padded --check --json`` on 2 gloo ranks (tiny: E=4, k=2, so
+    El=2 and C = 2T, twice the T*k/n = T rows the plan expects): matches eager, and reports the
+    padding's bytes, one more copy of every routed value."""
+    import json
+
+    from moegraph.cli import main
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    rc = main(["run", "--n", "2", "--steps", "1", "--warmup", "0", "--schedule", "greedy", "--expert-rows", "padded",
+               "--check", "--json"])
+    assert rc == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["expert_rows"] == "padded"
+    assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
+    from moegraph.cost import CostModel
+    from moegraph.registry import load_hardware
+    graph, _ = run_pipeline(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1,
+                                        seq=128), DEFAULT_PASSES, cost=CostModel(load_hardware("cpu-2core-gloo")))
+    routed = sum(v.storage_bytes for v in graph.values if v.routed)
+    assert routed > 0 and report["padded_rows_extra_bytes"] == routed

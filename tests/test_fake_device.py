@@ -164,8 +164,8 @@ class _RankComm:
         return Pending(node, stream, [_DoneWork(sh)], lambda: outs)
 
 
-def _executor_step(graph, plan, comm, rank, n, x, dy, params, device, results):
-    ex = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=60.0)
+def _executor_step(graph, plan, comm, rank, n, x, dy, params, device, results, expert_rows="exact"):
+    ex = Executor(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=60.0, expert_rows=expert_rows)
     ps = [shard_param(spec, params, rank, n) for _, spec in graph.params]
     y, saved = ex.forward(x.chunk(n, dim=1)[rank].contiguous(), ps)
     dx, grads = ex.backward(saved, dy.chunk(n, dim=1)[rank].contiguous(), ps)
@@ -194,7 +194,7 @@ def run_rank_threads(n, rank_main, shared) -> None:
         raise errors[0]
 
 
-def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
+def _run_fake(graph, plan, params, x, dy, n, monkeypatch, expert_rows="exact"):
     """Every rank's executor step on fake CUDA (one thread per rank); returns CPU results."""
     state = fc.fake_streams(monkeypatch)
     shared = ThreadComm(n) if n > 1 else None
@@ -208,7 +208,7 @@ def _run_fake(graph, plan, params, x, dy, n, monkeypatch):
             fparams = {k: fc.to_fake(v) for k, v in params.items()}
             comm = shared.for_rank(rank) if shared else NoComm()
             _executor_step(graph, plan, comm, rank, n, fc.to_fake(x), fc.to_fake(dy), fparams,
-                           torch.device("cuda", 0), results)
+                           torch.device("cuda", 0), results, expert_rows)
             y, dx, grads = results[rank]
             assert y.device == fc.CUDA and all(g.device == fc.CUDA for g in grads)
             results[rank] = (fc.real(y), fc.real(dx), [fc.real(g) for g in grads])
@@ -273,25 +273,28 @@ def test_fake_device_eager_reference_layer():
     assert err < TOL, f"gradient of {name}: {err:.2e}"
 
 
-SYNC_CASES = [("tp", "tp", "ag-rs"), ("sp", "ep", "ag-rs"), ("sp", "ep", "a2a")]
+SYNC_CASES = [("tp", "tp", "ag-rs", "exact"), ("sp", "ep", "ag-rs", "exact"), ("sp", "ep", "ag-rs", "padded"),
+              ("sp", "ep", "a2a", "exact")]
 
 
-@pytest.mark.parametrize("attn,ffn,dispatch", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
-def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
+@pytest.mark.parametrize("attn,ffn,dispatch,expert_rows", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+def test_fake_device_step_host_syncs(attn, ffn, dispatch, expert_rows, monkeypatch):
     """Everything that would block the host on a GPU during one step (n=2, the default passes,
     greedy), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
     (nonzero, bincount), cuda/event/stream synchronize, and host waits on collectives.
 
-    ffn=tp ag-rs: none. ffn=ep ag-rs: one per local index map, the row count R that sizes
-    dropless routing's buffers. a2a: one copy of the split sizes per rank and index map, shared by
+    ffn=tp ag-rs: none. ffn=ep ag-rs: one per local index map with exact expert rows, the row
+    count R that sizes dropless routing's buffers; none with padded ones (C rows, R on the device),
+    whose step still equals the eager module's. a2a: one copy of the split sizes per rank and index map, shared by
     every all-to-all that reads the map (so fewer than one per all-to-all)."""
     from moegraph.commands import DEFAULT_PASSES
     from moegraph.ir import OpKind
-    _, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
-    _, state, modes = _run_fake(graph, make_plan(graph, COST, "greedy"), params, x, dy, 2, monkeypatch)
+    layer, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
+    got, state, modes = _run_fake(graph, make_plan(graph, COST, "greedy"), params, x, dy, 2, monkeypatch,
+                                  expert_rows)
     syncs = sum((m.syncs for m in modes), start=collections.Counter()) + state.syncs
     maps = [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
-    if ffn == "tp":
+    if ffn == "tp" or expert_rows == "padded":
         expected = {}
     elif dispatch == "ag-rs":
         expected = {"item": 2 * sum(nd.attr("layout") == "local" for nd in maps)}
@@ -301,6 +304,9 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, monkeypatch):
         expected = {"tolist": 2 * len(maps)}
     assert dict(+syncs) == expected
     assert state.comm.host_waits == 0, "the host waited for a collective inside the step"
+    y_ref, dx_ref, _ = eager_step(layer, x, dy)
+    assert rel_err(torch.cat([got[r][0] for r in range(2)], dim=1), y_ref) < TOL
+    assert rel_err(torch.cat([got[r][1] for r in range(2)], dim=1), dx_ref) < TOL
 
 
 def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
