@@ -15,6 +15,7 @@ import torch
 
 import comm_workers
 import test_fake_device as tfd
+from test_fake_device import one_thread  # noqa: F401 - autouse: one torch thread per rank thread
 from helpers import eager_step, rel_err, small_layer
 from moegraph import kernels
 from moegraph.commands import DEFAULT_PASSES
@@ -27,14 +28,6 @@ from moegraph.tracer import trace_module
 
 B, S, H = 2, 16, 64
 TOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # -- the index map --------------------------------------------------------------------------------

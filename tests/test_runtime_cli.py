@@ -27,6 +27,7 @@ def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
     # the executor's host time per node (CPU: kernels included, collective waits not): within a step
     assert 0 < report["host_us_per_node"] * len(pred["nodes"]) <= max(report["step_us_all"])
     assert report["cuda_graphs"] == "off" and report["per_node_traces"] is True       # runtime.cudagraph
+    assert report["expert_rows"] == "exact" and report["padded_rows_extra_bytes"] == 0   # moegraph.kernels
     sched = json.loads(out.read_text())
     assert sched["measured"] is True and sched["summary"]["plan_hash"] == report["plan_hash"] and sched["nodes"]
     predicted = json.loads(out.with_suffix(".predicted.json").read_text())
