@@ -48,7 +48,7 @@ class IndexMap:
     """Where each expert row comes from, computed once per step from the routing (paper §3.2).
 
     Built on the routing's device without reading any value back to the host, so that a step
-    needs no host synchronisation for it (except ``layout='local'``, below):
+    needs no host synchronisation for it (except ``layout='local'`` with exact rows, below):
 
     flat:     for each row, token * k + slot into the [T, k] routing tensors.
     counts:   [groups] rows per group, on the device. Group g uses expert weight g for layouts
