@@ -21,8 +21,8 @@ first; grouped weight gradients never read rows past the last offset. Masks are 
 from __future__ import annotations
 
 import math
-from fractions import Fraction
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Callable, Sequence
 
 import torch
