@@ -90,7 +90,9 @@ def dp_bf16_edge_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     planned = {e.name for e in compiled.layers.plan.entries}
     compressed = sorted(nd.name for nd in graph.nodes if nd.name.startswith("edges.") and nd.name in planned
                         and nd.attr("compressed", None) == "bf16")
-    return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels)}
+    from moegraph.edges import edge_values
+    return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels),
+            "pattern": edge_values(graph).embed_grad.value}
 
 
 def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
