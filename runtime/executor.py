@@ -31,9 +31,10 @@ returns, besides the layers' gradients, what the plan's edge collectives made (s
 gradients, gathered rows). An eager node whose output the plan itself reads and nobody supplies
 (the PARTIAL embedding gradient's ``edges.embed.scatter``: its input is made by the plan, its
 output read by the plan's sync) is run HERE, at its plan position on the compute stream, by the
-callable registered for it (``eager_kernels`` / ``set_eager_kernel``: ins -> outs, the node's
-input tensors to its output tensors); a phase that holds one without a callable is refused, by
-name, before it runs anything.
+callable given for it (``Executor(eager_kernels=...)`` / ``set_eager_kernel``, or per call
+``backward_edges(eager_kernels=...)`` for a kernel bound to the step's data: ins -> outs, the
+node's input tensors to its output tensors); a phase that holds one without a callable is
+refused, by name, before it runs anything.
 
 Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
 ``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
@@ -165,17 +166,20 @@ class Executor:
 
     def set_eager_kernel(self, name: str, fn: EagerKernel) -> None:
         """Register the callable that runs the plan-run eager node ``name`` (module docstring)."""
+        self._check_kernel(name, fn)
+        self.eager_kernels[name] = fn
+
+    def _check_kernel(self, name: str, fn: EagerKernel) -> None:
         if name not in self.plan_eager:
             raise RuntimeFailure(f"node {name!r} is not an eager node the plan of graph {self.graph.name!r} runs "
                                  f"(those: {sorted(self.plan_eager) or 'none'})")
         if not callable(fn):
             raise TypeError(f"eager kernel for {name!r} is {fn!r}, not a callable")
-        self.eager_kernels[name] = fn
 
-    def _check_eager_kernels(self, entries: Sequence[PlanEntry]) -> None:
+    def _check_eager_kernels(self, entries: Sequence[PlanEntry], kernels: Mapping[str, EagerKernel]) -> None:
         """Refuse, before running anything, a phase that reaches a plan-run eager node without its
         callable (the rest of the phase would read an output nothing makes)."""
-        missing = [e.name for e in entries if e.name in self.plan_eager and e.name not in self.eager_kernels]
+        missing = [e.name for e in entries if e.name in self.plan_eager and e.name not in kernels]
         if missing:
             raise RuntimeFailure(f"the plan of graph {self.graph.name!r} runs eager node(s) {', '.join(missing)}, "
                                  "whose outputs it reads, but no callable is registered for them "
@@ -207,13 +211,15 @@ class Executor:
         return dx, grads
 
     def backward_edges(self, saved: dict[str, Any], dy: torch.Tensor, params: Sequence[torch.Tensor],
-                       partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None
+                       partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None,
+                       eager_kernels: Mapping[str, EagerKernel] | None = None
                        ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[str, torch.Tensor]]:
         """``backward`` of a graph with edges (``moegraph.edges``): ``dy`` is the last layer's
         incoming gradient (``EdgeValues.seed``) and ``partials`` this rank's partial gradients
         (``EdgeValues.partials``), all made by the eager head and norm backward; also returns the edges'
         outputs (``EdgeValues.outputs``: synchronised gradients, gathered embedding rows), run by
-        the plan's edge collectives in its order."""
+        the plan's edge collectives in its order. ``eager_kernels``: callables for this call's
+        plan-run eager nodes (module docstring), beside and over the registered ones."""
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
         if set(partials) != set(self.edges.partials):
@@ -223,14 +229,19 @@ class Executor:
             if tuple(t.shape) != self.graph.value[name].shape:
                 raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "
                                  f"{self.graph.value[name].shape}")
-        return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder)
+        kernels = dict(self.eager_kernels)
+        for name, fn in (eager_kernels or {}).items():
+            self._check_kernel(name, fn)
+            kernels[name] = fn
+        return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder,
+                              kernels)
 
-    def _backward(self, saved, dy, params, partials, recorder):
+    def _backward(self, saved, dy, params, partials, recorder, kernels=None):
         self._refuse_merged("backward")
         inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous(), **partials}
         edge_out = set(self.edges.outputs) if self.edges is not None else set()
         keep = set(self.graph.outputs[1:]) | edge_out
-        env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
+        env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep, kernels)
         dx = env.get(self.input_grad_name) if self.input_grad_name else None
         # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
         grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
@@ -272,9 +283,10 @@ class Executor:
     # -- one phase -------------------------------------------------------------------------------
 
     def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
-             rec: StepRecorder | None, keep) -> dict[str, Any]:
+             rec: StepRecorder | None, keep, kernels: Mapping[str, EagerKernel] | None = None) -> dict[str, Any]:
         graph, cuda = self.graph, self.cuda
-        self._check_eager_kernels(entries)
+        kernels = self.eager_kernels if kernels is None else kernels
+        self._check_eager_kernels(entries, kernels)
         started, self._waited_ns = time.perf_counter_ns(), 0
         streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
         ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
@@ -319,7 +331,7 @@ class Executor:
                 t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
                 with record_function(e.name):
                     if e.name in self.plan_eager:
-                        outs = list(self.eager_kernels[e.name](ins))
+                        outs = list(kernels[e.name](ins))
                         bad = [(o, tuple(v.shape)) for o, v, shp in zip(node.outputs, outs, shapes)
                                if tuple(v.shape) != tuple(shp)]
                         if bad:

@@ -33,8 +33,8 @@ The graph the plan schedules holds, besides the layers:
     each rank scatters the rows into the FULL embedding gradient by the global input_ids it
     holds ((n-1)/n*b*s*h bytes per rank instead of an all-reduce's 2(n-1)/n*V*h). With dp > 1
     and fewer inter-node bytes (``moegraph.edges.EmbedGrad.PARTIAL``) the plan instead runs
-    ``edges.embed.scatter`` after layer 0's backward: the kernel registered here
-    (``Executor.set_eager_kernel``) index_adds this rank's rows [b, s/n, h] by its own input_ids
+    ``edges.embed.scatter`` after layer 0's backward: the kernel the backward passes it
+    (``Executor.backward_edges(eager_kernels=...)``) index_adds this rank's rows [b, s/n, h] by its own input_ids
     shard into a partial [V, h] (padding row zeroed), which the plan's ``_dp_sync`` sums over the
     n ranks and averages over the replicas; the synchronised [V, h] is the embedding gradient.
 Runtime: ONE autograd Function (``_ScheduledStep``) runs embedding -> the plan's forward -> norm
@@ -72,6 +72,7 @@ T = b*s/n tokens on this rank.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -162,11 +163,11 @@ class _ScheduledStep(torch.autograd.Function):
         partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
         if rec is not None:
             rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
-        model._step_ids = layers.shard_input(input_ids)    # read by _embed_scatter (PARTIAL), this step only
-        try:
-            _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec)
-        finally:
-            model._step_ids = None
+        # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
+        kernels = ({EMBED_SCATTER: functools.partial(model._embed_scatter, layers.shard_input(input_ids))}
+                   if edges.embed_grad is EmbedGrad.PARTIAL else {})
+        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
+                                                          eager_kernels=kernels)
         layers._keep(rec)
         if edges.embed_grad is EmbedGrad.PARTIAL:         # scattered by _embed_scatter, summed and replica-averaged
             d_embed = synced[edges.embed_synced].to(embed.dtype)
@@ -227,18 +228,13 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
                                  f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
         self.edges = edges
-        self._step_ids: torch.Tensor | None = None      # this rank's input_ids shard [b, s/n] during backward
-        if edges.embed_grad is EmbedGrad.PARTIAL:
-            layers.executor.set_eager_kernel(EMBED_SCATTER, self._embed_scatter)
 
-    def _embed_scatter(self, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         """``edges.embed.scatter`` (PARTIAL): this rank's layer-0 input gradient rows [b, s/n, h]
-        index_add-ed by its own input_ids shard into a partial [V, h]; the padding row gets no
-        gradient (nn.Embedding). Run by the executor at the node's plan position."""
+        index_add-ed by its input_ids shard ``ids`` [b, s/n] into a partial [V, h]; the padding row
+        gets no gradient (nn.Embedding). Run by the executor at the node's plan position (the step's
+        backward passes it, bound to its ids, as an eager kernel)."""
         (rows,) = ins
-        ids = self._step_ids
-        if ids is None:
-            raise RuntimeFailure(f"{EMBED_SCATTER} ran outside CompiledModel's backward (no input_ids for it)")
         part = rows.new_zeros(tuple(self.embed.shape)).index_add_(0, ids.flatten(), rows.flatten(0, 1))
         if self.spec.padding_idx is not None:
             part[self.spec.padding_idx] = 0

@@ -99,8 +99,8 @@ def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     """n x dp = ``world`` ranks, replicas of 2B rows (the ROWS gather's inter-node bytes, (dp-1)*2B*s*h*4,
     exceed PARTIAL's, (dp-1)/dp * V*h/n * 8, so add_edges picks PARTIAL itself): one step's gradients
     against eager on the global batch; then the same step with the plan's edges.embed.scatter kernel
-    replaced by zeros (the embedding gradient must then be wrong: the plan's result is what is used)."""
-    from moegraph.edges import EMBED_SCATTER, edge_values
+    (CompiledModel._embed_scatter) replaced by zeros (the embedding gradient must then be wrong: the plan's result is what is used)."""
+    from moegraph.edges import edge_values
     model = reference_model(seed, 2)
     gen = torch.Generator().manual_seed(seed + 1)
     vocab = model.embed.num_embeddings
@@ -111,7 +111,8 @@ def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
                                 schedule="greedy", timeout_s=60.0, dp=dp)
     planned = [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.embed.")]
     errors = _grads(model, compiled, ids, labels)
-    compiled.layers.executor.set_eager_kernel(EMBED_SCATTER, lambda ins: [ins[0].new_zeros(vocab, ins[0].shape[-1])])
+    # the kernel CompiledModel's backward hands the executor for EMBED_SCATTER, made to scatter nothing
+    compiled._embed_scatter = lambda ids, ins: [ins[0].new_zeros(vocab, ins[0].shape[-1])]
     zeroed = _grads(model, compiled, ids, labels)
     return {"pattern": edge_values(compiled.layers.graph).embed_grad.value, "planned": planned,
             "errors": errors, "zeroed": zeroed}
