@@ -41,8 +41,10 @@ rewrite one layer and restack it: ``add_edges`` is the last model-level step):
                   PARTIAL  (dp-1)/dp * V*h/n * (w + 4)
                 PARTIAL when strictly fewer (ties: ROWS) and V*h splits over n*dp. Mixtral at
                 dp=4, b=8, s=8192, bf16: ROWS 1.6 GB, PARTIAL 98 MB. dp == 1, a base model (no
-                V given) and merged micro-batch steps (M >= 2) keep ROWS; asking for PARTIAL
-                there raises.
+                V given) and merged micro-batch steps (M >= 2: one partial accumulated over the
+                micro-batches is not built) keep ROWS; asking for PARTIAL there raises. Both
+                patterns' inter-node collectives carry dp=True, as ``_dp_sync``'s: the DP
+                exposure (``exposed_dp_sync_us``) and the DP warm starts count them.
 
 The eager compute is in the graph too, so the scheduler prices it and orders around it: nodes
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
@@ -63,9 +65,9 @@ output read by the plan's sync; the runtime registers the kernel, ``Executor.set
 
 with T = b*s/n tokens on this rank. The GEMMs' bytes read the weight [V, h] besides their
 tensors (the weight is no graph value: the compiled model holds it). d_logits is priced as the
-logits value (same shape); the cross-entropy itself and the embedding's gather and scatter
-(memory-bound, O(T*h + T*V)) are not priced (PARTIAL's scatter is). The last layer's seed gradient, formerly a graph
-input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
+logits value (same shape); the cross-entropy itself and the embedding's ROWS scatter
+(memory-bound, O(T*h + T*V)) are not priced (PARTIAL's is). The last layer's seed gradient,
+formerly a graph input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
 (no head) has no head nodes; its incoming gradient is the graph input ``edges.d_normed``.
 
 Merged micro-batch steps (``moegraph.microbatch``, M >= 2): every micro-batch j has its own
@@ -394,7 +396,8 @@ def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:
         # (schedule_file.dp_sync_exposure) and the DP warm starts; not a reduce-scatter, so
         # compress=dp-bf16 (is_dp_fp32_reduce_scatter) leaves it as it is
         g.collective(at(j, f"{EDGES}.embed.grad_gather_dp"), OpKind.ALL_GATHER, (rows,), (out,), group=st.dp,
-                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp", "dp": True} | embed, **kw)
+                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp", "dp": True} | embed,
+                     **kw)
         rows = out
     return rows
 

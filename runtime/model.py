@@ -60,7 +60,8 @@ replica-mean of D x each replica's gradient is the sum over replicas, i.e. after
 parameter gradient equals eager's on the global batch (not divided by D, unlike a bare
 CompiledLayer). The head and norm partials take the same replica-mean (``_dp_sync``); the
 embedding's rows, gathered from all n x D ranks, are scattered and divided by D (ROWS), or its
-partials take the replica-mean of the sync (PARTIAL: no division here). Logits [D*b, s, V] are gathered from all n x D ranks.
+partials take the replica-mean of the sync (PARTIAL: no division here). Logits [D*b, s, V] are
+gathered from all n x D ranks.
 
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),

@@ -99,7 +99,8 @@ def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     """n x dp = ``world`` ranks, replicas of 2B rows (the ROWS gather's inter-node bytes, (dp-1)*2B*s*h*4,
     exceed PARTIAL's, (dp-1)/dp * V*h/n * 8, so add_edges picks PARTIAL itself): one step's gradients
     against eager on the global batch; then the same step with the plan's edges.embed.scatter kernel
-    (CompiledModel._embed_scatter) replaced by zeros (the embedding gradient must then be wrong: the plan's result is what is used)."""
+    (CompiledModel._embed_scatter) replaced by zeros (the embedding gradient must then be wrong: the
+    plan's result is what is used)."""
     from moegraph.edges import edge_values
     model = reference_model(seed, 2)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -490,3 +490,45 @@ def test_partial_embedding_gradient_matches_eager_on_n2_dp2():
     assert max(res["errors"].values()) < TOL, res["errors"]
     assert res["zeroed"]["embed"] > 0.5, res["zeroed"]
     assert max(v for k, v in res["zeroed"].items() if k != "embed") < TOL, res["zeroed"]
+
+
+def test_periodic_tiling_places_the_partial_scatter_after_the_backward():
+    """PARTIAL's scatter and its sync's cast follow layer 0's backward: the tiled warm starts (plain
+    and DP-aware) put them after the layers' backward windows, feasibly."""
+    from moegraph.edges import EmbedGrad
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.periodic import can_slide, tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution, solution_ends
+
+    cost = CostModel(load_hardware("h800"))
+    cfg = load_model("mixtral-8x7b")
+    g = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=1, seq=2048,
+                              layers=2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
+    problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+    sol = greedy(unit)
+    assert can_slide(unit)
+    dx = g.producer[g.outputs[1]].name
+    for slide in (False, True):
+        tiled = tile_layers(problem, unit, sol, dp_slide=slide)
+        check_solution(problem, tiled)
+        ends = solution_ends(problem, tiled)
+        scatter = problem.by_name["edges.embed.scatter"]
+        assert tiled.start[scatter.index] >= ends[problem.by_name[dx].index]
+
+
+@pytest.mark.parametrize("batch, pattern", [(8, "partial"), (1, "rows")])
+def test_compile_json_edges_row_names_the_embedding_pattern(capsys, batch, pattern):
+    """compile --dp 2 (n=8, s=1024, V=32000, bf16): at b=8 ROWS would send 8*1024*4096*2 = 67.1 MB
+    inter-node per rank, PARTIAL 32000*4096/16 * 8 = 65.5 MB: "partial"; at b=1 the rows (8.4 MB)."""
+    import json
+
+    from moegraph.cli import main
+    args = ["compile", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "1024", "--dp", "2", "--batch",
+            str(batch), "--schedule", "greedy"]
+    assert main([*args, "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["layers"][-1]["layer"] == "edges" and c["layers"][-1]["embed_grad"] == pattern
+    assert main(args) == 0
+    assert f"embedding gradient across replicas: {pattern}" in capsys.readouterr().out
