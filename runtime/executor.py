@@ -183,7 +183,8 @@ class Executor:
         if missing:
             raise RuntimeFailure(f"the plan of graph {self.graph.name!r} runs eager node(s) {', '.join(missing)}, "
                                  "whose outputs it reads, but no callable is registered for them "
-                                 "(Executor.set_eager_kernel; CompiledModel registers edges.embed.scatter)")
+                                 "(Executor.set_eager_kernel, or backward_edges(eager_kernels=...) as "
+                                 "CompiledModel's backward passes edges.embed.scatter's)")
 
     def forward(self, x: torch.Tensor, params: Sequence[torch.Tensor], *, keep_saved: bool = True,
                 recorder: StepRecorder | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
