@@ -117,3 +117,27 @@ def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     zeroed = _grads(model, compiled, ids, labels)
     return {"pattern": edge_values(compiled.layers.graph).embed_grad.value, "planned": planned,
             "errors": errors, "zeroed": zeroed}
+
+
+def partial_embed_padding(rank: int, world: int, seed: int, dp: int) -> dict:
+    """As ``partial_embed_grads`` on a transformers Mixtral whose embedding has a padding row
+    (pad_token_id=0, in every row of the batch): every gradient against eager's, whose padding
+    row of the embedding gradient is zero."""
+    from model_workers import mixtral_model
+    from moegraph.edges import edge_values
+    model = mixtral_model(seed, 2, pad_token_id=0)
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (dp * 2 * 2, 16), generator=gen)
+    ids[:, ::5] = 0                           # the padding token in every row, on every rank's shard
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0,
+                                dp=dp)
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    compiled(ids, labels=ids).loss.backward()
+    full = compiled.full_grads()
+    embed = "model.embed_tokens.weight"
+    return {"pattern": edge_values(compiled.layers.graph).embed_grad.value,
+            "errors": {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()},
+            "pad_row": float(full[embed][0].abs().max()),
+            "eager_pad_row": float(model.get_parameter(embed).grad[0].abs().max())}

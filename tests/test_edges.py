@@ -532,3 +532,14 @@ def test_compile_json_edges_row_names_the_embedding_pattern(capsys, batch, patte
     assert c["layers"][-1]["layer"] == "edges" and c["layers"][-1]["embed_grad"] == pattern
     assert main(args) == 0
     assert f"embedding gradient across replicas: {pattern}" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2():
+    """PARTIAL on a transformers Mixtral with a padding row (pad_token_id=0 in every row): the
+    scatter zeroes the padding row as nn.Embedding does; every gradient equals eager's."""
+    res = spawn(workers.partial_embed_padding, 4, args=(int.from_bytes(os.urandom(3), "little"), 2),
+                timeout_s=300)[0]
+    assert res["pattern"] == "partial"
+    assert res["pad_row"] == 0.0 == res["eager_pad_row"]
+    assert max(res["errors"].values()) < TOL, res["errors"]
