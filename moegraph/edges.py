@@ -16,13 +16,35 @@ rewrite one layer and restack it: ``add_edges`` is the last model-level step):
   embedding     its gradient needs layer 0's input gradient dx [b, s/n, h], the last value the
                 layers' backward makes. Instead of all-reducing n partial [V, h] gradients
                 (2(n-1)/n * V*h per rank), the graph all-gathers dx along the sequence
-                (``edges.embed.grad_gather``, group n: (n-1)/n * b*s*h per rank; with dp > 1 then
-                along the batch over the replicas, scope inter: [dp*b, s, h]); every rank then
+                (``edges.embed.grad_gather``, group n: (n-1)/n * b*s*h per rank); every rank then
                 scatters the gathered rows into the FULL embedding gradient itself
                 (``index_add`` by the full input_ids it holds), identical on every rank, with no
                 further communication. For Mixtral (V=32000, b*s=8192 per replica) that is 8x
                 fewer bytes than the all-reduce, and no compute sits between two collectives.
                 It runs after layer 0's backward (a data dependency), as it must.
+                With dp > 1 replicas the inter-node bytes decide between two patterns
+                (``EmbedGrad``, recorded in ``EdgeValues.embed_grad``; ``embed_grad_choice``):
+                  ROWS     the rows are gathered on, along the batch over the replicas
+                           (``edges.embed.grad_gather_dp``, scope inter: [dp*b, s, h]) and every
+                           rank scatters all dp*b*s rows, as above;
+                  PARTIAL  every rank scatters its OWN rows [b, s/n, h] into a partial [V, h]
+                           (``edges.embed.scatter``, below) and the partial is synchronised by the
+                           replicated-parameter rule (``autodiff.param_grad``: the hierarchical
+                           ``_dp_sync``, intra sum over n, inter mean over dp), as the head's.
+                           No intra gather: the intra reduce-scatter sums the n ranks' partials,
+                           whereas n copies of a gathered replica's partial would be summed n
+                           times (and the gather would only add bytes).
+                Inter-node bytes per rank (e: bytes per gradient element; w: the DP
+                reduce-scatter's wire bytes per element, 4, or 2 with compress=dp-bf16; the
+                all-gather stays fp32):
+                  ROWS     (dp-1) * b*s*h * e
+                  PARTIAL  (dp-1)/dp * V*h/n * (w + 4)
+                PARTIAL when strictly fewer (ties: ROWS) and V*h splits over n*dp. Mixtral at
+                dp=4, b=8, s=8192, bf16: ROWS 1.6 GB, PARTIAL 98 MB. dp == 1, a base model (no
+                V given) and merged micro-batch steps (M >= 2: one partial accumulated over the
+                micro-batches is not built) keep ROWS; asking for PARTIAL there raises. Both
+                patterns' inter-node collectives carry dp=True, as ``_dp_sync``'s: the DP
+                exposure (``exposed_dp_sync_us``) and the DP warm starts count them.
 
 The eager compute is in the graph too, so the scheduler prices it and orders around it: nodes
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
@@ -35,11 +57,17 @@ with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute 
             edges.norm.dgrad     RMSNORM -> the last layer's incoming gradient (the layers' seed)
             edges.norm.wgrad     RMSNORM -> the norm's partial gradient
 
+and, with the PARTIAL embedding gradient, one the plan RUNS (its input is made by the plan and its
+output read by the plan's sync; the runtime registers the kernel, ``Executor.set_eager_kernel``):
+
+  backward  edges.embed.scatter  PERMUTE  dx [b, s/n, h] -> partial [V, h]   T*h adds, memory-bound:
+                                          reads T*h, writes V*h elements
+
 with T = b*s/n tokens on this rank. The GEMMs' bytes read the weight [V, h] besides their
 tensors (the weight is no graph value: the compiled model holds it). d_logits is priced as the
-logits value (same shape); the cross-entropy itself and the embedding's gather and scatter
-(memory-bound, O(T*h + T*V)) are not priced. The last layer's seed gradient, formerly a graph
-input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
+logits value (same shape); the cross-entropy itself and the embedding's ROWS scatter
+(memory-bound, O(T*h + T*V)) are not priced (PARTIAL's is). The last layer's seed gradient,
+formerly a graph input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
 (no head) has no head nodes; its incoming gradient is the graph input ``edges.d_normed``.
 
 Merged micro-batch steps (``moegraph.microbatch``, M >= 2): every micro-batch j has its own
@@ -69,6 +97,7 @@ V vocabulary, T = b*s/n tokens per rank.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from dataclasses import dataclass
 
 from moegraph.autodiff import param_grad
@@ -87,7 +116,43 @@ EAGER_ATTR = "eager"
 """Node attribute (True) marking an edge node the runtime's autograd runs, not the plan."""
 
 EMBED_ATTR = "embed"
-"""Node attribute (True) marking the embedding gradient's gathers (they follow layer 0's backward)."""
+"""Node attribute (True) marking the embedding gradient's nodes (they follow layer 0's backward)."""
+
+EMBED_SCATTER = f"{EDGES}.embed.scatter"
+"""PARTIAL's eager node the plan runs: this rank's rows index_add-ed into a partial [V, h]."""
+
+
+class EmbedGrad(enum.Enum):
+    """How the embedding gradient crosses the replicas (module docstring)."""
+    ROWS = "rows"          # gather the rows over the replicas, every rank scatters all dp*b*s
+    PARTIAL = "partial"    # scatter this rank's rows into a partial [V, h], the parameter sync rule
+
+
+def embed_grad_inter_bytes(pattern: EmbedGrad, *, n: int, dp: int, b: int, s: int, h: int, vocab: int,
+                           elem: int, wire: int = 4) -> int:
+    """Inter-node bytes per rank of the embedding gradient by ``pattern`` (module docstring):
+    ROWS (dp-1)*b*s*h*e, PARTIAL (dp-1)/dp * V*h/n * (w+4); ``elem`` e, ``wire`` w."""
+    if dp == 1:
+        return 0
+    if pattern is EmbedGrad.ROWS:
+        return (dp - 1) * b * s * h * elem
+    if pattern is EmbedGrad.PARTIAL:
+        if (vocab * h) % (n * dp):
+            raise GraphError(f"the PARTIAL embedding gradient [V={vocab}, h={h}] does not split over "
+                             f"n={n} x dp={dp} ranks")
+        return (dp - 1) * (vocab * h // (n * dp)) * (wire + 4)
+    raise GraphError(f"embedding gradient pattern {pattern!r} is not one of {[p.value for p in EmbedGrad]}")
+
+
+def embed_grad_choice(*, n: int, dp: int, b: int, s: int, h: int, vocab: int | None, elem: int,
+                      wire: int = 4, micro_batches: int = 1) -> EmbedGrad:
+    """The pattern with fewer inter-node bytes per rank (ties, dp == 1, no V, M >= 2, or a V*h
+    that does not split over n*dp: ROWS)."""
+    if dp == 1 or vocab is None or micro_batches > 1 or (vocab * h) % (n * dp):
+        return EmbedGrad.ROWS
+    kw = dict(n=n, dp=dp, b=b, s=s, h=h, vocab=vocab, elem=elem, wire=wire)
+    partial = embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)
+    return EmbedGrad.PARTIAL if partial < embed_grad_inter_bytes(EmbedGrad.ROWS, **kw) else EmbedGrad.ROWS
 
 
 @dataclass(frozen=True)
@@ -102,9 +167,13 @@ class EdgeValues:
     one's (attr accumulate), so this is the last micro-batch's, the sum over all of them.
     norm_synced / head_synced: the synchronised gradients, once per step (the partial itself
     when the world is one rank: nothing to sync).
-    embed_gathered: per micro-batch, its layer 0's input gradient gathered over every rank
+    embed_gathered: ROWS: per micro-batch, its layer 0's input gradient gathered over every rank
     ([dp*b, s, h]: the global batch's rows in input_ids order); layer 0's input gradient itself
-    when the world is one rank.
+    when the world is one rank. PARTIAL: empty.
+    embed_grad: the pattern (``EmbedGrad``, module docstring).
+    embed_partial / embed_synced: PARTIAL: this rank's partial [V, h], made by
+    ``edges.embed.scatter``, and the synchronised embedding gradient [V, h] (fp32, already the
+    mean over the replicas); ROWS: None.
     """
 
     seeds: tuple[str, ...]
@@ -113,6 +182,9 @@ class EdgeValues:
     head_partial: str | None
     head_synced: str | None
     embed_gathered: tuple[str, ...]
+    embed_grad: EmbedGrad = EmbedGrad.ROWS
+    embed_partial: str | None = None
+    embed_synced: str | None = None
 
     @property
     def seed(self) -> str:
@@ -121,7 +193,10 @@ class EdgeValues:
 
     @property
     def embed_rows(self) -> str:
-        """The one gathered embedding gradient of a one-micro-batch graph."""
+        """The one gathered embedding gradient of a one-micro-batch graph (ROWS)."""
+        if self.embed_grad is not EmbedGrad.ROWS:
+            raise GraphError(f"the embedding gradient is {self.embed_grad.value}: no gathered rows; read "
+                             "EdgeValues.embed_synced")
         return self._one(self.embed_gathered, "embed_gathered")
 
     @staticmethod
@@ -138,8 +213,8 @@ class EdgeValues:
 
     @property
     def outputs(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(v for v in (self.norm_synced, self.head_synced, *self.embed_gathered)
-                                   if v is not None))
+        return tuple(dict.fromkeys(v for v in (self.norm_synced, self.head_synced, *self.embed_gathered,
+                                                self.embed_synced) if v is not None))
 
 
 def edge_values(graph: Graph) -> EdgeValues | None:
@@ -148,14 +223,18 @@ def edge_values(graph: Graph) -> EdgeValues | None:
     return None if names is None else EdgeValues(**dict(names))
 
 
-def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
+def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None = None) -> Graph:
     """``graph`` (one layer or a stack, after the passes; or the merged step of M micro-batches
     of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
-    None for a base model without an LM head. Verified."""
+    None for a base model without an LM head. ``embed_grad``: the embedding gradient's pattern,
+    None to choose by inter-node bytes (``embed_grad_choice``); PARTIAL where it cannot apply
+    raises. Verified."""
     if edge_values(graph) is not None:
         raise GraphError(f"graph {graph.name!r} already has its edges")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
         raise ValueError(f"vocab={vocab!r} must be a positive integer or None (no LM head)")
+    if embed_grad is not None and not isinstance(embed_grad, EmbedGrad):
+        raise ValueError(f"embed_grad={embed_grad!r} must be None or one of {list(EmbedGrad)}")
     st, d = graph.strategy, graph.dims
     M = micro_batch_count(graph)
     at = (lambda j, name: name) if M == 1 else mb_name      # micro-batch j's copy of a name
@@ -167,6 +246,9 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
     grad_dtype = graph.value[bounds[0][3]].dtype
     T, h = d.b * d.s // st.n, d.h                           # tokens on this rank (per micro-batch), hidden
     item = graph.value[bounds[0][2]].nbytes // (T * h)      # bytes per element of the activations
+    elem = graph.value[bounds[0][3]].nbytes // (T * h)      # bytes per element of the gradients
+    bf16_wire = dp_grad_wire(graph) is DpGradWire.BF16
+    pattern = _embed_pattern(graph, embed_grad, vocab, M, elem=elem, wire=2 if bf16_wire else 4)
     computes: list[list[Node]] = []
     norm_partial = head_partial = None                      # the running sums over the micro-batches
     for j, (_, seed, y, _) in enumerate(bounds):
@@ -174,6 +256,13 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
         norm_partial, head_partial = _eager_compute(g, j, at, seed, y, vocab, T, h, item, grad_dtype,
                                                     norm_partial, head_partial)
         computes.append(g.nodes[first:])
+
+    def compressed(nodes: list[Node]) -> list[Node]:
+        if not bf16_wire:
+            return nodes
+        # the passes compressed the layers' DP reduce-scatters (compress=dp-bf16): the edges' too,
+        # never an fp32 sync beside bf16 ones
+        return [r for n in nodes for r in (dp_bf16(n, g.values) if is_dp_fp32_reduce_scatter(g.values, n) else [n])]
 
     # the replicated parameters' rule (autodiff.param_grad): ALL_REDUCE, or _dp_sync with dp > 1;
     # once per step on the summed partials (as merge_microbatches syncs a layer's parameters)
@@ -186,18 +275,26 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
 
     norm_synced = synced("norm", norm_partial)
     head_synced = synced("lm_head", head_partial) if head_partial is not None else None
-    sync = g.nodes[first:]
-    if dp_grad_wire(graph) is DpGradWire.BF16:
-        # the passes compressed the layers' DP reduce-scatters (compress=dp-bf16): the edges' too,
-        # never an fp32 sync beside bf16 ones
-        sync = [r for n in sync for r in (dp_bf16(n, g.values) if is_dp_fp32_reduce_scatter(g.values, n) else [n])]
+    sync = compressed(g.nodes[first:])
     gathers, gathered = [], []
-    for j, (_, _, _, dx) in enumerate(bounds):
+    embed_partial = embed_synced = None
+    if pattern is EmbedGrad.ROWS:
+        for j, (_, _, _, dx) in enumerate(bounds):
+            first = len(g.nodes)
+            gathered.append(_embed_gather(g, j, at, dx))
+            gathers.append(g.nodes[first:])
+    else:                                                   # PARTIAL (one micro-batch: _embed_pattern)
+        dx = bounds[0][3]
+        embed_partial = g.value(f"{EDGES}.d_embed.partial", (vocab, h),
+                                kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
         first = len(g.nodes)
-        gathered.append(_embed_gather(g, j, at, dx))
-        gathers.append(g.nodes[first:])
+        g.node(EMBED_SCATTER, OpKind.PERMUTE, (dx,), (embed_partial,), phase=Phase.BACKWARD, role=Role.WGRAD,
+               block=EDGES, flops=T * h, mem_bytes=(T * h + vocab * h) * elem,
+               attrs={EAGER_ATTR: True})
+        embed_synced = synced("embed", embed_partial)
+        gathers.append([n.with_attrs(**{EMBED_ATTR: True}) for n in compressed(g.nodes[first:])])
     names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
-                       tuple(gathered))
+                       tuple(gathered), pattern, embed_partial, embed_synced)
 
     def marked(nodes, j):
         mb = {MB_ATTR: j} if M > 1 and j is not None else {}
@@ -213,6 +310,25 @@ def add_edges(graph: Graph, *, vocab: int | None) -> Graph:
                                 inputs=tuple(v for v in graph.inputs if v not in seeds) + tuple(g.inputs),
                                 outputs=graph.outputs + out_names, meta=freeze_attrs(meta))
     return verify(edged)
+
+
+def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: int, *, elem: int,
+                   wire: int) -> EmbedGrad:
+    """The embedding gradient's pattern: ``asked``, checked, or the closed-form choice."""
+    st, d = graph.strategy, graph.dims
+    kw = dict(n=st.n, dp=st.dp, b=d.b, s=d.s, h=d.h, vocab=vocab, elem=elem, wire=wire)
+    if asked is None or asked is EmbedGrad.ROWS:
+        return embed_grad_choice(**kw, micro_batches=M) if asked is None else asked
+    if asked is not EmbedGrad.PARTIAL:
+        raise GraphError(f"embedding gradient pattern {asked!r} is not one of {[p.value for p in EmbedGrad]}")
+    why = ("dp == 1 (no replicas: the intra gather is the cheaper one)" if st.dp == 1 else
+           "a base model (no vocab given)" if vocab is None else
+           f"a merged step of {M} micro-batches (one partial per step is not built: ROWS per micro-batch)"
+           if M > 1 else None)
+    if why is not None:
+        raise GraphError(f"graph {graph.name!r}: the PARTIAL embedding gradient does not apply to {why}")
+    embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)         # raises when V*h does not split over n*dp
+    return asked
 
 
 def _eager_compute(g: GraphBuilder, j: int, at, seed: str, y: str, vocab: int | None, T: int, h: int, item: int,
@@ -276,8 +392,12 @@ def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:
     if st.dp > 1:                                       # [b, s, h] -> [dp*b, s, h], replica-major
         out = g.value(at(j, f"{EDGES}.d_embed_rows"), (st.dp * d.b, d.s, d.h), kind=ValueKind.GRAD,
                       dtype=g.values[dx].dtype)
+        # dp=True: a DP collective like _dp_sync's, counted by exposed_dp_sync_us
+        # (schedule_file.dp_sync_exposure) and the DP warm starts; not a reduce-scatter, so
+        # compress=dp-bf16 (is_dp_fp32_reduce_scatter) leaves it as it is
         g.collective(at(j, f"{EDGES}.embed.grad_gather_dp"), OpKind.ALL_GATHER, (rows,), (out,), group=st.dp,
-                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp"} | embed, **kw)
+                     full_bytes=g.nbytes(out), attrs={"dim": 0, "scope": "inter", "axis": "dp", "dp": True} | embed,
+                     **kw)
         rows = out
     return rows
 
@@ -325,5 +445,6 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 
-__all__ = ["EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EdgeValues", "add_edges", "edge_layer", "edge_values",
+__all__ = ["EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
+           "embed_grad_choice", "embed_grad_inter_bytes", "edge_layer", "edge_values",
            "is_edge", "is_eager"]

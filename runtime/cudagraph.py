@@ -454,7 +454,9 @@ class GraphedExecutor(Executor):
             out.append(_PhaseSegment(s, reads, makes, _releases(self.graph, s.entries, keep=set(makes)), cap))
         return out
 
-    def _run(self, entries, inputs, release, rec, keep):
+    def _run(self, entries, inputs, release, rec, keep, kernels=None):
+        if kernels:     # plan-run eager kernels belong to a model's edges, which a graphed layer refuses
+            raise RuntimeFailure(f"cuda_graphs: eager kernels {sorted(kernels)} in a graphed layer")
         phase = self._phases.get(id(entries))
         if phase is None:
             raise RuntimeFailure("cuda_graphs: only a layer's forward and backward phases run segmented")

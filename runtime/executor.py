@@ -24,10 +24,17 @@ the parameters); backward returns the layer-input gradient and the parameter gra
 collective issued in a phase completes before the phase returns.
 
 A model step graph's edges (``moegraph.edges``, run by ``runtime.model.CompiledModel``): the
-nodes marked ``eager`` (the final norm and LM head compute, priced for the schedule) are never
-run here, autograd runs them; ``backward_edges`` takes their outputs (the last layer's incoming
-gradient, the head and norm partial gradients) as inputs and returns, besides the layers'
-gradients, what the plan's edge collectives made (synchronised gradients, gathered rows).
+nodes marked ``eager`` whose outputs the caller supplies (the final norm and LM head compute,
+priced for the schedule) are never run here, autograd runs them; ``backward_edges`` takes their
+outputs (the last layer's incoming gradient, the head and norm partial gradients) as inputs and
+returns, besides the layers' gradients, what the plan's edge collectives made (synchronised
+gradients, gathered rows). An eager node whose output the plan itself reads and nobody supplies
+(the PARTIAL embedding gradient's ``edges.embed.scatter``: its input is made by the plan, its
+output read by the plan's sync) is run HERE, at its plan position on the compute stream, by the
+callable given for it (``Executor(eager_kernels=...)`` / ``set_eager_kernel``, or per call
+``backward_edges(eager_kernels=...)`` for a kernel bound to the step's data: ins -> outs, the
+node's input tensors to its output tensors); a phase that holds one without a callable is
+refused, by name, before it runs anything.
 
 Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
 ``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
@@ -41,7 +48,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from torch.profiler import record_function
@@ -87,11 +94,19 @@ class HostTime:
         return None if not self.nodes else round(self.busy_ns / self.nodes / 1e3, 3)
 
 
+EagerKernel = Callable[[list[Any]], list[Any]]
+"""A plan-run eager node's kernel: its input tensors -> its output tensors (module docstring)."""
+
+
 class Executor:
     def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int,
-                 device: torch.device, timeout_s: float = 300.0, expert_rows: ExpertRows = "exact"):
-        """``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``)."""
+                 device: torch.device, timeout_s: float = 300.0, expert_rows: ExpertRows = "exact",
+                 eager_kernels: Mapping[str, EagerKernel] | None = None):
+        """``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``);
+        ``eager_kernels``: callables for plan-run eager nodes (module docstring)."""
         self.graph, self.plan, self.comm = graph, check_plan(graph, plan), comm
+        self.eager_kernels: dict[str, EagerKernel] = {}
+        self.plan_eager: frozenset[str] = frozenset()   # a merged step has no edges (refused below)
         self.rank, self.n, self.timeout_s = rank, n, timeout_s
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -122,8 +137,13 @@ class Executor:
         # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
         # synchronised gradients and the gathered embedding-gradient rows go back out
         self.edges = edge_values(graph)
-        self.fwd, self.bwd = (tuple(e for e in part if not is_eager(dict(graph.node[e.name].attrs)))
+        supplied = {*self.edges.seeds, *self.edges.partials} if self.edges is not None else set()
+        self.plan_eager = _plan_run_eager(graph, supplied)
+        self.fwd, self.bwd = (tuple(e for e in part if e.name in self.plan_eager
+                                    or not is_eager(dict(graph.node[e.name].attrs)))
                               for part in plan.split(graph))
+        for name, fn in (eager_kernels or {}).items():
+            self.set_eager_kernel(name, fn)
         acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
         seeds = ([self.edges.seed] if self.edges is not None else
                  [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD])
@@ -145,6 +165,28 @@ class Executor:
         self._release_bwd = _releases(graph, self.bwd, keep=set(graph.outputs[1:]))
 
     # -- public --------------------------------------------------------------------------------
+
+    def set_eager_kernel(self, name: str, fn: EagerKernel) -> None:
+        """Register the callable that runs the plan-run eager node ``name`` (module docstring)."""
+        self._check_kernel(name, fn)
+        self.eager_kernels[name] = fn
+
+    def _check_kernel(self, name: str, fn: EagerKernel) -> None:
+        if name not in self.plan_eager:
+            raise RuntimeFailure(f"node {name!r} is not an eager node the plan of graph {self.graph.name!r} runs "
+                                 f"(those: {sorted(self.plan_eager) or 'none'})")
+        if not callable(fn):
+            raise TypeError(f"eager kernel for {name!r} is {fn!r}, not a callable")
+
+    def _check_eager_kernels(self, entries: Sequence[PlanEntry], kernels: Mapping[str, EagerKernel]) -> None:
+        """Refuse, before running anything, a phase that reaches a plan-run eager node without its
+        callable (the rest of the phase would read an output nothing makes)."""
+        missing = [e.name for e in entries if e.name in self.plan_eager and e.name not in kernels]
+        if missing:
+            raise RuntimeFailure(f"the plan of graph {self.graph.name!r} runs eager node(s) {', '.join(missing)}, "
+                                 "whose outputs it reads, but no callable is registered for them "
+                                 "(Executor.set_eager_kernel, or backward_edges(eager_kernels=...) as "
+                                 "CompiledModel's backward passes edges.embed.scatter's)")
 
     def forward(self, x: torch.Tensor, params: Sequence[torch.Tensor], *, keep_saved: bool = True,
                 recorder: StepRecorder | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
@@ -172,13 +214,15 @@ class Executor:
         return dx, grads
 
     def backward_edges(self, saved: dict[str, Any], dy: torch.Tensor, params: Sequence[torch.Tensor],
-                       partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None
+                       partials: dict[str, torch.Tensor], *, recorder: StepRecorder | None = None,
+                       eager_kernels: Mapping[str, EagerKernel] | None = None
                        ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[str, torch.Tensor]]:
         """``backward`` of a graph with edges (``moegraph.edges``): ``dy`` is the last layer's
         incoming gradient (``EdgeValues.seed``) and ``partials`` this rank's partial gradients
         (``EdgeValues.partials``), all made by the eager head and norm backward; also returns the edges'
         outputs (``EdgeValues.outputs``: synchronised gradients, gathered embedding rows), run by
-        the plan's edge collectives in its order."""
+        the plan's edge collectives in its order. ``eager_kernels``: callables for this call's
+        plan-run eager nodes (module docstring), beside and over the registered ones."""
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
         if set(partials) != set(self.edges.partials):
@@ -188,14 +232,19 @@ class Executor:
             if tuple(t.shape) != self.graph.value[name].shape:
                 raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "
                                  f"{self.graph.value[name].shape}")
-        return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder)
+        kernels = dict(self.eager_kernels)
+        for name, fn in (eager_kernels or {}).items():
+            self._check_kernel(name, fn)
+            kernels[name] = fn
+        return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder,
+                              kernels)
 
-    def _backward(self, saved, dy, params, partials, recorder):
+    def _backward(self, saved, dy, params, partials, recorder, kernels=None):
         self._refuse_merged("backward")
         inputs = {**saved, **dict(zip(self.param_names, params)), self.seed_name: dy.contiguous(), **partials}
         edge_out = set(self.edges.outputs) if self.edges is not None else set()
         keep = set(self.graph.outputs[1:]) | edge_out
-        env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep)
+        env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep, kernels)
         dx = env.get(self.input_grad_name) if self.input_grad_name else None
         # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
         grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
@@ -237,8 +286,10 @@ class Executor:
     # -- one phase -------------------------------------------------------------------------------
 
     def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
-             rec: StepRecorder | None, keep) -> dict[str, Any]:
+             rec: StepRecorder | None, keep, kernels: Mapping[str, EagerKernel] | None = None) -> dict[str, Any]:
         graph, cuda = self.graph, self.cuda
+        kernels = self.eager_kernels if kernels is None else kernels
+        self._check_eager_kernels(entries, kernels)
         started, self._waited_ns = time.perf_counter_ns(), 0
         streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
         ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
@@ -282,7 +333,15 @@ class Executor:
             else:
                 t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
                 with record_function(e.name):
-                    outs = run_compute(self.ctx, node, ins, shapes)
+                    if e.name in self.plan_eager:
+                        outs = list(kernels[e.name](ins))
+                        bad = [(o, tuple(v.shape)) for o, v, shp in zip(node.outputs, outs, shapes)
+                               if tuple(v.shape) != tuple(shp)]
+                        if bad:
+                            raise RuntimeFailure(f"eager kernel of {node.name!r} made {bad}, the graph expects "
+                                                 f"{dict(zip(node.outputs, shapes))}")
+                    else:
+                        outs = run_compute(self.ctx, node, ins, shapes)
                 if len(outs) != len(node.outputs):
                     raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, "
                                          f"expected {len(node.outputs)}")
@@ -383,6 +442,15 @@ class Executor:
             if isinstance(slot.value, torch.Tensor):
                 slot.value.record_stream(target)
         return slot.value
+
+
+def _plan_run_eager(graph: Graph, supplied: set[str]) -> frozenset[str]:
+    """The eager nodes the plan must run itself: one of their outputs is read by a node the plan
+    runs (not eager) and is not among the ``supplied`` inputs (the eager backward's seeds and
+    partials)."""
+    read = {i for nd in graph.nodes if not is_eager(dict(nd.attrs)) for i in nd.inputs}
+    return frozenset(nd.name for nd in graph.nodes if is_eager(dict(nd.attrs))
+                     and any(o in read and o not in supplied for o in nd.outputs))
 
 
 def _poll(inflight: list[Pending]) -> None:

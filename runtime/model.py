@@ -31,7 +31,12 @@ The graph the plan schedules holds, besides the layers:
   * the embedding gradient: ``edges.embed.grad_gather`` all-gathers layer 0's input gradient
     [b, s/n, h] -> [b, s, h] (then over the replicas to [dp*b, s, h]) after layer 0's backward;
     each rank scatters the rows into the FULL embedding gradient by the global input_ids it
-    holds ((n-1)/n*b*s*h bytes per rank instead of an all-reduce's 2(n-1)/n*V*h).
+    holds ((n-1)/n*b*s*h bytes per rank instead of an all-reduce's 2(n-1)/n*V*h). With dp > 1
+    and fewer inter-node bytes (``moegraph.edges.EmbedGrad.PARTIAL``) the plan instead runs
+    ``edges.embed.scatter`` after layer 0's backward: the kernel the backward passes it
+    (``Executor.backward_edges(eager_kernels=...)``) index_adds this rank's rows [b, s/n, h] by its own input_ids
+    shard into a partial [V, h] (padding row zeroed), which the plan's ``_dp_sync`` sums over the
+    n ranks and averages over the replicas; the synchronised [V, h] is the embedding gradient.
 Runtime: ONE autograd Function (``_ScheduledStep``) runs embedding -> the plan's forward -> norm
 -> head. Its backward runs the head and norm backward eagerly (``torch.autograd.grad`` on the
 graph its forward recorded), then the plan's backward (``Executor.backward_edges``) with the
@@ -54,7 +59,9 @@ gradient: the
 replica-mean of D x each replica's gradient is the sum over replicas, i.e. after backward every
 parameter gradient equals eager's on the global batch (not divided by D, unlike a bare
 CompiledLayer). The head and norm partials take the same replica-mean (``_dp_sync``); the
-embedding's rows, gathered from all n x D ranks, are scattered and divided by D. Logits [D*b, s, V] are gathered from all n x D ranks.
+embedding's rows, gathered from all n x D ranks, are scattered and divided by D (ROWS), or its
+partials take the replica-mean of the sync (PARTIAL: no division here). Logits [D*b, s, V] are
+gathered from all n x D ranks.
 
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
@@ -66,6 +73,7 @@ T = b*s/n tokens on this rank.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any, Mapping, NamedTuple, Sequence
 
@@ -76,7 +84,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from moegraph.commands import DEFAULT_PASSES
-from moegraph.edges import add_edges, edge_values
+from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, edge_values
 from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
@@ -156,14 +164,21 @@ class _ScheduledStep(torch.autograd.Function):
         partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
         if rec is not None:
             rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
-        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec)
+        # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
+        kernels = ({EMBED_SCATTER: functools.partial(model._embed_scatter, layers.shard_input(input_ids))}
+                   if edges.embed_grad is EmbedGrad.PARTIAL else {})
+        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
+                                                          eager_kernels=kernels)
         layers._keep(rec)
-        rows = synced[edges.embed_rows]                    # [dp*b, s, h]: the global batch's rows
-        d_embed = torch.zeros_like(embed).index_add_(0, input_ids.flatten(), rows.flatten(0, 1).to(embed.dtype))
-        if model.spec.padding_idx is not None:             # nn.Embedding: the padding row gets no gradient
-            d_embed[model.spec.padding_idx] = 0
-        if model.dp > 1:                                   # the rows hold dp x each replica's (module docstring)
-            d_embed /= model.dp
+        if edges.embed_grad is EmbedGrad.PARTIAL:         # scattered by _embed_scatter, summed and replica-averaged
+            d_embed = synced[edges.embed_synced].to(embed.dtype)
+        else:
+            rows = synced[edges.embed_rows]                # [dp*b, s, h]: the global batch's rows
+            d_embed = torch.zeros_like(embed).index_add_(0, input_ids.flatten(), rows.flatten(0, 1).to(embed.dtype))
+            if model.spec.padding_idx is not None:         # nn.Embedding: the padding row gets no gradient
+                d_embed[model.spec.padding_idx] = 0
+            if model.dp > 1:                               # the rows hold dp x each replica's (module docstring)
+                d_embed /= model.dp
         d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
         d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
         return None, None, d_embed, d_norm, d_head, *grads
@@ -214,6 +229,17 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
                                  f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
         self.edges = edges
+
+    def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        """``edges.embed.scatter`` (PARTIAL): this rank's layer-0 input gradient rows [b, s/n, h]
+        index_add-ed by its input_ids shard ``ids`` [b, s/n] into a partial [V, h]; the padding row
+        gets no gradient (nn.Embedding). Run by the executor at the node's plan position (the step's
+        backward passes it, bound to its ids, as an eager kernel)."""
+        (rows,) = ins
+        part = rows.new_zeros(tuple(self.embed.shape)).index_add_(0, ids.flatten(), rows.flatten(0, 1))
+        if self.spec.padding_idx is not None:
+            part[self.spec.padding_idx] = 0
+        return [part]
 
     # -- running ---------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
 from moegraph.cost import variant
-from moegraph.edges import add_edges
+from moegraph.edges import add_edges, edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
 from moegraph.models import VOCAB
@@ -80,8 +80,18 @@ def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
             "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
-            **({"layers": per_layer_summary(result.schedule)} if layer_count(layer.graph) > 1 else {}),
+            **({"layers": _with_embed_grad(per_layer_summary(result.schedule), layer.graph)}
+               if layer_count(layer.graph) > 1 else {}),
             **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {})}
+
+
+def _with_embed_grad(rows: list[dict], graph) -> list[dict]:
+    """The per-layer rows, the "edges" row noting the embedding gradient's pattern across the
+    replicas (moegraph.edges.EmbedGrad: "rows" or "partial")."""
+    edges = edge_values(graph)
+    if edges is None:
+        return rows
+    return [r | {"embed_grad": edges.embed_grad.value} if r["layer"] == "edges" else r for r in rows]
 
 
 def format_compile(c: dict) -> str:
@@ -102,6 +112,8 @@ def format_compile(c: dict) -> str:
         count = sum(isinstance(r["layer"], int) for r in c["layers"])
         lines.append(f"{count} layers, exposed comm per layer (us): "
                      + " ".join(f"{group_label(r['layer'])} {r['exposed_comm_us']:.1f}" for r in c["layers"]))
+        lines += [f"embedding gradient across replicas: {r['embed_grad']}" for r in c["layers"]
+                  if "embed_grad" in r and c["strategy"].get("dp", 1) > 1]
     return "\n".join(lines)
 
 

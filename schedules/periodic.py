@@ -26,8 +26,9 @@ warm start).
 A model step's edges (``moegraph.edges``: nodes with attr ``edge``, no layer) take a window of
 their own: the eager norm and head compute runs one node after another between the last
 forward window and the first backward window (its forward nodes, then its backward ones, which
-make the layers' seed), each at full SMs; the edges' collectives run after the last backward
-window, one after another, each alone. CP-SAT then moves them under the layers' backward.
+make the layers' seed), each at full SMs; the edges' collectives (and the embedding gradient's
+compute, which follows layer 0's backward) run after the last backward window, one after
+another, each collective alone. CP-SAT then moves them under the layers' backward.
 
 Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.
@@ -56,7 +57,7 @@ from __future__ import annotations
 import bisect
 import heapq
 
-from moegraph.edges import EDGE_ATTR
+from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
 from moegraph.schedules.bound import topological
@@ -120,7 +121,11 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         bwd = span - fwd
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
     edges = [t for t in problem.tasks if t.node.attr(EDGE_ATTR, False)]
-    edge_compute = [t for t in edges if t.kind == "compute"]        # graph order: forward, then backward
+    # the embedding gradient's compute (PARTIAL's scatter and its sync's casts, moegraph.edges)
+    # follows layer 0's backward: it runs after the backward windows with the edges' collectives
+    after = [t for t in edges if t.kind == "compute" and t.node.attr(EMBED_ATTR, False)]
+    tail_ids = {t.index for t in after}
+    edge_compute = [t for t in edges if t.kind == "compute" and t.index not in tail_ids]  # graph order: fwd, bwd
     ef = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 0)
     eb = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 1)
     at = periods * fwd
@@ -130,9 +135,14 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     at = periods * (fwd + bwd) + ef + eb
     if not dp_slide:
         for t in edges:
-            if t.kind == "comm":                    # after the layers' backward, one after another, alone
-                start[t.index], mode[t.index] = at, alone_twin(t, t.default_mode)
+            if t.kind == "comm" or t.index in tail_ids:   # after the layers' backward, one after another, alone
+                start[t.index] = at
+                mode[t.index] = alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode
                 at += t.modes[mode[t.index]].ticks
+    else:
+        for t in after:                             # before the late collectives that read them
+            start[t.index], mode[t.index] = at, t.default_mode
+            at += t.modes[t.default_mode].ticks
     late: dict[int, int] = {}                       # a task of a period's DP tail -> where the tile puts it
     for t in problem.tasks:
         if t.node.attr(EDGE_ATTR, False):

@@ -90,4 +90,54 @@ def dp_bf16_edge_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     planned = {e.name for e in compiled.layers.plan.entries}
     compressed = sorted(nd.name for nd in graph.nodes if nd.name.startswith("edges.") and nd.name in planned
                         and nd.attr("compressed", None) == "bf16")
-    return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels)}
+    from moegraph.edges import edge_values
+    return {"compressed": compressed, "errors": _grads(model, compiled, ids, labels),
+            "pattern": edge_values(graph).embed_grad.value}
+
+
+def partial_embed_grads(rank: int, world: int, seed: int, dp: int) -> dict:
+    """n x dp = ``world`` ranks, replicas of 2B rows (the ROWS gather's inter-node bytes, (dp-1)*2B*s*h*4,
+    exceed PARTIAL's, (dp-1)/dp * V*h/n * 8, so add_edges picks PARTIAL itself): one step's gradients
+    against eager on the global batch; then the same step with the plan's edges.embed.scatter kernel
+    (CompiledModel._embed_scatter) replaced by zeros (the embedding gradient must then be wrong: the
+    plan's result is what is used)."""
+    from moegraph.edges import edge_values
+    model = reference_model(seed, 2)
+    gen = torch.Generator().manual_seed(seed + 1)
+    vocab = model.embed.num_embeddings
+    ids = torch.randint(0, vocab, (dp * 2 * 2, 16), generator=gen)
+    labels = ids.clone()
+    labels[:4, :10] = -100                    # replica 0 scores fewer tokens: the global token count matters
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn="sp", ffn="ep", passes="",
+                                schedule="greedy", timeout_s=60.0, dp=dp)
+    planned = [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.embed.")]
+    errors = _grads(model, compiled, ids, labels)
+    # the kernel CompiledModel's backward hands the executor for EMBED_SCATTER, made to scatter nothing
+    compiled._embed_scatter = lambda ids, ins: [ins[0].new_zeros(vocab, ins[0].shape[-1])]
+    zeroed = _grads(model, compiled, ids, labels)
+    return {"pattern": edge_values(compiled.layers.graph).embed_grad.value, "planned": planned,
+            "errors": errors, "zeroed": zeroed}
+
+
+def partial_embed_padding(rank: int, world: int, seed: int, dp: int) -> dict:
+    """As ``partial_embed_grads`` on a transformers Mixtral whose embedding has a padding row
+    (pad_token_id=0, in every row of the batch): every gradient against eager's, whose padding
+    row of the embedding gradient is zero."""
+    from model_workers import mixtral_model
+    from moegraph.edges import edge_values
+    model = mixtral_model(seed, 2, pad_token_id=0)
+    vocab = model.get_input_embeddings().num_embeddings
+    gen = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, vocab, (dp * 2 * 2, 16), generator=gen)
+    ids[:, ::5] = 0                           # the padding token in every row, on every rank's shard
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0,
+                                dp=dp)
+    model.zero_grad()
+    model(ids, labels=ids).loss.backward()
+    compiled(ids, labels=ids).loss.backward()
+    full = compiled.full_grads()
+    embed = "model.embed_tokens.weight"
+    return {"pattern": edge_values(compiled.layers.graph).embed_grad.value,
+            "errors": {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()},
+            "pad_row": float(full[embed][0].abs().max()),
+            "eager_pad_row": float(model.get_parameter(embed).grad[0].abs().max())}

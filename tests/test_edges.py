@@ -261,12 +261,12 @@ def test_dp_bf16_compresses_the_edges_sync_too():
     assert dp_grad_wire(_graph(dp=dp, layers=2)) is DpGradWire.FP32
 
 
-def _graph_passes(dp: int, passes: str):
+def _graph_passes(dp: int, passes: str, embed_grad=None):
     from moegraph.passes import run_pipeline
     cfg = load_model("mixtral-8x7b")
     g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
     g, _ = run_pipeline(g, passes, cost=CostModel(load_hardware("h800")))
-    return add_edges(g, vocab=32000)
+    return add_edges(g, vocab=32000, embed_grad=embed_grad)
 
 
 def test_merged_step_executor_refuses_the_edges():
@@ -293,14 +293,16 @@ def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2():
     """n=2 x dp=2 on 4 gloo ranks with compress=dp-bf16: the plan runs the edges' head and norm
     sync as bf16 all-to-alls (intra- and inter-node), and their gradients equal eager's within the
     bf16 wire format's rounding (tests/test_dp.py BF16_TOL) but visibly not to fp32 precision (the
-    compressed path ran); the embedding gather is not compressed and stays exact."""
+    compressed path ran). The embedding gradient: with the bf16 wire PARTIAL sends fewer inter-node
+    bytes ((dp-1)/dp * V*h/n * (2+4) = 3072 < ROWS' (dp-1)*b*s*h*4 = 4096), so its sync is
+    compressed too, to the same tolerance."""
     from test_dp import BF16_TOL
     res = spawn(workers.dp_bf16_edge_grads, 4, args=(int.from_bytes(os.urandom(3), "little"), 2), timeout_s=300)[0]
+    assert res["pattern"] == "partial"
     assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.norm.grad_rs_intra",
-            "edges.norm.grad_rs_inter"} <= set(res["compressed"]), res["compressed"]
+            "edges.norm.grad_rs_inter", "edges.embed.grad_rs_inter"} <= set(res["compressed"]), res["compressed"]
     err = res["errors"]
-    assert err["embed"] < TOL, err
-    for part in ("norm", "head", "layers"):
+    for part in ("embed", "norm", "head", "layers"):
         assert err[part] < BF16_TOL, err
     assert err["head"] > 1e-6, err
 
@@ -333,3 +335,211 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
         order = [t.name for t in dp]
         head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
         assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]
+
+
+# -- the embedding gradient across replicas: ROWS (gather over replicas) or PARTIAL (scatter + sync) --
+
+@pytest.mark.parametrize("point, rows, partial, chosen", [
+    # mixtral-8x7b at dp=4, b=8, s=8192, bf16: 3*8*8192*4096*2 vs 3 * 32000*4096/32 * (4+4)
+    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2), 1_610_612_736, 98_304_000, "partial"),
+    # the same with compress=dp-bf16: the inter reduce-scatter sends bf16 (w=2), the all-gather fp32
+    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2, wire=2), 1_610_612_736, 73_728_000, "partial"),
+    # small b*s*dp vs a large vocabulary (Qwen's 152064): the rows are cheaper
+    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=152064, elem=2), 16_777_216, 311_427_072, "rows"),
+    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=32000, elem=2), 16_777_216, 65_536_000, "rows"),
+    # a tie (tiny fp32 model, n=2 x dp=2, b=2, s=16, h=32, V=64): ROWS
+    (dict(n=2, dp=2, b=2, s=16, h=32, vocab=64, elem=4), 4096, 4096, "rows"),
+    (dict(n=2, dp=2, b=4, s=16, h=32, vocab=64, elem=4), 8192, 4096, "partial"),
+])
+def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen):
+    from moegraph.edges import EmbedGrad, embed_grad_choice, embed_grad_inter_bytes
+    assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == rows
+    assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == partial
+    assert embed_grad_choice(**point) is EmbedGrad(chosen)
+    one = point | {"dp": 1}
+    assert embed_grad_choice(**one) is EmbedGrad.ROWS and embed_grad_inter_bytes(EmbedGrad.PARTIAL, **one) == 0
+    assert embed_grad_choice(**point | {"vocab": None}) is EmbedGrad.ROWS
+    assert embed_grad_choice(**point, micro_batches=2) is EmbedGrad.ROWS
+
+
+def _inter_embed_bytes(g) -> int:
+    """The embedding gradient's inter-node bytes per rank as the graph's collectives send them."""
+    return sum(nd.comm_bytes for nd in g.nodes if nd.is_comm and nd.attr("embed", False)
+               and nd.attr("scope", None) == "inter")
+
+
+def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
+    """mixtral-8x7b at dp=4, b=8, s=8192: add_edges picks PARTIAL; its graph scatters this rank's
+    layer-0 input gradient (eager, run by the plan, priced memory-bound) into a [V, h] partial
+    synced by the hierarchical DP rule, marked dp; the inter bytes its collectives send are the
+    closed form's. At b=1, s=2048, dp=2 it keeps ROWS (the gather over replicas, now dp-marked)."""
+    from moegraph.edges import EmbedGrad
+    n, dp, b, s, h, V = 8, 4, 8, 8192, 4096, 32000
+    cfg = load_model("mixtral-8x7b")
+    g = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s, layers=1),
+                  vocab=V)
+    ev = edge_values(g)
+    assert ev.embed_grad is EmbedGrad.PARTIAL and ev.embed_gathered == ()
+    node = {nd.name: nd for nd in g.nodes}
+    scatter = node["edges.embed.scatter"]
+    T = b * s // n
+    assert scatter.attr("eager") is True and not scatter.is_comm
+    assert scatter.inputs == (g.outputs[1],) and g.value[g.outputs[1]].shape == (b, s // n, h)   # layer 0's dx
+    assert scatter.flops == T * h and scatter.mem_bytes == (T * h + V * h) * 2
+    assert g.value[ev.embed_partial].shape == (V, h) and g.value[ev.embed_synced].shape == (V, h)
+    assert ev.embed_synced in g.outputs and "edges.embed.grad_gather" not in node
+    sync = [nd for nd in g.nodes if nd.is_comm and nd.attr("embed", False)]
+    assert {nd.name for nd in sync} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
+                                       "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
+    assert all(nd.attr("dp", False) and nd.attr("edge", False) for nd in sync)
+    assert _inter_embed_bytes(g) == 98_304_000
+    with pytest.raises(GraphError, match="already has its edges"):
+        add_edges(g, vocab=V)
+    # forced ROWS at the same point: the 1.6 GB gather
+    rows = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s,
+                                 layers=1), vocab=V, embed_grad=EmbedGrad.ROWS)
+    assert _inter_embed_bytes(rows) == 1_610_612_736
+    small = _graph(dp=2, layers=1)
+    assert edge_values(small).embed_grad is EmbedGrad.ROWS
+    assert {nd.name: nd for nd in small.nodes}["edges.embed.grad_gather_dp"].attr("dp") is True
+
+
+def test_partial_embed_grad_is_refused_where_it_does_not_apply_and_follows_dp_bf16():
+    from moegraph.edges import EmbedGrad
+    with pytest.raises(GraphError, match="dp == 1"):
+        _graph_forced(dp=1)
+    with pytest.raises(GraphError, match="base model"):
+        _graph_forced(dp=2, vocab=None)
+    from moegraph.microbatch import merge_microbatches
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=8, seq=8192, layers=2)
+    with pytest.raises(GraphError, match="merged step of 2 micro-batches"):
+        add_edges(merge_microbatches(g, 2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
+    assert edge_values(add_edges(merge_microbatches(g, 2), vocab=32000)).embed_grad is EmbedGrad.ROWS
+    # compress=dp-bf16: the embedding's inter reduce-scatter is a bf16 all-to-all as the head's
+    c = _graph_passes(2, "compress=dp-bf16", embed_grad=EmbedGrad.PARTIAL)
+    rs = {nd.name: nd for nd in c.nodes}["edges.embed.grad_rs_inter"]
+    assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
+    assert rs.comm_bytes == 16_384_000          # (dp-1)/dp * V*h/n * 2 at n=8, dp=2: half the fp32 bytes
+
+
+def _graph_forced(dp: int, vocab: int | None = 32000):
+    from moegraph.edges import EmbedGrad
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=1)
+    return add_edges(g, vocab=vocab, embed_grad=EmbedGrad.PARTIAL)
+
+
+def test_embed_gather_over_replicas_counts_as_dp_sync():
+    """ROWS: the gather over the replicas follows layer 0's input gradient, the last compute of the
+    step, so nothing can hide it: exposed_dp_sync_us holds at least its time (it did not before:
+    it was no dp-marked node)."""
+    from moegraph.schedules.schedule_file import dp_sync_exposure
+    g = _graph(dp=2, layers=2)
+    s = compile_graph(g, CostModel(load_hardware("h800")), method="greedy").schedule
+    gather = next(nd for nd in s.nodes if nd.name == "edges.embed.grad_gather_dp")
+    assert gather.start_us >= max(nd.end_us for nd in s.nodes if nd.kind == "compute")
+    assert dp_sync_exposure(s.nodes)["exposed_dp_sync_us"] >= gather.end_us - gather.start_us - 0.01
+
+
+def test_executor_refuses_a_plan_eager_node_without_its_kernel():
+    """PARTIAL's edges.embed.scatter is eager but the plan reads its output: the executor runs it
+    by a registered callable; without one, the backward is refused by name before it runs anything.
+    The head/norm eager nodes (their outputs are given) cannot be registered."""
+    import torch
+
+    from moegraph.edges import EmbedGrad
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.executor import Executor
+    from moegraph.runtime.module import make_plan
+    cfg = load_model("small")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64, layers=2)
+    g = add_edges(g, vocab=64, embed_grad=EmbedGrad.PARTIAL)
+    plan = make_plan(g, CostModel(load_hardware("h800")), "greedy")
+    ex = Executor(g, plan, None, rank=0, n=2, device=torch.device("cpu"))
+    assert ex.plan_eager == {"edges.embed.scatter"}
+    assert "edges.embed.scatter" in {e.name for e in ex.bwd} and "edges.norm.dgrad" not in {e.name for e in ex.bwd}
+    ev = edge_values(g)
+    partials = {p: torch.zeros(g.value[p].shape) for p in ev.partials}
+    with pytest.raises(RuntimeFailure, match="edges.embed.scatter.*no callable is registered"):
+        ex.backward_edges({}, torch.zeros(g.value[ev.seed].shape), [], partials)
+    with pytest.raises(RuntimeFailure, match="not an eager node the plan"):
+        ex.set_eager_kernel("edges.norm.dgrad", lambda ins: ins)
+    with pytest.raises(RuntimeFailure, match="not an eager node the plan"):
+        Executor(_graph_small_rows(), make_plan(_graph_small_rows(), CostModel(load_hardware("h800")), "greedy"),
+                 None, rank=0, n=2, device=torch.device("cpu"),
+                 eager_kernels={"edges.embed.scatter": lambda ins: ins})
+
+
+def _graph_small_rows():
+    from moegraph.edges import EmbedGrad
+    cfg = load_model("small")
+    return add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64,
+                                 layers=2), vocab=64, embed_grad=EmbedGrad.ROWS)
+
+
+def test_partial_embedding_gradient_matches_eager_on_n2_dp2():
+    """n=2 x dp=2 on 4 gloo ranks, replicas of 4 rows: add_edges picks PARTIAL, the plan runs the
+    scatter and the embedding's hierarchical sync, and every gradient equals eager's on the global
+    batch (TOL, as the other edge tests); with the scatter's kernel made to return zeros the
+    embedding gradient is wrong and nothing else is (the plan's result is the gradient)."""
+    res = spawn(workers.partial_embed_grads, 4, args=(int.from_bytes(os.urandom(3), "little"), 2), timeout_s=300)[0]
+    assert res["pattern"] == "partial"
+    assert {"edges.embed.scatter", "edges.embed.grad_rs_inter", "edges.embed.grad_ag_inter"} <= set(res["planned"])
+    assert "edges.embed.grad_gather_dp" not in res["planned"]
+    assert max(res["errors"].values()) < TOL, res["errors"]
+    assert res["zeroed"]["embed"] > 0.5, res["zeroed"]
+    assert max(v for k, v in res["zeroed"].items() if k != "embed") < TOL, res["zeroed"]
+
+
+def test_periodic_tiling_places_the_partial_scatter_after_the_backward():
+    """PARTIAL's scatter and its sync's cast follow layer 0's backward: the tiled warm starts (plain
+    and DP-aware) put them after the layers' backward windows, feasibly."""
+    from moegraph.edges import EmbedGrad
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.periodic import can_slide, tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution, solution_ends
+
+    cost = CostModel(load_hardware("h800"))
+    cfg = load_model("mixtral-8x7b")
+    g = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=1, seq=2048,
+                              layers=2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
+    problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+    sol = greedy(unit)
+    assert can_slide(unit)
+    dx = g.producer[g.outputs[1]].name
+    for slide in (False, True):
+        tiled = tile_layers(problem, unit, sol, dp_slide=slide)
+        check_solution(problem, tiled)
+        ends = solution_ends(problem, tiled)
+        scatter = problem.by_name["edges.embed.scatter"]
+        assert tiled.start[scatter.index] >= ends[problem.by_name[dx].index]
+
+
+@pytest.mark.parametrize("batch, pattern", [(8, "partial"), (1, "rows")])
+def test_compile_json_edges_row_names_the_embedding_pattern(capsys, batch, pattern):
+    """compile --dp 2 (n=8, s=1024, V=32000, bf16): at b=8 ROWS would send 8*1024*4096*2 = 67.1 MB
+    inter-node per rank, PARTIAL 32000*4096/16 * 8 = 65.5 MB: "partial"; at b=1 the rows (8.4 MB)."""
+    import json
+
+    from moegraph.cli import main
+    args = ["compile", "--model", "mixtral-8x7b", "--layers", "2", "--seq", "1024", "--dp", "2", "--batch",
+            str(batch), "--schedule", "greedy"]
+    assert main([*args, "--json"]) == 0
+    c = json.loads(capsys.readouterr().out)
+    assert c["layers"][-1]["layer"] == "edges" and c["layers"][-1]["embed_grad"] == pattern
+    assert main(args) == 0
+    assert f"embedding gradient across replicas: {pattern}" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2():
+    """PARTIAL on a transformers Mixtral with a padding row (pad_token_id=0 in every row): the
+    scatter zeroes the padding row as nn.Embedding does; every gradient equals eager's."""
+    res = spawn(workers.partial_embed_padding, 4, args=(int.from_bytes(os.urandom(3), "little"), 2),
+                timeout_s=300)[0]
+    assert res["pattern"] == "partial"
+    assert res["pad_row"] == 0.0 == res["eager_pad_row"]
+    assert max(res["errors"].values()) < TOL, res["errors"]
