@@ -15,7 +15,7 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
             attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
             memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
             timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1,
-            cuda_graphs: str = "off", expert_rows: str = "exact") -> Any:
+            cuda_graphs: str = "off", expert_rows: str = "exact", micro_batches: int = 1) -> Any:
     """Compile one MoE decoder layer, or a whole causal LM, for this rank; returns an ``nn.Module``.
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
@@ -55,6 +55,13 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      host read, so cuda_graphs='layer' captures ffn=ep under ag-rs; costs C/R x the
                      expert-row memory (``moegraph.kernels.padded_rows_extra_bytes``). A layer with a
                      local index map only (ValueError otherwise).
+    micro_batches:   a whole causal LM only, dp=1: M >= 2 compiles ONE merged step plan of M
+                     micro-batches (gradient accumulation; example_inputs is one micro-batch's
+                     token ids), run by ``compiled.train_step(input_ids_list, labels_list)``: the M
+                     forwards and backwards in the schedule's order, with the edges (embedding,
+                     final norm, head, loss) per micro-batch. It returns the M losses and adds the
+                     gradient of their MEAN (eager's ``(loss / M).backward()`` per micro-batch) to
+                     every ``.grad``. 1 (default): an ordinary compiled model or layer.
 
     Collective: every rank must call it with the same arguments; ranks compare plan hashes and
     raise ScheduleMismatch (naming the differing ranks) instead of hanging. The returned module
@@ -82,7 +89,11 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
         return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
                              memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                             time_limit_s=time_limit_s, record=record, dp=dp)
+                             time_limit_s=time_limit_s, record=record, dp=dp, micro_batches=micro_batches)
+    if micro_batches != 1:
+        raise ValueError(f"micro_batches={micro_batches!r} applies to a whole causal LM (token ids as example_inputs); "
+                         f"a layer ({type(module).__name__}) compiles one micro-batch (its merged step: the CLI's "
+                         "--micro-batches, moegraph.microbatch.merge_microbatches)")
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
                           passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,

@@ -42,6 +42,13 @@ so micro-batch j+1's forward runs between micro-batch j's backward entries where
 put it; ``forward``/``backward`` refuse such a graph. Parameter gradients come out summed over
 the micro-batches by the graph itself (accumulating weight-gradient kernels, ADD nodes), then
 synchronised once per step.
+A merged step graph WITH the model's edges (``CompiledModel.train_step``) runs by
+``step_edges``: it takes no seeds, since every eager edge node of micro-batch j (its norm and head
+forward, their data- and weight-gradient nodes) is plan-run: the caller gives one callable per
+node (ins -> outs) and the executor runs it at its plan position, so micro-batch j's norm
+backward makes its seed where the schedule put it, and the weight-gradient kernels add into the
+previous micro-batch's partial as the graph's accumulate nodes read it. The plan then syncs the
+summed partials once per step and gathers each micro-batch's embedding-gradient rows.
 """
 
 from __future__ import annotations
@@ -106,7 +113,7 @@ class Executor:
         ``eager_kernels``: callables for plan-run eager nodes (module docstring)."""
         self.graph, self.plan, self.comm = graph, check_plan(graph, plan), comm
         self.eager_kernels: dict[str, EagerKernel] = {}
-        self.plan_eager: frozenset[str] = frozenset()   # a merged step has no edges (refused below)
+        self.plan_eager: frozenset[str] = frozenset()
         self.rank, self.n, self.timeout_s = rank, n, timeout_s
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -123,20 +130,22 @@ class Executor:
                     # collective's kernels get SMs before a resident GEMM's next blocks
                     self.comm_streams[s] = torch.cuda.Stream(self.device, priority=COMM_STREAM_PRIORITY)
         self.micro_batches = micro_batch_count(graph)
+        self.edges = edge_values(graph)
         if self.micro_batches > 1:
-            if edge_values(graph) is not None:
-                # its eager head/norm would have to run between the plan's entries: not supported yet
-                raise RuntimeFailure(f"graph {graph.name!r} is a step of {self.micro_batches} micro-batches with the "
-                                     "model's edges (moegraph.edges.add_edges): the merged-step executor does not "
-                                     "run the edges' eager head and norm; execute a merged step graph without edges")
-            # (input, seed, output, input gradient) per micro-batch; the whole plan is one phase
+            # (input, seed, output, input gradient) per micro-batch; the whole plan is one phase.
+            # With edges every eager node runs at its plan position (nothing outside the plan can
+            # run micro-batch j's head between the plan's entries): each needs a callable
+            # (step_edges(eager_kernels=...)); micro-batch j's seed comes from its norm backward
             self.boundaries = microbatch_boundaries(graph)
+            if self.edges is not None:
+                self.plan_eager = frozenset(nd.name for nd in graph.nodes if is_eager(dict(nd.attrs)))
+            for name, fn in (eager_kernels or {}).items():
+                self.set_eager_kernel(name, fn)
             self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
             return
         # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
         # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
         # synchronised gradients and the gathered embedding-gradient rows go back out
-        self.edges = edge_values(graph)
         supplied = {*self.edges.seeds, *self.edges.partials} if self.edges is not None else set()
         self.plan_eager = _plan_run_eager(graph, supplied)
         self.fwd, self.bwd = (tuple(e for e in part if e.name in self.plan_eager
@@ -257,25 +266,62 @@ class Executor:
         seed gradient ``dys[j]``; every plan entry in issue order, in one pass. Returns (outputs,
         input gradients, parameter-shard gradients in ``param_names`` order, summed over the
         micro-batches and synchronised; None for buffers)."""
+        self._check_merged()
+        if self.edges is not None:
+            raise RuntimeFailure(f"graph {self.graph.name!r} carries a model's edges (moegraph.edges): its seeds are "
+                                 "made by the edges' eager norm backward, not given: run it with step_edges "
+                                 "(CompiledModel.train_step)")
+        if len(dys) != self.micro_batches:
+            raise ValueError(f"graph {self.graph.name!r} holds {self.micro_batches} micro-batches but got {len(xs)} "
+                             f"inputs and {len(dys)} seed gradients")
+        ys, dxs, grads, _ = self._step(xs, dys, params, recorder, {})
+        return ys, dxs, grads
+
+    def step_edges(self, xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *,
+                   eager_kernels: Mapping[str, EagerKernel], recorder: StepRecorder | None = None
+                   ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None],
+                              dict[str, torch.Tensor]]:
+        """``step`` of a merged graph with edges (``moegraph.edges``): every eager node (micro-batch
+        j's norm and head forward and backward) runs at its plan position by its callable in
+        ``eager_kernels`` (beside and over the registered ones; module docstring): the norm
+        backward's makes micro-batch j's seed, the weight-gradient ones the partials the plan
+        syncs. Returns ``step``'s values and the edges' outputs (``EdgeValues.outputs``: the
+        synchronised head and norm gradients, each micro-batch's gathered embedding rows)."""
+        self._check_merged()
+        if self.edges is None:
+            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use step")
+        kernels = dict(self.eager_kernels)
+        for name, fn in eager_kernels.items():
+            self._check_kernel(name, fn)
+            kernels[name] = fn
+        return self._step(xs, [None] * len(xs), params, recorder, kernels)
+
+    def _check_merged(self) -> None:
         if self.micro_batches == 1:
             raise RuntimeFailure(f"graph {self.graph.name!r} holds one micro-batch: run it with forward and backward "
                                  "(merge_microbatches builds a step graph of M >= 2)")
+
+    def _step(self, xs, dys, params, recorder, kernels):
         M = self.micro_batches
-        if len(xs) != M or len(dys) != M:
-            raise ValueError(f"graph {self.graph.name!r} holds {M} micro-batches but got {len(xs)} inputs and "
-                             f"{len(dys)} seed gradients")
+        if len(xs) != M:
+            raise ValueError(f"graph {self.graph.name!r} holds {M} micro-batches but got {len(xs)} inputs")
         inputs: dict[str, Any] = dict(zip(self.param_names, params))
         for j, ((x_name, seed_name, _, _), x, dy) in enumerate(zip(self.boundaries, xs, dys)):
             expected = self.graph.value[x_name].shape
             for what, t in (("input", x), ("seed gradient", dy)):
-                if tuple(t.shape) != expected:
+                if t is not None and tuple(t.shape) != expected:
                     raise ValueError(f"micro-batch {j}'s {what} shard has shape {tuple(t.shape)}, the graph expects "
                                      f"{expected} (this rank's sequence shard [b, s/n, h] with n={self.n})")
-            inputs[x_name], inputs[seed_name] = x, dy.contiguous()
-        env = self._run(self.plan.entries, inputs, self._release_step, recorder, set(self.graph.outputs))
+            inputs[x_name] = x
+            if dy is not None:
+                inputs[seed_name] = dy.contiguous()
+        edge_out = set(self.edges.outputs) if self.edges is not None else set()
+        env = self._run(self.plan.entries, inputs, self._release_step, recorder, set(self.graph.outputs) | edge_out,
+                        kernels)
         ys = [env[y] for _, _, y, _ in self.boundaries]
         dxs = [env.get(dx) for _, _, _, dx in self.boundaries]
-        return ys, dxs, [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+        grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
+        return ys, dxs, grads, {k: env[k] for k in edge_out}
 
     def _refuse_merged(self, what: str) -> None:
         if self.micro_batches > 1:

@@ -84,14 +84,16 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from moegraph.commands import DEFAULT_PASSES
-from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, edge_values
+from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, edge_values, is_eager
 from moegraph.interpreter import unshard_grad
-from moegraph.ir import Graph, Strategy
+from moegraph.ir import Graph, OpKind, Role, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec
+from moegraph.microbatch import merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, make_plan, replica_batch
+from moegraph.runtime.executor import EagerKernel
+from moegraph.runtime.module import DTYPES, CompiledLayer, accumulate_grads, build_layer, make_plan, replica_batch
 from moegraph.runtime.plan import COMM
 
 
@@ -184,6 +186,110 @@ class _ScheduledStep(torch.autograd.Function):
         return None, None, d_embed, d_norm, d_head, *grads
 
 
+class _EdgeStep:
+    """One merged step's eager edge kernels (``CompiledModel.train_step``), run by the executor at
+    their plan positions (``Executor.step_edges``), each ins -> outs. Micro-batch j's
+
+      norm          (RMSNORM, forward)  y -> normed: the final norm under autograd, on fresh leaves
+                                        (y, the norm weight); the graph is kept here;
+      lm_head       (GEMM, forward)     normed -> logits, and this rank's loss term (its shard's
+                                        summed cross-entropy / the micro-batch's global count);
+      lm_head.dgrad / .wgrad            the term's backward to (normed, the head weight), seeded with
+                                        1/M (the mean over micro-batches), run by whichever of the two
+                                        the plan reaches first; they return d_normed and the head's
+                                        partial (+ the previous micro-batch's, attr accumulate);
+      norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
+                                        (y, the norm weight): micro-batch j's seed, the norm's partial
+                                        (+ the previous one's).
+
+    A micro-batch's autograd graph is dropped once its four backward kernels ran."""
+
+    KINDS = {(OpKind.RMSNORM, Role.FORWARD): "norm", (OpKind.GEMM, Role.FORWARD): "head",
+             (OpKind.GEMM, Role.DGRAD): "head_dgrad", (OpKind.GEMM, Role.WGRAD): "head_wgrad",
+             (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad"}
+    BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
+
+    def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]]):
+        """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count)."""
+        self.model, self.labels, self.M = model, list(labels), len(labels)
+        self.state: list[dict[str, Any] | None] = [{} for _ in labels]
+        self.terms: list[torch.Tensor | None] = [None] * self.M
+        self.ran: list[set[str]] = [set() for _ in labels]
+
+    def kernels(self, graph: Graph) -> dict[str, EagerKernel]:
+        """A callable for every eager node of the merged ``graph`` (an unknown one raises, naming it)."""
+        out = {}
+        for nd in graph.nodes:
+            if not is_eager(dict(nd.attrs)):
+                continue
+            j, kind = micro_batch_of(nd), self.KINDS.get((nd.op, nd.role))
+            if j is None or kind is None or j >= self.M:
+                raise RuntimeFailure(f"eager node {nd.name!r} ({nd.op.value}, {nd.role.value}, micro-batch {j}) has "
+                                     f"no kernel in a merged model step (those: micro-batch 0..{self.M - 1}'s "
+                                     f"{', '.join(f'({o.value}, {r.value})' for o, r in self.KINDS)})")
+            out[nd.name] = functools.partial(self._run, kind, j, nd.attr("accumulate", False) is True)
+        return out
+
+    def _run(self, kind: str, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        st = self.state[j]
+        if st is None or kind in self.ran[j]:
+            raise RuntimeFailure(f"micro-batch {j}'s eager edge kernel {kind!r} ran twice or after its backward "
+                                 "finished (a runtime bug)")
+        self.ran[j].add(kind)
+        out = getattr(self, f"_{kind}")(st, j, ins)
+        if accumulate:                                      # the previous micro-batches' sum, read last
+            out = out + ins[-1]
+        if self.ran[j].issuperset(self.BACKWARD):
+            self.state[j] = None                            # free micro-batch j's autograd graph
+        return [out]
+
+    def _norm(self, st, j, ins):
+        (y,) = ins
+        with torch.enable_grad():
+            st["y"], st["norm_w"] = y.detach().requires_grad_(), self.model.norm.detach().requires_grad_()
+            st["normed"] = rms_norm(st["y"], st["norm_w"], self.model.spec.norm.eps)
+        return st["normed"].detach()
+
+    def _head(self, st, j, ins):
+        with torch.enable_grad():
+            st["head_w"] = self.model.lm_head.detach().requires_grad_()
+            logits = F.linear(st["normed"], st["head_w"])                           # [b, s/n, V]
+            st["term"] = self.model._loss_term(logits, *self.labels[j])
+        self.terms[j] = st["term"].detach()
+        return logits.detach()
+
+    def _head_backward(self, st):
+        if "d_normed" not in st:
+            term = st.pop("term")
+            st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
+                                                               torch.full_like(term, 1.0 / self.M))
+        return st
+
+    def _head_dgrad(self, st, j, ins):
+        return self._head_backward(st)["d_normed"]
+
+    def _head_wgrad(self, st, j, ins):
+        return self._head_backward(st)["d_head"]
+
+    def _norm_backward(self, st, d_normed):
+        if "dy" not in st:
+            st["dy"], st["d_norm"] = torch.autograd.grad(st["normed"], [st["y"], st["norm_w"]], d_normed)
+        return st
+
+    def _norm_dgrad(self, st, j, ins):
+        return self._norm_backward(st, ins[1])["dy"]
+
+    def _norm_wgrad(self, st, j, ins):
+        return self._norm_backward(st, ins[1])["d_norm"]
+
+    def check_done(self) -> None:
+        """Every micro-batch's kernels ran (else its seed or partials were never made)."""
+        left = [j for j in range(self.M) if self.state[j] is not None or self.terms[j] is None]
+        if left:
+            raise RuntimeFailure(f"the plan did not run every eager edge kernel of micro-batch(es) {left} "
+                                 f"(ran: {[sorted(r) for r in self.ran]}; a runtime bug)")
+
+
 class _GatherSequence(torch.autograd.Function):
     """Forward: every rank's shard [b, s/n, ...] -> the global [dp*b, s, ...] (all n x dp ranks:
     ``CompiledLayer.unshard_output``). Backward: this rank's part of the incoming gradient
@@ -229,6 +335,10 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
                                  f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
         self.edges = edges
+        self.micro_batches = layers.micro_batches
+        if self.micro_batches > 1 and (self.dp > 1 or self.lm_head is None):
+            raise RuntimeFailure(f"a step of {self.micro_batches} micro-batches runs a causal LM on dp=1 "
+                                 f"(got dp={self.dp}, LM head: {self.lm_head is not None})")
 
     def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         """``edges.embed.scatter`` (PARTIAL): this rank's layer-0 input gradient rows [b, s/n, h]
@@ -249,6 +359,10 @@ class CompiledModel(nn.Module):
         labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
         base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. Any other
         argument of the original (position_ids, past_key_values, ...) raises unless None."""
+        if self.micro_batches > 1:
+            raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
+                                 "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "
+                                 "per micro-batch, not by calling it")
         if len(args) > len(self.positional):
             raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
                             f"{len(self.positional) + 1}")
@@ -286,14 +400,73 @@ class CompiledModel(nn.Module):
         logits = out
         loss = None
         if labels is not None:
-            shifted = shift_labels(labels)                                        # full [dp*b, s]: crosses shards
-            count = (shifted != IGNORE_INDEX).sum()                               # every replica's tokens
-            mine = self.layers.shard_input(shifted)
-            term = F.cross_entropy(logits.float().flatten(0, 1), mine.flatten(), ignore_index=IGNORE_INDEX,
-                                   reduction="sum") / count
+            term = self._loss_term(logits, *self._shard_labels(labels))
             loss = _SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
         full_logits = self._gather(logits) if output_logits or labels is None else None
         return ModelResult(loss=loss, logits=full_logits)
+
+    @torch.no_grad()
+    def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """One optimizer step of M micro-batches (``micro_batches=M`` >= 2 at compile time) in the
+        merged schedule's order: ``input_ids[j]``, ``labels[j]`` are micro-batch j's full [b, s]
+        (the same on every rank, as ``forward`` takes them). Returns the M losses (each what
+        ``model(input_ids[j], labels=labels[j]).loss`` returns: the mean over its scored tokens),
+        detached. Loss convention: the MEAN over micro-batches, the usual gradient-accumulation
+        loop's ``(loss / M).backward()``: the gradients ADDED to every parameter's ``.grad``
+        (embedding, layer shards, final norm, head; as backward, on top of what is there) are the
+        gradient of sum_j loss_j / M. Every rank must call it (collective)."""
+        M = self.micro_batches
+        if M == 1:
+            raise RuntimeFailure("the model was compiled for one micro-batch: call it (model(input_ids, labels=...)"
+                                 ".loss.backward()); train_step runs a step compiled with micro_batches=M >= 2")
+        shape = (self.dp * self.batch, self.seq)
+        for what, seq in (("input_ids", input_ids), ("labels", labels)):
+            if isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence) or len(seq) != M:
+                got = (f"one tensor {list(seq.shape)}" if isinstance(seq, torch.Tensor) else
+                       f"{len(seq)}" if isinstance(seq, Sequence) else type(seq).__name__)
+                raise ValueError(f"train_step takes {what} as a sequence of {M} tensors (one per micro-batch, "
+                                 f"micro_batches={M}), got {got}")
+            for j, t in enumerate(seq):
+                if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != shape:
+                    desc = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
+                    raise ValueError(f"micro-batch {j}'s {what} is {desc}; the model was compiled for integer "
+                                     f"[b, s] = {list(shape)} per micro-batch")
+        layers, edges = self.layers, self.edges
+        params = layers.params()
+        step = _EdgeStep(self, [self._shard_labels(lab) for lab in labels])
+        xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
+        rec = layers._new_recorder()
+        _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
+                                                         eager_kernels=step.kernels(layers.graph), recorder=rec)
+        layers._keep(rec)
+        step.check_done()
+        # ROWS per micro-batch (M >= 2 keeps ROWS: moegraph.edges.EmbedGrad): every rank scatters
+        # every micro-batch's gathered rows [b, s, h] by its full input_ids
+        d_embed = torch.zeros_like(self.embed)
+        for ids, rows in zip(input_ids, edges.embed_gathered):
+            d_embed.index_add_(0, ids.flatten(), synced[rows].flatten(0, 1).to(d_embed.dtype))
+        if self.spec.padding_idx is not None:              # nn.Embedding: the padding row gets no gradient
+            d_embed[self.spec.padding_idx] = 0
+        accumulate_grads((*params, self.embed, self.norm, self.lm_head),
+                         (*grads, d_embed, synced[edges.norm_synced].to(self.norm.dtype),
+                          synced[edges.head_synced].to(self.lm_head.dtype)))
+        terms = torch.stack(step.terms)                    # this rank's terms of the M losses
+        if layers.layout.world > 1:
+            dist.all_reduce(terms)
+        return list(terms.unbind())
+
+    def _shard_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's shifted labels [b, s/n], the global count of scored tokens) of the full
+        labels [dp*b, s]: the shift is taken before the cut (it crosses shards), the count over
+        every replica's tokens (module docstring)."""
+        shifted = shift_labels(labels)
+        return self.layers.shard_input(shifted), (shifted != IGNORE_INDEX).sum()
+
+    @staticmethod
+    def _loss_term(logits: torch.Tensor, mine: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """This rank's term of the global mean cross-entropy: its shard's sum / the global count."""
+        return F.cross_entropy(logits.float().flatten(0, 1), mine.flatten(), ignore_index=IGNORE_INDEX,
+                               reduction="sum") / count
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
         return _GatherSequence.apply(shard, self.layers) if self.layers.layout.world > 1 else shard
@@ -371,13 +544,21 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
                   memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
                   timeout_s: float = 300.0, time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                  emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1) -> CompiledModel:
+                  emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
+                  micro_batches: int = 1) -> CompiledModel:
     """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids
-    [b, s] ([dp*b, s], the global batch, with dp replicas)."""
+    [b, s] ([dp*b, s], the global batch, with dp replicas). ``micro_batches`` M >= 2: one merged
+    step plan of M micro-batches of that shape (``CompiledModel.train_step``); dp=1, a causal LM."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
     from moegraph.tracer import trace_causal_lm
 
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer (micro-batches per optimizer "
+                         "step; 1: no merged step)")
+    if micro_batches > 1 and dp != 1:
+        raise ValueError(f"micro_batches={micro_batches} with dp={dp}: a merged step of micro-batches runs on one "
+                         "replica only (dp=1)")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
@@ -395,10 +576,15 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype],
                         dp=dp)
     graph, spec = trace_causal_lm(model, strategy, batch=b, seq=s, name=type(model).__name__)
+    if micro_batches > 1 and spec.head is None:
+        raise ValueError(f"micro_batches={micro_batches}: {type(model).__name__} is a base model without an LM head; "
+                         "a merged step trains a causal LM (its loss seeds each micro-batch's backward)")
     if passes:
         from moegraph.passes import run_pipeline
         graph, _report = run_pipeline(graph, passes, cost=cost)
-    # the edges' gradient sync joins the plan (after the passes, which rewrite one layer and restack)
+    # M micro-batches of the stack (M = 1: unchanged), then the edges: per micro-batch eager head
+    # and norm, one sync per step (after the passes, which rewrite one layer and restack)
+    graph = merge_microbatches(graph, micro_batches)
     graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)

@@ -204,13 +204,7 @@ class CompiledLayer(nn.Module):
         ys, dxs, grads = self.executor.step([x.detach() for x in xs], [dy.detach() for dy in dys],
                                             [p.detach() for p in params], recorder=rec)
         self._keep(rec)
-        for p, g in zip(params, grads):
-            if g is None or not p.requires_grad:
-                continue
-            if p.grad is None:
-                p.grad = g.detach().clone()      # the env's tensor may alias another step value
-            else:
-                p.grad.add_(g)
+        accumulate_grads(params, grads)
         return ys, dxs
 
     def run_forward(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
@@ -291,6 +285,19 @@ class CompiledLayer(nn.Module):
                 f"plan={self.plan.method} ({self.plan.hash[:12]})"
                 + (f", cuda_graphs={self.cuda_graphs}" if self.cuda_graphs != "off" else "")
                 + (f", expert_rows={self.expert_rows}" if self.expert_rows != "exact" else ""))
+
+
+def accumulate_grads(params: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
+    """Add each gradient into its parameter's ``.grad`` as autograd's backward would (a copy the
+    first time: the executor's tensor may alias another step value); None entries and parameters
+    that do not require a gradient are skipped."""
+    for p, g in zip(params, grads):
+        if p is None or g is None or not p.requires_grad:
+            continue
+        if p.grad is None:
+            p.grad = g.detach().clone()
+        else:
+            p.grad.add_(g)
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
