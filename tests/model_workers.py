@@ -202,3 +202,98 @@ def family_model(family: str, seed: int, layers: int = 2):
         if "e_score_correction_bias" in name:
             torch.nn.init.normal_(b, std=0.2)
     return model
+
+
+def mb_batches(seed: int, M: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """M micro-batches (input_ids, labels) [B, S] of ``batches``; micro-batch 1's first half of
+    labels ignored, so the micro-batches score different numbers of tokens (a mean over their
+    pooled tokens would differ from the mean of their means)."""
+    out = batches(seed, M)
+    if M > 1:
+        out[1][1][:, : S // 2] = -100
+    return out
+
+
+def eager_accumulate(model: torch.nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Eager gradient accumulation, the usual loop: (loss / M).backward() per micro-batch."""
+    model.zero_grad(set_to_none=True)
+    losses = []
+    for ids, labels in data:
+        loss = model(input_ids=ids, labels=labels).loss
+        (loss / len(data)).backward()
+        losses.append(loss.item())
+    return losses, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
+    """Per case: a merged step of M micro-batches compiled (``micro_batches=M``) against eager
+    gradient accumulation from the same weights: step 0's losses and every parameter gradient;
+    the same step with micro-batch j's seed zeroed by its edge kernel (the check must fail); then
+    ``steps`` AdamW steps of both, the losses and the final parameters."""
+    from moegraph.edges import is_eager
+    from moegraph.ir import Phase
+    from moegraph.microbatch import micro_batch_of
+    from moegraph.runtime import model as runtime_model
+    from moegraph.runtime.check import grad_report
+    out = []
+    for i, case in enumerate(cases):
+        M, steps = case["M"], case.get("steps", 1)
+        model = MODELS[case["model"]](seed + i, case["layers"])
+        data = [mb_batches(seed + 1000 + 10 * i + k, M) for k in range(steps)]
+        compiled = moegraph.compile(model, data[0][0][0], hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                    passes=case["passes"], schedule=case["schedule"], time_limit_s=2.0,
+                                    timeout_s=60.0, micro_batches=M)
+        g, plan = compiled.layers.graph, compiled.layers.plan
+        kinds = [(micro_batch_of(g.node[e.name]), g.node[e.name].phase is Phase.FORWARD) for e in plan.entries]
+        first, last = kinds.index((0, False)), len(kinds) - 1 - kinds[::-1].index((0, False))
+        res = {"case": case, "interleaved": kinds[first:last].count((1, True)),
+               "eager_nodes": sum(1 for nd in g.nodes if is_eager(dict(nd.attrs)))}
+        ids, labels = zip(*data[0])
+        ref_losses, ref = eager_accumulate(model, data[0])
+        _, first_only = eager_accumulate(model, data[0][:1])
+
+        # sabotage: micro-batch M-1's seed zeroed by its edges.norm.dgrad kernel
+        real = runtime_model._EdgeStep._norm_dgrad
+
+        def zero_last(self, st, j, ins):
+            dy = real(self, st, j, ins)
+            return torch.zeros_like(dy) if j == M - 1 else dy
+        runtime_model._EdgeStep._norm_dgrad = zero_last
+        try:
+            compiled.train_step(list(ids), list(labels))
+        finally:
+            runtime_model._EdgeStep._norm_dgrad = real
+        bad = compiled.full_grads()
+        res["zeroed_seed"] = max(rel_err(bad[k], r) for k, r in ref.items())
+        compiled.zero_grad(set_to_none=True)
+
+        losses = compiled.train_step(list(ids), list(labels))
+        grads = compiled.full_grads()
+        res["losses"], res["eager_losses"] = [x.item() for x in losses], ref_losses
+        res["max_rel_err_loss"] = max(rel_err(a, torch.tensor(b)) for a, b in zip(losses, ref_losses))
+        res["missing"] = sorted(set(ref) - set(grads))
+        res |= grad_report({k: (grads[k], r) for k, r in ref.items()})
+        res["edges_grads"] = {k: rel_err(grads[k], ref[k]) for k in ref if "layers." not in k}
+        res["first_only"] = max(rel_err(first_only[k], r) for k, r in ref.items())
+        # 2nd call adds to .grad, as backward does
+        compiled.train_step(list(ids), list(labels))
+        twice = compiled.full_grads()
+        res["accumulates"] = max(rel_err(twice[k], 2 * r) for k, r in ref.items() if r.abs().max() > 0)
+
+        # AdamW: step 0's gradients, then steps 1.. from scratch on both
+        full0 = {k: v.clone() for k, v in model.state_dict().items()}
+        opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
+        opt_e = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        step_losses, step_eager = [], []
+        for k, batch in enumerate(data):
+            opt_c.zero_grad(set_to_none=True)
+            step_losses.append([x.item() for x in compiled.train_step(*map(list, zip(*batch)))])
+            opt_c.step()
+            step_eager.append(eager_accumulate(model, batch)[0])
+            opt_e.step()
+        full = compiled.full_state_dict()
+        res["adamw_loss"] = max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(step_losses, step_eager))
+        res["adamw_params"] = max(rel_err(full[k], t) for k, t in model.state_dict().items() if t.is_floating_point())
+        res["moved"] = max(rel_err(model.state_dict()[k], t) for k, t in full0.items() if t.is_floating_point())
+        out.append(res)
+    return out

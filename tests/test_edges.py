@@ -269,8 +269,10 @@ def _graph_passes(dp: int, passes: str, embed_grad=None):
     return add_edges(g, vocab=32000, embed_grad=embed_grad)
 
 
-def test_merged_step_executor_refuses_the_edges():
-    """The merged-step executor does not run the edges' eager head and norm: a clear refusal."""
+def test_merged_step_executor_runs_the_edges_by_step_edges():
+    """The merged-step executor runs every eager edge node of a merged graph with edges at its plan
+    position (tests/test_microbatch_model.py checks the numerics): it accepts the graph, refuses
+    ``step`` (the seeds are the edges' to make) and a step whose kernels are missing, by name."""
     from moegraph.microbatch import merge_microbatches
     import torch
 
@@ -281,12 +283,12 @@ def test_merged_step_executor_refuses_the_edges():
     g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1, seq=64, layers=2)
     merged = add_edges(merge_microbatches(g, 2), vocab=64)
     cost = CostModel(load_hardware("h800"))
-    plan = make_plan(merged, cost, "greedy")
-    with pytest.raises(RuntimeFailure, match="micro-batches with the model's edges"):
-        Executor(merged, plan, None, rank=0, n=2, device=torch.device("cpu"))
-    # without edges the same merged graph is accepted
-    Executor(merge_microbatches(g, 2), make_plan(merge_microbatches(g, 2), cost, "greedy"), None, rank=0, n=2,
-             device=torch.device("cpu"))
+    ex = Executor(merged, make_plan(merged, cost, "greedy"), None, rank=0, n=2, device=torch.device("cpu"))
+    assert ex.plan_eager == {nd.name for nd in merged.nodes if nd.attr("eager", False)}
+    with pytest.raises(RuntimeFailure, match="step_edges"):
+        ex.step([], [], [])
+    with pytest.raises(RuntimeFailure, match="mb0.edges.norm, "):
+        ex.step_edges([torch.zeros(1, 32, cfg.hidden)] * 2, [], eager_kernels={})
 
 
 def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2():
