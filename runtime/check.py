@@ -123,3 +123,52 @@ def train_against_eager(eager: nn.Module, compiled: Any, batches: Sequence[tuple
     return {"losses": got, "eager_losses": expected,
             "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),
             "max_rel_err_params": param_errs[worst_param], "worst_param": worst_param, **report}
+
+
+def eager_accumulate(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
+                     ) -> list[float]:
+    """Eager gradient accumulation over (input_ids, labels) micro-batches, the usual loop:
+    ``(loss / M).backward()`` per micro-batch, into the ``.grad`` already there (the convention
+    ``CompiledModel.train_step`` follows). Returns the M losses."""
+    losses = []
+    for ids, labels in micro_batches:
+        loss = model(input_ids=ids, labels=labels).loss
+        (loss / len(micro_batches)).backward()
+        losses.append(loss.item())
+    return losses
+
+
+def train_microbatches_against_eager(eager: nn.Module, compiled: Any,
+                                     steps: Sequence[Sequence[tuple[torch.Tensor, torch.Tensor]]], *,
+                                     lr: float = 1e-4) -> dict[str, Any]:
+    """``train_against_eager`` for a model compiled with ``micro_batches=M``: one AdamW step per
+    entry of ``steps`` (M (input_ids, labels) micro-batches), the compiled model by
+    ``train_step``, the eager one by ``eager_accumulate``; every micro-batch's loss, the first
+    step's gradients and the final parameters compared (collective)."""
+    def train(model: nn.Module, run, grads) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+        opt = torch.optim.AdamW(model.parameters(), lr=lr)
+        losses, first = [], {}
+        for step, batch in enumerate(steps):
+            opt.zero_grad()
+            losses.append(run(batch))
+            if step == 0:
+                first = grads(model)
+            opt.step()
+        return losses, first
+
+    got, grads = train(compiled, lambda b: [x.item() for x in compiled.train_step(*map(list, zip(*b)))],
+                       lambda m: m.full_grads())
+    expected, grads_ref = train(eager, lambda b: eager_accumulate(eager, b),
+                                lambda m: {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
+                                           for k, p in m.named_parameters()})
+    full, ref = compiled.full_state_dict(), eager.state_dict()
+    missing = sorted((set(grads_ref) - set(grads)) | (set(ref) - set(full)))
+    if missing:
+        raise KeyError(f"the compiled model has no gradient or state for {missing}")
+    param_errs = {k: rel_err(full[k], t) for k, t in ref.items() if t.is_floating_point()}
+    worst_param = max(param_errs, key=param_errs.get)
+    report = grad_report({k: (grads[k], g) for k, g in grads_ref.items()})
+    report.pop("rel_err_input_grad")
+    return {"losses": got, "eager_losses": expected,
+            "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),
+            "max_rel_err_params": param_errs[worst_param], "worst_param": worst_param, **report}

@@ -567,16 +567,16 @@ def check_cuda_graph_args(args: argparse.Namespace) -> None:
 
 def check_micro_batch_args(args: argparse.Namespace) -> None:
     """--micro-batches against the other flags (UsageError before any work): the paired baselines
-    need M >= 2; --train-steps trains one micro-batch per step."""
+    need M >= 2; --train-steps with M >= 2 trains one replica (no --dp)."""
     from moegraph.options import UsageError
     from moegraph.schedules.api import MICROBATCH_METHODS
     M = getattr(args, "micro_batches", 1)       # code that builds run's args by hand may leave it out
     if args.schedule in MICROBATCH_METHODS and M < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {M})")
-    if M > 1 and args.train_steps is not None:
-        raise UsageError(f"--micro-batches {M} with --train-steps: not supported (--train-steps trains one "
-                         "micro-batch per optimizer step); leave out --train-steps or --micro-batches")
+    if M > 1 and args.train_steps is not None and getattr(args, "dp", 1) > 1:
+        raise UsageError(f"--micro-batches {M} with --train-steps and --dp {args.dp}: a merged step of micro-batches "
+                         "trains one replica (moegraph.compile(micro_batches=M) takes dp=1); leave out --dp")
 
 
 @dataclass(frozen=True)
@@ -599,6 +599,7 @@ class TrainSpec:
     check: bool
     timeout_s: float
     dp: int = 1                   # replicas: the spawned world is n x dp ranks
+    micro_batches: int = 1        # M >= 2: each step one merged plan of M micro-batches (train_step)
 
 
 def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
@@ -608,18 +609,30 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     with ``check``, the eager model trained alike on the global batch is compared (every rank)."""
     import torch
     from moegraph.models import MoETransformer
-    from moegraph.runtime.check import train_against_eager
+    from moegraph.runtime.check import train_against_eager, train_microbatches_against_eager
     from moegraph.runtime.model import compile_model
     torch.manual_seed(spec.seed)
     model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
     gen = torch.Generator().manual_seed(spec.seed + 1)
+    M = spec.micro_batches
     batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.dp * spec.batch, spec.seq), generator=gen)
-                                      for _ in range(spec.steps))]
+                                      for _ in range(spec.steps * M))]
     compiled = compile_model(model, batches[0][0], hardware=spec.hardware, attn=spec.attn, ffn=spec.ffn,
                              dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=world // spec.dp,
-                             timeout_s=spec.timeout_s, dp=spec.dp)
+                             timeout_s=spec.timeout_s, dp=spec.dp, micro_batches=M)
     t0 = time.perf_counter()
-    if spec.check:
+    steps = [batches[k * M:(k + 1) * M] for k in range(spec.steps)]
+    if M > 1 and spec.check:
+        res = train_microbatches_against_eager(model, compiled, steps)
+    elif M > 1:
+        opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+        losses = []
+        for step in steps:
+            opt.zero_grad()
+            losses.append([x.item() for x in compiled.train_step(*map(list, zip(*step)))])
+            opt.step()
+        res = {"losses": losses}
+    elif spec.check:
         res = train_against_eager(model, compiled, batches)
     else:
         opt = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
@@ -641,6 +654,7 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     from moegraph.commands import layer_from_args
     from moegraph.edges import add_edges
     from moegraph.layers import layer_count
+    from moegraph.microbatch import micro_batch_count
     from moegraph.registry import load_model
     from moegraph.runtime.launch import spawn
     from moegraph.runtime.module import make_plan
@@ -656,13 +670,15 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     world = world_size(args)
     layer = layer_from_args(args, multi_layer=True)
     layers = layer_count(layer.graph)
-    # the graph compile_model builds on every rank: the stack plus the edges' gradient sync
+    # the graph compile_model builds on every rank: the stack (merged over --micro-batches M by
+    # layer_from_args) plus the edges
     graph = add_edges(layer.graph, vocab=args.vocab)
     plan = make_plan(graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                      time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
-                     layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp)
+                     layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,
+                     micro_batch_count(layer.graph))
     results = spawn(train_rank, world, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
     r = results[0]
     report: dict[str, Any] = {
@@ -670,7 +686,8 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
         "n": st.n, "dp": st.dp, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
                                 "passes": list(st.passes)},
         "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
-        "train_steps": args.train_steps, "losses": r["losses"], "seconds": max(x["seconds"] for x in results)}
+        "train_steps": args.train_steps, "micro_batches": spec.micro_batches, "losses": r["losses"],
+        "seconds": max(x["seconds"] for x in results)}
     if args.check:
         report.update({k: r[k] for k in ("eager_losses", "max_rel_err_loss", "max_rel_err_params", "worst_param",
                                          "max_rel_err_grads", "worst_grad")})
@@ -683,11 +700,14 @@ def format_train_report(r: dict[str, Any]) -> str:
              f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']}"
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
-             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps in "
-             f"{r['seconds']:.2f} s",
-             "losses: " + ", ".join(f"{x:.5f}" for x in r["losses"])]
+             f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps"
+             + (f" of {r['micro_batches']} micro-batches (one merged plan each)" if r.get("micro_batches", 1) > 1 else "")
+             + f" in {r['seconds']:.2f} s",
+             "losses: " + ", ".join(f"{x:.5f}" if isinstance(x, float) else "[" + ", ".join(f"{y:.5f}" for y in x) + "]"
+                                    for x in r["losses"])]
     if "max_rel_err_loss" in r:
-        lines.append(f"check vs eager training: max rel err loss {r['max_rel_err_loss']:.2e}, final params "
+        what = "training with gradient accumulation" if r.get("micro_batches", 1) > 1 else "training"
+        lines.append(f"check vs eager {what}: max rel err loss {r['max_rel_err_loss']:.2e}, final params "
                      f"{r['max_rel_err_params']:.2e} (worst: {r['worst_param']}), first-step grads "
                      f"{r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")
     return "\n".join(lines)

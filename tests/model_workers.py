@@ -14,7 +14,7 @@ import torch
 import moegraph
 from moegraph.models import MoETransformer
 from moegraph.registry import load_model
-from moegraph.runtime.check import rel_err, train_against_eager
+from moegraph.runtime.check import eager_accumulate, rel_err, train_against_eager
 
 B, S, VOCAB = 2, 16, 64
 
@@ -214,17 +214,6 @@ def mb_batches(seed: int, M: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def eager_accumulate(model: torch.nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Eager gradient accumulation, the usual loop: (loss / M).backward() per micro-batch."""
-    model.zero_grad(set_to_none=True)
-    losses = []
-    for ids, labels in data:
-        loss = model(input_ids=ids, labels=labels).loss
-        (loss / len(data)).backward()
-        losses.append(loss.item())
-    return losses, {k: p.grad.clone() for k, p in model.named_parameters()}
-
-
 def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     """Per case: a merged step of M micro-batches compiled (``micro_batches=M``) against eager
     gradient accumulation from the same weights: step 0's losses and every parameter gradient;
@@ -249,8 +238,8 @@ def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict
         res = {"case": case, "interleaved": kinds[first:last].count((1, True)),
                "eager_nodes": sum(1 for nd in g.nodes if is_eager(dict(nd.attrs)))}
         ids, labels = zip(*data[0])
-        ref_losses, ref = eager_accumulate(model, data[0])
-        _, first_only = eager_accumulate(model, data[0][:1])
+        ref_losses, ref = _accumulated(model, data[0])
+        _, first_only = _accumulated(model, data[0][:1])
 
         # sabotage: micro-batch M-1's seed zeroed by its edges.norm.dgrad kernel
         real = runtime_model._EdgeStep._norm_dgrad
@@ -289,7 +278,8 @@ def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict
             opt_c.zero_grad(set_to_none=True)
             step_losses.append([x.item() for x in compiled.train_step(*map(list, zip(*batch)))])
             opt_c.step()
-            step_eager.append(eager_accumulate(model, batch)[0])
+            opt_e.zero_grad(set_to_none=True)
+            step_eager.append(eager_accumulate(model, batch))
             opt_e.step()
         full = compiled.full_state_dict()
         res["adamw_loss"] = max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(step_losses, step_eager))
@@ -297,3 +287,10 @@ def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict
         res["moved"] = max(rel_err(model.state_dict()[k], t) for k, t in full0.items() if t.is_floating_point())
         out.append(res)
     return out
+
+
+def _accumulated(model: torch.nn.Module, data) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """From zero: eager_accumulate's losses and the gradients it leaves."""
+    model.zero_grad(set_to_none=True)
+    losses = eager_accumulate(model, data)
+    return losses, {k: p.grad.clone() for k, p in model.named_parameters()}

@@ -102,3 +102,16 @@ def test_bad_input_refused_by_name():
     assert all(p.grad is None for p in two.parameters())      # nothing ran
     losses = two.train_step([ids, _ids(2)], [ids, _ids(2)])   # n=1: the same path, no collectives
     assert len(losses) == 2 and all(torch.isfinite(x) for x in losses)
+
+
+def test_cli_run_train_steps_micro_batches_check(capsys):
+    """`run --train-steps 2 --micro-batches 2 --check --json`: two AdamW steps, each one merged plan
+    of 2 micro-batches on 2 ranks, against eager gradient accumulation."""
+    import json
+
+    from moegraph.cli import main
+    assert main(["run", "--train-steps", "2", "--micro-batches", "2", "--check", "--json", "--seq", "32",
+                 "--schedule", "megatron-1f1b", "--vocab", "128"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["micro_batches"] == 2 and len(r["losses"]) == 2 and all(len(x) == 2 for x in r["losses"]), r
+    assert r["max_rel_err_loss"] < TOL and r["max_rel_err_params"] < TOL and r["max_rel_err_grads"] < TOL, r
