@@ -96,33 +96,11 @@ def train_against_eager(eager: nn.Module, compiled: Any, batches: Sequence[tuple
     """Train ``compiled`` and (then) ``eager`` one AdamW step per (input_ids, labels) batch from the
     same starting weights; compare every step's loss and the final parameters (collective: every
     rank calls it with the same batches). ``eager`` must hold the weights ``compiled`` was built from."""
-    def train(model: nn.Module, grads) -> tuple[list[float], dict[str, torch.Tensor]]:
-        opt = torch.optim.AdamW(model.parameters(), lr=lr)
-        losses, first = [], {}
-        for step, (ids, labels) in enumerate(batches):
-            opt.zero_grad()
-            loss = model(input_ids=ids, labels=labels).loss
-            loss.backward()
-            if step == 0:           # AdamW's update is nearly scale-free: compare the gradients too
-                first = grads(model)
-            opt.step()
-            losses.append(loss.item())
-        return losses, first
-
-    got, grads = train(compiled, lambda m: m.full_grads())
-    expected, grads_ref = train(eager, lambda m: {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
-                                                  for k, p in m.named_parameters()})
-    full, ref = compiled.full_state_dict(), eager.state_dict()
-    missing = sorted((set(grads_ref) - set(grads)) | (set(ref) - set(full)))
-    if missing:
-        raise KeyError(f"the compiled model has no gradient or state for {missing}")
-    param_errs = {k: rel_err(full[k], t) for k, t in ref.items() if t.is_floating_point()}
-    worst_param = max(param_errs, key=param_errs.get)
-    report = grad_report({k: (grads[k], g) for k, g in grads_ref.items()})
-    report.pop("rel_err_input_grad")
-    return {"losses": got, "eager_losses": expected,
-            "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),
-            "max_rel_err_params": param_errs[worst_param], "worst_param": worst_param, **report}
+    def step(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> float:
+        loss = model(input_ids=batch[0], labels=batch[1]).loss
+        loss.backward()
+        return loss.item()
+    return _train_and_compare(eager, compiled, batches, step, step, lr)
 
 
 def eager_accumulate(model: nn.Module, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]]
@@ -145,20 +123,29 @@ def train_microbatches_against_eager(eager: nn.Module, compiled: Any,
     entry of ``steps`` (M (input_ids, labels) micro-batches), the compiled model by
     ``train_step``, the eager one by ``eager_accumulate``; every micro-batch's loss, the first
     step's gradients and the final parameters compared (collective)."""
-    def train(model: nn.Module, run, grads) -> tuple[list[list[float]], dict[str, torch.Tensor]]:
+    def compiled_step(model: Any, batch) -> list[float]:
+        return [x.item() for x in model.train_step([ids for ids, _ in batch], [lab for _, lab in batch])]
+    return _train_and_compare(eager, compiled, steps, compiled_step, eager_accumulate, lr)
+
+
+def _train_and_compare(eager: nn.Module, compiled: Any, steps: Sequence[Any], compiled_step: Callable,
+                       eager_step: Callable, lr: float) -> dict[str, Any]:
+    """One AdamW step per entry of ``steps`` on each model (``*_step(model, entry)`` leaves the
+    gradients and returns the loss, or the micro-batches' losses); the report of
+    ``train_against_eager``."""
+    def train(model: nn.Module, step_fn, grads) -> tuple[list[Any], dict[str, torch.Tensor]]:
         opt = torch.optim.AdamW(model.parameters(), lr=lr)
         losses, first = [], {}
-        for step, batch in enumerate(steps):
+        for step, entry in enumerate(steps):
             opt.zero_grad()
-            losses.append(run(batch))
-            if step == 0:
+            losses.append(step_fn(model, entry))
+            if step == 0:           # AdamW's update is nearly scale-free: compare the gradients too
                 first = grads(model)
             opt.step()
         return losses, first
 
-    got, grads = train(compiled, lambda b: [x.item() for x in compiled.train_step(*map(list, zip(*b)))],
-                       lambda m: m.full_grads())
-    expected, grads_ref = train(eager, lambda b: eager_accumulate(eager, b),
+    got, grads = train(compiled, compiled_step, lambda m: m.full_grads())
+    expected, grads_ref = train(eager, eager_step,
                                 lambda m: {k: (p.grad if p.grad is not None else torch.zeros_like(p)).clone()
                                            for k, p in m.named_parameters()})
     full, ref = compiled.full_state_dict(), eager.state_dict()
