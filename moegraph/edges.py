@@ -87,8 +87,8 @@ the bytes, as the layers'.
 Edge nodes carry ``block`` "edges" and the node attribute ``edge`` = True (``EDGE_ATTR``, no
 ``layer``): schedule summaries and Gantt charts group them as "edges". ``graph.meta["edges"]``
 names the values (``edge_values``): the runtime feeds the seeds and the partial gradients and
-reads the synchronised ones (a merged step's edges are not run by the runtime yet: its
-executor refuses such a graph).
+reads the synchronised ones; in a merged step the plan runs every eager node itself, at its
+position, by a kernel the runtime gives it (``Executor.step_edges``, ``CompiledModel.train_step``).
 
 Notation: b batch (one replica's rows), s sequence, h hidden, n ranks per replica, dp replicas,
 V vocabulary, T = b*s/n tokens per rank.
