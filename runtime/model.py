@@ -63,6 +63,18 @@ embedding's rows, gathered from all n x D ranks, are scattered and divided by D 
 partials take the replica-mean of the sync (PARTIAL: no division here). Logits [D*b, s, V] are
 gathered from all n x D ranks.
 
+Micro-batches (``compile_model(..., micro_batches=M)``, M >= 2, dp=1, a causal LM): the stack is
+merged over M micro-batches (``moegraph.microbatch``) before ``add_edges``, so ONE plan holds the
+optimizer step's M forwards and backwards and every micro-batch's edges. ``train_step(input_ids,
+labels)`` (M of each) runs it: the embedding forward per micro-batch before the plan (its input
+shard); inside, the executor runs every eager edge node at its plan position as a plan-run
+eager kernel (``_EdgeStep``: norm, head and loss forward under autograd, kept per micro-batch;
+their backward makes micro-batch j's seed and adds its head and norm partials into the previous
+micro-batch's); the plan syncs the summed partials once and gathers each micro-batch's layer-0
+input gradient, which scatters into the embedding gradient after the plan (ROWS). Loss
+convention: the gradient of the MEAN of the M micro-batch losses, eager's ``(loss / M).backward()``
+per micro-batch, added to ``.grad``; ``forward`` refuses such a model.
+
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
 ``load_state_dict(original_state_dict)`` cuts this rank's shards.
