@@ -55,7 +55,7 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      host read, so cuda_graphs='layer' captures ffn=ep under ag-rs; costs C/R x the
                      expert-row memory (``moegraph.kernels.padded_rows_extra_bytes``). A layer with a
                      local index map only (ValueError otherwise).
-    micro_batches:   a whole causal LM only, dp=1: M >= 2 compiles ONE merged step plan of M
+    micro_batches:   a whole causal LM only: M >= 2 compiles ONE merged step plan of M
                      micro-batches (gradient accumulation; example_inputs is one micro-batch's
                      token ids), run by ``compiled.train_step(input_ids_list, labels_list)``: the M
                      forwards and backwards in the schedule's order, with the edges (embedding,

@@ -567,16 +567,13 @@ def check_cuda_graph_args(args: argparse.Namespace) -> None:
 
 def check_micro_batch_args(args: argparse.Namespace) -> None:
     """--micro-batches against the other flags (UsageError before any work): the paired baselines
-    need M >= 2; --train-steps with M >= 2 trains one replica (no --dp)."""
+    need M >= 2."""
     from moegraph.options import UsageError
     from moegraph.schedules.api import MICROBATCH_METHODS
     M = getattr(args, "micro_batches", 1)       # code that builds run's args by hand may leave it out
     if args.schedule in MICROBATCH_METHODS and M < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {M})")
-    if M > 1 and args.train_steps is not None and getattr(args, "dp", 1) > 1:
-        raise UsageError(f"--micro-batches {M} with --train-steps and --dp {args.dp}: a merged step of micro-batches "
-                         "trains one replica (moegraph.compile(micro_batches=M) takes dp=1); leave out --dp")
 
 
 @dataclass(frozen=True)

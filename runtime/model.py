@@ -63,7 +63,7 @@ embedding's rows, gathered from all n x D ranks, are scattered and divided by D 
 partials take the replica-mean of the sync (PARTIAL: no division here). Logits [D*b, s, V] are
 gathered from all n x D ranks.
 
-Micro-batches (``compile_model(..., micro_batches=M)``, M >= 2, dp=1, a causal LM): the stack is
+Micro-batches (``compile_model(..., micro_batches=M)``, M >= 2, a causal LM): the stack is
 merged over M micro-batches (``moegraph.microbatch``) before ``add_edges``, so ONE plan holds the
 optimizer step's M forwards and backwards and every micro-batch's edges. ``train_step(input_ids,
 labels)`` (M of each) runs it: the embedding forward per micro-batch before the plan (its input
@@ -273,8 +273,10 @@ class _EdgeStep:
     def _head_backward(self, st):
         if "d_normed" not in st:
             term = st.pop("term")
+            # 1/M: the mean over micro-batches; x dp: the plan's DP sync averages over the
+            # replicas (module docstring, as _SumOverRanks' backward)
             st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
-                                                               torch.full_like(term, 1.0 / self.M))
+                                                               torch.full_like(term, self.model.dp / self.M))
         return st
 
     def _head_dgrad(self, st, j, ins):
@@ -348,9 +350,9 @@ class CompiledModel(nn.Module):
                                  f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
         self.edges = edges
         self.micro_batches = layers.micro_batches
-        if self.micro_batches > 1 and (self.dp > 1 or self.lm_head is None):
-            raise RuntimeFailure(f"a step of {self.micro_batches} micro-batches runs a causal LM on dp=1 "
-                                 f"(got dp={self.dp}, LM head: {self.lm_head is not None})")
+        if self.micro_batches > 1 and self.lm_head is None:
+            raise RuntimeFailure(f"a step of {self.micro_batches} micro-batches trains a causal LM: its loss seeds "
+                                 "each micro-batch's backward, and this model has no LM head")
 
     def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor]) -> list[torch.Tensor]:
         """``edges.embed.scatter`` (PARTIAL): this rank's layer-0 input gradient rows [b, s/n, h]
@@ -459,6 +461,8 @@ class CompiledModel(nn.Module):
             d_embed.index_add_(0, ids.flatten(), synced[rows].flatten(0, 1).to(d_embed.dtype))
         if self.spec.padding_idx is not None:              # nn.Embedding: the padding row gets no gradient
             d_embed[self.spec.padding_idx] = 0
+        if self.dp > 1:                                    # the rows hold dp x each replica's (module docstring)
+            d_embed /= self.dp
         accumulate_grads((*params, self.embed, self.norm, self.lm_head),
                          (*grads, d_embed, synced[edges.norm_synced].to(self.norm.dtype),
                           synced[edges.head_synced].to(self.lm_head.dtype)))
@@ -560,7 +564,7 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                   micro_batches: int = 1) -> CompiledModel:
     """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids
     [b, s] ([dp*b, s], the global batch, with dp replicas). ``micro_batches`` M >= 2: one merged
-    step plan of M micro-batches of that shape (``CompiledModel.train_step``); dp=1, a causal LM."""
+    step plan of M micro-batches of that shape (``CompiledModel.train_step``); a causal LM."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
     from moegraph.tracer import trace_causal_lm
@@ -568,9 +572,6 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
         raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer (micro-batches per optimizer "
                          "step; 1: no merged step)")
-    if micro_batches > 1 and dp != 1:
-        raise ValueError(f"micro_batches={micro_batches} with dp={dp}: a merged step of micro-batches runs on one "
-                         "replica only (dp=1)")
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")

@@ -294,3 +294,15 @@ def _accumulated(model: torch.nn.Module, data) -> tuple[list[float], dict[str, t
     model.zero_grad(set_to_none=True)
     losses = eager_accumulate(model, data)
     return losses, {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def mb_dp_case(rank: int, world: int, seed: int, dp: int, M: int) -> dict:
+    """n x dp ranks: a model compiled with ``micro_batches=M`` trains 2 AdamW steps (each M
+    micro-batches of the global batch [dp*B, S], ``dp_batches``: the replicas score different
+    numbers of tokens) against eager gradient accumulation on the global batch."""
+    from moegraph.runtime.check import train_microbatches_against_eager
+    model = reference_model(seed, 2)
+    steps = [dp_batches(seed + 10 * k, M, dp) for k in range(2)]
+    compiled = moegraph.compile(model, steps[0][0][0], hardware="cpu-gloo", schedule="megatron-1f1b", timeout_s=60.0,
+                                dp=dp, micro_batches=M)
+    return train_microbatches_against_eager(model, compiled, steps)

@@ -144,7 +144,6 @@ RUNTIME_CASES = [
     (["run", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["run", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward with "
                                              "another's backward: it needs --micro-batches M >= 2 (got 1)"),
-    (["run", "--micro-batches", "2", "--train-steps", "2", "--dp", "2"], "--micro-batches 2 with --train-steps and --dp 2"),
     (["run", "--cuda-graphs", "layer"], "--cuda-graphs layer needs --backend nccl on CUDA devices"),
     (["run", "--cuda-graphs", "attention", "--backend", "gloo", "--model", "small"],
      "--cuda-graphs attention needs --backend nccl on CUDA devices (--backend gloo runs CPU ranks)"),
