@@ -698,7 +698,8 @@ def format_train_report(r: dict[str, Any]) -> str:
              + f" b={r['batch']} s={r['seq']} {st['dtype']}"
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps"
-             + (f" of {r['micro_batches']} micro-batches (one merged plan each)" if r.get("micro_batches", 1) > 1 else "")
+             + (f" of {r['micro_batches']} micro-batches (one merged plan each)"
+                if r.get("micro_batches", 1) > 1 else "")
              + f" in {r['seconds']:.2f} s",
              "losses: " + ", ".join(f"{x:.5f}" if isinstance(x, float) else "[" + ", ".join(f"{y:.5f}" for y in x) + "]"
                                     for x in r["losses"])]

@@ -441,7 +441,8 @@ class CompiledModel(nn.Module):
                 raise ValueError(f"train_step takes {what} as a sequence of {M} tensors (one per micro-batch, "
                                  f"micro_batches={M}), got {got}")
             for j, t in enumerate(seq):
-                if not isinstance(t, torch.Tensor) or t.dtype not in (torch.int32, torch.int64) or tuple(t.shape) != shape:
+                ok = isinstance(t, torch.Tensor) and t.dtype in (torch.int32, torch.int64) and tuple(t.shape) == shape
+                if not ok:
                     desc = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"micro-batch {j}'s {what} is {desc}; the model was compiled for integer "
                                      f"[b, s] = {list(shape)} per micro-batch")

@@ -271,8 +271,8 @@ def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict
 
         # AdamW: step 0's gradients, then steps 1.. from scratch on both
         full0 = {k: v.clone() for k, v in model.state_dict().items()}
-        opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-2)
-        opt_e = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opt_c = torch.optim.AdamW(compiled.parameters(), lr=1e-4)
+        opt_e = torch.optim.AdamW(model.parameters(), lr=1e-4)
         step_losses, step_eager = [], []
         for k, batch in enumerate(data):
             opt_c.zero_grad(set_to_none=True)

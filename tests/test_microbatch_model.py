@@ -58,7 +58,8 @@ def test_merged_model_step_equals_eager_accumulation(n2, case):
     assert r["accumulates"] < TOL, r                        # a second call adds to .grad
     # the comparison can fail: micro-batch 0 alone, or one micro-batch's seed zeroed, is far off
     assert r["first_only"] > 1e-2 and r["zeroed_seed"] > 1e-2, r
-    assert r["adamw_loss"] < TOL and r["adamw_params"] < TOL and r["moved"] > 1e-3, r
+    # lr 1e-4, as train_against_eager: AdamW amplifies round-off in near-zero gradients
+    assert r["adamw_loss"] < TOL and r["adamw_params"] < TOL and r["moved"] > 1e-4, r
 
 
 def test_megatron_plan_interleaves_micro_batches(n2):
