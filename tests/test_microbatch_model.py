@@ -116,10 +116,22 @@ def test_cli_run_train_steps_micro_batches_check(capsys):
     assert r["max_rel_err_loss"] < TOL and r["max_rel_err_params"] < TOL and r["max_rel_err_grads"] < TOL, r
 
 
-def test_merged_model_step_n2_dp2():
-    """n=2 x dp=2 on 4 gloo ranks: the merged step's gradients (x dp seeds under the plan's DP
-    mean, the embedding's rows / dp) equal eager accumulation on the global batch, whose replicas
-    score different numbers of tokens; 2 AdamW steps too."""
-    r = spawn(workers.mb_dp_case, 4, args=(int.from_bytes(os.urandom(3), "little"), 2, 2), timeout_s=600)[0]
+@pytest.mark.parametrize("b, pattern", [(1, "rows"), (2, "partial")])
+def test_merged_model_step_n2_dp2(b, pattern):
+    """n=2 x dp=2 on 4 gloo ranks, M=2, replicas of b rows (h=32, s=16, V=64, fp32): the merged
+    step's gradients (x dp seeds under the plan's DP mean) equal eager accumulation on the global
+    batch, whose replicas score different numbers of tokens; 2 AdamW steps too. b=1: two
+    micro-batches' rows 2 * 2048 bytes tie PARTIAL's 4096: ROWS (gathered, scattered / dp);
+    b=2: 8192 > 4096: PARTIAL, each micro-batch's scatter run by the plan into the running
+    partial, one sync; with micro-batch 1's scatter scattering nothing the embedding gradient is
+    off and nothing else is (the plan's sync is the gradient)."""
+    r = spawn(workers.mb_dp_case, 4, args=(int.from_bytes(os.urandom(3), "little"), 2, 2, b), timeout_s=600)[0]
     print(r)
+    assert r["pattern"] == pattern
     assert r["max_rel_err_loss"] < TOL and r["max_rel_err_grads"] < TOL and r["max_rel_err_params"] < TOL, r
+    if pattern == "partial":
+        assert sorted(r["planned_scatters"]) == ["mb0.edges.embed.scatter", "mb1.edges.embed.scatter"]
+        assert r["dropped"]["embed.weight"] > 1e-2, r["dropped"]
+        assert max(v for k, v in r["dropped"].items() if k != "embed.weight") < TOL, r["dropped"]
+    else:
+        assert r["planned_scatters"] == [] and r["dropped"] == {}
