@@ -135,3 +135,30 @@ def test_merged_model_step_n2_dp2(b, pattern):
         assert max(v for k, v in r["dropped"].items() if k != "embed.weight") < TOL, r["dropped"]
     else:
         assert r["planned_scatters"] == [] and r["dropped"] == {}
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_partial_scatter_kernel_accumulates_and_zeroes_the_padding_row():
+    """The PARTIAL scatter kernel of a merged step's micro-batch j >= 1 (``_embed_scatter``,
+    accumulate): the previous micro-batch's partial plus nn.Embedding's own weight gradient of
+    these rows (autograd through F.embedding with padding_idx), padding row zero; the wrong input
+    count is refused by name."""
+    import torch.nn.functional as F
+    model = workers.mixtral_model(5, 1, pad_token_id=0)
+    ids = _ids(3)
+    ids[:, ::3] = 0                                        # the padding token in every row
+    compiled = moegraph.compile(model, ids, schedule="sequential")
+    V, h = compiled.embed.shape
+    gen = torch.Generator().manual_seed(7)
+    rows, prev = torch.randn(*ids.shape, h, generator=gen), torch.randn(V, h, generator=gen)
+    prev[0] = 0                                            # as micro-batch j-1's kernel left it
+    w = torch.zeros(V, h, requires_grad=True)
+    F.embedding(ids, w, padding_idx=0).backward(rows)
+    (got,) = compiled._embed_scatter(ids, [rows, prev], accumulate=True)
+    assert torch.allclose(got, prev + w.grad, rtol=1e-6, atol=1e-6)
+    assert float(got[0].abs().max()) == 0.0 and float(w.grad[0].abs().max()) == 0.0
+    assert not torch.equal(got, prev)                     # something was scattered
+    (first,) = compiled._embed_scatter(ids, [rows])
+    assert torch.allclose(first, w.grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeFailure, match="takes 2 input"):
+        compiled._embed_scatter(ids, [rows], accumulate=True)
