@@ -34,17 +34,20 @@ rewrite one layer and restack it: ``add_edges`` is the last model-level step):
                            No intra gather: the intra reduce-scatter sums the n ranks' partials,
                            whereas n copies of a gathered replica's partial would be summed n
                            times (and the gather would only add bytes).
-                Inter-node bytes per rank (e: bytes per gradient element; w: the DP
-                reduce-scatter's wire bytes per element, 4, or 2 with compress=dp-bf16; the
-                all-gather stays fp32):
-                  ROWS     (dp-1) * b*s*h * e
-                  PARTIAL  (dp-1)/dp * V*h/n * (w + 4)
+                Inter-node bytes per rank of a step of M micro-batches (e: bytes per gradient
+                element; w: the DP reduce-scatter's wire bytes per element, 4, or 2 with
+                compress=dp-bf16; the all-gather stays fp32; b one micro-batch's rows):
+                  ROWS     M * (dp-1) * b*s*h * e      (one gather per micro-batch)
+                  PARTIAL  (dp-1)/dp * V*h/n * (w + 4) (one sync per step, whatever M)
                 PARTIAL when strictly fewer (ties: ROWS) and V*h splits over n*dp. Mixtral at
-                dp=4, b=8, s=8192, bf16: ROWS 1.6 GB, PARTIAL 98 MB. dp == 1, a base model (no
-                V given) and merged micro-batch steps (M >= 2: one partial accumulated over the
-                micro-batches is not built) keep ROWS; asking for PARTIAL there raises. Both
-                patterns' inter-node collectives carry dp=True, as ``_dp_sync``'s: the DP
-                exposure (``exposed_dp_sync_us``) and the DP warm starts count them.
+                dp=4, b=8, s=8192, bf16, M=1: ROWS 1.6 GB, PARTIAL 98 MB. dp == 1 and a base
+                model (no V given) keep ROWS; asking for PARTIAL there raises. In a merged step
+                (M >= 2) micro-batch j's scatter (``mb{j}.edges.embed.scatter``, attr ``mb`` = j)
+                adds its rows into micro-batch j-1's partial (attr accumulate, as the head's
+                weight gradient) and ONE ``_dp_sync`` of the last micro-batch's partial runs
+                per step (no ``mb``). Both patterns' inter-node collectives carry dp=True, as
+                ``_dp_sync``'s: the DP exposure (``exposed_dp_sync_us``) and the DP warm starts
+                count them.
 
 The eager compute is in the graph too, so the scheduler prices it and orders around it: nodes
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
@@ -77,8 +80,10 @@ its seed ``mb{j}.<seed>``. The head and norm partial gradients are summed over t
 as ``merge_microbatches`` sums a replicated layer parameter's: micro-batch j >= 1's weight-
 gradient node adds into micro-batch j-1's sum (attr accumulate, the sum read last), and the
 sync runs once per step on the last micro-batch's sum (no ``mb``: one all-reduce of the same
-bytes as a one-micro-batch step's, never M). The embedding gather runs per micro-batch, after
-its layer 0's backward (``mb{j}.edges.embed.grad_gather``).
+bytes as a one-micro-batch step's, never M). The embedding gradient, after each micro-batch's
+layer 0's backward: ROWS gathers per micro-batch (``mb{j}.edges.embed.grad_gather``); PARTIAL
+scatters per micro-batch into the running partial (``mb{j}.edges.embed.scatter``, accumulate)
+and syncs it once per step, after the last scatter.
 
 With ``compress=dp-bf16`` among the passes (``graph.meta["dp_grad_wire"]``,
 ``moegraph.compression``), the edges' own DP reduce-scatters are rewritten the same way: half
@@ -129,13 +134,16 @@ class EmbedGrad(enum.Enum):
 
 
 def embed_grad_inter_bytes(pattern: EmbedGrad, *, n: int, dp: int, b: int, s: int, h: int, vocab: int,
-                           elem: int, wire: int = 4) -> int:
-    """Inter-node bytes per rank of the embedding gradient by ``pattern`` (module docstring):
-    ROWS (dp-1)*b*s*h*e, PARTIAL (dp-1)/dp * V*h/n * (w+4); ``elem`` e, ``wire`` w."""
+                           elem: int, wire: int = 4, micro_batches: int = 1) -> int:
+    """Inter-node bytes per rank of one step's embedding gradient by ``pattern`` (module
+    docstring): ROWS M*(dp-1)*b*s*h*e, PARTIAL (dp-1)/dp * V*h/n * (w+4); ``elem`` e, ``wire`` w,
+    ``micro_batches`` M (b: one micro-batch's rows)."""
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise GraphError(f"micro_batches={micro_batches!r} must be a positive integer")
     if dp == 1:
         return 0
     if pattern is EmbedGrad.ROWS:
-        return (dp - 1) * b * s * h * elem
+        return micro_batches * (dp - 1) * b * s * h * elem
     if pattern is EmbedGrad.PARTIAL:
         if (vocab * h) % (n * dp):
             raise GraphError(f"the PARTIAL embedding gradient [V={vocab}, h={h}] does not split over "
@@ -146,11 +154,11 @@ def embed_grad_inter_bytes(pattern: EmbedGrad, *, n: int, dp: int, b: int, s: in
 
 def embed_grad_choice(*, n: int, dp: int, b: int, s: int, h: int, vocab: int | None, elem: int,
                       wire: int = 4, micro_batches: int = 1) -> EmbedGrad:
-    """The pattern with fewer inter-node bytes per rank (ties, dp == 1, no V, M >= 2, or a V*h
-    that does not split over n*dp: ROWS)."""
-    if dp == 1 or vocab is None or micro_batches > 1 or (vocab * h) % (n * dp):
+    """The pattern with fewer inter-node bytes per step and rank over ``micro_batches`` M (ties,
+    dp == 1, no V, or a V*h that does not split over n*dp: ROWS)."""
+    if dp == 1 or vocab is None or (vocab * h) % (n * dp):
         return EmbedGrad.ROWS
-    kw = dict(n=n, dp=dp, b=b, s=s, h=h, vocab=vocab, elem=elem, wire=wire)
+    kw = dict(n=n, dp=dp, b=b, s=s, h=h, vocab=vocab, elem=elem, wire=wire, micro_batches=micro_batches)
     partial = embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)
     return EmbedGrad.PARTIAL if partial < embed_grad_inter_bytes(EmbedGrad.ROWS, **kw) else EmbedGrad.ROWS
 
@@ -172,8 +180,9 @@ class EdgeValues:
     when the world is one rank. PARTIAL: empty.
     embed_grad: the pattern (``EmbedGrad``, module docstring).
     embed_partial / embed_synced: PARTIAL: this rank's partial [V, h], made by
-    ``edges.embed.scatter``, and the synchronised embedding gradient [V, h] (fp32, already the
-    mean over the replicas); ROWS: None.
+    ``edges.embed.scatter`` (in a merged step the last micro-batch's, the sum over all of them),
+    and the synchronised embedding gradient [V, h] (fp32, already the mean over the replicas);
+    ROWS: None.
     """
 
     seeds: tuple[str, ...]
@@ -283,16 +292,24 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
             first = len(g.nodes)
             gathered.append(_embed_gather(g, j, at, dx))
             gathers.append(g.nodes[first:])
-    else:                                                   # PARTIAL (one micro-batch: _embed_pattern)
-        dx = bounds[0][3]
-        embed_partial = g.value(f"{EDGES}.d_embed.partial", (vocab, h),
-                                kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
+    else:                                                   # PARTIAL
+        # micro-batch j's rows scatter into the running partial (j-1's, attr accumulate, as the
+        # head's weight gradient); one sync per step of the last partial, after the last scatter
+        embed_attrs = {EAGER_ATTR: True, EMBED_ATTR: True}
+        for j, (_, _, _, dx) in enumerate(bounds):
+            first = len(g.nodes)
+            out = g.value(at(j, f"{EDGES}.d_embed.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
+            _wgrad(g, at(j, EMBED_SCATTER), OpKind.PERMUTE, (dx,), out, embed_partial, phase=Phase.BACKWARD,
+                   block=EDGES, flops=T * h, mem_bytes=(T * h + vocab * h) * elem, attrs=embed_attrs)
+            embed_partial = out
+            gathers.append(g.nodes[first:])
         first = len(g.nodes)
-        g.node(EMBED_SCATTER, OpKind.PERMUTE, (dx,), (embed_partial,), phase=Phase.BACKWARD, role=Role.WGRAD,
-               block=EDGES, flops=T * h, mem_bytes=(T * h + vocab * h) * elem,
-               attrs={EAGER_ATTR: True})
         embed_synced = synced("embed", embed_partial)
-        gathers.append([n.with_attrs(**{EMBED_ATTR: True}) for n in compressed(g.nodes[first:])])
+        embed_sync = [n.with_attrs(**{EMBED_ATTR: True}) for n in compressed(g.nodes[first:])]
+        if M == 1:                                          # the M=1 order: scatter, then its sync
+            gathers[0] += embed_sync
+        else:
+            sync += embed_sync
     names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
                        tuple(gathered), pattern, embed_partial, embed_synced)
 
@@ -316,15 +333,13 @@ def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: 
                    wire: int) -> EmbedGrad:
     """The embedding gradient's pattern: ``asked``, checked, or the closed-form choice."""
     st, d = graph.strategy, graph.dims
-    kw = dict(n=st.n, dp=st.dp, b=d.b, s=d.s, h=d.h, vocab=vocab, elem=elem, wire=wire)
+    kw = dict(n=st.n, dp=st.dp, b=d.b, s=d.s, h=d.h, vocab=vocab, elem=elem, wire=wire, micro_batches=M)
     if asked is None or asked is EmbedGrad.ROWS:
-        return embed_grad_choice(**kw, micro_batches=M) if asked is None else asked
+        return embed_grad_choice(**kw) if asked is None else asked
     if asked is not EmbedGrad.PARTIAL:
         raise GraphError(f"embedding gradient pattern {asked!r} is not one of {[p.value for p in EmbedGrad]}")
     why = ("dp == 1 (no replicas: the intra gather is the cheaper one)" if st.dp == 1 else
-           "a base model (no vocab given)" if vocab is None else
-           f"a merged step of {M} micro-batches (one partial per step is not built: ROWS per micro-batch)"
-           if M > 1 else None)
+           "a base model (no vocab given)" if vocab is None else None)
     if why is not None:
         raise GraphError(f"graph {graph.name!r}: the PARTIAL embedding gradient does not apply to {why}")
     embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)         # raises when V*h does not split over n*dp

@@ -71,7 +71,10 @@ shard); inside, the executor runs every eager edge node at its plan position as 
 eager kernel (``_EdgeStep``: norm, head and loss forward under autograd, kept per micro-batch;
 their backward makes micro-batch j's seed and adds its head and norm partials into the previous
 micro-batch's); the plan syncs the summed partials once and gathers each micro-batch's layer-0
-input gradient, which scatters into the embedding gradient after the plan (ROWS). Loss
+input gradient, which scatters into the embedding gradient after the plan (ROWS), or (PARTIAL,
+``moegraph.edges.EmbedGrad``) runs each micro-batch's ``mb{j}.edges.embed.scatter`` after its
+layer 0's backward, bound to its input_ids shard and adding into micro-batch j-1's partial, and
+syncs the last partial once (the synchronised [V, h] is the embedding gradient). Loss
 convention: the gradient of the MEAN of the M micro-batch losses, eager's ``(loss / M).backward()``
 per micro-batch, added to ``.grad``; ``forward`` refuses such a model.
 
@@ -101,7 +104,7 @@ from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, OpKind, Role, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec
-from moegraph.microbatch import merge_microbatches, micro_batch_of
+from moegraph.microbatch import mb_name, merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import EagerKernel
@@ -212,7 +215,10 @@ class _EdgeStep:
                                         partial (+ the previous micro-batch's, attr accumulate);
       norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
                                         (y, the norm weight): micro-batch j's seed, the norm's partial
-                                        (+ the previous one's).
+                                        (+ the previous one's);
+      embed.scatter (PARTIAL)           layer 0's input gradient rows [b, s/n, h] -> the embedding's
+                                        partial [V, h] by micro-batch j's input_ids shard
+                                        (``CompiledModel._embed_scatter``; + the previous one's).
 
     A micro-batch's autograd graph is dropped once its four backward kernels ran."""
 
@@ -221,12 +227,16 @@ class _EdgeStep:
              (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad"}
     BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
 
-    def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]]):
-        """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count)."""
-        self.model, self.labels, self.M = model, list(labels), len(labels)
+    def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 ids: Sequence[torch.Tensor]):
+        """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count);
+        ``ids``: per micro-batch this rank's input_ids shard [b, s/n] (the PARTIAL scatter's)."""
+        self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
         self.state: list[dict[str, Any] | None] = [{} for _ in labels]
         self.terms: list[torch.Tensor | None] = [None] * self.M
         self.ran: list[set[str]] = [set() for _ in labels]
+        self.scattered: list[bool] = [False] * self.M
+        self.scatters = model.edges.embed_grad is EmbedGrad.PARTIAL
 
     def kernels(self, graph: Graph) -> dict[str, EagerKernel]:
         """A callable for every eager node of the merged ``graph`` (an unknown one raises, naming it)."""
@@ -235,6 +245,9 @@ class _EdgeStep:
             if not is_eager(dict(nd.attrs)):
                 continue
             j, kind = micro_batch_of(nd), self.KINDS.get((nd.op, nd.role))
+            if self.scatters and j is not None and j < self.M and nd.name == mb_name(j, EMBED_SCATTER):
+                out[nd.name] = functools.partial(self._scatter, j, nd.attr("accumulate", False) is True)
+                continue
             if j is None or kind is None or j >= self.M:
                 raise RuntimeFailure(f"eager node {nd.name!r} ({nd.op.value}, {nd.role.value}, micro-batch {j}) has "
                                      f"no kernel in a merged model step (those: micro-batch 0..{self.M - 1}'s "
@@ -254,6 +267,12 @@ class _EdgeStep:
         if self.ran[j].issuperset(self.BACKWARD):
             self.state[j] = None                            # free micro-batch j's autograd graph
         return [out]
+
+    def _scatter(self, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.scattered[j]:
+            raise RuntimeFailure(f"micro-batch {j}'s embedding scatter ran twice (a runtime bug)")
+        self.scattered[j] = True
+        return self.model._embed_scatter(self.ids[j], ins, accumulate=accumulate)
 
     def _norm(self, st, j, ins):
         (y,) = ins
@@ -298,7 +317,8 @@ class _EdgeStep:
 
     def check_done(self) -> None:
         """Every micro-batch's kernels ran (else its seed or partials were never made)."""
-        left = [j for j in range(self.M) if self.state[j] is not None or self.terms[j] is None]
+        left = [j for j in range(self.M) if self.state[j] is not None or self.terms[j] is None
+                or (self.scatters and not self.scattered[j])]
         if left:
             raise RuntimeFailure(f"the plan did not run every eager edge kernel of micro-batch(es) {left} "
                                  f"(ran: {[sorted(r) for r in self.ran]}; a runtime bug)")
@@ -354,13 +374,19 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"a step of {self.micro_batches} micro-batches trains a causal LM: its loss seeds "
                                  "each micro-batch's backward, and this model has no LM head")
 
-    def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _embed_scatter(self, ids: torch.Tensor, ins: list[torch.Tensor], *,
+                       accumulate: bool = False) -> list[torch.Tensor]:
         """``edges.embed.scatter`` (PARTIAL): this rank's layer-0 input gradient rows [b, s/n, h]
         index_add-ed by its input_ids shard ``ids`` [b, s/n] into a partial [V, h]; the padding row
         gets no gradient (nn.Embedding). Run by the executor at the node's plan position (the step's
-        backward passes it, bound to its ids, as an eager kernel)."""
-        (rows,) = ins
-        part = rows.new_zeros(tuple(self.embed.shape)).index_add_(0, ids.flatten(), rows.flatten(0, 1))
+        backward passes it, bound to its ids, as an eager kernel). ``accumulate`` (a merged step's
+        micro-batch j >= 1): ins are (rows, micro-batch j-1's partial), added into a copy of it."""
+        if len(ins) != 1 + accumulate:
+            raise RuntimeFailure(f"the embedding scatter takes {1 + accumulate} input(s) (rows"
+                                 f"{', the previous partial' if accumulate else ''}), got {len(ins)}")
+        rows = ins[0]
+        base = ins[1].clone() if accumulate else rows.new_zeros(tuple(self.embed.shape))
+        part = base.index_add_(0, ids.flatten(), rows.flatten(0, 1))
         if self.spec.padding_idx is not None:
             part[self.spec.padding_idx] = 0
         return [part]
@@ -448,22 +474,28 @@ class CompiledModel(nn.Module):
                                      f"[b, s] = {list(shape)} per micro-batch")
         layers, edges = self.layers, self.edges
         params = layers.params()
-        step = _EdgeStep(self, [self._shard_labels(lab) for lab in labels])
+        step = _EdgeStep(self, [self._shard_labels(lab) for lab in labels],
+                         [layers.shard_input(ids) for ids in input_ids])
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
         _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
                                                          eager_kernels=step.kernels(layers.graph), recorder=rec)
         layers._keep(rec)
         step.check_done()
-        # ROWS per micro-batch (M >= 2 keeps ROWS: moegraph.edges.EmbedGrad): every rank scatters
-        # every micro-batch's gathered rows [b, s, h] by its full input_ids
-        d_embed = torch.zeros_like(self.embed)
-        for ids, rows in zip(input_ids, edges.embed_gathered):
-            d_embed.index_add_(0, ids.flatten(), synced[rows].flatten(0, 1).to(d_embed.dtype))
-        if self.spec.padding_idx is not None:              # nn.Embedding: the padding row gets no gradient
-            d_embed[self.spec.padding_idx] = 0
-        if self.dp > 1:                                    # the rows hold dp x each replica's (module docstring)
-            d_embed /= self.dp
+        if edges.embed_grad is EmbedGrad.PARTIAL:          # scattered per micro-batch by the plan, summed, synced
+            d_embed = synced[edges.embed_synced].to(self.embed.dtype)
+        elif edges.embed_grad is EmbedGrad.ROWS:
+            # every rank scatters every micro-batch's gathered rows [dp*b, s, h] by its full input_ids
+            d_embed = torch.zeros_like(self.embed)
+            for ids, rows in zip(input_ids, edges.embed_gathered):
+                d_embed.index_add_(0, ids.flatten(), synced[rows].flatten(0, 1).to(d_embed.dtype))
+            if self.spec.padding_idx is not None:          # nn.Embedding: the padding row gets no gradient
+                d_embed[self.spec.padding_idx] = 0
+            if self.dp > 1:                                # the rows hold dp x each replica's (module docstring)
+                d_embed /= self.dp
+        else:
+            raise RuntimeFailure(f"embedding gradient pattern {edges.embed_grad!r} is not one of "
+                                 f"{[p.value for p in EmbedGrad]}")
         accumulate_grads((*params, self.embed, self.norm, self.lm_head),
                          (*grads, d_embed, synced[edges.norm_synced].to(self.norm.dtype),
                           synced[edges.head_synced].to(self.lm_head.dtype)))

@@ -76,16 +76,16 @@ def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     return out
 
 
-def dp_batches(seed: int, steps: int, dp: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The global batches [dp*B, S] of ``batches``, replica 0's rows with all labels but the last
+def dp_batches(seed: int, steps: int, dp: int, b: int = B) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches [dp*b, S] of ``batches``, replica 0's rows with all labels but the last
     two ignored (2 scored tokens per row, all on its last rank's shard, none on rank 0's): the
     replicas hold different numbers of scored tokens, so training uses the global token count."""
     gen = torch.Generator().manual_seed(seed)
     out = []
     for _ in range(steps):
-        ids = torch.randint(0, VOCAB, (dp * B, S), generator=gen)
+        ids = torch.randint(0, VOCAB, (dp * b, S), generator=gen)
         labels = ids.clone()
-        labels[:B, :S - 2] = -100
+        labels[:b, :S - 2] = -100
         out.append((ids, labels))
     return out
 
@@ -296,13 +296,38 @@ def _accumulated(model: torch.nn.Module, data) -> tuple[list[float], dict[str, t
     return losses, {k: p.grad.clone() for k, p in model.named_parameters()}
 
 
-def mb_dp_case(rank: int, world: int, seed: int, dp: int, M: int) -> dict:
+def mb_dp_case(rank: int, world: int, seed: int, dp: int, M: int, b: int = B) -> dict:
     """n x dp ranks: a model compiled with ``micro_batches=M`` trains 2 AdamW steps (each M
-    micro-batches of the global batch [dp*B, S], ``dp_batches``: the replicas score different
-    numbers of tokens) against eager gradient accumulation on the global batch."""
+    micro-batches of the global batch [dp*b, S], ``dp_batches``: the replicas score different
+    numbers of tokens) against eager gradient accumulation on the global batch. With the PARTIAL
+    embedding gradient first one step with micro-batch M-1's ``mb{M-1}.edges.embed.scatter``
+    scattering nothing (it passes micro-batch M-2's partial on): its gradients per parameter
+    against eager's (``dropped``; the embedding's must be off, nothing else)."""
+    from moegraph.edges import EmbedGrad, edge_values
+    from moegraph.runtime import model as runtime_model
     from moegraph.runtime.check import train_microbatches_against_eager
     model = reference_model(seed, 2)
-    steps = [dp_batches(seed + 10 * k, M, dp) for k in range(2)]
+    steps = [dp_batches(seed + 10 * k, M, dp, b) for k in range(2)]
     compiled = moegraph.compile(model, steps[0][0][0], hardware="cpu-gloo", schedule="megatron-1f1b", timeout_s=60.0,
                                 dp=dp, micro_batches=M)
-    return train_microbatches_against_eager(model, compiled, steps)
+    pattern = edge_values(compiled.layers.graph).embed_grad
+    planned = [e.name for e in compiled.layers.plan.entries if e.name.endswith("edges.embed.scatter")]
+    dropped = {}
+    if pattern is EmbedGrad.PARTIAL:
+        _, ref = _accumulated(model, steps[0])
+        real = runtime_model._EdgeStep._scatter
+
+        def drop_last(self, j, accumulate, ins):
+            out = real(self, j, accumulate, ins)
+            return [ins[1].clone()] if j == M - 1 else out
+        runtime_model._EdgeStep._scatter = drop_last
+        try:
+            compiled.train_step(*map(list, zip(*steps[0])))
+        finally:
+            runtime_model._EdgeStep._scatter = real
+        bad = compiled.full_grads()
+        dropped = {k: rel_err(bad[k], r) for k, r in ref.items()}
+        compiled.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
+    res = train_microbatches_against_eager(model, compiled, steps)
+    return res | {"pattern": pattern.value, "planned_scatters": planned, "dropped": dropped}

@@ -341,19 +341,24 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
 
 # -- the embedding gradient across replicas: ROWS (gather over replicas) or PARTIAL (scatter + sync) --
 
-@pytest.mark.parametrize("point, rows, partial, chosen", [
+@pytest.mark.parametrize("point, rows, partial, chosen, mb2_chosen", [
     # mixtral-8x7b at dp=4, b=8, s=8192, bf16: 3*8*8192*4096*2 vs 3 * 32000*4096/32 * (4+4)
-    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2), 1_610_612_736, 98_304_000, "partial"),
+    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2), 1_610_612_736, 98_304_000, "partial", "partial"),
     # the same with compress=dp-bf16: the inter reduce-scatter sends bf16 (w=2), the all-gather fp32
-    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2, wire=2), 1_610_612_736, 73_728_000, "partial"),
-    # small b*s*dp vs a large vocabulary (Qwen's 152064): the rows are cheaper
-    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=152064, elem=2), 16_777_216, 311_427_072, "rows"),
-    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=32000, elem=2), 16_777_216, 65_536_000, "rows"),
-    # a tie (tiny fp32 model, n=2 x dp=2, b=2, s=16, h=32, V=64): ROWS
-    (dict(n=2, dp=2, b=2, s=16, h=32, vocab=64, elem=4), 4096, 4096, "rows"),
-    (dict(n=2, dp=2, b=4, s=16, h=32, vocab=64, elem=4), 8192, 4096, "partial"),
+    (dict(n=8, dp=4, b=8, s=8192, h=4096, vocab=32000, elem=2, wire=2), 1_610_612_736, 73_728_000, "partial",
+     "partial"),
+    # small b*s*dp vs a large vocabulary (Qwen's 152064): the rows are cheaper, even twice
+    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=152064, elem=2), 16_777_216, 311_427_072, "rows", "rows"),
+    (dict(n=8, dp=2, b=1, s=2048, h=4096, vocab=32000, elem=2), 16_777_216, 65_536_000, "rows", "rows"),
+    # b=4: one micro-batch's rows 33.6 MB < 65.5 MB, two micro-batches' 67.1 MB > 65.5 MB
+    (dict(n=8, dp=2, b=4, s=2048, h=4096, vocab=32000, elem=2), 67_108_864, 65_536_000, "partial", "partial"),
+    (dict(n=8, dp=2, b=2, s=2048, h=4096, vocab=32000, elem=2), 33_554_432, 65_536_000, "rows", "partial"),
+    # a tie (tiny fp32 model, n=2 x dp=2, b=2, s=16, h=32, V=64): ROWS; at M=2 8192 > 4096
+    (dict(n=2, dp=2, b=2, s=16, h=32, vocab=64, elem=4), 4096, 4096, "rows", "partial"),
+    (dict(n=2, dp=2, b=1, s=16, h=32, vocab=64, elem=4), 2048, 4096, "rows", "rows"),   # M=2: a tie
+    (dict(n=2, dp=2, b=4, s=16, h=32, vocab=64, elem=4), 8192, 4096, "partial", "partial"),
 ])
-def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen):
+def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen, mb2_chosen):
     from moegraph.edges import EmbedGrad, embed_grad_choice, embed_grad_inter_bytes
     assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == rows
     assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == partial
@@ -361,7 +366,23 @@ def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen):
     one = point | {"dp": 1}
     assert embed_grad_choice(**one) is EmbedGrad.ROWS and embed_grad_inter_bytes(EmbedGrad.PARTIAL, **one) == 0
     assert embed_grad_choice(**point | {"vocab": None}) is EmbedGrad.ROWS
-    assert embed_grad_choice(**point, micro_batches=2) is EmbedGrad.ROWS
+    # M=2 micro-batches: ROWS gathers per micro-batch (2x its bytes), PARTIAL syncs once per step
+    assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point, micro_batches=2) == 2 * rows
+    assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point, micro_batches=2) == partial
+    assert embed_grad_choice(**point, micro_batches=2) is EmbedGrad(mb2_chosen)
+
+
+@pytest.mark.parametrize("M, chosen", [(1, "rows"), (2, "partial"), (3, "partial")])
+def test_embed_grad_choice_over_micro_batches(M, chosen):
+    """n=2 x dp=2, b=2, s=16, h=32, V=64, fp32: one micro-batch ties (ROWS 4096 = PARTIAL 4096:
+    ROWS), M micro-batches send M x 4096 bytes of rows against PARTIAL's 4096 once."""
+    from moegraph.edges import EmbedGrad, embed_grad_choice, embed_grad_inter_bytes
+    point = dict(n=2, dp=2, b=2, s=16, h=32, vocab=64, elem=4, micro_batches=M)
+    assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == M * 4096
+    assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == 4096
+    assert embed_grad_choice(**point) is EmbedGrad(chosen)
+    with pytest.raises(GraphError, match="micro_batches=0"):
+        embed_grad_inter_bytes(EmbedGrad.ROWS, **point | {"micro_batches": 0})
 
 
 def _inter_embed_bytes(g) -> int:
@@ -412,17 +433,60 @@ def test_partial_embed_grad_is_refused_where_it_does_not_apply_and_follows_dp_bf
         _graph_forced(dp=1)
     with pytest.raises(GraphError, match="base model"):
         _graph_forced(dp=2, vocab=None)
-    from moegraph.microbatch import merge_microbatches
-    cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=8, seq=8192, layers=2)
-    with pytest.raises(GraphError, match="merged step of 2 micro-batches"):
-        add_edges(merge_microbatches(g, 2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
-    assert edge_values(add_edges(merge_microbatches(g, 2), vocab=32000)).embed_grad is EmbedGrad.ROWS
     # compress=dp-bf16: the embedding's inter reduce-scatter is a bf16 all-to-all as the head's
     c = _graph_passes(2, "compress=dp-bf16", embed_grad=EmbedGrad.PARTIAL)
     rs = {nd.name: nd for nd in c.nodes}["edges.embed.grad_rs_inter"]
     assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
     assert rs.comm_bytes == 16_384_000          # (dp-1)/dp * V*h/n * 2 at n=8, dp=2: half the fp32 bytes
+
+
+def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once():
+    """M=2, n=8 x dp=2, b=2, s=2048 (mixtral-8x7b, bf16): two micro-batches' rows would send
+    2 * 2*2048*4096*2 = 67.1 MB inter-node per rank, PARTIAL's one sync 32000*4096/16 * 8 = 65.5 MB:
+    add_edges picks PARTIAL. Micro-batch j's scatter reads its own layer-0 input gradient and
+    (j >= 1) adds into micro-batch j-1's partial (attr accumulate, V*h*2 bytes read more); ONE
+    hierarchical sync (no mb) reads the last partial; no gather. Greedy and megatron-1f1b plans
+    verify, with each scatter after its layer 0's backward and the sync after the last scatter."""
+    from moegraph.edges import EmbedGrad
+    from moegraph.microbatch import merge_microbatches, microbatch_boundaries
+    from moegraph.schedules.baselines import megatron_1f1b
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution
+    from moegraph.schedules.verify import verify_schedule
+    n, dp, b, s, h, V = 8, 2, 2, 2048, 4096, 32000
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s, layers=2)
+    assert edge_values(add_edges(g, vocab=V)).embed_grad is EmbedGrad.ROWS      # one micro-batch: 33.6 MB rows
+    m = add_edges(merge_microbatches(g, 2), vocab=V)
+    ev = edge_values(m)
+    assert ev.embed_grad is EmbedGrad.PARTIAL and ev.embed_gathered == ()
+    node = {nd.name: nd for nd in m.nodes}
+    T = b * s // n
+    bounds = microbatch_boundaries(m)
+    s0, s1 = node["mb0.edges.embed.scatter"], node["mb1.edges.embed.scatter"]
+    assert s0.inputs == (bounds[0][3],) and s0.attr("mb") == 0 and not s0.attr("accumulate", False)
+    assert s0.mem_bytes == (T * h + V * h) * 2 and s0.flops == T * h
+    assert s1.inputs == (bounds[1][3], "mb0.edges.d_embed.partial") and s1.attr("mb") == 1
+    assert s1.attr("accumulate") is True and s1.mem_bytes == (T * h + 2 * V * h) * 2
+    assert s1.outputs == (ev.embed_partial,) and all(x.attr("eager") and x.attr("embed") for x in (s0, s1))
+    sync = [nd for nd in m.nodes if nd.attr("embed", False) and nd.name not in (s0.name, s1.name)]
+    assert {nd.name for nd in sync if nd.is_comm} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
+                                                     "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
+    assert all(nd.attr("mb", None) is None for nd in sync)
+    assert [nd.name for nd in m.nodes if ev.embed_partial in nd.inputs] == ["edges.embed.grad_main"]
+    assert not [nd for nd in m.nodes if "grad_gather" in nd.name and nd.attr("embed", False)]
+    assert _inter_embed_bytes(m) == 65_536_000
+    rows = add_edges(merge_microbatches(g, 2), vocab=V, embed_grad=EmbedGrad.ROWS)
+    assert _inter_embed_bytes(rows) == 67_108_864
+    cost = CostModel(load_hardware("h800"))
+    sched = compile_graph(m, cost, method="greedy").schedule
+    assert verify_schedule(sched, cost) == []
+    at = {nd.name: nd for nd in sched.nodes}
+    for j, sc in enumerate((s0, s1)):
+        assert at[sc.name].start_us >= at[m.producer[bounds[j][3]].name].end_us
+    assert min(at[nd.name].start_us for nd in sync) >= at[s1.name].end_us
+    p = build_problem(m, cost)
+    check_solution(p, megatron_1f1b(p))
 
 
 def _graph_forced(dp: int, vocab: int | None = 32000):

@@ -116,10 +116,49 @@ def test_cli_run_train_steps_micro_batches_check(capsys):
     assert r["max_rel_err_loss"] < TOL and r["max_rel_err_params"] < TOL and r["max_rel_err_grads"] < TOL, r
 
 
-def test_merged_model_step_n2_dp2():
-    """n=2 x dp=2 on 4 gloo ranks: the merged step's gradients (x dp seeds under the plan's DP
-    mean, the embedding's rows / dp) equal eager accumulation on the global batch, whose replicas
-    score different numbers of tokens; 2 AdamW steps too."""
-    r = spawn(workers.mb_dp_case, 4, args=(int.from_bytes(os.urandom(3), "little"), 2, 2), timeout_s=600)[0]
+@pytest.mark.parametrize("b, pattern", [(1, "rows"), (2, "partial")])
+def test_merged_model_step_n2_dp2(b, pattern):
+    """n=2 x dp=2 on 4 gloo ranks, M=2, replicas of b rows (h=32, s=16, V=64, fp32): the merged
+    step's gradients (x dp seeds under the plan's DP mean) equal eager accumulation on the global
+    batch, whose replicas score different numbers of tokens; 2 AdamW steps too. b=1: two
+    micro-batches' rows 2 * 2048 bytes tie PARTIAL's 4096: ROWS (gathered, scattered / dp);
+    b=2: 8192 > 4096: PARTIAL, each micro-batch's scatter run by the plan into the running
+    partial, one sync; with micro-batch 1's scatter scattering nothing the embedding gradient is
+    off and nothing else is (the plan's sync is the gradient)."""
+    r = spawn(workers.mb_dp_case, 4, args=(int.from_bytes(os.urandom(3), "little"), 2, 2, b), timeout_s=600)[0]
     print(r)
+    assert r["pattern"] == pattern
     assert r["max_rel_err_loss"] < TOL and r["max_rel_err_grads"] < TOL and r["max_rel_err_params"] < TOL, r
+    if pattern == "partial":
+        assert sorted(r["planned_scatters"]) == ["mb0.edges.embed.scatter", "mb1.edges.embed.scatter"]
+        assert r["dropped"]["embed.weight"] > 1e-2, r["dropped"]
+        assert max(v for k, v in r["dropped"].items() if k != "embed.weight") < TOL, r["dropped"]
+    else:
+        assert r["planned_scatters"] == [] and r["dropped"] == {}
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_partial_scatter_kernel_accumulates_and_zeroes_the_padding_row():
+    """The PARTIAL scatter kernel of a merged step's micro-batch j >= 1 (``_embed_scatter``,
+    accumulate): the previous micro-batch's partial plus nn.Embedding's own weight gradient of
+    these rows (autograd through F.embedding with padding_idx), padding row zero; the wrong input
+    count is refused by name."""
+    import torch.nn.functional as F
+    model = workers.mixtral_model(5, 1, pad_token_id=0)
+    ids = _ids(3)
+    ids[:, ::3] = 0                                        # the padding token in every row
+    compiled = moegraph.compile(model, ids, schedule="sequential")
+    V, h = compiled.embed.shape
+    gen = torch.Generator().manual_seed(7)
+    rows, prev = torch.randn(*ids.shape, h, generator=gen), torch.randn(V, h, generator=gen)
+    prev[0] = 0                                            # as micro-batch j-1's kernel left it
+    w = torch.zeros(V, h, requires_grad=True)
+    F.embedding(ids, w, padding_idx=0).backward(rows)
+    (got,) = compiled._embed_scatter(ids, [rows, prev], accumulate=True)
+    assert torch.allclose(got, prev + w.grad, rtol=1e-6, atol=1e-6)
+    assert float(got[0].abs().max()) == 0.0 and float(w.grad[0].abs().max()) == 0.0
+    assert not torch.equal(got, prev)                     # something was scattered
+    (first,) = compiled._embed_scatter(ids, [rows])
+    assert torch.allclose(first, w.grad, rtol=1e-6, atol=1e-6)
+    with pytest.raises(RuntimeFailure, match="takes 2 input"):
+        compiled._embed_scatter(ids, [rows], accumulate=True)
