@@ -2,7 +2,11 @@
 
 One process, one device, n=1 (no collectives): the eager ``MoETransformerLayer`` (moegraph.models,
 seeded as ``moegraph run`` seeds it) against ``moegraph.compile`` of the same module under the
-sequential, greedy and cpsat schedules. Steps are timed INTERLEAVED (eager, sequential, greedy,
+sequential, greedy and cpsat schedules, and on CUDA the last of them again with its forward and
+backward captured as CUDA graphs (``--cuda-graphs``, default 'layer'; runtime/cudagraph.py).
+Every compiled variant uses ffn=tp, dispatch=ag-rs: at n=1 tp and ep hold the same experts at
+full f, and tp's index map has a static row count (ep's reads its row count on the host, which
+'layer' capture refuses with exact expert rows). Steps are timed INTERLEAVED (eager, sequential, greedy,
 cpsat, eager, ...) after a warm-up, so clock and thermal drift hit every variant alike; each step
 is timed with CUDA events around forward+backward (CPU: the host clock). The table gives the
 median step, the ratio compiled/eager (the issue's bar: <= 1.0), the executor's host time per

@@ -72,8 +72,10 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     import torch
 
     from moegraph.ir import check_expert_rows
+    from moegraph.runtime.cudagraph import check_mode
     from moegraph.lowering import has_model_rule
     check_expert_rows(expert_rows)
+    check_mode(cuda_graphs)
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
         raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "

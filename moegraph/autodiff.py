@@ -15,7 +15,6 @@ Fig 9); the ``sar`` pass shrinks that set.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 from moegraph.builder import ConfigError, GraphBuilder
@@ -67,8 +66,7 @@ def _accumulate_in_place(g: GraphBuilder, param: str, parts: list[str]) -> str |
         node = g.nodes[i] if i is not None else None
         if node is None or node.role is not Role.WGRAD or i < index.get((acc,), len(g.nodes)):
             return _accumulate(g, param, [acc, *parts[k:]])   # plain ADD chain from here on
-        g.nodes[i] = dataclasses.replace(node, inputs=node.inputs + (acc,), mem_bytes=node.mem_bytes + g.nbytes(acc),
-                                         attrs=node.with_attrs(accumulate=True, accumulate_bytes=g.nbytes(acc)).attrs)
+        g.nodes[i] = node.accumulating(acc, g.nbytes(acc))
         acc = part
     return acc
 

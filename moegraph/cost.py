@@ -32,14 +32,16 @@ step each of them reads that expert's weights (dgrad, forward) or writes its wei
 (wgrad) from memory the rest of the step has evicted from cache. Where the profile has a rate
 W_s = ``hw.in_step_stream_bw_bytes_s`` > 0 the node adds
     t_stream = stream_bytes / W_s          (node attr "stream_bytes", moegraph/lowering/blocks.py)
-after the in-step factor; W_s = 0 (datasheet GPU profiles, older CPU profiles): no term. A fused
-group prices its members without it (the fused kernel reads each expert's weights once).
+after the in-step factor; W_s = 0 (datasheet GPU profiles, older CPU profiles): no term.
 Gradient accumulation: a weight-gradient kernel with attr accumulate=True (each token chunk's
 but the last, moegraph.autodiff) adds its result to the running sum, which the runtime does as
 a separate pass over a fresh weight-sized tensor (``kernels.run_compute``). Where the profile
 has a rate W_a = ``hw.accumulate_bw_bytes_s`` > 0 the node adds
     t_acc = accumulate_bytes / W_a         (node attr "accumulate_bytes": the running sum's bytes)
 measured as the runtime runs it; W_a = 0: no term.
+A fused group prices its members without either in-step term (``in_step_terms=False``): the
+fused kernel reads each expert's weights once, and adds into a running gradient sum in its
+epilogue rather than as the runtime's separate pass.
 
 Fused tile-level variants (MegaScale-MoE §4.2, Fig 10; the `fuse` pass marks them): a group of
 one collective and the compute chain it feeds (or that feeds it) runs as one kernel, pipelined

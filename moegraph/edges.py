@@ -118,7 +118,9 @@ EDGE_ATTR = "edge"
 """Node attribute (True) marking an edge node (it has no ``layer``)."""
 
 EAGER_ATTR = "eager"
-"""Node attribute (True) marking an edge node the runtime's autograd runs, not the plan."""
+"""Node attribute (True) marking an edge node lowered to no kernel: the runtime's autograd runs it
+outside the plan, or the plan runs it at its position through a kernel the runtime supplies
+(``Executor`` eager kernels: PARTIAL's ``edges.embed.scatter``, every eager node of a merged step)."""
 
 EMBED_ATTR = "embed"
 """Node attribute (True) marking the embedding gradient's nodes (they follow layer 0's backward)."""
@@ -383,12 +385,10 @@ def _wgrad(g: GraphBuilder, name: str, op: OpKind, inputs: tuple[str, ...], out:
            mem_bytes: int, attrs: dict, **kw) -> None:
     """A weight-gradient node; with ``acc`` (the previous micro-batches' sum) it adds into it, as
     ``moegraph.microbatch`` makes a layer's weight-gradient kernel accumulate: ``acc`` read last,
-    its bytes read once more, attrs accumulate / accumulate_bytes."""
-    if acc is not None:
-        nbytes = g.nbytes(acc)
-        inputs, mem_bytes = inputs + (acc,), mem_bytes + nbytes
-        attrs = attrs | {"accumulate": True, "accumulate_bytes": nbytes}
+    its bytes read once more (``Node.accumulating``)."""
     g.node(name, op, inputs, (out,), role=Role.WGRAD, mem_bytes=mem_bytes, attrs=attrs, **kw)
+    if acc is not None:
+        g.nodes[-1] = g.nodes[-1].accumulating(acc, g.nbytes(acc))
 
 
 def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:

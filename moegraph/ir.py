@@ -209,6 +209,13 @@ class Node:
         merged.update(updates)
         return dataclasses.replace(self, attrs=freeze_attrs(merged))
 
+    def accumulating(self, acc: str, acc_bytes: int) -> "Node":
+        """This weight-gradient node adding its result into ``acc`` (the earlier partials' sum, read
+        last, ``acc_bytes`` read once more): attrs accumulate / accumulate_bytes, which
+        ``kernels.run_compute`` applies and the cost model prices."""
+        return dataclasses.replace(self, inputs=self.inputs + (acc,), mem_bytes=self.mem_bytes + acc_bytes,
+                                   attrs=self.with_attrs(accumulate=True, accumulate_bytes=acc_bytes).attrs)
+
 
 @dataclass(frozen=True)
 class ParamSource:

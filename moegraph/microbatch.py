@@ -194,8 +194,7 @@ def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, value
     node = copies[head]
     if node.role is Role.WGRAD and not node.is_comm and len(node.outputs) == 1 and not node.attr("accumulate", False):
         nbytes = next(v.nbytes for v in values if v.name == acc)
-        copies[head] = dataclasses.replace(node, inputs=node.inputs + (acc,), mem_bytes=node.mem_bytes + nbytes,
-                                           attrs=node.with_attrs(accumulate=True, accumulate_bytes=nbytes).attrs)
+        copies[head] = node.accumulating(acc, nbytes)
         return None
     # the partial keeps being produced under a new name; the ADD writes the sum as ``part``
     partial = f"{part}.partial"

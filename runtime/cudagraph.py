@@ -97,8 +97,8 @@ class HostRead:
     node: str
     phase: Literal["forward", "backward"]      # the executor's phase (backward includes recompute)
     reason: str
-    remedy: str = ("capture needs static shapes (ffn=tp with dispatch=ag-rs captures whole, or use "
-                   "cuda_graphs='attention')")
+    remedy: str = ("capture needs static shapes (ffn=tp with dispatch=ag-rs, or ffn=ep with dispatch=ag-rs and "
+                   "expert_rows='padded', captures whole, or use cuda_graphs='attention')")
 
     def refusal(self, graph: Graph) -> str:
         st = graph.strategy
@@ -353,6 +353,8 @@ class CapturedSegment:
                               for k in self.reads}
             try:
                 self.handle, out = backend.capture(lambda: run_eager(dict(self.static_in)), fork)
+            except RuntimeFailure:
+                raise                   # the runtime's own (a collective timeout, a rank failure): as it is
             except RuntimeError as err:
                 raise RuntimeFailure(f"cuda_graphs: capturing segment {self.name} failed: {err} (a kernel that reads "
                                      "the host, e.g. the grouped GEMM's host-segment fallback where torch._grouped_mm "
@@ -400,6 +402,8 @@ def _copy_into(static: Any, v: Any, name: str, segment: str) -> None:
             raise RuntimeFailure(f"cuda_graphs: segment {segment} input {name!r} is {got}, captured as "
                                  f"{tuple(s.shape)} {s.dtype}: a graph replays static shapes only")
         s.copy_(t)
+    if isinstance(static, IndexMap):
+        static._host.clear()            # host facts read from the captured step's counts are stale now
 
 
 # -- the executor -------------------------------------------------------------------------------

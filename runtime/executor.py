@@ -139,8 +139,7 @@ class Executor:
             self.boundaries = microbatch_boundaries(graph)
             if self.edges is not None:
                 self.plan_eager = frozenset(nd.name for nd in graph.nodes if is_eager(dict(nd.attrs)))
-            for name, fn in (eager_kernels or {}).items():
-                self.set_eager_kernel(name, fn)
+            self.eager_kernels = self._kernels_with(eager_kernels)
             self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
             return
         # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
@@ -151,8 +150,7 @@ class Executor:
         self.fwd, self.bwd = (tuple(e for e in part if e.name in self.plan_eager
                                     or not is_eager(dict(graph.node[e.name].attrs)))
                               for part in plan.split(graph))
-        for name, fn in (eager_kernels or {}).items():
-            self.set_eager_kernel(name, fn)
+        self.eager_kernels = self._kernels_with(eager_kernels)
         acts = [v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION]
         seeds = ([self.edges.seed] if self.edges is not None else
                  [v for v in graph.inputs if graph.value[v].kind is ValueKind.GRAD])
@@ -179,6 +177,14 @@ class Executor:
         """Register the callable that runs the plan-run eager node ``name`` (module docstring)."""
         self._check_kernel(name, fn)
         self.eager_kernels[name] = fn
+
+    def _kernels_with(self, extra: Mapping[str, EagerKernel] | None) -> dict[str, EagerKernel]:
+        """The registered kernels, with one call's own (checked) beside and over them."""
+        kernels = dict(self.eager_kernels)
+        for name, fn in (extra or {}).items():
+            self._check_kernel(name, fn)
+            kernels[name] = fn
+        return kernels
 
     def _check_kernel(self, name: str, fn: EagerKernel) -> None:
         if name not in self.plan_eager:
@@ -241,12 +247,8 @@ class Executor:
             if tuple(t.shape) != self.graph.value[name].shape:
                 raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "
                                  f"{self.graph.value[name].shape}")
-        kernels = dict(self.eager_kernels)
-        for name, fn in (eager_kernels or {}).items():
-            self._check_kernel(name, fn)
-            kernels[name] = fn
         return self._backward(saved, dy, params, {k: v.contiguous() for k, v in partials.items()}, recorder,
-                              kernels)
+                              self._kernels_with(eager_kernels))
 
     def _backward(self, saved, dy, params, partials, recorder, kernels=None):
         self._refuse_merged("backward")
@@ -290,11 +292,7 @@ class Executor:
         self._check_merged()
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use step")
-        kernels = dict(self.eager_kernels)
-        for name, fn in eager_kernels.items():
-            self._check_kernel(name, fn)
-            kernels[name] = fn
-        return self._step(xs, [None] * len(xs), params, recorder, kernels)
+        return self._step(xs, [None] * len(xs), params, recorder, self._kernels_with(eager_kernels))
 
     def _check_merged(self) -> None:
         if self.micro_batches == 1:

@@ -187,15 +187,7 @@ class _ScheduledStep(torch.autograd.Function):
         _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
                                                           eager_kernels=kernels)
         layers._keep(rec)
-        if edges.embed_grad is EmbedGrad.PARTIAL:         # scattered by _embed_scatter, summed and replica-averaged
-            d_embed = synced[edges.embed_synced].to(embed.dtype)
-        else:
-            rows = synced[edges.embed_rows]                # [dp*b, s, h]: the global batch's rows
-            d_embed = torch.zeros_like(embed).index_add_(0, input_ids.flatten(), rows.flatten(0, 1).to(embed.dtype))
-            if model.spec.padding_idx is not None:         # nn.Embedding: the padding row gets no gradient
-                d_embed[model.spec.padding_idx] = 0
-            if model.dp > 1:                               # the rows hold dp x each replica's (module docstring)
-                d_embed /= model.dp
+        d_embed = model._embed_grad(synced, [input_ids])
         d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
         d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
         return None, None, d_embed, d_norm, d_head, *grads
@@ -386,10 +378,31 @@ class CompiledModel(nn.Module):
                                  f"{', the previous partial' if accumulate else ''}), got {len(ins)}")
         rows = ins[0]
         base = ins[1].clone() if accumulate else rows.new_zeros(tuple(self.embed.shape))
-        part = base.index_add_(0, ids.flatten(), rows.flatten(0, 1))
+        return [self._scatter_rows(base, ids, rows)]
+
+    def _embed_grad(self, synced: dict[str, torch.Tensor], input_ids: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The embedding's gradient from the plan's edge outputs ``synced``: PARTIAL's synchronised
+        [V, h] (scattered by ``_embed_scatter``, summed and replica-averaged by the plan), or ROWS:
+        every micro-batch's gathered rows [dp*b, s, h] scattered by its full ``input_ids[j]``
+        [dp*b, s] on every rank, divided by dp (the rows hold dp x each replica's: module docstring)."""
+        edges = self.edges
+        if edges.embed_grad is EmbedGrad.PARTIAL:
+            return synced[edges.embed_synced].to(self.embed.dtype)
+        if edges.embed_grad is EmbedGrad.ROWS:
+            d_embed = torch.zeros_like(self.embed)
+            for ids, rows in zip(input_ids, edges.embed_gathered, strict=True):
+                self._scatter_rows(d_embed, ids, synced[rows])
+            return d_embed / self.dp if self.dp > 1 else d_embed
+        raise RuntimeFailure(f"embedding gradient pattern {edges.embed_grad!r} is not one of "
+                             f"{[p.value for p in EmbedGrad]}")
+
+    def _scatter_rows(self, base: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """``base`` [V, h] += the gradient rows [..., h] index_add-ed by their token ``ids`` [...],
+        in place; the padding row gets no gradient (nn.Embedding)."""
+        base.index_add_(0, ids.flatten(), rows.flatten(0, -2).to(base.dtype))
         if self.spec.padding_idx is not None:
-            part[self.spec.padding_idx] = 0
-        return [part]
+            base[self.spec.padding_idx] = 0
+        return base
 
     # -- running ---------------------------------------------------------------------------------
 
@@ -482,22 +495,8 @@ class CompiledModel(nn.Module):
                                                          eager_kernels=step.kernels(layers.graph), recorder=rec)
         layers._keep(rec)
         step.check_done()
-        if edges.embed_grad is EmbedGrad.PARTIAL:          # scattered per micro-batch by the plan, summed, synced
-            d_embed = synced[edges.embed_synced].to(self.embed.dtype)
-        elif edges.embed_grad is EmbedGrad.ROWS:
-            # every rank scatters every micro-batch's gathered rows [dp*b, s, h] by its full input_ids
-            d_embed = torch.zeros_like(self.embed)
-            for ids, rows in zip(input_ids, edges.embed_gathered):
-                d_embed.index_add_(0, ids.flatten(), synced[rows].flatten(0, 1).to(d_embed.dtype))
-            if self.spec.padding_idx is not None:          # nn.Embedding: the padding row gets no gradient
-                d_embed[self.spec.padding_idx] = 0
-            if self.dp > 1:                                # the rows hold dp x each replica's (module docstring)
-                d_embed /= self.dp
-        else:
-            raise RuntimeFailure(f"embedding gradient pattern {edges.embed_grad!r} is not one of "
-                                 f"{[p.value for p in EmbedGrad]}")
         accumulate_grads((*params, self.embed, self.norm, self.lm_head),
-                         (*grads, d_embed, synced[edges.norm_synced].to(self.norm.dtype),
+                         (*grads, self._embed_grad(synced, input_ids), synced[edges.norm_synced].to(self.norm.dtype),
                           synced[edges.head_synced].to(self.lm_head.dtype)))
         terms = torch.stack(step.terms)                    # this rank's terms of the M losses
         if layers.layout.world > 1:

@@ -135,7 +135,9 @@ class StepRecorder:
 
 def hidden_comm_fraction(trace: StepTrace) -> float:
     """Share of the step's collective time during which a compute node ran (0 with no
-    collectives): 1 - exposed/total communication, measured. Compute nodes run one at a time on
+    collectives), summed per collective: two collectives that overlap each other each count
+    their own time (unlike ``schedules.schedule_file.exposed_comm``'s union), since the issue's
+    bar asks how much of every collective's time compute hid. Compute nodes run one at a time on
     the compute stream, so their intervals do not overlap one another."""
     from moegraph.runtime.plan import COMPUTE
     compute = [(t.start_us, t.end_us) for t in trace.nodes if t.stream == COMPUTE]

@@ -198,11 +198,10 @@ def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
 def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
     """The chosen comm streams; a trailing DP_STREAM (as in a Problem's or a schedule file's
     ``streams``) is accepted and dropped: build_problem adds it from the graph."""
-    streams = tuple(comm_streams)
-    if streams[-1:] == (DP_STREAM,):
-        streams = streams[:-1]
+    given = tuple(comm_streams)
+    streams = given[:-1] if given[-1:] == (DP_STREAM,) else given
     if streams not in (DEFAULT_COMM_STREAMS, SCOPED_COMM_STREAMS):
-        raise ScheduleError(f"comm_streams={list(streams)} is not one of {list(DEFAULT_COMM_STREAMS)}, "
+        raise ScheduleError(f"comm_streams={list(given)} is not one of {list(DEFAULT_COMM_STREAMS)}, "
                             f"{list(SCOPED_COMM_STREAMS)}")
     return streams
 

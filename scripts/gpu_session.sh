@@ -27,12 +27,15 @@ export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PYTHONDONTWRITEBYTECODE=1 MOEGRAPH_SI
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 STAMP=$(date -u +%Y-%m-%d)
 
-# per-part limits (seconds) for one part per device call (10 min each); `all` fits one call.
-# CAL_BUDGET (calibrate's --time-budget) may be set by the caller when device time runs short.
+# per-part limits (seconds): the limits of one call's steps, the install's included, sum to at
+# most ~570 s of a device call's 600 (tests 60+240+240, bench 60+360+150, calibrate 60+450+30;
+# `all` 30+60+45+80+80+100+50+100+30). CAL_BUDGET (calibrate's --time-budget) may be set lower
+# by the caller when device time runs short.
+T_INSTALL=60
 if [ "$PART" = all ]; then
-    T_ENV=60 T_TESTS=200 T_LAYER=120 T_OVERLAP=60 CAL_BUDGET=${CAL_BUDGET:-120}
+    T_ENV=45 T_TESTS=160 T_LAYER=100 T_OVERLAP=50 CAL_BUDGET=${CAL_BUDGET:-100}
 else
-    T_ENV=150 T_TESTS=560 T_LAYER=400 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-480}
+    T_ENV=150 T_TESTS=480 T_LAYER=360 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-450}
 fi
 T_CAL=$((CAL_BUDGET + 30))
 
@@ -95,7 +98,7 @@ part_calibrate() {
 
 # every call: the device tool re-sends the working tree, and a warm machine's $SITE may hold an
 # older copy of it (the wheels' part of the install is a no-op then)
-ensure_installed() { step "install" env.log 120 bash -c install_repo; }
+ensure_installed() { step "install" env.log "$T_INSTALL" bash -c install_repo; }
 
 rc=0
 case "$PART" in

@@ -223,8 +223,9 @@ def test_cudagraph_layer_refuses_a2a_by_name():
     plan = make_plan(graph, tfd.COST, "greedy")
     full = {k: p.detach() for k, p in module.named_parameters()}
     want = ("cuda_graphs: forward node 'dispatch_a2a' (ffn=ep, dispatch=a2a) sends data-dependent split sizes "
-            "(copied to the host for the all-to-all); capture needs static shapes (ffn=tp with dispatch=ag-rs "
-            "captures whole, or use cuda_graphs='attention')")
+            "(copied to the host for the all-to-all); capture needs static shapes (ffn=tp with dispatch=ag-rs, "
+            "or ffn=ep with dispatch=ag-rs and expert_rows='padded', captures whole, or use "
+            "cuda_graphs='attention')")
     assert capture_refusal(graph, plan, "layer") == want
     with pytest.raises(RuntimeFailure) as err:
         CompiledLayer(graph, plan, full, rank=0, n=2, comm=NoComm(), cuda_graphs="layer", graph_backend=FakeGraphs())

@@ -220,14 +220,8 @@ def _run_fake(graph, plan, params, x, dy, n, monkeypatch, expert_rows="exact"):
 def _cpu_step(graph, plan, params, x, dy, n):
     shared = ThreadComm(n) if n > 1 else None
     results: dict[int, tuple] = {}
-    threads = [threading.Thread(target=_executor_step,
-                                args=(graph, plan, shared.for_rank(r) if shared else NoComm(), r, n, x, dy,
-                                      params, torch.device("cpu"), results)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    assert len(results) == n, "a CPU rank failed"
+    run_rank_threads(n, lambda r: _executor_step(graph, plan, shared.for_rank(r) if shared else NoComm(), r, n, x,
+                                                 dy, params, torch.device("cpu"), results), shared)
     return results
 
 

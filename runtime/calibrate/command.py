@@ -173,7 +173,9 @@ def run_calibration(opts: CalibrationOptions) -> Calibration:
 
 
 def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tuple[Profile, list[Any]]:
-    """Measure real steps, store the in-step factors in the profile; (profile, StepChecks)."""
+    """Measure real steps, store what they fit in the profile (the in-step factors, the expert
+    weight-streaming and gradient-accumulation rates, the in-step comm_overlap_stretch);
+    (profile, StepChecks)."""
     from moegraph.runtime.calibrate.steps import fit_in_step, fit_overlap_stretch, in_step_checks, measure_steps
     if not in_step_enabled(opts):
         why = "CUDA: not implemented" if opts.device != "cpu" else (

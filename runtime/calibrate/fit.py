@@ -16,7 +16,8 @@ evaluating its own formulas, reproduces the measurements:
     latencies, link    alpha = min over collectives of (t_smallest - kappa) / (steps (n-1));
                        B = the best size bin of any collective (link_peak) of comm_bytes /
                        (t - kappa - steps (n-1) alpha) over messages taking at least twice that
-                       fixed part, so no curve point exceeds 1; curves by comm_bytes:
+                       fixed part, so no such message's curve point exceeds 1 (smaller ones'
+                       bins may, and are clamped to 1); curves by comm_bytes:
                        ring_eff (all-gather + reduce-scatter), a2a_eff (even + uneven; each also
                        sets its scalars *_intra = *_inter: one link measured),
                        all_reduce_eff
@@ -315,7 +316,10 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     prof["curves"] = curves
     prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
     prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
-    prof["in_step_stream_bw_bytes_s"] = 0.0     # the in-step stage fits these (steps.py); never the base's
+    # the in-step stage fits these together (steps.py), never the base's: a base's factors were
+    # fitted beside its own rates, and would misprice expert GEMMs without them
+    prof["in_step_factors"] = {}
+    prof["in_step_stream_bw_bytes_s"] = 0.0
     prof["accumulate_bw_bytes_s"] = 0.0
     prof.pop("measured", None)
     prof.pop("description", None)

@@ -54,7 +54,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "InStepFit", "in_step_checks", "relative_mad",
+__all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "fit_overlap_stretch", "retimed_makespan_us", "MAX_STRETCH", "InStepFit", "in_step_checks", "relative_mad",
            "STEP_STAGE_S"]
 
 
