@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
+from moegraph.edges import add_edges
 from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.microbatch import micro_batch_count
 from moegraph.schedules import lns
@@ -33,7 +34,7 @@ from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
-__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label"]
+__all__ = ["CompileResult", "compile_graph", "model_step", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label"]
 
 METHODS = ("cpsat", "sequential", "greedy", "megascale")
 MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
@@ -287,3 +288,12 @@ def _attrs(attrs: tuple[tuple[str, Any], ...]) -> dict:
     def thaw(v: Any) -> Any:
         return [thaw(x) for x in v] if isinstance(v, tuple) else v
     return {k: thaw(v) for k, v in attrs}
+
+
+def model_step(graph: Graph) -> Graph:
+    """The step graph `compile --layers` and `tune --layers` schedule for a registry model: a stack
+    of layers (one micro-batch, or the merged step of M) with the model's edges (moegraph.edges;
+    after the passes and the merge, as compile_model), at the default vocabulary
+    (``moegraph.models.VOCAB``: the registry has none); one layer stays a layer."""
+    from moegraph.models import VOCAB        # torch-bearing module: only when a stack needs it
+    return add_edges(graph, vocab=VOCAB) if layer_count(graph) > 1 else graph

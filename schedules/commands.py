@@ -11,12 +11,11 @@ from pathlib import Path
 
 from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
 from moegraph.cost import variant
-from moegraph.edges import add_edges, edge_values
+from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.models import VOCAB
 from moegraph.options import UsageError, check_output, format_bytes, positive_float
-from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph
+from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph, model_step
 from moegraph.schedules.problem import ScheduleError
 from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, per_layer_summary
 
@@ -43,11 +42,9 @@ def compile_from_args(args):
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     layer = layer_from_args(args, multi_layer=True)
-    if layer_count(layer.graph) > 1:
-        # a model step (one micro-batch or the merged step of M): the embedding, final norm and LM
-        # head gradients are synchronised by graph collectives the scheduler places
-        # (moegraph.edges; after the passes and the merge, as compile_model)
-        layer = dataclasses.replace(layer, graph=add_edges(layer.graph, vocab=VOCAB))
+    # a model step (one micro-batch or the merged step of M): the embedding, final norm and LM
+    # head gradients are synchronised by graph collectives the scheduler places
+    layer = dataclasses.replace(layer, graph=model_step(layer.graph))
     streams = comm_streams_from(args)
     result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
                            time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)

@@ -37,14 +37,11 @@ from typing import Any, Callable
 from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
-from moegraph.edges import add_edges
-from moegraph.layers import layer_count
 from moegraph.microbatch import merge_microbatches
-from moegraph.models import VOCAB
 from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
-from moegraph.schedules.api import compile_graph
+from moegraph.schedules.api import compile_graph, model_step
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 
@@ -205,8 +202,7 @@ def _step(graph: Graph, micro_batches: int) -> Graph:
     micro-batches, and for a stack of layers the model's edges (moegraph.edges: eager head and
     norm, their gradient sync, the embedding gather), as `compile --layers` schedules it, so
     every candidate and the baseline compare like with like."""
-    graph = merge_microbatches(graph, micro_batches)
-    return add_edges(graph, vocab=VOCAB) if layer_count(graph) > 1 else graph
+    return model_step(merge_microbatches(graph, micro_batches))
 
 
 def _fused(graph: Graph, cost: CostModel) -> Graph | None:
