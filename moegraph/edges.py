@@ -89,6 +89,33 @@ With ``compress=dp-bf16`` among the passes (``graph.meta["dp_grad_wire"]``,
 ``moegraph.compression``), the edges' own DP reduce-scatters are rewritten the same way: half
 the bytes, as the layers'.
 
+The router's auxiliary load-balancing loss (``AuxLoss``, transformers' ``load_balancing_loss_func``
+with ``output_router_logits=True``; ``add_edges(..., aux=AuxLoss(...))``): over ALL layers' router
+rows of a step's global batch (N = L * dp*b*s rows), P = softmax(logits) in fp32,
+
+    aux = E * sum_i (count_i / N) * (psum_i / N),   loss = lm_loss + coef * aux,
+
+count_i the top-k slots choosing expert i, psum_i the sum of P[:, i]. The counts carry no gradient,
+so d loss / d P[t, i] = coef * E * count_i / N^2, one constant per expert known once every layer
+has routed. In the graph, per micro-batch:
+
+  forward   every ROUTER forward also writes its [2, E] fp32 stats (row 0 the counts, row 1 the
+            prob sums over its rows; attr ``aux``, priced T*(E + k) more FLOPs);
+            ``edges.aux.sum`` (ADD) sums the L routers' stats (2E*(L-1) FLOPs);
+            ``edges.aux.allreduce`` (ALL_REDUCE, group n) sums them over the replica's ranks when
+            the routers' rows are distinct there (a2a dispatch: each rank routes its own shard);
+            under ag-rs every rank of the replica routes the same gathered rows, so it holds the
+            replica's stats already and there is no intra all-reduce (it would count them n
+            times); ``edges.aux.allreduce_dp`` (scope inter, axis dp) sums over the replicas.
+            The result ``edges.aux.stats`` is the global batch's, identical on every rank: the
+            runtime reads it for the loss value (E * count . psum / N^2, E FLOPs, not priced).
+  backward  every ROUTER dgrad / wgrad also reads ``edges.aux.stats`` and the aux seed
+            ``edges.d_aux`` [1] (fp32; the runtime gives coef * dloss, x dp as the LM loss's
+            seed) and adds d_aux * E * count / N^2 * share to its softmax's probability gradient
+            (softmax backward P * (g - sum(P g)), 4*T*E FLOPs more); share = 1/n where the n
+            ranks route the same rows (ag-rs: their router gradients are summed by the gather's
+            reduce-scatter and the router weight's all-reduce), 1 where they are distinct.
+
 Edge nodes carry ``block`` "edges" and the node attribute ``edge`` = True (``EDGE_ATTR``, no
 ``layer``): schedule summaries and Gantt charts group them as "edges". ``graph.meta["edges"]``
 names the values (``edge_values``): the runtime feeds the seeds and the partial gradients and
@@ -133,6 +160,33 @@ class EmbedGrad(enum.Enum):
     """How the embedding gradient crosses the replicas (module docstring)."""
     ROWS = "rows"          # gather the rows over the replicas, every rank scatters all dp*b*s
     PARTIAL = "partial"    # scatter this rank's rows into a partial [V, h], the parameter sync rule
+
+
+@dataclass(frozen=True)
+class AuxLoss:
+    """The router's auxiliary load-balancing loss a causal LM adds (module docstring):
+    ``coef`` (transformers' ``router_aux_loss_coef``, > 0), over its softmax top-``top_k`` routers
+    of ``experts`` experts."""
+
+    coef: float
+    experts: int
+    top_k: int
+
+    def __post_init__(self):
+        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not self.coef > 0:
+            raise ValueError(f"AuxLoss.coef={self.coef!r} must be a positive number (a zero coefficient adds nothing)")
+        if not 1 <= self.top_k <= self.experts:
+            raise ValueError(f"AuxLoss: top_k={self.top_k} must be in 1..experts={self.experts}")
+
+
+AUX_STATS = f"{EDGES}.aux.stats"
+"""The global [2, E] router stats (counts, prob sums) of a one-micro-batch step's aux loss."""
+
+
+def aux_loss_value(stats, experts: int, rows: int):
+    """transformers' aux loss of the global stats [2, E] (counts, prob sums; tensors) over N =
+    ``rows``: E * sum_i (count_i / N) * (psum_i / N)."""
+    return (stats[0] / rows * (stats[1] / rows)).sum() * experts
 
 
 def embed_grad_inter_bytes(pattern: EmbedGrad, *, n: int, dp: int, b: int, s: int, h: int, vocab: int,
@@ -185,6 +239,10 @@ class EdgeValues:
     ``edges.embed.scatter`` (in a merged step the last micro-batch's, the sum over all of them),
     and the synchronised embedding gradient [V, h] (fp32, already the mean over the replicas);
     ROWS: None.
+    aux_stats / aux_seeds: with the aux loss (``AuxLoss``), per micro-batch the global router
+    stats [2, E] (``edges.aux.stats``, read for the loss value) and the aux seed [1] the runtime
+    gives to the routers' backward; empty without. aux_coef, aux_experts: the loss's coefficient
+    and E; aux_rows: N, one micro-batch's global router rows over all layers (0: no aux loss).
     """
 
     seeds: tuple[str, ...]
@@ -196,6 +254,11 @@ class EdgeValues:
     embed_grad: EmbedGrad = EmbedGrad.ROWS
     embed_partial: str | None = None
     embed_synced: str | None = None
+    aux_stats: tuple[str, ...] = ()
+    aux_seeds: tuple[str, ...] = ()
+    aux_coef: float = 0.0
+    aux_experts: int = 0
+    aux_rows: int = 0
 
     @property
     def seed(self) -> str:
@@ -223,6 +286,12 @@ class EdgeValues:
         return tuple(v for v in (self.norm_partial, self.head_partial) if v is not None)
 
     @property
+    def backward_inputs(self) -> tuple[str, ...]:
+        """What the runtime gives the plan's backward besides the seeds: the partials, then the
+        aux seeds."""
+        return self.partials + self.aux_seeds
+
+    @property
     def outputs(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(v for v in (self.norm_synced, self.head_synced, *self.embed_gathered,
                                                 self.embed_synced) if v is not None))
@@ -234,12 +303,18 @@ def edge_values(graph: Graph) -> EdgeValues | None:
     return None if names is None else EdgeValues(**dict(names))
 
 
-def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None = None) -> Graph:
+def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None = None,
+              aux: AuxLoss | None = None) -> Graph:
     """``graph`` (one layer or a stack, after the passes; or the merged step of M micro-batches
     of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
     None for a base model without an LM head. ``embed_grad``: the embedding gradient's pattern,
     None to choose by inter-node bytes (``embed_grad_choice``); PARTIAL where it cannot apply
-    raises. Verified."""
+    raises. ``aux``: the router's auxiliary loss (a causal LM only), None for none. Verified."""
+    if aux is not None and not isinstance(aux, AuxLoss):
+        raise ValueError(f"aux={aux!r} must be None or an AuxLoss")
+    if aux is not None and vocab is None:
+        raise GraphError(f"graph {graph.name!r}: the router's auxiliary loss is added to a causal LM's loss; "
+                         "a base model (no vocab) has none")
     if edge_values(graph) is not None:
         raise GraphError(f"graph {graph.name!r} already has its edges")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
@@ -261,9 +336,14 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     bf16_wire = dp_grad_wire(graph) is DpGradWire.BF16
     pattern = _embed_pattern(graph, embed_grad, vocab, M, elem=elem, wire=2 if bf16_wire else 4)
     computes: list[list[Node]] = []
+    aux_values: dict = {}
+    if aux is not None:                                     # the layers' routers rewritten; the stats
+        graph, aux_values, aux_nodes = _aux_loss(graph, g, aux, M, at)   # sums and all-reduces
     norm_partial = head_partial = None                      # the running sums over the micro-batches
     for j, (_, seed, y, _) in enumerate(bounds):
         first = len(g.nodes)
+        if aux is not None:                                 # after every router of micro-batch j
+            g.nodes.extend(aux_nodes[j])
         norm_partial, head_partial = _eager_compute(g, j, at, seed, y, vocab, T, h, item, grad_dtype,
                                                     norm_partial, head_partial)
         computes.append(g.nodes[first:])
@@ -313,7 +393,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         else:
             sync += embed_sync
     names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
-                       tuple(gathered), pattern, embed_partial, embed_synced)
+                       tuple(gathered), pattern, embed_partial, embed_synced, **aux_values)
 
     def marked(nodes, j):
         mb = {MB_ATTR: j} if M > 1 and j is not None else {}
@@ -329,6 +409,84 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
                                 inputs=tuple(v for v in graph.inputs if v not in seeds) + tuple(g.inputs),
                                 outputs=graph.outputs + out_names, meta=freeze_attrs(meta))
     return verify(edged)
+
+
+def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[Graph, dict, list[list[Node]]]:
+    """The aux loss's graph (module docstring): ``graph`` with its routers rewritten, the
+    EdgeValues fields, and per micro-batch the forward nodes that make its global stats (made
+    with ``g``, not yet in ``g.nodes``: the caller places them before micro-batch j's head)."""
+    st, d = graph.strategy, graph.dims
+    E, f32 = aux.experts, 4
+    mb = (lambda nd: micro_batch_of(nd)) if M > 1 else (lambda nd: 0)
+    routers = [nd for nd in graph.nodes if nd.op is OpKind.ROUTER]
+    for nd in routers:
+        if nd.attr("scoring", "softmax") != "softmax" or nd.attr("experts") != E or nd.attr("top_k") != aux.top_k:
+            raise GraphError(f"router {nd.name!r} ({nd.attr('scoring', 'softmax')}, experts {nd.attr('experts')}, "
+                             f"top-k {nd.attr('top_k')}): the aux loss is modelled for softmax top-{aux.top_k} "
+                             f"routers of {E} experts only")
+    forward = [nd for nd in routers if nd.phase is Phase.FORWARD]
+    if not forward:
+        raise GraphError(f"graph {graph.name!r} has no router: no auxiliary load-balancing loss to add")
+    rows_of = {nd.name: graph.value[nd.inputs[0]].numel // d.h for nd in forward}      # T of each router
+    moe_layers = len({nd.layer for nd in forward if mb(nd) == 0})
+    local = sum(rows_of[nd.name] for nd in forward if mb(nd) == 0)                     # rows over the layers
+    # the routers' rows: each rank's own sequence shard (a2a) or the replica's gathered rows, the
+    # same on its n ranks (ag-rs); n == 1 is both (distinct)
+    if local == moe_layers * d.b * d.s // st.n:
+        distinct = True
+    elif local == moe_layers * d.b * d.s:
+        distinct = False
+    else:
+        raise GraphError(f"graph {graph.name!r}: its routers see {local} rows over {moe_layers} layers, neither "
+                         f"each rank's shard (b*s/n={d.b * d.s // st.n} per layer) nor the replica's (b*s="
+                         f"{d.b * d.s}): the aux loss's reduction is not known for it")
+    rows = moe_layers * d.b * d.s * st.dp                   # N: the global batch's rows over the layers
+    share = 1.0 if distinct else 1.0 / st.n
+    stats_of: dict[str, str] = {}
+    replaced: dict[str, Node] = {}
+    for nd in forward:
+        T = rows_of[nd.name]
+        stats_of[nd.name] = g.value(f"{nd.name}.aux_stats", (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+        replaced[nd.name] = dataclasses.replace(nd, outputs=nd.outputs + (stats_of[nd.name],),
+                                                flops=nd.flops + T * (E + aux.top_k),
+                                                mem_bytes=nd.mem_bytes + 2 * E * f32).with_attrs(aux=True)
+    kw = dict(block=EDGES, phase=Phase.FORWARD)
+    stats, seeds, nodes = [], [], []
+    for j in range(M):
+        first = len(g.nodes)
+        parts = [stats_of[nd.name] for nd in forward if mb(nd) == j]
+        total = g.value(at(j, f"{EDGES}.aux.stats_local"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+        g.node(at(j, f"{EDGES}.aux.sum"), OpKind.ADD, tuple(parts), (total,), flops=2 * E * (len(parts) - 1),
+               mem_bytes=(len(parts) + 1) * 2 * E * f32, **kw)
+        if distinct and st.n > 1:                           # the replica's ranks hold distinct rows
+            out = g.value(at(j, f"{EDGES}.aux.stats_replica"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+            g.collective(at(j, f"{EDGES}.aux.allreduce"), OpKind.ALL_REDUCE, (total,), (out,), group=st.n,
+                         full_bytes=2 * E * f32, flops=2 * E, **kw)
+            total = out
+        if st.dp > 1:                                       # the replicas hold distinct rows
+            out = g.value(at(j, f"{EDGES}.aux.stats_global"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+            g.collective(at(j, f"{EDGES}.aux.allreduce_dp"), OpKind.ALL_REDUCE, (total,), (out,), group=st.dp,
+                         full_bytes=2 * E * f32, flops=2 * E, attrs={"scope": "inter", "axis": "dp"}, **kw)
+            total = out
+        stats.append(total)
+        seed = g.value(at(j, f"{EDGES}.d_aux"), (1,), kind=ValueKind.GRAD, dtype="fp32")
+        g.inputs.append(seed)
+        seeds.append(seed)
+        nodes.append(g.nodes[first:])
+        del g.nodes[first:]
+    for nd in routers:
+        if nd.phase is not Phase.BACKWARD:
+            continue                                        # a recompute re-routes: its stats are not needed
+        j = mb(nd)
+        T = graph.value[nd.inputs[0]].numel // d.h
+        replaced[nd.name] = dataclasses.replace(nd, inputs=nd.inputs + (stats[j], seeds[j]),
+                                                flops=nd.flops + 4 * T * E,
+                                                mem_bytes=nd.mem_bytes + 2 * E * f32 + f32
+                                                ).with_attrs(aux=True, aux_rows=rows, aux_share=share)
+    graph = dataclasses.replace(graph, nodes=tuple(replaced.get(nd.name, nd) for nd in graph.nodes))
+    values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E,
+                  aux_rows=rows)
+    return graph, values, nodes
 
 
 def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: int, *, elem: int,
@@ -460,6 +618,6 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 
-__all__ = ["EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
+__all__ = ["AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
            "embed_grad_choice", "embed_grad_inter_bytes", "edge_layer", "edge_values",
            "is_edge", "is_eager"]

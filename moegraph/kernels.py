@@ -347,6 +347,40 @@ def _router_fwd(node: Node, x, w, *bias):
     return _route(node, x, w, *bias)[0]
 
 
+def _router_probs(x, w):
+    """The softmax router's probabilities P [T, E] in fp32, as transformers' aux loss reads them."""
+    return torch.softmax(F.linear(_tokens(x), w).float(), dim=-1)
+
+
+def _aux_stats(node: Node, x, w, experts):
+    """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
+    E = node.attr("experts")
+    counts = torch.bincount(experts.reshape(-1), minlength=E).float()
+    return torch.stack([counts, _router_probs(x, w).sum(0)])
+
+
+def _router_pullback(node: Node, primal: int, ins):
+    """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
+    (the global stats [2, E], the aux seed [1]) and the aux loss's probability gradient
+    seed * E * count / N^2 * share (moegraph.edges) joins the routing weights' cotangent."""
+    if not node.attr("aux", False):
+        (x, w, *bias), dweights = ins[:-1], ins[-1]
+        leaves = (x, w)
+        fn = lambda *t: _router_fwd(node, *t, *bias)        # noqa: E731
+        return _pullback(lambda p: fn(*(p if i == primal else leaves[i] for i in range(2))), (leaves[primal],),
+                         (dweights,))
+    (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
+    leaves = (x, w)
+    rows, E = node.attr("aux_rows"), node.attr("experts")
+    c = seed.float() * (E * node.attr("aux_share") / rows / rows) * stats[0]              # [E]
+
+    def fn(p):
+        args = tuple(p if i == primal else leaves[i] for i in range(2))
+        return _router_fwd(node, *args, *bias), _router_probs(*args)
+    T = _tokens(x).shape[0]
+    return _pullback(fn, (leaves[primal],), (dweights, c.expand(T, E)))
+
+
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
 _NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()   # (device type, dtype) where _grouped_mm raised
 
@@ -438,7 +472,12 @@ def _k_add(ctx, node, ins, shapes):
     accumulated in FP32 (the local sum after a compressed all-to-all)."""
     dim = node.attr("reduce_dim", None)
     if dim is None:
-        return [ins[0] + ins[1]]
+        if len(ins) == 2:
+            return [ins[0] + ins[1]]
+        total = ins[0].clone()                  # n-ary (the aux loss's sum of the routers' stats)
+        for t in ins[1:]:
+            total += t
+        return [total]
     acc, how = ins[0].float(), node.attr("reduce", "sum")
     if how not in ("sum", "mean"):
         raise ValueError(f"node {node.name!r}: reduce={how!r} is not one of 'sum', 'mean'")
@@ -474,7 +513,10 @@ def _k_swiglu(ctx, node, ins, shapes):
 
 
 def _k_router(ctx, node, ins, shapes):
-    return list(_route(node, *ins))
+    weights, experts = _route(node, *ins)
+    if node.attr("aux", False):                 # the aux loss's stats (moegraph.edges)
+        return [weights, experts, _aux_stats(node, ins[0], ins[1], experts)]
+    return [weights, experts]
 
 
 def _k_index_map(ctx, node, ins, shapes):
@@ -667,13 +709,11 @@ def _k_swiglu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_dgrad(ctx, node, ins, shapes):
-    (x, w, *bias), dweights = ins[:-1], ins[-1]
-    return _pullback(lambda x_: _router_fwd(node, x_, w, *bias), (x,), (dweights,))
+    return _router_pullback(node, 0, ins)
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    (x, w, *bias), dweights = ins[:-1], ins[-1]
-    return _pullback(lambda w_: _router_fwd(node, x, w_, *bias), (w,), (dweights,))
+    return _router_pullback(node, 1, ins)
 
 
 def _k_permute_dgrad(ctx, node, ins, shapes):

@@ -145,7 +145,7 @@ class Executor:
         # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
         # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
         # synchronised gradients and the gathered embedding-gradient rows go back out
-        supplied = {*self.edges.seeds, *self.edges.partials} if self.edges is not None else set()
+        supplied = {*self.edges.seeds, *self.edges.backward_inputs} if self.edges is not None else set()
         self.plan_eager = _plan_run_eager(graph, supplied)
         self.fwd, self.bwd = (tuple(e for e in part if e.name in self.plan_eager
                                     or not is_eager(dict(graph.node[e.name].attrs)))
@@ -161,7 +161,7 @@ class Executor:
         self.output_name = graph.outputs[0]
         param_grads = set(graph.grad_of.values())
         rest = [o for o in graph.outputs[1:] if o not in param_grads]
-        edge_in = frozenset(self.edges.partials) if self.edges else frozenset()
+        edge_in = frozenset(self.edges.backward_inputs) if self.edges else frozenset()
         edge_made = {o for n in graph.nodes if is_edge(dict(n.attrs)) for o in n.outputs}
         rest = [o for o in rest if o not in edge_made and o not in edge_in]
         self.input_grad_name = rest[0] if rest else None
@@ -234,15 +234,16 @@ class Executor:
                        ) -> tuple[torch.Tensor | None, list[torch.Tensor], dict[str, torch.Tensor]]:
         """``backward`` of a graph with edges (``moegraph.edges``): ``dy`` is the last layer's
         incoming gradient (``EdgeValues.seed``) and ``partials`` this rank's partial gradients
-        (``EdgeValues.partials``), all made by the eager head and norm backward; also returns the edges'
+        (``EdgeValues.backward_inputs``: made by the eager head and norm backward, and the aux
+        loss's seeds), all given by the caller; also returns the edges'
         outputs (``EdgeValues.outputs``: synchronised gradients, gathered embedding rows), run by
         the plan's edge collectives in its order. ``eager_kernels``: callables for this call's
         plan-run eager nodes (module docstring), beside and over the registered ones."""
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
-        if set(partials) != set(self.edges.partials):
+        if set(partials) != set(self.edges.backward_inputs):
             raise RuntimeFailure(f"edge partial gradients {sorted(partials)} given, the graph reads "
-                                 f"{sorted(self.edges.partials)}")
+                                 f"{sorted(self.edges.backward_inputs)}")
         for name, t in partials.items():
             if tuple(t.shape) != self.graph.value[name].shape:
                 raise ValueError(f"edge partial gradient {name!r} has shape {tuple(t.shape)}, the graph expects "

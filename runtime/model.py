@@ -99,7 +99,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from moegraph.commands import DEFAULT_PASSES
-from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, edge_values, is_eager
+from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, aux_loss_value, edge_values, is_eager
 from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, OpKind, Role, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
@@ -115,8 +115,9 @@ from moegraph.runtime.plan import COMM
 class ModelResult:
     """What CompiledModel returns: the attributes the original's output has (None if not asked)."""
 
-    def __init__(self, loss=None, logits=None, last_hidden_state=None):
+    def __init__(self, loss=None, logits=None, last_hidden_state=None, aux_loss=None):
         self.loss, self.logits, self.last_hidden_state = loss, logits, last_hidden_state
+        self.aux_loss = aux_loss        # the router's load-balancing loss (unscaled), as transformers
 
 
 class LoadResult(NamedTuple):
@@ -146,7 +147,9 @@ class _SumOverRanks(torch.autograd.Function):
 class _ScheduledStep(torch.autograd.Function):
     """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
     synchronised by the plan (module docstring). Forward returns this rank's logits shard
-    [b, s/n, V] (a base model: the normed hidden shard [b, s/n, h]). Backward: the eager head and
+    [b, s/n, V] (a base model: the normed hidden shard [b, s/n, h]) and the router's aux loss
+    (a scalar, the global batch's, identical on every rank; 0 without one). Backward: the aux
+    loss's gradient (x dp, as the loss's) is the plan's aux seed (moegraph.edges); the eager head and
     norm backward give dy and their partial gradients; the plan's backward takes dy and the
     partials and returns the layer gradients, the synchronised head and norm gradients and the
     gathered layer-0 input gradient rows [dp*b, s, h], which scatter into the full embedding
@@ -159,6 +162,7 @@ class _ScheduledStep(torch.autograd.Function):
         x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
         rec = layers._new_recorder()
         y, saved = layers.executor.forward(x, params, recorder=rec)
+        aux = model._aux_value(saved)
         with torch.enable_grad():
             y_in = y.detach().requires_grad_()
             leaves = [y_in, norm.detach().requires_grad_()]
@@ -168,17 +172,19 @@ class _ScheduledStep(torch.autograd.Function):
                 out = F.linear(out, leaves[2])                                    # [b, s/n, V]
         ctx.model, ctx.state, ctx.eager = model, (saved, rec), (out, leaves)
         ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
-        return out.detach()
+        return out.detach(), aux
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, d_out: torch.Tensor):
+    def backward(ctx, d_out: torch.Tensor, d_aux: torch.Tensor):
         model, layers, edges = ctx.model, ctx.model.layers, ctx.model.edges
         input_ids, embed, *params = ctx.saved_tensors
         (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
         (out, leaves), ctx.eager = ctx.eager, None
         dy, *partial = torch.autograd.grad(out, leaves, d_out)
         partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
+        for seed in edges.aux_seeds:                        # x dp: the plan's DP sync averages (module docstring)
+            partials[seed] = (d_aux * model.dp).float().reshape(1)
         if rec is not None:
             rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
         # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
@@ -439,13 +445,21 @@ class CompiledModel(nn.Module):
                              "sequence is compiled (pass None or all ones; mask the loss with labels=-100)")
         if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        aux = None
         if torch.is_grad_enabled():
-            out = _ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head, *self.layers.params())
+            out, aux = _ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head,
+                                            *self.layers.params())
         else:
             x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
-            out = rms_norm(self.layers(x), self.norm, self.spec.norm.eps)      # [b, s/n, h]
+            if self.edges.aux_stats:                        # the plan's forward keeps the aux stats
+                y, saved = self.layers.executor.forward(x, self.layers.params())
+                aux = self._aux_value(saved)
+            else:
+                y = self.layers(x)
+            out = rms_norm(y, self.norm, self.spec.norm.eps)                   # [b, s/n, h]
             if self.lm_head is not None:
                 out = F.linear(out, self.lm_head)                               # [b, s/n, V]
+        aux = aux if self.edges.aux_stats else None
         if self.spec.output is ModelOutput.HIDDEN:
             return ModelResult(last_hidden_state=self._gather(out))
         if self.spec.output is not ModelOutput.CAUSAL_LM:
@@ -455,8 +469,10 @@ class CompiledModel(nn.Module):
         if labels is not None:
             term = self._loss_term(logits, *self._shard_labels(labels))
             loss = _SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
+            if aux is not None:                             # transformers: loss += coef * aux_loss
+                loss = loss + self.edges.aux_coef * aux
         full_logits = self._gather(logits) if output_logits or labels is None else None
-        return ModelResult(loss=loss, logits=full_logits)
+        return ModelResult(loss=loss, logits=full_logits, aux_loss=aux)
 
     @torch.no_grad()
     def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -502,6 +518,15 @@ class CompiledModel(nn.Module):
         if layers.layout.world > 1:
             dist.all_reduce(terms)
         return list(terms.unbind())
+
+    def _aux_value(self, saved: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The router's aux loss from the plan's global stats (kept by its forward: the routers'
+        backward reads them), a scalar; 0 without an aux loss."""
+        edges = self.edges
+        if not edges.aux_stats:
+            return torch.zeros((), device=self.embed.device)
+        stats = saved[edges.aux_stats[0]]
+        return aux_loss_value(stats, edges.aux_experts, edges.aux_rows)
 
     def _shard_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's shifted labels [b, s/n], the global count of scored tokens) of the full
@@ -630,7 +655,12 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     # M micro-batches of the stack (M = 1: unchanged), then the edges: per micro-batch eager head
     # and norm, one sync per step (after the passes, which rewrite one layer and restack)
     graph = merge_microbatches(graph, micro_batches)
-    graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None)
+    if spec.aux_loss is not None and micro_batches > 1:
+        raise ValueError(f"{type(model).__name__}: the router's auxiliary load-balancing loss "
+                         f"(output_router_logits=True) is not supported with micro_batches={micro_batches} yet; "
+                         "compile one micro-batch per step, or set output_router_logits=False")
+    graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None,
+                      aux=spec.aux_loss)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
                      comm_streams=comm_streams)
     layer_full = {q: full[original_name(spec, graph, q)]

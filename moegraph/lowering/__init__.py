@@ -29,6 +29,7 @@ from typing import Callable, Mapping
 
 from torch import nn
 
+from moegraph.edges import AuxLoss
 from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
 
 BlockSpec = NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec
@@ -119,6 +120,8 @@ class ModelSpec:
     norm:        the final RMSNorm, applied to the last layer's output.
     head:        the LM head's weight [vocab, h] (no bias), or None for a base model.
     unused:      other parameters or buffers of the model -> why nothing needs to read them.
+    aux_loss:    the router's auxiliary load-balancing loss the causal LM adds to its loss
+                 (transformers' ``output_router_logits=True``: ``moegraph.edges.AuxLoss``), or None.
     """
 
     embed: str
@@ -128,6 +131,7 @@ class ModelSpec:
     head: str | None
     output: ModelOutput
     unused: Mapping[str, str] = field(default_factory=dict)
+    aux_loss: AuxLoss | None = None
 
 
 ModelSpecRule = Callable[[nn.Module], ModelSpec]

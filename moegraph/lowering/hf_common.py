@@ -5,10 +5,12 @@ are the same code there."""
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import torch
 from torch import nn
 
+from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from moegraph.lowering import (LoweringError, ModelOutput, ModelSpec, check_embedding, check_head, find_model_rule,
                                register_model)
@@ -129,13 +131,36 @@ def check_rotary(rotary: nn.Module, qualname: str) -> None:
 
 def causal_lm(model: nn.Module) -> ModelSpec:
     """A family's ForCausalLM: ``model`` (its base model, recognised by its own rule) and an
-    untied ``lm_head``; the loss is transformers' mean next-token cross-entropy."""
-    if getattr(model.config, "output_router_logits", False):
-        raise LoweringError(f"{type(model).__name__}: config.output_router_logits=True adds the router's "
-                            "auxiliary load-balancing loss to the loss, which is not modelled; set it to False")
+    untied ``lm_head``; the loss is transformers' mean next-token cross-entropy, plus the
+    router's auxiliary load-balancing loss where it adds one (``aux_loss``)."""
     check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
     base = prefixed(find_model_rule(model.model).spec(model.model), "model.")
-    return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM)
+    return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model))
+
+
+def aux_loss(model: nn.Module) -> AuxLoss | None:
+    """The auxiliary load-balancing loss a ForCausalLM adds with config.output_router_logits=True:
+    Mixtral, Qwen2-MoE and OLMoE call their module's ``load_balancing_loss_func`` (the same
+    function in each: softmax of every layer's router logits, top-k counts, no z-loss; their
+    norm_topk_prob renormalises the routing weights only, not this loss) with the model's
+    num_experts and num_experts_per_tok, and add router_aux_loss_coef times it when labels are
+    given. A family without that function (DeepSeek-V3) never reads the flag: its loss is
+    unchanged, as is the base model's output. A zero coefficient adds nothing: None."""
+    if not getattr(model.config, "output_router_logits", False):
+        return None
+    if getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None) is None:
+        return None
+    for attr in ("router_aux_loss_coef", "num_experts", "num_experts_per_tok"):
+        if not hasattr(model, attr):
+            raise LoweringError(f"{type(model).__name__} has no {attr}: its auxiliary load-balancing loss "
+                                "(output_router_logits=True) is not the one modelled; set output_router_logits=False")
+    coef = model.router_aux_loss_coef
+    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
+        raise LoweringError(f"{type(model).__name__}.router_aux_loss_coef={coef!r}: only a coefficient >= 0 is "
+                            "supported")
+    if coef == 0:
+        return None
+    return AuxLoss(float(coef), model.num_experts, model.num_experts_per_tok)
 
 
 def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:

@@ -1,0 +1,185 @@
+"""The router's auxiliary load-balancing loss (transformers' output_router_logits=True,
+moegraph.edges.AuxLoss): the compiled model's loss and every parameter gradient against the eager
+HF module on the global batch, on 2 (n=2) and 4 (n=2 x dp=2) gloo ranks; the graph's extra nodes
+and their prices; the refusals. A LARGE coefficient (1.0) makes the term dominate the router
+gradients, and two deliberately broken runs (the aux seed zeroed; the stats' all-reduces made
+local) must fail the same comparison."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import aux_workers as workers
+import moegraph
+from moegraph.cost import CostModel
+from moegraph.edges import AuxLoss, add_edges, edge_values
+from moegraph.ir import GraphError, OpKind, Phase, Strategy
+from moegraph.registry import load_hardware, load_model
+from moegraph.runtime.check import rel_err
+from moegraph.runtime.launch import spawn
+from moegraph.tracer import trace_causal_lm, trace_model
+
+HAS_HF = importlib.util.find_spec("transformers") is not None
+TOL = 1e-5                                  # as tests/test_model.py and tests/test_dp.py (fp32)
+BROKEN = 1e-2                               # a broken run's error is far above this
+
+pytestmark = pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+
+N2 = {
+    "sp-ep-agrs": dict(seed=3, coef=1.0, attn="sp", ffn="ep", dispatch="ag-rs"),
+    "sp-ep-a2a-skewed": dict(seed=4, coef=1.0, attn="sp", ffn="ep", dispatch="a2a", skew=True),
+    "tp-tp-mixtral-coef": dict(seed=5, coef=0.02, attn="tp", ffn="tp"),
+    "qwen2_moe-sp-ep-a2a": dict(seed=6, coef=1.0, attn="sp", ffn="ep", dispatch="a2a", family="qwen2_moe"),
+    "broken-no-allreduce": dict(seed=4, coef=1.0, attn="sp", ffn="ep", dispatch="a2a", **{"break": "no_allreduce"}),
+    "broken-zero-seed": dict(seed=3, coef=1.0, attn="sp", ffn="ep", dispatch="ag-rs", **{"break": "zero_seed"}),
+}
+DP2 = {
+    "dp2-sp-ep-a2a": dict(seed=8, coef=1.0, attn="sp", ffn="ep", dispatch="a2a", dp=2),
+    "dp2-sp-ep-agrs-skewed": dict(seed=9, coef=1.0, attn="sp", ffn="ep", dispatch="ag-rs", dp=2, skew=True),
+}
+
+
+def _run(cases: dict, world: int) -> dict:
+    res = spawn(workers.cases, world, args=(list(cases.values()),), timeout_s=600)
+    for rank in res[1:]:                    # every rank reports the same full gradients
+        assert [r["grads"] for r in rank] == pytest.approx([r["grads"] for r in res[0]], rel=1e-3, abs=1e-9)
+    return dict(zip(cases, res[0]))
+
+
+@pytest.fixture(scope="module")
+def n2():
+    return _run(N2, 2)
+
+
+@pytest.fixture(scope="module")
+def n2dp2():
+    return _run(DP2, 4)
+
+
+def _assert_matches(r: dict) -> None:
+    assert r["loss"] < TOL and r["aux"] < TOL, r
+    assert r["grads"] < TOL, r
+
+
+@pytest.mark.parametrize("case", [k for k in N2 if not k.startswith("broken")])
+def test_loss_and_every_gradient_match_eager_n2(n2, case):
+    _assert_matches(n2[case])
+    # a2a: each rank routes its own shard, the stats are summed over the replica; ag-rs and tp:
+    # every rank routes the replica's gathered rows, nothing to sum
+    a2a = N2[case].get("dispatch") == "a2a"
+    assert n2[case]["edge_nodes"] == (["edges.aux.allreduce", "edges.aux.sum"] if a2a else ["edges.aux.sum"])
+
+
+def test_skewed_routing_is_far_from_balanced(n2):
+    """The skewed case's aux loss is far above a balanced router's top_k (= 2): the term is not
+    a constant near its minimum there."""
+    assert n2["sp-ep-a2a-skewed"]["aux_value"] > 2.3
+    assert n2["sp-ep-agrs"]["aux_value"] == pytest.approx(2.0, abs=0.1)
+
+
+def test_broken_aux_terms_fail_the_comparison(n2):
+    """Without the stats' all-reduce (a2a) the loss and the router gradients go wrong; with the
+    aux seed zeroed (its gradient dropped) the router gradients do: the comparison can fail."""
+    r = n2["broken-no-allreduce"]
+    assert r["aux"] > BROKEN and r["router_grads"] > BROKEN, r
+    r = n2["broken-zero-seed"]
+    assert r["loss"] < TOL and r["router_grads"] > BROKEN, r
+
+
+@pytest.mark.parametrize("case", list(DP2))
+def test_loss_and_every_gradient_match_eager_on_the_global_batch_dp2(n2dp2, case):
+    _assert_matches(n2dp2[case])
+    assert "edges.aux.allreduce_dp" in n2dp2[case]["edge_nodes"]
+
+
+# -- one rank: families, graph, refusals ----------------------------------------------------------
+
+@pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe"])
+def test_one_rank_families_match_eager(family):
+    model = workers.aux_model(family, 11, 2, 0.5)
+    ids, labels = workers.data(12, 2)
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy")
+    ref = model(ids, labels=labels)
+    ref.loss.backward()
+    got = compiled(ids, labels=labels)
+    got.loss.backward()
+    assert rel_err(got.loss.detach(), ref.loss.detach()) < TOL
+    assert rel_err(got.aux_loss.detach(), ref.aux_loss.detach()) < TOL
+    full = compiled.full_grads()
+    assert max(rel_err(full[k], p.grad) for k, p in model.named_parameters()) < TOL
+    with torch.no_grad():                   # the no-grad path adds it too
+        assert rel_err(compiled(ids, labels=labels).loss, model(ids, labels=labels).loss) < TOL
+
+
+def _spec(model):
+    return trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1), batch=1, seq=16)[1]
+
+
+def test_lowering_reads_the_coefficient_and_ignores_what_does_not_add_it():
+    assert _spec(workers.aux_model("mixtral", 0, 2, 0.02)).aux_loss == AuxLoss(0.02, 4, 2)
+    assert _spec(workers.aux_model("mixtral", 0, 2, 0.0)).aux_loss is None      # adds 0
+    assert _spec(workers.mixtral_model(0, 2)).aux_loss is None                 # output_router_logits=False
+    # the base model's output (last_hidden_state) does not change with the flag
+    base = workers.aux_model("mixtral", 0, 2, 1.0).model
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    compiled = moegraph.compile(base, ids, hardware="cpu-gloo", passes="", schedule="greedy")
+    assert edge_values(compiled.layers.graph).aux_stats == ()
+    with torch.no_grad():
+        assert rel_err(compiled(ids).last_hidden_state, base(input_ids=ids).last_hidden_state) < TOL
+
+
+def test_merged_micro_batches_with_the_aux_loss_raise():
+    model = workers.aux_model("mixtral", 0, 2, 0.02)
+    with pytest.raises(ValueError, match="auxiliary load-balancing loss .* micro_batches=2"):
+        moegraph.compile(model, torch.zeros(2, 16, dtype=torch.long), hardware="cpu-gloo", passes="",
+                         schedule="greedy", micro_batches=2)
+
+
+def _graph(dispatch: str, dp: int = 1, aux: AuxLoss | None = AuxLoss(0.02, 8, 2)):
+    cfg = load_model("mixtral-8x7b")
+    g = trace_model(cfg, Strategy("sp", "ep", dispatch, 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    return add_edges(g, vocab=32000, aux=aux)
+
+
+def test_graph_nodes_and_prices():
+    """Each router writes its [2, E] stats (T*(E+k) more FLOPs), one ADD sums the 2 layers', a
+    [2, E] fp32 all-reduce (a2a: group n) and an inter one (dp) make them global; every router
+    backward reads them and the seed (4*T*E more FLOPs)."""
+    plain, g = _graph("a2a", dp=2, aux=None), _graph("a2a", dp=2)
+    before, node = {n.name: n for n in plain.nodes}, {n.name: n for n in g.nodes}
+    T, E, k = 2048 // 8, 8, 2
+    routers = [n for n in g.nodes if n.op is OpKind.ROUTER]
+    assert len(routers) == 6                                # 2 layers x (forward, dgrad, wgrad)
+    for r in routers:
+        extra = T * (E + k) if r.phase is Phase.FORWARD else 4 * T * E
+        assert r.flops == before[r.name].flops + extra, r.name
+    ev = edge_values(g)
+    assert ev.aux_rows == 2 * 2048 * 2 and ev.aux_coef == 0.02            # N = L * dp*b*s
+    assert node["edges.aux.sum"].flops == 2 * E and len(node["edges.aux.sum"].inputs) == 2
+    ar, ar_dp = node["edges.aux.allreduce"], node["edges.aux.allreduce_dp"]
+    assert (ar.group, ar_dp.group, ar_dp.attr("scope")) == (8, 2, "inter")
+    assert ar.comm_bytes == 2 * 7 * (2 * E * 4) // 8                      # ring all-reduce of [2, E] fp32
+    assert all(node[x].attr("edge") is True for x in ("edges.aux.sum", "edges.aux.allreduce"))
+    # ag-rs: the routers see the replica's gathered rows: no intra all-reduce, the gradient shared by n
+    agrs = {n.name: n for n in _graph("ag-rs").nodes}
+    assert "edges.aux.allreduce" not in agrs and "edges.aux.allreduce_dp" not in agrs
+    assert agrs["l0.router.dgrad"].attr("aux_share") == pytest.approx(1 / 8)
+    est = CostModel(load_hardware("h800"))
+    assert est.node_time_us(ar) > 0
+
+
+def test_aux_on_a_base_graph_or_other_routers_raises():
+    mixtral = trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "a2a", 8), batch=1, seq=2048)
+    with pytest.raises(GraphError, match="base model"):
+        add_edges(mixtral, vocab=None, aux=AuxLoss(0.02, 8, 2))
+    with pytest.raises(GraphError, match="softmax top-2 routers of 4 experts only"):
+        add_edges(mixtral, vocab=32000, aux=AuxLoss(0.02, 4, 2))
+    v3 = trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", 8), batch=1, seq=2048)
+    router = next(n for n in v3.nodes if n.op is OpKind.ROUTER)
+    with pytest.raises(GraphError, match=r"\(sigmoid, experts 256"):
+        add_edges(v3, vocab=1024, aux=AuxLoss(0.02, router.attr("experts"), router.attr("top_k")))
+    with pytest.raises(ValueError, match="positive number"):
+        AuxLoss(0.0, 8, 2)
