@@ -479,7 +479,10 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
             continue                                        # a recompute re-routes: its stats are not needed
         j = mb(nd)
         T = graph.value[nd.inputs[0]].numel // d.h
-        replaced[nd.name] = dataclasses.replace(nd, inputs=nd.inputs + (stats[j], seeds[j]),
+        # a weight-gradient kernel adding into a running sum reads that sum last (Node.accumulating)
+        ins = (nd.inputs[:-1] + (stats[j], seeds[j], nd.inputs[-1]) if nd.attr("accumulate", False)
+               else nd.inputs + (stats[j], seeds[j]))
+        replaced[nd.name] = dataclasses.replace(nd, inputs=ins,
                                                 flops=nd.flops + 4 * T * E,
                                                 mem_bytes=nd.mem_bytes + 2 * E * f32 + f32
                                                 ).with_attrs(aux=True, aux_rows=rows, aux_share=share)

@@ -140,7 +140,8 @@ class Executor:
             if self.edges is not None:
                 self.plan_eager = frozenset(nd.name for nd in graph.nodes if is_eager(dict(nd.attrs)))
             self.eager_kernels = self._kernels_with(eager_kernels)
-            self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs))
+            aux = set(self.edges.aux_stats) if self.edges is not None else set()   # read after the step
+            self._release_step = _releases(graph, plan.entries, keep=set(graph.outputs) | aux)
             return
         # a model step graph's edges (moegraph.edges): the eager nodes are autograd's, not the plan's;
         # their outputs (the layers' seed, the partial gradients) come in as backward inputs, the
@@ -281,30 +282,37 @@ class Executor:
         return ys, dxs, grads
 
     def step_edges(self, xs: Sequence[torch.Tensor], params: Sequence[torch.Tensor], *,
-                   eager_kernels: Mapping[str, EagerKernel], recorder: StepRecorder | None = None
+                   eager_kernels: Mapping[str, EagerKernel], recorder: StepRecorder | None = None,
+                   aux_seeds: Mapping[str, torch.Tensor] | None = None
                    ) -> tuple[list[torch.Tensor], list[torch.Tensor | None], list[torch.Tensor | None],
                               dict[str, torch.Tensor]]:
         """``step`` of a merged graph with edges (``moegraph.edges``): every eager node (micro-batch
         j's norm and head forward and backward) runs at its plan position by its callable in
         ``eager_kernels`` (beside and over the registered ones; module docstring): the norm
         backward's makes micro-batch j's seed, the weight-gradient ones the partials the plan
-        syncs. Returns ``step``'s values and the edges' outputs (``EdgeValues.outputs``: the
-        synchronised head and norm gradients, each micro-batch's gathered embedding rows)."""
+        syncs. ``aux_seeds``: with the router's aux loss, each micro-batch's aux seed
+        (``EdgeValues.aux_seeds``). Returns ``step``'s values and the edges' outputs
+        (``EdgeValues.outputs``: the synchronised head and norm gradients, each micro-batch's
+        gathered embedding rows; and ``EdgeValues.aux_stats``, the global router stats)."""
         self._check_merged()
         if self.edges is None:
             raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use step")
-        return self._step(xs, [None] * len(xs), params, recorder, self._kernels_with(eager_kernels))
+        if set(aux_seeds or {}) != set(self.edges.aux_seeds):
+            raise RuntimeFailure(f"aux seeds {sorted(aux_seeds or {})} given, the graph reads "
+                                 f"{sorted(self.edges.aux_seeds)}")
+        return self._step(xs, [None] * len(xs), params, recorder, self._kernels_with(eager_kernels),
+                          {k: v.reshape(1).float() for k, v in (aux_seeds or {}).items()})
 
     def _check_merged(self) -> None:
         if self.micro_batches == 1:
             raise RuntimeFailure(f"graph {self.graph.name!r} holds one micro-batch: run it with forward and backward "
                                  "(merge_microbatches builds a step graph of M >= 2)")
 
-    def _step(self, xs, dys, params, recorder, kernels):
+    def _step(self, xs, dys, params, recorder, kernels, extra=None):
         M = self.micro_batches
         if len(xs) != M:
             raise ValueError(f"graph {self.graph.name!r} holds {M} micro-batches but got {len(xs)} inputs")
-        inputs: dict[str, Any] = dict(zip(self.param_names, params))
+        inputs: dict[str, Any] = dict(zip(self.param_names, params)) | dict(extra or {})
         for j, ((x_name, seed_name, _, _), x, dy) in enumerate(zip(self.boundaries, xs, dys)):
             expected = self.graph.value[x_name].shape
             for what, t in (("input", x), ("seed gradient", dy)):
@@ -314,7 +322,7 @@ class Executor:
             inputs[x_name] = x
             if dy is not None:
                 inputs[seed_name] = dy.contiguous()
-        edge_out = set(self.edges.outputs) if self.edges is not None else set()
+        edge_out = set(self.edges.outputs) | set(self.edges.aux_stats) if self.edges is not None else set()
         env = self._run(self.plan.entries, inputs, self._release_step, recorder, set(self.graph.outputs) | edge_out,
                         kernels)
         ys = [env[y] for _, _, y, _ in self.boundaries]

@@ -507,8 +507,11 @@ class CompiledModel(nn.Module):
                          [layers.shard_input(ids) for ids in input_ids])
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
+        # each micro-batch's aux loss seeded as its LM loss: 1/M (the mean), x dp (the DP sync averages)
+        aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M) for name in edges.aux_seeds}
         _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
-                                                         eager_kernels=step.kernels(layers.graph), recorder=rec)
+                                                         eager_kernels=step.kernels(layers.graph), recorder=rec,
+                                                         aux_seeds=aux_seeds)
         layers._keep(rec)
         step.check_done()
         accumulate_grads((*params, self.embed, self.norm, self.lm_head),
@@ -517,6 +520,9 @@ class CompiledModel(nn.Module):
         terms = torch.stack(step.terms)                    # this rank's terms of the M losses
         if layers.layout.world > 1:
             dist.all_reduce(terms)
+        if edges.aux_stats:                                 # + coef * each micro-batch's aux loss
+            terms = terms + edges.aux_coef * torch.stack([aux_loss_value(synced[name], edges.aux_experts,
+                                                                         edges.aux_rows) for name in edges.aux_stats])
         return list(terms.unbind())
 
     def _aux_value(self, saved: Mapping[str, torch.Tensor]) -> torch.Tensor:
@@ -655,10 +661,6 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     # M micro-batches of the stack (M = 1: unchanged), then the edges: per micro-batch eager head
     # and norm, one sync per step (after the passes, which rewrite one layer and restack)
     graph = merge_microbatches(graph, micro_batches)
-    if spec.aux_loss is not None and micro_batches > 1:
-        raise ValueError(f"{type(model).__name__}: the router's auxiliary load-balancing loss "
-                         f"(output_router_logits=True) is not supported with micro_batches={micro_batches} yet; "
-                         "compile one micro-batch per step, or set output_router_logits=False")
     graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None,
                       aux=spec.aux_loss)
     plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,

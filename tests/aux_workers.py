@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import moegraph
-from moegraph.runtime.check import rel_err
+from moegraph.ir import OpKind, Phase
+from moegraph.runtime.check import eager_accumulate, rel_err
 from moegraph.runtime import model as rt_model
 from moegraph.runtime.collectives import Comm, Pending
 from model_workers import VOCAB, mixtral_model
@@ -105,7 +106,7 @@ def _compare(model, compiled, ids, labels) -> dict:
     full = compiled.full_grads()
     errs = {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()}
     worst = max(errs, key=errs.get)
-    return {"loss": rel_err(got.loss.detach(), ref.loss.detach()),
+    return {"loss": rel_err(got.loss.detach(), ref.loss.detach()), "routers": _routers(compiled),
             "aux": rel_err(got.aux_loss.detach(), ref.aux_loss.detach()),
             "aux_value": float(ref.aux_loss.detach()),
             "grads": errs[worst], "worst": worst,
@@ -113,5 +114,33 @@ def _compare(model, compiled, ids, labels) -> dict:
             "edge_nodes": sorted(e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.aux"))}
 
 
+def merged_step(rank: int, world: int, case: dict) -> dict:
+    """One train_step of M micro-batches (micro_batches=M) against eager accumulation
+    ((loss / M).backward() per micro-batch): each micro-batch's loss and every gradient."""
+    dp, M = case.get("dp", 1), case["micro_batches"]
+    model = aux_model(case.get("family", "mixtral"), case["seed"], case.get("layers", 2), case["coef"],
+                      case.get("skew", False))
+    batch = [data(case["seed"] + 1 + j, dp * B) for j in range(M)]
+    compiled = moegraph.compile(model, batch[0][0], hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                dispatch=case.get("dispatch", "ag-rs"), passes=case.get("passes", ""),
+                                schedule="greedy", timeout_s=60.0, dp=dp, micro_batches=M)
+    model.zero_grad()
+    expected = eager_accumulate(model, batch)
+    got = compiled.train_step([ids for ids, _ in batch], [lab for _, lab in batch])
+    full = compiled.full_grads()
+    errs = {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()}
+    worst = max(errs, key=errs.get)
+    return {"loss": max(rel_err(torch.tensor(float(a)), torch.tensor(b)) for a, b in zip(got, expected)),
+            "aux": 0.0, "grads": errs[worst], "worst": worst, "routers": _routers(compiled),
+            "router_grads": max(e for k, e in errs.items() if ".gate." in k),
+            "edge_nodes": sorted({e.name.split(".", 1)[1] for e in compiled.layers.plan.entries
+                                  if ".edges.aux" in e.name})}
+
+
+def _routers(compiled) -> int:
+    """Router forward nodes of the compiled graph (all layers, chunks and micro-batches)."""
+    return sum(1 for nd in compiled.layers.graph.nodes if nd.op is OpKind.ROUTER and nd.phase is Phase.FORWARD)
+
+
 def cases(rank: int, world: int, cases: list[dict]) -> list[dict]:
-    return [one_step(rank, world, c) for c in cases]
+    return [merged_step(rank, world, c) if "micro_batches" in c else one_step(rank, world, c) for c in cases]
