@@ -179,6 +179,10 @@ class AuxLoss:
             raise ValueError(f"AuxLoss: top_k={self.top_k} must be in 1..experts={self.experts}")
 
 
+AUX_META = "aux_loss"
+"""graph.meta key: the AuxLoss of a registry model traced with router_aux_loss_coef > 0
+(``moegraph.tracer.trace_model``), which ``add_edges`` adds when given none."""
+
 AUX_STATS = f"{EDGES}.aux.stats"
 """The global [2, E] router stats (counts, prob sums) of a one-micro-batch step's aux loss."""
 
@@ -309,7 +313,9 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
     None for a base model without an LM head. ``embed_grad``: the embedding gradient's pattern,
     None to choose by inter-node bytes (``embed_grad_choice``); PARTIAL where it cannot apply
-    raises. ``aux``: the router's auxiliary loss (a causal LM only), None for none. Verified."""
+    raises. ``aux``: the router's auxiliary loss (a causal LM only); None: the graph's own
+    (``graph.meta[AUX_META]``, a registry model's router_aux_loss_coef), if any. Verified."""
+    aux = graph.meta_get(AUX_META) if aux is None else aux
     if aux is not None and not isinstance(aux, AuxLoss):
         raise ValueError(f"aux={aux!r} must be None or an AuxLoss")
     if aux is not None and vocab is None:
@@ -621,6 +627,6 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 
-__all__ = ["AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
+__all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
            "embed_grad_choice", "embed_grad_inter_bytes", "edge_layer", "edge_values",
            "is_edge", "is_eager"]

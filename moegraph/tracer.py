@@ -25,6 +25,7 @@ from torch import nn
 
 from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
+from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
 from moegraph.layers import layer_count, stack_layers
 from moegraph.lowering import LoweringError, ModelSpec, find_model_rule, find_rule
@@ -300,8 +301,11 @@ def relower(graph: Graph, **strategy_changes) -> Graph:
     if program is None:
         raise LoweringError(f"graph {graph.name!r} carries no layer program to re-lower")
     strategy = dataclasses.replace(graph.strategy, **strategy_changes)
+    layer = lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name)
+    if graph.meta_get(AUX_META) is not None:                # the model's aux loss (trace_model) stays
+        layer = layer.with_meta(**{AUX_META: graph.meta_get(AUX_META)})
     # a multi-layer graph re-lowers its one layer and restacks it: identical layers, one lowering
-    return stack_layers(lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name), layers)
+    return stack_layers(layer, layers)
 
 
 def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int, name: str | None = None) -> Graph:
@@ -378,13 +382,17 @@ def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, lay
     """Trace the reference layer sized from a registry ModelConfig, without allocating weights;
     ``layers`` > 1 stacks that many identical layers into one graph (``moegraph.layers``),
     lowered once (at most the model's ``moe_layers``: an MoE layer is traced; DeepSeek-V3's
-    dense first layers are ``MoETransformerLayer.from_config(cfg, layer=i)``)."""
+    dense first layers are ``MoETransformerLayer.from_config(cfg, layer=i)``). A model with
+    ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for ``add_edges``."""
     from moegraph.models import MoETransformerLayer
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.moe_layers:
         raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.layers_phrase()}")
     with torch.device("meta"):
         layer = MoETransformerLayer.from_config(cfg)
-    return stack_layers(trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name), layers)
+    graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
+    if cfg.router_aux_loss_coef > 0:        # the model step's edges add it (moegraph.edges, AUX_META)
+        graph = graph.with_meta(**{AUX_META: AuxLoss(cfg.router_aux_loss_coef, cfg.experts, cfg.top_k)})
+    return stack_layers(graph, layers)
 
 
 __all__ = ["trace_module", "trace_layers", "trace_causal_lm", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]

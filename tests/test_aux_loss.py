@@ -183,3 +183,34 @@ def test_aux_on_a_base_graph_or_other_routers_raises():
         add_edges(v3, vocab=1024, aux=AuxLoss(0.02, router.attr("experts"), router.attr("top_k")))
     with pytest.raises(ValueError, match="positive number"):
         AuxLoss(0.0, 8, 2)
+
+
+# -- registry models: router_aux_loss_coef ------------------------------------------------------
+
+def test_registry_coefficient_reaches_the_model_step_through_strategy_passes(tmp_path):
+    """A registry model with router_aux_loss_coef > 0: its traced stack carries the AuxLoss and the
+    model step (schedules.api.model_step, what compile/tune --layers schedule) adds the nodes,
+    also after a re-lowering pass (chunk=2); the default 0 adds none."""
+    import dataclasses
+
+    from moegraph.passes import run_pipeline
+    from moegraph.registry import RegistryError
+    from moegraph.schedules.api import compile_graph, model_step
+    cost = CostModel(load_hardware("h800"))
+    cfg = load_model("mixtral-8x7b")
+    assert cfg.router_aux_loss_coef == 0.0
+    aux_cfg = dataclasses.replace(cfg, router_aux_loss_coef=0.02)
+    st = Strategy("sp", "ep", "a2a", 8, dtype="bf16")
+    plain = model_step(trace_model(cfg, st, batch=1, seq=2048, layers=2))
+    g, _ = run_pipeline(trace_model(aux_cfg, st, batch=1, seq=2048, layers=2), "chunk=2", cost=cost)
+    g = model_step(g)
+    assert edge_values(plain).aux_stats == ()
+    ev = edge_values(g)
+    assert (ev.aux_coef, ev.aux_experts, ev.aux_rows) == (0.02, 8, 2 * 2048)
+    assert sum(1 for n in g.nodes if n.op is OpKind.ROUTER and n.phase is Phase.FORWARD) == 4   # 2 layers x 2 chunks
+    s = compile_graph(g, cost, method="greedy").schedule
+    assert {"edges.aux.sum", "edges.aux.allreduce"} <= {n.name for n in s.nodes}
+    with pytest.raises(RegistryError, match="router_aux_loss_coef"):
+        dataclasses.replace(cfg, router_aux_loss_coef=-0.1)
+    with pytest.raises(RegistryError, match="softmax routers only"):
+        dataclasses.replace(load_model("deepseek-v3"), router_aux_loss_coef=0.01)

@@ -118,6 +118,11 @@ class ModelConfig(_Record):
     score_correction_bias: bool = checked(flag, False)
     """Sigmoid scoring: a per-expert bias buffer [E] added to the scores for the choice only
     (DeepSeek-V3's auxiliary-loss-free balancing; not trained by backprop)."""
+    router_aux_loss_coef: float = checked(nonneg_float, 0.0)
+    """transformers' router_aux_loss_coef: a model step (``compile``/``tune --layers L`` >= 2, with
+    the edges) adds coef times the router's load-balancing loss to the loss, as
+    output_router_logits=True does (moegraph.edges.AuxLoss; Mixtral 0.02, OLMoE 0.01, Qwen2-MoE
+    0.001); 0 (the default) adds none. Softmax routers only."""
     # dense first layers
     first_k_dense_replace: int = checked(count_or_zero(MAX_COUNT), 0)
     """The first this many layers have a dense SwiGLU MLP of width dense_ffn_hidden instead of the
@@ -128,6 +133,10 @@ class ModelConfig(_Record):
     def __post_init__(self):
         validate_fields(self)
         self._check_deepseek_fields()
+        if self.router_aux_loss_coef > 0 and self.router_scoring != "softmax":
+            raise RegistryError(f"router_aux_loss_coef={self.router_aux_loss_coef}: the load-balancing loss is "
+                                f"modelled for softmax routers only (router_scoring={self.router_scoring!r})",
+                                field="router_aux_loss_coef")
         if self.heads % self.kv_heads:
             raise RegistryError(f"heads={self.heads} is not divisible by kv_heads={self.kv_heads}")
         if self.top_k > self.experts:
