@@ -125,17 +125,20 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     # follows layer 0's backward: it runs after the backward windows with the edges' collectives
     after = [t for t in edges if t.kind == "compute" and t.node.attr(EMBED_ATTR, False)]
     tail_ids = {t.index for t in after}
-    edge_compute = [t for t in edges if t.kind == "compute" and t.index not in tail_ids]  # graph order: fwd, bwd
-    ef = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 0)
-    eb = sum(t.modes[t.default_mode].ticks for t in edge_compute if t.side == 1)
+    # graph order: fwd, bwd; with the forward edge collectives (the aux loss's stats all-reduces,
+    # before the barrier: the routers' backward reads them), alone
+    edge_compute = [t for t in edges if (t.kind == "compute" and t.index not in tail_ids) or t.side == 0]
+    mid_mode = {t.index: alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode for t in edge_compute}
+    ef = sum(t.modes[mid_mode[t.index]].ticks for t in edge_compute if t.side == 0)
+    eb = sum(t.modes[mid_mode[t.index]].ticks for t in edge_compute if t.side == 1)
     at = periods * fwd
     for t in edge_compute:                          # between the forward and the backward windows
-        start[t.index], mode[t.index] = at, t.default_mode
-        at += t.modes[t.default_mode].ticks
+        start[t.index], mode[t.index] = at, mid_mode[t.index]
+        at += t.modes[mid_mode[t.index]].ticks
     at = periods * (fwd + bwd) + ef + eb
     if not dp_slide:
         for t in edges:
-            if t.kind == "comm" or t.index in tail_ids:   # after the layers' backward, one after another, alone
+            if (t.kind == "comm" and t.side == 1) or t.index in tail_ids:   # after the layers' backward, alone
                 start[t.index] = at
                 mode[t.index] = alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode
                 at += t.modes[mode[t.index]].ticks
@@ -167,7 +170,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     if not dp_slide:
         return Solution(name, tuple(start), tuple(mode))
     for t in edges:
-        if t.kind == "comm":  # as soon as its inputs allow, beside the layers' backward if there is room
+        if t.kind == "comm" and t.side == 1:  # as soon as its inputs allow, beside the layers' backward if room
             late[t.index], mode[t.index] = 0, t.default_mode
     _place_late(problem, start, mode, late, at)
     return settle_alone(problem, Solution(f"{name}+dp", tuple(start), tuple(mode)))
