@@ -115,6 +115,9 @@ has routed. In the graph, per micro-batch:
             (softmax backward P * (g - sum(P g)), 4*T*E FLOPs more); share = 1/n where the n
             ranks route the same rows (ag-rs: their router gradients are summed by the gather's
             reduce-scatter and the router weight's all-reduce), 1 where they are distinct.
+  precision the counts are the routers' own top-k (softmax of the fp32 logits); transformers'
+            loss re-selects on the softmax of the logits in the model dtype: the same in fp32, in
+            bf16 a near-tie may count to the other expert (a bf16 rounding-level difference).
 
 Edge nodes carry ``block`` "edges" and the node attribute ``edge`` = True (``EDGE_ATTR``, no
 ``layer``): schedule summaries and Gantt charts group them as "edges". ``graph.meta["edges"]``
