@@ -355,7 +355,11 @@ def _router_probs(x, w):
 def _aux_stats(node: Node, x, w, experts):
     """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
     E = node.attr("experts")
-    counts = torch.bincount(experts.reshape(-1), minlength=E).float()
+    slots = experts.reshape(-1)
+    # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
+    # integer counts in fp32 are exact whatever order the adds land in
+    counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(
+        0, slots, torch.ones(slots.shape, dtype=torch.float32, device=slots.device))
     return torch.stack([counts, _router_probs(x, w).sum(0)])
 
 
@@ -366,9 +370,8 @@ def _router_pullback(node: Node, primal: int, ins):
     if not node.attr("aux", False):
         (x, w, *bias), dweights = ins[:-1], ins[-1]
         leaves = (x, w)
-        fn = lambda *t: _router_fwd(node, *t, *bias)        # noqa: E731
-        return _pullback(lambda p: fn(*(p if i == primal else leaves[i] for i in range(2))), (leaves[primal],),
-                         (dweights,))
+        return _pullback(lambda p: _router_fwd(node, *(p if i == primal else leaves[i] for i in range(2)), *bias),
+                         (leaves[primal],), (dweights,))
     (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
     leaves = (x, w)
     rows, E = node.attr("aux_rows"), node.attr("experts")
