@@ -164,8 +164,9 @@ def trace_command(p: argparse.ArgumentParser):
 
 def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
-    lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "") + ": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={st['n']} dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
+    lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "")
+             + f": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} n={st['n']} dp={st['dp']} "
+             f"dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
     for n in s["nodes"]:
         lines.append(f"{n['name']:<34} {n['op']:<15} {n['phase']:<9} {n['flops'] / 1e9:>9.2f} "
