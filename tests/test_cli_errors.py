@@ -77,6 +77,10 @@ CORE_CASES = [
      "collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards"),
     (["compile", "--model", "{tmp}/huge.yaml"], "huge.yaml: hidden: expected a positive int <= 1,048,576, got "
      "1000000000000"),
+    (["trace", *TINY, "--passes", "sar=budget:500MB"], "'500MB' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "-1GiB"], "argument --memory-budget: '-1GiB' is not a positive size"),
+    (["trace", "--model", "{tmp}/a_dir"], "a_dir' is a directory; give a model YAML file or a registry name"),
+    (["trace", "--hardware", "{tmp}/a_dir/"], "a_dir/' is a directory; give a hardware YAML file"),
 ]
 
 # -- schedules: verify and gantt ----------------------------------------------------------------------
