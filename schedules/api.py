@@ -21,6 +21,7 @@ from typing import Any, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
+from moegraph.options import format_bytes
 from moegraph.edges import add_edges
 from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.microbatch import micro_batch_count
@@ -60,9 +61,6 @@ class CompileResult:
         return self.schedule.summary["method"]
 
 
-def _gib(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB"
-
 
 def strategy_label(s: Strategy) -> str:
     return (f"attn={s.attn} ffn={s.ffn} dispatch={s.dispatch} n={s.n} chunks={s.chunks} remat={s.remat} "
@@ -91,8 +89,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     if budget is not None:
         least, why = memory_lower_bound(problem)
         if least > budget:
-            raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory "
-                                    f"{_gib(least)} for this graph (a sound lower bound: {why})", least, True)
+            raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory "
+                                    f"{format_bytes(least)} for this graph (a sound lower bound: {why})", least, True)
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
         raise ScheduleError(f"method={method!r} pairs micro-batches: it needs --micro-batches M >= 2")
     base = {name: fn(problem) for name, fn in baselines_for(problem).items()}
@@ -104,8 +102,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 
     if method != "cpsat":
         if not fits[method]:
-            raise MemoryBudgetError(f"the {method} schedule peaks at {_gib(peak[method])}, above the memory budget "
-                                    f"{_gib(budget)}; method='cpsat' schedules within the budget")
+            raise MemoryBudgetError(f"the {method} schedule peaks at {format_bytes(peak[method])}, above the memory budget "
+                                    f"{format_bytes(budget)}; method='cpsat' schedules within the budget")
         return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
@@ -226,16 +224,16 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
     lo = max(mp.bound * unit, memory_lower_bound(problem)[0])
     if mp.status == "OPTIMAL" and mp.solution is not None:
         least = peak_memory_bytes(problem, mp.solution)
-        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory {_gib(least)} "
+        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory {format_bytes(least)} "
                                 f"for this graph (proven by a min-peak-memory CP-SAT solve)", least, True)
     hi = peak_memory_bytes(problem, mp.solution) if mp.solution is not None else min(peak.values())
     if result.status == "INFEASIBLE":
-        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory, which lies "
-                                f"between {_gib(max(lo, budget + 1))} and {_gib(hi)} for this graph (CP-SAT proved the "
+        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory, which lies "
+                                f"between {format_bytes(max(lo, budget + 1))} and {format_bytes(hi)} for this graph (CP-SAT proved the "
                                 f"budget infeasible; the min-peak-memory solve did not finish in the time limit)",
                                 max(lo, budget + 1), False)
-    raise MemoryBudgetError(f"no schedule within the memory budget {_gib(budget)} was found in the time limit; the "
-                            f"least feasible peak memory lies between {_gib(lo)} and {_gib(hi)} for this graph "
+    raise MemoryBudgetError(f"no schedule within the memory budget {format_bytes(budget)} was found in the time limit; the "
+                            f"least feasible peak memory lies between {format_bytes(lo)} and {format_bytes(hi)} for this graph "
                             f"(min-peak-memory CP-SAT solve, not proven); raise time_limit_s or the budget", lo, False)
 
 
