@@ -66,7 +66,17 @@ def dp_summary(layer, result, comm_streams) -> dict:
     return {**dp_sync_exposure(result.schedule.nodes), "exposed_dp_sync_bound_us": round(bound, 3)}
 
 
-def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -> dict:
+def baseline_peaks(layer, comm_streams, budget: int) -> dict[str, int]:
+    """Each baseline's peak memory, so the table can mark those that break ``budget``: their
+    makespans are listed for comparison, but a schedule over the budget is no alternative."""
+    from moegraph.schedules.baselines import baselines_for
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import peak_memory_bytes
+    problem = build_problem(layer.graph, layer.cost, comm_streams=comm_streams, memory_budget_bytes=budget)
+    return {name: peak_memory_bytes(problem, fn(problem)) for name, fn in baselines_for(problem).items()}
+
+
+def compile_summary(layer, result, output: str | None, comm_streams=("comm",), memory_budget: int | None = None) -> dict:
     s = result.schedule.summary
     return {"model": layer.model.name, "hardware": layer.hardware.name,
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
@@ -79,7 +89,10 @@ def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -
             "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
             **({"layers": _with_embed_grad(per_layer_summary(result.schedule), layer.graph)}
                if layer_count(layer.graph) > 1 else {}),
-            **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {})}
+            **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {}),
+            **({"memory_budget_bytes": memory_budget,
+                "baseline_peak_memory_bytes": baseline_peaks(layer, comm_streams, memory_budget)}
+               if memory_budget is not None else {})}
 
 
 def _with_embed_grad(rows: list[dict], graph) -> list[dict]:
@@ -98,13 +111,24 @@ def format_compile(c: dict) -> str:
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
              f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0
-    for name, span in [(f"{c['source']} *", c["makespan_us"]), *sorted(b.items())]:
-        lines.append(f"{name:<12} {span:>12.1f} {span / bound:>8.3f}x")
-    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}   (* returned)",
+    budget, peaks = c.get("memory_budget_bytes"), c.get("baseline_peak_memory_bytes", {})
+    # the returned schedule's row is marked *; a baseline that is the returned schedule is not
+    # listed twice
+    rows = [(f"{c['source']} *", c["makespan_us"]), *((k, v) for k, v in sorted(b.items()) if k != c["source"])]
+    width = max(12, *(len(name) for name, _ in rows))
+    lines[1] = f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"
+    over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
+    for name, span in rows:
+        note = f"  over budget: peak {format_bytes(peaks[name])}" if name in over else ""
+        lines.append(f"{name:<{width}} {span:>12.1f} {span / bound:>8.3f}x{note}")
+    lines += [f"{'lower bound':<{width}} {c['lower_bound_us']:>12.1f}   (* returned)",
               f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
               f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
+    if over:
+        lines.insert(len(rows) + 3, f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for "
+                     "comparison only, not schedules within the budget")
     if "layers" in c:
         count = sum(isinstance(r["layer"], int) for r in c["layers"])
         lines.append(f"{count} layers, exposed comm per layer (us): "
@@ -121,8 +145,8 @@ def compile_command(p: argparse.ArgumentParser):
         layer, result = compile_from_args(args)
         if args.output:
             result.schedule.save(args.output)
-        summary = compile_summary(layer, result, args.output,
-                                  comm_streams=comm_streams_from(args))
+        summary = compile_summary(layer, result, args.output, comm_streams=comm_streams_from(args),
+                                  memory_budget=args.memory_budget)
         print_result(summary, args.json, format_compile)
         return 0
     return run

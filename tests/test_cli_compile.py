@@ -90,3 +90,22 @@ def test_verify_and_gantt_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["output"] == str(tmp_path / "g.json") and len(out["panels"]) == 2
     assert out["panels"][0]["label"] != out["panels"][1]["label"]
+
+
+def test_table_lists_a_returned_baseline_once_in_aligned_columns(capsys):
+    assert main(["compile", *TINY, "--micro-batches", "2", "--schedule", "dualpipe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[2:lines.index(next(line for line in lines if line.startswith("lower bound")))]
+    assert [r.split()[0] for r in rows] == ["dualpipe", "greedy", "megascale", "megatron-1f1b", "sequential"]
+    assert rows[0].split()[1] == "*"
+    assert len({r.index("x") for r in rows}) == 1          # the "vs bound" column lines up on every row
+
+
+def test_table_marks_baselines_over_the_memory_budget(capsys):
+    out = compile_json(capsys, "--memory-budget", "500KiB", "--time-limit", "1")
+    over = {k for k, peak in out["baseline_peak_memory_bytes"].items() if peak > 500 * 2**10}
+    assert over and "sequential" not in over              # tiny at s=256: greedy and megascale peak higher
+    assert main(["compile", *TINY, "--memory-budget", "500KiB", "--time-limit", "1"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert all("over budget: peak" in rows[name] for name in over)
+    assert "over budget" not in rows["sequential"]
