@@ -14,7 +14,7 @@ from moegraph.cost import variant
 from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.options import UsageError, check_output, format_bytes, positive_float
+from moegraph.options import UsageError, check_output, format_bytes, make_parents, positive_float
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph, model_step
 from moegraph.schedules.problem import ScheduleError
 from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, per_layer_summary
@@ -144,7 +144,7 @@ def compile_command(p: argparse.ArgumentParser):
     def run(args) -> int:
         layer, result = compile_from_args(args)
         if args.output:
-            result.schedule.save(args.output)
+            result.schedule.save(make_parents(args.output))
         summary = compile_summary(layer, result, args.output, comm_streams=comm_streams_from(args),
                                   memory_budget=args.memory_budget)
         print_result(summary, args.json, format_compile)
@@ -195,7 +195,7 @@ def gantt_command(p: argparse.ArgumentParser):
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
         scheds = [load_schedule(args.schedule)] + ([load_schedule(args.compare)] if args.compare else [])
         sources = tuple(Path(f).name for f in (args.schedule, args.compare) if f)
-        render(scheds[0], args.output, compare=scheds[1] if args.compare else None, sources=sources)
+        render(scheds[0], make_parents(args.output), compare=scheds[1] if args.compare else None, sources=sources)
         if args.json:
             print(json.dumps({"output": args.output, "panels": [
                 {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us}

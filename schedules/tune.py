@@ -38,7 +38,8 @@ from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
 from moegraph.microbatch import merge_microbatches
-from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
+from moegraph.options import (UsageError, check_output, check_output_dir, fraction, make_parents, positive_float,
+                              positive_int)
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.schedules.api import compile_graph, model_step
@@ -334,12 +335,11 @@ def tune_command(p: argparse.ArgumentParser):
                    progress=lambda m: print(m, file=sys.stderr, flush=True), fuse=args.fuse)
         schedule_json = res.pop("_best_schedule")
         if schedule_json and args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
             sched = Schedule.from_json(schedule_json)
-            sched.save(args.output)
+            sched.save(make_parents(args.output))
             gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
             from moegraph.schedules.gantt import render
-            render(sched, gantt)
+            render(sched, make_parents(gantt))
             res |= {"schedule_file": args.output, "gantt": gantt}
         print_result(res, args.json, format_table)
         return 0

@@ -109,3 +109,15 @@ def test_table_marks_baselines_over_the_memory_budget(capsys):
     rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
     assert all("over budget: peak" in rows[name] for name in over)
     assert "over budget" not in rows["sequential"]
+
+
+def test_outputs_in_new_folders_are_created_by_every_writer(tmp_path, capsys):
+    """One output rule: a path is refused up front only for what cannot become a file (a
+    directory, a file among its parents); missing folders are made when it is written."""
+    sched = tmp_path / "new" / "a" / "s.json"
+    assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(sched)]) == 0
+    assert main(["gantt", str(sched), "-o", str(tmp_path / "charts" / "deep" / "s.svg")]) == 0
+    assert sched.is_file() and (tmp_path / "charts" / "deep" / "s.svg").is_file()
+    from moegraph.runtime.calibrate.command import _check_writable
+    _check_writable(tmp_path / "profiles" / "p.yaml")          # calibrate's up-front check agrees
+    assert not (tmp_path / "profiles").exists()
