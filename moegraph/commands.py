@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -151,6 +155,34 @@ def trace_summary(layer: Layer) -> dict[str, Any]:
 def print_result(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
     """A command's result on stdout: one JSON object (``--json``) or its human-readable table."""
     print(json.dumps(result, indent=1) if as_json else table(result))
+
+
+@contextlib.contextmanager
+def progress_on_stderr(logger: str):
+    """While a long command runs: the INFO lines of ``logger`` (a later stage's progress, e.g.
+    "moegraph.schedules": CP-SAT phases, window search) on stderr, each with the elapsed time in
+    tune's form ``[  12.3s] ...``. Library calls stay silent: only a command installs this."""
+    t0 = time.perf_counter()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Elapsed(t0))
+    log = logging.getLogger(logger)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+class _Elapsed(logging.Formatter):
+    def __init__(self, t0: float):
+        super().__init__()
+        self.t0 = t0
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"[{time.perf_counter() - self.t0:6.1f}s] {record.getMessage()}"
 
 
 def trace_command(p: argparse.ArgumentParser):

@@ -15,6 +15,7 @@ merged micro-batch step the solver's result then goes through the window search
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -41,6 +42,7 @@ METHODS = ("cpsat", "sequential", "greedy", "megascale")
 MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
 """Methods for a merged micro-batch step graph only (moegraph.microbatch): the paired baselines."""
 _BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
+_log = logging.getLogger(__name__)   # progress of long solves (compile prints it on stderr)
 
 
 @dataclass(frozen=True)
@@ -121,7 +123,11 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     ok = [n for n in order if fits[n]]
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
+    _log.info("CP-SAT on %d tasks, effort %g s, from the %s schedule (%.1f us)", len(problem.tasks),
+              opts.time_limit_s, hint_name, span[hint_name] * problem.tick_us)
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
+    _log.info("CP-SAT %s%s", result.status, "" if result.solution is None else
+              f": {makespan_ticks(problem, result.solution) * problem.tick_us:.1f} us")
     result, lns_info = _window_search(problem, result, opts)
     solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name]) | lns_info
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
@@ -178,6 +184,8 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
         sol = r.solution if r.solution is not None else hint
+        _log.info("periodic warm start: %d-layer unit %s (%.1f us), tiled over %d layers", K, r.status,
+                  makespan_ticks(unit, sol) * unit.tick_us, L)
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
         # later periods' backward (moegraph.schedules.periodic)
         for dp_slide in (False, True) if can_slide(unit) else (False,):
@@ -216,6 +224,7 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
     budget = problem.memory_budget_bytes
     order = list(base)
     lowest = min(order, key=lambda n: (peak[n], order.index(n)))
+    _log.info("no schedule within the memory budget yet: minimising peak memory (CP-SAT)")
     mp, unit = min_peak_memory(problem, opts, hint=base[lowest])
     if mp.solution is not None:
         found = peak_memory_bytes(problem, mp.solution)

@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
+from moegraph.commands import (add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result,
+                               progress_on_stderr)
 from moegraph.cost import variant
 from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
@@ -142,7 +143,8 @@ def compile_command(p: argparse.ArgumentParser):
     add_compile_args(p)
 
     def run(args) -> int:
-        layer, result = compile_from_args(args)
+        with progress_on_stderr("moegraph.schedules"):
+            layer, result = compile_from_args(args)
         if args.output:
             result.schedule.save(make_parents(args.output))
         summary = compile_summary(layer, result, args.output, comm_streams=comm_streams_from(args),

@@ -121,3 +121,23 @@ def test_outputs_in_new_folders_are_created_by_every_writer(tmp_path, capsys):
     from moegraph.runtime.calibrate.command import _check_writable
     _check_writable(tmp_path / "profiles" / "p.yaml")          # calibrate's up-front check agrees
     assert not (tmp_path / "profiles").exists()
+
+
+def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monkeypatch):
+    import re
+
+    import moegraph.schedules.api as api
+    monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)   # the tiny merged step gets the window search too
+    assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--micro-batches", "2",
+                 "--time-limit", "0.2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["micro_batches"] == 2       # stdout stays one JSON object
+    lines = captured.err.strip().splitlines()
+    assert all(re.match(r"\[ *\d+\.\ds\] ", line) for line in lines), lines
+    text = [line.split("] ", 1)[1] for line in lines]
+    assert re.fullmatch(r"CP-SAT on \d+ tasks, effort 0.2 s, from the \S+ schedule \([0-9.]+ us\)", text[0]), text
+    assert re.fullmatch(r"CP-SAT (OPTIMAL|FEASIBLE): [0-9.]+ us", text[1]), text
+    windows = int(re.fullmatch(r"window search: (\d+) windows of \d+ tasks, effort \S+ s each", text[2]).group(1))
+    assert [t.split(" (")[0] for t in text[3:]] == [f"window search {k}/{windows}" for k in range(1, windows + 1)]
+    assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--schedule", "greedy"]) == 0
+    assert capsys.readouterr().err == ""                        # no solve, nothing to report
