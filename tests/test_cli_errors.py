@@ -127,6 +127,8 @@ RUNTIME_CASES = [
     (["calibrate", "--samples", "{tmp}/s.txt", "-o", "{tmp}/p.yaml"], "s.txt: expected a .json file"),
     (["calibrate", "-o", "{tmp}/p.txt"], "a profile is a .yaml or .yml file"),
     (["calibrate", "-o", "{tmp}/a_file.txt/p.yaml"], "a_file.txt' is a file, not a directory"),
+    (["run", "--model", "tiny", "--n", "2", "--seq", "64", "--memory-budget", "1KiB"],
+     "memory budget 1.00KiB is below the least feasible peak memory "),
     (["demo", "--steps", "-3"], "'-3' is not a positive integer"),
     (["run", "--link", "1gb"], "'1gb' is not a link rate such as 1gbit, 500mbit or 100kbit, or none"),
     (["run", "--link", "1gbit", "--link-latency", "soon"], "'soon' is not a one-way latency such as 500us"),
