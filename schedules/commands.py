@@ -106,30 +106,29 @@ def _with_embed_grad(rows: list[dict], graph) -> list[dict]:
 
 
 def format_compile(c: dict) -> str:
-    b = c["baselines"]
     mbs = f", {c['micro_batches']} micro-batches" if c.get("micro_batches", 1) > 1 else ""
-    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
-             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
-             f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
     bound = c["lower_bound_us"] or 1.0
     budget, peaks = c.get("memory_budget_bytes"), c.get("baseline_peak_memory_bytes", {})
     # the returned schedule's row is marked *; a baseline that is the returned schedule is not
-    # listed twice
-    rows = [(f"{c['source']} *", c["makespan_us"]), *((k, v) for k, v in sorted(b.items()) if k != c["source"])]
+    # listed twice, and the name column fits the longest name (megatron-1f1b)
+    rows = [(f"{c['source']} *", c["makespan_us"]),
+            *((k, v) for k, v in sorted(c["baselines"].items()) if k != c["source"])]
     width = max(12, *(len(name) for name, _ in rows))
-    lines[1] = f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"
     over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
+    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
+             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
+             f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
     for name, span in rows:
         note = f"  over budget: peak {format_bytes(peaks[name])}" if name in over else ""
         lines.append(f"{name:<{width}} {span:>12.1f} {span / bound:>8.3f}x{note}")
-    lines += [f"{'lower bound':<{width}} {c['lower_bound_us']:>12.1f}   (* returned)",
-              f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
+    lines.append(f"{'lower bound':<{width}} {c['lower_bound_us']:>12.1f}   (* returned)")
+    if over:
+        lines.append(f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for comparison "
+                     "only, not schedules within the budget")
+    lines += [f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
               f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
-    if over:
-        lines.insert(len(rows) + 3, f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for "
-                     "comparison only, not schedules within the budget")
     if "layers" in c:
         count = sum(isinstance(r["layer"], int) for r in c["layers"])
         lines.append(f"{count} layers, exposed comm per layer (us): "
