@@ -174,6 +174,8 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
     solve gets LAYER_SHARE of the effort; deterministic, so the candidates are too."""
     one = layer_graph(problem.graph)
     L = layer_count(problem.graph)
+    _log.info("periodic warm starts for %d layers: CP-SAT on %s-layer units, effort %g s each", L,
+              " and ".join(str(K) for K in UNIT_LAYERS if not L % K and K < L), opts.time_limit_s * LAYER_SHARE)
     out = []
     for K in UNIT_LAYERS:
         if L % K or K >= L:
