@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
 from typing import Callable, NoReturn
 
@@ -49,6 +50,13 @@ HELP = {
 
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line naming the problem (and where help is), exit 2."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A value that starts like a negative number (-1GiB, -2ms, -1e3) is a value, so its own
+        # type names it ("'-1GiB' is not a positive size"), not "expected one argument". Safe while
+        # no option is spelled like a number (argparse then keeps the default behaviour).
+        self._negative_number_matcher = re.compile(r"^-\.?\d")
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")

@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
+import logging
+import sys
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
@@ -153,6 +157,34 @@ def print_result(result: dict[str, Any], as_json: bool, table: Callable[[dict[st
     print(json.dumps(result, indent=1) if as_json else table(result))
 
 
+@contextlib.contextmanager
+def progress_on_stderr(logger: str):
+    """While a long command runs: the INFO lines of ``logger`` (a later stage's progress, e.g.
+    "moegraph.schedules": CP-SAT phases, window search) on stderr, each with the elapsed time in
+    tune's form ``[  12.3s] ...``. Library calls stay silent: only a command installs this."""
+    t0 = time.perf_counter()
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Elapsed(t0))
+    log = logging.getLogger(logger)
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
+
+
+class _Elapsed(logging.Formatter):
+    def __init__(self, t0: float):
+        super().__init__()
+        self.t0 = t0
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"[{time.perf_counter() - self.t0:6.1f}s] {record.getMessage()}"
+
+
 def trace_command(p: argparse.ArgumentParser):
     add_layer_args(p)
 
@@ -164,8 +196,9 @@ def trace_command(p: argparse.ArgumentParser):
 
 def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
-    lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "") + ": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={st['n']} dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
+    lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "")
+             + f": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} n={st['n']} dp={st['dp']} "
+             f"dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
     for n in s["nodes"]:
         lines.append(f"{n['name']:<34} {n['op']:<15} {n['phase']:<9} {n['flops'] / 1e9:>9.2f} "

@@ -86,6 +86,14 @@ def check_output(path: str | Path, *, suffixes: tuple[str, ...] = (), flag: str 
     return p
 
 
+def make_parents(path: str | Path) -> Path:
+    """Create the missing folders above an output file, just before writing it: the one rule of
+    every command's outputs (``check_output`` refused a bad path up front; a new folder is fine)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    return p
+
+
 def check_output_dir(path: str | Path, *, flag: str = "-o") -> Path:
     """Raise UsageError (one line) unless ``path`` is a directory or can be created as one."""
     p = Path(path)

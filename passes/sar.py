@@ -35,8 +35,8 @@ Policies
                    assumes gate-reorder: with gate='after-fc2' the combine's weight gradient
                    reads FC2's output, which this policy then recomputes (FC2 GEMM again,
                    shown in recompute_time_us).
-    budget:<B>     hold at most B bytes of activations (suffixes B, KB, MB, GB, KiB, MiB,
-                   GiB) with the least predicted extra time: the serial sum of the rebuilt
+    budget:<B>     hold at most B bytes of activations (B, KiB, MiB, GiB, TiB or plain bytes,
+                   as --memory-budget) with the least predicted extra time: the serial sum of the rebuilt
                    nodes' cost-model times, minimised exactly by a small CP-SAT model
                    (``budget_keep``). A budget below the footprint of rebuilding everything
                    from ``hidden`` is an error naming that minimum. On a stack of L layers B
@@ -49,6 +49,7 @@ kernels) and never more activation memory: ``saved`` after is a subset of ``save
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import typing
@@ -57,6 +58,7 @@ from dataclasses import dataclass
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
 from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.options import byte_size
 from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, per_layer, record, register,
                                      same_computation)
 
@@ -64,8 +66,6 @@ _CHUNK = re.compile(r"\.c\d+$")
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
 PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
 PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
 def unit_of(value: str) -> str:
@@ -74,11 +74,12 @@ def unit_of(value: str) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '500MB' -> 500000000, '1024' -> 1024."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).upper() not in _UNITS | {"": 1}:
-        raise ValueError(f"cannot read {text!r} as bytes (e.g. 123456, 500MB, 2GiB)")
-    return int(float(m.group(1)) * _UNITS.get(m.group(2).upper(), 1))
+    """budget:<B> -> bytes, by the command line's one byte-size rule (moegraph.options.byte_size:
+    binary prefixes or plain bytes; '500MB' is refused rather than read as 10**6-byte units)."""
+    try:
+        return byte_size(text)
+    except argparse.ArgumentTypeError as err:
+        raise ValueError(str(err)) from None
 
 
 @dataclass(frozen=True)

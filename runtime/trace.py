@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from moegraph.ir import Graph
+from moegraph.options import make_parents
 
 if TYPE_CHECKING:
     from moegraph.registry import Hardware
@@ -291,7 +292,7 @@ def compare_prediction(plan: Any, traces: Sequence[StepTrace], step_us: float | 
 
 def write_json(path: str | Path, obj: Any) -> Path:
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_parents(path)
     path.write_text(json.dumps(obj, indent=1) + "\n")
     return path
 

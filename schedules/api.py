@@ -15,12 +15,14 @@ merged micro-batch step the solver's result then goes through the window search
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
+from moegraph.options import format_bytes
 from moegraph.edges import add_edges
 from moegraph.layers import layer_count, layer_graph, stack_layers
 from moegraph.microbatch import micro_batch_count
@@ -40,6 +42,7 @@ METHODS = ("cpsat", "sequential", "greedy", "megascale")
 MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
 """Methods for a merged micro-batch step graph only (moegraph.microbatch): the paired baselines."""
 _BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
+_log = logging.getLogger(__name__)   # progress of long solves (compile prints it on stderr)
 
 
 @dataclass(frozen=True)
@@ -59,9 +62,6 @@ class CompileResult:
         """Where the returned schedule came from: 'cpsat', a baseline, or 'min-peak-memory'."""
         return self.schedule.summary["method"]
 
-
-def _gib(b: int) -> str:
-    return f"{b / 2**30:.2f} GiB"
 
 
 def strategy_label(s: Strategy) -> str:
@@ -91,8 +91,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     if budget is not None:
         least, why = memory_lower_bound(problem)
         if least > budget:
-            raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory "
-                                    f"{_gib(least)} for this graph (a sound lower bound: {why})", least, True)
+            raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory "
+                                    f"{format_bytes(least)} for this graph (a sound lower bound: {why})", least, True)
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
         raise ScheduleError(f"method={method!r} pairs micro-batches: it needs --micro-batches M >= 2")
     base = {name: fn(problem) for name, fn in baselines_for(problem).items()}
@@ -104,8 +104,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 
     if method != "cpsat":
         if not fits[method]:
-            raise MemoryBudgetError(f"the {method} schedule peaks at {_gib(peak[method])}, above the memory budget "
-                                    f"{_gib(budget)}; method='cpsat' schedules within the budget")
+            raise MemoryBudgetError(f"the {method} schedule peaks at {format_bytes(peak[method])}, above the memory budget "
+                                    f"{format_bytes(budget)}; method='cpsat' schedules within the budget")
         return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
@@ -123,7 +123,11 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     ok = [n for n in order if fits[n]]
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
+    _log.info("CP-SAT on %d tasks, effort %g s, from the %s schedule (%.1f us)", len(problem.tasks),
+              opts.time_limit_s, hint_name, span[hint_name] * problem.tick_us)
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
+    _log.info("CP-SAT %s%s", result.status, "" if result.solution is None else
+              f": {makespan_ticks(problem, result.solution) * problem.tick_us:.1f} us")
     result, lns_info = _window_search(problem, result, opts)
     solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name]) | lns_info
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
@@ -170,6 +174,8 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
     solve gets LAYER_SHARE of the effort; deterministic, so the candidates are too."""
     one = layer_graph(problem.graph)
     L = layer_count(problem.graph)
+    _log.info("periodic warm starts for %d layers: CP-SAT on %s-layer units, effort %g s each", L,
+              " and ".join(str(K) for K in UNIT_LAYERS if not L % K and K < L), opts.time_limit_s * LAYER_SHARE)
     out = []
     for K in UNIT_LAYERS:
         if L % K or K >= L:
@@ -180,6 +186,8 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
         sol = r.solution if r.solution is not None else hint
+        _log.info("periodic warm start: %d-layer unit %s (%.1f us), tiled over %d layers", K, r.status,
+                  makespan_ticks(unit, sol) * unit.tick_us, L)
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
         # later periods' backward (moegraph.schedules.periodic)
         for dp_slide in (False, True) if can_slide(unit) else (False,):
@@ -218,6 +226,7 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
     budget = problem.memory_budget_bytes
     order = list(base)
     lowest = min(order, key=lambda n: (peak[n], order.index(n)))
+    _log.info("no schedule within the memory budget yet: minimising peak memory (CP-SAT)")
     mp, unit = min_peak_memory(problem, opts, hint=base[lowest])
     if mp.solution is not None:
         found = peak_memory_bytes(problem, mp.solution)
@@ -226,16 +235,16 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
     lo = max(mp.bound * unit, memory_lower_bound(problem)[0])
     if mp.status == "OPTIMAL" and mp.solution is not None:
         least = peak_memory_bytes(problem, mp.solution)
-        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory {_gib(least)} "
+        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory {format_bytes(least)} "
                                 f"for this graph (proven by a min-peak-memory CP-SAT solve)", least, True)
     hi = peak_memory_bytes(problem, mp.solution) if mp.solution is not None else min(peak.values())
     if result.status == "INFEASIBLE":
-        raise MemoryBudgetError(f"memory budget {_gib(budget)} is below the least feasible peak memory, which lies "
-                                f"between {_gib(max(lo, budget + 1))} and {_gib(hi)} for this graph (CP-SAT proved the "
+        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory, which lies "
+                                f"between {format_bytes(max(lo, budget + 1))} and {format_bytes(hi)} for this graph (CP-SAT proved the "
                                 f"budget infeasible; the min-peak-memory solve did not finish in the time limit)",
                                 max(lo, budget + 1), False)
-    raise MemoryBudgetError(f"no schedule within the memory budget {_gib(budget)} was found in the time limit; the "
-                            f"least feasible peak memory lies between {_gib(lo)} and {_gib(hi)} for this graph "
+    raise MemoryBudgetError(f"no schedule within the memory budget {format_bytes(budget)} was found in the time limit; the "
+                            f"least feasible peak memory lies between {format_bytes(lo)} and {format_bytes(hi)} for this graph "
                             f"(min-peak-memory CP-SAT solve, not proven); raise time_limit_s or the budget", lo, False)
 
 

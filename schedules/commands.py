@@ -9,12 +9,13 @@ import json
 import sys
 from pathlib import Path
 
-from moegraph.commands import add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result
+from moegraph.commands import (add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result,
+                               progress_on_stderr)
 from moegraph.cost import variant
 from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.options import UsageError, check_output, format_bytes, positive_float
+from moegraph.options import UsageError, check_output, format_bytes, make_parents, positive_float
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph, model_step
 from moegraph.schedules.problem import ScheduleError
 from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, per_layer_summary
@@ -66,7 +67,17 @@ def dp_summary(layer, result, comm_streams) -> dict:
     return {**dp_sync_exposure(result.schedule.nodes), "exposed_dp_sync_bound_us": round(bound, 3)}
 
 
-def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -> dict:
+def baseline_peaks(layer, comm_streams, budget: int) -> dict[str, int]:
+    """Each baseline's peak memory, so the table can mark those that break ``budget``: their
+    makespans are listed for comparison, but a schedule over the budget is no alternative."""
+    from moegraph.schedules.baselines import baselines_for
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import peak_memory_bytes
+    problem = build_problem(layer.graph, layer.cost, comm_streams=comm_streams, memory_budget_bytes=budget)
+    return {name: peak_memory_bytes(problem, fn(problem)) for name, fn in baselines_for(problem).items()}
+
+
+def compile_summary(layer, result, output: str | None, comm_streams=("comm",), memory_budget: int | None = None) -> dict:
     s = result.schedule.summary
     return {"model": layer.model.name, "hardware": layer.hardware.name,
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
@@ -79,7 +90,10 @@ def compile_summary(layer, result, output: str | None, comm_streams=("comm",)) -
             "passes": layer.report, "micro_batches": micro_batch_count(layer.graph),
             **({"layers": _with_embed_grad(per_layer_summary(result.schedule), layer.graph)}
                if layer_count(layer.graph) > 1 else {}),
-            **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {})}
+            **(dp_summary(layer, result, comm_streams) if layer.graph.strategy.dp > 1 else {}),
+            **({"memory_budget_bytes": memory_budget,
+                "baseline_peak_memory_bytes": baseline_peaks(layer, comm_streams, memory_budget)}
+               if memory_budget is not None else {})}
 
 
 def _with_embed_grad(rows: list[dict], graph) -> list[dict]:
@@ -92,16 +106,26 @@ def _with_embed_grad(rows: list[dict], graph) -> list[dict]:
 
 
 def format_compile(c: dict) -> str:
-    b = c["baselines"]
     mbs = f", {c['micro_batches']} micro-batches" if c.get("micro_batches", 1) > 1 else ""
+    bound = c["lower_bound_us"] or 1.0
+    budget, peaks = c.get("memory_budget_bytes"), c.get("baseline_peak_memory_bytes", {})
+    # the returned schedule's row is marked *; a baseline that is the returned schedule is not
+    # listed twice, and the name column fits the longest name (megatron-1f1b)
+    rows = [(f"{c['source']} *", c["makespan_us"]),
+            *((k, v) for k, v in sorted(c["baselines"].items()) if k != c["source"])]
+    width = max(12, *(len(name) for name, _ in rows))
+    over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
     lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
-             f"{'schedule':<12} {'makespan us':>12} {'vs bound':>9}"]
-    bound = c["lower_bound_us"] or 1.0
-    for name, span in [(f"{c['source']} *", c["makespan_us"]), *sorted(b.items())]:
-        lines.append(f"{name:<12} {span:>12.1f} {span / bound:>8.3f}x")
-    lines += [f"{'lower bound':<12} {c['lower_bound_us']:>12.1f}   (* returned)",
-              f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
+             f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
+    for name, span in rows:
+        note = f"  over budget: peak {format_bytes(peaks[name])}" if name in over else ""
+        lines.append(f"{name:<{width}} {span:>12.1f} {span / bound:>8.3f}x{note}")
+    lines.append(f"{'lower bound':<{width}} {c['lower_bound_us']:>12.1f}   (* returned)")
+    if over:
+        lines.append(f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for comparison "
+                     "only, not schedules within the budget")
+    lines += [f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
               f"{c['solver']['wall_s']:.2f} s",
               f"schedule hash {c['hash'][:16]}" + (f", written to {c['output']}" if c["output"] else "")]
@@ -118,11 +142,12 @@ def compile_command(p: argparse.ArgumentParser):
     add_compile_args(p)
 
     def run(args) -> int:
-        layer, result = compile_from_args(args)
+        with progress_on_stderr("moegraph.schedules"):
+            layer, result = compile_from_args(args)
         if args.output:
-            result.schedule.save(args.output)
-        summary = compile_summary(layer, result, args.output,
-                                  comm_streams=comm_streams_from(args))
+            result.schedule.save(make_parents(args.output))
+        summary = compile_summary(layer, result, args.output, comm_streams=comm_streams_from(args),
+                                  memory_budget=args.memory_budget)
         print_result(summary, args.json, format_compile)
         return 0
     return run
@@ -171,7 +196,7 @@ def gantt_command(p: argparse.ArgumentParser):
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
         scheds = [load_schedule(args.schedule)] + ([load_schedule(args.compare)] if args.compare else [])
         sources = tuple(Path(f).name for f in (args.schedule, args.compare) if f)
-        render(scheds[0], args.output, compare=scheds[1] if args.compare else None, sources=sources)
+        render(scheds[0], make_parents(args.output), compare=scheds[1] if args.compare else None, sources=sources)
         if args.json:
             print(json.dumps({"output": args.output, "panels": [
                 {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us}

@@ -37,6 +37,7 @@ sequence, each solve under a deterministic time limit (moegraph.schedules.cpsat)
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from moegraph.schedules.cpsat import CpHandles, CpSatResult, Held, SolverOptions, build_model, staged_solve, sub_problem
@@ -44,6 +45,8 @@ from moegraph.schedules.problem import Problem, ScheduleError
 from moegraph.schedules.solution import Solution, makespan_ticks, peak_memory_bytes, solution_ends
 
 __all__ = ["LnsResult", "Neighbourhood", "improve", "neighbourhood", "windows", "WINDOW_TASKS", "WINDOW_EFFORT_S", "LNS_SHARE"]
+
+_log = logging.getLogger(__name__)   # one line per window (compile prints it on stderr)
 
 WINDOW_TASKS = 60
 """Tasks per window. DeepSeek-V3 merged (1,684 tasks), from interleave4+ends (187,365.4 us), 10
@@ -101,12 +104,15 @@ def improve(problem: Problem, incumbent: Solution, opts: SolverOptions, *, size:
     count = max(1, int(share * opts.time_limit_s / effort_s))
     ws = windows(len(problem.tasks), size)[:count]
     per = dataclasses.replace(opts, time_limit_s=effort_s)
+    _log.info("window search: %d windows of %d tasks, effort %g s each", len(ws), size, effort_s)
     improved, wall, dtime, cap = 0, 0.0, 0.0, False
-    for lo, hi in ws:
+    for k, (lo, hi) in enumerate(ws, 1):
         r = _window(problem, best, lo, hi, per)
         wall, dtime, cap = wall + r.wall_s, dtime + r.deterministic_time, cap or r.wall_cap_hit
         if r.solution is not None and makespan_ticks(problem, r.solution) < span:
             best, span, improved = r.solution, makespan_ticks(problem, r.solution), improved + 1
+        _log.info("window search %d/%d (tasks %d-%d of %d): %.1f us", k, len(ws), lo, hi, len(problem.tasks),
+                  span * problem.tick_us)
     return LnsResult(Solution(incumbent.method, best.start, best.mode), improved, len(ws), wall, dtime, cap)
 
 

@@ -38,14 +38,15 @@ from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, graph_digest
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
 from moegraph.microbatch import merge_microbatches
-from moegraph.options import UsageError, check_output, check_output_dir, fraction, positive_float, positive_int
+from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
+                              positive_float, positive_int)
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.schedules.api import compile_graph, model_step
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 
-CACHE_VERSION = 2          # 2: keyed by ir.graph_digest, typed strategies
+CACHE_VERSION = 3          # 2: keyed by ir.graph_digest, typed strategies; 3: infeasible entries keep the least peak
 CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
@@ -133,7 +134,8 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
         entry = {"feasible": True, "predicted_us": s["makespan_us"], "peak_memory_bytes": s["peak_memory_bytes"],
                  "lower_bound_us": s["lower_bound_us"], "status": result.status, "schedule": result.schedule.to_json()}
     except MemoryBudgetError as err:
-        entry = {"feasible": False, "why": str(err).splitlines()[0]}
+        entry = {"feasible": False, "why": str(err).splitlines()[0],
+                 **({"least_peak_bytes": err.least_peak_bytes} if err.least_peak_bytes is not None else {})}
     cache.put(key, entry)
     return entry | {"cached": False}
 
@@ -178,6 +180,8 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
                 + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
     feasible = sorted((r for r in rows if r["stage1"]["feasible"]), key=lambda r: r["stage1"]["predicted_us"])
+    if not feasible:
+        raise _nothing_fits(rows, memory_budget)
     for r in _to_refine(feasible, refine):
         r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
                               cache=cache)
@@ -189,12 +193,27 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     kept = _keep_baseline(best, base, min_gain, memory_budget)
     if kept:
         best, schedule = _baseline_row(base, kept), base.get("schedule")
-        say(f"[{time.perf_counter() - t0:6.1f}s] {kept}")
+    say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, n)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
             "min_gain": min_gain, "micro_batches": micro_batches,
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
+
+
+def _nothing_fits(rows: list[dict], memory_budget: int | None) -> MemoryBudgetError:
+    """The error when no candidate's list schedule fits ``memory_budget``: what the nearest needs."""
+    over = [r for r in rows if r["stage1"].get("least_peak_bytes") is None]
+    if over:   # within the sound bound, but its greedy schedule peaks above the budget
+        r = over[0]
+        return MemoryBudgetError(f"no candidate's greedy schedule fits the memory budget {format_bytes(memory_budget)} "
+                                 f"(tune ranks greedy schedules first); {_label(r['candidate'], r['graph'])}: "
+                                 f"{r['stage1']['why']}")
+    # every candidate is below its sound lower bound: the least of those bounds is one for all
+    least, label = min((r["stage1"]["least_peak_bytes"], _label(r["candidate"], r["graph"])) for r in rows)
+    return MemoryBudgetError(f"no candidate fits the memory budget {format_bytes(memory_budget)}: the least feasible "
+                             f"peak memory of any candidate is at least {format_bytes(least)} ({label.strip()}); "
+                             f"raise --memory-budget", least, False)
 
 
 def _step(graph: Graph, micro_batches: int) -> Graph:
@@ -271,6 +290,16 @@ def _rank_key(row: dict):
             row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row.get("fused", False))
 
 
+def pick_line(best: dict, n: int) -> str:
+    """The pick in one line: the candidate (or why the baseline was kept) and its prediction."""
+    if best.get("kept_baseline"):
+        return best["kept_baseline"]
+    name = " ".join(Strategy(best["attn"], best["ffn"], best["dispatch"], n, chunks=best["chunks"],
+                             remat=best["remat"]).label().split())
+    return (f"{name}{' fused' if best.get('fused') else ''} ({best['scheduler']}), predicted "
+            f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the tp+tp sequential baseline")
+
+
 def format_table(res: dict) -> str:
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}"
              + (f", {res['layers']} layers" if res["layers"] > 1 else "") + ": "
@@ -284,8 +313,9 @@ def format_table(res: dict) -> str:
                          f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
         else:
             lines.append(f"{i:>3} {name:<40} {'-':<6} {'infeasible':>12}")
-    if res["best"].get("kept_baseline"):
-        lines.append(f"best: {res['best']['kept_baseline']}")
+    lines.append(f"best: {pick_line(res['best'], res['n'])}")
+    if res.get("schedule_file"):
+        lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")
     return "\n".join(lines)
 
 
@@ -327,20 +357,27 @@ def tune_command(p: argparse.ArgumentParser):
             check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
                          suffixes=(".png", ".svg", ".html", ".json"))
         budget = args.memory_budget
+        t0 = time.perf_counter()
+
+        def say(msg: str) -> None:
+            # tune()'s own lines carry their elapsed time; the writing steps get the same clock
+            print(msg if msg.startswith("[") else f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr,
+                  flush=True)
         res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
                    dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
                    cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
                    micro_batches=args.micro_batches,
-                   progress=lambda m: print(m, file=sys.stderr, flush=True), fuse=args.fuse)
+                   progress=say, fuse=args.fuse)
         schedule_json = res.pop("_best_schedule")
         if schedule_json and args.output:
-            Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+            say(f"writing {args.output} and its Gantt chart")
             sched = Schedule.from_json(schedule_json)
-            sched.save(args.output)
+            sched.save(make_parents(args.output))
             gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
             from moegraph.schedules.gantt import render
-            render(sched, gantt)
+            render(sched, make_parents(gantt))
             res |= {"schedule_file": args.output, "gantt": gantt}
+            say(f"wrote {args.output} and {gantt}")
         print_result(res, args.json, format_table)
         return 0
     return run

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from moegraph.cost import CostModel
+from moegraph.options import format_bytes
 from moegraph.registry import Hardware
 from moegraph.schedules.schedule_file import Schedule
 
@@ -69,9 +70,6 @@ class Violation:
 def _ps(t: float) -> int:
     return round(t * 1e6)
 
-
-def _gib(b: float) -> str:
-    return f"{b / 2**30:.2f} GiB"
 
 
 @dataclass(frozen=True)
@@ -462,9 +460,9 @@ def _memory(s: Schedule, out: list[Violation], check_peak: bool = True) -> None:
     budget = s.memory_budget_bytes
     if budget is not None and peak > budget:
         top = sorted(peak_set.items(), key=lambda kv: (-kv[1], kv[0]))[:3]
-        names = ", ".join(f"{k!r} {_gib(b)}" for k, b in top)
-        out.append(Violation("memory", f"peak memory {_gib(peak)} at {peak_t / 1e6:.2f} us exceeds the budget "
-                                       f"{_gib(budget)} (largest live: {names})", tuple(k for k, _ in top)))
+        names = ", ".join(f"{k!r} {format_bytes(b)}" for k, b in top)
+        out.append(Violation("memory", f"peak memory {format_bytes(peak)} at {peak_t / 1e6:.2f} us exceeds the budget "
+                                       f"{format_bytes(budget)} (largest live: {names})", tuple(k for k, _ in top)))
 
 
 def _summary(s: Schedule, out: list[Violation]) -> None:

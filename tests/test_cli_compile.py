@@ -41,7 +41,7 @@ def test_ten_runs_give_byte_identical_files(tmp_path, capsys):
 def test_memory_budget_below_least_feasible_names_the_least_value(capsys):
     assert main(["compile", *TINY, "--memory-budget", "1KiB"]) == 2
     err = capsys.readouterr().err
-    assert "memory budget 0.00 GiB is below the least feasible peak memory" in err
+    assert "memory budget 1.00KiB is below the least feasible peak memory " in err and "0.00" not in err
     assert len(err.strip().splitlines()) == 1
 
 
@@ -90,3 +90,54 @@ def test_verify_and_gantt_json(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["output"] == str(tmp_path / "g.json") and len(out["panels"]) == 2
     assert out["panels"][0]["label"] != out["panels"][1]["label"]
+
+
+def test_table_lists_a_returned_baseline_once_in_aligned_columns(capsys):
+    assert main(["compile", *TINY, "--micro-batches", "2", "--schedule", "dualpipe"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = lines[2:lines.index(next(line for line in lines if line.startswith("lower bound")))]
+    assert [r.split()[0] for r in rows] == ["dualpipe", "greedy", "megascale", "megatron-1f1b", "sequential"]
+    assert rows[0].split()[1] == "*"
+    assert len({r.index("x") for r in rows}) == 1          # the "vs bound" column lines up on every row
+
+
+def test_table_marks_baselines_over_the_memory_budget(capsys):
+    out = compile_json(capsys, "--memory-budget", "500KiB", "--time-limit", "1")
+    over = {k for k, peak in out["baseline_peak_memory_bytes"].items() if peak > 500 * 2**10}
+    assert over and "sequential" not in over              # tiny at s=256: greedy and megascale peak higher
+    assert main(["compile", *TINY, "--memory-budget", "500KiB", "--time-limit", "1"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert all("over budget: peak" in rows[name] for name in over)
+    assert "over budget" not in rows["sequential"]
+
+
+def test_outputs_in_new_folders_are_created_by_every_writer(tmp_path, capsys):
+    """One output rule: a path is refused up front only for what cannot become a file (a
+    directory, a file among its parents); missing folders are made when it is written."""
+    sched = tmp_path / "new" / "a" / "s.json"
+    assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(sched)]) == 0
+    assert main(["gantt", str(sched), "-o", str(tmp_path / "charts" / "deep" / "s.svg")]) == 0
+    assert sched.is_file() and (tmp_path / "charts" / "deep" / "s.svg").is_file()
+    from moegraph.runtime.calibrate.command import _check_writable
+    _check_writable(tmp_path / "profiles" / "p.yaml")          # calibrate's up-front check agrees
+    assert not (tmp_path / "profiles").exists()
+
+
+def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monkeypatch):
+    import re
+
+    import moegraph.schedules.api as api
+    monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)   # the tiny merged step gets the window search too
+    assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--micro-batches", "2",
+                 "--time-limit", "0.2", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["micro_batches"] == 2       # stdout stays one JSON object
+    lines = captured.err.strip().splitlines()
+    assert all(re.match(r"\[ *\d+\.\ds\] ", line) for line in lines), lines
+    text = [line.split("] ", 1)[1] for line in lines]
+    assert re.fullmatch(r"CP-SAT on \d+ tasks, effort 0.2 s, from the \S+ schedule \([0-9.]+ us\)", text[0]), text
+    assert re.fullmatch(r"CP-SAT (OPTIMAL|FEASIBLE): [0-9.]+ us", text[1]), text
+    windows = int(re.fullmatch(r"window search: (\d+) windows of \d+ tasks, effort \S+ s each", text[2]).group(1))
+    assert [t.split(" (")[0] for t in text[3:]] == [f"window search {k}/{windows}" for k in range(1, windows + 1)]
+    assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--schedule", "greedy"]) == 0
+    assert capsys.readouterr().err == ""                        # no solve, nothing to report

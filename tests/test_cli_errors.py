@@ -77,6 +77,10 @@ CORE_CASES = [
      "collective 'dispatch_a2a' (all_to_all): 200 bytes do not split into 3 equal shards"),
     (["compile", "--model", "{tmp}/huge.yaml"], "huge.yaml: hidden: expected a positive int <= 1,048,576, got "
      "1000000000000"),
+    (["trace", *TINY, "--passes", "sar=budget:500MB"], "'500MB' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "-1GiB"], "argument --memory-budget: '-1GiB' is not a positive size"),
+    (["trace", "--model", "{tmp}/a_dir"], "a_dir' is a directory; give a model YAML file or a registry name"),
+    (["trace", "--hardware", "{tmp}/a_dir/"], "a_dir/' is a directory; give a hardware YAML file"),
 ]
 
 # -- schedules: verify and gantt ----------------------------------------------------------------------
@@ -122,6 +126,9 @@ RUNTIME_CASES = [
     (["calibrate", "--n", "0", "-o", "{tmp}/p.yaml"], "--n 0: the number of ranks must be between 1 and 64"),
     (["calibrate", "--samples", "{tmp}/s.txt", "-o", "{tmp}/p.yaml"], "s.txt: expected a .json file"),
     (["calibrate", "-o", "{tmp}/p.txt"], "a profile is a .yaml or .yml file"),
+    (["calibrate", "-o", "{tmp}/a_file.txt/p.yaml"], "a_file.txt' is a file, not a directory"),
+    (["run", "--model", "tiny", "--n", "2", "--seq", "64", "--memory-budget", "1KiB"],
+     "memory budget 1.00KiB is below the least feasible peak memory "),
     (["demo", "--steps", "-3"], "'-3' is not a positive integer"),
     (["run", "--link", "1gb"], "'1gb' is not a link rate such as 1gbit, 500mbit or 100kbit, or none"),
     (["run", "--link", "1gbit", "--link-latency", "soon"], "'soon' is not a one-way latency such as 500us"),

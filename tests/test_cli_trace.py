@@ -33,6 +33,13 @@ def test_trace_table_prints_totals(capsys):
     assert "forward comm bytes per rank" in out and "activation bytes held for backward" in out
 
 
+def test_trace_table_header_names_the_strategy_it_traced(capsys):
+    assert main(["trace", "--model", "tiny", "--n", "2", "--seq", "64", "--attn", "tp", "--ffn", "tp",
+                 "--dp", "2", "--passes", "none"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert header == "tiny on h800: attn=tp ffn=tp dispatch=ag-rs n=2 dp=2 dtype=bf16"
+
+
 @pytest.mark.parametrize("args,message", [
     (["--model", "nope"], "error: unknown model 'nope'; known: deepseek-moe, deepseek-v3, hunyuan-large, internal-352b"),
     (["--hardware", "h999"], "error: unknown hardware 'h999'; known:"),

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 import moegraph.schedules.api as api
+from moegraph.options import format_bytes
 from moegraph.schedules import MemoryBudgetError, ScheduleError, compile_graph, verify_schedule
 from moegraph.schedules.baselines import BASELINES
 from moegraph.schedules.bound import memory_lower_bound
@@ -90,7 +91,7 @@ def test_budget_below_the_sound_bound_fails_fast_with_the_least_peak():
     least, _ = memory_lower_bound(build_problem(g, COST))
     with pytest.raises(MemoryBudgetError) as err:
         compile_graph(g, COST, memory_budget_bytes=1 << 30 >> 4)
-    assert str(err.value) == (f"memory budget 0.06 GiB is below the least feasible peak memory {least / 2**30:.2f} GiB "
+    assert str(err.value) == (f"memory budget 64.00MiB is below the least feasible peak memory {format_bytes(least)} "
                               f"for this graph (a sound lower bound: values that must be live while 'swiglu.bwd' runs)")
     assert err.value.least_peak_bytes == least and err.value.proven
 
@@ -104,8 +105,8 @@ def test_budget_below_the_least_peak_proven_by_search():
     budget = (bound + least) // 2
     with pytest.raises(MemoryBudgetError) as err:
         compile_graph(g, COST, memory_budget_bytes=budget, time_limit_s=FAST)
-    assert str(err.value) == (f"memory budget {budget / 2**30:.2f} GiB is below the least feasible peak memory "
-                              f"{least / 2**30:.2f} GiB for this graph (proven by a min-peak-memory CP-SAT solve)")
+    assert str(err.value) == (f"memory budget {format_bytes(budget)} is below the least feasible peak memory "
+                              f"{format_bytes(least)} for this graph (proven by a min-peak-memory CP-SAT solve)")
     assert err.value.least_peak_bytes == least
 
 
@@ -153,7 +154,7 @@ def test_baseline_method_over_budget_is_an_error():
     budget = greedy_peak - 1
     least, _ = memory_lower_bound(p)
     assert budget >= least
-    with pytest.raises(MemoryBudgetError, match=r"the greedy schedule peaks at .* GiB, above the memory budget "):
+    with pytest.raises(MemoryBudgetError, match=r"the greedy schedule peaks at [0-9.]+[KMGT]iB, above the memory budget "):
         compile_graph(g, COST, method="greedy", memory_budget_bytes=budget)
 
 

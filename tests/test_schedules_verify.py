@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from moegraph.options import format_bytes
 from moegraph.schedules import compile_graph, verify_schedule
 from moegraph.schedules.schedule_file import Schedule
 from moegraph.schedules.verify import DURATION_TOLERANCE_US, check
@@ -115,8 +116,8 @@ def test_memory_over_budget():
     peak = s.summary["peak_memory_bytes"]
     bad = dataclasses.replace(s, memory_budget_bytes=peak - 1).with_hash()
     msg = _first(bad)
-    assert re.fullmatch(rf"peak memory {peak / 2**30:.2f} GiB at [0-9.]+ us exceeds the budget "
-                        rf"{(peak - 1) / 2**30:.2f} GiB \(largest live: '.+' [0-9.]+ GiB.*\)", msg), msg
+    assert re.fullmatch(rf"peak memory {format_bytes(peak)} at [0-9.]+ us exceeds the budget "
+                        rf"{format_bytes(peak - 1)} \(largest live: '.+' [0-9.]+[KMGT]?i?B.*\)", msg), msg
 
 
 def test_memory_summary_must_match():

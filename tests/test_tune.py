@@ -220,3 +220,26 @@ def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path):
     sched = Schedule.load(str(out))
     assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather",
             "edges.lm_head"} <= {n.name for n in sched.nodes}
+
+
+def test_cli_names_the_pick_and_the_files_it_wrote(tmp_path, capsys):
+    out = tmp_path / "new" / "best.json"
+    assert main(["tune", *ARGS, "--cache", str(tmp_path / "c"), "--min-gain", "0", "-o", str(out)]) == 0
+    captured = capsys.readouterr()
+    table = captured.out.strip().splitlines()
+    assert table[-2].startswith("best: ") and " (cpsat), predicted " in table[-2], table[-2]
+    assert table[-1] == f"wrote {out} (best schedule) and {out.with_suffix('.png')} (its Gantt chart)"
+    assert out.is_file() and out.with_suffix(".png").is_file()
+    progress = captured.err.strip().splitlines()
+    assert progress[-3].endswith(table[-2]) and progress[-1].endswith(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def test_cli_budget_no_candidate_fits_is_exit_2_naming_the_least_peak(tmp_path, capsys):
+    out = tmp_path / "best.json"
+    rc = main(["tune", "--model", "tiny", "--n", "2", "--seq", "64", "--memory-budget", "1KiB", "--cache", "",
+               "-o", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err[-1].startswith("moegraph tune: error: no candidate fits the memory budget 1.00KiB: the least "
+                              "feasible peak memory of any candidate is at least "), err[-1]
+    assert not out.exists() and not out.with_suffix(".png").exists()

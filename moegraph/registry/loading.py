@@ -100,6 +100,8 @@ def _load(arg: str | os.PathLike, kind: str, filename: str) -> Any:
         raise RegistryError(f"expected a {kind} name or a YAML path, got {arg!r}")
     if _is_path(arg):
         path = Path(arg)
+        if path.is_dir():
+            raise RegistryError(f"{kind} file '{arg}' is a directory; give a {kind} YAML file or a registry name")
         if not path.is_file():
             raise RegistryError(f"{kind} file '{arg}' does not exist")
         cls = ModelConfig if kind == "model" else Hardware

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from moegraph.cli import UsageError
+from moegraph.options import check_output
 from moegraph.registry import load_hardware
 from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo
 from moegraph.runtime.calibrate.fit import BenchCheck, GraphCheck, fit_profile, self_check, summarize_checks
@@ -130,6 +131,9 @@ def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -
         raise UsageError(f"-o {path}: a profile is a .yaml or .yml file (load_hardware reads it by that suffix)")
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory")
+    check_output(path, flag=flag)      # the one output rule: missing folders are made when it is written
+    if not path.parent.is_dir():
+        return
     existed = path.exists()
     try:
         with open(path, "a"):
