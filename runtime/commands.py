@@ -76,6 +76,14 @@ class RunSpec:
     implementation: "Implementation" = "reference"
     cuda_graphs: CudaGraphs = "off"     # runtime.cudagraph: what each layer replays as CUDA graphs
     expert_rows: ExpertRows = "exact"   # moegraph.kernels.build_index_map: the local index maps' rows
+    progress_t0: float | None = None    # the command's start (time.time()): rank 0 reports progress; None: silent
+
+
+def progress(t0: float | None, text: str) -> None:
+    """One progress line of `moegraph run` on stderr, stamped with the seconds since ``t0`` (the
+    command's start; the ranks get it in their spec); None: silent (benchmarks, the demo)."""
+    if t0 is not None:
+        print(f"run [{time.time() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 # Which eager module supplies the parameters (their names are the graph's): the project's
@@ -167,11 +175,12 @@ def seeded_stack(cfg: Any, seed: int, layers: int, dtype: str = "fp32",
     return module, call
 
 
-def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
+def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None,
+                on_step: Any = None) -> list[float]:
     """Run ``steps`` training steps; per step, wall microseconds on this rank (ranks start each
     step together: a barrier precedes it). A step is forward+backward of the shard ``xs`` seeded
     with ``dys``, or, for a merged micro-batch layer (``xs``, ``dys``: lists of shards), one
-    ``train_step`` of its M micro-batches."""
+    ``train_step`` of its M micro-batches. ``on_step(i, us)``: called after each step."""
     import torch
     import torch.distributed as dist
     merged = isinstance(xs, list)
@@ -194,6 +203,8 @@ def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = 
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
+        if on_step is not None:
+            on_step(len(times), times[-1])
     return times
 
 
@@ -235,8 +246,10 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
         (x, dy), = batches
         xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
     meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
+    t0 = spec.progress_t0 if rank == 0 else None    # one rank reports: the ranks step together
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
+        progress(t0, f"{spec.warmup} warm-up step{'s' * (spec.warmup != 1)}")
         timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
         layer.executor.host.reset()
@@ -245,12 +258,16 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
             recording, layers[i].record = layers[i].record, False
             timed_steps(layers[i], xs, dys, 1, meta)
             layers[i].record = recording
-        times[i] += timed_steps(layers[i], xs, dys, count, meta)
+        done = len(times[i])
+        times[i] += timed_steps(layers[i], xs, dys, count, meta, on_step=lambda j, us: progress(
+            t0, f"step {done + j}/{spec.steps}: {us / 1e3:.1f} ms on rank 0"))
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
+    if spec.check:
+        progress(t0, "checking output and gradients against the eager module")
     if spec.check and M > 1:
         out["check"] = check_microbatches_against_eager(module, layers[0], batches, call=call)
     elif spec.check:
@@ -473,6 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.runtime.cudagraph import capture_refusal
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
+    t0 = time.time()
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
@@ -480,6 +498,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
     check_cuda_graph_args(args)
+    if args.trace:
+        trace_paths(args.trace)                       # refused before the ranks run, not after
     if args.expert_rows != "exact" and args.train_steps is not None:
         raise UsageError(f"--expert-rows {args.expert_rows} applies to the timed layer; --train-steps trains a whole "
                          "model with exact expert rows (leave --expert-rows out)")
@@ -489,7 +509,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
     if args.train_steps is not None:
-        return train(args, link)
+        return train(args, link, t0)
     device = "cpu"
     world_size(args)
     if args.backend == "nccl":
@@ -508,11 +528,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
+        progress(t0, f"planning: schedule {args.schedule}" + (f" (CP-SAT, up to {args.time_limit:g} s)"
+                                                              if args.schedule == "cpsat" else ""))
         plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
                          memory_budget=args.memory_budget, time_limit_s=args.time_limit)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
                               backend=args.backend, timeout_s=args.timeout, check=args.check,
-                              cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
+                              cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows, progress_t0=t0)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
@@ -597,6 +619,7 @@ class TrainSpec:
     timeout_s: float
     dp: int = 1                   # replicas: the spawned world is n x dp ranks
     micro_batches: int = 1        # M >= 2: each step one merged plan of M micro-batches (train_step)
+    progress_t0: float | None = None   # rank 0 reports progress (``progress``); None: silent
 
 
 def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
@@ -618,7 +641,10 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
                              dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=world // spec.dp,
                              timeout_s=spec.timeout_s, dp=spec.dp, micro_batches=M)
     t0 = time.perf_counter()
+    shown = spec.progress_t0 if rank == 0 else None
     steps = [batches[k * M:(k + 1) * M] for k in range(spec.steps)]
+    if spec.check:
+        progress(shown, f"training {spec.steps} steps compiled, then eager alike (--check)")
     if M > 1 and spec.check:
         res = train_microbatches_against_eager(model, compiled, steps)
     elif M > 1:
@@ -628,6 +654,7 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
             opt.zero_grad()
             losses.append([x.item() for x in compiled.train_step(*map(list, zip(*step)))])
             opt.step()
+            progress(shown, f"step {len(losses)}/{spec.steps}: losses {', '.join(f'{x:.4f}' for x in losses[-1])}")
         res = {"losses": losses}
     elif spec.check:
         res = train_against_eager(model, compiled, batches)
@@ -640,12 +667,13 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            progress(shown, f"step {len(losses)}/{spec.steps}: loss {losses[-1]:.4f}")
         res = {"losses": losses}
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
 
-def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
+def train(args: argparse.Namespace, link: Any, t0: float | None = None) -> dict[str, Any]:
     """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``)."""
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
@@ -670,12 +698,14 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
     # the graph compile_model builds on every rank: the stack (merged over --micro-batches M by
     # layer_from_args) plus the edges
     graph = add_edges(layer.graph, vocab=args.vocab)
+    progress(t0, f"planning: schedule {args.schedule} of the {layers}-layer model step")
     plan = make_plan(graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
                      time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
                      layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,
-                     micro_batch_count(layer.graph))
+                     micro_batch_count(layer.graph), t0)
+    progress(t0, f"starting {world} gloo ranks (each compiles the model)")
     results = spawn(train_rank, world, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
     r = results[0]
     report: dict[str, Any] = {
@@ -729,15 +759,17 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
                 backend: str = "gloo", timeout_s: float = 120.0, check: bool = False,
                 implementation: Implementation = "reference", cuda_graphs: CudaGraphs = "off",
-                expert_rows: ExpertRows = "exact") -> list[dict[str, Any]]:
+                expert_rows: ExpertRows = "exact", progress_t0: float | None = None) -> list[dict[str, Any]]:
     """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank.
+    ``progress_t0``: the command's start, to report progress on stderr (``progress``).
     ``implementation``: the eager module the layer's graph was traced from (its parameter names);
     ``cuda_graphs``: what the layers replay as CUDA graphs (``runtime.cudagraph``);
     ``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``)."""
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
-                   timeout_s, check, implementation, cuda_graphs, expert_rows)
+                   timeout_s, check, implementation, cuda_graphs, expert_rows, progress_t0)
     world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
+    progress(progress_t0, f"starting {world} {backend} ranks (each builds its shard of the layer)")
     return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
 
@@ -762,20 +794,39 @@ def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):
 
 def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps_us: list[float],
                  hardware: Any = None) -> dict[str, str]:
-    """The step whose time is the median: rank 0's as a measured schedule file (OUT), the plan's
+    """The median step (``traced_step``): rank 0's as a measured schedule file (OUT), the plan's
     prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
-    (OUT.chrome.json)."""
+    (OUT.chrome.json). Also returns which step that is and its time."""
     from moegraph.runtime.trace import chrome_trace, measured_schedule, predicted_schedule, schedule_json, write_json
-    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
-    k = order[len(order) // 2]
-    path = Path(out)
+    k = traced_step(steps_us)
+    paths = trace_paths(out)
     measured = measured_schedule(traces[0][k], graph, plan, hardware=hardware, step=k, step_us=steps_us[k])
-    written = {"schedule": str(write_json(path, schedule_json(measured)))}
+    written = {"schedule": str(write_json(paths["schedule"], schedule_json(measured)))}
     predicted = predicted_schedule(graph, plan, hardware=hardware)
     if predicted is not None:
-        written["predicted"] = str(write_json(path.with_suffix(".predicted.json"), schedule_json(predicted)))
-    written["chrome"] = str(write_json(path.with_suffix(".chrome.json"), chrome_trace([t[k] for t in traces], graph)))
-    return written
+        written["predicted"] = str(write_json(paths["predicted"], schedule_json(predicted)))
+    written["chrome"] = str(write_json(paths["chrome"], chrome_trace([t[k] for t in traces], graph)))
+    return {**written, "step": k, "step_us": steps_us[k], "of_steps": len(steps_us)}
+
+
+def traced_step(steps_us: list[float]) -> int:
+    """The step ``run --trace`` draws: the median step, a step that ran. With an even count no step
+    has the median time (the mean of the middle two), so it is the faster middle step (the low
+    median); the report names its index and time beside the median."""
+    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+
+def trace_paths(out: str) -> dict[str, Path]:
+    """The files ``run --trace OUT`` writes (``write_traces``), each checked before any work
+    (``moegraph.options.check_output``: a UsageError naming the path, nothing written)."""
+    from moegraph.options import check_output
+    path = check_output(out, flag="--trace")
+    paths = {"schedule": path, "predicted": path.with_suffix(".predicted.json"),
+             "chrome": path.with_suffix(".chrome.json")}
+    for p in paths.values():
+        check_output(p, flag="--trace")
+    return paths
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -822,7 +873,10 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"mean |per-node error|: {pr['mean_abs_rel_err'] * 100:.0f}%")
     if "trace" in r:
         tr = r["trace"]
-        lines.append(f"trace: {tr['schedule']} (measured schedule)"
+        which = (f"step {tr['step']} ({tr['step_us'] / 1e3:.3f} ms, the median step"
+                 + (f"; of an even {tr['of_steps']} steps the faster middle one" if tr["of_steps"] % 2 == 0 else "")
+                 + ")") if "step" in tr else "the median step"
+        lines.append(f"trace of {which}: {tr['schedule']} (measured schedule)"
                      + (f", {tr['predicted']} (predicted)" if "predicted" in tr else "")
                      + f", {tr['chrome']} (Chrome trace)")
     return "\n".join(lines)

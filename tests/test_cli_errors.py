@@ -162,6 +162,8 @@ RUNTIME_CASES = [
                                                               "expert_rows='exact'"),
     (["run", "--expert-rows", "padded", "--train-steps", "2"], "--expert-rows padded applies to the timed layer; "
                                                                "--train-steps trains a whole model"),
+    (["run", "--trace", "{tmp}/a_dir"], "--trace '"),                      # refused before the ranks run
+    (["run", "--trace", "{tmp}/a_file.txt/x.json"], "a_file.txt' is a file, not a directory"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

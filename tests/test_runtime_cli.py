@@ -12,12 +12,17 @@ from moegraph.cli import main
 HAS_SCHEDULER = importlib.util.find_spec("moegraph.schedules.api") is not None
 
 
-def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
+def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     out = tmp_path / "measured.json"
     rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "greedy", "--check", "--compare-prediction",
                "--trace", str(out), "--json"])
     assert rc == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capfd.readouterr()           # fd level: rank 0's progress lines come from its own process
+    report = json.loads(captured.out)
+    progress = [line for line in captured.err.splitlines() if line.startswith("run [")]
+    for fragment in ("planning: schedule greedy", "starting 2 gloo ranks", "1 warm-up step", "step 1/2: ",
+                     "step 2/2: ", "checking output and gradients"):
+        assert any(fragment in line for line in progress), (fragment, captured.err)
     assert report["steps"] == 2 and report["schedule"] == "greedy" and report["n"] == 2
     assert report["model"] == "tiny" and report["hardware"] == "cpu-2core-gloo" and report["seq"] == 128
     assert report["step_us"] > 0 and len(report["step_us_all"]) == 2
@@ -35,6 +40,23 @@ def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
     assert [n["name"] for n in predicted["nodes"]] == [n["name"] for n in sched["nodes"]]
     chrome = json.loads(out.with_suffix(".chrome.json").read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
+    # 2 steps: no step took the median time; the trace is the faster middle step, and says so
+    assert report["trace"]["step_us"] == min(report["step_us_all"]) and report["trace"]["of_steps"] == 2
+
+
+def test_the_traced_step_is_a_median_step_and_the_report_names_it():
+    from moegraph.runtime.commands import format_report, traced_step
+    assert traced_step([315.7e3, 203.2e3]) == 1               # even: the faster middle step
+    assert traced_step([9.0, 1.0, 5.0]) == 2                  # odd: the median itself
+    assert traced_step([4.0, 3.0, 2.0, 1.0]) == 2
+    report = {"model": "tiny", "hardware": "cpu", "backend": "gloo", "n": 2, "batch": 1, "seq": 8,
+              "strategy": {"attn": "sp", "ffn": "ep", "dispatch": "a2a", "dtype": "fp32", "passes": []},
+              "schedule": "greedy", "plan_hash": "0" * 64, "steps": 2, "warmup": 1, "step_us": 259467.0,
+              "step_us_min": 203200.0, "step_us_max": 315700.0,
+              "trace": {"schedule": "t.json", "chrome": "t.chrome.json", "step": 1, "step_us": 203200.0,
+                        "of_steps": 2}}
+    assert "trace of step 1 (203.200 ms, the median step; of an even 2 steps the faster middle one)" \
+        in format_report(report)
 
 
 @pytest.mark.skipif(not HAS_SCHEDULER, reason="moegraph.schedules.api (CP-SAT scheduler) not available yet")
@@ -59,3 +81,16 @@ def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_pa
     starts = {n["name"]: n["start_us"] for n in file["nodes"]}
     assert report["predicted_step_us"] == pytest.approx(max(n["end_us"] for n in file["nodes"]) - min(starts.values()),
                                                         abs=0.1)
+
+
+def test_docs_state_run_timeout_default():
+    """docs/runtime.md ("Safety") names `moegraph run --timeout`'s real default."""
+    import re
+    from pathlib import Path
+
+    from moegraph.cli import build_parser
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    default = run.get_default("timeout")
+    text = " ".join((Path(__file__).parents[1] / "docs" / "runtime.md").read_text().split())
+    said = re.search(r"`moegraph run --timeout`, default (\d+) s", text)
+    assert said and float(said.group(1)) == default, (said, default)
