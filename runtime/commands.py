@@ -356,7 +356,7 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 
 # -- the command ----------------------------------------------------------------------------------
 
-CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU profiles: not for --backend nccl
+CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo", "cpu-2core-gloo-1gbit"})      # the shipped CPU profiles: not for --backend nccl
 
 
 def run_command(p: argparse.ArgumentParser):
@@ -491,6 +491,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
     t0 = time.time()
+    hardware_given = not isinstance(args.hardware, Unset)
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
@@ -508,6 +509,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
+    if link is not None and not hardware_given and schedule is None:
+        from moegraph.runtime.netns import profile_for
+        hardware, note = profile_for(link)           # the shipped profile calibrated on this link, if any
+        if hardware != args.hardware:
+            args.hardware = hardware
+            print(f"run: --link {link}: {note}", file=sys.stderr, flush=True)
     if args.train_steps is not None:
         return train(args, link, t0)
     device = "cpu"

@@ -89,6 +89,19 @@ def test_profile_link_mismatch_warns():
     assert "calibrated on an emulated 1gbit link, this run uses plain loopback" in link_mismatch(on_link, None)
     assert "this run uses an emulated 500mbit link" in link_mismatch(on_link, Link(5 * 10**8))
     assert "this run uses an emulated 1gbit+500us link" in link_mismatch(on_link, Link(10**9, 500.0))
+    # the shipped profile calibrated on the run's link is named when there is one
+    assert "(--hardware cpu-2core-gloo-1gbit was calibrated on it)" in link_mismatch(loopback, Link(10**9))
+    assert "(calibrate with the same --link for the latter)" in link_mismatch(loopback, Link(5 * 10**8))
+
+
+@needs_netns
+def test_run_on_a_link_without_hardware_takes_the_profile_calibrated_on_it(capfd):
+    assert main(["run", "--model", "tiny", "--seq", "64", "--steps", "1", "--warmup", "0", "--schedule", "sequential",
+                 "--link", "1gbit", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["hardware"] == "cpu-2core-gloo-1gbit"
+    assert "run: --link 1gbit: profile cpu-2core-gloo-1gbit (calibrated on this link)" in err
+    assert "warning" not in err
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
