@@ -66,7 +66,8 @@ def demo_command(p: argparse.ArgumentParser):
         # auto + --link-latency is refused like --link-latency alone: a delay needs a chosen link
         requested = AUTO if auto and link_from_args(argparse.Namespace(link=None, link_latency=args.link_latency)) \
             is None else link_from_args(args)
-        choice = choose_link(requested)
+        # --skip-run starts no ranks: no link is made, probed or reported
+        choice = LinkChoice(None, PLAIN_PROFILE, "") if args.skip_run else choose_link(requested)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
             ("1/4 trace: the Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800",
@@ -82,7 +83,8 @@ def demo_command(p: argparse.ArgumentParser):
                 if not auto:
                     raise
                 choice = LinkChoice(None, PLAIN_PROFILE, f"link: plain loopback, no emulated link: {err}")
-            print(choice.note, flush=True)
+            if choice.note:
+                print(choice.note, flush=True)
             out.mkdir(parents=True, exist_ok=True)
             for title, argv in steps:
                 print(f"\n== {title} ==", flush=True)

@@ -228,7 +228,7 @@ def emulated_link(link: Link | None) -> Iterator[Namespace | None]:
     if link is None:
         yield None
         return
-    with _cleanup_on_signals():
+    with _cleanup_on_signals(), _no_c10d_name_warnings():
         ns = Namespace(f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}", link)
         try:
             create(ns)
@@ -236,6 +236,24 @@ def emulated_link(link: Link | None) -> Iterator[Namespace | None]:
                 yield ns
         finally:
             remove(ns)
+
+
+@contextlib.contextmanager
+def _no_c10d_name_warnings() -> Iterator[None]:
+    """Ranks started in the block log c10d messages from ERROR up only (TORCH_CPP_LOG_LEVEL, read
+    by each rank at start; unless the user set it). Why: c10d names each store connection's peer
+    by reverse lookup; the rendezvous runs over IPv4-mapped IPv6 (::ffff:127.0.0.1), which
+    /etc/hosts does not list, so the lookup goes to DNS, which a namespace with only a loopback
+    cannot reach (EAI_AGAIN), and every rank printed "[c10d] The hostname of the client socket
+    cannot be retrieved. err=-3": harmless (the connection is made), but noise on every run."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def create(ns: Namespace) -> None:
