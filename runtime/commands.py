@@ -346,6 +346,37 @@ def world_size(args: argparse.Namespace) -> int:
     return world
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable of this machine (Linux /proc/meminfo), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_rank_memory(model: Any, layers: int, world: int, *, what: str, available: int | None = None) -> None:
+    """UsageError (before any work) when ``world`` local ranks cannot fit in this machine's memory.
+
+    A lower bound, not an estimate: every rank builds the whole seeded module in fp32 before
+    sharding it (``seeded_stack``; ``MoETransformer.from_config`` for --train-steps), so it holds
+    at least ``layers`` x ``ModelConfig.layer_param_bytes`` at once; activations, gradients and
+    shards come on top. Past the machine's available memory the kernel kills a rank minutes in
+    (a GPU-sized layer such as mixtral-8x7b on 8 CPU ranks needs ~46 GiB of weights alone)."""
+    from moegraph.options import UsageError, format_bytes
+    available = available_memory_bytes() if available is None else available
+    per_rank = layers * model.layer_param_bytes
+    if available is None or world * per_rank <= available:
+        return
+    stack = f"{layers} layers of {model.name}" if layers > 1 else f"a {model.name} layer"
+    raise UsageError(f"{what} on this machine's CPU would hold at least {format_bytes(world * per_rank)}: each rank "
+                     f"builds {stack} in fp32 ({format_bytes(per_rank)}) before sharding it, and only "
+                     f"{format_bytes(available)} is available; run it on GPUs (--backend nccl) or with a smaller "
+                     "--model, --layers or --n")
+
+
 def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, Any]:
     """Per step the slowest rank's time; the median over steps (and min, max)."""
     per_rank = [r["plans"][plan_index]["step_us"] for r in results]
@@ -470,6 +501,18 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
     return argparse.Namespace(**{**vars(plain), **{f: v for f, v in from_file.items() if f not in given}}), schedule
 
 
+def _model_and_layers(args: argparse.Namespace) -> tuple[Any, int]:
+    """The registry model and layer count ``args`` ask for (cheap: nothing traced)."""
+    from moegraph.commands import resolve_layers
+    from moegraph.registry import load_model
+    model = load_model(args.model)
+    return model, resolve_layers(getattr(args, "layers", 1), model)
+
+
+def _ranks_phrase(args: argparse.Namespace, world: int) -> str:
+    return f"--n {args.n} x --dp {args.dp} = {world} gloo ranks" if args.dp > 1 else f"--n {args.n} gloo ranks"
+
+
 def load_model_name(model: str) -> str:
     from moegraph.registry import load_model
     return load_model(model).name
@@ -518,7 +561,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.train_steps is not None:
         return train(args, link, t0)
     device = "cpu"
-    world_size(args)
+    world = world_size(args)
+    if args.backend == "gloo":
+        check_rank_memory(*_model_and_layers(args), world, what=_ranks_phrase(args, world))
     if args.backend == "nccl":
         if args.hardware in CPU_PROFILES:
             from moegraph.registry import hardware_names
@@ -700,6 +745,7 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None) -> dict[
         raise UsageError(f"--train-steps: {model.name} has {model.first_k_dense_replace} dense first layers; the "
                          "compiled model needs identical layers")
     world = world_size(args)
+    check_rank_memory(*_model_and_layers(args), world, what=_ranks_phrase(args, world))
     layer = layer_from_args(args, multi_layer=True)
     layers = layer_count(layer.graph)
     # the graph compile_model builds on every rank: the stack (merged over --micro-batches M by

@@ -163,7 +163,12 @@ RUNTIME_CASES = [
                                                               "expert_rows='exact'"),
     (["run", "--expert-rows", "padded", "--train-steps", "2"], "--expert-rows padded applies to the timed layer; "
                                                                "--train-steps trains a whole model"),
-    (["run", "--trace", "{tmp}/a_dir"], "--trace '"),                      # refused before the ranks run
+    (["run", "--trace", "{tmp}/a_dir"], "--trace '"),
+    # more than any machine's memory: refused before tracing or spawning (the kernel killed such ranks minutes in)
+    (["run", "--model", "deepseek-v3", "--n", "8", "--layers", "all"], "--n 8 gloo ranks on this machine's CPU would "
+                                                                       "hold at least"),
+    (["run", "--model", "mixtral-8x7b", "--n", "64", "--layers", "all", "--train-steps", "1"],
+     "each rank builds 32 layers of mixtral-8x7b in fp32"),                      # refused before the ranks run
     (["run", "--trace", "{tmp}/a_file.txt/x.json"], "a_file.txt' is a file, not a directory"),
 ]
 

@@ -83,6 +83,20 @@ def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_pa
                                                         abs=0.1)
 
 
+def test_gpu_sized_layers_on_cpu_ranks_are_refused_by_memory():
+    """The audit's case: the demo's mixtral-8x7b file on 8 gloo ranks of a 22 GiB machine (a rank
+    was SIGKILLed after 116 s); the tiny default layer fits."""
+    from moegraph.options import UsageError
+    from moegraph.registry import load_model
+    from moegraph.runtime.commands import check_rank_memory
+    mixtral, gib = load_model("mixtral-8x7b"), 2**30
+    with pytest.raises(UsageError, match=r"--n 8 gloo ranks on this machine's CPU would hold at least 4\d\.\d\dGiB: "
+                                         r"each rank builds a mixtral-8x7b layer in fp32 \(5\.\d\dGiB\)"):
+        check_rank_memory(mixtral, 1, 8, what="--n 8 gloo ranks", available=22 * gib)
+    check_rank_memory(mixtral, 1, 8, what="--n 8 gloo ranks", available=64 * gib)
+    check_rank_memory(load_model("tiny"), 1, 2, what="--n 2 gloo ranks", available=1 * gib)
+
+
 def test_docs_state_run_timeout_default():
     """docs/runtime.md ("Safety") names `moegraph run --timeout`'s real default."""
     import re
