@@ -34,7 +34,7 @@ from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
-               "micro_batches")
+               "micro_batches", "layers")
 
 
 @dataclass(frozen=True)
@@ -416,7 +416,7 @@ def run_command(p: argparse.ArgumentParser):
                    help="instead of timing the layers: train the whole model (moegraph.models.MoETransformer "
                         "with --layers layers) K AdamW steps, compiled on the N ranks; with --check, compare "
                         "every step's loss and the final parameters with the eager model trained the same way")
-    p.add_argument("--vocab", type=positive_int, default=1024, metavar="V",
+    p.add_argument("--vocab", type=positive_int, default=VOCAB_DEFAULT, metavar="V",
                    help="vocabulary size of the --train-steps model (the registry has none; default %(default)s)")
     p.add_argument("--trace", metavar="OUT", help="write the measured schedule file (OUT), the predicted one "
                    "(OUT with suffix .predicted.json) and a Chrome trace (suffix .chrome.json)")
@@ -457,6 +457,7 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                                                    if isinstance(getattr(args, f, None), Unset)}})
     if not isinstance(args.schedule, Path):
         return plain, None
+    from moegraph.ir import LAYER_ATTR
     from moegraph.microbatch import MB_ATTR
     from moegraph.registry import RegistryError, load_hardware
     from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
@@ -474,11 +475,18 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                      "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"]),
                      # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
                      "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
-                     or 1}
+                     or 1,
+                     # a stack's nodes carry their layer index (moegraph.layers)
+                     "layers": 1 + max((n.attrs[LAYER_ATTR] for n in schedule.nodes
+                                        if n.attrs.get(LAYER_ATTR) is not None), default=0)}
     except (KeyError, TypeError) as err:
         raise UsageError(f"--schedule {path}: its graph or hardware misses {err}") from None
     for flag, value in given.items():
         want = from_file[flag]
+        if flag == "layers" and value == "all":
+            from moegraph.commands import resolve_layers
+            from moegraph.registry import load_model
+            value = resolve_layers(value, load_model(given.get("model", from_file["model"])))
         ok = (load_model_name(value) == want) if flag == "model" else (
             _hardware_name(value) == want if flag == "hardware" else value == want)
         if not ok:
@@ -552,6 +560,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
+    if schedule is not None:
+        model_step_file_args(args, schedule, t0)
     if link is not None and not hardware_given and schedule is None:
         from moegraph.runtime.netns import profile_for
         hardware, note = profile_for(link)           # the shipped profile calibrated on this link, if any
@@ -559,7 +569,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             args.hardware = hardware
             print(f"run: --link {link}: {note}", file=sys.stderr, flush=True)
     if args.train_steps is not None:
-        return train(args, link, t0)
+        return train(args, link, t0, schedule)
     device = "cpu"
     world = world_size(args)
     if args.backend == "gloo":
@@ -672,6 +682,7 @@ class TrainSpec:
     dp: int = 1                   # replicas: the spawned world is n x dp ranks
     micro_batches: int = 1        # M >= 2: each step one merged plan of M micro-batches (train_step)
     progress_t0: float | None = None   # rank 0 reports progress (``progress``); None: silent
+    dtype: str = "fp32"           # the parameters' dtype: the plan's graph was lowered in it
 
 
 def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
@@ -684,7 +695,9 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     from moegraph.runtime.check import train_against_eager, train_microbatches_against_eager
     from moegraph.runtime.model import compile_model
     torch.manual_seed(spec.seed)
-    model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
+    # in the plan's dtype: compile_model lowers the model in its parameters' dtype
+    model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab).to(
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype])
     gen = torch.Generator().manual_seed(spec.seed + 1)
     M = spec.micro_batches
     batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.dp * spec.batch, spec.seq), generator=gen)
@@ -725,8 +738,50 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     return res
 
 
-def train(args: argparse.Namespace, link: Any, t0: float | None = None) -> dict[str, Any]:
-    """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``)."""
+def is_model_step(schedule: Any) -> bool:
+    """Whether a schedule file schedules a model step (a stack with the model's edges: embedding,
+    final norm, LM head; what compile and tune write for --layers L >= 2, schedules.api.model_step)
+    rather than one layer."""
+    from moegraph.edges import EDGE_ATTR
+    return any(n.attrs.get(EDGE_ATTR) for n in schedule.nodes)
+
+
+def model_step_file_args(args: argparse.Namespace, schedule: Any, t0: float | None) -> None:
+    """``run --schedule FILE.json`` of a model step: it runs as the model it schedules, trained
+    (``train``): the timed layer path has no embedding or LM head. --train-steps defaults to
+    --steps; the vocabulary is the one compile and tune schedule (moegraph.models.VOCAB). A
+    one-layer file cannot drive --train-steps (the trained model has edges the file lacks).
+    UsageError before any work."""
+    from moegraph.models import VOCAB
+    from moegraph.options import UsageError
+    path = args.schedule
+    if not is_model_step(schedule):
+        if args.train_steps is not None:
+            raise UsageError(f"--train-steps trains the model step (embedding, layers, LM head); --schedule {path} "
+                             "schedules one layer alone (compile or tune --layers L >= 2 write model steps)")
+        return
+    refused = [flag for flag, given in (("--trace", args.trace), ("--compare-prediction", args.compare_prediction),
+                                         ("--backend nccl", args.backend != "gloo")) if given]
+    if refused:
+        raise UsageError(f"--schedule {path} schedules the {args.layers}-layer model step (embedding and LM head "
+                         f"included), which run executes by training the model; that does not take "
+                         f"{', '.join(refused)}")
+    if args.vocab not in (VOCAB, VOCAB_DEFAULT):
+        raise UsageError(f"--vocab {args.vocab} does not match the schedule file {path}, whose LM head has "
+                         f"vocab={VOCAB} (leave --vocab out)")
+    args.vocab = VOCAB
+    if args.train_steps is None:
+        args.train_steps = args.steps
+        progress(t0, f"--schedule {path} schedules the {args.layers}-layer model step (embedding and LM head "
+                     f"included): training the model {args.steps} AdamW steps under it (--train-steps)")
+
+
+VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
+
+
+def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule: Any = None) -> dict[str, Any]:
+    """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``);
+    ``schedule``: the Schedule of a model-step file (``model_step_file_args``) to plan from."""
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.edges import add_edges
@@ -751,13 +806,15 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None) -> dict[
     # the graph compile_model builds on every rank: the stack (merged over --micro-batches M by
     # layer_from_args) plus the edges
     graph = add_edges(layer.graph, vocab=args.vocab)
+    if schedule is not None:
+        _check_same_graph(graph, schedule, args.schedule)
     progress(t0, f"planning: schedule {args.schedule} of the {layers}-layer model step")
-    plan = make_plan(graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
-                     time_limit_s=args.time_limit)
+    plan = make_plan(graph, layer.cost, schedule if schedule is not None else args.schedule,
+                     memory_budget=args.memory_budget, time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
                      layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,
-                     micro_batch_count(layer.graph), t0)
+                     micro_batch_count(layer.graph), t0, st.dtype)
     progress(t0, f"starting {world} gloo ranks (each compiles the model)")
     results = spawn(train_rank, world, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
     r = results[0]

@@ -164,6 +164,9 @@ RUNTIME_CASES = [
     (["run", "--expert-rows", "padded", "--train-steps", "2"], "--expert-rows padded applies to the timed layer; "
                                                                "--train-steps trains a whole model"),
     (["run", "--trace", "{tmp}/a_dir"], "--trace '"),
+    (["run", "--schedule", "{tmp}/sched.json", "--layers", "2"], "--layers 2 does not match the schedule file"),
+    (["run", "--schedule", "{tmp}/sched.json", "--train-steps", "1"], "schedules one layer alone (compile or tune "
+                                                                      "--layers L >= 2 write model steps)"),
     # more than any machine's memory: refused before tracing or spawning (the kernel killed such ranks minutes in)
     (["run", "--model", "deepseek-v3", "--n", "8", "--layers", "all"], "--n 8 gloo ranks on this machine's CPU would "
                                                                        "hold at least"),

@@ -65,6 +65,22 @@ def test_run_with_the_cpsat_schedule(capsys):
     assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
 
 
+def test_run_trains_the_model_step_a_multi_layer_compile_wrote(capsys, tmp_path):
+    """compile --layers 2 schedules the model step (layers + embedding and LM head): run --schedule
+    runs it, as the model trained under the file's plan, in the file's dtype, against eager."""
+    sched = tmp_path / "two.json"
+    assert main(["compile", "--model", "small", "--layers", "2", "--hardware", "cpu-2core-gloo", "--n", "2",
+                 "--seq", "32", "--dtype", "fp32", "--schedule", "sequential", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["layers"], report["vocab"], report["train_steps"]) == ("small", 2, 32000, 1)
+    assert report["schedule"] == "sequential" and report["seq"] == 32 and report["strategy"]["dtype"] == "fp32"
+    assert report["max_rel_err_loss"] < 1e-5 and report["max_rel_err_grads"] < 1e-4
+    assert main(["run", "--schedule", str(sched), "--layers", "3"]) == 2
+    assert "--layers 3 does not match the schedule file" in capsys.readouterr().err
+
+
 def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_path):
     sched = tmp_path / "tp.json"
     assert main(["compile", "--model", "tiny", "--hardware", "cpu-2core-gloo", "--attn", "tp", "--ffn", "tp",
