@@ -562,12 +562,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_micro_batch_args(args)
     if schedule is not None:
         model_step_file_args(args, schedule, t0)
+    profile_note = None
     if link is not None and not hardware_given and schedule is None:
         from moegraph.runtime.netns import profile_for
         hardware, note = profile_for(link)           # the shipped profile calibrated on this link, if any
         if hardware != args.hardware:
-            args.hardware = hardware
-            print(f"run: --link {link}: {note}", file=sys.stderr, flush=True)
+            args.hardware, profile_note = hardware, f"run: --link {link}: {note}"
     if args.train_steps is not None:
         return train(args, link, t0, schedule)
     device = "cpu"
@@ -582,6 +582,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
     with emulated_link(link):                         # a missing privilege fails here, before any work
+        if profile_note:                              # said once the link exists (else the error alone)
+            print(profile_note, file=sys.stderr, flush=True)
         layer = layer_from_args(args, multi_layer=True)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)

@@ -262,7 +262,7 @@ def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
     the rate": tbf's token bucket lets each short transfer's first burst through at loopback speed,
     so a fit over short transfers lands above rate/8 (measured 14.8-20.9 MB/s at 12.5)."""
     out = tmp_path / "link.yaml"
-    proc = subprocess.Popen([sys.executable, "-m", "moegraph", "calibrate", "--time-budget", "30", "--n", "2",
+    proc = subprocess.Popen([sys.executable, "-m", "moegraph", "calibrate", "--time-budget", "10", "--n", "2",
                              "--link", "100mbit", "--quiet", "-o", str(out)], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     _, err = proc.communicate(timeout=180)
