@@ -35,6 +35,7 @@ from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
                "micro_batches", "layers")
+VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
 
 
 @dataclass(frozen=True)
@@ -778,9 +779,6 @@ def model_step_file_args(args: argparse.Namespace, schedule: Any, t0: float | No
                      f"included): training the model {args.steps} AdamW steps under it (--train-steps)")
 
 
-VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
-
-
 def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule: Any = None) -> dict[str, Any]:
     """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``);
     ``schedule``: the Schedule of a model-step file (``model_step_file_args``) to plan from."""
@@ -905,7 +903,7 @@ def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):
 
 
 def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps_us: list[float],
-                 hardware: Any = None) -> dict[str, str]:
+                 hardware: Any = None) -> dict[str, Any]:
     """The median step (``traced_step``): rank 0's as a measured schedule file (OUT), the plan's
     prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
     (OUT.chrome.json). Also returns which step that is and its time."""
