@@ -983,9 +983,9 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"mean |per-node error|: {pr['mean_abs_rel_err'] * 100:.0f}%")
     if "trace" in r:
         tr = r["trace"]
-        which = (f"step {tr['step']} ({tr['step_us'] / 1e3:.3f} ms, the median step"
-                 + (f"; of an even {tr['of_steps']} steps the faster middle one" if tr["of_steps"] % 2 == 0 else "")
-                 + ")") if "step" in tr else "the median step"
+        which = (f"step {tr['step']} ({tr['step_us'] / 1e3:.3f} ms, "
+                 + (f"the faster of the two middle steps of {tr['of_steps']}" if tr["of_steps"] % 2 == 0
+                    else "the median step") + ")") if "step" in tr else "the median step"
         lines.append(f"trace of {which}: {tr['schedule']} (measured schedule)"
                      + (f", {tr['predicted']} (predicted)" if "predicted" in tr else "")
                      + f", {tr['chrome']} (Chrome trace)")

@@ -55,8 +55,9 @@ def test_the_traced_step_is_a_median_step_and_the_report_names_it():
               "step_us_min": 203200.0, "step_us_max": 315700.0,
               "trace": {"schedule": "t.json", "chrome": "t.chrome.json", "step": 1, "step_us": 203200.0,
                         "of_steps": 2}}
-    assert "trace of step 1 (203.200 ms, the median step; of an even 2 steps the faster middle one)" \
-        in format_report(report)
+    assert "trace of step 1 (203.200 ms, the faster of the two middle steps of 2)" in format_report(report)
+    report["trace"].update(step=2, step_us=259467.0, of_steps=3)
+    assert "trace of step 2 (259.467 ms, the median step)" in format_report(report)
 
 
 @pytest.mark.skipif(not HAS_SCHEDULER, reason="moegraph.schedules.api (CP-SAT scheduler) not available yet")
