@@ -34,7 +34,8 @@ from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
-               "micro_batches")
+               "micro_batches", "layers")
+VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,14 @@ class RunSpec:
     implementation: "Implementation" = "reference"
     cuda_graphs: CudaGraphs = "off"     # runtime.cudagraph: what each layer replays as CUDA graphs
     expert_rows: ExpertRows = "exact"   # moegraph.kernels.build_index_map: the local index maps' rows
+    progress_t0: float | None = None    # the command's start (time.time()): rank 0 reports progress; None: silent
+
+
+def progress(t0: float | None, text: str) -> None:
+    """One progress line of `moegraph run` on stderr, stamped with the seconds since ``t0`` (the
+    command's start; the ranks get it in their spec); None: silent (benchmarks, the demo)."""
+    if t0 is not None:
+        print(f"run [{time.time() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
 
 # Which eager module supplies the parameters (their names are the graph's): the project's
@@ -167,11 +176,12 @@ def seeded_stack(cfg: Any, seed: int, layers: int, dtype: str = "fp32",
     return module, call
 
 
-def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None) -> list[float]:
+def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None,
+                on_step: Any = None) -> list[float]:
     """Run ``steps`` training steps; per step, wall microseconds on this rank (ranks start each
     step together: a barrier precedes it). A step is forward+backward of the shard ``xs`` seeded
     with ``dys``, or, for a merged micro-batch layer (``xs``, ``dys``: lists of shards), one
-    ``train_step`` of its M micro-batches."""
+    ``train_step`` of its M micro-batches. ``on_step(i, us)``: called after each step."""
     import torch
     import torch.distributed as dist
     merged = isinstance(xs, list)
@@ -194,6 +204,8 @@ def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = 
         if cuda:
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
+        if on_step is not None:
+            on_step(len(times), times[-1])
     return times
 
 
@@ -235,8 +247,10 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
         (x, dy), = batches
         xs, dys = layers[0].shard_input(x).requires_grad_(True), layers[0].shard_input(dy)
     meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
+    t0 = spec.progress_t0 if rank == 0 else None    # one rank reports: the ranks step together
     times: list[list[float]] = [[] for _ in layers]
     for layer in layers:
+        progress(t0, f"{spec.warmup} warm-up step{'s' * (spec.warmup != 1)}")
         timed_steps(layer, xs, dys, spec.warmup, meta)
         layer.clear_traces()
         layer.executor.host.reset()
@@ -245,12 +259,16 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
             recording, layers[i].record = layers[i].record, False
             timed_steps(layers[i], xs, dys, 1, meta)
             layers[i].record = recording
-        times[i] += timed_steps(layers[i], xs, dys, count, meta)
+        done = len(times[i])
+        times[i] += timed_steps(layers[i], xs, dys, count, meta, on_step=lambda j, us: progress(
+            t0, f"step {done + j}/{spec.steps}: {us / 1e3:.1f} ms on rank 0"))
     out: dict[str, Any] = {"rank": rank, "plans": []}
     for layer, t in zip(layers, times):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
+    if spec.check:
+        progress(t0, "checking output and gradients against the eager module")
     if spec.check and M > 1:
         out["check"] = check_microbatches_against_eager(module, layers[0], batches, call=call)
     elif spec.check:
@@ -329,6 +347,37 @@ def world_size(args: argparse.Namespace) -> int:
     return world
 
 
+def available_memory_bytes() -> int | None:
+    """MemAvailable of this machine (Linux /proc/meminfo), or None where it cannot be read."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def check_rank_memory(model: Any, layers: int, world: int, *, what: str, available: int | None = None) -> None:
+    """UsageError (before any work) when ``world`` local ranks cannot fit in this machine's memory.
+
+    A lower bound, not an estimate: every rank builds the whole seeded module in fp32 before
+    sharding it (``seeded_stack``; ``MoETransformer.from_config`` for --train-steps), so it holds
+    at least ``layers`` x ``ModelConfig.layer_param_bytes`` at once; activations, gradients and
+    shards come on top. Past the machine's available memory the kernel kills a rank minutes in
+    (a GPU-sized layer such as mixtral-8x7b on 8 CPU ranks needs ~46 GiB of weights alone)."""
+    from moegraph.options import UsageError, format_bytes
+    available = available_memory_bytes() if available is None else available
+    per_rank = layers * model.layer_param_bytes
+    if available is None or world * per_rank <= available:
+        return
+    stack = f"{layers} layers of {model.name}" if layers > 1 else f"a {model.name} layer"
+    raise UsageError(f"{what} on this machine's CPU would hold at least {format_bytes(world * per_rank)}: each rank "
+                     f"builds {stack} in fp32 ({format_bytes(per_rank)}) before sharding it, and only "
+                     f"{format_bytes(available)} is available; run it on GPUs (--backend nccl) or with a smaller "
+                     "--model, --layers or --n")
+
+
 def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, Any]:
     """Per step the slowest rank's time; the median over steps (and min, max)."""
     per_rank = [r["plans"][plan_index]["step_us"] for r in results]
@@ -339,7 +388,7 @@ def step_stats(results: list[dict[str, Any]], plan_index: int = 0) -> dict[str, 
 
 # -- the command ----------------------------------------------------------------------------------
 
-CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo"})      # the shipped CPU profiles: not for --backend nccl
+CPU_PROFILES = frozenset({"cpu-gloo", "cpu-2core-gloo", "cpu-2core-gloo-1gbit"})      # the shipped CPU profiles: not for --backend nccl
 
 
 def run_command(p: argparse.ArgumentParser):
@@ -368,7 +417,7 @@ def run_command(p: argparse.ArgumentParser):
                    help="instead of timing the layers: train the whole model (moegraph.models.MoETransformer "
                         "with --layers layers) K AdamW steps, compiled on the N ranks; with --check, compare "
                         "every step's loss and the final parameters with the eager model trained the same way")
-    p.add_argument("--vocab", type=positive_int, default=1024, metavar="V",
+    p.add_argument("--vocab", type=positive_int, default=VOCAB_DEFAULT, metavar="V",
                    help="vocabulary size of the --train-steps model (the registry has none; default %(default)s)")
     p.add_argument("--trace", metavar="OUT", help="write the measured schedule file (OUT), the predicted one "
                    "(OUT with suffix .predicted.json) and a Chrome trace (suffix .chrome.json)")
@@ -409,6 +458,7 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                                                    if isinstance(getattr(args, f, None), Unset)}})
     if not isinstance(args.schedule, Path):
         return plain, None
+    from moegraph.ir import LAYER_ATTR
     from moegraph.microbatch import MB_ATTR
     from moegraph.registry import RegistryError, load_hardware
     from moegraph.schedules.schedule_file import Schedule, ScheduleFormatError
@@ -426,11 +476,18 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                      "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"]),
                      # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
                      "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
-                     or 1}
+                     or 1,
+                     # a stack's nodes carry their layer index (moegraph.layers)
+                     "layers": 1 + max((n.attrs[LAYER_ATTR] for n in schedule.nodes
+                                        if n.attrs.get(LAYER_ATTR) is not None), default=0)}
     except (KeyError, TypeError) as err:
         raise UsageError(f"--schedule {path}: its graph or hardware misses {err}") from None
     for flag, value in given.items():
         want = from_file[flag]
+        if flag == "layers" and value == "all":
+            from moegraph.commands import resolve_layers
+            from moegraph.registry import load_model
+            value = resolve_layers(value, load_model(given.get("model", from_file["model"])))
         ok = (load_model_name(value) == want) if flag == "model" else (
             _hardware_name(value) == want if flag == "hardware" else value == want)
         if not ok:
@@ -453,6 +510,18 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
     return argparse.Namespace(**{**vars(plain), **{f: v for f, v in from_file.items() if f not in given}}), schedule
 
 
+def _model_and_layers(args: argparse.Namespace) -> tuple[Any, int]:
+    """The registry model and layer count ``args`` ask for (cheap: nothing traced)."""
+    from moegraph.commands import resolve_layers
+    from moegraph.registry import load_model
+    model = load_model(args.model)
+    return model, resolve_layers(getattr(args, "layers", 1), model)
+
+
+def _ranks_phrase(args: argparse.Namespace, world: int) -> str:
+    return f"--n {args.n} x --dp {args.dp} = {world} gloo ranks" if args.dp > 1 else f"--n {args.n} gloo ranks"
+
+
 def load_model_name(model: str) -> str:
     from moegraph.registry import load_model
     return load_model(model).name
@@ -473,6 +542,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.runtime.cudagraph import capture_refusal
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch
+    t0 = time.time()
+    hardware_given = not isinstance(args.hardware, Unset)
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
@@ -480,6 +551,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.warmup < 0 or args.timeout <= 0:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
     check_cuda_graph_args(args)
+    if args.trace:
+        trace_paths(args.trace)                       # refused before the ranks run, not after
     if args.expert_rows != "exact" and args.train_steps is not None:
         raise UsageError(f"--expert-rows {args.expert_rows} applies to the timed layer; --train-steps trains a whole "
                          "model with exact expert rows (leave --expert-rows out)")
@@ -488,10 +561,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
+    if schedule is not None:
+        model_step_file_args(args, schedule, t0)
+    profile_note = None
+    if link is not None and not hardware_given and schedule is None:
+        from moegraph.runtime.netns import profile_for
+        hardware, note = profile_for(link)           # the shipped profile calibrated on this link, if any
+        if hardware != args.hardware:
+            args.hardware, profile_note = hardware, f"run: --link {link}: {note}"
     if args.train_steps is not None:
-        return train(args, link)
+        return train(args, link, t0, schedule)
     device = "cpu"
-    world_size(args)
+    world = world_size(args)
+    if args.backend == "gloo":
+        check_rank_memory(*_model_and_layers(args), world, what=_ranks_phrase(args, world))
     if args.backend == "nccl":
         if args.hardware in CPU_PROFILES:
             from moegraph.registry import hardware_names
@@ -500,6 +583,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              f"would plan the GPU run with CPU costs; give the GPUs' profile ({', '.join(gpus)})")
         device = "cuda"
     with emulated_link(link):                         # a missing privilege fails here, before any work
+        if profile_note:                              # said once the link exists (else the error alone)
+            print(profile_note, file=sys.stderr, flush=True)
         layer = layer_from_args(args, multi_layer=True)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
@@ -508,11 +593,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
+        progress(t0, f"planning: schedule {args.schedule}" + (f" (CP-SAT, up to {args.time_limit:g} s)"
+                                                              if args.schedule == "cpsat" else ""))
         plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
                          memory_budget=args.memory_budget, time_limit_s=args.time_limit)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
                               backend=args.backend, timeout_s=args.timeout, check=args.check,
-                              cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
+                              cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows, progress_t0=t0)
     g = layer.graph
     report: dict[str, Any] = {
         "model": layer.model.name, "hardware": layer.hardware.name, "backend": args.backend, "n": args.n,
@@ -597,6 +684,8 @@ class TrainSpec:
     timeout_s: float
     dp: int = 1                   # replicas: the spawned world is n x dp ranks
     micro_batches: int = 1        # M >= 2: each step one merged plan of M micro-batches (train_step)
+    progress_t0: float | None = None   # rank 0 reports progress (``progress``); None: silent
+    dtype: str = "fp32"           # the parameters' dtype: the plan's graph was lowered in it
 
 
 def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
@@ -609,7 +698,9 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     from moegraph.runtime.check import train_against_eager, train_microbatches_against_eager
     from moegraph.runtime.model import compile_model
     torch.manual_seed(spec.seed)
-    model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab)
+    # in the plan's dtype: compile_model lowers the model in its parameters' dtype
+    model = MoETransformer.from_config(spec.model, layers=spec.layers, vocab=spec.vocab).to(
+        {"fp32": torch.float32, "bf16": torch.bfloat16}[spec.dtype])
     gen = torch.Generator().manual_seed(spec.seed + 1)
     M = spec.micro_batches
     batches = [(ids, ids) for ids in (torch.randint(0, spec.vocab, (spec.dp * spec.batch, spec.seq), generator=gen)
@@ -618,7 +709,10 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
                              dispatch=spec.dispatch, passes=spec.passes, schedule=spec.plan, n=world // spec.dp,
                              timeout_s=spec.timeout_s, dp=spec.dp, micro_batches=M)
     t0 = time.perf_counter()
+    shown = spec.progress_t0 if rank == 0 else None
     steps = [batches[k * M:(k + 1) * M] for k in range(spec.steps)]
+    if spec.check:
+        progress(shown, f"training {spec.steps} steps compiled, then eager alike (--check)")
     if M > 1 and spec.check:
         res = train_microbatches_against_eager(model, compiled, steps)
     elif M > 1:
@@ -628,6 +722,7 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
             opt.zero_grad()
             losses.append([x.item() for x in compiled.train_step(*map(list, zip(*step)))])
             opt.step()
+            progress(shown, f"step {len(losses)}/{spec.steps}: losses {', '.join(f'{x:.4f}' for x in losses[-1])}")
         res = {"losses": losses}
     elif spec.check:
         res = train_against_eager(model, compiled, batches)
@@ -640,13 +735,53 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
             loss.backward()
             opt.step()
             losses.append(loss.item())
+            progress(shown, f"step {len(losses)}/{spec.steps}: loss {losses[-1]:.4f}")
         res = {"losses": losses}
     res["seconds"] = round(time.perf_counter() - t0, 3)
     return res
 
 
-def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
-    """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``)."""
+def is_model_step(schedule: Any) -> bool:
+    """Whether a schedule file schedules a model step (a stack with the model's edges: embedding,
+    final norm, LM head; what compile and tune write for --layers L >= 2, schedules.api.model_step)
+    rather than one layer."""
+    from moegraph.edges import EDGE_ATTR
+    return any(n.attrs.get(EDGE_ATTR) for n in schedule.nodes)
+
+
+def model_step_file_args(args: argparse.Namespace, schedule: Any, t0: float | None) -> None:
+    """``run --schedule FILE.json`` of a model step: it runs as the model it schedules, trained
+    (``train``): the timed layer path has no embedding or LM head. --train-steps defaults to
+    --steps; the vocabulary is the one compile and tune schedule (moegraph.models.VOCAB). A
+    one-layer file cannot drive --train-steps (the trained model has edges the file lacks).
+    UsageError before any work."""
+    from moegraph.models import VOCAB
+    from moegraph.options import UsageError
+    path = args.schedule
+    if not is_model_step(schedule):
+        if args.train_steps is not None:
+            raise UsageError(f"--train-steps trains the model step (embedding, layers, LM head); --schedule {path} "
+                             "schedules one layer alone (compile or tune --layers L >= 2 write model steps)")
+        return
+    refused = [flag for flag, given in (("--trace", args.trace), ("--compare-prediction", args.compare_prediction),
+                                         ("--backend nccl", args.backend != "gloo")) if given]
+    if refused:
+        raise UsageError(f"--schedule {path} schedules the {args.layers}-layer model step (embedding and LM head "
+                         f"included), which run executes by training the model; that does not take "
+                         f"{', '.join(refused)}")
+    if args.vocab not in (VOCAB, VOCAB_DEFAULT):
+        raise UsageError(f"--vocab {args.vocab} does not match the schedule file {path}, whose LM head has "
+                         f"vocab={VOCAB} (leave --vocab out)")
+    args.vocab = VOCAB
+    if args.train_steps is None:
+        args.train_steps = args.steps
+        progress(t0, f"--schedule {path} schedules the {args.layers}-layer model step (embedding and LM head "
+                     f"included): training the model {args.steps} AdamW steps under it (--train-steps)")
+
+
+def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule: Any = None) -> dict[str, Any]:
+    """``run --train-steps K``: plan once here, train on n x dp spawned ranks (``train_rank``);
+    ``schedule``: the Schedule of a model-step file (``model_step_file_args``) to plan from."""
     from moegraph.cli import UsageError
     from moegraph.commands import layer_from_args
     from moegraph.edges import add_edges
@@ -665,17 +800,22 @@ def train(args: argparse.Namespace, link: Any) -> dict[str, Any]:
         raise UsageError(f"--train-steps: {model.name} has {model.first_k_dense_replace} dense first layers; the "
                          "compiled model needs identical layers")
     world = world_size(args)
+    check_rank_memory(*_model_and_layers(args), world, what=_ranks_phrase(args, world))
     layer = layer_from_args(args, multi_layer=True)
     layers = layer_count(layer.graph)
     # the graph compile_model builds on every rank: the stack (merged over --micro-batches M by
     # layer_from_args) plus the edges
     graph = add_edges(layer.graph, vocab=args.vocab)
-    plan = make_plan(graph, layer.cost, args.schedule, memory_budget=args.memory_budget,
-                     time_limit_s=args.time_limit)
+    if schedule is not None:
+        _check_same_graph(graph, schedule, args.schedule)
+    progress(t0, f"planning: schedule {args.schedule} of the {layers}-layer model step")
+    plan = make_plan(graph, layer.cost, schedule if schedule is not None else args.schedule,
+                     memory_budget=args.memory_budget, time_limit_s=args.time_limit)
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
                      layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,
-                     micro_batch_count(layer.graph))
+                     micro_batch_count(layer.graph), t0, st.dtype)
+    progress(t0, f"starting {world} gloo ranks (each compiles the model)")
     results = spawn(train_rank, world, args=(spec,), timeout_s=args.timeout * 4 + 300, pg_timeout_s=args.timeout)
     r = results[0]
     report: dict[str, Any] = {
@@ -729,15 +869,17 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",
                 backend: str = "gloo", timeout_s: float = 120.0, check: bool = False,
                 implementation: Implementation = "reference", cuda_graphs: CudaGraphs = "off",
-                expert_rows: ExpertRows = "exact") -> list[dict[str, Any]]:
+                expert_rows: ExpertRows = "exact", progress_t0: float | None = None) -> list[dict[str, Any]]:
     """Start the layer's n ranks, time every plan on each (``run_rank``); one result per rank.
+    ``progress_t0``: the command's start, to report progress on stderr (``progress``).
     ``implementation``: the eager module the layer's graph was traced from (its parameter names);
     ``cuda_graphs``: what the layers replay as CUDA graphs (``runtime.cudagraph``);
     ``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``)."""
     from moegraph.runtime.launch import spawn
     spec = RunSpec(layer.model, layer.graph, tuple(plans), steps, warmup, seed, layer.graph.strategy.dtype, device,
-                   timeout_s, check, implementation, cuda_graphs, expert_rows)
+                   timeout_s, check, implementation, cuda_graphs, expert_rows, progress_t0)
     world = layer.graph.strategy.n * layer.graph.strategy.dp         # n x dp ranks, replica-major
+    progress(progress_t0, f"starting {world} {backend} ranks (each builds its shard of the layer)")
     return spawn(run_rank, world, args=(spec,), backend=backend, timeout_s=timeout_s * 4 + 300,
                  pg_timeout_s=timeout_s)
 
@@ -761,21 +903,40 @@ def _rank_traces(results: list[dict[str, Any]], plan_index: int = 0):
 
 
 def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps_us: list[float],
-                 hardware: Any = None) -> dict[str, str]:
-    """The step whose time is the median: rank 0's as a measured schedule file (OUT), the plan's
+                 hardware: Any = None) -> dict[str, Any]:
+    """The median step (``traced_step``): rank 0's as a measured schedule file (OUT), the plan's
     prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
-    (OUT.chrome.json)."""
+    (OUT.chrome.json). Also returns which step that is and its time."""
     from moegraph.runtime.trace import chrome_trace, measured_schedule, predicted_schedule, schedule_json, write_json
-    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
-    k = order[len(order) // 2]
-    path = Path(out)
+    k = traced_step(steps_us)
+    paths = trace_paths(out)
     measured = measured_schedule(traces[0][k], graph, plan, hardware=hardware, step=k, step_us=steps_us[k])
-    written = {"schedule": str(write_json(path, schedule_json(measured)))}
+    written = {"schedule": str(write_json(paths["schedule"], schedule_json(measured)))}
     predicted = predicted_schedule(graph, plan, hardware=hardware)
     if predicted is not None:
-        written["predicted"] = str(write_json(path.with_suffix(".predicted.json"), schedule_json(predicted)))
-    written["chrome"] = str(write_json(path.with_suffix(".chrome.json"), chrome_trace([t[k] for t in traces], graph)))
-    return written
+        written["predicted"] = str(write_json(paths["predicted"], schedule_json(predicted)))
+    written["chrome"] = str(write_json(paths["chrome"], chrome_trace([t[k] for t in traces], graph)))
+    return {**written, "step": k, "step_us": steps_us[k], "of_steps": len(steps_us)}
+
+
+def traced_step(steps_us: list[float]) -> int:
+    """The step ``run --trace`` draws: the median step, a step that ran. With an even count no step
+    has the median time (the mean of the middle two), so it is the faster middle step (the low
+    median); the report names its index and time beside the median."""
+    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+
+def trace_paths(out: str) -> dict[str, Path]:
+    """The files ``run --trace OUT`` writes (``write_traces``), each checked before any work
+    (``moegraph.options.check_output``: a UsageError naming the path, nothing written)."""
+    from moegraph.options import check_output
+    path = check_output(out, flag="--trace")
+    paths = {"schedule": path, "predicted": path.with_suffix(".predicted.json"),
+             "chrome": path.with_suffix(".chrome.json")}
+    for p in paths.values():
+        check_output(p, flag="--trace")
+    return paths
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -822,7 +983,10 @@ def format_report(r: dict[str, Any]) -> str:
             lines.append(f"mean |per-node error|: {pr['mean_abs_rel_err'] * 100:.0f}%")
     if "trace" in r:
         tr = r["trace"]
-        lines.append(f"trace: {tr['schedule']} (measured schedule)"
+        which = (f"step {tr['step']} ({tr['step_us'] / 1e3:.3f} ms, "
+                 + (f"the faster of the two middle steps of {tr['of_steps']}" if tr["of_steps"] % 2 == 0
+                    else "the median step") + ")") if "step" in tr else "the median step"
+        lines.append(f"trace of {which}: {tr['schedule']} (measured schedule)"
                      + (f", {tr['predicted']} (predicted)" if "predicted" in tr else "")
                      + f", {tr['chrome']} (Chrome trace)")
     return "\n".join(lines)

@@ -16,13 +16,10 @@ from typing import Callable
 from moegraph.commands import layer_from_args
 from moegraph.options import check_output_dir, positive_int
 from moegraph.runtime.commands import measure_schedule
-from moegraph.runtime.netns import (AUTO, Link, LinkUnavailable, add_link_args, emulated_link, link_from_args,
-                                    link_mismatch, namespace_privilege)
-from moegraph.registry import hardware_names
+from moegraph.runtime.netns import (AUTO, PLAIN_PROFILE, Link, LinkUnavailable, add_link_args, emulated_link,
+                                    link_from_args, link_mismatch, namespace_privilege, profile_for)
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
-PLAIN_PROFILE = "cpu-2core-gloo"                # calibrated on plain loopback
-LINK_PROFILES = {Link(10**9): "cpu-2core-gloo-1gbit"}   # calibrated inside the link (registry/profiles/)
 AUTO_LINK = Link(10**9)                         # --link auto's link: enough wire time to overlap on 2 cores
 DEMO_CPU = dict(model="small", hardware=PLAIN_PROFILE, attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
                 seq=512, top_k=None, dtype="fp32", dp=1, passes="gate-reorder,sar=paper")
@@ -35,18 +32,6 @@ class LinkChoice:
     link: Link | None
     hardware: str
     note: str
-
-
-def profile_for(link: Link | None) -> tuple[str, str]:
-    """(profile, note): the shipped profile calibrated under ``link`` if there is one, else the
-    plain-loopback profile and a note that its collective prices do not describe the link."""
-    if link is None:
-        return PLAIN_PROFILE, f"profile {PLAIN_PROFILE} (calibrated on plain loopback)"
-    name = LINK_PROFILES.get(link)
-    if name in hardware_names():
-        return name, f"profile {name} (calibrated on this link)"
-    return PLAIN_PROFILE, (f"profile {PLAIN_PROFILE}: no profile calibrated on a {link} link is shipped, so the "
-                           f"prediction is uncalibrated for the link")
 
 
 def choose_link(requested: "Link | None | str", probe: Callable[[], str | None] = namespace_privilege) -> LinkChoice:
@@ -81,7 +66,8 @@ def demo_command(p: argparse.ArgumentParser):
         # auto + --link-latency is refused like --link-latency alone: a delay needs a chosen link
         requested = AUTO if auto and link_from_args(argparse.Namespace(link=None, link_latency=args.link_latency)) \
             is None else link_from_args(args)
-        choice = choose_link(requested)
+        # --skip-run starts no ranks: no link is made, probed or reported
+        choice = LinkChoice(None, PLAIN_PROFILE, "") if args.skip_run else choose_link(requested)
         sched, chart = out / "mixtral-8x7b-h800.json", out / "mixtral-8x7b-h800.png"
         steps = [
             ("1/4 trace: the Mixtral-8x7B layer, sp+ep, ag-rs dispatch, n=8, seq 8192, on h800",
@@ -97,7 +83,8 @@ def demo_command(p: argparse.ArgumentParser):
                 if not auto:
                     raise
                 choice = LinkChoice(None, PLAIN_PROFILE, f"link: plain loopback, no emulated link: {err}")
-            print(choice.note, flush=True)
+            if choice.note:
+                print(choice.note, flush=True)
             out.mkdir(parents=True, exist_ok=True)
             for title, argv in steps:
                 print(f"\n== {title} ==", flush=True)

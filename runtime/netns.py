@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Iterator
 
 from moegraph.options import UsageError
-from moegraph.registry import Hardware
+from moegraph.registry import Hardware, hardware_names
 from moegraph.runtime import RuntimeFailure
 
 NETNS_DIR = Path("/run/netns")        # where `ip netns` keeps the namespaces it names
@@ -148,9 +148,27 @@ def link_from_args(args) -> Link | None:
     return Link(rate, latency or 0.0)
 
 
+PLAIN_PROFILE = "cpu-2core-gloo"                # the shipped CPU profile, calibrated on plain loopback
+LINK_PROFILES = {Link(10**9): "cpu-2core-gloo-1gbit"}   # the same machine calibrated inside a link (registry/profiles/)
+
+
+def profile_for(link: Link | None) -> tuple[str, str]:
+    """(profile, note): the shipped profile calibrated under ``link`` if there is one, else the
+    plain-loopback profile and a note that its collective prices do not describe the link. What
+    ``run --link`` and ``demo`` use when no --hardware is given."""
+    if link is None:
+        return PLAIN_PROFILE, f"profile {PLAIN_PROFILE} (calibrated on plain loopback)"
+    name = LINK_PROFILES.get(link)
+    if name in hardware_names():
+        return name, f"profile {name} (calibrated on this link)"
+    return PLAIN_PROFILE, (f"profile {PLAIN_PROFILE}: no profile calibrated on a {link} link is shipped, so the "
+                           f"prediction is uncalibrated for the link")
+
+
 def link_mismatch(hardware: Hardware, link: Link | None) -> str | None:
     """One warning line when ``hardware`` was calibrated under another link than ``link`` (its
-    collective prices then describe that link, not this one); None when they agree."""
+    collective prices then describe that link, not this one); None when they agree. Names the
+    shipped profile calibrated on ``link`` when there is one."""
     have = (hardware.link_bit_s, hardware.link_latency_us)
     want = (float(link.rate_bit_s), link.latency_us) if link else (0.0, 0.0)
     if have == want:
@@ -158,8 +176,11 @@ def link_mismatch(hardware: Hardware, link: Link | None) -> str | None:
 
     def say(rate: float, latency: float) -> str:
         return f"an emulated {Link(int(rate), latency)} link" if rate else "plain loopback (no --link)"
+    shipped, _ = profile_for(link)
+    remedy = (f"--hardware {shipped} was calibrated on it" if shipped != hardware.name and (link is None or shipped
+              != PLAIN_PROFILE) else "calibrate with the same --link for the latter")
     return (f"warning: profile {hardware.name} was calibrated on {say(*have)}, this run uses {say(*want)}: "
-            f"predicted collective times describe the former (calibrate with the same --link for the latter)")
+            f"predicted collective times describe the former ({remedy})")
 
 
 CAP_NET_ADMIN, CAP_SYS_ADMIN = 12, 21       # <linux/capability.h> bit numbers
@@ -207,7 +228,7 @@ def emulated_link(link: Link | None) -> Iterator[Namespace | None]:
     if link is None:
         yield None
         return
-    with _cleanup_on_signals():
+    with _cleanup_on_signals(), _no_c10d_name_warnings():
         ns = Namespace(f"{PREFIX}-{os.getpid()}-{secrets.token_hex(3)}", link)
         try:
             create(ns)
@@ -215,6 +236,24 @@ def emulated_link(link: Link | None) -> Iterator[Namespace | None]:
                 yield ns
         finally:
             remove(ns)
+
+
+@contextlib.contextmanager
+def _no_c10d_name_warnings() -> Iterator[None]:
+    """Ranks started in the block log c10d messages from ERROR up only (TORCH_CPP_LOG_LEVEL, read
+    by each rank at start; unless the user set it). Why: c10d names each store connection's peer
+    by reverse lookup; the rendezvous runs over IPv4-mapped IPv6 (::ffff:127.0.0.1), which
+    /etc/hosts does not list, so the lookup goes to DNS, which a namespace with only a loopback
+    cannot reach (EAI_AGAIN), and every rank printed "[c10d] The hostname of the client socket
+    cannot be retrieved. err=-3": harmless (the connection is made), but noise on every run."""
+    if "TORCH_CPP_LOG_LEVEL" in os.environ:
+        yield
+        return
+    os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
+    try:
+        yield
+    finally:
+        os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
 def create(ns: Namespace) -> None:

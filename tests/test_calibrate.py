@@ -25,7 +25,7 @@ from moegraph.runtime.calibrate.profile_io import read_facts, read_samples, writ
 
 ROOT = Path(__file__).resolve().parents[1]
 SHIPPED = ROOT / "moegraph" / "registry" / "profiles" / "cpu-2core-gloo.yaml"
-BUDGET_S = 10
+BUDGET_S = 10        # the least budget calibrate takes (options.MIN_BUDGET_S)
 
 
 # --- one short real calibration, shared --------------------------------------------------------
@@ -241,8 +241,9 @@ def test_unwritable_output(capsys, tmp_path):
 def test_other_bad_arguments(capsys, tmp_path):
     out = str(tmp_path / "p.yaml")
     assert _error(capsys, "--time-budget", "1", "-o", out) == (
-        "moegraph calibrate: error: --time-budget 1: must be between 5 and 3600 s "
-        "(starting the ranks alone takes about 5 s)")
+        "moegraph calibrate: error: --time-budget 1: must be between 10 and 3600 s "
+        "(starting the ranks alone takes about 5 s; below 10 s most benchmarks would be skipped and the profile "
+        "would be mostly --base values)")
     assert _error(capsys, "--backend", "nccl", "-o", out) == \
         "moegraph calibrate: error: --backend nccl needs --device cuda; CPU ranks talk over gloo"
     assert _error(capsys, "-o", str(tmp_path / "p.txt")).endswith(

@@ -122,7 +122,8 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
     (["run", "--model", "tiny", "--n", "3"], "n=3 does not divide heads=4"),
     (["run", "--backend", "nccl", "--model", "small", "--n", "64"], "--backend nccl needs 64 CUDA devices"),
-    (["calibrate", "--time-budget", "0", "-o", "{tmp}/p.yaml"], "--time-budget 0: must be between 5 and 3600 s"),
+    (["calibrate", "--time-budget", "0", "-o", "{tmp}/p.yaml"], "--time-budget 0: must be between 10 and 3600 s"),
+    (["calibrate", "--time-budget", "5", "-o", "{tmp}/p.yaml"], "below 10 s most benchmarks would be skipped"),
     (["calibrate", "--n", "0", "-o", "{tmp}/p.yaml"], "--n 0: the number of ranks must be between 1 and 64"),
     (["calibrate", "--samples", "{tmp}/s.txt", "-o", "{tmp}/p.yaml"], "s.txt: expected a .json file"),
     (["calibrate", "-o", "{tmp}/p.txt"], "a profile is a .yaml or .yml file"),
@@ -169,6 +170,16 @@ RUNTIME_CASES = [
                                                               "expert_rows='exact'"),
     (["run", "--expert-rows", "padded", "--train-steps", "2"], "--expert-rows padded applies to the timed layer; "
                                                                "--train-steps trains a whole model"),
+    (["run", "--trace", "{tmp}/a_dir"], "--trace '"),
+    (["run", "--schedule", "{tmp}/sched.json", "--layers", "2"], "--layers 2 does not match the schedule file"),
+    (["run", "--schedule", "{tmp}/sched.json", "--train-steps", "1"], "schedules one layer alone (compile or tune "
+                                                                      "--layers L >= 2 write model steps)"),
+    # more than any machine's memory: refused before tracing or spawning (the kernel killed such ranks minutes in)
+    (["run", "--model", "deepseek-v3", "--n", "8", "--layers", "all"], "--n 8 gloo ranks on this machine's CPU would "
+                                                                       "hold at least"),
+    (["run", "--model", "mixtral-8x7b", "--n", "64", "--layers", "all", "--train-steps", "1"],
+     "each rank builds 32 layers of mixtral-8x7b in fp32"),                      # refused before the ranks run
+    (["run", "--trace", "{tmp}/a_file.txt/x.json"], "a_file.txt' is a file, not a directory"),
 ]
 
 CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES

@@ -11,6 +11,8 @@ def test_demo_compiles_the_paper_layer_and_draws_it(tmp_path, capsys):
     out = capsys.readouterr().out
     for step in ("1/4 trace", "2/4 compile", "3/4 gantt"):
         assert step in out
+    # no ranks run: no link is made or reported (--link auto would pick one where it can)
+    assert not [line for line in out.splitlines() if line.startswith("link:")], out
     sched = tmp_path / "mixtral-8x7b-h800.json"
     assert (tmp_path / "mixtral-8x7b-h800.png").stat().st_size > 0
     assert main(["verify", str(sched)]) == 0                 # the schedule it wrote is valid
@@ -50,13 +52,13 @@ def test_demo_link_auto_without_privilege_says_why_and_uses_plain_loopback():
 
 
 def test_demo_link_auto_with_privilege_picks_1gbit_and_the_link_profile_when_shipped(monkeypatch):
-    from moegraph.runtime import demo
+    from moegraph.runtime import demo, netns
     from moegraph.runtime.netns import AUTO, Link
-    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo",))
+    monkeypatch.setattr(netns, "hardware_names", lambda: ("cpu-2core-gloo",))
     choice = demo.choose_link(AUTO, probe=lambda: None)
     assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo"
     assert "1gbit" in choice.note and "uncalibrated for the link" in choice.note
-    monkeypatch.setattr(demo, "hardware_names", lambda: ("cpu-2core-gloo", "cpu-2core-gloo-1gbit"))
+    monkeypatch.setattr(netns, "hardware_names", lambda: ("cpu-2core-gloo", "cpu-2core-gloo-1gbit"))
     choice = demo.choose_link(AUTO, probe=lambda: None)
     assert choice.link == Link(10**9) and choice.hardware == "cpu-2core-gloo-1gbit"
     assert "uncalibrated" not in choice.note

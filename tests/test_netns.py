@@ -89,6 +89,19 @@ def test_profile_link_mismatch_warns():
     assert "calibrated on an emulated 1gbit link, this run uses plain loopback" in link_mismatch(on_link, None)
     assert "this run uses an emulated 500mbit link" in link_mismatch(on_link, Link(5 * 10**8))
     assert "this run uses an emulated 1gbit+500us link" in link_mismatch(on_link, Link(10**9, 500.0))
+    # the shipped profile calibrated on the run's link is named when there is one
+    assert "(--hardware cpu-2core-gloo-1gbit was calibrated on it)" in link_mismatch(loopback, Link(10**9))
+    assert "(calibrate with the same --link for the latter)" in link_mismatch(loopback, Link(5 * 10**8))
+
+
+@needs_netns
+def test_run_on_a_link_without_hardware_takes_the_profile_calibrated_on_it(capfd):
+    assert main(["run", "--model", "tiny", "--seq", "64", "--steps", "1", "--warmup", "0", "--schedule", "sequential",
+                 "--link", "1gbit", "--json"]) == 0
+    out, err = capfd.readouterr()
+    assert json.loads(out)["hardware"] == "cpu-2core-gloo-1gbit"
+    assert "run: --link 1gbit: profile cpu-2core-gloo-1gbit (calibrated on this link)" in err
+    assert "warning" not in err
 
 
 # -- lifecycle ------------------------------------------------------------------------------------
@@ -206,9 +219,10 @@ def netns_probe(rank: int, n: int, nbytes: int) -> tuple[int, float]:
 
 
 @needs_netns
-def test_ranks_run_inside_and_feel_the_rate():
+def test_ranks_run_inside_and_feel_the_rate(capfd):
     """Both ranks report the namespace's inode, and 1 MiB takes at least its wire time at 20 Mbit/s
-    (the bucket's first burst, 128 KiB, passes at once); unshaped loopback moves it in milliseconds."""
+    (the bucket's first burst, 128 KiB, passes at once); unshaped loopback moves it in milliseconds.
+    The ranks print nothing about names they cannot look up (the namespace has no DNS)."""
     from moegraph.runtime.launch import spawn
     rate, nbytes, burst = 20 * 10**6, 2**20, 2**17
     with emulated_link(Link(rate)) as ns:
@@ -216,6 +230,7 @@ def test_ranks_run_inside_and_feel_the_rate():
         results = spawn(netns_probe, 2, args=(nbytes,), timeout_s=120, pg_timeout_s=60)
     assert [r[0] for r in results] == [inode, inode] and inode != current_inode()
     assert min(r[1] for r in results) >= (nbytes - burst) * 8 / rate, results
+    assert "cannot be retrieved" not in capfd.readouterr().err
 
 
 @needs_netns

@@ -12,12 +12,17 @@ from moegraph.cli import main
 HAS_SCHEDULER = importlib.util.find_spec("moegraph.schedules.api") is not None
 
 
-def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
+def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     out = tmp_path / "measured.json"
     rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "greedy", "--check", "--compare-prediction",
                "--trace", str(out), "--json"])
     assert rc == 0
-    report = json.loads(capsys.readouterr().out)
+    captured = capfd.readouterr()           # fd level: rank 0's progress lines come from its own process
+    report = json.loads(captured.out)
+    progress = [line for line in captured.err.splitlines() if line.startswith("run [")]
+    for fragment in ("planning: schedule greedy", "starting 2 gloo ranks", "1 warm-up step", "step 1/2: ",
+                     "step 2/2: ", "checking output and gradients"):
+        assert any(fragment in line for line in progress), (fragment, captured.err)
     assert report["steps"] == 2 and report["schedule"] == "greedy" and report["n"] == 2
     assert report["model"] == "tiny" and report["hardware"] == "cpu-2core-gloo" and report["seq"] == 128
     assert report["step_us"] > 0 and len(report["step_us_all"]) == 2
@@ -35,12 +40,46 @@ def test_run_checks_measures_and_writes_traces(capsys, tmp_path):
     assert [n["name"] for n in predicted["nodes"]] == [n["name"] for n in sched["nodes"]]
     chrome = json.loads(out.with_suffix(".chrome.json").read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
+    # 2 steps: no step took the median time; the trace is the faster middle step, and says so
+    assert report["trace"]["step_us"] == min(report["step_us_all"]) and report["trace"]["of_steps"] == 2
+
+
+def test_the_traced_step_is_a_median_step_and_the_report_names_it():
+    from moegraph.runtime.commands import format_report, traced_step
+    assert traced_step([315.7e3, 203.2e3]) == 1               # even: the faster middle step
+    assert traced_step([9.0, 1.0, 5.0]) == 2                  # odd: the median itself
+    assert traced_step([4.0, 3.0, 2.0, 1.0]) == 2
+    report = {"model": "tiny", "hardware": "cpu", "backend": "gloo", "n": 2, "batch": 1, "seq": 8,
+              "strategy": {"attn": "sp", "ffn": "ep", "dispatch": "a2a", "dtype": "fp32", "passes": []},
+              "schedule": "greedy", "plan_hash": "0" * 64, "steps": 2, "warmup": 1, "step_us": 259467.0,
+              "step_us_min": 203200.0, "step_us_max": 315700.0,
+              "trace": {"schedule": "t.json", "chrome": "t.chrome.json", "step": 1, "step_us": 203200.0,
+                        "of_steps": 2}}
+    assert "trace of step 1 (203.200 ms, the faster of the two middle steps of 2)" in format_report(report)
+    report["trace"].update(step=2, step_us=259467.0, of_steps=3)
+    assert "trace of step 2 (259.467 ms, the median step)" in format_report(report)
 
 
 @pytest.mark.skipif(not HAS_SCHEDULER, reason="moegraph.schedules.api (CP-SAT scheduler) not available yet")
 def test_run_with_the_cpsat_schedule(capsys):
     assert main(["run", "--n", "2", "--steps", "1", "--schedule", "cpsat", "--time-limit", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
+
+
+def test_run_trains_the_model_step_a_multi_layer_compile_wrote(capsys, tmp_path):
+    """compile --layers 2 schedules the model step (layers + embedding and LM head): run --schedule
+    runs it, as the model trained under the file's plan, in the file's dtype, against eager."""
+    sched = tmp_path / "two.json"
+    assert main(["compile", "--model", "small", "--layers", "2", "--hardware", "cpu-2core-gloo", "--n", "2",
+                 "--seq", "32", "--dtype", "fp32", "--schedule", "sequential", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--check", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["model"], report["layers"], report["vocab"], report["train_steps"]) == ("small", 2, 32000, 1)
+    assert report["schedule"] == "sequential" and report["seq"] == 32 and report["strategy"]["dtype"] == "fp32"
+    assert report["max_rel_err_loss"] < 1e-5 and report["max_rel_err_grads"] < 1e-4
+    assert main(["run", "--schedule", str(sched), "--layers", "3"]) == 2
+    assert "--layers 3 does not match the schedule file" in capsys.readouterr().err
 
 
 def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_path):
@@ -59,3 +98,30 @@ def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_pa
     starts = {n["name"]: n["start_us"] for n in file["nodes"]}
     assert report["predicted_step_us"] == pytest.approx(max(n["end_us"] for n in file["nodes"]) - min(starts.values()),
                                                         abs=0.1)
+
+
+def test_gpu_sized_layers_on_cpu_ranks_are_refused_by_memory():
+    """The audit's case: the demo's mixtral-8x7b file on 8 gloo ranks of a 22 GiB machine (a rank
+    was SIGKILLed after 116 s); the tiny default layer fits."""
+    from moegraph.options import UsageError
+    from moegraph.registry import load_model
+    from moegraph.runtime.commands import check_rank_memory
+    mixtral, gib = load_model("mixtral-8x7b"), 2**30
+    with pytest.raises(UsageError, match=r"--n 8 gloo ranks on this machine's CPU would hold at least 4\d\.\d\dGiB: "
+                                         r"each rank builds a mixtral-8x7b layer in fp32 \(5\.\d\dGiB\)"):
+        check_rank_memory(mixtral, 1, 8, what="--n 8 gloo ranks", available=22 * gib)
+    check_rank_memory(mixtral, 1, 8, what="--n 8 gloo ranks", available=64 * gib)
+    check_rank_memory(load_model("tiny"), 1, 2, what="--n 2 gloo ranks", available=1 * gib)
+
+
+def test_docs_state_run_timeout_default():
+    """docs/runtime.md ("Safety") names `moegraph run --timeout`'s real default."""
+    import re
+    from pathlib import Path
+
+    from moegraph.cli import build_parser
+    run = build_parser()._subparsers._group_actions[0].choices["run"]
+    default = run.get_default("timeout")
+    text = " ".join((Path(__file__).parents[1] / "docs" / "runtime.md").read_text().split())
+    said = re.search(r"`moegraph run --timeout`, default (\d+) s", text)
+    assert said and float(said.group(1)) == default, (said, default)

@@ -98,7 +98,8 @@ def options_from_args(args: argparse.Namespace) -> CalibrationOptions:
     budget = args.time_budget
     if not (math.isfinite(budget) and MIN_BUDGET_S <= budget <= MAX_BUDGET_S):
         raise UsageError(f"--time-budget {budget:g}: must be between {MIN_BUDGET_S:g} and {MAX_BUDGET_S:g} s "
-                         f"(starting the ranks alone takes about {STARTUP_HINT_S:g} s)")
+                         f"(starting the ranks alone takes about {STARTUP_HINT_S:g} s; below {MIN_BUDGET_S:g} s most "
+                         "benchmarks would be skipped and the profile would be mostly --base values)")
     backend = args.backend or ("gloo" if args.device == "cpu" else "nccl")
     if args.device == "cpu" and backend != "gloo":
         raise UsageError(f"--backend {backend} needs --device cuda; CPU ranks talk over gloo")
