@@ -593,10 +593,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
-        progress(t0, f"planning: schedule {args.schedule}" + (f" (CP-SAT, up to {args.time_limit:g} s)"
-                                                              if args.schedule == "cpsat" else ""))
+        # said once planned: a budget below the least feasible peak fails inside make_plan, and bad
+        # input gets exactly one stderr line
         plan = make_plan(layer.graph, layer.cost, schedule if schedule is not None else args.schedule,
                          memory_budget=args.memory_budget, time_limit_s=args.time_limit)
+        progress(t0, f"planned: schedule {plan.method}")
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
                               backend=args.backend, timeout_s=args.timeout, check=args.check,
                               cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows, progress_t0=t0)
@@ -808,9 +809,9 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
     graph = add_edges(layer.graph, vocab=args.vocab)
     if schedule is not None:
         _check_same_graph(graph, schedule, args.schedule)
-    progress(t0, f"planning: schedule {args.schedule} of the {layers}-layer model step")
     plan = make_plan(graph, layer.cost, schedule if schedule is not None else args.schedule,
                      memory_budget=args.memory_budget, time_limit_s=args.time_limit)
+    progress(t0, f"planned: schedule {plan.method} of the {layers}-layer model step")
     st = layer.graph.strategy
     spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
                      layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,

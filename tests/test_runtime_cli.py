@@ -20,7 +20,7 @@ def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     captured = capfd.readouterr()           # fd level: rank 0's progress lines come from its own process
     report = json.loads(captured.out)
     progress = [line for line in captured.err.splitlines() if line.startswith("run [")]
-    for fragment in ("planning: schedule greedy", "starting 2 gloo ranks", "1 warm-up step", "step 1/2: ",
+    for fragment in ("planned: schedule greedy", "starting 2 gloo ranks", "1 warm-up step", "step 1/2: ",
                      "step 2/2: ", "checking output and gradients"):
         assert any(fragment in line for line in progress), (fragment, captured.err)
     assert report["steps"] == 2 and report["schedule"] == "greedy" and report["n"] == 2
