@@ -119,7 +119,8 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     than the plain tiling of the same unit schedule (measured: exposed 1,542 -> 948 us, step
     805,253 -> 742,306 ticks); without DP collectives the two tilings are the same."""
     from moegraph.edges import add_edges
-    from moegraph.schedules.baselines import BASELINES, warm_starts
+    from moegraph.schedules.api import list_warm_starts
+    from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide, dp_tail
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
@@ -131,7 +132,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     tail = dp_tail(unit)
     assert {unit.tasks[i].stream for i in tail} >= {DP_STREAM} and all(unit.tasks[i].kind == "comm" for i in tail)
     assert can_slide(unit)
-    sol = min([fn(unit) for fn in BASELINES.values()] + warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
+    sol = min([fn(unit) for fn in BASELINES.values()] + list_warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
     plain, slid = tile_layers(p, unit, sol), tile_layers(p, unit, sol, dp_slide=True)
     assert slid.method == f"{PERIODIC}+dp"
     exposed = {}
