@@ -60,7 +60,6 @@ import heapq
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
-from moegraph.schedules.bound import topological
 from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
@@ -179,8 +178,7 @@ def dp_tail(unit: Problem) -> set[int]:
     the local FP32 sums): what the DP-aware tiling moves out of a period."""
     tasks = unit.tasks
     tail = {t.index for t in tasks if t.stream == DP_STREAM}
-    for i in topological([t.index for t in tasks], {t.index: list(t.preds) for t in tasks},
-                         {t.index: list(t.succs) for t in tasks}):
+    for i in unit.order:
         if any(p in tail for p in tasks[i].preds):
             tail.add(i)
     return tail

@@ -41,9 +41,10 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.registry import Hardware
@@ -53,7 +54,7 @@ from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
            "MemoryBudgetError", "Mode", "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
-           "comm_scope", "stream_of", "chunk_symmetry"]
+           "comm_scope", "stream_of", "chunk_symmetry", "topological"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -156,10 +157,39 @@ class Problem:
     def by_name(self) -> dict[str, Task]:
         return {t.name: t for t in self.tasks}
 
+    @functools.cached_property
+    def order(self) -> tuple[int, ...]:
+        """Task indices in a topological order of ``preds`` (``topological``). Task order
+        follows the graph's data edges, but remat anchors and micro-batch barriers are
+        precedence edges that it need not follow."""
+        return tuple(topological([t.index for t in self.tasks], {t.index: t.preds for t in self.tasks},
+                                 {t.index: t.succs for t in self.tasks}))
+
     @property
     def horizon(self) -> int:
         """Every task one after another at its slowest mode: no schedule needs longer."""
         return sum(t.max_ticks for t in self.tasks)
+
+
+def topological(ids: list[int], preds: Mapping[int, Sequence[int]],
+                succs: Mapping[int, Sequence[int]]) -> list[int]:
+    """``ids`` in a topological order (Kahn's, smallest index first: deterministic). Node order
+    is topological for data edges, but a Problem may add precedence edges (remat anchors,
+    micro-batch barriers) that the node order need not follow."""
+    waiting = {i: len(preds[i]) for i in ids}
+    ready = [i for i in ids if not waiting[i]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(i)
+        for s in succs[i]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                heapq.heappush(ready, s)
+    if len(out) != len(ids):
+        raise ScheduleError("the problem's precedence edges form a cycle")
+    return out
 
 
 def to_ticks(duration_us: float) -> int:
