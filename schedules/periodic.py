@@ -34,7 +34,7 @@ Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT 
 (stage 2 of ``cpsat.solve``), never ending worse.
 
 DP-aware tiling (``dp_slide``). With data parallelism the unit's schedule must finish its own
-layers' DP gradient sync (``dp_tail``: the inter-node collectives on DP_STREAM and the
+layers' DP gradient sync (``Problem.dp_tail``: the inter-node collectives on DP_STREAM and the
 intra-node all-gathers after them) inside its period, although nothing in the step needs it
 before the step's end; at mixtral-8x7b sizes with b=8 one layer's sync on the NIC is about as
 long as its backward compute, so every period ends with sync exposed or compute slowed. The
@@ -64,7 +64,7 @@ from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 
-__all__ = ["PERIODIC", "can_slide", "dp_tail", "is_stack", "tile_layers"]
+__all__ = ["PERIODIC", "can_slide", "is_stack", "tile_layers"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -96,7 +96,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     """``sol`` (a solution of ``unit``: the one-layer graph, or a stack of K of its layers)
     repeated over the layers of ``problem``'s graph (module doc), K layers per period: layer
     i = q K + u runs as the unit's layer u in period q. ``dp_slide``: the DP tail of each
-    period (``dp_tail``) leaves the tile and slides into later periods' backward (module doc,
+    period (``Problem.dp_tail``) leaves the tile and slides into later periods' backward (module doc,
     "DP-aware tiling"). Raises ScheduleError if the graph is not a stack of the layer
     (``is_stack``), L is not a multiple of K, or a node's mode in the unit has no twin (same
     SMs, alone flag and ticks) in the stacked problem."""
@@ -108,7 +108,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         raise ScheduleError(f"{L} layers cannot be tiled by a unit of {K}")
     periods = L // K
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
-    tail = dp_tail(unit) if dp_slide else set()
+    tail = unit.dp_tail if dp_slide else frozenset()
     compute = [unit.tasks[i].name for i in sorted(tail) if unit.tasks[i].kind != "comm"]
     if compute:
         raise ScheduleError(f"compute {compute[0]!r} depends on a DP collective: the DP-aware tiling moves only "
@@ -172,24 +172,11 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     return settle_alone(problem, Solution(f"{name}+dp", tuple(start), tuple(mode)))
 
 
-def dp_tail(unit: Problem) -> set[int]:
-    """The unit's inter-node DP collectives (stream DP_STREAM) and every task downstream of one
-    (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
-    the local FP32 sums): what the DP-aware tiling moves out of a period."""
-    tasks = unit.tasks
-    tail = {t.index for t in tasks if t.stream == DP_STREAM}
-    for i in unit.order:
-        if any(p in tail for p in tasks[i].preds):
-            tail.add(i)
-    return tail
-
-
 def can_slide(unit: Problem) -> bool:
     """Whether the DP-aware tiling applies: the unit has DP collectives and its DP tail holds
     collectives only (moving a compute task would change what the tile's collectives overlap;
     compress=dp-bf16's local sums are compute)."""
-    tail = dp_tail(unit)
-    return bool(tail) and all(unit.tasks[i].kind == "comm" for i in tail)
+    return bool(unit.dp_tail) and all(unit.tasks[i].kind == "comm" for i in unit.dp_tail)
 
 
 def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[int, int], end: int) -> None:

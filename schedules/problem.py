@@ -165,6 +165,18 @@ class Problem:
         return tuple(topological([t.index for t in self.tasks], {t.index: t.preds for t in self.tasks},
                                  {t.index: t.succs for t in self.tasks}))
 
+    @functools.cached_property
+    def dp_tail(self) -> frozenset[int]:
+        """The inter-node DP collectives (stream DP_STREAM) and every task downstream of one
+        (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
+        the local FP32 sums): what the DP-aware periodic tiling moves out of a period
+        (moegraph.schedules.periodic)."""
+        tail = {t.index for t in self.tasks if t.stream == DP_STREAM}
+        for i in self.order:
+            if any(p in tail for p in self.tasks[i].preds):
+                tail.add(i)
+        return frozenset(tail)
+
     @property
     def horizon(self) -> int:
         """Every task one after another at its slowest mode: no schedule needs longer."""

@@ -121,7 +121,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     from moegraph.edges import add_edges
     from moegraph.schedules.api import list_warm_starts
     from moegraph.schedules.baselines import BASELINES
-    from moegraph.schedules.periodic import can_slide, dp_tail
+    from moegraph.schedules.periodic import can_slide
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
     cost = CostModel(load_hardware("h800"))
@@ -129,7 +129,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     g = add_edges(run_pipeline(g, "gate-reorder,sar=paper", cost=cost)[0], vocab=1024)
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
-    tail = dp_tail(unit)
+    tail = unit.dp_tail
     assert {unit.tasks[i].stream for i in tail} >= {DP_STREAM} and all(unit.tasks[i].kind == "comm" for i in tail)
     assert can_slide(unit)
     sol = min([fn(unit) for fn in BASELINES.values()] + list_warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
@@ -146,7 +146,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     g1 = trace_model(SMALL, SP, seq=64, layers=2)
     p1, u1 = build_problem(g1, COST), build_problem(layer_graph(g1), COST)
     s1 = BASELINES["greedy"](u1)
-    assert dp_tail(u1) == set() and not can_slide(u1)
+    assert u1.dp_tail == set() and not can_slide(u1)
     assert tile_layers(p1, u1, s1, dp_slide=True).start == tile_layers(p1, u1, s1).start
 
 
@@ -155,13 +155,13 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     collective: compute in the DP tail, which the tiling would have to move, so it is not
     offered (can_slide) and tile_layers names the node."""
     from moegraph.schedules.baselines import BASELINES
-    from moegraph.schedules.periodic import can_slide, dp_tail
+    from moegraph.schedules.periodic import can_slide
     cost = CostModel(load_hardware("h800"))
     g = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512, layers=2)
     g = run_pipeline(g, "gate-reorder,sar=paper,compress=dp-bf16", cost=cost)[0]
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
-    assert any(unit.tasks[i].kind == "compute" for i in dp_tail(unit)) and not can_slide(unit)
+    assert any(unit.tasks[i].kind == "compute" for i in unit.dp_tail) and not can_slide(unit)
     with pytest.raises(ScheduleError, match="depends on a DP collective"):
         tile_layers(p, unit, BASELINES["greedy"](unit), dp_slide=True)
     assert len(_periodic(p, SolverOptions(time_limit_s=0.2))) == 1        # the plain tiling only (L=2: K=1)
