@@ -29,7 +29,7 @@ from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baseli
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.dp_order import dp_warm_starts
-from moegraph.schedules.periodic import can_slide, is_stack, tile_layers
+from moegraph.schedules.periodic import SLIDE_ORDERS, can_slide, is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
@@ -190,8 +190,10 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         sol = r.solution if r.solution is not None else hint
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
         # later periods' backward (moegraph.schedules.periodic)
-        for dp_slide in (False, True) if can_slide(unit) else (False,):
-            tiled = tile_layers(problem, unit, sol, dp_slide=dp_slide)
+        # (both orders of the slid tasks: neither wins on every step, periodic.SlideOrder)
+        variants = [{}] + ([{"dp_slide": True, "slide_order": o} for o in SLIDE_ORDERS] if can_slide(unit) else [])
+        for kw in variants:
+            tiled = tile_layers(problem, unit, sol, **kw)
             check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
             out.append(tiled)
     return out

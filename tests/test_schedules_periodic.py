@@ -165,3 +165,38 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     with pytest.raises(ScheduleError, match="depends on a DP collective"):
         tile_layers(p, unit, BASELINES["greedy"](unit), dp_slide=True)
     assert len(_periodic(p, SolverOptions(time_limit_s=0.2))) == 1        # the plain tiling only (L=2: K=1)
+
+
+def test_dp_aware_tiling_offers_both_slide_orders():
+    """The DP-aware tiling places the slid tasks by their tiled start or by the earliest start
+    their inputs allow (periodic.SlideOrder), and neither wins on every step. small, 2 layers,
+    dp=2, b=8, s=2048 (h800): with a 1,024-token vocabulary "ready" is shorter (measured 366,472
+    vs 373,032 ticks: the LM head's sync no longer takes the DP stream ahead of the expert syncs
+    that are ready first), with 32,000 "tiled" is (616,000 vs 631,408: that sync is long). Both
+    verify, and compile's periodic candidates hold both."""
+    from moegraph.edges import add_edges
+    from moegraph.schedules.api import list_warm_starts
+    from moegraph.schedules.baselines import BASELINES
+    from moegraph.schedules.periodic import can_slide
+    cost = CostModel(load_hardware("h800"))
+    g0 = run_pipeline(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048, layers=2),
+                      "gate-reorder,sar=paper", cost=cost)[0]
+    span = {}
+    for vocab in (1024, 32000):
+        g = add_edges(g0, vocab=vocab)
+        p = build_problem(g, cost)
+        unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
+        assert can_slide(unit)
+        sol = min([fn(unit) for fn in BASELINES.values()] + list_warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
+        for order in ("tiled", "ready"):
+            s = tile_layers(p, unit, sol, dp_slide=True, slide_order=order)
+            assert s.method == PERIODIC + ("+dp" if order == "tiled" else "+dp-ready")
+            check_solution(p, s)
+            assert verify_schedule(build_schedule(p, s, lower_bound(p), {}, {})) == []
+            span[vocab, order] = makespan_ticks(p, s)
+    assert span[1024, "ready"] < 0.99 * span[1024, "tiled"]
+    assert span[32000, "tiled"] < 0.99 * span[32000, "ready"]
+    with pytest.raises(ValueError, match="slide_order='late' is not one of tiled, ready"):
+        tile_layers(p, unit, sol, dp_slide=True, slide_order="late")
+    assert {s.method for s in _periodic(p, SolverOptions(time_limit_s=0.2))} == {
+        PERIODIC, f"{PERIODIC}+dp", f"{PERIODIC}+dp-ready"}
