@@ -30,13 +30,15 @@ from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
-from moegraph.schedules.periodic import can_slide, is_stack, tile_layers
+from moegraph.schedules.dp_order import dp_warm_starts
+from moegraph.schedules.periodic import SLIDE_ORDERS, can_slide, is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
 
-__all__ = ["CompileResult", "compile_graph", "model_step", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label"]
+__all__ = ["CompileResult", "compile_graph", "model_step", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
+           "list_warm_starts"]
 
 METHODS = ("cpsat", "sequential", "greedy", "megascale")
 MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
@@ -112,7 +114,7 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     # schedules (copy-engine collectives; memory-checked ones under a budget), and on a stack
     # of layers 1- and 2-layer CP-SAT schedules tiled over the layers (moegraph.schedules.periodic).
     cands = {n: base[n] for n in (*_BASELINE_ORDER, *(n for n in base if n not in _BASELINE_ORDER))}
-    extra = warm_starts(problem, budget)
+    extra = list_warm_starts(problem, budget)
     if is_stack(problem.graph):
         extra += _periodic(problem, opts)
     for s in extra:
@@ -140,6 +142,12 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
         status += " (wall-clock cap hit)"
     schedule = build_schedule(problem, sol, bound, {n: span[n] for n in base}, solver_info)
     return schedule, status, result.wall_cap_hit
+
+
+def list_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
+    """Every list-schedule warm start: the DP-aware rules (schedules.dp_order), then
+    baselines.warm_starts' (copy-engine, memory-checked and interleaved rules)."""
+    return [*dp_warm_starts(problem, budget), *warm_starts(problem, budget)]
 
 
 LNS_MIN_TASKS = 400
@@ -181,7 +189,7 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
         if L % K or K >= L:
             continue
         unit = build_problem(stack_layers(one, K), problem.cost, comm_streams=problem.streams[1:])
-        cands = [*(fn(unit) for fn in BASELINES.values()), *warm_starts(unit)]
+        cands = [*(fn(unit) for fn in BASELINES.values()), *list_warm_starts(unit)]
         hint = min(cands, key=lambda s: makespan_ticks(unit, s))  # first of equals: deterministic
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
@@ -190,8 +198,10 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
                   makespan_ticks(unit, sol) * unit.tick_us, L)
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
         # later periods' backward (moegraph.schedules.periodic)
-        for dp_slide in (False, True) if can_slide(unit) else (False,):
-            tiled = tile_layers(problem, unit, sol, dp_slide=dp_slide)
+        # (both orders of the slid tasks: neither wins on every step, periodic.SlideOrder)
+        variants = [{}] + ([{"dp_slide": True, "slide_order": o} for o in SLIDE_ORDERS] if can_slide(unit) else [])
+        for kw in variants:
+            tiled = tile_layers(problem, unit, sol, **kw)
             check_solution(problem, tiled)  # feasible by construction; a failure here is a bug
             out.append(tiled)
     return out

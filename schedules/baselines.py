@@ -306,7 +306,9 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
     """Extra list schedules for CP-SAT's warm start (not baselines): greedy's and megascale's
     rules with collectives on the fewest SMs (copy engines: slower collectives that never
     slow compute); with a budget, also the plain rules and a "lean" rule (least net
-    allocation first), all under the memory check. Schedules that fail it are left out."""
+    allocation first), all under the memory check. Schedules that fail it are left out.
+    The DP-aware rules built on this module's list scheduler are schedules.dp_order's
+    (schedules.api offers both)."""
     level = bottom_levels(problem)
     net = _net_allocation(problem)
     critical: Key = lambda t: (-level[t.index], t.index)  # noqa: E731
@@ -315,8 +317,6 @@ def warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:
     if budget is not None:
         rules.append(("lean", lean, lean))
     out = _interleaved(problem, level, budget)
-    from moegraph.schedules.dp_order import dp_warm_starts  # DP-sync-aware rules (issue 15; imports this module)
-    out += dp_warm_starts(problem, budget)
     for name, ck, pk in rules:
         for comm_mode in ("default", "fewest") if budget is not None else ("fewest",):
             label = name + ("+ce" if comm_mode == "fewest" else "") + ("+mem" if budget is not None else "")

@@ -41,7 +41,7 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
-from moegraph.schedules.problem import Problem, ScheduleError
+from moegraph.schedules.problem import Problem, ScheduleError, topological
 
 __all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound", "dp_sync_exposure_bound",
            "memory_lower_bound"]
@@ -232,26 +232,6 @@ def jackson_preemptive(jobs: list[tuple[int, int, int]]) -> int:
     return best
 
 
-def topological(ids: list[int], preds: dict[int, list[int]], succs: dict[int, list[int]]) -> list[int]:
-    """``ids`` in a topological order (Kahn's, smallest index first: deterministic). Node order
-    is topological for data edges, but a Problem may add precedence edges (remat anchors,
-    micro-batch barriers) that the node order need not follow."""
-    waiting = {i: len(preds[i]) for i in ids}
-    ready = [i for i in ids if not waiting[i]]
-    heapq.heapify(ready)
-    out = []
-    while ready:
-        i = heapq.heappop(ready)
-        out.append(i)
-        for s in succs[i]:
-            waiting[s] -= 1
-            if not waiting[s]:
-                heapq.heappush(ready, s)
-    if len(out) != len(ids):
-        raise ScheduleError("the problem's precedence edges form a cycle")
-    return out
-
-
 def lower_bound(problem: Problem) -> Bound:
     """The makespan bound of the module doc (cached per Problem object)."""
     return _analysis(problem)[2]
@@ -337,16 +317,13 @@ def dp_sync_exposure_bound(problem: Problem) -> float:
     dp = [t.index for t in tasks if t.kind == "comm" and t.node.attr("dp", False)]
     if not dp:
         return 0.0
-    preds = {t.index: list(t.preds) for t in tasks}
-    succs = {t.index: list(t.succs) for t in tasks}
-    order = topological([t.index for t in tasks], preds, succs)
     anc = [0] * len(tasks)
-    for j in order:
-        for p in preds[j]:
+    for j in problem.order:
+        for p in tasks[j].preds:
             anc[j] |= anc[p] | (1 << p)
     desc = [0] * len(tasks)
-    for j in reversed(order):
-        for c in succs[j]:
+    for j in reversed(problem.order):
+        for c in tasks[j].succs:
             desc[j] |= desc[c] | (1 << c)
     compute = [(t.index, t.side, max(m.ticks for m in t.modes)) for t in tasks if t.kind == "compute"]
     fastest = {j: tasks[j].min_ticks for j in dp}

@@ -141,8 +141,9 @@ class Held:
     """A solution of ``problem`` within its budget: where the held tasks run."""
     since: int
     """The caller's guarantee that before this tick the live memory is ``solution``'s (every
-    sub-problem task starts at or after it, or is constrained to its start in ``solution``):
-    a value held entirely by held tasks that is dead by then is left out of the model."""
+    sub-problem task starts at or after it, or is constrained to its start in ``solution``).
+    Every held task ends by it (checked), so a value held entirely by held tasks is dead by
+    then and left out of the model."""
 
     def __post_init__(self):
         n = len(self.problem.tasks)
@@ -151,6 +152,11 @@ class Held:
         if len(self.solution.start) != len(self.problem.tasks):
             raise ScheduleError(f"Held.solution has {len(self.solution.start)} starts for "
                                 f"{len(self.problem.tasks)} tasks")
+        ends, keep = solution_ends(self.problem, self.solution), set(self.keep)
+        late = [t.name for t in self.problem.tasks if t.index not in keep and ends[t.index] > self.since]
+        if late:
+            raise ScheduleError(f"held task {late[0]!r} ends after Held.since={self.since}: a task running "
+                                f"then belongs in keep (held at its start)")
 
 
 def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution | None = None,
@@ -283,8 +289,8 @@ def _task_vars(m: cp_model.CpModel, t: Task, start, lo: int, hi: int) -> TaskVar
 def _memory(problem: Problem, h: CpHandles, *, peak: bool, held: Held | None = None) -> None:
     """live[v] for every memory value under one AddCumulative (module doc). With ``held``,
     the values are held.problem's: a task outside the model contributes its start or end as a
-    constant, so a value between two held tasks is a fixed interval (left out when it is dead
-    by ``held.since``), and the budget is held.problem's."""
+    constant, so a value between two held tasks is dead by ``held.since`` (every held task
+    ends by then) and left out, and the budget is held.problem's."""
     m, tv = h.model, h.tasks
     full = problem if held is None else held.problem
     tasks = full.tasks
@@ -318,21 +324,18 @@ def _memory(problem: Problem, h: CpHandles, *, peak: bool, held: Held | None = N
         if v.until_makespan:
             e = span
         elif held is not None and all(isinstance(x, int) for x in ends):
-            e = max(ends, default=s)  # held by held tasks alone: a constant (no consumer: never live)
+            if isinstance(s, int):
+                continue  # between held tasks, which end by held.since (Held): its bytes are in the held past
+            e = max(ends, default=s)  # from the barrier to held ends (empty: an unused input, never live)
         else:  # functionally determined, so the search never branches on it
             if held is not None:  # the held ends folded into one constant
                 fixed = [x for x in ends if isinstance(x, int)]
                 ends = [x for x in ends if not isinstance(x, int)] + ([max(fixed)] if fixed else [])
             e = m.new_int_var(0, h.horizon, f"live_end[{v.name}]")
             m.add_max_equality(e, ends)
-        if held is not None and isinstance(s, int) and isinstance(e, int):
-            if e <= max(s, held.since):
-                continue  # dead before the model's tasks can run: its bytes are in the held past
-            ivs.append(m.new_fixed_size_interval_var(s, e - s, f"live[{v.name}]"))
-        else:
-            size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
-            ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
-            h.live_end[v.name] = e
+        size = m.new_int_var(0, h.horizon, f"live_size[{v.name}]")
+        ivs.append(m.new_interval_var(s, size, e, f"live[{v.name}]"))
+        h.live_end[v.name] = e
         dem.append(v.nbytes // unit)
     total = sum(dem)
     if peak:

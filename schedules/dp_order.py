@@ -30,7 +30,6 @@ from moegraph.edges import edge_layer, is_edge
 from moegraph.ir import Role
 from moegraph.layers import layer_count
 from moegraph.schedules.baselines import Key, bottom_levels, list_schedule
-from moegraph.schedules.bound import topological
 from moegraph.schedules.problem import DP_STREAM, Problem, Task
 from moegraph.schedules.solution import Solution
 
@@ -46,7 +45,7 @@ def dp_feeders(problem: Problem) -> set[int]:
     tasks of that layer only)."""
     tasks = problem.tasks
     feeds = [False] * len(tasks)
-    for t in reversed(_order(problem)):
+    for t in reversed([tasks[i] for i in problem.order]):
         feeds[t.index] = any((_is_dp(tasks[s]) or feeds[s]) and tasks[s].node.layer == t.node.layer for s in t.succs)
     return {t.index for t in tasks if feeds[t.index] and t.kind == "compute" and t.node.role is Role.WGRAD}
 
@@ -55,20 +54,11 @@ def dp_released_ticks(problem: Problem) -> list[int]:
     """Per task, the fastest ticks of the DP collectives of its own layer downstream of it."""
     tasks = problem.tasks
     below: list[set[int]] = [set() for _ in tasks]
-    for t in reversed(_order(problem)):
+    for t in reversed([tasks[i] for i in problem.order]):
         for s in t.succs:
             if tasks[s].node.layer == t.node.layer:
                 below[t.index] |= below[s] | ({s} if _is_dp(tasks[s]) else set())
     return [sum(tasks[i].min_ticks for i in below[t.index]) for t in tasks]
-
-
-def _order(problem: Problem) -> list[Task]:
-    """Tasks in a topological order of ``preds`` (remat anchors and micro-batch barriers may
-    run against graph order)."""
-    ids = [t.index for t in problem.tasks]
-    order = topological(ids, {t.index: list(t.preds) for t in problem.tasks},
-                         {t.index: list(t.succs) for t in problem.tasks})
-    return [problem.tasks[i] for i in order]
 
 
 def dp_warm_starts(problem: Problem, budget: int | None = None) -> list[Solution]:

@@ -20,9 +20,9 @@ window never returns a worse schedule; only strictly shorter ones are accepted.
 
 Only the tasks that can still move are in the model: those ranked from the window on, and the
 earlier ones still running at the window's first start t0 (held at their starts). Under a
-memory budget the tasks left out are held too (cpsat.Held): a value between two of them is a
-constant live interval in the cumulative, and one shared with a task in the model has its
-held end as a constant in its max; values dead by t0 are left out (before t0 nothing moves, so
+memory budget the tasks left out are held too (cpsat.Held): they all end by t0, so a value
+between two of them is dead by then and left out, and one shared with a task in the model has
+its held end as a constant in its max; values dead by t0 are left out (before t0 nothing moves, so
 the live memory there is the incumbent's, within the budget). So a window under a budget is
 as small as one without: on mixtral-8x7b's merged step (4 layers, M=4, 1,012 tasks), the 10
 windows of 60 tasks from the end hold 60-330 tasks (the window and the tasks after it).

@@ -34,20 +34,22 @@ Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT 
 (stage 2 of ``cpsat.solve``), never ending worse.
 
 DP-aware tiling (``dp_slide``). With data parallelism the unit's schedule must finish its own
-layers' DP gradient sync (``dp_tail``: the inter-node collectives on DP_STREAM and the
+layers' DP gradient sync (``Problem.dp_tail``: the inter-node collectives on DP_STREAM and the
 intra-node all-gathers after them) inside its period, although nothing in the step needs it
 before the step's end; at mixtral-8x7b sizes with b=8 one layer's sync on the NIC is about as
 long as its backward compute, so every period ends with sync exposed or compute slowed. The
 DP-aware tiling takes the tail out of the tile: period q's backward window shrinks to B' (the
 last end of what stays in it), and the tail tasks, with the edges' collectives, are then
-placed one by one (by their tiled start, each after its inputs) at the earliest end among:
+placed one by one (by their tiled start, or by the earliest start their inputs allow:
+``SlideOrder``; each after its inputs) at the earliest end among:
 their tiled mode wherever their stream is free and the SMs beside them leave room (beside the
 compute the tile slowed for them, which later periods repeat); their copy-engine mode (0 SMs,
 slower, beside anything) wherever their stream is free; their alone mode after the tile ends.
 So a period's sync slides under the following periods' backward on its own stream, and the
 LM head's gradient sync under the layers' backward instead of after it. The kept gradients
 live longer: the caller checks each candidate's peak against the budget, as for every warm
-start. Both tilings are offered (schedules.api); the shorter one warm-starts CP-SAT. Not
+start. The plain tiling and the DP-aware one in both orders are offered (schedules.api); the
+shortest warm-starts CP-SAT. Not
 offered when the tail holds compute (``can_slide``: compress=dp-bf16's FP32 local sums after
 the all-to-all), which the placement would have to fit into the tile's compute stream.
 """
@@ -56,16 +58,16 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from typing import Literal
 
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
-from moegraph.schedules.bound import topological
 from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 
-__all__ = ["PERIODIC", "can_slide", "dp_tail", "is_stack", "tile_layers"]
+__all__ = ["PERIODIC", "SLIDE_ORDERS", "SlideOrder", "can_slide", "is_stack", "tile_layers"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -93,14 +95,33 @@ def is_stack(graph: Graph) -> bool:
     return True
 
 
-def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: bool = False) -> Solution:
+SlideOrder = Literal["tiled", "ready"]
+"""The order in which the DP-aware tiling places the tasks it slides (``_place_late``): "tiled",
+by the start the tile gives each (the edges' collectives, which have none, first); "ready", by
+the earliest start its tiled start and its inputs' placed ends allow. Neither is better on
+every step (tests/test_schedules_periodic.py), so both are offered (schedules.api): with the
+edges' collectives first, the LM head's gradient sync takes the DP stream ahead of layer
+L-1's expert syncs although it waits for its intra-node reduce-scatter on the NVLink stream,
+and the NIC idles (mixtral-8x7b, h800, dp=4, b=8, 2 layers: 11 ms idle early in the backward;
+"ready" makes the warm start 137,510 -> 135,816 us and CP-SAT's step 133,714 -> 131,024 us at
+the default effort), while with a large vocabulary that sync first is the better bet
+(benchmarks/RESULTS.md, 2026-11-24 "why CP-SAT leaves DP sync exposed")."""
+SLIDE_ORDERS: tuple[SlideOrder, ...] = ("tiled", "ready")
+
+
+def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: bool = False,
+                slide_order: SlideOrder = "tiled") -> Solution:
     """``sol`` (a solution of ``unit``: the one-layer graph, or a stack of K of its layers)
     repeated over the layers of ``problem``'s graph (module doc), K layers per period: layer
     i = q K + u runs as the unit's layer u in period q. ``dp_slide``: the DP tail of each
-    period (``dp_tail``) leaves the tile and slides into later periods' backward (module doc,
+    period (``Problem.dp_tail``) leaves the tile and slides into later periods' backward (module doc,
     "DP-aware tiling"). Raises ScheduleError if the graph is not a stack of the layer
     (``is_stack``), L is not a multiple of K, or a node's mode in the unit has no twin (same
-    SMs, alone flag and ticks) in the stacked problem."""
+    SMs, alone flag and ticks) in the stacked problem. ``slide_order`` (``SlideOrder``): the
+    order the slid tasks are placed in; "tiled" names the result ``periodic+dp``, "ready"
+    ``periodic+dp-ready``."""
+    if slide_order not in SLIDE_ORDERS:
+        raise ValueError(f"slide_order={slide_order!r} is not one of {', '.join(SLIDE_ORDERS)}")
     graph = problem.graph
     if not is_stack(graph):
         raise ScheduleError(f"graph {graph.name!r} is not a stack of its one-layer graph: nothing to tile")
@@ -109,7 +130,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         raise ScheduleError(f"{L} layers cannot be tiled by a unit of {K}")
     periods = L // K
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
-    tail = dp_tail(unit) if dp_slide else set()
+    tail = unit.dp_tail if dp_slide else frozenset()
     compute = [unit.tasks[i].name for i in sorted(tail) if unit.tasks[i].kind != "comm"]
     if compute:
         raise ScheduleError(f"compute {compute[0]!r} depends on a DP collective: the DP-aware tiling moves only "
@@ -172,34 +193,23 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     for t in edges:
         if t.kind == "comm" and t.side == 1:  # as soon as its inputs allow, beside the layers' backward if room
             late[t.index], mode[t.index] = 0, t.default_mode
-    _place_late(problem, start, mode, late, at)
-    return settle_alone(problem, Solution(f"{name}+dp", tuple(start), tuple(mode)))
-
-
-def dp_tail(unit: Problem) -> set[int]:
-    """The unit's inter-node DP collectives (stream DP_STREAM) and every task downstream of one
-    (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
-    the local FP32 sums): what the DP-aware tiling moves out of a period."""
-    tasks = unit.tasks
-    tail = {t.index for t in tasks if t.stream == DP_STREAM}
-    for i in topological([t.index for t in tasks], {t.index: list(t.preds) for t in tasks},
-                         {t.index: list(t.succs) for t in tasks}):
-        if any(p in tail for p in tasks[i].preds):
-            tail.add(i)
-    return tail
+    _place_late(problem, start, mode, late, at, slide_order)
+    return settle_alone(problem, Solution(f"{name}+dp" + ("-ready" if slide_order == "ready" else ""),
+                                          tuple(start), tuple(mode)))
 
 
 def can_slide(unit: Problem) -> bool:
     """Whether the DP-aware tiling applies: the unit has DP collectives and its DP tail holds
     collectives only (moving a compute task would change what the tile's collectives overlap;
     compress=dp-bf16's local sums are compute)."""
-    tail = dp_tail(unit)
-    return bool(tail) and all(unit.tasks[i].kind == "comm" for i in tail)
+    return bool(unit.dp_tail) and all(unit.tasks[i].kind == "comm" for i in unit.dp_tail)
 
 
-def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[int, int], end: int) -> None:
-    """Place the ``late`` tasks (index -> earliest start the tile gives it), by that start and
-    each after its inputs, each at the earliest end among: its tiled mode at the earliest start
+def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[int, int], end: int,
+                order: SlideOrder) -> None:
+    """Place the ``late`` tasks (index -> earliest start the tile gives it), in ``order``
+    (``SlideOrder``: by that start, or by the earliest start it and the task's placed inputs
+    allow), each after its inputs, each at the earliest end among: its tiled mode at the earliest start
     where its stream is free and the SMs in use beside it leave it room (beside compute the tile
     slowed, or where compute is idle); its fastest copy-engine mode (0 SMs: beside anything) at
     the earliest start its stream is free; its alone mode after ``end``, where every tile task
@@ -213,17 +223,18 @@ def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[
     for v in busy.values():
         v.sort()
     waiting = {i: sum(p in late for p in tasks[i].preds) for i in late}
-    queue = [(late[i], i) for i in late if not waiting[i]]
+
+    def ready_at(i: int) -> int:  # its tiled start, or later where an input (placed already) ends later
+        return max([late[i], *(start[p] + tasks[p].modes[mode[p]].ticks for p in tasks[i].preds)])
+
+    def key(i: int) -> int:
+        return late[i] if order == "tiled" else ready_at(i)
+    queue = [(key(i), i) for i in late if not waiting[i]]
     heapq.heapify(queue)
-    while queue:  # by tiled start, each after its late inputs
+    while queue:  # in ``order``, each after its late inputs
         _, i = heapq.heappop(queue)
         t = tasks[i]
-        for c in t.succs:
-            if c in late:
-                waiting[c] -= 1
-                if not waiting[c]:
-                    heapq.heappush(queue, (late[c], c))
-        ready = max([late[i], *(start[p] + tasks[p].modes[mode[p]].ticks for p in t.preds)])
+        ready = ready_at(i)
         # beside compute only modes priced beside it (an alone mode excludes compute)
         tiled = t.modes[mode[i]]
         modes = {k for k, m in enumerate(t.modes) if not m.alone and m.sm == tiled.sm
@@ -240,6 +251,11 @@ def _place_late(problem: Problem, start: list[int], mode: list[int], late: dict[
         start[i], mode[i] = s, k
         if e > s:
             bisect.insort(busy[t.stream], (s, e, t.modes[k].sm))
+        for c in t.succs:  # once placed: a successor's key reads where its inputs end
+            if c in late:
+                waiting[c] -= 1
+                if not waiting[c]:
+                    heapq.heappush(queue, (key(c), c))
 
 
 def _earliest(problem: Problem, busy: dict[str, list[tuple[int, int, int]]], stream: str, t: int, d: int,

@@ -41,9 +41,10 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.registry import Hardware
@@ -53,7 +54,7 @@ from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
            "MemoryBudgetError", "Mode", "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
-           "comm_scope", "stream_of", "chunk_symmetry"]
+           "comm_scope", "stream_of", "chunk_symmetry", "topological", "mode_duration_us"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -156,10 +157,51 @@ class Problem:
     def by_name(self) -> dict[str, Task]:
         return {t.name: t for t in self.tasks}
 
+    @functools.cached_property
+    def order(self) -> tuple[int, ...]:
+        """Task indices in a topological order of ``preds`` (``topological``). Task order
+        follows the graph's data edges, but remat anchors and micro-batch barriers are
+        precedence edges that it need not follow."""
+        return tuple(topological([t.index for t in self.tasks], {t.index: t.preds for t in self.tasks},
+                                 {t.index: t.succs for t in self.tasks}))
+
+    @functools.cached_property
+    def dp_tail(self) -> frozenset[int]:
+        """The inter-node DP collectives (stream DP_STREAM) and every task downstream of one
+        (the intra-node all-gathers that finish a hierarchical sync; with compress=dp-bf16 also
+        the local FP32 sums): what the DP-aware periodic tiling moves out of a period
+        (moegraph.schedules.periodic)."""
+        tail = {t.index for t in self.tasks if t.stream == DP_STREAM}
+        for i in self.order:
+            if any(p in tail for p in self.tasks[i].preds):
+                tail.add(i)
+        return frozenset(tail)
+
     @property
     def horizon(self) -> int:
         """Every task one after another at its slowest mode: no schedule needs longer."""
         return sum(t.max_ticks for t in self.tasks)
+
+
+def topological(ids: list[int], preds: Mapping[int, Sequence[int]],
+                succs: Mapping[int, Sequence[int]]) -> list[int]:
+    """``ids`` in a topological order (Kahn's, smallest index first: deterministic). Node order
+    is topological for data edges, but a Problem may add precedence edges (remat anchors,
+    micro-batch barriers) that the node order need not follow."""
+    waiting = {i: len(preds[i]) for i in ids}
+    ready = [i for i in ids if not waiting[i]]
+    heapq.heapify(ready)
+    out = []
+    while ready:
+        i = heapq.heappop(ready)
+        out.append(i)
+        for s in succs[i]:
+            waiting[s] -= 1
+            if not waiting[s]:
+                heapq.heappush(ready, s)
+    if len(out) != len(ids):
+        raise ScheduleError("the problem's precedence edges form a cycle")
+    return out
 
 
 def to_ticks(duration_us: float) -> int:
@@ -223,6 +265,18 @@ def _prune(modes: list[Mode], keep: Mode) -> tuple[Mode, ...]:
     return tuple(sorted(kept, key=lambda m: (m.ticks, m.sm, m.alone)))
 
 
+def mode_duration_us(node: Node, cost: CostModel, budget: int, *, alone: bool = False,
+                     stretch: float | None = None) -> float:
+    """How long ``node`` runs in a mode, in us: a collective holding ``budget`` SMs, alone
+    (its plain time) or beside compute (``stretch`` times it; default the cost model's
+    comm_overlap_stretch); a compute node while collectives hold ``budget`` SMs (its time at
+    full SMs slowed by compute_slowdown; ``alone`` and ``stretch`` do not apply)."""
+    if node.is_comm:
+        us = float(cost.node_time_us(node, budget))
+        return us if alone else us * float(cost.comm_overlap_stretch() if stretch is None else stretch)
+    return float(cost.node_time_us(node)) * cost.compute_slowdown(budget)
+
+
 def _comm_modes(node: Node, cost: CostModel, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:
     """(pruned modes, default mode) of a collective; the default runs beside compute."""
     default_b = cost.default_sm_budget(node)
@@ -233,9 +287,10 @@ def _comm_modes(node: Node, cost: CostModel, sm_count: int) -> tuple[tuple[Mode,
     for b in cost.comm_sm_budgets(node):
         if b >= sm_count:
             raise ScheduleError(f"node {node.name!r}: SM budget {b} leaves no SMs (sm_count={sm_count})")
-        us = float(cost.node_time_us(node, b))
-        modes.append(Mode(b, us * stretch, to_ticks(us * stretch)))
+        us = mode_duration_us(node, cost, b, stretch=stretch)
+        modes.append(Mode(b, us, to_ticks(us)))
         if stretch > 1:
+            us = mode_duration_us(node, cost, b, alone=True)
             modes.append(Mode(b, us, to_ticks(us), alone=True))
     default = next((m for m in modes if m.sm == default_b and not m.alone), None)
     if default is None:
@@ -247,13 +302,12 @@ def _comm_modes(node: Node, cost: CostModel, sm_count: int) -> tuple[tuple[Mode,
 def _compute_modes(node: Node, cost: CostModel, sm_count: int, reserves: tuple[int, ...]) -> tuple[tuple[Mode, ...], Mode]:
     """(pruned modes, full-SM mode) of a compute node; SPLIT (a view) and free nodes take no
     time and hold no SMs."""
-    base = 0.0 if node.op is OpKind.SPLIT else float(cost.node_time_us(node))
-    if base == 0.0:
+    if mode_duration_us(node, cost, 0) == 0.0:     # SPLIT: node_time_us prices a view at 0
         zero = Mode(0, 0.0, 0)
         return (zero,), zero
     modes = []
     for b in reserves:
-        us = base * cost.compute_slowdown(b)
+        us = mode_duration_us(node, cost, b)
         modes.append(Mode(sm_count - b, us, to_ticks(us)))
     return _prune(modes, modes[0]), modes[0]
 

@@ -191,3 +191,20 @@ def test_window_model_under_a_budget_is_window_sized():
         assert nb.keep == lns.neighbourhood(free, warm, lo, hi).keep    # as small as without a budget
         live = [c for c in nb.handles.model.proto.constraints if c.name.startswith("live[")]
         assert live and len(live) < len(p.mem_values)      # held values dead before the window left out
+
+
+def test_held_refuses_a_held_task_running_past_since(merged):
+    """cpsat.Held's contract: every held task ends by ``since`` (the window search holds only
+    tasks ended by its window's first start), so a value between held tasks is dead there and
+    left out of the model. A task still running at ``since`` outside ``keep`` is refused, naming it."""
+    from moegraph.schedules.cpsat import Held
+    from moegraph.schedules.solution import solution_ends
+    warm = sequential(merged)
+    ends = solution_ends(merged, warm)
+    first = min(range(len(merged.tasks)), key=lambda i: (warm.start[i], i))
+    last = max(range(len(merged.tasks)), key=lambda i: (warm.start[i], i))
+    since = warm.start[last]
+    Held(merged, (last,), warm, since)                               # the others all end by the last start
+    t = next(i for i in range(len(merged.tasks)) if i != last and ends[i] > ends[first])
+    with pytest.raises(ScheduleError, match=f"held task {merged.tasks[t].name!r} ends after Held.since"):
+        Held(merged, (last,), warm, ends[first])

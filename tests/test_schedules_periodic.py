@@ -119,8 +119,9 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     than the plain tiling of the same unit schedule (measured: exposed 1,542 -> 948 us, step
     805,253 -> 742,306 ticks); without DP collectives the two tilings are the same."""
     from moegraph.edges import add_edges
-    from moegraph.schedules.baselines import BASELINES, warm_starts
-    from moegraph.schedules.periodic import can_slide, dp_tail
+    from moegraph.schedules.api import list_warm_starts
+    from moegraph.schedules.baselines import BASELINES
+    from moegraph.schedules.periodic import can_slide
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
     cost = CostModel(load_hardware("h800"))
@@ -128,10 +129,10 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     g = add_edges(run_pipeline(g, "gate-reorder,sar=paper", cost=cost)[0], vocab=1024)
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
-    tail = dp_tail(unit)
+    tail = unit.dp_tail
     assert {unit.tasks[i].stream for i in tail} >= {DP_STREAM} and all(unit.tasks[i].kind == "comm" for i in tail)
     assert can_slide(unit)
-    sol = min([fn(unit) for fn in BASELINES.values()] + warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
+    sol = min([fn(unit) for fn in BASELINES.values()] + list_warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
     plain, slid = tile_layers(p, unit, sol), tile_layers(p, unit, sol, dp_slide=True)
     assert slid.method == f"{PERIODIC}+dp"
     exposed = {}
@@ -145,7 +146,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     g1 = trace_model(SMALL, SP, seq=64, layers=2)
     p1, u1 = build_problem(g1, COST), build_problem(layer_graph(g1), COST)
     s1 = BASELINES["greedy"](u1)
-    assert dp_tail(u1) == set() and not can_slide(u1)
+    assert u1.dp_tail == set() and not can_slide(u1)
     assert tile_layers(p1, u1, s1, dp_slide=True).start == tile_layers(p1, u1, s1).start
 
 
@@ -154,13 +155,48 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     collective: compute in the DP tail, which the tiling would have to move, so it is not
     offered (can_slide) and tile_layers names the node."""
     from moegraph.schedules.baselines import BASELINES
-    from moegraph.schedules.periodic import can_slide, dp_tail
+    from moegraph.schedules.periodic import can_slide
     cost = CostModel(load_hardware("h800"))
     g = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512, layers=2)
     g = run_pipeline(g, "gate-reorder,sar=paper,compress=dp-bf16", cost=cost)[0]
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
-    assert any(unit.tasks[i].kind == "compute" for i in dp_tail(unit)) and not can_slide(unit)
+    assert any(unit.tasks[i].kind == "compute" for i in unit.dp_tail) and not can_slide(unit)
     with pytest.raises(ScheduleError, match="depends on a DP collective"):
         tile_layers(p, unit, BASELINES["greedy"](unit), dp_slide=True)
     assert len(_periodic(p, SolverOptions(time_limit_s=0.2))) == 1        # the plain tiling only (L=2: K=1)
+
+
+def test_dp_aware_tiling_offers_both_slide_orders():
+    """The DP-aware tiling places the slid tasks by their tiled start or by the earliest start
+    their inputs allow (periodic.SlideOrder), and neither wins on every step. small, 2 layers,
+    dp=2, b=8, s=2048 (h800): with a 1,024-token vocabulary "ready" is shorter (measured 366,472
+    vs 373,032 ticks: the LM head's sync no longer takes the DP stream ahead of the expert syncs
+    that are ready first), with 32,000 "tiled" is (616,000 vs 631,408: that sync is long). Both
+    verify, and compile's periodic candidates hold both."""
+    from moegraph.edges import add_edges
+    from moegraph.schedules.api import list_warm_starts
+    from moegraph.schedules.baselines import BASELINES
+    from moegraph.schedules.periodic import can_slide
+    cost = CostModel(load_hardware("h800"))
+    g0 = run_pipeline(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048, layers=2),
+                      "gate-reorder,sar=paper", cost=cost)[0]
+    span = {}
+    for vocab in (1024, 32000):
+        g = add_edges(g0, vocab=vocab)
+        p = build_problem(g, cost)
+        unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
+        assert can_slide(unit)
+        sol = min([fn(unit) for fn in BASELINES.values()] + list_warm_starts(unit), key=lambda s: makespan_ticks(unit, s))
+        for order in ("tiled", "ready"):
+            s = tile_layers(p, unit, sol, dp_slide=True, slide_order=order)
+            assert s.method == PERIODIC + ("+dp" if order == "tiled" else "+dp-ready")
+            check_solution(p, s)
+            assert verify_schedule(build_schedule(p, s, lower_bound(p), {}, {})) == []
+            span[vocab, order] = makespan_ticks(p, s)
+    assert span[1024, "ready"] < 0.99 * span[1024, "tiled"]
+    assert span[32000, "tiled"] < 0.99 * span[32000, "ready"]
+    with pytest.raises(ValueError, match="slide_order='late' is not one of tiled, ready"):
+        tile_layers(p, unit, sol, dp_slide=True, slide_order="late")
+    assert {s.method for s in _periodic(p, SolverOptions(time_limit_s=0.2))} == {
+        PERIODIC, f"{PERIODIC}+dp", f"{PERIODIC}+dp-ready"}

@@ -293,6 +293,7 @@ def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> flo
     prices every node and each collective that the plan runs beside compute takes ``stretch``
     times its alone time; a node starts once its inputs' producers and the node before it on its
     stream have ended. The order stays what was measured, so the makespan grows with stretch."""
+    from moegraph.schedules.problem import mode_duration_us   # the scheduler's own pricing of a mode
     producer, node = graph.producer, graph.node
     end: dict[str, float] = {}
     stream_free: dict[str, float] = defaultdict(float)
@@ -301,11 +302,9 @@ def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> flo
     for phase_entries, is_fwd in ((fwd, True), (bwd, False)):
         for e in phase_entries:
             nd = node[e.name]
-            if nd.is_comm:
-                us = cost.node_time_us(nd, e.sm_budget) * (1.0 if e.alone else stretch)
-            else:                       # a compute entry's sm_budget: the SMs it runs on (0: unset, all)
-                held = cost.sm_count() - e.sm_budget if e.sm_budget else 0
-                us = cost.node_time_us(nd) * cost.compute_slowdown(held)
+            # a compute entry's sm_budget: the SMs it runs on (0: unset, all)
+            held = e.sm_budget if nd.is_comm else (cost.sm_count() - e.sm_budget if e.sm_budget else 0)
+            us = mode_duration_us(nd, cost, held, alone=e.alone, stretch=stretch)
             ready = max([end[producer[v].name] for v in nd.inputs if v in producer and producer[v].name in end],
                         default=0.0)
             begin = max(ready, stream_free[e.stream], 0.0 if is_fwd else fwd_end)
