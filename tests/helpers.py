@@ -111,11 +111,12 @@ class RankBatch:
         files = [folder / f"{name}.rank{r}.pkl" for r in range(n)]
         if all(f.exists() for f in files):
             return [pickle.loads(f.read_bytes()) for f in files]
-        for r in range(n):
-            error = folder / f"{name}.rank{r}.err"
-            if error.exists():
-                pytest.fail(f"{name} raised on rank {r}:\n{error.read_text()}\n(the {n}-rank batch: {stopped})",
-                            pytrace=False)
+        errors = sorted((e.stat().st_mtime_ns, r, e) for r in range(n)
+                        if (e := folder / f"{name}.rank{r}.err").exists())
+        if errors:                                    # the first to fail is the cause, the others its symptoms
+            _, r, first = errors[0]
+            pytest.fail(f"{name} raised on rank {r} first:\n{first.read_text()}\n(the {n}-rank batch: {stopped})",
+                        pytrace=False)
         if (folder / f"{name}.started").exists():
             pytest.fail(f"{name} was running when the {n}-rank batch stopped: {stopped}", pytrace=False)
         pytest.fail(f"{name} did not run: the {n}-rank batch stopped before it: {stopped}", pytrace=False)
