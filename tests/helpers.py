@@ -126,9 +126,9 @@ class RankBatch:
         pending = self._pending.pop(n)
         folder = tmp_root / f"rank-batch-{n}-{len(self._ran)}"
         folder.mkdir(parents=True)
-        cases = [(name, fn, tuple(make_args())) for name, (fn, make_args, _) in pending.items()]
         stopped = "finished"
         try:
+            cases = [(name, fn, tuple(make_args())) for name, (fn, make_args, _) in pending.items()]
             spawn(run_batch, n, args=(cases, str(folder)), timeout_s=sum(t for _, _, t in pending.values()))
         except Exception as err:  # noqa: BLE001 - reported by each case that did not finish
             stopped = f"{type(err).__name__}: {err}"
