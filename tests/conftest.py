@@ -20,3 +20,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="session")
+def rank_results(tmp_path_factory):
+    """``rank_results(n, name)``: per rank, the result of the n-rank case ``name`` registered with
+    helpers.RANK_BATCH (all registered n-rank cases run in one spawn, on first use)."""
+    from helpers import RANK_BATCH
+    root = tmp_path_factory.mktemp("rank-batch")
+    return lambda n, name: RANK_BATCH.get(n, name, root)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from moegraph.models import MoETransformerLayer
@@ -67,3 +70,88 @@ def held_for_backward(graph) -> int:
     forward |= {v for v in graph.inputs if graph.value[v].kind is ValueKind.ACTIVATION}
     read = {base(v) for n in graph.nodes if n.phase is not Phase.FORWARD for v in n.inputs if v in forward}
     return sum(graph.value[v].nbytes for v in read if graph.value[v].kind is not ValueKind.PARAM)
+
+
+# -- many tests' rank functions in one spawn --------------------------------------------------------
+
+class RankBatch:
+    """Rank functions of many tests run in ONE spawn per number of ranks.
+
+    Starting ranks costs seconds (each imports torch; 4 ranks share 2 cores), more than most
+    checks take, so test modules register their rank functions at import (``add``) and the first
+    test asking for a result (``get``) starts one spawn that runs every registered case of that
+    size not run yet, in registration order; each test still checks its own case's results. A
+    case runs as it would in a spawn of its own: same ``fn(rank, n, *args)``, same process group,
+    torch's global generator reset to a fresh process's seed. Each case's per-rank result is
+    written to a folder as soon as it returns, so a crash, or a hang past the timeout, fails the
+    case that caused it with its own traceback and the cases after it with a message naming why."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, dict[str, tuple]] = {}       # n -> {name: (fn, make_args, timeout_s)}
+        self._ran: dict[tuple[int, str], tuple[Path, str]] = {}  # (n, name) -> (folder, why it stopped)
+
+    def add(self, n: int, name: str, fn, *args, timeout_s: float = 300.0, make_args=None) -> str:
+        """Register ``fn(rank, n, *args)`` (a module-level function) as case ``name``; returns it.
+        ``make_args``: a callable giving the arguments instead, called when the batch starts (for
+        arguments that take work to build, such as solved plans)."""
+        pending = self._pending.setdefault(n, {})
+        if name in pending or (n, name) in self._ran:
+            raise ValueError(f"rank batch case {name!r} is registered twice")
+        pending[name] = (fn, (lambda: tuple(args)) if make_args is None else make_args, timeout_s)
+        return name
+
+    def get(self, n: int, name: str, tmp_root: Path) -> list:
+        """Per rank, case ``name``'s result; runs the n-rank batch on first use."""
+        import pickle
+        if name in self._pending.get(n, {}):
+            self._run(n, tmp_root)
+        if (n, name) not in self._ran:
+            raise KeyError(f"no {n}-rank case {name!r} is registered")
+        folder, stopped = self._ran[(n, name)]
+        files = [folder / f"{name}.rank{r}.pkl" for r in range(n)]
+        if all(f.exists() for f in files):
+            return [pickle.loads(f.read_bytes()) for f in files]
+        errors = sorted((e.stat().st_mtime_ns, r, e) for r in range(n)
+                        if (e := folder / f"{name}.rank{r}.err").exists())
+        if errors:                                    # the first to fail is the cause, the others its symptoms
+            _, r, first = errors[0]
+            pytest.fail(f"{name} raised on rank {r} first:\n{first.read_text()}\n(the {n}-rank batch: {stopped})",
+                        pytrace=False)
+        if (folder / f"{name}.started").exists():
+            pytest.fail(f"{name} was running when the {n}-rank batch stopped: {stopped}", pytrace=False)
+        pytest.fail(f"{name} did not run: the {n}-rank batch stopped before it: {stopped}", pytrace=False)
+
+    def _run(self, n: int, tmp_root: Path) -> None:
+        from moegraph.runtime.launch import spawn
+        pending = self._pending.pop(n)
+        folder = tmp_root / f"rank-batch-{n}-{len(self._ran)}"
+        folder.mkdir(parents=True)
+        stopped = "finished"
+        try:
+            cases = [(name, fn, tuple(make_args())) for name, (fn, make_args, _) in pending.items()]
+            spawn(run_batch, n, args=(cases, str(folder)), timeout_s=sum(t for _, _, t in pending.values()))
+        except Exception as err:  # noqa: BLE001 - reported by each case that did not finish
+            stopped = f"{type(err).__name__}: {err}"
+        for name in pending:
+            self._ran[(n, name)] = (folder, stopped)
+
+
+def run_batch(rank: int, n: int, cases: list[tuple], folder: str) -> None:
+    """Rank function of a RankBatch: each case in order, its result pickled as soon as it returns."""
+    import pickle
+    import traceback
+    out = Path(folder)
+    fresh = torch.initial_seed()                   # what every fresh rank process starts from
+    for name, fn, args in cases:
+        if rank == 0:
+            (out / f"{name}.started").touch()
+        torch.manual_seed(fresh)
+        try:
+            result = fn(rank, n, *args)
+        except BaseException:
+            (out / f"{name}.rank{rank}.err").write_text(traceback.format_exc())
+            raise
+        (out / f"{name}.rank{rank}.pkl").write_bytes(pickle.dumps(result))
+
+
+RANK_BATCH = RankBatch()

@@ -12,7 +12,7 @@ import os
 import pytest
 
 import dp_workers
-from moegraph.runtime.launch import spawn
+from helpers import RANK_BATCH
 
 N, DP = 2, 2
 TOL = 1e-5
@@ -37,9 +37,14 @@ def _seed() -> int:
 ADAMW_CASE = dict(attn="sp", ffn="ep", dispatch="ag-rs", passes="sar=paper,gate-reorder")
 
 
+# Runs in the suite's shared 4-rank spawn (helpers.RankBatch): starting 4 ranks on 2 cores costs seconds.
+DP_CASES = RANK_BATCH.add(N * DP, "dp.grads_then_adamw", dp_workers.grads_then_adamw, CASES, ADAMW_CASE, _seed(), N,
+                          timeout_s=600)
+
+
 @pytest.fixture(scope="module")
-def dp_results():
-    return spawn(dp_workers.grads_then_adamw, N * DP, args=(CASES, ADAMW_CASE, _seed(), N), timeout_s=600)
+def dp_results(rank_results):
+    return rank_results(N * DP, DP_CASES)
 
 
 @pytest.fixture(scope="module")

@@ -10,17 +10,32 @@ import os
 import pytest
 
 import edges_workers as workers
+from helpers import RANK_BATCH
 from moegraph.cost import CostModel
 from moegraph.edges import add_edges, edge_values
 from moegraph.ir import GraphError, Strategy
 from moegraph.registry import load_hardware, load_model
-from moegraph.runtime.launch import spawn
 from moegraph.schedules.api import compile_graph
 from moegraph.tracer import trace_model
 
 TOL = 1e-5
 HAS_HF = importlib.util.find_spec("transformers") is not None
 SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
+
+
+def _seed() -> int:
+    return int.from_bytes(os.urandom(3), "little")
+
+
+# The rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch): starting
+# ranks costs more than these checks.
+EDGE_GRADS = RANK_BATCH.add(2, "edges.edge_grad_checks", workers.edge_grad_checks, _seed())
+BASE_MODEL = (RANK_BATCH.add(2, "edges.base_model_grad_checks", workers.base_model_grad_checks, _seed())
+              if HAS_HF else None)
+DP_BF16 = RANK_BATCH.add(4, "edges.dp_bf16_edge_grads", workers.dp_bf16_edge_grads, _seed(), 2)
+PARTIAL = RANK_BATCH.add(4, "edges.partial_embed_grads", workers.partial_embed_grads, _seed(), 2)
+PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embed_padding, _seed(), 2)
+           if HAS_HF else None)
 
 
 def _graph(dp: int = 1, vocab: int | None = 32000, layers: int = 2):
@@ -84,9 +99,8 @@ def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
 
 
 @pytest.fixture(scope="module")
-def n2():
-    res = spawn(workers.edge_grad_checks, 2, args=(int.from_bytes(os.urandom(3), "little"),), timeout_s=300)
-    return res[0]
+def n2(rank_results):
+    return rank_results(2, EDGE_GRADS)[0]
 
 
 def test_compiled_model_runs_the_edge_collectives_from_the_plan(n2):
@@ -128,11 +142,10 @@ def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
-def test_base_model_gradients_match_eager_on_2_ranks():
+def test_base_model_gradients_match_eager_on_2_ranks(rank_results):
     """No head: the norm's all-reduce and the embedding gather still run from the plan, and
     every gradient (embedding, final norm, layers) equals eager's."""
-    res = spawn(workers.base_model_grad_checks, 2, args=(int.from_bytes(os.urandom(3), "little"),),
-                timeout_s=300)[0]
+    res = rank_results(2, BASE_MODEL)[0]
     assert {"edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= set(res["edge_nodes"])
     assert not any("lm_head" in e for e in res["edge_nodes"])
     assert max(res["errors"].values()) < TOL, res["errors"]
@@ -291,15 +304,15 @@ def test_merged_step_executor_runs_the_edges_by_step_edges():
         ex.step_edges([torch.zeros(1, 32, cfg.hidden)] * 2, [], eager_kernels={})
 
 
-def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2():
+def test_dp_bf16_edge_sync_runs_compressed_on_n2_dp2(rank_results):
     """n=2 x dp=2 on 4 gloo ranks with compress=dp-bf16: the plan runs the edges' head and norm
     sync as bf16 all-to-alls (intra- and inter-node), and their gradients equal eager's within the
     bf16 wire format's rounding (tests/test_dp.py BF16_TOL) but visibly not to fp32 precision (the
     compressed path ran). The embedding gradient: with the bf16 wire PARTIAL sends fewer inter-node
     bytes ((dp-1)/dp * V*h/n * (2+4) = 3072 < ROWS' (dp-1)*b*s*h*4 = 4096), so its sync is
     compressed too, to the same tolerance."""
-    from test_dp import BF16_TOL
-    res = spawn(workers.dp_bf16_edge_grads, 4, args=(int.from_bytes(os.urandom(3), "little"), 2), timeout_s=300)[0]
+    res = rank_results(4, DP_BF16)[0]
+    from test_dp import BF16_TOL          # after the batch ran: importing test_dp registers its case too
     assert res["pattern"] == "partial"
     assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.norm.grad_rs_intra",
             "edges.norm.grad_rs_inter", "edges.embed.grad_rs_inter"} <= set(res["compressed"]), res["compressed"]
@@ -544,12 +557,12 @@ def _graph_small_rows():
                                  layers=2), vocab=64, embed_grad=EmbedGrad.ROWS)
 
 
-def test_partial_embedding_gradient_matches_eager_on_n2_dp2():
+def test_partial_embedding_gradient_matches_eager_on_n2_dp2(rank_results):
     """n=2 x dp=2 on 4 gloo ranks, replicas of 4 rows: add_edges picks PARTIAL, the plan runs the
     scatter and the embedding's hierarchical sync, and every gradient equals eager's on the global
     batch (TOL, as the other edge tests); with the scatter's kernel made to return zeros the
     embedding gradient is wrong and nothing else is (the plan's result is the gradient)."""
-    res = spawn(workers.partial_embed_grads, 4, args=(int.from_bytes(os.urandom(3), "little"), 2), timeout_s=300)[0]
+    res = rank_results(4, PARTIAL)[0]
     assert res["pattern"] == "partial"
     assert {"edges.embed.scatter", "edges.embed.grad_rs_inter", "edges.embed.grad_ag_inter"} <= set(res["planned"])
     assert "edges.embed.grad_gather_dp" not in res["planned"]
@@ -601,11 +614,10 @@ def test_compile_json_edges_row_names_the_embedding_pattern(capsys, batch, patte
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
-def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2():
+def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2(rank_results):
     """PARTIAL on a transformers Mixtral with a padding row (pad_token_id=0 in every row): the
     scatter zeroes the padding row as nn.Embedding does; every gradient equals eager's."""
-    res = spawn(workers.partial_embed_padding, 4, args=(int.from_bytes(os.urandom(3), "little"), 2),
-                timeout_s=300)[0]
+    res = rank_results(4, PADDING)[0]
     assert res["pattern"] == "partial"
     assert res["pad_row"] == 0.0 == res["eager_pad_row"]
     assert max(res["errors"].values()) < TOL, res["errors"]

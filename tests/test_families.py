@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers")
 
 import runtime_workers as workers  # noqa: E402
-from helpers import eager_step, max_grad_err, rel_err  # noqa: E402
+from helpers import RANK_BATCH, eager_step, max_grad_err, rel_err  # noqa: E402
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.interpreter import interpret  # noqa: E402
 from moegraph.ir import OpKind, Phase, Strategy  # noqa: E402
@@ -199,28 +199,32 @@ def test_mla_communication_follows_the_architecture(attn, n):
     assert g.value["v_heads"].shape[-1] * (dn + dr) == g.value["q_heads"].shape[-1] * dv
 
 
-def test_families_compiled_on_two_gloo_ranks_match_eager():
+# Every family on 2 gloo ranks: strategies, default passes on one case each, a routing that sends
+# a rank no rows. Runs in the suite's shared 2-rank spawn (helpers.RankBatch).
+SPECIAL = [(dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
+            {"bias", "sigmoid_gate"}),
+           (dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper"),
+            {"square_sum", "rmsnorm_sharded", "all_reduce"}),
+           (dict(attn="tp", ffn="ep", dispatch="a2a", model="deepseek_v3", passes="gate-reorder,sar=paper"),
+            {"mla_heads", "router", "all_to_all"}),
+           (dict(attn="sp", ffn="tp", dispatch="ag-rs", model="deepseek_v3_dense"), {"mla_heads", "reduce_scatter"}),
+           (dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed"), {"all_to_all"})]  # no rows back
+FAMILY_CASES = [c for c, _ in SPECIAL] + workers.FAMILY_CASES
+FAMILIES = RANK_BATCH.add(2, "families.check_cases", workers.check_cases, FAMILY_CASES,
+                          int.from_bytes(os.urandom(3), "little"))
+
+
+def test_families_compiled_on_two_gloo_ranks_match_eager(rank_results):
     """Every strategy of every family through moegraph.compile on 2 gloo ranks (one process group
     for all; ~7 s on an idle 2-core machine), plus the default passes on one case each and a
     routing that sends a rank no rows. Every rank's results are checked, not only rank 0's."""
-    from moegraph.runtime.launch import spawn
-    seed = int.from_bytes(os.urandom(3), "little")
-    special = [(dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes="gate-reorder,sar=paper"),
-                {"bias", "sigmoid_gate"}),
-               (dict(attn="tp", ffn="tp", dispatch="ag-rs", model="olmoe", passes="gate-reorder,sar=paper"),
-                {"square_sum", "rmsnorm_sharded", "all_reduce"}),
-               (dict(attn="tp", ffn="ep", dispatch="a2a", model="deepseek_v3", passes="gate-reorder,sar=paper"),
-                {"mla_heads", "router", "all_to_all"}),
-               (dict(attn="sp", ffn="tp", dispatch="ag-rs", model="deepseek_v3_dense"), {"mla_heads", "reduce_scatter"}),
-               (dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed"), {"all_to_all"})]  # no rows back
-    cases = [c for c, _ in special] + workers.FAMILY_CASES
-    per_rank = spawn(workers.check_cases, 2, args=(cases, seed), timeout_s=300)
-    assert len(per_rank) == 2 and all(len(results) == len(cases) for results in per_rank)
+    per_rank = rank_results(2, FAMILIES)
+    assert len(per_rank) == 2 and all(len(results) == len(FAMILY_CASES) for results in per_rank)
     for rank, results in enumerate(per_rank):
-        for case, res in zip(cases, results):
+        for case, res in zip(FAMILY_CASES, results):
             assert res["max_rel_err_output"] < TOL, (rank, case, res)
             assert res["max_rel_err_grads"] < TOL, (rank, case, res)
-        for (case, ops), res in zip(special, results):
+        for (case, ops), res in zip(SPECIAL, results):
             assert ops <= set(res["ops"]), (rank, case, res)
 
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 import model_workers as workers
+from helpers import RANK_BATCH
 import moegraph
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.launch import spawn
 from runtime_workers import reference_layer
 
 TOL = 1e-5
@@ -34,10 +34,20 @@ def _id(case: dict) -> str:
 ALL = CASES + HF_CASES
 
 
+def _seed() -> int:
+    return int.from_bytes(os.urandom(3), "little")
+
+
+# The rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch).
+N2 = RANK_BATCH.add(2, "microbatch_model.mb_train_cases", workers.mb_train_cases,
+                    CASES + (HF_CASES if HAS_HF else []), _seed(), timeout_s=600)
+DP2 = {b: RANK_BATCH.add(4, f"microbatch_model.mb_dp_case-b{b}", workers.mb_dp_case, _seed(), 2, 2, b, timeout_s=600)
+       for b in (1, 2)}
+
+
 @pytest.fixture(scope="module")
-def n2():
-    cases = CASES + (HF_CASES if HAS_HF else [])
-    res = spawn(workers.mb_train_cases, 2, args=(cases, int.from_bytes(os.urandom(3), "little")), timeout_s=600)
+def n2(rank_results):
+    res = rank_results(2, N2)
     for r in res[1:]:      # every rank reports the same losses (all-reduced terms)
         assert [t["losses"] for t in r] == [t["losses"] for t in res[0]]
     return {_id(t["case"]): t for t in res[0]}
@@ -117,7 +127,7 @@ def test_cli_run_train_steps_micro_batches_check(capsys):
 
 
 @pytest.mark.parametrize("b, pattern", [(1, "rows"), (2, "partial")])
-def test_merged_model_step_n2_dp2(b, pattern):
+def test_merged_model_step_n2_dp2(b, pattern, rank_results):
     """n=2 x dp=2 on 4 gloo ranks, M=2, replicas of b rows (h=32, s=16, V=64, fp32): the merged
     step's gradients (x dp seeds under the plan's DP mean) equal eager accumulation on the global
     batch, whose replicas score different numbers of tokens; 2 AdamW steps too. b=1: two
@@ -125,7 +135,7 @@ def test_merged_model_step_n2_dp2(b, pattern):
     b=2: 8192 > 4096: PARTIAL, each micro-batch's scatter run by the plan into the running
     partial, one sync; with micro-batch 1's scatter scattering nothing the embedding gradient is
     off and nothing else is (the plan's sync is the gradient)."""
-    r = spawn(workers.mb_dp_case, 4, args=(int.from_bytes(os.urandom(3), "little"), 2, 2, b), timeout_s=600)[0]
+    r = rank_results(4, DP2[b])[0]
     print(r)
     assert r["pattern"] == pattern
     assert r["max_rel_err_loss"] < TOL and r["max_rel_err_grads"] < TOL and r["max_rel_err_params"] < TOL, r

@@ -5,6 +5,7 @@ megatron-1f1b, for M = 2 and 4; 3 AdamW steps equal eager training with accumula
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pytest
@@ -17,10 +18,10 @@ from moegraph.ir import Phase, Strategy
 from moegraph.microbatch import merge_microbatches, micro_batch_of
 from moegraph.registry import load_hardware
 from moegraph.runtime import PlanError, RuntimeFailure
-from moegraph.runtime.launch import spawn
 from moegraph.runtime.module import build_layer, make_plan
 from moegraph.runtime.plan import ExecutionPlan, check_plan
 from moegraph.tracer import trace_module
+from helpers import RANK_BATCH
 from runtime_workers import reference_layer
 
 N, B, S, H = 2, 1, 16, 64
@@ -109,8 +110,8 @@ def adamw_rank(rank: int, n: int, cases, steps: int) -> list[dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def plans():
+@functools.cache
+def _plans():
     cost = CostModel(load_hardware("h800"))
     out = {}
     for M in (2, 4):
@@ -120,9 +121,21 @@ def plans():
     return out
 
 
-def test_train_step_equals_eager_accumulation(plans):
-    cases = [(f"M={M} {method}", g, p) for (M, method), (g, p) in plans.items()]
-    results = spawn(grads_rank, N, args=(cases,), timeout_s=300)
+@pytest.fixture(scope="module")
+def plans():
+    return _plans()
+
+
+# Both rank functions run in the suite's shared 2-rank spawn (helpers.RankBatch), with the plans
+# solved (once, _plans) when it starts.
+GRADS = RANK_BATCH.add(N, "microbatch_runtime.grads_rank", grads_rank, make_args=lambda: (
+    [(f"M={M} {method}", g, p) for (M, method), (g, p) in _plans().items()],))
+ADAMW = RANK_BATCH.add(N, "microbatch_runtime.adamw_rank", adamw_rank, make_args=lambda: (
+    [_plans()[(M, "cpsat")] for M in (2, 4)], 3))
+
+
+def test_train_step_equals_eager_accumulation(rank_results):
+    results = rank_results(N, GRADS)
     for r in results[0]:
         assert not r["missing"], r
         assert r["out"] < 1e-5 and r["dx"] < 1e-5 and r["grads"] < 1e-5, r
@@ -153,9 +166,9 @@ def test_plans_interleave_micro_batches(plans):
         plan.split(g)
 
 
-def test_adamw_steps_equal_eager_accumulation(plans):
+def test_adamw_steps_equal_eager_accumulation(rank_results):
     """The issue's numerics acceptance: 3 optimizer steps with M = 2 and M = 4 on 2 gloo ranks."""
-    results = spawn(adamw_rank, N, args=([plans[(M, "cpsat")] for M in (2, 4)], 3), timeout_s=300)[0]
+    results = rank_results(N, ADAMW)[0]
     assert [r["M"] for r in results] == [2, 4]
     for r in results:
         assert r["moved"] > 1e-3, r               # the steps changed the weights

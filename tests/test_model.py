@@ -14,11 +14,10 @@ import torch
 from torch import nn
 
 import model_workers as workers
-from helpers import max_grad_err, rel_err
+from helpers import RANK_BATCH, max_grad_err, rel_err
 import moegraph
 from moegraph.lowering import LoweringError
 from moegraph.models import MoETransformer
-from moegraph.runtime.launch import spawn
 from moegraph.tracer import trace_causal_lm
 from moegraph.ir import Strategy
 
@@ -44,10 +43,14 @@ def _id(case: dict) -> str:
                      *(["boundary"] if case.get("boundary_only") else [])])
 
 
+# Both rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch).
+N2 = RANK_BATCH.add(2, "model.model_checks", workers.model_checks, CASES + (HF_CASES if HAS_HF else []),
+                    ["ref", "hf"] if HAS_HF else ["ref"], _seed(), timeout_s=600)
+
+
 @pytest.fixture(scope="module")
-def n2():
-    cases = CASES + (HF_CASES if HAS_HF else [])
-    res = spawn(workers.model_checks, 2, args=(cases, ["ref", "hf"] if HAS_HF else ["ref"], _seed()), timeout_s=600)
+def n2(rank_results):
+    res = rank_results(2, N2)
     for r in res[1:]:      # every rank measures the same numbers (same weights, batches, reductions)
         assert [t["losses"] for t in r["train"]] == [t["losses"] for t in res[0]["train"]]
     return {"train": {_id(t["case"]): t for t in res[0]["train"]}, "round_trip": res[0]["round_trip"]}
@@ -91,10 +94,13 @@ DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
             dict(model="ref", layers=2, attn="tp", ffn="tp", passes="")]
 
 
+N2DP2 = RANK_BATCH.add(4, "model.dp_cases", workers.dp_cases, [c for c in DP_CASES if c["model"] == "ref" or HAS_HF],
+                       _seed(), 2, timeout_s=600)
+
+
 @pytest.fixture(scope="module")
-def n2dp2():
-    cases = [c for c in DP_CASES if c["model"] == "ref" or HAS_HF]
-    res = spawn(workers.dp_cases, 4, args=(cases, _seed(), 2), timeout_s=600)
+def n2dp2(rank_results):
+    res = rank_results(4, N2DP2)
     for r in res[1:]:      # every rank of both replicas reports the same loss
         assert [t["losses"] for t in r] == [t["losses"] for t in res[0]]
     return {_id(t["case"]): t for t in res[0]}

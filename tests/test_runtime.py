@@ -14,6 +14,7 @@ import time
 import pytest
 
 import runtime_workers as workers
+from helpers import RANK_BATCH
 from moegraph.runtime import CollectiveTimeout, RankFailure, RuntimeFailure, ScheduleMismatch
 from moegraph.runtime.launch import spawn
 
@@ -59,11 +60,20 @@ def _seed() -> int:
     return int.from_bytes(os.urandom(3), "little")
 
 
+# The rank functions that must succeed run in the suite's shared 2- and 4-rank spawns
+# (helpers.RankBatch): starting ranks costs more than most of these checks.
+N2 = RANK_BATCH.add(2, "runtime.check_cases", workers.check_cases, N2_CASES + [FAULT], _seed(), timeout_s=600)
+N4 = RANK_BATCH.add(4, "runtime.check_cases", workers.check_cases, N4_CASES, _seed(), timeout_s=900)
+LIVE_BYTES = RANK_BATCH.add(2, "runtime.live_tensor_bytes_over_steps", workers.live_tensor_bytes_over_steps, _seed(),
+                            (2, 12), timeout_s=120)
+BESIDE = RANK_BATCH.add(2, "runtime.compute_beside_collectives", workers.compute_beside_collectives, _seed(),
+                        timeout_s=180)
+
+
 @pytest.fixture(scope="module")
-def n2_ranks():
+def n2_ranks(rank_results):
     """Per rank, per case id: that rank's check results."""
-    res = spawn(workers.check_cases, 2, args=(N2_CASES + [FAULT], _seed()), timeout_s=600)
-    return [{_id(r["case"]): r for r in rank_results} for rank_results in res]
+    return [{_id(r["case"]): r for r in per_rank} for per_rank in rank_results(2, N2)]
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +82,8 @@ def n2_results(n2_ranks):
 
 
 @pytest.fixture(scope="module")
-def n4_results():
-    res = spawn(workers.check_cases, 4, args=(N4_CASES, _seed()), timeout_s=900)
-    return {_id(r["case"]): r for r in res[0]}
+def n4_results(rank_results):
+    return {_id(r["case"]): r for r in rank_results(4, N4)[0]}
 
 
 def _assert_exact(r):
@@ -138,19 +147,19 @@ def test_a_stuck_collective_times_out_naming_the_node():
     assert "collective 'ffn_rs' (reduce_scatter, stream 'comm') did not complete within 2 s" in str(err)
 
 
-def test_recorded_steps_do_not_keep_their_buffers():
+def test_recorded_steps_do_not_keep_their_buffers(rank_results):
     """Recording step timings must not pin each step's collective buffers (a leak that grew a
     `small` rank by ~20 MiB per step and made every step page-fault on fresh memory)."""
-    res = spawn(workers.live_tensor_bytes_over_steps, 2, args=(_seed(), (2, 12)), timeout_s=120)
+    res = rank_results(2, LIVE_BYTES)
     for rank, (after_2, after_12) in enumerate(res):
         assert after_12 <= after_2, f"rank {rank}: live tensors grew {after_2} -> {after_12} bytes over 10 steps"
 
 
-def test_alone_collectives_run_with_no_compute_beside_them():
+def test_alone_collectives_run_with_no_compute_beside_them(rank_results):
     """A plan entry marked alone fences its collective: the compute issued after it waits. The
     positive control is deterministic: one collective is held in flight for 50 ms in both plans,
     and the unfenced plan issues compute before its consumer, so compute must run beside it."""
-    for rank, r in enumerate(spawn(workers.compute_beside_collectives, 2, args=(_seed(),), timeout_s=180)):
+    for rank, r in enumerate(rank_results(2, BESIDE)):
         assert r["unfenced_slow"] > 0, f"rank {rank}: no compute ran beside the held collective {r['slow']!r}"
         assert r["fenced"] == 0, f"rank {rank}: {r['fenced']} compute nodes ran beside alone collectives"
         _assert_exact(r["check"])

@@ -6,11 +6,15 @@ import torch
 
 import comm_workers
 import runtime_workers as workers
-from moegraph.runtime.launch import spawn
+from helpers import RANK_BATCH
 
 TOL = 1e-4
 CASES = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="tp", ffn="ep", dispatch="a2a", schedule="sequential"),
          dict(attn="sp", ffn="ep", dispatch="ag-rs")]
+EXCHANGE_CASES = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="sp", ffn="ep", dispatch="ag-rs")]
+# Both rank functions run in the suite's shared 2-rank spawn (helpers.RankBatch).
+ZERO_ROWS = RANK_BATCH.add(2, "runtime_comm.zero_rows_cases", comm_workers.zero_rows_cases, CASES, 4321)
+EXCHANGES = RANK_BATCH.add(2, "runtime_comm.count_exchanges", comm_workers.count_exchanges, 77, EXCHANGE_CASES)
 
 
 def test_skewed_routing_sends_rank1_no_rows():
@@ -25,8 +29,8 @@ def test_skewed_routing_sends_rank1_no_rows():
     assert int(logits.topk(3, dim=-1).indices.max()) < 4
 
 
-def test_all_to_all_with_a_rank_receiving_zero_rows_matches_eager():
-    res = spawn(comm_workers.zero_rows_cases, 2, args=(CASES, 4321), timeout_s=300)
+def test_all_to_all_with_a_rank_receiving_zero_rows_matches_eager(rank_results):
+    res = rank_results(2, ZERO_ROWS)
     for r in res[0] + res[1]:
         assert r["max_rel_err_output"] < TOL and r["max_rel_err_grads"] < TOL, r
 
@@ -57,11 +61,10 @@ def test_rank_major_layouts_copy_only_when_they_must():
             assert _from_rank_major(rm, dim).data_ptr() == rm.data_ptr()
 
 
-def test_one_split_size_exchange_per_step():
+def test_one_split_size_exchange_per_step(rank_results):
     """The host-blocking split-size exchange runs once per step, for the dispatch; the combine
     and the backward all-to-alls know their sizes from the RecvMap. ag-rs has none."""
-    cases = [dict(attn="sp", ffn="ep", dispatch="a2a"), dict(attn="sp", ffn="ep", dispatch="ag-rs")]
-    res = spawn(comm_workers.count_exchanges, 2, args=(77, cases), timeout_s=300)
+    res = rank_results(2, EXCHANGES)
     assert res[0] == res[1] == [1, 0]
 
 

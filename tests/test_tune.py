@@ -14,6 +14,15 @@ from moegraph.schedules.tune import Cache, build_graph, cache_key, candidates, t
 ARGS = ["--model", "tiny", "--n", "2", "--seq", "256", "--time-limit", "1", "--refine", "1"]
 
 
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """One tune cache for the tests that tune the tiny model the same way (ARGS, h800): the cache
+    is keyed by content and CP-SAT's limit is in deterministic seconds, so a hit is what a fresh
+    solve returns; each test still checks its own property of the result, only the solves are shared.
+    test_repeat_run_is_served_from_the_cache keeps its own cache: it tests the cache itself."""
+    return tmp_path_factory.mktemp("tune-cache")
+
+
 def test_search_space_covers_every_valid_strategy():
     cands = candidates(load_model("mixtral-8x7b"), 8, 8192)
     strategies = {(c.attn, c.ffn, c.dispatch) for c in cands}
@@ -52,9 +61,9 @@ def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypa
     assert build_graph(model, paper, cost, batch=1, seq=64).strategy.passes == ("gate-reorder", "chunk=2", "sar=paper")
 
 
-def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tmp_path):
+def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tiny_cache):
     res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
-               cache=Cache(tmp_path))
+               cache=Cache(tiny_cache))
     ranked = [c["predicted_us"] for c in res["candidates"] if c["feasible"]]
     assert ranked == sorted(ranked) and res["best"]["predicted_us"] == ranked[0]
     assert set(res["best"]) >= {"attn", "ffn", "dispatch", "chunks", "remat", "passes", "predicted_us",
@@ -86,7 +95,9 @@ def _writer(root, key, i):
 
 
 def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
-    procs = [mp.get_context("spawn").Process(target=_writer, args=(tmp_path, "k", i)) for i in range(3)]
+    # fork: the writers start at once and their writes overlap (spawned, each first imported torch,
+    # seconds apart, ~4 s of the test); they only write files, never touch torch
+    procs = [mp.get_context("fork").Process(target=_writer, args=(tmp_path, "k", i)) for i in range(3)]
     for p in procs:
         p.start()
     reader = Cache(tmp_path)
@@ -101,9 +112,9 @@ def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
     assert reader.get("k")["j"] == 49 and not list(tmp_path.glob(".tmp-*"))
 
 
-def test_every_strategy_family_gets_a_cpsat_refinement(tmp_path):
+def test_every_strategy_family_gets_a_cpsat_refinement(tiny_cache):
     res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
-               cache=Cache(tmp_path))
+               cache=Cache(tiny_cache))
     families = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["feasible"]}
     refined = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["scheduler"] == "cpsat"}
     assert refined == families and len(families) == 4
@@ -114,14 +125,14 @@ def _tiny_tune(tmp_path, hw="h800", **kw):
     return tune(load_model("tiny"), hardware, n=2, seq=256, time_limit=1, refine=1, cache=Cache(tmp_path), **kw)
 
 
-def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tmp_path):
-    free = _tiny_tune(tmp_path, min_gain=0.0)
+def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tiny_cache):
+    free = _tiny_tune(tiny_cache, min_gain=0.0)
     top = free["candidates"][0]
     gain = top["speedup"] - 1
     assert gain > 0.01 and free["best"] == top and "kept_baseline" not in free["best"]
-    below = _tiny_tune(tmp_path, min_gain=gain - 0.005)
+    below = _tiny_tune(tiny_cache, min_gain=gain - 0.005)
     assert below["best"] == top
-    above = _tiny_tune(tmp_path, min_gain=gain + 0.005)
+    above = _tiny_tune(tiny_cache, min_gain=gain + 0.005)
     best = above["best"]
     assert (best["attn"], best["ffn"], best["scheduler"], best["speedup"]) == ("tp", "tp", "sequential", 1.0)
     assert best["predicted_us"] == above["baseline"]["predicted_us"]
@@ -129,18 +140,18 @@ def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tmp_path):
     assert above["candidates"] == free["candidates"]          # the ranking itself does not change
 
 
-def test_min_gain_defaults_to_the_profiles_step_noise(tmp_path):
+def test_min_gain_defaults_to_the_profiles_step_noise(tiny_cache):
     import dataclasses
     noisy = dataclasses.replace(load_hardware("h800"), step_noise=0.9)
-    res = _tiny_tune(tmp_path, hw=noisy)
+    res = _tiny_tune(tiny_cache, hw=noisy)
     assert res["min_gain"] == 0.9 and res["best"]["scheduler"] == "sequential"
-    assert _tiny_tune(tmp_path)["min_gain"] == 0.0              # registry profiles: not measured
+    assert _tiny_tune(tiny_cache)["min_gain"] == 0.0              # registry profiles: not measured
 
 
-def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, capsys):
+def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, tiny_cache, capsys):
     from moegraph.schedules.schedule_file import Schedule
     out = tmp_path / "best.json"
-    assert main(["tune", *ARGS, "--cache", str(tmp_path / "c"), "-o", str(out), "--min-gain", "0.99"]) == 0
+    assert main(["tune", *ARGS, "--cache", str(tiny_cache), "-o", str(out), "--min-gain", "0.99"]) == 0
     text = capsys.readouterr().out
     assert "best: kept the tp+tp sequential baseline" in text
     s = Schedule.load(str(out))
@@ -192,13 +203,21 @@ def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
     assert len(err) == 1 and err[0].startswith("moegraph tune: warning: cache entry ")
 
 
-def test_tune_layers_schedules_stacks(tmp_path):
+@pytest.fixture(scope="module")
+def stack_cache(tmp_path_factory):
+    """One tune cache for the two tests that tune 2-layer `small` stacks the same way (h800, n=2,
+    s=64, CP-SAT limit 0.05 deterministic s, refine 1): what they check (node names and counts,
+    the edges) does not depend on the solver's effort, and the second is served from the cache."""
+    return tmp_path_factory.mktemp("tune-stack-cache")
+
+
+def test_tune_layers_schedules_stacks(stack_cache):
     """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks with the
     model's edges, so the best schedule has twice the one-layer graph's nodes, named by layer, and
     the 9 edge nodes (6 eager head/norm, 2 all-reduces, 1 embedding gather at n=2)."""
     from moegraph.schedules.schedule_file import Schedule
-    res = tune(load_model("small"), load_hardware("h800"), n=2, seq=64, time_limit=0.5, refine=1, layers=2,
-               cache=Cache(tmp_path))
+    res = tune(load_model("small"), load_hardware("h800"), n=2, seq=64, time_limit=0.05, refine=1, layers=2,
+               cache=Cache(stack_cache))
     assert res["layers"] == 2 and res["best"]["feasible"]
     best = res["best"]
     one = build_graph(load_model("small"), Strategy(best["attn"], best["ffn"], best["dispatch"], 2,
@@ -209,13 +228,13 @@ def test_tune_layers_schedules_stacks(tmp_path):
     assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1", "edges"}
 
 
-def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path):
+def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path, stack_cache):
     """`tune --layers 2` ranks each candidate's stack with the model's edges (eager head and norm,
     their sync, the embedding gather), as compile --layers schedules it."""
     from moegraph.schedules.schedule_file import Schedule
     out = tmp_path / "best.json"
     assert main(["tune", "--model", "small", "--hardware", "h800", "--n", "2", "--seq", "64", "--layers", "2",
-                 "--time-limit", "0.05", "--refine", "1", "--cache", str(tmp_path / "c"), "--json",
+                 "--time-limit", "0.05", "--refine", "1", "--cache", str(stack_cache), "--json",
                  "-o", str(out)]) == 0
     sched = Schedule.load(str(out))
     assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather",
