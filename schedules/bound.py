@@ -41,7 +41,7 @@ import heapq
 import weakref
 from dataclasses import dataclass
 
-from moegraph.schedules.problem import Problem, ScheduleError, topological
+from moegraph.schedules.problem import Problem, topological
 
 __all__ = ["SideBound", "Bound", "heads_tails", "strong_heads_tails", "jackson_preemptive", "lower_bound", "dp_sync_exposure_bound",
            "memory_lower_bound"]

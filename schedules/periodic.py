@@ -63,7 +63,7 @@ from typing import Literal
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_graph
-from moegraph.schedules.problem import DP_STREAM, Problem, ScheduleError
+from moegraph.schedules.problem import Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 

@@ -49,7 +49,7 @@ from typing import Mapping, Sequence
 from moegraph.cost import CostModel
 from moegraph.registry import Hardware
 
-from moegraph.ir import Graph, Node, OpKind, Phase, ValueKind
+from moegraph.ir import Graph, Node, Phase, ValueKind
 from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
