@@ -195,7 +195,7 @@ def test_user_yaml_errors(tmp_path):
         "my.yaml: unknown field 'hiden'; valid: dense_ffn_hidden, experts, ffn_hidden, first_k_dense_replace, "
         "head_dim, heads, hidden, kv_heads, kv_lora_rank, layers, n_group, name, normalize_topk, q_lora_rank, "
         "qk_nope_head_dim, qk_norm, qk_rope_head_dim, qkv_bias, rms_eps, rope_theta, routed_scaling_factor, "
-        "router_scoring, score_correction_bias, shared_experts, shared_ffn_hidden, shared_gate, top_k, "
+        "router_aux_loss_coef, router_scoring, score_correction_bias, shared_experts, shared_ffn_hidden, shared_gate, top_k, "
         "topk_group, v_head_dim")
     assert user_error(tmp_path, m | {"heads": "x"}) == "my.yaml: heads: expected a positive int, got 'x'"
     assert user_error(tmp_path, m | {"heads": True}) == "my.yaml: heads: expected a positive int, got True"
