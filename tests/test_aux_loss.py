@@ -13,13 +13,13 @@ import pytest
 import torch
 
 import aux_workers as workers
+from helpers import RANK_BATCH
 import moegraph
 from moegraph.cost import CostModel
 from moegraph.edges import AuxLoss, add_edges, edge_values
 from moegraph.ir import GraphError, OpKind, Phase, Strategy
 from moegraph.registry import load_hardware, load_model
 from moegraph.runtime.check import rel_err
-from moegraph.runtime.launch import spawn
 from moegraph.tracer import trace_causal_lm, trace_model
 
 HAS_HF = importlib.util.find_spec("transformers") is not None
@@ -46,21 +46,26 @@ DP2 = {
 }
 
 
-def _run(cases: dict, world: int) -> dict:
-    res = spawn(workers.cases, world, args=(list(cases.values()),), timeout_s=600)
+# Both run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch): starting ranks costs seconds.
+if HAS_HF:
+    N2_CASES = RANK_BATCH.add(2, "aux.n2", workers.cases, list(N2.values()), timeout_s=600)
+    DP2_CASES = RANK_BATCH.add(4, "aux.n2dp2", workers.cases, list(DP2.values()), timeout_s=600)
+
+
+def _by_case(cases: dict, res: list) -> dict:
     for rank in res[1:]:                    # every rank reports the same full gradients
         assert [r["grads"] for r in rank] == pytest.approx([r["grads"] for r in res[0]], rel=1e-3, abs=1e-9)
     return dict(zip(cases, res[0]))
 
 
 @pytest.fixture(scope="module")
-def n2():
-    return _run(N2, 2)
+def n2(rank_results):
+    return _by_case(N2, rank_results(2, N2_CASES))
 
 
 @pytest.fixture(scope="module")
-def n2dp2():
-    return _run(DP2, 4)
+def n2dp2(rank_results):
+    return _by_case(DP2, rank_results(4, DP2_CASES))
 
 
 def _assert_matches(r: dict) -> None:
