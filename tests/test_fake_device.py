@@ -327,3 +327,142 @@ def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
         compiled(xs.clone().requires_grad_()).backward(dys)
         assert compiled.dropped_traces == 1 and not state.syncs
         assert len(compiled.traces) == 4 and state.syncs["cuda_synchronize"] == 1   # reading: one sync
+
+
+# -- the whole model: CompiledModel's eager edges and the plan's edge nodes --------------------------
+
+MODEL_FAMILIES = ["ref", "hf-aux"]
+
+
+def _tiny_lm(family: str, seed: int = 21):
+    """A tiny causal LM: the project's MoETransformer, or HF Mixtral with the router's aux loss
+    (output_router_logits=True, router_aux_loss_coef=0.5: moegraph.edges "aux loss")."""
+    import model_workers
+    if family == "ref":
+        return model_workers.reference_model(seed, 2)
+    pytest.importorskip("transformers")
+    import aux_workers
+    return aux_workers.aux_model("mixtral", seed, 2, 0.5)
+
+
+def _lm_data(seed: int, steps: int = 1):
+    """(ids, labels) [2, 16] per step, a few labels ignored (the global count is data-dependent)."""
+    import model_workers
+    out = []
+    for ids, labels in model_workers.batches(seed, steps):
+        labels[0, :3] = -100
+        out.append((ids, labels))
+    return out
+
+
+def _compile_lm(model, ids, **kw):
+    import moegraph
+    return moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy", **kw)
+
+
+def _to_fake_model(compiled) -> None:
+    """Move a compiled (n=1, CPU) model's parameters and buffers onto the fake device and take the
+    executor's CUDA path (streams, events; the fake device reports meta, so force it as
+    test_fake_device_gpu_timing_events_are_bounded does). Call under FakeCuda and fake_streams."""
+    from torch import nn
+
+    from moegraph.runtime.plan import COMPUTE
+    for mod in compiled.modules():
+        for name, p in list(mod._parameters.items()):
+            if p is not None:
+                mod._parameters[name] = nn.Parameter(fc.to_fake(p), requires_grad=p.requires_grad)
+        for name, b in list(mod._buffers.items()):
+            if b is not None:
+                mod._buffers[name] = fc.to_fake(b)
+    ex = compiled.layers.executor
+    ex.device, ex.cuda = torch.device("cuda", 0), True
+    ex.comm_streams = {s: torch.cuda.Stream(ex.device) for s in ex.plan.streams if s != COMPUTE}
+
+
+def _fake_model_step(compiled, ids, labels):
+    """forward + loss + backward of the compiled model on fake CUDA; returns (loss, aux, grads) on CPU."""
+    with sdpa_kernel(SDPBackend.MATH):
+        got = compiled(fc.to_fake(ids), labels=fc.to_fake(labels))
+        assert got.loss.device == fc.CUDA
+        got.loss.backward()
+    grads = {k: fc.real(v) for k, v in compiled.full_grads().items()}
+    aux = fc.real(got.aux_loss) if got.aux_loss is not None else None
+    return fc.real(got.loss), aux, grads
+
+
+def _assert_model_matches(model, loss, aux, grads, ids, labels):
+    ref = model(ids, labels=labels)
+    ref.loss.backward()
+    assert rel_err(loss, ref.loss.detach()) < TOL
+    if getattr(ref, "aux_loss", None) is not None:
+        assert aux is not None and rel_err(aux, ref.aux_loss.detach()) < TOL
+    assert set(grads) == {k for k, _ in model.named_parameters()}
+    name, err = max_grad_err(grads, {k: p.grad for k, p in model.named_parameters()})
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES)
+def test_fake_device_compiled_model_step(family, monkeypatch):
+    """One rank (n=1, no process group): CompiledModel's forward (embedding, the plan, final norm,
+    LM head, loss; Mixtral: the router aux loss's stats, edges.aux.sum and its seed) and backward
+    (head and norm partials, the ROWS embedding scatter after the plan) on fake CUDA equal the
+    eager CPU module's loss and every gradient. (PARTIAL needs dp >= 2, so two ranks: its kernel
+    is checked alone in test_fake_device_partial_embed_scatter.)"""
+    from moegraph.edges import EmbedGrad
+    model = _tiny_lm(family)
+    ((ids, labels),) = _lm_data(5)
+    compiled = _compile_lm(model, ids)
+    assert compiled.edges.embed_grad is EmbedGrad.ROWS
+    assert bool(compiled.edges.aux_stats) == (family == "hf-aux")
+    fc.fake_streams(monkeypatch)
+    with fc.FakeCuda():
+        _to_fake_model(compiled)
+        loss, aux, grads = _fake_model_step(compiled, ids, labels)
+    _assert_model_matches(model, loss, aux, grads, ids, labels)
+
+
+@pytest.mark.parametrize("family", MODEL_FAMILIES)
+def test_fake_device_compiled_model_train_step(family, monkeypatch):
+    """A merged step of 2 micro-batches (``train_step``: every eager edge node run by the plan,
+    head and norm partials accumulated over micro-batches, Mixtral's per-micro-batch aux seeds)
+    on fake CUDA: the losses and every gradient equal the eager module's mean over micro-batches."""
+    model = _tiny_lm(family)
+    data = _lm_data(7, steps=2)
+    compiled = _compile_lm(model, data[0][0], micro_batches=2)
+    fc.fake_streams(monkeypatch)
+    with fc.FakeCuda(), sdpa_kernel(SDPBackend.MATH):
+        _to_fake_model(compiled)
+        losses = compiled.train_step([fc.to_fake(i) for i, _ in data], [fc.to_fake(lab) for _, lab in data])
+        assert all(x.device == fc.CUDA for x in losses)
+        losses = [fc.real(x) for x in losses]
+        grads = {k: fc.real(v) for k, v in compiled.full_grads().items()}
+    for (ids, labels), loss in zip(data, losses):
+        ref = model(ids, labels=labels)
+        assert rel_err(loss, ref.loss.detach()) < TOL
+        (ref.loss / 2).backward()
+    name, err = max_grad_err(grads, {k: p.grad for k, p in model.named_parameters()})
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
+
+
+def test_fake_device_partial_embed_scatter():
+    """PARTIAL's ``edges.embed.scatter`` kernel (``CompiledModel._embed_scatter``: rows index_add-ed
+    into a fresh [V, h] partial, then into a copy of the previous micro-batch's, padding row
+    zeroed) on fake CUDA equals the same kernel on CPU. Alone: the pattern needs dp >= 2 replicas,
+    i.e. a process group, which the one-rank fake device has not."""
+    model = _tiny_lm("ref")
+    ((ids, _),) = _lm_data(9)
+    compiled = _compile_lm(model, ids)
+    compiled.spec = __import__("dataclasses").replace(compiled.spec, padding_idx=int(ids[0, 0]))
+    gen = torch.Generator().manual_seed(3)
+    rows = torch.randn(*ids.shape, compiled.embed.shape[1], generator=gen)
+    prev = torch.randn(*compiled.embed.shape, generator=gen)
+    want = [compiled._embed_scatter(ids, [rows])[0], compiled._embed_scatter(ids, [rows, prev], accumulate=True)[0]]
+    with fc.FakeCuda():
+        compiled.embed = torch.nn.Parameter(fc.to_fake(compiled.embed))
+        fids, frows = fc.to_fake(ids), fc.to_fake(rows)
+        got = [compiled._embed_scatter(fids, [frows])[0],
+               compiled._embed_scatter(fids, [frows, fc.to_fake(prev)], accumulate=True)[0]]
+        assert all(g.device == fc.CUDA for g in got)
+        got = [fc.real(g) for g in got]
+    assert all(rel_err(g, w) < TOL for g, w in zip(got, want))
+    assert float(want[0][int(ids[0, 0])].abs().sum()) == 0.0
