@@ -508,7 +508,8 @@ class CompiledModel(nn.Module):
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
         # each micro-batch's aux loss seeded as its LM loss: 1/M (the mean), x dp (the DP sync averages)
-        aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M) for name in edges.aux_seeds}
+        aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M, device=self.embed.device)
+                     for name in edges.aux_seeds}
         _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
                                                          eager_kernels=step.kernels(layers.graph), recorder=rec,
                                                          aux_seeds=aux_seeds)

@@ -418,7 +418,12 @@ def test_fake_device_compiled_model_step(family, monkeypatch):
     with fc.FakeCuda():
         _to_fake_model(compiled)
         loss, aux, grads = _fake_model_step(compiled, ids, labels)
+        with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):     # the no-grad path runs the same parts eagerly
+            plain = compiled(fc.to_fake(ids), labels=fc.to_fake(labels), output_logits=True)
+            assert plain.logits.device == fc.CUDA
+            plain_loss = fc.real(plain.loss)
     _assert_model_matches(model, loss, aux, grads, ids, labels)
+    assert rel_err(plain_loss, loss) < TOL
 
 
 @pytest.mark.parametrize("family", MODEL_FAMILIES)
@@ -466,3 +471,33 @@ def test_fake_device_partial_embed_scatter():
         got = [fc.real(g) for g in got]
     assert all(rel_err(g, w) < TOL for g, w in zip(got, want))
     assert float(want[0][int(ids[0, 0])].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("family,micro_batches", [("ref", 1), ("hf-aux", 1), ("hf-aux", 2)])
+def test_fake_device_compiled_model_host_syncs(family, micro_batches, monkeypatch):
+    """Everything that would block the host on a GPU during one model step (forward + loss +
+    backward, or one merged train_step), counted as test_fake_device_step_host_syncs does.
+
+    Expected: exactly the layers' known syncs, one ``item`` per local index map and micro-batch
+    (sp/ep/ag-rs with exact expert rows: the row count R that sizes dropless routing's buffers,
+    moegraph.kernels.build_index_map), and nothing from the model's own parts: the label shift and
+    the global label count stay on the device (the count divides the loss term as a tensor), the
+    aux loss's stats, sum and seeds are tensors on the device, the embedding scatter is an
+    index_add by device ids, and the recorder's CUDA events are read lazily (no synchronize).
+    (n=1: the edges have no collectives here, so no host waits on them to count.)"""
+    from moegraph.ir import OpKind
+    model = _tiny_lm(family)
+    data = _lm_data(5, steps=micro_batches)
+    compiled = _compile_lm(model, data[0][0], micro_batches=micro_batches)
+    maps = [nd for nd in compiled.layers.graph.nodes if nd.op is OpKind.INDEX_MAP]
+    assert maps and all(nd.attr("layout") == "local" for nd in maps)     # micro-batches: one per copy
+    state = fc.fake_streams(monkeypatch)
+    with fc.FakeCuda() as mode, sdpa_kernel(SDPBackend.MATH):
+        _to_fake_model(compiled)
+        ids, labels = [fc.to_fake(i) for i, _ in data], [fc.to_fake(lab) for _, lab in data]
+        if micro_batches == 1:
+            compiled(ids[0], labels=labels[0]).loss.backward()
+        else:
+            compiled.train_step(ids, labels)
+    syncs = mode.syncs + state.syncs
+    assert dict(+syncs) == {"item": len(maps)}, dict(syncs)
