@@ -501,3 +501,71 @@ def test_fake_device_compiled_model_host_syncs(family, micro_batches, monkeypatc
             compiled.train_step(ids, labels)
     syncs = mode.syncs + state.syncs
     assert dict(+syncs) == {"item": len(maps)}, dict(syncs)
+
+
+def _host_all_reduce(shared: ThreadComm):
+    """torch.distributed.all_reduce (sum, in place) over the rank threads of ``shared``: what the
+    model's eager parts call (the loss's _SumOverRanks, full_grads); ``group`` ignored (dp=1)."""
+    slots: dict[int, torch.Tensor] = {}
+
+    def all_reduce(t, op=None, group=None, async_op=False):
+        rank = _RANK.rank
+        slots[rank] = t.clone()
+        shared.barrier.wait()
+        total = sum(slots[r] for r in range(shared.n))
+        shared.barrier.wait()
+        t.copy_(total)
+    return all_reduce
+
+
+_RANK = threading.local()
+
+
+MODEL_N2_CASES = [("ref", "sp", "ep", "ag-rs"), ("hf-aux", "sp", "ep", "a2a"), ("hf-aux", "tp", "tp", "ag-rs")]
+
+
+@pytest.mark.parametrize("family,attn,ffn,dispatch", MODEL_N2_CASES, ids=["-".join(c) for c in MODEL_N2_CASES])
+def test_fake_device_compiled_model_n2_edges(family, attn, ffn, dispatch, monkeypatch):
+    """n=2 ranks in threads, the executor's collectives emulated in-process (ThreadComm): the
+    model step's edge collectives (edges.lm_head / edges.norm grad_allreduce, the embedding rows'
+    edges.embed.grad_gather; a2a: the aux stats' edges.aux.allreduce) and the loss's all-reduce run
+    on fake CUDA; the loss and every full gradient equal the eager CPU module's. The host's own
+    collectives (torch.distributed.all_reduce of the loss term and of full_grads' regions) are a
+    thread-barrier sum here (no process group in one process); no host wait on a plan collective."""
+    import moegraph.runtime.model as model_mod
+    from moegraph.runtime.module import CompiledLayer
+    model = _tiny_lm(family)
+    ((ids, labels),) = _lm_data(11)
+    shared = ThreadComm(2)
+    monkeypatch.setattr(model_mod, "replica_batch", lambda rows, n, dp, what: (_RANK.rank, 2, rows))
+
+    def build_layer(graph, plan, full, *, rank, n, timeout_s, emulate, record):
+        comm = shared.for_rank(rank)
+        comm.mp_group = None
+        return CompiledLayer(graph, plan, full, rank=rank, n=n, comm=comm, timeout_s=timeout_s, record=record)
+    monkeypatch.setattr(model_mod, "build_layer", build_layer)
+    compiled = []
+    for r in range(2):
+        _RANK.rank = r
+        compiled.append(_compile_lm(model, ids, attn=attn, ffn=ffn, dispatch=dispatch, n=2))
+    edge_comm = {nd.name for nd in compiled[0].layers.graph.nodes if nd.is_comm and nd.name.startswith("edges.")}
+    assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= edge_comm
+    if dispatch == "a2a":
+        assert "edges.aux.allreduce" in edge_comm
+    fc.fake_streams(monkeypatch)
+    monkeypatch.setattr(torch.distributed, "all_reduce", _host_all_reduce(shared))
+    results: dict[int, tuple] = {}
+
+    def rank_main(rank):
+        _RANK.rank = rank
+        with fc.FakeCuda():
+            _to_fake_model(compiled[rank])
+            results[rank] = _fake_model_step(compiled[rank], ids, labels)
+
+    run_rank_threads(2, rank_main, shared)
+    assert shared.host_waits == 0, "the host waited for a collective inside the step"
+    _assert_model_matches(model, *results[0], ids, labels)
+    for r in range(1, 2):                                   # every rank holds the same loss and full gradients
+        assert rel_err(results[r][0], results[0][0]) < TOL
+        name, err = max_grad_err(results[r][2], results[0][2])
+        assert err < TOL, f"rank {r}'s gradient of {name}: {err:.2e}"
