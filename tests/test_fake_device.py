@@ -521,35 +521,60 @@ def _host_all_reduce(shared: ThreadComm):
 _RANK = threading.local()
 
 
-MODEL_N2_CASES = [("ref", "sp", "ep", "ag-rs"), ("hf-aux", "sp", "ep", "a2a"), ("hf-aux", "tp", "tp", "ag-rs")]
+# (family, attn, ffn, dispatch, n, dp, embed gradient, micro-batches): the edges' collectives at n=2
+# (head / norm all-reduce, the rows' gather; a2a: the aux stats' all-reduce), and with dp=2 replicas
+# (n=1: every collective spans both ranks) the DP sync of the edges and PARTIAL's plan-run scatter
+THREADED_CASES = [("ref", "sp", "ep", "ag-rs", 2, 1, "rows", 1), ("hf-aux", "sp", "ep", "a2a", 2, 1, "rows", 1),
+                  ("hf-aux", "tp", "tp", "ag-rs", 2, 1, "rows", 1), ("hf-aux", "sp", "ep", "a2a", 2, 1, "rows", 2),
+                  ("hf-aux", "sp", "ep", "ag-rs", 1, 2, "partial", 1), ("ref", "sp", "ep", "ag-rs", 1, 2, "rows", 1),
+                  ("hf-aux", "sp", "ep", "ag-rs", 1, 2, "partial", 2)]
 
 
-@pytest.mark.parametrize("family,attn,ffn,dispatch", MODEL_N2_CASES, ids=["-".join(c) for c in MODEL_N2_CASES])
-def test_fake_device_compiled_model_n2_edges(family, attn, ffn, dispatch, monkeypatch):
-    """n=2 ranks in threads, the executor's collectives emulated in-process (ThreadComm): the
-    model step's edge collectives (edges.lm_head / edges.norm grad_allreduce, the embedding rows'
-    edges.embed.grad_gather; a2a: the aux stats' edges.aux.allreduce) and the loss's all-reduce run
-    on fake CUDA; the loss and every full gradient equal the eager CPU module's. The host's own
-    collectives (torch.distributed.all_reduce of the loss term and of full_grads' regions) are a
-    thread-barrier sum here (no process group in one process); no host wait on a plan collective."""
+@pytest.mark.parametrize("family,attn,ffn,dispatch,n,dp,embed_grad,micro_batches", THREADED_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-n{c[4]}-dp{c[5]}-{c[6]}-mb{c[7]}" for c in THREADED_CASES])
+def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, n, dp, embed_grad, micro_batches,
+                                                   monkeypatch):
+    """n x dp = 2 ranks in threads, the plan's collectives emulated in-process (ThreadComm): the
+    model's edge collectives (edges.lm_head / edges.norm grad sync, edges.embed.grad_gather; a2a:
+    edges.aux.allreduce; dp=2: the edges' DP sync and PARTIAL's edges.embed.scatter) run on fake
+    CUDA in a model step, or a merged train_step of 2 micro-batches; the loss(es) and every full
+    gradient equal the eager CPU module's on the global batch, on every rank. The host's own
+    collectives (torch.distributed.all_reduce: the loss term, train_step's terms, full_grads'
+    regions) are a thread-barrier sum here (no process group in one process; with n=1 the layers'
+    full_grads reduce nothing); no host wait on a plan collective. The plan's collectives are the
+    reference interpreter's (as test_fake_device_executor_step), not runtime.collectives' NCCL calls."""
+    import functools
+
     import moegraph.runtime.model as model_mod
+    from moegraph.edges import EmbedGrad, add_edges
+    from moegraph.runtime.collectives import Layout
     from moegraph.runtime.module import CompiledLayer
     model = _tiny_lm(family)
-    ((ids, labels),) = _lm_data(11)
-    shared = ThreadComm(2)
-    monkeypatch.setattr(model_mod, "replica_batch", lambda rows, n, dp, what: (_RANK.rank, 2, rows))
+    data = _lm_data(11, steps=micro_batches)
+    shared = ThreadComm(n * dp)
+    monkeypatch.setattr(model_mod, "replica_batch", lambda rows, n_, dp_, what: (_RANK.rank, n, rows // dp))
+    monkeypatch.setattr(model_mod, "add_edges", functools.partial(add_edges, embed_grad=EmbedGrad(embed_grad)))
 
     def build_layer(graph, plan, full, *, rank, n, timeout_s, emulate, record):
         comm = shared.for_rank(rank)
         comm.mp_group = None
-        return CompiledLayer(graph, plan, full, rank=rank, n=n, comm=comm, timeout_s=timeout_s, record=record)
+        layout = Layout(n, dp, rank)
+        return CompiledLayer(graph, plan, full, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
+                             record=record, layout=layout)
     monkeypatch.setattr(model_mod, "build_layer", build_layer)
     compiled = []
-    for r in range(2):
+    for r in range(n * dp):
         _RANK.rank = r
-        compiled.append(_compile_lm(model, ids, attn=attn, ffn=ffn, dispatch=dispatch, n=2))
-    edge_comm = {nd.name for nd in compiled[0].layers.graph.nodes if nd.is_comm and nd.name.startswith("edges.")}
-    assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= edge_comm
+        compiled.append(_compile_lm(model, data[0][0], attn=attn, ffn=ffn, dispatch=dispatch, n=n, dp=dp,
+                                    micro_batches=micro_batches))
+    graph = compiled[0].layers.graph
+    edge_comm = {nd.name.split(".", 1)[1] if nd.name.startswith("mb") else nd.name
+                 for nd in graph.nodes if nd.is_comm and ".edges." in f".{nd.name}"}
+    assert compiled[0].edges.embed_grad is EmbedGrad(embed_grad)
+    if n > 1:
+        assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather"} <= edge_comm
+    else:
+        assert edge_comm and all(nd.group == dp for nd in graph.nodes if nd.is_comm)   # every one spans the world
     if dispatch == "a2a":
         assert "edges.aux.allreduce" in edge_comm
     fc.fake_streams(monkeypatch)
@@ -560,12 +585,28 @@ def test_fake_device_compiled_model_n2_edges(family, attn, ffn, dispatch, monkey
         _RANK.rank = rank
         with fc.FakeCuda():
             _to_fake_model(compiled[rank])
-            results[rank] = _fake_model_step(compiled[rank], ids, labels)
+            if micro_batches == 1:
+                ((ids, labels),) = data
+                results[rank] = _fake_model_step(compiled[rank], ids, labels)
+            else:
+                with sdpa_kernel(SDPBackend.MATH):
+                    losses = compiled[rank].train_step([fc.to_fake(i) for i, _ in data],
+                                                       [fc.to_fake(lab) for _, lab in data])
+                grads = {k: fc.real(v) for k, v in compiled[rank].full_grads().items()}
+                results[rank] = ([fc.real(x) for x in losses], grads)
 
-    run_rank_threads(2, rank_main, shared)
+    run_rank_threads(n * dp, rank_main, shared)
     assert shared.host_waits == 0, "the host waited for a collective inside the step"
-    _assert_model_matches(model, *results[0], ids, labels)
-    for r in range(1, 2):                                   # every rank holds the same loss and full gradients
-        assert rel_err(results[r][0], results[0][0]) < TOL
-        name, err = max_grad_err(results[r][2], results[0][2])
+    if micro_batches == 1:
+        ((ids, labels),) = data
+        _assert_model_matches(model, *results[0], ids, labels)
+    else:
+        for (ids, labels), loss in zip(data, results[0][0]):
+            ref = model(ids, labels=labels)
+            assert rel_err(loss, ref.loss.detach()) < TOL
+            (ref.loss / micro_batches).backward()
+        name, err = max_grad_err(results[0][1], {k: p.grad for k, p in model.named_parameters()})
+        assert err < TOL, f"gradient of {name}: {err:.2e}"
+    for r in range(1, n * dp):                              # every rank holds the same loss and full gradients
+        name, err = max_grad_err(results[r][-1], results[0][-1])
         assert err < TOL, f"rank {r}'s gradient of {name}: {err:.2e}"
