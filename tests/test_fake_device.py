@@ -501,6 +501,7 @@ def test_fake_device_compiled_model_host_syncs(family, micro_batches, monkeypatc
             compiled.train_step(ids, labels)
     syncs = mode.syncs + state.syncs
     assert dict(+syncs) == {"item": len(maps)}, dict(syncs)
+    assert mode.h2d == 0, "a host tensor was copied to the device inside the step"
 
 
 def _host_all_reduce(shared: ThreadComm):
@@ -538,7 +539,8 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     model's edge collectives (edges.lm_head / edges.norm grad sync, edges.embed.grad_gather; a2a:
     edges.aux.allreduce; dp=2: the edges' DP sync and PARTIAL's edges.embed.scatter) run on fake
     CUDA in a model step, or a merged train_step of 2 micro-batches; the loss(es) and every full
-    gradient equal the eager CPU module's on the global batch, on every rank. The host's own
+    gradient equal the eager CPU module's on the global batch, on every rank; the host syncs are
+    the layers' known ones (below). The host's own
     collectives (torch.distributed.all_reduce: the loss term, train_step's terms, full_grads'
     regions) are a thread-barrier sum here (no process group in one process; with n=1 the layers'
     full_grads reduce nothing); no host wait on a plan collective. The plan's collectives are the
@@ -581,9 +583,12 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     monkeypatch.setattr(torch.distributed, "all_reduce", _host_all_reduce(shared))
     results: dict[int, tuple] = {}
 
+    modes: list[fc.FakeCuda] = []
+
     def rank_main(rank):
         _RANK.rank = rank
-        with fc.FakeCuda():
+        with fc.FakeCuda() as mode:
+            modes.append(mode)
             _to_fake_model(compiled[rank])
             if micro_batches == 1:
                 ((ids, labels),) = data
@@ -597,6 +602,15 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
 
     run_rank_threads(n * dp, rank_main, shared)
     assert shared.host_waits == 0, "the host waited for a collective inside the step"
+    from moegraph.ir import OpKind
+    syncs = sum((m.syncs for m in modes), start=collections.Counter())
+    maps = [nd.attr("layout") for nd in graph.nodes if nd.op is OpKind.INDEX_MAP]
+    # the layers' known syncs only (test_fake_device_step_host_syncs): per rank one item per local
+    # index map (exact rows), one tolist of the split sizes per by_dest map (a2a), none for "all"
+    # (tp); the model's own parts, the edge collectives and the aux stats add none
+    expected = {"item": n * dp * maps.count("local"), "tolist": n * dp * maps.count("by_dest")}
+    assert dict(+syncs) == {k: v for k, v in expected.items() if v}
+    assert sum(m.h2d for m in modes) == 0, "a host tensor was copied to the device inside the step"
     if micro_batches == 1:
         ((ids, labels),) = data
         _assert_model_matches(model, *results[0], ids, labels)
