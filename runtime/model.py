@@ -508,6 +508,7 @@ class CompiledModel(nn.Module):
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
         # each micro-batch's aux loss seeded as its LM loss: 1/M (the mean), x dp (the DP sync averages)
+        # (on the model's device: the routers' backward multiplies it into their device stats)
         aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M, device=self.embed.device)
                      for name in edges.aux_seeds}
         _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],

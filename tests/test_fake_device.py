@@ -380,20 +380,22 @@ def _to_fake_model(compiled) -> None:
 
 
 def _fake_model_step(compiled, ids, labels):
-    """forward + loss + backward of the compiled model on fake CUDA; returns (loss, aux, grads) on CPU."""
+    """forward + loss + backward of the compiled model on fake CUDA (the full logits gathered too);
+    returns (loss, aux, logits, grads) on CPU."""
     with sdpa_kernel(SDPBackend.MATH):
-        got = compiled(fc.to_fake(ids), labels=fc.to_fake(labels))
-        assert got.loss.device == fc.CUDA
+        got = compiled(fc.to_fake(ids), labels=fc.to_fake(labels), output_logits=True)
+        assert got.loss.device == fc.CUDA and got.logits.device == fc.CUDA
         got.loss.backward()
     grads = {k: fc.real(v) for k, v in compiled.full_grads().items()}
     aux = fc.real(got.aux_loss) if got.aux_loss is not None else None
-    return fc.real(got.loss), aux, grads
+    return fc.real(got.loss), aux, fc.real(got.logits), grads
 
 
-def _assert_model_matches(model, loss, aux, grads, ids, labels):
+def _assert_model_matches(model, loss, aux, logits, grads, ids, labels):
     ref = model(ids, labels=labels)
     ref.loss.backward()
     assert rel_err(loss, ref.loss.detach()) < TOL
+    assert rel_err(logits, ref.logits.detach()) < TOL
     if getattr(ref, "aux_loss", None) is not None:
         assert aux is not None and rel_err(aux, ref.aux_loss.detach()) < TOL
     assert set(grads) == {k for k, _ in model.named_parameters()}
@@ -417,12 +419,12 @@ def test_fake_device_compiled_model_step(family, monkeypatch):
     fc.fake_streams(monkeypatch)
     with fc.FakeCuda():
         _to_fake_model(compiled)
-        loss, aux, grads = _fake_model_step(compiled, ids, labels)
+        loss, aux, logits, grads = _fake_model_step(compiled, ids, labels)
         with torch.no_grad(), sdpa_kernel(SDPBackend.MATH):     # the no-grad path runs the same parts eagerly
             plain = compiled(fc.to_fake(ids), labels=fc.to_fake(labels), output_logits=True)
             assert plain.logits.device == fc.CUDA
             plain_loss = fc.real(plain.loss)
-    _assert_model_matches(model, loss, aux, grads, ids, labels)
+    _assert_model_matches(model, loss, aux, logits, grads, ids, labels)
     assert rel_err(plain_loss, loss) < TOL
 
 
@@ -519,6 +521,19 @@ def _host_all_reduce(shared: ThreadComm):
     return all_reduce
 
 
+def _host_all_gather(shared: ThreadComm):
+    """torch.distributed.all_gather over the rank threads (the logits' _GatherSequence)."""
+    slots: dict[int, torch.Tensor] = {}
+
+    def all_gather(parts, t, group=None, async_op=False):
+        slots[_RANK.rank] = t.clone()
+        shared.barrier.wait()
+        for r, part in enumerate(parts):
+            part.copy_(slots[r])
+        shared.barrier.wait()
+    return all_gather
+
+
 _RANK = threading.local()
 
 
@@ -538,13 +553,14 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     """n x dp = 2 ranks in threads, the plan's collectives emulated in-process (ThreadComm): the
     model's edge collectives (edges.lm_head / edges.norm grad sync, edges.embed.grad_gather; a2a:
     edges.aux.allreduce; dp=2: the edges' DP sync and PARTIAL's edges.embed.scatter) run on fake
-    CUDA in a model step, or a merged train_step of 2 micro-batches; the loss(es) and every full
-    gradient equal the eager CPU module's on the global batch, on every rank; the host syncs are
-    the layers' known ones (below). The host's own
-    collectives (torch.distributed.all_reduce: the loss term, train_step's terms, full_grads'
-    regions) are a thread-barrier sum here (no process group in one process; with n=1 the layers'
-    full_grads reduce nothing); no host wait on a plan collective. The plan's collectives are the
-    reference interpreter's (as test_fake_device_executor_step), not runtime.collectives' NCCL calls."""
+    CUDA in a model step, or a merged train_step of 2 micro-batches; the loss(es), the gathered
+    logits and every full gradient equal the eager CPU module's on the global batch, on every rank;
+    the host syncs are the layers' known ones (below). The host's own collectives
+    (torch.distributed.all_reduce: the loss term, train_step's terms, full_grads' regions;
+    all_gather: the full logits) are thread-barrier stand-ins here (no process group in one
+    process; with n=1 the layers' full_grads reduce nothing); no host wait on a plan collective.
+    The plan's collectives are the reference interpreter's (as test_fake_device_executor_step),
+    not runtime.collectives' NCCL calls."""
     import functools
 
     import moegraph.runtime.model as model_mod
@@ -581,6 +597,7 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
         assert "edges.aux.allreduce" in edge_comm
     fc.fake_streams(monkeypatch)
     monkeypatch.setattr(torch.distributed, "all_reduce", _host_all_reduce(shared))
+    monkeypatch.setattr(torch.distributed, "all_gather", _host_all_gather(shared))
     results: dict[int, tuple] = {}
 
     modes: list[fc.FakeCuda] = []
@@ -624,3 +641,28 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     for r in range(1, n * dp):                              # every rank holds the same loss and full gradients
         name, err = max_grad_err(results[r][-1], results[0][-1])
         assert err < TOL, f"rank {r}'s gradient of {name}: {err:.2e}"
+
+
+def test_fake_device_compiled_base_model_step(monkeypatch):
+    """A base model (no LM head: ``last_hidden_state``, the final norm's output) on one rank, on
+    fake CUDA: the hidden state and every gradient of a weighted sum of it equal the eager CPU
+    module's (the norm's partial without a head's; the ROWS embedding scatter)."""
+    pytest.importorskip("transformers")
+    import aux_workers
+    base = aux_workers.aux_model("mixtral", 23, 2, 0.5).model        # the aux loss belongs to the LM: none here
+    ((ids, _),) = _lm_data(13)
+    compiled = _compile_lm(base, ids)
+    w = torch.randn(*ids.shape, base.config.hidden_size, generator=torch.Generator().manual_seed(4))
+    fc.fake_streams(monkeypatch)
+    with fc.FakeCuda(), sdpa_kernel(SDPBackend.MATH):
+        _to_fake_model(compiled)
+        hidden = compiled(fc.to_fake(ids)).last_hidden_state
+        assert hidden.device == fc.CUDA
+        (hidden * fc.to_fake(w)).sum().backward()
+        got = fc.real(hidden)
+        grads = {k: fc.real(v) for k, v in compiled.full_grads().items()}
+    ref = base(input_ids=ids).last_hidden_state
+    (ref * w).sum().backward()
+    assert rel_err(got, ref.detach()) < TOL
+    name, err = max_grad_err(grads, {k: p.grad for k, p in base.named_parameters()})
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
