@@ -38,6 +38,29 @@ def layer_graph(graph: Graph) -> Graph:
     return graph.meta_get("layer_graph") if layer_count(graph) > 1 else graph
 
 
+def costed_layer(graph: Graph) -> Graph:
+    """The one-layer graph of a stack (``layer_graph``) with each node priced as the stack's
+    layer 0 prices it: the stages after stacking (the aux loss, ``moegraph.edges``) rewrite the
+    stacked layers' nodes (a router's flops, bytes and attrs), not the one-layer graph kept in
+    ``meta``, so a schedule unit stacked from it must take them over to be the stack's layer.
+    Inputs and outputs stay the one-layer graph's (an edge's values are not the layer's).
+    Not verified again: the kernels it describes are not run from it, only priced."""
+    one = layer_graph(graph)
+    if layer_count(graph) == 1:
+        return graph
+    stacked = {n.name: n for n in graph.nodes}
+    nodes = []
+    for n in one.nodes:
+        s = stacked.get(f"l0.{n.name}")
+        if s is None or s.op is not n.op or s.phase is not n.phase:
+            raise GraphError(f"graph {graph.name!r} has no layer-0 node like {n.name!r} of its one-layer graph: "
+                             "the layers were not stacked from it")
+        attrs = {k: v for k, v in s.attrs if k != LAYER_ATTR}
+        nodes.append(dataclasses.replace(n, flops=s.flops, mem_bytes=s.mem_bytes, comm_bytes=s.comm_bytes,
+                                         group=s.group, attrs=freeze_attrs(attrs)))
+    return dataclasses.replace(one, nodes=tuple(nodes))
+
+
 def boundary(graph: Graph) -> tuple[str, str, str, str]:
     """(input, seed gradient, output, input gradient) of a one-layer graph: the values that
     chain one layer to the next. The input is the one activation graph input, the seed the one
@@ -123,4 +146,4 @@ def _prefixed(spec: ParamSpec, i: int) -> ParamSpec:
     return dataclasses.replace(spec, sources=sources)
 
 
-__all__ = ["LAYER_ATTR", "PARAM_PREFIX", "boundary", "layer_count", "layer_graph", "stack_layers"]
+__all__ = ["LAYER_ATTR", "PARAM_PREFIX", "boundary", "costed_layer", "layer_count", "layer_graph", "stack_layers"]

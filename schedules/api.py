@@ -24,7 +24,7 @@ from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.options import format_bytes
 from moegraph.edges import add_edges
-from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.layers import costed_layer, layer_count, stack_layers
 from moegraph.microbatch import micro_batch_count
 from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
@@ -180,7 +180,7 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
     list schedule, no memory budget: each candidate's peak is checked against the budget like
     every warm start's) and tiled over the L layers (moegraph.schedules.periodic). Each unit
     solve gets LAYER_SHARE of the effort; deterministic, so the candidates are too."""
-    one = layer_graph(problem.graph)
+    one = costed_layer(problem.graph)   # the stack's layer, aux-loss routers included
     L = layer_count(problem.graph)
     _log.info("periodic warm starts for %d layers: CP-SAT on %s-layer units, effort %g s each", L,
               " and ".join(str(K) for K in UNIT_LAYERS if not L % K and K < L), opts.time_limit_s * LAYER_SHARE)

@@ -126,6 +126,20 @@ def test_one_rank_families_match_eager(family):
         assert rel_err(compiled(ids, labels=labels).loss, model(ids, labels=labels).loss) < TOL
 
 
+@pytest.mark.parametrize("hardware", ["cpu-gloo", "cpu-2core-gloo"])
+def test_periodic_unit_is_the_stacks_layer_on_calibrated_profiles(hardware):
+    # the default schedule tiles a one-layer unit over the layers; on the calibrated CPU profiles
+    # (per-shape curves) a unit priced without the aux loss's router work is not the stack's
+    # layer and the tiling raised "the layers are not costed alike"
+    model = workers.aux_model("mixtral", 11, 2, 0.5)
+    ids, labels = workers.data(12, 2)
+    compiled = moegraph.compile(model, ids, hardware=hardware, passes="", time_limit_s=0.5)
+    ref = model(ids, labels=labels)
+    got = compiled(ids, labels=labels)
+    assert rel_err(got.loss.detach(), ref.loss.detach()) < TOL
+    assert rel_err(got.aux_loss.detach(), ref.aux_loss.detach()) < TOL
+
+
 def _spec(model):
     return trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1), batch=1, seq=16)[1]
 
