@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from moegraph.commands import DEFAULT_PASSES
+from moegraph.commands import DEFAULT_PASSES, passes_arg
 
 
 def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
@@ -31,7 +31,7 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      per replica.
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
     attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
-                     same default pipeline as every command, "gate-reorder,sar=paper"; "" for none).
+                     same default pipeline as every command, "gate-reorder,sar=paper"; "" or "none" for none).
     memory_budget:   bytes of activation memory the schedule may use (None: unbounded).
     schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (moegraph.schedules methods),
                      or a Schedule / ExecutionPlan.
@@ -76,11 +76,16 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     from moegraph.lowering import has_model_rule
     check_expert_rows(expert_rows)
     check_mode(cuda_graphs)
+    passes = passes_arg(passes) if isinstance(passes, str) else passes     # "none": the CLI's rule
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
         raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "
                          f"(an integer tensor), got {getattr(x, 'dtype', type(x).__name__)} "
                          f"{list(getattr(x, 'shape', []))}")
+    if isinstance(x, torch.Tensor) and not x.is_floating_point() and x.dim() != 2:
+        raise ValueError(f"example_inputs is an integer tensor {x.dtype} {list(x.shape)}: a layer "
+                         f"({type(module).__name__}) takes its floating input [b, s, h] (fp32 or bf16), a whole "
+                         "model its integer token ids [b, s]")
     if isinstance(x, torch.Tensor) and not x.is_floating_point():
         if cuda_graphs != "off":
             raise ValueError(f"cuda_graphs={cuda_graphs!r} captures a compiled layer; a whole model "

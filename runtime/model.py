@@ -108,7 +108,8 @@ from moegraph.microbatch import mb_name, merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import EagerKernel
-from moegraph.runtime.module import DTYPES, CompiledLayer, accumulate_grads, build_layer, make_plan, replica_batch
+from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, make_plan, refuse_autocast,
+                                     replica_batch)
 from moegraph.runtime.plan import COMM
 
 
@@ -422,6 +423,7 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
                                  "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "
                                  "per micro-batch, not by calling it")
+        refuse_autocast(input_ids.device.type, "the compiled model")
         if len(args) > len(self.positional):
             raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
                             f"{len(self.positional) + 1}")
@@ -488,6 +490,7 @@ class CompiledModel(nn.Module):
         if M == 1:
             raise RuntimeFailure("the model was compiled for one micro-batch: call it (model(input_ids, labels=...)"
                                  ".loss.backward()); train_step runs a step compiled with micro_batches=M >= 2")
+        refuse_autocast(self.layers.executor.device.type, "the compiled model's train_step")
         shape = (self.dp * self.batch, self.seq)
         for what, seq in (("input_ids", input_ids), ("labels", labels)):
             if isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence) or len(seq) != M:

@@ -181,6 +181,39 @@ def test_module_and_input_must_share_device_and_dtype():
                          schedule="sequential")
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.float16, torch.bfloat16, torch.float64])
+def test_call_with_another_dtype_than_compiled_is_named(dtype):
+    # an fp32 layer took int64 / fp16 / bf16 activations silently (returned fp32) and failed on fp64
+    # inside a matmul kernel
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
+    x = torch.randn(2, 16, 64).to(dtype) if dtype.is_floating_point else torch.randint(0, 5, (2, 16, 64))
+    with pytest.raises(TypeError, match=rf"^compiled layer '.*' was compiled for fp32 activations and got {dtype}: "
+                                        r"pass a torch.float32 tensor"):
+        compiled(x)
+
+
+def test_call_under_autocast_is_refused():
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(RuntimeFailure, match=r"called under torch.autocast\('cpu', dtype=torch.bfloat16\): .*"
+                                                r"compile a bf16 module instead"):
+        compiled(torch.randn(2, 16, 64))
+
+
+def test_integer_layer_example_input_is_named():
+    with pytest.raises(ValueError, match=r"^example_inputs is an integer tensor torch.int64 \[2, 16, 64\]: a layer "
+                                         r"\(MoETransformerLayer\) takes its floating input \[b, s, h\]"):
+        moegraph.compile(small_layer(1), torch.randint(0, 5, (2, 16, 64)), hardware="cpu-gloo", schedule="sequential")
+
+
+@pytest.mark.parametrize("passes", ["none", " None ", ""])
+def test_api_passes_none_runs_no_pass_as_the_cli(passes):
+    # the README: `--passes none` runs none, the same rule everywhere incl. moegraph.compile
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential",
+                                passes=passes)
+    assert not any(n.attr("remat", False) or n.phase is Phase.RECOMPUTE for n in compiled.graph.nodes)
+
+
 def test_analytically_zero_gradients_are_reported_apart(rng):
     from moegraph.runtime.check import grad_report
     big = torch.randn(64, 64, generator=rng)
