@@ -17,6 +17,7 @@ import model_workers as workers
 from helpers import RANK_BATCH, max_grad_err, rel_err
 import moegraph
 from moegraph.lowering import LoweringError
+from moegraph.runtime import RuntimeFailure
 from moegraph.models import MoETransformer
 from moegraph.tracer import trace_causal_lm
 from moegraph.ir import Strategy
@@ -142,6 +143,19 @@ def test_one_rank_logits_and_base_model_match_eager(rng):
         compiled(ids[:, :8])
     with pytest.raises(ValueError, match=r"MoETransformer is a whole model: example_inputs must be its token ids"):
         moegraph.compile(model, torch.randn(2, 16, 32))
+
+
+def test_call_under_autocast_is_refused():
+    # the compiled forward ran partly autocast (a loss matching neither eager's), then the backward
+    # failed inside a kernel with a dtype clash
+    model = workers.reference_model(0, 2)
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    with torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(RuntimeFailure, match=r"^the compiled model was called under torch.autocast\('cpu', "
+                                                r"dtype=torch.bfloat16\): .*compile a bf16 module instead"):
+        compiled(ids, labels=ids)
+    assert compiled(ids, labels=ids).loss.dtype == torch.float32      # outside autocast it runs
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
