@@ -225,6 +225,22 @@ def test_mixtral_changed_rope_and_layer_count_raise():
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_mixtral_bf16_cast_rope_buffer_is_named_and_the_named_fix_matches_eager():
+    # model.to(torch.bfloat16) casts the RoPE buffer: eager then rotates with rounded frequencies;
+    # the refusal named rope_theta, never the dtype
+    model = workers.mixtral_model(0, 2).to(torch.bfloat16)
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    with pytest.raises(LoweringError, match=r"rotary_emb.inv_freq is torch.bfloat16, not torch.float32 \(a cast "
+                                            r"such as model.to\(torch.bfloat16\).*recompute them after the cast"):
+        _trace(model)
+    r = model.model.rotary_emb                       # the fix the message names
+    r.inv_freq = r.compute_default_rope_parameters(r.config)[0]
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    with torch.no_grad():
+        assert rel_err(compiled(ids, labels=ids).loss.float(), model(ids, labels=ids).loss.float()) < 1e-2
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3"])
 def test_one_rank_family_causal_lm_loss_and_grads_match_eager(family, rng):
     model = workers.family_model(family, int(torch.randint(0, 2**30, (1,), generator=rng)))

@@ -124,6 +124,16 @@ def check_rotary(rotary: nn.Module, qualname: str) -> None:
         raise LoweringError(f"{qualname}.attention_scaling={rotary.attention_scaling}: only unscaled RoPE (1.0) "
                             "is supported")
     expected, _ = rotary.compute_default_rope_parameters(rotary.config)
+    if rotary.inv_freq.dtype != expected.dtype:
+        # model.to(torch.bfloat16) casts the buffer too: eager then rotates with the rounded
+        # frequencies, the compiled layers with rope_theta's exact ones
+        raise LoweringError(f"{qualname}.inv_freq is {rotary.inv_freq.dtype}, not {expected.dtype} (a cast such as "
+                            "model.to(torch.bfloat16) casts the RoPE buffers too, and eager then rotates with rounded "
+                            "frequencies the compiled layers do not use): build the model in that dtype instead "
+                            "(from_pretrained(..., dtype=...), or construct it under torch.set_default_dtype), which "
+                            f"keeps them {expected.dtype}, or recompute them after the cast: r.inv_freq = "
+                            f"r.compute_default_rope_parameters(r.config)[0] for r the {qualname} module "
+                            f"(model.model.{qualname} of a ForCausalLM)")
     if not torch.equal(rotary.inv_freq.detach().cpu().float(), expected.float()):
         raise LoweringError(f"{qualname}.inv_freq differs from the default RoPE frequencies of rope_theta="
                             f"{rotary.config.rope_parameters['rope_theta']}: the layers would compute other rotations")
