@@ -77,6 +77,10 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     check_expert_rows(expert_rows)
     check_mode(cuda_graphs)
     passes = passes_arg(passes) if isinstance(passes, str) else passes     # "none": the CLI's rule
+    if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):   # torch.compile's OptimizedModule
+        raise ValueError(f"{type(module).__name__} wraps {type(module._orig_mod).__name__} (torch.compile): "
+                         "moegraph compiles the original module; pass it (compiled._orig_mod, or the module you "
+                         "gave torch.compile)")
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if has_model_rule(module) and not (isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point()):
         raise ValueError(f"{type(module).__name__} is a whole model: example_inputs must be its token ids [b, s] "

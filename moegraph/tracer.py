@@ -158,6 +158,11 @@ class LayerProgram:
 
 def extract_program(module: nn.Module) -> LayerProgram:
     """Trace ``module`` with torch.fx, rule-backed modules as leaves, into a LayerProgram."""
+    if find_rule(module) is not None:     # a rule describes one block inside a layer, never a layer
+        cls = type(module)
+        raise LoweringError(f"{cls.__module__}.{cls.__name__} is one block of a decoder layer, not a layer (its "
+                            "lowering rule describes it inside one): compile the decoder layer that holds it (e.g. "
+                            "model.model.layers[0] of a transformers causal LM) or the whole model instead")
     graph = _fx_graph(module)
     index: dict[fx.Node, object] = {}
     steps: list[Step] = []

@@ -1,7 +1,11 @@
 """Anything the tracer cannot lower is an error naming the module's qualified name and type."""
 
 import pytest
+import torch
 from torch import nn
+
+import moegraph
+from helpers import small_layer
 
 from moegraph.ir import Strategy
 from moegraph.models import Attention, MoE, RMSNorm
@@ -62,3 +66,23 @@ def test_meta_device_tracing_allocates_nothing(monkeypatch):
     assert sum(t.numel() for t in tensors) * 4 > 20e9                          # what it would have cost
     assert tensors and all(t.is_meta for t in tensors)
     assert g.dims.experts == 32
+
+
+def test_a_bare_block_says_to_compile_its_decoder_layer_or_the_model():
+    # a block's own rule describes it inside a layer; tracing into it blamed a missing rule deeper
+    # down (HF: "register a rule for MixtralExperts")
+    with pytest.raises(LoweringError, match=r"^moegraph\.models\.MoE is one block of a decoder layer, not a layer .*"
+                                            r"compile the decoder layer that holds it .* or the whole model instead"):
+        trace_module(MoE(64, 96, 8, 2), Strategy("sp", "ep", "ag-rs", 1), batch=1, seq=16)
+    hf = pytest.importorskip("transformers.models.mixtral.modeling_mixtral")
+    cfg = hf.MixtralConfig(hidden_size=32, intermediate_size=48, num_local_experts=4, num_experts_per_tok=2,
+                           num_attention_heads=4, num_key_value_heads=2)
+    with pytest.raises(LoweringError, match=r"MixtralSparseMoeBlock is one block of a decoder layer"):
+        moegraph.compile(hf.MixtralSparseMoeBlock(cfg), torch.randn(2, 16, 32), hardware="cpu-gloo")
+
+
+def test_a_torch_compiled_module_says_to_pass_the_original():
+    layer = small_layer(1)
+    with pytest.raises(ValueError, match=r"^OptimizedModule wraps MoETransformerLayer \(torch\.compile\): .*"
+                                         r"compiled\._orig_mod"):
+        moegraph.compile(torch.compile(layer), torch.randn(2, 16, 64), hardware="cpu-gloo")
