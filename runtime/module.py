@@ -60,7 +60,8 @@ def refuse_autocast(device_type: str, what: str) -> None:
     """Refuse a call under ``torch.autocast``: the compiled kernels run in the dtype the graph was
     compiled for (its costs, buffers and saved values), which autocast would change op by op, and
     the backward runs outside the autocast region (a dtype clash) - never a silent mix."""
-    if torch.is_autocast_enabled(device_type):
+    # a device type with no autocast (meta, a test's fake device) cannot be under it
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         raise RuntimeFailure(f"{what} was called under torch.autocast({device_type!r}, "
                              f"dtype={torch.get_autocast_dtype(device_type)}): a compiled module runs in the dtype "
                              "it was compiled for; compile a bf16 module instead (model.to(torch.bfloat16), or a "
@@ -189,8 +190,8 @@ class CompiledLayer(nn.Module):
             raise RuntimeFailure(f"layer {self.graph.name!r} runs a step of {self.micro_batches} micro-batches whose "
                                  "forwards and backwards interleave: call train_step(xs, dys) with one input and "
                                  "one seed gradient per micro-batch, not forward")
-        self._check_input(x)
         params = self.params()
+        self._check_input(x, params)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
             return ScheduledLayerFunction.apply(self, x, *params)
         rec = self._new_recorder()
@@ -198,7 +199,7 @@ class CompiledLayer(nn.Module):
         self._keep(rec)
         return y
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         """The call's activation against what the layer was compiled for: a tensor of the compiled
         dtype (fp32 or bf16: other dtypes would be cast silently or fail inside a kernel) on the
         shards' device, outside torch.autocast."""
@@ -211,9 +212,8 @@ class CompiledLayer(nn.Module):
             dtype = next(k for k, v in DTYPES.items() if v == want)
             raise TypeError(f"{what} was compiled for {want} activations and got {x.dtype}: pass a {dtype} "
                             f"tensor (x.to({dtype}))")
-        dev = self.executor.device
-        if x.device.type != dev.type or (x.device.index is not None and dev.index is not None
-                                         and x.device.index != dev.index):
+        dev = params[0].device if params else x.device
+        if x.device != dev:
             raise ValueError(f"{what} holds its parameters on {dev} and got an input on {x.device}: "
                              f"move the input there (x.to({str(dev)!r}))")
 

@@ -192,6 +192,13 @@ def test_call_with_another_dtype_than_compiled_is_named(dtype):
         compiled(x)
 
 
+def test_call_with_an_input_on_another_device_is_named():
+    compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
+    with pytest.raises(ValueError, match=r"^compiled layer '.*' holds its parameters on cpu and got an input on meta: "
+                                         r"move the input there"):
+        compiled(torch.randn(2, 16, 64, device="meta"))
+
+
 def test_call_under_autocast_is_refused():
     compiled = moegraph.compile(small_layer(1), torch.randn(2, 16, 64), hardware="cpu-gloo", schedule="sequential")
     with torch.autocast("cpu", dtype=torch.bfloat16), \
