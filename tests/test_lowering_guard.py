@@ -300,3 +300,24 @@ def test_deepseek_v3_yarn_rope_is_named():
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
     layer, _ = workers.deepseek_v3_layer(0, rope_parameters=yarn)
     assert lowering_error(layer) == "self_attn (DeepseekV3Attention): rope_type 'yarn' is not supported (only 'default')"
+
+
+def test_an_attention_kernel_registered_in_the_attention_interface_is_named():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def tripled_attention(module, q, k, v, mask, **kw):      # any non-standard kernel
+        out, w = sdpa_attention_forward(module, q, k, v, mask, **kw)
+        return out * 3.0, w
+    AttentionInterface.register("moegraph_test_tripled", tripled_attention)
+    layer = mixtral()
+    layer.self_attn.config._attn_implementation = "moegraph_test_tripled"
+    text = lowering_error(layer)
+    assert re.search(r"self_attn \(MixtralAttention\): attn_implementation='moegraph_test_tripled' runs "
+                     r".*tripled_attention, which the compiler does not model", text), text
+    layer = mixtral()
+    layer.self_attn.config._attn_implementation = "flex_attention"      # a kernel whose math is not checked here
+    assert "attn_implementation='flex_attention'" in lowering_error(layer)
+    for impl in ("eager", "sdpa"):                                         # the modelled ones still lower
+        layer.self_attn.config._attn_implementation = impl
+        trace_module(layer, STRATEGY, batch=1, seq=16)
