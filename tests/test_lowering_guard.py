@@ -321,3 +321,43 @@ def test_an_attention_kernel_registered_in_the_attention_interface_is_named():
     for impl in ("eager", "sdpa"):                                         # the modelled ones still lower
         layer.self_attn.config._attn_implementation = impl
         trace_module(layer, STRATEGY, batch=1, seq=16)
+
+
+def test_a_forward_replaced_on_the_instance_is_named():
+    layer = mixtral()
+    original = layer.mlp.forward
+    layer.mlp.forward = lambda h: 50 * original(h)          # a monkeypatched MoE block
+    assert re.search(r"'mlp' \(MixtralSparseMoeBlock\)\.forward is replaced on the instance \(.*<lambda>\)",
+                     lowering_error(layer))
+    layer = mixtral()
+    layer.forward = lambda h, **kw: h                        # the layer itself (fx reads the class's forward)
+    assert "the compiled MixtralDecoderLayer.forward is replaced on the instance" in lowering_error(layer)
+
+
+def test_a_class_level_forward_swap_is_named(monkeypatch):
+    def zero_centred(self, h):                               # a Liger/unsloth-style kernel swap
+        v = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(v + self.variance_epsilon)).to(h.dtype) * (self.weight + 1)
+    monkeypatch.setattr(hf.MixtralRMSNorm, "forward", zero_centred)
+    assert re.search(r"'input_layernorm' \(MixtralRMSNorm\): .*MixtralRMSNorm\.forward is replaced by "
+                     r".*zero_centred \(a class-level patch\)", lowering_error(mixtral()))
+
+
+@pytest.mark.parametrize("register, kind", [
+    (lambda m: m.mlp.register_forward_hook(lambda mod, inp, out: out), "'mlp' (MixtralSparseMoeBlock) has a forward hook"),
+    (lambda m: m.post_attention_layernorm.register_forward_pre_hook(lambda mod, inp: inp),
+     "'post_attention_layernorm' (MixtralRMSNorm) has a forward pre hook"),
+    (lambda m: m.self_attn.o_proj.register_full_backward_hook(lambda mod, gi, go: None),
+     "'self_attn.o_proj' (Linear) has a backward hook"),
+    (lambda m: m.register_forward_hook(lambda mod, inp, out: out), "the compiled MixtralDecoderLayer has a forward hook"),
+    (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda mod, inp, out: out),
+     "a global module forward hook is registered"),
+])
+def test_module_hooks_are_named(register, kind):
+    layer = mixtral()
+    handle = register(layer)
+    try:
+        assert kind in lowering_error(layer)
+    finally:
+        handle.remove()
+    trace_module(layer, STRATEGY, batch=1, seq=16)           # removed: it lowers

@@ -262,3 +262,15 @@ def test_frozen_layer_router_stays_frozen_and_a_half_frozen_fused_parameter_is_r
     with pytest.raises(ValueError, match=r"'qkv.weight' is fused from attn.q_proj.weight, .* only "
                                          r"attn.q_proj.weight has requires_grad=False"):
         moegraph.compile(layer, x, hardware="cpu-gloo", schedule="greedy", passes="")
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_a_hook_or_patched_forward_outside_the_layers_is_named():
+    model = workers.mixtral_model(0, 2)
+    handle = model.lm_head.register_forward_hook(lambda mod, inp, out: out * 5)   # a logit temperature hook
+    with pytest.raises(LoweringError, match=r"'lm_head' \(Linear\) has a forward hook"):
+        _trace(model)
+    handle.remove()
+    model.model.embed_tokens.forward = lambda ids: 2 * nn.Embedding.forward(model.model.embed_tokens, ids)
+    with pytest.raises(LoweringError, match=r"'model.embed_tokens' \(Embedding\).forward is replaced on the instance"):
+        _trace(model)

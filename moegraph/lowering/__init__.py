@@ -103,6 +103,42 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
     return None
 
 
+def check_patches_and_hooks(root: nn.Module) -> None:
+    """Raise naming the first module of ``root`` (the layer or model being compiled) whose
+    behaviour its rules do not see: the compiled graph is built from rules and parameters, so a
+    replaced forward (on the instance, or a class-level swap: a function the class's own module
+    did not define, as kernel-swapping libraries install) and module hooks (forward, pre-forward,
+    backward; per module or global) would be dropped silently."""
+    from torch.nn.modules import module as torch_module
+    for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"):
+        if getattr(torch_module, f"_global_{kind}", None):
+            raise LoweringError(f"a global module {kind[:-1].replace('_', ' ')} is registered (torch.nn.modules.module."
+                                f"register_module_{kind[:-1]}): the compiled model would not run it; remove it "
+                                "before compiling")
+    for qualname, m in root.named_modules():
+        where = f"{qualname!r} ({type(m).__name__})" if qualname else f"the compiled {type(m).__name__}"
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            if getattr(m, kind, None):
+                raise LoweringError(f"{where} has a {kind[1:-1].replace('_', ' ')} "
+                                    f"({len(getattr(m, kind))}): the compiled model would not run it; remove it "
+                                    "(handle.remove()) before compiling, or apply it to the compiled module's output")
+        if "forward" in m.__dict__:
+            raise LoweringError(f"{where}.forward is replaced on the instance ({_function_name(m.__dict__['forward'])}): "
+                                "the compiler lowers the class's forward; delete the instance attribute, or subclass "
+                                "and register a rule")
+        owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
+        fn = owner.__dict__["forward"]
+        if owner is not nn.Module and (getattr(fn, "__module__", None) != owner.__module__
+                                       or getattr(fn, "__qualname__", None) != f"{owner.__qualname__}.forward"):
+            raise LoweringError(f"{where}: {owner.__module__}.{owner.__qualname__}.forward is replaced by "
+                                f"{_function_name(fn)} (a class-level patch): the lowering rule describes the original "
+                                "forward; undo the patch before compiling")
+
+
+def _function_name(fn: object) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+
+
 class ModelOutput(enum.Enum):
     """What a recognised model's forward returns."""
 
