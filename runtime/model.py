@@ -103,7 +103,7 @@ from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, aux_loss_value, 
 from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, OpKind, Role, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
-from moegraph.lowering import ModelOutput, ModelSpec
+from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
 from moegraph.microbatch import mb_name, merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
@@ -679,8 +679,9 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                          record=record, frozen=frozenset(q for q in layer_full if original_name(spec, graph, q) in cold))
     positional = [q.name for q in inspect.signature(model.forward).parameters.values()
                   if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
+    layers.train_only = train_only_settings(model)
     return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional,
-                         frozen=cold)
+                         frozen=cold).train(model.training)        # the source's mode: eval stays eval
 
 
 def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:

@@ -40,6 +40,7 @@ from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
 from moegraph.kernels import expert_rows_refusal
+from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
@@ -112,6 +113,16 @@ class CompiledLayer(nn.Module):
         self._recorders: collections.deque[StepRecorder] = collections.deque()
         self.dropped_traces = 0
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
+        # the source's training-only settings (moegraph.lowering.train_only_settings): compiled in
+        # eval mode, the graph never applies them, so .train() refuses
+        self.train_only: tuple[str, ...] = ()
+
+    def train(self, mode: bool = True) -> "CompiledLayer":
+        if mode and self.train_only:
+            raise LoweringError(f"{', '.join(self.train_only)}: the source module was compiled in eval mode and "
+                                "applies this only in training mode, which the compiled module does not model; set "
+                                "it to 0 and compile again to train")
+        return super().train(mode)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -467,4 +478,5 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record,
                         cuda_graphs=cuda_graphs, expert_rows=expert_rows,
                         frozen=frozen_sources(module.named_parameters()))
-    return layer
+    layer.train_only = train_only_settings(module)
+    return layer.train(module.training)          # the source's mode: eval stays eval

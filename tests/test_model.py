@@ -274,3 +274,23 @@ def test_a_hook_or_patched_forward_outside_the_layers_is_named():
     model.model.embed_tokens.forward = lambda ids: 2 * nn.Embedding.forward(model.model.embed_tokens, ids)
     with pytest.raises(LoweringError, match=r"'model.embed_tokens' \(Embedding\).forward is replaced on the instance"):
         _trace(model)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_compiled_in_eval_with_dropout_refuses_train_mode():
+    """Compiled in eval() with attention_dropout > 0 (accepted: no dropout there), the compiled
+    module keeps eval mode and refuses .train(), as compiling in train mode does; without dropout
+    .train() is fine."""
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    model = workers.mixtral_model(0, 2, attention_dropout=0.5).eval()
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert not compiled.training
+    with pytest.raises(LoweringError, match=r"model.layers.0.self_attn.attention_dropout=0.5, .*compiled in eval mode"):
+        compiled.train()
+    compiled.eval()
+    layer = model.model.layers[0]
+    compiled_layer = moegraph.compile(layer, torch.randn(2, 16, 32), hardware="cpu-gloo", schedule="greedy", passes="")
+    with pytest.raises(LoweringError, match=r"self_attn.attention_dropout=0.5"):
+        compiled_layer.train()
+    plain = moegraph.compile(workers.mixtral_model(0, 2), ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert plain.training and plain.eval().train().training

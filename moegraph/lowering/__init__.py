@@ -135,6 +135,25 @@ def check_patches_and_hooks(root: nn.Module) -> None:
                                 "forward; undo the patch before compiling")
 
 
+TRAIN_ONLY_ATTRS = ("attention_dropout", "jitter_noise")     # transformers' attention dropout, router jitter
+
+
+def train_only_settings(root: nn.Module) -> tuple[str, ...]:
+    """``qualname.attr=value`` for each nonzero setting of ``root`` that acts only in training mode
+    (dropout, router jitter): the rules refuse them in training mode, so a module compiled in
+    eval mode with one must refuse ``.train()`` too (the compiled graph never applies them)."""
+    found = []
+    for qualname, m in root.named_modules():
+        prefix = f"{qualname}." if qualname else ""
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            found.append(f"{qualname or type(m).__name__} (Dropout p={m.p})")
+        for attr in TRAIN_ONLY_ATTRS:
+            value = getattr(m, attr, 0)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append(f"{prefix}{attr}={value}")
+    return tuple(found)
+
+
 def _function_name(fn: object) -> str:
     return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
