@@ -14,6 +14,8 @@ Never silently wrong: a rule stands for the exact class it was registered for.
     the experts) must be exactly the registered types.
   * After lowering, the tracer checks that every parameter and buffer of the layer reached
     the graph (``ParamSource`` names), unless a rule declares it ``unused`` with a reason.
+  * Before tracing, ``check_patches_and_hooks`` refuses what the rules cannot see: a replaced
+    ``forward`` (instance attribute or class-level swap) and module hooks.
 
 Whole causal language models plug in with ``register_model``: a model rule recognises the
 model's parts (embedding, decoder-layer list, final norm, LM head) by exact class and exact
