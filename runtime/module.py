@@ -119,9 +119,9 @@ class CompiledLayer(nn.Module):
 
     def train(self, mode: bool = True) -> "CompiledLayer":
         if mode and self.train_only:
-            raise LoweringError(f"{', '.join(self.train_only)}: the source module was compiled in eval mode and "
-                                "applies this only in training mode, which the compiled module does not model; set "
-                                "it to 0 and compile again to train")
+            raise LoweringError(f"{', '.join(self.train_only)}: the source applies this only in training mode, "
+                                "which the compiled module does not model (it was compiled in eval mode); set it to 0 "
+                                "and compile again to train")
         return super().train(mode)
 
     # -- parameters ------------------------------------------------------------------------------
