@@ -120,9 +120,10 @@ def check_patches_and_hooks(root: nn.Module) -> None:
     for qualname, m in root.named_modules():
         where = f"{qualname!r} ({type(m).__name__})" if qualname else f"the compiled {type(m).__name__}"
         for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
-            if getattr(m, kind, None):
+            hooks = [h for h in getattr(m, kind, {}).values() if not _observes_only(h)]
+            if hooks:
                 raise LoweringError(f"{where} has a {kind[1:-1].replace('_', ' ')} "
-                                    f"({len(getattr(m, kind))}): the compiled model would not run it; remove it "
+                                    f"({_function_name(hooks[0])}): the compiled model would not run it; remove it "
                                     "(handle.remove()) before compiling, or apply it to the compiled module's output")
         if "forward" in m.__dict__:
             raise LoweringError(f"{where}.forward is replaced on the instance ({_function_name(m.__dict__['forward'])}): "
@@ -154,6 +155,14 @@ def train_only_settings(root: nn.Module) -> tuple[str, ...]:
             if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
                 found.append(f"{prefix}{attr}={value}")
     return tuple(found)
+
+
+def _observes_only(hook: object) -> bool:
+    """transformers' output-capturing hook (installed for good by the first forward asking for
+    output_hidden_states / output_attentions / router logits): it only appends outputs to a
+    collector active inside the original's forward and returns None, so it changes nothing."""
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
 
 
 def _function_name(fn: object) -> str:
