@@ -28,7 +28,7 @@ from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
 from moegraph.layers import layer_count, stack_layers
-from moegraph.lowering import LoweringError, ModelSpec, find_model_rule, find_rule
+from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
 
@@ -158,6 +158,7 @@ class LayerProgram:
 
 def extract_program(module: nn.Module) -> LayerProgram:
     """Trace ``module`` with torch.fx, rule-backed modules as leaves, into a LayerProgram."""
+    check_patches_and_hooks(module)
     if find_rule(module) is not None:     # a rule describes one block inside a layer, never a layer
         cls = type(module)
         raise LoweringError(f"{cls.__module__}.{cls.__name__} is one block of a decoder layer, not a layer (its "
@@ -346,6 +347,7 @@ def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: in
     identical layers, lowered once) and return that graph with the ModelSpec naming the parts
     that run around it (embedding, final norm, LM head). Every parameter and buffer of the model
     must belong to a layer or to one of those parts, or be declared unused by the rule."""
+    check_patches_and_hooks(model)
     spec = find_model_rule(model).spec(model)
     layers = model.get_submodule(spec.layers)
     graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__)

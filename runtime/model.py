@@ -103,13 +103,13 @@ from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, aux_loss_value, 
 from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph, OpKind, Role, Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
-from moegraph.lowering import ModelOutput, ModelSpec
+from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
 from moegraph.microbatch import mb_name, merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import EagerKernel
-from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, make_plan, refuse_autocast,
-                                     replica_batch)
+from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, frozen_sources, make_plan,
+                                     refuse_autocast, replica_batch)
 from moegraph.runtime.plan import COMM
 
 
@@ -346,9 +346,9 @@ class CompiledModel(nn.Module):
 
     def __init__(self, spec: ModelSpec, layers: CompiledLayer, full: Mapping[str, torch.Tensor],
                  state_keys: Sequence[str], *, batch: int, seq: int,
-                 positional: Sequence[str] = ("labels",)):
+                 positional: Sequence[str] = ("labels",), frozen: frozenset[str] = frozenset()):
         """``batch``: b, one replica's rows (the global batch is dp*b); rank, n and dp come from
-        ``layers.layout``."""
+        ``layers.layout``. ``frozen``: the original's parameter names with requires_grad=False."""
         super().__init__()
         # the original forward's parameters after input_ids, so positional calls mean what they
         # meant there (transformers: attention_mask comes second, labels much later)
@@ -357,9 +357,13 @@ class CompiledModel(nn.Module):
         # rank: within the replica (the sequence shard); the world is n x dp ranks
         self.rank, self.n, self.dp = layers.layout.mp_rank, layers.layout.n, layers.layout.dp
         self.batch, self.seq = batch, seq
-        self.embed = nn.Parameter(full[spec.embed].detach().clone())
-        self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone())
-        self.lm_head = nn.Parameter(full[spec.head].detach().clone()) if spec.head is not None else None
+        # a frozen (requires_grad=False) original parameter stays frozen: no gradient reaches its .grad
+        trains = lambda k: k not in frozen  # noqa: E731
+        self.embed = nn.Parameter(full[spec.embed].detach().clone(), requires_grad=trains(spec.embed))
+        self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone(),
+                                 requires_grad=trains(spec.norm.weight.qualname))
+        self.lm_head = (nn.Parameter(full[spec.head].detach().clone(), requires_grad=trains(spec.head))
+                        if spec.head is not None else None)
         self._state_keys = list(state_keys)
         # persistent state no part reads (declared unused by the model rule): kept as it was
         self._constants = {k: full[k].detach().clone() for k in self._state_keys if k in spec.unused}
@@ -672,11 +676,14 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
                      comm_streams=comm_streams)
     layer_full = {q: full[original_name(spec, graph, q)]
                   for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
+    cold = frozen_sources(model.named_parameters())
     layers = build_layer(graph, plan, layer_full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate,
-                         record=record)
+                         record=record, frozen=frozenset(q for q in layer_full if original_name(spec, graph, q) in cold))
     positional = [q.name for q in inspect.signature(model.forward).parameters.values()
                   if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
-    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional)
+    layers.train_only = train_only_settings(model)
+    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional,
+                         frozen=cold).train(model.training)        # the source's mode: eval stays eval
 
 
 def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:

@@ -40,6 +40,7 @@ from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
 from moegraph.kernels import expert_rows_refusal
+from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
@@ -81,13 +82,15 @@ class CompiledLayer(nn.Module):
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
                  rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True,
                  layout: Layout | None = None, cuda_graphs: CudaGraphs = "off", graph_backend: GraphBackend | None = None,
-                 expert_rows: ExpertRows = "exact"):
+                 expert_rows: ExpertRows = "exact", frozen: frozenset[str] = frozenset()):
         """``rank``: this rank's index in its n-rank group; ``layout``: its place among n x dp
         ranks (default: dp=1, the group is the world). ``cuda_graphs``: 'attention' | 'layer'
         replays captured segments (``runtime.cudagraph``; no per-node traces then, ``record`` is
         off); ``graph_backend``: its capture backend (default: real CUDA graphs).
         ``expert_rows``: 'exact' | 'padded', the local index maps' rows (``moegraph.kernels.build_index_map``;
-        'padded' only where the graph has one: ValueError otherwise)."""
+        'padded' only where the graph has one: ValueError otherwise). ``frozen``: source parameter
+        names (ParamSource qualnames) with requires_grad=False: their shards keep it, so no
+        gradient reaches their ``.grad`` (``frozen_sources``)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
         self.layout = layout if layout is not None else Layout(n, 1, rank)
@@ -110,7 +113,7 @@ class CompiledLayer(nn.Module):
             if spec.buffer:          # read by the graph, never trained (DeepSeek-V3's router score bias)
                 self.register_buffer(attr, shard)
             else:
-                self.register_parameter(attr, nn.Parameter(shard))
+                self.register_parameter(attr, nn.Parameter(shard, requires_grad=_trainable(pname, spec, frozen)))
             self._attr[pname] = attr
         device = device or torch.device("cpu")
         if self.cuda_graphs == "off":
@@ -122,6 +125,16 @@ class CompiledLayer(nn.Module):
         self._recorders: collections.deque[StepRecorder] = collections.deque()
         self.dropped_traces = 0
         self._traces: collections.deque[StepTrace] = collections.deque(maxlen=MAX_TRACES)
+        # the source's training-only settings (moegraph.lowering.train_only_settings): compiled in
+        # eval mode, the graph never applies them, so .train() refuses
+        self.train_only: tuple[str, ...] = ()
+
+    def train(self, mode: bool = True) -> "CompiledLayer":
+        if mode and self.train_only:
+            raise LoweringError(f"{', '.join(self.train_only)}: the source applies this only in training mode, "
+                                "which the compiled module does not model (it was compiled in eval mode); set it to 0 "
+                                "and compile again to train")
+        return super().train(mode)
 
     # -- parameters ------------------------------------------------------------------------------
 
@@ -318,6 +331,22 @@ class CompiledLayer(nn.Module):
                 + (f", expert_rows={self.expert_rows}" if self.expert_rows != "exact" else ""))
 
 
+def _trainable(pname: str, spec: Any, frozen: frozenset[str]) -> bool:
+    """Whether graph parameter ``pname`` trains: not if all its sources are frozen; a parameter
+    fused from frozen and trainable sources (q/k/v into one qkv) cannot keep both: refused."""
+    sources = [src.qualname for src in spec.sources]
+    cold = [q for q in sources if q in frozen]
+    if cold and len(cold) != len(sources):
+        raise ValueError(f"graph parameter {pname!r} is fused from {', '.join(sources)}, but only "
+                         f"{', '.join(cold)} has requires_grad=False: freeze all of them or none")
+    return not cold
+
+
+def frozen_sources(named_params: Any) -> frozenset[str]:
+    """The names of the parameters with requires_grad=False in ``named_params`` ((name, param) pairs)."""
+    return frozenset(k for k, p in named_params if not p.requires_grad)
+
+
 def accumulate_grads(params: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
     """Add each gradient into its parameter's ``.grad`` as autograd's backward would (a copy the
     first time: the executor's tensor may alias another step value); None entries and parameters
@@ -411,7 +440,8 @@ def comm_axes(graph: Graph) -> tuple[str, ...]:
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
                 timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True,
-                cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact") -> CompiledLayer:
+                cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact",
+                frozen: frozenset[str] = frozenset()) -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
     groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
     Collective when n x dp > 1."""
@@ -430,7 +460,8 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
                     emulate=emulate)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                         record=record, layout=layout, cuda_graphs=cuda_graphs, expert_rows=expert_rows)
+                         record=record, layout=layout, cuda_graphs=cuda_graphs, expert_rows=expert_rows,
+                         frozen=frozen)
 
 
 def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
@@ -476,5 +507,7 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     if fused := fused_group_count(graph):
         warnings.warn(f"{fused} {FUSED_AS_MEMBERS}", stacklevel=3)
     layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record,
-                        cuda_graphs=cuda_graphs, expert_rows=expert_rows)
-    return layer
+                        cuda_graphs=cuda_graphs, expert_rows=expert_rows,
+                        frozen=frozen_sources(module.named_parameters()))
+    layer.train_only = train_only_settings(module)
+    return layer.train(module.training)          # the source's mode: eval stays eval

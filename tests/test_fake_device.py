@@ -573,12 +573,12 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     monkeypatch.setattr(model_mod, "replica_batch", lambda rows, n_, dp_, what: (_RANK.rank, n, rows // dp))
     monkeypatch.setattr(model_mod, "add_edges", functools.partial(add_edges, embed_grad=EmbedGrad(embed_grad)))
 
-    def build_layer(graph, plan, full, *, rank, n, timeout_s, emulate, record):
+    def build_layer(graph, plan, full, *, rank, n, timeout_s, emulate, record, frozen=frozenset()):
         comm = shared.for_rank(rank)
         comm.mp_group = None
         layout = Layout(n, dp, rank)
         return CompiledLayer(graph, plan, full, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                             record=record, layout=layout)
+                             record=record, layout=layout, frozen=frozen)
     monkeypatch.setattr(model_mod, "build_layer", build_layer)
     compiled = []
     for r in range(n * dp):

@@ -300,3 +300,64 @@ def test_deepseek_v3_yarn_rope_is_named():
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
     layer, _ = workers.deepseek_v3_layer(0, rope_parameters=yarn)
     assert lowering_error(layer) == "self_attn (DeepseekV3Attention): rope_type 'yarn' is not supported (only 'default')"
+
+
+def test_an_attention_kernel_registered_in_the_attention_interface_is_named():
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def tripled_attention(module, q, k, v, mask, **kw):      # any non-standard kernel
+        out, w = sdpa_attention_forward(module, q, k, v, mask, **kw)
+        return out * 3.0, w
+    AttentionInterface.register("moegraph_test_tripled", tripled_attention)
+    layer = mixtral()
+    layer.self_attn.config._attn_implementation = "moegraph_test_tripled"
+    text = lowering_error(layer)
+    assert re.search(r"self_attn \(MixtralAttention\): attn_implementation='moegraph_test_tripled' runs "
+                     r".*tripled_attention, which the compiler does not model", text), text
+    layer = mixtral()
+    layer.self_attn.config._attn_implementation = "flex_attention"      # a kernel whose math is not checked here
+    assert "attn_implementation='flex_attention'" in lowering_error(layer)
+    for impl in ("eager", "sdpa"):                                         # the modelled ones still lower
+        layer.self_attn.config._attn_implementation = impl
+        trace_module(layer, STRATEGY, batch=1, seq=16)
+
+
+def test_a_forward_replaced_on_the_instance_is_named():
+    layer = mixtral()
+    original = layer.mlp.forward
+    layer.mlp.forward = lambda h: 50 * original(h)          # a monkeypatched MoE block
+    assert re.search(r"'mlp' \(MixtralSparseMoeBlock\)\.forward is replaced on the instance \(.*<lambda>\)",
+                     lowering_error(layer))
+    layer = mixtral()
+    layer.forward = lambda h, **kw: h                        # the layer itself (fx reads the class's forward)
+    assert "the compiled MixtralDecoderLayer.forward is replaced on the instance" in lowering_error(layer)
+
+
+def test_a_class_level_forward_swap_is_named(monkeypatch):
+    def zero_centred(self, h):                               # a Liger/unsloth-style kernel swap
+        v = h.float().pow(2).mean(-1, keepdim=True)
+        return (h.float() * torch.rsqrt(v + self.variance_epsilon)).to(h.dtype) * (self.weight + 1)
+    monkeypatch.setattr(hf.MixtralRMSNorm, "forward", zero_centred)
+    assert re.search(r"'input_layernorm' \(MixtralRMSNorm\): .*MixtralRMSNorm\.forward is replaced by "
+                     r".*zero_centred \(a class-level patch\)", lowering_error(mixtral()))
+
+
+@pytest.mark.parametrize("register, kind", [
+    (lambda m: m.mlp.register_forward_hook(lambda mod, inp, out: out), "'mlp' (MixtralSparseMoeBlock) has a forward hook"),
+    (lambda m: m.post_attention_layernorm.register_forward_pre_hook(lambda mod, inp: inp),
+     "'post_attention_layernorm' (MixtralRMSNorm) has a forward pre hook"),
+    (lambda m: m.self_attn.o_proj.register_full_backward_hook(lambda mod, gi, go: None),
+     "'self_attn.o_proj' (Linear) has a backward hook"),
+    (lambda m: m.register_forward_hook(lambda mod, inp, out: out), "the compiled MixtralDecoderLayer has a forward hook"),
+    (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda mod, inp, out: out),
+     "a global module forward hook is registered"),
+])
+def test_module_hooks_are_named(register, kind):
+    layer = mixtral()
+    handle = register(layer)
+    try:
+        assert kind in lowering_error(layer)
+    finally:
+        handle.remove()
+    trace_module(layer, STRATEGY, batch=1, seq=16)           # removed: it lowers

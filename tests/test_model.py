@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import model_workers as workers
-from helpers import RANK_BATCH, max_grad_err, rel_err
+from helpers import RANK_BATCH, max_grad_err, rel_err, small_layer
 import moegraph
 from moegraph.lowering import LoweringError
 from moegraph.runtime import RuntimeFailure
@@ -256,3 +256,76 @@ def test_one_rank_family_causal_lm_loss_and_grads_match_eager(family, rng):
     assert set(grads) == set(expected)
     name, err = max_grad_err(grads, expected)
     assert err < TOL, (name, err)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_frozen_parameters_stay_frozen_and_the_rest_trains_as_eager(rng):
+    """requires_grad=False before compile (the embedding, a router) survives: one AdamW step leaves
+    the frozen parameters unchanged and moves the others as eager's step does."""
+    model = workers.mixtral_model(int(torch.randint(0, 2**30, (1,), generator=rng)), 2)
+    ids = torch.randint(0, workers.VOCAB, (2, 16), generator=rng)
+    frozen = {"model.embed_tokens.weight", "model.layers.1.mlp.gate.weight"}
+    for k in frozen:
+        model.get_parameter(k).requires_grad_(False)
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert sum(not p.requires_grad for p in compiled.parameters()) == len(frozen)
+    for m in (model, compiled):
+        opt = torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+        m(ids, labels=ids).loss.backward()
+        opt.step()
+    got, ref = compiled.full_state_dict(), model.state_dict()
+    for k in frozen:
+        assert torch.equal(got[k], model.get_parameter(k)), k
+    name, err = max_grad_err(got, {k: v for k, v in ref.items() if k in dict(model.named_parameters())})
+    assert err < TOL, (name, err)
+
+
+def test_frozen_layer_router_stays_frozen_and_a_half_frozen_fused_parameter_is_refused():
+    layer = small_layer(1)
+    layer.moe.router.weight.requires_grad_(False)
+    x = torch.randn(2, 8, 64)
+    compiled = moegraph.compile(layer, x, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert [k for k, p in compiled.named_shards() if not p.requires_grad] == ["router.weight"]
+    compiled(compiled.shard_input(x)).sum().backward()
+    assert compiled.shard("router.weight").grad is None and compiled.shard("w1").grad is not None
+    layer.attn.q_proj.weight.requires_grad_(False)       # q, k, v fuse into one qkv shard
+    with pytest.raises(ValueError, match=r"'qkv.weight' is fused from attn.q_proj.weight, .* only "
+                                         r"attn.q_proj.weight has requires_grad=False"):
+        moegraph.compile(layer, x, hardware="cpu-gloo", schedule="greedy", passes="")
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_a_hook_or_patched_forward_outside_the_layers_is_named():
+    model = workers.mixtral_model(0, 2)
+    # transformers' own output-capturing hooks (installed by this forward, kept) only observe: accepted
+    model(torch.randint(0, workers.VOCAB, (1, 16)), output_hidden_states=True, output_router_logits=True)
+    handle = model.lm_head.register_forward_hook(lambda mod, inp, out: out * 5)   # a logit temperature hook
+    with pytest.raises(LoweringError, match=r"'lm_head' \(Linear\) has a forward hook"):
+        _trace(model)
+    handle.remove()
+    model.model.embed_tokens.forward = lambda ids: 2 * nn.Embedding.forward(model.model.embed_tokens, ids)
+    with pytest.raises(LoweringError, match=r"'model.embed_tokens' \(Embedding\).forward is replaced on the instance"):
+        _trace(model)
+    del model.model.embed_tokens.forward
+    _trace(model)
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_compiled_in_eval_with_dropout_refuses_train_mode():
+    """Compiled in eval() with attention_dropout > 0 (accepted: no dropout there), the compiled
+    module keeps eval mode and refuses .train(), as compiling in train mode does; without dropout
+    .train() is fine."""
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    model = workers.mixtral_model(0, 2, attention_dropout=0.5).eval()
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert not compiled.training
+    with pytest.raises(LoweringError, match=r"model.layers.0.self_attn.attention_dropout=0.5, .*only in "
+                                            r"training mode.*compiled in eval mode"):
+        compiled.train()
+    compiled.eval()
+    layer = model.model.layers[0]
+    compiled_layer = moegraph.compile(layer, torch.randn(2, 16, 32), hardware="cpu-gloo", schedule="greedy", passes="")
+    with pytest.raises(LoweringError, match=r"self_attn.attention_dropout=0.5"):
+        compiled_layer.train()
+    plain = moegraph.compile(workers.mixtral_model(0, 2), ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert plain.training and plain.eval().train().training

@@ -14,6 +14,8 @@ Never silently wrong: a rule stands for the exact class it was registered for.
     the experts) must be exactly the registered types.
   * After lowering, the tracer checks that every parameter and buffer of the layer reached
     the graph (``ParamSource`` names), unless a rule declares it ``unused`` with a reason.
+  * Before tracing, ``check_patches_and_hooks`` refuses what the rules cannot see: a replaced
+    ``forward`` (instance attribute or class-level swap) and module hooks.
 
 Whole causal language models plug in with ``register_model``: a model rule recognises the
 model's parts (embedding, decoder-layer list, final norm, LM head) by exact class and exact
@@ -101,6 +103,70 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
                                 f"describe it; register a rule for {cls.__name__}")
         return rule
     return None
+
+
+def check_patches_and_hooks(root: nn.Module) -> None:
+    """Raise naming the first module of ``root`` (the layer or model being compiled) whose
+    behaviour its rules do not see: the compiled graph is built from rules and parameters, so a
+    replaced forward (on the instance, or a class-level swap: a function the class's own module
+    did not define, as kernel-swapping libraries install) and module hooks (forward, pre-forward,
+    backward; per module or global) would be dropped silently."""
+    from torch.nn.modules import module as torch_module
+    for kind in ("forward_pre_hooks", "forward_hooks", "backward_pre_hooks", "backward_hooks"):
+        if getattr(torch_module, f"_global_{kind}", None):
+            raise LoweringError(f"a global module {kind[:-1].replace('_', ' ')} is registered (torch.nn.modules.module."
+                                f"register_module_{kind[:-1]}): the compiled model would not run it; remove it "
+                                "before compiling")
+    for qualname, m in root.named_modules():
+        where = f"{qualname!r} ({type(m).__name__})" if qualname else f"the compiled {type(m).__name__}"
+        for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
+            hooks = [h for h in getattr(m, kind, {}).values() if not _observes_only(h)]
+            if hooks:
+                raise LoweringError(f"{where} has a {kind[1:-1].replace('_', ' ')} "
+                                    f"({_function_name(hooks[0])}): the compiled model would not run it; remove it "
+                                    "(handle.remove()) before compiling, or apply it to the compiled module's output")
+        if "forward" in m.__dict__:
+            raise LoweringError(f"{where}.forward is replaced on the instance ({_function_name(m.__dict__['forward'])}): "
+                                "the compiler lowers the class's forward; delete the instance attribute, or subclass "
+                                "and register a rule")
+        owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
+        fn = owner.__dict__["forward"]
+        if owner is not nn.Module and (getattr(fn, "__module__", None) != owner.__module__
+                                       or getattr(fn, "__qualname__", None) != f"{owner.__qualname__}.forward"):
+            raise LoweringError(f"{where}: {owner.__module__}.{owner.__qualname__}.forward is replaced by "
+                                f"{_function_name(fn)} (a class-level patch): the lowering rule describes the original "
+                                "forward; undo the patch before compiling")
+
+
+TRAIN_ONLY_ATTRS = ("attention_dropout", "jitter_noise")     # transformers' attention dropout, router jitter
+
+
+def train_only_settings(root: nn.Module) -> tuple[str, ...]:
+    """``qualname.attr=value`` for each nonzero setting of ``root`` that acts only in training mode
+    (dropout, router jitter): the rules refuse them in training mode, so a module compiled in
+    eval mode with one must refuse ``.train()`` too (the compiled graph never applies them)."""
+    found = []
+    for qualname, m in root.named_modules():
+        prefix = f"{qualname}." if qualname else ""
+        if isinstance(m, nn.Dropout) and m.p > 0:
+            found.append(f"{qualname or type(m).__name__} (Dropout p={m.p})")
+        for attr in TRAIN_ONLY_ATTRS:
+            value = getattr(m, attr, 0)
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                found.append(f"{prefix}{attr}={value}")
+    return tuple(found)
+
+
+def _observes_only(hook: object) -> bool:
+    """transformers' output-capturing hook (installed for good by the first forward asking for
+    output_hidden_states / output_attentions / router logits): it only appends outputs to a
+    collector active inside the original's forward and returns None, so it changes nothing."""
+    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
+            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
+
+
+def _function_name(fn: object) -> str:
+    return f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
 
 
 class ModelOutput(enum.Enum):

@@ -43,6 +43,27 @@ def check_attention(module: nn.Module, qualname: str, head_dim: int | None = Non
         raise LoweringError(f"{qualname}.scaling={module.scaling}: only the q/k head dim {head_dim}**-0.5 is supported")
     if not module.is_causal:
         raise LoweringError(f"{qualname}.is_causal=False: only causal attention is supported")
+    check_attention_kernel(module, qualname)
+
+
+def check_attention_kernel(module: nn.Module, qualname: str) -> None:
+    """The attention function the module's forward dispatches to (``config._attn_implementation``
+    through transformers' AttentionInterface) must be one whose math the ATTENTION op reproduces:
+    the family's own ``eager_attention_forward`` or transformers' ``sdpa_attention_forward``
+    (checked by identity, so a kernel registered under either name is caught too)."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = module.config._attn_implementation
+    own = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    fn = ALL_ATTENTION_FUNCTIONS.get(impl, own)     # as the forward's get_interface(impl, eager_attention_forward)
+    eager = (getattr(fn, "__module__", None) == type(module).__module__
+             and getattr(fn, "__qualname__", None) == "eager_attention_forward")
+    if fn is not sdpa_attention_forward and not eager:
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', fn)}"
+        raise LoweringError(f"{qualname} ({type(module).__name__}): attn_implementation={impl!r} runs {name}, which "
+                            "the compiler does not model; only 'eager' and 'sdpa' (transformers' own functions) are "
+                            "supported: load the model with attn_implementation='sdpa' (or "
+                            "model.set_attn_implementation('sdpa'))")
 
 
 def qkv_bias(module: nn.Module, qualname: str) -> tuple[ParamSource, ParamSource, ParamSource] | None:
