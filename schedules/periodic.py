@@ -26,9 +26,11 @@ warm start).
 A model step's edges (``moegraph.edges``: nodes with attr ``edge``, no layer) take a window of
 their own: the eager norm and head compute runs one node after another between the last
 forward window and the first backward window (its forward nodes, then its backward ones, which
-make the layers' seed), each at full SMs; the edges' collectives (and the embedding gradient's
-compute, which follows layer 0's backward) run after the last backward window, one after
-another, each collective alone. CP-SAT then moves them under the layers' backward.
+make the layers' seed), each at full SMs, and the forward-phase edge collectives (the router aux
+loss's stats all-reduces, ``edges.aux.*``) run there too, each alone; the other edges'
+collectives (and the embedding gradient's compute, which follows layer 0's backward) run after
+the last backward window, one after another, each collective alone. CP-SAT then moves them
+under the layers' backward.
 
 Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.

@@ -69,7 +69,8 @@ def n2dp2(rank_results):
 
 
 def _assert_matches(r: dict) -> None:
-    assert r["loss"] < TOL and r["aux"] < TOL, r
+    # merged steps (aux None): the aux loss is checked inside each micro-batch's loss (coef 1.0)
+    assert r["loss"] < TOL and (r["aux"] is None or r["aux"] < TOL), r
     assert r["grads"] < TOL, r
 
 

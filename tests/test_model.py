@@ -311,6 +311,25 @@ def test_a_hook_or_patched_forward_outside_the_layers_is_named():
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_gradient_checkpointing_enabled_model_compiles_and_matches_eager():
+    """gradient_checkpointing_enable() installs transformers' make_inputs_require_grads forward
+    hook on the input embedding (it only marks the embedding output as requiring grad): the hook
+    guard must accept it, and the compiled model must match the eager checkpointed one."""
+    model = workers.mixtral_model(0, 2)
+    model.gradient_checkpointing_enable()
+    assert model.model.embed_tokens._forward_hooks           # the hook the guard must let through
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    ref = model(ids, labels=ids)
+    ref.loss.backward()
+    got = compiled(ids, labels=ids)
+    got.loss.backward()
+    assert rel_err(got.loss.detach(), ref.loss.detach()) < 1e-5
+    full = compiled.full_grads()
+    assert max(rel_err(full[k], p.grad) for k, p in model.named_parameters()) < 1e-5
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 def test_compiled_in_eval_with_dropout_refuses_train_mode():
     """Compiled in eval() with attention_dropout > 0 (accepted: no dropout there), the compiled
     module keeps eval mode and refuses .train(), as compiling in train mode does; without dropout

@@ -25,6 +25,14 @@ def _run(argv, capsys) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
+def test_run_train_steps_refuses_a_registry_aux_loss_before_any_work(tmp_path, capsys):
+    path = tmp_path / "tiny2aux.yaml"
+    path.write_text(TINY2 + "router_aux_loss_coef: 0.02\n")
+    assert main(["run", "--model", str(path), "--train-steps", "1", *COMMON]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "router_aux_loss_coef=0.02" in err[0] and "set it to 0" in err[0]
+
+
 def test_run_train_steps_check_matches_eager(tiny2, capsys):
     r = _run(["run", "--model", tiny2, "--layers", "all", "--train-steps", "3", "--vocab", "64", "--check", *COMMON],
              capsys)

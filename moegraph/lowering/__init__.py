@@ -124,7 +124,8 @@ def check_patches_and_hooks(root: nn.Module) -> None:
             if hooks:
                 raise LoweringError(f"{where} has a {kind[1:-1].replace('_', ' ')} "
                                     f"({_function_name(hooks[0])}): the compiled model would not run it; remove it "
-                                    "(handle.remove()) before compiling, or apply it to the compiled module's output")
+                                    "(handle.remove(), or the library call that added it) before compiling, or apply it to the "
+                                    "compiled module's output")
         if "forward" in m.__dict__:
             raise LoweringError(f"{where}.forward is replaced on the instance ({_function_name(m.__dict__['forward'])}): "
                                 "the compiler lowers the class's forward; delete the instance attribute, or subclass "
@@ -157,12 +158,23 @@ def train_only_settings(root: nn.Module) -> tuple[str, ...]:
     return tuple(found)
 
 
+# transformers' hooks that change nothing the compiled model computes, by (module, qualname suffix):
+#   output_capturing_hook      installed for good by the first forward asking for output_hidden_states /
+#                              output_attentions / router logits: it only appends outputs to a collector
+#                              active inside the original's forward and returns None;
+#   make_inputs_require_grads  installed on the input embedding by enable_input_require_grads (which
+#                              gradient_checkpointing_enable and peft's k-bit preparation call): it marks
+#                              the embedding output as requiring grad so that checkpointed layers behind
+#                              a frozen embedding still get gradients; the compiled layers get theirs
+#                              whatever the embedding's flag
+_HARMLESS_HOOKS = (("transformers.utils.output_capturing", ".output_capturing_hook"),
+                   ("transformers.modeling_utils", "enable_input_require_grads.<locals>.make_inputs_require_grads"))
+
+
 def _observes_only(hook: object) -> bool:
-    """transformers' output-capturing hook (installed for good by the first forward asking for
-    output_hidden_states / output_attentions / router logits): it only appends outputs to a
-    collector active inside the original's forward and returns None, so it changes nothing."""
-    return (getattr(hook, "__module__", None) == "transformers.utils.output_capturing"
-            and getattr(hook, "__qualname__", "").endswith(".output_capturing_hook"))
+    """Whether ``hook`` is one of transformers' hooks in _HARMLESS_HOOKS."""
+    module, qualname = getattr(hook, "__module__", None), getattr(hook, "__qualname__", "")
+    return any(module == m and qualname.endswith(q) for m, q in _HARMLESS_HOOKS)
 
 
 def _function_name(fn: object) -> str:
