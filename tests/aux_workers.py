@@ -131,7 +131,8 @@ def merged_step(rank: int, world: int, case: dict) -> dict:
     errs = {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()}
     worst = max(errs, key=errs.get)
     return {"loss": max(rel_err(torch.tensor(float(a)), torch.tensor(b)) for a, b in zip(got, expected)),
-            "aux": None, "grads": errs[worst],   # train_step returns each loss with coef*aux in it "worst": worst, "routers": _routers(compiled),
+            # aux None: train_step returns each micro-batch's loss with coef*aux in it, checked as "loss"
+            "aux": None, "grads": errs[worst], "worst": worst, "routers": _routers(compiled),
             "router_grads": max(e for k, e in errs.items() if ".gate." in k),
             "edge_nodes": sorted({e.name.split(".", 1)[1] for e in compiled.layers.plan.entries
                                   if ".edges.aux" in e.name})}
