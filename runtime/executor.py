@@ -205,16 +205,17 @@ class Executor:
                                  "CompiledModel's backward passes edges.embed.scatter's)")
 
     def forward(self, x: torch.Tensor, params: Sequence[torch.Tensor], *, keep_saved: bool = True,
-                recorder: StepRecorder | None = None) -> tuple[torch.Tensor, dict[str, Any]]:
+                recorder: StepRecorder | None = None, also_keep: frozenset[str] = frozenset()
+                ) -> tuple[torch.Tensor, dict[str, Any]]:
         """Run the forward entries on this rank's input shard [b, s/n, h]; return the output shard
-        and the values backward reads (empty when ``keep_saved`` is False)."""
+        and the values backward reads (empty when ``keep_saved`` is False), plus ``also_keep``."""
         self._refuse_merged("forward")
         expected = self.graph.value[self.input_name].shape
         if tuple(x.shape) != expected:
             raise ValueError(f"input shard has shape {tuple(x.shape)}, the graph expects {expected} "
                              f"(this rank's sequence shard [b, s/n, h] with n={self.n})")
         inputs = {self.input_name: x, **dict(zip(self.param_names, params))}
-        keep = (self.saved if keep_saved else frozenset()) | {self.output_name}
+        keep = (self.saved if keep_saved else frozenset()) | {self.output_name} | also_keep
         env = self._run(self.fwd, inputs, self._release_fwd, recorder, keep)
         y = env.pop(self.output_name)
         return y, env

@@ -457,11 +457,8 @@ class CompiledModel(nn.Module):
                                             *self.layers.params())
         else:
             x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
-            if self.edges.aux_stats:                        # the plan's forward keeps the aux stats
-                y, saved = self.layers.executor.forward(x, self.layers.params())
-                aux = self._aux_value(saved)
-            else:
-                y = self.layers(x)
+            y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
+            aux = self._aux_value(kept)
             out = rms_norm(y, self.norm, self.spec.norm.eps)                   # [b, s/n, h]
             if self.lm_head is not None:
                 out = F.linear(out, self.lm_head)                               # [b, s/n, V]

@@ -204,13 +204,20 @@ class CompiledLayer(nn.Module):
                                  "forwards and backwards interleave: call train_step(xs, dys) with one input and "
                                  "one seed gradient per micro-batch, not forward")
         params = self.params()
-        self._check_input(x, params)
         if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)):
+            self._check_input(x, params)
             return ScheduledLayerFunction.apply(self, x, *params)
+        return self.forward_only(x)[0]
+
+    def forward_only(self, x: torch.Tensor, keep: Sequence[str] = ()) -> tuple[torch.Tensor, dict[str, Any]]:
+        """The forward alone (no backward will follow: nothing saved for it), recorded as a step;
+        returns the output shard and the forward values named in ``keep`` (e.g. the aux stats)."""
+        params = self.params()
+        self._check_input(x, params)
         rec = self._new_recorder()
-        y, _ = self.executor.forward(x, params, keep_saved=False, recorder=rec)
+        y, kept = self.executor.forward(x, params, keep_saved=False, recorder=rec, also_keep=frozenset(keep))
         self._keep(rec)
-        return y
+        return y, kept
 
     def _check_input(self, x: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
         """The call's activation against what the layer was compiled for: a tensor of the compiled

@@ -65,7 +65,6 @@ class CompileResult:
         return self.schedule.summary["method"]
 
 
-
 def strategy_label(s: Strategy) -> str:
     return (f"attn={s.attn} ffn={s.ffn} dispatch={s.dispatch} n={s.n} chunks={s.chunks} remat={s.remat} "
             f"dtype={s.dtype}")

@@ -71,7 +71,6 @@ def _ps(t: float) -> int:
     return round(t * 1e6)
 
 
-
 @dataclass(frozen=True)
 class Verdict:
     """What ``verify`` found in one file: its origin, the violations, and the checks skipped

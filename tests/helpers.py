@@ -83,8 +83,10 @@ class RankBatch:
     size not run yet, in registration order; each test still checks its own case's results. A
     case runs as it would in a spawn of its own: same ``fn(rank, n, *args)``, same process group,
     torch's global generator reset to a fresh process's seed. Each case's per-rank result is
-    written to a folder as soon as it returns, so a crash, or a hang past the timeout, fails the
-    case that caused it with its own traceback and the cases after it with a message naming why."""
+    written to a folder as soon as it returns, so a crash, or a hang past the batch's timeout (the
+    sum of its cases' ``timeout_s``: a hang is noticed only then, not after the hanging case's own
+    share), fails the case that caused it with its own traceback and the cases after it with a
+    message naming why. ``pytest -k`` selecting one of them still runs the whole batch."""
 
     def __init__(self) -> None:
         self._pending: dict[int, dict[str, tuple]] = {}       # n -> {name: (fn, make_args, timeout_s)}

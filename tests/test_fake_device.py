@@ -7,6 +7,7 @@ must equal the same run on CPU.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import threading
 
 import pytest
@@ -459,7 +460,7 @@ def test_fake_device_partial_embed_scatter():
     model = _tiny_lm("ref")
     ((ids, _),) = _lm_data(9)
     compiled = _compile_lm(model, ids)
-    compiled.spec = __import__("dataclasses").replace(compiled.spec, padding_idx=int(ids[0, 0]))
+    compiled.spec = dataclasses.replace(compiled.spec, padding_idx=int(ids[0, 0]))
     gen = torch.Generator().manual_seed(3)
     rows = torch.randn(*ids.shape, compiled.embed.shape[1], generator=gen)
     prev = torch.randn(*compiled.embed.shape, generator=gen)

@@ -124,12 +124,14 @@ def check_patches_and_hooks(root: nn.Module) -> None:
             if hooks:
                 raise LoweringError(f"{where} has a {kind[1:-1].replace('_', ' ')} "
                                     f"({_function_name(hooks[0])}): the compiled model would not run it; remove it "
-                                    "(handle.remove(), or the library call that added it) before compiling, or apply it to the "
-                                    "compiled module's output")
+                                    "(handle.remove(), or the library call that added it) before compiling, or apply "
+                                    "it to the compiled module's output")
         if "forward" in m.__dict__:
+            # accelerate's add_hook_to_module wraps forward on the instance and marks it with _hf_hook
+            undo = ("accelerate.hooks.remove_hook_from_module(model, recurse=True)" if hasattr(m, "_hf_hook")
+                    else "delete the instance attribute, or subclass and register a rule")
             raise LoweringError(f"{where}.forward is replaced on the instance ({_function_name(m.__dict__['forward'])}): "
-                                "the compiler lowers the class's forward; delete the instance attribute, or subclass "
-                                "and register a rule")
+                                f"the compiler lowers the class's forward; {undo}")
         owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
         fn = owner.__dict__["forward"]
         if owner is not nn.Module and (getattr(fn, "__module__", None) != owner.__module__
