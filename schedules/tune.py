@@ -290,13 +290,18 @@ def _rank_key(row: dict):
             row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row.get("fused", False))
 
 
+def _row_label(row: dict, n: int) -> str:
+    """A ranked row's strategy label (column-aligned, as the table prints it), " fused" when fused."""
+    return (Strategy(row["attn"], row["ffn"], row["dispatch"], n, chunks=row["chunks"], remat=row["remat"]).label()
+            + (" fused" if row.get("fused") else ""))
+
+
 def pick_line(best: dict, n: int) -> str:
     """The pick in one line: the candidate (or why the baseline was kept) and its prediction."""
     if best.get("kept_baseline"):
         return best["kept_baseline"]
-    name = " ".join(Strategy(best["attn"], best["ffn"], best["dispatch"], n, chunks=best["chunks"],
-                             remat=best["remat"]).label().split())
-    return (f"{name}{' fused' if best.get('fused') else ''} ({best['scheduler']}), predicted "
+    name = " ".join(_row_label(best, n).split())
+    return (f"{name} ({best['scheduler']}), predicted "
             f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the tp+tp sequential baseline")
 
 
@@ -306,8 +311,7 @@ def format_table(res: dict) -> str:
              f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
              f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
     for i, r in enumerate(res["candidates"], 1):
-        name = Strategy(r["attn"], r["ffn"], r["dispatch"], res["n"], chunks=r["chunks"], remat=r["remat"]).label() \
-            + (" fused" if r.get("fused") else "")
+        name = _row_label(r, res["n"])
         if r["feasible"]:
             lines.append(f"{i:>3} {name:<40} {r['scheduler']:<6} {r['predicted_us']:>12.1f} "
                          f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
