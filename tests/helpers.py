@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -157,3 +158,9 @@ def run_batch(rank: int, n: int, cases: list[tuple], folder: str) -> None:
 
 
 RANK_BATCH = RankBatch()
+
+
+def fresh_seed() -> int:
+    """A seed drawn anew on every run (from os.urandom, not torch's seeded generator), so repeated
+    runs cover other data; tests pass it to their cases, whose failure messages name it."""
+    return int.from_bytes(os.urandom(3), "little")

@@ -7,12 +7,11 @@ divided by dp, and AdamW training must follow eager training step for step.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 
 import dp_workers
-from helpers import RANK_BATCH
+from helpers import RANK_BATCH, fresh_seed
 
 N, DP = 2, 2
 TOL = 1e-5
@@ -30,15 +29,12 @@ CASES = [
 ]
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(2), "little")
-
 
 ADAMW_CASE = dict(attn="sp", ffn="ep", dispatch="ag-rs", passes="sar=paper,gate-reorder")
 
 
 # Runs in the suite's shared 4-rank spawn (helpers.RankBatch): starting 4 ranks on 2 cores costs seconds.
-DP_CASES = RANK_BATCH.add(N * DP, "dp.grads_then_adamw", dp_workers.grads_then_adamw, CASES, ADAMW_CASE, _seed(), N,
+DP_CASES = RANK_BATCH.add(N * DP, "dp.grads_then_adamw", dp_workers.grads_then_adamw, CASES, ADAMW_CASE, fresh_seed(), N,
                           timeout_s=600)
 
 

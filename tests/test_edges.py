@@ -5,12 +5,11 @@ executes from the plan. Small graphs and 2 gloo ranks."""
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 
 import edges_workers as workers
-from helpers import RANK_BATCH
+from helpers import RANK_BATCH, fresh_seed
 from moegraph.cost import CostModel
 from moegraph.edges import add_edges, edge_values
 from moegraph.ir import GraphError, Strategy
@@ -23,18 +22,15 @@ HAS_HF = importlib.util.find_spec("transformers") is not None
 SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
-
 
 # The rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch): starting
 # ranks costs more than these checks.
-EDGE_GRADS = RANK_BATCH.add(2, "edges.edge_grad_checks", workers.edge_grad_checks, _seed())
-BASE_MODEL = (RANK_BATCH.add(2, "edges.base_model_grad_checks", workers.base_model_grad_checks, _seed())
+EDGE_GRADS = RANK_BATCH.add(2, "edges.edge_grad_checks", workers.edge_grad_checks, fresh_seed())
+BASE_MODEL = (RANK_BATCH.add(2, "edges.base_model_grad_checks", workers.base_model_grad_checks, fresh_seed())
               if HAS_HF else None)
-DP_BF16 = RANK_BATCH.add(4, "edges.dp_bf16_edge_grads", workers.dp_bf16_edge_grads, _seed(), 2)
-PARTIAL = RANK_BATCH.add(4, "edges.partial_embed_grads", workers.partial_embed_grads, _seed(), 2)
-PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embed_padding, _seed(), 2)
+DP_BF16 = RANK_BATCH.add(4, "edges.dp_bf16_edge_grads", workers.dp_bf16_edge_grads, fresh_seed(), 2)
+PARTIAL = RANK_BATCH.add(4, "edges.partial_embed_grads", workers.partial_embed_grads, fresh_seed(), 2)
+PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embed_padding, fresh_seed(), 2)
            if HAS_HF else None)
 
 

@@ -8,13 +8,12 @@ AdamW steps follow eager's, also on n=2 x dp=2 ranks; bad input is refused by na
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 
 import model_workers as workers
-from helpers import RANK_BATCH
+from helpers import RANK_BATCH, fresh_seed
 import moegraph
 from moegraph.runtime import RuntimeFailure
 from runtime_workers import reference_layer
@@ -34,14 +33,11 @@ def _id(case: dict) -> str:
 ALL = CASES + HF_CASES
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
-
 
 # The rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch).
 N2 = RANK_BATCH.add(2, "microbatch_model.mb_train_cases", workers.mb_train_cases,
-                    CASES + (HF_CASES if HAS_HF else []), _seed(), timeout_s=600)
-DP2 = {b: RANK_BATCH.add(4, f"microbatch_model.mb_dp_case-b{b}", workers.mb_dp_case, _seed(), 2, 2, b, timeout_s=600)
+                    CASES + (HF_CASES if HAS_HF else []), fresh_seed(), timeout_s=600)
+DP2 = {b: RANK_BATCH.add(4, f"microbatch_model.mb_dp_case-b{b}", workers.mb_dp_case, fresh_seed(), 2, 2, b, timeout_s=600)
        for b in (1, 2)}
 
 

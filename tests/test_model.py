@@ -7,14 +7,13 @@ each case is reported as its own test. Fresh random weights and data every run.
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
 from torch import nn
 
 import model_workers as workers
-from helpers import RANK_BATCH, max_grad_err, rel_err, small_layer
+from helpers import RANK_BATCH, fresh_seed, max_grad_err, rel_err, small_layer
 import moegraph
 from moegraph.lowering import LoweringError
 from moegraph.runtime import RuntimeFailure
@@ -35,9 +34,6 @@ ALL = CASES + HF_CASES
 SP = Strategy("sp", "ep", "ag-rs", 1, dtype="fp32")
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
-
 
 def _id(case: dict) -> str:
     return "-".join([case["model"], f"L{case['layers']}", case["attn"], case["ffn"], case["passes"] or "nopasses",
@@ -46,7 +42,7 @@ def _id(case: dict) -> str:
 
 # Both rank functions run in the suite's shared 2- and 4-rank spawns (helpers.RankBatch).
 N2 = RANK_BATCH.add(2, "model.model_checks", workers.model_checks, CASES + (HF_CASES if HAS_HF else []),
-                    ["ref", "hf"] if HAS_HF else ["ref"], _seed(), timeout_s=600)
+                    ["ref", "hf"] if HAS_HF else ["ref"], fresh_seed(), timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +92,7 @@ DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
 
 
 N2DP2 = RANK_BATCH.add(4, "model.dp_cases", workers.dp_cases, [c for c in DP_CASES if c["model"] == "ref" or HAS_HF],
-                       _seed(), 2, timeout_s=600)
+                       fresh_seed(), 2, timeout_s=600)
 
 
 @pytest.fixture(scope="module")

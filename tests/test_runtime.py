@@ -8,13 +8,12 @@ test. Fresh random weights and inputs every run (the seed comes from os.urandom)
 from __future__ import annotations
 
 import importlib
-import os
 import time
 
 import pytest
 
 import runtime_workers as workers
-from helpers import RANK_BATCH
+from helpers import RANK_BATCH, fresh_seed
 from moegraph.runtime import CollectiveTimeout, RankFailure, RuntimeFailure, ScheduleMismatch
 from moegraph.runtime.launch import spawn
 
@@ -56,17 +55,14 @@ N4_CASES = ([_case(*c) for c in COMBOS]
 FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
 
 
-def _seed() -> int:
-    return int.from_bytes(os.urandom(3), "little")
-
 
 # The rank functions that must succeed run in the suite's shared 2- and 4-rank spawns
 # (helpers.RankBatch): starting ranks costs more than most of these checks.
-N2 = RANK_BATCH.add(2, "runtime.check_cases", workers.check_cases, N2_CASES + [FAULT], _seed(), timeout_s=600)
-N4 = RANK_BATCH.add(4, "runtime.check_cases", workers.check_cases, N4_CASES, _seed(), timeout_s=900)
-LIVE_BYTES = RANK_BATCH.add(2, "runtime.live_tensor_bytes_over_steps", workers.live_tensor_bytes_over_steps, _seed(),
+N2 = RANK_BATCH.add(2, "runtime.check_cases", workers.check_cases, N2_CASES + [FAULT], fresh_seed(), timeout_s=600)
+N4 = RANK_BATCH.add(4, "runtime.check_cases", workers.check_cases, N4_CASES, fresh_seed(), timeout_s=900)
+LIVE_BYTES = RANK_BATCH.add(2, "runtime.live_tensor_bytes_over_steps", workers.live_tensor_bytes_over_steps, fresh_seed(),
                             (2, 12), timeout_s=120)
-BESIDE = RANK_BATCH.add(2, "runtime.compute_beside_collectives", workers.compute_beside_collectives, _seed(),
+BESIDE = RANK_BATCH.add(2, "runtime.compute_beside_collectives", workers.compute_beside_collectives, fresh_seed(),
                         timeout_s=180)
 
 
@@ -129,7 +125,7 @@ def test_the_check_catches_a_wrong_collective(n2_results):
 def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        spawn(workers.mismatched_plans, 2, args=(_seed(),), timeout_s=120)
+        spawn(workers.mismatched_plans, 2, args=(fresh_seed(),), timeout_s=120)
     assert time.monotonic() - t0 < 90
     err = info.value
     assert err.error_type == ScheduleMismatch.__name__
@@ -140,7 +136,7 @@ def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
 def test_a_stuck_collective_times_out_naming_the_node():
     t0 = time.monotonic()
     with pytest.raises(RankFailure) as info:
-        spawn(workers.stalled_rank, 2, args=(_seed(), "ffn_rs", 2.0), timeout_s=120)
+        spawn(workers.stalled_rank, 2, args=(fresh_seed(), "ffn_rs", 2.0), timeout_s=120)
     assert time.monotonic() - t0 < 90
     err = info.value
     assert err.rank == 0 and err.error_type == CollectiveTimeout.__name__
