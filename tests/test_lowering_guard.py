@@ -5,6 +5,7 @@ names the class, parameter or attribute.
 Each case below compiled and ran before with 1-89% output error and no error at all.
 """
 
+import functools
 import re
 
 import pytest
@@ -14,7 +15,7 @@ from torch import nn
 
 from helpers import small_layer
 from moegraph.ir import ParamSource, Strategy
-from moegraph.lowering import LoweringError, register
+from moegraph.lowering import LoweringError, check_patches_and_hooks, register
 from moegraph.lowering.blocks import MoESpec, NormSpec
 from moegraph.models import MoE, RMSNorm
 from moegraph.tracer import trace_module
@@ -341,6 +342,26 @@ def test_a_class_level_forward_swap_is_named(monkeypatch):
     monkeypatch.setattr(hf.MixtralRMSNorm, "forward", zero_centred)
     assert re.search(r"'input_layernorm' \(MixtralRMSNorm\): .*MixtralRMSNorm\.forward is replaced by "
                      r".*zero_centred \(a class-level patch\)", lowering_error(mixtral()))
+
+
+def test_a_class_level_swap_disguised_by_functools_wraps_is_named(monkeypatch):
+    original = hf.MixtralSparseMoeBlock.forward
+
+    @functools.wraps(original)                               # copies __module__, __qualname__, __wrapped__
+    def doubled(self, h):
+        return 2 * original(self, h)
+    monkeypatch.setattr(hf.MixtralSparseMoeBlock, "forward", doubled)
+    assert re.search(r"'mlp' \(MixtralSparseMoeBlock\): .*MixtralSparseMoeBlock\.forward is replaced by "
+                     r".*\(a class-level patch\)", lowering_error(mixtral()))
+
+
+def test_transformers_own_forward_decorators_pass_the_guard():
+    """MixtralForCausalLM (can_return_tuple), MixtralModel (two wrappers), the decoder layer
+    (checkpointing wrapper) and the rotary embedding (torch.no_grad over dynamic_rope_update)
+    all keep transformers' decorators on the class's forward: none is a patch."""
+    config = MixtralConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                              num_attention_heads=2, num_key_value_heads=1, num_local_experts=2)
+    check_patches_and_hooks(hf.MixtralForCausalLM(config))
 
 
 @pytest.mark.parametrize("register, kind", [

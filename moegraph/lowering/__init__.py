@@ -26,6 +26,8 @@ model is never traced as a whole: its decoder layers are lowered with the layer 
 from __future__ import annotations
 
 import enum
+import os
+import sys
 from dataclasses import dataclass, field
 from typing import Callable, Mapping
 
@@ -134,8 +136,7 @@ def check_patches_and_hooks(root: nn.Module) -> None:
                                 f"the compiler lowers the class's forward; {undo}")
         owner = next(c for c in type(m).__mro__ if "forward" in c.__dict__)
         fn = owner.__dict__["forward"]
-        if owner is not nn.Module and (getattr(fn, "__module__", None) != owner.__module__
-                                       or getattr(fn, "__qualname__", None) != f"{owner.__qualname__}.forward"):
+        if owner is not nn.Module and not _is_original_forward(owner, fn):
             raise LoweringError(f"{where}: {owner.__module__}.{owner.__qualname__}.forward is replaced by "
                                 f"{_function_name(fn)} (a class-level patch): the lowering rule describes the original "
                                 "forward; undo the patch before compiling")
@@ -177,6 +178,26 @@ def _observes_only(hook: object) -> bool:
     """Whether ``hook`` is one of transformers' hooks in _HARMLESS_HOOKS."""
     module, qualname = getattr(hook, "__module__", None), getattr(hook, "__qualname__", "")
     return any(module == m and qualname.endswith(q) for m, q in _HARMLESS_HOOKS)
+
+
+def _is_original_forward(owner: type, fn: object) -> bool:
+    """Whether ``fn``, found as ``owner.forward``, is the forward ``owner``'s own class body
+    defined, possibly under decorators from torch or transformers (``can_return_tuple``, the
+    checkpointing wrapper, ``torch.no_grad``). The names alone do not tell: ``functools.wraps``
+    copies ``__module__`` and ``__qualname__`` onto a patch, so the test reads each function's code
+    object, which it cannot copy, along the ``__wrapped__`` chain."""
+    libraries = [sys.modules.get(name) for name in ("torch", "transformers")]
+    library_dirs = tuple(os.path.dirname(lib.__file__) + os.sep for lib in libraries if lib is not None)
+    source = getattr(sys.modules.get(owner.__module__), "__file__", None)
+    while True:
+        code, inner = getattr(fn, "__code__", None), getattr(fn, "__wrapped__", None)
+        if code is None:
+            return False
+        if code.co_qualname == f"{owner.__qualname__}.forward" and source in (None, code.co_filename):
+            return inner is None
+        if inner is None or not code.co_filename.startswith(library_dirs):
+            return False
+        fn = inner
 
 
 def _function_name(fn: object) -> str:
