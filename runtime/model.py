@@ -436,10 +436,19 @@ class CompiledModel(nn.Module):
                 raise TypeError(f"got {name!r} both by position and by name")
             kwargs[name] = value
         labels, attention_mask = kwargs.pop("labels", None), kwargs.pop("attention_mask", None)
-        other = sorted(k for k, v in kwargs.items() if v is not None and not (k == "use_cache" and v is False))
+        # switches of the original's forward, accepted when they ask for what the compiled model does
+        does = {"use_cache": False, "output_attentions": False, "output_hidden_states": False, "return_dict": True,
+                "logits_to_keep": 0, "output_router_logits": bool(self.edges.aux_stats)}
+        for name, value in kwargs.items():
+            if name in does and value is not None and (not isinstance(value, (bool, int)) or value != does[name]):
+                raise ValueError(f"{name}={value!r}: the model was compiled to run as {name}={does[name]!r} "
+                                 + ("(compile it from a config with the same output_router_logits)"
+                                    if name == "output_router_logits" else "(pass it so, or leave it out)"))
+        other = sorted(k for k, v in kwargs.items() if v is not None and k not in does)
         if other:
             raise ValueError(f"argument(s) {', '.join(other)} are not supported by the compiled model "
-                             "(only input_ids, labels and an all-ones attention_mask)")
+                             "(only input_ids, labels, an all-ones attention_mask and "
+                             f"{', '.join(f'{k}={v!r}' for k, v in does.items())})")
         if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
             raise ValueError("labels given, but the compiled model is a base model without an LM head")
         if tuple(input_ids.shape) != (self.dp * self.batch, self.seq):

@@ -135,6 +135,12 @@ def test_one_rank_logits_and_base_model_match_eager(rng):
         compiled(ids, attention_mask=torch.zeros_like(ids))
     with pytest.raises(ValueError, match="position_ids are not supported"):
         compiled(ids, position_ids=torch.arange(16)[None])
+    with torch.no_grad():                   # the original's switches, as compiled: accepted
+        got = compiled(ids, use_cache=False, output_attentions=False, output_router_logits=False).logits
+    assert rel_err(got, ref) < TOL
+    with pytest.raises(ValueError, match=r"^output_hidden_states=True: the model was compiled to run as "
+                                         r"output_hidden_states=False"):
+        compiled(ids, output_hidden_states=True)
     with pytest.raises(ValueError, match=r"input_ids has shape \(2, 8\)"):
         compiled(ids[:, :8])
     with pytest.raises(ValueError, match=r"MoETransformer is a whole model: example_inputs must be its token ids"):
