@@ -223,7 +223,8 @@ class MoE(nn.Module):
         self.w3 = nn.Parameter(torch.empty(experts, ffn_hidden, hidden))   # up projection
         self.w2 = nn.Parameter(torch.empty(experts, hidden, ffn_hidden))   # down projection
         for w in (self.w1, self.w3, self.w2):
-            nn.init.normal_(w, std=hidden ** -0.5)
+            if w.device.type != "meta":      # meta has no values; its normal_ would import torch._dynamo (~1.8 s)
+                nn.init.normal_(w, std=hidden ** -0.5)
         self.shared = SharedExpert(hidden, shared_ffn_hidden, shared_gate) if shared_ffn_hidden else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -289,6 +289,7 @@ def find_model_rule(model: nn.Module) -> ModelRule:
     _load_families()
     rule = _MODEL_RULES.get(type(model))
     if rule is None:
+        _load_families(every=True)
         cls = type(model)
         known = ", ".join(sorted(t.__name__ for t in _MODEL_RULES))
         raise LoweringError(f"the model ({cls.__module__}.{cls.__name__}) has no model rule: only these causal LMs "
@@ -321,13 +322,16 @@ def _type_name(obj: object) -> str:
     return "missing" if obj is None else type(obj).__name__
 
 
-def _load_families() -> None:
-    """Import the built-in rule files once; families whose library is missing are skipped."""
+def _load_families(*, every: bool = False) -> None:
+    """Import the built-in rule files: the reference family's always, transformers' families once
+    transformers is imported (before that no module can be one of its classes, so compiling a
+    native model does not pay their 2-3 s import) or when ``every`` rule must be listed. Families
+    whose library is missing are skipped."""
     global _FAMILIES_LOADED
-    if _FAMILIES_LOADED:
+    from moegraph.lowering import reference  # noqa: F401
+    if _FAMILIES_LOADED or not (every or "transformers" in sys.modules):
         return
     _FAMILIES_LOADED = True
-    from moegraph.lowering import reference  # noqa: F401
     try:
         from moegraph.lowering import hf_deepseek_v3, hf_mixtral, hf_olmoe, hf_qwen2_moe  # noqa: F401
     except ImportError:          # transformers not installed: its modules simply have no rule
