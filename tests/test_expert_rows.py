@@ -15,7 +15,6 @@ import torch
 
 import comm_workers
 import test_fake_device as tfd
-from test_fake_device import one_thread  # noqa: F401 - autouse: one torch thread per rank thread
 from helpers import eager_step, rel_err, small_layer
 from moegraph import kernels
 from moegraph.commands import DEFAULT_PASSES
@@ -25,6 +24,8 @@ from moegraph.kernels import IndexMap, build_index_map, padded_rows_extra_bytes
 from moegraph.passes import run_pipeline
 from moegraph.runtime.module import CompiledLayer, make_plan
 from moegraph.tracer import trace_module
+
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: one torch thread per rank thread
 
 B, S, H = 2, 16, 64
 TOL = 1e-5

@@ -42,12 +42,7 @@ GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
           (("sp", "ep", "a2a", 1), "gate-reorder,sar=paper", "deepseek_v3")]   # mla_heads
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread
 
 
 def build(attn, ffn, dispatch, dp, spec, family="ref", n=2, seed=0):

@@ -31,12 +31,7 @@ COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
           for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)         # tiny tensors: one thread is fastest on a busy 2-core machine
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread
 
 
 def check(layer, call, strategy, rng, passes=""):

@@ -29,14 +29,7 @@ B, S, H = 2, 16, 64
 COST = CostModel(load_hardware("h800"))
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These tensors are tiny: one intra-op thread is fastest, and on a busy 2-core machine two
-    threads spin against other processes (20x slower measured)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread
 
 
 def setup(n, attn, ffn, dispatch, rng, dp=1):

@@ -7,7 +7,6 @@ test. Fresh random weights and inputs every run (the seed comes from os.urandom)
 
 from __future__ import annotations
 
-import importlib
 import time
 
 import pytest
@@ -20,7 +19,6 @@ from moegraph.runtime.launch import spawn
 TOL = 1e-5
 COMBOS = [(attn, ffn, dispatch) for attn in ("tp", "sp")
           for ffn, dispatch in (("ep", "a2a"), ("ep", "ag-rs"), ("tp", "ag-rs"))]
-HAS_PASSES = hasattr(importlib.import_module("moegraph.passes"), "run_pipeline")
 
 
 def _case(attn, ffn, dispatch, **kw):
@@ -40,7 +38,7 @@ PASS_CASES = [
     _case("tp", "tp", "ag-rs", passes="chunk=2"),
     _case("sp", "ep", "ag-rs", passes="sar=paper,gate-reorder,chunk=2"),
     _case("tp", "tp", "ag-rs", passes="compress=tp-fp8", reference="interpreter"),   # lossy on purpose
-] if HAS_PASSES else []
+]
 
 N2_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "ag-rs", schedule="sequential"),
@@ -51,7 +49,7 @@ N2_CASES = ([_case(*c) for c in COMBOS]
             + PASS_CASES)
 N4_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "a2a", model="hf")]
-            + ([_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")] if HAS_PASSES else []))
+            + [_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")])
 FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
 
 
@@ -109,7 +107,6 @@ def test_ranks_agree_on_the_check(n2_ranks):
                 assert r[key] == ref[key], f"{case}: rank {rank} {key}={r[key]!r}, rank 0 {ref[key]!r}"
 
 
-@pytest.mark.skipif(not HAS_PASSES, reason="passes package not available")
 def test_pass_cases_really_rewrite_the_graph(n2_results):
     assert n2_results[_id(PASS_CASES[0])]["recompute_nodes"] > 0           # sar adds recompute nodes
     chunked = n2_results[_id(PASS_CASES[3])]["comm_nodes"]

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import pytest
 
 from moegraph.cli import main
-
-HAS_SCHEDULER = importlib.util.find_spec("moegraph.schedules.api") is not None
-
 
 def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     out = tmp_path / "measured.json"
@@ -60,7 +56,6 @@ def test_the_traced_step_is_a_median_step_and_the_report_names_it():
     assert "trace of step 2 (259.467 ms, the median step)" in format_report(report)
 
 
-@pytest.mark.skipif(not HAS_SCHEDULER, reason="moegraph.schedules.api (CP-SAT scheduler) not available yet")
 def test_run_with_the_cpsat_schedule(capsys):
     assert main(["run", "--n", "2", "--steps", "1", "--schedule", "cpsat", "--time-limit", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
