@@ -42,9 +42,6 @@ def traced(models, pipelines, hw_name, n, seq, strategies=STRATEGIES, layers=1):
     from moegraph.ir import Strategy
     from moegraph.registry import load_hardware, load_model
     from moegraph.tracer import trace_model
-    import moegraph.passes.compress  # noqa: F401  (registers passes)
-    import moegraph.passes.sar  # noqa: F401
-    import moegraph.passes.strategy  # noqa: F401
     from moegraph.passes.manager import run_pipeline
     cost = CostModel(load_hardware(hw_name))
     for model in models:

@@ -246,22 +246,6 @@ def chrome_trace(traces: Sequence[StepTrace], graph: Graph | None = None) -> dic
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
-def median_trace(traces: Sequence[StepTrace]) -> StepTrace:
-    """Per node, the median start and end over steps (one rank's steps)."""
-    if not traces:
-        raise ValueError("no step traces to summarise")
-    first = traces[0]
-    by = [t.by_name() for t in traces]
-    nodes = []
-    for t in first.nodes:
-        starts = [b[t.name].start_us for b in by if t.name in b]
-        ends = [b[t.name].end_us for b in by if t.name in b]
-        nodes.append(NodeTiming(t.name, t.stream, t.sm_budget, t.phase, statistics.median(starts),
-                                statistics.median(ends)))
-    bwd = [t.backward_start_us for t in traces if t.backward_start_us is not None]
-    return StepTrace(first.rank, first.device, tuple(nodes), (), statistics.median(bwd) if bwd else None)
-
-
 def compare_prediction(plan: Any, traces: Sequence[StepTrace], step_us: float | None = None) -> dict[str, Any]:
     """Per node and in total: the plan's predicted duration against the median measured one.
 
