@@ -218,6 +218,16 @@ def op_class(node: Node) -> str:
 _CLASS_EFF = {"gemm": "gemm_eff", "grouped_gemm": "grouped_gemm_eff", "attention": "attention_eff", "memory": None}
 
 
+def collective_scope(node: Node, gpus_per_node: int) -> Scope:
+    """Which link a collective crosses: node attr "scope", else intra iff its group fits in one
+    node of ``gpus_per_node`` GPUs. The cost model prices that link; the scheduler gives it its
+    stream."""
+    scope = node.attr("scope", "intra" if node.group <= gpus_per_node else "inter")
+    if scope not in ("intra", "inter"):
+        raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
+    return scope
+
+
 class CostModel:
     """Prices IR nodes on ``hw``. Pure: the same node and budget always give the same time."""
 
@@ -351,12 +361,8 @@ class CostModel:
         return value
 
     def scope(self, node: Node) -> Scope:
-        """Which link a collective crosses: node attr "scope", else intra iff its group fits
-        in one node."""
-        scope = node.attr("scope", "intra" if node.group <= self.hw.gpus_per_node else "inter")
-        if scope not in ("intra", "inter"):
-            raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
-        return scope
+        """Which link a collective crosses on this profile (``collective_scope``)."""
+        return collective_scope(node, self.hw.gpus_per_node)
 
     def ring_eff(self, scope: Scope) -> float:
         """The scalar ring (all-gather, reduce-scatter, all-reduce) efficiency on ``scope``'s link."""

@@ -47,7 +47,8 @@ from ortools.sat.python import cp_model
 
 from moegraph.schedules.bound import Bound, heads_tails, lower_bound
 from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
-from moegraph.schedules.solution import Solution, canonical_chunk_order, settle_alone, solution_ends
+from moegraph.schedules.solution import (Solution, barrier_ticks, canonical_chunk_order, makespan_ticks, settle_alone,
+                                        solution_ends)
 
 __all__ = ["CpHandles", "CpSatResult", "Held", "SolverOptions", "build_model", "solve", "min_peak_memory", "staged_solve",
            "sub_problem",
@@ -362,8 +363,7 @@ def _max_of(m: cp_model.CpModel, var: cp_model.IntVar, consts: list[int], name: 
 def _add_hint(problem: Problem, h: CpHandles, sol: Solution) -> None:
     m, tasks = h.model, problem.tasks
     ends = solution_ends(problem, sol)
-    span = max(ends, default=0)
-    barrier = max((ends[t.index] for t in tasks if t.side == 0), default=0)
+    span, barrier = makespan_ticks(problem, sol), barrier_ticks(problem, sol)
     for t in tasks:
         v = h.tasks[t.name]
         m.add_hint(v.start, sol.start[t.index])
@@ -505,8 +505,7 @@ def _solve_by_sides(problem: Problem, opts: SolverOptions, hint: Solution | None
     time). So makespan = forward span + backward span, each minimised on its own: two models of
     about half the size, far easier for CP-SAT than one. Forward gets its share of the effort
     (``_forward_share``), backward the rest."""
-    ends = solution_ends(problem, hint) if hint is not None else None
-    barrier = max((ends[t.index] for t in problem.tasks if t.side == 0), default=0) if ends else 0
+    barrier = barrier_ticks(problem, hint) if hint is not None else 0
     n = len(problem.tasks)
     start, mode = [0] * n, [0] * n
     subs = []

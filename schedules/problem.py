@@ -46,7 +46,7 @@ import math
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from moegraph.cost import CostModel
+from moegraph.cost import CostModel, collective_scope
 from moegraph.registry import Hardware
 
 from moegraph.ir import Graph, Node, Phase, ValueKind
@@ -54,7 +54,7 @@ from moegraph.microbatch import micro_batch_count, micro_batch_of
 
 __all__ = ["TICK_US", "COMPUTE", "DEFAULT_COMM_STREAMS", "DP_STREAM", "is_dp_inter", "ScheduleError",
            "MemoryBudgetError", "Mode", "Task", "MemValue", "Problem", "build_problem", "barrier_preds", "remat_anchors", "REMAT_LOOKAHEAD",
-           "comm_scope", "stream_of", "chunk_symmetry", "topological", "mode_duration_us"]
+           "stream_of", "chunk_symmetry", "topological", "mode_duration_us"]
 
 TICK_US = 0.01
 """One CP-SAT time unit: 10 ns. Kernels last microseconds, so rounding up costs < 0.5%."""
@@ -211,20 +211,10 @@ def to_ticks(duration_us: float) -> int:
     return max(0, math.ceil(duration_us / TICK_US - 1e-9))
 
 
-def comm_scope(node: Node, hw: Hardware) -> str:
-    """'intra' or 'inter': the node's ``scope`` attr, else intra iff the group fits one node
-    (the rule moegraph.cost uses to pick the link)."""
-    default = "intra" if node.group <= hw.gpus_per_node else "inter"
-    scope = node.attr("scope", default)
-    if scope not in ("intra", "inter"):
-        raise ScheduleError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
-    return scope
-
-
 def is_dp_inter(node: Node, hw: Hardware) -> bool:
     """An inter-node stage of the data-parallel gradient sync: a collective across replicas
     (attr axis="dp") on the NIC (scope "inter")."""
-    return node.is_comm and node.attr("axis", None) == "dp" and comm_scope(node, hw) == "inter"
+    return node.is_comm and node.attr("axis", None) == "dp" and collective_scope(node, hw.gpus_per_node) == "inter"
 
 
 def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
@@ -234,7 +224,7 @@ def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
         return DP_STREAM
     if len(comm_streams) == 1:
         return comm_streams[0]
-    return f"comm.{comm_scope(node, hw)}"
+    return f"comm.{collective_scope(node, hw.gpus_per_node)}"
 
 
 def _check_streams(comm_streams: Sequence[str]) -> tuple[str, ...]:
