@@ -132,11 +132,8 @@ def resolve_layers(layers: int | str, model: ModelConfig) -> int:
 # -- trace ---------------------------------------------------------------------------------
 
 def forward_comm_bytes(graph: Graph) -> dict[str, int]:
-    out = {"attention": 0, "ffn": 0}
-    for n in graph.nodes:
-        if n.is_comm and n.phase is Phase.FORWARD:
-            out[n.block] += n.comm_bytes
-    return out
+    """Per block, the bytes the forward's collectives move per rank (the paper's Table 2 terms)."""
+    return {block: graph.forward_comm_bytes(block) for block in ("attention", "ffn")}
 
 
 def trace_summary(layer: Layer) -> dict[str, Any]:

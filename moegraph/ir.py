@@ -274,6 +274,18 @@ Dispatch = Literal["a2a", "ag-rs"]
 """Token dispatch: all-to-all, or all-gather + reduce-scatter (the only one under ffn='tp')."""
 ActDtype = Literal["bf16", "fp32"]
 """Activation dtype."""
+
+
+def valid_dispatches(ffn: Ffn) -> tuple[Dispatch, ...]:
+    """The dispatches an FFN parallelism admits: tensor-parallel experts see every token, so
+    only ag-rs; expert parallelism either."""
+    if ffn == "ep":
+        return ("a2a", "ag-rs")
+    if ffn == "tp":
+        return ("ag-rs",)
+    raise ValueError(f"ffn={ffn!r} is not one of 'tp', 'ep'")
+
+
 Gate = Literal["after-fc2", "before-fc2"]
 """Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
 Remat = Literal["none", "paper", "budget"]
@@ -342,7 +354,7 @@ class Strategy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        if self.ffn == "tp" and self.dispatch == "a2a":
+        if self.ffn in typing.get_args(Ffn) and self.dispatch not in valid_dispatches(self.ffn):
             problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
                             "dispatch='ag-rs')")
         budget = self.remat_budget
@@ -445,6 +457,10 @@ class Graph:
         """Bytes of forward activations held for backward (views excluded)."""
         return sum(self.value[v].storage_bytes for v in self.saved
                    if self.value[v].kind is ValueKind.ACTIVATION)
+
+    def forward_comm_bytes(self, block: str) -> int:
+        """Bytes the forward's collectives of ``block`` ("attention", "ffn") move per rank."""
+        return sum(n.comm_bytes for n in self.nodes if n.is_comm and n.phase is Phase.FORWARD and n.block == block)
 
     def nodes_in(self, phase: Phase) -> tuple[Node, ...]:
         return tuple(n for n in self.nodes if n.phase is phase)

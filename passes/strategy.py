@@ -14,7 +14,7 @@ import dataclasses
 import typing
 
 from moegraph.cost import CostModel
-from moegraph.ir import Gate, Graph, Phase, Strategy, verify
+from moegraph.ir import Gate, Graph, Strategy, valid_dispatches, verify
 from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
 from moegraph.passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
@@ -79,7 +79,7 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
 
     def run(graph: Graph) -> PassResult:
         require_unrewritten(graph, me)
-        valid = ("a2a", "ag-rs") if graph.strategy.ffn == "ep" else ("ag-rs",)
+        valid = valid_dispatches(graph.strategy.ffn)
         if choice != "auto" and choice not in valid:
             raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
         lowered = {c: graph if c == graph.strategy.dispatch else relower(graph, dispatch=c)
@@ -88,13 +88,9 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         chosen = min(predicted, key=predicted.get) if choice == "auto" else choice
         new = lowered[chosen]
         report = {"chosen": chosen, "predicted_us": predicted, "estimate": "serial forward+backward",
-                  "ffn_forward_comm_bytes": {c: _ffn_forward_comm_bytes(g) for c, g in lowered.items()}}
+                  "ffn_forward_comm_bytes": {c: g.forward_comm_bytes("ffn") for c, g in lowered.items()}}
         return PassResult(record(new, me, dispatch=chosen), not same_computation(graph, new), report)
     return run
-
-
-def _ffn_forward_comm_bytes(graph: Graph) -> int:
-    return sum(n.comm_bytes for n in graph.nodes if n.is_comm and n.phase is Phase.FORWARD and n.block == "ffn")
 
 
 @register("chunk", stage=2, valid="auto (the default), or a chunk count N >= 1 dividing s/n", relowers=True)
