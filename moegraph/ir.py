@@ -458,6 +458,16 @@ class Graph:
         return sum(self.value[v].storage_bytes for v in self.saved
                    if self.value[v].kind is ValueKind.ACTIVATION)
 
+    def base_of(self, name: str) -> str:
+        """The value holding ``name``'s storage: itself, or the end of its chain of views."""
+        seen = set()
+        while (alias := self.value[name].alias_of) is not None:
+            if name in seen:
+                raise GraphError(f"value {name!r} is a view of itself (an alias cycle)")
+            seen.add(name)
+            name = alias
+        return name
+
     def forward_comm_bytes(self, block: str) -> int:
         """Bytes the forward's collectives of ``block`` ("attention", "ffn") move per rank."""
         return sum(n.comm_bytes for n in self.nodes if n.is_comm and n.phase is Phase.FORWARD and n.block == block)
@@ -528,6 +538,8 @@ def verify(graph: Graph) -> Graph:
     for v in graph.values:
         if v.alias_of is not None and v.alias_of not in known:
             raise GraphError(f"value {v.name!r} is a view of unknown value {v.alias_of!r}")
+    for v in graph.values:
+        graph.base_of(v.name)            # raises on an alias cycle
     return graph
 
 

@@ -452,24 +452,14 @@ def remat_anchors(graph: Graph) -> dict[str, tuple[str, ...]]:
     return out
 
 
-def _base(graph: Graph, name: str) -> str:
-    seen = set()
-    while graph.value[name].alias_of is not None:
-        if name in seen:
-            raise ScheduleError(f"value {name!r} is a view of itself (alias cycle)")
-        seen.add(name)
-        name = graph.value[name].alias_of
-    return name
-
-
 def _mem_values(graph: Graph, index: dict[str, int]) -> tuple[MemValue, ...]:
     """Live intervals of counted values. A view keeps its base alive: consumers of the view
     (and outputs that are views) extend the base's interval."""
     ends: dict[str, set[int]] = {}
-    output_bases = {_base(graph, o) for o in graph.outputs}
+    output_bases = {graph.base_of(o) for o in graph.outputs}
     for node in graph.nodes:
         for v in node.inputs:
-            ends.setdefault(_base(graph, v), set()).add(index[node.name])
+            ends.setdefault(graph.base_of(v), set()).add(index[node.name])
     graph_inputs = set(graph.inputs)
     seed_start = "zero" if micro_batch_count(graph) > 1 else "barrier"
     out = []

@@ -148,3 +148,12 @@ def test_strategy_round_trips_through_its_dict():
     from moegraph.ir import ConfigError
     with pytest.raises(ConfigError, match="^strategy: unknown field 'chunk'; valid: "):
         Strategy.from_dict(s.as_dict() | {"chunk": 2})
+
+
+def test_an_alias_cycle_is_named(graph):
+    # qkv holds q's storage; a qkv that is also a view of q would leave neither holding any:
+    # memory accounting would follow the views for ever (or count none)
+    values = tuple(dataclasses.replace(v, alias_of="q") if v.name == "qkv" else v for v in graph.values)
+    with pytest.raises(GraphError, match=r"value '(q|qkv)' is a view of itself \(an alias cycle\)"):
+        verify(dataclasses.replace(graph, values=values))
+    assert graph.base_of("q") == "qkv" and graph.base_of("qkv") == "qkv"
