@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+from moegraph.canonical import canonical_json
 from moegraph.edges import EDGES, is_edge
 from moegraph.ir import LAYER_ATTR
 
@@ -77,10 +78,6 @@ def plain(v: Any, where: str = "value") -> Any:
             raise ScheduleFormatError(f"{where}: {v!r} cannot be written to JSON")
         return v
     raise ScheduleFormatError(f"{where}: {type(v).__name__} {v!r} cannot be written to JSON")
-
-
-def canonical_json(obj: Any) -> str:
-    return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
 
 @dataclass(frozen=True)

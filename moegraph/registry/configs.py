@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from moegraph.canonical import canonical_json
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
                                       MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
@@ -41,8 +41,7 @@ class _Record:
 
     def fingerprint(self) -> str:
         """sha256 of canonical JSON (sorted keys, no whitespace): a cache key stable across runs."""
-        blob = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
-        return hashlib.sha256(blob.encode()).hexdigest()
+        return hashlib.sha256(canonical_json(self.to_dict()).encode()).hexdigest()
 
 
 # --- models --------------------------------------------------------------------------------------
