@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from moegraph.builder import ConfigError, GraphBuilder
-from moegraph.ir import Node, OpKind, Phase, Role, ValueKind
+from moegraph.ir import Node, OpKind, Phase, Role, ValueKind, bad_choice
 
 GRAD = ValueKind.GRAD
 
@@ -206,16 +206,19 @@ def _rmsnorm(g, node, grads):
 
 
 def _split(g, node, grads):
-    if node.attr("mode", "split") == "concat":
+    mode = node.attr("mode")
+    if mode == "concat":
         # chunks written into one buffer: the gradient is the same buffer cut back into chunks
         (dy,) = grads
         dparts = tuple(_grad_value(g, x) for x in node.inputs)
         _bwd(g, node, "dgrad", OpKind.SPLIT, (dy,), dparts)
         return dparts
-    (qkv,) = node.inputs
-    dqkv = _grad_value(g, qkv)
-    _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
-    return (dqkv,)
+    if mode == "split":
+        (qkv,) = node.inputs
+        dqkv = _grad_value(g, qkv)
+        _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
+        return (dqkv,)
+    raise bad_choice(node)
 
 
 def _rope(g, node, grads):

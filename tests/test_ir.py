@@ -1,10 +1,11 @@
 """verify() rejects malformed graphs and names the bad node."""
 
 import dataclasses
+import re
 
 import pytest
 
-from moegraph.ir import GraphError, Node, OpKind, Phase, Strategy, verify
+from moegraph.ir import GraphError, Node, OpKind, Phase, Strategy, freeze_attrs, verify
 from moegraph.registry import load_model
 from moegraph.tracer import trace_model
 
@@ -57,6 +58,24 @@ def test_duplicate_node_is_named(graph):
     extra = Node("fc1", OpKind.ADD, Phase.FORWARD, ("hidden", "hidden"), ("ffn_out",))
     with pytest.raises(GraphError, match=r"node 'fc1' is declared twice"):
         verify(dataclasses.replace(graph, nodes=graph.nodes + (extra,)))
+
+
+@pytest.mark.parametrize("name, key, bad, valid", [
+    ("qkv_split", "mode", None, "'split', 'concat'"),
+    ("qkv_split.dgrad", "mode", "concatenate", "'split', 'concat'"),
+    ("dispatch_scatter", "index", None, "'token', 'slot'"),
+    ("dispatch_scatter.dgrad", "index", "row", "'token', 'slot'"),
+    ("router", "scoring", None, "'softmax', 'sigmoid'"),
+    ("router.wgrad", "scoring", "tanh", "'softmax', 'sigmoid'"),
+])
+def test_an_attribute_that_picks_the_kernel_is_present_and_valid(graph, name, key, bad, valid):
+    """SPLIT's mode, PERMUTE's index and ROUTER's scoring decide what the kernel computes: a node
+    without one, or with an unknown value, is refused by name (no kernel default is run)."""
+    node = graph.node[name]
+    attrs = {k: v for k, v in node.attrs if k != key} | ({} if bad is None else {key: bad})
+    with pytest.raises(GraphError, match=rf"node '{re.escape(name)}' \({node.op.value}/{node.role.value}\): "
+                                         rf"{key}={bad!r} is not one of {valid}"):
+        verify(replace_node(graph, name, attrs=freeze_attrs(attrs)))
 
 
 def test_backward_is_explicit_with_separate_weight_gradients(graph):
