@@ -15,6 +15,7 @@ import moegraph
 from helpers import eager_step, max_grad_err, rel_err, small_layer
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
+from moegraph.microbatch import merge_microbatches
 from moegraph.registry import load_hardware
 from moegraph.tracer import trace_module
 from moegraph.runtime import PlanError, RuntimeFailure
@@ -124,6 +125,33 @@ def test_single_rank_matches_eager(schedule, rng):
     assert err < 1e-5, f"gradient of {name}: {err:.2e}"
     with torch.no_grad():                                      # inference path: nothing kept for backward
         assert rel_err(compiled(x), y_ref) < 1e-5
+
+
+def test_a_missing_input_gradient_is_an_error_naming_it_not_a_zero(rng, monkeypatch):
+    """Were the plan or its release lists ever to lose the input gradient, backward would return
+    None, which autograd reads as zero: the executor names the value and its node instead."""
+    from moegraph.runtime.executor import Executor
+    graph = trace_module(small_layer(1), Strategy("sp", "ep", "ag-rs", 1, dtype="fp32"), batch=2, seq=16)
+    ex = Executor(graph, ExecutionPlan.sequential(graph), None, rank=0, n=1, device=torch.device("cpu"))
+    params = [torch.randn(graph.value[p].shape, generator=rng) for p in ex.param_names]
+    y, saved = ex.forward(torch.randn(2, 16, 64, generator=rng), params)
+    dx, _ = ex.backward(saved, torch.randn_like(y), params)
+    assert dx is not None and dx.shape == (2, 16, 64)
+    run = ex._run
+    monkeypatch.setattr(ex, "_run", lambda *a, **k: {v: t for v, t in run(*a, **k).items() if v != ex.input_grad_name})
+    with pytest.raises(RuntimeError, match=rf"input gradient '{ex.input_grad_name}' \(made by node "
+                                           rf"'{graph.producer[ex.input_grad_name].name}'\) is missing after the run"):
+        ex.backward(saved, torch.randn_like(y), params)
+    # a merged step of two micro-batches (Executor.step): micro-batch 1's input gradient
+    merged = merge_microbatches(graph, 2)
+    ex = Executor(merged, ExecutionPlan.sequential(merged), None, rank=0, n=1, device=torch.device("cpu"))
+    xs, dys = [torch.randn(2, 16, 64, generator=rng) for _ in range(2)], [torch.randn(2, 16, 64) for _ in range(2)]
+    assert all(dx is not None for dx in ex.step(xs, dys, params)[1])
+    lost = ex.boundaries[1][3]
+    run = ex._run
+    monkeypatch.setattr(ex, "_run", lambda *a, **k: {v: t for v, t in run(*a, **k).items() if v != lost})
+    with pytest.raises(RuntimeError, match=rf"micro-batch 1's input gradient '{lost}' \(made by node "):
+        ex.step(xs, dys, params)
 
 
 def test_gradients_accumulate_like_autograd(rng):
