@@ -50,6 +50,11 @@ def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next")
             d = _accumulate(g, inp, pending.pop(inp, []))
             if d is not None:
                 g.outputs.append(d)
+        elif pending.get(inp):
+            # a routing (or gradient) input a VJP rule differentiates: no output would carry it
+            raise NotImplementedError(f"graph input {inp!r} ({kind.value}) receives a gradient from "
+                                      f"{', '.join(map(repr, pending[inp]))}: only parameters and activation "
+                                      "inputs are differentiated")
     g.outputs.extend(g.grads.values())
 
 
@@ -360,9 +365,12 @@ def _all_to_all(g, node, grads):
             # dispatch: gradients of the expert rows go home, split by what each rank received
             recv = node.outputs[1] if node.attr("emit_map", False) else _recv_map_of(g, node)
             ins, direction = (grads[0], recv), "from_experts"
-        else:
+        elif node.attr("direction") == "from_experts":
             # combine: gradients go back to the experts, split by the original send map
             ins, direction = (grads[0], _send_map_of(g, node), node.inputs[1]), "to_experts"
+        else:
+            raise NotImplementedError(f"no backward rule for token all_to_all direction {node.attr('direction')!r} "
+                                      f"(node {node.name!r}); valid: 'to_experts', 'from_experts'")
         dpayload = _grad_value(g, node.inputs[0])
         _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, ins, (dpayload,), comm_bytes=node.comm_bytes,
              attrs={"direction": direction, "emit_map": False})

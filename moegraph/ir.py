@@ -510,7 +510,7 @@ def verify(graph: Graph) -> Graph:
     each value produced once and never a graph input too; comm nodes carry a group size > 1
     dividing nothing illegal; compute nodes carry none; outputs/saved/params/grads refer to
     existing values; forward nodes read no gradients; views point at existing values; the
-    attributes in CHOICE_ATTRS are present and valid.
+    attributes in CHOICE_ATTRS are present and valid; an all-reduce sums (no ``reduce`` but "sum").
     Returns the graph so it can be chained.
     """
     names = [v.name for v in graph.values]
@@ -573,6 +573,9 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
         raise GraphError(f"{where} derives from unknown forward node {node.forward_of!r}")
     if min(node.flops, node.mem_bytes, node.comm_bytes) < 0:
         raise GraphError(f"{where} has a negative cost field")
+    if node.op is OpKind.ALL_REDUCE and node.attr("reduce", "sum") != "sum":
+        raise GraphError(f"{where} has reduce={node.attr('reduce')!r}: an all-reduce only sums (a mean is "
+                         "modelled for reduce-scatters only)")
     choice = CHOICE_ATTRS.get((node.op, node.role))
     if choice is not None and node.attr(choice[0], None) not in choice[1]:
         raise bad_choice(node)

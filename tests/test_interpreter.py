@@ -1,5 +1,7 @@
 """The reference interpreter reproduces the eager module, forward and backward, on n simulated ranks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -70,3 +72,19 @@ def test_a_kernel_switch_ends_in_an_error_naming_the_node(op, role, key, ins, va
 def _index_map():
     from moegraph.kernels import build_index_map
     return build_index_map(torch.tensor([[0, 1], [2, 0]]), "all", 3, 0, 1)
+
+
+def test_an_averaging_all_reduce_is_refused_by_both_backends():
+    """ALL_REDUCE sums; reduce="mean" (which REDUCE_SCATTER honours) is refused, not ignored."""
+    from moegraph.interpreter import run_collective
+    from moegraph.ir import Node, OpKind, Phase, freeze_attrs
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.collectives import Comm
+    ins = [[torch.ones(2)], [3 * torch.ones(2)]]
+    node = Node("ar", OpKind.ALL_REDUCE, Phase.FORWARD, ("x",), ("y",), group=2)
+    assert [r[0].tolist() for r in run_collective(node, ins)] == [[4.0, 4.0], [4.0, 4.0]]
+    mean = dataclasses.replace(node, attrs=freeze_attrs({"reduce": "mean"}))
+    with pytest.raises(ValueError, match=r"node 'ar': reduce='mean': an all_reduce only sums"):
+        run_collective(mean, ins)
+    with pytest.raises(RuntimeFailure, match=r"all_reduce 'ar': reduce='mean': an all_reduce only sums"):
+        Comm._all_reduce(None, mean, torch.ones(2), None)      # refused before any process group is used
