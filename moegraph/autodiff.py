@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from moegraph.builder import ConfigError, GraphBuilder
-from moegraph.ir import Node, OpKind, Phase, Role, ValueKind
+from moegraph.ir import Node, OpKind, Phase, Role, ValueKind, bad_choice
 
 GRAD = ValueKind.GRAD
 
@@ -50,6 +50,11 @@ def add_backward(g: GraphBuilder, output: str, seed_name: str = "d_hidden_next")
             d = _accumulate(g, inp, pending.pop(inp, []))
             if d is not None:
                 g.outputs.append(d)
+        elif pending.get(inp):
+            # a routing (or gradient) input a VJP rule differentiates: no output would carry it
+            raise NotImplementedError(f"graph input {inp!r} ({kind.value}) receives a gradient from "
+                                      f"{', '.join(map(repr, pending[inp]))}: only parameters and activation "
+                                      "inputs are differentiated")
     g.outputs.extend(g.grads.values())
 
 
@@ -206,16 +211,19 @@ def _rmsnorm(g, node, grads):
 
 
 def _split(g, node, grads):
-    if node.attr("mode", "split") == "concat":
+    mode = node.attr("mode")
+    if mode == "concat":
         # chunks written into one buffer: the gradient is the same buffer cut back into chunks
         (dy,) = grads
         dparts = tuple(_grad_value(g, x) for x in node.inputs)
         _bwd(g, node, "dgrad", OpKind.SPLIT, (dy,), dparts)
         return dparts
-    (qkv,) = node.inputs
-    dqkv = _grad_value(g, qkv)
-    _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
-    return (dqkv,)
+    if mode == "split":
+        (qkv,) = node.inputs
+        dqkv = _grad_value(g, qkv)
+        _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
+        return (dqkv,)
+    raise bad_choice(node)
 
 
 def _rope(g, node, grads):
@@ -357,9 +365,12 @@ def _all_to_all(g, node, grads):
             # dispatch: gradients of the expert rows go home, split by what each rank received
             recv = node.outputs[1] if node.attr("emit_map", False) else _recv_map_of(g, node)
             ins, direction = (grads[0], recv), "from_experts"
-        else:
+        elif node.attr("direction") == "from_experts":
             # combine: gradients go back to the experts, split by the original send map
             ins, direction = (grads[0], _send_map_of(g, node), node.inputs[1]), "to_experts"
+        else:
+            raise NotImplementedError(f"no backward rule for token all_to_all direction {node.attr('direction')!r} "
+                                      f"(node {node.name!r}); valid: 'to_experts', 'from_experts'")
         dpayload = _grad_value(g, node.inputs[0])
         _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, ins, (dpayload,), comm_bytes=node.comm_bytes,
              attrs={"direction": direction, "emit_map": False})

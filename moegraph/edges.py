@@ -429,8 +429,8 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
     mb = (lambda nd: micro_batch_of(nd)) if M > 1 else (lambda nd: 0)
     routers = [nd for nd in graph.nodes if nd.op is OpKind.ROUTER]
     for nd in routers:
-        if nd.attr("scoring", "softmax") != "softmax" or nd.attr("experts") != E or nd.attr("top_k") != aux.top_k:
-            raise GraphError(f"router {nd.name!r} ({nd.attr('scoring', 'softmax')}, experts {nd.attr('experts')}, "
+        if nd.attr("scoring") != "softmax" or nd.attr("experts") != E or nd.attr("top_k") != aux.top_k:
+            raise GraphError(f"router {nd.name!r} ({nd.attr('scoring')}, experts {nd.attr('experts')}, "
                              f"top-k {nd.attr('top_k')}): the aux loss is modelled for softmax top-{aux.top_k} "
                              f"routers of {E} experts only")
     forward = [nd for nd in routers if nd.phase is Phase.FORWARD]

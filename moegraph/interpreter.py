@@ -171,7 +171,7 @@ def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...
     """ins[r]: rank r's inputs; shapes: the output values' shapes (needed by flat=True gathers).
 
     flat=True collectives work on the flattened tensor (a gradient bucket); reduce="mean"
-    averages instead of summing (data-parallel gradients).
+    averages instead of summing (data-parallel gradients; reduce-scatters only).
     """
     n = len(ins)
     flat = node.attr("flat", False)
@@ -187,6 +187,8 @@ def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...
         total = stacked.mean(0) if how == "mean" else stacked.sum(0)
         return [[part] for part in total.chunk(n, dim=node.attr("dim"))]
     if node.op is OpKind.ALL_REDUCE:
+        if node.attr("reduce", "sum") != "sum":        # not averaged here: the runtime only sums
+            raise ValueError(f"node {node.name!r}: reduce={node.attr('reduce')!r}: an all_reduce only sums")
         total = torch.stack([x[0] for x in ins]).sum(0)
         return [[total.clone()] for _ in range(n)]
     if node.op is OpKind.ALL_TO_ALL:
@@ -228,11 +230,9 @@ def _a2a_shards(node: Node, ins):
 def _a2a_tokens(node: Node, ins):
     """Uneven row exchange. to_experts splits by the sender's index map; from_experts by the recv map."""
     n = len(ins)
-    if node.attr("direction") == "to_experts":
-        splits = [x[1].splits for x in ins]
-    else:
-        splits = [x[1].splits for x in ins]
-    parts = [torch.split(x[0], list(s)) for x, s in zip(ins, splits)]
+    # either direction splits by the map it reads: the sender's index map (to_experts) or the
+    # recv map (from_experts); both carry ``splits``
+    parts = [torch.split(x[0], list(x[1].splits)) for x in ins]
     outs = [[torch.cat([parts[r][j] for r in range(n)])] for j in range(n)]
     if node.attr("emit_map", False):
         for j in range(n):

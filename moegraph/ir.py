@@ -306,6 +306,38 @@ def check_expert_rows(value: Any) -> ExpertRows:
     return typing.cast(ExpertRows, value)
 
 
+SplitMode = Literal["split", "concat"]
+"""SPLIT's attr ``mode``: cut one buffer into views of it ('split': q, k, v of qkv; token chunks),
+or write chunks into their slices of one buffer ('concat')."""
+PermuteIndex = Literal["token", "slot"]
+"""PERMUTE's attr ``index``: what the index map gathers, token rows ([T, h] -> [R, h]) or routing
+slots ([T, k] routing weights -> [R])."""
+Scoring = Literal["softmax", "sigmoid"]
+"""ROUTER's attr ``scoring``: softmax over the experts (Mixtral) or per-expert sigmoid (DeepSeek-V3).
+(``moegraph.models`` keeps its own copy: the eager reference imports nothing from the IR.)"""
+
+CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
+    (OpKind.SPLIT, Role.FORWARD): ("mode", typing.get_args(SplitMode)),
+    (OpKind.SPLIT, Role.DGRAD): ("mode", typing.get_args(SplitMode)),
+    (OpKind.PERMUTE, Role.FORWARD): ("index", typing.get_args(PermuteIndex)),
+    (OpKind.PERMUTE, Role.DGRAD): ("index", typing.get_args(PermuteIndex)),
+    (OpKind.ROUTER, Role.FORWARD): ("scoring", typing.get_args(Scoring)),
+    (OpKind.ROUTER, Role.DGRAD): ("scoring", typing.get_args(Scoring)),
+    (OpKind.ROUTER, Role.WGRAD): ("scoring", typing.get_args(Scoring)),
+}
+"""(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
+op's VJP rule) computes. Every such node carries one (``verify``): a missing or unknown value would
+otherwise run some default. (PERMUTE's weight-gradient role is the model edges' embedding scatter,
+run by its own eager kernel, which reads no ``index``.)"""
+
+
+def bad_choice(node: "Node") -> "GraphError":
+    """The error ending a switch over a CHOICE_ATTRS attribute: the node, the value, the valid ones."""
+    key, valid = CHOICE_ATTRS[node.op, node.role]
+    return GraphError(f"node {node.name!r} ({node.op.value}/{node.role.value}): {key}={node.attr(key, None)!r} "
+                      f"is not one of {', '.join(map(repr, valid))}")
+
+
 class ConfigError(ValueError):
     """An invalid model/strategy combination; the message names every factor involved."""
 
@@ -503,7 +535,8 @@ def verify(graph: Graph) -> Graph:
     Checks: unique names; every input defined before use (so no cycles, topological order);
     each value produced once and never a graph input too; comm nodes carry a group size > 1
     dividing nothing illegal; compute nodes carry none; outputs/saved/params/grads refer to
-    existing values; forward nodes read no gradients; views point at existing values.
+    existing values; forward nodes read no gradients; views point at existing values; the
+    attributes in CHOICE_ATTRS are present and valid; an all-reduce sums (no ``reduce`` but "sum").
     Returns the graph so it can be chained.
     """
     names = [v.name for v in graph.values]
@@ -568,6 +601,12 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
         raise GraphError(f"{where} derives from unknown forward node {node.forward_of!r}")
     if min(node.flops, node.mem_bytes, node.comm_bytes) < 0:
         raise GraphError(f"{where} has a negative cost field")
+    if node.op is OpKind.ALL_REDUCE and node.attr("reduce", "sum") != "sum":
+        raise GraphError(f"{where} has reduce={node.attr('reduce')!r}: an all-reduce only sums (a mean is "
+                         "modelled for reduce-scatters only)")
+    choice = CHOICE_ATTRS.get((node.op, node.role))
+    if choice is not None and node.attr(choice[0], None) not in choice[1]:
+        raise bad_choice(node)
 
 
 def _first_duplicate(items: list[str]) -> str | None:

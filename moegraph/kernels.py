@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from moegraph.ir import ExpertRows, Graph, Node, OpKind, Role, check_expert_rows
+from moegraph.ir import ExpertRows, Graph, Node, OpKind, Role, bad_choice, check_expert_rows
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, route
 
 
@@ -312,13 +312,14 @@ def _swiglu_fwd(a, b):
 
 def _route(node: Node, x, w, *bias):
     """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
-    if node.attr("scoring", "softmax") == "softmax":
+    scoring = node.attr("scoring")
+    if scoring == "softmax":
         return route(_tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
-    if node.attr("scoring") != "sigmoid":
-        raise ValueError(f"node {node.name!r}: scoring={node.attr('scoring')!r} is not one of 'softmax', 'sigmoid'")
-    return route_sigmoid(_tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
-                         topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
-                         scale=node.attr("scale"))
+    if scoring == "sigmoid":
+        return route_sigmoid(_tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
+                             topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
+                             scale=node.attr("scale"))
+    raise bad_choice(node)
 
 
 def route_sigmoid(x, w, bias, top_k: int, *, groups: int, topk_groups: int, normalize: bool, scale: float):
@@ -457,9 +458,12 @@ def _k_gemm(ctx, node, ins, shapes):
 
 
 def _k_split(ctx, node, ins, shapes):
-    if node.attr("mode", "split") == "concat":                          # chunks -> one buffer
+    mode = node.attr("mode")
+    if mode == "concat":                                                # chunks -> one buffer
         return [torch.cat(ins, dim=node.attr("dim"))]
-    return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
+    if mode == "split":
+        return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
+    raise bad_choice(node)
 
 
 def _k_rope(ctx, node, ins, shapes):
@@ -529,9 +533,12 @@ def _k_index_map(ctx, node, ins, shapes):
 
 def _k_permute(ctx, node, ins, shapes):
     x, imap = ins
-    if node.attr("index", "token") == "slot":                           # [T, k] routing weights -> [R]
+    index = node.attr("index")
+    if index == "slot":                                                 # [T, k] routing weights -> [R]
         return [x.reshape(-1)[imap.flat]]
-    return [_tokens(x)[imap.tokens]]                                     # [T, h] -> [R, h]
+    if index == "token":
+        return [_tokens(x)[imap.tokens]]                                # [T, h] -> [R, h]
+    raise bad_choice(node)
 
 
 def _k_unpermute(ctx, node, ins, shapes):
@@ -682,9 +689,12 @@ def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
 
 
 def _k_split_dgrad(ctx, node, ins, shapes):
-    if node.attr("mode", "split") == "concat":                          # one buffer -> chunk grads
+    mode = node.attr("mode")
+    if mode == "concat":                                                # one buffer -> chunk grads
         return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
-    return [torch.cat(ins, dim=node.attr("dim"))]
+    if mode == "split":
+        return [torch.cat(ins, dim=node.attr("dim"))]
+    raise bad_choice(node)
 
 
 def _k_rope_dgrad(ctx, node, ins, shapes):
@@ -722,11 +732,14 @@ def _k_router_wgrad(ctx, node, ins, shapes):
 def _k_permute_dgrad(ctx, node, ins, shapes):
     drows, imap = ins
     drows = imap.real_rows(drows)                                       # a padded map's padding adds nothing
-    if node.attr("index", "token") == "slot":                           # [R] -> [T, k], zero where unrouted here
+    index = node.attr("index")
+    if index == "slot":                                                 # [R] -> [T, k], zero where unrouted here
         out = drows.new_zeros(math.prod(shapes[0]))
         return [out.index_add(0, imap.flat, drows).view(shapes[0])]
-    out = drows.new_zeros((_tokens_count(shapes[0]), drows.shape[1]))
-    return [out.index_add(0, imap.tokens, drows).view(shapes[0])]       # k copies summed per token
+    if index == "token":
+        out = drows.new_zeros((_tokens_count(shapes[0]), drows.shape[1]))
+        return [out.index_add(0, imap.tokens, drows).view(shapes[0])]   # k copies summed per token
+    raise bad_choice(node)
 
 
 def _k_unpermute_dgrad(ctx, node, ins, shapes):

@@ -19,8 +19,8 @@ describes each pass, its invariant and its report.
 from moegraph.passes.manager import PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_pipeline
 from moegraph.passes.strategy import chunk, dispatch, gate_reorder, lower_strategy
 from moegraph.passes.compress import compress
-from moegraph.passes.sar import remat_pass, sar
+from moegraph.passes.sar import KeepSearchTimeout, remat_pass, sar
 from moegraph.passes.fuse import fuse
 
 __all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
-           "sar", "remat_pass", "gate_reorder", "dispatch", "chunk", "compress", "fuse", "lower_strategy"]
+           "sar", "remat_pass", "KeepSearchTimeout", "gate_reorder", "dispatch", "chunk", "compress", "fuse", "lower_strategy"]

@@ -169,8 +169,21 @@ def _compute_first_a2a(ix: _Index, c: Node, cost: CostModel) -> Candidate | None
 
 
 def mark(graph: Graph, chosen: list[Candidate]) -> Graph:
-    """``graph`` with every member of the chosen groups carrying its FusedGroup attribute."""
-    attr = {m: cand.group.to_attr(anchor=m == cand.anchor) for cand in chosen for m in cand.members}
+    """``graph`` with every member of the chosen groups carrying its FusedGroup attribute.
+
+    A node runs in at most one fused kernel, so chosen groups must be disjoint. The four kinds'
+    shapes never share a node in the lowered layers (every model, strategy, chunking, sar and
+    compress combination checked with fuse=all), so an overlap is a bug in ``candidates``: it is
+    refused by name rather than letting one group's attribute overwrite the other's."""
+    attr: dict[str, dict] = {}
+    owner: dict[str, Candidate] = {}
+    for cand in chosen:
+        for m in cand.members:
+            if m in owner:
+                raise ValueError(f"fuse: node {m!r} is a member of two chosen groups, {owner[m].group.kind} "
+                                 f"anchored at {owner[m].anchor!r} and {cand.group.kind} anchored at {cand.anchor!r}")
+            owner[m] = cand
+            attr[m] = cand.group.to_attr(anchor=m == cand.anchor)
     nodes = tuple(n.with_attrs(**{FUSED_ATTR: attr[n.name]}) if n.name in attr else n for n in graph.nodes)
     return dataclasses.replace(graph, nodes=nodes)
 

@@ -37,9 +37,12 @@ Policies
                    shown in recompute_time_us).
     budget:<B>     hold at most B bytes of activations (B, KiB, MiB, GiB, TiB or plain bytes,
                    as --memory-budget) with the least predicted extra time: the serial sum of the rebuilt
-                   nodes' cost-model times, minimised exactly by a small CP-SAT model
-                   (``budget_keep``). A budget below the footprint of rebuilding everything
-                   from ``hidden`` is an error naming that minimum. On a stack of L layers B
+                   nodes' cost-model times, minimised by a small CP-SAT model (``budget_keep``)
+                   within ``keep_search_s`` seconds (KEEP_SEARCH_S by default); the report's
+                   ``keep_search`` says whether the set is proven cheapest ("optimal") or only the
+                   best found in time ("feasible"). A budget below the footprint of rebuilding
+                   everything from ``hidden`` is an error naming that minimum; a search that finds
+                   no set in time is a KeepSearchTimeout naming the limit. On a stack of L layers B
                    caps the whole stack: every layer gets the cheapest keep-set within B // L
                    (the stack holds exactly L times one layer's activations).
 
@@ -51,6 +54,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import re
 import typing
 from dataclasses import dataclass
@@ -63,6 +67,9 @@ from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, pe
                                      same_computation)
 
 _CHUNK = re.compile(r"\.c\d+$")
+KEEP_SEARCH_S = 30.0
+"""Default wall-clock limit, in seconds, of the budget policy's keep-set search (``budget_keep``;
+the pass option ``keep_search_s``). Layer-sized models solve to optimality in well under a second."""
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
 PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
 PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
@@ -200,10 +207,33 @@ def paper_keep(graph: Graph) -> frozenset[str]:
     return frozenset(PAPER_KEEP + attn)
 
 
-def budget_keep(graph: Graph, budget: int, cost: CostModel | None) -> frozenset[str]:
+class KeepSearchTimeout(ValueError):
+    """The budget policy's keep-set search ended at its time limit without any keep-set: neither
+    a set nor the budget's infeasibility is known (the message names the limit to raise)."""
+
+
+@dataclass(frozen=True)
+class KeepSet:
+    """What ``budget_keep`` found: the units to keep and how sure the search is that they are the
+    cheapest ("optimal": proven; "feasible": the best within the time limit)."""
+
+    units: frozenset[str]
+    status: typing.Literal["optimal", "feasible"]
+    limit_s: float
+
+
+def check_keep_search_s(value: typing.Any) -> float:
+    """``value`` as the keep-set search's time limit: a positive, finite number of seconds."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"keep_search_s={value!r} must be a positive number of seconds")
+    return float(value)
+
+
+def budget_keep(graph: Graph, budget: int, cost: CostModel | None, *,
+                keep_search_s: float = KEEP_SEARCH_S) -> KeepSet:
     """The keep-set of least predicted rebuild time holding at most ``budget`` activation bytes.
 
-    A small CP-SAT model, solved exactly: keep[u] per unit, rebuild[p] per forward node;
+    A small CP-SAT model, solved within ``keep_search_s`` seconds: keep[u] per unit, rebuild[p] per forward node;
     every forward value a backward node reads is held (its unit kept; views through their
     base; routing values and parameters always) or its producer is rebuilt, and a rebuilt
     node's forward inputs satisfy the same; sum of kept units' bytes <= budget. Objective:
@@ -259,20 +289,30 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None) -> frozenset[
     kib = {u: -(-b // 1024) for u, b in unit_bytes.items()}
     weight = sum(kib.values()) + 1
     model.Minimize(sum(rebuild[k] * t * weight for k, t in ticks.items()) + sum(keep[u] * b for u, b in kib.items()))
+    limit = check_keep_search_s(keep_search_s)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = 30.0
+    solver.parameters.max_time_in_seconds = limit
     status = solver.Solve(model)
-    if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+    if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return KeepSet(frozenset(u for u, lit in keep.items() if solver.Value(lit)),
+                       "optimal" if status == cp_model.OPTIMAL else "feasible", limit)
+    if status == cp_model.INFEASIBLE:
         least = plan(graph, frozenset(), cost).graph.activation_bytes()
         raise ValueError(f"budget {budget} bytes is below the smallest activation footprint {least} bytes "
                          f"(everything rebuilt from the layer input)")
-    return frozenset(u for u, lit in keep.items() if solver.Value(lit))
+    if status == cp_model.UNKNOWN:
+        raise KeepSearchTimeout(f"the keep-set search for budget {budget} bytes found no keep-set within its "
+                                f"time limit keep_search_s={limit:g} s (CP-SAT status UNKNOWN: the budget may "
+                                "still be feasible): raise the sar pass option keep_search_s")
+    raise ValueError(f"the keep-set search for budget {budget} bytes ended with CP-SAT status "
+                     f"{solver.StatusName(status)}")
 
 
 @register("sar", stage=4, valid="paper (the default), none, budget:<bytes> (e.g. budget:2GiB)", relowers=False)
-def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
+def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """Selective activation rematerialization; see the module docstring for policies.
+    ``keep_search_s``: the budget policy's keep-set search time limit (seconds).
 
     Invariant: the same function, and activation bytes never rise (saved after is a subset of
     saved before).
@@ -283,14 +323,15 @@ def sar(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         policy, budget = "budget", parse_bytes(policy[len("budget:"):])
     elif policy not in ("paper", "none"):
         raise ValueError("not a policy")
-    return remat_pass(policy, budget, cost, pass_label=label("sar", arg))
+    return remat_pass(policy, budget, cost, pass_label=label("sar", arg), keep_search_s=keep_search_s)
 
 
 def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None = None, *,
-               pass_label: str | None = None) -> Pass:
+               pass_label: str | None = None, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """The sar pass for a typed policy (``Strategy.remat``, ``Strategy.remat_budget``): what
     ``moegraph tune`` applies, with no pipeline string in between. ``budget``: bytes, with
-    policy 'budget' only."""
+    policy 'budget' only; ``keep_search_s``: its keep-set search's time limit (seconds)."""
+    keep_search_s = check_keep_search_s(keep_search_s)
     if policy not in typing.get_args(Remat):
         raise ValueError(f"remat={policy!r} is not one of {', '.join(map(repr, typing.get_args(Remat)))}")
     if (policy == "budget") != (budget is not None):
@@ -302,8 +343,8 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         if policy == "none":
             return PassResult(record(graph, me, remat="none"), False,
                               {"policy": "none", "activation_bytes_before": before, "activation_bytes_after": before})
-        keep = paper_keep(graph) if budget is None else budget_keep(graph, budget, cost)
-        p = plan(graph, keep, cost)
+        found = None if budget is None else budget_keep(graph, budget, cost, keep_search_s=keep_search_s)
+        p = plan(graph, paper_keep(graph) if found is None else found.units, cost)
         decided = decisions(graph, p)
         counted = [v.name for v in graph.values
                    if v.name in decided and v.kind is ValueKind.ACTIVATION and v.alias_of is None]
@@ -313,8 +354,8 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
                       ("dropped", "drop"))},
                   "recompute_time_us": round(p.compute_us, 3), "recommunicate_time_us": round(p.comm_us, 3),
                   "activation_bytes_before": before, "activation_bytes_after": p.graph.activation_bytes()}
-        if budget is not None:
-            report["budget_bytes"] = budget
+        if found is not None:
+            report |= {"budget_bytes": budget, "keep_search": found.status, "keep_search_limit_s": found.limit_s}
         out = mark_rewritten(record(p.graph, me, remat=policy, remat_budget=budget), me).with_meta(remat=decided)
         return PassResult(out, not same_computation(graph, p.graph), report)
 
@@ -332,7 +373,9 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         per-layer sets could use the remainder; the periodic warm starts need identical layers)."""
         one = layer_graph(graph)
         try:
-            result = remat_pass("budget", budget // layers, cost, pass_label=me)(one)
+            result = remat_pass("budget", budget // layers, cost, pass_label=me, keep_search_s=keep_search_s)(one)
+        except KeepSearchTimeout:
+            raise                                  # not a verdict on the budget: the limit is named
         except ValueError as err:
             least = plan(one, frozenset(), cost).graph.activation_bytes() * layers
             raise ValueError(f"budget {budget} bytes for {layers} layers is below their smallest activation "

@@ -239,7 +239,7 @@ class Comm:
         elif node.op is OpKind.REDUCE_SCATTER:
             works, finish, keep = self._reduce_scatter(node, ins[0], pg, g)
         elif node.op is OpKind.ALL_REDUCE:
-            works, finish, keep = self._all_reduce(ins[0], pg)
+            works, finish, keep = self._all_reduce(node, ins[0], pg)
         elif node.op is OpKind.ALL_TO_ALL:
             mode = node.attr("mode")
             if mode in ("heads", "shards"):
@@ -298,7 +298,9 @@ class Comm:
         # summed (or averaged) over ranks in rank order, as the reference interpreter does
         return [work], lambda: [recv.mean(0) if mean else recv.sum(0)], (chunks, recv)
 
-    def _all_reduce(self, x: torch.Tensor, pg):
+    def _all_reduce(self, node: Node, x: torch.Tensor, pg):
+        if node.attr("reduce", "sum") != "sum":
+            raise RuntimeFailure(f"all_reduce {node.name!r}: reduce={node.attr('reduce')!r}: an all_reduce only sums")
         out = x.contiguous().clone()
         work = dist.all_reduce(out, group=pg, async_op=True)
         return [work], lambda: [out], (out,)

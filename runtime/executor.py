@@ -259,7 +259,7 @@ class Executor:
         edge_out = set(self.edges.outputs) if self.edges is not None else set()
         keep = set(self.graph.outputs[1:]) | edge_out
         env = self._run(self.bwd, inputs, self._release_bwd, recorder, keep, kernels)
-        dx = env.get(self.input_grad_name) if self.input_grad_name else None
+        dx = self._made(env, self.input_grad_name, "input gradient") if self.input_grad_name else None
         # a buffer (ParamSpec.buffer) has no gradient: None, which autograd accepts for it
         grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
         return dx, grads, {k: env[k] for k in edge_out}
@@ -327,9 +327,19 @@ class Executor:
         env = self._run(self.plan.entries, inputs, self._release_step, recorder, set(self.graph.outputs) | edge_out,
                         kernels)
         ys = [env[y] for _, _, y, _ in self.boundaries]
-        dxs = [env.get(dx) for _, _, _, dx in self.boundaries]
+        dxs = [self._made(env, dx, f"micro-batch {j}'s input gradient")
+               for j, (_, _, _, dx) in enumerate(self.boundaries)]
         grads = [env[self.graph.grad_of[p]] if p in self.graph.grad_of else None for p in self.param_names]
         return ys, dxs, grads, {k: env[k] for k in edge_out}
+
+    def _made(self, env: dict[str, Any], name: str, what: str) -> Any:
+        """``env[name]``, a value the phase's plan makes and keeps. Missing, it is a bug in the plan or
+        its release lists, never a zero gradient (autograd would read a None as one)."""
+        if name not in env:
+            node = self.graph.producer.get(name)
+            raise RuntimeError(f"graph {self.graph.name!r}: {what} {name!r} (made by node "
+                               f"{node.name if node else None!r}) is missing after the run")
+        return env[name]
 
     def _refuse_merged(self, what: str) -> None:
         if self.micro_batches > 1:

@@ -191,11 +191,13 @@ def check_plan(graph: Graph, plan: ExecutionPlan) -> ExecutionPlan:
     a backward one (of the same micro-batch, in a merged step graph), a node issued before a
     producer of its inputs, a stream of the wrong kind."""
     names = [e.name for e in plan.entries]
-    missing = [n.name for n in graph.nodes if n.name not in set(names)]
+    listed = set(names)                          # once: a model step graph has 10^4 nodes
+    missing = [n.name for n in graph.nodes if n.name not in listed]
     if missing:
         raise PlanError(f"plan {plan.method!r} misses graph nodes {missing[:5]}")
-    if len(set(names)) != len(names):
-        dup = next(x for x in names if names.count(x) > 1)
+    if len(listed) != len(names):
+        seen: set[str] = set()
+        dup = next(x for x in names if x in seen or seen.add(x))
         raise PlanError(f"plan {plan.method!r} lists node {dup!r} twice")
     produced = set(graph.inputs)
     seen_backward: dict[int | None, str] = {}     # micro-batch (None: unmerged) -> its first backward node

@@ -138,7 +138,7 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
     ln1 = g.node("ln1", OpKind.RMSNORM, (hid, ln_w), (g.val("ln1_out", (T, h)),), flops=4 * T * h)
     qkv = g.gemm("qkv", ln1, w_qkv, g.val("qkv", (T, qkv_w)), T, h, qkv_w)
     q, kk, v = (g.val(nm, (T, w), alias_of="qkv") for nm, w in (("q", H * d), ("k", G * d), ("v", G * d)))
-    g.node("split_qkv", OpKind.SPLIT, (qkv,), (q, kk, v))
+    g.node("split_qkv", OpKind.SPLIT, (qkv,), (q, kk, v), mode="split")
     qr, kr = g.node("rope", OpKind.ROPE, (q, kk), (g.val("q_rope", (T, H * d)), g.val("k_rope", (T, G * d))),
                     flops=6 * T * (H + G) * d)
     qkv_a2a = g.node("a2a_qkv", OpKind.ALL_TO_ALL, (qr, kr, v), (g.val("qkv_a2a", (T * n, qkv_w // n)),),
@@ -155,7 +155,7 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
     Tc, Rc = T // C, T * k // C
     if C > 1:
         parts = tuple(g.val(f"ln2_out.c{c}", (Tc, h), alias_of="ln2_out") for c in range(C))
-        g.node("split_ffn", OpKind.SPLIT, (ln2,), parts)
+        g.node("split_ffn", OpKind.SPLIT, (ln2,), parts, mode="split")
     else:
         parts = (ln2,)
     ffn_outs, saved_chunk = [], []
@@ -164,8 +164,9 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
         ca = {"chunk": c} if C > 1 else {}
         ag = g.comm(f"ag{sfx}", OpKind.ALL_GATHER, parts[c], g.val(f"ln2_out_ag{sfx}", (Tc * n, h)), **extra, **ca)
         route = g.node(f"router{sfx}", OpKind.ROUTER, (ag, w_r), (g.val(f"routing{sfx}", (Tc * n, k), ROUTE, "int64"),),
-                       flops=2 * Tc * n * h * experts, **ca)
-        ffn_in = g.node(f"permute{sfx}", OpKind.PERMUTE, (ag, route), (g.val(f"ffn_in{sfx}", (Rc, h)),), **ca)
+                       flops=2 * Tc * n * h * experts, scoring="softmax", **ca)
+        ffn_in = g.node(f"permute{sfx}", OpKind.PERMUTE, (ag, route), (g.val(f"ffn_in{sfx}", (Rc, h)),),
+                        index="token", **ca)
         fc13 = g.gemm(f"fc13{sfx}", ffn_in, w13, g.val(f"fc13_out{sfx}", (Rc, 2 * ffn)), Rc, h, 2 * ffn,
                       op=OpKind.GROUPED_GEMM, **ca)
         fc2_in = g.node(f"swiglu{sfx}", OpKind.SWIGLU, (fc13,), (g.val(f"fc2_in{sfx}", (Rc, ffn)),),
@@ -185,7 +186,7 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
     dw13s, dw2s = [], []
     if C > 1:
         dparts = tuple(g.val(f"d_ffn_out.c{c}", (Tc, h), GRAD, alias_of="d_hidden_next") for c in range(C))
-        g.node("split_dffn", OpKind.SPLIT, (seed,), dparts, B, Role.DGRAD)
+        g.node("split_dffn", OpKind.SPLIT, (seed,), dparts, B, Role.DGRAD, mode="concat")
     else:
         dparts = (seed,)
     for c in range(C):
@@ -199,14 +200,14 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
             ag_re = g.comm(f"ag.re{sfx}", OpKind.ALL_GATHER, ln2_re, g.val(f"ln2_out_ag.re{sfx}", (Tc * n, h)), R,
                            **extra, **ca)
             ffn_in = g.node(f"permute.re{sfx}", OpKind.PERMUTE, (ag_re, route), (g.val(f"ffn_in.re{sfx}", (Rc, h)),),
-                            R, **ca)
+                            R, index="token", **ca)
             fc2_in = g.node(f"swiglu.re{sfx}", OpKind.SWIGLU, (fc13,), (g.val(f"fc2_in.re{sfx}", (Rc, ffn)),), R,
                             flops=4 * Rc * ffn, **ca)
         g.saved |= {route, fc13} | ({ffn_in, fc2_in} if not recompute else set())
         d_rs = g.comm(f"rs.bwd{sfx}", OpKind.ALL_GATHER, dparts[c], g.val(f"d_fc2_out_rs{sfx}", (Tc * n, h), GRAD),
                       B, Role.DGRAD, **extra, **ca)
         d_fc2 = g.node(f"unpermute.bwd{sfx}", OpKind.PERMUTE, (d_rs, route), (g.val(f"d_fc2_out{sfx}", (Rc, h), GRAD),),
-                       B, Role.DGRAD, **ca)
+                       B, Role.DGRAD, index="token", **ca)
         d_fc2_in = g.gemm(f"fc2.dgrad{sfx}", d_fc2, w2, g.val(f"d_fc2_in{sfx}", (Rc, ffn), GRAD), Rc, h, ffn,
                           B, Role.DGRAD, op=OpKind.GROUPED_GEMM, **ca)
         dw2s.append(g.gemm(f"fc2.wgrad{sfx}", fc2_in, d_fc2, g.val(f"d_w2{sfx}", (el, ffn, h), PGRAD), ffn, Rc, h,

@@ -122,7 +122,8 @@ def test_padding_rows_never_reach_tokens_or_routing_slots():
     for m, r in ((padded, rows), (exact, rows[:R])):
         got = [kernels.KERNELS[(OpKind.UNPERMUTE, Role.FORWARD)](ctx, node(OpKind.UNPERMUTE, Role.FORWARD, weighted=True),
                                                                   [r, weights, m], [(4, 8)])[0],
-               kernels.KERNELS[(OpKind.PERMUTE, Role.DGRAD)](ctx, node(OpKind.PERMUTE, Role.DGRAD), [r, m], [(4, 8)])[0],
+               kernels.KERNELS[(OpKind.PERMUTE, Role.DGRAD)](ctx, node(OpKind.PERMUTE, Role.DGRAD, index="token"),
+                                                             [r, m], [(4, 8)])[0],
                kernels.KERNELS[(OpKind.PERMUTE, Role.DGRAD)](ctx, node(OpKind.PERMUTE, Role.DGRAD, index="slot"),
                                                              [r[:, 0], m], [(4, 2)])[0],
                *kernels.KERNELS[(OpKind.UNPERMUTE, Role.DGRAD)](ctx, node(OpKind.UNPERMUTE, Role.DGRAD, weighted=True),

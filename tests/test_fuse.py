@@ -9,6 +9,7 @@ kernel 4 us, copy engine +10 us, a2a saturation 24 SMs, 132 SMs, fused tile over
 from __future__ import annotations
 
 import json
+import re
 
 import dataclasses
 
@@ -17,7 +18,7 @@ import pytest
 from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, tile_pipeline_us, variant
 from moegraph.ir import Strategy, verify
 from moegraph.passes import PassError, run_pipeline
-from moegraph.passes.fuse import candidates
+from moegraph.passes.fuse import candidates, mark
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model
 
@@ -123,6 +124,29 @@ def test_fuse_marks_the_papers_kernels_and_keeps_the_graph(h800):
     assert qkv.compute_us == pytest.approx(
         h800.node_time_us(g.node["qkv_proj"]) + h800.node_time_us(g.node["rope"]) - 4)
     assert run_pipeline(g, "fuse=none", cost=h800)[0] == g
+
+
+@pytest.mark.parametrize("strategy", [Strategy("sp", "ep", "ag-rs", 2), Strategy("sp", "ep", "a2a", 2, chunks=2),
+                                      Strategy("tp", "tp", "ag-rs", 2, chunks=2)])
+def test_eligible_groups_never_share_a_node(h800, strategy):
+    """Overlapping groups are not legitimate (a node runs in one kernel) and never occur: fuse=all
+    marks every eligible group, each member once."""
+    g = trace_model(load_model("tiny"), strategy, batch=1, seq=64)
+    members = [m for c in candidates(g, h800) for m in c.members]
+    assert members and len(members) == len(set(members))
+
+
+def test_mark_refuses_a_node_in_two_chosen_groups(h800):
+    """Were ``candidates`` ever to return overlapping groups, one group's attribute would silently
+    overwrite the other's on the shared node: mark names it instead."""
+    g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64)
+    first, second = candidates(g, h800)[:2]
+    overlapping = dataclasses.replace(second, members=second.members + (first.members[0],))
+    with pytest.raises(ValueError, match=re.escape(
+            f"fuse: node {first.members[0]!r} is a member of two chosen groups, {first.group.kind} anchored at "
+            f"{first.anchor!r} and {second.group.kind} anchored at {second.anchor!r}")):
+        mark(g, [first, overlapping])
+    assert FusedGroup.of(mark(g, [first, second]).node[first.members[0]]) == first.group
 
 
 def test_fused_beats_chunk4_on_internal_352b(h800):

@@ -1,5 +1,7 @@
 """The reference interpreter reproduces the eager module, forward and backward, on n simulated ranks."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -41,3 +43,48 @@ def test_interpreter_detects_a_wrong_kernel(monkeypatch, rng):
     monkeypatch.setitem(kernels.KERNELS, (OpKind.SWIGLU, Role.FORWARD), bad)
     res = interpret(graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
     assert rel_err(res.output, y_ref) > TOL
+
+
+@pytest.mark.parametrize("op, role, key, ins", [
+    ("split", "forward", "mode", lambda: [torch.zeros(1, 2, 4)]),
+    ("split", "dgrad", "mode", lambda: [torch.zeros(1, 2, 2), torch.zeros(1, 2, 2)]),
+    ("permute", "forward", "index", lambda: [torch.zeros(2, 4), _index_map()]),
+    ("permute", "dgrad", "index", lambda: [torch.zeros(4, 4), _index_map()]),
+    ("router", "forward", "scoring", lambda: [torch.zeros(2, 4), torch.zeros(3, 4)]),
+    ("router", "dgrad", "scoring", lambda: [torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 2)]),
+    ("router", "wgrad", "scoring", lambda: [torch.zeros(2, 4), torch.zeros(3, 4), torch.zeros(2, 2)]),
+])
+@pytest.mark.parametrize("value", [None, "other"])
+def test_a_kernel_switch_ends_in_an_error_naming_the_node(op, role, key, ins, value):
+    """Kernels read SPLIT's mode, PERMUTE's index and ROUTER's scoring without a default: a node
+    the verifier never saw (missing or unknown value) is refused, not run as split/token/softmax."""
+    from moegraph.ir import GraphError, Node, OpKind, Phase, Role, freeze_attrs
+    from moegraph.kernels import RankContext, run_compute
+    attrs = {"dim": 2, "sizes": (2, 2), "top_k": 2, "experts": 3} | ({} if value is None else {key: value})
+    node = Node("bad", OpKind(op), Phase.FORWARD if role == "forward" else Phase.BACKWARD, (), ("y",), Role(role),
+                attrs=freeze_attrs(attrs))
+    error, match = ((KeyError, rf"node 'bad' \({op}\) has no attribute '{key}'") if value is None else
+                    (GraphError, rf"node 'bad' \({op}/{role}\): {key}='other' is not one of"))
+    with pytest.raises(error, match=match):
+        run_compute(RankContext(0, 1, 2), node, ins(), [(2, 4)])
+
+
+def _index_map():
+    from moegraph.kernels import build_index_map
+    return build_index_map(torch.tensor([[0, 1], [2, 0]]), "all", 3, 0, 1)
+
+
+def test_an_averaging_all_reduce_is_refused_by_both_backends():
+    """ALL_REDUCE sums; reduce="mean" (which REDUCE_SCATTER honours) is refused, not ignored."""
+    from moegraph.interpreter import run_collective
+    from moegraph.ir import Node, OpKind, Phase, freeze_attrs
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.collectives import Comm
+    ins = [[torch.ones(2)], [3 * torch.ones(2)]]
+    node = Node("ar", OpKind.ALL_REDUCE, Phase.FORWARD, ("x",), ("y",), group=2)
+    assert [r[0].tolist() for r in run_collective(node, ins)] == [[4.0, 4.0], [4.0, 4.0]]
+    mean = dataclasses.replace(node, attrs=freeze_attrs({"reduce": "mean"}))
+    with pytest.raises(ValueError, match=r"node 'ar': reduce='mean': an all_reduce only sums"):
+        run_collective(mean, ins)
+    with pytest.raises(RuntimeFailure, match=r"all_reduce 'ar': reduce='mean': an all_reduce only sums"):
+        Comm._all_reduce(None, mean, torch.ones(2), None)      # refused before any process group is used

@@ -1,10 +1,11 @@
 """verify() rejects malformed graphs and names the bad node."""
 
 import dataclasses
+import re
 
 import pytest
 
-from moegraph.ir import GraphError, Node, OpKind, Phase, Strategy, verify
+from moegraph.ir import GraphError, Node, OpKind, Phase, Strategy, freeze_attrs, verify
 from moegraph.registry import load_model
 from moegraph.tracer import trace_model
 
@@ -57,6 +58,52 @@ def test_duplicate_node_is_named(graph):
     extra = Node("fc1", OpKind.ADD, Phase.FORWARD, ("hidden", "hidden"), ("ffn_out",))
     with pytest.raises(GraphError, match=r"node 'fc1' is declared twice"):
         verify(dataclasses.replace(graph, nodes=graph.nodes + (extra,)))
+
+
+@pytest.mark.parametrize("name, key, bad, valid", [
+    ("qkv_split", "mode", None, "'split', 'concat'"),
+    ("qkv_split.dgrad", "mode", "concatenate", "'split', 'concat'"),
+    ("dispatch_scatter", "index", None, "'token', 'slot'"),
+    ("dispatch_scatter.dgrad", "index", "row", "'token', 'slot'"),
+    ("router", "scoring", None, "'softmax', 'sigmoid'"),
+    ("router.wgrad", "scoring", "tanh", "'softmax', 'sigmoid'"),
+])
+def test_an_attribute_that_picks_the_kernel_is_present_and_valid(graph, name, key, bad, valid):
+    """SPLIT's mode, PERMUTE's index and ROUTER's scoring decide what the kernel computes: a node
+    without one, or with an unknown value, is refused by name (no kernel default is run)."""
+    node = graph.node[name]
+    attrs = {k: v for k, v in node.attrs if k != key} | ({} if bad is None else {key: bad})
+    with pytest.raises(GraphError, match=rf"node '{re.escape(name)}' \({node.op.value}/{node.role.value}\): "
+                                         rf"{key}={bad!r} is not one of {valid}"):
+        verify(replace_node(graph, name, attrs=freeze_attrs(attrs)))
+
+
+def test_an_all_reduce_that_would_average_is_refused(graph):
+    """Reduce-scatters may average (reduce="mean"); no backend averages an all-reduce, so one asking
+    for it is refused by name rather than summed."""
+    node = graph.node["router.weight.grad_allreduce"]
+    with pytest.raises(GraphError, match=r"node 'router.weight.grad_allreduce' \(all_reduce, backward\) has "
+                                         r"reduce='mean': an all-reduce only sums"):
+        verify(replace_node(graph, node.name, attrs=freeze_attrs(dict(node.attrs) | {"reduce": "mean"})))
+    assert verify(replace_node(graph, node.name, attrs=freeze_attrs(dict(node.attrs) | {"reduce": "sum"})))
+
+
+def test_a_gradient_reaching_a_routing_input_is_refused():
+    """Only parameters and activation inputs get gradient outputs: a differentiable op reading a
+    routing graph input (here GATE's row weights) would have its gradient dropped, so lowering
+    refuses it by name."""
+    from moegraph.autodiff import add_backward
+    from moegraph.builder import GraphBuilder
+    from moegraph.ir import Dims, ValueKind
+    g = GraphBuilder("gate_only", Dims(b=1, s=4, h=8, n=1, k=1, heads=1, kv_heads=1, head_dim=8, ffn=8, experts=1),
+                     Strategy("sp", "ep", "ag-rs", 1))
+    rows = g.input("rows", (4, 8))
+    weights = g.input("row_weights", (4,), kind=ValueKind.ROUTING)
+    out = g.like("gated", rows)
+    g.node("gate", OpKind.GATE, (rows, weights), (out,))
+    with pytest.raises(NotImplementedError, match=r"graph input 'row_weights' \(routing\) receives a gradient "
+                                                  r"from 'd_row_weights': only parameters and activation inputs"):
+        add_backward(g, out)
 
 
 def test_backward_is_explicit_with_separate_weight_gradients(graph):

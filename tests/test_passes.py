@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 from contextlib import redirect_stdout
 from fractions import Fraction as Fr
 
@@ -17,9 +18,11 @@ import pytest
 from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import GraphError, OpKind, Phase, Strategy, verify
+from moegraph.layers import stack_layers
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model
-from moegraph.passes import PASSES, PassError, PassResult, dispatch, run_pipeline, sar
+from moegraph.passes import (PASSES, KeepSearchTimeout, PassError, PassResult, dispatch, remat_pass, run_pipeline,
+                             sar)
 
 MODELS = ["internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe"]
 N, S, BYTES = 8, 8192, 2
@@ -224,6 +227,29 @@ def test_sar_budget_beats_paper_time_at_paper_bytes(h800):
 def test_sar_budget_below_the_minimum_names_it(h800):
     with pytest.raises(PassError, match=r"budget 1000 bytes is below the smallest activation footprint \d+ bytes"):
         run_pipeline(tiny(), "sar=budget:1000", cost=h800)
+
+
+def test_sar_budget_reports_the_keep_search_status_and_limit(h800):
+    r = run_pipeline(tiny(), "sar=budget:40000", cost=h800)[1]["sar"]
+    assert (r["keep_search"], r["keep_search_limit_s"]) == ("optimal", 30.0)      # tiny: proven in far less
+
+
+@pytest.mark.parametrize("layers", [1, 2])
+def test_sar_budget_search_out_of_time_names_its_limit_not_the_budget(h800, layers):
+    """A search stopped by its time limit before any keep-set is not a budget below the minimum
+    (40000 bytes fits tiny's layer, as above): the error names the limit to raise, on a stack too."""
+    g = stack_layers(tiny(), layers)
+    with pytest.raises(KeepSearchTimeout, match=r"budget \d+ bytes found no keep-set within its time limit "
+                                                r"keep_search_s=1e-09 s .*raise the sar pass option keep_search_s"):
+        remat_pass("budget", 40000 * layers, h800, keep_search_s=1e-9)(g)
+    with pytest.raises(KeepSearchTimeout):
+        sar("budget:40000", h800, keep_search_s=1e-9)(tiny())
+
+
+@pytest.mark.parametrize("limit", [0, -1.0, float("nan"), float("inf"), True, "30"])
+def test_sar_keep_search_limit_must_be_positive_seconds(h800, limit):
+    with pytest.raises(ValueError, match=rf"keep_search_s={re.escape(repr(limit))} must be a positive number"):
+        remat_pass("budget", 40000, h800, keep_search_s=limit)
 
 
 # -- dispatch ------------------------------------------------------------------------------------

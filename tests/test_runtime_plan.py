@@ -15,8 +15,9 @@ import moegraph
 from helpers import eager_step, max_grad_err, rel_err, small_layer
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
-from moegraph.registry import load_hardware
-from moegraph.tracer import trace_module
+from moegraph.microbatch import merge_microbatches
+from moegraph.registry import load_hardware, load_model
+from moegraph.tracer import trace_model, trace_module
 from moegraph.runtime import PlanError, RuntimeFailure
 from moegraph.runtime.module import make_plan, rank_and_size
 from moegraph.runtime.plan import COMPUTE, ExecutionPlan, check_plan
@@ -71,6 +72,21 @@ def test_check_plan_names_the_problem(graph):
     late = [*entries[:first_bwd - 1], entries[first_bwd], entries[first_bwd - 1], *entries[first_bwd + 1:]]
     with pytest.raises(PlanError, match=r"forward node 'ffn_residual' comes after"):
         check_plan(graph, plan.with_entries(late))
+    twice = [*entries, entries[3]]
+    with pytest.raises(PlanError, match=rf"^plan 'sequential' lists node '{entries[3].name}' twice$"):
+        check_plan(graph, plan.with_entries(twice))
+
+
+def test_check_plan_is_linear_in_the_nodes(graph):
+    """A 100-layer step graph (5,600 nodes) checks in well under a second: the listed-node set is
+    built once, not per node (quadratic: 6.8 s on the 2-core box, 0.03 s linear)."""
+    import time
+    from moegraph.layers import stack_layers
+    big = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), 100)
+    plan = ExecutionPlan.sequential(big)
+    start = time.perf_counter()
+    check_plan(big, plan)
+    assert len(big.nodes) == 5600 and time.perf_counter() - start < 1.0
 
 
 def test_plan_from_a_schedule_follows_predicted_starts(graph):
@@ -124,6 +140,33 @@ def test_single_rank_matches_eager(schedule, rng):
     assert err < 1e-5, f"gradient of {name}: {err:.2e}"
     with torch.no_grad():                                      # inference path: nothing kept for backward
         assert rel_err(compiled(x), y_ref) < 1e-5
+
+
+def test_a_missing_input_gradient_is_an_error_naming_it_not_a_zero(rng, monkeypatch):
+    """Were the plan or its release lists ever to lose the input gradient, backward would return
+    None, which autograd reads as zero: the executor names the value and its node instead."""
+    from moegraph.runtime.executor import Executor
+    graph = trace_module(small_layer(1), Strategy("sp", "ep", "ag-rs", 1, dtype="fp32"), batch=2, seq=16)
+    ex = Executor(graph, ExecutionPlan.sequential(graph), None, rank=0, n=1, device=torch.device("cpu"))
+    params = [torch.randn(graph.value[p].shape, generator=rng) for p in ex.param_names]
+    y, saved = ex.forward(torch.randn(2, 16, 64, generator=rng), params)
+    dx, _ = ex.backward(saved, torch.randn_like(y), params)
+    assert dx is not None and dx.shape == (2, 16, 64)
+    run = ex._run
+    monkeypatch.setattr(ex, "_run", lambda *a, **k: {v: t for v, t in run(*a, **k).items() if v != ex.input_grad_name})
+    with pytest.raises(RuntimeError, match=rf"input gradient '{ex.input_grad_name}' \(made by node "
+                                           rf"'{graph.producer[ex.input_grad_name].name}'\) is missing after the run"):
+        ex.backward(saved, torch.randn_like(y), params)
+    # a merged step of two micro-batches (Executor.step): micro-batch 1's input gradient
+    merged = merge_microbatches(graph, 2)
+    ex = Executor(merged, ExecutionPlan.sequential(merged), None, rank=0, n=1, device=torch.device("cpu"))
+    xs, dys = [torch.randn(2, 16, 64, generator=rng) for _ in range(2)], [torch.randn(2, 16, 64) for _ in range(2)]
+    assert all(dx is not None for dx in ex.step(xs, dys, params)[1])
+    lost = ex.boundaries[1][3]
+    run = ex._run
+    monkeypatch.setattr(ex, "_run", lambda *a, **k: {v: t for v, t in run(*a, **k).items() if v != lost})
+    with pytest.raises(RuntimeError, match=rf"micro-batch 1's input gradient '{lost}' \(made by node "):
+        ex.step(xs, dys, params)
 
 
 def test_gradients_accumulate_like_autograd(rng):

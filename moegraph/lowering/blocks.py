@@ -40,10 +40,9 @@ import math
 
 import contextlib
 from dataclasses import dataclass
-from typing import Literal
 
 from moegraph.builder import ConfigError, GraphBuilder
-from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
+from moegraph.ir import OpKind, ParamSource, ParamSpec, Scoring, ValueKind
 
 ATTN, FFN = "attention", "ffn"
 INDEX_DTYPE, WEIGHT_DTYPE = "int64", "fp32"
@@ -133,7 +132,7 @@ class MoESpec:
     # DeepSeek-V3's router: sigmoid scores; experts chosen by score + score_bias (a buffer, used
     # for the choice only) among the best topk_groups of `groups` expert groups (a group ranked by
     # its two best scores); the chosen scores (renormalised if normalize) times `scale` weigh them
-    scoring: Literal["softmax", "sigmoid"] = "softmax"
+    scoring: Scoring = "softmax"
     score_bias: ParamSource | None = None     # [E]
     groups: int = 1
     topk_groups: int = 1
@@ -179,7 +178,7 @@ def _split_chunks(g: GraphBuilder, name: str, x: str, *, module: str, block: str
     shape = g.shape(x)
     size = shape[1] // N
     outs = [g.value(f"{x}.c{j}", (shape[0], size) + shape[2:], alias_of=x) for j in range(N)]
-    g.node(name, OpKind.SPLIT, (x,), outs, mem_bytes=0, attrs={"dim": 1, "sizes": (size,) * N},
+    g.node(name, OpKind.SPLIT, (x,), outs, mem_bytes=0, attrs={"dim": 1, "sizes": (size,) * N, "mode": "split"},
            module=module, block=block)
     return outs
 
@@ -287,7 +286,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
         v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
         g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d)}, **kw)
+               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d), "mode": "split"}, **kw)
         if spec.q_norm is not None:
             q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
         if spec.k_norm is not None:
@@ -343,7 +342,7 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
         ckv_c = g.value(f"kv_latent{c}", (b, S, spec.kv_rank), alias_of=ckv)
         k_pe = g.value(f"k_pe{c}", (b, S, dr), alias_of=ckv)
         g.node(f"kv_a_split{c}", OpKind.SPLIT, (ckv,), (ckv_c, k_pe), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (spec.kv_rank, dr)}, **kw)
+               attrs={"dim": 2, "sizes": (spec.kv_rank, dr), "mode": "split"}, **kw)
         ckv_c = _emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
         kv = emit_gemm(g, f"kv_b_proj{c}", ckv_c, w_kvb, f"kv{c}", **kw)                   # [b, S, Hl*(dn+dv)]
         qh, kh = g.value(f"q_heads{c}", (b, S, Hl * dq)), g.value(f"k_heads{c}", (b, S, Hl * dq))
@@ -561,7 +560,8 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
            attrs={"layout": layout, "experts_per_rank": El, "top_k": k}, **kw)
 
     rows = g.value(f"ffn_in_send{c}" if a2a else f"ffn_in{c}", (R, h), routed=True)
-    g.node(f"dispatch_scatter{c}", OpKind.PERMUTE, (tokens_in, imap), (rows,), **kw)   # [T, h] -> [R, h]
+    # [T, h] -> [R, h]
+    g.node(f"dispatch_scatter{c}", OpKind.PERMUTE, (tokens_in, imap), (rows,), attrs={"index": "token"}, **kw)
     seg = imap
     if a2a and n > 1:
         ffn_in = g.value(f"ffn_in{c}", (R, h), routed=True)
@@ -611,10 +611,12 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
 
 
 def router_attrs(spec: MoESpec) -> dict:
-    """The ROUTER node's attributes: only what differs from Mixtral's softmax router is written."""
-    attrs = {"top_k": spec.top_k, "experts": spec.experts} | ({} if spec.normalize else {"normalize": False})
+    """The ROUTER node's attributes: ``scoring`` always (the kernel reads no default); the other
+    fields only where they differ from Mixtral's softmax router."""
+    attrs = {"top_k": spec.top_k, "experts": spec.experts, "scoring": spec.scoring} \
+        | ({} if spec.normalize else {"normalize": False})
     if spec.scoring == "sigmoid":
-        attrs |= {"scoring": "sigmoid", "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
+        attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                   "score_bias": spec.score_bias is not None}
     elif spec.score_bias is not None or spec.groups != 1 or spec.scale != 1.0:
         raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
