@@ -292,3 +292,30 @@ def test_link_peak_is_the_best_size_bin_so_no_curve_point_is_clamped(tmp_path):
     for b, e in rate.items():
         node = Node("c", OpKind.ALL_GATHER, Phase.FORWARD, (), ("y",), comm_bytes=int(b), group=N)
         assert cost.node_time_us(node) == pytest.approx((KAPPA + (N - 1) * ALPHA + b / (LINK * e)) * 1e6, rel=1e-2), b
+
+
+def _one_rank_env():
+    from moegraph.runtime.calibrate.benchmarks import Clock, Lockstep, RankEnv
+    now = time.time()
+    return RankEnv(0, 2, torch.device("cpu"), "fp32", "gloo", now, now + 60, Lockstep(0, 1), Clock(torch.device("cpu")),
+                   verbose=False)
+
+
+def test_model_graphs_skip_only_a_layer_n_cannot_split(monkeypatch):
+    """A layer the rank count cannot split is a note (its ConfigError); any other failure while
+    building a model graph is a bug and propagates instead of fitting the profile on fewer graphs."""
+    import moegraph.tracer
+    from moegraph.ir import ConfigError
+    from moegraph.runtime.calibrate.benchmarks import MODEL_GRAPHS, bench_model_graphs
+
+    def split_error(cfg, strategy, **kw):
+        raise ConfigError(f"n={strategy.n} does not divide heads=3")
+    monkeypatch.setattr(moegraph.tracer, "trace_model", split_error)
+    res = bench_model_graphs(_one_rank_env(), time.time() + 60)
+    assert res.samples == () and res.skipped.count("does not divide heads=3") == len(MODEL_GRAPHS)
+
+    def bug(cfg, strategy, **kw):
+        raise RuntimeError("shape mismatch in a lowering rule")
+    monkeypatch.setattr(moegraph.tracer, "trace_model", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch in a lowering rule"):
+        bench_model_graphs(_one_rank_env(), time.time() + 60)
