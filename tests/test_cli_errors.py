@@ -247,6 +247,35 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, workdir, capsys):
     assert sorted(p.name for p in workdir.rglob("*")) == before, "a rejected command wrote a file"
 
 
+def test_a_malformed_graph_is_a_bug_with_its_traceback(monkeypatch, capsys):
+    """moegraph builds every graph itself: a GraphError, also one a PassError wraps (a pass left a
+    graph verify rejects), is its bug, not bad input, so the CLI keeps the traceback; a pass's
+    own bad argument stays one line."""
+    import dataclasses
+
+    from moegraph.ir import GraphError
+    from moegraph.passes import PASSES, PassError, PassResult
+
+    def breaks(arg, cost):
+        def run(graph):
+            bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
+            return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
+        return run
+    monkeypatch.setitem(PASSES, "breaks", dataclasses.replace(PASSES["sar"], name="breaks", build=breaks))
+    with pytest.raises(PassError, match="reads unknown value 'nowhere'") as err:
+        main(["trace", *TINY, "--passes", "breaks"])
+    assert isinstance(err.value.__cause__, GraphError)
+    assert run_cli(["trace", *TINY, "--passes", "chunk=x"], capsys)[0] == 2          # the user's: one line
+
+    import moegraph.tracer
+
+    def malformed(graph):
+        raise GraphError("node 'fc1' is declared twice")
+    monkeypatch.setattr(moegraph.tracer, "verify", malformed)
+    with pytest.raises(GraphError, match="declared twice"):
+        main(["trace", *TINY])
+
+
 def test_at_least_forty_bad_inputs_across_all_commands():
     assert len(CASES) >= 40
     assert {argv[0] for argv, _ in CASES} >= {"trace", "compile", "verify", "gantt", "run", "calibrate", "tune",
