@@ -222,7 +222,7 @@ def measurement_blocks(plans: int, steps: int) -> list[tuple[int, int]]:
 
 
 def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
-    """One rank of `moegraph run`: time every plan of ``spec`` (interleaved step by step)."""
+    """One rank of `moegraph run`: time every plan of ``spec`` (in ABBA blocks: ``measurement_blocks``)."""
     import torch
     from moegraph.runtime.check import check_against_eager
     from moegraph.runtime.module import build_layer
