@@ -84,12 +84,6 @@ def plain(v: Any, where: str = "value") -> Any:
     raise ScheduleFormatError(f"{where}: {type(v).__name__} {v!r} cannot be written to JSON")
 
 
-def graph_header(graph: Graph) -> dict:
-    """The file's "graph" object for ``graph`` (module docstring), its digest included."""
-    return {"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": asdict(graph.dims),
-            "inputs": list(graph.inputs), "outputs": list(graph.outputs), "digest": graph_digest(graph)}
-
-
 def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
 
@@ -225,6 +219,12 @@ class Schedule:
     @property
     def makespan_us(self) -> float:
         return max((n.end_us for n in self.nodes), default=0.0)
+
+
+def graph_header(graph: Graph) -> dict:
+    """The file's "graph" object for ``graph`` (module docstring), its digest included."""
+    return {"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": asdict(graph.dims),
+            "inputs": list(graph.inputs), "outputs": list(graph.outputs), "digest": graph_digest(graph)}
 
 
 def _kind(v: Any) -> str:
