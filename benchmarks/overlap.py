@@ -1,12 +1,14 @@
 """Does the overlapped schedule beat the sequential one on real ranks? (gloo, CPU, n=2 by default)
 
 One launch: every rank builds one CompiledLayer per schedule (same weights, same inputs) and
-times them step by step, interleaved (step i of every schedule before step i+1), so drift on
-the machine hits every schedule alike. Step time of a step = the slowest rank's; the table
-gives the median over --steps steps, the cost model's predicted makespan, the speed-up over
-'sequential' (ratio of medians) and the paired speed-up (median of per-step ratios against the
-sequential step taken just before: robust to load that drifts during the run, which matters on
-a shared machine).
+times them in ABBA blocks (``runtime.commands.measurement_blocks``: each schedule's first half
+of the steps in order, then the second halves in reverse), so slow drift on the machine hits
+every schedule alike; not step by step, which evicts each layer's working set and slowed every
+schedule ~1.7x. Step time of a step = the slowest rank's; the table gives the median over
+--steps steps, the cost model's predicted makespan, the speed-up over 'sequential' (ratio of
+medians) and the paired speed-up (median over i of the ratio of the i-th sequential step to the
+schedule's i-th step, the same position in their blocks: less sensitive to drift during the run
+than the ratio of medians, which matters on a shared machine).
 
     .venv/bin/python benchmarks/overlap.py                      # tiny, b=1, s=128, n=2, 300 steps
     .venv/bin/python benchmarks/overlap.py --schedules sequential,cpsat --results benchmarks/RESULTS.md
@@ -78,8 +80,8 @@ def main(argv=None) -> int:
                      f"{s['step_us_min'] / 1e3:.2f} | {s['step_us_max'] / 1e3:.2f} | {base / s['step_us']:.3f}x | "
                      f"{statistics.median(ratios):.3f}x | {faster}/{len(ratios)} |")
     lines.append("")
-    lines.append("paired speed-up: median over steps of (sequential step time / schedule step time), the two "
-                 "steps taken back to back")
+    lines.append("paired speed-up: median over i of (i-th sequential step time / the schedule's i-th step time), "
+                 "steps timed in ABBA blocks (each schedule's first halves in order, second halves reversed)")
     hidden = _exposed_waits(results, methods)
     if hidden:
         lines += ["", "host time blocked on collectives, median per step (rank 0): "

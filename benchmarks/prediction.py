@@ -2,8 +2,10 @@
 
 For each schedule, --repeats times: fresh ranks run it (moegraph.runtime.commands.measure_schedule:
 warm-up, then --steps steps; step = the slowest rank's, median over steps) and the table sets the
-measured median beside the prediction of the plan the scheduler made for --hardware. Repeats
-alternate the schedules (A B A B ...) so drift on the machine hits both alike. Before every run
+measured median beside the prediction of the plan the scheduler made for --hardware. Runs go in
+ABBA blocks (``runtime.commands.measurement_blocks`` over repeats: each schedule's first half of
+the repeats in order, then the second halves in reverse) so slow drift on the machine hits every
+schedule alike, not the first one of each round best. Before every run
 a 1024^3 fp32 GEMM probe (best of 5, one thread) is timed in the parent: on a shared VM the
 machine's speed itself drifts, and the probe column shows by how much.
 
@@ -25,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
-from moegraph.runtime.commands import measure_schedule  # noqa: E402
+from moegraph.runtime.commands import measure_schedule, measurement_blocks  # noqa: E402
 
 
 def gemm_probe_gflops() -> float:
@@ -58,13 +60,16 @@ def main(argv=None) -> int:
     layer = layer_from_args(args)
     methods = [m.strip() for m in args.schedules.split(",") if m.strip()]
     rows = []
-    for rep in range(args.repeats):
-        for method in methods:
+    done = [0] * len(methods)                  # runs of each schedule so far
+    for i, count in measurement_blocks(len(methods), args.repeats):
+        method = methods[i]
+        for _ in range(count):
+            done[i] += 1
             probe = gemm_probe_gflops()
             r = measure_schedule(layer, method, steps=args.steps, warmup=args.warmup)
             err = r["predicted_us"] / r["step_us"] - 1
-            rows.append((rep + 1, method, r["predicted_us"] / 1e3, r["step_us"] / 1e3, err, probe))
-            print(f"run {rep + 1} {method}: predicted {rows[-1][2]:.1f} ms, measured {rows[-1][3]:.1f} ms "
+            rows.append((done[i], method, r["predicted_us"] / 1e3, r["step_us"] / 1e3, err, probe))
+            print(f"run {done[i]} {method}: predicted {rows[-1][2]:.1f} ms, measured {rows[-1][3]:.1f} ms "
                   f"({err:+.0%}), GEMM probe {probe:.1f} GFLOP/s", file=sys.stderr, flush=True)
     st = layer.graph.strategy
     head = (f"{layer.model.name}: attn={st.attn} ffn={st.ffn} dispatch={st.dispatch} n={st.n} b={args.batch} "

@@ -6,7 +6,9 @@ command being run is imported, inside ``main``; no library module of ``moegraph`
 later stage.
 
 Expected errors (bad model name, invalid strategy, malformed YAML, a bad option value, ...)
-print one line on stderr and exit 2; unexpected ones keep their traceback. A missing
+print one line on stderr and exit 2; unexpected ones keep their traceback, and so does a
+malformed graph (``GraphError``), also when a pass's error wraps one: moegraph built that graph
+itself, so it is moegraph's bug, not the user's input. A missing
 third-party dependency is named in one line (exit 2), never hidden behind an argparse message.
 """
 
@@ -22,7 +24,7 @@ from typing import Callable, NoReturn
 from moegraph import __version__
 from moegraph.options import UsageError
 
-__all__ = ["COMMANDS", "UsageError", "build_parser", "expected_errors", "main"]
+__all__ = ["COMMANDS", "UsageError", "build_parser", "expected_errors", "internal_error", "main"]
 
 # subcommand -> "module:function" that adds its arguments and returns the handler
 COMMANDS: dict[str, str] = {
@@ -64,17 +66,28 @@ class OneLineParser(argparse.ArgumentParser):
 
 def expected_errors() -> tuple[type[BaseException], ...]:
     from moegraph.builder import ConfigError
-    from moegraph.ir import GraphError
     from moegraph.registry import RegistryError
     from moegraph.tracer import LoweringError
-    errs: list[type[BaseException]] = [UsageError, ConfigError, RegistryError, LoweringError, GraphError,
-                                       FileNotFoundError]
+    errs: list[type[BaseException]] = [UsageError, ConfigError, RegistryError, LoweringError, FileNotFoundError]
     # the later stages' error types, for whichever of them the running command imported
     for mod, name in (("moegraph.passes", "PassError"), ("moegraph.schedules", "ScheduleError"),
                       ("moegraph.runtime", "RuntimeFailure")):
         if mod in sys.modules:
             errs.append(getattr(sys.modules[mod], name))
     return tuple(errs)
+
+
+def internal_error(err: BaseException) -> bool:
+    """Whether ``err`` is, or was raised ``from``, a GraphError (module docstring: a bug, kept
+    with its traceback even when an expected type such as PassError wraps it)."""
+    from moegraph.ir import GraphError
+    seen: set[int] = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, GraphError):
+            return True
+        seen.add(id(err))
+        err = err.__cause__
+    return False
 
 
 def _load(spec: str) -> Callable:
@@ -135,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         return 0
     except expected_errors() as err:
+        if internal_error(err):
+            raise
         msg = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         print(f"moegraph {args.command}: error: {msg}", file=sys.stderr)
         return 2

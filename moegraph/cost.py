@@ -67,7 +67,7 @@ from typing import Any, Literal, Mapping, get_args
 from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware
 
-__all__ = ["CostModel", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
+__all__ = ["CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
            "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
 
 _US = 1e6  # seconds -> microseconds
@@ -194,6 +194,19 @@ def interpolate(points: Curve, size: float) -> float:
     (s0, e0), (s1, e1) = points[i - 1], points[i]
     w = (math.log(size) - math.log(s0)) / (math.log(s1) - math.log(s0))
     return e0 + w * (e1 - e0)
+
+
+def byte_attr(node: Node, key: str, used_by: str) -> int:
+    """A byte count the lowering writes on a node (``stream_bytes`` of an expert GEMM,
+    ``accumulate_bytes`` of a summing weight-gradient kernel). ``used_by`` says what prices or
+    fits by it. A node without it (a graph built by other code) would be priced, or fitted, without
+    that term, so it is an error, not a 0. The one reader: the cost model and the in-step
+    calibration (moegraph.runtime.calibrate.steps) both use it."""
+    value = node.attr(key, None)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"node {node.name!r} ({node.op.value}) has {key}={value!r}, but {used_by}: expected a "
+                         f"byte count >= 0 (moegraph/lowering/blocks.py and moegraph/autodiff.py write it)")
+    return value
 
 
 def op_class(node: Node) -> str:
@@ -340,7 +353,8 @@ class CostModel:
         bw = self.hw.in_step_stream_bw_bytes_s
         if node.op is not OpKind.GROUPED_GEMM or bw <= 0:
             return 0.0
-        return self._bytes_attr(node, "stream_bytes", "in_step_stream_bw_bytes_s") / bw * _US
+        used_by = f"profile {self.hw.name!r} prices it by in_step_stream_bw_bytes_s"
+        return byte_attr(node, "stream_bytes", used_by) / bw * _US
 
     def _accumulate_us(self, node: Node) -> float:
         """Adding a weight-gradient kernel's result to the running sum (module docstring):
@@ -348,17 +362,8 @@ class CostModel:
         bw = self.hw.accumulate_bw_bytes_s
         if bw <= 0 or not node.attr("accumulate", False):
             return 0.0
-        return self._bytes_attr(node, "accumulate_bytes", "accumulate_bw_bytes_s") / bw * _US
-
-    def _bytes_attr(self, node: Node, key: str, field: str) -> int:
-        """A byte count the lowering writes. A node without it (a graph built by other code) would
-        be priced without the profile's term, so it is an error, not a 0."""
-        value = node.attr(key, None)
-        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-            raise ValueError(f"node {node.name!r} ({node.op.value}) has {key}={value!r}, but profile "
-                             f"{self.hw.name!r} prices it by {field}: expected a byte count >= 0 "
-                             f"(moegraph/lowering/blocks.py and moegraph/autodiff.py write it)")
-        return value
+        used_by = f"profile {self.hw.name!r} prices it by accumulate_bw_bytes_s"
+        return byte_attr(node, "accumulate_bytes", used_by) / bw * _US
 
     def scope(self, node: Node) -> Scope:
         """Which link a collective crosses on this profile (``collective_scope``)."""

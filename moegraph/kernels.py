@@ -386,24 +386,39 @@ def _router_pullback(node: Node, primal: int, ins):
 
 
 _GROUPED_MM = getattr(torch, "_grouped_mm", None)
-_NO_GROUPED_MM: set[tuple[str, torch.dtype]] = set()   # (device type, dtype) where _grouped_mm raised
+_GROUPED_MM_RUNS: dict[tuple[torch.device, torch.dtype], bool] = {}   # probed once per (device, dtype)
+
+
+def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch._grouped_mm takes this device and dtype (fp64 it does not), probed once on
+    tiny aligned operands in both call shapes (2-D x 3-D, and 2-D x 2-D for weight gradients), as
+    ``runtime.cudagraph.grouped_mm_host_read`` probes its host reads. Decided up front, so an
+    error from a real call (a shape bug) propagates instead of switching the op off."""
+    key = (device, dtype)
+    if key not in _GROUPED_MM_RUNS:
+        x = torch.zeros(32, 16, dtype=dtype, device=device)                    # [R, K], two groups of 16 rows
+        w = torch.zeros(2, 16, 16, dtype=dtype, device=device)                 # [E, N, K]
+        ends = torch.arange(16, 33, 16, dtype=torch.int32, device=device)      # [16, 32], no host copy
+        try:
+            _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
+            _GROUPED_MM(x.T, x, offs=ends)
+            _GROUPED_MM_RUNS[key] = True
+        except (RuntimeError, NotImplementedError):
+            _GROUPED_MM_RUNS[key] = False
+    return _GROUPED_MM_RUNS[key]
 
 
 def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-    """torch._grouped_mm with device-side group ends, or None where it cannot run (no such op, an
-    operand whose row stride is not 16-byte aligned, or a device/dtype it rejected before): the
+    """torch._grouped_mm with device-side group ends, or None where it cannot run (no such op, a
+    device/dtype it does not take, or an operand whose row stride is not 16-byte aligned): the
     caller then loops over host segments, which costs one device-to-host copy of the counts."""
-    if _GROUPED_MM is None or (a.device.type, a.dtype) in _NO_GROUPED_MM:
+    if _GROUPED_MM is None or not _grouped_mm_runs(a.device, a.dtype):
         return None
     for t in (a, b):
         if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()) \
                 or (t.storage_offset() * t.element_size()) % 16:
             return None
-    try:
-        return _GROUPED_MM(a, b, offs=offsets)
-    except (RuntimeError, NotImplementedError):
-        _NO_GROUPED_MM.add((a.device.type, a.dtype))
-        return None
+    return _GROUPED_MM(a, b, offs=offsets)
 
 
 def _grouped(x, w, seg, transpose_w: bool = False):

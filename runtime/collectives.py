@@ -41,9 +41,12 @@ Backend gaps, emulated exactly:
       against 3 ms to issue an all_to_all of the same buffer) and returns a plain Work without a
       future, not one of gloo's asynchronous works. On gloo it is therefore always emulated:
       all_to_all_single of the n chunks, then a local sum in rank order (the reference's
-      order). Same bytes on the wire as a ring reduce-scatter: (n-1)/n of the tensor per rank. Elsewhere the native op
-      is used; ``emulate={"reduce_scatter"}`` forces the emulation, and a backend raising "not
-      supported" falls back to it.
+      order). Same bytes on the wire as a ring reduce-scatter: (n-1)/n of the tensor per rank. MPI
+      has no reduce_scatter at all: emulated too. Elsewhere the native op is used;
+      ``emulate={"reduce_scatter"}`` forces the emulation. The emulated set is decided when the
+      Comm is built, from the backend (``BACKEND_EMULATED``), so it is the same on every rank; a
+      native op that fails later is an error, never a switch one rank would make alone (its
+      peers would then wait in a different collective).
     * the count exchange of token all-to-alls always runs on a gloo (CPU) group, also when the
       data goes over NCCL: all_to_all_single needs its split sizes on the host anyway, so the
       index map's per-expert counts are copied to the host once per dispatch (IndexMap.splits,
@@ -81,7 +84,18 @@ from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 EMULABLE = frozenset({"reduce_scatter"})
-GLOO_EMULATED = frozenset({"reduce_scatter"})   # see "Backend gaps" above
+# what each backend cannot run natively (or, gloo, not asynchronously): see "Backend gaps" above
+BACKEND_EMULATED: dict[str, frozenset[str]] = {"gloo": frozenset({"reduce_scatter"}),
+                                               "mpi": frozenset({"reduce_scatter"})}
+
+
+def emulated_collectives(backend: str, forced: frozenset[str] = frozenset()) -> set[str]:
+    """The collectives a Comm on ``backend`` emulates: the backend's known gaps plus ``forced``.
+    A function of the backend name only, so every rank decides the same before any collective."""
+    unknown = set(forced) - EMULABLE
+    if unknown:
+        raise ValueError(f"cannot emulate {sorted(unknown)}; emulable collectives: {sorted(EMULABLE)}")
+    return set(forced) | BACKEND_EMULATED.get(backend, frozenset())
 
 
 @dataclass(frozen=True)
@@ -187,13 +201,10 @@ class Comm:
     def __init__(self, keys: Sequence[tuple[str, int]], *, rank: int, n: int, timeout_s: float,
                  emulate: frozenset[str] = frozenset(), meta_group: Any = None, dp: int = 1,
                  axes: Sequence[Axis] = ("mp",)):
-        unknown = set(emulate) - EMULABLE
-        if unknown:
-            raise ValueError(f"cannot emulate {sorted(unknown)}; emulable collectives: {sorted(EMULABLE)}")
         self.layout = Layout(n, dp, rank)
         self.rank, self.n, self.dp, self.timeout_s = rank, n, dp, timeout_s
         self.backend = dist.get_backend() if self.layout.world > 1 else "none"
-        self.emulate = set(emulate) | (GLOO_EMULATED if self.backend == "gloo" else set())
+        self.emulate = emulated_collectives(self.backend, emulate)
         # token count exchanges run within the replica; plan-hash checks and barriers over all ranks
         self.world_meta = metadata_group()
         self.meta = meta_group if meta_group is not None else metadata_group(self.layout.partition("mp"))
@@ -286,13 +297,8 @@ class Comm:
             out = chunks.new_empty(chunks.shape[1:])
             cat = chunks.view(-1, *chunks.shape[2:])                # chunks concatenated on dim 0
             op = dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM
-            try:
-                work = _reduce_scatter_single(out, cat, op=op, group=pg, async_op=True)
-                return [work], lambda: [out], (chunks, out)
-            except (RuntimeError, NotImplementedError, ValueError) as err:
-                if "support" not in str(err).lower():
-                    raise
-                self.emulate.add("reduce_scatter")                  # same torch on every rank: all switch
+            work = _reduce_scatter_single(out, cat, op=op, group=pg, async_op=True)
+            return [work], lambda: [out], (chunks, out)
         recv = torch.empty_like(chunks)                             # [n, ..S..]: rank r's partial of my chunk
         work = dist.all_to_all_single(recv, chunks, group=pg, async_op=True)
         # summed (or averaged) over ranks in rank order, as the reference interpreter does

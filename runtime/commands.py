@@ -222,7 +222,7 @@ def measurement_blocks(plans: int, steps: int) -> list[tuple[int, int]]:
 
 
 def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
-    """One rank of `moegraph run`: time every plan of ``spec`` (interleaved step by step)."""
+    """One rank of `moegraph run`: time every plan of ``spec`` (in ABBA blocks: ``measurement_blocks``)."""
     import torch
     from moegraph.runtime.check import check_against_eager
     from moegraph.runtime.module import build_layer
@@ -860,18 +860,45 @@ def format_train_report(r: dict[str, Any]) -> str:
 
 
 def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
-    """The graph lowered from the file's settings is the one the file schedules (else PlanError)."""
-    import dataclasses as dc
-
+    """The graph lowered from the file's settings is the one the file schedules: the fields the
+    file holds (strategy, dims, every node's op, costs and attributes) agree and so does its
+    digest (``moegraph.ir.graph_digest``, which also covers the values), else PlanError naming
+    the first difference. A file without a digest cannot be checked: refused (recompile it)."""
     from moegraph.runtime import PlanError
-    if graph.strategy.as_dict() != schedule.graph["strategy"] or dc.asdict(graph.dims) != schedule.graph["dims"]:
-        raise PlanError(f"--schedule {path}: lowering its model with its strategy and passes gives strategy "
-                        f"{graph.strategy.as_dict()}, the file schedules {schedule.graph['strategy']} (written by "
-                        "another moegraph version?)")
-    names, scheduled = {n.name for n in graph.nodes}, {n.name for n in schedule.nodes}
-    if names != scheduled:
-        odd = sorted(names ^ scheduled)
-        raise PlanError(f"--schedule {path}: the file's nodes differ from the lowered graph's ({odd[:5]})")
+    if schedule.graph.get("digest") is None:
+        raise PlanError(f"--schedule {path} records no graph digest (written before moegraph recorded one), so run "
+                        "cannot check that it schedules this graph; recompile it (moegraph compile or tune)")
+    if why := _graph_difference(graph, schedule):
+        raise PlanError(f"--schedule {path}: lowering its model with its settings gives a different graph than the "
+                        f"file schedules: {why} (written by another moegraph version? recompile it)")
+
+
+def _graph_difference(graph: Any, schedule: Any) -> str | None:
+    """The first difference between ``graph`` and the graph ``schedule`` was written for, in
+    words, or None."""
+    from moegraph.schedules.schedule_file import graph_header, plain
+    header = graph_header(graph)
+    for key in ("strategy", "dims", "inputs", "outputs"):
+        if header[key] != schedule.graph.get(key):
+            return f"{key} {header[key]}, the file's {schedule.graph.get(key)}"
+    names, scheduled = [n.name for n in graph.nodes], {n.name for n in schedule.nodes}
+    if set(names) != scheduled:
+        return f"nodes differ ({sorted(set(names) ^ scheduled)[:5]})"
+    filed = schedule.node
+    for n in graph.nodes:
+        mine = {"op": n.op.value, "role": n.role.value, "phase": n.phase.value, "inputs": tuple(n.inputs),
+                "outputs": tuple(n.outputs), "flops": n.flops, "mem_bytes": n.mem_bytes, "comm_bytes": n.comm_bytes,
+                "group": n.group, "attrs": plain(dict(n.attrs)), "module": n.module, "block": n.block,
+                "forward_of": n.forward_of}
+        theirs = {k: getattr(filed[n.name], k) for k in mine}
+        for k in mine:
+            if mine[k] != theirs[k]:
+                return f"node {n.name!r} has {k} {mine[k]!r}, the file's {theirs[k]!r}"
+    if header["digest"] == schedule.graph["digest"]:
+        return None
+    # every node field the file holds agrees: the rest of the digest (values, parameters, gradients)
+    return (f"values, parameters or gradients (graph digest {header['digest'][:12]}, the file's "
+            f"{schedule.graph['digest'][:12]})")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",

@@ -168,7 +168,8 @@ def as_schedule(graph: Graph, plan: "ExecutionPlan", times: dict[str, tuple[floa
                 **summary: Any) -> Any:
     """A ``schedules`` Schedule (the schedule-file object the Gantt renderer draws) with the given
     per-node (start_us, end_us); streams and SM budgets from ``plan``."""
-    from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+    from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header,
+                                                  round_us)
     nodes = []
     for e in plan.entries:
         n = graph.node[e.name]
@@ -187,8 +188,7 @@ def as_schedule(graph: Graph, plan: "ExecutionPlan", times: dict[str, tuple[floa
                "makespan_us": round_us(max((nd.end_us for nd in nodes), default=0.0)),
                "exposed_comm_us": round_us(sum(b - a for a, b in exposed_comm(nodes))), **summary}
     hw = hardware.to_dict() if hardware is not None else {}
-    return Schedule(graph={"name": graph.name, "strategy": st.as_dict(), "dims": asdict(graph.dims),
-                           "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
+    return Schedule(graph=graph_header(graph),
                     hardware=hw, streams=tuple(plan.streams), memory_budget_bytes=None, tick_us=0.01,
                     values=values, nodes=tuple(nodes), summary=summary).with_hash()
 

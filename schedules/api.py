@@ -35,7 +35,7 @@ from moegraph.schedules.periodic import SLIDE_ORDERS, can_slide, is_stack, tile_
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
-from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, round_us
+from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header, round_us
 
 __all__ = ["CompileResult", "compile_graph", "model_step", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
            "list_warm_starts"]
@@ -295,8 +295,7 @@ def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span:
         "solver": solver_info,
     }
     return Schedule(
-        graph={"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": dataclasses.asdict(graph.dims),
-               "inputs": list(graph.inputs), "outputs": list(graph.outputs)},
+        graph=graph_header(graph),
         hardware=problem.cost.hw.to_dict(), streams=problem.streams,
         memory_budget_bytes=problem.memory_budget_bytes, tick_us=tick, values=values, nodes=tuple(nodes),
         summary=summary).with_hash()

@@ -3,7 +3,7 @@
 A file holds everything ``moegraph.schedules.verify`` needs and nothing that varies between runs:
 
     {"format": "moegraph.schedule", "version": 1,
-     "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs},
+     "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs, digest},
      "hardware": Hardware.to_dict(),
      "streams":  ["compute", "comm", ...],
      "memory_budget_bytes": int | null,
@@ -20,6 +20,11 @@ A file holds everything ``moegraph.schedules.verify`` needs and nothing that var
 Files written by ``moegraph run --trace`` use the same format with a runtime summary
 ({method, plan_hash, strategy, makespan_us, exposed_comm_us, measured: bool, ...}, no
 peak_memory_bytes or solver): ``Schedule.origin`` tells the three kinds apart.
+
+graph.digest is ``moegraph.ir.graph_digest`` of the scheduled graph (every node's op, costs and
+attributes, every value): ``moegraph run --schedule`` lowers the graph again from the file's
+settings and runs the file only if the digests agree. Files written before it was recorded
+lack it; run refuses them (recompile).
 
 The reader checks every field's JSON type (times finite, counts non-negative integers) and
 names the first bad one; it does not check the hash or the semantics (``verify`` does).
@@ -42,10 +47,10 @@ from typing import Any, Callable, Literal, Mapping
 
 from moegraph.canonical import canonical_json
 from moegraph.edges import EDGES, is_edge
-from moegraph.ir import LAYER_ATTR
+from moegraph.ir import LAYER_ATTR, Graph, graph_digest
 
 __all__ = ["FORMAT", "VERSION", "DECIMALS", "ScheduleFormatError", "ScheduledValue", "ScheduledNode", "Schedule",
-           "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "dp_sync_exposure",
+           "graph_header", "canonical_json", "round_us", "plain", "exposed_comm", "layer_exposed_comm", "dp_sync_exposure",
            "per_layer_summary", "layer_group", "group_label", "Origin"]
 
 FORMAT = "moegraph.schedule"
@@ -213,6 +218,12 @@ class Schedule:
         return max((n.end_us for n in self.nodes), default=0.0)
 
 
+def graph_header(graph: Graph) -> dict:
+    """The file's "graph" object for ``graph`` (module docstring), its digest included."""
+    return {"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": asdict(graph.dims),
+            "inputs": list(graph.inputs), "outputs": list(graph.outputs), "digest": graph_digest(graph)}
+
+
 def _kind(v: Any) -> str:
     if isinstance(v, float) and math.isnan(v):
         return "NaN"
@@ -273,6 +284,8 @@ def _check_fields(d: dict) -> None:
     for key in ("inputs", "outputs"):
         if key in d["graph"] and not _is_str_list(d["graph"][key]):
             raise ScheduleFormatError(f"graph.{key} is {_kind(d['graph'][key])}, not a list of value names")
+    if "digest" in d["graph"] and not isinstance(d["graph"]["digest"], str):
+        raise ScheduleFormatError(f"graph.digest is {_kind(d['graph']['digest'])}, not a string")
     for what, entries, types in (("value", d["values"], _VALUE_TYPES), ("node", d["nodes"], _NODE_TYPES)):
         for i, e in enumerate(entries):
             if not isinstance(e, dict):

@@ -187,12 +187,17 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
                               cache=cache)
         say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {_label(r['candidate'], r['graph']):<46} "
             f"{r['final']['predicted_us']:.1f} us")
-    ranked = sorted((_row(r, base["predicted_us"]) for r in rows), key=_rank_key)
-    best_row = next((r for r in rows if _row(r, base["predicted_us"]) == ranked[0]), None)
-    best, schedule = ranked[0], (best_row.get("final") or best_row["stage1"]).get("schedule") if best_row else None
+    # rank the rows themselves, so the pick's schedule is its own row's (never found again by
+    # comparing the reported dicts)
+    order = sorted(rows, key=lambda r: _rank_key(_row(r, base["predicted_us"])))
+    ranked = [_row(r, base["predicted_us"]) for r in order]
+    best, schedule, label = ranked[0], (order[0].get("final") or order[0]["stage1"]).get("schedule"), \
+        _label(order[0]["candidate"], order[0]["graph"]).strip()
     kept = _keep_baseline(best, base, min_gain, memory_budget)
     if kept:
-        best, schedule = _baseline_row(base, kept), base.get("schedule")
+        best, schedule, label = _baseline_row(base, kept), base.get("schedule"), "the tp+tp sequential baseline"
+    if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
+        raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
     say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, n)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
             "min_gain": min_gain, "micro_batches": micro_batches,
@@ -373,7 +378,7 @@ def tune_command(p: argparse.ArgumentParser):
                    micro_batches=args.micro_batches,
                    progress=say, fuse=args.fuse)
         schedule_json = res.pop("_best_schedule")
-        if schedule_json and args.output:
+        if args.output:
             say(f"writing {args.output} and its Gantt chart")
             sched = Schedule.from_json(schedule_json)
             sched.save(make_parents(args.output))

@@ -167,6 +167,37 @@ def test_fit_recovers_known_hardware(tmp_path):
         assert c.median_error < 0.005, c.line()
 
 
+def test_self_check_counts_the_samples_no_ir_op_prices(tmp_path):
+    """The memory benchmark's plain copies have no IR op: the self-check counts them (its line and
+    the profile's remark say so) instead of leaving them out unnoticed."""
+    from moegraph.runtime.calibrate.fit import summarize_checks
+    _, hw = _fit(tmp_path)
+    checks = self_check(hw, _synthetic_results(), N)
+    memory = next(c for c in checks if c.bench == "memory")
+    assert (memory.cases, memory.not_ops) == (3, 2)
+    assert memory.line().endswith("over 3 cases (+2 of no IR op, not checked)")
+    assert summarize_checks(checks).endswith("; samples of no IR op, not checked: memory 2")
+    copies = [r for r in _synthetic_results() if r.name == "memory"][0]
+    only = BenchResult("memory", tuple(s for s in copies.samples if s.op == "copy"), "", 0.0)
+    (alone,) = self_check(hw, [only], N)
+    assert alone.line() == "memory: no case checked (+2 of no IR op, not checked)"
+
+
+def test_a_link_bandwidth_from_raw_rates_is_noted(tmp_path):
+    """Collectives too small for any message to be mostly transfer: the link bandwidth falls back
+    to the best raw bytes/s (latency included), and the profile's notes say so."""
+    comm = [BenchResult(kind, tuple(Sample(kind, kind, KAPPA + (N - 1) * ALPHA + b / LINK, comm_bytes=b)
+                                    for b in (1024.0, 4096.0)), "", 0.0)
+            for kind in ("all_gather", "reduce_scatter")]
+    base = [r for r in _synthetic_results() if r.name in ("kernel", "gemm", "memory")]
+    opts = CalibrationOptions(n=N, output=tmp_path / "small.yaml")
+    profile = fit_profile(base + comm, load_hardware("cpu-gloo"), opts, MACHINE, 1.0)
+    raw = 4096.0 / (KAPPA + (N - 1) * ALPHA + 4096.0 / LINK)
+    assert profile.hardware().nvlink_bw_bytes_s == pytest.approx(raw, rel=1e-2)
+    assert any(r.startswith(f"link bandwidth {raw / 1e9:.3g} GB/s is the best raw bytes/s of any collective, "
+                            "latency included") for r in profile.facts.remarks), profile.facts.remarks
+
+
 def test_fitted_profile_round_trips_through_yaml(tmp_path):
     profile, hw = _fit(tmp_path)
     path = tmp_path / "synthetic.yaml"
@@ -292,3 +323,30 @@ def test_link_peak_is_the_best_size_bin_so_no_curve_point_is_clamped(tmp_path):
     for b, e in rate.items():
         node = Node("c", OpKind.ALL_GATHER, Phase.FORWARD, (), ("y",), comm_bytes=int(b), group=N)
         assert cost.node_time_us(node) == pytest.approx((KAPPA + (N - 1) * ALPHA + b / (LINK * e)) * 1e6, rel=1e-2), b
+
+
+def _one_rank_env():
+    from moegraph.runtime.calibrate.benchmarks import Clock, Lockstep, RankEnv
+    now = time.time()
+    return RankEnv(0, 2, torch.device("cpu"), "fp32", "gloo", now, now + 60, Lockstep(0, 1), Clock(torch.device("cpu")),
+                   verbose=False)
+
+
+def test_model_graphs_skip_only_a_layer_n_cannot_split(monkeypatch):
+    """A layer the rank count cannot split is a note (its ConfigError); any other failure while
+    building a model graph is a bug and propagates instead of fitting the profile on fewer graphs."""
+    import moegraph.tracer
+    from moegraph.ir import ConfigError
+    from moegraph.runtime.calibrate.benchmarks import MODEL_GRAPHS, bench_model_graphs
+
+    def split_error(cfg, strategy, **kw):
+        raise ConfigError(f"n={strategy.n} does not divide heads=3")
+    monkeypatch.setattr(moegraph.tracer, "trace_model", split_error)
+    res = bench_model_graphs(_one_rank_env(), time.time() + 60)
+    assert res.samples == () and res.skipped.count("does not divide heads=3") == len(MODEL_GRAPHS)
+
+    def bug(cfg, strategy, **kw):
+        raise RuntimeError("shape mismatch in a lowering rule")
+    monkeypatch.setattr(moegraph.tracer, "trace_model", bug)
+    with pytest.raises(RuntimeError, match="shape mismatch in a lowering rule"):
+        bench_model_graphs(_one_rank_env(), time.time() + 60)

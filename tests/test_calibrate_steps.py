@@ -193,6 +193,28 @@ def test_fit_recovers_the_streaming_and_accumulation_rates():
         assert abs(check.error) < 1e-3, check.line()
 
 
+def _without(graph, key: str):
+    """``graph`` with attr ``key`` taken off its first node that has it, and that node."""
+    node = next(nd for nd in graph.nodes if nd.attr(key, None) is not None)
+    bare = dataclasses.replace(node, attrs=tuple((k, v) for k, v in node.attrs if k != key))
+    return dataclasses.replace(graph, nodes=tuple(bare if nd is node else nd for nd in graph.nodes)), node
+
+
+@pytest.mark.parametrize("key", ["stream_bytes", "accumulate_bytes"])
+def test_fit_refuses_a_node_without_its_byte_count(key):
+    """A node without the byte count its rate is fitted by is an error naming it (as the cost
+    model's), not a 0 that would fit the rate on fewer bytes than were moved."""
+    chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
+                                                       chunks=2), batch=1, seq=64)
+    samples = [_with_terms(_graph(64, "sp", "ep", "ag-rs"), "a"), _with_terms(_graph(32, "tp", "ep", "a2a"), "b"),
+               _with_terms(chunked, "c")]
+    i = 0 if key == "stream_bytes" else 2              # an expert GEMM's, a summing kernel's
+    bare, node = _without(samples[i].graph, key)
+    samples[i] = dataclasses.replace(samples[i], graph=bare)
+    with pytest.raises(ValueError, match=f"node '{node.name}' .* has {key}=None, but the in-step fit prices"):
+        fit_in_step(BASE, samples)
+
+
 def test_a_chunked_layer_alone_gives_no_factors():
     chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",
                                                        chunks=2), batch=1, seq=64)

@@ -6,7 +6,10 @@ Each section lists one stage's commands; a case is (argv, a fragment the one lin
 ``{tmp}`` in an argument is replaced by a fresh temporary folder holding ``a_file.txt`` (a
 regular file), ``a_dir/`` (a directory), ``sched.json`` (a valid schedule file of the tiny
 layer, written by compile) and ``nan_time.json`` / ``text_time.json`` / ``nan_span.json`` (that file
-with a node's start NaN, a node's end a string, summary.makespan_us NaN).
+with a node's start NaN, a node's end a string, summary.makespan_us NaN), ``other_flops.json`` /
+``other_attrs.json`` / ``other_digest.json`` (a node's cost or attributes, or the graph digest,
+edited: another graph) and ``no_digest.json``
+(no graph digest, as files written before it was recorded).
 """
 
 from __future__ import annotations
@@ -120,6 +123,10 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/sched.json", "--seq", "128"], "--seq 128 does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--model", "small"], "--model small does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
+    (["run", "--schedule", "{tmp}/other_flops.json"], "gives a different graph than the file schedules: node "),
+    (["run", "--schedule", "{tmp}/other_attrs.json"], "gives a different graph than the file schedules: node "),
+    (["run", "--schedule", "{tmp}/other_digest.json"], "values, parameters or gradients (graph digest "),
+    (["run", "--schedule", "{tmp}/no_digest.json"], "records no graph digest (written before moegraph recorded one)"),
     (["run", "--model", "tiny", "--n", "3"], "n=3 does not divide heads=4"),
     (["run", "--backend", "nccl", "--model", "small", "--n", "64"], "--backend nccl needs 64 CUDA devices"),
     (["calibrate", "--time-budget", "0", "-o", "{tmp}/p.yaml"], "--time-budget 0: must be between 10 and 3600 s"),
@@ -194,7 +201,11 @@ def workdir(tmp_path_factory):
     assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
     for name, edit in (("nan_time", lambda d: d["nodes"][1].update(start_us=float("nan"))),
                        ("text_time", lambda d: d["nodes"][1].update(end_us="1.5")),
-                       ("nan_span", lambda d: d["summary"].update(makespan_us=float("nan")))):
+                       ("nan_span", lambda d: d["summary"].update(makespan_us=float("nan"))),
+                       ("other_flops", lambda d: d["nodes"][1].update(flops=d["nodes"][1]["flops"] + 1)),
+                       ("other_attrs", lambda d: d["nodes"][1]["attrs"].update(scope="inter")),
+                       ("other_digest", lambda d: d["graph"].update(digest="0" * 64)),
+                       ("no_digest", lambda d: d["graph"].pop("digest"))):
         doc = json.loads((tmp / "sched.json").read_text())
         edit(doc)
         (tmp / f"{name}.json").write_text(json.dumps(doc))  # json writes NaN as a damaged file holds it
@@ -234,6 +245,35 @@ def test_bad_input_is_one_line_and_exit_2(argv, fragment, workdir, capsys):
     assert "Traceback" not in err
     assert fragment in lines[0]
     assert sorted(p.name for p in workdir.rglob("*")) == before, "a rejected command wrote a file"
+
+
+def test_a_malformed_graph_is_a_bug_with_its_traceback(monkeypatch, capsys):
+    """moegraph builds every graph itself: a GraphError, also one a PassError wraps (a pass left a
+    graph verify rejects), is its bug, not bad input, so the CLI keeps the traceback; a pass's
+    own bad argument stays one line."""
+    import dataclasses
+
+    from moegraph.ir import GraphError
+    from moegraph.passes import PASSES, PassError, PassResult
+
+    def breaks(arg, cost):
+        def run(graph):
+            bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
+            return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
+        return run
+    monkeypatch.setitem(PASSES, "breaks", dataclasses.replace(PASSES["sar"], name="breaks", build=breaks))
+    with pytest.raises(PassError, match="reads unknown value 'nowhere'") as err:
+        main(["trace", *TINY, "--passes", "breaks"])
+    assert isinstance(err.value.__cause__, GraphError)
+    assert run_cli(["trace", *TINY, "--passes", "chunk=x"], capsys)[0] == 2          # the user's: one line
+
+    import moegraph.tracer
+
+    def malformed(graph):
+        raise GraphError("node 'fc1' is declared twice")
+    monkeypatch.setattr(moegraph.tracer, "verify", malformed)
+    with pytest.raises(GraphError, match="declared twice"):
+        main(["trace", *TINY])
 
 
 def test_at_least_forty_bad_inputs_across_all_commands():

@@ -29,6 +29,28 @@ def test_measurement_blocks_are_abba_and_cover_every_step():
     assert [i for i, _ in measurement_blocks(3, 1)] == [0, 1, 2]     # empty halves dropped
 
 
+def test_prediction_benchmark_runs_its_schedules_in_abba_blocks(monkeypatch, capsys):
+    """benchmarks/prediction.py: repeats go in ABBA blocks (measurement_blocks), not A B A B, and
+    its paired runs pair each schedule's k-th runs."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "prediction.py"
+    spec = importlib.util.spec_from_file_location("bench_prediction", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    order = []
+
+    def measured(layer, method, **kw):
+        order.append(method)
+        return {"predicted_us": 1000.0, "step_us": 1000.0 + len(order)}
+    monkeypatch.setattr(bench, "measure_schedule", measured)
+    monkeypatch.setattr(bench, "gemm_probe_gflops", lambda: 1.0)
+    assert bench.main(["--model", "tiny", "--seq", "64", "--schedules", "cpsat,sequential", "--repeats", "4"]) == 0
+    assert order == ["cpsat", "cpsat", "sequential", "sequential", "sequential", "sequential", "cpsat", "cpsat"]
+    out = capsys.readouterr().out
+    assert "| 3 | sequential |" in out and "cpsat measured no slower than sequential in 2/4 paired runs" in out
+
+
 def test_measure_schedule_runs_ranks_and_matches_eager():
     import argparse
 

@@ -101,6 +101,44 @@ def test_padded_grouped_gemm_zeroes_padding_and_ignores_nan_rows(host_loop, monk
                                                        atol=1e-6)
 
 
+def _counting_grouped_mm(monkeypatch, fail_after: int | None = None):
+    """torch._grouped_mm behind a call counter, the (device, dtype) probes cleared; calls past
+    ``fail_after`` raise as a shape bug in the caller would."""
+    real, calls = torch._grouped_mm, []
+
+    def op(a, b, offs):
+        calls.append(a.dtype)
+        if fail_after is not None and len(calls) > fail_after:
+            raise RuntimeError("grouped gemm: a bad shape from the caller")
+        return real(a, b, offs=offs)
+    monkeypatch.setattr(kernels, "_GROUPED_MM", op)
+    monkeypatch.setattr(kernels, "_GROUPED_MM_RUNS", {}, raising=False)
+    return calls
+
+
+def test_grouped_gemm_support_is_probed_once_and_call_errors_propagate(monkeypatch):
+    """Support for a (device, dtype) is probed up front (fp64: torch._grouped_mm refuses it, so the
+    host loop runs, with no further attempts); an error from a real call where the op runs is
+    raised, not taken as "unsupported" and switched off."""
+    experts = _experts([[0, 3], [2, 1], [1, 0], [3, 2]])
+    m = build_index_map(experts, "local", 2, 0, 2)
+    R = m.flat.shape[0]
+    gen = torch.Generator().manual_seed(0)
+    w, x = torch.randn(2, 8, 16, generator=gen), torch.randn(R, 16, generator=gen)
+    ref, start = [], 0
+    for e, count in m.segments:
+        ref.append(x[start:start + count] @ w[e].T)
+        start += count
+    calls = _counting_grouped_mm(monkeypatch)
+    for _ in range(2):
+        assert torch.allclose(kernels._grouped(x.double(), w.double(), m), torch.cat(ref).double(), atol=1e-12)
+    assert calls == [torch.float64]                       # the probe's first call, then never again
+    calls = _counting_grouped_mm(monkeypatch, fail_after=2)  # the fp32 probe's two calls succeed
+    with pytest.raises(RuntimeError, match="a bad shape from the caller"):
+        kernels._grouped(x, w, m)
+    assert kernels._GROUPED_MM_RUNS == {(x.device, torch.float32): True}
+
+
 def test_padding_rows_never_reach_tokens_or_routing_slots():
     """UNPERMUTE (combine), PERMUTE's backward and UNPERMUTE's weight gradient over a padded map whose
     padding rows are NaN: results equal the exact map's on its R rows."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import comm_workers
@@ -83,3 +84,26 @@ def test_index_map_from_splits_is_a_by_destination_map():
     from moegraph.kernels import IndexMap
     m = IndexMap.from_splits(torch.arange(5), (2, 0, 3))
     assert m.splits == (2, 0, 3) and m.segments == ((0, 2), (0, 0), (0, 3)) and m.offsets is None
+
+
+def test_the_emulated_collectives_are_the_backends_not_a_ranks_runtime_switch(monkeypatch):
+    """Which collectives are emulated is decided from the backend before the first collective
+    (gloo and MPI: reduce_scatter), identically on every rank. A native reduce_scatter that
+    fails is an error: one rank switching to the all_to_all emulation alone would leave its
+    peers waiting in a different collective."""
+    from moegraph.ir import Node, OpKind, Phase, freeze_attrs
+    from moegraph.runtime import collectives
+    assert collectives.emulated_collectives("gloo") == {"reduce_scatter"}
+    assert collectives.emulated_collectives("mpi") == {"reduce_scatter"}
+    assert collectives.emulated_collectives("nccl") == set()
+    assert collectives.emulated_collectives("nccl", frozenset({"reduce_scatter"})) == {"reduce_scatter"}
+
+    def unsupported(*args, **kwargs):
+        raise RuntimeError("this backend does not support reduce_scatter")
+    monkeypatch.setattr(collectives, "_reduce_scatter_single", unsupported)
+    comm = collectives.Comm.__new__(collectives.Comm)      # a native-reduce_scatter rank (no process group)
+    comm.emulate = collectives.emulated_collectives("nccl")
+    node = Node("rs", OpKind.REDUCE_SCATTER, Phase.FORWARD, ("x",), ("y",), attrs=freeze_attrs({"dim": 1}), group=2)
+    with pytest.raises(RuntimeError, match="does not support reduce_scatter"):
+        comm._reduce_scatter(node, torch.randn(1, 4, 3), None, 2)
+    assert comm.emulate == set()

@@ -140,6 +140,28 @@ def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tiny_cache):
     assert above["candidates"] == free["candidates"]          # the ranking itself does not change
 
 
+def test_the_picks_schedule_is_its_own_rows_and_a_missing_one_is_an_error(tiny_cache, monkeypatch):
+    """The written schedule is the ranked first row's (strategy and predicted time); a pick whose
+    entry has no schedule raises instead of leaving `tune --output` with nothing to write."""
+    import moegraph.schedules.tune as tune_mod
+    from moegraph.schedules.schedule_file import Schedule
+    res = _tiny_tune(tiny_cache, min_gain=0.0)
+    best, sched = res["best"], Schedule.from_json(res["_best_schedule"])
+    st = sched.graph["strategy"]
+    assert (st["attn"], st["ffn"], st["dispatch"], st["passes"]) == (best["attn"], best["ffn"], best["dispatch"],
+                                                                     best["passes"])
+    assert sched.summary["method"] == best["scheduler"]
+    assert sched.summary["makespan_us"] == pytest.approx(best["predicted_us"])
+    real = tune_mod.evaluate
+
+    def no_schedule(graph, cost, method, **kw):
+        entry = real(graph, cost, method, **kw)
+        return {k: v for k, v in entry.items() if k != "schedule"} if method == "cpsat" else entry
+    monkeypatch.setattr(tune_mod, "evaluate", no_schedule)
+    with pytest.raises(RuntimeError, match="has no schedule"):
+        _tiny_tune(tiny_cache, min_gain=0.0)
+
+
 def test_min_gain_defaults_to_the_profiles_step_noise(tiny_cache):
     import dataclasses
     noisy = dataclasses.replace(load_hardware("h800"), step_noise=0.9)

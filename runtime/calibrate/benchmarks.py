@@ -42,7 +42,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from moegraph.cost import collective_bytes
-from moegraph.ir import Node, OpKind, Phase, Role, freeze_attrs
+from moegraph.ir import ConfigError, Node, OpKind, Phase, Role, freeze_attrs
 from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 from moegraph.runtime.collectives import Comm, Pending
 
@@ -659,22 +659,28 @@ both would blur the curves for the model the CPU runs are about. ``tiny``-sized 
 the synthetic sweeps, which fill the sizes no graph node covers."""
 
 
-def _graph_inputs(env: RankEnv, model: str, seq: int, attn: str, ffn: str, dispatch: str):
-    """The traced layer graph and this rank's value environment from one interpreter run."""
-    from moegraph.interpreter import interpret
+def _model_graph(env: RankEnv, model: str, seq: int, attn: str, ffn: str, dispatch: str) -> Any:
+    """The traced layer graph of one MODEL_GRAPHS entry at this run's n; ConfigError (raised by
+    ``builder.check_strategy`` before anything is built) when n cannot split that layer."""
     from moegraph.ir import Strategy
-    from moegraph.models import MoETransformerLayer
     from moegraph.registry import load_model
     from moegraph.tracer import trace_model
+    return trace_model(load_model(model), Strategy(attn, ffn, dispatch, env.n, dtype=env.dtype_name), batch=1, seq=seq)
+
+
+def _graph_inputs(env: RankEnv, graph: Any, model: str, seq: int):
+    """This rank's value environment of ``graph`` (``_model_graph``) from one interpreter run."""
+    from moegraph.interpreter import interpret
+    from moegraph.models import MoETransformerLayer
+    from moegraph.registry import load_model
     cfg = load_model(model)
-    graph = trace_model(cfg, Strategy(attn, ffn, dispatch, env.n, dtype=env.dtype_name), batch=1, seq=seq)
     torch.manual_seed(seq)
     layer = MoETransformerLayer.from_config(cfg).to(env.dtype)
     params = {k: p.detach() for k, p in layer.named_parameters()}
     x, dy = env.rand(1, seq, cfg.hidden), env.rand(1, seq, cfg.hidden)
     with torch.no_grad():
         envs = interpret(graph, params, x, dy).envs
-    return graph, envs[env.rank]
+    return envs[env.rank]
 
 
 def _time_nodes(env: RankEnv, graph: Any, nodes: Sequence[Node], values: dict[str, Any], deadline: float,
@@ -712,10 +718,11 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
             break
         label = f"{model} s={seq} {attn}/{ffn}/{dispatch} n={env.n}"
         try:
-            graph, values = _graph_inputs(env, model, seq, attn, ffn, dispatch)
-        except Exception as err:                # noqa: BLE001 - e.g. n does not divide heads: skip it
+            graph = _model_graph(env, model, seq, attn, ffn, dispatch)
+        except ConfigError as err:              # this n cannot split that layer: skip it; anything else is a bug
             notes.append(f"{label}: {str(err).splitlines()[0]}")
             continue
+        values = _graph_inputs(env, graph, model, seq)
         nodes = [nd for nd in graph.nodes if not nd.is_comm and nd.op is not OpKind.SPLIT]
         graph_deadline = time.time() + max(0.0, first_pass_end - time.time()) / (len(MODEL_GRAPHS) - i)
         medians = _time_nodes(env, graph, nodes, values, graph_deadline, 2)

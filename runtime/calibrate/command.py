@@ -286,6 +286,7 @@ def summary_json(cal: Calibration, opts: CalibrationOptions) -> dict[str, Any]:
                             "summary": r.summary, "skipped": r.skipped} for r in cal.results],
             "self_check": {"graphs": [{"label": c.label, "predicted_s": c.predicted_s, "measured_s": c.measured_s,
                                        "error": round(c.error, 4)} for c in graphs],
-                           "benchmarks": [{"bench": c.bench, "median_error": round(c.median_error, 4),
-                                           "cases": c.cases} for c in cal.checks if isinstance(c, BenchCheck)],
+                           "benchmarks": [{"bench": c.bench, "median_error": None if c.median_error is None
+                                           else round(c.median_error, 4), "cases": c.cases, "not_ops": c.not_ops}
+                                          for c in cal.checks if isinstance(c, BenchCheck)],
                            "lines": [c.line() for c in cal.checks]}}

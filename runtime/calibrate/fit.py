@@ -257,7 +257,10 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
         bw = max((link_peak([(s.comm_bytes, s.seconds - fixed[k]) for s in ss if s.seconds >= 2 * fixed[k]])
                   for k, ss in comm.items()), default=0.0)
         if bw <= 0:
+            # no message was mostly transfer: the best raw rate, latency included (an underestimate)
             bw = max(s.comm_bytes / s.seconds for ss in comm.values() for s in ss)
+            notes.append(f"link bandwidth {bw / 1e9:.3g} GB/s is the best raw bytes/s of any collective, latency "
+                         "included (no message spent at least twice the fixed part in transfer): an underestimate")
         prof.update(nvlink_bw_bytes_s=_sig(bw), nic_bw_bytes_s=_sig(bw), intra_node_latency_us=_sig(alpha * 1e6),
                     inter_node_latency_us=_sig(alpha * 1e6), copy_engine_latency_us=0.0,
                     gpus_per_node=max(base.gpus_per_node, n))
@@ -364,17 +367,21 @@ class GraphCheck:
 
 @dataclass(frozen=True)
 class BenchCheck:
-    """One benchmark: the median |relative error| of single samples; ``unfitted``: samples in bins
-    that layer-graph nodes priced (counted, not checked)."""
+    """One benchmark: the median |relative error| of single samples (None when none was checked);
+    ``unfitted``: samples in bins that layer-graph nodes priced; ``not_ops``: samples of no IR op
+    (plain copies), which no node prices (both counted, not checked)."""
 
     bench: str
-    median_error: float
+    median_error: float | None
     cases: int
     unfitted: int = 0
+    not_ops: int = 0
 
     def line(self) -> str:
-        return (f"{self.bench}: median |error| {self.median_error:.0%} over {self.cases} cases"
-                + (f" (+{self.unfitted} priced from layer-graph nodes)" if self.unfitted else ""))
+        head = (f"median |error| {self.median_error:.0%} over {self.cases} cases" if self.median_error is not None
+                else "no case checked")
+        return (f"{self.bench}: {head}" + (f" (+{self.unfitted} priced from layer-graph nodes)" if self.unfitted else "")
+                + (f" (+{self.not_ops} of no IR op, not checked)" if self.not_ops else ""))
 
 
 def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[GraphCheck | BenchCheck]:
@@ -389,7 +396,7 @@ def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[Gra
     graphs: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
     graph_bins = {fit_bin(s) for r in results if r.name == "model_graphs" for s in r.samples} - {None}
     for res in results:
-        errs, unfitted = [], 0
+        errs, unfitted, not_ops = [], 0, 0
         for s in res.samples:
             if res.name != "model_graphs" and fit_bin(s) in graph_bins:
                 unfitted += 1
@@ -397,7 +404,8 @@ def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[Gra
             try:
                 op = OpKind(s.op)
             except ValueError:
-                continue                                             # copy: not an IR node
+                not_ops += 1                                         # copy: no IR node prices it
+                continue
             if op.is_comm:
                 if res.name == "overlap":
                     continue
@@ -410,8 +418,9 @@ def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[Gra
                 g = graphs[s.graph]
                 g[0] += pred
                 g[1] += s.seconds
-        if errs and res.name != "model_graphs":
-            benches.append(BenchCheck(res.name, statistics.median(errs), len(errs), unfitted))
+        if (errs or not_ops) and res.name != "model_graphs":
+            benches.append(BenchCheck(res.name, statistics.median(errs) if errs else None, len(errs), unfitted,
+                                      not_ops))
     return [GraphCheck(label, p, m) for label, (p, m) in graphs.items()] + benches
 
 
@@ -421,7 +430,11 @@ def summarize_checks(checks: Sequence[GraphCheck | BenchCheck]) -> str:
     parts = []
     if totals:
         parts.append(f"layer-graph compute totals {min(totals):+.0%}..{max(totals):+.0%} over {len(totals)} graphs")
-    medians = [f"{c.bench} {c.median_error:.0%}" for c in checks if isinstance(c, BenchCheck)]
+    medians = [f"{c.bench} {c.median_error:.0%}" for c in checks
+               if isinstance(c, BenchCheck) and c.median_error is not None]
     if medians:
         parts.append("median |error| per node: " + ", ".join(medians))
+    unchecked = [f"{c.bench} {c.not_ops}" for c in checks if isinstance(c, BenchCheck) and c.not_ops]
+    if unchecked:
+        parts.append("samples of no IR op, not checked: " + ", ".join(unchecked))
     return "; ".join(parts)

@@ -219,10 +219,11 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
     the streaming rate and the common scale come from the unchunked calibration layers alone."""
     import dataclasses
 
-    from moegraph.cost import CostModel, op_class
+    from moegraph.cost import CostModel, byte_attr, op_class
     from moegraph.ir import OpKind
     if not samples:
         raise ValueError("fit_in_step needs at least one measured layer")
+    stream_fit = "the in-step fit prices in_step_stream_bw_bytes_s by it"
     alone = dataclasses.replace(hw, in_step_factors=(), in_step_stream_bw_bytes_s=0.0, accumulate_bw_bytes_s=0.0)
     cost, kappa = CostModel(alone), hw.kernel_latency_us
     measured: dict[str, float] = defaultdict(float)
@@ -245,8 +246,8 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
                      if not node.attr("accumulate", False)}
             for node in nodes:
                 if node.attr("accumulate", False):
-                    w = int(node.attr("accumulate_bytes", 0))
-                    z = float(node.attr("stream_bytes", 0)) if node.op is OpKind.GROUPED_GEMM else 0.0
+                    w = byte_attr(node, "accumulate_bytes", "the in-step fit prices accumulate_bw_bytes_s by it")
+                    z = float(byte_attr(node, "stream_bytes", stream_fit)) if node.op is OpKind.GROUPED_GEMM else 0.0
                     summing.append((op_class(node), x[node.name], spans[node.name] - kappa, z, float(w),
                                     plain.get(_kernel_key(node, w))))
             continue
@@ -255,7 +256,8 @@ def fit_in_step(hw: Hardware, samples: Sequence[StepSample]) -> InStepFit:
             measured[c] += spans[node.name] - kappa
             predicted[c] += x[node.name]
             if node.op is OpKind.GROUPED_GEMM:
-                grouped.append((x[node.name], spans[node.name] - kappa, float(node.attr("stream_bytes", 0))))
+                grouped.append((x[node.name], spans[node.name] - kappa,
+                                float(byte_attr(node, "stream_bytes", stream_fit))))
             priced += 1
         steps += s.step_us
     if priced == 0:
