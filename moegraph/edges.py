@@ -138,7 +138,7 @@ from dataclasses import dataclass
 from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
 from moegraph.compression import DpGradWire, dp_bf16, dp_grad_wire, is_dp_fp32_reduce_scatter
-from moegraph.ir import Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
+from moegraph.ir import ConfigError, Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
 from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch_of, microbatch_boundaries
 
 EDGES = "edges"
@@ -202,17 +202,17 @@ def embed_grad_inter_bytes(pattern: EmbedGrad, *, n: int, dp: int, b: int, s: in
     docstring): ROWS M*(dp-1)*b*s*h*e, PARTIAL (dp-1)/dp * V*h/n * (w+4); ``elem`` e, ``wire`` w,
     ``micro_batches`` M (b: one micro-batch's rows)."""
     if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise GraphError(f"micro_batches={micro_batches!r} must be a positive integer")
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
     if dp == 1:
         return 0
     if pattern is EmbedGrad.ROWS:
         return micro_batches * (dp - 1) * b * s * h * elem
     if pattern is EmbedGrad.PARTIAL:
         if (vocab * h) % (n * dp):
-            raise GraphError(f"the PARTIAL embedding gradient [V={vocab}, h={h}] does not split over "
+            raise ConfigError(f"the PARTIAL embedding gradient [V={vocab}, h={h}] does not split over "
                              f"n={n} x dp={dp} ranks")
         return (dp - 1) * (vocab * h // (n * dp)) * (wire + 4)
-    raise GraphError(f"embedding gradient pattern {pattern!r} is not one of {[p.value for p in EmbedGrad]}")
+    raise ValueError(f"embedding gradient pattern {pattern!r} is not one of {[p.value for p in EmbedGrad]}")
 
 
 def embed_grad_choice(*, n: int, dp: int, b: int, s: int, h: int, vocab: int | None, elem: int,
@@ -509,11 +509,11 @@ def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: 
     if asked is None or asked is EmbedGrad.ROWS:
         return embed_grad_choice(**kw) if asked is None else asked
     if asked is not EmbedGrad.PARTIAL:
-        raise GraphError(f"embedding gradient pattern {asked!r} is not one of {[p.value for p in EmbedGrad]}")
+        raise ValueError(f"embedding gradient pattern {asked!r} is not one of {[p.value for p in EmbedGrad]}")
     why = ("dp == 1 (no replicas: the intra gather is the cheaper one)" if st.dp == 1 else
            "a base model (no vocab given)" if vocab is None else None)
     if why is not None:
-        raise GraphError(f"graph {graph.name!r}: the PARTIAL embedding gradient does not apply to {why}")
+        raise ConfigError(f"graph {graph.name!r}: the PARTIAL embedding gradient does not apply to {why}")
     embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)         # raises when V*h does not split over n*dp
     return asked
 

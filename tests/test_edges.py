@@ -12,7 +12,7 @@ import edges_workers as workers
 from helpers import RANK_BATCH, fresh_seed
 from moegraph.cost import CostModel
 from moegraph.edges import add_edges, edge_values
-from moegraph.ir import GraphError, Strategy
+from moegraph.ir import ConfigError, GraphError, Strategy
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import compile_graph
 from moegraph.tracer import trace_model
@@ -390,7 +390,7 @@ def test_embed_grad_choice_over_micro_batches(M, chosen):
     assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == M * 4096
     assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == 4096
     assert embed_grad_choice(**point) is EmbedGrad(chosen)
-    with pytest.raises(GraphError, match="micro_batches=0"):
+    with pytest.raises(ValueError, match="micro_batches=0"):
         embed_grad_inter_bytes(EmbedGrad.ROWS, **point | {"micro_batches": 0})
 
 
@@ -438,9 +438,9 @@ def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
 
 def test_partial_embed_grad_is_refused_where_it_does_not_apply_and_follows_dp_bf16():
     from moegraph.edges import EmbedGrad
-    with pytest.raises(GraphError, match="dp == 1"):
+    with pytest.raises(ConfigError, match="dp == 1"):
         _graph_forced(dp=1)
-    with pytest.raises(GraphError, match="base model"):
+    with pytest.raises(ConfigError, match="base model"):
         _graph_forced(dp=2, vocab=None)
     # compress=dp-bf16: the embedding's inter reduce-scatter is a bf16 all-to-all as the head's
     c = _graph_passes(2, "compress=dp-bf16", embed_grad=EmbedGrad.PARTIAL)
