@@ -304,12 +304,14 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None, *,
     if status == cp_model.UNKNOWN:
         raise KeepSearchTimeout(f"the keep-set search for budget {budget} bytes found no keep-set within its "
                                 f"time limit keep_search_s={limit:g} s (CP-SAT status UNKNOWN: the budget may "
-                                "still be feasible): raise the sar pass option keep_search_s")
+                                "still be feasible): raise the sar pass option keep_search_s (CLI: "
+                                "--passes sar=budget:<bytes>:<seconds>s)")
     raise ValueError(f"the keep-set search for budget {budget} bytes ended with CP-SAT status "
                      f"{solver.StatusName(status)}")
 
 
-@register("sar", stage=4, valid="paper (the default), none, budget:<bytes> (e.g. budget:2GiB)", relowers=False)
+@register("sar", stage=4, valid="paper (the default), none, budget:<bytes>[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)",
+          relowers=False)
 def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """Selective activation rematerialization; see the module docstring for policies.
     ``keep_search_s``: the budget policy's keep-set search time limit (seconds).
@@ -320,7 +322,15 @@ def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s:
     policy = arg or "paper"
     budget = None
     if policy.startswith("budget:"):
-        policy, budget = "budget", parse_bytes(policy[len("budget:"):])
+        size, _, limit = policy[len("budget:"):].partition(":")
+        policy, budget = "budget", parse_bytes(size)
+        if limit:                                          # budget:<bytes>:<seconds>s, the CLI's keep_search_s
+            if not limit.endswith("s"):
+                raise ValueError(f"keep-set search limit {limit!r} must be seconds, e.g. 120s")
+            try:
+                keep_search_s = float(limit[:-1])
+            except ValueError:
+                raise ValueError(f"keep-set search limit {limit!r} must be seconds, e.g. 120s") from None
     elif policy not in ("paper", "none"):
         raise ValueError("not a policy")
     return remat_pass(policy, budget, cost, pass_label=label("sar", arg), keep_search_s=keep_search_s)

@@ -53,13 +53,13 @@ def test_unknown_pass_lists_valid_names(h800):
 
 @pytest.mark.parametrize("spec,message", [
     ("sar=papr", "pass 'sar': invalid argument 'papr' (not a policy); "
-                 "valid: paper (the default), none, budget:<bytes> (e.g. budget:2GiB)"),
+                 "valid: paper (the default), none, budget:<bytes>[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)"),
     ("sar=budget:lots", "pass 'sar': invalid argument 'budget:lots' ('lots' is not a positive size such as 1.5GiB, "
-                        "800MiB, 64KiB or a plain number of bytes); valid: paper (the default), none, budget:<bytes> "
-                        "(e.g. budget:2GiB)"),
+                        "800MiB, 64KiB or a plain number of bytes); valid: paper (the default), none, budget:<bytes>"
+                        "[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)"),
     ("sar=budget:500MB", "pass 'sar': invalid argument 'budget:500MB' ('500MB' is not a positive size such as 1.5GiB, "
-                         "800MiB, 64KiB or a plain number of bytes); valid: paper (the default), none, budget:<bytes> "
-                         "(e.g. budget:2GiB)"),
+                         "800MiB, 64KiB or a plain number of bytes); valid: paper (the default), none, budget:<bytes>"
+                         "[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)"),
     ("chunk=0", "pass 'chunk': invalid argument '0' (not a positive integer); "
                 "valid: auto (the default), or a chunk count N >= 1 dividing s/n"),
     ("compress", "pass 'compress': invalid argument None (a mode is required); valid: dp-bf16, tp-fp8"),
@@ -244,6 +244,15 @@ def test_sar_budget_search_out_of_time_names_its_limit_not_the_budget(h800, laye
         remat_pass("budget", 40000 * layers, h800, keep_search_s=1e-9)(g)
     with pytest.raises(KeepSearchTimeout):
         sar("budget:40000", h800, keep_search_s=1e-9)(tiny())
+
+
+def test_sar_keep_search_limit_from_the_pipeline_string(h800):
+    r = run_pipeline(tiny(), "sar=budget:40000:7.5s", cost=h800)[1]["sar"]
+    assert (r["keep_search"], r["keep_search_limit_s"]) == ("optimal", 7.5)
+    with pytest.raises(PassError, match=r"keep-set search limit '7' must be seconds, e.g. 120s"):
+        run_pipeline(tiny(), "sar=budget:40000:7", cost=h800)
+    with pytest.raises(PassError, match=r"keep_search_s=0.0 must be a positive number of seconds"):
+        run_pipeline(tiny(), "sar=budget:40000:0s", cost=h800)
 
 
 @pytest.mark.parametrize("limit", [0, -1.0, float("nan"), float("inf"), True, "30"])
