@@ -356,15 +356,17 @@ def frozen_sources(named_params: Any) -> frozenset[str]:
 
 def accumulate_grads(params: Sequence[torch.Tensor | None], grads: Sequence[torch.Tensor | None]) -> None:
     """Add each gradient into its parameter's ``.grad`` as autograd's backward would (a copy the
-    first time: the executor's tensor may alias another step value); None entries and parameters
-    that do not require a gradient are skipped."""
+    first time: the executor's tensor may alias another step value), in the parameter's dtype
+    (autograd's engine casts so too: with dp > 1 the plan's gradients are the fp32 main
+    gradients of ``_dp_sync``, a bf16 parameter's ``.grad`` must be bf16); None entries and
+    parameters that do not require a gradient are skipped."""
     for p, g in zip(params, grads):
         if p is None or g is None or not p.requires_grad:
             continue
         if p.grad is None:
-            p.grad = g.detach().clone()
+            p.grad = g.detach().to(p.dtype, copy=True)
         else:
-            p.grad.add_(g)
+            p.grad.add_(g.to(p.grad.dtype))
 
 
 def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:

@@ -220,3 +220,17 @@ def test_run_micro_batches_writes_traces_verify_accepts(capsys, tmp_path):
     for f in (out, out.with_suffix(".predicted.json")):
         assert main(["verify", str(f)]) == 0, capsys.readouterr()
     capsys.readouterr()
+
+
+def test_accumulated_gradients_take_the_parameters_dtype():
+    """With dp > 1 the merged step's gradients are _dp_sync's fp32 main gradients; a bf16
+    parameter's .grad must be bf16 (torch refuses another dtype; autograd's engine casts so on
+    the one-micro-batch path), first assigned as a copy, then added."""
+    from moegraph.runtime.module import accumulate_grads
+    w = torch.zeros(4, dtype=torch.bfloat16, requires_grad=True)
+    g = torch.tensor([1.0, 2.0, 3.0, 1.0 / 3.0])
+    accumulate_grads([w], [g])
+    assert w.grad.dtype == torch.bfloat16 and torch.equal(w.grad, g.to(torch.bfloat16))
+    g[0] = 100.0                                          # a copy: the executor may reuse its buffer
+    accumulate_grads([w], [torch.ones(4)])
+    assert torch.equal(w.grad, (torch.tensor([1.0, 2.0, 3.0, 1.0 / 3.0]).to(torch.bfloat16) + 1).to(torch.bfloat16))
