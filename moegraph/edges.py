@@ -168,16 +168,17 @@ class EmbedGrad(enum.Enum):
 @dataclass(frozen=True)
 class AuxLoss:
     """The router's auxiliary load-balancing loss a causal LM adds (module docstring):
-    ``coef`` (transformers' ``router_aux_loss_coef``, > 0), over its softmax top-``top_k`` routers
-    of ``experts`` experts."""
+    ``coef`` (transformers' ``router_aux_loss_coef``, >= 0: at 0 the term is computed and returned
+    as transformers' ``.aux_loss`` for the caller to weight, and adds nothing to ``.loss``), over
+    its softmax top-``top_k`` routers of ``experts`` experts."""
 
     coef: float
     experts: int
     top_k: int
 
     def __post_init__(self):
-        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not self.coef > 0:
-            raise ValueError(f"AuxLoss.coef={self.coef!r} must be a positive number (a zero coefficient adds nothing)")
+        if isinstance(self.coef, bool) or not isinstance(self.coef, (int, float)) or not self.coef >= 0:
+            raise ValueError(f"AuxLoss.coef={self.coef!r} must be a number >= 0")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"AuxLoss: top_k={self.top_k} must be in 1..experts={self.experts}")
 

@@ -133,6 +133,23 @@ def test_one_rank_families_match_eager(family):
             compiled(ids, labels=labels, output_router_logits=False)
 
 
+def test_a_zero_coefficient_returns_the_term_for_the_caller_to_weight():
+    """transformers computes .aux_loss whenever output_router_logits=True, coefficient 0 too,
+    and a caller may add it with a weight of its own: value and gradient as eager."""
+    model = workers.aux_model("mixtral", 11, 2, 0.0)
+    ids, labels = workers.data(12, 2)
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy")
+    ref = model(ids, labels=labels)
+    (ref.loss + 0.5 * ref.aux_loss).backward()
+    got = compiled(ids, labels=labels)
+    (got.loss + 0.5 * got.aux_loss).backward()
+    assert rel_err(got.loss.detach(), ref.loss.detach()) < TOL          # the loss holds no aux term
+    assert rel_err(got.aux_loss.detach(), ref.aux_loss.detach()) < TOL
+    full = compiled.full_grads()
+    name = next(k for k in full if k.endswith("mlp.gate.weight"))
+    assert rel_err(full[name], dict(model.named_parameters())[name].grad) < TOL
+
+
 @pytest.mark.parametrize("hardware", ["cpu-gloo", "cpu-2core-gloo"])
 def test_periodic_unit_is_the_stacks_layer_on_calibrated_profiles(hardware):
     # the default schedule tiles a one-layer unit over the layers; on the calibrated CPU profiles
@@ -153,7 +170,7 @@ def _spec(model):
 
 def test_lowering_reads_the_coefficient_and_ignores_what_does_not_add_it():
     assert _spec(workers.aux_model("mixtral", 0, 2, 0.02)).aux_loss == AuxLoss(0.02, 4, 2)
-    assert _spec(workers.aux_model("mixtral", 0, 2, 0.0)).aux_loss is None      # adds 0
+    assert _spec(workers.aux_model("mixtral", 0, 2, 0.0)).aux_loss == AuxLoss(0.0, 4, 2)   # returned, adds 0
     assert _spec(workers.mixtral_model(0, 2)).aux_loss is None                 # output_router_logits=False
     # the base model's output (last_hidden_state) does not change with the flag
     base = workers.aux_model("mixtral", 0, 2, 1.0).model

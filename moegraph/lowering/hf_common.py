@@ -176,7 +176,8 @@ def aux_loss(model: nn.Module) -> AuxLoss | None:
     norm_topk_prob renormalises the routing weights only, not this loss) with the model's
     num_experts and num_experts_per_tok, and add router_aux_loss_coef times it when labels are
     given. A family without that function (DeepSeek-V3) never reads the flag: its loss is
-    unchanged, as is the base model's output. A zero coefficient adds nothing: None."""
+    unchanged, as is the base model's output. A zero coefficient still returns the term as
+    ``.aux_loss`` (transformers computes it whenever the flag is set; a caller may weight it)."""
     if not getattr(model.config, "output_router_logits", False):
         return None
     if getattr(sys.modules[type(model).__module__], "load_balancing_loss_func", None) is None:
@@ -189,8 +190,6 @@ def aux_loss(model: nn.Module) -> AuxLoss | None:
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or coef < 0:
         raise LoweringError(f"{type(model).__name__}.router_aux_loss_coef={coef!r}: only a coefficient >= 0 is "
                             "supported")
-    if coef == 0:
-        return None
     return AuxLoss(float(coef), model.num_experts, model.num_experts_per_tok)
 
 
