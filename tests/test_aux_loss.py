@@ -224,8 +224,9 @@ def test_aux_on_a_base_graph_or_other_routers_raises():
     router = next(n for n in v3.nodes if n.op is OpKind.ROUTER)
     with pytest.raises(GraphError, match=r"\(sigmoid, experts 256"):
         add_edges(v3, vocab=1024, aux=AuxLoss(0.02, router.attr("experts"), router.attr("top_k")))
-    with pytest.raises(ValueError, match="positive number"):
-        AuxLoss(0.0, 8, 2)
+    for coef in (-0.01, float("nan"), True):
+        with pytest.raises(ValueError, match=r"must be a number >= 0"):
+            AuxLoss(coef, 8, 2)
 
 
 # -- registry models: router_aux_loss_coef ------------------------------------------------------
