@@ -239,7 +239,8 @@ def memory_report(plan: Any, results: list[dict[str, Any]] | None, device: str,
     model's accounting) and the budget it was made under, ``checked_budget`` (--memory-budget
     checked against a schedule file's peak), and on CUDA the measured peak and resident bytes
     (``DeviceMemory``), each the largest over the ranks; on the CPU None (not measured)."""
-    out: dict[str, Any] = {"predicted_peak_bytes": plan.peak_memory_bytes, "memory_budget_bytes": plan.memory_budget_bytes}
+    out: dict[str, Any] = {"predicted_peak_bytes": plan.peak_memory_bytes,
+                           "memory_budget_bytes": plan.memory_budget_bytes}
     if checked_budget is not None:
         out["checked_memory_budget_bytes"] = checked_budget
     measured = [r["plans"][plan_index] for r in results or ()] if device == "cuda" else []
@@ -969,7 +970,8 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
         raise PlanError(f"--schedule {path} records no graph digest (written before moegraph recorded one), so run "
                         "cannot check that it schedules this graph; recompile it (moegraph compile or tune)")
     if why := _model_difference(graph, schedule):
-        raise PlanError(f"--schedule {path}: {why}; recompile it, or pass --model PATH to the model it was compiled for")
+        raise PlanError(f"--schedule {path}: {why}; recompile it, or pass --model PATH to the model it was "
+                        "compiled for")
     if why := _graph_difference(graph, schedule):
         raise PlanError(f"--schedule {path}: lowering its model with its settings gives a different graph than the "
                         f"file schedules: {why} (edited, or written by another moegraph version? recompile it)")

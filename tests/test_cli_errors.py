@@ -131,8 +131,9 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/other_digest.json"], "values, parameters or gradients (graph digest "),
     (["run", "--schedule", "{tmp}/no_digest.json"], "records no graph digest (written before moegraph recorded one)"),
     # run --schedule FILE checks what `moegraph verify` checks, and the file's peak against --memory-budget
-    (["run", "--schedule", "{tmp}/stale_hash.json"], "stale_hash.json: its content does not hash to the hash it "
-                                                     "records (edited by hand?): re-run compile, or see `moegraph verify"),
+    (["run", "--schedule", "{tmp}/stale_hash.json"],
+     "stale_hash.json: its content does not hash to the hash it records (edited by hand?): re-run compile, or see "
+     "`moegraph verify"),
     (["run", "--schedule", "{tmp}/bad_sm.json"], "bad_sm.json fails `moegraph verify`: node "),
     (["run", "--schedule", "{tmp}/other_seq.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_model.json"], "other_model.json: it names model small but was compiled for "
