@@ -209,6 +209,67 @@ def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = 
     return times
 
 
+@dataclass
+class DeviceMemory:
+    """The CUDA allocator over one plan's measured steps on one rank (``measure`` each block):
+    the peak (``torch.cuda.max_memory_allocated``, its statistic reset as each block begins) and
+    what was already allocated then (resident: the seeded eager module, the layer's shards, the
+    inputs), each the largest over the blocks. None until measured (CPU ranks never are: the CPU
+    allocator keeps no such statistic)."""
+
+    peak_bytes: int | None = None
+    resident_bytes: int | None = None
+
+    def measure(self, steps: Any) -> Any:
+        """Run ``steps()`` (a block of timed steps), recording the allocator's peak across it."""
+        import torch
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
+        result = steps()
+        torch.cuda.synchronize()
+        self.peak_bytes = max(self.peak_bytes or 0, torch.cuda.max_memory_allocated())
+        self.resident_bytes = max(self.resident_bytes or 0, resident)
+        return result
+
+
+def memory_report(plan: Any, results: list[dict[str, Any]] | None, device: str,
+                  checked_budget: int | None = None, plan_index: int = 0) -> dict[str, Any]:
+    """The memory fields of run's report: the plan's predicted peak (activations, the cost
+    model's accounting) and the budget it was made under, ``checked_budget`` (--memory-budget
+    checked against a schedule file's peak), and on CUDA the measured peak and resident bytes
+    (``DeviceMemory``), each the largest over the ranks; on the CPU None (not measured)."""
+    out: dict[str, Any] = {"predicted_peak_bytes": plan.peak_memory_bytes,
+                           "memory_budget_bytes": plan.memory_budget_bytes}
+    if checked_budget is not None:
+        out["checked_memory_budget_bytes"] = checked_budget
+    measured = [r["plans"][plan_index] for r in results or ()] if device == "cuda" else []
+    peaks = [m["device_peak_bytes"] for m in measured if m.get("device_peak_bytes") is not None]
+    resident = [m["device_resident_bytes"] for m in measured if m.get("device_resident_bytes") is not None]
+    out.update({"measured_peak_bytes": max(peaks) if peaks else None,
+                "measured_resident_bytes": max(resident) if resident else None, "memory_device": device})
+    return out
+
+
+def format_memory(r: dict[str, Any]) -> str:
+    """The report's memory line (``memory_report``'s fields)."""
+    from moegraph.options import format_bytes
+    made = ("no budget" if r.get("memory_budget_bytes") is None
+            else f"a budget of {format_bytes(r['memory_budget_bytes'])}")
+    peak = r.get("predicted_peak_bytes")
+    line = (f"memory: predicted peak {format_bytes(peak)} of live values, parameters and their gradients not counted"
+            if peak is not None
+            else "memory: no predicted peak (the plan has no schedule)") + f" (made under {made}"
+    if r.get("checked_memory_budget_bytes") is not None:
+        line += f"; within --memory-budget {format_bytes(r['checked_memory_budget_bytes'])}"
+    line += "); "
+    if r.get("measured_peak_bytes") is None:
+        return line + f"measured peak: not available on {r.get('memory_device', 'cpu').upper()}"
+    return line + (f"measured peak {format_bytes(r['measured_peak_bytes'])} (torch.cuda.max_memory_allocated, largest "
+                   f"rank; {format_bytes(r['measured_resident_bytes'])} of it allocated before the steps: weights, "
+                   "the eager module, inputs)")
+
+
 def measurement_blocks(plans: int, steps: int) -> list[tuple[int, int]]:
     """(plan index, step count) blocks: each plan's steps in two halves, in ABBA order (A B ... B A),
     so slow drift on the machine hits every plan alike. Steps are not interleaved one by one:
@@ -249,6 +310,7 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
     meta = layers[0].executor.comm.world_meta     # barriers over every rank of every replica
     t0 = spec.progress_t0 if rank == 0 else None    # one rank reports: the ranks step together
     times: list[list[float]] = [[] for _ in layers]
+    memory = [DeviceMemory() for _ in layers]
     for layer in layers:
         progress(t0, f"{spec.warmup} warm-up step{'s' * (spec.warmup != 1)}")
         timed_steps(layer, xs, dys, spec.warmup, meta)
@@ -260,11 +322,22 @@ def run_rank(rank: int, n: int, spec: RunSpec) -> dict[str, Any]:
             timed_steps(layers[i], xs, dys, 1, meta)
             layers[i].record = recording
         done = len(times[i])
-        times[i] += timed_steps(layers[i], xs, dys, count, meta, on_step=lambda j, us: progress(
-            t0, f"step {done + j}/{spec.steps}: {us / 1e3:.1f} ms on rank 0"))
+
+        def block(i=i, count=count, done=done) -> list[float]:
+            return timed_steps(layers[i], xs, dys, count, meta, on_step=lambda j, us: progress(
+                t0, f"step {done + j}/{spec.steps}: {us / 1e3:.1f} ms on rank 0"))
+        if spec.device == "cuda":
+            for p in layers[i].parameters():         # the last block's gradients are not resident
+                p.grad = None
+            if M == 1:
+                xs.grad = None
+            times[i] += memory[i].measure(block)
+        else:
+            times[i] += block()
     out: dict[str, Any] = {"rank": rank, "plans": []}
-    for layer, t in zip(layers, times):
+    for layer, t, mem in zip(layers, times, memory):
         out["plans"].append({"method": layer.plan.method, "hash": layer.plan.hash, "step_us": t,
+                             "device_peak_bytes": mem.peak_bytes, "device_resident_bytes": mem.resident_bytes,
                              "host_us_per_node": layer.executor.host.us_per_node(),
                              "traces": [trace_to_dict(tr) for tr in layer.traces]})
     if spec.check:
@@ -562,6 +635,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
     if schedule is not None:
+        check_schedule_file(schedule, args.schedule, args.memory_budget)
         model_step_file_args(args, schedule, t0)
     profile_note = None
     if link is not None and not hardware_given and schedule is None:
@@ -620,7 +694,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # padding holds C = T*min(k, E/n) rows where the plan's memory accounting expects about T*k/n:
         # the bytes every expert-row buffer of a step adds on top (docs/runtime.md, "CUDA graphs")
         "expert_rows": args.expert_rows,
-        "padded_rows_extra_bytes": padded_rows_extra_bytes(g) if args.expert_rows == "padded" else 0}
+        "padded_rows_extra_bytes": padded_rows_extra_bytes(g) if args.expert_rows == "padded" else 0,
+        **memory_report(plan, results, device, args.memory_budget if schedule is not None else None)}
     if fused := fused_group_count(g):
         report.update({"fused_groups": fused, "executed_as": FUSED_AS_MEMBERS})
     if args.check:
@@ -742,6 +817,30 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     return res
 
 
+def check_schedule_file(schedule: Any, path: Path, memory_budget: int | None) -> None:
+    """``run --schedule FILE.json`` before any work: the file passes the checks ``moegraph verify``
+    makes (``moegraph.schedules.verify``: its hash, SM budgets the hardware allows, durations its
+    cost model gives, its memory budget, ...), and its predicted peak fits ``--memory-budget``
+    (a file is run as written, not rescheduled: a budget it breaks is refused, not ignored).
+    UsageError naming the first violation, or both sizes."""
+    from moegraph.options import UsageError, format_bytes
+    from moegraph.schedules.gantt import peak_bytes
+    from moegraph.schedules.verify import verdict
+    found = verdict(schedule).violations
+    if found and found[0].check == "hash":
+        raise UsageError(f"--schedule {path}: its content does not hash to the hash it records (edited by hand?): "
+                         f"re-run compile, or see `moegraph verify {path}`")
+    if found:
+        raise UsageError(f"--schedule {path} fails `moegraph verify`: {found[0]}")
+    peak = peak_bytes(schedule)
+    if memory_budget is not None and peak > memory_budget:
+        made = (f"made under a budget of {format_bytes(schedule.memory_budget_bytes)}"
+                if schedule.memory_budget_bytes is not None else "made under no budget")
+        raise UsageError(f"--memory-budget {format_bytes(memory_budget)} is below the predicted peak "
+                         f"{format_bytes(peak)} of --schedule {path} ({made}); run schedules a file as written: "
+                         "compile one under that budget, or leave --memory-budget out")
+
+
 def is_model_step(schedule: Any) -> bool:
     """Whether a schedule file schedules a model step (a stack with the model's edges: embedding,
     final norm, LM head; what compile and tune write for --layers L >= 2, schedules.api.model_step)
@@ -832,7 +931,8 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
                                 "passes": list(st.passes)},
         "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
         "train_steps": args.train_steps, "micro_batches": spec.micro_batches, "losses": r["losses"],
-        "seconds": max(x["seconds"] for x in results)}
+        "seconds": max(x["seconds"] for x in results),
+        **memory_report(plan, None, "cpu", args.memory_budget if schedule is not None else None)}
     if args.check:
         report.update({k: r[k] for k in ("eager_losses", "max_rel_err_loss", "max_rel_err_params", "worst_param",
                                          "max_rel_err_grads", "worst_grad")})
@@ -849,6 +949,7 @@ def format_train_report(r: dict[str, Any]) -> str:
              + (f" of {r['micro_batches']} micro-batches (one merged plan each)"
                 if r.get("micro_batches", 1) > 1 else "")
              + f" in {r['seconds']:.2f} s",
+             format_memory(r),
              "losses: " + ", ".join(f"{x:.5f}" if isinstance(x, float) else "[" + ", ".join(f"{y:.5f}" for y in x) + "]"
                                     for x in r["losses"])]
     if "max_rel_err_loss" in r:
@@ -868,9 +969,32 @@ def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
     if schedule.graph.get("digest") is None:
         raise PlanError(f"--schedule {path} records no graph digest (written before moegraph recorded one), so run "
                         "cannot check that it schedules this graph; recompile it (moegraph compile or tune)")
+    if why := _model_difference(graph, schedule):
+        raise PlanError(f"--schedule {path}: {why}; recompile it, or pass --model PATH to the model it was "
+                        "compiled for")
     if why := _graph_difference(graph, schedule):
         raise PlanError(f"--schedule {path}: lowering its model with its settings gives a different graph than the "
-                        f"file schedules: {why} (written by another moegraph version? recompile it)")
+                        f"file schedules: {why} (edited, or written by another moegraph version? recompile it)")
+
+
+# the layer sizes a model fixes (moegraph.tracer.dims_of); b, s, n and k are run's own settings
+MODEL_DIMS = ("h", "heads", "kv_heads", "head_dim", "ffn", "experts")
+
+
+def _model_difference(graph: Any, schedule: Any) -> str | None:
+    """In words, how the model the file was compiled for differs from the model its name loads
+    (``graph``'s: lowered from that name), or None: a file whose model name was changed, or a
+    registry model whose sizes changed since, is not a strategy or version difference."""
+    mine, theirs = graph.dims, schedule.graph.get("dims")
+    if not isinstance(theirs, dict):
+        return None                   # no sizes to compare: _graph_difference names what differs
+    differ = [k for k in MODEL_DIMS if getattr(mine, k) != theirs.get(k)]
+    if not differ:
+        return None
+    name = schedule.graph.get("name")
+    return (f"it names model {name} but was compiled for another model: its layer has "
+            f"{', '.join(f'{k}={theirs.get(k)}' for k in differ)}, model {name} has "
+            f"{', '.join(f'{k}={getattr(mine, k)}' for k in differ)}")
 
 
 def _graph_difference(graph: Any, schedule: Any) -> str | None:
@@ -989,7 +1113,8 @@ def format_report(r: dict[str, Any]) -> str:
              + (f", {r['micro_batches']} micro-batches per step" if r.get("micro_batches", 1) > 1 else ""),
              f"step time: median {r['step_us'] / 1e3:.3f} ms (min {r['step_us_min'] / 1e3:.3f}, "
              f"max {r['step_us_max'] / 1e3:.3f})"
-             + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else "")]
+             + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else ""),
+             format_memory(r)]
     if r.get("fused_groups"):
         lines.append(f"{r['fused_groups']} {r['executed_as']}")
     if r.get("expert_rows", "exact") != "exact":

@@ -73,6 +73,11 @@ class ExecutionPlan:
     entries: tuple[PlanEntry, ...]
     graph_digest: str
     source_hash: str | None = None      # the Schedule's own content hash, when built from one
+    # the schedule's predicted peak of live activation bytes (the cost model's accounting,
+    # schedules.verify.memory_events: parameters and their gradients not counted) and the memory
+    # budget it was made under; None: not built from a schedule (no times), or no budget
+    peak_memory_bytes: int | None = None
+    memory_budget_bytes: int | None = None
 
     @functools.cached_property
     def hash(self) -> str:
@@ -136,6 +141,7 @@ class ExecutionPlan:
         zero-length producer still comes before its consumer). Collectives that no compute
         overlaps are marked ``alone`` (``overlaps_compute`` on the schedule's own timeline).
         """
+        from moegraph.schedules.gantt import peak_bytes     # recorded, or recomputed (run --trace files)
         from moegraph.schedules.schedule_file import Schedule
         if not isinstance(schedule, Schedule):
             raise PlanError(f"cannot build a plan from a {type(schedule).__name__}: expected a "
@@ -163,15 +169,20 @@ class ExecutionPlan:
         entries = tuple(PlanEntry(r.name, r.stream, int(r.sm_budget), float(r.start_us),
                                   float(r.end_us), r.kind == "comm" and r.name not in beside) for r in rows)
         plan = cls(method or str(schedule.summary.get("method", "schedule")), entries, graph_digest(graph),
-                   source_hash=schedule.hash or None)
+                   source_hash=schedule.hash or None, peak_memory_bytes=peak_bytes(schedule),
+                   memory_budget_bytes=schedule.memory_budget_bytes)
         return check_plan(graph, plan)
 
     def with_entries(self, entries: Iterable[PlanEntry], method: str | None = None) -> "ExecutionPlan":
-        return dataclasses.replace(self, entries=tuple(entries), method=method or self.method)
+        """Other entries: the schedule's peak and budget no longer describe them (None)."""
+        return dataclasses.replace(self, entries=tuple(entries), method=method or self.method,
+                                   peak_memory_bytes=None, memory_budget_bytes=None)
 
     def to_dict(self) -> dict[str, Any]:
         return {"method": self.method, "hash": self.hash, "graph_digest": self.graph_digest,
-                "source_hash": self.source_hash, "entries": [dataclasses.asdict(e) for e in self.entries]}
+                "source_hash": self.source_hash, "peak_memory_bytes": self.peak_memory_bytes,
+                "memory_budget_bytes": self.memory_budget_bytes,
+                "entries": [dataclasses.asdict(e) for e in self.entries]}
 
 
 FUSED_AS_MEMBERS = ("fused groups run as their member kernels (the runtime has no tile-level fused kernels): "

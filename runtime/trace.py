@@ -164,10 +164,11 @@ def new_event(stream: Any = None) -> Any:
 # -- exports ------------------------------------------------------------------------------------
 
 def as_schedule(graph: Graph, plan: "ExecutionPlan", times: dict[str, tuple[float, float]], *,
-                hardware: "Hardware | None" = None,
+                hardware: "Hardware | None" = None, memory_budget_bytes: int | None = None,
                 **summary: Any) -> Any:
     """A ``schedules`` Schedule (the schedule-file object the Gantt renderer draws) with the given
-    per-node (start_us, end_us); streams and SM budgets from ``plan``."""
+    per-node (start_us, end_us); streams and SM budgets from ``plan``; ``memory_budget_bytes``:
+    the budget the file records (``verify`` checks its peak against it)."""
     from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header,
                                                   round_us)
     nodes = []
@@ -189,7 +190,7 @@ def as_schedule(graph: Graph, plan: "ExecutionPlan", times: dict[str, tuple[floa
                "exposed_comm_us": round_us(sum(b - a for a, b in exposed_comm(nodes))), **summary}
     hw = hardware.to_dict() if hardware is not None else {}
     return Schedule(graph=graph_header(graph),
-                    hardware=hw, streams=tuple(plan.streams), memory_budget_bytes=None, tick_us=0.01,
+                    hardware=hw, streams=tuple(plan.streams), memory_budget_bytes=memory_budget_bytes, tick_us=0.01,
                     values=values, nodes=tuple(nodes), summary=summary).with_hash()
 
 
@@ -206,11 +207,13 @@ def measured_schedule(trace: StepTrace, graph: Graph, plan: "ExecutionPlan", *, 
 
 
 def predicted_schedule(graph: Graph, plan: "ExecutionPlan", *, hardware: "Hardware | None" = None) -> Any:
-    """The plan's predicted times as a Schedule (None if the plan carries none)."""
+    """The plan's predicted times as a Schedule (None if the plan carries none), under the memory
+    budget the plan was made under. (A measured file records none: its peak is the model's byte
+    accounting on measured times, which no schedule promised to keep under the budget.)"""
     if any(e.start_us is None for e in plan.entries):
         return None
     return as_schedule(graph, plan, {e.name: (e.start_us, e.end_us) for e in plan.entries}, hardware=hardware,
-                       measured=False)
+                       memory_budget_bytes=plan.memory_budget_bytes, measured=False)
 
 
 def schedule_json(schedule: Any) -> dict[str, Any]:

@@ -166,7 +166,7 @@ def peak_bytes(s: Schedule) -> int:
 def _title(s: Schedule, label: str) -> str:
     sm = s.summary
     bound = f"  (bound {sm['lower_bound_us']:.1f})" if "lower_bound_us" in sm else ""
-    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  peak {peak_bytes(s) / 2**30:.2f} GiB  "
+    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  predicted peak {peak_bytes(s) / 2**30:.2f} GiB  "
             f"exposed comm {sm.get('exposed_comm_us', 0):.1f} us")
 
 

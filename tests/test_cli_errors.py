@@ -7,9 +7,11 @@ Each section lists one stage's commands; a case is (argv, a fragment the one lin
 regular file), ``a_dir/`` (a directory), ``sched.json`` (a valid schedule file of the tiny
 layer, written by compile) and ``nan_time.json`` / ``text_time.json`` / ``nan_span.json`` (that file
 with a node's start NaN, a node's end a string, summary.makespan_us NaN), ``other_flops.json`` /
-``other_attrs.json`` / ``other_digest.json`` (a node's cost or attributes, or the graph digest,
-edited: another graph) and ``no_digest.json``
-(no graph digest, as files written before it was recorded).
+``other_attrs.json`` / ``other_digest.json`` / ``other_seq.json`` (a node's cost or attributes, the graph
+digest, or dims.s edited: another graph), ``other_model.json`` (model tiny's file relabelled small),
+``bad_sm.json`` (a collective on an SM budget the hardware does not allow), ``no_digest.json``
+(no graph digest, as files written before it was recorded), each rehashed after the edit, and
+``stale_hash.json`` (dims.s edited, hash not recomputed).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import yaml
 
 from moegraph.cli import build_parser, main
 from moegraph.options import byte_size, check_output
+from moegraph.schedules.schedule_file import Schedule
 
 TINY = ["--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64"]
 
@@ -127,6 +130,16 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/other_attrs.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_digest.json"], "values, parameters or gradients (graph digest "),
     (["run", "--schedule", "{tmp}/no_digest.json"], "records no graph digest (written before moegraph recorded one)"),
+    # run --schedule FILE checks what `moegraph verify` checks, and the file's peak against --memory-budget
+    (["run", "--schedule", "{tmp}/stale_hash.json"],
+     "stale_hash.json: its content does not hash to the hash it records (edited by hand?): re-run compile, or see "
+     "`moegraph verify"),
+    (["run", "--schedule", "{tmp}/bad_sm.json"], "bad_sm.json fails `moegraph verify`: node "),
+    (["run", "--schedule", "{tmp}/other_seq.json"], "gives a different graph than the file schedules: node "),
+    (["run", "--schedule", "{tmp}/other_model.json"], "other_model.json: it names model small but was compiled for "
+                                                      "another model: its layer has h=64, "),
+    (["run", "--schedule", "{tmp}/sched.json", "--memory-budget", "1KiB"], "--memory-budget 1.00KiB is below the "
+                                                                           "predicted peak "),
     (["run", "--model", "tiny", "--n", "3"], "n=3 does not divide heads=4"),
     (["run", "--backend", "nccl", "--model", "small", "--n", "64"], "--backend nccl needs 64 CUDA devices"),
     (["calibrate", "--time-budget", "0", "-o", "{tmp}/p.yaml"], "--time-budget 0: must be between 10 and 3600 s"),
@@ -199,15 +212,25 @@ def workdir(tmp_path_factory):
     (tmp / "a_dir").mkdir()
     _write_bad_registry_yaml(tmp)
     assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
-    for name, edit in (("nan_time", lambda d: d["nodes"][1].update(start_us=float("nan"))),
-                       ("text_time", lambda d: d["nodes"][1].update(end_us="1.5")),
-                       ("nan_span", lambda d: d["summary"].update(makespan_us=float("nan"))),
-                       ("other_flops", lambda d: d["nodes"][1].update(flops=d["nodes"][1]["flops"] + 1)),
-                       ("other_attrs", lambda d: d["nodes"][1]["attrs"].update(scope="inter")),
-                       ("other_digest", lambda d: d["graph"].update(digest="0" * 64)),
-                       ("no_digest", lambda d: d["graph"].pop("digest"))):
+    def comm(d):
+        return next(n for n in d["nodes"] if n["kind"] == "comm")
+    # rehashed: edited consistently (a hand edit whose hash was recomputed), so what run refuses is
+    # the edit itself, not the stale hash
+    for name, edit, rehash in (("nan_time", lambda d: d["nodes"][1].update(start_us=float("nan")), False),
+                               ("text_time", lambda d: d["nodes"][1].update(end_us="1.5"), False),
+                               ("nan_span", lambda d: d["summary"].update(makespan_us=float("nan")), False),
+                               ("other_flops", lambda d: d["nodes"][1].update(flops=d["nodes"][1]["flops"] + 1), True),
+                               ("other_attrs", lambda d: d["nodes"][1]["attrs"].update(scope="inter"), True),
+                               ("other_digest", lambda d: d["graph"].update(digest="0" * 64), True),
+                               ("no_digest", lambda d: d["graph"].pop("digest"), True),
+                               ("stale_hash", lambda d: d["graph"]["dims"].update(s=128), False),
+                               ("other_seq", lambda d: d["graph"]["dims"].update(s=128), True),
+                               ("other_model", lambda d: d["graph"].update(name="small"), True),
+                               ("bad_sm", lambda d: comm(d).update(sm_budget=3), True)):
         doc = json.loads((tmp / "sched.json").read_text())
         edit(doc)
+        if rehash:
+            doc["hash"] = Schedule.from_json(json.dumps(doc)).compute_hash()
         (tmp / f"{name}.json").write_text(json.dumps(doc))  # json writes NaN as a damaged file holds it
     return tmp
 

@@ -7,11 +7,12 @@ import json
 import pytest
 
 from moegraph.cli import main
+from moegraph.options import format_bytes
 
 def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     out = tmp_path / "measured.json"
     rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "greedy", "--check", "--compare-prediction",
-               "--trace", str(out), "--json"])
+               "--trace", str(out), "--json", "--memory-budget", "100MiB"])
     assert rc == 0
     captured = capfd.readouterr()           # fd level: rank 0's progress lines come from its own process
     report = json.loads(captured.out)
@@ -34,6 +35,19 @@ def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     predicted = json.loads(out.with_suffix(".predicted.json").read_text())
     assert predicted["measured"] is False
     assert [n["name"] for n in predicted["nodes"]] == [n["name"] for n in sched["nodes"]]
+    # memory: the plan's predicted peak is the predicted file's own (recomputed from its times by
+    # the schedules' accounting), made under the run's budget, which that file records; no CPU measurement
+    from moegraph.schedules.gantt import _figure, peak_bytes
+    from moegraph.schedules.schedule_file import Schedule
+    from moegraph.schedules.verify import verify_schedule
+    predicted_file = Schedule.load(out.with_suffix(".predicted.json"))
+    assert report["predicted_peak_bytes"] == peak_bytes(predicted_file) > 0
+    assert report["memory_budget_bytes"] == predicted["memory_budget_bytes"] == 100 * 2**20
+    assert report["measured_peak_bytes"] is None and "checked_memory_budget_bytes" not in report
+    assert not verify_schedule(predicted_file)
+    # the measured file's Gantt title: the peak it shows is the model's accounting, not a measurement
+    fig = _figure(Schedule.load(out), None)
+    assert any("predicted peak " in ax.get_title(loc="left") for ax in fig.axes)
     chrome = json.loads(out.with_suffix(".chrome.json").read_text())
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1}
     # 2 steps: no step took the median time; the trace is the faster middle step, and says so
@@ -56,6 +70,52 @@ def test_the_traced_step_is_a_median_step_and_the_report_names_it():
     assert "trace of step 2 (259.467 ms, the median step)" in format_report(report)
 
 
+def test_run_reports_memory_predicted_and_measured_only_where_measured():
+    """The text report's memory line: the plan's predicted peak and budget; on the CPU no measured
+    number at all, on CUDA the largest rank's allocator peak (``memory_report``)."""
+    from moegraph.runtime.commands import format_report, memory_report
+    from moegraph.runtime.plan import ExecutionPlan
+    plan = ExecutionPlan("greedy", (), "0" * 64, peak_memory_bytes=3 * 2**20, memory_budget_bytes=4 * 2**20)
+    report = {"model": "tiny", "hardware": "cpu", "backend": "gloo", "n": 2, "batch": 1, "seq": 8,
+              "strategy": {"attn": "sp", "ffn": "ep", "dispatch": "a2a", "dtype": "fp32", "passes": []},
+              "schedule": "greedy", "plan_hash": "0" * 64, "steps": 2, "warmup": 1, "step_us": 2.0,
+              "step_us_min": 1.0, "step_us_max": 3.0}
+    ranks = [{"plans": [{"device_peak_bytes": 7 * 2**20, "device_resident_bytes": 2 * 2**20}]},
+             {"plans": [{"device_peak_bytes": 9 * 2**20, "device_resident_bytes": 1 * 2**20}]}]
+    cpu = format_report({**report, **memory_report(plan, ranks, "cpu")})
+    assert ("memory: predicted peak 3.00MiB of live values, parameters and their gradients not counted (made under "
+            "a budget of 4.00MiB); measured peak: not available on CPU") in cpu
+    gpu = memory_report(plan, ranks, "cuda", checked_budget=5 * 2**20)
+    assert (gpu["measured_peak_bytes"], gpu["measured_resident_bytes"]) == (9 * 2**20, 2 * 2**20)
+    text = format_report({**report, **gpu})
+    assert "within --memory-budget 5.00MiB); measured peak 9.00MiB (torch.cuda.max_memory_allocated" in text
+    assert "2.00MiB of it allocated before the steps" in text
+
+
+def test_device_memory_takes_each_blocks_peak_from_a_reset_statistic(monkeypatch):
+    """``DeviceMemory.measure``: the allocator's peak statistic is reset as each block begins (an
+    earlier block's or the warm-up's peak does not count), and the largest block peak is kept."""
+    import torch
+
+    from moegraph.runtime.commands import DeviceMemory
+    alloc = {"now": 100, "peak": 10_000}           # a warm-up peak the measured steps never reach
+
+    def reset():
+        alloc["peak"] = alloc["now"]
+
+    def step(extra):
+        alloc["peak"] = max(alloc["peak"], alloc["now"] + extra)
+        return [1.0]
+    for name, fn in (("synchronize", lambda: None), ("reset_peak_memory_stats", reset),
+                     ("memory_allocated", lambda: alloc["now"]), ("max_memory_allocated", lambda: alloc["peak"])):
+        monkeypatch.setattr(torch.cuda, name, fn)
+    mem = DeviceMemory()
+    assert mem.measure(lambda: step(500)) == [1.0]
+    alloc["now"] = 50
+    mem.measure(lambda: step(200))
+    assert (mem.peak_bytes, mem.resident_bytes) == (600, 100)
+
+
 def test_run_with_the_cpsat_schedule(capsys):
     assert main(["run", "--n", "2", "--steps", "1", "--schedule", "cpsat", "--time-limit", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
@@ -73,6 +133,7 @@ def test_run_trains_the_model_step_a_multi_layer_compile_wrote(capsys, tmp_path)
     assert (report["model"], report["layers"], report["vocab"], report["train_steps"]) == ("small", 2, 32000, 1)
     assert report["schedule"] == "sequential" and report["seq"] == 32 and report["strategy"]["dtype"] == "fp32"
     assert report["max_rel_err_loss"] < 1e-5 and report["max_rel_err_grads"] < 1e-4
+    assert report["predicted_peak_bytes"] == json.loads(sched.read_text())["summary"]["peak_memory_bytes"]
     assert main(["run", "--schedule", str(sched), "--layers", "3"]) == 2
     assert "--layers 3 does not match the schedule file" in capsys.readouterr().err
 
@@ -83,8 +144,15 @@ def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_pa
                  "--n", "2", "--seq", "64", "--dtype", "fp32", "--passes", "sar=paper", "--schedule", "greedy",
                  "-o", str(sched)]) == 0
     capsys.readouterr()
-    assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0", "--check", "--json"]) == 0
+    peak = json.loads(sched.read_text())["summary"]["peak_memory_bytes"]
+    # a --memory-budget the file's predicted peak fits (exactly) runs the file; one byte less is refused
+    assert main(["run", "--schedule", str(sched), "--memory-budget", str(peak - 1)]) == 2
+    assert f"is below the predicted peak {format_bytes(peak)} of --schedule" in capsys.readouterr().err
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0", "--check", "--json",
+                 "--memory-budget", str(peak)]) == 0
     report = json.loads(capsys.readouterr().out)
+    assert report["predicted_peak_bytes"] == report["checked_memory_budget_bytes"] == peak
+    assert report["memory_budget_bytes"] is None and report["measured_peak_bytes"] is None
     assert (report["model"], report["hardware"], report["seq"], report["n"]) == ("tiny", "cpu-2core-gloo", 64, 2)
     assert report["strategy"]["attn"] == "tp" and report["strategy"]["ffn"] == "tp"
     assert report["strategy"]["passes"] == ["sar=paper"] and report["schedule"] == "greedy"
