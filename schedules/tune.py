@@ -351,7 +351,7 @@ def tune_command(p: argparse.ArgumentParser):
                         "faster (default: the profile's step_noise; 0 for registry profiles)")
     p.add_argument("--fuse", action="store_true",
                    help="also rank each candidate with its tile-level fused comm+compute groups (fuse=auto); "
-                        "`run` cannot execute a fused schedule")
+                        "`run` executes a fused schedule's groups as their member kernels")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     def run(args) -> int:
