@@ -20,6 +20,10 @@ from moegraph.tracer import trace_model
 TOL = 1e-5
 HAS_HF = importlib.util.find_spec("transformers") is not None
 SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
+# mixtral-8x7b's head gradient [32000, 4096] bf16, 262.1 MB: ceil(262.1 / 26.2) = 10 buckets of 3200 rows
+BUCKETS = 10
+HEAD_SYNC = tuple(f"edges.lm_head.bucket{i}.grad_allreduce" for i in range(BUCKETS))
+MIXTRAL_SYNC = ("edges.norm.grad_allreduce", *HEAD_SYNC)
 
 
 
@@ -28,6 +32,8 @@ SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
 EDGE_GRADS = RANK_BATCH.add(2, "edges.edge_grad_checks", workers.edge_grad_checks, fresh_seed())
 BASE_MODEL = (RANK_BATCH.add(2, "edges.base_model_grad_checks", workers.base_model_grad_checks, fresh_seed())
               if HAS_HF else None)
+BUCKETED = RANK_BATCH.add(2, "edges.bucketed_edge_grads", workers.bucketed_edge_grads, fresh_seed(), 1, 2800)
+BUCKETED_DP = RANK_BATCH.add(4, "edges.bucketed_edge_grads_dp", workers.bucketed_edge_grads, fresh_seed(), 2, 2048)
 DP_BF16 = RANK_BATCH.add(4, "edges.dp_bf16_edge_grads", workers.dp_bf16_edge_grads, fresh_seed(), 2)
 PARTIAL = RANK_BATCH.add(4, "edges.partial_embed_grads", workers.partial_embed_grads, fresh_seed(), 2)
 PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embed_padding, fresh_seed(), 2)
@@ -48,11 +54,11 @@ def test_edge_sync_is_scheduled_under_the_layers_backward(method):
     g = _graph()
     s = compile_graph(g, CostModel(load_hardware("h800")), method=method, time_limit_s=2.0).schedule
     by = {n.name: n for n in s.nodes}
-    assert set(SYNC) | {"edges.embed.grad_gather"} <= set(by)
+    assert set(MIXTRAL_SYNC) | {"edges.embed.grad_gather"} <= set(by)
     backward = [n for n in s.nodes if n.kind == "compute" and n.phase != "forward"]
     last_end = max(n.end_us for n in backward)
     forward_end = max(n.end_us for n in s.nodes if n.phase == "forward")
-    for name in SYNC:
+    for name in MIXTRAL_SYNC:
         assert forward_end <= by[name].start_us < last_end, (name, by[name].start_us, forward_end, last_end)
     dx = g.producer[g.outputs[1]].name                     # layer 0's input gradient
     assert by["edges.embed.grad_gather"].start_us >= by[dx].end_us
@@ -61,7 +67,7 @@ def test_edge_sync_is_scheduled_under_the_layers_backward(method):
     assert all(n.start_us >= seed_made for n in s.nodes if "layer" in n.attrs and n.phase == "backward")
     assert by["edges.lm_head"].start_us >= max(n.end_us for n in s.nodes if n.attrs.get("layer") == 1
                                               and n.phase == "forward")
-    assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in SYNC)
+    assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in MIXTRAL_SYNC)
 
 
 def test_eager_edge_compute_is_priced():
@@ -85,8 +91,9 @@ def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
     g = _graph(dp=2, layers=1)
     names = {n.name for n in g.nodes if n.attr("edge", False)}
     # the hierarchical sync of a replicated parameter (autodiff._dp_sync), the rows gathered over replicas
-    assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.lm_head.grad_ag_inter",
-            "edges.lm_head.grad_ag_intra", "edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
+    assert {f"edges.lm_head.bucket{i}.{step}" for i in range(BUCKETS)
+            for step in ("grad_main", "grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")} | \
+        {"edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
     assert g.value[edge_values(g).embed_rows].shape == (2, 2048, 4096)
     base = _graph(vocab=None, layers=1)
     assert edge_values(base).head_partial is None and not any("lm_head" in n.name for n in base.nodes)
@@ -130,7 +137,7 @@ def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
     assert 0 <= edges["exposed_comm_us"] <= edges["comm_us"]
     sched = json.loads(out.read_text())
     assert {n["name"] for n in sched["nodes"] if n["attrs"].get("edge") and n["kind"] == "comm"} == \
-        {*SYNC, "edges.embed.grad_gather"}
+        {*MIXTRAL_SYNC, "edges.embed.grad_gather"}
     assert main(["gantt", str(out), "-o", str(tmp_path / "t.json")]) == 0
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = [e["args"]["name"] for e in trace if e["name"] in ("process_name", "thread_name")]
@@ -196,7 +203,7 @@ def test_merged_step_edges_closed_form():
     per_mb = ("edges.norm", "edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad", "edges.norm.dgrad",
               "edges.norm.wgrad", "edges.embed.grad_gather")
     edge_nodes = [nd for nd in g.nodes if nd.attr("edge", False)]
-    assert len(edge_nodes) == M * len(per_mb) + 2
+    assert len(edge_nodes) == M * len(per_mb) + len(MIXTRAL_SYNC) + 2      # + the buckets' split and concat
     ev = edge_values(g)
     for j, (_, seed, _, dx) in enumerate(microbatch_boundaries(g)):
         for name in per_mb:
@@ -214,12 +221,11 @@ def test_merged_step_edges_closed_form():
             assert wgrad.inputs[-1] == f"mb{j - 1}.edges.d_lm_head.partial" and wgrad.attr("accumulate")
             assert wgrad.mem_bytes == node["mb0.edges.lm_head.wgrad"].mem_bytes + V * h * 2
     sync = [nd for nd in edge_nodes if nd.is_comm and nd.attr("mb", None) is None]
-    assert sorted(nd.name for nd in sync) == sorted(SYNC)
-    head = node["edges.lm_head.grad_allreduce"]
-    assert head.inputs == (f"mb{M - 1}.edges.d_lm_head.partial",) == (ev.head_partial,)
-    assert head.comm_bytes == 2 * (n - 1) * V * h * 2 // n
+    assert sorted(nd.name for nd in sync) == sorted(MIXTRAL_SYNC)
+    assert node["edges.lm_head.grad_buckets"].inputs == (f"mb{M - 1}.edges.d_lm_head.partial",) == (ev.head_partial,)
+    assert sum(node[k].comm_bytes for k in HEAD_SYNC) == 2 * (n - 1) * V * h * 2 // n
     one = {nd.name: nd for nd in _graph(layers=2).nodes}
-    assert all(node[k].comm_bytes == one[k].comm_bytes for k in SYNC)
+    assert all(node[k].comm_bytes == one[k].comm_bytes for k in MIXTRAL_SYNC)
     with pytest.raises(GraphError, match="one value per micro-batch"):
         ev.seed
 
@@ -244,7 +250,7 @@ def test_merged_edges_in_the_paired_slots():
         assert slot[f"mb{j}.edges.lm_head"] == max(s for name, s in slot.items()
                                                    if name.startswith(f"mb{j}.l{L - 1}.")
                                                    and p.graph.node[name].phase.value == "forward")
-    assert slot["edges.lm_head.grad_allreduce"] == L + (M - 1) * L
+    assert {slot[k] for k in HEAD_SYNC} == {L + (M - 1) * L}
     for fn in (megatron_1f1b, dualpipe):
         check_solution(p, fn(p))
 
@@ -254,13 +260,14 @@ def test_dp_bf16_compresses_the_edges_sync_too():
     then send their DP reduce-scatters as bf16 all-to-alls: half the fp32 bytes, closed form
     (n-1)/n * V*h * 2 intra-node and (dp-1)/dp * V*h/n * 2 inter-node; in a merged step too."""
     from moegraph.compression import DpGradWire, dp_grad_wire
-    n, dp, V, h = 8, 2, 32000, 4096
+    n, dp, V, h = 8, 2, 32000 // BUCKETS, 4096                  # one bucket's rows
     plain = {nd.name: nd for nd in _graph(dp=dp, layers=2).nodes}
     for g in (_graph_passes(dp, "compress=dp-bf16"), _merged(2, dp=dp, passes="compress=dp-bf16")):
         assert dp_grad_wire(g) is DpGradWire.BF16
         node = {nd.name: nd for nd in g.nodes}
-        for name, fp32, bf16 in (("edges.lm_head.grad_rs_intra", (n - 1) * V * h * 4 // n, (n - 1) * V * h * 2 // n),
-                                 ("edges.lm_head.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
+        for name, fp32, bf16 in (("edges.lm_head.bucket0.grad_rs_intra", (n - 1) * V * h * 4 // n,
+                                  (n - 1) * V * h * 2 // n),
+                                 ("edges.lm_head.bucket0.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
                                   (dp - 1) * V * h // n * 2 // dp)):
             assert plain[name].op.value == "reduce_scatter" and plain[name].comm_bytes == fp32
             assert node[name].op.value == "all_to_all" and node[name].attr("compressed") == "bf16"
@@ -345,7 +352,8 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
         dp = sorted((t for t in p.tasks if t.stream == DP_STREAM), key=lambda t: sol.start[t.index])
         order = [t.name for t in dp]
         head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
-        assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]
+        # the norm's two DP collectives, the head's two per bucket
+        assert len(head_norm) == 2 + 2 * BUCKETS and set(order[:len(head_norm)]) == head_norm, order[:6]
 
 
 # -- the embedding gradient across replicas: ROWS (gather over replicas) or PARTIAL (scatter + sync) --
@@ -616,4 +624,108 @@ def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2(rank_re
     res = rank_results(4, PADDING)[0]
     assert res["pattern"] == "partial"
     assert res["pad_row"] == 0.0 == res["eager_pad_row"]
+    assert max(res["errors"].values()) < TOL, res["errors"]
+
+
+# -- gradient buckets: the [V, h] syncs in row blocks the scheduler can place in the backward's gaps --
+
+def test_head_gradient_sync_in_buckets_closed_form():
+    """mixtral-8x7b's head partial [32000, 4096] bf16 (262.1 MB) at the 25 MiB default: 10 blocks of
+    3200 rows, views of the partial (a zero-copy split), each all-reduced (2(n-1)/n * 3200*h*2 bytes,
+    the ten summing to the whole all-reduce's), each writing its rows of the synced gradient, which
+    keeps its name; the concat is zero-copy and priced 0. A bucket as large as the partial: the one
+    all-reduce, no split."""
+    from moegraph.edges import GRAD_BUCKET_BYTES
+    n, V, h = 8, 32000, 4096
+    assert GRAD_BUCKET_BYTES == 25 * 2**20
+    g = _graph(layers=1)
+    ev, node = edge_values(g), {nd.name: nd for nd in g.nodes}
+    split, concat = node["edges.lm_head.grad_buckets"], node["edges.lm_head.grad_concat"]
+    assert split.op.value == concat.op.value == "split"
+    assert split.inputs == (ev.head_partial,) and concat.outputs == (ev.head_synced,) == ("d_edges.lm_head.synced",)
+    for nd, mode in ((split, "split"), (concat, "concat")):
+        assert (nd.attr("mode"), nd.attr("dim"), nd.attr("sizes")) == (mode, 0, (V // BUCKETS,) * BUCKETS)
+        assert nd.mem_bytes == 0 and CostModel(load_hardware("h800")).node_time_us(nd) == 0.0
+    for i, (part, name) in enumerate(zip(split.outputs, HEAD_SYNC)):
+        ar = node[name]
+        assert ar.inputs == (part,) and g.value[part].alias_of == ev.head_partial
+        assert g.value[part].shape == (V // BUCKETS, h) and ar.group == n
+        assert ar.comm_bytes == 2 * (n - 1) * (V // BUCKETS) * h * 2 // n
+        assert concat.inputs[i] == ar.outputs[0] and g.value[ar.outputs[0]].alias_of == ev.head_synced
+    assert "edges.lm_head.grad_allreduce" not in node and "edges.norm.grad_allreduce" in node   # the norm: whole
+    whole = add_edges(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"),
+                                  batch=1, seq=2048, layers=1), vocab=V, grad_bucket_bytes=V * h * 2)
+    names = {nd.name for nd in whole.nodes}
+    assert "edges.lm_head.grad_allreduce" in names and not any("bucket" in x or "grad_concat" in x for x in names)
+    assert whole.producer[edge_values(whole).head_synced].name == "edges.lm_head.grad_allreduce"
+    with pytest.raises(ValueError, match="grad_bucket_bytes=0 must be a positive integer"):
+        add_edges(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, layers=1),
+                  vocab=64, grad_bucket_bytes=0)
+
+
+def test_bucket_rows_are_near_equal_and_follow_the_dp_sync():
+    """n=2 x dp=2 (tiny, h=64 fp32), V=50 (12,800 bytes) in 5,000-byte buckets: 3 blocks of 17, 17, 16
+    rows, the head's and PARTIAL's embedding sync alike, each through _dp_sync's chain (its intra
+    reduce-scatter sending (n-1)/n * rows*h*4 bytes). 1-byte buckets: one row per block (50), not
+    12,800 blocks."""
+    from moegraph.edges import EmbedGrad
+    n, h = 2, 64
+
+    def graph(bucket):
+        g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", n, dtype="fp32", dp=2), batch=1, seq=64,
+                        layers=1)
+        return add_edges(g, vocab=50, embed_grad=EmbedGrad.PARTIAL, grad_bucket_bytes=bucket)
+
+    node = {nd.name: nd for nd in graph(5000).nodes}
+    for part in ("lm_head", "embed"):
+        sizes = node[f"edges.{part}.grad_concat"].attr("sizes")
+        assert sizes == (17, 17, 16)
+        for i, rows in enumerate(sizes):
+            assert node[f"edges.{part}.bucket{i}.grad_rs_intra"].comm_bytes == (n - 1) * rows * h * 4 // n
+    assert node["edges.embed.grad_concat"].attr("embed") is True
+    assert {nd.name: nd for nd in graph(1).nodes}["edges.lm_head.grad_concat"].attr("sizes") == (1,) * 50
+
+
+def test_buckets_run_under_the_layers_backward():
+    """The point of the buckets (mixtral-8x7b, 2 layers, s=2048, CP-SAT from the warm starts): the
+    head's first bucket is all-reduced before the layers' backward compute ends, and the
+    periodic warm starts (the concat after its blocks' collectives, plain and DP-aware) are valid."""
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.periodic import tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution
+    cost = CostModel(load_hardware("h800"))
+    for dp in (1, 2):
+        g = _graph(dp=dp, layers=2)
+        problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+        for slide in ((False, True) if dp > 1 else (False,)):
+            check_solution(problem, tile_layers(problem, unit, greedy(unit), dp_slide=slide))
+    s = compile_graph(_graph(), cost, method="cpsat", time_limit_s=2.0).schedule
+    by = {nd.name: nd for nd in s.nodes}
+    last_end = max(nd.end_us for nd in s.nodes if nd.kind == "compute" and nd.phase != "forward")
+    assert by[HEAD_SYNC[0]].end_us < last_end
+    assert by["edges.lm_head.grad_concat"].start_us >= max(by[k].end_us for k in HEAD_SYNC)
+
+
+def test_bucketed_edge_gradients_match_eager_on_2_ranks(rank_results):
+    """The public compile path with 2,800-byte buckets (V=64, h=32 fp32: 8,192 bytes): the head's
+    sync in 3 uneven blocks (22, 21, 21 rows), run from the plan; every gradient equals eager's. With
+    bucket 1's all-reduce a local no-op only rows 22..42 of the head gradient go wrong: each block
+    is its own rows."""
+    res = rank_results(2, BUCKETED)[0]
+    assert res["sizes"] == {"lm_head": (22, 21, 21)}
+    assert {"edges.lm_head.grad_buckets", "edges.lm_head.grad_concat",
+            *(f"edges.lm_head.bucket{i}.grad_allreduce" for i in range(3))} <= set(res["planned"])
+    assert max(res["errors"].values()) < TOL, res["errors"]
+    rows = res["row_errors"]
+    assert max(rows[:22] + rows[43:]) < TOL and min(rows[22:43]) > 1e-2, rows
+
+
+def test_bucketed_partial_embedding_and_head_match_eager_on_n2_dp2(rank_results):
+    """n=2 x dp=2, 2,048-byte buckets: PARTIAL's embedding sync and the head's, each in 4 blocks of
+    16 rows through _dp_sync's chain, run from the plan; every gradient equals eager's."""
+    res = rank_results(4, BUCKETED_DP)[0]
+    assert res["pattern"] == "partial" and res["sizes"] == {"lm_head": (16,) * 4, "embed": (16,) * 4}
+    assert {f"edges.{p}.bucket{i}.grad_rs_inter" for p in ("lm_head", "embed") for i in range(4)} <= set(res["planned"])
     assert max(res["errors"].values()) < TOL, res["errors"]
