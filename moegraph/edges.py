@@ -49,6 +49,25 @@ rewrite one layer and restack it: ``add_edges`` is the last model-level step):
                 ``_dp_sync``'s: the DP exposure (``exposed_dp_sync_us``) and the DP warm starts
                 count them.
 
+Gradient buckets (``GRAD_BUCKET_BYTES``, DDP's default 25 MiB): a [V, h] partial (the head's;
+PARTIAL's embedding's) of B bytes is synced in K = ceil(B / bucket) row blocks, as DDP and
+Megatron sync gradient buckets, so that the scheduler can place K short collectives in the gaps
+the layers' backward leaves on the comm stream instead of one long one after it (Mixtral's head:
+one 3.2 ms all-reduce against gaps of at most ~0.4 ms):
+
+  edges.lm_head.grad_buckets          SPLIT (mode split)  partial -> K views [V_i, h] (no copy)
+  edges.lm_head.bucket{i}.<sync>      the replicated-parameter rule on view i (ALL_REDUCE, or
+                                      ``_dp_sync``'s chain with dp > 1), writing rows i of the
+                                      synced gradient (its result is a view of it)
+  edges.lm_head.grad_concat           SPLIT (mode concat) K blocks -> ``d_edges.lm_head.synced``,
+                                      zero-copy (the blocks are its views, as ``lowering.blocks``
+                                      joins token chunks): readers depend on every block
+
+(``edges.embed.*`` likewise). The blocks have near-equal rows (whole rows divide as the rule
+needs: with dp > 1 n*dp divides h, as the norm's sync needs); the bytes sent are the whole sync's. A
+partial of at most one bucket, the norm's [h], and one rank's (nothing to sync) keep the one
+sync (same names). The synced value's name is unchanged, so the runtime reads it as before.
+
 The eager compute is in the graph too, so the scheduler prices it and orders around it: nodes
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
 (autograd runs them; the executor skips them and takes their outputs as inputs):
@@ -157,6 +176,11 @@ EMBED_ATTR = "embed"
 
 EMBED_SCATTER = f"{EDGES}.embed.scatter"
 """PARTIAL's eager node the plan runs: this rank's rows index_add-ed into a partial [V, h]."""
+
+GRAD_BUCKET_BYTES = 25 * 2**20
+"""Bucket size of the [V, h] gradient syncs (the head's, PARTIAL's embedding's): DDP's default
+``bucket_cap_mb=25``. A partial gradient of B bytes is synced as ceil(B / bucket) row blocks
+(module docstring, "gradient buckets"); ``add_edges(..., grad_bucket_bytes=)`` overrides it."""
 
 
 class EmbedGrad(enum.Enum):
@@ -312,13 +336,18 @@ def edge_values(graph: Graph) -> EdgeValues | None:
 
 
 def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None = None,
-              aux: AuxLoss | None = None) -> Graph:
+              aux: AuxLoss | None = None, grad_bucket_bytes: int | None = None) -> Graph:
     """``graph`` (one layer or a stack, after the passes; or the merged step of M micro-batches
     of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
     None for a base model without an LM head. ``embed_grad``: the embedding gradient's pattern,
     None to choose by inter-node bytes (``embed_grad_choice``); PARTIAL where it cannot apply
     raises. ``aux``: the router's auxiliary loss (a causal LM only); None: the graph's own
-    (``graph.meta[AUX_META]``, a registry model's router_aux_loss_coef), if any. Verified."""
+    (``graph.meta[AUX_META]``, a registry model's router_aux_loss_coef), if any.
+    ``grad_bucket_bytes``: the [V, h] gradient syncs' bucket size (None: ``GRAD_BUCKET_BYTES``).
+    Verified."""
+    bucket = GRAD_BUCKET_BYTES if grad_bucket_bytes is None else grad_bucket_bytes
+    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+        raise ValueError(f"grad_bucket_bytes={grad_bucket_bytes!r} must be a positive integer (bytes) or None")
     aux = graph.meta_get(AUX_META) if aux is None else aux
     if aux is not None and not isinstance(aux, AuxLoss):
         raise ValueError(f"aux={aux!r} must be None or an AuxLoss")
@@ -369,12 +398,11 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     # once per step on the summed partials (as merge_microbatches syncs a layer's parameters)
     first = len(g.nodes)
 
-    def synced(name: str, partial: str) -> str:
-        param = f"{EDGES}.{name}"
-        g.params[param] = ParamSpec(sources=(), shard_dim=None)
-        return param_grad(g, param, partial)
+    def synced(name: str, partial: str, bucketed: bool = True) -> str:
+        sizes = _bucket_rows(g, partial, bucket) if bucketed else (g.shape(partial)[0],)
+        return _bucketed_sync(g, f"{EDGES}.{name}", partial, sizes)
 
-    norm_synced = synced("norm", norm_partial)
+    norm_synced = synced("norm", norm_partial, bucketed=False)      # [h]: tiny, always one sync
     head_synced = synced("lm_head", head_partial) if head_partial is not None else None
     sync = compressed(g.nodes[first:])
     gathers, gathered = [], []
@@ -500,6 +528,53 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
     values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E,
                   aux_rows=rows)
     return graph, values, nodes
+
+
+def _bucket_rows(g: GraphBuilder, partial: str, bucket: int) -> tuple[int, ...]:
+    """Row counts of the blocks a replicated [V, h] partial gradient is synced in (module
+    docstring, "gradient buckets"): K = ceil(bytes / ``bucket``) blocks of near-equal rows (at most
+    V). Each block must be a size the sync rule takes: with dp > 1 ``_dp_sync``'s reduce-scatters
+    need a multiple of n*dp elements, which every whole row is, as the final norm's [h] gradient
+    takes the same sync (its ``_dp_sync`` raises first where h does not divide). One block (V,):
+    the partial is synced whole, as without buckets (also on one rank, where nothing is synced)."""
+    st = g.strategy
+    V, h = g.shape(partial)
+    K = min(-(-g.nbytes(partial) // bucket), V)
+    if K <= 1 or st.n * st.dp == 1 or (st.dp > 1 and h % (st.n * st.dp)):
+        return (V,)
+    return tuple(V // K + (i < V % K) for i in range(K))
+
+
+def _bucketed_sync(g: GraphBuilder, param: str, partial: str, rows: tuple[int, ...]) -> str:
+    """``partial`` [V, h] synchronised by the replicated-parameter rule (``autodiff.param_grad``)
+    in len(``rows``) row blocks: a SPLIT into views of the partial (``{param}.grad_buckets``), one
+    sync per block (``{param}.bucket{i}.grad_allreduce``, or ``_dp_sync``'s chain), each writing
+    its rows of the synced gradient (the block's result is a view of it), and a zero-copy SPLIT
+    concat (``{param}.grad_concat``) so that readers of the synced gradient depend on every
+    block, as ``lowering.blocks`` joins token chunks. One block: the whole sync, as without
+    buckets (same names). Returns the synced gradient's name (``d_{param}.synced``)."""
+    g.params[param] = ParamSpec(sources=(), shard_dim=None)
+    if len(rows) == 1:
+        return param_grad(g, param, partial)
+    V, h = g.shape(partial)
+    kw = dict(phase=Phase.BACKWARD, mem_bytes=0, block=EDGES)
+    # views of the partial (no copy), as lowering.blocks cuts token chunks; role FORWARD: the
+    # kernel does what ``mode`` says (a DGRAD SPLIT runs its forward's transpose)
+    parts = [g.value(f"{partial}.bucket{i}", (r, h), kind=ValueKind.PARAM_GRAD, dtype=g.values[partial].dtype,
+                     alias_of=partial) for i, r in enumerate(rows)]
+    g.node(f"{param}.grad_buckets", OpKind.SPLIT, (partial,), parts,
+           attrs={"dim": 0, "sizes": rows, "mode": "split"}, **kw)
+    blocks = []
+    for i, part in enumerate(parts):
+        g.params[f"{param}.bucket{i}"] = ParamSpec(sources=(), shard_dim=None)
+        blocks.append(param_grad(g, f"{param}.bucket{i}", part))
+    first = g.values[blocks[0]]
+    out = g.value(f"d_{param}.synced", (V, h), kind=ValueKind.PARAM_GRAD, dtype=first.dtype)
+    for b in blocks:                                        # each sync writes its rows of ``out``
+        g.values[b] = dataclasses.replace(g.values[b], alias_of=out)
+    g.node(f"{param}.grad_concat", OpKind.SPLIT, tuple(blocks), (out,),
+           attrs={"dim": 0, "sizes": rows, "mode": "concat"}, **kw)
+    return out
 
 
 def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: int, *, elem: int,
@@ -631,6 +706,6 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 
-__all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "add_edges",
+__all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "GRAD_BUCKET_BYTES", "EmbedGrad", "add_edges",
            "embed_grad_choice", "embed_grad_inter_bytes", "edge_layer", "edge_values",
            "is_edge", "is_eager"]

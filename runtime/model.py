@@ -27,7 +27,9 @@ The graph the plan schedules holds, besides the layers:
     after them, as autograd runs it (T = b*s/n tokens on this rank);
   * the head and norm gradient sync: the partials' all-reduce (``edges.lm_head.grad_allreduce``,
     ``edges.norm.grad_allreduce``; with dp > 1 ``autodiff._dp_sync``'s hierarchical
-    reduce-scatter / all-gather), read by nothing else, so it may run under any layer's backward;
+    reduce-scatter / all-gather; a head gradient over 25 MiB in row buckets,
+    ``edges.lm_head.bucket{i}.*``, joined into the same synced value), read by nothing else, so
+    it may run under any layer's backward;
   * the embedding gradient: ``edges.embed.grad_gather`` all-gathers layer 0's input gradient
     [b, s/n, h] -> [b, s, h] (then over the replicas to [dp*b, s, h]) after layer 0's backward;
     each rank scatters the rows into the FULL embedding gradient by the global input_ids it

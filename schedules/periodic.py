@@ -144,13 +144,22 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         bwd = span - fwd
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
     edges = [t for t in problem.tasks if t.node.attr(EDGE_ATTR, False)]
+    # edge compute reading what an edge backward collective made (the bucketed [V, h] syncs'
+    # concat, moegraph.edges) runs with the collectives, after them: graph order (topological)
+    fed: set[int] = set()
+    for t in edges:
+        if t.kind == "compute" and t.side == 1 and any(
+                p in fed or (problem.tasks[p].kind == "comm" and problem.tasks[p].side == 1
+                             and problem.tasks[p].node.attr(EDGE_ATTR, False)) for p in t.preds):
+            fed.add(t.index)
     # the embedding gradient's compute (PARTIAL's scatter and its sync's casts, moegraph.edges)
     # follows layer 0's backward: it runs after the backward windows with the edges' collectives
-    after = [t for t in edges if t.kind == "compute" and t.node.attr(EMBED_ATTR, False)]
+    after = [t for t in edges if t.kind == "compute" and t.node.attr(EMBED_ATTR, False) and t.index not in fed]
     tail_ids = {t.index for t in after}
     # graph order: fwd, bwd; with the forward edge collectives (the aux loss's stats all-reduces,
     # before the barrier: the routers' backward reads them), alone
-    edge_compute = [t for t in edges if (t.kind == "compute" and t.index not in tail_ids) or t.side == 0]
+    edge_compute = [t for t in edges
+                    if (t.kind == "compute" and t.index not in tail_ids and t.index not in fed) or t.side == 0]
     mid_mode = {t.index: alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode for t in edge_compute}
     ef = sum(t.modes[mid_mode[t.index]].ticks for t in edge_compute if t.side == 0)
     eb = sum(t.modes[mid_mode[t.index]].ticks for t in edge_compute if t.side == 1)
@@ -161,7 +170,8 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     at = periods * (fwd + bwd) + ef + eb
     if not dp_slide:
         for t in edges:
-            if (t.kind == "comm" and t.side == 1) or t.index in tail_ids:   # after the layers' backward, alone
+            # after the layers' backward, alone
+            if (t.kind == "comm" and t.side == 1) or t.index in tail_ids or t.index in fed:
                 start[t.index] = at
                 mode[t.index] = alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode
                 at += t.modes[mode[t.index]].ticks
@@ -193,7 +203,8 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     if not dp_slide:
         return Solution(name, tuple(start), tuple(mode))
     for t in edges:
-        if t.kind == "comm" and t.side == 1:  # as soon as its inputs allow, beside the layers' backward if room
+        # as soon as its inputs allow, beside the layers' backward if room
+        if (t.kind == "comm" and t.side == 1) or t.index in fed:
             late[t.index], mode[t.index] = 0, t.default_mode
     _place_late(problem, start, mode, late, at, slide_order)
     return settle_alone(problem, Solution(f"{name}+dp" + ("-ready" if slide_order == "ready" else ""),

@@ -141,3 +141,51 @@ def partial_embed_padding(rank: int, world: int, seed: int, dp: int) -> dict:
             "errors": {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()},
             "pad_row": float(full[embed][0].abs().max()),
             "eager_pad_row": float(model.get_parameter(embed).grad[0].abs().max())}
+
+
+def bucketed_edge_grads(rank: int, world: int, seed: int, dp: int, bucket: int) -> dict:
+    """The public compile path with the edges' gradient buckets forced small
+    (``moegraph.edges.GRAD_BUCKET_BYTES`` = ``bucket`` while compiling): one step's gradients
+    against eager. dp == 1: the head's sync in blocks (the embedding gathers its rows); then the
+    same step with bucket 1's all-reduce made a local no-op, per row of the head gradient (only
+    that block's rows may go wrong). dp > 1: replicas of 2B rows, so PARTIAL (as
+    ``partial_embed_grads``): the head's and the embedding's syncs both in blocks."""
+    import moegraph.edges as edges_mod
+    from model_workers import batches
+    from moegraph.edges import edge_values
+    model = reference_model(seed, 2)
+    if dp == 1:
+        ids, labels = batches(seed + 1, 1)[0]
+    else:
+        gen = torch.Generator().manual_seed(seed + 1)
+        ids = torch.randint(0, model.embed.num_embeddings, (dp * 2 * 2, 16), generator=gen)
+        labels = ids.clone()
+    saved = edges_mod.GRAD_BUCKET_BYTES
+    edges_mod.GRAD_BUCKET_BYTES = bucket
+    try:
+        compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn="sp", ffn="ep", passes="",
+                                    schedule="greedy", timeout_s=60.0, dp=dp)
+    finally:
+        edges_mod.GRAD_BUCKET_BYTES = saved
+    graph = compiled.layers.graph
+    planned = [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")]
+    sizes = {part: graph.node[f"edges.{part}.grad_concat"].attr("sizes")
+             for part in ("lm_head", "embed") if f"edges.{part}.grad_concat" in graph.node}
+    out = {"pattern": edge_values(graph).embed_grad.value, "planned": planned, "sizes": sizes,
+           "errors": _grads(model, compiled, ids, labels)}
+    if dp == 1:
+        issue = Comm.issue
+
+        def patched(self, node, ins, stream, budget, shapes=None):
+            if node.name == "edges.lm_head.bucket1.grad_allreduce":
+                return _local_noop(node, ins, stream, shapes, self.layout.mp_rank)
+            return issue(self, node, ins, stream, budget, shapes)
+
+        Comm.issue = patched
+        try:
+            _grads(model, compiled, ids, labels)
+        finally:
+            Comm.issue = issue
+        full, eager = compiled.full_grads()[EDGE_PARTS["head"]], model.lm_head.weight.grad
+        out["row_errors"] = [rel_err(full[r], eager[r]) for r in range(full.shape[0])]
+    return out

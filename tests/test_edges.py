@@ -20,6 +20,10 @@ from moegraph.tracer import trace_model
 TOL = 1e-5
 HAS_HF = importlib.util.find_spec("transformers") is not None
 SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
+# mixtral-8x7b's head gradient [32000, 4096] bf16, 262.1 MB: ceil(262.1 / 26.2) = 10 buckets of 3200 rows
+BUCKETS = 10
+HEAD_SYNC = tuple(f"edges.lm_head.bucket{i}.grad_allreduce" for i in range(BUCKETS))
+MIXTRAL_SYNC = ("edges.norm.grad_allreduce", *HEAD_SYNC)
 
 
 
@@ -28,6 +32,8 @@ SYNC = ("edges.norm.grad_allreduce", "edges.lm_head.grad_allreduce")
 EDGE_GRADS = RANK_BATCH.add(2, "edges.edge_grad_checks", workers.edge_grad_checks, fresh_seed())
 BASE_MODEL = (RANK_BATCH.add(2, "edges.base_model_grad_checks", workers.base_model_grad_checks, fresh_seed())
               if HAS_HF else None)
+BUCKETED = RANK_BATCH.add(2, "edges.bucketed_edge_grads", workers.bucketed_edge_grads, fresh_seed(), 1, 2800)
+BUCKETED_DP = RANK_BATCH.add(4, "edges.bucketed_edge_grads_dp", workers.bucketed_edge_grads, fresh_seed(), 2, 2048)
 DP_BF16 = RANK_BATCH.add(4, "edges.dp_bf16_edge_grads", workers.dp_bf16_edge_grads, fresh_seed(), 2)
 PARTIAL = RANK_BATCH.add(4, "edges.partial_embed_grads", workers.partial_embed_grads, fresh_seed(), 2)
 PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embed_padding, fresh_seed(), 2)
@@ -42,18 +48,22 @@ def _graph(dp: int = 1, vocab: int | None = 32000, layers: int = 2):
 
 @pytest.mark.parametrize("method", ["greedy", "cpsat"])
 def test_edge_sync_is_scheduled_under_the_layers_backward(method):
-    """The head and norm gradient all-reduces start before the layers' backward compute ends
-    (their partials exist at the barrier, nothing else reads them); the embedding gather starts
+    """The head's gradient buckets and the norm's all-reduce start before the layers' backward
+    compute ends (their partials exist at the barrier, nothing else reads them; greedy: the head's);
+    the embedding gather starts
     after layer 0's input gradient is made."""
     g = _graph()
     s = compile_graph(g, CostModel(load_hardware("h800")), method=method, time_limit_s=2.0).schedule
     by = {n.name: n for n in s.nodes}
-    assert set(SYNC) | {"edges.embed.grad_gather"} <= set(by)
+    assert set(MIXTRAL_SYNC) | {"edges.embed.grad_gather"} <= set(by)
     backward = [n for n in s.nodes if n.kind == "compute" and n.phase != "forward"]
     last_end = max(n.end_us for n in backward)
     forward_end = max(n.end_us for n in s.nodes if n.phase == "forward")
-    for name in SYNC:
-        assert forward_end <= by[name].start_us < last_end, (name, by[name].start_us, forward_end, last_end)
+    for name in MIXTRAL_SYNC:
+        # greedy's list order by bottom level puts the norm's 32 us all-reduce after the head's ten
+        # buckets, after the backward: the buckets (and CP-SAT's norm) run under it
+        end = last_end if name in HEAD_SYNC or method == "cpsat" else float("inf")
+        assert forward_end <= by[name].start_us < end, (name, by[name].start_us, forward_end, last_end)
     dx = g.producer[g.outputs[1]].name                     # layer 0's input gradient
     assert by["edges.embed.grad_gather"].start_us >= by[dx].end_us
     # the eager head and norm backward make the seed: every layer's backward starts after it
@@ -61,7 +71,7 @@ def test_edge_sync_is_scheduled_under_the_layers_backward(method):
     assert all(n.start_us >= seed_made for n in s.nodes if "layer" in n.attrs and n.phase == "backward")
     assert by["edges.lm_head"].start_us >= max(n.end_us for n in s.nodes if n.attrs.get("layer") == 1
                                               and n.phase == "forward")
-    assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in SYNC)
+    assert all(by[k].attrs.get("edge") is True and "layer" not in by[k].attrs for k in MIXTRAL_SYNC)
 
 
 def test_eager_edge_compute_is_priced():
@@ -85,8 +95,9 @@ def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
     g = _graph(dp=2, layers=1)
     names = {n.name for n in g.nodes if n.attr("edge", False)}
     # the hierarchical sync of a replicated parameter (autodiff._dp_sync), the rows gathered over replicas
-    assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.lm_head.grad_ag_inter",
-            "edges.lm_head.grad_ag_intra", "edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
+    assert {f"edges.lm_head.bucket{i}.{step}" for i in range(BUCKETS)
+            for step in ("grad_main", "grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")} | \
+        {"edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
     assert g.value[edge_values(g).embed_rows].shape == (2, 2048, 4096)
     base = _graph(vocab=None, layers=1)
     assert edge_values(base).head_partial is None and not any("lm_head" in n.name for n in base.nodes)
@@ -130,7 +141,7 @@ def test_compile_json_and_gantt_report_the_edges(capsys, tmp_path):
     assert 0 <= edges["exposed_comm_us"] <= edges["comm_us"]
     sched = json.loads(out.read_text())
     assert {n["name"] for n in sched["nodes"] if n["attrs"].get("edge") and n["kind"] == "comm"} == \
-        {*SYNC, "edges.embed.grad_gather"}
+        {*MIXTRAL_SYNC, "edges.embed.grad_gather"}
     assert main(["gantt", str(out), "-o", str(tmp_path / "t.json")]) == 0
     trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
     names = [e["args"]["name"] for e in trace if e["name"] in ("process_name", "thread_name")]
@@ -167,7 +178,7 @@ def test_periodic_warm_start_tiles_the_layers_around_the_edges():
     edges = [t for t in problem.tasks if t.node.attr("edge", False)]
     extra = sum(t.modes[t.default_mode if t.kind == "compute" else alone_twin(t, t.default_mode)].ticks
                 for t in edges)
-    assert len(edges) == 9
+    assert len(edges) == 9 + BUCKETS - 1 + 2            # the head's ten buckets, split and concat
     assert makespan_ticks(problem, tiled) == 2 * makespan_ticks(unit, sol) + extra
 
 
@@ -196,7 +207,7 @@ def test_merged_step_edges_closed_form():
     per_mb = ("edges.norm", "edges.lm_head", "edges.lm_head.dgrad", "edges.lm_head.wgrad", "edges.norm.dgrad",
               "edges.norm.wgrad", "edges.embed.grad_gather")
     edge_nodes = [nd for nd in g.nodes if nd.attr("edge", False)]
-    assert len(edge_nodes) == M * len(per_mb) + 2
+    assert len(edge_nodes) == M * len(per_mb) + len(MIXTRAL_SYNC) + 2      # + the buckets' split and concat
     ev = edge_values(g)
     for j, (_, seed, _, dx) in enumerate(microbatch_boundaries(g)):
         for name in per_mb:
@@ -214,12 +225,11 @@ def test_merged_step_edges_closed_form():
             assert wgrad.inputs[-1] == f"mb{j - 1}.edges.d_lm_head.partial" and wgrad.attr("accumulate")
             assert wgrad.mem_bytes == node["mb0.edges.lm_head.wgrad"].mem_bytes + V * h * 2
     sync = [nd for nd in edge_nodes if nd.is_comm and nd.attr("mb", None) is None]
-    assert sorted(nd.name for nd in sync) == sorted(SYNC)
-    head = node["edges.lm_head.grad_allreduce"]
-    assert head.inputs == (f"mb{M - 1}.edges.d_lm_head.partial",) == (ev.head_partial,)
-    assert head.comm_bytes == 2 * (n - 1) * V * h * 2 // n
+    assert sorted(nd.name for nd in sync) == sorted(MIXTRAL_SYNC)
+    assert node["edges.lm_head.grad_buckets"].inputs == (f"mb{M - 1}.edges.d_lm_head.partial",) == (ev.head_partial,)
+    assert sum(node[k].comm_bytes for k in HEAD_SYNC) == 2 * (n - 1) * V * h * 2 // n
     one = {nd.name: nd for nd in _graph(layers=2).nodes}
-    assert all(node[k].comm_bytes == one[k].comm_bytes for k in SYNC)
+    assert all(node[k].comm_bytes == one[k].comm_bytes for k in MIXTRAL_SYNC)
     with pytest.raises(GraphError, match="one value per micro-batch"):
         ev.seed
 
@@ -244,7 +254,7 @@ def test_merged_edges_in_the_paired_slots():
         assert slot[f"mb{j}.edges.lm_head"] == max(s for name, s in slot.items()
                                                    if name.startswith(f"mb{j}.l{L - 1}.")
                                                    and p.graph.node[name].phase.value == "forward")
-    assert slot["edges.lm_head.grad_allreduce"] == L + (M - 1) * L
+    assert {slot[k] for k in HEAD_SYNC} == {L + (M - 1) * L}
     for fn in (megatron_1f1b, dualpipe):
         check_solution(p, fn(p))
 
@@ -254,13 +264,14 @@ def test_dp_bf16_compresses_the_edges_sync_too():
     then send their DP reduce-scatters as bf16 all-to-alls: half the fp32 bytes, closed form
     (n-1)/n * V*h * 2 intra-node and (dp-1)/dp * V*h/n * 2 inter-node; in a merged step too."""
     from moegraph.compression import DpGradWire, dp_grad_wire
-    n, dp, V, h = 8, 2, 32000, 4096
+    n, dp, V, h = 8, 2, 32000 // BUCKETS, 4096                  # one bucket's rows
     plain = {nd.name: nd for nd in _graph(dp=dp, layers=2).nodes}
     for g in (_graph_passes(dp, "compress=dp-bf16"), _merged(2, dp=dp, passes="compress=dp-bf16")):
         assert dp_grad_wire(g) is DpGradWire.BF16
         node = {nd.name: nd for nd in g.nodes}
-        for name, fp32, bf16 in (("edges.lm_head.grad_rs_intra", (n - 1) * V * h * 4 // n, (n - 1) * V * h * 2 // n),
-                                 ("edges.lm_head.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
+        for name, fp32, bf16 in (("edges.lm_head.bucket0.grad_rs_intra", (n - 1) * V * h * 4 // n,
+                                  (n - 1) * V * h * 2 // n),
+                                 ("edges.lm_head.bucket0.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
                                   (dp - 1) * V * h // n * 2 // dp)):
             assert plain[name].op.value == "reduce_scatter" and plain[name].comm_bytes == fp32
             assert node[name].op.value == "all_to_all" and node[name].attr("compressed") == "bf16"
@@ -345,7 +356,11 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
         dp = sorted((t for t in p.tasks if t.stream == DP_STREAM), key=lambda t: sol.start[t.index])
         order = [t.name for t in dp]
         head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
-        assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]
+        # the norm's two DP collectives, the head's two per bucket: the first on the stream, and
+        # all before layer 0's (a bucket waits for its intra reduce-scatter: a layer's may come between)
+        assert len(head_norm) == 2 + 2 * BUCKETS and order[0] == "edges.lm_head.bucket0.grad_rs_inter", order[:6]
+        first_l0 = min(i for i, x in enumerate(order) if x.startswith("l0."))
+        assert max(order.index(x) for x in head_norm) < first_l0, order
 
 
 # -- the embedding gradient across replicas: ROWS (gather over replicas) or PARTIAL (scatter + sync) --
@@ -421,8 +436,8 @@ def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
     assert g.value[ev.embed_partial].shape == (V, h) and g.value[ev.embed_synced].shape == (V, h)
     assert ev.embed_synced in g.outputs and "edges.embed.grad_gather" not in node
     sync = [nd for nd in g.nodes if nd.is_comm and nd.attr("embed", False)]
-    assert {nd.name for nd in sync} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
-                                       "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
+    assert {nd.name for nd in sync} == {f"edges.embed.bucket{i}.{x}" for i in range(BUCKETS) for x in
+                                       ("grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")}
     assert all(nd.attr("dp", False) and nd.attr("edge", False) for nd in sync)
     assert _inter_embed_bytes(g) == 98_304_000
     with pytest.raises(GraphError, match="already has its edges"):
@@ -444,9 +459,11 @@ def test_partial_embed_grad_is_refused_where_it_does_not_apply_and_follows_dp_bf
         _graph_forced(dp=2, vocab=None)
     # compress=dp-bf16: the embedding's inter reduce-scatter is a bf16 all-to-all as the head's
     c = _graph_passes(2, "compress=dp-bf16", embed_grad=EmbedGrad.PARTIAL)
-    rs = {nd.name: nd for nd in c.nodes}["edges.embed.grad_rs_inter"]
-    assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
-    assert rs.comm_bytes == 16_384_000          # (dp-1)/dp * V*h/n * 2 at n=8, dp=2: half the fp32 bytes
+    node = {nd.name: nd for nd in c.nodes}
+    for i in range(BUCKETS):                    # each bucket's: (dp-1)/dp * V*h/(10n) * 2 at n=8, dp=2, half fp32's
+        rs = node[f"edges.embed.bucket{i}.grad_rs_inter"]
+        assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
+        assert rs.comm_bytes == 16_384_000 // BUCKETS
 
 
 def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once():
@@ -479,10 +496,11 @@ def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once(
     assert s1.attr("accumulate") is True and s1.mem_bytes == (T * h + 2 * V * h) * 2
     assert s1.outputs == (ev.embed_partial,) and all(x.attr("eager") and x.attr("embed") for x in (s0, s1))
     sync = [nd for nd in m.nodes if nd.attr("embed", False) and nd.name not in (s0.name, s1.name)]
-    assert {nd.name for nd in sync if nd.is_comm} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
-                                                     "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
+    assert {nd.name for nd in sync if nd.is_comm} == {
+        f"edges.embed.bucket{i}.{x}" for i in range(BUCKETS)
+        for x in ("grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")}
     assert all(nd.attr("mb", None) is None for nd in sync)
-    assert [nd.name for nd in m.nodes if ev.embed_partial in nd.inputs] == ["edges.embed.grad_main"]
+    assert [nd.name for nd in m.nodes if ev.embed_partial in nd.inputs] == ["edges.embed.grad_buckets"]
     assert not [nd for nd in m.nodes if "grad_gather" in nd.name and nd.attr("embed", False)]
     assert _inter_embed_bytes(m) == 65_536_000
     rows = add_edges(merge_microbatches(g, 2), vocab=V, embed_grad=EmbedGrad.ROWS)
@@ -513,7 +531,8 @@ def test_embed_gather_over_replicas_counts_as_dp_sync():
     g = _graph(dp=2, layers=2)
     s = compile_graph(g, CostModel(load_hardware("h800")), method="greedy").schedule
     gather = next(nd for nd in s.nodes if nd.name == "edges.embed.grad_gather_dp")
-    assert gather.start_us >= max(nd.end_us for nd in s.nodes if nd.kind == "compute")
+    # compute that takes time (the head buckets' zero-copy concat is none, wherever it sits)
+    assert gather.start_us >= max(nd.end_us for nd in s.nodes if nd.kind == "compute" and nd.end_us > nd.start_us)
     assert dp_sync_exposure(s.nodes)["exposed_dp_sync_us"] >= gather.end_us - gather.start_us - 0.01
 
 
@@ -616,4 +635,108 @@ def test_partial_embedding_gradient_keeps_the_padding_row_zero_on_n2_dp2(rank_re
     res = rank_results(4, PADDING)[0]
     assert res["pattern"] == "partial"
     assert res["pad_row"] == 0.0 == res["eager_pad_row"]
+    assert max(res["errors"].values()) < TOL, res["errors"]
+
+
+# -- gradient buckets: the [V, h] syncs in row blocks the scheduler can place in the backward's gaps --
+
+def test_head_gradient_sync_in_buckets_closed_form():
+    """mixtral-8x7b's head partial [32000, 4096] bf16 (262.1 MB) at the 25 MiB default: 10 blocks of
+    3200 rows, views of the partial (a zero-copy split), each all-reduced (2(n-1)/n * 3200*h*2 bytes,
+    the ten summing to the whole all-reduce's), each writing its rows of the synced gradient, which
+    keeps its name; the concat is zero-copy and priced 0. A bucket as large as the partial: the one
+    all-reduce, no split."""
+    from moegraph.edges import GRAD_BUCKET_BYTES
+    n, V, h = 8, 32000, 4096
+    assert GRAD_BUCKET_BYTES == 25 * 2**20
+    g = _graph(layers=1)
+    ev, node = edge_values(g), {nd.name: nd for nd in g.nodes}
+    split, concat = node["edges.lm_head.grad_buckets"], node["edges.lm_head.grad_concat"]
+    assert split.op.value == concat.op.value == "split"
+    assert split.inputs == (ev.head_partial,) and concat.outputs == (ev.head_synced,) == ("d_edges.lm_head.synced",)
+    for nd, mode in ((split, "split"), (concat, "concat")):
+        assert (nd.attr("mode"), nd.attr("dim"), nd.attr("sizes")) == (mode, 0, (V // BUCKETS,) * BUCKETS)
+        assert nd.mem_bytes == 0 and CostModel(load_hardware("h800")).node_time_us(nd) == 0.0
+    for i, (part, name) in enumerate(zip(split.outputs, HEAD_SYNC)):
+        ar = node[name]
+        assert ar.inputs == (part,) and g.value[part].alias_of == ev.head_partial
+        assert g.value[part].shape == (V // BUCKETS, h) and ar.group == n
+        assert ar.comm_bytes == 2 * (n - 1) * (V // BUCKETS) * h * 2 // n
+        assert concat.inputs[i] == ar.outputs[0] and g.value[ar.outputs[0]].alias_of == ev.head_synced
+    assert "edges.lm_head.grad_allreduce" not in node and "edges.norm.grad_allreduce" in node   # the norm: whole
+    whole = add_edges(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"),
+                                  batch=1, seq=2048, layers=1), vocab=V, grad_bucket_bytes=V * h * 2)
+    names = {nd.name for nd in whole.nodes}
+    assert "edges.lm_head.grad_allreduce" in names and not any("bucket" in x or "grad_concat" in x for x in names)
+    assert whole.producer[edge_values(whole).head_synced].name == "edges.lm_head.grad_allreduce"
+    with pytest.raises(ValueError, match="grad_bucket_bytes=0 must be a positive integer"):
+        add_edges(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, layers=1),
+                  vocab=64, grad_bucket_bytes=0)
+
+
+def test_bucket_rows_are_near_equal_and_follow_the_dp_sync():
+    """n=2 x dp=2 (tiny, h=64 fp32), V=50 (12,800 bytes) in 5,000-byte buckets: 3 blocks of 17, 17, 16
+    rows, the head's and PARTIAL's embedding sync alike, each through _dp_sync's chain (its intra
+    reduce-scatter sending (n-1)/n * rows*h*4 bytes). 1-byte buckets: one row per block (50), not
+    12,800 blocks."""
+    from moegraph.edges import EmbedGrad
+    n, h = 2, 64
+
+    def graph(bucket):
+        g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", n, dtype="fp32", dp=2), batch=1, seq=64,
+                        layers=1)
+        return add_edges(g, vocab=50, embed_grad=EmbedGrad.PARTIAL, grad_bucket_bytes=bucket)
+
+    node = {nd.name: nd for nd in graph(5000).nodes}
+    for part in ("lm_head", "embed"):
+        sizes = node[f"edges.{part}.grad_concat"].attr("sizes")
+        assert sizes == (17, 17, 16)
+        for i, rows in enumerate(sizes):
+            assert node[f"edges.{part}.bucket{i}.grad_rs_intra"].comm_bytes == (n - 1) * rows * h * 4 // n
+    assert node["edges.embed.grad_concat"].attr("embed") is True
+    assert {nd.name: nd for nd in graph(1).nodes}["edges.lm_head.grad_concat"].attr("sizes") == (1,) * 50
+
+
+def test_buckets_run_under_the_layers_backward():
+    """The point of the buckets (mixtral-8x7b, 2 layers, s=2048, CP-SAT from the warm starts): the
+    head's first bucket is all-reduced before the layers' backward compute ends, and the
+    periodic warm starts (the concat after its blocks' collectives, plain and DP-aware) are valid."""
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.periodic import tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import check_solution
+    cost = CostModel(load_hardware("h800"))
+    for dp in (1, 2):
+        g = _graph(dp=dp, layers=2)
+        problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+        for slide in ((False, True) if dp > 1 else (False,)):
+            check_solution(problem, tile_layers(problem, unit, greedy(unit), dp_slide=slide))
+    s = compile_graph(_graph(), cost, method="cpsat", time_limit_s=2.0).schedule
+    by = {nd.name: nd for nd in s.nodes}
+    last_end = max(nd.end_us for nd in s.nodes if nd.kind == "compute" and nd.phase != "forward")
+    assert by[HEAD_SYNC[0]].end_us < last_end
+    assert by["edges.lm_head.grad_concat"].start_us >= max(by[k].end_us for k in HEAD_SYNC)
+
+
+def test_bucketed_edge_gradients_match_eager_on_2_ranks(rank_results):
+    """The public compile path with 2,800-byte buckets (V=64, h=32 fp32: 8,192 bytes): the head's
+    sync in 3 uneven blocks (22, 21, 21 rows), run from the plan; every gradient equals eager's. With
+    bucket 1's all-reduce a local no-op only rows 22..42 of the head gradient go wrong: each block
+    is its own rows."""
+    res = rank_results(2, BUCKETED)[0]
+    assert res["sizes"] == {"lm_head": (22, 21, 21)}
+    assert {"edges.lm_head.grad_buckets", "edges.lm_head.grad_concat",
+            *(f"edges.lm_head.bucket{i}.grad_allreduce" for i in range(3))} <= set(res["planned"])
+    assert max(res["errors"].values()) < TOL, res["errors"]
+    rows = res["row_errors"]
+    assert max(rows[:22] + rows[43:]) < TOL and min(rows[22:43]) > 1e-2, rows
+
+
+def test_bucketed_partial_embedding_and_head_match_eager_on_n2_dp2(rank_results):
+    """n=2 x dp=2, 2,048-byte buckets: PARTIAL's embedding sync and the head's, each in 4 blocks of
+    16 rows through _dp_sync's chain, run from the plan; every gradient equals eager's."""
+    res = rank_results(4, BUCKETED_DP)[0]
+    assert res["pattern"] == "partial" and res["sizes"] == {"lm_head": (16,) * 4, "embed": (16,) * 4}
+    assert {f"edges.{p}.bucket{i}.grad_rs_inter" for p in ("lm_head", "embed") for i in range(4)} <= set(res["planned"])
     assert max(res["errors"].values()) < TOL, res["errors"]

@@ -210,8 +210,9 @@ def test_compile_layers_reports_each_layer(capsys):
     assert "layers" not in one
     assert main(["compile", *small, "--layers", "2", "--json"]) == 0
     two = json.loads(capsys.readouterr().out)
-    # plus the model's edges (moegraph.edges): 6 eager norm/head nodes, 2 all-reduces, 1 gather
-    assert two["nodes"] == 2 * one["nodes"] + 9 and [r["layer"] for r in two["layers"]] == [0, 1, "edges"]
+    # plus the model's edges (moegraph.edges): 6 eager norm/head nodes, the norm's all-reduce, 1 gather,
+    # the head's [32000, 512] bf16 gradient (32.8 MB) in two 25 MiB buckets: split, 2 all-reduces, concat
+    assert two["nodes"] == 2 * one["nodes"] + 12 and [r["layer"] for r in two["layers"]] == [0, 1, "edges"]
     for r in two["layers"]:
         assert r["forward_us"][0] < r["forward_us"][1] <= r["backward_us"][1] <= two["makespan_us"]
         assert 0 <= r["exposed_comm_us"] <= r["comm_us"]
@@ -222,7 +223,7 @@ def test_compile_layers_reports_each_layer(capsys):
 def test_compile_merged_layers_schedules_the_edges(capsys, tmp_path):
     """--layers 2 --micro-batches 2: the merged step graph has the model's edges (an "edges" row,
     no stderr note); CP-SAT schedules every micro-batch's embedding gather and the step's one
-    head and norm all-reduce each, and the verifier accepts the schedule file."""
+    norm all-reduce and head sync (two buckets) each, and the verifier accepts the schedule file."""
     from moegraph.cli import main
     from moegraph.schedules.schedule_file import Schedule
     from moegraph.schedules.verify import verify_schedule
@@ -235,6 +236,7 @@ def test_compile_merged_layers_schedules_the_edges(capsys, tmp_path):
     assert [r["layer"] for r in c["layers"]] == [0, 1, "edges"] and c["layers"][-1]["comm_us"] > 0
     sched = Schedule.load(str(out))
     comm = sorted(n.name for n in sched.nodes if n.attrs.get("edge") and n.kind == "comm")
-    assert comm == ["edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "mb0.edges.embed.grad_gather",
+    assert comm == ["edges.lm_head.bucket0.grad_allreduce", "edges.lm_head.bucket1.grad_allreduce",
+                    "edges.norm.grad_allreduce", "mb0.edges.embed.grad_gather",
                     "mb1.edges.embed.grad_gather"]
     assert verify_schedule(sched) == []

@@ -174,8 +174,9 @@ def test_dp_aware_tiling_offers_both_slide_orders():
     their inputs allow (periodic.SlideOrder), and neither wins on every step. small, 2 layers,
     dp=2, b=8, s=2048 (h800): with a 1,024-token vocabulary "ready" is shorter (measured 366,472
     vs 373,032 ticks: the LM head's sync no longer takes the DP stream ahead of the expert syncs
-    that are ready first), with 32,000 "tiled" is (616,000 vs 631,408: that sync is long). Both
-    verify, and compile's periodic candidates hold both."""
+    that are ready first), with 32,000 "tiled" is (616,000 vs 631,408: that sync is long; synced
+    whole here: in its default two 25 MiB buckets "ready" wins there too). Both verify, and
+    compile's periodic candidates hold both."""
     from moegraph.edges import add_edges
     from moegraph.schedules.api import list_warm_starts
     from moegraph.schedules.baselines import BASELINES
@@ -185,7 +186,8 @@ def test_dp_aware_tiling_offers_both_slide_orders():
                       "gate-reorder,sar=paper", cost=cost)[0]
     span = {}
     for vocab in (1024, 32000):
-        g = add_edges(g0, vocab=vocab)
+        # the head's gradient synced whole (one bucket): the long sync this case is about
+        g = add_edges(g0, vocab=vocab, grad_bucket_bytes=vocab * SMALL.hidden * 2)
         p = build_problem(g, cost)
         unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
         assert can_slide(unit)

@@ -236,7 +236,8 @@ def stack_cache(tmp_path_factory):
 def test_tune_layers_schedules_stacks(stack_cache):
     """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks with the
     model's edges, so the best schedule has twice the one-layer graph's nodes, named by layer, and
-    the 9 edge nodes (6 eager head/norm, 2 all-reduces, 1 embedding gather at n=2)."""
+    the 12 edge nodes (6 eager head/norm, the norm's all-reduce, the head's in two 25 MiB buckets with
+    their split and concat, 1 embedding gather at n=2)."""
     from moegraph.schedules.schedule_file import Schedule
     res = tune(load_model("small"), load_hardware("h800"), n=2, seq=64, time_limit=0.05, refine=1, layers=2,
                cache=Cache(stack_cache))
@@ -246,7 +247,7 @@ def test_tune_layers_schedules_stacks(stack_cache):
                                                      chunks=best["chunks"], remat=best["remat"], gate=best["gate"]),
                       CostModel(load_hardware("h800")), batch=1, seq=64)
     sched = Schedule.from_json(res["_best_schedule"])
-    assert len(sched.nodes) == 2 * len(one.nodes) + 9
+    assert len(sched.nodes) == 2 * len(one.nodes) + 12
     assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1", "edges"}
 
 
@@ -259,7 +260,7 @@ def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path, stack_cache):
                  "--time-limit", "0.05", "--refine", "1", "--cache", str(stack_cache), "--json",
                  "-o", str(out)]) == 0
     sched = Schedule.load(str(out))
-    assert {"edges.lm_head.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather",
+    assert {"edges.lm_head.bucket0.grad_allreduce", "edges.norm.grad_allreduce", "edges.embed.grad_gather",
             "edges.lm_head"} <= {n.name for n in sched.nodes}
 
 
