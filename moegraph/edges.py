@@ -178,9 +178,15 @@ EMBED_SCATTER = f"{EDGES}.embed.scatter"
 """PARTIAL's eager node the plan runs: this rank's rows index_add-ed into a partial [V, h]."""
 
 GRAD_BUCKET_BYTES = 25 * 2**20
-"""Bucket size of the [V, h] gradient syncs (the head's, PARTIAL's embedding's): DDP's default
-``bucket_cap_mb=25``. A partial gradient of B bytes is synced as ceil(B / bucket) row blocks
-(module docstring, "gradient buckets"); ``add_edges(..., grad_bucket_bytes=)`` overrides it."""
+"""Bucket size of the [V, h] gradient syncs (the head's, PARTIAL's embedding's) at dp == 1: DDP's
+default ``bucket_cap_mb=25``. A partial gradient of B bytes is synced as ceil(B / bucket) row
+blocks (module docstring, "gradient buckets"); ``add_edges(..., grad_bucket_bytes=)`` overrides it."""
+
+DP_GRAD_BUCKET_BYTES: int | None = None
+"""The same at dp > 1; None: one sync. Measured (benchmarks/RESULTS.md, 2026-11-24): at dp == 1
+the buckets hide the head's 3.2 ms all-reduce (mixtral-8x7b h800, 4 layers 30,326.2 -> 29,996.5
+us); at dp = 2 the step's tail is layer 0's own DP sync, and ten buckets' chains (94 more tasks)
+only lengthened CP-SAT's step, 0.35% at 10 s and 1.7% at 30 s."""
 
 
 class EmbedGrad(enum.Enum):
@@ -343,10 +349,12 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     None to choose by inter-node bytes (``embed_grad_choice``); PARTIAL where it cannot apply
     raises. ``aux``: the router's auxiliary loss (a causal LM only); None: the graph's own
     (``graph.meta[AUX_META]``, a registry model's router_aux_loss_coef), if any.
-    ``grad_bucket_bytes``: the [V, h] gradient syncs' bucket size (None: ``GRAD_BUCKET_BYTES``).
-    Verified."""
-    bucket = GRAD_BUCKET_BYTES if grad_bucket_bytes is None else grad_bucket_bytes
-    if isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
+    ``grad_bucket_bytes``: the [V, h] gradient syncs' bucket size (None: ``GRAD_BUCKET_BYTES`` at
+    dp == 1, ``DP_GRAD_BUCKET_BYTES`` at dp > 1, where None syncs each whole). Verified."""
+    bucket = grad_bucket_bytes
+    if bucket is None:
+        bucket = GRAD_BUCKET_BYTES if graph.strategy.dp == 1 else DP_GRAD_BUCKET_BYTES
+    elif isinstance(bucket, bool) or not isinstance(bucket, int) or bucket < 1:
         raise ValueError(f"grad_bucket_bytes={grad_bucket_bytes!r} must be a positive integer (bytes) or None")
     aux = graph.meta_get(AUX_META) if aux is None else aux
     if aux is not None and not isinstance(aux, AuxLoss):
@@ -399,7 +407,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     first = len(g.nodes)
 
     def synced(name: str, partial: str, bucketed: bool = True) -> str:
-        sizes = _bucket_rows(g, partial, bucket) if bucketed else (g.shape(partial)[0],)
+        sizes = _bucket_rows(g, partial, bucket) if bucketed and bucket is not None else (g.shape(partial)[0],)
         return _bucketed_sync(g, f"{EDGES}.{name}", partial, sizes)
 
     norm_synced = synced("norm", norm_partial, bucketed=False)      # [h]: tiny, always one sync
@@ -706,6 +714,6 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 
-__all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "GRAD_BUCKET_BYTES", "EmbedGrad", "add_edges",
+__all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR", "EMBED_SCATTER", "EdgeValues", "GRAD_BUCKET_BYTES", "DP_GRAD_BUCKET_BYTES", "EmbedGrad", "add_edges",
            "embed_grad_choice", "embed_grad_inter_bytes", "edge_layer", "edge_values",
            "is_edge", "is_eager"]

@@ -145,7 +145,7 @@ def partial_embed_padding(rank: int, world: int, seed: int, dp: int) -> dict:
 
 def bucketed_edge_grads(rank: int, world: int, seed: int, dp: int, bucket: int) -> dict:
     """The public compile path with the edges' gradient buckets forced small
-    (``moegraph.edges.GRAD_BUCKET_BYTES`` = ``bucket`` while compiling): one step's gradients
+    (``moegraph.edges.GRAD_BUCKET_BYTES`` and ``DP_GRAD_BUCKET_BYTES`` = ``bucket`` while compiling): one step's gradients
     against eager. dp == 1: the head's sync in blocks (the embedding gathers its rows); then the
     same step with bucket 1's all-reduce made a local no-op, per row of the head gradient (only
     that block's rows may go wrong). dp > 1: replicas of 2B rows, so PARTIAL (as
@@ -160,13 +160,13 @@ def bucketed_edge_grads(rank: int, world: int, seed: int, dp: int, bucket: int) 
         gen = torch.Generator().manual_seed(seed + 1)
         ids = torch.randint(0, model.embed.num_embeddings, (dp * 2 * 2, 16), generator=gen)
         labels = ids.clone()
-    saved = edges_mod.GRAD_BUCKET_BYTES
-    edges_mod.GRAD_BUCKET_BYTES = bucket
+    saved = edges_mod.GRAD_BUCKET_BYTES, edges_mod.DP_GRAD_BUCKET_BYTES
+    edges_mod.GRAD_BUCKET_BYTES = edges_mod.DP_GRAD_BUCKET_BYTES = bucket
     try:
         compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn="sp", ffn="ep", passes="",
                                     schedule="greedy", timeout_s=60.0, dp=dp)
     finally:
-        edges_mod.GRAD_BUCKET_BYTES = saved
+        edges_mod.GRAD_BUCKET_BYTES, edges_mod.DP_GRAD_BUCKET_BYTES = saved
     graph = compiled.layers.graph
     planned = [e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.")]
     sizes = {part: graph.node[f"edges.{part}.grad_concat"].attr("sizes")

@@ -95,9 +95,8 @@ def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
     g = _graph(dp=2, layers=1)
     names = {n.name for n in g.nodes if n.attr("edge", False)}
     # the hierarchical sync of a replicated parameter (autodiff._dp_sync), the rows gathered over replicas
-    assert {f"edges.lm_head.bucket{i}.{step}" for i in range(BUCKETS)
-            for step in ("grad_main", "grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")} | \
-        {"edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
+    assert {"edges.lm_head.grad_rs_intra", "edges.lm_head.grad_rs_inter", "edges.lm_head.grad_ag_inter",
+            "edges.lm_head.grad_ag_intra", "edges.norm.grad_rs_inter", "edges.embed.grad_gather_dp"} <= names
     assert g.value[edge_values(g).embed_rows].shape == (2, 2048, 4096)
     base = _graph(vocab=None, layers=1)
     assert edge_values(base).head_partial is None and not any("lm_head" in n.name for n in base.nodes)
@@ -264,14 +263,13 @@ def test_dp_bf16_compresses_the_edges_sync_too():
     then send their DP reduce-scatters as bf16 all-to-alls: half the fp32 bytes, closed form
     (n-1)/n * V*h * 2 intra-node and (dp-1)/dp * V*h/n * 2 inter-node; in a merged step too."""
     from moegraph.compression import DpGradWire, dp_grad_wire
-    n, dp, V, h = 8, 2, 32000 // BUCKETS, 4096                  # one bucket's rows
+    n, dp, V, h = 8, 2, 32000, 4096
     plain = {nd.name: nd for nd in _graph(dp=dp, layers=2).nodes}
     for g in (_graph_passes(dp, "compress=dp-bf16"), _merged(2, dp=dp, passes="compress=dp-bf16")):
         assert dp_grad_wire(g) is DpGradWire.BF16
         node = {nd.name: nd for nd in g.nodes}
-        for name, fp32, bf16 in (("edges.lm_head.bucket0.grad_rs_intra", (n - 1) * V * h * 4 // n,
-                                  (n - 1) * V * h * 2 // n),
-                                 ("edges.lm_head.bucket0.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
+        for name, fp32, bf16 in (("edges.lm_head.grad_rs_intra", (n - 1) * V * h * 4 // n, (n - 1) * V * h * 2 // n),
+                                 ("edges.lm_head.grad_rs_inter", (dp - 1) * V * h // n * 4 // dp,
                                   (dp - 1) * V * h // n * 2 // dp)):
             assert plain[name].op.value == "reduce_scatter" and plain[name].comm_bytes == fp32
             assert node[name].op.value == "all_to_all" and node[name].attr("compressed") == "bf16"
@@ -356,11 +354,7 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
         dp = sorted((t for t in p.tasks if t.stream == DP_STREAM), key=lambda t: sol.start[t.index])
         order = [t.name for t in dp]
         head_norm = {x for x in order if x.startswith(("edges.lm_head.", "edges.norm."))}
-        # the norm's two DP collectives, the head's two per bucket: the first on the stream, and
-        # all before layer 0's (a bucket waits for its intra reduce-scatter: a layer's may come between)
-        assert len(head_norm) == 2 + 2 * BUCKETS and order[0] == "edges.lm_head.bucket0.grad_rs_inter", order[:6]
-        first_l0 = min(i for i, x in enumerate(order) if x.startswith("l0."))
-        assert max(order.index(x) for x in head_norm) < first_l0, order
+        assert len(head_norm) == 4 and set(order[:4]) == head_norm, order[:6]
 
 
 # -- the embedding gradient across replicas: ROWS (gather over replicas) or PARTIAL (scatter + sync) --
@@ -436,8 +430,8 @@ def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
     assert g.value[ev.embed_partial].shape == (V, h) and g.value[ev.embed_synced].shape == (V, h)
     assert ev.embed_synced in g.outputs and "edges.embed.grad_gather" not in node
     sync = [nd for nd in g.nodes if nd.is_comm and nd.attr("embed", False)]
-    assert {nd.name for nd in sync} == {f"edges.embed.bucket{i}.{x}" for i in range(BUCKETS) for x in
-                                       ("grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")}
+    assert {nd.name for nd in sync} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
+                                       "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
     assert all(nd.attr("dp", False) and nd.attr("edge", False) for nd in sync)
     assert _inter_embed_bytes(g) == 98_304_000
     with pytest.raises(GraphError, match="already has its edges"):
@@ -459,11 +453,9 @@ def test_partial_embed_grad_is_refused_where_it_does_not_apply_and_follows_dp_bf
         _graph_forced(dp=2, vocab=None)
     # compress=dp-bf16: the embedding's inter reduce-scatter is a bf16 all-to-all as the head's
     c = _graph_passes(2, "compress=dp-bf16", embed_grad=EmbedGrad.PARTIAL)
-    node = {nd.name: nd for nd in c.nodes}
-    for i in range(BUCKETS):                    # each bucket's: (dp-1)/dp * V*h/(10n) * 2 at n=8, dp=2, half fp32's
-        rs = node[f"edges.embed.bucket{i}.grad_rs_inter"]
-        assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
-        assert rs.comm_bytes == 16_384_000 // BUCKETS
+    rs = {nd.name: nd for nd in c.nodes}["edges.embed.grad_rs_inter"]
+    assert rs.op.value == "all_to_all" and rs.attr("compressed") == "bf16"
+    assert rs.comm_bytes == 16_384_000          # (dp-1)/dp * V*h/n * 2 at n=8, dp=2: half the fp32 bytes
 
 
 def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once():
@@ -496,11 +488,10 @@ def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once(
     assert s1.attr("accumulate") is True and s1.mem_bytes == (T * h + 2 * V * h) * 2
     assert s1.outputs == (ev.embed_partial,) and all(x.attr("eager") and x.attr("embed") for x in (s0, s1))
     sync = [nd for nd in m.nodes if nd.attr("embed", False) and nd.name not in (s0.name, s1.name)]
-    assert {nd.name for nd in sync if nd.is_comm} == {
-        f"edges.embed.bucket{i}.{x}" for i in range(BUCKETS)
-        for x in ("grad_rs_intra", "grad_rs_inter", "grad_ag_inter", "grad_ag_intra")}
+    assert {nd.name for nd in sync if nd.is_comm} == {"edges.embed.grad_rs_intra", "edges.embed.grad_rs_inter",
+                                                     "edges.embed.grad_ag_inter", "edges.embed.grad_ag_intra"}
     assert all(nd.attr("mb", None) is None for nd in sync)
-    assert [nd.name for nd in m.nodes if ev.embed_partial in nd.inputs] == ["edges.embed.grad_buckets"]
+    assert [nd.name for nd in m.nodes if ev.embed_partial in nd.inputs] == ["edges.embed.grad_main"]
     assert not [nd for nd in m.nodes if "grad_gather" in nd.name and nd.attr("embed", False)]
     assert _inter_embed_bytes(m) == 65_536_000
     rows = add_edges(merge_microbatches(g, 2), vocab=V, embed_grad=EmbedGrad.ROWS)
