@@ -102,6 +102,7 @@ SCHEDULES_CASES = [
     (["gantt", "{tmp}/text_time.json", "-o", "{tmp}/c.json"], "end_us is str '1.5', not a finite number"),
     (["gantt", "{tmp}/nan_span.json", "-o", "{tmp}/c.svg"], "summary.makespan_us is NaN"),
     (["gantt", "{tmp}/sched.json", "--compare", "{tmp}/nan_time.json", "-o", "{tmp}/c.png"], "nan_time.json"),
+    (["gantt", "{tmp}/other_stream.json", "-o", "{tmp}/c.png"], "is on unknown stream 'comm2'; streams: "),
     (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
     (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
@@ -205,7 +206,8 @@ def workdir(tmp_path_factory):
                        ("other_flops", lambda d: d["nodes"][1].update(flops=d["nodes"][1]["flops"] + 1)),
                        ("other_attrs", lambda d: d["nodes"][1]["attrs"].update(scope="inter")),
                        ("other_digest", lambda d: d["graph"].update(digest="0" * 64)),
-                       ("no_digest", lambda d: d["graph"].pop("digest"))):
+                       ("no_digest", lambda d: d["graph"].pop("digest")),
+                       ("other_stream", lambda d: d["nodes"][1].update(stream="comm2"))):
         doc = json.loads((tmp / "sched.json").read_text())
         edit(doc)
         (tmp / f"{name}.json").write_text(json.dumps(doc))  # json writes NaN as a damaged file holds it
