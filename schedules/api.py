@@ -96,15 +96,16 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     """(schedule, status, wall-clock cap hit) for one method on a built Problem. Under a memory
     budget, the CP-SAT schedule compiled without it when that one fits (module doc)."""
     budget = problem.memory_budget_bytes
+    least = None
     if budget is not None:
-        check_memory_bound(problem)
+        least = check_memory_bound(problem)
         if method == "cpsat":     # the baselines ignore the budget: nothing to gain from a second run
             free, status, cap_hit = _compile(dataclasses.replace(problem, memory_budget_bytes=None), method, opts)
             if free.summary["peak_memory_bytes"] <= budget:
                 return (dataclasses.replace(free, memory_budget_bytes=budget).with_hash(),
                         f"{status}; no budget needed: the schedule without one peaks at "
                         f"{format_bytes(free.summary['peak_memory_bytes'])}", cap_hit)
-    return _compile(problem, method, opts)
+    return _compile(problem, method, opts, least)
 
 
 def check_memory_bound(problem: Problem) -> int:
@@ -119,8 +120,10 @@ def check_memory_bound(problem: Problem) -> int:
     return least
 
 
-def _compile(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str, bool]:
-    """compile_problem's work for the budget ``problem`` holds (None: none)."""
+def _compile(problem: Problem, method: str, opts: SolverOptions,
+             least: int | None = None) -> tuple[Schedule, str, bool]:
+    """compile_problem's work for the budget ``problem`` holds (None: none); ``least``: the
+    memory bound check_memory_bound found (given with a budget)."""
     bound = lower_bound(problem)
     budget = problem.memory_budget_bytes
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
@@ -134,8 +137,10 @@ def _compile(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedu
 
     if method != "cpsat":
         if not fits[method]:
-            raise MemoryBudgetError(f"the {method} schedule peaks at {format_bytes(peak[method])}, above the memory budget "
-                                    f"{format_bytes(budget)}; method='cpsat' schedules within the budget")
+            shown = format_bytes_apart(peak[method], budget, least)
+            raise MemoryBudgetError(f"the {method} schedule peaks at {shown[0]}, above the memory budget {shown[1]} "
+                                    f"(the least feasible peak is at least {shown[2]}); method='cpsat' schedules "
+                                    f"within the budget", least, False)
         return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
