@@ -116,7 +116,8 @@ def format_compile(c: dict) -> str:
     width = max(12, *(len(name) for name, _ in rows))
     over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
     lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
-             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
+             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate"))
+             + (f" dp={c['strategy']['dp']}" if c["strategy"].get("dp", 1) > 1 else ""),   # replicas: more nodes
              f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
     for name, span in rows:
         note = f"  over budget: peak {format_bytes(peaks[name])}" if name in over else ""

@@ -209,7 +209,9 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     # rank the rows themselves, so the pick's schedule is its own row's (never found again by
     # comparing the reported dicts)
     order = sorted(rows, key=lambda r: _rank_key(_row(r, base["predicted_us"])))
-    ranked = [_row(r, base["predicted_us"]) for r in order]
+    groups = _alike(order)
+    order = [r for r, _ in groups]
+    ranked = [_row(r, base["predicted_us"]) | {"also": [_point(o) for o in others]} for r, others in groups]
     best, schedule, label = ranked[0], _entry(order[0]).get("schedule"), \
         _label(order[0]["candidate"], order[0]["graph"]).strip()
     kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
@@ -224,6 +226,40 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
                          "peak_memory_bytes": base["peak_memory_bytes"], "over_budget": base_over},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
+
+
+def _alike(order: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Ranked rows whose schedules are the same (at --n 1 the strategies differ only in
+    bookkeeping: every node, cost and start time alike) folded into the first of them, in rank
+    order: (row, the other rows it stands for)."""
+    out: list[tuple[dict, list[dict]]] = []
+    at: dict[Any, int] = {}
+    for r in order:
+        e = _entry(r)
+        key = _scheduled(e["schedule"]) if e["feasible"] else id(r)
+        if key in at:
+            out[at[key]][1].append(r)
+        else:
+            at[key] = len(out)
+            out.append((r, []))
+    return out
+
+
+def _scheduled(schedule_json: str) -> tuple:
+    """What a schedule places and prices: per node its name, op, data, costs, stream, SMs and
+    times, and the values' sizes; not the strategy label or attrs (the cost model has already
+    turned those into the costs)."""
+    sched = Schedule.from_json(schedule_json)
+    return (sched.streams, tuple((v.name, v.bytes, v.kind, v.alias_of) for v in sched.values),
+            tuple((n.name, n.op, n.role, n.phase, n.kind, n.inputs, n.outputs, n.flops, n.mem_bytes, n.comm_bytes,
+                   n.group, n.stream, n.start_us, n.end_us, n.sm_budget) for n in sched.nodes))
+
+
+def _point(r: dict) -> dict:
+    """A row's strategy point, as the table and --json name it."""
+    c = r["candidate"]
+    return {"attn": c.attn, "ffn": c.ffn, "dispatch": c.dispatch, "chunks": c.chunks, "remat": c.remat,
+            "fused": _is_fused(r["graph"])}
 
 
 def _entry(r: dict) -> dict:
@@ -382,6 +418,8 @@ def format_table(res: dict) -> str:
             what = "over budget" if r.get("least_peak_bytes", 0) > (budget or 0) else "not found"
             lines.append(f"{i:>3} {name:<40} {'-':<{w}} {what:>12}"
                          + (f" {'>=' + format_bytes(r['least_peak_bytes']):>10}" if "least_peak_bytes" in r else ""))
+        if r.get("also"):        # strategies whose schedule is this row's, node for node
+            lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o, res["n"]).split()) for o in r["also"]))
     lines.append(f"best: {pick_line(res['best'], res['n'])}")
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")

@@ -175,3 +175,12 @@ def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monk
     assert [t.split(" (")[0] for t in text[3:]] == [f"window search {k}/{windows}" for k in range(1, windows + 1)]
     assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--schedule", "greedy"]) == 0
     assert capsys.readouterr().err == ""                        # no solve, nothing to report
+
+
+def test_header_names_dp_when_there_are_replicas(capsys):
+    """a3-f8: `compile --dp 2` printed the same header as dp=1 (96 nodes against 67)."""
+    assert main(["compile", *TINY, "--schedule", "sequential", "--dp", "2"]) == 0
+    two = capsys.readouterr().out.splitlines()[0]
+    assert main(["compile", *TINY, "--schedule", "sequential"]) == 0
+    one = capsys.readouterr().out.splitlines()[0]
+    assert two.endswith(" dp=2") and "dp=" not in one
