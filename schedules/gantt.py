@@ -42,6 +42,7 @@ from moegraph.cost import FUSED_ATTR, variant_of
 from moegraph.edges import EDGES
 from moegraph.ir import LAYER_ATTR
 from moegraph.microbatch import MB_ATTR
+from moegraph.options import format_bytes
 from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, group_label, layer_exposed_comm,
                                                layer_group, per_layer_summary)
 from moegraph.schedules.problem import ScheduleError
@@ -191,7 +192,7 @@ def peak_bytes(s: Schedule) -> int:
 def _title(s: Schedule, label: str) -> str:
     sm = s.summary
     bound = f"  (bound {sm['lower_bound_us']:.1f})" if "lower_bound_us" in sm else ""
-    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  peak {peak_bytes(s) / 2**30:.2f} GiB  "
+    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  peak {format_bytes(peak_bytes(s))}  "
             f"exposed comm {sm.get('exposed_comm_us', 0):.1f} us")
 
 
@@ -399,8 +400,8 @@ def _summary_rows(s: Schedule) -> list[tuple[str, str]]:
         v = sm.get("baselines", {}).get(k)
         rows.append((f"{k} (us)", "-" if v is None else f"{v:.2f}"))
     rows += [("exposed comm (us)", f"{sm.get('exposed_comm_us', 0):.2f}"),
-             ("peak memory (GiB)", f"{peak_bytes(s) / 2**30:.3f}"),
-             ("memory budget (GiB)", "-" if s.memory_budget_bytes is None else f"{s.memory_budget_bytes / 2**30:.3f}"),
+             ("peak memory", format_bytes(peak_bytes(s))),
+             ("memory budget", "-" if s.memory_budget_bytes is None else format_bytes(s.memory_budget_bytes)),
              ("solver status", str(sm.get("solver", {}).get("status"))),
              ("hash", s.hash[:19] + "...")]
     return rows

@@ -10,6 +10,16 @@ Two stages keep it quick: every candidate is scheduled by the list-scheduling ba
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
 
+Under a memory budget (``--memory-budget``) a candidate is infeasible only when its sound
+memory lower bound (compile's "below the least feasible peak") exceeds the budget. One whose
+greedy schedule breaks the budget while the bound fits is scheduled as `compile
+--memory-budget` schedules it (the same compile_graph call, tune's time limit; a progress line
+each), then ranked. The tp+tp sequential baseline stays the speed-up reference even when it
+peaks over the budget (the table says so); tune errors only when neither a candidate nor the
+baseline fits, naming the candidate with the smallest bound, and keeps the baseline (saying
+why) when only the baseline fits. Candidates whose schedules come out identical node for node
+(at ``--n 1``) are one row that names the strategies it stands for (``also``).
+
 With ``fuse`` (``--fuse``) every candidate whose layer has fused comm+compute groups
 (``fuse=auto``, moegraph.passes.fuse) is ranked a second time with them fused, so the search
 chooses between unfused, chunked and fused per layer (and the pass per pair). Off by default:
@@ -236,7 +246,7 @@ def _alike(order: list[dict]) -> list[tuple[dict, list[dict]]]:
     at: dict[Any, int] = {}
     for r in order:
         e = _entry(r)
-        key = _scheduled(e["schedule"]) if e["feasible"] else id(r)
+        key = _scheduled(e["schedule"]) if e["feasible"] and "schedule" in e else id(r)   # none: tune() raises
         if key in at:
             out[at[key]][1].append(r)
         else:
@@ -282,8 +292,11 @@ def _outcome(entry: dict) -> str:
 
 def _nearest(rows: list[dict]) -> tuple[int, str, dict]:
     """(least feasible peak, label, entry) of the candidate whose memory bound is the smallest."""
-    least, label, i = min((_entry(r)["least_peak_bytes"], _label(r["candidate"], r["graph"]).strip(), i)
-                          for i, r in enumerate(rows) if _entry(r).get("least_peak_bytes") is not None)
+    known = [(_entry(r)["least_peak_bytes"], _label(r["candidate"], r["graph"]).strip(), i)
+             for i, r in enumerate(rows) if _entry(r).get("least_peak_bytes") is not None]
+    if not known:   # every MemoryBudgetError compile raises carries its bound: a bug if none does
+        raise RuntimeError("tune: no candidate fits the memory budget and none reports its least feasible peak")
+    least, label, i = min(known)
     return least, label, _entry(rows[i])
 
 
