@@ -194,7 +194,10 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
             entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
             rows.append({"candidate": cand, "graph": g, "stage1": entry})
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
-                + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
+                + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else
+                   "over the budget (scheduled within it below)" if _bound_fits(entry, memory_budget) else
+                   "infeasible" + (f": least feasible peak >= {format_bytes(entry['least_peak_bytes'])}"
+                                   if "least_peak_bytes" in entry else "")))
     # Under a budget a candidate whose greedy schedule breaks it while its sound memory bound does
     # not is scheduled under the budget as `compile --memory-budget` does (the same evaluate ->
     # compile_graph call: CP-SAT, or the min-peak schedule); only a bound above the budget makes a
