@@ -176,8 +176,9 @@ def test_baseline_method_over_budget_is_an_error():
     least, _ = memory_lower_bound(p)
     assert budget >= least
     # one byte over: the sizes read alike, so both carry their byte counts
-    with pytest.raises(MemoryBudgetError, match=rf"the greedy schedule peaks at [0-9.]+[KMGT]iB \({greedy_peak:,} bytes\), "
-                                                rf"above the memory budget [0-9.]+[KMGT]iB \({budget:,} bytes\)") as err:
+    pattern = (rf"the greedy schedule peaks at [0-9.]+[KMGT]iB \({greedy_peak:,} bytes\), "
+               rf"above the memory budget [0-9.]+[KMGT]iB \({budget:,} bytes\)")
+    with pytest.raises(MemoryBudgetError, match=pattern) as err:
         compile_graph(g, COST, method="greedy", memory_budget_bytes=budget)
     assert err.value.least_peak_bytes == least and not err.value.proven   # tune reads the bound off it
 
