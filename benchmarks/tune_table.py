@@ -115,7 +115,7 @@ def why(res: dict, chosen: dict, spep: dict | None, spep_final: dict | None, sch
     if gap < 0:        # tune's greedy first stage ranked sp+ep below the refine cut; CP-SAT says otherwise
         return (f"tune missed it: best sp+ep after CP-SAT is {-gap:.1%} faster than the choice, but the greedy first "
                 f"stage did not send that sp+ep candidate to CP-SAT")
-    sched = "both cpsat" if chosen["scheduler"] == "cpsat" else f"sp+ep cpsat, choice {chosen['scheduler']}"
+    sched = "both cpsat" if chosen.get("refined") else f"sp+ep cpsat, choice {chosen['scheduler']}"
     text = f"{' and '.join(diffs)}: sp+ep {gap:+.1%} ({sched})"
     if diffs == ["attn tp"]:
         text += f"; attn comm tp {_attn_comm(a['attn_comm'])} vs sp {_attn_comm(b['attn_comm'])}"
@@ -174,7 +174,7 @@ def main(argv=None) -> int:
                       else "no feasible candidate")
             if spep is None:
                 spep_cell = "- | -"
-            elif spep_final is not None and spep["scheduler"] != "cpsat":
+            elif spep_final is not None and not spep["refined"]:
                 spep_cell = f"{label(spep)} | {spep['predicted_us']:.1f} greedy, {spep_final['us']:.1f} cpsat"
             else:
                 spep_cell = f"{label(spep)} | {spep['predicted_us']:.1f} {spep['scheduler']}"

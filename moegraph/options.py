@@ -45,6 +45,14 @@ def format_bytes(n: int) -> str:
     return f"{n}B"
 
 
+def format_bytes_apart(*sizes: int) -> tuple[str, ...]:
+    """format_bytes of each size, with the exact byte count added to every size that would read
+    like a different one ("436.00KiB (446,463 bytes) is below 436.00KiB (446,464 bytes)")."""
+    text = [format_bytes(n) for n in sizes]
+    return tuple(t + (f" ({n:,} bytes)" if any(t == u and n != m for u, m in zip(text, sizes)) else "")
+                 for t, n in zip(text, sizes))
+
+
 def _number(text: str, kind: type, what: str, ok) -> float | int:
     try:
         value = kind(text)

@@ -6,10 +6,15 @@ with CP-SAT warm-started from the best baseline that fits the memory budget. CP-
 result is never worse than that warm start (a staged solve, moegraph.schedules.cpsat), and the
 file reports it apart from the returned schedule: ``summary.solver`` holds the solver's status,
 its own makespan and the warm start it began from; ``summary.method`` (``source`` in
-``compile --json``) names where the returned schedule came from: ``cpsat``, or the baseline
-kept if the solver found none (a warm start the model rejects, a wall-clock cap). On a large
+``compile --json``) names where the returned schedule came from: ``cpsat`` only when the solver
+beat its warm start, else the warm start itself (its method, e.g. ``sequential``; the status
+says CP-SAT found nothing better, or no schedule, within its effort). On a large
 merged micro-batch step the solver's result then goes through the window search
 (moegraph.schedules.lns; ``summary.solver.lns``), never worse, within the memory budget if any.
+
+Under a memory budget the schedule compiled without one (same method and effort) comes first:
+if it fits, it is returned (recording the budget), so a budget that does not bind never makes
+the step slower. Only a binding budget is solved with the memory constraint.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
-from moegraph.options import format_bytes
+from moegraph.options import format_bytes, format_bytes_apart
 from moegraph.edges import add_edges
 from moegraph.layers import costed_layer, layer_count, stack_layers
 from moegraph.microbatch import micro_batch_count
@@ -53,8 +58,10 @@ class CompileResult:
     wall_s: float
     """Seconds spent in compile_graph (not in the file: it varies between runs)."""
     status: str
-    """OPTIMAL / FEASIBLE (CP-SAT), 'UNKNOWN (kept greedy baseline)' when CP-SAT found
-    nothing, or BASELINE for method != 'cpsat'."""
+    """OPTIMAL / FEASIBLE (CP-SAT's status; when it did not beat its warm start, followed by
+    ", CP-SAT found nothing better in T s" or ", CP-SAT found no schedule in T s" and the warm
+    start is the source), or BASELINE for method != 'cpsat'; "; no budget needed: ..." when the
+    schedule compiled without the memory budget fits it."""
     wall_cap_hit: bool = False
     """The wall-clock safety cap (cpsat.WALL_CAP_FACTOR) stopped the search before its
     deterministic limit: the result may then differ between runs."""
@@ -86,14 +93,39 @@ def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | N
 
 
 def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple[Schedule, str, bool]:
-    """(schedule, status, wall-clock cap hit) for one method on a built Problem."""
+    """(schedule, status, wall-clock cap hit) for one method on a built Problem. Under a memory
+    budget, the CP-SAT schedule compiled without it when that one fits (module doc)."""
+    budget = problem.memory_budget_bytes
+    least = None
+    if budget is not None:
+        least = check_memory_bound(problem)
+        if method == "cpsat":     # the baselines ignore the budget: nothing to gain from a second run
+            free, status, cap_hit = _compile(dataclasses.replace(problem, memory_budget_bytes=None), method, opts)
+            if free.summary["peak_memory_bytes"] <= budget:
+                return (dataclasses.replace(free, memory_budget_bytes=budget).with_hash(),
+                        f"{status}; no budget needed: the schedule without one peaks at "
+                        f"{format_bytes(free.summary['peak_memory_bytes'])}", cap_hit)
+    return _compile(problem, method, opts, least)
+
+
+def check_memory_bound(problem: Problem) -> int:
+    """The sound lower bound on ``problem``'s peak memory (bound.memory_lower_bound); raises
+    MemoryBudgetError (proven) when it exceeds the memory budget: no schedule fits."""
+    least, why = memory_lower_bound(problem)
+    budget = problem.memory_budget_bytes
+    if budget is not None and least > budget:
+        shown = format_bytes_apart(budget, least)
+        raise MemoryBudgetError(f"memory budget {shown[0]} is below the least feasible peak memory "
+                                f"{shown[1]} for this graph (a sound lower bound: {why})", least, True)
+    return least
+
+
+def _compile(problem: Problem, method: str, opts: SolverOptions,
+             least: int | None = None) -> tuple[Schedule, str, bool]:
+    """compile_problem's work for the budget ``problem`` holds (None: none); ``least``: the
+    memory bound check_memory_bound found (given with a budget)."""
     bound = lower_bound(problem)
     budget = problem.memory_budget_bytes
-    if budget is not None:
-        least, why = memory_lower_bound(problem)
-        if least > budget:
-            raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory "
-                                    f"{format_bytes(least)} for this graph (a sound lower bound: {why})", least, True)
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
         raise ScheduleError(f"method={method!r} pairs micro-batches: it needs --micro-batches M >= 2")
     base = {name: fn(problem) for name, fn in baselines_for(problem).items()}
@@ -105,8 +137,10 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
 
     if method != "cpsat":
         if not fits[method]:
-            raise MemoryBudgetError(f"the {method} schedule peaks at {format_bytes(peak[method])}, above the memory budget "
-                                    f"{format_bytes(budget)}; method='cpsat' schedules within the budget")
+            shown = format_bytes_apart(peak[method], budget, least)
+            raise MemoryBudgetError(f"the {method} schedule peaks at {shown[0]}, above the memory budget {shown[1]} "
+                                    f"(the least feasible peak is at least {shown[2]}); method='cpsat' schedules "
+                                    f"within the budget", least, False)
         return build_schedule(problem, base[method], bound, dict(span), solver_info), "BASELINE", False
 
     # Warm start: the shortest schedule within the budget among the baselines and extra list
@@ -131,10 +165,13 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
               f": {makespan_ticks(problem, result.solution) * problem.tick_us:.1f} us")
     result, lns_info = _window_search(problem, result, opts)
     solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name]) | lns_info
-    if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) <= span[best]):
+    if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) < span[best]):
         sol, status = result.solution, result.status
-    elif best is not None:  # the solve's staging makes this unreachable unless the model rejected the hint
-        sol, status = cands[best], f"{result.status} (kept {best} baseline)"
+    elif best is not None:
+        # CP-SAT did not beat its warm start (or, when the model rejected the hint, found
+        # nothing): the warm start itself is returned, under its own name, never as "cpsat"
+        found = "nothing better" if result.solution is not None else "no schedule"
+        sol, status = cands[best], f"{result.status}, CP-SAT found {found} in {opts.time_limit_s:g} s"
     else:
         sol, status = _memory_fallback(problem, opts, result, cands, peak)
     if result.wall_cap_hit:
@@ -244,7 +281,8 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
     lo = max(mp.bound * unit, memory_lower_bound(problem)[0])
     if mp.status == "OPTIMAL" and mp.solution is not None:
         least = peak_memory_bytes(problem, mp.solution)
-        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory {format_bytes(least)} "
+        shown = format_bytes_apart(budget, least)
+        raise MemoryBudgetError(f"memory budget {shown[0]} is below the least feasible peak memory {shown[1]} "
                                 f"for this graph (proven by a min-peak-memory CP-SAT solve)", least, True)
     hi = peak_memory_bytes(problem, mp.solution) if mp.solution is not None else min(peak.values())
     if result.status == "INFEASIBLE":

@@ -116,7 +116,8 @@ def format_compile(c: dict) -> str:
     width = max(12, *(len(name) for name, _ in rows))
     over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
     lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
-             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate")),
+             + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate"))
+             + (f" dp={c['strategy']['dp']}" if c["strategy"].get("dp", 1) > 1 else ""),   # replicas: more nodes
              f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
     for name, span in rows:
         note = f"  over budget: peak {format_bytes(peaks[name])}" if name in over else ""
@@ -192,15 +193,30 @@ def gantt_command(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="print one JSON object (the file written, the panels drawn)")
 
     def run(args) -> int:
-        from moegraph.schedules.gantt import labels, render
+        from moegraph.schedules.gantt import check_drawable, labels, render
+        from moegraph.schedules.verify import verdict
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
-        scheds = [load_schedule(args.schedule)] + ([load_schedule(args.compare)] if args.compare else [])
-        sources = tuple(Path(f).name for f in (args.schedule, args.compare) if f)
-        render(scheds[0], make_parents(args.output), compare=scheds[1] if args.compare else None, sources=sources)
+        files = [f for f in (args.schedule, args.compare) if f]
+        scheds = [load_schedule(f) for f in files]
+        for f, s in zip(files, scheds):
+            check_drawable(s, f)   # before anything is written
+        # a damaged file is still drawn (users inspect them), but never passes for a valid one:
+        # one warning line each, and the panel is marked NOT VALID
+        not_valid = []
+        for f, s in zip(files, scheds):
+            bad = verdict(s).violations
+            if bad:
+                more = f" ({len(bad) - 1} more)" if len(bad) > 1 else ""
+                print(f"warning: {f} does not verify: {bad[0]}{more}", file=sys.stderr)
+            not_valid.append(bool(bad))
+        sources = tuple(Path(f).name for f in files)
+        render(scheds[0], make_parents(args.output), compare=scheds[1] if args.compare else None, sources=sources,
+               not_valid=tuple(not_valid))
         if args.json:
             print(json.dumps({"output": args.output, "panels": [
-                {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us}
-                for f, s, label in zip((args.schedule, args.compare), scheds, labels(scheds, sources))]}, indent=1))
+                {"file": f, "label": label, "origin": s.origin, "makespan_us": s.makespan_us, "valid": not bad}
+                for f, s, label, bad in zip(files, scheds, labels(scheds, sources, tuple(not_valid)), not_valid)]},
+                indent=1))
         else:
             print(f"wrote {args.output}")
         return 0

@@ -7,6 +7,11 @@ communication that no compute overlaps is hatched red; a dashed line marks the
 forward/backward barrier; the live-memory curve (GiB) runs beneath. ``compare`` stacks a
 second schedule of the same layer on the same time axis.
 
+A file is drawn as it is, valid or not (a user inspects a damaged file too); ``not_valid``
+marks a panel whose file the verifier rejects ("NOT VALID" in its title and label), so a chart
+of a broken file is never read as a schedule. A node on a stream the file does not declare
+cannot be placed on any row: ``check_drawable`` refuses it (ScheduleError) in verify's words.
+
 Multi-layer schedules (every node carries the int attribute ``layer``, see moegraph.layers)
 add a per-layer summary lane under the streams: one row per layer with its forward span, its
 backward span (recompute included) and its exposed communication hatched red. In the Chrome
@@ -37,11 +42,14 @@ from moegraph.cost import FUSED_ATTR, variant_of
 from moegraph.edges import EDGES
 from moegraph.ir import LAYER_ATTR
 from moegraph.microbatch import MB_ATTR
+from moegraph.options import format_bytes
 from moegraph.schedules.schedule_file import (Schedule, ScheduledNode, exposed_comm, group_label, layer_exposed_comm,
                                                layer_group, per_layer_summary)
-from moegraph.schedules.verify import memory_curve
+from moegraph.schedules.problem import ScheduleError
+from moegraph.schedules.verify import memory_curve, unknown_stream
 
-__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS", "mb_colour", "micro_batches"]
+__all__ = ["render", "chrome_trace", "labels", "peak_bytes", "layer_nodes", "FORMATS", "mb_colour", "micro_batches",
+           "check_drawable", "NOT_VALID"]
 
 FORMATS = (".png", ".svg", ".html", ".json")
 COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
@@ -51,20 +59,37 @@ CUT_MIN = 8  # a label cut short keeps at least this many characters of the node
 LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#937860"}
 
 
+NOT_VALID = "NOT VALID"
+"""The mark a panel of a file the verifier rejects carries in its title and label."""
+
+
+def check_drawable(s: Schedule, source: str = "schedule") -> None:
+    """Raise ScheduleError when a node of ``s`` is on a stream ``s`` does not declare: it has no
+    row to be drawn on (verify reports the same node as a structure violation)."""
+    bad = [n for n in s.nodes if n.stream not in s.streams]
+    if bad:
+        more = f" ({len(bad) - 1} more nodes on undeclared streams)" if len(bad) > 1 else ""
+        raise ScheduleError(f"{source}: cannot draw: {unknown_stream(s, bad[0])}{more}")
+
+
 def render(sched: Schedule, path: str | Path, compare: Schedule | None = None,
-           sources: tuple[str, ...] = ()) -> Path:
+           sources: tuple[str, ...] = (), not_valid: tuple[bool, ...] = ()) -> Path:
     """Write ``sched`` (and ``compare`` beside it) to ``path``; the suffix picks the format.
-    ``sources`` (e.g. the file names) tell the panels apart where their labels would not."""
+    ``sources`` (e.g. the file names) tell the panels apart where their labels would not;
+    ``not_valid[i]`` marks panel i NOT VALID (module doc)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix not in FORMATS:
         raise ValueError(f"cannot render to {path.name!r}: the suffix must be one of {', '.join(FORMATS)}")
+    for i, s in enumerate((sched, compare)):
+        if s is not None:
+            check_drawable(s, sources[i] if i < len(sources) else "schedule")
     if suffix == ".json":
-        path.write_text(json.dumps(chrome_trace(sched, compare, sources), sort_keys=True, indent=1) + "\n")
+        path.write_text(json.dumps(chrome_trace(sched, compare, sources, not_valid), sort_keys=True, indent=1) + "\n")
     elif suffix == ".html":
-        path.write_text(_html(sched, compare, sources))
+        path.write_text(_html(sched, compare, sources, not_valid))
     else:
-        fig = _figure(sched, compare, sources)
+        fig = _figure(sched, compare, sources, not_valid)
         fig.savefig(path, dpi=110, bbox_inches="tight", metadata=_metadata(suffix))
         import matplotlib.pyplot as plt
         plt.close(fig)
@@ -136,10 +161,11 @@ def layer_nodes(s: Schedule) -> dict[int | str, list[ScheduledNode]] | None:
     return out
 
 
-def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
+def labels(scheds: list[Schedule], sources: tuple[str, ...] = (), not_valid: tuple[bool, ...] = ()) -> list[str]:
     """One label per schedule: graph name, method and origin ("measured, rank 0" /
     "predicted"); where two would read the same, the source (file name) or the position is
-    added, so compared panels and Perfetto processes never share a name."""
+    added, so compared panels and Perfetto processes never share a name. A schedule flagged in
+    ``not_valid`` is prefixed NOT_VALID."""
     out = []
     for s in scheds:
         sm = s.summary
@@ -153,7 +179,7 @@ def labels(scheds: list[Schedule], sources: tuple[str, ...] = ()) -> list[str]:
         out = [f"{label} {sources[i] if i < len(sources) else f'#{i + 1}'}" for i, label in enumerate(out)]
     if len(set(out)) < len(out):
         out = [f"{label} #{i + 1}" for i, label in enumerate(out)]
-    return out
+    return [f"{NOT_VALID}: {label}" if i < len(not_valid) and not_valid[i] else label for i, label in enumerate(out)]
 
 
 def peak_bytes(s: Schedule) -> int:
@@ -166,11 +192,12 @@ def peak_bytes(s: Schedule) -> int:
 def _title(s: Schedule, label: str) -> str:
     sm = s.summary
     bound = f"  (bound {sm['lower_bound_us']:.1f})" if "lower_bound_us" in sm else ""
-    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  predicted peak {peak_bytes(s) / 2**30:.2f} GiB  "
+    return (f"{label}  makespan {s.makespan_us:.1f} us{bound}  predicted peak {format_bytes(peak_bytes(s))}  "
             f"exposed comm {sm.get('exposed_comm_us', 0):.1f} us")
 
 
-def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = ()):
+def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = (),
+            not_valid: tuple[bool, ...] = ()):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -190,7 +217,7 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
                              gridspec_kw={"height_ratios": ratios, "hspace": 0.45 * len(ratios) / (1.3 * sum(ratios))})
     span = max(s.makespan_us for s in scheds) or 1.0
     axes_of = iter(axes)
-    for s, label, by_layer in zip(scheds, labels(scheds, sources), layered):
+    for s, label, by_layer in zip(scheds, labels(scheds, sources, not_valid), layered):
         _gantt(next(axes_of), s, span, label)
         if by_layer is not None:
             _layer_lane(next(axes_of), s, by_layer, span)
@@ -308,7 +335,8 @@ def _memory(ax, s: Schedule) -> None:
     ax.set_ylim(bottom=0)
 
 
-def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tuple[str, ...] = ()) -> dict:
+def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tuple[str, ...] = (),
+                 not_valid: tuple[bool, ...] = ()) -> dict:
     """Trace Event Format: one complete ("X") event per node, streams as named threads, one
     process per schedule (named apart, see ``labels``). A multi-layer schedule is one process
     per layer instead ("<label> l3", a collapsible track group in Perfetto) holding that
@@ -342,7 +370,7 @@ def chrome_trace(sched: Schedule, compare: Schedule | None = None, sources: tupl
                                     **{k: n.attrs[k] for k in (LAYER_ATTR, MB_ATTR)
                                        if n.attrs.get(k) is not None}}})
 
-    for s, label in zip(scheds, labels(scheds, sources)):
+    for s, label in zip(scheds, labels(scheds, sources, not_valid)):
         by_layer = layer_nodes(s)
         if by_layer is None:
             p = process(label)
@@ -372,16 +400,17 @@ def _summary_rows(s: Schedule) -> list[tuple[str, str]]:
         v = sm.get("baselines", {}).get(k)
         rows.append((f"{k} (us)", "-" if v is None else f"{v:.2f}"))
     rows += [("exposed comm (us)", f"{sm.get('exposed_comm_us', 0):.2f}"),
-             ("peak memory (GiB)", f"{peak_bytes(s) / 2**30:.3f}"),
-             ("memory budget (GiB)", "-" if s.memory_budget_bytes is None else f"{s.memory_budget_bytes / 2**30:.3f}"),
+             ("peak memory", format_bytes(peak_bytes(s))),
+             ("memory budget", "-" if s.memory_budget_bytes is None else format_bytes(s.memory_budget_bytes)),
              ("solver status", str(sm.get("solver", {}).get("status"))),
              ("hash", s.hash[:19] + "...")]
     return rows
 
 
-def _html(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = ()) -> str:
+def _html(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = (),
+          not_valid: tuple[bool, ...] = ()) -> str:
     import matplotlib.pyplot as plt
-    fig = _figure(sched, compare, sources)
+    fig = _figure(sched, compare, sources, not_valid)
     buf = io.StringIO()
     fig.savefig(buf, format="svg", bbox_inches="tight", metadata=_metadata(".svg"))
     plt.close(fig)
@@ -389,7 +418,7 @@ def _html(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = 
     svg = svg[svg.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline in HTML
     scheds = [sched] + ([compare] if compare is not None else [])
     tables = [_summary_rows(s) for s in scheds]
-    head = "".join(f"<th>{html.escape(label)}</th>" for label in labels(scheds, sources))
+    head = "".join(f"<th>{html.escape(label)}</th>" for label in labels(scheds, sources, not_valid))
     body = ""
     for i, (key, _) in enumerate(tables[0]):
         cells = "".join(f"<td>{html.escape(t[i][1])}</td>" for t in tables)

@@ -10,6 +10,16 @@ Two stages keep it quick: every candidate is scheduled by the list-scheduling ba
 file per candidate written atomically, so a repeated run is instant and concurrent runs never
 see a half-written entry.
 
+Under a memory budget (``--memory-budget``) a candidate is infeasible only when its sound
+memory lower bound (compile's "below the least feasible peak") exceeds the budget. One whose
+greedy schedule breaks the budget while the bound fits is scheduled as `compile
+--memory-budget` schedules it (the same compile_graph call, tune's time limit; a progress line
+each), then ranked. The tp+tp sequential baseline stays the speed-up reference even when it
+peaks over the budget (the table says so); tune errors only when neither a candidate nor the
+baseline fits, naming the candidate with the smallest bound, and keeps the baseline (saying
+why) when only the baseline fits. Candidates whose schedules come out identical node for node
+(at ``--n 1``) are one row that names the strategies it stands for (``also``).
+
 With ``fuse`` (``--fuse``) every candidate whose layer has fused comm+compute groups
 (``fuse=auto``, moegraph.passes.fuse) is ranked a second time with them fused, so the search
 chooses between unfused, chunked and fused per layer (and the pass per pair). Off by default:
@@ -46,7 +56,8 @@ from moegraph.schedules.api import compile_graph, model_step
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 
-CACHE_VERSION = 3          # 2: keyed by ir.graph_digest, typed strategies; 3: infeasible entries keep the least peak
+CACHE_VERSION = 4          # 2: keyed by ir.graph_digest, typed strategies; 3: infeasible entries keep the least peak;
+                           # 4: entries name the returned schedule's method (compile's unconstrained-first budget)
 CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
@@ -111,18 +122,22 @@ class Cache:
 
 
 def _is_entry(entry: Any) -> bool:
-    """What ``evaluate`` writes: feasible with a time, peak and schedule, or infeasible with a why."""
+    """What ``evaluate`` writes: feasible with a time, peak, method and schedule, or infeasible
+    with a why (and ``least_peak_bytes`` when the error gave one)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("feasible"), bool):
         return False
     if not entry["feasible"]:
-        return isinstance(entry.get("why"), str)
+        return isinstance(entry.get("why"), str) and isinstance(entry.get("least_peak_bytes", 0), int)
     return (all(isinstance(entry.get(k), (int, float)) for k in ("predicted_us", "peak_memory_bytes"))
-            and isinstance(entry.get("schedule"), str))
+            and isinstance(entry.get("schedule"), str) and isinstance(entry.get("method"), str))
 
 
 def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int | None, time_limit: float,
              cache: Cache) -> dict:
-    """Schedule one graph (cached). Returns predicted_us, peak memory, and the schedule JSON."""
+    """Schedule one graph (cached), as `compile --schedule METHOD --memory-budget` does (the same
+    compile_graph call). Returns predicted_us, peak memory, the returned schedule's method (for
+    cpsat: "cpsat" or the warm start CP-SAT did not beat) and the schedule JSON; or, when it
+    does not fit the budget, why (and the least feasible peak, when compile gives one)."""
     options = {"method": method, "memory_budget": memory_budget, "time_limit": time_limit}
     key = cache_key(graph, cost.hw, options)
     hit = cache.get(key, _is_entry)
@@ -132,7 +147,8 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
         result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit, method=method)
         s = result.schedule.summary
         entry = {"feasible": True, "predicted_us": s["makespan_us"], "peak_memory_bytes": s["peak_memory_bytes"],
-                 "lower_bound_us": s["lower_bound_us"], "status": result.status, "schedule": result.schedule.to_json()}
+                 "lower_bound_us": s["lower_bound_us"], "status": result.status, "method": result.source,
+                 "schedule": result.schedule.to_json()}
     except MemoryBudgetError as err:
         entry = {"feasible": False, "why": str(err).splitlines()[0],
                  **({"least_peak_bytes": err.least_peak_bytes} if err.least_peak_bytes is not None else {})}
@@ -178,47 +194,127 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
             entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
             rows.append({"candidate": cand, "graph": g, "stage1": entry})
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
-                + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else "infeasible"))
-    feasible = sorted((r for r in rows if r["stage1"]["feasible"]), key=lambda r: r["stage1"]["predicted_us"])
-    if not feasible:
+                + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else
+                   "over the budget (scheduled within it below)" if _bound_fits(entry, memory_budget) else
+                   "infeasible" + (f": least feasible peak >= {format_bytes(entry['least_peak_bytes'])}"
+                                   if "least_peak_bytes" in entry else "")))
+    # Under a budget a candidate whose greedy schedule breaks it while its sound memory bound does
+    # not is scheduled under the budget as `compile --memory-budget` does (the same evaluate ->
+    # compile_graph call: CP-SAT, or the min-peak schedule); only a bound above the budget makes a
+    # candidate infeasible without a search.
+    over = [r for r in rows if _bound_fits(r["stage1"], memory_budget)]
+    for k, r in enumerate(over, 1):
+        r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
+                              cache=cache)
+        say(f"[{time.perf_counter() - t0:6.1f}s] {k:>2}/{len(over)} {_label(r['candidate'], r['graph']):<46} "
+            f"greedy over the budget; cp-sat within it: " + _outcome(r["final"]))
+    feasible = sorted((r for r in rows if _entry(r)["feasible"]), key=lambda r: _entry(r)["predicted_us"])
+    base_over = memory_budget is not None and base["peak_memory_bytes"] > memory_budget
+    if not feasible and base_over:
         raise _nothing_fits(rows, memory_budget)
     for r in _to_refine(feasible, refine):
+        if "final" in r:
+            continue        # already scheduled by CP-SAT under the budget above
         r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
                               cache=cache)
         say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {_label(r['candidate'], r['graph']):<46} "
-            f"{r['final']['predicted_us']:.1f} us")
+            + _outcome(r["final"]))
     # rank the rows themselves, so the pick's schedule is its own row's (never found again by
     # comparing the reported dicts)
     order = sorted(rows, key=lambda r: _rank_key(_row(r, base["predicted_us"])))
-    ranked = [_row(r, base["predicted_us"]) for r in order]
-    best, schedule, label = ranked[0], (order[0].get("final") or order[0]["stage1"]).get("schedule"), \
+    groups = _alike(order)
+    order = [r for r, _ in groups]
+    ranked = [_row(r, base["predicted_us"]) | {"also": [_point(o) for o in others]} for r, others in groups]
+    best, schedule, label = ranked[0], _entry(order[0]).get("schedule"), \
         _label(order[0]["candidate"], order[0]["graph"]).strip()
-    kept = _keep_baseline(best, base, min_gain, memory_budget)
+    kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
     if kept:
         best, schedule, label = _baseline_row(base, kept), base.get("schedule"), "the tp+tp sequential baseline"
     if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
         raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
     say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, n)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
-            "min_gain": min_gain, "micro_batches": micro_batches,
-            "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"]},
+            "min_gain": min_gain, "micro_batches": micro_batches, "memory_budget_bytes": memory_budget,
+            "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"],
+                         "peak_memory_bytes": base["peak_memory_bytes"], "over_budget": base_over},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
 
 
+def _alike(order: list[dict]) -> list[tuple[dict, list[dict]]]:
+    """Ranked rows whose schedules are the same (at --n 1 the strategies differ only in
+    bookkeeping: every node, cost and start time alike) folded into the first of them, in rank
+    order: (row, the other rows it stands for)."""
+    out: list[tuple[dict, list[dict]]] = []
+    at: dict[Any, int] = {}
+    for r in order:
+        e = _entry(r)
+        key = _scheduled(e["schedule"]) if e["feasible"] and "schedule" in e else id(r)   # none: tune() raises
+        if key in at:
+            out[at[key]][1].append(r)
+        else:
+            at[key] = len(out)
+            out.append((r, []))
+    return out
+
+
+def _scheduled(schedule_json: str) -> tuple:
+    """What a schedule places and prices: per node its name, op, data, costs, stream, SMs and
+    times, and the values' sizes; not the strategy label or attrs (the cost model has already
+    turned those into the costs)."""
+    sched = Schedule.from_json(schedule_json)
+    return (sched.streams, tuple((v.name, v.bytes, v.kind, v.alias_of) for v in sched.values),
+            tuple((n.name, n.op, n.role, n.phase, n.kind, n.inputs, n.outputs, n.flops, n.mem_bytes, n.comm_bytes,
+                   n.group, n.stream, n.start_us, n.end_us, n.sm_budget) for n in sched.nodes))
+
+
+def _point(r: dict) -> dict:
+    """A row's strategy point, as the table and --json name it."""
+    c = r["candidate"]
+    return {"attn": c.attn, "ffn": c.ffn, "dispatch": c.dispatch, "chunks": c.chunks, "remat": c.remat,
+            "fused": _is_fused(r["graph"])}
+
+
+def _entry(r: dict) -> dict:
+    """A row's final evaluation: CP-SAT's when it ran, else the greedy one."""
+    return r.get("final") or r["stage1"]
+
+
+def _bound_fits(entry: dict, memory_budget: int | None) -> bool:
+    """Whether a greedy entry broke the budget while the candidate's sound memory bound fits it
+    (compile's error then carries that bound: api.compile_problem)."""
+    least = entry.get("least_peak_bytes")
+    return not entry["feasible"] and memory_budget is not None and least is not None and least <= memory_budget
+
+
+def _outcome(entry: dict) -> str:
+    if entry["feasible"]:
+        return f"{entry['predicted_us']:.1f} us, peak {format_bytes(entry['peak_memory_bytes'])} ({entry['method']})"
+    return f"no schedule within the budget ({entry['why']})"
+
+
+def _nearest(rows: list[dict]) -> tuple[int, str, dict]:
+    """(least feasible peak, label, entry) of the candidate whose memory bound is the smallest."""
+    known = [(_entry(r)["least_peak_bytes"], _label(r["candidate"], r["graph"]).strip(), i)
+             for i, r in enumerate(rows) if _entry(r).get("least_peak_bytes") is not None]
+    if not known:   # every MemoryBudgetError compile raises carries its bound: a bug if none does
+        raise RuntimeError("tune: no candidate fits the memory budget and none reports its least feasible peak")
+    least, label, i = min(known)
+    return least, label, _entry(rows[i])
+
+
 def _nothing_fits(rows: list[dict], memory_budget: int | None) -> MemoryBudgetError:
-    """The error when no candidate's list schedule fits ``memory_budget``: what the nearest needs."""
-    over = [r for r in rows if r["stage1"].get("least_peak_bytes") is None]
-    if over:   # within the sound bound, but its greedy schedule peaks above the budget
-        r = over[0]
-        return MemoryBudgetError(f"no candidate's greedy schedule fits the memory budget {format_bytes(memory_budget)} "
-                                 f"(tune ranks greedy schedules first); {_label(r['candidate'], r['graph'])}: "
-                                 f"{r['stage1']['why']}")
-    # every candidate is below its sound lower bound: the least of those bounds is one for all
-    least, label = min((r["stage1"]["least_peak_bytes"], _label(r["candidate"], r["graph"])) for r in rows)
-    return MemoryBudgetError(f"no candidate fits the memory budget {format_bytes(memory_budget)}: the least feasible "
-                             f"peak memory of any candidate is at least {format_bytes(least)} ({label.strip()}); "
-                             f"raise --memory-budget", least, False)
+    """The error when neither a candidate nor the baseline fits ``memory_budget``: the candidate
+    with the smallest memory bound, and what it needs."""
+    least, label, entry = _nearest(rows)
+    budget = format_bytes(memory_budget)
+    if least > memory_budget:   # every bound is above the budget: the least of them is one for all
+        return MemoryBudgetError(f"no candidate fits the memory budget {budget}: the least feasible peak memory of "
+                                 f"any candidate is at least {format_bytes(least)} ({label}); raise --memory-budget",
+                                 least, False)
+    return MemoryBudgetError(f"no candidate's schedule within the memory budget {budget} was found: the nearest, "
+                             f"{label} (least feasible peak at least {format_bytes(least)}): {entry['why']}",
+                             least, False)
 
 
 def _step(graph: Graph, micro_batches: int) -> Graph:
@@ -244,12 +340,16 @@ def _label(cand: Strategy, graph: Graph) -> str:
     return cand.label() + (" fused" if _is_fused(graph) else "")
 
 
-def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | None) -> str | None:
+def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | None,
+                   rows: list[dict]) -> str | None:
     """Why the tp+tp sequential baseline is kept instead of ``top`` (None: it is not)."""
-    if not top["feasible"] or not base["feasible"]:
-        return None
     if memory_budget is not None and base["peak_memory_bytes"] > memory_budget:
-        return None
+        return None             # tune() raised if ``top`` does not fit either
+    if not top["feasible"]:
+        least, label, _ = _nearest(rows)
+        return (f"kept the tp+tp sequential baseline (peak {format_bytes(base['peak_memory_bytes'])}): no candidate "
+                f"fits the memory budget {format_bytes(memory_budget)} (nearest: {label}, least feasible peak at "
+                f"least {format_bytes(least)})")
     gain = top["speedup"] - 1
     if gain >= min_gain:
         return None
@@ -277,16 +377,19 @@ def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
 
 
 def _row(r: dict, baseline_us: float) -> dict:
-    cand, final = r["candidate"], r.get("final") or r["stage1"]
+    """One ranked row. ``scheduler``: the method of the schedule it reports ("cpsat", or the warm
+    start CP-SAT did not beat, or "greedy"); ``refined``: whether CP-SAT ran on it."""
+    cand, final = r["candidate"], _entry(r)
     out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
            "gate": cand.gate, "fused": _is_fused(r["graph"]), "passes": list(r["graph"].strategy.passes),
-           "feasible": final["feasible"],
-           "scheduler": "cpsat" if "final" in r else "greedy"}
+           "feasible": final["feasible"], "refined": "final" in r,
+           "scheduler": final["method"] if final["feasible"] else "-"}
     if final["feasible"]:
         out |= {"predicted_us": final["predicted_us"], "peak_memory_bytes": final["peak_memory_bytes"],
                 "speedup": round(baseline_us / final["predicted_us"], 4)}
     else:
-        out |= {"why": final["why"]}
+        out |= {"why": final["why"], **({"least_peak_bytes": final["least_peak_bytes"]}
+                                        if "least_peak_bytes" in final else {})}
     return out
 
 
@@ -311,17 +414,28 @@ def pick_line(best: dict, n: int) -> str:
 
 
 def format_table(res: dict) -> str:
+    budget, base = res.get("memory_budget_bytes"), res["baseline"]
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}"
              + (f", {res['layers']} layers" if res["layers"] > 1 else "") + ": "
-             f"baseline tp+tp sequential {res['baseline']['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}",
-             f"{'#':>3} {'strategy':<40} {'sched':<6} {'predicted us':>12} {'peak GiB':>9} {'speedup':>8}"]
+             f"baseline tp+tp sequential {base['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}"
+             + (f", memory budget {format_bytes(budget)}" if budget is not None else "")]
+    if base.get("over_budget"):
+        lines.append(f"note: the baseline peaks at {format_bytes(base['peak_memory_bytes'])}, over the memory budget: "
+                     "speed-ups are relative to it all the same")
+    # the sched column fits the longest method (a warm start CP-SAT did not beat: "interleave2+ce+mem")
+    w = max(6, *(len(r["scheduler"]) for r in res["candidates"]))
+    lines.append(f"{'#':>3} {'strategy':<40} {'sched':<{w}} {'predicted us':>12} {'peak':>10} {'speedup':>8}")
     for i, r in enumerate(res["candidates"], 1):
         name = _row_label(r, res["n"])
         if r["feasible"]:
-            lines.append(f"{i:>3} {name:<40} {r['scheduler']:<6} {r['predicted_us']:>12.1f} "
-                         f"{r['peak_memory_bytes'] / 2**30:>9.3f} {r['speedup']:>7.3f}x")
-        else:
-            lines.append(f"{i:>3} {name:<40} {'-':<6} {'infeasible':>12}")
+            lines.append(f"{i:>3} {name:<40} {r['scheduler']:<{w}} {r['predicted_us']:>12.1f} "
+                         f"{format_bytes(r['peak_memory_bytes']):>10} {r['speedup']:>7.3f}x")
+        else:   # over: its memory bound is above the budget; not found: CP-SAT found no schedule within it
+            what = "over budget" if r.get("least_peak_bytes", 0) > (budget or 0) else "not found"
+            lines.append(f"{i:>3} {name:<40} {'-':<{w}} {what:>12}"
+                         + (f" {'>=' + format_bytes(r['least_peak_bytes']):>10}" if "least_peak_bytes" in r else ""))
+        if r.get("also"):        # strategies whose schedule is this row's, node for node
+            lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o, res["n"]).split()) for o in r["also"]))
     lines.append(f"best: {pick_line(res['best'], res['n'])}")
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")

@@ -49,7 +49,7 @@ from moegraph.registry import Hardware
 from moegraph.schedules.schedule_file import Schedule
 
 __all__ = ["Violation", "Verdict", "verify_schedule", "verdict", "skipped_checks", "DURATION_TOLERANCE_US", "check",
-           "memory_events", "memory_curve"]
+           "memory_events", "memory_curve", "unknown_stream"]
 
 DURATION_TOLERANCE_US = 0.01 + 1e-6
 """Durations are rounded up to a 10 ns tick; the extra 1 ps absorbs float rounding."""
@@ -145,6 +145,12 @@ def check(sched: Schedule, cost: CostModel | None = None) -> None:
         raise ValueError(v[0].message)
 
 
+def unknown_stream(s: Schedule, n) -> Violation:
+    """The violation of node ``n`` on a stream ``s`` does not declare (gantt refuses to draw it)."""
+    return Violation("structure", f"node {n.name!r} is on unknown stream {n.stream!r}; streams: {list(s.streams)}",
+                     (n.name,))
+
+
 def _structure(s: Schedule, out: list[Violation]) -> bool:
     ok = True
     seen: set[str] = set()
@@ -155,8 +161,7 @@ def _structure(s: Schedule, out: list[Violation]) -> bool:
         seen.add(n.name)
         where = f"node {n.name!r}"
         if n.stream not in s.streams:
-            out.append(Violation("structure", f"{where} is on unknown stream {n.stream!r}; streams: {list(s.streams)}",
-                                 (n.name,)))
+            out.append(unknown_stream(s, n))
             ok = False
         elif (n.kind == "comm") != n.stream.startswith("comm") or n.kind not in ("comm", "compute"):
             out.append(Violation("structure", f"{where} ({n.kind}) is on stream {n.stream!r}", (n.name,)))

@@ -49,6 +49,36 @@ def test_memory_budget_below_least_feasible_names_the_least_value(capsys):
     assert len(err.strip().splitlines()) == 1
 
 
+def test_sizes_that_read_alike_are_told_apart_in_bytes(capsys):
+    """a3-f8: a budget one byte below tiny's bound (446,464 bytes on cpu-2core-gloo) read
+    "436.00KiB is below the least feasible peak memory 436.00KiB"."""
+    from moegraph.options import format_bytes_apart
+    assert format_bytes_apart(446463, 446464) == ("436.00KiB (446,463 bytes)", "436.00KiB (446,464 bytes)")
+    assert format_bytes_apart(2**20, 2**19) == ("1.00MiB", "512.00KiB")
+    assert main(["compile", *TINY, "--hardware", "cpu-2core-gloo", "--memory-budget", "446463"]) == 2
+    err = capsys.readouterr().err
+    budget, least = err.split("memory budget ")[1].split(" for this graph")[0].split(
+        " is below the least feasible peak memory ")
+    assert budget == "436.00KiB (446,463 bytes)" and least != budget
+
+
+def test_a_budget_the_unconstrained_schedule_meets_changes_nothing(capsys, tmp_path):
+    """a3-f7: tiny on cpu-2core-gloo, no budget 29,459.1 us (peak 596KiB) but --memory-budget 2MiB
+    gave 29,731.8: a budget that does not bind must return the schedule compiled without one."""
+    from moegraph.schedules.schedule_file import Schedule
+    from moegraph.schedules.verify import verify_schedule
+    gloo = ["--hardware", "cpu-2core-gloo", "--time-limit", "1"]
+    free = compile_json(capsys, *gloo, "-o", str(tmp_path / "free.json"))
+    two = compile_json(capsys, *gloo, "--memory-budget", "2MiB", "-o", str(tmp_path / "two.json"))
+    assert free["peak_memory_bytes"] <= 2 * 2**20        # the budget does not bind
+    assert two["makespan_us"] == free["makespan_us"] and two["peak_memory_bytes"] == free["peak_memory_bytes"]
+    a, b = (Schedule.load(str(tmp_path / f)) for f in ("free.json", "two.json"))
+    assert [(n.name, n.start_us, n.stream, n.sm_budget) for n in a.nodes] == \
+        [(n.name, n.start_us, n.stream, n.sm_budget) for n in b.nodes]
+    assert b.memory_budget_bytes == 2 * 2**20 and verify_schedule(b) == []
+    assert "no budget needed" in two["status"]
+
+
 def test_verify_names_the_first_violation(tmp_path, capsys):
     path = tmp_path / "s.json"
     assert main(["compile", *TINY, "-o", str(path)]) == 0
@@ -145,3 +175,12 @@ def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monk
     assert [t.split(" (")[0] for t in text[3:]] == [f"window search {k}/{windows}" for k in range(1, windows + 1)]
     assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--schedule", "greedy"]) == 0
     assert capsys.readouterr().err == ""                        # no solve, nothing to report
+
+
+def test_header_names_dp_when_there_are_replicas(capsys):
+    """a3-f8: `compile --dp 2` printed the same header as dp=1 (96 nodes against 67)."""
+    assert main(["compile", *TINY, "--schedule", "sequential", "--dp", "2"]) == 0
+    two = capsys.readouterr().out.splitlines()[0]
+    assert main(["compile", *TINY, "--schedule", "sequential"]) == 0
+    one = capsys.readouterr().out.splitlines()[0]
+    assert two.endswith(" dp=2") and "dp=" not in one

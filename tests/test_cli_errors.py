@@ -105,6 +105,7 @@ SCHEDULES_CASES = [
     (["gantt", "{tmp}/text_time.json", "-o", "{tmp}/c.json"], "end_us is str '1.5', not a finite number"),
     (["gantt", "{tmp}/nan_span.json", "-o", "{tmp}/c.svg"], "summary.makespan_us is NaN"),
     (["gantt", "{tmp}/sched.json", "--compare", "{tmp}/nan_time.json", "-o", "{tmp}/c.png"], "nan_time.json"),
+    (["gantt", "{tmp}/other_stream.json", "-o", "{tmp}/c.png"], "is on unknown stream 'comm2'; streams: "),
     (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
     (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
@@ -226,7 +227,8 @@ def workdir(tmp_path_factory):
                                ("stale_hash", lambda d: d["graph"]["dims"].update(s=128), False),
                                ("other_seq", lambda d: d["graph"]["dims"].update(s=128), True),
                                ("other_model", lambda d: d["graph"].update(name="small"), True),
-                               ("bad_sm", lambda d: comm(d).update(sm_budget=3), True)):
+                               ("bad_sm", lambda d: comm(d).update(sm_budget=3), True),
+                               ("other_stream", lambda d: d["nodes"][1].update(stream="comm2"), True)):
         doc = json.loads((tmp / "sched.json").read_text())
         edit(doc)
         if rehash:

@@ -234,3 +234,62 @@ def test_partly_layered_schedule_is_refused(layered):
     with pytest.raises(ValueError, match=rf"node '{first.name}' has attribute 'layer' = None"):
         layer_nodes(bad)
     assert list(layer_nodes(layered)) == list(range(LAYERS))
+
+
+# The gantt command on damaged files: an unknown stream is refused in verify's words; any other
+# violation is drawn, with one warning line and the panel marked NOT VALID.
+
+def _damaged(a, tmp_path, name, edit):
+    """``a`` saved, then ``edit``ed as a user (or a bug) would change the JSON."""
+    a.save(tmp_path / "ok.json")
+    doc = json.loads((tmp_path / "ok.json").read_text())
+    edit(doc)
+    (tmp_path / name).write_text(json.dumps(doc))
+    return tmp_path / name
+
+
+def _gantt(argv, capsys):
+    from moegraph.cli import main
+    capsys.readouterr()
+    rc = main(["gantt", *map(str, argv)])
+    return rc, capsys.readouterr()
+
+
+def test_gantt_refuses_a_node_on_an_unknown_stream_in_one_line(pair, tmp_path, capsys):
+    a, _ = pair
+    comm = next(n.name for n in a.nodes if n.kind == "comm")
+    bad = _damaged(a, tmp_path, "stream.json",
+                   lambda d: next(n for n in d["nodes"] if n["name"] == comm).update(stream="comm2"))
+    rc, out = _gantt([bad, "-o", tmp_path / "c.png"], capsys)
+    assert rc == 2
+    lines = out.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.err
+    assert f"node {comm!r} is on unknown stream 'comm2'; streams: {list(a.streams)}" in lines[0]
+    assert str(bad) in lines[0] and not (tmp_path / "c.png").exists()
+    # the same words as verify's
+    from moegraph.schedules.commands import load_schedule
+    from moegraph.schedules.verify import verify_schedule
+    assert next(v.message for v in verify_schedule(load_schedule(str(bad))) if v.check == "structure") in lines[0]
+
+
+def test_gantt_draws_a_file_that_does_not_verify_with_a_warning_and_a_mark(pair, tmp_path, capsys):
+    a, _ = pair
+    dropped = a.nodes[1].name
+    bad = _damaged(a, tmp_path, "drop.json",
+                   lambda d: d.update(nodes=[n for n in d["nodes"] if n["name"] != dropped]))
+    rc, out = _gantt([bad, "-o", tmp_path / "bad.svg"], capsys)
+    assert rc == 0
+    warn = out.err.strip().splitlines()
+    assert len(warn) == 1 and warn[0].startswith(f"warning: {bad} does not verify: ")
+    assert "more)" in warn[0]      # a dropped node breaks the hash and the coverage at least
+    assert "NOT VALID" in (tmp_path / "bad.svg").read_text()
+    # a valid file: no warning, no mark; compared with the damaged one only that panel is marked
+    rc, out = _gantt([tmp_path / "ok.json", "-o", tmp_path / "ok.svg"], capsys)
+    assert rc == 0 and out.err == "" and "NOT VALID" not in (tmp_path / "ok.svg").read_text()
+    rc, out = _gantt([tmp_path / "ok.json", "--compare", bad, "-o", tmp_path / "both.json", "--json"], capsys)
+    panels = json.loads(out.out)["panels"]
+    assert rc == 0 and [p["valid"] for p in panels] == [True, False]
+    assert not panels[0]["label"].startswith("NOT VALID") and panels[1]["label"].startswith("NOT VALID: ")
+    procs = [e["args"]["name"] for e in json.loads((tmp_path / "both.json").read_text())["traceEvents"]
+             if e["name"] == "process_name"]
+    assert procs == [p["label"] for p in panels]

@@ -9,7 +9,7 @@ from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
 from moegraph.registry import load_hardware, load_model
-from moegraph.schedules.tune import Cache, build_graph, cache_key, candidates, tune
+from moegraph.schedules.tune import Cache, _row_label, build_graph, cache_key, candidates, format_table, tune
 
 ARGS = ["--model", "tiny", "--n", "2", "--seq", "256", "--time-limit", "1", "--refine", "1"]
 
@@ -116,7 +116,7 @@ def test_every_strategy_family_gets_a_cpsat_refinement(tiny_cache):
     res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
                cache=Cache(tiny_cache))
     families = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["feasible"]}
-    refined = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["scheduler"] == "cpsat"}
+    refined = {(c["attn"], c["ffn"]) for c in res["candidates"] if c["refined"]}
     assert refined == families and len(families) == 4
 
 
@@ -285,3 +285,145 @@ def test_cli_budget_no_candidate_fits_is_exit_2_naming_the_least_peak(tmp_path, 
     assert err[-1].startswith("moegraph tune: error: no candidate fits the memory budget 1.00KiB: the least "
                               "feasible peak memory of any candidate is at least "), err[-1]
     assert not out.exists() and not out.with_suffix(".png").exists()
+
+
+# -- under a memory budget: the audit's cases (a3-f1, a3-f2), on a few candidates each --------------
+
+GLOO = dict(n=2, seq=256, time_limit=1, refine=1, min_gain=0.0)
+
+
+def _few(monkeypatch, *points, n=2):
+    """tune over only these candidates: (attn, ffn, dispatch, chunks, remat) points."""
+    import moegraph.schedules.tune as tune_mod
+    picked = [c for c in candidates(load_model("tiny"), n, 256)
+              if (c.attn, c.ffn, c.dispatch, c.chunks, c.remat) in points]
+    assert len(picked) == len(points)
+    monkeypatch.setattr(tune_mod, "candidates", lambda *a, **k: picked)
+    return picked
+
+
+def _compiled(cand, budget, micro_batches=1):
+    """What `compile --memory-budget` returns for a candidate: (makespan, peak), or None when
+    it finds no schedule within the budget; and whether its greedy schedule breaks the budget."""
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.problem import MemoryBudgetError
+    from moegraph.schedules.tune import _step
+    cost = CostModel(load_hardware("cpu-2core-gloo"))
+    g = _step(build_graph(load_model("tiny"), cand, cost, batch=1, seq=256), micro_batches)
+    try:
+        compile_graph(g, cost, memory_budget_bytes=budget, time_limit_s=1, method="greedy")
+        greedy_over = False
+    except MemoryBudgetError:
+        greedy_over = True
+    try:
+        s = compile_graph(g, cost, memory_budget_bytes=budget, time_limit_s=1).schedule.summary
+    except MemoryBudgetError:
+        return None, greedy_over
+    return (s["makespan_us"], s["peak_memory_bytes"]), greedy_over
+
+
+def _point(row):
+    return row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"]
+
+
+def test_a_candidate_whose_greedy_breaks_the_budget_is_scheduled_within_it(monkeypatch, tmp_path):
+    """a3-f1: at 520KiB tp+ep ag-rs chunks=1 remat=paper was "infeasible" (its greedy schedule
+    peaks above the budget) though compile schedules it within the budget 1.8x faster than the
+    pick; and the tp+tp baseline (624KiB) is over the budget without a word."""
+    budget = 520 * 2**10
+    cands = _few(monkeypatch, ("tp", "ep", "ag-rs", 1, "paper"), ("sp", "ep", "ag-rs", 2, "paper"))
+    compiled = {c.label(): _compiled(c, budget) for c in cands}
+    assert compiled[cands[0].label()][1]                       # the audit's case: its greedy breaks the budget
+    fits = {k: v[0] for k, v in compiled.items() if v[0] is not None and v[0][1] <= budget}
+    expected = min(fits, key=lambda k: fits[k][0])
+    res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, cache=Cache(tmp_path),
+               **GLOO)
+    best = res["best"]
+    assert " ".join(_row_label(best, 2).split()) == " ".join(expected.split())
+    assert best["predicted_us"] == fits[expected][0] and best["peak_memory_bytes"] <= budget
+    for row in res["candidates"]:           # every candidate compile fits is ranked with compile's time
+        label = " ".join(_row_label(row, 2).split())
+        match = next(v for k, v in fits.items() if " ".join(k.split()) == label)
+        assert row["feasible"] and row["predicted_us"] == match[0]
+    assert res["baseline"]["over_budget"] and res["baseline"]["peak_memory_bytes"] > budget
+    assert "over the memory budget: speed-ups are relative to it all the same" in format_table(res)
+
+
+def test_no_greedy_fits_yet_the_pick_is_compiles_fastest_within_the_budget(monkeypatch, tmp_path):
+    """a3-f2: tune --micro-batches 2 --memory-budget 700KiB exited 2 ("no candidate's greedy
+    schedule fits") while the tp+tp sequential baseline (656KiB) and CP-SAT schedules fit."""
+    budget = 700 * 2**10
+    cands = _few(monkeypatch, ("tp", "ep", "ag-rs", 1, "none"), ("sp", "ep", "a2a", 1, "none"))
+    compiled = {c.label(): _compiled(c, budget, micro_batches=2) for c in cands}
+    assert all(greedy_over for _, greedy_over in compiled.values())      # the audit's case
+    fits = {k: v[0] for k, v in compiled.items() if v[0] is not None and v[0][1] <= budget}
+    expected = min(fits, key=lambda k: fits[k][0])
+    res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, micro_batches=2,
+               cache=Cache(tmp_path), **GLOO)
+    assert " ".join(_row_label(res["best"], 2).split()) == " ".join(expected.split())
+    assert res["best"]["predicted_us"] == fits[expected][0]
+    assert not res["baseline"]["over_budget"] and "kept_baseline" not in res["best"]
+
+
+def test_the_baseline_is_kept_when_only_it_fits_and_the_error_names_the_smallest_bound(monkeypatch, tmp_path):
+    """No candidate fits but the baseline does: the baseline with the reason, no error; when the
+    baseline does not fit either, the error names the candidate with the smallest memory bound
+    (compile's "below the least feasible" value), not the first one."""
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.problem import MemoryBudgetError
+    cands = _few(monkeypatch, ("tp", "tp", "ag-rs", 1, "none"), ("sp", "tp", "ag-rs", 1, "none"))
+    cost = CostModel(load_hardware("cpu-2core-gloo"))
+    least = {}
+    for c in cands:
+        with pytest.raises(MemoryBudgetError) as err:
+            compile_graph(build_graph(load_model("tiny"), c, cost, batch=1, seq=256), cost, memory_budget_bytes=1024)
+        least[c.label()] = err.value.least_peak_bytes
+    nearest = min(least, key=least.get)
+    assert nearest != cands[0].label()                 # the old error named the first candidate
+    with pytest.raises(MemoryBudgetError, match="no candidate fits the memory budget 1.00KiB") as err:
+        tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=1024, cache=Cache(tmp_path), **GLOO)
+    assert f"({' '.join(nearest.split())})" in " ".join(str(err.value).split())
+    assert err.value.least_peak_bytes == least[nearest]
+
+
+def test_the_baseline_is_kept_with_the_reason_when_no_candidate_schedule_is_found(monkeypatch, tmp_path):
+    """Never an error while the baseline fits: with every candidate's search under the budget
+    coming back empty (stubbed: on tiny every bound is at or below the baseline's peak, so
+    only a search that finds nothing leaves the baseline alone), tune keeps the baseline."""
+    import moegraph.schedules.tune as tune_mod
+    _few(monkeypatch, ("tp", "ep", "ag-rs", 1, "none"), ("sp", "ep", "a2a", 1, "none"))
+    budget = 700 * 2**10                       # the baseline peaks at 624KiB (a3-f1)
+    real = tune_mod.evaluate
+
+    def nothing_found(graph, cost, method, **kw):
+        if graph.strategy.passes or graph.strategy.ffn == "ep":      # a candidate, not the baseline
+            return {"feasible": False, "why": "no schedule found (stub)", "least_peak_bytes": budget - 1}
+        return real(graph, cost, method, **kw)
+    monkeypatch.setattr(tune_mod, "evaluate", nothing_found)
+    res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, cache=Cache(tmp_path),
+               **GLOO)
+    best = res["best"]
+    assert best["scheduler"] == "sequential" and best["predicted_us"] == res["baseline"]["predicted_us"]
+    assert best["kept_baseline"].startswith("kept the tp+tp sequential baseline (peak 624.00KiB): no candidate "
+                                            "fits the memory budget 700.00KiB (nearest: ")
+    assert all(not r["feasible"] for r in res["candidates"]) and "not found" in format_table(res)
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_strategies_with_the_same_schedule_are_one_row_naming_them_all(monkeypatch, tmp_path, n):
+    """a3-f8: at --n 1 strategies that schedule identically were separate rows. One row stands
+    for them and names the others; at n=2 (real collectives) the same points stay apart."""
+    from moegraph.schedules.api import compile_graph
+    points = [("tp", "tp", "ag-rs", 1, "paper"), ("sp", "tp", "ag-rs", 1, "paper"), ("tp", "ep", "ag-rs", 1, "paper")]
+    cands = _few(monkeypatch, *points, n=n)
+    cost = CostModel(load_hardware("cpu-2core-gloo"))
+    placed = {tuple((x.name, x.stream, x.start_us, x.end_us) for x in compile_graph(
+        build_graph(load_model("tiny"), c, cost, batch=1, seq=256), cost, method="greedy").schedule.nodes)
+        for c in cands}
+    res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), **(GLOO | {"n": n}), cache=Cache(tmp_path))
+    rows = res["candidates"]
+    assert len(rows) == len(placed)                         # one row per distinct compiled schedule
+    assert sorted(_point(r) for r in rows for r in [r, *r["also"]]) == sorted(points)
+    if n == 1:
+        assert len(rows) == 1 and len(rows[0]["also"]) == 2
+        assert "= also " in format_table(res)
