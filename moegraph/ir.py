@@ -386,7 +386,8 @@ class Strategy:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
-        if self.ffn in typing.get_args(Ffn) and self.dispatch not in valid_dispatches(self.ffn):
+        if (self.ffn in typing.get_args(Ffn) and self.dispatch in typing.get_args(Dispatch)
+                and self.dispatch not in valid_dispatches(self.ffn)):
             problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
                             "dispatch='ag-rs')")
         budget = self.remat_budget

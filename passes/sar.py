@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
 from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.solver_limits import set_time_limit
 from moegraph.options import byte_size
 from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, per_layer, record, register,
                                      same_computation)
@@ -292,7 +293,7 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None, *,
     limit = check_keep_search_s(keep_search_s)
     solver = cp_model.CpSolver()
     solver.parameters.num_workers = 1
-    solver.parameters.max_time_in_seconds = limit
+    set_time_limit(solver.parameters, limit)       # deterministic: compile and run's re-lowering agree
     status = solver.Solve(model)
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return KeepSet(frozenset(u for u, lit in keep.items() if solver.Value(lit)),

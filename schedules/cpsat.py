@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 
 from ortools.sat.python import cp_model
 
+from moegraph.solver_limits import DTIME_PER_SECOND, WALL_CAP_FACTOR, set_time_limit  # noqa: F401 - re-exported
 from moegraph.schedules.bound import Bound, heads_tails, lower_bound
 from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task, chunk_symmetry
 from moegraph.schedules.solution import (Solution, barrier_ticks, canonical_chunk_order, makespan_ticks, settle_alone,
@@ -54,17 +55,8 @@ __all__ = ["CpHandles", "CpSatResult", "Held", "SolverOptions", "build_model", "
            "sub_problem",
            "DTIME_PER_SECOND", "WALL_CAP_FACTOR"]
 
-DTIME_PER_SECOND = 0.18
-"""Deterministic-time units granted per second of ``time_limit_s``. On the 2-core dev box one
-unit took 1-6 s of CPU time (up to 5 s on 200-node chunked layers, whose LNS propagation is
-under-counted as deterministic work; docs/scheduler.md), so 0.18 keeps searches within about
-time_limit_s."""
 REDUNDANT_TAILS = True
 """Add makespan >= end + tail for every task (not only sinks)."""
-WALL_CAP_FACTOR = 10.0
-"""Wall-clock safety cap per solve = WALL_CAP_FACTOR * time_limit_s + 5 s (reported if ever
-hit). Deterministic time under-counts on large layers (about 3x on a loaded 2-core box for
-413 nodes), so a tighter cap would cut searches that are merely slow, not stalled."""
 
 
 @dataclass(frozen=True)
@@ -394,8 +386,7 @@ def _parameters(solver: cp_model.CpSolver, opts: SolverOptions) -> None:
     better schedules (docs/scheduler.md, "Solver parameters")."""
     p = solver.parameters
     p.random_seed = opts.random_seed
-    p.max_deterministic_time = opts.time_limit_s * DTIME_PER_SECOND
-    p.max_time_in_seconds = WALL_CAP_FACTOR * opts.time_limit_s + 5.0
+    set_time_limit(p, opts.time_limit_s)
     p.num_workers = opts.workers
     p.interleave_search = True
     p.subsolvers.extend(SUBSOLVERS)

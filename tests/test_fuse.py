@@ -269,6 +269,6 @@ def test_tune_ranks_a_fused_twin_of_each_candidate(h800):
     assert fused is not None and fused.strategy.passes[-1] == "fuse=auto"
     assert any(variant(n) == "fused" for n in fused.nodes) and not any(variant(n) == "fused" for n in graph.nodes)
     assert _fused(build_graph(model, Strategy("sp", "ep", "ag-rs", 1), h800, batch=1, seq=64), h800) is None
-    entry = {"feasible": True, "predicted_us": 100.0, "peak_memory_bytes": 1}
+    entry = {"feasible": True, "predicted_us": 100.0, "peak_memory_bytes": 1, "method": "greedy"}
     assert _row({"candidate": cand, "graph": fused, "stage1": entry}, 200.0)["fused"] is True
     assert _row({"candidate": cand, "graph": graph, "stage1": entry}, 200.0)["fused"] is False

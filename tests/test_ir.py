@@ -186,6 +186,8 @@ def test_strategy_names_every_offending_field_at_once():
         Strategy("sp", "ep", "a2a", 2, remat="paper", remat_budget=5)
     with pytest.raises(ConfigError, match=r"^ffn='dp' is not one of 'tp', 'ep'$"):
         dataclasses.replace(Strategy("sp", "ep", "a2a", 2), ffn="dp")
+    with pytest.raises(ConfigError, match=r"^dispatch='foo' is not one of 'a2a', 'ag-rs'$"):   # no second, false reason
+        Strategy("sp", "tp", "foo", 2)
 
 
 def test_strategy_round_trips_through_its_dict():

@@ -370,6 +370,28 @@ def test_a_class_level_swap_disguised_by_functools_wraps_is_named(monkeypatch):
                      r".*\(a class-level patch\)", lowering_error(mixtral()))
 
 
+def _logged(fn):                                             # a decorator defined in the model's own file
+    @functools.wraps(fn)
+    def wrapper(self, *args, **kwargs):
+        return fn(self, *args, **kwargs)
+    return wrapper
+
+
+class DecoratedNorm(RMSNorm):
+    @_logged
+    def forward(self, x):
+        return super().forward(x)
+
+
+register(DecoratedNorm)(lambda module, qualname: NormSpec(ParamSource(f"{qualname}.weight"), module.eps))
+
+
+def test_a_decorator_from_the_classs_own_file_is_not_a_patch():
+    layer = small_layer(2)
+    layer.input_norm = DecoratedNorm(64)
+    check_patches_and_hooks(layer)
+
+
 def test_transformers_own_forward_decorators_pass_the_guard():
     """MixtralForCausalLM (can_return_tuple), MixtralModel (two wrappers), the decoder layer
     (checkpointing wrapper) and the rotary embedding (torch.no_grad over dynamic_rope_update)

@@ -193,9 +193,13 @@ def _is_original_forward(owner: type, fn: object) -> bool:
         code, inner = getattr(fn, "__code__", None), getattr(fn, "__wrapped__", None)
         if code is None:
             return False
-        if code.co_qualname == f"{owner.__qualname__}.forward" and source in (None, code.co_filename):
+        # co_qualname (Python >= 3.11) cannot be copied by functools.wraps; on 3.10 the name check
+        # falls back to __qualname__ and only the file tells a patch apart
+        qualname = getattr(code, "co_qualname", getattr(fn, "__qualname__", None))
+        if qualname == f"{owner.__qualname__}.forward" and source in (None, code.co_filename):
             return inner is None
-        if inner is None or not code.co_filename.startswith(library_dirs):
+        # a decorator's wrapper: torch's, transformers', or one the class's own file defines
+        if inner is None or not (code.co_filename.startswith(library_dirs) or code.co_filename == source):
             return False
         fn = inner
 
