@@ -60,8 +60,11 @@ one 3.2 ms all-reduce against gaps of at most ~0.4 ms):
                                       ``_dp_sync``'s chain with dp > 1), writing rows i of the
                                       synced gradient (its result is a view of it)
   edges.lm_head.grad_concat           SPLIT (mode concat) K blocks -> ``d_edges.lm_head.synced``,
-                                      zero-copy (the blocks are its views, as ``lowering.blocks``
-                                      joins token chunks): readers depend on every block
+                                      planned zero-copy (the blocks are its views, as
+                                      ``lowering.blocks`` joins token chunks, priced 0): readers
+                                      depend on every block. The runtime's kernel concatenates
+                                      (``torch.cat``, a [V, h] copy the plan does not price, as
+                                      for chunk joins): writing in place is left to do
 
 (``edges.embed.*`` likewise). The blocks have near-equal rows (whole rows divide as the rule
 needs: with dp > 1 n*dp divides h, as the norm's sync needs); the bytes sent are the whole sync's. A
@@ -546,9 +549,9 @@ def _bucket_rows(g: GraphBuilder, partial: str, bucket: int) -> tuple[int, ...]:
     takes the same sync (its ``_dp_sync`` raises first where h does not divide). One block (V,):
     the partial is synced whole, as without buckets (also on one rank, where nothing is synced)."""
     st = g.strategy
-    V, h = g.shape(partial)
+    V = g.shape(partial)[0]
     K = min(-(-g.nbytes(partial) // bucket), V)
-    if K <= 1 or st.n * st.dp == 1 or (st.dp > 1 and h % (st.n * st.dp)):
+    if K <= 1 or st.n * st.dp == 1:
         return (V,)
     return tuple(V // K + (i < V % K) for i in range(K))
 
@@ -557,8 +560,8 @@ def _bucketed_sync(g: GraphBuilder, param: str, partial: str, rows: tuple[int, .
     """``partial`` [V, h] synchronised by the replicated-parameter rule (``autodiff.param_grad``)
     in len(``rows``) row blocks: a SPLIT into views of the partial (``{param}.grad_buckets``), one
     sync per block (``{param}.bucket{i}.grad_allreduce``, or ``_dp_sync``'s chain), each writing
-    its rows of the synced gradient (the block's result is a view of it), and a zero-copy SPLIT
-    concat (``{param}.grad_concat``) so that readers of the synced gradient depend on every
+    its rows of the synced gradient (the block's result is a view of it), and a SPLIT concat
+    (planned zero-copy, priced 0; the runtime's kernel copies: module docstring) (``{param}.grad_concat``) so that readers of the synced gradient depend on every
     block, as ``lowering.blocks`` joins token chunks. One block: the whole sync, as without
     buckets (same names). Returns the synced gradient's name (``d_{param}.synced``)."""
     g.params[param] = ParamSpec(sources=(), shard_dim=None)

@@ -27,7 +27,7 @@ The graph the plan schedules holds, besides the layers:
     after them, as autograd runs it (T = b*s/n tokens on this rank);
   * the head and norm gradient sync: the partials' all-reduce (``edges.lm_head.grad_allreduce``,
     ``edges.norm.grad_allreduce``; with dp > 1 ``autodiff._dp_sync``'s hierarchical
-    reduce-scatter / all-gather; a head gradient over 25 MiB in row buckets,
+    reduce-scatter / all-gather; at dp == 1 a head gradient over 25 MiB in row buckets,
     ``edges.lm_head.bucket{i}.*``, joined into the same synced value), read by nothing else, so
     it may run under any layer's backward;
   * the embedding gradient: ``edges.embed.grad_gather`` all-gathers layer 0's input gradient
@@ -121,6 +121,13 @@ class ModelResult:
     def __init__(self, loss=None, logits=None, last_hidden_state=None, aux_loss=None):
         self.loss, self.logits, self.last_hidden_state = loss, logits, last_hidden_state
         self.aux_loss = aux_loss        # the router's load-balancing loss (unscaled), as transformers
+
+    @property
+    def router_logits(self):
+        # transformers returns them with output_router_logits=True; the compiled routers keep
+        # only their [2, E] statistics (the aux loss reads those), never the [tokens, E] logits
+        raise AttributeError("the compiled model does not return router_logits (its routers keep only the "
+                             "load-balancing statistics): read .aux_loss, or run the original for the logits")
 
 
 class LoadResult(NamedTuple):
@@ -423,8 +430,11 @@ class CompiledModel(nn.Module):
         """Called as the original: input_ids and labels the full [dp*b, s] on every rank (the same
         on each); positional arguments follow the original forward's order. Returns ``.loss`` when
         labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
-        base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. Any other
-        argument of the original (position_ids, past_key_values, ...) raises unless None."""
+        base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. The
+        original's switches are accepted when they ask for what is compiled (use_cache=False,
+        output_attentions=False, output_hidden_states=False, return_dict=True, logits_to_keep=0,
+        output_router_logits as compiled); any other value, and any other argument of the original
+        (position_ids, past_key_values, ...) unless None, raises naming it."""
         if self.micro_batches > 1:
             raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
                                  "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "

@@ -126,8 +126,10 @@ def test_one_rank_families_match_eager(family):
     with torch.no_grad():                   # the no-grad path adds it too
         assert rel_err(compiled(ids, labels=labels).loss, model(ids, labels=labels).loss) < TOL
         # the call-time switch as compiled is accepted (HF's Trainer passes such switches); the other refused
-        same = compiled(ids, labels=labels, output_router_logits=True, return_dict=True).loss
-        assert rel_err(same, model(ids, labels=labels, output_router_logits=True).loss) < TOL
+        same = compiled(ids, labels=labels, output_router_logits=True, return_dict=True)
+        assert rel_err(same.loss, model(ids, labels=labels, output_router_logits=True).loss) < TOL
+        with pytest.raises(AttributeError, match=r"^the compiled model does not return router_logits"):
+            same.router_logits
         with pytest.raises(ValueError, match=r"^output_router_logits=False: the model was compiled to run as "
                                              r"output_router_logits=True"):
             compiled(ids, labels=labels, output_router_logits=False)
