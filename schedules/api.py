@@ -68,7 +68,8 @@ class CompileResult:
 
     @property
     def source(self) -> str:
-        """Where the returned schedule came from: 'cpsat', a baseline, or 'min-peak-memory'."""
+        """Where the returned schedule came from: 'cpsat' (CP-SAT beat its warm start), else the
+        warm start's name (a baseline, a list or periodic schedule), or 'min-peak-memory'."""
         return self.schedule.summary["method"]
 
 
@@ -81,7 +82,8 @@ def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | N
                   comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
                   workers: int = 1) -> CompileResult:
     """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
-    (deterministic seconds, see moegraph.schedules.cpsat). Raises ScheduleError (MemoryBudgetError for
+    (deterministic seconds, see moegraph.schedules.cpsat); under a memory budget that binds, two
+    solves of it (compile_problem). Raises ScheduleError (MemoryBudgetError for
     a budget no schedule meets) on expected failures."""
     t0 = time.perf_counter()
     if method not in METHODS + MICROBATCH_METHODS:
@@ -96,16 +98,22 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     """(schedule, status, wall-clock cap hit) for one method on a built Problem. Under a memory
     budget, the CP-SAT schedule compiled without it when that one fits (module doc)."""
     budget = problem.memory_budget_bytes
-    least = None
+    least = None if budget is None else check_memory_bound(problem)   # a budget below it: no work
+    free_cap_hit = False
+    # the periodic warm starts (CP-SAT on 1- and 2-layer units, built without a budget) are the
+    # same for both solves below: computed once
+    periodic = _periodic(problem, opts) if method == "cpsat" and is_stack(problem.graph) else []
     if budget is not None:
-        least = check_memory_bound(problem)
         if method == "cpsat":     # the baselines ignore the budget: nothing to gain from a second run
-            free, status, cap_hit = _compile(dataclasses.replace(problem, memory_budget_bytes=None), method, opts)
+            free, status, free_cap_hit = _compile(dataclasses.replace(problem, memory_budget_bytes=None), method,
+                                                  opts, periodic=periodic)
             if free.summary["peak_memory_bytes"] <= budget:
                 return (dataclasses.replace(free, memory_budget_bytes=budget).with_hash(),
                         f"{status}; no budget needed: the schedule without one peaks at "
-                        f"{format_bytes(free.summary['peak_memory_bytes'])}", cap_hit)
-    return _compile(problem, method, opts, least)
+                        f"{format_bytes(free.summary['peak_memory_bytes'])}", free_cap_hit)
+    schedule, status, cap_hit = _compile(problem, method, opts, least, periodic=periodic)
+    # either solve stopped by the wall-clock cap may have changed which one is returned
+    return schedule, status, cap_hit or free_cap_hit
 
 
 def check_memory_bound(problem: Problem) -> int:
@@ -120,10 +128,11 @@ def check_memory_bound(problem: Problem) -> int:
     return least
 
 
-def _compile(problem: Problem, method: str, opts: SolverOptions,
-             least: int | None = None) -> tuple[Schedule, str, bool]:
+def _compile(problem: Problem, method: str, opts: SolverOptions, least: int | None = None, *,
+             periodic: Sequence[Solution] = ()) -> tuple[Schedule, str, bool]:
     """compile_problem's work for the budget ``problem`` holds (None: none); ``least``: the
-    memory bound check_memory_bound found (given with a budget)."""
+    memory bound check_memory_bound found (given with a budget); ``periodic``: the stack's
+    periodic warm starts (``_periodic``), computed once by the caller."""
     bound = lower_bound(problem)
     budget = problem.memory_budget_bytes
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
@@ -147,9 +156,7 @@ def _compile(problem: Problem, method: str, opts: SolverOptions,
     # schedules (copy-engine collectives; memory-checked ones under a budget), and on a stack
     # of layers 1- and 2-layer CP-SAT schedules tiled over the layers (moegraph.schedules.periodic).
     cands = {n: base[n] for n in (*_BASELINE_ORDER, *(n for n in base if n not in _BASELINE_ORDER))}
-    extra = list_warm_starts(problem, budget)
-    if is_stack(problem.graph):
-        extra += _periodic(problem, opts)
+    extra = list_warm_starts(problem, budget) + list(periodic)
     for s in extra:
         cands[s.method] = s
         span[s.method], peak[s.method] = makespan_ticks(problem, s), peak_memory_bytes(problem, s)
@@ -286,12 +293,14 @@ def _memory_fallback(problem: Problem, opts: SolverOptions, result: CpSatResult,
                                 f"for this graph (proven by a min-peak-memory CP-SAT solve)", least, True)
     hi = peak_memory_bytes(problem, mp.solution) if mp.solution is not None else min(peak.values())
     if result.status == "INFEASIBLE":
-        raise MemoryBudgetError(f"memory budget {format_bytes(budget)} is below the least feasible peak memory, which lies "
-                                f"between {format_bytes(max(lo, budget + 1))} and {format_bytes(hi)} for this graph (CP-SAT proved the "
+        shown = format_bytes_apart(budget, max(lo, budget + 1), hi)
+        raise MemoryBudgetError(f"memory budget {shown[0]} is below the least feasible peak memory, which lies "
+                                f"between {shown[1]} and {shown[2]} for this graph (CP-SAT proved the "
                                 f"budget infeasible; the min-peak-memory solve did not finish in the time limit)",
                                 max(lo, budget + 1), False)
-    raise MemoryBudgetError(f"no schedule within the memory budget {format_bytes(budget)} was found in the time limit; the "
-                            f"least feasible peak memory lies between {format_bytes(lo)} and {format_bytes(hi)} for this graph "
+    shown = format_bytes_apart(budget, lo, hi)
+    raise MemoryBudgetError(f"no schedule within the memory budget {shown[0]} was found in the time limit; the "
+                            f"least feasible peak memory lies between {shown[1]} and {shown[2]} for this graph "
                             f"(min-peak-memory CP-SAT solve, not proven); raise time_limit_s or the budget", lo, False)
 
 

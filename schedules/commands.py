@@ -26,7 +26,8 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_layer_args(p)
     add_memory_budget_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
-                   help="CP-SAT search effort in deterministic seconds (default %(default)s)")
+                   help="CP-SAT search effort in deterministic seconds (default %(default)s); a memory budget "
+                        "that binds costs two solves of S (without the budget first)")
     p.add_argument("--schedule", default="cpsat", choices=METHODS + MICROBATCH_METHODS,
                    help="how to schedule: CP-SAT or one of the baselines; megatron-1f1b and dualpipe need "
                         "--micro-batches M >= 2 (default %(default)s)")
