@@ -27,10 +27,13 @@ A model step's edges (``moegraph.edges``: nodes with attr ``edge``, no layer) ta
 their own: the eager norm and head compute runs one node after another between the last
 forward window and the first backward window (its forward nodes, then its backward ones, which
 make the layers' seed), each at full SMs, and the forward-phase edge collectives (the router aux
-loss's stats all-reduces, ``edges.aux.*``) run there too, each alone; the other edges'
-collectives (and the embedding gradient's compute, which follows layer 0's backward) run after
-the last backward window, one after another, each collective alone. CP-SAT then moves them
-under the layers' backward.
+loss's stats all-reduces, ``edges.aux.*``) run there too, each alone; the embedding gradient's
+compute (it follows layer 0's backward) runs after the last backward window; the other edges'
+collectives (and the edge compute reading them, the gradient buckets' concat) are placed one by
+one, each after its inputs, at the earliest end among the gaps the tiled backward leaves on
+their stream (tiled or copy-engine mode, SMs permitting) and the end of the step, alone, as the
+DP-aware tiling places its tail (below). The head's gradient buckets (moegraph.edges) fit such
+gaps where one long all-reduce did not; CP-SAT then searches from there.
 
 Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.
@@ -168,17 +171,9 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         start[t.index], mode[t.index] = at, mid_mode[t.index]
         at += t.modes[mid_mode[t.index]].ticks
     at = periods * (fwd + bwd) + ef + eb
-    if not dp_slide:
-        for t in edges:
-            # after the layers' backward, alone
-            if (t.kind == "comm" and t.side == 1) or t.index in tail_ids or t.index in fed:
-                start[t.index] = at
-                mode[t.index] = alone_twin(t, t.default_mode) if t.kind == "comm" else t.default_mode
-                at += t.modes[mode[t.index]].ticks
-    else:
-        for t in after:                             # before the late collectives that read them
-            start[t.index], mode[t.index] = at, t.default_mode
-            at += t.modes[t.default_mode].ticks
+    for t in after:                                 # before the late collectives that read them
+        start[t.index], mode[t.index] = at, t.default_mode
+        at += t.modes[t.default_mode].ticks
     late: dict[int, int] = {}                       # a task of a period's DP tail -> where the tile puts it
     for t in problem.tasks:
         if t.node.attr(EDGE_ATTR, False):
@@ -200,15 +195,14 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         if src.index in tail:
             late[t.index] = start[t.index]
     name = PERIODIC if K == 1 else f"{PERIODIC}x{K}"
-    if not dp_slide:
-        return Solution(name, tuple(start), tuple(mode))
     for t in edges:
-        # as soon as its inputs allow, beside the layers' backward if room
+        # as soon as its inputs allow, in the gaps the tiled backward leaves on its stream (the
+        # head's gradient buckets fit there), else after the layers' backward, alone
         if (t.kind == "comm" and t.side == 1) or t.index in fed:
             late[t.index], mode[t.index] = 0, t.default_mode
     _place_late(problem, start, mode, late, at, slide_order)
-    return settle_alone(problem, Solution(f"{name}+dp" + ("-ready" if slide_order == "ready" else ""),
-                                          tuple(start), tuple(mode)))
+    suffix = "" if not dp_slide else "+dp" + ("-ready" if slide_order == "ready" else "")
+    return settle_alone(problem, Solution(name + suffix, tuple(start), tuple(mode)))
 
 
 def can_slide(unit: Problem) -> bool:
