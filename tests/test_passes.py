@@ -387,13 +387,14 @@ def test_trace_strategy_fields_reflect_the_choices():
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = main(["trace", "--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64", "--dispatch", "a2a",
-                   "--passes", "sar=paper,gate-reorder,dispatch=ag-rs,chunk=4", "--json"])
+                   "--passes", "sar=paper,compress=tp-fp8,gate-reorder,dispatch=ag-rs,chunk=4", "--json"])
     assert rc == 0
     s = json.loads(buf.getvalue())
     assert s["strategy"] | {"passes": None} == {"attn": "sp", "ffn": "ep", "dispatch": "ag-rs", "n": 2, "dtype": "bf16",
                                                 "dp": 1, "chunks": 4, "remat": "paper", "gate": "before-fc2",
-                                                "remat_budget": None, "passes": None}
-    assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "sar=paper"]
+                                                "remat_budget": None, "compress": "tp-fp8", "fuse": "none",
+                                                "passes": None}
+    assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "compress=tp-fp8", "sar=paper"]
     assert s["passes"]["sar"]["activation_bytes_after"] == s["activation_bytes"]
     assert any(n["phase"] == "recompute" for n in s["nodes"])
 
