@@ -69,6 +69,11 @@ def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tiny_cache):
     assert set(res["best"]) >= {"attn", "ffn", "dispatch", "chunks", "remat", "passes", "predicted_us",
                                 "peak_memory_bytes"}
     assert res["best"]["speedup"] == round(res["baseline"]["predicted_us"] / res["best"]["predicted_us"], 4)
+    for row in res["candidates"]:      # each row carries its graph's whole typed strategy (labels read it)
+        st = Strategy.from_dict(row["strategy"])
+        assert (st.attn, st.ffn, st.dispatch, st.chunks, st.remat, st.gate, st.n, st.dtype) == (
+            row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row["gate"], 2, "bf16")
+        assert list(st.passes) == row["passes"]
 
 
 def test_repeat_run_is_served_from_the_cache(tmp_path, capsys, monkeypatch):
