@@ -13,8 +13,9 @@ Passes (each a function Graph -> PassResult, built from its argument and the cos
 
 A whole typed ``moegraph.ir.Strategy`` becomes its graph with ``lower_strategy`` (what tune
 does, and run --schedule FILE with the file's strategy), or a graph lowered for it is rewritten
-with ``rewrite_as`` (``passes_for``: the typed passes): no pipeline string in between. The run order is fixed by each pass's stage (manager.py has the table); docs/passes.md
-describes each pass, its invariant and its report.
+with ``rewrite_as`` (``passes_for``: the typed passes): no pipeline string in between. The
+run order is fixed by each pass's stage (manager.py has the table); docs/passes.md describes
+each pass, its invariant and its report.
 """
 
 from moegraph.passes.manager import (PASSES, Pass, PassError, PassResult, PassSpec, parse_pipeline, run_passes,
@@ -25,5 +26,5 @@ from moegraph.passes.sar import KeepSearchTimeout, remat_pass, sar
 from moegraph.passes.fuse import fuse
 
 __all__ = ["run_pipeline", "parse_pipeline", "PassError", "PassResult", "PassSpec", "Pass", "PASSES",
-           "sar", "remat_pass", "KeepSearchTimeout", "gate_reorder", "dispatch", "chunk", "compress", "fuse", "lower_strategy",
-           "passes_for", "rewrite_as", "run_passes"]
+           "sar", "remat_pass", "KeepSearchTimeout", "gate_reorder", "dispatch", "chunk", "compress", "fuse",
+           "lower_strategy", "passes_for", "rewrite_as", "run_passes"]

@@ -566,7 +566,7 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
             from moegraph.commands import resolve_layers
             from moegraph.registry import load_model
             value = resolve_layers(value, load_model(given.get("model", from_file["model"])))
-        if flag == "passes":            # the labels the given pipeline records, in run order
+        if flag == "passes":            # the labels the given pipeline records, in run order (joined to be shown)
             value = ",".join(pipeline_labels(value)) or "none"
             want = ",".join(want) or "none"
         ok = (load_model_name(value) == want) if flag == "model" else (

@@ -229,7 +229,8 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         _label(order[0]["candidate"], order[0]["graph"]).strip()
     kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
     if kept:
-        best, schedule, label = _baseline_row(base, kept, baseline_graph.strategy), base.get("schedule"), "the tp+tp sequential baseline"
+        best, schedule = _baseline_row(base, kept, baseline_graph.strategy), base.get("schedule")
+        label = "the tp+tp sequential baseline"
     if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
         raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
     say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best)}")
