@@ -106,12 +106,18 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
         model = dataclasses.replace(model, top_k=args.top_k)
     hw = load_hardware(args.hardware)
     cost = CostModel(hw)
-    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp)
-    graph = trace_model(model, strategy, batch=args.batch, seq=args.seq, layers=layers)
     report: dict[str, Any] = {}
-    if args.passes:
-        from moegraph.passes import run_pipeline
-        graph, report = run_pipeline(graph, args.passes, cost=cost)
+    if (file_strategy := getattr(args, "schedule_strategy", None)) is not None:
+        # run --schedule FILE: the file's typed strategy rebuilds its graph (its labels are a record)
+        from moegraph.passes import lower_strategy
+        graph, report = lower_strategy(model, file_strategy, batch=args.batch, seq=args.seq, cost=cost, layers=layers)
+    else:
+        strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype,
+                            dp=args.dp)
+        graph = trace_model(model, strategy, batch=args.batch, seq=args.seq, layers=layers)
+        if args.passes:
+            from moegraph.passes import run_pipeline
+            graph, report = run_pipeline(graph, args.passes, cost=cost)
     micro_batches = getattr(args, "micro_batches", 1)     # only commands that add_micro_batch_arg
     if micro_batches > 1:
         from moegraph.microbatch import merge_microbatches

@@ -290,6 +290,11 @@ Gate = Literal["after-fc2", "before-fc2"]
 """Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
 Remat = Literal["none", "paper", "budget"]
 """Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
+Compress = Literal["none", "dp-bf16", "tp-fp8"]
+"""Wire compression of reductions (moegraph.passes.compress): none, BF16 data-parallel gradient
+reductions, or FP8 tensor-parallel activation reductions."""
+Fuse = Literal["auto", "all", "none"]
+"""Fused comm+compute groups marked (moegraph.passes.fuse): the faster ones, every eligible one, or none."""
 ExpertRows = Literal["exact", "padded"]
 """Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.kernels.build_index_map``):
 exactly this rank's R routed rows (R read on the host once per map), or padded to the static worst
@@ -346,9 +351,10 @@ class ConfigError(ValueError):
 class Strategy:
     """How one layer is parallelised, lowered and rematerialized: one typed, validated value.
 
-    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget)
-    record the rematerialization applied (``moegraph.passes.sar``), and passes the labels of the
-    passes that produced the graph. Invalid values raise ConfigError naming every offending
+    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget),
+    compress and fuse record the rewrites applied (``moegraph.passes``: sar, compress, fuse), so
+    the typed fields alone rebuild the graph (``moegraph.passes.lower_strategy``); passes holds
+    the labels of the passes that produced it. Invalid values raise ConfigError naming every offending
     field at once. Divisibility by the model's sizes is checked where the sizes are known
     (``moegraph.builder.check_strategy``).
     """
@@ -375,6 +381,10 @@ class Strategy:
     """Labels of the passes that produced the graph, in run order (a record, never parsed back)."""
     remat_budget: int | None = None
     """Activation-byte budget of remat='budget' (None otherwise)."""
+    compress: Compress = "none"
+    """The wire compression applied (the compress pass records its mode)."""
+    fuse: Fuse = "none"
+    """The fuse choice that marked fused groups ('none': no group is marked, also when fuse chose none)."""
 
     def __post_init__(self):
         problems = []
@@ -418,7 +428,8 @@ class Strategy:
         return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}"
 
 
-_LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate}
+_LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate,
+             "compress": Compress, "fuse": Fuse}
 
 
 @dataclass(frozen=True)

@@ -30,13 +30,14 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import typing
 
 from moegraph.compression import DP_WIRE_META, DpGradWire, derived, dp_bf16, is_dp_fp32_reduce_scatter
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, OpKind, Phase, Value, collective_bytes
+from moegraph.ir import Compress, Graph, Node, OpKind, Phase, Value, collective_bytes
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
-MODES = ("dp-bf16", "tp-fp8")
+MODES = tuple(m for m in typing.get_args(Compress) if m != "none")
 
 
 def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
@@ -86,7 +87,7 @@ def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         targets = {n.name for n in _targets(graph, arg)}
         if not targets:
             why = "dp=1: no data-parallel reduce-scatter" if arg == "dp-bf16" else "no tensor-parallel reduce-scatter"
-            return PassResult(record(graph, me), False, {"mode": arg, "compressed": [], "note": why})
+            return PassResult(record(graph, me, compress=arg), False, {"mode": arg, "compressed": [], "note": why})
         values = dict(graph.value)
         nodes, before, after = [], [], []
         for node in graph.nodes:
@@ -107,5 +108,5 @@ def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         if arg == "dp-bf16":
             # what is appended after the passes (the model's edges) syncs the same way
             new = new.with_meta(**{DP_WIRE_META: DpGradWire.BF16})
-        return PassResult(mark_rewritten(record(new, me), me), True, report)
+        return PassResult(mark_rewritten(record(new, me, compress=arg), me), True, report)
     return run

@@ -39,15 +39,15 @@ and CP-SAT then scheduled that layer at 6,516.5 us against 6,139.6 us with all 4
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from dataclasses import dataclass
 
-import dataclasses
-
 from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind
-from moegraph.ir import Graph, Node, OpKind
+from moegraph.ir import Fuse, Graph, Node, OpKind
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
-CHOICES = ("auto", "all", "none")
+CHOICES = typing.get_args(Fuse)
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,6 @@ def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
                            "unfused_us": round(price.unfused_us, 3), "sm": price.sm, "tiles": price.tiles})
         report = {"chosen": len(chosen), "eligible": len(groups), "groups": groups}
         if chosen:
-            new = mark_rewritten(record(new, me), me)
+            new = mark_rewritten(record(new, me, fuse=choice), me)
         return PassResult(new, bool(chosen), report)
     return run

@@ -134,13 +134,19 @@ def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,
     Returns the final graph and the report: {"pipeline": [labels in run order], <pass name>:
     that pass's report, ...}.
     """
+    items = parse_pipeline(spec)
+    return run_passes(graph, [(label(name, arg), build_pass(name, arg, cost))
+                              for name, arg in sorted(items, key=lambda it: PASSES[it[0]].stage)])
+
+
+def run_passes(graph: Graph, passes: list[tuple[str, Pass]]) -> tuple[Graph, dict[str, Any]]:
+    """Run built ``(label, pass)`` pairs in the order given, verifying after each: what
+    run_pipeline does once the spec is parsed, and what the typed path (``passes_for``) runs.
+    Returns the final graph and the report (as run_pipeline's)."""
     if micro_batch_count(graph) > 1:
         # a pass rewrites one micro-batch's layer (restacking would drop the other micro-batches)
         raise PassError(f"graph {graph.name!r} is a merged step of {micro_batch_count(graph)} micro-batches: run the "
                         "passes on the micro-batch graph, then merge (moegraph.microbatch.merge_microbatches)")
-    items = parse_pipeline(spec)
-    passes = [(label(name, arg), build_pass(name, arg, cost))
-              for name, arg in sorted(items, key=lambda it: PASSES[it[0]].stage)]
     report: dict[str, Any] = {"pipeline": [lab for lab, _ in passes]}
     done: list[str] = []
     for lab, run in passes:

@@ -337,6 +337,11 @@ def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s:
     return remat_pass(policy, budget, cost, pass_label=label("sar", arg), keep_search_s=keep_search_s)
 
 
+def remat_label(policy: Remat, budget: int | None = None) -> str:
+    """The label ``remat_pass`` records for a typed policy: 'sar=paper', 'sar=budget:<bytes>'."""
+    return "sar=" + (f"budget:{budget}" if policy == "budget" else policy)
+
+
 def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None = None, *,
                pass_label: str | None = None, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """The sar pass for a typed policy (``Strategy.remat``, ``Strategy.remat_budget``): what
@@ -347,7 +352,7 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         raise ValueError(f"remat={policy!r} is not one of {', '.join(map(repr, typing.get_args(Remat)))}")
     if (policy == "budget") != (budget is not None):
         raise ValueError(f"remat={policy!r} with budget={budget!r}: a budget goes with 'budget' only")
-    me = pass_label or ("sar=" + (f"budget:{budget}" if policy == "budget" else policy))
+    me = pass_label or remat_label(policy, budget)
 
     def run(graph: Graph) -> PassResult:
         before = graph.activation_bytes()

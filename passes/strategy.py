@@ -1,5 +1,6 @@
 """Strategy passes: choose a Strategy field and re-lower the layer with it; and
-``lower_strategy``, the typed path from a whole Strategy value to its graph.
+``lower_strategy`` / ``passes_for`` / ``rewrite_as``, the typed path from a whole Strategy
+value to its graph (no pipeline string in between).
 
 gate-reorder, dispatch and chunk change *how the layer is lowered* (blocks.py reads
 Strategy.gate, .dispatch, .chunks), so they re-run the lowering through
@@ -17,8 +18,11 @@ from moegraph.cost import CostModel
 from moegraph.ir import Gate, Graph, Strategy, valid_dispatches, verify
 from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
-from moegraph.passes.manager import Pass, PassResult, label, record, register, require_unrewritten, same_computation
-from moegraph.passes.sar import remat_pass
+from moegraph.passes.compress import compress
+from moegraph.passes.fuse import fuse
+from moegraph.passes.manager import (Pass, PassError, PassResult, label, per_layer, record, register,
+                                     require_unrewritten, run_passes, same_computation)
+from moegraph.passes.sar import remat_label, remat_pass
 
 GATE_ORDERS = typing.get_args(Gate)
 DISPATCH_CHOICES = ("auto", "a2a", "ag-rs")
@@ -147,21 +151,50 @@ def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: Cos
                    layers: int = 1) -> tuple[Graph, dict]:
     """The graph of one typed ``strategy`` for a registry ModelConfig: lowered with its lowering
     fields (attn, ffn, dispatch, n, dtype, dp, chunks, gate: the layer is lowered for them
-    directly, no re-lowering pass runs), then rematerialized by its remat policy (``remat_pass``).
+    directly, no re-lowering pass runs), then rewritten by ``rewrite_as`` (compress, remat, fuse).
 
-    What ``moegraph tune`` builds each candidate with: the strategy is passed as a value, never
-    rebuilt into a pipeline string and parsed back. The result's ``strategy.passes`` is the
-    record a schedule file carries: the pipeline that rebuilds this very graph (same strategy,
-    same nodes) from the strategy's attn, ffn, dispatch, n, dtype and dp, which is how
-    ``run --schedule FILE`` replays a file (``gate-reorder`` when gate='before-fc2',
-    ``chunk=N`` when N > 1, ``sar=...`` when remat is not 'none'). Returns the verified graph and
-    the sar report ({} for remat='none').
+    What ``moegraph tune`` builds each candidate with, and what ``run --schedule FILE`` rebuilds
+    a file's graph with: the strategy is passed as a value, never rebuilt into a pipeline string
+    and parsed back. A strategy that records no passes (a tune candidate) gets the labels of the
+    passes that build it (``gate-reorder`` when gate='before-fc2', ``chunk=N`` when N > 1, then
+    the rewrites' own: ``compress=..``, ``sar=..``, ``fuse=..``); one that records them (a
+    schedule file's) keeps its record. Returns the verified graph and the passes' report.
     """
     relowered = (("gate-reorder",) if strategy.gate == "before-fc2" else ()) + \
         ((label("chunk", str(strategy.chunks)),) if strategy.chunks > 1 else ())
-    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, passes=relowered)
+    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, compress="none", fuse="none",
+                                   passes=relowered)
     graph = trace_model(model, lowering, batch=batch, seq=seq, layers=layers)   # layers > 1: a stack
-    if strategy.remat == "none":
-        return graph, {}
-    result = remat_pass(strategy.remat, strategy.remat_budget, cost)(graph)
-    return verify(result.graph), {"sar": dict(result.report)}
+    return rewrite_as(graph, strategy, cost)
+
+
+def passes_for(strategy: Strategy, cost: CostModel | None) -> list[tuple[str, Pass]]:
+    """The rewrite passes ``strategy`` records, built from its typed fields (compress, remat and
+    remat_budget, fuse), as (label, pass) in stage order for ``run_passes``. The lowering fields
+    (gate, chunks, dispatch, ...) are not passes here: the graph is lowered for them."""
+    out: list[tuple[str, Pass]] = []
+    if strategy.compress != "none":
+        out.append((label("compress", strategy.compress), per_layer(compress(strategy.compress, cost))))
+    if strategy.remat != "none":
+        out.append((remat_label(strategy.remat, strategy.remat_budget),
+                    remat_pass(strategy.remat, strategy.remat_budget, cost)))
+    if strategy.fuse != "none":
+        out.append((label("fuse", strategy.fuse), per_layer(fuse(strategy.fuse, cost))))
+    return out
+
+
+def rewrite_as(graph: Graph, strategy: Strategy, cost: CostModel | None) -> tuple[Graph, dict]:
+    """``graph`` (lowered for ``strategy``'s lowering fields) rewritten by ``passes_for(strategy)``.
+    The result's strategy must equal ``strategy`` in every typed field (else PassError naming
+    them: the graph was lowered for another strategy); ``strategy.passes``, when not empty, is
+    kept as the record (how the passes were spelled when the graph was first built)."""
+    graph, report = run_passes(graph, passes_for(strategy, cost))
+    got, want = graph.strategy, strategy
+    differ = [f.name for f in dataclasses.fields(Strategy)
+              if f.name != "passes" and getattr(got, f.name) != getattr(want, f.name)]
+    if differ:
+        raise PassError("the rebuilt graph's strategy differs from the one asked for in "
+                        + ", ".join(f"{k} ({getattr(got, k)!r}, not {getattr(want, k)!r})" for k in differ))
+    if strategy.passes:
+        graph = dataclasses.replace(graph, strategy=strategy)
+    return graph, report

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from moegraph.ir import EXPERT_ROWS, ExpertRows
+from moegraph.ir import EXPERT_ROWS, ConfigError, ExpertRows, Strategy
 from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
@@ -546,7 +546,7 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
     try:
         from_file = {"model": g["name"], "hardware": schedule.hardware["name"], "attn": st["attn"], "ffn": st["ffn"],
                      "dispatch": st["dispatch"], "n": st["n"], "batch": g["dims"]["b"], "seq": g["dims"]["s"],
-                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": ",".join(st["passes"]),
+                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": tuple(st["passes"]),
                      # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
                      "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
                      or 1,
@@ -555,12 +555,20 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
                                         if n.attrs.get(LAYER_ATTR) is not None), default=0)}
     except (KeyError, TypeError) as err:
         raise UsageError(f"--schedule {path}: its graph or hardware misses {err}") from None
+    try:
+        # the graph is rebuilt from this typed value (moegraph.passes.lower_strategy), not from its labels
+        strategy = Strategy.from_dict(st)
+    except (ConfigError, TypeError) as err:
+        raise UsageError(f"--schedule {path}: its strategy is not valid ({err})") from None
     for flag, value in given.items():
         want = from_file[flag]
         if flag == "layers" and value == "all":
             from moegraph.commands import resolve_layers
             from moegraph.registry import load_model
             value = resolve_layers(value, load_model(given.get("model", from_file["model"])))
+        if flag == "passes":            # the labels the given pipeline records, in run order (joined to be shown)
+            value = ",".join(pipeline_labels(value)) or "none"
+            want = ",".join(want) or "none"
         ok = (load_model_name(value) == want) if flag == "model" else (
             _hardware_name(value) == want if flag == "hardware" else value == want)
         if not ok:
@@ -580,7 +588,14 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
         except (RegistryError, FileNotFoundError):
             raise UsageError(f"--schedule {path}: its model {from_file['model']!r} is not in the registry; pass "
                              "--model PATH to the model it was compiled for") from None
-    return argparse.Namespace(**{**vars(plain), **{f: v for f, v in from_file.items() if f not in given}}), schedule
+    return argparse.Namespace(**{**vars(plain), **{f: v for f, v in from_file.items() if f not in given},
+                                 "schedule_strategy": strategy}), schedule
+
+
+def pipeline_labels(spec: str) -> tuple[str, ...]:
+    """The labels a --passes pipeline records in a graph's strategy.passes (in stage order)."""
+    from moegraph.passes.manager import PASSES, label, parse_pipeline
+    return tuple(label(name, arg) for name, arg in sorted(parse_pipeline(spec), key=lambda it: PASSES[it[0]].stage))
 
 
 def _model_and_layers(args: argparse.Namespace) -> tuple[Any, int]:
@@ -750,7 +765,7 @@ class TrainSpec:
     attn: str
     ffn: str
     dispatch: str
-    passes: str
+    passes: str | Strategy        # a --passes pipeline, or a schedule file's strategy (compile_model)
     hardware: Any                 # registry Hardware
     batch: int
     seq: int
@@ -919,7 +934,9 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
                      memory_budget=args.memory_budget, time_limit_s=args.time_limit)
     progress(t0, f"planned: schedule {plan.method} of the {layers}-layer model step")
     st = layer.graph.strategy
-    spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, args.passes,
+    # with a schedule file, every rank rebuilds the file's graph from its typed strategy
+    passes = getattr(args, "schedule_strategy", None) or args.passes
+    spec = TrainSpec(layer.model, layers, args.vocab, plan, st.attn, st.ffn, st.dispatch, passes,
                      layer.hardware, args.batch, args.seq, args.train_steps, args.seed, args.check, args.timeout, st.dp,
                      micro_batch_count(layer.graph), t0, st.dtype)
     progress(t0, f"starting {world} gloo ranks (each compiles the model)")

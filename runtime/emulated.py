@@ -168,7 +168,6 @@ class EmulatedRankGraph:
         from moegraph.interpreter import shard_param
         from moegraph.ir import Strategy
         from moegraph.models import MoETransformerLayer
-        from moegraph.passes import run_pipeline
         from moegraph.registry import load_hardware
         from moegraph.tracer import trace_module
         z = sizes
@@ -177,8 +176,9 @@ class EmulatedRankGraph:
         layer = MoETransformerLayer(hidden=z.h, heads=z.heads, kv_heads=z.kv_heads, ffn_hidden=z.f,
                                     experts=z.experts, top_k=z.k).to(self.device)
         self.cost = CostModel(load_hardware(hardware))
-        graph = trace_module(layer, Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32"), batch=z.b, seq=z.s)
-        self.graph, _ = run_pipeline(graph, f"chunk={z.chunks}", cost=self.cost)
+        # lowered for the chunk count directly (what chunk=N re-lowers to): a typed value, no pipeline
+        self.graph = trace_module(layer, Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32", chunks=z.chunks),
+                                  batch=z.b, seq=z.s)
         full = {k: p.detach() for k, p in layer.named_parameters()}
         self.params = [shard_param(spec, full, 0, z.n) for _, spec in self.graph.params]
         gen = torch.Generator().manual_seed(seed + 1)

@@ -90,6 +90,7 @@ T = b*s/n tokens on this rank.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from typing import Any, Mapping, NamedTuple, Sequence
@@ -647,14 +648,16 @@ class CompiledModel(nn.Module):
 
 
 def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = "h800", attn: str = "sp",
-                  ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
+                  ffn: str = "ep", dispatch: str = "ag-rs", passes: str | Strategy = DEFAULT_PASSES,
                   memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
                   timeout_s: float = 300.0, time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
                   emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
                   micro_batches: int = 1) -> CompiledModel:
     """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids
     [b, s] ([dp*b, s], the global batch, with dp replicas). ``micro_batches`` M >= 2: one merged
-    step plan of M micro-batches of that shape (``CompiledModel.train_step``); a causal LM."""
+    step plan of M micro-batches of that shape (``CompiledModel.train_step``); a causal LM.
+    ``passes``: a pipeline string, or a typed Strategy whose recorded rewrites (gate, chunks,
+    compress, remat, fuse) to apply, e.g. a schedule file's (``moegraph.passes.rewrite_as``)."""
     from moegraph.cost import CostModel
     from moegraph.registry import Hardware, load_hardware
     from moegraph.tracer import trace_causal_lm
@@ -678,11 +681,16 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     cost = CostModel(hw)
     strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype],
                         dp=dp)
+    if isinstance(passes, Strategy):         # lowered for its lowering fields, then rewritten as it records
+        strategy = dataclasses.replace(strategy, gate=passes.gate, chunks=passes.chunks)
     graph, spec = trace_causal_lm(model, strategy, batch=b, seq=s, name=type(model).__name__)
     if micro_batches > 1 and spec.head is None:
         raise ValueError(f"micro_batches={micro_batches}: {type(model).__name__} is a base model without an LM head; "
                          "a merged step trains a causal LM (its loss seeds each micro-batch's backward)")
-    if passes:
+    if isinstance(passes, Strategy):
+        from moegraph.passes import rewrite_as
+        graph, _report = rewrite_as(graph, passes, cost)
+    elif passes:
         from moegraph.passes import run_pipeline
         graph, _report = run_pipeline(graph, passes, cost=cost)
     # M micro-batches of the stack (M = 1: unchanged), then the edges: per micro-batch eager head

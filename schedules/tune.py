@@ -229,10 +229,11 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         _label(order[0]["candidate"], order[0]["graph"]).strip()
     kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
     if kept:
-        best, schedule, label = _baseline_row(base, kept), base.get("schedule"), "the tp+tp sequential baseline"
+        best, schedule = _baseline_row(base, kept, baseline_graph.strategy), base.get("schedule")
+        label = "the tp+tp sequential baseline"
     if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
         raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
-    say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, n)}")
+    say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
             "min_gain": min_gain, "micro_batches": micro_batches, "memory_budget_bytes": memory_budget,
             "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"],
@@ -272,7 +273,7 @@ def _point(r: dict) -> dict:
     """A row's strategy point, as the table and --json name it."""
     c = r["candidate"]
     return {"attn": c.attn, "ffn": c.ffn, "dispatch": c.dispatch, "chunks": c.chunks, "remat": c.remat,
-            "fused": _is_fused(r["graph"])}
+            "fused": _is_fused(r["graph"]), "strategy": r["graph"].strategy.as_dict()}
 
 
 def _entry(r: dict) -> dict:
@@ -327,8 +328,9 @@ def _step(graph: Graph, micro_batches: int) -> Graph:
 
 def _fused(graph: Graph, cost: CostModel) -> Graph | None:
     """``graph`` with fuse=auto's groups marked, or None when it marks none."""
-    from moegraph.passes import run_pipeline
-    fused, report = run_pipeline(graph, "fuse=auto", cost=cost)
+    from moegraph.passes import fuse, run_passes
+    from moegraph.passes.manager import per_layer
+    fused, report = run_passes(graph, [("fuse=auto", per_layer(fuse("auto", cost)))])    # the typed builder
     return fused if report["fuse"]["chosen"] else None
 
 
@@ -357,9 +359,10 @@ def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | 
             f"min gain {min_gain:.1%}")
 
 
-def _baseline_row(base: dict, why: str) -> dict:
-    return {"attn": "tp", "ffn": "tp", "dispatch": "ag-rs", "chunks": 1, "remat": "none", "gate": "after-fc2",
-            "passes": [],
+def _baseline_row(base: dict, why: str, strategy: Strategy) -> dict:
+    return {"attn": strategy.attn, "ffn": strategy.ffn, "dispatch": strategy.dispatch, "chunks": strategy.chunks,
+            "remat": strategy.remat, "gate": strategy.gate, "passes": list(strategy.passes),
+            "strategy": strategy.as_dict(),
             "feasible": True, "scheduler": "sequential", "predicted_us": base["predicted_us"],
             "peak_memory_bytes": base["peak_memory_bytes"], "speedup": 1.0, "kept_baseline": why}
 
@@ -382,6 +385,7 @@ def _row(r: dict, baseline_us: float) -> dict:
     cand, final = r["candidate"], _entry(r)
     out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
            "gate": cand.gate, "fused": _is_fused(r["graph"]), "passes": list(r["graph"].strategy.passes),
+           "strategy": r["graph"].strategy.as_dict(),
            "feasible": final["feasible"], "refined": "final" in r,
            "scheduler": final["method"] if final["feasible"] else "-"}
     if final["feasible"]:
@@ -398,17 +402,17 @@ def _rank_key(row: dict):
             row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row.get("fused", False))
 
 
-def _row_label(row: dict, n: int) -> str:
-    """A ranked row's strategy label (column-aligned, as the table prints it), " fused" when fused."""
-    return (Strategy(row["attn"], row["ffn"], row["dispatch"], n, chunks=row["chunks"], remat=row["remat"]).label()
-            + (" fused" if row.get("fused") else ""))
+def _row_label(row: dict) -> str:
+    """A ranked row's strategy label (column-aligned, as the table prints it), " fused" when fused:
+    from the row's whole strategy (the graph's, as ``Strategy.as_dict`` wrote it)."""
+    return Strategy.from_dict(row["strategy"]).label() + (" fused" if row.get("fused") else "")
 
 
-def pick_line(best: dict, n: int) -> str:
+def pick_line(best: dict) -> str:
     """The pick in one line: the candidate (or why the baseline was kept) and its prediction."""
     if best.get("kept_baseline"):
         return best["kept_baseline"]
-    name = " ".join(_row_label(best, n).split())
+    name = " ".join(_row_label(best).split())
     return (f"{name} ({best['scheduler']}), predicted "
             f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the tp+tp sequential baseline")
 
@@ -426,7 +430,7 @@ def format_table(res: dict) -> str:
     w = max(6, *(len(r["scheduler"]) for r in res["candidates"]))
     lines.append(f"{'#':>3} {'strategy':<40} {'sched':<{w}} {'predicted us':>12} {'peak':>10} {'speedup':>8}")
     for i, r in enumerate(res["candidates"], 1):
-        name = _row_label(r, res["n"])
+        name = _row_label(r)
         if r["feasible"]:
             lines.append(f"{i:>3} {name:<40} {r['scheduler']:<{w}} {r['predicted_us']:>12.1f} "
                          f"{format_bytes(r['peak_memory_bytes']):>10} {r['speedup']:>7.3f}x")
@@ -435,8 +439,8 @@ def format_table(res: dict) -> str:
             lines.append(f"{i:>3} {name:<40} {'-':<{w}} {what:>12}"
                          + (f" {'>=' + format_bytes(r['least_peak_bytes']):>10}" if "least_peak_bytes" in r else ""))
         if r.get("also"):        # strategies whose schedule is this row's, node for node
-            lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o, res["n"]).split()) for o in r["also"]))
-    lines.append(f"best: {pick_line(res['best'], res['n'])}")
+            lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o).split()) for o in r["also"]))
+    lines.append(f"best: {pick_line(res['best'])}")
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")
     return "\n".join(lines)

@@ -9,7 +9,8 @@ layer, written by compile) and ``nan_time.json`` / ``text_time.json`` / ``nan_sp
 with a node's start NaN, a node's end a string, summary.makespan_us NaN), ``other_flops.json`` /
 ``other_attrs.json`` / ``other_digest.json`` / ``other_seq.json`` (a node's cost or attributes, the graph
 digest, or dims.s edited: another graph), ``other_model.json`` (model tiny's file relabelled small),
-``bad_sm.json`` (a collective on an SM budget the hardware does not allow), ``no_digest.json``
+``bad_sm.json`` (a collective on an SM budget the hardware does not allow), ``bad_compress.json``
+(a strategy field no Strategy admits), ``no_digest.json``
 (no graph digest, as files written before it was recorded), each rehashed after the edit, and
 ``stale_hash.json`` (dims.s edited, hash not recomputed).
 """
@@ -127,6 +128,10 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/sched.json", "--seq", "128"], "--seq 128 does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--model", "small"], "--model small does not match the schedule file"),
     (["run", "--schedule", "{tmp}/sched.json", "--hardware", "cpu-gloo"], "--hardware cpu-gloo does not match"),
+    (["run", "--schedule", "{tmp}/sched.json", "--passes", "sar=paper"],
+     "--passes sar=paper does not match the schedule file"),
+    (["run", "--schedule", "{tmp}/bad_compress.json"], "bad_compress.json: its strategy is not valid (compress='zip' "
+                                                        "is not one of 'none', 'dp-bf16', 'tp-fp8')"),
     (["run", "--schedule", "{tmp}/other_flops.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_attrs.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_digest.json"], "values, parameters or gradients (graph digest "),
@@ -227,6 +232,7 @@ def workdir(tmp_path_factory):
                                ("stale_hash", lambda d: d["graph"]["dims"].update(s=128), False),
                                ("other_seq", lambda d: d["graph"]["dims"].update(s=128), True),
                                ("other_model", lambda d: d["graph"].update(name="small"), True),
+                               ("bad_compress", lambda d: d["graph"]["strategy"].update(compress="zip"), True),
                                ("bad_sm", lambda d: comm(d).update(sm_budget=3), True),
                                ("other_stream", lambda d: d["nodes"][1].update(stream="comm2"), True)):
         doc = json.loads((tmp / "sched.json").read_text())

@@ -387,16 +387,63 @@ def test_trace_strategy_fields_reflect_the_choices():
     buf = io.StringIO()
     with redirect_stdout(buf):
         rc = main(["trace", "--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64", "--dispatch", "a2a",
-                   "--passes", "sar=paper,gate-reorder,dispatch=ag-rs,chunk=4", "--json"])
+                   "--passes", "sar=paper,compress=tp-fp8,gate-reorder,dispatch=ag-rs,chunk=4", "--json"])
     assert rc == 0
     s = json.loads(buf.getvalue())
     assert s["strategy"] | {"passes": None} == {"attn": "sp", "ffn": "ep", "dispatch": "ag-rs", "n": 2, "dtype": "bf16",
                                                 "dp": 1, "chunks": 4, "remat": "paper", "gate": "before-fc2",
-                                                "remat_budget": None, "passes": None}
-    assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "sar=paper"]
+                                                "remat_budget": None, "compress": "tp-fp8", "fuse": "none",
+                                                "passes": None}
+    assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "compress=tp-fp8", "sar=paper"]
     assert s["passes"]["sar"]["activation_bytes_after"] == s["activation_bytes"]
     assert any(n["phase"] == "recompute" for n in s["nodes"])
 
 
 def test_registered_passes():
     assert sorted(PASSES) == ["chunk", "compress", "dispatch", "fuse", "gate-reorder", "sar"]
+
+
+# -- the typed path: a Strategy value rebuilds the graph its pipeline built ---------------------------
+
+@pytest.mark.parametrize("name, layers", [("tiny", 1), ("small", 2)])
+def test_lower_strategy_rebuilds_what_the_pipeline_built_from_the_typed_fields_alone(h800, name, layers):
+    """Every rewrite a pipeline applies is a typed Strategy field (gate, chunks, compress, remat,
+    fuse), so lower_strategy on the pipeline's resulting strategy gives the same graph, digest
+    for digest (what run --schedule FILE checks), without parsing its recorded labels."""
+    from moegraph.ir import graph_digest
+    from moegraph.passes import lower_strategy, passes_for
+    import moegraph.passes.manager as manager
+    model = load_model(name)
+    base = trace_model(model, Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, layers=layers)
+    piped, _ = run_pipeline(base, "gate-reorder,chunk=2,compress=tp-fp8,sar=paper,fuse=all", cost=h800)
+    st = piped.strategy
+    assert (st.gate, st.chunks, st.compress, st.remat, st.fuse) == ("before-fc2", 2, "tp-fp8", "paper", "all")
+    assert [lab for lab, _ in passes_for(st, h800)] == ["compress=tp-fp8", "sar=paper", "fuse=all"]
+    real = manager.parse_pipeline
+    try:
+        manager.parse_pipeline = lambda spec: pytest.fail(f"parsed {spec!r}")
+        typed, _ = lower_strategy(model, st, batch=1, seq=64, cost=h800, layers=layers)
+        # without a record, the labels are the typed passes' own, in stage order
+        fresh, _ = lower_strategy(model, dataclasses.replace(st, passes=()), batch=1, seq=64, cost=h800, layers=layers)
+    finally:
+        manager.parse_pipeline = real
+    assert graph_digest(typed) == graph_digest(piped)
+    assert fresh.strategy.passes == ("gate-reorder", "chunk=2", "compress=tp-fp8", "sar=paper", "fuse=all")
+    assert graph_digest(dataclasses.replace(fresh, strategy=st)) == graph_digest(piped)
+
+
+def test_rewrite_as_refuses_a_graph_lowered_for_another_strategy(h800):
+    from moegraph.passes import rewrite_as
+    graph = trace("tiny", Strategy("sp", "ep", "ag-rs", 2))
+    with pytest.raises(PassError, match=r"differs from the one asked for in attn \('sp', not 'tp'\)"):
+        rewrite_as(graph, Strategy("tp", "ep", "ag-rs", 2, remat="paper"), h800)
+
+
+def test_compress_and_fuse_record_their_typed_fields(h800):
+    graph = trace("tiny", Strategy("sp", "ep", "ag-rs", 2))
+    out, _ = run_pipeline(graph, "compress=dp-bf16", cost=h800)         # dp=1: nothing to compress, still recorded
+    assert out.strategy.compress == "dp-bf16" and out.strategy.fuse == "none"
+    out, _ = run_pipeline(graph, "fuse=none", cost=h800)                 # marks nothing: records nothing
+    assert out.strategy.fuse == "none" and out.strategy.passes == ()
+    with pytest.raises(Exception, match=r"compress='zip' is not one of 'none', 'dp-bf16', 'tp-fp8'"):
+        Strategy("sp", "ep", "ag-rs", 2, compress="zip")

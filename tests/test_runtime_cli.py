@@ -188,3 +188,27 @@ def test_docs_state_run_timeout_default():
     text = " ".join((Path(__file__).parents[1] / "docs" / "runtime.md").read_text().split())
     said = re.search(r"`moegraph run --timeout`, default (\d+) s", text)
     assert said and float(said.group(1)) == default, (said, default)
+
+
+def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp_path, monkeypatch):
+    """run --schedule FILE rebuilds the file's graph from its typed strategy (gate, chunks,
+    compress, remat, fuse: moegraph.passes.lower_strategy), never by joining the recorded pass
+    labels into a pipeline string and parsing it back; the graph digest check passes and the
+    report keeps the file's record of the passes."""
+    import moegraph.passes.manager as manager
+    sched = tmp_path / "typed.json"
+    assert main(["compile", "--model", "tiny", "--hardware", "cpu-2core-gloo", "--n", "2", "--seq", "64",
+                 "--dtype", "fp32", "--passes", "fuse=all,sar=paper,compress=tp-fp8,chunk=2,gate-reorder",
+                 "--schedule", "greedy", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    st = json.loads(sched.read_text())["graph"]["strategy"]
+    assert (st["gate"], st["chunks"], st["compress"], st["remat"], st["fuse"]) == ("before-fc2", 2, "tp-fp8", "paper",
+                                                                                   "all")
+
+    def no_strings(spec):
+        raise AssertionError(f"run parsed a pipeline string {spec!r}")
+    monkeypatch.setattr(manager, "parse_pipeline", no_strings)
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["strategy"]["passes"] == ["gate-reorder", "chunk=2", "compress=tp-fp8", "sar=paper", "fuse=all"]
+    assert report["fused_groups"] > 0

@@ -69,6 +69,11 @@ def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tiny_cache):
     assert set(res["best"]) >= {"attn", "ffn", "dispatch", "chunks", "remat", "passes", "predicted_us",
                                 "peak_memory_bytes"}
     assert res["best"]["speedup"] == round(res["baseline"]["predicted_us"] / res["best"]["predicted_us"], 4)
+    for row in res["candidates"]:      # each row carries its graph's whole typed strategy (labels read it)
+        st = Strategy.from_dict(row["strategy"])
+        assert (st.attn, st.ffn, st.dispatch, st.chunks, st.remat, st.gate, st.n, st.dtype) == (
+            row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"], row["gate"], 2, "bf16")
+        assert list(st.passes) == row["passes"]
 
 
 def test_repeat_run_is_served_from_the_cache(tmp_path, capsys, monkeypatch):
@@ -339,10 +344,10 @@ def test_a_candidate_whose_greedy_breaks_the_budget_is_scheduled_within_it(monke
     res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, cache=Cache(tmp_path),
                **GLOO)
     best = res["best"]
-    assert " ".join(_row_label(best, 2).split()) == " ".join(expected.split())
+    assert " ".join(_row_label(best).split()) == " ".join(expected.split())
     assert best["predicted_us"] == fits[expected][0] and best["peak_memory_bytes"] <= budget
     for row in res["candidates"]:           # every candidate compile fits is ranked with compile's time
-        label = " ".join(_row_label(row, 2).split())
+        label = " ".join(_row_label(row).split())
         match = next(v for k, v in fits.items() if " ".join(k.split()) == label)
         assert row["feasible"] and row["predicted_us"] == match[0]
     assert res["baseline"]["over_budget"] and res["baseline"]["peak_memory_bytes"] > budget
@@ -360,7 +365,7 @@ def test_no_greedy_fits_yet_the_pick_is_compiles_fastest_within_the_budget(monke
     expected = min(fits, key=lambda k: fits[k][0])
     res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, micro_batches=2,
                cache=Cache(tmp_path), **GLOO)
-    assert " ".join(_row_label(res["best"], 2).split()) == " ".join(expected.split())
+    assert " ".join(_row_label(res["best"]).split()) == " ".join(expected.split())
     assert res["best"]["predicted_us"] == fits[expected][0]
     assert not res["baseline"]["over_budget"] and "kept_baseline" not in res["best"]
 
