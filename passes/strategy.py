@@ -15,7 +15,7 @@ import dataclasses
 import typing
 
 from moegraph.cost import CostModel
-from moegraph.ir import Gate, Graph, Strategy, valid_dispatches, verify
+from moegraph.ir import Gate, Graph, Strategy, valid_dispatches
 from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
 from moegraph.passes.compress import compress

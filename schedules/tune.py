@@ -44,8 +44,9 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from moegraph.canonical import canonical_json
 from moegraph.cost import CostModel, variant
-from moegraph.ir import Graph, Strategy, graph_digest
+from moegraph.ir import Graph, Strategy, graph_digest, valid_dispatches
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
 from moegraph.microbatch import merge_microbatches
 from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
@@ -66,7 +67,7 @@ def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> lis
     """Every strategy point valid for this group size and sequence (chunks must divide s/n)."""
     out = []
     for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
-        for dispatch in (("a2a", "ag-rs") if ffn == "ep" else ("ag-rs",)):
+        for dispatch in valid_dispatches(ffn):
             if seq % (n * chunks):
                 continue
             out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
@@ -75,8 +76,7 @@ def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> lis
 
 
 def cache_key(graph: Graph, hw: Hardware, options: dict[str, Any]) -> str:
-    blob = json.dumps({"v": CACHE_VERSION, "graph": graph_digest(graph), "hw": hw.fingerprint(), "options": options},
-                      sort_keys=True)
+    blob = canonical_json({"v": CACHE_VERSION, "graph": graph_digest(graph), "hw": hw.fingerprint(), "options": options})
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -459,7 +459,8 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
                    help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
     p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
-                   "each attn x ffn family (default %(default)s)")
+                   "each attn x ffn family; under --memory-budget every candidate whose greedy schedule breaks the "
+                   "budget (but whose memory bound fits) is scheduled by CP-SAT too (default %(default)s)")
     p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
                    help="cache folder ('' disables; default %(default)s)")
     p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")

@@ -370,10 +370,10 @@ def test_no_greedy_fits_yet_the_pick_is_compiles_fastest_within_the_budget(monke
     assert not res["baseline"]["over_budget"] and "kept_baseline" not in res["best"]
 
 
-def test_the_baseline_is_kept_when_only_it_fits_and_the_error_names_the_smallest_bound(monkeypatch, tmp_path):
-    """No candidate fits but the baseline does: the baseline with the reason, no error; when the
-    baseline does not fit either, the error names the candidate with the smallest memory bound
-    (compile's "below the least feasible" value), not the first one."""
+def test_when_nothing_fits_the_error_names_the_smallest_bound(monkeypatch, tmp_path):
+    """When neither a candidate nor the baseline fits, the error names the candidate with the
+    smallest memory bound (compile's "below the least feasible" value), not the first one (the
+    baseline kept when only it fits: the next test)."""
     from moegraph.schedules.api import compile_graph
     from moegraph.schedules.problem import MemoryBudgetError
     cands = _few(monkeypatch, ("tp", "tp", "ag-rs", 1, "none"), ("sp", "tp", "ag-rs", 1, "none"))
