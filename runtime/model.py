@@ -372,7 +372,10 @@ class CompiledModel(nn.Module):
         self.embed = nn.Parameter(full[spec.embed].detach().clone(), requires_grad=trains(spec.embed))
         self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone(),
                                  requires_grad=trains(spec.norm.weight.qualname))
-        self.lm_head = (nn.Parameter(full[spec.head].detach().clone(), requires_grad=trains(spec.head))
+        # tied (spec.tied): the head IS the embedding, one parameter; autograd and accumulate_grads
+        # add the head's synced gradient and the embedding's into its .grad, as in the original
+        self.lm_head = (self.embed if spec.tied else
+                        nn.Parameter(full[spec.head].detach().clone(), requires_grad=trains(spec.head))
                         if spec.head is not None else None)
         self._state_keys = list(state_keys)
         # persistent state no part reads (declared unused by the model rule): kept as it was

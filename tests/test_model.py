@@ -6,6 +6,7 @@ each case is reported as its own test. Fresh random weights and data every run.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 
 import pytest
@@ -187,10 +188,6 @@ def test_unknown_parts_raise_naming_them():
     model.scale = nn.Parameter(torch.ones(1))
     with pytest.raises(LoweringError, match="scale belong to no decoder layer"):
         _trace(model)
-    model = workers.reference_model(0, 2)
-    model.lm_head.weight = model.embed.weight
-    with pytest.raises(LoweringError, match="lm_head: tied word embeddings"):
-        _trace(model)
 
     class MyLM(MoETransformer):
         pass
@@ -204,7 +201,6 @@ def test_unknown_parts_raise_naming_them():
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 @pytest.mark.parametrize("overrides, message", [
-    (dict(tie_word_embeddings=True), "tied word embeddings"),
     (dict(sliding_window=8), "sliding_window=8"),
     (dict(attention_dropout=0.1), "attention_dropout=0.1 in training mode"),
     (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
@@ -212,6 +208,58 @@ def test_unknown_parts_raise_naming_them():
 def test_unmodelled_mixtral_settings_raise(overrides, message):
     with pytest.raises(LoweringError, match=message):
         _trace(workers.mixtral_model(0, 2, **overrides))
+
+
+def _tied_models():
+    ref = workers.reference_model(3, 2)
+    ref.lm_head.weight = ref.embed.weight
+    return [ref] + ([workers.mixtral_model(3, 2, tie_word_embeddings=True)] if HAS_HF else [])
+
+
+@pytest.mark.parametrize("which", [0, 1], ids=["reference", "mixtral"])
+def test_tied_embeddings_are_one_parameter_with_the_summed_gradient(which):
+    """tie_word_embeddings: the head IS the embedding; its gradient is the head's plus the
+    embedding's (autograd sums them in the original), and an AdamW step keeps them one tensor,
+    as eager. The head's gradient alone is far from it (the check can fail)."""
+    models = _tied_models()
+    if which >= len(models):
+        pytest.skip("transformers is not installed")
+    model = models[which]
+    embedding = model.embed if which == 0 else model.get_input_embeddings()
+    head = model.lm_head.weight
+    assert head is embedding.weight
+    ids = torch.randint(0, workers.VOCAB, (2, 16), generator=torch.Generator().manual_seed(5))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    assert compiled.lm_head is compiled.embed and len(list(compiled.parameters())) < len(list(
+        compiled.layers.parameters())) + 3
+    ref = model(ids, labels=ids)
+    ref.loss.backward()
+    got = compiled(ids, labels=ids)
+    got.loss.backward()
+    assert rel_err(got.loss.detach(), ref.loss.detach()) < TOL
+    full = compiled.full_grads()
+    assert max(rel_err(full[k], p.grad) for k, p in model.named_parameters()) < TOL
+    # an untied copy's two gradients: the tied one is their sum, and far from the head's alone
+    untied = copy.deepcopy(model)
+    untied.lm_head.weight = nn.Parameter(head.detach().clone())
+    untied.zero_grad()
+    untied(ids, labels=ids).loss.backward()
+    tied_grad = compiled.lm_head.grad
+    parts = untied.lm_head.weight.grad, (untied.embed if which == 0 else untied.get_input_embeddings()).weight.grad
+    assert rel_err(tied_grad, parts[0] + parts[1]) < TOL and rel_err(tied_grad, parts[0]) > 1e-3
+    for opt in (torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(compiled.parameters(), lr=1e-3)):
+        opt.step()
+    state, ref_state = compiled.full_state_dict(), model.state_dict()
+    assert set(state) == set(ref_state) and max(rel_err(state[k], v) for k, v in ref_state.items()) < TOL
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+def test_a_config_asking_for_tied_weights_that_are_not_is_refused():
+    model = workers.mixtral_model(0, 2, tie_word_embeddings=True)
+    model.lm_head.weight = nn.Parameter(model.lm_head.weight.detach().clone())      # untied by hand
+    with pytest.raises(LoweringError, match=r"^lm_head: config.tie_word_embeddings=True but lm_head.weight is not "
+                                            r"the embedding's weight: call model.tie_weights\(\)"):
+        _trace(model)
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")

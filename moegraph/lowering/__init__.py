@@ -227,6 +227,7 @@ class ModelSpec:
     unused:      other parameters or buffers of the model -> why nothing needs to read them.
     aux_loss:    the router's auxiliary load-balancing loss the causal LM adds to its loss
                  (transformers' ``output_router_logits=True``: ``moegraph.edges.AuxLoss``), or None.
+    tied:        the head's weight is the embedding's (tie_word_embeddings): one parameter.
     """
 
     embed: str
@@ -237,6 +238,7 @@ class ModelSpec:
     output: ModelOutput
     unused: Mapping[str, str] = field(default_factory=dict)
     aux_loss: AuxLoss | None = None
+    tied: bool = False
 
 
 ModelSpecRule = Callable[[nn.Module], ModelSpec]
@@ -309,13 +311,18 @@ def check_embedding(module: nn.Embedding, qualname: str) -> None:
                                 f"supported ({attr}={plain!r})")
 
 
-def check_head(model: nn.Module, head: nn.Linear, embed: nn.Embedding, qualname: str) -> None:
-    """An untied LM head without bias: a tied one would get two gradients the runtime keeps apart."""
+def check_head(model: nn.Module, head: nn.Linear, embed: nn.Embedding, qualname: str) -> bool:
+    """An LM head without bias; whether it is tied (its weight IS the embedding's: the compiled
+    model then holds one parameter, whose gradient is the head's plus the embedding's, as
+    autograd sums them in the original). A config asking for tied weights that are not the same
+    tensor (untied by hand after loading) is refused: which one the user means is unknown."""
     if head.bias is not None:
         raise LoweringError(f"{qualname}.bias: an LM head with a bias is not supported")
-    if head.weight is embed.weight or getattr(getattr(model, "config", None), "tie_word_embeddings", False):
-        raise LoweringError(f"{qualname}: tied word embeddings (tie_word_embeddings=True, the head sharing the "
-                            "embedding's weight) are not supported; untie them")
+    tied = head.weight is embed.weight
+    if not tied and getattr(getattr(model, "config", None), "tie_word_embeddings", False):
+        raise LoweringError(f"{qualname}: config.tie_word_embeddings=True but {qualname}.weight is not the "
+                            "embedding's weight: call model.tie_weights(), or set tie_word_embeddings=False")
+    return tied
 
 
 def _join(qualname: str, name: str) -> str:

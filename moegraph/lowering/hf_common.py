@@ -162,11 +162,12 @@ def check_rotary(rotary: nn.Module, qualname: str) -> None:
 
 def causal_lm(model: nn.Module) -> ModelSpec:
     """A family's ForCausalLM: ``model`` (its base model, recognised by its own rule) and an
-    untied ``lm_head``; the loss is transformers' mean next-token cross-entropy, plus the
+    ``lm_head`` (tied to the embedding or not); the loss is transformers' mean next-token cross-entropy, plus the
     router's auxiliary load-balancing loss where it adds one (``aux_loss``)."""
-    check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
+    tied = check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
     base = prefixed(find_model_rule(model.model).spec(model.model), "model.")
-    return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model))
+    return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model),
+                               tied=tied)
 
 
 def aux_loss(model: nn.Module) -> AuxLoss | None:

@@ -75,6 +75,6 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
                                                  "norm": models.RMSNorm, "lm_head": nn.Linear})
 def transformer(model: models.MoETransformer) -> ModelSpec:
     check_embedding(model.embed, "embed")
-    check_head(model, model.lm_head, model.embed, "lm_head")
+    tied = check_head(model, model.lm_head, model.embed, "lm_head")
     return ModelSpec(embed="embed.weight", padding_idx=model.embed.padding_idx, layers="layers",
-                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM)
+                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM, tied=tied)
