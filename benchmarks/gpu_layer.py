@@ -191,7 +191,7 @@ def run(setup: Setup) -> list[dict[str, Any]]:
     import torch
     import moegraph
     from moegraph.runtime.check import check_against_eager
-    from moegraph.runtime.commands import seeded_layer
+    from moegraph.runtime.reference import seeded_layer
     z = setup
     cuda = z.device == "cuda"
     dev = torch.device(z.device)

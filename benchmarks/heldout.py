@@ -42,7 +42,8 @@ from moegraph.commands import Layer, layer_from_args, passes_arg  # noqa: E402
 from moegraph.options import UsageError, positive_int  # noqa: E402
 from moegraph.registry import RegistryError, load_hardware, load_model  # noqa: E402
 from moegraph.runtime.calibrate.steps import CALIBRATION_LAYERS, LayerConfig  # noqa: E402
-from moegraph.runtime.commands import Implementation, seeded_layer, spawn_plans, step_stats  # noqa: E402
+from moegraph.runtime.commands import spawn_plans, step_stats  # noqa: E402
+from moegraph.runtime.reference import Implementation, seeded_layer  # noqa: E402
 from moegraph.runtime.module import make_plan  # noqa: E402
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args, link_mismatch, profile_for  # noqa: E402
 

@@ -27,10 +27,12 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from moegraph.ir import EXPERT_ROWS, ConfigError, ExpertRows, Strategy
-from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
+from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs
+from moegraph.runtime.reference import Implementation, seeded_stack
+from moegraph.runtime.schedule_check import check_same_graph, check_schedule_file
 
 # the layer flags a schedule file fixes (run --schedule FILE.json): taken from the file unless given
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
@@ -85,95 +87,6 @@ def progress(t0: float | None, text: str) -> None:
     command's start; the ranks get it in their spec); None: silent (benchmarks, the demo)."""
     if t0 is not None:
         print(f"run [{time.time() - t0:6.1f}s] {text}", file=sys.stderr, flush=True)
-
-
-# Which eager module supplies the parameters (their names are the graph's): the project's
-# reference layer, or transformers' MixtralDecoderLayer of the same sizes (held-out validation)
-Implementation = Literal["reference", "hf-mixtral"]
-
-
-def hf_mixtral_layer(cfg: Any):
-    """transformers' MixtralDecoderLayer with ``cfg``'s sizes; refuses what Mixtral cannot express."""
-    from transformers import MixtralConfig
-    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
-    head_dim = cfg.head_dim or cfg.hidden // cfg.heads
-    unlike = [name for name, differs in (("shared experts", cfg.shared_experts), ("q/k/v biases", cfg.qkv_bias),
-                                         ("q/k norms", cfg.qk_norm), ("un-normalised top-k", not cfg.normalize_topk),
-                                         ("head_dim * heads != hidden", head_dim * cfg.heads != cfg.hidden),
-                                         ("multi-head latent attention", cfg.kv_lora_rank is not None),
-                                         (f"{cfg.router_scoring} router scores", cfg.router_scoring != "softmax"),
-                                         ("expert groups", cfg.n_group > 1),
-                                         ("routed scaling", cfg.routed_scaling_factor != 1.0))
-              if differs]
-    if unlike:
-        raise RuntimeFailure(f"model {cfg.name} has {', '.join(unlike)}, which transformers' MixtralDecoderLayer "
-                             "does not; use the reference implementation")
-    hf = MixtralConfig(hidden_size=cfg.hidden, intermediate_size=cfg.ffn_hidden, num_attention_heads=cfg.heads,
-                       num_key_value_heads=cfg.kv_heads, num_local_experts=cfg.experts,
-                       num_experts_per_tok=cfg.top_k, rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_eps,
-                       attn_implementation="sdpa")
-    return MixtralDecoderLayer(hf, 0)
-
-
-def eager_call(module: Any, implementation: Implementation):
-    """How to call ``implementation``'s eager module on x [b, s, h]; None: ``module(x)``."""
-    if implementation == "reference":
-        return None
-    if implementation == "hf-mixtral":
-        import torch
-        from transformers.models.mixtral.modeling_mixtral import MixtralRotaryEmbedding
-        rotary = MixtralRotaryEmbedding(module.self_attn.config)   # transformers computes RoPE outside the layer
-
-        def call(layer, x):
-            cos_sin = rotary.to(x.device)(x, torch.arange(x.shape[1], device=x.device)[None])
-            return layer(x, position_embeddings=cos_sin, attention_mask=None)
-        return call
-    raise RuntimeFailure(f"implementation {implementation!r} is not one of reference, hf-mixtral")
-
-
-def seeded_layer(cfg: Any, seed: int, dtype: str = "fp32", implementation: Implementation = "reference"):
-    """The reference layer (or ``implementation``'s) with reproducible random weights: the same on every rank.
-
-    Matrices ~ N(0, 1/fan_in), norm weights ~ 1 + N(0, 0.1^2) (not all ones, so their
-    gradients are exercised), buffers (the router's score-correction bias) ~ N(0, 0.1^2)."""
-    import torch
-    from moegraph.models import MoETransformerLayer
-    torch.manual_seed(seed)
-    if implementation == "reference":
-        layer = MoETransformerLayer.from_config(cfg)
-    elif implementation == "hf-mixtral":
-        layer = hf_mixtral_layer(cfg)
-    else:
-        raise RuntimeFailure(f"implementation {implementation!r} is not one of reference, hf-mixtral")
-    with torch.no_grad():
-        for p in layer.parameters():
-            if p.dim() == 1:
-                p.copy_(1 + 0.1 * torch.randn_like(p))
-            else:
-                p.normal_(std=p.shape[-1] ** -0.5)
-        for b in layer.buffers():      # DeepSeek-V3's score-correction bias: nonzero, so it steers the choice
-            b.normal_(std=0.1)
-    return layer.to({"fp32": torch.float32, "bf16": torch.bfloat16}[dtype])
-
-
-def seeded_stack(cfg: Any, seed: int, layers: int, dtype: str = "fp32",
-                 implementation: Implementation = "reference"):
-    """(eager module, its call) for a graph of ``layers`` stacked layers: one seeded layer
-    (``seeded_layer``), or an nn.Module whose ``layers`` ModuleList (seeds seed, seed+1, ...;
-    parameter names ``layers.{i}.<name>`` as moegraph.layers names them) runs in order."""
-    import torch
-    if layers == 1:
-        module = seeded_layer(cfg, seed, dtype, implementation)
-        return module, eager_call(module, implementation)
-    module = torch.nn.Module()
-    module.layers = torch.nn.ModuleList([seeded_layer(cfg, seed + i, dtype, implementation) for i in range(layers)])
-    one = eager_call(module.layers[0], implementation)
-
-    def call(stack, x):
-        for layer in stack.layers:
-            x = one(layer, x) if one else layer(x)
-        return x
-    return module, call
 
 
 def timed_steps(layer: Any, xs: Any, dys: Any, steps: int, barrier_group: Any = None,
@@ -678,7 +591,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
         if schedule is not None:
-            _check_same_graph(layer.graph, schedule, args.schedule)
+            check_same_graph(layer.graph, schedule, args.schedule)
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
@@ -832,30 +745,6 @@ def train_rank(rank: int, world: int, spec: TrainSpec) -> dict[str, Any]:
     return res
 
 
-def check_schedule_file(schedule: Any, path: Path, memory_budget: int | None) -> None:
-    """``run --schedule FILE.json`` before any work: the file passes the checks ``moegraph verify``
-    makes (``moegraph.schedules.verify``: its hash, SM budgets the hardware allows, durations its
-    cost model gives, its memory budget, ...), and its predicted peak fits ``--memory-budget``
-    (a file is run as written, not rescheduled: a budget it breaks is refused, not ignored).
-    UsageError naming the first violation, or both sizes."""
-    from moegraph.options import UsageError, format_bytes
-    from moegraph.schedules.gantt import peak_bytes
-    from moegraph.schedules.verify import verdict
-    found = verdict(schedule).violations
-    if found and found[0].check == "hash":
-        raise UsageError(f"--schedule {path}: its content does not hash to the hash it records (edited by hand?): "
-                         f"re-run compile, or see `moegraph verify {path}`")
-    if found:
-        raise UsageError(f"--schedule {path} fails `moegraph verify`: {found[0]}")
-    peak = peak_bytes(schedule)
-    if memory_budget is not None and peak > memory_budget:
-        made = (f"made under a budget of {format_bytes(schedule.memory_budget_bytes)}"
-                if schedule.memory_budget_bytes is not None else "made under no budget")
-        raise UsageError(f"--memory-budget {format_bytes(memory_budget)} is below the predicted peak "
-                         f"{format_bytes(peak)} of --schedule {path} ({made}); run schedules a file as written: "
-                         "compile one under that budget, or leave --memory-budget out")
-
-
 def is_model_step(schedule: Any) -> bool:
     """Whether a schedule file schedules a model step (a stack with the model's edges: embedding,
     final norm, LM head; what compile and tune write for --layers L >= 2, schedules.api.model_step)
@@ -929,7 +818,7 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
     # layer_from_args) plus the edges
     graph = add_edges(layer.graph, vocab=args.vocab)
     if schedule is not None:
-        _check_same_graph(graph, schedule, args.schedule)
+        check_same_graph(graph, schedule, args.schedule)
     plan = make_plan(graph, layer.cost, schedule if schedule is not None else args.schedule,
                      memory_budget=args.memory_budget, time_limit_s=args.time_limit)
     progress(t0, f"planned: schedule {plan.method} of the {layers}-layer model step")
@@ -975,71 +864,6 @@ def format_train_report(r: dict[str, Any]) -> str:
                      f"{r['max_rel_err_params']:.2e} (worst: {r['worst_param']}), first-step grads "
                      f"{r['max_rel_err_grads']:.2e} (worst: {r['worst_grad']})")
     return "\n".join(lines)
-
-
-def _check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
-    """The graph lowered from the file's settings is the one the file schedules: the fields the
-    file holds (strategy, dims, every node's op, costs and attributes) agree and so does its
-    digest (``moegraph.ir.graph_digest``, which also covers the values), else PlanError naming
-    the first difference. A file without a digest cannot be checked: refused (recompile it)."""
-    from moegraph.runtime import PlanError
-    if schedule.graph.get("digest") is None:
-        raise PlanError(f"--schedule {path} records no graph digest (written before moegraph recorded one), so run "
-                        "cannot check that it schedules this graph; recompile it (moegraph compile or tune)")
-    if why := _model_difference(graph, schedule):
-        raise PlanError(f"--schedule {path}: {why}; recompile it, or pass --model PATH to the model it was "
-                        "compiled for")
-    if why := _graph_difference(graph, schedule):
-        raise PlanError(f"--schedule {path}: lowering its model with its settings gives a different graph than the "
-                        f"file schedules: {why} (edited, or written by another moegraph version? recompile it)")
-
-
-# the layer sizes a model fixes (moegraph.tracer.dims_of); b, s, n and k are run's own settings
-MODEL_DIMS = ("h", "heads", "kv_heads", "head_dim", "ffn", "experts")
-
-
-def _model_difference(graph: Any, schedule: Any) -> str | None:
-    """In words, how the model the file was compiled for differs from the model its name loads
-    (``graph``'s: lowered from that name), or None: a file whose model name was changed, or a
-    registry model whose sizes changed since, is not a strategy or version difference."""
-    mine, theirs = graph.dims, schedule.graph.get("dims")
-    if not isinstance(theirs, dict):
-        return None                   # no sizes to compare: _graph_difference names what differs
-    differ = [k for k in MODEL_DIMS if getattr(mine, k) != theirs.get(k)]
-    if not differ:
-        return None
-    name = schedule.graph.get("name")
-    return (f"it names model {name} but was compiled for another model: its layer has "
-            f"{', '.join(f'{k}={theirs.get(k)}' for k in differ)}, model {name} has "
-            f"{', '.join(f'{k}={getattr(mine, k)}' for k in differ)}")
-
-
-def _graph_difference(graph: Any, schedule: Any) -> str | None:
-    """The first difference between ``graph`` and the graph ``schedule`` was written for, in
-    words, or None."""
-    from moegraph.schedules.schedule_file import graph_header, plain
-    header = graph_header(graph)
-    for key in ("strategy", "dims", "inputs", "outputs"):
-        if header[key] != schedule.graph.get(key):
-            return f"{key} {header[key]}, the file's {schedule.graph.get(key)}"
-    names, scheduled = [n.name for n in graph.nodes], {n.name for n in schedule.nodes}
-    if set(names) != scheduled:
-        return f"nodes differ ({sorted(set(names) ^ scheduled)[:5]})"
-    filed = schedule.node
-    for n in graph.nodes:
-        mine = {"op": n.op.value, "role": n.role.value, "phase": n.phase.value, "inputs": tuple(n.inputs),
-                "outputs": tuple(n.outputs), "flops": n.flops, "mem_bytes": n.mem_bytes, "comm_bytes": n.comm_bytes,
-                "group": n.group, "attrs": plain(dict(n.attrs)), "module": n.module, "block": n.block,
-                "forward_of": n.forward_of}
-        theirs = {k: getattr(filed[n.name], k) for k in mine}
-        for k in mine:
-            if mine[k] != theirs[k]:
-                return f"node {n.name!r} has {k} {mine[k]!r}, the file's {theirs[k]!r}"
-    if header["digest"] == schedule.graph["digest"]:
-        return None
-    # every node field the file holds agrees: the rest of the digest (values, parameters, gradients)
-    return (f"values, parameters or gradients (graph digest {header['digest'][:12]}, the file's "
-            f"{schedule.graph['digest'][:12]})")
 
 
 def spawn_plans(layer: Any, plans: tuple, *, steps: int, warmup: int, seed: int = 0, device: str = "cpu",

@@ -157,7 +157,7 @@ def _compile_tiny(torch) -> str:
     import moegraph
     from moegraph.registry import load_model
     from moegraph.runtime.check import check_against_eager
-    from moegraph.runtime.commands import seeded_layer
+    from moegraph.runtime.reference import seeded_layer
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     with torch.device("cuda"):
         layer = seeded_layer(load_model("tiny"), 0)

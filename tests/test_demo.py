@@ -137,7 +137,8 @@ def test_hf_mixtral_implementation_runs_on_ranks_and_matches_its_eager_module():
     pytest.importorskip("transformers")
     from moegraph.commands import Layer, layer_from_args
     from moegraph.ir import Strategy
-    from moegraph.runtime.commands import seeded_layer, spawn_plans
+    from moegraph.runtime.commands import spawn_plans
+    from moegraph.runtime.reference import seeded_layer
     from moegraph.runtime.module import make_plan
     from moegraph.tracer import trace_module
     ref = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
@@ -158,6 +159,6 @@ def test_hf_mixtral_implementation_refuses_what_mixtral_lacks():
     pytest.importorskip("transformers")
     from moegraph.registry import load_model
     from moegraph.runtime import RuntimeFailure
-    from moegraph.runtime.commands import seeded_layer
+    from moegraph.runtime.reference import seeded_layer
     with pytest.raises(RuntimeFailure, match="shared experts, q/k/v biases"):
         seeded_layer(load_model("qwen2-57b-a14b"), 0, "fp32", "hf-mixtral")
