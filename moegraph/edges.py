@@ -160,7 +160,8 @@ from dataclasses import dataclass
 from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
 from moegraph.compression import DpGradWire, dp_bf16, dp_grad_wire, is_dp_fp32_reduce_scatter
-from moegraph.ir import ConfigError, Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs, verify
+from moegraph.ir import (ConfigError, Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs,
+                         verify)
 from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch_of, microbatch_boundaries
 
 EDGES = "edges"
@@ -561,8 +562,9 @@ def _bucketed_sync(g: GraphBuilder, param: str, partial: str, rows: tuple[int, .
     in len(``rows``) row blocks: a SPLIT into views of the partial (``{param}.grad_buckets``), one
     sync per block (``{param}.bucket{i}.grad_allreduce``, or ``_dp_sync``'s chain), each writing
     its rows of the synced gradient (the block's result is a view of it), and a SPLIT concat
-    (planned zero-copy, priced 0; the runtime's kernel copies: module docstring) (``{param}.grad_concat``) so that readers of the synced gradient depend on every
-    block, as ``lowering.blocks`` joins token chunks. One block: the whole sync, as without
+    (``{param}.grad_concat``; planned zero-copy, priced 0, though the runtime's kernel copies:
+    module docstring) so that readers of the synced gradient depend on every block, as
+    ``lowering.blocks`` joins token chunks. One block: the whole sync, as without
     buckets (same names). Returns the synced gradient's name (``d_{param}.synced``)."""
     g.params[param] = ParamSpec(sources=(), shard_dim=None)
     if len(rows) == 1:

@@ -134,9 +134,13 @@ def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,
     Returns the final graph and the report: {"pipeline": [labels in run order], <pass name>:
     that pass's report, ...}.
     """
-    items = parse_pipeline(spec)
-    return run_passes(graph, [(label(name, arg), build_pass(name, arg, cost))
-                              for name, arg in sorted(items, key=lambda it: PASSES[it[0]].stage)])
+    return run_passes(graph, [(label(name, arg), build_pass(name, arg, cost)) for name, arg in staged(spec)])
+
+
+def staged(spec: str | list[str] | tuple[str, ...]) -> list[tuple[str, str | None]]:
+    """``spec``'s (name, argument) pairs in the order they run (by stage): the order their labels
+    take in a graph's strategy.passes."""
+    return sorted(parse_pipeline(spec), key=lambda it: PASSES[it[0]].stage)
 
 
 def run_passes(graph: Graph, passes: list[tuple[str, Pass]]) -> tuple[Graph, dict[str, Any]]:

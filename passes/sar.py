@@ -69,8 +69,10 @@ from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, pe
 
 _CHUNK = re.compile(r"\.c\d+$")
 KEEP_SEARCH_S = 30.0
-"""Default wall-clock limit, in seconds, of the budget policy's keep-set search (``budget_keep``;
-the pass option ``keep_search_s``). Layer-sized models solve to optimality in well under a second."""
+"""Default effort, in seconds, of the budget policy's keep-set search (``budget_keep``; the pass
+option ``keep_search_s``), counted as CP-SAT's deterministic time (``moegraph.solver_limits``) so
+that compile and run's re-lowering choose the same set. Layer-sized models solve to optimality
+in well under a second."""
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
 PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
 PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
@@ -311,8 +313,8 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None, *,
                      f"{solver.StatusName(status)}")
 
 
-@register("sar", stage=4, valid="paper (the default), none, budget:<bytes>[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)",
-          relowers=False)
+@register("sar", stage=4, relowers=False,
+          valid="paper (the default), none, budget:<bytes>[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)")
 def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """Selective activation rematerialization; see the module docstring for policies.
     ``keep_search_s``: the budget policy's keep-set search time limit (seconds).

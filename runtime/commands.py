@@ -507,8 +507,8 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
 
 def pipeline_labels(spec: str) -> tuple[str, ...]:
     """The labels a --passes pipeline records in a graph's strategy.passes (in stage order)."""
-    from moegraph.passes.manager import PASSES, label, parse_pipeline
-    return tuple(label(name, arg) for name, arg in sorted(parse_pipeline(spec), key=lambda it: PASSES[it[0]].stage))
+    from moegraph.passes.manager import label, staged
+    return tuple(label(name, arg) for name, arg in staged(spec))
 
 
 def _model_and_layers(args: argparse.Namespace) -> tuple[Any, int]:

@@ -250,7 +250,8 @@ def _alike(order: list[dict]) -> list[tuple[dict, list[dict]]]:
     at: dict[Any, int] = {}
     for r in order:
         e = _entry(r)
-        key = _scheduled(e["schedule"]) if e["feasible"] and "schedule" in e else id(r)   # none: tune() raises
+        # an infeasible row (or one without its schedule: tune() raises on it) stands alone
+        key = _scheduled(e["schedule"]) if e["feasible"] and "schedule" in e else id(r)
         if key in at:
             out[at[key]][1].append(r)
         else:
@@ -382,12 +383,10 @@ def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
 def _row(r: dict, baseline_us: float) -> dict:
     """One ranked row. ``scheduler``: the method of the schedule it reports ("cpsat", or the warm
     start CP-SAT did not beat, or "greedy"); ``refined``: whether CP-SAT ran on it."""
-    cand, final = r["candidate"], _entry(r)
-    out = {"attn": cand.attn, "ffn": cand.ffn, "dispatch": cand.dispatch, "chunks": cand.chunks, "remat": cand.remat,
-           "gate": cand.gate, "fused": _is_fused(r["graph"]), "passes": list(r["graph"].strategy.passes),
-           "strategy": r["graph"].strategy.as_dict(),
-           "feasible": final["feasible"], "refined": "final" in r,
-           "scheduler": final["method"] if final["feasible"] else "-"}
+    final = _entry(r)
+    out = _point(r) | {"gate": r["candidate"].gate, "passes": list(r["graph"].strategy.passes),
+                       "feasible": final["feasible"], "refined": "final" in r,
+                       "scheduler": final["method"] if final["feasible"] else "-"}
     if final["feasible"]:
         out |= {"predicted_us": final["predicted_us"], "peak_memory_bytes": final["peak_memory_bytes"],
                 "speedup": round(baseline_us / final["predicted_us"], 4)}
