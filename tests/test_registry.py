@@ -42,7 +42,7 @@ def write_yaml(tmp_path, name, data):
 def test_every_entry_loads():
     assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small", "qwen2-57b-a14b", "olmoe-1b-7b", "deepseek-v3"}
     assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo", "cpu-2core-gloo",
-                                   "cpu-2core-gloo-1gbit"}
+                                   "cpu-2core-gloo-1gbit", "nvidia-h200-2026-11-27"}
     for name in model_names():
         assert load_model(name).name == name
     for name in hardware_names():
@@ -165,7 +165,7 @@ def test_unknown_names():
     with pytest.raises(RegistryError) as e:
         load_hardware("v100")
     assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h800, "
-                            "cpu-2core-gloo, cpu-2core-gloo-1gbit")
+                            "cpu-2core-gloo, cpu-2core-gloo-1gbit, nvidia-h200-2026-11-27")
     assert load_hardware("cpu-2core-gloo").name == "cpu-2core-gloo"      # shipped calibrated profile by name
     assert load_hardware("cpu-2core-gloo-1gbit").link_bit_s == 1e9        # calibrated on the emulated link
 
