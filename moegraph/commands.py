@@ -149,7 +149,7 @@ def trace_summary(layer: Layer) -> dict[str, Any]:
               "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
     strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
-    return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
+    return {"step_memory": step_memory(g), "model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,
             "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
             "time_us_by_phase": by_phase, "passes": layer.report}
@@ -197,6 +197,17 @@ def trace_command(p: argparse.ArgumentParser):
     return run
 
 
+def step_memory(graph: Graph) -> dict[str, int]:
+    """The whole-step memory of one rank running ``graph`` as one stage (moegraph.memory): a
+    stack with the model's edges at the default vocabulary, as compile schedules it."""
+    from moegraph.edges import add_edges
+    from moegraph.memory import graph_memory
+    from moegraph.models import VOCAB
+    if layer_count(graph) > 1:
+        return graph_memory(add_edges(graph, vocab=VOCAB), vocab=VOCAB).as_dict()
+    return graph_memory(graph, vocab=None).as_dict()
+
+
 def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
     lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "")
@@ -211,7 +222,9 @@ def format_trace(s: dict[str, Any]) -> str:
               f"nodes: {len(s['nodes'])}   serial time by phase (us): "
               + ", ".join(f"{k} {v:.1f}" for k, v in s["time_us_by_phase"].items()),
               f"forward comm bytes per rank: attention {fc['attention']:,}  ffn {fc['ffn']:,}",
-              f"activation bytes held for backward: {s['activation_bytes']:,} ({s['activation_bytes'] / 2**30:.3f} GiB)"]
+              f"activation bytes held for backward: {s['activation_bytes']:,} ({s['activation_bytes'] / 2**30:.3f} GiB)",
+              "step memory per rank (GiB): " + ", ".join(f"{k} {s['step_memory'][k] / 2**30:.3f}" for k in
+                                                       ("params", "grads", "optimizer", "activations", "total"))]
     for key, value in (s.get("passes") or {}).items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)

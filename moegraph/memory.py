@@ -44,7 +44,7 @@ from moegraph.layers import boundary
 
 __all__ = ["OptimizerSpec", "ADAM_DISTRIBUTED", "ADAM", "ParamCount", "StageMemory", "layer_params",
            "edge_params", "edge_activation_bytes", "boundary_bytes", "stage_memory", "pipeline_memory",
-           "stack_activation_bytes", "one_f_one_b_in_flight", "rank_memory", "COMPONENTS"]
+           "stack_activation_bytes", "one_f_one_b_in_flight", "rank_memory", "graph_memory", "COMPONENTS"]
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers")
 """The memory components, in the order reports list them."""
@@ -251,3 +251,18 @@ def rank_memory(stages: Sequence[StageMemory], peak_activations: int) -> dict[st
     out = {c: sum(getattr(s, c) for s in stages) for c in COMPONENTS if c != "activations"}
     out["activations"] = peak_activations
     return {c: out[c] for c in COMPONENTS} | {"total": sum(out.values())}
+
+
+def graph_memory(graph: Graph, *, vocab: int | None, tied: bool = False, dp: int | None = None,
+                 in_flight: int = 1, optimizer: OptimizerSpec = ADAM_DISTRIBUTED) -> StageMemory:
+    """The memory of a rank running ``graph`` (a layer or a stack, with or without the edges) as
+    one pipeline stage: its parameters, the edges' when ``vocab`` is given, ``in_flight``
+    micro-batches of its activations; dp from the graph's strategy unless given. What `moegraph
+    trace --json` reports (``step_memory``) without solving."""
+    count = layer_params(graph)
+    if vocab is not None:
+        count = count + edge_params(vocab=vocab, h=graph.dims.h, embedding=True, head=True, tied=tied,
+                                    dtype_bytes=count.dtype_bytes)
+    act = graph.activation_bytes() + edge_activation_bytes(graph)
+    return stage_memory(0, count, dp=graph.strategy.dp if dp is None else dp, activation_bytes_per_mb=act,
+                        in_flight=in_flight, boundary=0, neighbours=0, optimizer=optimizer)

@@ -98,3 +98,16 @@ def test_bad_inputs_raise_naming_the_value():
     with pytest.raises(ValueError, match="2 stages but 1 in-flight"):
         pipeline_memory([[g], [g]], vocab=None, tied=False, dp=1, in_flight=[1], head_activation_bytes=0)
     assert ADAM_DISTRIBUTED.distributed and not ADAM.distributed
+
+
+def test_trace_json_reports_the_step_memory_without_solving(capsys):
+    import json
+
+    from moegraph.cli import main
+    from moegraph.models import VOCAB
+    assert main(["trace", "--model", "small", "--n", "1", "--seq", "16", "--layers", "2", "--passes", "none",
+                 "--dp", "2", "--json"]) == 0
+    mem = json.loads(capsys.readouterr().out)["step_memory"]
+    numel = eager_numel(2, VOCAB)
+    assert (mem["params"], mem["grads"], mem["optimizer"]) == (2 * numel, 4 * numel, 12 * numel // 2)
+    assert mem["total"] == sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "comm_buffers"))
