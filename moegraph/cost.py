@@ -13,6 +13,8 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     all-gather, reduce-scatter: t = kernel_latency + (n-1)*alpha  + bytes / (B * ring_eff * s(sm))
     all-to-all:                 t = kernel_latency + (n-1)*alpha  + bytes / (B * a2a_eff  * s_a2a(sm))
     all-reduce (RS + AG):       t = kernel_latency + 2(n-1)*alpha + bytes / (B * ring_eff * s(sm))
+    p2p (pipeline stages):      t = kernel_latency + alpha_inter  + bytes / (B_pp * ring_eff_inter * s(sm))
+                                B_pp = hw.pp_link_bw_bytes_s (0: the NIC's): stages sit on different nodes
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
     all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
@@ -222,7 +224,7 @@ def op_class(node: Node) -> str:
               | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP | OpKind.SPLIT
               | OpKind.BIAS | OpKind.SIGMOID_GATE | OpKind.SQUARE_SUM | OpKind.RMSNORM_SHARDED | OpKind.MLA_HEADS):
             return "memory"
-        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE:
+        case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE | OpKind.P2P:
             return "comm"
     raise NotImplementedError(f"no cost rule for {node.op}")
 
@@ -386,6 +388,8 @@ class CostModel:
                 return 1, a2a, hw.a2a_sm_saturation, ("a2a_eff",)
             case OpKind.ALL_REDUCE:
                 return 2, self.ring_eff(scope), hw.comm_sm_saturation, ("all_reduce_eff", "ring_eff")
+            case OpKind.P2P:       # one step on the inter-stage link (``_link``), at a ring step's efficiency
+                return 1, hw.ring_eff_inter, hw.comm_sm_saturation, ()
         raise NotImplementedError(f"no cost rule for {op}")
 
     def _link(self, scope: Scope) -> tuple[float, float]:
@@ -394,6 +398,12 @@ class CostModel:
         if scope == "intra":
             return hw.nvlink_bw_bytes_s, hw.intra_node_latency_us
         return hw.nic_bw_bytes_s, hw.inter_node_latency_us
+
+    def _pp_link(self) -> tuple[float, float]:
+        """(bandwidth bytes/s, latency us) of the link between pipeline stages (``OpKind.P2P``):
+        hw.pp_link_bw_bytes_s (0: the NIC's), the inter-node latency (stages sit on different nodes)."""
+        hw = self.hw
+        return hw.pp_link_bw_bytes_s or hw.nic_bw_bytes_s, hw.inter_node_latency_us
 
     def _comm_us(self, node: Node, sm: int) -> float:
         hw = self.hw
@@ -408,7 +418,7 @@ class CostModel:
             if points is not None:
                 eff = interpolate(points, node.comm_bytes)
                 break
-        bandwidth, alpha = self._link(scope)
+        bandwidth, alpha = self._pp_link() if node.op is OpKind.P2P else self._link(scope)
         latency = steps * (node.group - 1) * alpha
         if sm == 0:
             scale = hw.copy_engine_eff / self.ring_eff(scope)

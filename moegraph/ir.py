@@ -55,6 +55,7 @@ class OpKind(enum.Enum):
     REDUCE_SCATTER = "reduce_scatter"
     ALL_TO_ALL = "all_to_all"
     ALL_REDUCE = "all_reduce"
+    P2P = "p2p"                  # one send/recv between two pipeline stages (group 2: sender, receiver)
 
     @property
     def is_comm(self) -> bool:
@@ -64,7 +65,7 @@ class OpKind(enum.Enum):
 LAYER_ATTR = "layer"
 """Node attribute holding the node's layer index (an int) in a multi-layer graph (``moegraph.layers``)."""
 
-COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE})
+COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE, OpKind.P2P})
 
 
 def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
@@ -75,12 +76,17 @@ def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
     ALL_GATHER / REDUCE_SCATTER: full*(n-1)/n, full = the gathered (or pre-scatter) tensor.
     ALL_TO_ALL: input*(n-1)/n, input = this rank's send buffer (it keeps 1/n for itself).
     ALL_REDUCE: 2*full*(n-1)/n (a reduce-scatter then an all-gather).
+    P2P: full, n = 2 (the sender sends the whole tensor to the receiver: a pipeline stage boundary).
     The tensor must split into n equal whole-byte shards, so the result is exact; anything
     else raises ValueError (lowering turns it into a ConfigError naming the node), never a
     silently rounded byte count.
     """
     if n < 2:
         raise ValueError(f"collective group size n={n} must be >= 2")
+    if op is OpKind.P2P:
+        if n != 2 or full_tensor_bytes < 0:
+            raise ValueError(f"a point-to-point transfer has group n=2 and bytes >= 0, got n={n}, bytes={full_tensor_bytes}")
+        return full_tensor_bytes
     if full_tensor_bytes < 0 or full_tensor_bytes % n:
         raise ValueError(f"full_tensor_bytes={full_tensor_bytes} is not divisible by n={n}")
     shard = full_tensor_bytes // n

@@ -277,6 +277,11 @@ class Hardware(_Record):
     MegaScale-MoE Table 4 quotes bidirectional totals, twice these numbers)."""
     nic_bw_bytes_s: float = checked(pos_float)
     """Inter-node bandwidth per GPU, per direction, bytes/s."""
+    pp_link_bw_bytes_s: float = checked(nonneg_float, 0.0)
+    """Bandwidth of the link between pipeline stages (``OpKind.P2P`` sends), per GPU, per direction,
+    bytes/s. Stages sit on different nodes (Megatron-Core: expert and tensor parallelism inside the
+    NVLink island, pipeline stages across nodes), so each GPU sends over its own NIC; 0 (the
+    default, CPU profiles): nic_bw_bytes_s."""
     gpus_per_node: int = checked(pos_int, 8)
     """GPUs sharing one NVLink domain; a collective with group <= this is intra-node by default."""
     intra_node_latency_us: float = checked(nonneg_float)
