@@ -43,7 +43,7 @@ from moegraph.ir import DTYPE_BYTES, Graph, Phase, ValueKind
 from moegraph.layers import boundary
 
 __all__ = ["OptimizerSpec", "ADAM_DISTRIBUTED", "ADAM", "ParamCount", "StageMemory", "layer_params",
-           "edge_params", "edge_activation_bytes", "boundary_bytes", "stage_memory", "pipeline_memory",
+           "edge_params", "edge_activation_bytes", "edge_held_values", "boundary_bytes", "stage_memory", "pipeline_memory",
            "stack_activation_bytes", "one_f_one_b_in_flight", "rank_memory", "graph_memory", "COMPONENTS"]
 
 COMPONENTS = ("params", "grads", "optimizer", "activations", "comm_buffers")
@@ -134,16 +134,20 @@ def boundary_bytes(graph: Graph) -> int:
     return graph.value[boundary(graph)[0]].nbytes
 
 
-def edge_activation_bytes(graph: Graph) -> int:
-    """Bytes the edge nodes of a model step graph (moegraph.edges, attr ``edge``) leave for the
-    backward: values their forward makes (or reads from the last layer) that a backward node
-    reads (normed, logits, the last layer's output read by the norm's backward), once each."""
+def edge_held_values(graph: Graph) -> frozenset[str]:
+    """The values the edge nodes of a model step graph (moegraph.edges, attr ``edge``) leave for
+    the backward and the layers do not hold already (their saved set): what their forward makes
+    (or reads from the last layer) and a backward edge node reads (normed, logits)."""
     edge_fwd = [n for n in graph.nodes if n.attr("edge", False) and n.phase is Phase.FORWARD]
     made = {o for n in edge_fwd for o in n.outputs} | {i for n in edge_fwd for i in n.inputs}
     read = {graph.base_of(i) for n in graph.nodes if n.phase is not Phase.FORWARD and n.attr("edge", False)
             for i in n.inputs if i in made}
-    return sum(graph.value[v].storage_bytes for v in read
-               if graph.value[v].kind is ValueKind.ACTIVATION and v not in graph.saved)
+    return frozenset(v for v in read if graph.value[v].kind is ValueKind.ACTIVATION and v not in graph.saved)
+
+
+def edge_activation_bytes(graph: Graph) -> int:
+    """Bytes of ``edge_held_values``: the head's activations per micro-batch."""
+    return sum(graph.value[v].storage_bytes for v in edge_held_values(graph))
 
 
 def stack_activation_bytes(layers: Sequence[Graph]) -> int:

@@ -271,7 +271,9 @@ def subgraph(graph: Graph, keep: Iterable[Node], name: str | None = None) -> Gra
     outputs; parameters, gradients and the saved set restricted to what remains. Meta is kept (a
     merged graph's per-micro-batch barrier still applies to the nodes of each micro-batch)."""
     names = {n.name for n in keep}
-    nodes = tuple(n for n in graph.nodes if n.name in names)
+    # a backward node whose forward node is left out keeps no link to it (``Node.forward_of``)
+    nodes = tuple(n if n.forward_of is None or n.forward_of in names else dataclasses.replace(n, forward_of=None)
+                  for n in graph.nodes if n.name in names)
     if len(nodes) != len(names):
         raise GraphError(f"subgraph of {graph.name!r}: {sorted(names - set(graph.node))[:3]} are not its nodes")
     made = {o for n in nodes for o in n.outputs}

@@ -1,0 +1,143 @@
+"""A registry model's pipeline step: its layers' graphs, priced, balanced into stages, as a problem.
+
+Notation: P pipeline ranks, V stages per rank, M micro-batches, n, dp as in passes/stages.py.
+
+    layers = model_layers(cfg, strategy, batch=1, seq=4096, passes="gate-reorder,sar=paper", cost=cost)
+    built = pipeline_problem(layers, cost, pp=16, vpp=2, placement="v", micro_batches=32, vocab=129280)
+    result = solve_pipeline(built.problem, torch_warm_starts(built.problem))
+
+``model_layers`` lowers each distinct layer once (DeepSeek-V3's dense first layers and its MoE
+layers; the same graph object for identical layers), with the passes applied. ``pipeline_problem``
+prices each distinct layer's units by the op-level schedule (``price_layer``), the edges from a
+two-layer model step (``price_edges``), cuts the layers into P*V stages (``balance``: the
+costliest stage, embedding and head priced with theirs, as cheap as possible; uneven counts
+allowed) unless a layout is given, prices each boundary transfer as the P2P node the split pass
+makes (``split_stages``; ``cost.node_time_us``), and adds each rank's states (moegraph.memory)
+and optimizer step:
+
+    optimizer  Adam over this rank's shard of the trained elements (trained / dp under the
+               distributed optimizer), memory-bound: reads the fp32 gradient, master weight and
+               two moments (16 bytes), writes the last three and the bf16 parameter (14): 30 bytes
+               per element, priced as one memory-bound kernel. The distributed optimizer's
+               parameter all-gather is the all-gather half of the layers' gradient all-reduce
+               (moegraph.autodiff's sync; the same bytes for bf16), priced in each stage's sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+from moegraph.cost import CostModel
+from moegraph.edges import add_edges
+from moegraph.ir import Graph, Node, OpKind, Phase, Strategy, collective_bytes
+from moegraph.layers import stack_layers
+from moegraph.memory import (ADAM_DISTRIBUTED, OptimizerSpec, StageMemory, boundary_bytes, layer_params,
+                             pipeline_memory, rank_memory)
+from moegraph.passes.stages import Placement, StageLayout, balance
+from moegraph.schedules.pipeline import PipelineProblem, StageWork
+from moegraph.schedules.pipeline_price import EdgePrices, UnitPrice, price_edges, price_layer, ticks
+from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for
+
+__all__ = ["model_layers", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "ADAM_BYTES_PER_ELEMENT"]
+
+ADAM_BYTES_PER_ELEMENT = 30
+"""Bytes Adam moves per shard element (module docstring): 4 * 4 read, 3 * 4 + 2 written."""
+
+
+def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str, cost: CostModel) -> tuple[Graph, ...]:
+    """One graph per layer of ``cfg`` (dense first layers, then MoE), identical layers sharing one
+    graph; ``passes`` (a pipeline string, '' for none) applied to each distinct layer."""
+    from moegraph.models import MoETransformerLayer
+    from moegraph.passes import run_pipeline
+    from moegraph.tracer import trace_model, trace_module
+
+    def passed(g: Graph) -> Graph:
+        return run_pipeline(g, passes, cost=cost)[0] if passes else g
+    moe = passed(trace_model(cfg, strategy, batch=batch, seq=seq, layers=1))
+    dense: Graph | None = None
+    if cfg.first_k_dense_replace:
+        with torch.device("meta"):
+            layer = MoETransformerLayer.from_config(cfg, layer=0)
+        dense = passed(trace_module(layer, strategy, batch=batch, seq=seq, name=f"{cfg.name}.dense"))
+    return tuple(dense if i < cfg.first_k_dense_replace else moe for i in range(cfg.layers))
+
+
+@dataclass(frozen=True)
+class BuiltPipeline:
+    problem: PipelineProblem
+    layer_prices: tuple[UnitPrice, ...]
+    edges: EdgePrices
+    stage_memory: tuple[StageMemory, ...]
+    """Per stage, its states and its activations per micro-batch (in_flight 1)."""
+    p2p_us: float
+    optimizer_us: tuple[float, ...]
+
+
+def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: int = 1,
+                     placement: Placement = "loop", micro_batches: int, vocab: int, tied: bool = False,
+                     layout: StageLayout | None = None, memory_cap_bytes: int | None = None, method: str = "greedy",
+                     time_limit_s: float = 2.0, tick_us: float = 1.0,
+                     optimizer: OptimizerSpec = ADAM_DISTRIBUTED) -> BuiltPipeline:
+    """The pipeline problem of ``layers`` (module docstring)."""
+    prices: dict[int, UnitPrice] = {}
+    for g in layers:
+        if id(g) not in prices:
+            prices[id(g)] = price_layer(g, cost, method=method, time_limit_s=time_limit_s)
+    per_layer = tuple(prices[id(g)] for g in layers)
+    last = layers[-1]
+    edges = price_edges(add_edges(stack_layers(last, 2), vocab=vocab), cost, method=method,
+                        time_limit_s=time_limit_s)
+    if layout is None:
+        cut = balance([p.f_us + p.b_us for p in per_layer], pp * vpp,
+                      first_extra=edges.embedding.f_us + edges.embedding.b_us,
+                      last_extra=edges.head.f_us + edges.head.b_us)
+        layout = StageLayout(cut, pp, placement)
+    elif layout.layers != len(layers):
+        raise ValueError(f"layout holds {layout.layers} layers, the model {len(layers)}")
+    S = len(layout.stages)
+    work = []
+    for k, stage in enumerate(layout.stages):
+        total = UnitPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        for i in stage:
+            total = total + per_layer[i]
+        if k == 0:
+            total = total + edges.embedding
+        if k == S - 1:
+            total = total + edges.head
+        work.append(StageWork(*(ticks(v, tick_us) for v in total.astuple()[:6]), total.held_bytes,
+                              total.held_for_w_bytes))
+    p2p = Node(name="pp.boundary", op=OpKind.P2P, phase=Phase.FORWARD, inputs=("x",), outputs=("y",),
+               comm_bytes=collective_bytes(OpKind.P2P, boundary_bytes(layers[0]), 2), group=2,
+               attrs=(("scope", "inter"),))
+    p2p_us = cost.node_time_us(p2p)
+    stage_mem = pipeline_memory([[layers[i] for i in s] for s in layout.stages], vocab=vocab, tied=tied,
+                                dp=layers[0].strategy.dp, in_flight=[1] * S, head_activation_bytes=edges.head.held_bytes,
+                                optimizer=optimizer)
+    static, opt_us = [], []
+    for r in range(layout.pp):
+        mine = [stage_mem[s] for s in layout.stages_of(r)]
+        static.append(rank_memory(mine, 0)["total"])
+        trained = sum(_trained(layers, layout.stages[s], s == 0, s == S - 1, vocab, tied) for s in layout.stages_of(r))
+        shard = -(-trained // layers[0].strategy.dp) if optimizer.distributed else trained
+        adam = Node(name="optimizer.adam", op=OpKind.ADD, phase=Phase.BACKWARD, inputs=("g",), outputs=("p",),
+                    mem_bytes=ADAM_BYTES_PER_ELEMENT * shard)
+        opt_us.append(cost.node_time_us(adam))
+    problem = PipelineProblem(layout, micro_batches, tuple(work), (ticks(p2p_us, tick_us),) * (S - 1),
+                              (ticks(p2p_us, tick_us),) * (S - 1), tuple(ticks(u, tick_us) for u in opt_us),
+                              tuple(static), memory_cap_bytes, tick_us)
+    return BuiltPipeline(problem, per_layer, edges, stage_mem, p2p_us, tuple(opt_us))
+
+
+def _trained(layers: Sequence[Graph], stage: Sequence[int], first: bool, last: bool, vocab: int, tied: bool) -> int:
+    h = layers[0].dims.h
+    edge = (vocab * h if first else 0) + ((h + (0 if tied and first else vocab * h)) if last else 0)
+    return sum(layer_params(layers[i]).trained for i in stage) + edge
+
+
+def torch_warm_starts(problem: PipelineProblem, names: Sequence[str] | None = None) -> dict:
+    """torch's generated schedules that fit ``problem``'s layout, as orders (name -> Orders)."""
+    return {name: torch_orders(name, problem.layout, problem.micro_batches)
+            for name in (names or torch_schedules_for(problem.layout))}

@@ -1,0 +1,134 @@
+"""The stage-level pipeline schedule: timeline rules against closed forms, torch's tables, CP-SAT."""
+
+from __future__ import annotations
+
+import pytest
+
+from moegraph.passes.stages import StageLayout
+from moegraph.schedules.pipeline import Action, Pair, PipelineProblem, StageWork, simulate
+from moegraph.schedules.pipeline_cpsat import solve_pipeline
+from moegraph.schedules.pipeline_torch import (TORCH_SCHEDULES, read_csv, torch_orders, torch_schedules_for,
+                                               write_csv)
+from moegraph.schedules.problem import ScheduleError
+
+
+def problem(P=4, M=8, V=1, placement="loop", *, f=10, i=6, w=4, b=None, saving=0, sync=0, send=0, opt=0,
+            held=100, held_w=0, static=0, cap=None) -> PipelineProblem:
+    layout = StageLayout.even(P * V * 2, P, V, placement)
+    S = P * V
+    work = tuple(StageWork(f, i, w, i + w if b is None else b, saving, sync, held, held_w) for _ in range(S))
+    return PipelineProblem(layout, M, work, (send,) * (S - 1), (send,) * (S - 1), (opt,) * P, (static,) * P, cap)
+
+
+@pytest.mark.parametrize("name", ["GPipe", "1F1B"])
+def test_one_stage_per_rank_step_is_the_closed_form(name):
+    """No transfers, no step end: (M + P - 1)(F + B); bubble (P - 1)/(M + P - 1)."""
+    P, M, F, B = 4, 8, 10, 10
+    pr = problem(P, M, f=F, i=6, w=4)
+    t = simulate(pr, torch_orders(name, pr.layout, M))
+    assert t.makespan == (M + P - 1) * (F + B)
+    assert t.bubble_fraction == pytest.approx((P - 1) / (M + P - 1))
+
+
+def test_transfers_and_step_end_on_two_stages():
+    F, B, t_, sync, opt = 7, 11, 3, 5, 2
+    pr = problem(2, 1, f=F, i=B - 4, w=4, send=t_, sync=sync, opt=opt)
+    tl = simulate(pr, ((Action("F", 0, 0), Action("B", 0, 0)), (Action("F", 1, 0), Action("B", 1, 0))))
+    # rank 0: F, (send), rank 1: F, B, (send back), rank 0: B, then its sync and optimizer step
+    assert tl.makespan == 2 * F + 2 * t_ + 2 * B + sync + opt
+    assert tl.wait_ticks == (t_, t_)
+    assert [(x.direction, x.start, x.end) for x in tl.transfers] == [("fwd", F, F + t_),
+                                                                    ("bwd", 2 * F + t_ + B, 2 * F + 2 * t_ + B)]
+    assert tl.exposed_sync_ticks == sync
+
+
+def test_peak_memory_is_the_in_flight_micro_batches():
+    P, M, held, static = 4, 8, 100, 1000
+    pr = problem(P, M, held=held, static=static)
+    one = simulate(pr, torch_orders("1F1B", pr.layout, M))
+    assert one.peak_bytes == tuple(static + min(P - r, M) * held for r in range(P))
+    gpipe = simulate(pr, torch_orders("GPipe", pr.layout, M))
+    assert gpipe.peak_bytes == (static + M * held,) * P
+
+
+def test_weight_gradients_hold_their_share_until_w():
+    pr = problem(2, 2, held=100, held_w=30)
+    orders = ((Action("F", 0, 0), Action("F", 0, 1), Action("I", 0, 0), Action("I", 0, 1), Action("W", 0, 0),
+               Action("W", 0, 1)),
+              (Action("F", 1, 0), Action("I", 1, 0), Action("F", 1, 1), Action("I", 1, 1), Action("W", 1, 0),
+               Action("W", 1, 1)))
+    tl = simulate(pr, orders)
+    assert tl.peak_bytes == (200, 100 + 30)       # rank 1: I frees 70 of micro-batch 0 before F of 1
+
+
+def test_orders_are_checked_and_deadlocks_named():
+    pr = problem(2, 1)
+    with pytest.raises(ScheduleError, match="stage 1 is on rank 1"):
+        simulate(pr, ((Action("F", 0, 0), Action("F", 1, 0), Action("B", 1, 0), Action("B", 0, 0)), ()))
+    with pytest.raises(ScheduleError, match="needs B, or I and W, once"):
+        simulate(pr, ((Action("F", 0, 0), Action("I", 0, 0)), (Action("F", 1, 0), Action("B", 1, 0))))
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        simulate(pr, ((Action("B", 0, 0), Action("F", 0, 0)), (Action("F", 1, 0), Action("B", 1, 0))))
+
+
+@pytest.mark.parametrize("name", list(TORCH_SCHEDULES))
+def test_every_torch_schedule_reads_into_a_valid_order(name):
+    placement, per_rank = TORCH_SCHEDULES[name]
+    pr = problem(4, 8, per_rank or 2, placement)
+    assert name in torch_schedules_for(pr.layout)
+    tl = simulate(pr, torch_orders(name, pr.layout, 8))
+    assert tl.makespan > 0
+    if name == "DualPipeV":
+        assert any(isinstance(i, Pair) for row in tl.orders for i in row)
+
+
+def test_a_torch_schedule_of_another_placement_is_refused():
+    with pytest.raises(ScheduleError, match="does not fit a layout of 2 stage"):
+        torch_orders("DualPipeV", problem(2, 4, 2, "loop").layout, 4)
+
+
+def test_csv_round_trip_and_torch_runtime_loads_it(tmp_path):
+    from unittest import mock
+
+    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+    from torch.distributed.pipelining.stage import PipelineStage
+    pr = problem(2, 4, 2, "v")
+    orders = torch_orders("DualPipeV", pr.layout, 4)
+    path = write_csv(orders, tmp_path / "dualpipev.csv")
+    assert read_csv(path) == orders
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, 2, None, 4
+    runtime = _PipelineScheduleRuntime([stage, stage], 4)
+    runtime._load_csv(str(path))                # validates the table and adds its sends and receives
+    assert any("SEND_F" in str(a) for a in runtime.pipeline_order_with_comms[0])
+
+
+def test_cpsat_is_never_longer_than_torch_and_splits_heavy_weight_gradients():
+    """1F1B runs B whole; with W half of the backward, deferring W into the drain's bubbles is
+    shorter (zero bubble's split), which CP-SAT finds from 1F1B's warm start."""
+    pr = problem(3, 4, f=10, i=10, w=10, b=20, send=1)
+    warm = {n: torch_orders(n, pr.layout, 4) for n in torch_schedules_for(pr.layout)}
+    res = solve_pipeline(pr, warm, time_limit_s=2)
+    assert res.timeline.makespan <= min(t.makespan for t in res.warm_starts.values())
+    assert res.source == "cpsat" and res.timeline.makespan < res.warm_starts["1F1B"].makespan
+    assert any(isinstance(i, Action) and i.kind == "W" for row in res.timeline.orders for i in row)
+    again = solve_pipeline(pr, warm, time_limit_s=2)
+    assert again.timeline.orders == res.timeline.orders          # deterministic
+
+
+def test_cpsat_keeps_the_memory_cap():
+    pr = problem(2, 6, held=100, cap=350)
+    warm = {n: torch_orders(n, pr.layout, 6) for n in torch_schedules_for(pr.layout)}
+    res = solve_pipeline(pr, warm, time_limit_s=1)
+    assert not res.warm_starts["GPipe"].fits and res.warm_starts["1F1B"].fits
+    assert res.timeline.fits and max(res.timeline.peak_bytes) <= 350
+    with pytest.raises(ScheduleError, match="no warm start fits the memory cap"):
+        solve_pipeline(problem(2, 6, held=100, cap=150), warm, time_limit_s=1)
+
+
+def test_overlapped_pairs_are_chosen_when_they_save():
+    pr = problem(2, 4, 2, "v", f=10, i=8, w=4, saving=8, send=1)
+    warm = {"ZBVZeroBubble": torch_orders("ZBVZeroBubble", pr.layout, 4)}
+    res = solve_pipeline(pr, warm, time_limit_s=2)
+    assert res.timeline.makespan < res.warm_starts["ZBVZeroBubble"].makespan
+    assert any(isinstance(i, Pair) for row in res.timeline.orders for i in row)
