@@ -222,7 +222,7 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
         if by_layer is not None:
             _layer_lane(next(axes_of), s, by_layer, span)
         _memory(next(axes_of), s)
-    axes[-1].set_xlabel("time (us)")
+    time_axis(axes[-1], span)
     handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
     if any(by_layer is not None for by_layer in layered):
@@ -234,6 +234,15 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=len(handles),
                    framealpha=0.8)
     return fig
+
+
+def time_axis(ax, span_us: float) -> None:
+    """Label the shared time axis in the unit that reads at this span (us, ms, s), with plain
+    tick numbers: matplotlib's default offset notation drew a 12 s step as "1.2" under "1e7"."""
+    from matplotlib.ticker import FuncFormatter
+    unit, scale = next((u, f) for u, f in (("s", 1e6), ("ms", 1e3), ("us", 1.0)) if span_us >= 10 * f or f == 1.0)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda x, _: f"{x / scale:,.6g}"))
+    ax.set_xlabel(f"time ({unit})")
 
 
 def _layer_lane(ax, s: Schedule, by_layer: dict[int, list[ScheduledNode]], span: float) -> None:
@@ -283,16 +292,21 @@ def _gantt(ax, s: Schedule, span: float, label: str) -> None:
     rows = {name: i for i, name in enumerate(s.streams)}
     chars_per_us = _chars_per_us(ax, span)
     merged = micro_batches(s) > 0
-    for n in s.nodes:
+    label_end: dict[int, float] = {}       # row -> where its last label's text ends (us)
+    for n in sorted(s.nodes, key=lambda n: (n.start_us, n.end_us)):
         d = n.end_us - n.start_us
         if d <= 0:
             continue
         y = rows[n.stream]
         ax.barh(y, d, left=n.start_us, height=0.7, color=_bar_colour(n, merged), edgecolor="white", linewidth=0.4)
         text = _bar_text(n, room=d * chars_per_us)
-        if text:
+        half = (len(text) + 1) / chars_per_us / 2
+        # measured files overlap nodes on one row (a stream's kernels as the trace saw them):
+        # a label that would run into the previous one on its row is left out
+        if text and n.start_us + d / 2 - half >= label_end.get(y, -float("inf")):
             ax.text(n.start_us + d / 2, y, text, ha="center", va="center", fontsize=LABEL_PT, color="white",
                     clip_on=True)
+            label_end[y] = n.start_us + d / 2 + half
     comm_rows = [rows[x] for x in s.streams if x.startswith("comm")]
     for a, b in exposed_comm(s.nodes):
         for y in comm_rows:

@@ -293,3 +293,41 @@ def test_gantt_draws_a_file_that_does_not_verify_with_a_warning_and_a_mark(pair,
     procs = [e["args"]["name"] for e in json.loads((tmp_path / "both.json").read_text())["traceEvents"]
              if e["name"] == "process_name"]
     assert procs == [p["label"] for p in panels]
+
+
+def test_overlapping_measured_nodes_keep_their_labels_apart(pair):
+    """A measured file's comm row holds nodes that overlap in time (as its trace saw them): two
+    labels never print over each other."""
+    from moegraph.schedules.gantt import _figure
+    a, _ = pair
+    comm = [n for n in a.nodes if n.stream.startswith("comm") and n.end_us - n.start_us > 0]
+    twins = [dataclasses.replace(n, name=n.name + ".twin", start_us=n.start_us + 0.1 * (n.end_us - n.start_us),
+                                 end_us=n.end_us + 0.1 * (n.end_us - n.start_us)) for n in comm]
+    measured = dataclasses.replace(_as_runtime_file(a, True), nodes=tuple(a.nodes) + tuple(twins))
+    fig = _figure(measured, a)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    for ax in fig.axes:
+        boxes = [t.get_window_extent(renderer) for t in ax.texts if t.get_text().strip()]
+        assert all(not p.overlaps(q) for k, p in enumerate(boxes) for q in boxes[k + 1:])
+    rows = {a.streams.index(n.stream) for n in comm}
+    assert any(t.get_position()[1] in rows for t in fig.axes[0].texts if t.get_text().strip())   # still labelled
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+
+
+def test_a_long_step_reads_in_seconds_without_an_axis_offset(pair):
+    """tune's 12 s chart showed "1.2" under a "1e7" offset; the axis now says seconds."""
+    from moegraph.schedules.gantt import _figure
+    a, _ = pair
+    k = 12e6 / a.makespan_us
+    long = dataclasses.replace(a, nodes=tuple(dataclasses.replace(n, start_us=n.start_us * k, end_us=n.end_us * k)
+                                              for n in a.nodes))
+    fig = _figure(long, None)
+    fig.canvas.draw()
+    axis = fig.axes[-1]
+    assert axis.get_xlabel() == "time (s)" and axis.xaxis.get_offset_text().get_text() == ""
+    ticks = [t.get_text() for t in axis.get_xticklabels() if t.get_text()]
+    assert "12" in ticks and not any("e" in t for t in ticks), ticks
+    import matplotlib.pyplot as plt
+    plt.close(fig)
