@@ -132,3 +132,21 @@ def test_overlapped_pairs_are_chosen_when_they_save():
     res = solve_pipeline(pr, warm, time_limit_s=2)
     assert res.timeline.makespan < res.warm_starts["ZBVZeroBubble"].makespan
     assert any(isinstance(i, Pair) for row in res.timeline.orders for i in row)
+
+
+def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
+    from moegraph.schedules.pipeline_gantt import BUBBLE, pipeline_figure, render_pipeline
+    pr = problem(16, 32, 2, "v", f=10, i=8, w=4, saving=4, send=2, sync=30, opt=5)
+    tl = simulate(pr, torch_orders("DualPipeV", pr.layout, 32))
+    fig = pipeline_figure(tl, "DualPipeV")
+    fig.canvas.draw()
+    ax = fig.axes[0]
+    assert len(ax.get_yticks()) == 3 * 16
+    assert any(p.get_facecolor()[:3] == tuple(int(BUBBLE[k:k + 2], 16) / 255 for k in (1, 3, 5))
+               for p in ax.patches)                      # bubbles shaded
+    renderer = fig.canvas.get_renderer()
+    boxes = [t.get_window_extent(renderer) for t in ax.texts]
+    assert all(not a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
+    import matplotlib.pyplot as plt
+    plt.close(fig)
+    assert render_pipeline(tl, tmp_path / "p.png").stat().st_size > 0
