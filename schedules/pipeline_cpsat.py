@@ -92,8 +92,8 @@ def candidate_pairs(problem: PipelineProblem, orders: Mapping[str, Orders]) -> l
 SEARCH_ACTIONS = 8000
 """Most actions (F, I, W over stages and micro-batches) the search stage takes on. Above it (e.g.
 internal-352b's PP=15 x M=360 step, 16,200 actions) the search found no solution in 3 s of
-effort, even from the complete hint, and took 94 s of wall time on the 2-core box: the warm start
-is checked inside the model and returned (``status`` SKIPPED). A hierarchical decomposition over
+effort, even from the complete hint, and took 94 s of wall time on the 2-core box: the best warm
+start is returned without building the model (``status`` SKIPPED). A hierarchical decomposition over
 micro-batch windows is what such a step needs (left to do)."""
 
 
@@ -111,6 +111,10 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
                             f"per rank ({peaks})")
     best_name = min(fitting, key=lambda k: (fitting[k].makespan, k))
     best = fitting[best_name]
+    actions = 3 * problem.stages * problem.micro_batches
+    if actions > SEARCH_ACTIONS:
+        _log.info("pipeline: %d actions > %d: no search", actions, SEARCH_ACTIONS)
+        return PipelineResult(best, best_name, "SKIPPED", time.perf_counter() - t0, timelines, None, None)
     cands = candidate_pairs(problem, warm_starts) if pairs else []
     model = _Model(problem, cands)
     model.hint(best)
@@ -127,10 +131,6 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
     if status in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         model.rehint(solver)
         model.m.Add(model.makespan <= solver.Value(model.makespan))
-    actions = 3 * problem.stages * problem.micro_batches
-    if actions > SEARCH_ACTIONS:
-        _log.info("pipeline: %d actions > %d: no search", actions, SEARCH_ACTIONS)
-        return PipelineResult(best, best_name, "SKIPPED", time.perf_counter() - t0, timelines, None, None)
     p.fix_variables_to_their_hinted_value = False
     # one worker: the plain search, which starts from the complete hint; the interleaved
     # subsolvers lost it on DeepSeek-V3's 3,072 actions (no solution at all in the same effort)

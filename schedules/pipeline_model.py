@@ -41,7 +41,8 @@ from moegraph.schedules.pipeline import PipelineProblem, StageWork
 from moegraph.schedules.pipeline_price import EdgePrices, UnitPrice, price_edges, price_layer, ticks
 from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for
 
-__all__ = ["model_layers", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "ADAM_BYTES_PER_ELEMENT"]
+__all__ = ["model_layers", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "rank_memory_report",
+           "ADAM_BYTES_PER_ELEMENT"]
 
 ADAM_BYTES_PER_ELEMENT = 30
 """Bytes Adam moves per shard element (module docstring): 4 * 4 read, 3 * 4 + 2 written."""
@@ -98,6 +99,10 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
     elif layout.layers != len(layers):
         raise ValueError(f"layout holds {layout.layers} layers, the model {len(layers)}")
     S = len(layout.stages)
+    # activations per micro-batch: the memory model's (a stage's chain of layers holds each boundary once)
+    stage_mem = pipeline_memory([[layers[i] for i in s] for s in layout.stages], vocab=vocab, tied=tied,
+                                dp=layers[0].strategy.dp, in_flight=[1] * S, head_activation_bytes=edges.head.held_bytes,
+                                optimizer=optimizer)
     work = []
     for k, stage in enumerate(layout.stages):
         total = UnitPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
@@ -107,15 +112,13 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
             total = total + edges.embedding
         if k == S - 1:
             total = total + edges.head
-        work.append(StageWork(*(ticks(v, tick_us) for v in total.astuple()[:6]), total.held_bytes,
-                              total.held_for_w_bytes))
+        held = stage_mem[k].activation_bytes_per_mb
+        work.append(StageWork(*(ticks(v, tick_us) for v in total.astuple()[:6]), held,
+                              min(held, total.held_for_w_bytes)))
     p2p = Node(name="pp.boundary", op=OpKind.P2P, phase=Phase.FORWARD, inputs=("x",), outputs=("y",),
                comm_bytes=collective_bytes(OpKind.P2P, boundary_bytes(layers[0]), 2), group=2,
                attrs=(("scope", "inter"),))
     p2p_us = cost.node_time_us(p2p)
-    stage_mem = pipeline_memory([[layers[i] for i in s] for s in layout.stages], vocab=vocab, tied=tied,
-                                dp=layers[0].strategy.dp, in_flight=[1] * S, head_activation_bytes=edges.head.held_bytes,
-                                optimizer=optimizer)
     static, opt_us = [], []
     for r in range(layout.pp):
         mine = [stage_mem[s] for s in layout.stages_of(r)]
@@ -129,6 +132,15 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
                               (ticks(p2p_us, tick_us),) * (S - 1), tuple(ticks(u, tick_us) for u in opt_us),
                               tuple(static), memory_cap_bytes, tick_us)
     return BuiltPipeline(problem, per_layer, edges, stage_mem, p2p_us, tuple(opt_us))
+
+
+def rank_memory_report(built: BuiltPipeline, timeline) -> list[dict[str, int]]:
+    """Per pipeline rank, its peak memory component by component (moegraph.memory.COMPONENTS):
+    its stages' states, and the activations its timeline holds at the peak."""
+    layout = built.problem.layout
+    return [rank_memory([built.stage_memory[s] for s in layout.stages_of(r)],
+                        timeline.peak_bytes[r] - built.problem.static_bytes[r]) | {"rank": r}
+            for r in range(layout.pp)]
 
 
 def _trained(layers: Sequence[Graph], stage: Sequence[int], first: bool, last: bool, vocab: int, tied: bool) -> int:

@@ -150,3 +150,26 @@ def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     import matplotlib.pyplot as plt
     plt.close(fig)
     assert render_pipeline(tl, tmp_path / "p.png").stat().st_size > 0
+
+
+def test_model_problem_prices_stages_and_reports_memory_by_component():
+    """A 4-layer model over 2 ranks: every layer in a stage, the head's stage dearer, each rank's
+    states the memory model's, its peak = states + what its 1F1B timeline holds."""
+    from moegraph.cost import CostModel
+    from moegraph.ir import Strategy
+    from moegraph.memory import COMPONENTS
+    from moegraph.registry import load_hardware, load_model
+    from moegraph.schedules.pipeline_model import model_layers, pipeline_problem, rank_memory_report
+    cost = CostModel(load_hardware("h800"))
+    layers = model_layers(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, passes="",
+                          cost=cost)
+    assert len(layers) == 4 and len({id(g) for g in layers}) == 1
+    built = pipeline_problem(layers, cost, pp=2, micro_batches=4, vocab=1000)
+    assert [i for s in built.problem.layout.stages for i in s] == [0, 1, 2, 3]
+    last, first = built.problem.work[-1], built.problem.work[0]
+    assert last.f > 0 and last.sync >= first.sync            # the head's gradient all-reduce syncs on the last stage
+    tl = simulate(built.problem, torch_orders("1F1B", built.problem.layout, 4))
+    report = rank_memory_report(built, tl)
+    for r, row in enumerate(report):
+        assert row["total"] == tl.peak_bytes[r] == sum(row[c] for c in COMPONENTS)
+        assert row["activations"] == min(2 - r, 4) * built.stage_memory[r].activation_bytes_per_mb
