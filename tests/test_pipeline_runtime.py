@@ -3,6 +3,8 @@ on gloo (P=2, M=4) and matches the eager model: per-micro-batch losses and every
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -18,6 +20,7 @@ M = 4
 SEED = fresh_seed()
 
 
+@functools.cache
 def cpsat_order(layout: StageLayout, saving: int) -> tuple:
     """CP-SAT's order for costs where splitting W (heavy) and, on a V-shape, pairing pay."""
     S = len(layout.stages)

@@ -136,9 +136,9 @@ def test_overlapped_pairs_are_chosen_when_they_save():
 
 def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     from moegraph.schedules.pipeline_gantt import BUBBLE, pipeline_figure, render_pipeline
-    pr = problem(16, 32, 2, "v", f=10, i=8, w=4, saving=4, send=2, sync=30, opt=5)
-    tl = simulate(pr, torch_orders("DualPipeV", pr.layout, 32))
-    fig = pipeline_figure(tl, "DualPipeV")
+    pr = problem(16, 16, 1, f=10, i=8, w=4, send=2, sync=30, opt=5)
+    tl = simulate(pr, torch_orders("1F1B", pr.layout, 16))
+    fig = pipeline_figure(tl, "1F1B")
     fig.canvas.draw()
     ax = fig.axes[0]
     assert len(ax.get_yticks()) == 3 * 16
