@@ -22,9 +22,10 @@ from typing import Any, Literal, Mapping, Sequence
 
 import torch
 
+from moegraph.index_map import IndexMap, RecvMap
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
+from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
-from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
 
 
 Axis = Literal["mp", "dp"]

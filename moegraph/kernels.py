@@ -1,10 +1,12 @@
-"""Rank-local kernels for every compute op, plus the routing index maps.
+"""Rank-local kernels for every compute op: ``run_compute`` and the (op, role) -> kernel table.
 
 The reference interpreter (simulated ranks) and the runtime (real ranks) both execute
 compute nodes through ``run_compute``; they differ only in how collectives move data.
 Backward kernels are written out in closed form where that is short (GEMM, RMSNorm, RoPE,
 SwiGLU); attention and the router differentiate their forward kernel with autograd, which is
-exact and, unlike ``torch.func.vjp``, adds no functional-transform overhead per call.
+exact and, unlike ``torch.func.vjp``, adds no functional-transform overhead per call. The
+routing index maps live in ``moegraph.index_map``, the grouped GEMM in ``moegraph.grouped_gemm``,
+the router's kernels in ``moegraph.router_kernels``.
 
 Notation: b batch, S sequence on this rank after the op's layout, h hidden, T tokens,
 k top-k, R expert rows, El experts on this rank, C = T * min(k, El) padded expert rows.
@@ -22,14 +24,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 
-from moegraph.ir import ExpertRows, Graph, Node, OpKind, Role, bad_choice, check_expert_rows
-from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin, route
+from moegraph.grouped_gemm import grouped_rows, grouped_weight_grad
+from moegraph.index_map import build_index_map
+from moegraph.ir import ExpertRows, Node, OpKind, Role, bad_choice, check_expert_rows
+from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
+from moegraph.router_kernels import aux_stats, pullback, route_tokens, router_pullback, tokens
 
 
 @dataclass(frozen=True)
@@ -38,197 +42,12 @@ class RankContext:
     n: int
     seq: int                      # full sequence length s
     expert_rows: ExpertRows = "exact"   # the local index map's rows (build_index_map)
+    # tables made from sizes alone, never from data (RoPE's cos/sin, chunked attention's order), made
+    # once per rank and reused by every step: rebuilding them cost each node a dozen small kernels
+    tables: dict = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
         check_expert_rows(self.expert_rows)
-
-
-@dataclass(frozen=True)
-class IndexMap:
-    """Where each expert row comes from, computed once per step from the routing (paper §3.2).
-
-    Built on the routing's device without reading any value back to the host, so that a step
-    needs no host synchronisation for it (except ``layout='local'`` with exact rows, below):
-
-    flat:     for each row, token * k + slot into the [T, k] routing tensors.
-    counts:   [groups] rows per group, on the device. Group g uses expert weight g for layouts
-              'local' and 'all'; for 'by_dest' group g is expert g of the whole model, on rank
-              g // per_dest.
-    offsets:  [groups] int32 cumulative row ends (layouts 'local', 'all'): the grouped GEMM's
-              device-side group boundaries (None for 'by_dest', whose rows leave the rank).
-    per_dest: experts per destination rank for 'by_dest', else 0.
-    rows:     padded maps only (layout 'local', ``expert_rows='padded'``): 0-dim device tensor R, the
-              real rows; ``flat`` then has C >= R rows and rows R..C-1 are padding (``real_rows``).
-              None: every row is real.
-
-    ``segments`` and ``splits`` are host tuples read from ``counts`` with one device-to-host copy
-    (cached): the all-to-all needs its split sizes on the host, once per exchange.
-    """
-
-    flat: torch.Tensor
-    top_k: int
-    counts: torch.Tensor
-    offsets: torch.Tensor | None = None
-    per_dest: int = 0
-    rows: torch.Tensor | None = None
-    _host: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def tokens(self) -> torch.Tensor:
-        return torch.div(self.flat, self.top_k, rounding_mode="floor")
-
-    def real_rows(self, t: torch.Tensor) -> torch.Tensor:
-        """t [C, ...] in this map's row order with the padding rows (R..C-1) set to zero, on the
-        device; t itself when the map is not padded."""
-        return _mask_padding(t, self.rows)
-
-    def host_counts(self) -> tuple[int, ...]:
-        """Rows per group on the host: one device-to-host copy, the first time only."""
-        if "counts" not in self._host:
-            self._host["counts"] = tuple(int(c) for c in self.counts.tolist())
-        return self._host["counts"]
-
-    @classmethod
-    def from_splits(cls, flat: torch.Tensor, splits: Sequence[int]) -> "IndexMap":
-        """Rows already grouped by destination rank, ``splits[d]`` rows for rank d (one expert per
-        rank): e.g. a benchmark's uneven all-to-all. Each call is a new routing, so the runtime
-        exchanges its counts again (the cache in ``host_fact`` is per map)."""
-        counts = torch.tensor([int(c) for c in splits], dtype=torch.int64)
-        return cls(flat, 1, counts, None, per_dest=1)
-
-    def host_fact(self, key: str, compute: Callable[[], Any]) -> Any:
-        """A host-side fact about this routing, computed once per map (the runtime caches the
-        all-to-all's exchanged counts here: every exchange that follows this routing reuses them)."""
-        if key not in self._host:
-            self._host[key] = compute()
-        return self._host[key]
-
-    @property
-    def segments(self) -> tuple[tuple[int, int], ...]:
-        """(local expert, row count) in row order (by_dest: in destination-local expert ids)."""
-        counts = self.host_counts()
-        if self.per_dest:
-            return tuple((e % self.per_dest, c) for e, c in enumerate(counts))
-        return tuple(enumerate(counts))
-
-    @property
-    def splits(self) -> tuple[int, ...]:
-        """Rows per destination rank (all-to-all dispatch only; () otherwise)."""
-        if not self.per_dest:
-            return ()
-        counts, per = self.host_counts(), self.per_dest
-        return tuple(sum(counts[d * per:(d + 1) * per]) for d in range(len(counts) // per))
-
-
-@dataclass(frozen=True)
-class RecvMap:
-    """What an all-to-all dispatch delivered: row segments per (source, expert), rows per source,
-    and (``sent``, when known) rows this rank sent to each rank in that dispatch, which is what the
-    rows' way back delivers. Host integers: the all-to-all that delivered them needed them there."""
-
-    segments: tuple[tuple[int, int], ...]
-    splits: tuple[int, ...]
-    sent: tuple[int, ...] = ()
-    offsets = None                       # segments are source-major, not one per expert: no grouped GEMM offsets
-    rows = None                          # never padded: every received row is real
-
-
-def _mask_padding(t: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
-    """Rows at index >= ``rows`` (a 0-dim device tensor) of t set to zero; t itself for None.
-    masked_fill, not a multiply: padding rows may hold uncomputed memory (NaN, inf)."""
-    if rows is None:
-        return t
-    pad = torch.arange(t.shape[0], device=t.device) >= rows
-    return t.masked_fill(pad.view(-1, *([1] * (t.dim() - 1))), 0)
-
-
-def padded_rows(tokens: int, top_k: int, experts_per_rank: int) -> int:
-    """C = T * min(k, El): the most rows T tokens can put on one rank's El experts (a token picks
-    k distinct experts, at most El of them here), so R <= C for any routing: padding to C drops
-    nothing."""
-    return tokens * min(top_k, experts_per_rank)
-
-
-def local_index_maps(graph: Graph) -> list[Node]:
-    """The graph's INDEX_MAP nodes of layout 'local' (ffn=ep under dispatch=ag-rs): the ones
-    ``expert_rows`` pads."""
-    return [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP and nd.attr("layout") == "local"]
-
-
-def expert_rows_refusal(graph: Graph, expert_rows: ExpertRows) -> str | None:
-    """Why ``expert_rows`` does not apply to this graph, or None: 'padded' pads local index maps,
-    and a graph without one (ffn=tp, or dispatch=a2a) would run exactly as 'exact'."""
-    if check_expert_rows(expert_rows) == "padded" and not local_index_maps(graph):
-        st = graph.strategy
-        return (f"expert_rows='padded' pads the local index map of ffn=ep with dispatch=ag-rs; graph {graph.name!r} "
-                f"(ffn={st.ffn}, dispatch={st.dispatch}) has none: use expert_rows='exact'")
-    return None
-
-
-def padded_rows_extra_bytes(graph: Graph) -> int:
-    """Bytes a step's routed values (expert rows, ``Value.routed``) hold beyond the graph's planning
-    shapes when the local index maps are padded: each one's bytes x (C / R_expected - 1), with
-    R_expected its planning rows (the balanced T*k/n) and C = T * min(k, El). Summed over every
-    routed value of the step (forward, backward, recompute): an allocation volume, not a peak.
-    The scheduler's memory model keeps R_expected; this is what padding adds on top. 0 without a
-    local index map."""
-    ratios = set()
-    for nd in local_index_maps(graph):
-        T, k = graph.value[nd.inputs[0]].shape
-        expected = graph.value[nd.outputs[0]].shape[0]
-        ratios.add(Fraction(padded_rows(T, k, nd.attr("experts_per_rank")), expected))
-    if not ratios:
-        return 0
-    if len(ratios) > 1:
-        raise ValueError(f"graph {graph.name!r}: local index maps pad by different ratios {sorted(map(str, ratios))}; "
-                         "padded_rows_extra_bytes assumes one")
-    (ratio,) = ratios
-    routed = sum(v.storage_bytes for v in graph.values if v.routed)
-    return int(routed * (ratio - 1))
-
-
-def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int,
-                    expert_rows: ExpertRows = "exact") -> IndexMap:
-    """experts: [T, k] routed expert ids -> rows sorted by expert (stable in token order).
-
-    layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
-    expert, all local (tensor-parallel experts); 'by_dest': every row, grouped by the rank
-    that owns its expert (all-to-all dispatch).
-
-    Sorting keys, not filtering rows, keeps every shape static (T*k rows) and the work on the
-    device. 'local' keeps only this rank's rows, R of them, a data-dependent count. With
-    ``expert_rows='exact'`` the map has R rows: reading R is the one host synchronisation of this
-    layout (dropless routing sizes its buffers by it). With 'padded' it has the static
-    C = T * min(k, El) >= R rows (``padded_rows``): no host read; the last offset (R) stays on the
-    device and rows R..C-1 are padding the kernels zero or mask (module doc). Other layouts have
-    T*k rows either way.
-    """
-    expert_rows = check_expert_rows(expert_rows)
-    flat_experts = experts.reshape(-1)                          # [T*k]
-    if layout == "local":
-        key = flat_experts - rank * experts_per_rank
-        key = torch.where((key >= 0) & (key < experts_per_rank), key, experts_per_rank)   # others sort last
-        groups = experts_per_rank
-    elif layout == "all":
-        key, groups = flat_experts, experts_per_rank
-    elif layout == "by_dest":
-        key, groups = flat_experts, experts_per_rank * n
-    else:
-        raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
-    sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
-    ends = torch.searchsorted(sorted_key, bounds)               # [groups]: rows with key < g + 1
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    k = experts.shape[1]
-    if layout == "by_dest":
-        return IndexMap(order, k, counts, None, experts_per_rank)
-    if layout == "local" and expert_rows == "padded":
-        C = padded_rows(experts.shape[0], k, experts_per_rank)
-        real = ends[-1] if groups else ends.new_zeros(())
-        return IndexMap(order[:C], k, counts, ends.to(torch.int32), rows=real)
-    if layout == "local":
-        order = order[:int(ends[-1].item())] if groups else order[:0]   # the layout's one host sync
-    return IndexMap(order, k, counts, ends.to(torch.int32))
 
 
 def run_compute(ctx: RankContext, node: Node, ins: list[Any], out_shapes: list[tuple[int, ...]]) -> list[Any]:
@@ -275,11 +94,32 @@ def chunk_positions(layout: str, rank: int, n: int, seq: int, rows: int, chunk: 
     raise ValueError(f"position layout {layout!r} is not one of 'shard', 'full', 'chunk_major'")
 
 
+def _cached(ctx: RankContext, key: tuple, make: Callable[[], Any]) -> Any:
+    hit = ctx.tables.get(key)
+    if hit is None:
+        hit = ctx.tables[key] = make()
+    return hit
+
+
+def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.Tensor):
+    """cos, sin [rows, dim] at this node's positions (``chunk_positions``) in ``like``'s dtype and
+    device: the same for the node's forward, its backward and every step (``RankContext.tables``)."""
+    layout, theta = node.attr("positions"), node.attr("theta")
+    chunk, chunks = node.attr("chunk", 0), node.attr("chunks", 1)
+    return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, like.dtype, like.device),
+                   lambda: rope_cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
+                                                        device=like.device), dim, theta, like.dtype))
+
+
+def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Chunk-major rows' sequence positions and, for each position p, the row holding it."""
+    pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, rows, chunks=chunks, device=device)
+    return pos, torch.argsort(pos)
+
+
 def _rope_fwd(ctx: RankContext, node: Node, q, k):
     d, S = node.attr("head_dim"), q.shape[1]
-    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
-    cos, sin = rope_cos_sin(positions, d, node.attr("theta"), q.dtype)
+    cos, sin = _rope_tables(ctx, node, S, d, q)
     b = q.shape[0]
     rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
     return rot(q), rot(k)
@@ -296,8 +136,7 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
     q, k, v = (torch.cat(qkv[i * N:(i + 1) * N], dim=1) for i in range(3))
     b, S = q.shape[:2]
     if N > 1:
-        pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, S, chunks=N, device=q.device)
-        order = torch.argsort(pos)                                      # row holding position p
+        pos, order = _cached(ctx, ("chunk_major", S, N, q.device), lambda: _chunk_order(ctx, S, N, q.device))
         q, k, v = q[:, order], k[:, order], v[:, order]
     dv = node.attr("v_head_dim", d)                                    # MLA: values narrower than q/k heads
     out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv))
@@ -310,157 +149,6 @@ def _swiglu_fwd(a, b):
     return F.silu(a) * b
 
 
-def _route(node: Node, x, w, *bias):
-    """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
-    scoring = node.attr("scoring")
-    if scoring == "softmax":
-        return route(_tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
-    if scoring == "sigmoid":
-        return route_sigmoid(_tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
-                             topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
-                             scale=node.attr("scale"))
-    raise bad_choice(node)
-
-
-def route_sigmoid(x, w, bias, top_k: int, *, groups: int, topk_groups: int, normalize: bool, scale: float):
-    """DeepSeek-V3's router. x [T, h], w [E, h], bias [E] or None -> (weights [T, k], experts [T, k]).
-
-    scores = sigmoid(x w^T) in fp32; experts are chosen by scores + bias (selection only) among
-    the topk_groups best of ``groups`` equal expert groups (a group ranks by the sum of its two best
-    choice scores); their *unbiased* scores, renormalised to sum to 1 if normalize, times scale,
-    weigh them (the +1e-20 keeps the eager module's rounding)."""
-    scores = F.linear(x.float(), w.float()).sigmoid()
-    choice = scores if bias is None else scores + bias.float()
-    T, E = choice.shape
-    if groups > 1:
-        group_scores = choice.view(T, groups, E // groups).topk(2, dim=-1)[0].sum(-1)        # [T, groups]
-        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], 1)
-        mask = keep.bool()[:, :, None].expand(T, groups, E // groups).reshape(T, E)
-        choice = choice.masked_fill(~mask, float("-inf"))
-    experts = torch.topk(choice, top_k, dim=-1)[1]
-    weights = scores.gather(1, experts)
-    if normalize:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return weights * scale, experts
-
-
-def _router_fwd(node: Node, x, w, *bias):
-    return _route(node, x, w, *bias)[0]
-
-
-def _router_probs(x, w):
-    """The softmax router's probabilities P [T, E] in fp32, as transformers' aux loss reads them."""
-    return torch.softmax(F.linear(_tokens(x), w).float(), dim=-1)
-
-
-def _aux_stats(node: Node, x, w, experts):
-    """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
-    E = node.attr("experts")
-    slots = experts.reshape(-1)
-    # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
-    # integer counts in fp32 are exact whatever order the adds land in
-    counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(
-        0, slots, torch.ones(slots.shape, dtype=torch.float32, device=slots.device))
-    return torch.stack([counts, _router_probs(x, w).sum(0)])
-
-
-def _router_pullback(node: Node, primal: int, ins):
-    """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
-    (the global stats [2, E], the aux seed [1]) and the aux loss's probability gradient
-    seed * E * count / N^2 * share (moegraph.edges) joins the routing weights' cotangent."""
-    if not node.attr("aux", False):
-        (x, w, *bias), dweights = ins[:-1], ins[-1]
-        leaves = (x, w)
-        return _pullback(lambda p: _router_fwd(node, *(p if i == primal else leaves[i] for i in range(2)), *bias),
-                         (leaves[primal],), (dweights,))
-    (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
-    leaves = (x, w)
-    rows, E = node.attr("aux_rows"), node.attr("experts")
-    c = seed.float() * (E * node.attr("aux_share") / rows / rows) * stats[0]              # [E]
-
-    def fn(p):
-        args = tuple(p if i == primal else leaves[i] for i in range(2))
-        return _router_fwd(node, *args, *bias), _router_probs(*args)
-    T = _tokens(x).shape[0]
-    return _pullback(fn, (leaves[primal],), (dweights, c.expand(T, E)))
-
-
-_GROUPED_MM = getattr(torch, "_grouped_mm", None)
-_GROUPED_MM_RUNS: dict[tuple[torch.device, torch.dtype], bool] = {}   # probed once per (device, dtype)
-
-
-def _grouped_mm_runs(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether torch._grouped_mm takes this device and dtype (fp64 it does not), probed once on
-    tiny aligned operands in both call shapes (2-D x 3-D, and 2-D x 2-D for weight gradients), as
-    ``runtime.cudagraph.grouped_mm_host_read`` probes its host reads. Decided up front, so an
-    error from a real call (a shape bug) propagates instead of switching the op off."""
-    key = (device, dtype)
-    if key not in _GROUPED_MM_RUNS:
-        x = torch.zeros(32, 16, dtype=dtype, device=device)                    # [R, K], two groups of 16 rows
-        w = torch.zeros(2, 16, 16, dtype=dtype, device=device)                 # [E, N, K]
-        ends = torch.arange(16, 33, 16, dtype=torch.int32, device=device)      # [16, 32], no host copy
-        try:
-            _GROUPED_MM(x, w.transpose(-2, -1), offs=ends)
-            _GROUPED_MM(x.T, x, offs=ends)
-            _GROUPED_MM_RUNS[key] = True
-        except (RuntimeError, NotImplementedError):
-            _GROUPED_MM_RUNS[key] = False
-    return _GROUPED_MM_RUNS[key]
-
-
-def _grouped_mm(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor | None:
-    """torch._grouped_mm with device-side group ends, or None where it cannot run (no such op, a
-    device/dtype it does not take, or an operand whose row stride is not 16-byte aligned): the
-    caller then loops over host segments, which costs one device-to-host copy of the counts."""
-    if _GROUPED_MM is None or not _grouped_mm_runs(a.device, a.dtype):
-        return None
-    for t in (a, b):
-        if any(st != 1 and (st * t.element_size()) % 16 for st in t.stride()) \
-                or (t.storage_offset() * t.element_size()) % 16:
-            return None
-    return _GROUPED_MM(a, b, offs=offsets)
-
-
-def _grouped(x, w, seg, transpose_w: bool = False):
-    """Per-segment x @ w[e].T (or x @ w[e] for data gradients). seg: an IndexMap (device-side
-    offsets, one group per expert) or a RecvMap (host segments). A padded map's rows past its
-    last offset come out zero (torch._grouped_mm leaves them uncomputed)."""
-    if seg.offsets is not None:
-        if seg.offsets.shape[0] != w.shape[0]:
-            raise ValueError(f"index map has {seg.offsets.shape[0]} groups for {w.shape[0]} expert weights")
-        out = _grouped_mm(x, w if transpose_w else w.transpose(-2, -1), seg.offsets)
-        if out is not None:
-            return _mask_padding(out, seg.rows)
-    outs, start = [], 0
-    for e, count in seg.segments:
-        xe = x[start:start + count]
-        outs.append(xe @ w[e] if transpose_w else F.linear(xe, w[e]))
-        start += count
-    width = w.shape[2] if transpose_w else w.shape[1]
-    if seg.rows is not None and start < x.shape[0]:          # a padded map: zero rows R..C-1
-        outs.append(x.new_zeros((x.shape[0] - start, width)))
-    if not outs:
-        return x.new_zeros((0, width))
-    return torch.cat(outs)
-
-
-def _grouped_wgrad(x, dy, seg, w_shape):
-    # rows past the last offset (a padded map's padding) are read by neither path: the grouped
-    # GEMM's groups end there, the host loop's segments cover the R real rows only
-    if seg.offsets is not None and seg.offsets.shape[0] == w_shape[0]:
-        dw = _grouped_mm(dy.T, x, seg.offsets)                  # [E, out, in]; empty groups are zero
-        if dw is not None:
-            return dw
-    dw = x.new_zeros(w_shape)
-    start = 0
-    for e, count in seg.segments:                 # an expert may own several segments (a2a): accumulate
-        dw[e].addmm_(dy[start:start + count].T, x[start:start + count])
-        start += count
-    return dw
-
-
-def _tokens(x):
-    return x.reshape(-1, x.shape[-1])
 
 
 def _k_rmsnorm(ctx, node, ins, shapes):
@@ -535,9 +223,9 @@ def _k_swiglu(ctx, node, ins, shapes):
 
 
 def _k_router(ctx, node, ins, shapes):
-    weights, experts = _route(node, *ins)
+    weights, experts = route_tokens(node, *ins)
     if node.attr("aux", False):                 # the aux loss's stats (moegraph.edges)
-        return [weights, experts, _aux_stats(node, ins[0], ins[1], experts)]
+        return [weights, experts, aux_stats(node, ins[0], ins[1], experts)]
     return [weights, experts]
 
 
@@ -552,7 +240,7 @@ def _k_permute(ctx, node, ins, shapes):
     if index == "slot":                                                 # [T, k] routing weights -> [R]
         return [x.reshape(-1)[imap.flat]]
     if index == "token":
-        return [_tokens(x)[imap.tokens]]                                # [T, h] -> [R, h]
+        return [tokens(x)[imap.tokens]]                                # [T, h] -> [R, h]
     raise bad_choice(node)
 
 
@@ -619,9 +307,7 @@ def _mla_heads_fwd(ctx: RankContext, node: Node, q, kv, k_pe):
     k_rot = k_pe.view(b, S, 1, dr)
     if node.attr("interleave"):
         q_rot, k_rot = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_rot, k_rot))
-    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
-    cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
+    cos, sin = _rope_tables(ctx, node, S, dr, q)
     q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
     query = torch.cat((q_nope, q_rot), dim=-1).reshape(b, S, -1)
     key = torch.cat((k_nope, k_rot.expand(b, S, Hl, dr)), dim=-1).reshape(b, S, -1)
@@ -640,9 +326,7 @@ def _k_mla_heads_dgrad(ctx, node, ins, shapes):
     b, S = q.shape[:2]
     dq_nope, dq_rot = dquery.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     dk_nope, dk_rot = dkey.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
-    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1), device=q.device)
-    cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), q.dtype)
+    cos, sin = _rope_tables(ctx, node, S, dr, q)
     dq_rot = apply_rope(dq_rot, cos, -sin)
     dk_rot = apply_rope(dk_rot.sum(2, keepdim=True), cos, -sin)                   # [b, S, 1, dr]
     if node.attr("interleave"):                                                    # evens, odds -> pairs
@@ -654,19 +338,11 @@ def _k_mla_heads_dgrad(ctx, node, ins, shapes):
 
 def _k_grouped_gemm(ctx, node, ins, shapes):
     x, w, seg = ins
-    return [_grouped(x, w, seg)]
+    return [grouped_rows(x, w, seg)]
 
 
 # -- backward kernels ---------------------------------------------------------------------
 
-def _pullback(fn: Callable, primals, cotangents) -> list:
-    """Gradients of fn's outputs (paired with cotangents) with respect to primals, via autograd.
-    Runs under enable_grad: the runtime calls kernels from inside an autograd Function."""
-    with torch.enable_grad():
-        leaves = [p.detach().requires_grad_() for p in primals]
-        outs = fn(*leaves)
-        outs = outs if isinstance(outs, tuple) else (outs,)
-        return list(torch.autograd.grad(outs, leaves, tuple(cotangents)))
 
 def _k_gemm_dgrad(ctx, node, ins, shapes):
     dy, w = ins
@@ -675,17 +351,17 @@ def _k_gemm_dgrad(ctx, node, ins, shapes):
 
 def _k_gemm_wgrad(ctx, node, ins, shapes):
     x, dy = ins
-    return [_tokens(dy).T @ _tokens(x)]
+    return [tokens(dy).T @ tokens(x)]
 
 
 def _k_grouped_dgrad(ctx, node, ins, shapes):
     dy, w, seg = ins
-    return [_grouped(dy, w, seg, transpose_w=True)]
+    return [grouped_rows(dy, w, seg, transpose_w=True)]
 
 
 def _k_grouped_wgrad(ctx, node, ins, shapes):
     x, dy, seg = ins
-    return [_grouped_wgrad(x, dy, seg, shapes[0])]
+    return [grouped_weight_grad(x, dy, seg, shapes[0])]
 
 
 def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
@@ -700,7 +376,7 @@ def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
 def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
     x, dy = ins
     normed = rms_norm(x, x.new_ones(x.shape[-1]), node.attr("eps"))
-    return [(_tokens(dy) * _tokens(normed)).sum(0)]
+    return [(tokens(dy) * tokens(normed)).sum(0)]
 
 
 def _k_split_dgrad(ctx, node, ins, shapes):
@@ -717,9 +393,7 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
     # RoPE with -sin (sin is the same in both halves, so the rotate-half sign flip commutes).
     dq, dk = ins
     d, S, b = node.attr("head_dim"), dq.shape[1], dq.shape[0]
-    positions = chunk_positions(node.attr("positions"), ctx.rank, ctx.n, ctx.seq, S,
-                                node.attr("chunk", 0), node.attr("chunks", 1), device=dq.device)
-    cos, sin = rope_cos_sin(positions, d, node.attr("theta"), dq.dtype)
+    cos, sin = _rope_tables(ctx, node, S, d, dq)
     back = lambda x: apply_rope(x.view(b, S, -1, d), cos, -sin).reshape(b, S, -1)  # noqa: E731
     return [back(dq), back(dk)]
 
@@ -727,7 +401,7 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
 def _k_attention_dgrad(ctx, node, ins, shapes):
     N = node.attr("chunks", 1)                                          # ins: q, k, v, o, do; N chunks each
     qkv, do = ins[:3 * N], tuple(ins[4 * N:5 * N])
-    return _pullback(lambda *t: _attention_fwd(ctx, node, *t), qkv, do)
+    return pullback(lambda *t: _attention_fwd(ctx, node, *t), qkv, do)
 
 
 def _k_swiglu_dgrad(ctx, node, ins, shapes):
@@ -737,11 +411,11 @@ def _k_swiglu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_dgrad(ctx, node, ins, shapes):
-    return _router_pullback(node, 0, ins)
+    return router_pullback(node, 0, ins)
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    return _router_pullback(node, 1, ins)
+    return router_pullback(node, 1, ins)
 
 
 def _k_permute_dgrad(ctx, node, ins, shapes):
@@ -760,9 +434,9 @@ def _k_permute_dgrad(ctx, node, ins, shapes):
 def _k_unpermute_dgrad(ctx, node, ins, shapes):
     if not node.attr("weighted"):
         dy, imap = ins
-        return [_tokens(dy)[imap.tokens]]
+        return [tokens(dy)[imap.tokens]]
     dy, rows, weights, imap = ins
-    dy_rows = _tokens(dy)[imap.tokens]                                  # [R, h]
+    dy_rows = tokens(dy)[imap.tokens]                                  # [R, h]
     w_rows = weights.reshape(-1)[imap.flat]
     drows = dy_rows * w_rows[:, None].to(dy_rows.dtype)
     dweights = torch.zeros_like(weights).reshape(-1)
@@ -773,7 +447,7 @@ def _k_unpermute_dgrad(ctx, node, ins, shapes):
 
 def _k_bias_wgrad(ctx, node, ins, shapes):
     (dy,) = ins
-    return [_tokens(dy).sum(0)]                                          # [..., X] -> [X]
+    return [tokens(dy).sum(0)]                                          # [..., X] -> [X]
 
 
 def _k_sigmoid_gate_dgrad(ctx, node, ins, shapes):
@@ -792,12 +466,12 @@ def _k_rmsnorm_sharded_dgrad(ctx, node, ins, shapes):
     # gradient of the slice and of ss; this rank's dss is partial (ss is shared across ranks): the
     # ALL_REDUCE's backward sums it before SQUARE_SUM's backward reads it
     x, w, ss, dy = ins
-    return _pullback(lambda x_, ss_: _rmsnorm_sharded_fwd(node, x_, w, ss_), (x, ss), (dy,))
+    return pullback(lambda x_, ss_: _rmsnorm_sharded_fwd(node, x_, w, ss_), (x, ss), (dy,))
 
 
 def _k_rmsnorm_sharded_wgrad(ctx, node, ins, shapes):
     x, w, ss, dy = ins
-    return _pullback(lambda w_: _rmsnorm_sharded_fwd(node, x, w_, ss), (w,), (dy,))
+    return pullback(lambda w_: _rmsnorm_sharded_fwd(node, x, w_, ss), (w,), (dy,))
 
 
 def _k_gate_dgrad(ctx, node, ins, shapes):

@@ -76,9 +76,9 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from moegraph.index_map import IndexMap, RecvMap
 from moegraph.interpreter import Axis, axis_groups, axis_of
 from moegraph.ir import Node, OpKind
-from moegraph.kernels import IndexMap, RecvMap
 from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

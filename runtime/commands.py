@@ -539,7 +539,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.layers import layer_count
     from moegraph.microbatch import micro_batch_count
     from moegraph.runtime.module import make_plan
-    from moegraph.kernels import expert_rows_refusal, padded_rows_extra_bytes
+    from moegraph.expert_rows import expert_rows_refusal, padded_rows_extra_bytes
     from moegraph.runtime.cudagraph import capture_refusal
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     from moegraph.runtime.netns import emulated_link, link_from_args, link_mismatch

@@ -26,11 +26,10 @@ its real row count stays on the device, so ffn=ep under ag-rs captures whole; th
 'exact' points there. Padding costs memory: C instead of about R rows in every expert buffer
 (``padded_rows_extra_bytes``; ``run --json`` reports it).
 Index maps are Python objects, not tensors: the 'attention' segments stop before a node that
-reads or makes one, so no index map crosses a graph boundary. One host read depends on the GPU,
-not the graph: ``torch._grouped_mm`` runs on the device for bf16 on sm90/sm100 and elsewhere
-falls back to copying its group offsets to the host; 'layer' on the real backend probes it
-(``grouped_mm_host_read``) and refuses naming the first grouped GEMM (so an fp32 layer captures
-in 'attention' mode only, where the grouped GEMMs stay in the eager middle).
+reads or makes one, so no index map crosses a graph boundary. The grouped GEMM over an index map
+reads no host value on any GPU or dtype (``moegraph.grouped_gemm``: ``torch._grouped_mm`` where its
+kernel runs from device-side group ends, bf16 on sm90/sm100; elsewhere its masked formulation),
+so an fp32 layer captures whole too.
 
 Replay (``CapturedSegment``). The first call warms the segment up eagerly on a side stream
 (torch requires it: lazy cuBLAS/NCCL initialisation must not be captured), with
@@ -68,7 +67,7 @@ from typing import Any, Callable, Literal, Protocol, Sequence
 import torch
 
 from moegraph.ir import ExpertRows, Graph, Node, OpKind, ValueKind, check_expert_rows
-from moegraph.kernels import TORCH_DTYPES, IndexMap
+from moegraph.index_map import IndexMap
 from moegraph.runtime import CUDA_GRAPH_MODES, CudaGraphs, RuntimeFailure
 from moegraph.runtime.executor import Executor, _releases
 from moegraph.runtime.plan import ExecutionPlan, PlanEntry
@@ -207,54 +206,6 @@ def check_device(mode: CudaGraphs, device: torch.device) -> None:
                          f"{torch.device(device)}; use cuda_graphs='off'")
 
 
-def grouped_mm_host_read(device: torch.device, dtype: torch.dtype) -> str | None:
-    """Why ``torch._grouped_mm`` reads the host on this CUDA device and dtype, or None when it runs
-    on the device. Its device-side path takes bf16 on sm90/sm100; elsewhere torch's fallback copies
-    the group offsets to the host, and the kernels' own fallback (``moegraph.kernels._grouped``)
-    loops over host segments. A property of torch's build and the GPU, not of the graph: probed on
-    tiny operands shaped as the kernels call it, under sync debug mode 'error'. Cached."""
-    key = (str(device), dtype)
-    if key not in _GROUPED_MM_PROBES:
-        grouped_mm = getattr(torch, "_grouped_mm", None)
-        why = None
-        if grouped_mm is None:
-            why = "has no torch._grouped_mm, so the grouped GEMM loops over host row segments"
-        else:
-            x = torch.zeros(32, 16, dtype=dtype, device=device)                  # [R, K], two groups of 16 rows
-            w = torch.zeros(2, 16, 16, dtype=dtype, device=device)               # [E, N, K]
-            ends = torch.tensor([16, 32], dtype=torch.int32, device=device)
-            old = torch.cuda.get_sync_debug_mode()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                grouped_mm(x, w.transpose(-2, -1), offs=ends)
-            except RuntimeError as err:
-                why = (f"runs torch._grouped_mm's host fallback for {str(dtype).removeprefix('torch.')} on {device} "
-                       f"({str(err).splitlines()[0]})")
-            finally:
-                torch.cuda.set_sync_debug_mode(old)
-        _GROUPED_MM_PROBES[key] = why
-    return _GROUPED_MM_PROBES[key]
-
-
-_GROUPED_MM_PROBES: dict[tuple[str, torch.dtype], str | None] = {}
-
-
-def device_host_read(graph: Graph, plan: ExecutionPlan, device: torch.device) -> HostRead | None:
-    """The first grouped GEMM (issue order) that reads the host on this CUDA device
-    (``grouped_mm_host_read`` for the graph's dtype), or None. 'layer' mode only: 'attention'
-    leaves every grouped GEMM in its eager middle (they read index maps)."""
-    grouped = [(phase, e.name) for phase, entries in zip(("forward", "backward"), plan.split(graph))
-               for e in entries if graph.node[e.name].op is OpKind.GROUPED_GEMM]
-    if not grouped:
-        return None
-    why = grouped_mm_host_read(device, TORCH_DTYPES[graph.strategy.dtype])
-    if why is None:
-        return None
-    phase, name = grouped[0]
-    return HostRead(name, phase, why, remedy="capture needs kernels that stay on the device (bf16 on an sm90/sm100 "
-                                             "GPU, or use cuda_graphs='attention')")
-
-
 # -- segments -----------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -357,8 +308,7 @@ class CapturedSegment:
                 raise                   # the runtime's own (a collective timeout, a rank failure): as it is
             except RuntimeError as err:
                 raise RuntimeFailure(f"cuda_graphs: capturing segment {self.name} failed: {err} (a kernel that reads "
-                                     "the host, e.g. the grouped GEMM's host-segment fallback where torch._grouped_mm "
-                                     "rejects the dtype or strides, cannot be captured)") from err
+                                     "the host cannot be captured)") from err
             missing = sorted(set(self.makes) - set(out))
             if missing:
                 raise RuntimeFailure(f"cuda_graphs: segment {self.name} did not make {missing}: a runtime bug")
@@ -433,8 +383,6 @@ class GraphedExecutor(Executor):
         why = capture_refusal(graph, plan, mode, expert_rows)
         if why is not None:
             raise RuntimeFailure(why)
-        if backend is None and mode == "layer" and (hit := device_host_read(graph, plan, device)) is not None:
-            raise RuntimeFailure(hit.refusal(graph))
         super().__init__(graph, plan, comm, rank=rank, n=n, device=device, timeout_s=timeout_s,
                          expert_rows=expert_rows)
         self.mode = mode

@@ -39,7 +39,7 @@ from moegraph.commands import DEFAULT_PASSES
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
 from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
-from moegraph.kernels import expert_rows_refusal
+from moegraph.expert_rows import expert_rows_refusal
 from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction

@@ -11,8 +11,14 @@ host-to-device copy, so they are rejected too). 0-dim CPU tensors are allowed: C
 scalars. Explicit transfers (``.to``, ``copy_``) are allowed and counted.
 
 It also counts what would synchronise the host with a real GPU (``syncs``): reading a value
-(``.item``, ``.tolist``: aten ``_local_scalar_dense``), a device-to-host copy, and ops whose output
-shape depends on the data (``nonzero``, ``bincount``, ...: tag ``dynamic_output_shape``).
+(``.item``, ``.tolist``: aten ``_local_scalar_dense``), a device-to-host copy, ops whose output
+shape depends on the data (``nonzero``, ``bincount``, ...: tag ``dynamic_output_shape``), and
+``torch._grouped_mm`` where CUDA's kernel would copy its group offsets to the host
+(``grouped_mm_offsets``). The fake stands for an sm90 GPU: there torch's grouped GEMM kernel runs
+from device-side offsets for bf16 operands only; any other dtype takes ``_grouped_mm_fallback``
+(aten/src/ATen/native/GroupedMMUtils.h), whose ``offs.cpu()`` synchronises (the first GPU session
+found it so for fp32). On CPU the op is that same fallback over host offsets, so nothing else in
+this file would see the copy.
 
 ``fake_streams`` replaces ``torch.cuda``'s stream and event API with recording stand-ins (a
 CPU-only torch has none), so the executor's CUDA path runs.
@@ -123,6 +129,8 @@ class FakeCuda(TorchDispatchMode):
         if fake:
             if func is aten._local_scalar_dense.default:
                 self.syncs["item"] += 1
+            elif func is aten._grouped_mm.default and not all(t.dtype == torch.bfloat16 for t in args[:2]):
+                self.syncs["grouped_mm_offsets"] += 1
             elif torch.Tag.dynamic_output_shape in func.tags and _data_dependent(func, args):
                 self.syncs[name] += 1
         out = func(*tree_map(real_keep_grad, args), **tree_map(real_keep_grad, kwargs))

@@ -362,18 +362,14 @@ def test_cudagraph_gpu_attention_matches_eager_fp32(monkeypatch):
 
 
 @gpu
-def test_cudagraph_gpu_layer_fp32_is_refused_by_name_where_grouped_mm_reads_the_host(monkeypatch):
-    """'layer' in fp32: torch._grouped_mm's device path takes bf16 (sm90/sm100); where the probe
-    finds its host fallback, compile refuses naming the first grouped GEMM; elsewhere the
-    captured layer matches eager."""
-    from moegraph.runtime.cudagraph import grouped_mm_host_read
+def test_cudagraph_gpu_layer_fp32_matches_eager(monkeypatch):
+    """'layer' in fp32: the grouped GEMM reads no host value on any GPU (moegraph.grouped_gemm: the
+    masked formulation where torch._grouped_mm's kernel does not take fp32), so the whole forward
+    and backward capture, and the captured layer matches eager."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    if grouped_mm_host_read(torch.device("cuda"), torch.float32) is not None:
-        with pytest.raises(RuntimeFailure, match=r"cuda_graphs: forward node 'fc[13]' .* host fallback for float32"):
-            _gpu_layer("layer", torch.float32)
-        return
     module, layer = _gpu_layer("layer", torch.float32)
+    assert type(layer.executor).__name__ == "GraphedExecutor"
     _gpu_steps(module, layer, torch.float32, 1e-4)
 
 
@@ -381,10 +377,6 @@ def test_cudagraph_gpu_layer_fp32_is_refused_by_name_where_grouped_mm_reads_the_
 def test_cudagraph_gpu_layer_bf16_matches_the_uncaptured_layer():
     """'layer' in bf16 (whole forward and backward captured) against the same plan run without
     graphs (same kernels: only atomics' order may differ) and, loosely, against eager bf16."""
-    from moegraph.runtime.cudagraph import grouped_mm_host_read
-    why = grouped_mm_host_read(torch.device("cuda"), torch.bfloat16)
-    if why is not None:
-        pytest.skip(f"this GPU {why}")
     module, layer = _gpu_layer("layer", torch.bfloat16)
     _, plain = _gpu_layer("off", torch.bfloat16)
     _gpu_steps(module, layer, torch.bfloat16, 1e-2, reference=plain)
@@ -397,10 +389,6 @@ def test_cudagraph_gpu_layer_bf16_ep_padded_matches_the_uncaptured_layer():
     """ffn=ep under ag-rs with padded expert rows, 'layer' in bf16 (n=1: the whole layer, its index
     map included, in one graph per phase) against the same plan run without graphs, and loosely
     against eager bf16; the routing changes with every step's input."""
-    from moegraph.runtime.cudagraph import grouped_mm_host_read
-    why = grouped_mm_host_read(torch.device("cuda"), torch.bfloat16)
-    if why is not None:
-        pytest.skip(f"this GPU {why}")
     module, layer = _gpu_layer("layer", torch.bfloat16, ffn="ep", expert_rows="padded")
     _, plain = _gpu_layer("off", torch.bfloat16, ffn="ep", expert_rows="padded")
     assert type(layer.executor).__name__ == "GraphedExecutor"
@@ -416,11 +404,9 @@ def test_cudagraph_gpu_padded_expert_rows_replay_new_routing_bf16():
     CUDA graph; replayed on three new routings (one sending rank 0 every row, one none) it equals
     the same kernels run eagerly with the exact map."""
     from moegraph.ir import Node, OpKind, Phase, Role
-    from moegraph.kernels import KERNELS, RankContext, _grouped, build_index_map
-    from moegraph.runtime.cudagraph import grouped_mm_host_read
-    why = grouped_mm_host_read(torch.device("cuda"), torch.bfloat16)
-    if why is not None:
-        pytest.skip(f"this GPU {why}")
+    from moegraph.grouped_gemm import grouped_rows
+    from moegraph.index_map import build_index_map
+    from moegraph.kernels import KERNELS, RankContext
     T, k, El, f = 64, 3, 4, 32
     gen = torch.Generator(device="cuda").manual_seed(2)
     w = torch.randn(El, f, H, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -432,7 +418,7 @@ def test_cudagraph_gpu_padded_expert_rows_replay_new_routing_bf16():
 
     def moe(rows_mode):
         imap = build_index_map(experts, "local", El, 0, 2, rows_mode)
-        y = _grouped(x[imap.tokens], w, imap)                                          # [C, f]
+        y = grouped_rows(x[imap.tokens], w, imap)                                        # [C, f]
         return KERNELS[(OpKind.UNPERMUTE, Role.FORWARD)](ctx, combine, [y, imap], [(T, f)])[0]
 
     def routing(step):

@@ -16,11 +16,12 @@ import torch
 import comm_workers
 import test_fake_device as tfd
 from helpers import eager_step, rel_err, small_layer
-from moegraph import kernels
+from moegraph import grouped_gemm, kernels
 from moegraph.commands import DEFAULT_PASSES
 from moegraph.interpreter import shard_param
 from moegraph.ir import Strategy
-from moegraph.kernels import IndexMap, build_index_map, padded_rows_extra_bytes
+from moegraph.expert_rows import padded_rows_extra_bytes
+from moegraph.index_map import IndexMap, build_index_map, mask_padding
 from moegraph.passes import run_pipeline
 from moegraph.runtime.module import CompiledLayer, make_plan
 from moegraph.tracer import trace_module
@@ -76,13 +77,29 @@ def test_padded_rows_is_the_tight_worst_case():
         build_index_map(experts, "local", 2, 0, 4, "wide")
 
 
-@pytest.mark.parametrize("host_loop", [False, True], ids=["grouped_mm", "host_segments"])
-def test_padded_grouped_gemm_zeroes_padding_and_ignores_nan_rows(host_loop, monkeypatch):
+def _masked(x, w, seg, transpose_w=False):
+    """grouped_rows by the masked formulation (what a GPU without the native op runs), on CPU."""
+    b = w if transpose_w else w.transpose(-2, -1)
+    return mask_padding(grouped_gemm.masked_rows(x, b, seg.offsets), seg.rows)
+
+
+def _masked_wgrad(x, dy, seg, w_shape):
+    return grouped_gemm.masked_group_sums(dy.T, x, seg.offsets)
+
+
+PATHS = {"grouped_mm": (grouped_gemm.grouped_rows, grouped_gemm.grouped_weight_grad),
+         "host_segments": (grouped_gemm.grouped_rows, grouped_gemm.grouped_weight_grad),
+         "masked": (_masked, _masked_wgrad)}
+
+
+@pytest.mark.parametrize("path", list(PATHS))
+def test_padded_grouped_gemm_zeroes_padding_and_ignores_nan_rows(path, monkeypatch):
     """Rows past R hold NaN (as uncomputed memory may): the grouped GEMM's padding rows come out
-    exactly zero, its real rows and its weight gradient equal the exact map's; the host-segment
-    fallback also gives C rows."""
-    if host_loop:
-        monkeypatch.setattr(kernels, "_GROUPED_MM", None)
+    exactly zero, its real rows and its weight gradient equal the host loop over the exact map's
+    segments; the host-segment fallback also gives C rows."""
+    if path == "host_segments":
+        monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", None)
+    rows_fn, wgrad_fn = PATHS[path]
     experts = _experts([[0, 3], [2, 1], [1, 0], [3, 2], [0, 2], [3, 1]])
     exact = build_index_map(experts, "local", 2, 0, 2)
     padded = build_index_map(experts, "local", 2, 0, 2, "padded")
@@ -93,12 +110,36 @@ def test_padded_grouped_gemm_zeroes_padding_and_ignores_nan_rows(host_loop, monk
     x[R:] = float("nan")
     dy = torch.randn(C, 8, generator=gen)
     dy[R:] = float("nan")
-    y = kernels._grouped(x, w, padded)
+    ref_y, ref_dx, ref_dw, start = [], [], torch.zeros_like(w), 0
+    for e, count in exact.segments:                                     # the independent reference
+        ref_y.append(x[start:start + count] @ w[e].T)
+        ref_dx.append(dy[start:start + count] @ w[e])
+        ref_dw[e] = dy[start:start + count].T @ x[start:start + count]
+        start += count
+    y = rows_fn(x, w, padded)
     assert y.shape == (C, 8) and torch.equal(y[R:], torch.zeros(C - R, 8))
-    assert torch.allclose(y[:R], kernels._grouped(x[:R], w, exact), atol=1e-6)
-    dw = kernels._grouped_wgrad(x, dy, padded, w.shape)
-    assert torch.isfinite(dw).all() and torch.allclose(dw, kernels._grouped_wgrad(x[:R], dy[:R], exact, w.shape),
-                                                       atol=1e-6)
+    assert torch.allclose(y[:R], torch.cat(ref_y), atol=1e-5)
+    dx = rows_fn(dy, w, padded, transpose_w=True)
+    assert torch.equal(dx[R:], torch.zeros(C - R, 16)) and torch.allclose(dx[:R], torch.cat(ref_dx), atol=1e-5)
+    dw = wgrad_fn(x, dy, padded, w.shape)
+    assert torch.isfinite(dw).all() and torch.allclose(dw, ref_dw, atol=1e-5)
+
+
+def test_masked_grouped_gemm_handles_empty_groups_and_expert_blocks(monkeypatch):
+    """The masked formulation with an empty first and last group, over one expert per block (the
+    memory bound) and all at once: equal to the host loop over the same segments."""
+    experts = _experts([[1, 2], [2, 1], [1, 2]])                         # experts 0 and 3 get no rows
+    m = build_index_map(experts, "all", 4, 0, 1)
+    gen = torch.Generator().manual_seed(3)
+    w, x = torch.randn(4, 8, 16, generator=gen), torch.randn(6, 16, generator=gen)
+    dy = torch.randn(6, 8, generator=gen)
+    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", None)               # the host loop: the reference
+    want_y, want_dw = grouped_gemm.grouped_rows(x, w, m), grouped_gemm.grouped_weight_grad(x, dy, m, w.shape)
+    for cap in (1, grouped_gemm.MASKED_BLOCK_BYTES):
+        monkeypatch.setattr(grouped_gemm, "MASKED_BLOCK_BYTES", cap)
+        assert torch.allclose(_masked(x, w, m), want_y, atol=1e-5)
+        dw = _masked_wgrad(x, dy, m, w.shape)
+        assert torch.allclose(dw, want_dw, atol=1e-5) and not dw[0].any() and not dw[3].any()
 
 
 def _counting_grouped_mm(monkeypatch, fail_after: int | None = None):
@@ -111,8 +152,8 @@ def _counting_grouped_mm(monkeypatch, fail_after: int | None = None):
         if fail_after is not None and len(calls) > fail_after:
             raise RuntimeError("grouped gemm: a bad shape from the caller")
         return real(a, b, offs=offs)
-    monkeypatch.setattr(kernels, "_GROUPED_MM", op)
-    monkeypatch.setattr(kernels, "_GROUPED_MM_RUNS", {}, raising=False)
+    monkeypatch.setattr(grouped_gemm, "_GROUPED_MM", op)
+    monkeypatch.setattr(grouped_gemm, "_NATIVE", {})
     return calls
 
 
@@ -131,12 +172,12 @@ def test_grouped_gemm_support_is_probed_once_and_call_errors_propagate(monkeypat
         start += count
     calls = _counting_grouped_mm(monkeypatch)
     for _ in range(2):
-        assert torch.allclose(kernels._grouped(x.double(), w.double(), m), torch.cat(ref).double(), atol=1e-12)
+        assert torch.allclose(grouped_gemm.grouped_rows(x.double(), w.double(), m), torch.cat(ref).double(), atol=1e-12)
     assert calls == [torch.float64]                       # the probe's first call, then never again
     calls = _counting_grouped_mm(monkeypatch, fail_after=2)  # the fp32 probe's two calls succeed
     with pytest.raises(RuntimeError, match="a bad shape from the caller"):
-        kernels._grouped(x, w, m)
-    assert kernels._GROUPED_MM_RUNS == {(x.device, torch.float32): True}
+        grouped_gemm.grouped_rows(x, w, m)
+    assert grouped_gemm._NATIVE == {("cpu", torch.float32): True}
 
 
 def test_padding_rows_never_reach_tokens_or_routing_slots():

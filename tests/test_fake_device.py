@@ -299,6 +299,44 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, expert_rows, monkeypat
     assert rel_err(torch.cat([got[r][1] for r in range(2)], dim=1), dx_ref) < TOL
 
 
+def test_fake_device_counts_torch_grouped_mm_offset_copies():
+    """The fake counts torch._grouped_mm's host copy of its offsets where CUDA's kernel makes one
+    (any dtype but bf16, fake_cuda's docstring); the grouped GEMM kernel on fp32 makes none (its
+    masked formulation) and equals the host loop on CPU, in both call shapes."""
+    from moegraph import grouped_gemm
+    from moegraph.index_map import build_index_map
+    gen = torch.Generator().manual_seed(0)
+    experts = torch.randint(0, 4, (6, 2), generator=gen)
+    x, dy = torch.randn(12, 16, generator=gen), torch.randn(12, 8, generator=gen)     # [R, K], [R, N]
+    w = torch.randn(4, 8, 16, generator=gen)                                        # [E, N, K]
+    m = build_index_map(experts, "all", 4, 0, 1)
+    want = grouped_gemm.grouped_rows(x, w, m), grouped_gemm.grouped_weight_grad(x, dy, m, w.shape)
+    with fc.FakeCuda() as mode:
+        fx, fw, fdy = fc.to_fake(x), fc.to_fake(w), fc.to_fake(dy)
+        fm = build_index_map(fc.to_fake(experts), "all", 4, 0, 1)
+        torch._grouped_mm(fx, fw.transpose(-2, -1), offs=fm.offsets)
+        assert dict(mode.syncs) == {"grouped_mm_offsets": 1}
+        torch._grouped_mm(fx.bfloat16(), fw.transpose(-2, -1).bfloat16(), offs=fm.offsets)    # the native kernel
+        got = grouped_gemm.grouped_rows(fx, fw, fm), grouped_gemm.grouped_weight_grad(fx, fdy, fm, w.shape)
+        assert dict(mode.syncs) == {"grouped_mm_offsets": 1}
+    assert all(rel_err(fc.real(g), r) < TOL for g, r in zip(got, want))
+
+
+def test_fake_device_step_host_syncs_catch_torch_grouped_mm_on_fp32(monkeypatch):
+    """The step's sync count can fail: the kernel as it was before the first GPU session's fix
+    (torch._grouped_mm for fp32 on the device) makes ffn=tp ag-rs count one offset copy per grouped
+    GEMM call, two ranks, where test_fake_device_step_host_syncs expects none."""
+    from moegraph import grouped_gemm
+    from moegraph.commands import DEFAULT_PASSES
+    from moegraph.ir import OpKind
+    monkeypatch.setattr(grouped_gemm, "native_grouped_mm", lambda device, dtype: True)
+    _, graph, params, x, dy = build("tp", "tp", "ag-rs", 1, DEFAULT_PASSES, n=2)
+    _, state, modes = _run_fake(graph, make_plan(graph, COST, "greedy"), params, x, dy, 2, monkeypatch)
+    syncs = sum((m.syncs for m in modes), start=collections.Counter()) + state.syncs
+    grouped = sum(nd.op is OpKind.GROUPED_GEMM for nd in graph.nodes)
+    assert grouped and dict(+syncs) == {"grouped_mm_offsets": 2 * grouped}
+
+
 def test_fake_device_gpu_timing_events_are_bounded(monkeypatch):
     """A recorded GPU layer keeps at most MAX_UNREAD_STEPS steps of unread CUDA events: older ones
     are read once a non-blocking query says they completed (no synchronize inside a step), or

@@ -70,7 +70,7 @@ def test_a_kernel_switch_ends_in_an_error_naming_the_node(op, role, key, ins, va
 
 
 def _index_map():
-    from moegraph.kernels import build_index_map
+    from moegraph.index_map import build_index_map
     return build_index_map(torch.tensor([[0, 1], [2, 0]]), "all", 3, 0, 1)
 
 

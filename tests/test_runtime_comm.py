@@ -81,7 +81,7 @@ def test_run_with_nccl_refuses_the_cpu_profile(monkeypatch, capsys):
 
 
 def test_index_map_from_splits_is_a_by_destination_map():
-    from moegraph.kernels import IndexMap
+    from moegraph.index_map import IndexMap
     m = IndexMap.from_splits(torch.arange(5), (2, 0, 3))
     assert m.splits == (2, 0, 3) and m.segments == ((0, 2), (0, 0), (0, 3)) and m.offsets is None
 

@@ -42,8 +42,9 @@ from typing import Any, Callable, Sequence
 import torch
 
 from moegraph.cost import collective_bytes
+from moegraph.index_map import IndexMap, RecvMap
 from moegraph.ir import ConfigError, Node, OpKind, Phase, Role, freeze_attrs
-from moegraph.kernels import IndexMap, RankContext, RecvMap, run_compute
+from moegraph.kernels import RankContext, run_compute
 from moegraph.runtime.collectives import Comm, Pending
 
 __all__ = ["Sample", "OverlapMeasure", "BenchResult", "MachineInfo", "BENCHES", "TORCH_DTYPES", "rank_benchmarks",

@@ -1,0 +1,106 @@
+"""The router's kernels: routing (softmax or DeepSeek-V3's sigmoid scoring), its aux-loss
+statistics, and its data and weight gradients by autograd over the forward.
+
+Notation: T tokens, h hidden, E experts, k top-k.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from moegraph.ir import Node, bad_choice
+from moegraph.models import route
+
+
+def tokens(x):
+    """[..., X] -> [T, X]."""
+    return x.reshape(-1, x.shape[-1])
+
+
+def pullback(fn: Callable, primals, cotangents) -> list:
+    """Gradients of fn's outputs (paired with cotangents) with respect to primals, via autograd.
+    Runs under enable_grad: the runtime calls kernels from inside an autograd Function."""
+    with torch.enable_grad():
+        leaves = [p.detach().requires_grad_() for p in primals]
+        outs = fn(*leaves)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        return list(torch.autograd.grad(outs, leaves, tuple(cotangents)))
+
+
+def route_tokens(node: Node, x, w, *bias):
+    """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
+    scoring = node.attr("scoring")
+    if scoring == "softmax":
+        return route(tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
+    if scoring == "sigmoid":
+        return route_sigmoid(tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
+                             topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
+                             scale=node.attr("scale"))
+    raise bad_choice(node)
+
+
+def route_sigmoid(x, w, bias, top_k: int, *, groups: int, topk_groups: int, normalize: bool, scale: float):
+    """DeepSeek-V3's router. x [T, h], w [E, h], bias [E] or None -> (weights [T, k], experts [T, k]).
+
+    scores = sigmoid(x w^T) in fp32; experts are chosen by scores + bias (selection only) among
+    the topk_groups best of ``groups`` equal expert groups (a group ranks by the sum of its two best
+    choice scores); their *unbiased* scores, renormalised to sum to 1 if normalize, times scale,
+    weigh them (the +1e-20 keeps the eager module's rounding)."""
+    scores = F.linear(x.float(), w.float()).sigmoid()
+    choice = scores if bias is None else scores + bias.float()
+    T, E = choice.shape
+    if groups > 1:
+        group_scores = choice.view(T, groups, E // groups).topk(2, dim=-1)[0].sum(-1)        # [T, groups]
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(topk_groups, dim=-1)[1], 1)
+        mask = keep.bool()[:, :, None].expand(T, groups, E // groups).reshape(T, E)
+        choice = choice.masked_fill(~mask, float("-inf"))
+    experts = torch.topk(choice, top_k, dim=-1)[1]
+    weights = scores.gather(1, experts)
+    if normalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * scale, experts
+
+
+def _router_fwd(node: Node, x, w, *bias):
+    return route_tokens(node, x, w, *bias)[0]
+
+
+def _router_probs(x, w):
+    """The softmax router's probabilities P [T, E] in fp32, as transformers' aux loss reads them."""
+    return torch.softmax(F.linear(tokens(x), w).float(), dim=-1)
+
+
+def aux_stats(node: Node, x, w, experts):
+    """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
+    E = node.attr("experts")
+    slots = experts.reshape(-1)
+    # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
+    # integer counts in fp32 are exact whatever order the adds land in
+    counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(
+        0, slots, torch.ones(slots.shape, dtype=torch.float32, device=slots.device))
+    return torch.stack([counts, _router_probs(x, w).sum(0)])
+
+
+def router_pullback(node: Node, primal: int, ins):
+    """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
+    (the global stats [2, E], the aux seed [1]) and the aux loss's probability gradient
+    seed * E * count / N^2 * share (moegraph.edges) joins the routing weights' cotangent."""
+    if not node.attr("aux", False):
+        (x, w, *bias), dweights = ins[:-1], ins[-1]
+        leaves = (x, w)
+        return pullback(lambda p: _router_fwd(node, *(p if i == primal else leaves[i] for i in range(2)), *bias),
+                        (leaves[primal],), (dweights,))
+    (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
+    leaves = (x, w)
+    rows, E = node.attr("aux_rows"), node.attr("experts")
+    c = seed.float() * (E * node.attr("aux_share") / rows / rows) * stats[0]              # [E]
+
+    def fn(p):
+        args = tuple(p if i == primal else leaves[i] for i in range(2))
+        return _router_fwd(node, *args, *bias), _router_probs(*args)
+    T = tokens(x).shape[0]
+    return pullback(fn, (leaves[primal],), (dweights, c.expand(T, E)))
+
