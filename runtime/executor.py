@@ -72,7 +72,7 @@ from moegraph.runtime.trace import StepRecorder, new_event
 COMM_STREAM_PRIORITY = -100      # below the device's range: torch clamps it to the highest priority
 
 
-@dataclass
+@dataclass(slots=True)
 class _Slot:
     """A value in the environment: produced on ``stream``; on GPU ``event`` marks it ready; on CPU
     ``pending`` is the in-flight collective that will produce it."""
@@ -101,6 +101,8 @@ class HostTime:
         return None if not self.nodes else round(self.busy_ns / self.nodes / 1e3, 3)
 
 
+_Step = tuple  # (PlanEntry, Node, is a collective, output shapes, an output read on another stream)
+
 EagerKernel = Callable[[list[Any]], list[Any]]
 """A plan-run eager node's kernel: its input tensors -> its output tensors (module docstring)."""
 
@@ -120,6 +122,7 @@ class Executor:
         self.ctx = RankContext(rank, n, graph.dims.s, expert_rows)
         self.param_names = tuple(p for p, _ in graph.params)
         self._cross = _cross_stream_values(graph, plan)
+        self._programs: dict[int, tuple[Sequence[PlanEntry], list[_Step]]] = {}
         self.comm_streams: dict[str, Any] = {}
         self.host = HostTime()
         self._waited_ns = 0                  # host blocking waits of the phase being run
@@ -351,29 +354,33 @@ class Executor:
 
     def _run(self, entries: Sequence[PlanEntry], inputs: dict[str, Any], release: list[list[str]],
              rec: StepRecorder | None, keep, kernels: Mapping[str, EagerKernel] | None = None) -> dict[str, Any]:
-        graph, cuda = self.graph, self.cuda
+        cuda = self.cuda
         kernels = self.eager_kernels if kernels is None else kernels
         self._check_eager_kernels(entries, kernels)
         started, self._waited_ns = time.perf_counter_ns(), 0
+        # torch.profiler names each node only while a profiler runs: a record_function costs the
+        # host several microseconds per node, which a step of small kernels cannot afford
+        named = torch._C._autograd._profiler_enabled()
         streams = {COMPUTE: torch.cuda.current_stream(self.device), **self.comm_streams} if cuda else {}
         ready = new_event(streams[COMPUTE]) if cuda else None       # inputs: made on the caller's stream
         env: dict[str, _Slot] = {k: _Slot(v, COMPUTE, ready) for k, v in inputs.items()}
         pending: list[Pending] = []
         inflight: list[Pending] = []          # CPU, recording: issued, completion not yet observed
         fences: list[Any] = []                # alone collectives the next compute node waits for
-        for i, e in enumerate(entries):
-            node = graph.node[e.name]
-            if not node.is_comm and fences:
+        for i, (e, node, comm, shapes, cross) in enumerate(self._program(entries)):
+            if not comm and fences:
                 self._await_fences(fences, streams, e.name, rec)
             ins = [self._get(env, v, e.stream, streams, e.name, rec) for v in node.inputs]
-            shapes = [graph.value[o].shape for o in node.outputs]
-            if node.is_comm:
+            if comm:
                 if cuda:
                     if e.alone:  # start after the compute issued so far
                         streams[e.stream].wait_stream(streams[COMPUTE])
                     with torch.cuda.stream(streams[e.stream]):
                         t0 = new_event() if rec else None
-                        with record_function(e.name):       # named in torch.profiler traces
+                        if named:
+                            with record_function(e.name):       # named in torch.profiler traces
+                                p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                        else:
                             p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
                         outs = p.wait(self.timeout_s, self.rank, block_host=False)
                         done = new_event()
@@ -384,7 +391,10 @@ class Executor:
                     if rec:
                         rec.add(e.name, e.stream, e.sm_budget, node.phase.value, t0, done)
                 else:
-                    with record_function(e.name):
+                    if named:
+                        with record_function(e.name):
+                            p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
+                    else:
                         p = self.comm.issue(node, ins, e.stream, e.sm_budget, shapes)
                     if rec:
                         inflight.append(p)
@@ -396,21 +406,13 @@ class Executor:
                 pending.append(p)
             else:
                 t0 = (new_event(streams[COMPUTE]) if cuda else time.perf_counter_ns()) if rec else None
-                with record_function(e.name):
-                    if e.name in self.plan_eager:
-                        outs = list(kernels[e.name](ins))
-                        bad = [(o, tuple(v.shape)) for o, v, shp in zip(node.outputs, outs, shapes)
-                               if tuple(v.shape) != tuple(shp)]
-                        if bad:
-                            raise RuntimeFailure(f"eager kernel of {node.name!r} made {bad}, the graph expects "
-                                                 f"{dict(zip(node.outputs, shapes))}")
-                    else:
-                        outs = run_compute(self.ctx, node, ins, shapes)
-                if len(outs) != len(node.outputs):
-                    raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, "
-                                         f"expected {len(node.outputs)}")
+                if named:
+                    with record_function(e.name):
+                        outs = self._compute(node, ins, shapes, kernels)
+                else:
+                    outs = self._compute(node, ins, shapes, kernels)
                 done = None
-                if cuda and (rec or any(o in self._cross for o in node.outputs)):
+                if cuda and (rec or cross):
                     done = new_event(streams[COMPUTE])
                 for o, v in zip(node.outputs, outs):
                     env[o] = _Slot(v, COMPUTE, done)
@@ -425,6 +427,33 @@ class Executor:
         self.host.busy_ns += time.perf_counter_ns() - started - self._waited_ns
         self.host.nodes += len(entries)
         return out
+
+    def _program(self, entries: Sequence[PlanEntry]) -> list["_Step"]:
+        """Per entry what the phase loop reads of the graph, looked up once per entry sequence
+        (the executor's phases, GraphedExecutor's segments): (entry, node, is a collective, output
+        shapes, an output is read on another stream)."""
+        hit = self._programs.get(id(entries))
+        if hit is None or hit[0] is not entries:
+            nodes = [self.graph.node[e.name] for e in entries]
+            hit = (entries, [(e, nd, nd.is_comm, [self.graph.value[o].shape for o in nd.outputs],
+                              any(o in self._cross for o in nd.outputs)) for e, nd in zip(entries, nodes)])
+            self._programs[id(entries)] = hit       # holds ``entries``: its id is not reused while cached
+        return hit[1]
+
+    def _compute(self, node, ins: list[Any], shapes: list[tuple[int, ...]],
+                 kernels: Mapping[str, EagerKernel]) -> list[Any]:
+        """One compute node's outputs: a plan-run eager node by its callable, any other by its kernel."""
+        if node.name in self.plan_eager:
+            outs = list(kernels[node.name](ins))
+            bad = [(o, tuple(v.shape)) for o, v, shp in zip(node.outputs, outs, shapes) if tuple(v.shape) != tuple(shp)]
+            if bad:
+                raise RuntimeFailure(f"eager kernel of {node.name!r} made {bad}, the graph expects "
+                                     f"{dict(zip(node.outputs, shapes))}")
+        else:
+            outs = run_compute(self.ctx, node, ins, shapes)
+        if len(outs) != len(node.outputs):
+            raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, expected {len(node.outputs)}")
+        return outs
 
     def _wait(self, p: Pending) -> list[Any]:
         """CPU: host-wait for a collective (timeout names it); the time is not host overhead."""
