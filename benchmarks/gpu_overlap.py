@@ -1,18 +1,21 @@
 """Emulated-collective overlap on one GPU (issue 17): how much comm time the plans hide.
 
 The n=2 rank graph of ``moegraph.runtime.emulated`` (attn=sp, ffn=tp, dispatch=ag-rs, chunk=4;
-b=2, s=1024, h=512, fp32; the graph the single-GPU test runs) on ONE device, its collectives
-replaced by ``EmulatedComm``: a same-sized copy on the plan's comm stream after
-``torch.cuda._sleep(--sleep-cycles)``. Per plan (sequential, greedy, cpsat), steps interleaved
-after a warm-up: the median measured step (CUDA events from the start of the forward to the
-last node's end), the plan's predicted makespan (h100 cost model), the median hidden comm
+``GPU_SIZES``, fp32; the graph the single-GPU test runs) on ONE device, its collectives replaced by
+``EmulatedComm``: a same-sized copy on the plan's comm stream after a ``torch.cuda._sleep`` of
+``--comm-us`` (converted to cycles at the clock measured on the device). Per plan (sequential,
+greedy, cpsat), steps interleaved after a warm-up: the median measured step (CUDA events from the
+start of the forward to the last node's end), the plan's predicted makespan (h100 cost model, told
+that every collective lasts --comm-us: ``EmulatedCost``; it prices fp32 compute at the bf16 peak and
+the grouped GEMMs at their own FLOPs, not their masked formulation's, so compute is under-predicted),
+the executor's host time per node, the median hidden comm
 fraction (``runtime.trace.hidden_comm_fraction``: share of the emulated collectives' time during
 which a compute node ran; the issue's bar: >= 0.80), and whether the plan's outputs and
 gradients equal the sequential plan's bit for bit (copies are a fixed function of their inputs,
 so any difference is a missed event wait).
 
     python benchmarks/gpu_overlap.py                            # CUDA
-    python benchmarks/gpu_overlap.py --sleep-cycles 40000 --json out.json
+    python benchmarks/gpu_overlap.py --comm-us 2000 --json out.json
     python benchmarks/gpu_overlap.py --device cpu --tiny        # smoke test (no sleep, no overlap on CPU)
 """
 
@@ -25,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from moegraph.cli import OneLineParser
-from moegraph.options import UsageError, check_output, non_negative_int, positive_float, positive_int
-from moegraph.runtime.emulated import DEFAULT_SLEEP_CYCLES
+from moegraph.options import UsageError, check_output, positive_float, positive_int
+from moegraph.runtime.emulated import DEFAULT_COMM_US
 from moegraph.runtime.trace import write_json
 
 # moegraph is imported as installed (editable here; on the GPU device a --target copy, which the
@@ -36,7 +39,7 @@ from gpu_common import check_device, device_name, markdown_table  # noqa: E402
 
 PLANS = ("sequential", "greedy", "cpsat")
 BAR = 0.80
-COLUMNS = ("plan", "median_step_ms", "predicted_ms", "hidden_comm_fraction", "equal_to_sequential")
+COLUMNS = ("plan", "median_step_ms", "predicted_ms", "host_us_per_node", "hidden_comm_fraction", "equal_to_sequential")
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class Setup:
     tiny: bool
     steps: int
     warmup: int
-    sleep_cycles: int
+    comm_us: float
     time_limit_s: float
     json_path: Path | None
 
@@ -56,8 +59,8 @@ def parse(argv: list[str] | None) -> Setup:
     p.add_argument("--tiny", action="store_true", help="tiny rank graph (runtime.emulated.TINY_SIZES): a smoke test")
     p.add_argument("--steps", type=positive_int, default=None, help="timed steps per plan (default 10, tiny 2)")
     p.add_argument("--warmup", type=positive_int, default=2)
-    p.add_argument("--sleep-cycles", type=non_negative_int, default=DEFAULT_SLEEP_CYCLES,
-                   help="device cycles each emulated collective spins (CUDA; default %(default)s)")
+    p.add_argument("--comm-us", type=positive_float, default=DEFAULT_COMM_US,
+                   help="microseconds each emulated collective lasts (CUDA; default %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=None, help="cpsat seconds (default 10, tiny 2)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     args = p.parse_args(argv)
@@ -66,7 +69,7 @@ def parse(argv: list[str] | None) -> Setup:
         json_path = check_output(args.json, suffixes=(".json",), flag="--json") if args.json else None
     except UsageError as err:
         p.exit(2, f"gpu_overlap.py: error: {err}\n")
-    return Setup(args.device, args.tiny, args.steps or (2 if args.tiny else 10), args.warmup, args.sleep_cycles,
+    return Setup(args.device, args.tiny, args.steps or (2 if args.tiny else 10), args.warmup, args.comm_us,
                  args.time_limit or (2.0 if args.tiny else 10.0), json_path)
 
 
@@ -76,13 +79,15 @@ def run(setup: Setup) -> tuple[Any, list[dict[str, Any]]]:
     from moegraph.runtime.trace import hidden_comm_fraction
     if setup.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    rg = EmulatedRankGraph(TINY_SIZES if setup.tiny else GPU_SIZES, setup.device)
+    rg = EmulatedRankGraph(TINY_SIZES if setup.tiny else GPU_SIZES, setup.device, comm_us=setup.comm_us)
     plans = {m: rg.plan(m, time_limit_s=setup.time_limit_s) for m in PLANS}
-    execs = {m: rg.executor(plan, sleep_cycles=setup.sleep_cycles) for m, plan in plans.items()}
+    execs = {m: rg.executor(plan) for m, plan in plans.items()}
     last: dict[str, Any] = {}
     for _ in range(setup.warmup):
         for m, ex in execs.items():
             last[m] = rg.step(ex)
+    for ex in execs.values():
+        ex.host.reset()
     steps: dict[str, list[float]] = {m: [] for m in PLANS}
     hidden: dict[str, list[float]] = {m: [] for m in PLANS}
     for _ in range(setup.steps):                   # interleaved: step i of every plan, then i+1
@@ -100,6 +105,7 @@ def run(setup: Setup) -> tuple[Any, list[dict[str, Any]]]:
         pred = plans[m].predicted_makespan_us
         rows.append({"plan": m, "median_step_ms": statistics.median(steps[m]) / 1e3,
                      "predicted_ms": None if pred is None else pred / 1e3,
+                     "host_us_per_node": execs[m].host.us_per_node(),
                      "hidden_comm_fraction": statistics.median(hidden[m]),
                      "equal_to_sequential": "yes" if same else "NO"})
     return rg, rows
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     comm = sum(nd.is_comm for nd in rg.graph.nodes)
     print(f"# gpu_overlap: rank 0 of n={z.n}, attn=sp ffn=tp dispatch=ag-rs chunk={z.chunks}; b={z.b} s={z.s} "
           f"h={z.h} f={z.f} experts={z.experts} k={z.k} fp32; {len(rg.graph.nodes)} nodes, {comm} emulated collectives; "
-          f"sleep {setup.sleep_cycles if setup.device == 'cuda' else 0} cycles")
+          f"each {setup.comm_us:g} us ({rg.sleep_cycles()} sleep cycles; the CPU path does not sleep)")
     print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} warm-up")
     print(markdown_table(rows, COLUMNS))
     best = max(r["hidden_comm_fraction"] for r in rows if r["plan"] != "sequential")
@@ -124,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
           f"all plans equal to sequential: {'yes' if all(r['equal_to_sequential'] == 'yes' for r in rows) else 'NO'}")
     if setup.json_path is not None:
         write_json(setup.json_path, {"device": device, "torch": torch.__version__,
-                                     "sleep_cycles": setup.sleep_cycles, "sizes": asdict(z),
+                                     "comm_us": setup.comm_us, "sleep_cycles": rg.sleep_cycles(), "sizes": asdict(z),
                                      "rows": rows})
     return 0
 

@@ -3,7 +3,7 @@
 ``EmulatedComm`` stands in for the other ranks of a rank graph (the graph one rank of n runs):
 every collective becomes a copy of the same size as its outputs, made from its inputs on the
 stream it is issued on (the executor enters the plan's comm stream before ``issue``), lengthened
-on CUDA by ``torch.cuda._sleep(sleep_cycles)`` so that it lasts about as long as a collective.
+on CUDA by ``torch.cuda._sleep(sleep_cycles)`` so that it lasts as long as a collective.
 Outputs are a fixed function of the inputs: a consumer that does not wait for the comm stream
 reads a buffer not yet written, and two plans of one graph give identical numbers. It exercises
 what no single-GPU run otherwise would: comm streams, event waits, fences, the measured
@@ -14,7 +14,12 @@ Device-agnostic: on CPU the executor's CPU path runs it (no streams; the copy is
 issued, the work is complete at once), which is how the CPU suite checks the same code.
 
 ``EmulatedRankGraph`` builds the rank graph the GPU test and ``benchmarks/gpu_overlap.py`` run:
-attn=sp, ffn=tp, dispatch=ag-rs, n=2, chunked so that compute can hide the collectives.
+attn=sp, ffn=tp, dispatch=ag-rs, n=2, chunked so that compute can hide the collectives. Every
+emulated collective lasts ``comm_us`` on CUDA (its sleep, converted to cycles at the clock
+measured on the device, ``sleep_cycles_per_us``), and the plans are made by a cost model told so
+(``EmulatedCost``). Sized so that the device, not the host, sets the pace (``GPU_SIZES``): the
+first GPU session's graph (b=2 s=1024 h=512) ran ~1 ms of kernels against ~65 ms of host issue
+time, so no kernel ever ran beside a collective and the overlap could not be measured.
 
 Notation: b batch, s sequence, h hidden, n group size, k top-k, f expert ffn width.
 """
@@ -28,11 +33,16 @@ from typing import Any, Sequence
 
 import torch
 
+from moegraph.cost import CostModel
 from moegraph.ir import Node, OpKind
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.collectives import Pending
 
-DEFAULT_SLEEP_CYCLES = 20_000       # ~10-15 us of spinning per emulated collective on an H100/H800
+# Each emulated collective's duration on CUDA: about what a step's all-gather or reduce-scatter of
+# these sizes costs over a slow inter-node link, and long against the host's issue time per node
+# (a few hundred microseconds at most), so the plans' overlap, not the host, decides what hides it
+DEFAULT_COMM_US = 1000.0
+_PROBE_CYCLES = 2_000_000           # ~1 ms at a Hopper's ~2 GHz SM clock: long against launch jitter
 
 
 class _IssuedWork:
@@ -60,7 +70,7 @@ class EmulatedComm:
     native_budgets = False
     meta = world_meta = mp_group = None
 
-    def __init__(self, n: int, *, synchronous: bool = False, sleep_cycles: int = DEFAULT_SLEEP_CYCLES):
+    def __init__(self, n: int, *, synchronous: bool = False, sleep_cycles: int = 0):
         if n < 2:
             raise ValueError(f"EmulatedComm emulates the other ranks of an n-rank graph: n={n} must be at least 2")
         if sleep_cycles < 0:
@@ -128,6 +138,55 @@ def _cuda_sleep(cycles: int) -> None:
     sleep(cycles)
 
 
+_CYCLES_PER_US: dict[str, float] = {}
+
+
+def sleep_cycles_per_us(device: torch.device | str) -> float:
+    """``torch.cuda._sleep`` spins for SM clock cycles: how many make a microsecond on ``device``,
+    timed once with CUDA events around a long sleep (the clock the GPU runs at, not its datasheet
+    boost). Synchronises the device: call it before a step, never inside one."""
+    key = str(torch.device(device))
+    if key not in _CYCLES_PER_US:
+        with torch.cuda.device(torch.device(device)):
+            _cuda_sleep(1000)                                   # first launch: module load, not timed
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            _cuda_sleep(_PROBE_CYCLES)
+            end.record()
+            end.synchronize()
+            _CYCLES_PER_US[key] = _PROBE_CYCLES / (start.elapsed_time(end) * 1e3)
+    return _CYCLES_PER_US[key]
+
+
+class EmulatedCost(CostModel):
+    """The cost model of an emulated run: compute priced as the hardware profile prices it, every
+    collective at the emulated duration ``comm_us`` (its sleep; the copy after it, a few
+    microseconds of memory traffic at these sizes, is not priced). An emulated collective holds no
+    SMs worth pricing (one spinning thread, then a copy: the only budget is 0, so compute beside it
+    is not slowed) and a sleep does not stretch beside compute."""
+
+    def __init__(self, hw: Any, comm_us: float):
+        if not comm_us >= 0:
+            raise ValueError(f"comm_us={comm_us!r} must be >= 0")
+        super().__init__(hw)
+        self.comm_us = comm_us
+
+    def node_time_us(self, node: Node, sm_budget: int | None = None) -> float:
+        if not node.is_comm:
+            return super().node_time_us(node, sm_budget)
+        if sm_budget not in (None, 0):
+            raise ValueError(f"sm_budget={sm_budget} is not allowed for emulated collective {node.name!r}; allowed: 0")
+        return self.comm_us
+
+    def comm_sm_budgets(self, node: Node) -> tuple[int, ...]:
+        if not node.is_comm:
+            raise ValueError(f"node {node.name!r} ({node.op.value}) is not a collective; SM budgets apply to collectives only")
+        return (0,)
+
+    def comm_overlap_stretch(self) -> float:
+        return 1.0
+
+
 # -- the rank graph the emulated runs use ------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -146,8 +205,11 @@ class RankGraphSizes:
     n: int = 2
 
 
-# chunked: the h100 cost model predicts 75% of comm time overlapped by the greedy plan of this graph
-GPU_SIZES = RankGraphSizes(b=2, s=1024, h=512, heads=8, kv_heads=4, f=1024, experts=8, k=2, chunks=4)
+# Device-bound on an H100/H200 in fp32 (TF32 off, as the GPU tests run): ~0.3 TFLOP of kernels per
+# step (the grouped GEMMs' masked formulation, moegraph.grouped_gemm, computes all 8 experts' rows),
+# some 100 ms, against 181 nodes of host issue time (tens of ms even at the first session's
+# 360 us per node); chunked in 4 so that compute can hide the collectives
+GPU_SIZES = RankGraphSizes(b=4, s=4096, h=1024, heads=16, kv_heads=8, f=2048, experts=8, k=2, chunks=4)
 TINY_SIZES = RankGraphSizes(b=2, s=16, h=64, heads=4, kv_heads=2, f=128, experts=4, k=2, chunks=2)
 
 
@@ -163,8 +225,9 @@ class EmulatedRankGraph:
     """Rank 0 of the n-rank graph (attn=sp, ffn=tp, dispatch=ag-rs, chunked, fp32) of one
     MoETransformerLayer, with its parameter shards and one input shard, on ``device``."""
 
-    def __init__(self, sizes: RankGraphSizes, device: torch.device | str, *, hardware: str = "h100", seed: int = 0):
-        from moegraph.cost import CostModel
+    def __init__(self, sizes: RankGraphSizes, device: torch.device | str, *, hardware: str = "h100", seed: int = 0,
+                 comm_us: float = DEFAULT_COMM_US):
+        """``comm_us``: every emulated collective's duration on CUDA, the plans' cost model told so."""
         from moegraph.interpreter import shard_param
         from moegraph.ir import Strategy
         from moegraph.models import MoETransformerLayer
@@ -175,7 +238,8 @@ class EmulatedRankGraph:
         torch.manual_seed(seed)
         layer = MoETransformerLayer(hidden=z.h, heads=z.heads, kv_heads=z.kv_heads, ffn_hidden=z.f,
                                     experts=z.experts, top_k=z.k).to(self.device)
-        self.cost = CostModel(load_hardware(hardware))
+        self.comm_us = comm_us
+        self.cost = EmulatedCost(load_hardware(hardware), comm_us)
         # lowered for the chunk count directly (what chunk=N re-lowers to): a typed value, no pipeline
         self.graph = trace_module(layer, Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32", chunks=z.chunks),
                                   batch=z.b, seq=z.s)
@@ -193,10 +257,18 @@ class EmulatedRankGraph:
             return ExecutionPlan.sequential(self.graph)
         return make_plan(self.graph, self.cost, schedule, time_limit_s=time_limit_s)
 
-    def executor(self, plan: Any, *, synchronous: bool = False, sleep_cycles: int = DEFAULT_SLEEP_CYCLES) -> Any:
+    def executor(self, plan: Any, *, synchronous: bool = False) -> Any:
+        """An executor of ``plan`` whose collectives each sleep ``comm_us`` (CUDA; the CPU path does
+        not sleep)."""
         from moegraph.runtime.executor import Executor
-        comm = EmulatedComm(self.sizes.n, synchronous=synchronous, sleep_cycles=sleep_cycles)
+        comm = EmulatedComm(self.sizes.n, synchronous=synchronous, sleep_cycles=self.sleep_cycles())
         return Executor(self.graph, plan, comm, rank=0, n=self.sizes.n, device=self.device)
+
+    def sleep_cycles(self) -> int:
+        """``comm_us`` in the device's clock cycles (0 off CUDA)."""
+        if self.device.type != "cuda":
+            return 0
+        return round(self.comm_us * sleep_cycles_per_us(self.device))
 
     def step(self, executor: Any, *, record: bool = True) -> EmulatedStep:
         """One forward + backward step of ``executor`` (made by ``self.executor``). ``record``:

@@ -113,3 +113,20 @@ def test_fake_device_emulated_ag_rs_step_has_no_host_sync(rank_graph, monkeypatc
     assert not dict(+mode.syncs) and not dict(+state.syncs)
     assert rel_err(got[0], cpu.y) < 1e-5 and rel_err(got[1], cpu.dx) < 1e-5
     assert all(rel_err(g, c) < 1e-5 for g, c in zip(got[2], cpu.grads))
+
+
+def test_the_plans_cost_model_is_told_the_emulated_collectives_duration():
+    """EmulatedCost prices every collective at the rank graph's comm_us, with no SMs held and no
+    stretch beside compute: each collective of a greedy plan is predicted to last exactly that,
+    and its compute nodes as the hardware profile prices them."""
+    from moegraph.cost import CostModel
+    rg = EmulatedRankGraph(TINY_SIZES, "cpu", comm_us=321.0)
+    plan = rg.plan("greedy")
+    comm = [e for e in plan.entries if rg.graph.node[e.name].is_comm]
+    tick = 0.01                                                         # the schedule's time grid, rounded up
+    assert comm and all(e.end_us - e.start_us == pytest.approx(321.0, abs=tick) and e.sm_budget == 0 for e in comm)
+    base = CostModel(rg.cost.hw)
+    compute = [e for e in plan.entries if not rg.graph.node[e.name].is_comm]
+    assert all(e.end_us - e.start_us == pytest.approx(base.node_time_us(rg.graph.node[e.name]), abs=tick)
+               for e in compute)
+    assert rg.sleep_cycles() == 0                                       # the CPU path does not sleep

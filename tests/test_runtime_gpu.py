@@ -73,8 +73,44 @@ def test_two_gpus_with_nccl_match_eager():
         assert r["max_rel_err_output"] < TOL and r["max_rel_err_grads"] < TOL, r
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_grouped_gemm_reads_no_host_value(dtype):
+    """The first GPU session: torch._grouped_mm on fp32 synchronised the host (torch's fallback copies
+    its offsets). The grouped GEMM kernels (moegraph.grouped_gemm: the native op where probed sync-free,
+    the masked formulation elsewhere) run under sync debug mode 'error', data and weight gradient,
+    a padded map included, and equal the host loop over the exact map's segments."""
+    from moegraph.grouped_gemm import grouped_rows, grouped_weight_grad
+    from moegraph.index_map import build_index_map
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    T, k, El, K, N = 64, 2, 4, 64, 32
+    experts = torch.randint(0, 2 * El, (T, k), device="cuda", generator=gen)
+    w = torch.randn(El, N, K, device="cuda", dtype=dtype, generator=gen) / K ** 0.5       # [El, N, K]
+    exact = build_index_map(experts, "local", El, 0, 2)
+    padded = build_index_map(experts, "local", El, 0, 2, "padded")
+    R, C = exact.flat.shape[0], padded.flat.shape[0]
+    x = torch.randn(C, K, device="cuda", dtype=dtype, generator=gen)
+    dy = torch.randn(C, N, device="cuda", dtype=dtype, generator=gen)
+    x[R:], dy[R:] = float("nan"), float("nan")
+    grouped_rows(x, w, padded)                                                           # probes, outside the check
+    old = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        y, dw = grouped_rows(x, w, padded), grouped_weight_grad(x, dy, padded, w.shape)
+    finally:
+        torch.cuda.set_sync_debug_mode(old)
+    ref_y, ref_dw, start = [], torch.zeros_like(w, dtype=torch.float32), 0
+    for e, count in exact.segments:                                                      # one host read, here
+        ref_y.append(x[start:start + count].float() @ w[e].float().T)
+        ref_dw[e] = dy[start:start + count].float().T @ x[start:start + count].float()
+        start += count
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    assert not y[R:].any() and rel_err(y[:R].float(), torch.cat(ref_y)) < tol
+    assert torch.isfinite(dw).all() and rel_err(dw.float(), ref_dw) < tol
+
+
 # -- the multi-stream logic on one GPU: an n=2 rank graph, collectives emulated by copies --------------
-# (moegraph.runtime.emulated.EmulatedComm: a same-sized copy on the comm stream, after torch.cuda._sleep)
+# (moegraph.runtime.emulated.EmulatedComm: a same-sized copy on the comm stream, after torch.cuda._sleep
+# of the rank graph's comm_us; GPU_SIZES is sized so that the device, not the host, sets the pace)
 
 def _emulated_step(schedule: str, synchronous: bool):
     from moegraph.runtime.emulated import GPU_SIZES, EmulatedRankGraph
