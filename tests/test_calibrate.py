@@ -18,7 +18,8 @@ from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Node, OpKind, Phase
 from moegraph.registry import CURVE_NAMES, load_hardware
-from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo, OverlapMeasure, Sample, coarse_to_fine
+from moegraph.runtime.calibrate.harness import coarse_to_fine
+from moegraph.runtime.calibrate.results import BenchResult, MachineInfo, OverlapMeasure, Sample
 from moegraph.runtime.calibrate.fit import binned_curve, fit_profile, self_check
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import read_facts, read_samples, write_profile, write_samples
@@ -326,7 +327,7 @@ def test_link_peak_is_the_best_size_bin_so_no_curve_point_is_clamped(tmp_path):
 
 
 def _one_rank_env():
-    from moegraph.runtime.calibrate.benchmarks import Clock, Lockstep, RankEnv
+    from moegraph.runtime.calibrate.harness import Clock, Lockstep, RankEnv
     now = time.time()
     return RankEnv(0, 2, torch.device("cpu"), "fp32", "gloo", now, now + 60, Lockstep(0, 1), Clock(torch.device("cpu")),
                    verbose=False)
@@ -337,7 +338,7 @@ def test_model_graphs_skip_only_a_layer_n_cannot_split(monkeypatch):
     building a model graph is a bug and propagates instead of fitting the profile on fewer graphs."""
     import moegraph.tracer
     from moegraph.ir import ConfigError
-    from moegraph.runtime.calibrate.benchmarks import MODEL_GRAPHS, bench_model_graphs
+    from moegraph.runtime.calibrate.graph_benches import MODEL_GRAPHS, bench_model_graphs
 
     def split_error(cfg, strategy, **kw):
         raise ConfigError(f"n={strategy.n} does not divide heads=3")

@@ -226,7 +226,7 @@ def test_in_step_stage_stores_both_rates_in_the_profile(monkeypatch):
     import time
 
     import moegraph.runtime.calibrate.steps as steps
-    from moegraph.runtime.calibrate.benchmarks import MachineInfo
+    from moegraph.runtime.calibrate.results import MachineInfo
     from moegraph.runtime.calibrate.command import _in_step_stage
     from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
     chunked = trace_model(load_model("tiny"), Strategy(attn="sp", ffn="ep", dispatch="ag-rs", n=2, dtype="fp32",

@@ -32,11 +32,11 @@ from typing import Any
 from moegraph.cli import UsageError
 from moegraph.options import check_output
 from moegraph.registry import load_hardware
-from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo
 from moegraph.runtime.calibrate.fit import BenchCheck, GraphCheck, fit_profile, self_check, summarize_checks
 from moegraph.runtime.calibrate.options import (MAX_BUDGET_S, MAX_RANKS, MIN_BUDGET_S, MIN_IN_STEP_BUDGET_S,
                                                 CalibrationError, CalibrationOptions, in_step_enabled)
 from moegraph.runtime.calibrate.profile_io import Profile, write_profile, write_samples
+from moegraph.runtime.calibrate.results import BenchResult, MachineInfo
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
 
 __all__ = ["calibrate_command", "options_from_args", "run_calibration", "Calibration", "format_summary"]
@@ -218,8 +218,8 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
 def _run_cpu(opts: CalibrationOptions, t0: float) -> tuple[list[BenchResult], MachineInfo]:
     import torch
 
-    from moegraph.runtime.calibrate.benchmarks import (cpu_seconds, machine_busy_seconds, machine_info,
-                                                       rank_benchmarks)
+    from moegraph.runtime.calibrate.benchmarks import rank_benchmarks
+    from moegraph.runtime.calibrate.results import cpu_seconds, machine_busy_seconds, machine_info
     from moegraph.runtime.launch import RankCrash, spawn
     deadline = t0 + opts.time_budget_s - RESERVE_S
     if in_step_enabled(opts):
@@ -253,7 +253,9 @@ def _run_cuda(opts: CalibrationOptions, t0: float) -> tuple[list[BenchResult], M
     """UNTESTED (no GPU here): single-GPU benchmarks in this process, timed with CUDA events."""
     import torch
 
-    from moegraph.runtime.calibrate.benchmarks import Clock, Lockstep, RankEnv, machine_info, run_benches
+    from moegraph.runtime.calibrate.benchmarks import run_benches
+    from moegraph.runtime.calibrate.harness import Clock, Lockstep, RankEnv
+    from moegraph.runtime.calibrate.results import machine_info
     device = torch.device("cuda", torch.cuda.current_device())
     env = RankEnv(0, 1, device, opts.dtype, opts.backend, t0, t0 + opts.time_budget_s - RESERVE_S,
                   Lockstep(0, 1), Clock(device), verbose=opts.verbose)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
 from moegraph.registry import Hardware
-from moegraph.runtime.calibrate.benchmarks import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
+from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
 

@@ -20,7 +20,7 @@ import yaml
 
 from moegraph.options import make_parents
 from moegraph.registry import Hardware
-from moegraph.runtime.calibrate.benchmarks import BenchResult, MachineInfo, OverlapMeasure, Sample
+from moegraph.runtime.calibrate.results import BenchResult, MachineInfo, OverlapMeasure, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
 
 __all__ = ["CalibrationFacts", "Profile", "read_facts", "write_profile", "write_samples",
