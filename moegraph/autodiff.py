@@ -211,7 +211,7 @@ def _rmsnorm(g, node, grads):
 
 
 def _split(g, node, grads):
-    mode = node.attr("mode")
+    mode = node.typed.mode
     if mode == "concat":
         # chunks written into one buffer: the gradient is the same buffer cut back into chunks
         (dy,) = grads
@@ -285,7 +285,7 @@ def _permute(g, node, grads):
 
 def _unpermute(g, node, grads):
     (dy,) = grads
-    if not node.attr("weighted"):
+    if not node.typed.weighted:
         rows, imap = node.inputs
         drows = _grad_value(g, rows)
         _bwd(g, node, "dgrad", OpKind.UNPERMUTE, (dy, imap), (drows,), flops=node.flops)
@@ -353,23 +353,23 @@ def _reduce_scatter(g, node, grads):
 
 
 def _all_to_all(g, node, grads):
-    mode = node.attr("mode")
+    mode = node.typed.mode
     if mode == "heads":
         dins = tuple(_grad_value(g, x) for x in node.inputs)
         # the reverse exchange: split what was gathered, gather what was split
         _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, tuple(grads), dins, comm_bytes=node.comm_bytes,
-             attrs={"split_dim": node.attr("cat_dim"), "cat_dim": node.attr("split_dim")})
+             attrs={"split_dim": node.typed.cat_dim, "cat_dim": node.typed.split_dim})
         return dins
     if mode == "tokens":
-        if node.attr("direction") == "to_experts":
+        if node.typed.direction == "to_experts":
             # dispatch: gradients of the expert rows go home, split by what each rank received
-            recv = node.outputs[1] if node.attr("emit_map", False) else _recv_map_of(g, node)
+            recv = node.outputs[1] if node.typed.emit_map else _recv_map_of(g, node)
             ins, direction = (grads[0], recv), "from_experts"
-        elif node.attr("direction") == "from_experts":
+        elif node.typed.direction == "from_experts":
             # combine: gradients go back to the experts, split by the original send map
             ins, direction = (grads[0], _send_map_of(g, node), node.inputs[1]), "to_experts"
         else:
-            raise NotImplementedError(f"no backward rule for token all_to_all direction {node.attr('direction')!r} "
+            raise NotImplementedError(f"no backward rule for token all_to_all direction {node.typed.direction!r} "
                                       f"(node {node.name!r}); valid: 'to_experts', 'from_experts'")
         dpayload = _grad_value(g, node.inputs[0])
         _bwd(g, node, "bwd", OpKind.ALL_TO_ALL, ins, (dpayload,), comm_bytes=node.comm_bytes,
@@ -381,7 +381,7 @@ def _all_to_all(g, node, grads):
 def _recv_map_of(g: GraphBuilder, a2a: Node) -> str:
     """The recv map emitted by the dispatch all-to-all that used the same send index map."""
     for n in g.nodes:
-        if n.op is OpKind.ALL_TO_ALL and n.attr("emit_map", False) and n.inputs[1] == a2a.inputs[1]:
+        if n.op is OpKind.ALL_TO_ALL and n.typed.emit_map and n.inputs[1] == a2a.inputs[1]:
             return n.outputs[1]
     raise NotImplementedError(f"all-to-all {a2a.name!r} rides on no dispatch that emits a recv map")
 
@@ -389,7 +389,7 @@ def _recv_map_of(g: GraphBuilder, a2a: Node) -> str:
 def _send_map_of(g: GraphBuilder, combine: Node) -> str:
     """The index map of the dispatch whose recv map this combine all-to-all reads."""
     for n in g.nodes:
-        if n.op is OpKind.ALL_TO_ALL and n.attr("emit_map", False) and n.outputs[1] == combine.inputs[1]:
+        if n.op is OpKind.ALL_TO_ALL and n.typed.emit_map and n.outputs[1] == combine.inputs[1]:
             return n.inputs[1]
     raise NotImplementedError(f"combine all-to-all {combine.name!r} has no matching dispatch")
 

@@ -19,7 +19,7 @@ from moegraph.ir import ExpertRows, Graph, Node, OpKind, check_expert_rows
 def local_index_maps(graph: Graph) -> list[Node]:
     """The graph's INDEX_MAP nodes of layout 'local' (ffn=ep under dispatch=ag-rs): the ones
     ``expert_rows`` pads."""
-    return [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP and nd.attr("layout") == "local"]
+    return [nd for nd in graph.nodes if nd.op is OpKind.INDEX_MAP and nd.typed.layout == "local"]
 
 
 def expert_rows_refusal(graph: Graph, expert_rows: ExpertRows) -> str | None:
@@ -43,7 +43,7 @@ def padded_rows_extra_bytes(graph: Graph) -> int:
     for nd in local_index_maps(graph):
         T, k = graph.value[nd.inputs[0]].shape
         expected = graph.value[nd.outputs[0]].shape[0]
-        ratios.add(Fraction(padded_rows(T, k, nd.attr("experts_per_rank")), expected))
+        ratios.add(Fraction(padded_rows(T, k, nd.typed.experts_per_rank), expected))
     if not ratios:
         return 0
     if len(ratios) > 1:

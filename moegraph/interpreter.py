@@ -33,7 +33,7 @@ Axis = Literal["mp", "dp"]
 
 def axis_of(node: Node) -> Axis:
     """The group axis a collective runs on (attr ``axis``; absent: "mp"); anything else raises."""
-    axis = node.attr("axis", "mp")
+    axis = node.typed.axis or "mp"
     if axis == "mp":
         return "mp"
     if axis == "dp":
@@ -175,25 +175,25 @@ def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...
     averages instead of summing (data-parallel gradients; reduce-scatters only).
     """
     n = len(ins)
-    flat = node.attr("flat", False)
+    flat = node.typed.flat
     if node.op is OpKind.ALL_GATHER:
-        full = torch.cat([x[0].reshape(-1) if flat else x[0] for x in ins], dim=node.attr("dim"))
+        full = torch.cat([x[0].reshape(-1) if flat else x[0] for x in ins], dim=node.typed.dim)
         if flat and shapes:
             full = full.view(shapes[0])
         return [[full] for _ in range(n)]
     if node.op is OpKind.REDUCE_SCATTER:
-        stacked, how = torch.stack([x[0].reshape(-1) if flat else x[0] for x in ins]), node.attr("reduce", "sum")
+        stacked, how = torch.stack([x[0].reshape(-1) if flat else x[0] for x in ins]), node.typed.reduce
         if how not in ("sum", "mean"):
             raise ValueError(f"node {node.name!r}: reduce={how!r} is not one of 'sum', 'mean'")
         total = stacked.mean(0) if how == "mean" else stacked.sum(0)
-        return [[part] for part in total.chunk(n, dim=node.attr("dim"))]
+        return [[part] for part in total.chunk(n, dim=node.typed.dim)]
     if node.op is OpKind.ALL_REDUCE:
-        if node.attr("reduce", "sum") != "sum":        # not averaged here: the runtime only sums
-            raise ValueError(f"node {node.name!r}: reduce={node.attr('reduce')!r}: an all_reduce only sums")
+        if node.typed.reduce != "sum":        # not averaged here: the runtime only sums
+            raise ValueError(f"node {node.name!r}: reduce={node.typed.reduce!r}: an all_reduce only sums")
         total = torch.stack([x[0] for x in ins]).sum(0)
         return [[total.clone()] for _ in range(n)]
     if node.op is OpKind.ALL_TO_ALL:
-        mode = node.attr("mode")
+        mode = node.typed.mode
         if mode == "heads":
             return _a2a_heads(node, ins)
         if mode == "tokens":
@@ -206,7 +206,7 @@ def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...
 
 def _a2a_heads(node: Node, ins):
     """Each tensor: split along split_dim into n, send part j to rank j, concat received along cat_dim."""
-    n, split_dim, cat_dim = len(ins), node.attr("split_dim"), node.attr("cat_dim")
+    n, split_dim, cat_dim = len(ins), node.typed.split_dim, node.typed.cat_dim
     outs = [[] for _ in range(n)]
     for t in range(len(ins[0])):
         parts = [x[t].chunk(n, dim=split_dim) for x in ins]
@@ -219,7 +219,7 @@ def _a2a_shards(node: Node, ins):
     """Reduce-scatter as an exchange: each tensor split along split_dim into n shards, shard j to
     rank j, which stacks what it receives: [.., X, ..] -> [n, .., X/n, ..] (the sum is left to a
     local FP32 reduction, MegaScale-MoE §5). flat=True flattens first."""
-    n, split_dim, flat = len(ins), node.attr("split_dim"), node.attr("flat", False)
+    n, split_dim, flat = len(ins), node.typed.split_dim, node.typed.flat
     outs = [[] for _ in range(n)]
     for t in range(len(ins[0])):
         parts = [(x[t].reshape(-1) if flat else x[t]).chunk(n, dim=split_dim) for x in ins]
@@ -235,7 +235,7 @@ def _a2a_tokens(node: Node, ins):
     # recv map (from_experts); both carry ``splits``
     parts = [torch.split(x[0], list(x[1].splits)) for x in ins]
     outs = [[torch.cat([parts[r][j] for r in range(n)])] for j in range(n)]
-    if node.attr("emit_map", False):
+    if node.typed.emit_map:
         for j in range(n):
             outs[j].append(_recv_map([x[1] for x in ins], j))
     return outs

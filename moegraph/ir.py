@@ -20,7 +20,6 @@ Everything here is a frozen dataclass; a pass builds a new graph with ``dataclas
 from __future__ import annotations
 
 import dataclasses
-import enum
 import functools
 import hashlib
 import math
@@ -28,44 +27,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Literal, Mapping
 
-
-class OpKind(enum.Enum):
-    # compute
-    GEMM = "gemm"
-    GROUPED_GEMM = "grouped_gemm"
-    ATTENTION = "attention"
-    RMSNORM = "rmsnorm"
-    ROPE = "rope"
-    SWIGLU = "swiglu"
-    ROUTER = "router"            # logits -> softmax or sigmoid (+ selection bias, groups) -> top-k -> renormalise, scale
-    INDEX_MAP = "index_map"      # routing -> row mapping, computed once per step (paper §3.2)
-    PERMUTE = "permute"          # scatter by index map: token rows -> expert-ordered rows
-    UNPERMUTE = "unpermute"      # gather by index map: expert rows -> token rows (weighted sum)
-    GATE = "gate"                # multiply expert rows by their routing weight
-    SPLIT = "split"              # views into a fused tensor (q, k, v of qkv)
-    ADD = "add"
-    BIAS = "bias"                # x + b, b [X] broadcast over the leading dims (q/k/v biases)
-    SIGMOID_GATE = "sigmoid_gate"  # x * sigmoid(g), g [..., 1]: the shared expert's gate (Qwen2-MoE)
-    SQUARE_SUM = "square_sum"    # x [..., X] -> sum of squares [..., 1] (fp32): a sharded norm's partial
-    RMSNORM_SHARDED = "rmsnorm_sharded"  # (x, w, ss) -> x rsqrt(ss/width + eps) w, ss all-reduced (OLMoE q/k norm)
-    MLA_HEADS = "mla_heads"      # (q, kv, k_pe) -> per-head query, key, value of latent attention (DeepSeek-V3)
-    CAST = "cast"                # precision change for compressed communication
-    # communication
-    ALL_GATHER = "all_gather"
-    REDUCE_SCATTER = "reduce_scatter"
-    ALL_TO_ALL = "all_to_all"
-    ALL_REDUCE = "all_reduce"
-    P2P = "p2p"                  # one send/recv between two pipeline stages (group 2: sender, receiver)
-
-    @property
-    def is_comm(self) -> bool:
-        return self in COMM_OPS
-
-
-LAYER_ATTR = "layer"
-"""Node attribute holding the node's layer index (an int) in a multi-layer graph (``moegraph.layers``)."""
-
-COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE, OpKind.P2P})
+# the enumerations and the attribute records live in their own modules (the records name op kinds,
+# verify reads the records); every name stays importable from here
+from moegraph.kinds import COMM_OPS, LAYER_ATTR, GraphError, OpKind, Phase, Role, ValueKind  # noqa: F401
+from moegraph.node_attrs import (CHOICE_ATTRS, AttrError, NodeAttrs, PermuteIndex, Scoring,  # noqa: F401
+                                 SplitMode, attrs_of, bad_choice)
 
 
 def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
@@ -96,26 +62,6 @@ def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
         case OpKind.ALL_REDUCE:
             return 2 * shard * (n - 1)
     raise NotImplementedError(f"no cost rule for {op}")
-
-
-class Phase(enum.Enum):
-    FORWARD = "forward"
-    BACKWARD = "backward"
-    RECOMPUTE = "recompute"      # forward work re-run during backward (moegraph.passes.sar)
-
-
-class Role(enum.Enum):
-    FORWARD = "forward"          # the op itself (also when re-run as recompute)
-    DGRAD = "dgrad"              # gradient w.r.t. data inputs
-    WGRAD = "wgrad"              # gradient w.r.t. parameters
-
-
-class ValueKind(enum.Enum):
-    ACTIVATION = "activation"    # forward tensors; the ones counted as activation memory
-    PARAM = "param"              # this rank's shard of a parameter
-    GRAD = "grad"                # gradients of activations (transient, backward only)
-    PARAM_GRAD = "param_grad"    # gradients of parameters (persistent buffers)
-    ROUTING = "routing"          # routing weights, expert ids, index maps: O(b*s*k), not O(b*s*h)
 
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1, "int64": 8, "int32": 4}
@@ -201,6 +147,12 @@ class Node:
     def layer(self) -> int | None:
         """The node's layer index in a multi-layer graph (``moegraph.layers``), None in a one-layer graph."""
         return self.attr(LAYER_ATTR, None)
+
+    @functools.cached_property
+    def typed(self) -> NodeAttrs:
+        """The attributes as the op's typed record (``moegraph.node_attrs``): read ``node.typed.eps``,
+        not ``node.attr("eps")``; AttrError naming the node for an unknown, wrong-typed or missing one."""
+        return attrs_of(self)
 
     def attr(self, key: str, default: Any = dataclasses.MISSING) -> Any:
         for k, v in self.attrs:
@@ -315,38 +267,6 @@ def check_expert_rows(value: Any) -> ExpertRows:
     if not isinstance(value, str) or value not in EXPERT_ROWS:
         raise ValueError(f"expert_rows={value!r} is not one of {', '.join(map(repr, EXPERT_ROWS))}")
     return typing.cast(ExpertRows, value)
-
-
-SplitMode = Literal["split", "concat"]
-"""SPLIT's attr ``mode``: cut one buffer into views of it ('split': q, k, v of qkv; token chunks),
-or write chunks into their slices of one buffer ('concat')."""
-PermuteIndex = Literal["token", "slot"]
-"""PERMUTE's attr ``index``: what the index map gathers, token rows ([T, h] -> [R, h]) or routing
-slots ([T, k] routing weights -> [R])."""
-Scoring = Literal["softmax", "sigmoid"]
-"""ROUTER's attr ``scoring``: softmax over the experts (Mixtral) or per-expert sigmoid (DeepSeek-V3).
-(``moegraph.models`` keeps its own copy: the eager reference imports nothing from the IR.)"""
-
-CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
-    (OpKind.SPLIT, Role.FORWARD): ("mode", typing.get_args(SplitMode)),
-    (OpKind.SPLIT, Role.DGRAD): ("mode", typing.get_args(SplitMode)),
-    (OpKind.PERMUTE, Role.FORWARD): ("index", typing.get_args(PermuteIndex)),
-    (OpKind.PERMUTE, Role.DGRAD): ("index", typing.get_args(PermuteIndex)),
-    (OpKind.ROUTER, Role.FORWARD): ("scoring", typing.get_args(Scoring)),
-    (OpKind.ROUTER, Role.DGRAD): ("scoring", typing.get_args(Scoring)),
-    (OpKind.ROUTER, Role.WGRAD): ("scoring", typing.get_args(Scoring)),
-}
-"""(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
-op's VJP rule) computes. Every such node carries one (``verify``): a missing or unknown value would
-otherwise run some default. (PERMUTE's weight-gradient role is the model edges' embedding scatter,
-run by its own eager kernel, which reads no ``index``.)"""
-
-
-def bad_choice(node: "Node") -> "GraphError":
-    """The error ending a switch over a CHOICE_ATTRS attribute: the node, the value, the valid ones."""
-    key, valid = CHOICE_ATTRS[node.op, node.role]
-    return GraphError(f"node {node.name!r} ({node.op.value}/{node.role.value}): {key}={node.attr(key, None)!r} "
-                      f"is not one of {', '.join(map(repr, valid))}")
 
 
 class ConfigError(ValueError):
@@ -543,18 +463,15 @@ def graph_digest(graph: Graph) -> str:
     return h.hexdigest()
 
 
-class GraphError(ValueError):
-    """A malformed graph; the message names the offending node or value."""
-
-
 def verify(graph: Graph) -> Graph:
     """Check the graph is well formed; raise GraphError naming the first bad node.
 
     Checks: unique names; every input defined before use (so no cycles, topological order);
     each value produced once and never a graph input too; comm nodes carry a group size > 1
     dividing nothing illegal; compute nodes carry none; outputs/saved/params/grads refer to
-    existing values; forward nodes read no gradients; views point at existing values; the
-    attributes in CHOICE_ATTRS are present and valid; an all-reduce sums (no ``reduce`` but "sum").
+    existing values; forward nodes read no gradients; views point at existing values; every node's
+    attributes fit its op's record (``moegraph.node_attrs``: known keys, right types, required ones
+    present); an all-reduce sums (no ``reduce`` but "sum").
     Returns the graph so it can be chained.
     """
     names = [v.name for v in graph.values]
@@ -622,9 +539,7 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
     if node.op is OpKind.ALL_REDUCE and node.attr("reduce", "sum") != "sum":
         raise GraphError(f"{where} has reduce={node.attr('reduce')!r}: an all-reduce only sums (a mean is "
                          "modelled for reduce-scatters only)")
-    choice = CHOICE_ATTRS.get((node.op, node.role))
-    if choice is not None and node.attr(choice[0], None) not in choice[1]:
-        raise bad_choice(node)
+    node.typed                       # its op's attribute record: raises AttrError naming the bad key
 
 
 def _first_duplicate(items: list[str]) -> str | None:

@@ -59,7 +59,7 @@ def run_compute(ctx: RankContext, node: Node, ins: list[Any], out_shapes: list[t
     fn = KERNELS.get((node.op, node.role))
     if fn is None:
         raise NotImplementedError(f"no kernel for {node.op.value}/{node.role.value} (node {node.name!r})")
-    if node.attr("accumulate", False):
+    if node.typed.accumulate:
         (out,) = fn(ctx, node, ins[:-1], out_shapes)
         return [ins[-1] + out]
     return fn(ctx, node, ins, out_shapes)
@@ -104,8 +104,8 @@ def _cached(ctx: RankContext, key: tuple, make: Callable[[], Any]) -> Any:
 def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.Tensor):
     """cos, sin [rows, dim] at this node's positions (``chunk_positions``) in ``like``'s dtype and
     device: the same for the node's forward, its backward and every step (``RankContext.tables``)."""
-    layout, theta = node.attr("positions"), node.attr("theta")
-    chunk, chunks = node.attr("chunk", 0), node.attr("chunks", 1)
+    layout, theta = node.typed.positions, node.typed.theta
+    chunk, chunks = (node.typed.chunk or 0), node.typed.chunks
     return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, like.dtype, like.device),
                    lambda: rope_cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
                                                         device=like.device), dim, theta, like.dtype))
@@ -118,7 +118,7 @@ def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torc
 
 
 def _rope_fwd(ctx: RankContext, node: Node, q, k):
-    d, S = node.attr("head_dim"), q.shape[1]
+    d, S = node.typed.head_dim, q.shape[1]
     cos, sin = _rope_tables(ctx, node, S, d, q)
     b = q.shape[0]
     rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
@@ -132,13 +132,13 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
     attended with the plain causal mask and put back, so the result equals the unchunked one.
     Returns the N output chunks.
     """
-    d, N = node.attr("head_dim"), node.attr("chunks", 1)
+    d, N = node.typed.head_dim, node.typed.chunks
     q, k, v = (torch.cat(qkv[i * N:(i + 1) * N], dim=1) for i in range(3))
     b, S = q.shape[:2]
     if N > 1:
         pos, order = _cached(ctx, ("chunk_major", S, N, q.device), lambda: _chunk_order(ctx, S, N, q.device))
         q, k, v = q[:, order], k[:, order], v[:, order]
-    dv = node.attr("v_head_dim", d)                                    # MLA: values narrower than q/k heads
+    dv = node.typed.v_head_dim or d                                    # MLA: values narrower than q/k heads
     out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv))
     if N > 1:
         out = out[:, pos]
@@ -153,7 +153,7 @@ def _swiglu_fwd(a, b):
 
 def _k_rmsnorm(ctx, node, ins, shapes):
     x, w = ins
-    return [rms_norm(x, w, node.attr("eps"))]
+    return [rms_norm(x, w, node.typed.eps)]
 
 
 def _k_gemm(ctx, node, ins, shapes):
@@ -161,11 +161,11 @@ def _k_gemm(ctx, node, ins, shapes):
 
 
 def _k_split(ctx, node, ins, shapes):
-    mode = node.attr("mode")
+    mode = node.typed.mode
     if mode == "concat":                                                # chunks -> one buffer
-        return [torch.cat(ins, dim=node.attr("dim"))]
+        return [torch.cat(ins, dim=node.typed.dim)]
     if mode == "split":
-        return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
+        return list(torch.split(ins[0], list(node.typed.sizes), dim=node.typed.dim))
     raise bad_choice(node)
 
 
@@ -180,7 +180,7 @@ def _k_attention(ctx, node, ins, shapes):
 def _k_add(ctx, node, ins, shapes):
     """a + b; or, with attr reduce_dim, the sum (reduce="mean": the mean) of one input over that dim,
     accumulated in FP32 (the local sum after a compressed all-to-all)."""
-    dim = node.attr("reduce_dim", None)
+    dim = node.typed.reduce_dim
     if dim is None:
         if len(ins) == 2:
             return [ins[0] + ins[1]]
@@ -188,11 +188,11 @@ def _k_add(ctx, node, ins, shapes):
         for t in ins[1:]:
             total += t
         return [total]
-    acc, how = ins[0].float(), node.attr("reduce", "sum")
+    acc, how = ins[0].float(), node.typed.reduce
     if how not in ("sum", "mean"):
         raise ValueError(f"node {node.name!r}: reduce={how!r} is not one of 'sum', 'mean'")
     acc = acc.mean(dim) if how == "mean" else acc.sum(dim)
-    return [acc.to(ins[0].dtype if node.attr("to", None) is None else TORCH_DTYPES[node.attr("to")])]
+    return [acc.to(ins[0].dtype if node.typed.to is None else TORCH_DTYPES[node.typed.to])]
 
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
@@ -204,8 +204,8 @@ def _k_cast(ctx, node, ins, shapes):
     """Precision change. attr to: target dtype. scale="per_token": quantize x [..., h] to
     (x / s in fp8, s [...] fp32) with s = amax over h / FP8_MAX; scale="apply": the inverse
     (inputs x, s). The interpreter keeps the rounding: CAST to bf16 and back loses bits."""
-    to = TORCH_DTYPES[node.attr("to")]
-    mode = node.attr("scale", None)
+    to = TORCH_DTYPES[node.typed.to]
+    mode = node.typed.scale
     if mode is None:
         return [ins[0].to(to)]
     if mode == "per_token":
@@ -224,19 +224,19 @@ def _k_swiglu(ctx, node, ins, shapes):
 
 def _k_router(ctx, node, ins, shapes):
     weights, experts = route_tokens(node, *ins)
-    if node.attr("aux", False):                 # the aux loss's stats (moegraph.edges)
+    if node.typed.aux:                          # the aux loss's stats (moegraph.edges)
         return [weights, experts, aux_stats(node, ins[0], ins[1], experts)]
     return [weights, experts]
 
 
 def _k_index_map(ctx, node, ins, shapes):
-    return [build_index_map(ins[0], node.attr("layout"), node.attr("experts_per_rank"), ctx.rank, ctx.n,
+    return [build_index_map(ins[0], node.typed.layout, node.typed.experts_per_rank, ctx.rank, ctx.n,
                             ctx.expert_rows)]
 
 
 def _k_permute(ctx, node, ins, shapes):
     x, imap = ins
-    index = node.attr("index")
+    index = node.typed.index
     if index == "slot":                                                 # [T, k] routing weights -> [R]
         return [x.reshape(-1)[imap.flat]]
     if index == "token":
@@ -245,7 +245,7 @@ def _k_permute(ctx, node, ins, shapes):
 
 
 def _k_unpermute(ctx, node, ins, shapes):
-    if node.attr("weighted"):
+    if node.typed.weighted:
         rows, weights, imap = ins
         rows = rows * weights.reshape(-1)[imap.flat, None].to(rows.dtype)
     else:
@@ -283,7 +283,7 @@ def _square_sum(x):
 def _rmsnorm_sharded_fwd(node: Node, x, w, ss):
     """RMSNorm of a row split across ranks: ss is the all-reduced sum of squares of the whole row
     (width elements), so every rank normalises its slice by the full row's RMS."""
-    r = torch.rsqrt(ss / node.attr("width") + node.attr("eps"))
+    r = torch.rsqrt(ss / node.typed.width + node.typed.eps)
     return w * (x.float() * r).to(x.dtype)
 
 
@@ -300,12 +300,13 @@ def _mla_heads_fwd(ctx: RankContext, node: Node, q, kv, k_pe):
     value [b, S, Hl*dv]: query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) with the one
     k_pe shared by every head. Interleaved RoPE (pairs 2i, 2i+1) equals rotate-half RoPE on the
     de-interleaved vector (evens, then odds), which is also the layout it returns (as transformers')."""
-    Hl, dn, dr, dv = (node.attr(a) for a in ("heads", "nope_dim", "rope_dim", "v_dim"))
+    t = node.typed
+    Hl, dn, dr, dv = t.heads, t.nope_dim, t.rope_dim, t.v_dim
     b, S = q.shape[:2]
     q_nope, q_rot = q.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     k_nope, v = kv.view(b, S, Hl, dn + dv).split((dn, dv), dim=-1)
     k_rot = k_pe.view(b, S, 1, dr)
-    if node.attr("interleave"):
+    if node.typed.interleave:
         q_rot, k_rot = (torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1) for t in (q_rot, k_rot))
     cos, sin = _rope_tables(ctx, node, S, dr, q)
     q_rot, k_rot = apply_rope(q_rot, cos, sin), apply_rope(k_rot, cos, sin)
@@ -322,14 +323,15 @@ def _k_mla_heads_dgrad(ctx, node, ins, shapes):
     # the transpose of each forward step: RoPE rotates back (-sin, as ROPE's backward), the
     # de-interleave is undone, k_pe's broadcast over the heads sums, the splits concatenate
     q, dquery, dkey, dvalue = ins[0], *ins[3:]
-    Hl, dn, dr, dv = (node.attr(a) for a in ("heads", "nope_dim", "rope_dim", "v_dim"))
+    t = node.typed
+    Hl, dn, dr, dv = t.heads, t.nope_dim, t.rope_dim, t.v_dim
     b, S = q.shape[:2]
     dq_nope, dq_rot = dquery.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     dk_nope, dk_rot = dkey.view(b, S, Hl, dn + dr).split((dn, dr), dim=-1)
     cos, sin = _rope_tables(ctx, node, S, dr, q)
     dq_rot = apply_rope(dq_rot, cos, -sin)
     dk_rot = apply_rope(dk_rot.sum(2, keepdim=True), cos, -sin)                   # [b, S, 1, dr]
-    if node.attr("interleave"):                                                    # evens, odds -> pairs
+    if node.typed.interleave:                                                      # evens, odds -> pairs
         dq_rot, dk_rot = (torch.stack(t.split(dr // 2, dim=-1), dim=-1).flatten(-2) for t in (dq_rot, dk_rot))
     dq = torch.cat((dq_nope, dq_rot), dim=-1).reshape(b, S, -1)
     dkv = torch.cat((dk_nope, dvalue.view(b, S, Hl, dv)), dim=-1).reshape(b, S, -1)
@@ -368,23 +370,23 @@ def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
     # y = w * x r with r = rsqrt(mean(x^2) + eps):  dx = r (g - x̂ mean(g x̂)), g = dy w, x̂ = x r
     x, w, dy = ins
     xf = x.float()
-    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + node.attr("eps"))
+    r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + node.typed.eps)
     xhat, g = xf * r, dy.float() * w.float()
     return [(r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)]
 
 
 def _k_rmsnorm_wgrad(ctx, node, ins, shapes):
     x, dy = ins
-    normed = rms_norm(x, x.new_ones(x.shape[-1]), node.attr("eps"))
+    normed = rms_norm(x, x.new_ones(x.shape[-1]), node.typed.eps)
     return [(tokens(dy) * tokens(normed)).sum(0)]
 
 
 def _k_split_dgrad(ctx, node, ins, shapes):
-    mode = node.attr("mode")
+    mode = node.typed.mode
     if mode == "concat":                                                # one buffer -> chunk grads
-        return list(torch.split(ins[0], list(node.attr("sizes")), dim=node.attr("dim")))
+        return list(torch.split(ins[0], list(node.typed.sizes), dim=node.typed.dim))
     if mode == "split":
-        return [torch.cat(ins, dim=node.attr("dim"))]
+        return [torch.cat(ins, dim=node.typed.dim)]
     raise bad_choice(node)
 
 
@@ -392,14 +394,14 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
     # RoPE rotates each (i, i + d/2) pair by a position angle; its transpose rotates back, which is
     # RoPE with -sin (sin is the same in both halves, so the rotate-half sign flip commutes).
     dq, dk = ins
-    d, S, b = node.attr("head_dim"), dq.shape[1], dq.shape[0]
+    d, S, b = node.typed.head_dim, dq.shape[1], dq.shape[0]
     cos, sin = _rope_tables(ctx, node, S, d, dq)
     back = lambda x: apply_rope(x.view(b, S, -1, d), cos, -sin).reshape(b, S, -1)  # noqa: E731
     return [back(dq), back(dk)]
 
 
 def _k_attention_dgrad(ctx, node, ins, shapes):
-    N = node.attr("chunks", 1)                                          # ins: q, k, v, o, do; N chunks each
+    N = node.typed.chunks                                               # ins: q, k, v, o, do; N chunks each
     qkv, do = ins[:3 * N], tuple(ins[4 * N:5 * N])
     return pullback(lambda *t: _attention_fwd(ctx, node, *t), qkv, do)
 
@@ -421,7 +423,7 @@ def _k_router_wgrad(ctx, node, ins, shapes):
 def _k_permute_dgrad(ctx, node, ins, shapes):
     drows, imap = ins
     drows = imap.real_rows(drows)                                       # a padded map's padding adds nothing
-    index = node.attr("index")
+    index = node.typed.index
     if index == "slot":                                                 # [R] -> [T, k], zero where unrouted here
         out = drows.new_zeros(math.prod(shapes[0]))
         return [out.index_add(0, imap.flat, drows).view(shapes[0])]
@@ -432,7 +434,7 @@ def _k_permute_dgrad(ctx, node, ins, shapes):
 
 
 def _k_unpermute_dgrad(ctx, node, ins, shapes):
-    if not node.attr("weighted"):
+    if not node.typed.weighted:
         dy, imap = ins
         return [tokens(dy)[imap.tokens]]
     dy, rows, weights, imap = ins

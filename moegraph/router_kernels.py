@@ -32,13 +32,13 @@ def pullback(fn: Callable, primals, cotangents) -> list:
 
 def route_tokens(node: Node, x, w, *bias):
     """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
-    scoring = node.attr("scoring")
+    scoring = node.typed.scoring
     if scoring == "softmax":
-        return route(tokens(x), w, node.attr("top_k"), node.attr("normalize", True))
+        return route(tokens(x), w, node.typed.top_k, node.typed.normalize)
     if scoring == "sigmoid":
-        return route_sigmoid(tokens(x), w, bias[0] if bias else None, node.attr("top_k"), groups=node.attr("groups"),
-                             topk_groups=node.attr("topk_groups"), normalize=node.attr("normalize", True),
-                             scale=node.attr("scale"))
+        return route_sigmoid(tokens(x), w, bias[0] if bias else None, node.typed.top_k, groups=node.typed.groups,
+                             topk_groups=node.typed.topk_groups, normalize=node.typed.normalize,
+                             scale=node.typed.scale)
     raise bad_choice(node)
 
 
@@ -75,7 +75,7 @@ def _router_probs(x, w):
 
 def aux_stats(node: Node, x, w, experts):
     """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
-    E = node.attr("experts")
+    E = node.typed.experts
     slots = experts.reshape(-1)
     # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
     # integer counts in fp32 are exact whatever order the adds land in
@@ -88,15 +88,15 @@ def router_pullback(node: Node, primal: int, ins):
     """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
     (the global stats [2, E], the aux seed [1]) and the aux loss's probability gradient
     seed * E * count / N^2 * share (moegraph.edges) joins the routing weights' cotangent."""
-    if not node.attr("aux", False):
+    if not node.typed.aux:
         (x, w, *bias), dweights = ins[:-1], ins[-1]
         leaves = (x, w)
         return pullback(lambda p: _router_fwd(node, *(p if i == primal else leaves[i] for i in range(2)), *bias),
                         (leaves[primal],), (dweights,))
     (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
     leaves = (x, w)
-    rows, E = node.attr("aux_rows"), node.attr("experts")
-    c = seed.float() * (E * node.attr("aux_share") / rows / rows) * stats[0]              # [E]
+    rows, E = node.typed.aux_rows, node.typed.experts
+    c = seed.float() * (E * node.typed.aux_share / rows / rows) * stats[0]              # [E]
 
     def fn(p):
         args = tuple(p if i == primal else leaves[i] for i in range(2))

@@ -43,7 +43,7 @@ MODES = tuple(m for m in typing.get_args(Compress) if m != "none")
 def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
     """Activation reduce-scatter along ``dim`` -> FP8 all-to-all (per-token scales) + FP32 sum."""
     (x,), (y,), g = rs.inputs, rs.outputs, rs.group
-    dim, xv, yv = rs.attr("dim"), values[x], values[y]
+    dim, xv, yv = rs.typed.dim, values[x], values[y]
     values[f"{x}.fp8"] = dataclasses.replace(xv, name=f"{x}.fp8", dtype="fp8", alias_of=None)
     values[f"{x}.scale"] = dataclasses.replace(xv, name=f"{x}.scale", shape=xv.shape[:-1], dtype="fp32", alias_of=None)
     parts = (g,) + yv.shape
@@ -68,7 +68,7 @@ def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
 def _targets(graph: Graph, mode: str) -> list[Node]:
     if mode == "dp-bf16":
         return [n for n in graph.nodes if is_dp_fp32_reduce_scatter(graph.value, n)]
-    return [n for n in graph.nodes if n.op is OpKind.REDUCE_SCATTER and not n.attr("dp", False)
+    return [n for n in graph.nodes if n.op is OpKind.REDUCE_SCATTER and not n.typed.dp
             and n.phase in (Phase.FORWARD, Phase.RECOMPUTE)]
 
 

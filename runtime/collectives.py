@@ -252,7 +252,7 @@ class Comm:
         elif node.op is OpKind.ALL_REDUCE:
             works, finish, keep = self._all_reduce(node, ins[0], pg)
         elif node.op is OpKind.ALL_TO_ALL:
-            mode = node.attr("mode")
+            mode = node.typed.mode
             if mode in ("heads", "shards"):
                 works, finish, keep = self._a2a_parts(node, ins, pg, g, stack=mode == "shards")
             elif mode == "tokens":
@@ -273,7 +273,7 @@ class Comm:
     # dtypes pack into one exchange.
 
     def _all_gather(self, node: Node, x: torch.Tensor, pg, shapes, n: int):
-        dim, flat = node.attr("dim"), node.attr("flat", False)
+        dim, flat = node.typed.dim, node.typed.flat
         x = (x.reshape(-1) if flat else x).contiguous()
         send = _bytes(x)                                            # [numel * itemsize] uint8
         out = send.new_empty((n * send.numel(),))                   # preallocated: shards in rank order
@@ -287,8 +287,8 @@ class Comm:
         return [work], finish, (send, out)
 
     def _reduce_scatter(self, node: Node, x: torch.Tensor, pg, n: int):
-        dim, flat = node.attr("dim"), node.attr("flat", False)
-        how = node.attr("reduce", "sum")
+        dim, flat = node.typed.dim, node.typed.flat
+        how = node.typed.reduce
         if how not in ("sum", "mean"):
             raise RuntimeFailure(f"reduce_scatter {node.name!r}: reduce={how!r} is not one of sum, mean")
         mean = how == "mean"
@@ -305,8 +305,8 @@ class Comm:
         return [work], lambda: [recv.mean(0) if mean else recv.sum(0)], (chunks, recv)
 
     def _all_reduce(self, node: Node, x: torch.Tensor, pg):
-        if node.attr("reduce", "sum") != "sum":
-            raise RuntimeFailure(f"all_reduce {node.name!r}: reduce={node.attr('reduce')!r}: an all_reduce only sums")
+        if node.typed.reduce != "sum":
+            raise RuntimeFailure(f"all_reduce {node.name!r}: reduce={node.typed.reduce!r}: an all_reduce only sums")
         out = x.contiguous().clone()
         work = dist.all_reduce(out, group=pg, async_op=True)
         return [work], lambda: [out], (out,)
@@ -315,9 +315,9 @@ class Comm:
         """heads: part j of each tensor (split along split_dim) to rank j, received parts concatenated
         along cat_dim in rank order. shards (flat=True flattens first): received parts stacked,
         [.., X, ..] -> [n, .., X/n, ..]. All tensors packed into one [n, bytes] exchange."""
-        split_dim = node.attr("split_dim")
-        cat_dim = None if stack else node.attr("cat_dim")
-        flat = stack and node.attr("flat", False)
+        split_dim = node.typed.split_dim
+        cat_dim = None if stack else node.typed.cat_dim
+        flat = stack and node.typed.flat
         parts = [(t.reshape(-1) if flat else t).chunk(n, dim=split_dim) for t in ins]   # per tensor: n equal parts
         metas = [(p[0].dtype, p[0].shape, _bytes(p[0].contiguous()).numel()) for p in parts]
         send = torch.stack([torch.cat([_bytes(p[j].contiguous()) for p in parts]) for j in range(n)])  # [n, bytes]
@@ -347,7 +347,7 @@ class Comm:
         if isinstance(send_map, IndexMap):                          # rows leave for their experts' ranks
             got = send_map.host_fact("a2a_received", lambda: self._received_counts(node, send_map))
             recv_splits = [sum(row) for row in got]                 # got[r][e]: rank r's rows for my expert e
-            if node.attr("emit_map", False):
+            if node.typed.emit_map:
                 recv_map = RecvMap(tuple((e, c) for row in got for e, c in enumerate(row)), tuple(recv_splits),
                                    tuple(send_splits))
         elif len(send_map.sent) == self.n:                          # rows go back where they came from

@@ -114,7 +114,7 @@ def host_reads(graph: Graph, expert_rows: ExpertRows = "exact") -> dict[str, str
     other outputs of such a node (a combine's [b, S, h], a weight gradient) have static shapes."""
     dynamic: set[str] = set()
     out: dict[str, str] = {}
-    maps = {o: nd.attr("layout") for nd in graph.nodes if nd.op is OpKind.INDEX_MAP for o in nd.outputs}
+    maps = {o: nd.typed.layout for nd in graph.nodes if nd.op is OpKind.INDEX_MAP for o in nd.outputs}
     for node in graph.nodes:
         reason = _own_host_read(node, maps, expert_rows)
         if reason is None:
@@ -136,7 +136,7 @@ def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) ->
     """Why the node's kernel itself reads the host (regardless of its inputs' shapes), or None."""
     match node.op:
         case OpKind.INDEX_MAP:
-            layout = node.attr("layout")
+            layout = node.typed.layout
             if layout == "local" and check_expert_rows(expert_rows) == "exact":
                 return ("builds a local index map whose row count R is read on the host (expert_rows='exact': "
                         "dropless routing sizes the expert buffers by it; expert_rows='padded' fixes them at "
@@ -147,7 +147,7 @@ def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) ->
                 return None
             raise ValueError(f"node {node.name!r}: index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
         case OpKind.ALL_TO_ALL:
-            mode = node.attr("mode")
+            mode = node.typed.mode
             if mode == "tokens":
                 return "sends data-dependent split sizes (copied to the host for the all-to-all)"
             if mode in ("heads", "shards"):

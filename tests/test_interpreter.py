@@ -56,16 +56,16 @@ def test_interpreter_detects_a_wrong_kernel(monkeypatch, rng):
 ])
 @pytest.mark.parametrize("value", [None, "other"])
 def test_a_kernel_switch_ends_in_an_error_naming_the_node(op, role, key, ins, value):
-    """Kernels read SPLIT's mode, PERMUTE's index and ROUTER's scoring without a default: a node
-    the verifier never saw (missing or unknown value) is refused, not run as split/token/softmax."""
+    """Kernels read SPLIT's mode, PERMUTE's index and ROUTER's scoring from the node's typed record
+    (moegraph.node_attrs), with no default: a node the verifier never saw (missing or unknown value)
+    is refused by name, not run as split/token/softmax."""
     from moegraph.ir import GraphError, Node, OpKind, Phase, Role, freeze_attrs
     from moegraph.kernels import RankContext, run_compute
-    attrs = {"dim": 2, "sizes": (2, 2), "top_k": 2, "experts": 3} | ({} if value is None else {key: value})
+    attrs = {"split": {"dim": 2, "sizes": (2, 2)}, "permute": {}, "router": {"top_k": 2, "experts": 3}}[op]
+    attrs = attrs | ({} if value is None else {key: value})
     node = Node("bad", OpKind(op), Phase.FORWARD if role == "forward" else Phase.BACKWARD, (), ("y",), Role(role),
                 attrs=freeze_attrs(attrs))
-    error, match = ((KeyError, rf"node 'bad' \({op}\) has no attribute '{key}'") if value is None else
-                    (GraphError, rf"node 'bad' \({op}/{role}\): {key}='other' is not one of"))
-    with pytest.raises(error, match=match):
+    with pytest.raises(GraphError, match=rf"node 'bad' \({op}/{role}\): {key}={value!r} is not one of"):
         run_compute(RankContext(0, 1, 2), node, ins(), [(2, 4)])
 
 

@@ -78,6 +78,37 @@ def test_an_attribute_that_picks_the_kernel_is_present_and_valid(graph, name, ke
         verify(replace_node(graph, name, attrs=freeze_attrs(attrs)))
 
 
+@pytest.mark.parametrize("name, change, message", [
+    ("input_norm", {"eps": None}, r"eps=None is not a number"),                        # missing
+    ("input_norm", {"eps": "1e-5"}, r"eps='1e-5' is not a number"),
+    ("rope", {"theta": None}, r"theta=None is not a number"),
+    ("qkv_split", {"sizes": (64, "32", 32)}, r"sizes=\(64, '32', 32\) is not a tuple of ints"),
+    ("router", {"top_k": 2.0}, r"top_k=2.0 is not an int"),
+    ("index_map", {"layout": "global"}, r"layout='global' is not one of 'local', 'all', 'by_dest'"),
+    ("combine_gather", {"weighted": 1}, r"weighted=1 is not a bool"),
+    ("ln2_ag", {"dim": None}, r"dim=None is not an int"),
+    ("qkv_a2a", {"mode": "rows"}, r"mode='rows' is not one of 'heads', 'tokens', 'shards'"),
+    ("fc1", {"stream_byte": 8}, r"unknown attribute 'stream_byte'; grouped_gemm nodes take accumulate, "),
+    ("router", {"scoring": "sigmoid"}, r"scoring='sigmoid' needs groups, topk_groups and scale"),
+])
+def test_node_attributes_fit_their_ops_record(graph, name, change, message):
+    """Every node's attributes are read through its op's typed record (moegraph.node_attrs): a
+    missing required one, a wrong-typed one, an unknown key (a typo would otherwise be ignored and
+    the reader's default run) or an inconsistent set is refused by verify, naming the node."""
+    node = graph.node[name]
+    attrs = {k: v for k, v in node.attrs if change.get(k, 0) is not None} | {k: v for k, v in change.items()
+                                                                               if v is not None}
+    with pytest.raises(GraphError, match=rf"^node '{name}' \({node.op.value}/{node.role.value}\): {message}"):
+        verify(replace_node(graph, name, attrs=freeze_attrs(attrs)))
+
+
+def test_eager_nodes_need_no_op_attributes(graph):
+    """A node run by its own callable (attr eager, the model's edges) reads none of its op's
+    attributes: verify does not ask for them, and the typed record holds None."""
+    bad = replace_node(graph, "input_norm", attrs=freeze_attrs({"eager": True, "edge": True}))
+    assert verify(bad).node["input_norm"].typed.eps is None
+
+
 def test_an_all_reduce_that_would_average_is_refused(graph):
     """Reduce-scatters may average (reduce="mean"); no backend averages an all-reduce, so one asking
     for it is refused by name rather than summed."""

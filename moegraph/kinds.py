@@ -1,0 +1,73 @@
+"""The IR's enumerations (op kinds, phases, roles, value kinds) and its error type.
+
+Split from ``moegraph.ir`` so that the per-op attribute records (``moegraph.node_attrs``), which the
+IR's verifier reads, can name op kinds without importing the IR; ``moegraph.ir`` re-exports every
+name here.
+"""
+
+from __future__ import annotations
+
+import enum
+
+
+class OpKind(enum.Enum):
+    # compute
+    GEMM = "gemm"
+    GROUPED_GEMM = "grouped_gemm"
+    ATTENTION = "attention"
+    RMSNORM = "rmsnorm"
+    ROPE = "rope"
+    SWIGLU = "swiglu"
+    ROUTER = "router"            # logits -> softmax or sigmoid (+ selection bias, groups) -> top-k -> renormalise, scale
+    INDEX_MAP = "index_map"      # routing -> row mapping, computed once per step (paper §3.2)
+    PERMUTE = "permute"          # scatter by index map: token rows -> expert-ordered rows
+    UNPERMUTE = "unpermute"      # gather by index map: expert rows -> token rows (weighted sum)
+    GATE = "gate"                # multiply expert rows by their routing weight
+    SPLIT = "split"              # views into a fused tensor (q, k, v of qkv)
+    ADD = "add"
+    BIAS = "bias"                # x + b, b [X] broadcast over the leading dims (q/k/v biases)
+    SIGMOID_GATE = "sigmoid_gate"  # x * sigmoid(g), g [..., 1]: the shared expert's gate (Qwen2-MoE)
+    SQUARE_SUM = "square_sum"    # x [..., X] -> sum of squares [..., 1] (fp32): a sharded norm's partial
+    RMSNORM_SHARDED = "rmsnorm_sharded"  # (x, w, ss) -> x rsqrt(ss/width + eps) w, ss all-reduced (OLMoE q/k norm)
+    MLA_HEADS = "mla_heads"      # (q, kv, k_pe) -> per-head query, key, value of latent attention (DeepSeek-V3)
+    CAST = "cast"                # precision change for compressed communication
+    # communication
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+    ALL_REDUCE = "all_reduce"
+    P2P = "p2p"                  # one send/recv between two pipeline stages (group 2: sender, receiver)
+
+    @property
+    def is_comm(self) -> bool:
+        return self in COMM_OPS
+
+
+LAYER_ATTR = "layer"
+"""Node attribute holding the node's layer index (an int) in a multi-layer graph (``moegraph.layers``)."""
+
+COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE, OpKind.P2P})
+
+
+class Phase(enum.Enum):
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RECOMPUTE = "recompute"      # forward work re-run during backward (moegraph.passes.sar)
+
+
+class Role(enum.Enum):
+    FORWARD = "forward"          # the op itself (also when re-run as recompute)
+    DGRAD = "dgrad"              # gradient w.r.t. data inputs
+    WGRAD = "wgrad"              # gradient w.r.t. parameters
+
+
+class ValueKind(enum.Enum):
+    ACTIVATION = "activation"    # forward tensors; the ones counted as activation memory
+    PARAM = "param"              # this rank's shard of a parameter
+    GRAD = "grad"                # gradients of activations (transient, backward only)
+    PARAM_GRAD = "param_grad"    # gradients of parameters (persistent buffers)
+    ROUTING = "routing"          # routing weights, expert ids, index maps: O(b*s*k), not O(b*s*h)
+
+
+class GraphError(ValueError):
+    """A malformed graph; the message names the offending node or value."""

@@ -1,0 +1,321 @@
+"""Typed node attributes: one frozen record per op kind, the schema ``verify`` checks.
+
+A node stores its attributes as sorted (key, value) pairs (``Node.attrs``: what graph digests
+hash, unchanged). ``Node.typed`` reads them into the op's record below: every key the op takes,
+typed, with its default where it has one. A field without a default is required; a key the op
+does not take, a value of the wrong type, or a required key missing is a GraphError naming the
+node and the key, raised by ``verify`` (``moegraph.ir``) after every pass and by any reader of
+``Node.typed`` on a node no verifier saw. So a misspelt or forgotten attribute can never select a
+kernel's default silently.
+
+``NodeAttrs`` holds the annotations any node may carry (added by passes and model-level rewrites:
+layer, micro-batch, chunk, the model's edges, fused groups, gradient accumulation); ``CommAttrs``
+those of every collective. A node marked ``eager`` (the model's edges: run by its own callable,
+not a kernel) needs none of its op's required attributes.
+
+A new attribute is declared here, as a field of its op's record (or of ``NodeAttrs`` if any op may
+carry it), with the type its readers expect.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass
+from typing import Any, Literal, Mapping, Union
+
+from moegraph.kinds import GraphError, OpKind, Role
+
+SplitMode = Literal["split", "concat"]
+"""SPLIT's attr ``mode``: cut one buffer into views of it ('split': q, k, v of qkv; token chunks),
+or write chunks into their slices of one buffer ('concat')."""
+PermuteIndex = Literal["token", "slot"]
+"""PERMUTE's attr ``index``: what the index map gathers, token rows ([T, h] -> [R, h]) or routing
+slots ([T, k] routing weights -> [R])."""
+Scoring = Literal["softmax", "sigmoid"]
+"""ROUTER's attr ``scoring``: softmax over the experts (Mixtral) or per-expert sigmoid (DeepSeek-V3).
+(``moegraph.models`` keeps its own copy: the eager reference imports nothing from the IR.)"""
+Positions = Literal["shard", "full", "chunk_major"]
+"""Where a RoPE kernel's rows sit in the sequence (``moegraph.kernels.chunk_positions``)."""
+IndexLayout = Literal["local", "all", "by_dest"]
+"""INDEX_MAP's rows: this rank's experts, every expert, or every row by destination rank."""
+Reduce = Literal["sum", "mean"]
+DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
+
+CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
+    (OpKind.SPLIT, Role.FORWARD): ("mode", typing.get_args(SplitMode)),
+    (OpKind.SPLIT, Role.DGRAD): ("mode", typing.get_args(SplitMode)),
+    (OpKind.PERMUTE, Role.FORWARD): ("index", typing.get_args(PermuteIndex)),
+    (OpKind.PERMUTE, Role.DGRAD): ("index", typing.get_args(PermuteIndex)),
+    (OpKind.ROUTER, Role.FORWARD): ("scoring", typing.get_args(Scoring)),
+    (OpKind.ROUTER, Role.DGRAD): ("scoring", typing.get_args(Scoring)),
+    (OpKind.ROUTER, Role.WGRAD): ("scoring", typing.get_args(Scoring)),
+}
+"""(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
+op's VJP rule) computes; a switch over one ends in ``bad_choice``. (PERMUTE's weight-gradient role
+is the model edges' embedding scatter, run by its own eager kernel, which reads no ``index``.)"""
+
+
+class AttrError(GraphError):
+    """A node's attributes do not match its op's record; the message names the node and the key."""
+
+
+def bad_choice(node: Any) -> GraphError:
+    """The error ending a switch over a CHOICE_ATTRS attribute: the node, the value, the valid ones."""
+    key, valid = CHOICE_ATTRS[node.op, node.role]
+    return GraphError(f"node {node.name!r} ({node.op.value}/{node.role.value}): {key}={node.attr(key, None)!r} "
+                      f"is not one of {', '.join(map(repr, valid))}")
+
+
+# -- the records -------------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class NodeAttrs:
+    """Annotations any node may carry."""
+
+    layer: int | None = None             # layer index in a multi-layer graph (moegraph.layers)
+    mb: int | None = None                # micro-batch of a merged step graph (moegraph.microbatch)
+    chunk: int | None = None             # token chunk (the chunk pass; RoPE's positions read it)
+    edge: bool = False                   # a model edge node (moegraph.edges)
+    eager: bool = False                  # run by its own callable, not a kernel (moegraph.edges)
+    embed: bool = False                  # the embedding's gradient path (moegraph.edges)
+    fused: tuple | None = None           # a fused comm+compute group (moegraph.cost.FusedGroup)
+    accumulate: bool = False             # a weight gradient added into the running sum (autodiff)
+    accumulate_bytes: int | None = None  # that sum's bytes, read once more (cost model)
+    stage: int | None = None             # pipeline stage (moegraph.passes.stages)
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommAttrs(NodeAttrs):
+    """Annotations any collective may carry (data-parallel syncs, compressed wires)."""
+
+    dp: bool = False                     # a data-parallel gradient sync
+    flat: bool = False                   # over a flattened bucket of gradients
+    axis: Literal["mp", "dp"] | None = None
+    scope: Literal["intra", "inter"] | None = None
+    compressed: DtypeName | None = None  # the wire dtype of a compressed collective
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedGemmAttrs(NodeAttrs):
+    stream_bytes: int | None = None      # expert weights streamed in the step (cost model)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionAttrs(NodeAttrs):
+    head_dim: int
+    causal: bool = True
+    chunks: int = 1                      # token chunks given, each of q, k, v
+    v_head_dim: int | None = None        # MLA: values narrower than q/k heads
+
+
+@dataclass(frozen=True, kw_only=True)
+class RmsNormAttrs(NodeAttrs):
+    eps: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeAttrs(NodeAttrs):
+    head_dim: int
+    theta: float
+    positions: Positions
+    chunks: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class RouterAttrs(NodeAttrs):
+    scoring: Scoring
+    top_k: int
+    experts: int
+    normalize: bool = True
+    groups: int | None = None            # sigmoid scoring: expert groups, the best topk_groups kept
+    topk_groups: int | None = None
+    scale: float | None = None           # sigmoid scoring: routed weights' scale
+    score_bias: bool = False             # sigmoid scoring: a selection-bias buffer input
+    aux: bool = False                    # emits the aux loss's stats (moegraph.edges)
+    aux_rows: int | None = None
+    aux_share: float | None = None
+
+    def problem(self) -> str | None:
+        if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
+            return "scoring='sigmoid' needs groups, topk_groups and scale"
+        if self.aux and None in (self.aux_rows, self.aux_share):
+            return "aux=True needs aux_rows and aux_share"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
+class IndexMapAttrs(NodeAttrs):
+    layout: IndexLayout
+    experts_per_rank: int
+    top_k: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PermuteAttrs(NodeAttrs):
+    index: PermuteIndex
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnpermuteAttrs(NodeAttrs):
+    weighted: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class SplitAttrs(NodeAttrs):
+    mode: SplitMode
+    dim: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AddAttrs(NodeAttrs):
+    reduce_dim: int | None = None        # the sum (or mean) of one input over this dim
+    reduce: Reduce = "sum"
+    to: DtypeName | None = None          # the reduction's output dtype
+
+
+@dataclass(frozen=True, kw_only=True)
+class RmsNormShardedAttrs(NodeAttrs):
+    eps: float
+    width: int                           # the whole row's width, across ranks
+
+
+@dataclass(frozen=True, kw_only=True)
+class MlaHeadsAttrs(NodeAttrs):
+    heads: int
+    nope_dim: int
+    rope_dim: int
+    v_dim: int
+    theta: float
+    positions: Positions
+    interleave: bool = False
+    chunks: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class CastAttrs(NodeAttrs):
+    to: DtypeName
+    scale: Literal["per_token", "apply"] | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GatherScatterAttrs(CommAttrs):
+    dim: int
+    reduce: Reduce = "sum"               # reduce-scatter: sum or average; all-gather: unused
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllReduceAttrs(CommAttrs):
+    reduce: Reduce = "sum"               # verify refuses 'mean': an all-reduce only sums
+
+
+@dataclass(frozen=True, kw_only=True)
+class AllToAllAttrs(CommAttrs):
+    mode: Literal["heads", "tokens", "shards"]
+    split_dim: int | None = None
+    cat_dim: int | None = None
+    direction: Literal["to_experts", "from_experts"] | None = None
+    emit_map: bool = False               # a token dispatch that also delivers the received row map
+
+
+@dataclass(frozen=True, kw_only=True)
+class P2PAttrs(CommAttrs):
+    to_stage: int                        # the receiving pipeline stage (``stage``: the sender's)
+
+
+RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
+    OpKind.GEMM: NodeAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
+    OpKind.RMSNORM: RmsNormAttrs, OpKind.ROPE: RopeAttrs, OpKind.SWIGLU: NodeAttrs, OpKind.ROUTER: RouterAttrs,
+    OpKind.INDEX_MAP: IndexMapAttrs, OpKind.PERMUTE: PermuteAttrs, OpKind.UNPERMUTE: UnpermuteAttrs,
+    OpKind.GATE: NodeAttrs, OpKind.SPLIT: SplitAttrs, OpKind.ADD: AddAttrs, OpKind.BIAS: NodeAttrs,
+    OpKind.SIGMOID_GATE: NodeAttrs, OpKind.SQUARE_SUM: NodeAttrs, OpKind.RMSNORM_SHARDED: RmsNormShardedAttrs,
+    OpKind.MLA_HEADS: MlaHeadsAttrs, OpKind.CAST: CastAttrs, OpKind.ALL_GATHER: GatherScatterAttrs,
+    OpKind.REDUCE_SCATTER: GatherScatterAttrs, OpKind.ALL_REDUCE: AllReduceAttrs, OpKind.ALL_TO_ALL: AllToAllAttrs,
+    OpKind.P2P: P2PAttrs,
+}
+"""Op kind -> its attribute record (every OpKind has one: ``attrs_of`` raises for a kind without)."""
+
+
+# -- reading and checking ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Field:
+    name: str
+    hint: Any
+    required: bool
+
+
+@functools.cache
+def _fields(cls: type[NodeAttrs]) -> tuple[_Field, ...]:
+    hints = typing.get_type_hints(cls)
+    return tuple(_Field(f.name, hints[f.name], f.default is dataclasses.MISSING)
+                 for f in dataclasses.fields(cls))
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return isinstance(value, str) and value in args
+    if origin in (Union, type(int | None)):
+        return any(_fits(value, a) for a in args)
+    if hint is type(None):
+        return value is None
+    if hint is bool:
+        return isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is str:
+        return isinstance(value, str)
+    if hint is tuple or origin is tuple:
+        return isinstance(value, tuple) and (not args or all(_fits(v, args[0]) for v in value))
+    raise NotImplementedError(f"no attribute check for type {hint!r}")
+
+
+def _expected(hint: Any) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is Literal:
+        return "one of " + ", ".join(map(repr, args))
+    if origin in (Union, type(int | None)):
+        return " or ".join(_expected(a) for a in args)
+    if origin is tuple:
+        return f"a tuple of {_expected(args[0]).removeprefix('an ').removeprefix('a ')}s"
+    return {bool: "a bool", int: "an int", float: "a number", str: "a string", tuple: "a tuple",
+            type(None): "None"}[hint]
+
+
+def attrs_of(node: Any) -> NodeAttrs:
+    """``node``'s attributes as its op's record (``Node.typed`` caches it); AttrError naming the node
+    and the key for an unknown key, a wrong-typed value or a missing required one (module doc)."""
+    cls = RECORDS.get(node.op)
+    if cls is None:
+        raise NotImplementedError(f"no attribute record for {node.op.value} (node {node.name!r})")
+    where = f"node {node.name!r} ({node.op.value}/{node.role.value})"
+    given = dict(node.attrs)
+    fields = _fields(cls)
+    unknown = sorted(set(given) - {f.name for f in fields})
+    if unknown:
+        raise AttrError(f"{where}: unknown attribute {unknown[0]!r}; {node.op.value} nodes take "
+                        f"{', '.join(sorted(f.name for f in fields))} (declare new ones in moegraph/node_attrs.py)")
+    eager = given.get("eager") is True
+    values = {}
+    for f in fields:
+        if f.name in given:
+            value = given[f.name]
+        elif f.required and not eager:
+            value = None                 # a missing key reads as None: the message below names it
+        else:
+            continue
+        if not _fits(value, f.hint) and not (eager and value is None):
+            raise AttrError(f"{where}: {f.name}={value!r} is not {_expected(f.hint)}")
+        values[f.name] = value
+    if eager:
+        values.update({f.name: None for f in fields if f.required and f.name not in values})
+    record = cls(**values)
+    problem = getattr(record, "problem", lambda: None)()
+    if problem is not None:
+        raise AttrError(f"{where}: {problem}")
+    return record
