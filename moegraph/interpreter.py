@@ -33,7 +33,7 @@ Axis = Literal["mp", "dp"]
 
 def axis_of(node: Node) -> Axis:
     """The group axis a collective runs on (attr ``axis``; absent: "mp"); anything else raises."""
-    axis = node.typed.axis or "mp"
+    axis = node.attr("axis", "mp")            # raw: any value is named below, with the valid axes
     if axis == "mp":
         return "mp"
     if axis == "dp":

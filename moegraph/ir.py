@@ -254,7 +254,7 @@ reductions, or FP8 tensor-parallel activation reductions."""
 Fuse = Literal["auto", "all", "none"]
 """Fused comm+compute groups marked (moegraph.passes.fuse): the faster ones, every eligible one, or none."""
 ExpertRows = Literal["exact", "padded"]
-"""Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.kernels.build_index_map``):
+"""Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.index_map.build_index_map``):
 exactly this rank's R routed rows (R read on the host once per map), or padded to the static worst
 case C = T * min(k, E/n), rows R..C-1 zero (dropless; no host read, so the layer can be captured
 whole as a CUDA graph). A runtime choice, not a graph property: the graph's routed values keep

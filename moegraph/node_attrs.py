@@ -137,11 +137,11 @@ class RouterAttrs(NodeAttrs):
     aux_rows: int | None = None
     aux_share: float | None = None
 
-    def problem(self) -> str | None:
+    def problem(self, role: Role) -> str | None:
         if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
             return "scoring='sigmoid' needs groups, topk_groups and scale"
-        if self.aux and None in (self.aux_rows, self.aux_share):
-            return "aux=True needs aux_rows and aux_share"
+        if self.aux and role is not Role.FORWARD and None in (self.aux_rows, self.aux_share):
+            return "aux=True needs aux_rows and aux_share in its gradients (the aux loss's seed scale)"
         return None
 
 
@@ -315,7 +315,7 @@ def attrs_of(node: Any) -> NodeAttrs:
     if eager:
         values.update({f.name: None for f in fields if f.required and f.name not in values})
     record = cls(**values)
-    problem = getattr(record, "problem", lambda: None)()
+    problem = getattr(record, "problem", lambda role: None)(node.role)
     if problem is not None:
         raise AttrError(f"{where}: {problem}")
     return record

@@ -21,7 +21,7 @@ on the host breaks it: the local index map of ffn=ep under dispatch=ag-rs with
 by it), a token all-to-all (its split sizes go to the host), a grouped GEMM over by-destination
 rows (it loops over host row segments), and any node that reads a value whose row count depends
 on the routing. With ``expert_rows='padded'`` (capacity-padded, still dropless:
-``moegraph.kernels.build_index_map``) the local map has the static C = T * min(k, E/n) rows and
+``moegraph.index_map.build_index_map``) the local map has the static C = T * min(k, E/n) rows and
 its real row count stays on the device, so ffn=ep under ag-rs captures whole; the refusal for
 'exact' points there. Padding costs memory: C instead of about R rows in every expert buffer
 (``padded_rows_extra_bytes``; ``run --json`` reports it).

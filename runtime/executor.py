@@ -111,7 +111,7 @@ class Executor:
     def __init__(self, graph: Graph, plan: ExecutionPlan, comm: Any, *, rank: int, n: int,
                  device: torch.device, timeout_s: float = 300.0, expert_rows: ExpertRows = "exact",
                  eager_kernels: Mapping[str, EagerKernel] | None = None):
-        """``expert_rows``: the local index maps' rows (``moegraph.kernels.build_index_map``);
+        """``expert_rows``: the local index maps' rows (``moegraph.index_map.build_index_map``);
         ``eager_kernels``: callables for plan-run eager nodes (module docstring)."""
         self.graph, self.plan, self.comm = graph, check_plan(graph, plan), comm
         self.eager_kernels: dict[str, EagerKernel] = {}

@@ -1,4 +1,4 @@
-"""Capacity-padded expert rows (``expert_rows='padded'``, moegraph.kernels.build_index_map): the
+"""Capacity-padded expert rows (``expert_rows='padded'``, moegraph.index_map.build_index_map): the
 local index map of ffn=ep under dispatch=ag-rs holds the static C = T * min(k, El) rows instead of
 this step's R, dropless, with rows R..C-1 contributing nothing. Numerics against the eager module
 (n=2 and n=4, n ranks in threads over the reference collectives), including routing where one rank

@@ -516,7 +516,7 @@ def test_fake_device_compiled_model_host_syncs(family, micro_batches, monkeypatc
 
     Expected: exactly the layers' known syncs, one ``item`` per local index map and micro-batch
     (sp/ep/ag-rs with exact expert rows: the row count R that sizes dropless routing's buffers,
-    moegraph.kernels.build_index_map), and nothing from the model's own parts: the label shift and
+    moegraph.index_map.build_index_map), and nothing from the model's own parts: the label shift and
     the global label count stay on the device (the count divides the loss term as a tensor), the
     aux loss's stats, sum and seeds are tensors on the device, the embedding scatter is an
     index_add by device ids, and the recorder's CUDA events are read lazily (no synchronize).
