@@ -314,7 +314,7 @@ def dp_sync_exposure_bound(problem: Problem) -> float:
     ready only when nearly the whole backward has run, so almost nothing is left to hide it.
     0 without DP sync."""
     tasks = problem.tasks
-    dp = [t.index for t in tasks if t.kind == "comm" and t.node.typed.dp]
+    dp = [t.index for t in tasks if t.kind == "comm" and t.node.attr("dp", False)]
     if not dp:
         return 0.0
     anc = [0] * len(tasks)

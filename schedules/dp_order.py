@@ -37,7 +37,7 @@ __all__ = ["dp_warm_starts", "dp_feeders", "dp_released_ticks"]
 
 
 def _is_dp(t: Task) -> bool:
-    return t.kind == "comm" and bool(t.node.typed.dp)
+    return t.kind == "comm" and bool(t.node.attr("dp", False))
 
 
 def dp_feeders(problem: Problem) -> set[int]:

@@ -214,7 +214,7 @@ def to_ticks(duration_us: float) -> int:
 def is_dp_inter(node: Node, hw: Hardware) -> bool:
     """An inter-node stage of the data-parallel gradient sync: a collective across replicas
     (attr axis="dp") on the NIC (scope "inter")."""
-    return node.is_comm and node.typed.axis == "dp" and collective_scope(node, hw.gpus_per_node) == "inter"
+    return node.is_comm and node.attr("axis", None) == "dp" and collective_scope(node, hw.gpus_per_node) == "inter"
 
 
 def stream_of(node: Node, comm_streams: Sequence[str], hw: Hardware) -> str:
@@ -492,7 +492,7 @@ def chunk_symmetry(problem: Problem) -> tuple[tuple[int, ...], ...] | None:
     only means no symmetry is used.
     """
     tasks = problem.tasks
-    chunk_of = {t.index: t.node.typed.chunk for t in tasks}
+    chunk_of = {t.index: t.node.attr("chunk", None) for t in tasks}
     ids = sorted({c for c in chunk_of.values() if c is not None}, key=repr)
     if len(ids) < 2 or not all(isinstance(c, int) and not isinstance(c, bool) for c in ids):
         return None
@@ -523,7 +523,7 @@ def chunk_symmetry(problem: Problem) -> tuple[tuple[int, ...], ...] | None:
 def _task_label(t: Task) -> tuple:
     n = t.node
     return (t.kind, t.stream, t.side, t.modes, t.default_mode, n.op.value, n.phase.value, n.role.value,
-            n.typed.chunk is None)
+            n.attr("chunk", None) is None)
 
 
 def _refined_colours(problem: Problem) -> list[int]:

@@ -17,6 +17,18 @@ ACT, GRAD, PARAM, PGRAD, ROUTE = (ValueKind.ACTIVATION, ValueKind.GRAD, ValueKin
 F, B, R = Phase.FORWARD, Phase.BACKWARD, Phase.RECOMPUTE
 
 
+# The kernel attributes verify requires of each op (moegraph.node_attrs). These graphs are priced
+# and scheduled, never run, so a stand-in only has to be well typed; a test's own value wins.
+STAND_IN_ATTRS = {
+    OpKind.RMSNORM: {"eps": 1e-5}, OpKind.ROPE: {"head_dim": 128, "theta": 1e4, "positions": "shard"},
+    OpKind.ATTENTION: {"head_dim": 128}, OpKind.ROUTER: {"scoring": "softmax", "top_k": 2, "experts": 8},
+    OpKind.INDEX_MAP: {"layout": "all", "experts_per_rank": 8, "top_k": 2}, OpKind.PERMUTE: {"index": "token"},
+    OpKind.UNPERMUTE: {"weighted": True}, OpKind.SPLIT: {"mode": "split", "dim": 0, "sizes": ()},
+    OpKind.CAST: {"to": "bf16"}, OpKind.ALL_GATHER: {"dim": 0}, OpKind.REDUCE_SCATTER: {"dim": 0},
+    OpKind.ALL_TO_ALL: {"mode": "heads"},
+}
+
+
 def hardware(name: str = "h800"):
     return load_hardware(name)
 
@@ -56,7 +68,7 @@ class MiniBuilder:
         self.nodes.append(Node(name=name, op=op, phase=phase, role=role, inputs=tuple(ins), outputs=tuple(outs),
                                flops=int(flops), mem_bytes=0 if op is OpKind.SPLIT else mem,
                                comm_bytes=int(comm_bytes), group=self.n if op.is_comm else 0,
-                               attrs=freeze_attrs(attrs)))
+                               attrs=freeze_attrs(STAND_IN_ATTRS.get(op, {}) | attrs)))
         return outs[0] if len(outs) == 1 else outs
 
     def gemm(self, name, x, w, out, m, k, n, phase=F, role=Role.FORWARD, op=OpKind.GEMM, **attrs):
