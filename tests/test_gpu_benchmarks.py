@@ -76,8 +76,10 @@ def test_gpu_overlap_tiny_cpu_smoke(capsys):
     numbers equal the sequential plan's (on CPU collectives complete when issued: nothing hides)."""
     assert _load("gpu_overlap").main(["--device", "cpu", "--tiny", "--time-limit", "1"]) == 0
     header, rows = _table(capsys.readouterr().out)
-    assert header == ["plan", "median_step_ms", "predicted_ms", "hidden_comm_fraction", "equal_to_sequential"]
+    assert header == ["plan", "median_step_ms", "predicted_ms", "host_us_per_node", "hidden_comm_fraction",
+                      "equal_to_sequential"]
     assert [r["plan"] for r in rows] == ["sequential", "greedy", "cpsat"]
     assert all(float(r["median_step_ms"]) > 0 and r["equal_to_sequential"] == "yes" for r in rows)
+    assert all(float(r["host_us_per_node"]) > 0 for r in rows)
     assert all(0 <= float(r["hidden_comm_fraction"]) <= 1 for r in rows)
     assert float(rows[0]["hidden_comm_fraction"]) < 0.05
