@@ -1,16 +1,55 @@
 import os
+import random
 
 import pytest
 import torch
 
+import seeding
+
 # Tests run on 2 cores; keep torch from oversubscribing them.
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
+SEED = pytest.StashKey[int]()
+
+
+def pytest_configure(config):
+    try:
+        seeding.session_seed()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+def pytest_report_header(config):
+    return f"test seed: {seeding.ENV}={seeding.session_seed()} (tests/seeding.py)"
+
+
+@pytest.fixture(autouse=True)
+def test_seed(request):
+    """This test's seed (tests/seeding.py); torch's and ``random``'s global generators start from it."""
+    seed = seeding.begin_test(request.node.nodeid)
+    request.node.stash[SEED] = seed
+    request.node.user_properties.append((seeding.ENV, seeding.session_seed()))
+    torch.manual_seed(seed)
+    random.seed(seed)
+    yield seed
+    seeding.end_test()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under a failing test: the session seed that replays it."""
+    report = yield
+    if report.failed and SEED in item.stash:
+        report.sections.append(("test seed", f"{seeding.ENV}={seeding.session_seed()} "
+                                f"(this test's seed {item.stash[SEED]}); replay: "
+                                f"{seeding.ENV}={seeding.session_seed()} pytest '{item.nodeid}'"))
+    return report
+
 
 @pytest.fixture
-def rng():
-    """A fresh generator per test: numerics are never tested on zeros or on a shared seed."""
-    return torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
+def rng(test_seed):
+    """A generator seeded with this test's seed: fresh numbers every run, never zeros, replayable."""
+    return torch.Generator().manual_seed(test_seed)
 
 
 @pytest.fixture

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from moegraph.models import MoETransformerLayer
 from moegraph.runtime.check import rel_err  # noqa: F401 - the tests' relative error is the runtime's
+from seeding import fresh_seed  # noqa: F401 - seeds of cases built at import (tests/seeding.py)
 
 
 def small_layer(n: int, seed: int = 0, **features) -> MoETransformerLayer:
@@ -155,9 +155,3 @@ def run_batch(rank: int, n: int, cases: list[tuple], folder: str) -> None:
 
 
 RANK_BATCH = RankBatch()
-
-
-def fresh_seed() -> int:
-    """A seed drawn anew on every run (from os.urandom, not torch's seeded generator), so repeated
-    runs cover other data; tests pass it to their cases, whose failure messages name it."""
-    return int.from_bytes(os.urandom(3), "little")

@@ -9,15 +9,13 @@ DeepSeek-V3: multi-head latent attention, a sigmoid grouped router with a score-
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 pytest.importorskip("transformers")
 
 import runtime_workers as workers  # noqa: E402
-from helpers import RANK_BATCH, eager_step, max_grad_err, rel_err  # noqa: E402
+from helpers import RANK_BATCH, eager_step, fresh_seed, max_grad_err, rel_err  # noqa: E402
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.interpreter import interpret  # noqa: E402
 from moegraph.ir import OpKind, Phase, Strategy  # noqa: E402
@@ -206,7 +204,7 @@ SPECIAL = [(dict(attn="sp", ffn="ep", dispatch="a2a", model="qwen2_moe", passes=
            (dict(attn="sp", ffn="ep", dispatch="a2a", model="deepseek_v3_skewed"), {"all_to_all"})]  # no rows back
 FAMILY_CASES = [c for c, _ in SPECIAL] + workers.FAMILY_CASES
 FAMILIES = RANK_BATCH.add(2, "families.check_cases", workers.check_cases, FAMILY_CASES,
-                          int.from_bytes(os.urandom(3), "little"))
+                          fresh_seed())
 
 
 def test_families_compiled_on_two_gloo_ranks_match_eager(rank_results):

@@ -2,7 +2,7 @@
 
 Every check runs on spawned ranks (moegraph.runtime.launch.spawn). Starting ranks costs seconds, so one
 process group checks many cases (module-scoped fixtures) and each case is reported as its own
-test. Fresh random weights and inputs every run (the seed comes from os.urandom).
+test. Fresh random weights and inputs every run, replayable (tests/seeding.py).
 """
 
 from __future__ import annotations
@@ -120,10 +120,10 @@ def test_the_check_catches_a_wrong_collective(n2_results):
 
 
 def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
-    t0 = time.monotonic()
+    """The ranks' schedule check raises (ScheduleMismatch); were it missing, the ranks would hang
+    until spawn's timeout, a RuntimeFailure that is no RankFailure."""
     with pytest.raises(RankFailure) as info:
         spawn(workers.mismatched_plans, 2, args=(fresh_seed(),), timeout_s=120)
-    assert time.monotonic() - t0 < 90
     err = info.value
     assert err.error_type == ScheduleMismatch.__name__
     assert "ranks [1] hold a different schedule than the other ranks (rank 0: " in str(err)
@@ -131,10 +131,9 @@ def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
 
 
 def test_a_stuck_collective_times_out_naming_the_node():
-    t0 = time.monotonic()
+    """The executor's 2 s collective timeout fires (CollectiveTimeout naming the node), not spawn's."""
     with pytest.raises(RankFailure) as info:
         spawn(workers.stalled_rank, 2, args=(fresh_seed(), "ffn_rs", 2.0), timeout_s=120)
-    assert time.monotonic() - t0 < 90
     err = info.value
     assert err.rank == 0 and err.error_type == CollectiveTimeout.__name__
     assert "collective 'ffn_rs' (reduce_scatter, stream 'comm') did not complete within 2 s" in str(err)
