@@ -23,6 +23,14 @@ def pytest_report_header(config):
     return f"test seed: {seeding.ENV}={seeding.session_seed()} (tests/seeding.py)"
 
 
+def pytest_collection_modifyitems(config, items):
+    """A test that takes ``rank_results`` (directly or through a fixture) is slow: the first one to
+    run spawns every registered case of its rank count (helpers.RankBatch), tens of seconds."""
+    for item in items:
+        if "rank_results" in item.fixturenames:
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def test_seed(request):
     """This test's seed (tests/seeding.py); torch's and ``random``'s global generators start from it."""

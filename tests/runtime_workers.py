@@ -181,11 +181,14 @@ def mismatched_plans(rank: int, n: int, seed: int) -> None:
 
 
 def stalled_rank(rank: int, n: int, seed: int, node_name: str, timeout_s: float) -> None:
-    """Rank 1 never issues ``node_name``: rank 0's wait on it must time out naming the node."""
+    """Rank 1 never issues ``node_name``: rank 0's wait on it must time out naming the node.
+    The short timeout starts after compiling: the ranks' plan-hash check may take longer than
+    ``timeout_s`` on a loaded machine, and its timeout would name the check instead."""
     module = reference_layer(seed)
     gen = torch.Generator().manual_seed(seed)
     x, dy = torch.randn(B, S, H, generator=gen), torch.randn(B, S, H, generator=gen)
-    layer = moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential", timeout_s=timeout_s)
+    layer = moegraph.compile(module, x, hardware="cpu-gloo", schedule="sequential", timeout_s=120.0)
+    layer.executor.timeout_s = timeout_s
     if rank == 1:
         comm = layer.executor.comm
         orig = comm.issue

@@ -111,6 +111,7 @@ def test_loss_and_every_gradient_match_eager_on_the_global_batch_dp2(n2dp2, case
 # -- one rank: families, graph, refusals ----------------------------------------------------------
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe", "qwen2_moe"])
+@pytest.mark.slow
 def test_one_rank_families_match_eager(family):
     model = workers.aux_model(family, 11, 2, 0.5)
     ids, labels = workers.data(12, 2)
@@ -135,6 +136,7 @@ def test_one_rank_families_match_eager(family):
             compiled(ids, labels=labels, output_router_logits=False)
 
 
+@pytest.mark.slow
 def test_a_zero_coefficient_returns_the_term_for_the_caller_to_weight():
     """transformers computes .aux_loss whenever output_router_logits=True, coefficient 0 too,
     and a caller may add it with a weight of its own: value and gradient as eager."""
@@ -153,6 +155,7 @@ def test_a_zero_coefficient_returns_the_term_for_the_caller_to_weight():
 
 
 @pytest.mark.parametrize("hardware", ["cpu-gloo", "cpu-2core-gloo"])
+@pytest.mark.slow
 def test_periodic_unit_is_the_stacks_layer_on_calibrated_profiles(hardware):
     # the default schedule tiles a one-layer unit over the layers; on the calibrated CPU profiles
     # (per-shape curves) a unit priced without the aux loss's router work is not the stack's
@@ -170,6 +173,7 @@ def _spec(model):
     return trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1), batch=1, seq=16)[1]
 
 
+@pytest.mark.slow
 def test_lowering_reads_the_coefficient_and_ignores_what_does_not_add_it():
     assert _spec(workers.aux_model("mixtral", 0, 2, 0.02)).aux_loss == AuxLoss(0.02, 4, 2)
     assert _spec(workers.aux_model("mixtral", 0, 2, 0.0)).aux_loss == AuxLoss(0.0, 4, 2)   # returned, adds 0

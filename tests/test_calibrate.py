@@ -44,6 +44,7 @@ def short_run(tmp_path_factory):
     return proc, out, samples
 
 
+@pytest.mark.slow
 def test_short_calibration_writes_a_loadable_profile_with_curves(short_run):
     proc, out, _ = short_run
     assert proc.returncode == 0, proc.stderr
@@ -69,6 +70,7 @@ def _gemm_node(flops: float, mem_bytes: float) -> Node:
     return Node("fc", OpKind.GEMM, Phase.FORWARD, ("x", "w"), ("y",), flops=int(flops), mem_bytes=int(mem_bytes))
 
 
+@pytest.mark.slow
 def test_calibrated_cost_model_reproduces_its_gemm_measurements(short_run):
     """The written profile, read back, prices every GEMM it measured within 1.5x (in-sample, from
     the --samples file: the curves, peak and latency survive the fit and the YAML). Held-out

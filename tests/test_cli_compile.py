@@ -14,6 +14,7 @@ def compile_json(capsys, *extra):
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.slow
 def test_compile_json_summary_fields(capsys, tmp_path):
     out = compile_json(capsys, "-o", str(tmp_path / "s.json"))
     assert set(out) >= {"makespan_us", "lower_bound_us", "baselines", "peak_memory_bytes", "solver", "strategy"}
@@ -28,6 +29,7 @@ def test_compile_json_summary_fields(capsys, tmp_path):
     assert main(["verify", str(tmp_path / "s.json")]) == 0
 
 
+@pytest.mark.slow
 def test_ten_runs_give_byte_identical_files(tmp_path, capsys):
     # 0.5 deterministic s (not TINY's 2): CP-SAT still stops mid-search (FEASIBLE, better than its
     # warm start), where a run-dependent search would show, at a quarter of the time
@@ -62,6 +64,7 @@ def test_sizes_that_read_alike_are_told_apart_in_bytes(capsys):
     assert budget == "436.00KiB (446,463 bytes)" and least != budget
 
 
+@pytest.mark.slow
 def test_a_budget_the_unconstrained_schedule_meets_changes_nothing(capsys, tmp_path):
     """a3-f7: tiny on cpu-2core-gloo, no budget 29,459.1 us (peak 596KiB) but --memory-budget 2MiB
     gave 29,731.8: a budget that does not bind must return the schedule compiled without one."""
@@ -79,6 +82,7 @@ def test_a_budget_the_unconstrained_schedule_meets_changes_nothing(capsys, tmp_p
     assert "no budget needed" in two["status"]
 
 
+@pytest.mark.slow
 def test_verify_names_the_first_violation(tmp_path, capsys):
     path = tmp_path / "s.json"
     assert main(["compile", *TINY, "-o", str(path)]) == 0
@@ -135,6 +139,7 @@ def test_table_lists_a_returned_baseline_once_in_aligned_columns(capsys):
     assert len({r.index("x") for r in rows}) == 1          # the "vs bound" column lines up on every row
 
 
+@pytest.mark.slow
 def test_table_marks_baselines_over_the_memory_budget(capsys):
     out = compile_json(capsys, "--memory-budget", "500KiB", "--time-limit", "1")
     over = {k for k, peak in out["baseline_peak_memory_bytes"].items() if peak > 500 * 2**10}
@@ -145,6 +150,7 @@ def test_table_marks_baselines_over_the_memory_budget(capsys):
     assert "over budget" not in rows["sequential"]
 
 
+@pytest.mark.slow
 def test_outputs_in_new_folders_are_created_by_every_writer(tmp_path, capsys):
     """One output rule: a path is refused up front only for what cannot become a file (a
     directory, a file among its parents); missing folders are made when it is written."""
@@ -157,6 +163,7 @@ def test_outputs_in_new_folders_are_created_by_every_writer(tmp_path, capsys):
     assert not (tmp_path / "profiles").exists()
 
 
+@pytest.mark.slow
 def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monkeypatch):
     import re
 

@@ -1,4 +1,5 @@
-"""The README's statements about CLI defaults agree with the parsers users actually get."""
+"""The docs' statements about the CLI agree with the parsers users actually get, every option is
+documented, docs/README.md indexes every doc, and the README stays a front door."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import pytest
 
 from moegraph.cli import build_parser
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+DOCS = ROOT / "docs"
+CLI_DOC = DOCS / "cli.md"
 
 
 def _option_default(command: str, flag: str):
@@ -17,16 +21,14 @@ def _option_default(command: str, flag: str):
     return next(a.default for a in sub._actions if flag in a.option_strings)
 
 
-def test_readme_states_each_commands_link_default():
-    text = " ".join(README.read_text().split())
+def test_cli_doc_states_each_commands_link_default():
+    text = " ".join(CLI_DOC.read_text().split())
     bullet = text[text.index("**`--link RATE`**"):]
     bullet = bullet[:bullet.index("- **")]
     stated = {"run": "none", "calibrate": "none", "demo": "auto"}
     assert {c: _option_default(c, "--link") or "none" for c in stated} == stated
     assert "default `none` for `run` and `calibrate`, `auto` for `demo`" in bullet
 
-
-DOCS = README.parent / "docs"
 
 
 def _options(command: str) -> list[tuple[str, ...]]:
@@ -53,12 +55,30 @@ def test_every_option_is_documented(command):
 
 def test_synopses_list_every_option():
     """The full synopses (run's in docs/runtime.md, calibrate's in docs/calibration.md, compile's
-    README row with the trace options it refers to) name every option their parser has."""
-    readme = README.read_text()
+    docs/cli.md row with the trace options it refers to) name every option their parser has."""
+    cli = CLI_DOC.read_text()
     synopses = {
         "run": _span((DOCS / "runtime.md").read_text(), "moegraph run [", "```"),
         "calibrate": _span((DOCS / "calibration.md").read_text(), "moegraph calibrate [", "```"),
-        "compile": _span(readme, "moegraph trace   --model", "```") + _span(readme, "| `moegraph compile [", "\n"),
+        "compile": _span(cli, "moegraph trace   --model", "```") + _span(cli, "| `moegraph compile [", "\n"),
     }
     missing = {c: [o[-1] for o in _options(c) if not _named(o, text)] for c, text in synopses.items()}
     assert missing == {c: [] for c in synopses}
+
+
+def test_docs_index_lists_every_doc_once():
+    """docs/README.md links each docs/*.md exactly once, and only files that exist."""
+    index = (DOCS / "README.md").read_text()
+    linked = re.findall(r"^- \[([\w.-]+\.md)\]\(\1\): \S", index, re.M)
+    docs = sorted(p.name for p in DOCS.glob("*.md") if p.name != "README.md")
+    assert sorted(linked) == docs
+
+
+def test_readme_is_a_front_door():
+    """At most 150 lines, and the two commands come before any other section."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 150
+    first = text.index("\n## ")
+    assert text[first:].startswith("\n## Two commands\n")
+    commands = _span(text, "```bash\n", "```").splitlines()[1:]
+    assert [c.split("#")[0].strip() for c in commands] == ["bash scripts/demo.sh", "bash scripts/test.sh"]

@@ -347,6 +347,7 @@ def test_check_output_accepts_a_new_file_in_a_new_folder(tmp_path):
     assert not (tmp_path / "new").exists()
 
 
+@pytest.mark.slow
 def test_trace_into_a_closed_pipe_is_quiet():
     import subprocess
     import sys

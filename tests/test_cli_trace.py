@@ -63,6 +63,7 @@ def test_experts_not_divisible(tmp_path, capsys):
     assert "error: n=4 does not divide experts=6" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_malformed_yaml_is_one_line(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: [unclosed\n")
@@ -70,6 +71,7 @@ def test_malformed_yaml_is_one_line(tmp_path):
     assert rc == 2 and "bad.yaml" in err and len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
+@pytest.mark.slow
 def test_console_entry_and_module_entry_agree():
     rc, out, _ = run_cli("trace", "--model", "tiny", "--n", "2", "--seq", "64", "--json")
     assert rc == 0 and json.loads(out)["model"] == "tiny"

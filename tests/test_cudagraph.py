@@ -80,6 +80,7 @@ CASES = [(1, "sp", "tp", "ag-rs", "layer", "exact"), (2, "tp", "tp", "ag-rs", "l
 
 
 @pytest.mark.parametrize("n,attn,ffn,dispatch,mode,expert_rows", CASES, ids=["-".join(map(str, c)) for c in CASES])
+@pytest.mark.slow
 def test_cudagraph_replay_matches_eager_over_steps(n, attn, ffn, dispatch, mode, expert_rows):
     """Three steps with different inputs and parameters changed between steps (in place, and at
     step 3 one parameter's storage replaced): every step's output, input gradient and parameter
@@ -154,6 +155,7 @@ SYNC_CASES = [("tp", "tp", "ag-rs", "layer", "exact"), ("tp", "tp", "ag-rs", "at
 
 
 @pytest.mark.parametrize("attn,ffn,dispatch,mode,expert_rows", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+@pytest.mark.slow
 def test_cudagraph_captured_segments_never_sync(attn, ffn, dispatch, mode, expert_rows, monkeypatch):
     """On the fake CUDA device (streams, events, n=2 emulated collectives: the GPU code path), the
     segments the check lets capture make no host-synchronising call (.item/.tolist, device-to-host

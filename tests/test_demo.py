@@ -2,10 +2,13 @@
 
 import json
 
+import pytest
+
 from moegraph.cli import main
 from moegraph.runtime.commands import measurement_blocks
 
 
+@pytest.mark.slow
 def test_demo_compiles_the_paper_layer_and_draws_it(tmp_path, capsys):
     assert main(["demo", "-o", str(tmp_path), "--skip-run"]) == 0
     out = capsys.readouterr().out
@@ -51,6 +54,7 @@ def test_prediction_benchmark_runs_its_schedules_in_abba_blocks(monkeypatch, cap
     assert "| 3 | sequential |" in out and "cpsat measured no slower than sequential in 2/4 paired runs" in out
 
 
+@pytest.mark.slow
 def test_measure_schedule_runs_ranks_and_matches_eager():
     import argparse
 
@@ -128,6 +132,7 @@ def test_namespace_privilege_probe_sees_dropped_capabilities():
     assert "needs root" in out or "is not installed" in out, out
 
 
+@pytest.mark.slow
 def test_hf_mixtral_implementation_runs_on_ranks_and_matches_its_eager_module():
     """benchmarks/heldout.py's hf-mixtral rows: ranks build transformers' MixtralDecoderLayer (its
     parameter names are the graph's) and the compiled step matches that module's eager step."""

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 
+import pytest
+
 from moegraph.cli import main
 
 ARGS = ["compile", "--model", "tiny", "--n", "2", "--seq", "256", "--passes", "gate-reorder,sar=paper,chunk=2",
@@ -27,6 +29,7 @@ def _compile(path) -> bytes:
     return path.read_bytes()
 
 
+@pytest.mark.slow
 def test_same_file_idle_and_beside_two_busy_processes(tmp_path, capsys):
     idle = {_compile(tmp_path / f"idle{i}.json") for i in range(2)}
     ctx = mp.get_context("spawn")

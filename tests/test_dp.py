@@ -101,6 +101,7 @@ def test_axis_and_layout_switches_end_in_errors():
         Layout(n=2, dp=3, rank=6)
 
 
+@pytest.mark.slow
 def test_run_dp_checks_against_eager_and_traces_every_rank(capsys, tmp_path):
     import json
 
@@ -115,6 +116,7 @@ def test_run_dp_checks_against_eager_and_traces_every_rank(capsys, tmp_path):
     assert {e["pid"] for e in chrome["traceEvents"]} == {0, 1, 2, 3}
 
 
+@pytest.mark.slow
 def test_compile_json_reports_the_dp_sync_exposure(capsys):
     """A sequential schedule runs every DP collective alone: all of it exposed. CP-SAT overlaps part
     of it with backward compute. dp=1 has no DP sync and no such keys."""

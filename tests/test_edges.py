@@ -47,6 +47,7 @@ def _graph(dp: int = 1, vocab: int | None = 32000, layers: int = 2):
 
 
 @pytest.mark.parametrize("method", ["greedy", "cpsat"])
+@pytest.mark.slow
 def test_edge_sync_is_scheduled_under_the_layers_backward(method):
     """The head's gradient buckets and the norm's all-reduce start before the layers' backward
     compute ends (their partials exist at the barrier, nothing else reads them; greedy: the head's);
@@ -694,6 +695,7 @@ def test_bucket_rows_are_near_equal_and_follow_the_dp_sync():
     assert {nd.name: nd for nd in graph(1).nodes}["edges.lm_head.grad_concat"].attr("sizes") == (1,) * 50
 
 
+@pytest.mark.slow
 def test_buckets_run_under_the_layers_backward():
     """The point of the buckets (mixtral-8x7b, 2 layers, s=2048, CP-SAT from the warm starts): the
     head's first bucket is all-reduced before the layers' backward compute ends, and the

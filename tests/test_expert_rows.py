@@ -315,6 +315,7 @@ def test_expert_rows_api_errors():
     assert rel_err(y.detach(), y_ref) < TOL and rel_err(xs.grad, dx_ref) < TOL
 
 
+@pytest.mark.slow
 def test_run_padded_on_gloo_matches_eager_and_reports_the_extra_bytes(capsys):
     """``moegraph run --expert-rows padded --check --json`` on 2 gloo ranks (tiny: E=4, k=2, so
     El=2 and C = 2T, twice the T*k/n = T rows the plan expects): matches eager, and reports the

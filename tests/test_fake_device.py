@@ -81,6 +81,7 @@ def test_fake_device_catches_a_cpu_tensor_meeting_a_cuda_one():
 
 @pytest.mark.parametrize("config,spec,family", GRAPHS,
                          ids=[f"{fam}-{a}-{f}-{d}-dp{dp}" for (a, f, d, dp), _, fam in GRAPHS])
+@pytest.mark.slow
 def test_fake_device_every_kernel_forward_and_backward(config, spec, family):
     """The reference interpreter runs every compute node through ``run_compute`` on n=2 simulated
     ranks: on fake-CUDA tensors it must not mix devices and must give the CPU numbers."""
@@ -229,6 +230,7 @@ EXECUTOR_CASES = [(1, "sp", "ep", "ag-rs", "gate-reorder,sar=paper", "greedy"),
 
 @pytest.mark.parametrize("n,attn,ffn,dispatch,spec,schedule", EXECUTOR_CASES,
                          ids=[f"n{c[0]}-{c[1]}-{c[2]}-{c[3]}-{c[5]}" for c in EXECUTOR_CASES])
+@pytest.mark.slow
 def test_fake_device_executor_step(n, attn, ffn, dispatch, spec, schedule, monkeypatch):
     """Forward + backward of the executor on fake CUDA (streams, events, fences: the GPU code path),
     n=2 with collectives emulated in-process; outputs and gradients equal the CPU executor's and
@@ -268,6 +270,7 @@ SYNC_CASES = [("tp", "tp", "ag-rs", "exact"), ("sp", "ep", "ag-rs", "exact"), ("
 
 
 @pytest.mark.parametrize("attn,ffn,dispatch,expert_rows", SYNC_CASES, ids=["-".join(c) for c in SYNC_CASES])
+@pytest.mark.slow
 def test_fake_device_step_host_syncs(attn, ffn, dispatch, expert_rows, monkeypatch):
     """Everything that would block the host on a GPU during one step (n=2, the default passes,
     greedy), counted: value reads (.item/.tolist), device-to-host copies, data-dependent shapes
@@ -582,6 +585,7 @@ THREADED_CASES = [("ref", "sp", "ep", "ag-rs", 2, 1, "rows", 1), ("hf-aux", "sp"
 
 @pytest.mark.parametrize("family,attn,ffn,dispatch,n,dp,embed_grad,micro_batches", THREADED_CASES,
                          ids=[f"{c[0]}-{c[1]}-{c[2]}-{c[3]}-n{c[4]}-dp{c[5]}-{c[6]}-mb{c[7]}" for c in THREADED_CASES])
+@pytest.mark.slow
 def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, n, dp, embed_grad, micro_batches,
                                                    monkeypatch):
     """n x dp = 2 ranks in threads, the plan's collectives emulated in-process (ThreadComm): the

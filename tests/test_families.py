@@ -54,6 +54,7 @@ def _seed(rng) -> int:
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3", "deepseek_v3_dense"])
+@pytest.mark.slow
 def test_family_matches_eager(family, attn, ffn, dispatch, n, rng):
     layer, call = workers.LAYERS[family](_seed(rng))
     check(layer, call, Strategy(attn, ffn, dispatch, n, dtype="fp32"), rng)

@@ -191,6 +191,7 @@ def test_multi_layer_graph_keeps_one_anchor_per_group(h800):
     assert sum(FusedGroup.is_anchor(n) for n in two.nodes if variant(n) == "fused") == 8
 
 
+@pytest.mark.slow
 def test_runtime_runs_a_fused_graph_as_its_members_and_says_so(capsys):
     """No fused kernels on the ranks: each group runs as its member kernels (the decomposition the
     pass marked), matching eager, and the report names the fused groups and what ran."""

@@ -71,6 +71,7 @@ def test_gpu_layer_refuses_cuda_graphs_off_cuda(capsys):
                                                   "(CUDA graphs capture device work)")
 
 
+@pytest.mark.slow
 def test_gpu_overlap_tiny_cpu_smoke(capsys):
     """The emulated n=2 rank graph under every plan: the table's columns, and every plan's
     numbers equal the sequential plan's (on CPU collectives complete when issued: nothing hides)."""

@@ -33,6 +33,7 @@ def hf_call(cfg):
     return call
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("sp", "ep", "ag-rs"), ("tp", "tp", "ag-rs")])
 @pytest.mark.parametrize("n", [2, 4])
 def test_hf_mixtral_matches_eager(attn, ffn, dispatch, n, rng):

@@ -15,7 +15,7 @@ COMBOS = [("tp", "ep", "a2a"), ("tp", "ep", "ag-rs"), ("tp", "tp", "ag-rs"),
 TOL = 1e-5
 
 
-@pytest.mark.parametrize("n", [1, 2, 4])
+@pytest.mark.parametrize("n", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
 def test_interpreter_matches_eager(n, attn, ffn, dispatch, rng):
     layer = small_layer(n, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
@@ -31,6 +31,7 @@ def test_interpreter_matches_eager(n, attn, ffn, dispatch, rng):
     assert err < TOL, f"gradient of {name}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_interpreter_detects_a_wrong_kernel(monkeypatch, rng):
     """The comparison can fail: a slightly wrong SwiGLU kernel is caught."""
     from moegraph import kernels

@@ -188,6 +188,7 @@ def test_graph_digest_tracks_computation_and_cost_but_not_meta(graph):
     assert graph_digest(graph.with_meta(note="bookkeeping")) == graph_digest(graph)
 
 
+@pytest.mark.slow
 def test_graph_digest_is_the_same_in_another_process(graph):
     """Ranks and cache readers are other processes: no hash-seed-dependent order may leak in."""
     import subprocess

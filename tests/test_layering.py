@@ -60,6 +60,7 @@ def test_the_check_can_fail():
     assert [stage_of(n) for n in all_imports(tree)] == [3, 0]
 
 
+@pytest.mark.slow
 def test_wheel_installs_one_top_level_package(tmp_path):
     """`pip install .` puts exactly one top-level package, moegraph, into site-packages."""
     import shutil

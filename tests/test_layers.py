@@ -110,6 +110,7 @@ def _two_layers(seed: int) -> nn.Module:
     return model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("passes", ["", "gate-reorder,sar=paper", "dispatch=a2a,chunk=2"])
 def test_interpreter_two_layers_match_eager(n, passes, rng):
@@ -201,6 +202,7 @@ def test_layer_count_bounds():
     assert layer_count(trace_model(big, SP, seq=64, layers=6)) == 6
 
 
+@pytest.mark.slow
 def test_compile_layers_reports_each_layer(capsys):
     """--layers 2: one schedule of both layers, per-layer times and exposed communication."""
     from moegraph.cli import main
@@ -220,6 +222,7 @@ def test_compile_layers_reports_each_layer(capsys):
     assert sum(r["exposed_comm_us"] for r in two["layers"]) >= two["exposed_comm_us"] - 0.01
 
 
+@pytest.mark.slow
 def test_compile_merged_layers_schedules_the_edges(capsys, tmp_path):
     """--layers 2 --micro-batches 2: the merged step graph has the model's edges (an "edges" row,
     no stderr note); CP-SAT schedules every micro-batch's embedding gather and the step's one

@@ -188,6 +188,7 @@ def test_the_ruled_families_are_among_the_installed_moe_layers():
 
 
 @pytest.mark.parametrize("family,cls_name", _moe_decoder_layers(), ids=lambda v: v)
+@pytest.mark.slow
 def test_every_moe_decoder_layer_lowers_or_names_a_module(family, cls_name):
     import importlib
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
@@ -213,6 +214,7 @@ def test_every_moe_decoder_layer_lowers_or_names_a_module(family, cls_name):
         assert re.search(r"('[\w.]+'|the layer) \([\w.]+\)", text), f"names no module: {text}"
 
 
+@pytest.mark.slow
 def test_a_lowering_error_on_ranks_reaches_the_user_as_one_line():
     import runtime_workers as workers
     from moegraph.runtime import RankFailure

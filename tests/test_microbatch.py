@@ -45,6 +45,7 @@ def _eager_accumulated(model, xs, dys):
     (Strategy("tp", "tp", "ag-rs", 2, dtype="fp32", dp=2), ""),
     (Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), "dispatch=a2a,chunk=2"),   # per-chunk accumulate chains
 ])
+@pytest.mark.slow
 def test_merged_gradients_equal_eager_accumulation(M, strategy, passes, rng):
     model = _two_layers(int(torch.randint(0, 2**31 - 2, (1,), generator=rng)))
     b, s = 1, 16

@@ -82,6 +82,7 @@ def _ids(seed: int = 0, s: int = workers.S):
     return torch.randint(0, workers.VOCAB, (workers.B, s), generator=torch.Generator().manual_seed(seed))
 
 
+@pytest.mark.slow
 def test_bad_input_refused_by_name():
     model = _model()
     ids = _ids()
@@ -109,6 +110,7 @@ def test_bad_input_refused_by_name():
     assert len(losses) == 2 and all(torch.isfinite(x) for x in losses)
 
 
+@pytest.mark.slow
 def test_cli_run_train_steps_micro_batches_check(capsys):
     """`run --train-steps 2 --micro-batches 2 --check --json`: two AdamW steps, each one merged plan
     of 2 micro-batches on 2 ranks, against eager gradient accumulation."""

@@ -143,6 +143,7 @@ def test_train_step_equals_eager_accumulation(rank_results):
         assert r["forward_refused"] and "train_step" in r["forward_refused"], r
 
 
+@pytest.mark.slow
 def test_plans_interleave_micro_batches(plans):
     """megatron-1f1b's plan keeps micro-batch 1's forward between micro-batch 0's backward entries
     (the executor runs it in that order), and check_plan still enforces each micro-batch's barrier."""
@@ -188,6 +189,7 @@ def test_train_step_refuses_unmerged_and_wrong_counts(plans):
         layer.train_step([torch.zeros(B, S, H)], [torch.zeros(B, S, H)])
 
 
+@pytest.mark.slow
 def test_run_micro_batches_checks_against_eager_accumulation(capsys, tmp_path):
     """`compile --micro-batches 2` writes a megatron-1f1b schedule file; `run --micro-batches 2
     --schedule FILE --check` runs it and its errors are against eager gradient accumulation; the
@@ -208,6 +210,7 @@ def test_run_micro_batches_checks_against_eager_accumulation(capsys, tmp_path):
             and "micro-batches=2" in err), err
 
 
+@pytest.mark.slow
 def test_run_micro_batches_writes_traces_verify_accepts(capsys, tmp_path):
     """`run --micro-batches 2 --trace OUT --compare-prediction`: the measured merged step and its
     prediction are schedule files `verify` accepts, and the comparison covers every node."""

@@ -119,6 +119,7 @@ def test_dualpipe_defers_attention_weight_gradients():
     assert _DUALPIPE[("compute", 2)]["Bw"] > _DUALPIPE[("compute", 2)]["F"]
 
 
+@pytest.mark.slow
 def test_cpsat_never_worse_than_the_paired_baselines():
     r = compile_graph(_merged(2, layers=2), COST, time_limit_s=2)
     s = r.schedule.summary
@@ -127,6 +128,7 @@ def test_cpsat_never_worse_than_the_paired_baselines():
     assert verify_schedule(r.schedule) == []
 
 
+@pytest.mark.slow
 def test_compile_cli_micro_batches(tmp_path, capsys):
     out = tmp_path / "mb.json"
     assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--micro-batches", "2", "--time-limit", "1",
@@ -141,6 +143,7 @@ def test_compile_cli_micro_batches(tmp_path, capsys):
     assert c["source"] == "megatron-1f1b" and c["makespan_us"] == c["baselines"]["megatron-1f1b"]
 
 
+@pytest.mark.slow
 def test_gantt_shades_micro_batches_apart(tmp_path):
     from moegraph.schedules.gantt import chrome_trace, mb_colour, render
     # hand-computed: compute blue #4C72B0 mixed 45% with white for micro-batch 1
@@ -157,6 +160,7 @@ def test_gantt_shades_micro_batches_apart(tmp_path):
     assert {e["args"].get("mb") for e in trace["traceEvents"] if e.get("ph") == "X"} >= {0, 1}
 
 
+@pytest.mark.slow
 def test_memory_budget_counts_in_flight_micro_batches():
     """Running micro-batches' forwards ahead holds their activations at once: the memory model
     counts them, and a budget between one micro-batch's peak and the unconstrained merged
@@ -205,6 +209,7 @@ def test_ends_warm_starts_use_default_budgets_only_in_warm_up_and_cool_down():
     assert ends and paired
 
 
+@pytest.mark.slow
 def test_tune_ranks_merged_micro_batch_steps(tmp_path):
     from moegraph.schedules.schedule_file import Schedule
     from moegraph.schedules.tune import Cache, tune

@@ -217,6 +217,7 @@ def _tied_models():
 
 
 @pytest.mark.parametrize("which", [0, 1], ids=["reference", "mixtral"])
+@pytest.mark.slow
 def test_tied_embeddings_are_one_parameter_with_the_summed_gradient(which):
     """tie_word_embeddings: the head IS the embedding; its gradient is the head's plus the
     embedding's (autograd sums them in the original), and an AdamW step keeps them one tensor,
@@ -292,6 +293,7 @@ def test_mixtral_bf16_cast_rope_buffer_is_named_and_the_named_fix_matches_eager(
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe", "deepseek_v3"])
+@pytest.mark.slow
 def test_one_rank_family_causal_lm_loss_and_grads_match_eager(family, rng):
     model = workers.family_model(family, int(torch.randint(0, 2**30, (1,), generator=rng)))
     ids = torch.randint(0, workers.VOCAB, (2, 16), generator=rng)
@@ -361,6 +363,7 @@ def test_a_hook_or_patched_forward_outside_the_layers_is_named():
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
+@pytest.mark.slow
 def test_gradient_checkpointing_enabled_model_compiles_and_matches_eager():
     """gradient_checkpointing_enable() installs transformers' make_inputs_require_grads forward
     hook on the input embedding (it only marks the embedding output as requiring grad): the hook

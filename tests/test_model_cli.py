@@ -33,6 +33,7 @@ def test_run_train_steps_refuses_a_registry_aux_loss_before_any_work(tmp_path, c
     assert len(err) == 1 and "router_aux_loss_coef=0.02" in err[0] and "set it to 0" in err[0]
 
 
+@pytest.mark.slow
 def test_run_train_steps_check_matches_eager(tiny2, capsys):
     r = _run(["run", "--model", tiny2, "--layers", "all", "--train-steps", "3", "--vocab", "64", "--check", *COMMON],
              capsys)
@@ -41,6 +42,7 @@ def test_run_train_steps_check_matches_eager(tiny2, capsys):
     assert r["losses"][0] != r["losses"][-1]
 
 
+@pytest.mark.slow
 def test_run_layers_checks_the_stack_against_eager(tiny2, capsys):
     r = _run(["run", "--model", tiny2, "--layers", "2", "--check", "--steps", "1", "--warmup", "0", *COMMON], capsys)
     assert r["layers"] == 2
@@ -48,6 +50,7 @@ def test_run_layers_checks_the_stack_against_eager(tiny2, capsys):
     assert r["worst_grad"].startswith("layers.")
 
 
+@pytest.mark.slow
 def test_run_train_steps_dp2_check_matches_eager(tiny2, capsys):
     """n=2 x dp=2 (4 ranks): the global batch [dp*b, s] is split over the replicas; training still
     follows eager training on the whole batch."""

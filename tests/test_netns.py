@@ -95,6 +95,7 @@ def test_profile_link_mismatch_warns():
 
 
 @needs_netns
+@pytest.mark.slow
 def test_run_on_a_link_without_hardware_takes_the_profile_calibrated_on_it(capfd):
     assert main(["run", "--model", "tiny", "--seq", "64", "--steps", "1", "--warmup", "0", "--schedule", "sequential",
                  "--link", "1gbit", "--json"]) == 0
@@ -189,6 +190,7 @@ def test_removed_when_the_holder_is_interrupted(sig):
 @pytest.mark.skipif(not HAS_IP or shutil.which("setpriv") is None, reason="needs ip and setpriv")
 @pytest.mark.parametrize("command", [["run", "--steps", "1"], ["demo", "-o", "{tmp}/out"],
                                      ["calibrate", "-o", "{tmp}/p.yaml"]], ids=lambda c: c[0])
+@pytest.mark.slow
 def test_without_privilege_one_line_exit_2_nothing_written(command, tmp_path):
     """The real path: `ip netns add` refused because the process lacks CAP_SYS_ADMIN (dropped
     from its bounding set: for root that removes it from the process; a non-root user lacks it)."""
@@ -219,6 +221,7 @@ def netns_probe(rank: int, n: int, nbytes: int) -> tuple[int, float]:
 
 
 @needs_netns
+@pytest.mark.slow
 def test_ranks_run_inside_and_feel_the_rate(capfd):
     """Both ranks report the namespace's inode, and 1 MiB takes at least its wire time at 20 Mbit/s
     (the bucket's first burst, 128 KiB, passes at once); unshaped loopback moves it in milliseconds.
@@ -234,6 +237,7 @@ def test_ranks_run_inside_and_feel_the_rate(capfd):
 
 
 @needs_netns
+@pytest.mark.slow
 def test_run_on_the_link_matches_eager_and_is_shaped(capsys):
     """`moegraph run --link`: numerics against the eager module, and each step at least the wire
     time of the bytes both ranks send at 4 Mbit/s (unshaped, the tiny layer's step takes ~30 ms)."""
@@ -256,6 +260,7 @@ def test_run_on_the_link_matches_eager_and_is_shaped(capsys):
 
 
 @needs_netns
+@pytest.mark.slow
 def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
     """The ranks calibrate inside the namespace: the fitted per-rank bandwidth is of the link's
     order, far below plain loopback (~1 GB/s here), and the profile records the link. Not "below

@@ -59,6 +59,7 @@ def test_stacked_peak_equals_a_hand_sum():
 
 
 @pytest.mark.parametrize("method", ["sequential", "greedy", "megascale", "cpsat"])
+@pytest.mark.slow
 def test_stacked_peak_without_remat_holds_every_saved_activation(method):
     """Four layers of the small model with sar=none: every value the forward leaves for
     backward (counted here from the graph's values) is live at the barrier, so no schedule can
@@ -87,6 +88,7 @@ def _rebuilt_bytes_per_layer(graph) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("method", ["greedy", "megascale", "cpsat"])
+@pytest.mark.slow
 def test_stacked_rebuilds_run_just_ahead_of_their_layer(method):
     """sar=paper on 4 layers: a layer's rebuilds (recompute / re-communicate nodes) start no
     earlier than the next layer's backward, so at no instant are more than two layers' rebuilt

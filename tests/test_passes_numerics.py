@@ -57,6 +57,7 @@ def mid_budget(graph) -> int:
 @pytest.mark.parametrize("chunks", [1, 2, 4])
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
+@pytest.mark.slow
 def test_pipelines_preserve_outputs_and_gradients(n, attn, ffn, dispatch, chunks, rng):
     layer, graph, params, x, dy = setup(n, attn, ffn, dispatch, rng)
     eager = eager_step(layer, x, dy)
@@ -74,6 +75,7 @@ def test_pipelines_preserve_outputs_and_gradients(n, attn, ffn, dispatch, chunks
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("attn,ffn,dispatch", COMBOS)
+@pytest.mark.slow
 def test_auto_passes_and_full_recompute_preserve_the_function(n, attn, ffn, dispatch, rng):
     """dispatch=auto and chunk=auto (whatever they pick), and the smallest budget: every activation
     but the layer input rebuilt, attention and expert GEMMs included."""
@@ -88,6 +90,7 @@ def test_auto_passes_and_full_recompute_preserve_the_function(n, attn, ffn, disp
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
+@pytest.mark.slow
 def test_data_parallel_sync_is_exact_for_identical_replicas(n, attn, ffn, dispatch, rng):
     layer, graph, params, x, dy = setup(n, attn, ffn, dispatch, rng, dp=2)
     assert any(nd.attr("axis", None) == "dp" for nd in graph.nodes)
@@ -155,6 +158,7 @@ def check_compressed_collectives(graph, res, n, d, unit_roundoff, subnormal):
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 @pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "ep", "ag-rs"), ("sp", "tp", "ag-rs")])
+@pytest.mark.slow
 def test_dp_bf16_compression_error_is_within_bf16_rounding(n, attn, ffn, dispatch, rng):
     layer, graph, params, x, dy = setup(n, attn, ffn, dispatch, rng, dp=2)
     out, report = run_pipeline(graph, "chunk=2,compress=dp-bf16,sar=paper", cost=COST)
@@ -168,6 +172,7 @@ def test_dp_bf16_compression_error_is_within_bf16_rounding(n, attn, ffn, dispatc
 
 @pytest.mark.parametrize("n", [2, 4])
 @pytest.mark.parametrize("attn,ffn", [("tp", "ep"), ("tp", "tp"), ("sp", "ep")])
+@pytest.mark.slow
 def test_tp_fp8_compression_error_is_within_fp8_rounding(n, attn, ffn, rng):
     layer, graph, params, x, dy = setup(n, attn, ffn, "ag-rs", rng)
     out, report = run_pipeline(graph, "chunk=2,compress=tp-fp8", cost=COST)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import random
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -57,6 +58,7 @@ def pipelines(draw, graph):
     return ",".join(items)
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.data())
 def test_no_pipeline_yields_a_graph_the_verifier_rejects(data):
@@ -77,6 +79,7 @@ def test_no_pipeline_yields_a_graph_the_verifier_rejects(data):
             assert out.activation_bytes() <= r["budget_bytes"]
 
 
+@pytest.mark.slow
 @SETTINGS
 @given(st.data())
 def test_memory_never_rises_for_any_keep_set(data):

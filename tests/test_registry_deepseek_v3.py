@@ -156,6 +156,7 @@ def tiny_layer(seed: int, dense: bool = False, q_rank: bool = True) -> MoETransf
 @pytest.mark.parametrize("attn,ffn,dispatch", [("tp", "tp", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("variant", ["moe", "dense", "moe-no-q-rank"])
+@pytest.mark.slow
 def test_reference_layer_matches_eager(variant, n, attn, ffn, dispatch, rng, one_thread):
     seed = int(torch.randint(0, 2**31, (1,), generator=rng))
     layer = tiny_layer(seed, dense=variant == "dense", q_rank=variant != "moe-no-q-rank")
@@ -265,6 +266,7 @@ def test_trace_and_compile_run_on_deepseek_v3(capsys):
     assert json.loads(capsys.readouterr().out)["makespan_us"] > 0
 
 
+@pytest.mark.slow
 def test_a_stack_holds_only_the_moe_layers():
     # 61 layers, the first 3 dense: a stack of identical MoE layers has at most 58
     cfg = load_model("deepseek-v3")
@@ -275,6 +277,7 @@ def test_a_stack_holds_only_the_moe_layers():
         trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=59)
 
 
+@pytest.mark.slow
 def test_a_deepseek_v3_like_yaml_runs_on_two_gloo_ranks_and_matches_eager(tmp_path, capsys):
     # every new field at once in a user YAML, run end to end (the router's score bias is a
     # buffer: the runtime must hand it to the ranks) and checked against the eager layer

@@ -181,6 +181,7 @@ def structure(g) -> str:
 
 
 @pytest.mark.parametrize("key", sorted(MAIN_STRUCTURE))
+@pytest.mark.slow
 def test_defaults_leave_existing_graphs_unchanged(key):
     name, attn, ffn, dispatch, n = key.split("/")
     cfg = dataclasses.replace(load_model(name), shared_experts=0, shared_ffn_hidden=None, shared_gate=False,
@@ -206,6 +207,7 @@ def feature_layer(features: str, seed: int) -> MoETransformerLayer:
 @pytest.mark.parametrize("attn,ffn,dispatch", [("tp", "tp", "ag-rs"), ("sp", "ep", "a2a"), ("tp", "ep", "ag-rs")])
 @pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("features", sorted(FEATURES))
+@pytest.mark.slow
 def test_reference_layer_features_match_eager(features, n, attn, ffn, dispatch, rng, one_thread):
     layer = feature_layer(features, int(torch.randint(0, 2**31, (1,), generator=rng)))
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)

@@ -119,6 +119,7 @@ def test_the_check_catches_a_wrong_collective(n2_results):
     assert r["max_rel_err_output"] > 1e-3 and r["max_rel_err_grads"] > 1e-3
 
 
+@pytest.mark.slow
 def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
     """The ranks' schedule check raises (ScheduleMismatch); were it missing, the ranks would hang
     until spawn's timeout, a RuntimeFailure that is no RankFailure."""
@@ -130,6 +131,7 @@ def test_mismatched_schedules_fail_on_every_rank_within_the_timeout():
     assert isinstance(err, RuntimeFailure)
 
 
+@pytest.mark.slow
 def test_a_stuck_collective_times_out_naming_the_node():
     """The executor's 2 s collective timeout fires (CollectiveTimeout naming the node), not spawn's."""
     with pytest.raises(RankFailure) as info:

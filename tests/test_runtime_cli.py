@@ -9,6 +9,7 @@ import pytest
 from moegraph.cli import main
 from moegraph.options import format_bytes
 
+@pytest.mark.slow
 def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
     out = tmp_path / "measured.json"
     rc = main(["run", "--n", "2", "--steps", "2", "--schedule", "greedy", "--check", "--compare-prediction",
@@ -116,11 +117,13 @@ def test_device_memory_takes_each_blocks_peak_from_a_reset_statistic(monkeypatch
     assert (mem.peak_bytes, mem.resident_bytes) == (600, 100)
 
 
+@pytest.mark.slow
 def test_run_with_the_cpsat_schedule(capsys):
     assert main(["run", "--n", "2", "--steps", "1", "--schedule", "cpsat", "--time-limit", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "cpsat"
 
 
+@pytest.mark.slow
 def test_run_trains_the_model_step_a_multi_layer_compile_wrote(capsys, tmp_path):
     """compile --layers 2 schedules the model step (layers + embedding and LM head): run --schedule
     runs it, as the model trained under the file's plan, in the file's dtype, against eager."""
@@ -138,6 +141,7 @@ def test_run_trains_the_model_step_a_multi_layer_compile_wrote(capsys, tmp_path)
     assert "--layers 3 does not match the schedule file" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_path):
     sched = tmp_path / "tp.json"
     assert main(["compile", "--model", "tiny", "--hardware", "cpu-2core-gloo", "--attn", "tp", "--ffn", "tp",
@@ -190,6 +194,7 @@ def test_docs_state_run_timeout_default():
     assert said and float(said.group(1)) == default, (said, default)
 
 
+@pytest.mark.slow
 def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp_path, monkeypatch):
     """run --schedule FILE rebuilds the file's graph from its typed strategy (gate, chunks,
     compress, remat, fuse: moegraph.passes.lower_strategy), never by joining the recorded pass

@@ -19,6 +19,7 @@ from moegraph.runtime.launch import spawn
 TESTS = Path(__file__).resolve().parent
 
 
+@pytest.mark.slow
 def test_a_rank_killed_during_start_up_is_named(tmp_path):
     """The survivor is stopped, not left to its 60 s rendezvous timeout: had spawn waited for it
     (its own limit is longer), the survivor's timeout would be named too ("ranks [r] failed after it")."""
@@ -30,6 +31,7 @@ def test_a_rank_killed_during_start_up_is_named(tmp_path):
     assert str(err) == f"rank {err.rank} was killed by signal SIGKILL before reporting"
 
 
+@pytest.mark.slow
 def test_a_rank_killed_mid_run_is_named_not_the_survivors_symptom():
     with pytest.raises(RankFailure) as info:
         spawn(workers.die_mid_run, 2, args=(1,), timeout_s=120, pg_timeout_s=60)
@@ -84,6 +86,7 @@ def _cleanup(parent: subprocess.Popen, pid_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=lambda s: s.name)
+@pytest.mark.slow
 def test_killing_the_launcher_ends_its_ranks(sig, tmp_path):
     """SIGTERM and SIGINT: the launcher stops its ranks; SIGKILL leaves it no clean-up, and
     PR_SET_PDEATHSIG alone ends them."""

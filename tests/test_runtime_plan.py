@@ -138,6 +138,7 @@ def test_import_moegraph_stays_light():
 # -- one rank: the executor, autograd glue and traces -------------------------------------------------
 
 @pytest.mark.parametrize("schedule", ["sequential", "greedy"])
+@pytest.mark.slow
 def test_single_rank_matches_eager(schedule, rng):
     layer = small_layer(1, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
@@ -153,6 +154,7 @@ def test_single_rank_matches_eager(schedule, rng):
         assert rel_err(compiled(x), y_ref) < 1e-5
 
 
+@pytest.mark.slow
 def test_a_missing_input_gradient_is_an_error_naming_it_not_a_zero(rng, monkeypatch):
     """Were the plan or its release lists ever to lose the input gradient, backward would return
     None, which autograd reads as zero: the executor names the value and its node instead."""
@@ -180,6 +182,7 @@ def test_a_missing_input_gradient_is_an_error_naming_it_not_a_zero(rng, monkeypa
         ex.step(xs, dys, params)
 
 
+@pytest.mark.slow
 def test_gradients_accumulate_like_autograd(rng):
     layer = small_layer(1)
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)

@@ -73,6 +73,7 @@ def _side_offsets(problem, sol):
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.slow
 def test_bound_is_below_the_cpsat_optimum(name):
     """The optimum (CP-SAT, proven) is a number no bound may exceed."""
     p = PROBLEMS[name]
@@ -82,6 +83,7 @@ def test_bound_is_below_the_cpsat_optimum(name):
 
 
 @pytest.mark.parametrize("name", sorted(PROBLEMS))
+@pytest.mark.slow
 def test_heads_and_tails_hold_in_every_schedule(name):
     """A head is a lower bound on a task's start after its side begins, a tail on the time from
     its end to its side's end, in every feasible schedule: the optimum and the list schedules."""
@@ -187,6 +189,7 @@ def test_tighter_than_the_longest_path_bound_on_mixtral_h800_chunk2_forward(mixt
     assert old < new <= r.objective
 
 
+@pytest.mark.slow
 def test_heads_hold_on_a_stack_beyond_the_ancestor_window():
     """8 stacked small layers (sar=paper): sides far longer than ANCESTOR_WINDOW, so the windowed
     Jackson runs are exercised; every head and tail holds in every list schedule and in the
@@ -239,6 +242,7 @@ def test_bound_does_not_assume_tasks_in_topological_order():
 
 @pytest.mark.parametrize("model,batch,seq,streams", [("tiny", 1, 512, ("comm",)), ("small", 1, 512, ("comm",)),
                                                     ("small", 4, 512, ("comm.intra", "comm.inter"))])
+@pytest.mark.slow
 def test_dp_sync_exposure_bound_holds_for_every_scheduler(model, batch, seq, streams):
     """No schedule exposes less DP sync than the bound: sequential, greedy, megascale and CP-SAT,
     with one or two comm streams, with and without dp-bf16 compression."""

@@ -64,6 +64,7 @@ def test_two_comm_streams_use_the_sm_cumulative():
     assert r.schedule.streams == ("compute", "comm.intra", "comm.inter")
 
 
+@pytest.mark.slow
 def test_symmetry_breaking_keeps_the_optimum():
     p = build_problem(moe_layer(chunks=2, tokens=256, h=1024, ffn=2048), COST)
     opts = SolverOptions(time_limit_s=20.0)
@@ -200,12 +201,14 @@ def _digest(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+@pytest.mark.slow
 def test_same_inputs_same_bytes_ten_times():
     g = eval(DETERMINISM)
     files = {_digest(compile_graph(g, COST, time_limit_s=0.5).schedule.to_json()) for _ in range(10)}
     assert len(files) == 1
 
 
+@pytest.mark.slow
 def test_same_bytes_in_another_process():
     """A fresh interpreter with another hash seed (set/dict order of strings changes) writes the
     same file."""
@@ -267,6 +270,7 @@ def test_solver_never_worse_than_its_warm_start(time_limit):
 _SPIN = "import time\nend = time.time() + 120\nwhile time.time() < end: pass\n"
 
 
+@pytest.mark.slow
 def test_same_bytes_idle_and_beside_two_busy_processes():
     """Deterministic time only: two spinning processes on the 2-core box slow the solve down
     (wall time) but must not change the file."""
@@ -288,6 +292,7 @@ def test_same_bytes_idle_and_beside_two_busy_processes():
 
 @pytest.mark.parametrize("make", [moe_layer, lambda: moe_layer(recompute=True), barrier_graph],
                          ids=["moe", "moe_re", "barrier"])
+@pytest.mark.slow
 def test_split_at_the_barrier_is_exact(make, monkeypatch):
     """Without a memory budget the two sides are solved apart: the same optimum as one model."""
     import moegraph.schedules.cpsat as cpsat

@@ -20,6 +20,7 @@ def pair():
 
 
 @pytest.mark.parametrize("ext", ["png", "svg", "html", "json"])
+@pytest.mark.slow
 def test_every_format(pair, tmp_path, ext):
     a, b = pair
     one = render(a, tmp_path / f"one.{ext}")
@@ -69,6 +70,7 @@ def _as_runtime_file(s, measured: bool):
 
 
 @pytest.mark.parametrize("ext", ["png", "html", "json"])
+@pytest.mark.slow
 def test_runtime_files_render_and_compared_panels_are_named_apart(pair, tmp_path, ext):
     a, _ = pair
     measured, predicted = _as_runtime_file(a, True), _as_runtime_file(a, False)
@@ -171,6 +173,7 @@ def test_summary_lane_spans_and_exposed_comm(layered):
     plt.close(fig)
 
 
+@pytest.mark.slow
 def test_svg_names_the_layer_bars_and_compared_schedules_get_a_lane_each(layered, tmp_path):
     text = render(layered, tmp_path / "x.svg").read_text()
     for i in range(LAYERS):
@@ -197,6 +200,7 @@ def test_one_layer_chart_has_no_summary_lane(pair, tmp_path):
 
 
 @pytest.mark.parametrize("which", ["one", "layered"])
+@pytest.mark.slow
 def test_bar_labels_are_whole_names_and_never_overlap(pair, layered, which):
     from moegraph.schedules.gantt import _figure
     s = pair[0] if which == "one" else layered

@@ -93,6 +93,7 @@ def test_window_search_beats_a_suboptimal_warm_start(merged):
     assert makespan_ticks(p, whole.solution) == best
 
 
+@pytest.mark.slow
 def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)   # the traced tiny model's merged step: 107 tasks
     graph = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1)
@@ -103,6 +104,7 @@ def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     assert verify_schedule(r.schedule) == []
 
 
+@pytest.mark.slow
 def test_compile_runs_the_window_search_under_a_memory_budget(monkeypatch):
     """compile_graph under a budget (the sequential baseline's peak on the tiny model's merged step)
     runs the window search too, and its schedule verifies within the budget."""
@@ -134,6 +136,7 @@ def test_window_search_keeps_the_memory_budget(merged):
     assert _verified(p, r.solution) == []
 
 
+@pytest.mark.slow
 def test_every_window_under_a_budget_verifies_and_one_needs_the_held_memory(merged):
     """Each window of the sequential schedule re-solved on its own, under a budget just above
     its peak: every result is a schedule of the whole step the verifier accepts (budget

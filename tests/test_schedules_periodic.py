@@ -36,6 +36,7 @@ def stacked():
 
 
 @pytest.mark.parametrize("K", [1, 2])
+@pytest.mark.slow
 def test_tiled_unit_schedule_is_feasible_and_periodic(stacked, K):
     """A schedule of K layers tiled over L = 4: feasible, makespan (L / K) x the unit's."""
     problem = build_problem(stacked, COST)
@@ -73,6 +74,7 @@ def test_tiled_unit_schedule_is_feasible_and_periodic(stacked, K):
                     Solution("x", (0,) * (3 * len(unit.tasks) // K), (0,) * (3 * len(unit.tasks) // K)))
 
 
+@pytest.mark.slow
 def test_compile_stack_is_no_worse_than_layers_times_the_one_layer_optimum():
     # sp/ep/a2a without passes: the one small layer is proven optimal within FAST
     stacked = trace_model(SMALL, Strategy("sp", "ep", "a2a", 2), seq=64, layers=L)
@@ -90,6 +92,7 @@ def test_compile_stack_is_no_worse_than_layers_times_the_one_layer_optimum():
     assert s.summary["solver"]["makespan_us"] <= s.summary["solver"]["warm_start_makespan_us"] + 1e-6
 
 
+@pytest.mark.slow
 def test_periodic_candidate_is_deterministic(stacked):
     # FAST / 4: both unit solves still stop mid-search, each better than its hint (where a
     # run-dependent search would show), in a quarter of the time
@@ -113,6 +116,7 @@ def test_only_true_stacks_are_tiled(stacked):
                     Solution("x", (0,) * len(one.nodes), (0,) * len(one.nodes)))
 
 
+@pytest.mark.slow
 def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     """small, 4 layers, n=2 x dp=2, b=8, s=2048, with the model's edges (h800): one layer's DP
     sync is about as long as its backward compute, so the tiled unit ends each period with its
@@ -152,6 +156,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     assert tile_layers(p1, u1, s1, dp_slide=True).start == tile_layers(p1, u1, s1).start
 
 
+@pytest.mark.slow
 def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     """compress=dp-bf16 sums the all-to-all's BF16 shards in FP32 after the inter-node
     collective: compute in the DP tail, which the tiling would have to move, so it is not
@@ -169,6 +174,7 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     assert len(_periodic(p, SolverOptions(time_limit_s=0.2))) == 1        # the plain tiling only (L=2: K=1)
 
 
+@pytest.mark.slow
 def test_dp_aware_tiling_offers_both_slide_orders():
     """The DP-aware tiling places the slid tasks by their tiled start or by the earliest start
     their inputs allow (periodic.SlideOrder), and neither wins on every step. small, 2 layers,

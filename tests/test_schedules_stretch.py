@@ -118,12 +118,14 @@ def test_verifier_prices_overlapped_collectives_stretched():
 
 
 @pytest.mark.parametrize("method", ["cpsat", "sequential", "greedy", "megascale"])
+@pytest.mark.slow
 def test_layer_schedules_verify_with_stretch(method):
     s = compile_graph(moe_layer(n=2, chunks=2, recompute=True), _cost(1.3), method=method,
                       time_limit_s=2.0).schedule
     assert verify_schedule(s) == []
 
 
+@pytest.mark.slow
 def test_cpsat_never_longer_than_sequential_with_stretch():
     cost = _cost(2.5)
     graph = moe_layer(n=2, chunks=2)

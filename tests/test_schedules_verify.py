@@ -33,6 +33,7 @@ def _first(s: Schedule) -> str:
 @pytest.mark.parametrize("method", ["cpsat", "sequential", "greedy", "megascale"])
 @pytest.mark.parametrize("make", [tiny_chain, barrier_graph, lambda: moe_layer(chunks=2, recompute=True)],
                          ids=["tiny", "barrier", "moe_c2_re"])
+@pytest.mark.slow
 def test_every_produced_schedule_is_accepted(make, method):
     s = _compiled(make, method)
     assert verify_schedule(s) == []
@@ -154,6 +155,7 @@ def _without(s: Schedule, name: str) -> Schedule:
 
 
 @pytest.mark.parametrize("which", ["first", "mid-backward", "last"])
+@pytest.mark.slow
 def test_a_deleted_node_is_rejected(which):
     s = _compiled(lambda: moe_layer(recompute=True))
     backward = [n for n in s.nodes if n.phase == "backward"]
@@ -191,6 +193,7 @@ def _registry_hardware():
 
 @pytest.mark.parametrize("stretch", [None, 3.0], ids=["as-registered", "stretch3"])
 @pytest.mark.parametrize("hw_name", _registry_hardware())
+@pytest.mark.slow
 def test_every_compile_output_verifies(small_graph, hw_name, stretch):
     from moegraph.cost import CostModel
     from moegraph.registry import load_hardware

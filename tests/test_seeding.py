@@ -49,6 +49,7 @@ def _run(folder: Path, seed: str | None, *select: str) -> tuple[subprocess.Compl
     return proc, draws
 
 
+@pytest.mark.slow
 def test_a_failing_test_reports_its_seed_and_the_seed_replays_it(tmp_path):
     for name in ("conftest.py", "seeding.py"):
         shutil.copy(TESTS / name, tmp_path / name)
@@ -73,6 +74,7 @@ def test_a_failing_test_reports_its_seed_and_the_seed_replays_it(tmp_path):
     assert changed["test_second"] != draws["test_second"], other.stdout
 
 
+@pytest.mark.slow
 def test_a_malformed_seed_is_one_usage_error(tmp_path):
     for name in ("conftest.py", "seeding.py"):
         shutil.copy(TESTS / name, tmp_path / name)

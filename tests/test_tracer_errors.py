@@ -81,6 +81,7 @@ def test_a_bare_block_says_to_compile_its_decoder_layer_or_the_model():
         moegraph.compile(hf.MixtralSparseMoeBlock(cfg), torch.randn(2, 16, 32), hardware="cpu-gloo")
 
 
+@pytest.mark.slow
 def test_a_torch_compiled_module_says_to_pass_the_original():
     layer = small_layer(1)
     with pytest.raises(ValueError, match=r"^OptimizedModule wraps MoETransformerLayer \(torch\.compile\): .*"

@@ -61,6 +61,7 @@ def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypa
     assert build_graph(model, paper, cost, batch=1, seq=64).strategy.passes == ("gate-reorder", "chunk=2", "sar=paper")
 
 
+@pytest.mark.slow
 def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tiny_cache):
     res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
                cache=Cache(tiny_cache))
@@ -76,6 +77,7 @@ def test_tune_ranks_and_reports_speedup_over_sequential_tp_tp(tiny_cache):
         assert list(st.passes) == row["passes"]
 
 
+@pytest.mark.slow
 def test_repeat_run_is_served_from_the_cache(tmp_path, capsys, monkeypatch):
     import moegraph.schedules.tune as tune_mod
     cache = str(tmp_path / "cache")
@@ -117,6 +119,7 @@ def test_concurrent_writers_never_leave_a_torn_entry(tmp_path):
     assert reader.get("k")["j"] == 49 and not list(tmp_path.glob(".tmp-*"))
 
 
+@pytest.mark.slow
 def test_every_strategy_family_gets_a_cpsat_refinement(tiny_cache):
     res = tune(load_model("tiny"), load_hardware("h800"), n=2, seq=256, time_limit=1, refine=1,
                cache=Cache(tiny_cache))
@@ -130,6 +133,7 @@ def _tiny_tune(tmp_path, hw="h800", **kw):
     return tune(load_model("tiny"), hardware, n=2, seq=256, time_limit=1, refine=1, cache=Cache(tmp_path), **kw)
 
 
+@pytest.mark.slow
 def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tiny_cache):
     free = _tiny_tune(tiny_cache, min_gain=0.0)
     top = free["candidates"][0]
@@ -145,6 +149,7 @@ def test_min_gain_keeps_the_baseline_when_the_best_gain_is_smaller(tiny_cache):
     assert above["candidates"] == free["candidates"]          # the ranking itself does not change
 
 
+@pytest.mark.slow
 def test_the_picks_schedule_is_its_own_rows_and_a_missing_one_is_an_error(tiny_cache, monkeypatch):
     """The written schedule is the ranked first row's (strategy and predicted time); a pick whose
     entry has no schedule raises instead of leaving `tune --output` with nothing to write."""
@@ -167,6 +172,7 @@ def test_the_picks_schedule_is_its_own_rows_and_a_missing_one_is_an_error(tiny_c
         _tiny_tune(tiny_cache, min_gain=0.0)
 
 
+@pytest.mark.slow
 def test_min_gain_defaults_to_the_profiles_step_noise(tiny_cache):
     import dataclasses
     noisy = dataclasses.replace(load_hardware("h800"), step_noise=0.9)
@@ -175,6 +181,7 @@ def test_min_gain_defaults_to_the_profiles_step_noise(tiny_cache):
     assert _tiny_tune(tiny_cache)["min_gain"] == 0.0              # registry profiles: not measured
 
 
+@pytest.mark.slow
 def test_cli_writes_the_kept_baseline_and_rejects_a_bad_min_gain(tmp_path, tiny_cache, capsys):
     from moegraph.schedules.schedule_file import Schedule
     out = tmp_path / "best.json"
@@ -238,6 +245,7 @@ def stack_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("tune-stack-cache")
 
 
+@pytest.mark.slow
 def test_tune_layers_schedules_stacks(stack_cache):
     """layers=2 (`tune --layers 2`): every candidate and the baseline are 2-layer stacks with the
     model's edges, so the best schedule has twice the one-layer graph's nodes, named by layer, and
@@ -256,6 +264,7 @@ def test_tune_layers_schedules_stacks(stack_cache):
     assert {n.name.split(".")[0] for n in sched.nodes} == {"l0", "l1", "edges"}
 
 
+@pytest.mark.slow
 def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path, stack_cache):
     """`tune --layers 2` ranks each candidate's stack with the model's edges (eager head and norm,
     their sync, the embedding gather), as compile --layers schedules it."""
@@ -269,6 +278,7 @@ def test_tune_layers_ranks_stacks_with_the_edges(capsys, tmp_path, stack_cache):
             "edges.lm_head"} <= {n.name for n in sched.nodes}
 
 
+@pytest.mark.slow
 def test_cli_names_the_pick_and_the_files_it_wrote(tmp_path, capsys):
     out = tmp_path / "new" / "best.json"
     assert main(["tune", *ARGS, "--cache", str(tmp_path / "c"), "--min-gain", "0", "-o", str(out)]) == 0
@@ -281,6 +291,7 @@ def test_cli_names_the_pick_and_the_files_it_wrote(tmp_path, capsys):
     assert progress[-3].endswith(table[-2]) and progress[-1].endswith(f"wrote {out} and {out.with_suffix('.png')}")
 
 
+@pytest.mark.slow
 def test_cli_budget_no_candidate_fits_is_exit_2_naming_the_least_peak(tmp_path, capsys):
     out = tmp_path / "best.json"
     rc = main(["tune", "--model", "tiny", "--n", "2", "--seq", "64", "--memory-budget", "1KiB", "--cache", "",
@@ -331,6 +342,7 @@ def _point(row):
     return row["attn"], row["ffn"], row["dispatch"], row["chunks"], row["remat"]
 
 
+@pytest.mark.slow
 def test_a_candidate_whose_greedy_breaks_the_budget_is_scheduled_within_it(monkeypatch, tmp_path):
     """a3-f1: at 520KiB tp+ep ag-rs chunks=1 remat=paper was "infeasible" (its greedy schedule
     peaks above the budget) though compile schedules it within the budget 1.8x faster than the
@@ -354,6 +366,7 @@ def test_a_candidate_whose_greedy_breaks_the_budget_is_scheduled_within_it(monke
     assert "over the memory budget: speed-ups are relative to it all the same" in format_table(res)
 
 
+@pytest.mark.slow
 def test_no_greedy_fits_yet_the_pick_is_compiles_fastest_within_the_budget(monkeypatch, tmp_path):
     """a3-f2: tune --micro-batches 2 --memory-budget 700KiB exited 2 ("no candidate's greedy
     schedule fits") while the tp+tp sequential baseline (656KiB) and CP-SAT schedules fit."""
@@ -415,6 +428,7 @@ def test_the_baseline_is_kept_with_the_reason_when_no_candidate_schedule_is_foun
 
 
 @pytest.mark.parametrize("n", [1, 2])
+@pytest.mark.slow
 def test_strategies_with_the_same_schedule_are_one_row_naming_them_all(monkeypatch, tmp_path, n):
     """a3-f8: at --n 1 strategies that schedule identically were separate rows. One row stands
     for them and names the others; at n=2 (real collectives) the same points stay apart."""
