@@ -10,6 +10,8 @@ later stages, but only lazily inside functions, never at module import time.
 import ast
 import pathlib
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ORDER = ["moegraph", "passes", "schedules", "runtime"]  # folders, in pipeline order
 STAGE_OF_PACKAGE = {"moegraph.passes": 1, "moegraph.schedules": 2, "moegraph.runtime": 3}

@@ -133,6 +133,7 @@ def test_interpreter_two_layers_match_eager(n, passes, rng):
     assert err < 1e-5, f"gradient of {name}: relative error {err:.2e}"
 
 
+@pytest.mark.slow
 def test_interpreter_two_layers_detects_swapped_layers(rng):
     """The chained comparison can fail: the layers' weights swapped give another function."""
     model = _two_layers(3)

@@ -176,6 +176,7 @@ def test_adamw_steps_equal_eager_accumulation(rank_results):
         assert r["params"] < 1e-5, r
 
 
+@pytest.mark.slow
 def test_train_step_refuses_unmerged_and_wrong_counts(plans):
     g, plan = plans[(2, "cpsat")]
     module = reference_layer(SEED)
