@@ -50,7 +50,7 @@ def pipelines(draw, graph):
         "dispatch": ["auto", "ag-rs"] + (["a2a"] if graph.strategy.ffn == "ep" else []),
         "chunk": ["auto", "1", "2", "4"],
         "compress": ["dp-bf16", "tp-fp8"],
-        "sar": ["paper", "none", f"budget:{draw(st.integers(0, full))}"],
+        "sar": ["paper", "none", f"budget:{draw(st.integers(1, full))}"],   # 0 is no size (options.byte_size)
     }
     names = draw(st.lists(st.sampled_from(sorted(choices)), unique=True, max_size=5))
     items = [n if (arg := draw(st.sampled_from(choices[n]))) is None else f"{n}={arg}" for n in names]
