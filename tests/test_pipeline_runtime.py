@@ -63,6 +63,7 @@ def eager(layers: int) -> tuple[list[float], dict]:
     return [float(x.detach()) for x in losses], {k: p.grad for k, p in model.named_parameters()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_cpsat_csv_runs_in_torch_runtime_and_matches_eager(name, tmp_path):
     layout, saving = CASES[name]
@@ -77,6 +78,7 @@ def test_cpsat_csv_runs_in_torch_runtime_and_matches_eager(name, tmp_path):
         assert err < 1e-5, f"gradient of {k}: {err:.2e} (seed {SEED})"
 
 
+@pytest.mark.slow
 def test_the_orders_use_what_torch_runs():
     """The V-shape order overlaps pairs and the other splits W: both are what the runtime executes."""
     v = cpsat_order(*CASES["V-shape with pairs"])

@@ -134,6 +134,7 @@ def test_overlapped_pairs_are_chosen_when_they_save():
     assert any(isinstance(i, Pair) for row in res.timeline.orders for i in row)
 
 
+@pytest.mark.slow
 def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     from moegraph.schedules.pipeline_gantt import BUBBLE, pipeline_figure, render_pipeline
     pr = problem(16, 16, 1, f=10, i=8, w=4, send=2, sync=30, opt=5)
