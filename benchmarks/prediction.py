@@ -26,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from moegraph.atomic import append_atomic  # noqa: E402
 from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
 from moegraph.runtime.commands import measure_schedule, measurement_blocks  # noqa: E402
 
@@ -94,8 +95,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines)
     print(text)
     if args.results:
-        with open(args.results, "a") as f:
-            f.write("\n" + text + "\n")
+        append_atomic(args.results, "\n" + text + "\n")      # the whole table or none of it
     return 0
 
 

@@ -67,11 +67,11 @@ class OneLineParser(argparse.ArgumentParser):
 def expected_errors() -> tuple[type[BaseException], ...]:
     from moegraph.builder import ConfigError
     from moegraph.registry import RegistryError
-    from moegraph.tracer import LoweringError
-    errs: list[type[BaseException]] = [UsageError, ConfigError, RegistryError, LoweringError, FileNotFoundError]
-    # the later stages' error types, for whichever of them the running command imported
-    for mod, name in (("moegraph.passes", "PassError"), ("moegraph.schedules", "ScheduleError"),
-                      ("moegraph.runtime", "RuntimeFailure")):
+    errs: list[type[BaseException]] = [UsageError, ConfigError, RegistryError, FileNotFoundError]
+    # the lowering's and the later stages' error types, for whichever of them the running command
+    # imported (importing the lowering loads torch, ~1 s: a refusal before any tracing need not)
+    for mod, name in (("moegraph.lowering", "LoweringError"), ("moegraph.passes", "PassError"),
+                      ("moegraph.schedules", "ScheduleError"), ("moegraph.runtime", "RuntimeFailure")):
         if mod in sys.modules:
             errs.append(getattr(sys.modules[mod], name))
     return tuple(errs)

@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Phase, Strategy
 from moegraph.layers import layer_count
+from moegraph.limits import check_graph_size
 from moegraph.options import UsageError, byte_size, positive_int
 from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
 
@@ -90,8 +91,8 @@ class Layer:
 
 def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> Layer:
     """The graph the layer options describe. ``multi_layer``: the command handles a graph of
-    several layers (trace, compile); the others refuse --layers above 1 before any work."""
-    from moegraph.tracer import trace_model
+    several layers (trace, compile); the others refuse --layers above 1 before any work. Every
+    size that multiplies the graph is checked (``moegraph.limits``) before anything is traced."""
     for flag in ("n", "batch", "seq", "dp"):
         if getattr(args, flag) < 1:  # also reached from code that builds args by hand (demo, benchmarks)
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
@@ -104,10 +105,14 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
         if not 1 <= args.top_k <= model.experts:
             raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
         model = dataclasses.replace(model, top_k=args.top_k)
+    file_strategy = getattr(args, "schedule_strategy", None)
+    check_graph_size(layers=layers, micro_batches=getattr(args, "micro_batches", 1), n=args.n, dp=args.dp,
+                     chunks=file_strategy.chunks if file_strategy is not None else 1)
+    from moegraph.tracer import trace_model      # after the checks: importing it loads torch (~1 s)
     hw = load_hardware(args.hardware)
     cost = CostModel(hw)
     report: dict[str, Any] = {}
-    if (file_strategy := getattr(args, "schedule_strategy", None)) is not None:
+    if file_strategy is not None:
         # run --schedule FILE: the file's typed strategy rebuilds its graph (its labels are a record)
         from moegraph.passes import lower_strategy
         graph, report = lower_strategy(model, file_strategy, batch=args.batch, seq=args.seq, cost=cost, layers=layers)

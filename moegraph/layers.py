@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 
 from moegraph.ir import LAYER_ATTR, Graph, GraphError, Node, ParamSpec, Phase, ValueKind, freeze_attrs, verify
+from moegraph.limits import check_graph_size
 
 PARAM_PREFIX = "layers"
 """Module prefix of layer i's parameters: ``layers.{i}.<qualname in the layer>``."""
@@ -92,6 +93,7 @@ def stack_layers(graph: Graph, layers: int) -> Graph:
                          "graph (layer_graph) instead")
     if layers == 1:
         return graph
+    check_graph_size(layers=layers, nodes_per_layer=len(graph.nodes))       # before copying it
     x, seed, y, dx = boundary(graph)
     L = layers
 

@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 
 from moegraph.ir import Graph, GraphError, Node, OpKind, Phase, Role, ValueKind, freeze_attrs, verify
-from moegraph.layers import boundary
+from moegraph.layers import boundary, layer_count
+from moegraph.limits import check_graph_size
 
 __all__ = ["MB_ATTR", "merge_microbatches", "micro_batch_count", "micro_batch_graph", "micro_batch_of",
            "microbatch_boundaries", "mb_name"]
@@ -122,6 +123,8 @@ def merge_microbatches(graph: Graph, micro_batches: int) -> Graph:
                          "micro-batch graph (micro_batch_graph) instead")
     if M == 1:
         return graph
+    L = layer_count(graph)
+    check_graph_size(layers=L, micro_batches=M, nodes_per_layer=-(-len(graph.nodes) // L))    # before copying it
     x, seed, y, dx = boundary(graph)
     chains = _sync_chains(graph)
     sync_nodes = {n.name for _, chain in chains.values() for n in chain}

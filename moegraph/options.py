@@ -81,8 +81,10 @@ def fraction(text: str) -> float:
 
 def check_output(path: str | Path, *, suffixes: tuple[str, ...] = (), flag: str = "-o") -> Path:
     """Raise UsageError (one line) unless ``path`` can be written as a file: not an existing
-    directory, no regular file among its parents, and one of ``suffixes`` when given. Missing
-    parent folders are fine (they are created at write time). Writes nothing."""
+    directory, no regular file among its parents, one of ``suffixes`` when given, and a folder
+    that takes new files (``moegraph.atomic.check_writable``: /proc or a read-only mount is
+    refused here, before the work). Missing parent folders are fine (they are created at write
+    time). Leaves nothing behind."""
     p = Path(path)
     if str(path) == "" or p.name in ("", ".", ".."):
         raise UsageError(f"{flag} {str(path)!r} is not a file name")
@@ -91,6 +93,7 @@ def check_output(path: str | Path, *, suffixes: tuple[str, ...] = (), flag: str 
     _check_parents(p, flag)
     if suffixes and p.suffix.lower() not in suffixes:
         raise UsageError(f"{flag} {str(path)!r} must end in one of {', '.join(suffixes)}")
+    _check_writable(p, flag)
     return p
 
 
@@ -108,7 +111,17 @@ def check_output_dir(path: str | Path, *, flag: str = "-o") -> Path:
     if p.exists() and not p.is_dir():
         raise UsageError(f"{flag} {str(path)!r} is an existing file; give a directory")
     _check_parents(p, flag)
+    _check_writable(p / "entry", flag, shown=p)       # a file inside the folder
     return p
+
+
+def _check_writable(p: Path, flag: str, *, shown: Path | None = None) -> None:
+    """UsageError naming the path and the reason unless a file can be created at ``p``."""
+    from moegraph.atomic import check_writable
+    try:
+        check_writable(p)
+    except OSError as err:
+        raise UsageError(f"{flag} {str(shown or p)!r} cannot be written: {err.strerror or err}") from None
 
 
 def _check_parents(p: Path, flag: str) -> None:

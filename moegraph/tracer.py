@@ -28,6 +28,7 @@ from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
 from moegraph.layers import layer_count, stack_layers
+from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
@@ -394,6 +395,7 @@ def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, lay
     from moegraph.models import MoETransformerLayer
     if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.moe_layers:
         raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.layers_phrase()}")
+    check_graph_size(layers=layers, chunks=strategy.chunks, n=strategy.n, dp=strategy.dp)    # before tracing
     with torch.device("meta"):
         layer = MoETransformerLayer.from_config(cfg)
     graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)

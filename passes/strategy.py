@@ -16,6 +16,7 @@ import typing
 
 from moegraph.cost import CostModel
 from moegraph.ir import Gate, Graph, Strategy, valid_dispatches
+from moegraph.limits import MAX_CHUNKS, check_limit
 from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
 from moegraph.passes.compress import compress
@@ -116,6 +117,8 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     auto = arg is None or arg == "auto"
     if not auto and (not arg.isdigit() or int(arg) < 1):
         raise ValueError("not a positive integer")
+    if not auto:
+        check_limit("chunks", int(arg), MAX_CHUNKS)           # before any graph is re-lowered
     if auto and cost is None:
         raise ValueError("chunk=auto needs a cost model")
     me = label("chunk", arg)

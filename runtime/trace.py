@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Sequence
 
 from moegraph.ir import Graph
-from moegraph.options import make_parents
+from moegraph.atomic import write_atomic
 
 if TYPE_CHECKING:
     from moegraph.registry import Hardware
@@ -278,10 +278,8 @@ def compare_prediction(plan: Any, traces: Sequence[StepTrace], step_us: float | 
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    path = Path(path)
-    make_parents(path)
-    path.write_text(json.dumps(obj, indent=1) + "\n")
-    return path
+    """``obj`` as indented JSON, written atomically (moegraph.atomic)."""
+    return write_atomic(path, json.dumps(obj, indent=1) + "\n")
 
 
 def trace_to_dict(trace: StepTrace) -> dict[str, Any]:

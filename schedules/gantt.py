@@ -38,6 +38,7 @@ import io
 import json
 from pathlib import Path
 
+from moegraph.atomic import atomic_output, write_atomic
 from moegraph.cost import FUSED_ATTR, variant_of
 from moegraph.edges import EDGES
 from moegraph.ir import LAYER_ATTR
@@ -84,13 +85,16 @@ def render(sched: Schedule, path: str | Path, compare: Schedule | None = None,
     for i, s in enumerate((sched, compare)):
         if s is not None:
             check_drawable(s, sources[i] if i < len(sources) else "schedule")
+    # every format is written atomically (moegraph.atomic): a kill leaves the old chart or the new one
     if suffix == ".json":
-        path.write_text(json.dumps(chrome_trace(sched, compare, sources, not_valid), sort_keys=True, indent=1) + "\n")
+        write_atomic(path, json.dumps(chrome_trace(sched, compare, sources, not_valid), sort_keys=True, indent=1)
+                     + "\n")
     elif suffix == ".html":
-        path.write_text(_html(sched, compare, sources, not_valid))
+        write_atomic(path, _html(sched, compare, sources, not_valid))
     else:
         fig = _figure(sched, compare, sources, not_valid)
-        fig.savefig(path, dpi=110, bbox_inches="tight", metadata=_metadata(suffix))
+        with atomic_output(path) as buf:
+            fig.savefig(buf, format=suffix[1:], dpi=110, bbox_inches="tight", metadata=_metadata(suffix))
         import matplotlib.pyplot as plt
         plt.close(fig)
     return path

@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Literal, Mapping
 
+from moegraph.atomic import write_atomic
 from moegraph.canonical import canonical_json
 from moegraph.edges import EDGES, is_edge
 from moegraph.ir import LAYER_ATTR, Graph, graph_digest
@@ -190,9 +191,8 @@ class Schedule:
                    nodes=nodes, summary=d["summary"], hash=d["hash"])
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.write_text(self.to_json(), encoding="ascii")
-        return path
+        """Write the file atomically (moegraph.atomic): a kill leaves the old file or this one."""
+        return write_atomic(path, self.to_json(), encoding="ascii")
 
     @classmethod
     def load(cls, path: str | Path) -> "Schedule":

@@ -6,9 +6,10 @@ stack of L layers, so rematerialization and peak memory are judged at model leve
 ``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), built
 into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between.
 Two stages keep it quick: every candidate is scheduled by the list-scheduling baselines
-(milliseconds), then the best few are refined by CP-SAT. Results are cached by content (graph, hardware profile, options), one JSON
-file per candidate written atomically, so a repeated run is instant and concurrent runs never
-see a half-written entry.
+(milliseconds), then the best few are refined by CP-SAT. Results are cached by content (graph,
+hardware profile, options; moegraph.schedules.tune_cache), one JSON file per candidate written
+atomically and validated when read, so a repeated run is instant, concurrent runs never see a
+half-written entry, and a damaged entry is recomputed.
 
 Under a memory budget (``--memory-budget``) a candidate is infeasible only when its sound
 memory lower bound (compile's "below the least feasible peak") exceeds the budget. One whose
@@ -34,19 +35,15 @@ machine's step-to-step noise cannot be confirmed by measuring it.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import itertools
-import json
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from moegraph.canonical import canonical_json
 from moegraph.cost import CostModel, variant
-from moegraph.ir import Graph, Strategy, graph_digest, valid_dispatches
+from moegraph.ir import Graph, Strategy, valid_dispatches
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
 from moegraph.microbatch import merge_microbatches
 from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
@@ -56,9 +53,8 @@ from moegraph.tracer import trace_model
 from moegraph.schedules.api import compile_graph, model_step
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
+from moegraph.schedules.tune_cache import Cache, cache_key
 
-CACHE_VERSION = 4          # 2: keyed by ir.graph_digest, typed strategies; 3: infeasible entries keep the least peak;
-                           # 4: entries name the returned schedule's method (compile's unconstrained-first budget)
 CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
@@ -75,63 +71,6 @@ def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> lis
     return out
 
 
-def cache_key(graph: Graph, hw: Hardware, options: dict[str, Any]) -> str:
-    blob = canonical_json({"v": CACHE_VERSION, "graph": graph_digest(graph), "hw": hw.fingerprint(), "options": options})
-    return hashlib.sha256(blob.encode()).hexdigest()
-
-
-class Cache:
-    """One JSON file per entry under ``root`` (None: no cache). An unreadable entry (not JSON, not
-    an entry) is a miss, recomputed and rewritten; ``warn`` gets one line, once per Cache."""
-
-    def __init__(self, root: Path | None, warn: Callable[[str], None] | None = None):
-        self.root = root
-        self._warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
-        self._warned = False
-
-    def get(self, key: str, is_entry: Callable[[Any], bool] = lambda e: isinstance(e, dict)) -> dict | None:
-        """The entry under ``key``, or None on a miss (absent, or unreadable: see the class doc)."""
-        if self.root is None:
-            return None
-        path = self.root / f"{key}.json"
-        try:
-            entry = json.loads(path.read_text())
-        except FileNotFoundError:
-            return None
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            return self._miss(path, f"is not valid JSON ({type(err).__name__})")
-        if not is_entry(entry):
-            return self._miss(path, "is not a tune cache entry")
-        return entry
-
-    def _miss(self, path: Path, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            self._warn(f"moegraph tune: warning: cache entry {path} {why}; recomputing it (further bad "
-                       f"entries are recomputed silently)")
-        return None
-
-    def put(self, key: str, entry: dict) -> None:
-        if self.root is None:
-            return
-        self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-", suffix=".json")
-        with os.fdopen(fd, "w") as f:
-            json.dump(entry, f, sort_keys=True)
-        os.replace(tmp, self.root / f"{key}.json")       # atomic: readers see old or new, never half
-
-
-def _is_entry(entry: Any) -> bool:
-    """What ``evaluate`` writes: feasible with a time, peak, method and schedule, or infeasible
-    with a why (and ``least_peak_bytes`` when the error gave one)."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("feasible"), bool):
-        return False
-    if not entry["feasible"]:
-        return isinstance(entry.get("why"), str) and isinstance(entry.get("least_peak_bytes", 0), int)
-    return (all(isinstance(entry.get(k), (int, float)) for k in ("predicted_us", "peak_memory_bytes"))
-            and isinstance(entry.get("schedule"), str) and isinstance(entry.get("method"), str))
-
-
 def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int | None, time_limit: float,
              cache: Cache) -> dict:
     """Schedule one graph (cached), as `compile --schedule METHOD --memory-budget` does (the same
@@ -140,7 +79,7 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
     does not fit the budget, why (and the least feasible peak, when compile gives one)."""
     options = {"method": method, "memory_budget": memory_budget, "time_limit": time_limit}
     key = cache_key(graph, cost.hw, options)
-    hit = cache.get(key, _is_entry)
+    hit = cache.get(key)          # validated: tune_cache
     if hit is not None:
         return hit | {"cached": True}
     try:

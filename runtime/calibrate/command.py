@@ -132,17 +132,8 @@ def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -
         raise UsageError(f"-o {path}: a profile is a .yaml or .yml file (load_hardware reads it by that suffix)")
     if path.is_dir():
         raise UsageError(f"{flag} {path}: is a directory")
-    check_output(path, flag=flag)      # the one output rule: missing folders are made when it is written
-    if not path.parent.is_dir():
-        return
-    existed = path.exists()
-    try:
-        with open(path, "a"):
-            pass
-    except OSError as err:
-        raise UsageError(f"{flag} {path}: cannot write ({err.strerror})") from None
-    if not existed:
-        path.unlink()
+    # the one output rule: missing folders are made when it is written, the folder must take files
+    check_output(path, flag=flag)
 
 
 # --- running the benchmarks --------------------------------------------------------------------

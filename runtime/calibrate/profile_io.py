@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import yaml
 
-from moegraph.options import make_parents
+from moegraph.atomic import write_atomic
 from moegraph.registry import Hardware
 from moegraph.runtime.calibrate.results import BenchResult, MachineInfo, OverlapMeasure, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
@@ -160,7 +160,7 @@ def write_profile(path: Path, profile: Profile, results: Sequence[BenchResult], 
     head += ["# Self-check (cost model vs the measurements it was fitted on):"] + [f"#   {c.line()}" for c in checks]
     body = yaml.dump(_flow_pairs(doc), Dumper=_ProfileDumper, sort_keys=False, default_flow_style=False,
                      width=100, allow_unicode=False)
-    make_parents(path).write_text("\n".join(head) + "\n" + body)
+    write_atomic(path, "\n".join(head) + "\n" + body)       # a kill leaves the old profile or this one
 
 
 class _FlowList(list):
@@ -192,7 +192,7 @@ def write_samples(path: Path, results: Sequence[BenchResult], opts: CalibrationO
     doc = {"options": {k: str(v) for k, v in dataclasses.asdict(opts).items()}, "machine": dataclasses.asdict(info),
            "benchmarks": [{"name": r.name, "summary": r.summary, "seconds": r.seconds, "skipped": r.skipped,
                            "samples": [dataclasses.asdict(s) for s in r.samples]} for r in results]}
-    make_parents(path).write_text(json.dumps(doc, indent=1))
+    write_atomic(path, json.dumps(doc, indent=1))
 
 
 def read_samples(path: Path) -> list[BenchResult]:
