@@ -175,10 +175,10 @@ def verify_command(p: argparse.ArgumentParser):
         if args.json:
             print(json.dumps({"file": args.schedule, **v.to_dict()}, indent=1))
             return 0 if v.ok else 1
-        if not v.ok:
-            print(f"{args.schedule}: {v.violations[0]}", file=sys.stderr)
-            if len(v.violations) > 1:
-                print(f"({len(v.violations) - 1} more violations)", file=sys.stderr)
+        if not v.ok:      # one line: the first violation; --json lists them all and counts them
+            more = (f" ({len(v.violations) - 1} more violation{'s' if len(v.violations) > 2 else ''}: --json "
+                    "lists them)") if len(v.violations) > 1 else ""
+            print(f"{args.schedule}: {v.violations[0]}{more}", file=sys.stderr)
             return 1
         skipped = f" ({v.origin} file; not checked: {', '.join(k for k, _ in v.skipped)})" if v.skipped else ""
         print(f"{args.schedule}: ok{skipped}")

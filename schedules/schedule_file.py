@@ -3,7 +3,7 @@
 A file holds everything ``moegraph.schedules.verify`` needs and nothing that varies between runs:
 
     {"format": "moegraph.schedule", "version": 1,
-     "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs, digest},
+     "graph":    {name, strategy (Strategy.as_dict), dims, inputs, outputs, nodes, digest},
      "hardware": Hardware.to_dict(),
      "streams":  ["compute", "comm", ...],
      "memory_budget_bytes": int | null,
@@ -21,7 +21,9 @@ Files written by ``moegraph run --trace`` use the same format with a runtime sum
 ({method, plan_hash, strategy, makespan_us, exposed_comm_us, measured: bool, ...}, no
 peak_memory_bytes or solver): ``Schedule.origin`` tells the three kinds apart.
 
-graph.digest is ``moegraph.ir.graph_digest`` of the scheduled graph (every node's op, costs and
+graph.nodes names every node of the graph in its order, so ``verify`` names a node missing from
+"nodes" (files written before it was recorded lack it; verify then names the value the missing
+node would have produced). graph.digest is ``moegraph.ir.graph_digest`` of the scheduled graph (every node's op, costs and
 attributes, every value): ``moegraph run --schedule`` lowers the graph again from the file's
 settings and runs the file only if the digests agree. Files written before it was recorded
 lack it; run refuses them (recompile).
@@ -219,9 +221,10 @@ class Schedule:
 
 
 def graph_header(graph: Graph) -> dict:
-    """The file's "graph" object for ``graph`` (module docstring), its digest included."""
+    """The file's "graph" object for ``graph`` (module docstring), its node names and digest included."""
     return {"name": graph.name, "strategy": graph.strategy.as_dict(), "dims": asdict(graph.dims),
-            "inputs": list(graph.inputs), "outputs": list(graph.outputs), "digest": graph_digest(graph)}
+            "inputs": list(graph.inputs), "outputs": list(graph.outputs), "nodes": [n.name for n in graph.nodes],
+            "digest": graph_digest(graph)}
 
 
 def _kind(v: Any) -> str:
@@ -281,9 +284,9 @@ def _check_fields(d: dict) -> None:
                           ("hash", lambda v: isinstance(v, str), "a string")):
         if not ok(d[key]):
             raise ScheduleFormatError(f"{key} is {_kind(d[key])}, not {want}")
-    for key in ("inputs", "outputs"):
+    for key, what in (("inputs", "value"), ("outputs", "value"), ("nodes", "node")):
         if key in d["graph"] and not _is_str_list(d["graph"][key]):
-            raise ScheduleFormatError(f"graph.{key} is {_kind(d['graph'][key])}, not a list of value names")
+            raise ScheduleFormatError(f"graph.{key} is {_kind(d['graph'][key])}, not a list of {what} names")
     if "digest" in d["graph"] and not isinstance(d["graph"]["digest"], str):
         raise ScheduleFormatError(f"graph.digest is {_kind(d['graph']['digest'])}, not a string")
     for what, entries, types in (("value", d["values"], _VALUE_TYPES), ("node", d["nodes"], _NODE_TYPES)):

@@ -5,7 +5,8 @@ file by sweeping events over time. Checks, in the order violations are reported:
 
     hash        the content hashes to the recorded hash
     structure   each node once, on a known stream of its kind, finite times, end >= start
-    coverage    every node of the graph scheduled exactly once: each declared value is a
+    coverage    every node of the graph scheduled exactly once: every node graph.nodes names
+                is scheduled and no other (a deleted node is named), each declared value is a
                 graph input or the output of exactly one scheduled node, and every value read
                 or listed as a graph output exists (a deleted node leaves its outputs
                 unproduced; the file's values are the graph's, see build_schedule)
@@ -85,7 +86,7 @@ class Verdict:
         return not self.violations
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ok": self.ok, "origin": self.origin,
+        return {"ok": self.ok, "origin": self.origin, "violation_count": len(self.violations),
                 "violations": [{"check": v.check, "message": v.message, "nodes": list(v.nodes)}
                                for v in self.violations],
                 "skipped": {k: why for k, why in self.skipped}}
@@ -181,8 +182,22 @@ def _structure(s: Schedule, out: list[Violation]) -> bool:
 
 
 def _coverage(s: Schedule, out: list[Violation]) -> bool:
-    """Every graph node scheduled exactly once, read off the values: each is a graph input or
-    the output of exactly one node; a value nothing produces names the node that is missing."""
+    """Every graph node scheduled exactly once: by name where the file lists the graph's nodes
+    (graph.nodes), and read off the values: each is a graph input or the output of exactly one
+    node; a value nothing produces is reported with its first reader (a file without
+    graph.nodes cannot name the node that would have produced it)."""
+    listed = s.graph.get("nodes")
+    if listed is not None:
+        scheduled, known = {n.name for n in s.nodes}, set(listed)
+        missing = [name for name in listed if name not in scheduled]
+        extra = [n.name for n in s.nodes if n.name not in known]
+        for name in missing:
+            out.append(Violation("coverage", f"node {name!r} of the graph is missing from the schedule", (name,)))
+        for name in extra:
+            out.append(Violation("coverage", f"node {name!r} is scheduled but is no node of the graph (graph.nodes)",
+                                 (name,)))
+        if missing or extra:
+            return False      # the values the missing nodes produce dangle: the same fault, named above
     ok = True
     inputs = set(s.graph.get("inputs", ()))
     declared = {v.name for v in s.values}

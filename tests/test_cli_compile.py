@@ -115,7 +115,8 @@ def test_verify_and_gantt_json(tmp_path, capsys):
     capsys.readouterr()
     assert main(["verify", "--json", str(path)]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out == {"file": str(path), "ok": True, "origin": "compiled", "violations": [], "skipped": {}}
+    assert out == {"file": str(path), "ok": True, "origin": "compiled", "violation_count": 0, "violations": [],
+                   "skipped": {}}
     doc = json.loads(path.read_text())
     doc["nodes"] = doc["nodes"][1:]  # drop the first node, re-hash
     from moegraph.schedules.schedule_file import Schedule
@@ -124,6 +125,8 @@ def test_verify_and_gantt_json(tmp_path, capsys):
     assert main(["verify", "--json", str(bad)]) == 1
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] is False and out["violations"][0]["check"] == "coverage"
+    assert out["violation_count"] == len(out["violations"]) == 1
+    assert out["violations"][0]["message"] == f"node {doc['graph']['nodes'][0]!r} of the graph is missing from the schedule"
     assert main(["gantt", "--json", str(path), "--compare", str(path), "-o", str(tmp_path / "g.json")]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["output"] == str(tmp_path / "g.json") and len(out["panels"]) == 2

@@ -160,10 +160,23 @@ def test_a_deleted_node_is_rejected(which):
     s = _compiled(lambda: moe_layer(recompute=True))
     backward = [n for n in s.nodes if n.phase == "backward"]
     victim = {"first": s.nodes[0], "mid-backward": backward[len(backward) // 2], "last": s.nodes[-1]}[which]
-    v = verify_schedule(_without(s, victim.name))
+    v = verify_schedule(_without(s, victim.name))       # named by the graph's node list (graph.nodes)
+    assert [(x.check, x.message, x.nodes) for x in v] == [
+        ("coverage", f"node {victim.name!r} of the graph is missing from the schedule", (victim.name,))]
+    # a file written before graph.nodes was recorded: the value the node would have produced
+    legacy = _without(dataclasses.replace(s, graph={k: x for k, x in s.graph.items() if k != "nodes"}), victim.name)
+    v = verify_schedule(legacy)
     assert v and v[0].check == "coverage"
     assert "is neither a graph input nor written by any scheduled node" in v[0].message
     assert any(f"value {o!r}" in x.message for x in v for o in victim.outputs)
+
+
+def test_a_node_not_in_the_graph_is_named():
+    s = _compiled(tiny_chain)
+    renamed = dataclasses.replace(s, nodes=(dataclasses.replace(s.nodes[0], name="stray"), *s.nodes[1:])).with_hash()
+    assert [x.message for x in verify_schedule(renamed)] == [
+        f"node {s.nodes[0].name!r} of the graph is missing from the schedule",
+        "node 'stray' is scheduled but is no node of the graph (graph.nodes)"]
 
 
 def test_a_value_written_twice_is_rejected():
