@@ -62,12 +62,13 @@ over n tiles, one per source/destination rank (the local tile needs no transfer)
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
 from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
-from moegraph.registry import Curve, Hardware
+from moegraph.registry import Curve, Hardware, RegistryError
 
 __all__ = ["CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
            "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
@@ -243,6 +244,38 @@ def collective_scope(node: Node, gpus_per_node: int) -> Scope:
     return scope
 
 
+def _not_finite(hw: Hardware, node: Node, sm_budget: int | None, t: float) -> RegistryError:
+    """The error for a node ``hw`` prices at ``t`` (not finite, or negative): the field to blame
+    is the one whose neutral value (1 for a number, nothing for curves and in-step factors) makes
+    the time finite, and the message names it with its value; if no single field does, the
+    message says so."""
+    where = f"node {node.name!r} ({node.op.value})"
+    for name, neutral in _neutral_fields(hw):
+        try:
+            fixed = CostModel(dataclasses.replace(hw, **{name: neutral}))._node_time_us(node, sm_budget)
+        except (ValueError, NotImplementedError):      # the neutral value breaks another rule
+            continue
+        if math.isfinite(fixed) and fixed >= 0:
+            value = getattr(hw, name)
+            shown = f"{value!r}" if not isinstance(value, tuple) else f"{dict(value)!r}"
+            return RegistryError(f"hardware profile {hw.name!r}: {name}={shown} makes {where} take {t!r} us, not a "
+                                 f"finite duration; correct {name} in the profile", field=name)
+    return RegistryError(f"hardware profile {hw.name!r} prices {where} at {t!r} us, not a finite duration, and no "
+                         "single field explains it: check its rates, efficiencies and latencies")
+
+
+def _neutral_fields(hw: Hardware):
+    """(field, neutral value) for every field of ``hw`` that enters a price."""
+    for f in dataclasses.fields(hw):
+        value = getattr(hw, f.name)
+        if isinstance(value, bool) or f.name in ("comm_sm_budgets", "measured"):
+            continue
+        if isinstance(value, (int, float)):
+            yield f.name, type(value)(1)
+        elif f.name in ("curves", "in_step_factors") and value:
+            yield f.name, ()
+
+
 class CostModel:
     """Prices IR nodes on ``hw``. Pure: the same node and budget always give the same time."""
 
@@ -254,7 +287,14 @@ class CostModel:
 
     def node_time_us(self, node: Node, sm_budget: int | None = None) -> float:
         """Time of ``node`` alone. sm_budget applies to collectives only (None -> default);
-        compute nodes ignore it."""
+        compute nodes ignore it. A time that is not a finite number >= 0 is the profile's fault
+        (every node field is checked by the IR): RegistryError naming the field (``_culprit``)."""
+        t = self._node_time_us(node, sm_budget)
+        if not (math.isfinite(t) and t >= 0):
+            raise _not_finite(self.hw, node, sm_budget, t)
+        return t
+
+    def _node_time_us(self, node: Node, sm_budget: int | None = None) -> float:
         if node.op is OpKind.SPLIT:
             return 0.0  # a view into a fused tensor: no kernel runs
         group = FusedGroup.of(node)
