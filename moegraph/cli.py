@@ -1,4 +1,4 @@
-"""`moegraph` command line: trace, compile, verify, gantt, run, calibrate, tune, demo.
+"""`moegraph` command line: trace, compile, verify, gantt, run, calibrate, tune, demo, netns.
 
 The CLI is the front door of the whole pipeline, so it is the one place in ``moegraph`` that
 reaches later stages (passes, schedules, runtime). It does so lazily: only the module of the
@@ -36,6 +36,7 @@ COMMANDS: dict[str, str] = {
     "calibrate": "moegraph.runtime.calibrate:calibrate_command",
     "tune": "moegraph.schedules.tune:tune_command",
     "demo": "moegraph.runtime.demo:demo_command",
+    "netns": "moegraph.runtime.netns:netns_command",
 }
 
 HELP = {
@@ -47,6 +48,7 @@ HELP = {
     "calibrate": "measure this machine into a hardware profile",
     "tune": "search strategies for a model on a hardware profile",
     "demo": "the whole pipeline on a built-in default",
+    "netns": "list the network namespaces of --link runs; --sweep deletes those a killed run left behind",
 }
 
 

@@ -280,17 +280,62 @@ def remove(ns: Namespace) -> None:
         subprocess.run(["ip", "netns", "delete", ns.name], capture_output=True, timeout=TC_TIMEOUT_S, check=False)
 
 
+def left_behind() -> tuple[list[str], list[str]]:
+    """(stale, live): the names of moegraph's namespaces whose creator pid is gone (a run killed
+    by SIGKILL, which no handler can see) and of those whose creator still runs."""
+    stale, live = [], []
+    for path in sorted(NETNS_DIR.glob(f"{PREFIX}-*-*")) if NETNS_DIR.is_dir() else ():
+        m = re.fullmatch(rf"{PREFIX}-(\d+)-[0-9a-f]+", path.name)
+        if m:
+            (live if _alive(int(m.group(1))) else stale).append(path.name)
+    return stale, live
+
+
 def remove_stale() -> list[str]:
     """Delete namespaces an earlier moegraph process created and could not remove (it was
-    SIGKILLed): those whose creator pid is gone. Live runs' namespaces are left alone."""
+    SIGKILLed): those whose creator pid is gone. Live runs' namespaces are left alone. Every
+    ``--link`` run calls it before creating its own; ``moegraph netns --sweep`` on demand.
+    Returns the names removed (a namespace that could not be deleted is not among them)."""
     removed = []
-    for path in NETNS_DIR.glob(f"{PREFIX}-*-*") if NETNS_DIR.is_dir() else ():
-        m = re.fullmatch(rf"{PREFIX}-(\d+)-[0-9a-f]+", path.name)
-        if m and not _alive(int(m.group(1))):
-            subprocess.run(["ip", "netns", "delete", path.name], capture_output=True, timeout=TC_TIMEOUT_S,
-                           check=False)
-            removed.append(path.name)
+    for name in left_behind()[0]:
+        subprocess.run(["ip", "netns", "delete", name], capture_output=True, timeout=TC_TIMEOUT_S, check=False)
+        if not (NETNS_DIR / name).exists():
+            removed.append(name)
     return removed
+
+
+def netns_command(p: argparse.ArgumentParser):
+    """`moegraph netns [--sweep]`: list the namespaces of --link runs (left behind or live);
+    with --sweep delete those left behind by a killed run (docs/runtime.md, "Emulated link")."""
+    p.add_argument("--sweep", action="store_true",
+                   help="delete the namespaces whose creating moegraph process is gone (a run killed by SIGKILL); "
+                        "live runs' namespaces are left alone. Without it: list them")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+
+    def run(args) -> int:
+        import json
+        stale, live = left_behind()
+        removed: list[str] = []
+        if args.sweep and stale:
+            if shutil.which("ip") is None:
+                raise UsageError("netns --sweep: the `ip` command (iproute2) is not installed")
+            removed = remove_stale()
+            kept = [name for name in stale if name not in removed]
+            if kept:
+                raise UsageError(f"netns --sweep: could not delete {', '.join(kept)} (deleting a network namespace "
+                                 "needs root: CAP_SYS_ADMIN)")
+        result = {"left_behind": [name for name in stale if name not in removed], "live": live, "removed": removed}
+        if args.json:
+            print(json.dumps(result, indent=1))
+        elif args.sweep:
+            print(f"removed {len(removed)} namespace(s) left by killed runs" + (f": {', '.join(removed)}" if removed
+                                                                                  else ""))
+        else:
+            print(f"left behind by killed runs: {', '.join(stale) or 'none'}"
+                  + (" (moegraph netns --sweep deletes them)" if stale else ""))
+            print(f"in use by running moegraph processes: {', '.join(live) or 'none'}")
+        return 0
+    return run
 
 
 def qdisc_show(name: str) -> str:

@@ -160,6 +160,44 @@ def test_a_namespace_left_by_a_killed_run_is_removed_by_the_next():
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
 
 
+@needs_netns
+def test_a_sigkilled_run_leaves_its_namespace_until_a_sweep(capsys):
+    """SIGKILL gives `run --link` no chance to clean up (docs/runtime.md): its namespace stays,
+    `moegraph netns` lists it as left behind, and `moegraph netns --sweep` deletes it while a
+    live run's namespace stays (a holder started first: every --link run sweeps when it starts)."""
+    holder = subprocess.Popen([sys.executable, "-c", CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    live = holder.stdout.readline().strip()
+    assert live.startswith(f"moegraph-{holder.pid}-"), holder.stderr.read()
+    run = subprocess.Popen([sys.executable, "-m", "moegraph", "run", "--model", "tiny", "--hardware", "cpu-2core-gloo",
+                            "--n", "2", "--seq", "128", "--steps", "1000", "--schedule", "sequential", "--link",
+                            "1gbit"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not list(NETNS_DIR.glob(f"moegraph-{run.pid}-*")) and run.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        left = [p.name for p in NETNS_DIR.glob(f"moegraph-{run.pid}-*")]
+        assert len(left) == 1, run.stderr.read().decode() if run.poll() is not None else "no namespace in 120 s"
+    finally:
+        os.killpg(run.pid, signal.SIGKILL)       # the run and the ranks it started (its own session)
+        run.wait(timeout=30)
+        run.stderr.close()
+    try:
+        assert (NETNS_DIR / left[0]).exists()
+        capsys.readouterr()
+        assert main(["netns", "--json"]) == 0
+        listed = json.loads(capsys.readouterr().out)
+        assert left[0] in listed["left_behind"] and live in listed["live"]
+        assert main(["netns", "--sweep", "--json"]) == 0
+        swept = json.loads(capsys.readouterr().out)
+        assert left[0] in swept["removed"] and not (NETNS_DIR / left[0]).exists()
+        assert (NETNS_DIR / live).exists() and live not in swept["removed"]
+    finally:
+        subprocess.run(["ip", "netns", "delete", left[0]], capture_output=True)
+        holder.terminate()
+        holder.wait(timeout=30)
+    assert not (NETNS_DIR / live).exists()
+
+
 CHILD = """
 import sys, time
 from moegraph.runtime.netns import Link, emulated_link
