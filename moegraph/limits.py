@@ -104,7 +104,8 @@ def check_graph_size(*, layers: int = 1, micro_batches: int = 1, chunks: int = 1
     size = estimate_graph(layers=layers, micro_batches=micro_batches, chunks=chunks, nodes_per_layer=nodes_per_layer)
     if size.nodes > MAX_GRAPH_NODES:
         per = (f"{nodes_per_layer:,} nodes per layer" if nodes_per_layer is not None
-               else f"at least {size.nodes // (layers * micro_batches):,} nodes per layer at {chunks} chunks")
+               else f"at least {size.nodes // (layers * micro_batches):,} nodes per layer at {chunks} "
+                  f"chunk{'s' if chunks > 1 else ''}")
         raise SizeLimitError(
             f"the graph would have {'' if size.exact_layer else 'at least '}{size.nodes:,} nodes (~"
             f"{format_bytes(size.host_bytes)} of host memory: {layers:,} layers x {micro_batches:,} micro-batches x "
