@@ -45,6 +45,7 @@ from typing import Any
 from moegraph.cost import CostModel, variant
 from moegraph.ir import Graph, Strategy, valid_dispatches
 from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
+from moegraph.limits import check_graph_size
 from moegraph.microbatch import merge_microbatches
 from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
                               positive_float, positive_int)
@@ -416,6 +417,7 @@ def tune_command(p: argparse.ArgumentParser):
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
         model = load_model(args.model)
         layers = resolve_layers(args.layers, model)
+        check_graph_size(layers=layers, micro_batches=args.micro_batches, n=args.n)   # before any graph
         if args.cache:
             check_output_dir(args.cache, flag="--cache")
         if args.output:
