@@ -18,8 +18,9 @@ folder damaged as a whole gives one line, not one per candidate):
   its JSON type, every number finite and non-negative, and a feasible entry's schedule a schedule
   file that ``Schedule.from_json`` reads (which checks every time is finite).
 
-Writing is best effort: a failed write (the entry's name taken by a folder, a full disk) is one
-warning line (once per Cache), and tune goes on without caching that entry.
+Writing is best effort: a failed write (the entry's name taken by a folder, a full disk) is a
+warning line, and tune goes on without caching that entry. A Cache warns once in all, so a run
+over a damaged cache says so in one line.
 """
 
 from __future__ import annotations
@@ -107,13 +108,12 @@ def is_entry(entry: Any) -> bool:
 
 class Cache:
     """One JSON file per entry under ``root`` (None: no cache). See the module doc for what a
-    read checks; ``warn`` gets one line, once per Cache."""
+    read checks; ``warn`` gets one line, once per Cache (a bad entry or a failed write)."""
 
     def __init__(self, root: Path | None, warn: Callable[[str], None] | None = None):
         self.root = root
         self._warn = warn or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self._warned = False
-        self._write_warned = False
 
     def get(self, key: str, is_entry: Callable[[Any], bool] | None = None) -> dict | None:
         """The entry under ``key`` (without its stamp), or None on a miss. ``is_entry`` replaces
@@ -170,10 +170,10 @@ class Cache:
             write_atomic(path, json.dumps({**entry, "key": key, "v": CACHE_VERSION}, sort_keys=True,
                                           allow_nan=False))
         except OSError as err:
-            if not self._write_warned:
-                self._write_warned = True
+            if not self._warned:       # one line per run, read or write (a folder's name is both)
+                self._warned = True
                 self._warn(f"moegraph tune: warning: cannot write cache entry {path} ({err.strerror or err}); "
-                           "going on without caching it (and any other entry that cannot be written)")
+                           "going on without caching it (further cache problems are not reported)")
 
 
 class _NonFinite(ValueError):

@@ -88,6 +88,40 @@ CORE_CASES = [
     (["compile", *TINY, "--memory-budget", "-1GiB"], "argument --memory-budget: '-1GiB' is not a positive size"),
     (["trace", "--model", "{tmp}/a_dir"], "a_dir' is a directory; give a model YAML file or a registry name"),
     (["trace", "--hardware", "{tmp}/a_dir/"], "a_dir/' is a directory; give a hardware YAML file"),
+    # a profile field that makes a duration non-finite is named with its value (moegraph.cost)
+    (["compile", *TINY[:2], "--hardware", "{tmp}/hw_tiny_flops.yaml", *TINY[4:]],
+     "hardware profile 'h800': peak_flops_bf16=1e-300 makes node "),
+    # outputs are probed before any work: a folder that takes no files is refused up front
+    (["compile", *TINY, "-o", "/proc/x.json"], "-o '/proc/x.json' cannot be written: the folder '/proc' does not "
+                                               "take new files"),
+    (["tune", "--model", "tiny", "-o", "/proc/best.json"], "-o '/proc/best.json' cannot be written"),
+    (["tune", "--model", "tiny", "--cache", "/proc/cache"], "--cache '/proc/cache' cannot be written"),
+    (["gantt", "{tmp}/sched.json", "-o", "/proc/c.png"], "-o '/proc/c.png' cannot be written"),
+    (["calibrate", "-o", "/proc/p.yaml"], "-o '/proc/p.yaml' cannot be written"),
+    (["run", "--trace", "/proc/t.json"], "--trace '/proc/t.json' cannot be written"),
+    (["demo", "--skip-run", "-o", "/proc/out"], "-o '/proc/out' cannot be written"),
+]
+
+# -- sizes that multiply the graph (moegraph.limits): refused before any graph is built -------------
+SIZE_CASES = [
+    (["compile", "--model", "tiny", "--n", "2", "--seq", "128", "--micro-batches", "1000000000"],
+     "micro-batches=1,000,000,000 is over the limit of 1,024 (moegraph.limits; docs/rules.md)"),
+    (["compile", *TINY, "--dp", "1000000000"], "dp=1,000,000,000 is over the limit of 131,072"),
+    (["compile", *TINY, "--n", "1000000000"], "n=1,000,000,000 is over the limit of 131,072"),
+    (["compile", *TINY, "--n", "65536", "--dp", "4"], "n x dp = 65,536 x 4 = 262,144 ranks is over the limit"),
+    (["compile", "--model", "{tmp}/deep.yaml", "--layers", "all"], "layers=60,000 is over the limit of 1,024"),
+    (["compile", "--model", "{tmp}/deep.yaml", "--layers", "1000", "--micro-batches", "2"],
+     "the graph would have at least 108,000 nodes (~843.75MiB of host memory: 1,000 layers x 2 micro-batches x at "
+     "least 54 nodes per layer at 1 chunk), over the limit of 100,000 nodes"),
+    (["compile", "--model", "mixtral-8x7b", "--layers", "all", "--micro-batches", "1000"],
+     "the graph would have at least 1,728,000 nodes"),
+    (["tune", "--model", "tiny", "--n", "2", "--seq", "128", "--micro-batches", "1000000000"],
+     "micro-batches=1,000,000,000 is over the limit of 1,024"),
+    (["tune", "--model", "{tmp}/deep.yaml", "--layers", "all"], "layers=60,000 is over the limit of 1,024"),
+    (["run", "--model", "tiny", "--n", "2", "--seq", "128", "--micro-batches", "1000000000"],
+     "micro-batches=1,000,000,000 is over the limit of 1,024"),
+    (["trace", *TINY, "--layers", "all", "--dp", "200000"], "dp=200,000 is over the limit of 131,072"),
+    (["compile", *TINY, "--passes", "chunk=1000000000"], "chunks=1,000,000,000 is over the limit of 1,024"),
 ]
 
 # -- schedules: verify and gantt ----------------------------------------------------------------------
@@ -208,7 +242,7 @@ RUNTIME_CASES = [
     (["run", "--trace", "{tmp}/a_file.txt/x.json"], "a_file.txt' is a file, not a directory"),
 ]
 
-CASES = CORE_CASES + SCHEDULES_CASES + RUNTIME_CASES
+CASES = CORE_CASES + SIZE_CASES + SCHEDULES_CASES + RUNTIME_CASES
 
 
 @pytest.fixture(scope="module")
@@ -255,6 +289,10 @@ def _write_bad_registry_yaml(tmp) -> None:
     (tmp / "huge.yaml").write_text(model.replace("hidden: 64", "hidden: 1000000000000"))
     (tmp / "odd.yaml").write_text("layers: 1\nhidden: 100\nheads: 3\nkv_heads: 3\nhead_dim: 32\nffn_hidden: 64\n"
                                   "experts: 3\ntop_k: 1\n")      # a token row (200 bytes) n=3 cannot share
+    (tmp / "deep.yaml").write_text(model.replace("layers: 2", "layers: 60000"))       # within fields.MAX_COUNT
+    # a GEMM at 1e-300 FLOP/s takes forever: the duration is inf (the field is valid on its own)
+    (tmp / "hw_tiny_flops.yaml").write_text(hw.replace("peak_flops_bf16: 989000000000000.0",
+                                                       "peak_flops_bf16: 1.0e-300"))
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str]:
@@ -360,3 +398,135 @@ def test_trace_into_a_closed_pipe_is_quiet():
 def test_json_outputs_stay_parseable(capsys):
     assert main(["trace", *TINY, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["model"] == "tiny"
+
+
+# -- bounded inputs: refused before any graph is built, in bounded time and memory -----------------
+
+ABSURD = {"micro-batches": ["--micro-batches", "1000000000"], "layers": ["--model", "{tmp}/deep.yaml", "--layers", "all"],
+          "dp": ["--dp", "1000000000"], "n": ["--n", "1000000000"], "chunks": ["--passes", "chunk=1000000000"],
+          "graph nodes": ["--model", "mixtral-8x7b", "--layers", "all", "--micro-batches", "1000"]}
+
+
+@pytest.mark.parametrize("option", list(ABSURD))
+def test_an_absurd_size_is_refused_before_any_graph_is_built(option, workdir, monkeypatch, capsys):
+    """Each graph-multiplying option: exit 2 and one line naming the value and its limit, no graph
+    built (tracing raises here; for chunk=N, which the chunk pass checks, re-lowering does), under
+    2 s of the command's own time and far under 1 GiB of Python allocations."""
+    import time
+    import tracemalloc
+
+    import moegraph.passes.strategy
+    import moegraph.tracer
+
+    def built(*args, **kwargs):
+        raise AssertionError(f"a graph was built for an absurd {option}")
+    monkeypatch.setattr(moegraph.passes.strategy, "relower", built)
+    if option != "chunks":          # the chunk pass runs on the one traced layer: re-lowering it is what is refused
+        monkeypatch.setattr(moegraph.tracer, "trace_module", built)
+    argv = ["compile", *TINY, "--schedule", "greedy", *(a.replace("{tmp}", str(workdir)) for a in ABSURD[option])]
+    tracemalloc.start()
+    t0 = time.perf_counter()
+    rc, err = run_cli(argv, capsys)
+    elapsed = time.perf_counter() - t0
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert rc == 2 and len(err.strip().splitlines()) == 1, err
+    assert "over the limit of" in err and "Traceback" not in err
+    assert elapsed < 2.0, f"{elapsed:.2f} s"            # a generous bound on a refusal (milliseconds of work)
+    assert peak < 2**30, peak
+
+
+def test_a_billion_micro_batches_answers_at_once_in_bounded_memory():
+    """The probe's case as a user runs it: a fresh process, exit 2, one line; its peak resident
+    memory stays far under 1 GiB (it once grew to 10.3 GB in 180 s). The wall-clock bound is
+    generous (interpreter start and imports on a loaded 2-core machine); building the graph would
+    not finish in it."""
+    import resource
+    import subprocess
+    import sys
+    import time
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    t0 = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "moegraph", "compile", "--model", "tiny", "--n", "2", "--seq", "128",
+                           "--micro-batches", "1000000000"], capture_output=True, text=True, timeout=60)
+    elapsed = time.perf_counter() - t0
+    rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.splitlines() == ["moegraph compile: error: micro-batches=1,000,000,000 is over the limit of "
+                                        "1,024 (moegraph.limits; docs/rules.md)"]
+    assert max(rss_kib, before) < 2**20, f"{rss_kib} KiB"  # ru_maxrss is KiB on Linux: under 1 GiB
+    assert elapsed < 30, f"{elapsed:.1f} s"
+
+
+# -- errors that name the cause ----------------------------------------------------------------------
+
+def test_verify_says_one_line_names_a_missing_node_and_counts_in_json(workdir, tmp_path, capsys):
+    doc = json.loads((workdir / "sched.json").read_text())
+    gone = [doc["nodes"][3]["name"], doc["nodes"][5]["name"]]
+    doc["nodes"] = [n for n in doc["nodes"] if n["name"] not in gone]
+    bad = tmp_path / "two_missing.json"
+    bad.write_text(Schedule.from_json(json.dumps(doc)).with_hash().to_json())
+    rc, err = run_cli(["verify", str(bad)], capsys)
+    assert rc == 1
+    assert err.splitlines() == [f"{bad}: node {gone[0]!r} of the graph is missing from the schedule (1 more "
+                                "violation: --json lists them)"]
+    assert main(["verify", "--json", str(bad)]) == 1
+    out, err = capsys.readouterr()
+    report = json.loads(out)
+    assert err == "" and report["violation_count"] == len(report["violations"]) == 2
+    assert [v["nodes"] for v in report["violations"]] == [[gone[0]], [gone[1]]]
+
+
+def test_a_kill_while_compile_writes_keeps_the_old_schedule(workdir, tmp_path):
+    """compile -o F over an existing F, SIGKILLed between its temporary file and the rename (the
+    fault point of moegraph.atomic): F is the old schedule, byte for byte; the new one is complete."""
+    import os
+    import shutil
+    import signal
+    import subprocess
+    import sys
+
+    from moegraph.atomic import FAULT_ENV, temp_files
+    from moegraph.schedules.verify import verify_schedule
+    out = tmp_path / "sched.json"
+    shutil.copy(workdir / "sched.json", out)
+    old = out.read_bytes()
+    done = subprocess.run([sys.executable, "-m", "moegraph", "compile", *TINY, "--seq", "128", "--schedule", "greedy",
+                           "-o", str(out)], env={**os.environ, FAULT_ENV: out.name}, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-2000:]
+    assert out.read_bytes() == old
+    (new,) = temp_files(out)
+    complete = Schedule.from_json(new.read_text())
+    assert complete.graph["dims"]["s"] == 128 and verify_schedule(complete) == []
+
+
+# -- a cache that validates: poisoned entries are misses, and the pick is the uncached one -----------
+
+def test_poisoned_tune_cache_entries_are_misses_and_the_pick_is_unchanged(tmp_path, capsys):
+    cache = tmp_path / "cache"
+    argv = ["tune", "--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64", "--time-limit", "0.1",
+            "--refine", "1", "--json", "-o", str(tmp_path / "best.json"), "--cache", str(cache)]
+    assert main(argv) == 0                                    # an empty cache: every entry computed
+    fresh = json.loads(capsys.readouterr().out)
+    entries = sorted(cache.glob("*.json"))
+    pick = fresh["best"]["predicted_us"]
+    # the pick's own entry gets the issue's NaN; five more entries one poison each
+    first = next(p for p in entries if json.loads(p.read_text()).get("predicted_us") == pick)
+    others = [p for p in entries if p != first][:5]
+    stamp = json.loads(first.read_text())
+    first.write_text(json.dumps({**stamp, "predicted_us": float("nan")}))     # NaN, as json writes it
+    poisons = [lambda p, e: p.write_text(json.dumps({**e, "peak_memory_bytes": float("inf")})),
+               lambda p, e: p.write_text(json.dumps({**e, "feasible": "yes"})),               # wrong schema
+               lambda p, e: p.write_text(json.dumps({**e, "key": "0" * 64})),                  # another key's entry
+               lambda p, e: (p.unlink(), p.mkdir()),                                           # a folder
+               lambda p, e: p.write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff")]                       # binary
+    for path, poison in zip(others, poisons):
+        poison(path, json.loads(path.read_text()))
+    assert main(argv) == 0
+    again, err = capsys.readouterr()
+    again = json.loads(again)
+    warnings = [line for line in err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "recomputing it" in warnings[0], err
+    assert again["best"] == fresh["best"] and again["candidates"] == fresh["candidates"]
+    assert not (cache / first.name).read_text().count("NaN")          # recomputed and rewritten
