@@ -402,7 +402,8 @@ def test_json_outputs_stay_parseable(capsys):
 
 # -- bounded inputs: refused before any graph is built, in bounded time and memory -----------------
 
-ABSURD = {"micro-batches": ["--micro-batches", "1000000000"], "layers": ["--model", "{tmp}/deep.yaml", "--layers", "all"],
+ABSURD = {"micro-batches": ["--micro-batches", "1000000000"],
+          "layers": ["--model", "{tmp}/deep.yaml", "--layers", "all"],
           "dp": ["--dp", "1000000000"], "n": ["--n", "1000000000"], "chunks": ["--passes", "chunk=1000000000"],
           "graph nodes": ["--model", "mixtral-8x7b", "--layers", "all", "--micro-batches", "1000"]}
 
