@@ -48,6 +48,7 @@ from typing import Iterable, Literal, Sequence
 
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph, GraphError, Node, OpKind, Phase, Role, collective_bytes, freeze_attrs, verify
+from moegraph.limits import check_graph_size
 from moegraph.passes.manager import Pass, PassResult
 
 __all__ = ["STAGE_ATTR", "StageLayout", "Placement", "world_rank", "rank_coords", "balance", "split_stages",
@@ -91,6 +92,7 @@ class StageLayout:
         S, P = len(self.stages), self.pp
         if isinstance(P, bool) or not isinstance(P, int) or P < 1:
             raise ValueError(f"pp={P!r} must be a positive integer")
+        check_graph_size(stages=S, layers=max(1, sum(len(s) for s in self.stages)))     # moegraph.limits
         if S < P or S % P:
             raise ValueError(f"{S} stages do not split over pp={P} ranks: the stage count must be a multiple of pp")
         if self.placement not in ("loop", "v"):

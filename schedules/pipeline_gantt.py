@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from moegraph.atomic import atomic_output
 from moegraph.schedules.gantt import LABEL_PT, _chars_per_us, time_axis
 from moegraph.schedules.pipeline import Pair, Timeline
 
@@ -86,6 +87,7 @@ def render_pipeline(t: Timeline, path: str | Path, title: str = "") -> Path:
     if path.suffix not in (".png", ".svg"):
         raise ValueError(f"{path}: a pipeline chart is .png or .svg, not {path.suffix or 'no suffix'}")
     fig = pipeline_figure(t, title)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
+    with atomic_output(path) as buf:                 # a kill leaves the old chart or this one
+        fig.savefig(buf, format=path.suffix[1:], dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path

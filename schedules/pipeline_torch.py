@@ -18,9 +18,11 @@ Which schedule fits which layout (``TORCH_SCHEDULES``: placement, stages per ran
 from __future__ import annotations
 
 import csv
+import io
 from pathlib import Path
 
 
+from moegraph.atomic import write_atomic
 from moegraph.passes.stages import StageLayout
 from moegraph.schedules.pipeline import Action, Item, Orders, Pair
 from moegraph.schedules.problem import ScheduleError
@@ -113,13 +115,12 @@ def to_torch(orders: Orders) -> dict[int, list]:
 
 def write_csv(orders: Orders, path: str | Path) -> Path:
     """The order as torch's compute-only action CSV (``_PipelineScheduleRuntime._load_csv``)."""
-    path = Path(path)
     rows = to_torch(orders)
-    with path.open("w", newline="") as f:
-        writer = csv.writer(f)
-        for r in range(len(orders)):
-            writer.writerow([str(a) for a in rows[r]])
-    return path
+    text = io.StringIO(newline="")
+    writer = csv.writer(text)
+    for r in range(len(orders)):
+        writer.writerow([str(a) for a in rows[r]])
+    return write_atomic(path, text.getvalue())        # a kill leaves the old CSV or this one (moegraph.atomic)
 
 
 def read_csv(path: str | Path) -> Orders:

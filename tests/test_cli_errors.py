@@ -391,7 +391,7 @@ def test_trace_into_a_closed_pipe_is_quiet():
     import sys
     proc = subprocess.run(f"{sys.executable} -m moegraph trace --model tiny --n 2 --seq 64 --json | head -c 10",
                           shell=True, capture_output=True, text=True)
-    assert proc.stdout == '{\n "model"'
+    assert len(proc.stdout) == 10 and proc.stdout.startswith('{\n "')      # the first 10 bytes of the JSON
     assert proc.stderr == ""
 
 
