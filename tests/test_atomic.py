@@ -107,6 +107,7 @@ def schedule_file(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("suffix", [".png", ".html"])
 def test_gantt_killed_at_the_write_keeps_the_old_chart(tmp_path, schedule_file, suffix):
     chart = tmp_path / f"chart{suffix}"
@@ -116,6 +117,7 @@ def test_gantt_killed_at_the_write_keeps_the_old_chart(tmp_path, schedule_file, 
     assert new.read_bytes().rstrip().endswith(b"IEND\xaeB`\x82" if suffix == ".png" else b"</html>")
 
 
+@pytest.mark.slow
 def test_profile_killed_at_the_write_keeps_the_old_profile(tmp_path):
     from moegraph.registry import load_hardware
     profile = tmp_path / "machine.yaml"
@@ -133,6 +135,7 @@ def test_profile_killed_at_the_write_keeps_the_old_profile(tmp_path):
     assert load_hardware(complete).to_dict() | unnamed == load_hardware("cpu-2core-gloo").to_dict() | unnamed
 
 
+@pytest.mark.slow
 def test_cache_entry_killed_at_the_write_keeps_the_old_entry(tmp_path):
     entry = tmp_path / "k.json"
     code = ("from pathlib import Path\n"
@@ -142,6 +145,7 @@ def test_cache_entry_killed_at_the_write_keeps_the_old_entry(tmp_path):
     assert json.loads(new.read_text())["why"] == "new entry"
 
 
+@pytest.mark.slow
 def test_trace_json_and_results_table_killed_at_the_write_keep_the_old_file(tmp_path):
     trace = tmp_path / "t.json"
     new = _killed_at_the_write(tmp_path, trace, code=(

@@ -411,8 +411,9 @@ ABSURD = {"micro-batches": ["--micro-batches", "1000000000"],
 @pytest.mark.parametrize("option", list(ABSURD))
 def test_an_absurd_size_is_refused_before_any_graph_is_built(option, workdir, monkeypatch, capsys):
     """Each graph-multiplying option: exit 2 and one line naming the value and its limit, no graph
-    built (tracing raises here; for chunk=N, which the chunk pass checks, re-lowering does), under
-    2 s of the command's own time and far under 1 GiB of Python allocations."""
+    built (tracing raises here; for chunk=N, which the chunk pass checks, re-lowering does), and
+    far under 1 GiB of Python allocations. The 2 s bound is issue 26's acceptance figure, kept as a
+    generous ceiling on a refusal that does milliseconds of work (building the graph took minutes)."""
     import time
     import tracemalloc
 
@@ -437,26 +438,22 @@ def test_an_absurd_size_is_refused_before_any_graph_is_built(option, workdir, mo
     assert peak < 2**30, peak
 
 
+@pytest.mark.slow
 def test_a_billion_micro_batches_answers_at_once_in_bounded_memory():
     """The probe's case as a user runs it: a fresh process, exit 2, one line; its peak resident
-    memory stays far under 1 GiB (it once grew to 10.3 GB in 180 s). The wall-clock bound is
-    generous (interpreter start and imports on a loaded 2-core machine); building the graph would
-    not finish in it."""
+    memory stays far under 1 GiB (it once grew to 10.3 GB in 180 s). The timeout only keeps a
+    regression (building the graph) from hanging CI."""
     import resource
     import subprocess
     import sys
-    import time
     before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    t0 = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "moegraph", "compile", "--model", "tiny", "--n", "2", "--seq", "128",
-                           "--micro-batches", "1000000000"], capture_output=True, text=True, timeout=60)
-    elapsed = time.perf_counter() - t0
+                           "--micro-batches", "1000000000"], capture_output=True, text=True, timeout=120)
     rss_kib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr.splitlines() == ["moegraph compile: error: micro-batches=1,000,000,000 is over the limit of "
                                         "1,024 (moegraph.limits; docs/rules.md)"]
     assert max(rss_kib, before) < 2**20, f"{rss_kib} KiB"  # ru_maxrss is KiB on Linux: under 1 GiB
-    assert elapsed < 30, f"{elapsed:.1f} s"
 
 
 # -- errors that name the cause ----------------------------------------------------------------------
@@ -478,6 +475,7 @@ def test_verify_says_one_line_names_a_missing_node_and_counts_in_json(workdir, t
     assert [v["nodes"] for v in report["violations"]] == [[gone[0]], [gone[1]]]
 
 
+@pytest.mark.slow
 def test_a_kill_while_compile_writes_keeps_the_old_schedule(workdir, tmp_path):
     """compile -o F over an existing F, SIGKILLed between its temporary file and the rename (the
     fault point of moegraph.atomic): F is the old schedule, byte for byte; the new one is complete."""
@@ -504,6 +502,7 @@ def test_a_kill_while_compile_writes_keeps_the_old_schedule(workdir, tmp_path):
 
 # -- a cache that validates: poisoned entries are misses, and the pick is the uncached one -----------
 
+@pytest.mark.slow
 def test_poisoned_tune_cache_entries_are_misses_and_the_pick_is_unchanged(tmp_path, capsys):
     cache = tmp_path / "cache"
     argv = ["tune", "--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64", "--time-limit", "0.1",

@@ -160,6 +160,7 @@ def test_a_namespace_left_by_a_killed_run_is_removed_by_the_next():
         subprocess.run(["ip", "netns", "delete", stale], capture_output=True)
 
 
+@pytest.mark.slow
 @needs_netns
 def test_a_sigkilled_run_leaves_its_namespace_until_a_sweep(capsys):
     """SIGKILL gives `run --link` no chance to clean up (docs/runtime.md): its namespace stays,
