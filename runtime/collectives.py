@@ -159,6 +159,13 @@ class Pending:
         CollectiveTimeout naming the node. block_host=False (GPU): ``work.wait()`` only orders
         the current CUDA stream after the collective; a hang is reported by the NCCL watchdog
         after the process group's timeout.
+
+        Lifetimes (GPU): ProcessGroupNCCL keeps the tensors its kernel reads and writes safe for
+        its own stream until ``wait()`` (record_stream there, or a stash it drops at ``wait()``).
+        The executor waits at issue under the comm stream, so that stream is then ordered after
+        NCCL's: ``keep`` (staging buffers allocated under it) can be dropped here, and an input
+        made on another stream stays safe as long as the executor record_streams it for the comm
+        stream (runtime.executor's module docstring).
         """
         if self.outputs is not None:
             return self.outputs

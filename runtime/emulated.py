@@ -16,32 +16,54 @@ issued, the work is complete at once), which is how the CPU suite checks the sam
 ``EmulatedRankGraph`` builds the rank graph the GPU test and ``benchmarks/gpu_overlap.py`` run:
 attn=sp, ffn=tp, dispatch=ag-rs, n=2, chunked so that compute can hide the collectives. Every
 emulated collective lasts ``comm_us`` on CUDA (its sleep, converted to cycles at the clock
-measured on the device, ``sleep_cycles_per_us``), and the plans are made by a cost model told so
-(``EmulatedCost``). Sized so that the device, not the host, sets the pace (``GPU_SIZES``): the
-first GPU session's graph (b=2 s=1024 h=512) ran ~1 ms of kernels against ~65 ms of host issue
-time, so no kernel ever ran beside a collective and the overlap could not be measured.
+measured on the device, ``sleep_cycles_per_us``), and the plans are made by a cost model told
+what the run runs (``EmulatedCost``: that comm time, fp32 compute at the fp32 rate, the masked
+grouped GEMM's E-fold FLOPs). Sized so that the device, not the host, sets the pace
+(``GPU_SIZES``): the first GPU session's graph (b=2 s=1024 h=512) ran ~1 ms of kernels against
+~65 ms of host issue time, so no kernel ever ran beside a collective and the overlap could not be
+measured. The second (GPU_SIZES, its plans priced with fp32 at the bf16 peak and the grouped
+GEMMs at their native FLOPs: 37 ms predicted, 147 ms measured) hid 0.39 of the comm time: plans
+made for a comm-bound step, run on a compute-bound one.
+
+Bitwise comparisons between runs (``exact_numerics``): the memory-efficient SDPA kernel, which
+CUDA runs for fp32 attention, computes its backward's query gradient by atomic adds over key
+blocks (``num_splits_key`` > 1 unless torch's deterministic mode is on), so its bits depend on
+the order the device schedules blocks in, which kernels running beside it on comm streams
+change. Two runs of one plan then differ in the last bits of every gradient upstream of attention
+(the second GPU session's dx mismatch, with y equal bit for bit), with no race involved.
 
 Notation: b batch, s sequence, h hidden, n group size, k top-k, f expert ffn width.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 import time
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
 from moegraph.cost import CostModel
-from moegraph.ir import Node, OpKind
+from moegraph.ir import Graph, Node, OpKind
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.collectives import Pending
 
 # Each emulated collective's duration on CUDA: about what a step's all-gather or reduce-scatter of
 # these sizes costs over a slow inter-node link, and long against the host's issue time per node
-# (a few hundred microseconds at most), so the plans' overlap, not the host, decides what hides it
-DEFAULT_COMM_US = 1000.0
+# (a few hundred microseconds at most), so the plans' overlap, not the host, decides what hides it.
+# GPU_SIZES' 37 collectives then take 18.5 ms against ~140 ms of compute: less than the compute
+# they can hide behind, as a comm-bound emulation could hide nothing. Shorter collectives do not
+# raise the greedy plan's predicted hidden share much (benchmarks/gpu_overlap.py's predicted column;
+# RESULTS.md): what stays exposed is structural (the attention all-to-alls before and after
+# attention, which only a chunk's small projection can hide, and the last gradients' all-reduces).
+DEFAULT_COMM_US = 500.0
+# FP32 (TF32 off) FMA throughput of an H100 or H200 SXM: 132 SMs x 128 FP32 lanes x 2 FLOP x
+# 1.98 GHz = 66.9 TFLOP/s (NVIDIA's datasheets: 67 TFLOPS FP32 for both; the second GPU session's
+# sleep probe measured its H200's SM clock at 1.95 GHz). Hardware profiles carry the bf16 rate only.
+HOPPER_FP32_FLOPS_S = 66.9e12
 _PROBE_CYCLES = 2_000_000           # ~1 ms at a Hopper's ~2 GHz SM clock: long against launch jitter
 
 
@@ -159,24 +181,48 @@ def sleep_cycles_per_us(device: torch.device | str) -> float:
 
 
 class EmulatedCost(CostModel):
-    """The cost model of an emulated run: compute priced as the hardware profile prices it, every
-    collective at the emulated duration ``comm_us`` (its sleep; the copy after it, a few
-    microseconds of memory traffic at these sizes, is not priced). An emulated collective holds no
-    SMs worth pricing (one spinning thread, then a copy: the only budget is 0, so compute beside it
-    is not slowed) and a sleep does not stretch beside compute."""
+    """The cost model of an emulated run, priced for what it runs.
 
-    def __init__(self, hw: Any, comm_us: float):
+    Collectives: every one at the emulated duration ``comm_us`` (its sleep; the copy after it, a
+    few microseconds of memory traffic at these sizes, is not priced). An emulated collective
+    holds no SMs worth pricing (one spinning thread, then a copy: the only budget is 0, so compute
+    beside it is not slowed) and a sleep does not stretch beside compute.
+    Compute: as the hardware profile prices it, except
+      ``fp32_flops_s``   the rate of FLOP-bound terms (the profile's own efficiency curves still
+                         apply) instead of the profile's bf16 peak: the emulated graph is fp32, run
+                         with TF32 off (None: the profile's rate);
+      ``masked_groups``  node name -> E for the grouped GEMMs the device runs in the masked
+                         formulation (moegraph.grouped_gemm: every one of the E experts' products
+                         for every row), priced at E times their FLOPs.
+    """
+
+    def __init__(self, hw: Any, comm_us: float, *, fp32_flops_s: float | None = None,
+                 masked_groups: Mapping[str, int] | None = None):
         if not comm_us >= 0:
             raise ValueError(f"comm_us={comm_us!r} must be >= 0")
-        super().__init__(hw)
+        if fp32_flops_s is not None and not fp32_flops_s > 0:
+            raise ValueError(f"fp32_flops_s={fp32_flops_s!r} must be > 0")
+        super().__init__(hw if fp32_flops_s is None else dataclasses.replace(hw, peak_flops_bf16=fp32_flops_s))
         self.comm_us = comm_us
+        self.masked_groups = dict(masked_groups or {})
+        self._as_run: dict[str, tuple[Node, Node]] = {}
 
     def node_time_us(self, node: Node, sm_budget: int | None = None) -> float:
         if not node.is_comm:
-            return super().node_time_us(node, sm_budget)
+            return super().node_time_us(self._run_node(node), sm_budget)
         if sm_budget not in (None, 0):
             raise ValueError(f"sm_budget={sm_budget} is not allowed for emulated collective {node.name!r}; allowed: 0")
         return self.comm_us
+
+    def _run_node(self, node: Node) -> Node:
+        """``node`` with the FLOPs the device runs (masked grouped GEMMs: E times), built once."""
+        groups = self.masked_groups.get(node.name)
+        if groups is None:
+            return node
+        hit = self._as_run.get(node.name)
+        if hit is None or hit[0] is not node:
+            hit = self._as_run[node.name] = (node, dataclasses.replace(node, flops=node.flops * groups))
+        return hit[1]
 
     def comm_sm_budgets(self, node: Node) -> tuple[int, ...]:
         if not node.is_comm:
@@ -185,6 +231,30 @@ class EmulatedCost(CostModel):
 
     def comm_overlap_stretch(self) -> float:
         return 1.0
+
+
+def masked_grouped_gemms(graph: Graph) -> dict[str, int]:
+    """Grouped GEMM node -> E, its expert count: the first dimension of the [E, N, K] weight it reads
+    or the weight gradient it makes."""
+    out = {}
+    for nd in graph.nodes:
+        if nd.op is OpKind.GROUPED_GEMM:
+            weights = [graph.value[v].shape for v in (*nd.inputs, *nd.outputs) if len(graph.value[v].shape) == 3]
+            if not weights:
+                raise RuntimeFailure(f"grouped GEMM {nd.name!r} reads and makes no [E, N, K] weight")
+            out[nd.name] = weights[0][0]
+    return out
+
+
+@contextlib.contextmanager
+def exact_numerics() -> Iterator[None]:
+    """Attention by SDPA's math backend (matmuls and a softmax: the same bits on every run) while
+    inside, so that two runs can be compared bit for bit (module docstring: the memory-efficient
+    kernel's backward is not deterministic). Costs time and an [b, heads, s, s] score tensor:
+    for numerics checks, not for timed steps."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
 
 
 # -- the rank graph the emulated runs use ------------------------------------------------------------
@@ -205,12 +275,17 @@ class RankGraphSizes:
     n: int = 2
 
 
-# Device-bound on an H100/H200 in fp32 (TF32 off, as the GPU tests run): ~0.3 TFLOP of kernels per
-# step (the grouped GEMMs' masked formulation, moegraph.grouped_gemm, computes all 8 experts' rows),
-# some 100 ms, against 181 nodes of host issue time (tens of ms even at the first session's
-# 360 us per node); chunked in 4 so that compute can hide the collectives
+# Device-bound on an H100/H200 in fp32 (TF32 off, as the GPU tests run): ~5.5 TFLOP of kernels per
+# step, 4.9 of them the 36 grouped GEMMs' masked formulation (moegraph.grouped_gemm: all 8 experts'
+# products for every row), ~123 ms on the second session's H200 (sequential step 160 ms less its 37
+# fenced 1 ms collectives), against 181 nodes of host issue time (~50 ms at its 280 us per node);
+# chunked in 4 so that compute can hide the collectives
 GPU_SIZES = RankGraphSizes(b=4, s=4096, h=1024, heads=16, kv_heads=8, f=2048, experts=8, k=2, chunks=4)
 TINY_SIZES = RankGraphSizes(b=2, s=16, h=64, heads=4, kv_heads=2, f=128, experts=4, k=2, chunks=2)
+# The plans' hardware profile: the H200 calibrated by the second GPU session (bf16 curves and kernel
+# latency as measured; EmulatedCost swaps in the fp32 rate). An H100 differs in HBM bandwidth,
+# which this compute-bound fp32 step barely reads.
+MEASURED_PROFILE = "nvidia-h200-2026-11-27"
 
 
 @dataclass(frozen=True)
@@ -225,9 +300,12 @@ class EmulatedRankGraph:
     """Rank 0 of the n-rank graph (attn=sp, ffn=tp, dispatch=ag-rs, chunked, fp32) of one
     MoETransformerLayer, with its parameter shards and one input shard, on ``device``."""
 
-    def __init__(self, sizes: RankGraphSizes, device: torch.device | str, *, hardware: str = "h100", seed: int = 0,
-                 comm_us: float = DEFAULT_COMM_US):
-        """``comm_us``: every emulated collective's duration on CUDA, the plans' cost model told so."""
+    def __init__(self, sizes: RankGraphSizes, device: torch.device | str, *, hardware: str = MEASURED_PROFILE,
+                 seed: int = 0, comm_us: float = DEFAULT_COMM_US, masked: bool | None = None):
+        """``comm_us``: every emulated collective's duration on CUDA, the plans' cost model told so.
+        ``masked``: whether the plans price the grouped GEMMs as the masked formulation (None: as
+        ``device`` runs them: on CUDA where torch's grouped GEMM would read the host, as for fp32)."""
+        from moegraph.grouped_gemm import native_grouped_mm
         from moegraph.interpreter import shard_param
         from moegraph.ir import Strategy
         from moegraph.models import MoETransformerLayer
@@ -239,10 +317,14 @@ class EmulatedRankGraph:
         layer = MoETransformerLayer(hidden=z.h, heads=z.heads, kv_heads=z.kv_heads, ffn_hidden=z.f,
                                     experts=z.experts, top_k=z.k).to(self.device)
         self.comm_us = comm_us
-        self.cost = EmulatedCost(load_hardware(hardware), comm_us)
         # lowered for the chunk count directly (what chunk=N re-lowers to): a typed value, no pipeline
         self.graph = trace_module(layer, Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32", chunks=z.chunks),
                                   batch=z.b, seq=z.s)
+        if masked is None:
+            masked = self.device.type == "cuda" and not native_grouped_mm(self.device, torch.float32)
+        self.masked = masked
+        self.cost = EmulatedCost(load_hardware(hardware), comm_us, fp32_flops_s=HOPPER_FP32_FLOPS_S,
+                                 masked_groups=masked_grouped_gemms(self.graph) if masked else None)
         full = {k: p.detach() for k, p in layer.named_parameters()}
         self.params = [shard_param(spec, full, 0, z.n) for _, spec in self.graph.params]
         gen = torch.Generator().manual_seed(seed + 1)
@@ -256,6 +338,21 @@ class EmulatedRankGraph:
         if schedule == "sequential":
             return ExecutionPlan.sequential(self.graph)
         return make_plan(self.graph, self.cost, schedule, time_limit_s=time_limit_s)
+
+    def predicted_hidden_fraction(self, plan: Any) -> float | None:
+        """The share of comm time the plan's own schedule overlaps with compute, measured on its
+        predicted times as ``hidden_comm_fraction`` measures a step (None: a plan without times)."""
+        from moegraph.runtime.trace import NodeTiming, StepTrace, hidden_comm_fraction
+        if any(e.start_us is None or e.end_us is None for e in plan.entries):
+            return None
+        nodes = tuple(NodeTiming(e.name, e.stream, e.sm_budget, self.graph.node[e.name].phase.value, e.start_us,
+                                 e.end_us) for e in plan.entries)
+        return hidden_comm_fraction(StepTrace(0, "predicted", nodes))
+
+    def predicted_serial_us(self) -> float:
+        """Every node priced alone, one after another: what the sequential plan (every collective
+        alone, fenced) is predicted to take; a held-out check of the plans' cost model."""
+        return sum(self.cost.node_time_us(nd) for nd in self.graph.nodes)
 
     def executor(self, plan: Any, *, synchronous: bool = False) -> Any:
         """An executor of ``plan`` whose collectives each sleep ``comm_us`` (CUDA; the CPU path does

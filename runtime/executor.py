@@ -10,13 +10,17 @@ Each plan stream is a queue; the host walks the plan's issue order (identical on
 Cross-stream dependencies. CPU: the host thread *is* the compute stream, so a compute node that
 reads a collective's output waits on the collective's work handle (``work.wait`` with a
 timeout that names the node); meanwhile gloo's threads move the data, which is the overlap.
-GPU: one CUDA stream per plan stream (compute = the caller's current stream); a consumer on
-another stream than its producer waits on a CUDA event recorded after the producer, and the
-tensor is ``record_stream``-ed so the caching allocator does not reuse it early. A collective
-is issued under its comm stream (high priority); ``work.wait()`` then orders that stream after
+GPU: one CUDA stream per plan stream (compute = the caller's current stream). A collective is
+issued under its comm stream (high priority); ``work.wait()`` then orders that stream after
 NCCL's. The host never waits for a collective inside a step on GPU: the end of a phase orders
 the compute stream after the comm streams, and a hung collective is the NCCL watchdog's to
-report (process-group timeout ``timeout_s``).
+report (process-group timeout ``timeout_s``). A value read on another stream than its producer's
+is made safe twice (``_get``, ``_finish``): the reader waits on an event recorded after the
+producer, and the value's tensors are ``record_stream``-ed for the reader (kept values: for the
+caller's stream), as the caching allocator hands a freed block to its allocation stream's next
+allocation at once and a value is dropped when its last reader is *issued*, which on another
+stream may run ms later. ProcessGroupNCCL record_streams or stashes our tensors for its own streams
+until ``wait()``, called at issue under the comm stream. tests/fake_cuda.StreamRaces checks this.
 
 Values live in an environment keyed by value name and are dropped after their last consumer in
 the phase. Forward keeps what backward and recompute nodes read (the graph's saved values and
@@ -54,7 +58,7 @@ summed partials once per step and gathers each micro-batch's embedding-gradient 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -491,8 +495,8 @@ class Executor:
                 slot = env.get(k)
                 if slot is None:
                     continue
-                if slot.stream != COMPUTE and isinstance(slot.value, torch.Tensor):
-                    slot.value.record_stream(compute)
+                for t in _device_tensors(slot.value) if slot.stream != COMPUTE else ():   # the caller reads it
+                    t.record_stream(compute)
                 out[k] = slot.value
             return out
         for p in pending:
@@ -529,12 +533,21 @@ class Executor:
             return self._resolve(env, name, slot)
         if slot.stream != stream and stream not in slot.synced:
             target = streams[stream]
-            if slot.event is not None:
+            if slot.event is not None:      # order: read after the producer (module docstring)
                 target.wait_event(slot.event)
             slot.synced.add(stream)
-            if isinstance(slot.value, torch.Tensor):
-                slot.value.record_stream(target)
+            for t in _device_tensors(slot.value):   # lifetime: no reuse before this stream's read
+                t.record_stream(target)
         return slot.value
+
+
+def _device_tensors(value: Any) -> list[torch.Tensor]:
+    """The tensors a value carries: itself, a list's or tuple's, a record's fields' (an IndexMap)."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    parts = value if isinstance(value, (list, tuple)) else [getattr(value, f.name) for f in (
+        fields(value) if is_dataclass(value) and not isinstance(value, type) else ())]
+    return [t for v in parts for t in _device_tensors(v)]
 
 
 def _plan_run_eager(graph: Graph, supplied: set[str]) -> frozenset[str]:

@@ -9,7 +9,7 @@ import torch
 from moegraph.ir import Node, OpKind, Phase, Role
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.check import rel_err
-from moegraph.runtime.emulated import TINY_SIZES, EmulatedComm, EmulatedRankGraph
+from moegraph.runtime.emulated import TINY_SIZES, EmulatedComm, EmulatedCost, EmulatedRankGraph
 from moegraph.runtime.trace import NodeTiming, StepTrace, hidden_comm_fraction
 
 
@@ -115,18 +115,63 @@ def test_fake_device_emulated_ag_rs_step_has_no_host_sync(rank_graph, monkeypatc
     assert all(rel_err(g, c) < 1e-5 for g, c in zip(got[2], cpu.grads))
 
 
-def test_the_plans_cost_model_is_told_the_emulated_collectives_duration():
+def test_the_plans_cost_model_is_told_what_the_emulated_run_runs():
     """EmulatedCost prices every collective at the rank graph's comm_us, with no SMs held and no
-    stretch beside compute: each collective of a greedy plan is predicted to last exactly that,
-    and its compute nodes as the hardware profile prices them."""
+    stretch beside compute: each collective of a greedy plan is predicted to last exactly that.
+    Compute is priced on the measured H200 profile at the FP32 rate (the graph is fp32, TF32 off):
+    a compute node takes what the profile's own model gives it with the bf16 peak replaced by
+    66.9 TFLOP/s; a grouped GEMM the device runs masked (every expert's product for every row,
+    moegraph.grouped_gemm) is priced at ``experts`` times its FLOPs, one it runs natively at its own."""
+    import dataclasses
+
     from moegraph.cost import CostModel
-    rg = EmulatedRankGraph(TINY_SIZES, "cpu", comm_us=321.0)
-    plan = rg.plan("greedy")
-    comm = [e for e in plan.entries if rg.graph.node[e.name].is_comm]
+    from moegraph.ir import OpKind
+    from moegraph.registry import load_hardware
+    z = TINY_SIZES
+    fp32 = CostModel(dataclasses.replace(load_hardware("nvidia-h200-2026-11-27"), peak_flops_bf16=66.9e12))
     tick = 0.01                                                         # the schedule's time grid, rounded up
-    assert comm and all(e.end_us - e.start_us == pytest.approx(321.0, abs=tick) and e.sm_budget == 0 for e in comm)
-    base = CostModel(rg.cost.hw)
-    compute = [e for e in plan.entries if not rg.graph.node[e.name].is_comm]
-    assert all(e.end_us - e.start_us == pytest.approx(base.node_time_us(rg.graph.node[e.name]), abs=tick)
-               for e in compute)
+    for masked in (True, False):
+        rg = EmulatedRankGraph(z, "cpu", comm_us=321.0, masked=masked)
+        plan = rg.plan("greedy")
+        comm = [e for e in plan.entries if rg.graph.node[e.name].is_comm]
+        assert comm and all(e.end_us - e.start_us == pytest.approx(321.0, abs=tick) and e.sm_budget == 0
+                            for e in comm)
+        for e in plan.entries:
+            nd = rg.graph.node[e.name]
+            if nd.is_comm:
+                continue
+            flops = nd.flops * (z.experts if masked and nd.op is OpKind.GROUPED_GEMM else 1)
+            want = fp32.node_time_us(dataclasses.replace(nd, flops=flops))
+            assert e.end_us - e.start_us == pytest.approx(want, abs=tick), e.name
+        grouped = {nd.name for nd in rg.graph.nodes if nd.op is OpKind.GROUPED_GEMM}
+        assert grouped and rg.cost.masked_groups == ({name: z.experts for name in grouped} if masked else {})
     assert rg.sleep_cycles() == 0                                       # the CPU path does not sleep
+    # TINY's grouped GEMMs are memory-bound; at a FLOP-bound size the masked price is E times the FLOPs'
+    nd = dataclasses.replace(rg.graph.node[min(grouped)], flops=10**12)
+    cost = EmulatedCost(fp32.hw, 1.0, fp32_flops_s=66.9e12, masked_groups={nd.name: 4})
+    assert cost.node_time_us(nd) == pytest.approx(fp32.node_time_us(dataclasses.replace(nd, flops=4 * 10**12)))
+    assert cost.node_time_us(nd) > 3 * fp32.node_time_us(nd)
+    assert not EmulatedRankGraph(z, "cpu").masked                       # on CPU the grouped GEMM is not masked
+
+
+def test_predicted_hidden_fraction_reads_the_plans_times(rank_graph):
+    """The share of comm time the plan's own predicted schedule overlaps with compute: none when
+    every collective is moved past the last compute node, half when one of two collectives lies
+    inside a compute node; a plan without times (sequential) has none."""
+    import dataclasses
+    rg = rank_graph
+    plan = rg.plan("greedy")
+    is_comm = {e.name: rg.graph.node[e.name].is_comm for e in plan.entries}
+    end = max(e.end_us for e in plan.entries)
+    comm = [e for e in plan.entries if is_comm[e.name]][:2]
+    compute = [e for e in plan.entries if not is_comm[e.name]]
+    long = max(compute, key=lambda e: e.end_us - e.start_us)
+    span = long.end_us - long.start_us
+    moved = {comm[0].name: (end + 10, end + 10 + span), comm[1].name: (long.start_us, long.end_us)}
+    entries = tuple(dataclasses.replace(e, start_us=moved[e.name][0], end_us=moved[e.name][1])
+                    if e.name in moved else e for e in plan.entries if not is_comm[e.name] or e.name in moved)
+    assert rg.predicted_hidden_fraction(dataclasses.replace(plan, entries=entries)) == pytest.approx(0.5)
+    late = tuple(dataclasses.replace(e, start_us=end + 10, end_us=end + 20) if is_comm[e.name] else e
+                 for e in plan.entries)
+    assert rg.predicted_hidden_fraction(dataclasses.replace(plan, entries=late)) == 0.0
+    assert rg.predicted_hidden_fraction(rg.plan("sequential")) is None
