@@ -78,9 +78,11 @@ def test_gpu_overlap_tiny_cpu_smoke(capsys):
     assert _load("gpu_overlap").main(["--device", "cpu", "--tiny", "--time-limit", "1"]) == 0
     header, rows = _table(capsys.readouterr().out)
     assert header == ["plan", "median_step_ms", "predicted_ms", "host_us_per_node", "hidden_comm_fraction",
-                      "equal_to_sequential"]
+                      "predicted_hidden", "equal_to_sequential"]
     assert [r["plan"] for r in rows] == ["sequential", "greedy", "cpsat"]
     assert all(float(r["median_step_ms"]) > 0 and r["equal_to_sequential"] == "yes" for r in rows)
-    assert all(float(r["host_us_per_node"]) > 0 for r in rows)
-    assert all(0 <= float(r["hidden_comm_fraction"]) <= 1 for r in rows)
-    assert float(rows[0]["hidden_comm_fraction"]) < 0.05
+    assert all(float(r["host_us_per_node"]) > 0 and float(r["predicted_ms"]) > 0 for r in rows)
+    assert all(0 <= float(r["hidden_comm_fraction"]) <= 1 and 0 <= float(r["predicted_hidden"]) <= 1 for r in rows)
+    assert float(rows[0]["hidden_comm_fraction"]) < 0.05 and float(rows[0]["predicted_hidden"]) == 0
+    # the overlapped plans are predicted below every node run alone in turn (sequential)
+    assert all(float(r["predicted_ms"]) < float(rows[0]["predicted_ms"]) for r in rows[1:])
