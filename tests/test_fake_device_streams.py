@@ -21,8 +21,7 @@ def _violations(monkeypatch, body) -> list[str]:
     """Run ``body(side)`` (side: a second stream) on the fake device with the race check on."""
     state = fc.fake_streams(monkeypatch, check_races=True)
     with fc.FakeCuda():
-        body(torch.cuda.Stream())
-    gc.collect()                                          # every block dropped by now is checked as freed
+        body(torch.cuda.Stream())                         # its blocks are freed (and checked) as it returns
     return state.races.violations
 
 
@@ -97,10 +96,11 @@ def _emulated_steps(monkeypatch, schedule: str, steps: int = 2) -> fc.StreamRace
             y, saved = ex.forward(x, params)
             ex.backward(saved, dy, params)
             del y, saved
-    gc.collect()
+    gc.collect()                                          # anything a reference cycle held: freed, checked
     return state.races
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("schedule", ["greedy", "sequential"])
 def test_fake_device_emulated_step_is_stream_safe(schedule, monkeypatch):
     """The second GPU session's suspect: a tensor made on one stream, read on another, freed by
@@ -113,6 +113,7 @@ def test_fake_device_emulated_step_is_stream_safe(schedule, monkeypatch):
     assert races.cross_stream_reads > 0 and races.cross_stream_frees > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("broken", ["record_stream", "event waits"])
 def test_fake_device_stream_races_catch_an_executor_without_them(broken, monkeypatch):
     """The same steps with the executor's record_stream calls (or its event waits) taken out: the
