@@ -37,15 +37,16 @@ from __future__ import annotations
 import argparse
 import time
 
+from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
-from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
-from moegraph.schedules.api import compile_graph, model_step
+from moegraph.pass_steps import parse_passes
+from moegraph.schedules.api import compile_graph
+from moegraph.schedules.driver import lower
 from moegraph.schedules.bound import dp_sync_exposure_bound, lower_bound, strong_heads_tails
 from moegraph.schedules.problem import DP_STREAM, build_problem
 from moegraph.schedules.schedule_file import dp_sync_exposure, exposed_comm
-from moegraph.tracer import trace_model
 
 PASSES = ("gate-reorder,sar=paper", "gate-reorder,sar=paper,compress=dp-bf16")
 
@@ -73,9 +74,9 @@ def main() -> None:
         for b in args.batches:
             for passes in PASSES:
                 t0 = time.perf_counter()
-                g = trace_model(load_model(args.model), Strategy("sp", "ep", "ag-rs", 8, dp=args.dp), batch=b,
-                                seq=8192, layers=layers)
-                g, _ = run_pipeline(g, passes, cost=cost)
+                g = lower(CompileConfig(model=load_model(args.model), strategy=Strategy("sp", "ep", "ag-rs", 8, dp=args.dp),
+                                        passes=parse_passes(passes), batch=b, seq=8192, layers=layers, edges="none",
+                                        hardware=cost.hw)).graph
                 bound = dp_sync_exposure_bound(build_problem(g, cost))
                 seq = dp_sync_exposure(compile_graph(g, cost, method="sequential").schedule.nodes)["exposed_dp_sync_us"]
                 sched = compile_graph(g, cost, time_limit_s=args.time_limit).schedule
@@ -87,8 +88,10 @@ def main() -> None:
 
 
 def _step(model: str, cost: CostModel, dp: int, batch: int, layers: int):
-    g = trace_model(load_model(model), Strategy("sp", "ep", "ag-rs", 8, dp=dp), batch=batch, seq=8192, layers=layers)
-    return model_step(run_pipeline(g, PASSES[0], cost=cost)[0])
+    # the model step compile --layers schedules (edges for a stack), through the driver
+    return lower(CompileConfig(model=load_model(model), strategy=Strategy("sp", "ep", "ag-rs", 8, dp=dp),
+                               passes=parse_passes(PASSES[0]), batch=batch, seq=8192, layers=layers,
+                               hardware=cost.hw)).graph
 
 
 def explain(args: argparse.Namespace, cost: CostModel) -> None:

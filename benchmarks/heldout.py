@@ -6,7 +6,7 @@ runs configurations outside that set (refused in code if one is in it: same mode
 length and strategy, whatever the model's name or implementation): a model YAML the calibration
 never saw (benchmarks/mid.yaml), another sequence length, another strategy, and transformers'
 MixtralDecoderLayer. Per configuration one launch of n=2 gloo ranks times the CP-SAT and the
-sequential schedule in ABBA blocks (moegraph.runtime.commands.measurement_blocks); a chunked
+sequential schedule in ABBA blocks (moegraph.runtime.timing.measurement_blocks); a chunked
 preset adds ``chunk=N`` to ``--passes`` (its accumulation rate was fitted on s=512 chunk=2, the
 calibration's ACCUMULATE_LAYER, so s=768 chunk=2 is held out in sequence length); step time is the
 slowest rank's, the table gives medians. The in-sample rows (the calibration layers themselves,
@@ -38,11 +38,14 @@ from typing import Any, get_args
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moegraph.commands import Layer, layer_from_args, passes_arg  # noqa: E402
+from moegraph.config import CompileConfig  # noqa: E402
+from moegraph.ir import Strategy  # noqa: E402
+from moegraph.pass_steps import Chunk, parse_passes  # noqa: E402
+from moegraph.schedules.driver import Lowered, lower  # noqa: E402
 from moegraph.options import UsageError, positive_int  # noqa: E402
 from moegraph.registry import RegistryError, load_hardware, load_model  # noqa: E402
 from moegraph.runtime.calibrate.steps import CALIBRATION_LAYERS, LayerConfig  # noqa: E402
-from moegraph.runtime.commands import spawn_plans, step_stats  # noqa: E402
+from moegraph.runtime.timing import spawn_plans, step_stats  # noqa: E402
 from moegraph.runtime.reference import Implementation, seeded_layer  # noqa: E402
 from moegraph.runtime.module import make_plan  # noqa: E402
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args, link_mismatch, profile_for  # noqa: E402
@@ -134,26 +137,19 @@ def configs_arg(text: str) -> tuple[Config, ...]:
     return configs
 
 
-def build_layer(config: Config, hardware: str, passes: Any) -> Layer:
+def build_layer(config: Config, hardware: str, passes: tuple) -> Lowered:
     """The layer lowered for N ranks with ``passes``, traced from ``config``'s implementation."""
     lc = config.layer
     if lc.chunks > 1:                   # the chunk pass after the common pipeline
-        passes = f"{passes},chunk={lc.chunks}" if passes else f"chunk={lc.chunks}"
-    args = argparse.Namespace(model=lc.model, hardware=hardware, attn=lc.attn, ffn=lc.ffn, dispatch=lc.dispatch,
-                              n=N, batch=1, seq=lc.seq, top_k=None, dtype="fp32", dp=1, passes=passes)
-    layer = layer_from_args(args)
+        passes = tuple(passes) + (Chunk(lc.chunks),)
+    compile_config = CompileConfig(model=lc.model, strategy=Strategy(lc.attn, lc.ffn, lc.dispatch, N, dtype="fp32"),
+                                   passes=passes, batch=1, seq=lc.seq, hardware=hardware)
+    layer = lower(compile_config)
     if config.implementation == "reference":
         return layer
-    from moegraph.ir import Strategy
-    from moegraph.passes import run_pipeline
-    from moegraph.tracer import trace_module
     module = seeded_layer(layer.model, 0, "fp32", config.implementation)
-    graph = trace_module(module, Strategy(lc.attn, lc.ffn, lc.dispatch, N, dtype="fp32"), batch=1, seq=lc.seq,
-                         name=type(module).__name__)
-    report: dict[str, Any] = {}
-    if passes:
-        graph, report = run_pipeline(graph, passes, cost=layer.cost)
-    return Layer(layer.model, layer.hardware, layer.cost, graph, report)
+    traced = lower(compile_config.replace(model=module))       # the ranks build the registry model's module
+    return dataclasses.replace(layer, graph=traced.graph, report=traced.report)
 
 
 @dataclass(frozen=True)
@@ -202,7 +198,7 @@ def main(argv=None) -> int:
                    "calibrated on --link if there is one, else cpu-2core-gloo")
     p.add_argument("--steps", type=positive_int, default=24, help="measured steps per schedule (default %(default)s)")
     p.add_argument("--warmup", type=positive_int, default=2, help="unmeasured steps per launch (default %(default)s)")
-    p.add_argument("--passes", type=passes_arg, default="gate-reorder,sar=paper",
+    p.add_argument("--passes", type=parse_passes, default="gate-reorder,sar=paper",
                    help="pass pipeline for every layer, in-sample and held-out alike (default %(default)s)")
     p.add_argument("--time-limit", type=float, default=10.0, help="CP-SAT deterministic seconds")
     p.add_argument("--no-in-sample", action="store_true", help="skip the calibration layers (smoke runs)")

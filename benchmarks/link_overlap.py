@@ -29,9 +29,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
+from moegraph.commands import add_layer_args, config_from_args  # noqa: E402
+from moegraph.schedules.driver import lower  # noqa: E402
 from moegraph.options import positive_int  # noqa: E402
-from moegraph.runtime.commands import spawn_plans, step_stats  # noqa: E402
+from moegraph.runtime.timing import spawn_plans, step_stats  # noqa: E402
 from moegraph.runtime.module import make_plan  # noqa: E402
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args, link_mismatch  # noqa: E402
 
@@ -54,7 +55,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     link = link_from_args(args)
     with emulated_link(link):
-        layer = layer_from_args(args)
+        layer = lower(config_from_args(args))
         if warning := link_mismatch(layer.hardware, link):
             print(warning)
         g, cost = layer.graph, layer.cost

@@ -20,9 +20,10 @@ import datetime
 import os
 import platform
 
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
-from moegraph.microbatch import merge_microbatches
+from moegraph.passes.microbatch import merge_microbatches
 from moegraph.options import byte_size, format_bytes, positive_float, positive_int
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
@@ -49,7 +50,7 @@ def main() -> None:
     args = ap.parse_args()
     M = args.micro_batches
     cost = CostModel(load_hardware(args.hardware))
-    graph = trace_model(load_model(args.model), Strategy("sp", "ep", args.dispatch, 8), seq=8192, layers=args.layers)
+    graph = stack_layers(trace_model(load_model(args.model), Strategy("sp", "ep", args.dispatch, 8), seq=8192), args.layers)
     graph, _ = run_pipeline(graph, "gate-reorder,sar=paper", cost=cost)
     one = compile_graph(graph, cost, time_limit_s=args.time_limit)
     if args.budget_factor is not None:

@@ -25,6 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import CostModel  # noqa: E402
 from moegraph.ir import Strategy  # noqa: E402
 from moegraph.passes import run_pipeline  # noqa: E402
@@ -58,7 +59,7 @@ def main() -> int:
     print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for L in args.layers:
         for pipe in PIPELINES:
-            g, _ = run_pipeline(trace_model(model, strategy, seq=8192, layers=L), pipe, cost=cost)
+            g, _ = run_pipeline(stack_layers(trace_model(model, strategy, seq=8192), L), pipe, cost=cost)
             p = build_problem(g, cost)
             lists = {name: BASELINES[name](p) for name in ("greedy", "megascale")}
             t0 = time.perf_counter()

@@ -1,7 +1,7 @@
 """Does the overlapped schedule beat the sequential one on real ranks? (gloo, CPU, n=2 by default)
 
 One launch: every rank builds one CompiledLayer per schedule (same weights, same inputs) and
-times them in ABBA blocks (``runtime.commands.measurement_blocks``: each schedule's first half
+times them in ABBA blocks (``runtime.timing.measurement_blocks``: each schedule's first half
 of the steps in order, then the second halves in reverse), so slow drift on the machine hits
 every schedule alike; not step by step, which evicts each layer's working set and slowed every
 schedule ~1.7x. Step time of a step = the slowest rank's; the table gives the median over
@@ -33,10 +33,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.atomic import append_atomic  # noqa: E402
-from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
-from moegraph.runtime.commands import RunSpec, run_rank, step_stats  # noqa: E402
+from moegraph.commands import add_layer_args, config_from_args  # noqa: E402
+from moegraph.schedules.driver import lower  # noqa: E402
+from moegraph.runtime.timing import RunSpec, run_rank, step_stats  # noqa: E402
 from moegraph.runtime.launch import spawn  # noqa: E402
 from moegraph.runtime.module import make_plan  # noqa: E402
+from moegraph.runtime.options import RuntimeOptions  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -51,13 +53,13 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps < 10:
         p.error("--steps must be at least 10")
-    layer = layer_from_args(args)
+    layer = lower(config_from_args(args))
     g, cost = layer.graph, layer.cost
     comp = sum(cost.node_time_us(nd) for nd in g.nodes if not nd.is_comm)
     comm = sum(cost.node_time_us(nd, cost.default_sm_budget(nd)) for nd in g.nodes if nd.is_comm)
     methods = [m.strip() for m in args.schedules.split(",") if m.strip()]
     plans = tuple(make_plan(g, cost, m, time_limit_s=args.time_limit) for m in methods)
-    spec = RunSpec(layer.model, g, plans, args.steps, args.warmup, 0, args.dtype, "cpu", 120.0)
+    spec = RunSpec(layer.model, g, plans, args.steps, args.warmup, 0, args.dtype, "cpu", RuntimeOptions(timeout_s=120.0))
     results = spawn(run_rank, args.n, args=(spec,), backend="gloo", timeout_s=1800)
     stats = [step_stats(results, i) for i in range(len(plans))]
     base = stats[methods.index("sequential")]["step_us"] if "sequential" in methods else stats[0]["step_us"]

@@ -23,9 +23,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from moegraph.cost import CostModel  # noqa: E402
-from moegraph.edges import add_edges  # noqa: E402
+from moegraph.passes.edges import add_edges  # noqa: E402
 from moegraph.ir import Strategy  # noqa: E402
-from moegraph.layers import stack_layers  # noqa: E402
+from moegraph.passes.stack import stack_layers  # noqa: E402
 from moegraph.memory import COMPONENTS, edge_activation_bytes, one_f_one_b_in_flight, pipeline_memory  # noqa: E402
 from moegraph.models import VOCAB  # noqa: E402
 from moegraph.passes.stages import StageLayout  # noqa: E402

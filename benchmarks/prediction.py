@@ -1,9 +1,9 @@
 """How close are the cost model's step times to measured ones? (gloo, CPU, n=2 by default)
 
-For each schedule, --repeats times: fresh ranks run it (moegraph.runtime.commands.measure_schedule:
+For each schedule, --repeats times: fresh ranks run it (moegraph.runtime.timing.measure_schedule:
 warm-up, then --steps steps; step = the slowest rank's, median over steps) and the table sets the
 measured median beside the prediction of the plan the scheduler made for --hardware. Runs go in
-ABBA blocks (``runtime.commands.measurement_blocks`` over repeats: each schedule's first half of
+ABBA blocks (``runtime.timing.measurement_blocks`` over repeats: each schedule's first half of
 the repeats in order, then the second halves in reverse) so slow drift on the machine hits every
 schedule alike, not the first one of each round best. Before every run
 a 1024^3 fp32 GEMM probe (best of 5, one thread) is timed in the parent: on a shared VM the
@@ -27,8 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.atomic import append_atomic  # noqa: E402
-from moegraph.commands import add_layer_args, layer_from_args  # noqa: E402
-from moegraph.runtime.commands import measure_schedule, measurement_blocks  # noqa: E402
+from moegraph.commands import add_layer_args, config_from_args  # noqa: E402
+from moegraph.schedules.driver import lower  # noqa: E402
+from moegraph.runtime.timing import measure_schedule, measurement_blocks  # noqa: E402
 
 
 def gemm_probe_gflops() -> float:
@@ -58,7 +59,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.repeats < 1 or args.steps < 1:
         p.error(f"--repeats={args.repeats} and --steps={args.steps} must be >= 1")
-    layer = layer_from_args(args)
+    config = config_from_args(args)
+    layer = lower(config)
     methods = [m.strip() for m in args.schedules.split(",") if m.strip()]
     rows = []
     done = [0] * len(methods)                  # runs of each schedule so far
@@ -67,7 +69,7 @@ def main(argv=None) -> int:
         for _ in range(count):
             done[i] += 1
             probe = gemm_probe_gflops()
-            r = measure_schedule(layer, method, steps=args.steps, warmup=args.warmup)
+            r = measure_schedule(config.replace(schedule=method), steps=args.steps, warmup=args.warmup)
             err = r["predicted_us"] / r["step_us"] - 1
             rows.append((done[i], method, r["predicted_us"] / 1e3, r["step_us"] / 1e3, err, probe))
             print(f"run {done[i]} {method}: predicted {rows[-1][2]:.1f} ms, measured {rows[-1][3]:.1f} ms "

@@ -51,7 +51,7 @@ def traced(models, pipelines, hw_name, n, seq, strategies=STRATEGIES, layers=1):
                 g = run_pipeline(base, pipe, cost=cost)[0] if pipe else base
                 label = f"{model} {attn}/{ffn}/{dispatch} {pipe or '-'}"
                 if layers > 1:
-                    from moegraph.layers import stack_layers
+                    from moegraph.passes.stack import stack_layers
                     g, label = stack_layers(g, layers), f"{label} x{layers} layers"
                 yield label, g, cost, "chunk=" in pipe
 

@@ -29,11 +29,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from moegraph.cost import CostModel  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.schedules.schedule_file import Schedule, merge_intervals  # noqa: E402
 from moegraph.ir import Strategy  # noqa: E402
-from moegraph.schedules.tune import Cache, build_graph, evaluate, tune  # noqa: E402
+from moegraph.schedules.tune import Cache, baseline_config, candidate_config, evaluate, tune  # noqa: E402
 
 MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
 HARDWARE = ("h800", "a100", "h20")
@@ -57,16 +56,13 @@ class Schedules:
     as tune used, so a row tune already solved is a cache hit and nothing is re-solved)."""
 
     def __init__(self, model, hw, *, n, batch, seq, dtype, time_limit, cache):
-        self.model, self.cost = model, CostModel(hw)
-        self.n, self.dtype, self.kw = n, dtype, dict(batch=batch, seq=seq)
-        self.time_limit, self.cache = time_limit, cache
+        self.base = baseline_config(model, hw, n=n, batch=batch, seq=seq, dtype=dtype, time_limit=time_limit)
+        self.n, self.dtype, self.cache = n, dtype, cache
 
     def get(self, row: dict, method: str | None = None) -> dict | None:
         cand = Strategy(row["attn"], row["ffn"], row["dispatch"], self.n, dtype=self.dtype, chunks=row["chunks"],
                         remat=row["remat"], gate=row["gate"])
-        graph = build_graph(self.model, cand, self.cost, **self.kw)
-        entry = evaluate(graph, self.cost, method or row["scheduler"], memory_budget=None,
-                         time_limit=self.time_limit, cache=self.cache)
+        entry = evaluate(candidate_config(self.base, cand).replace(schedule=method or row["scheduler"]), self.cache)
         if not entry.get("feasible") or "schedule" not in entry:
             return None
         s = Schedule.from_json(entry["schedule"])

@@ -1,22 +1,51 @@
-"""The public entry point: ``moegraph.compile`` turns an MoE layer into a scheduled, sharded module.
+"""The public entry points: ``moegraph.compile`` and ``moegraph.trace``.
 
-This is the pipeline's front door, so (like the CLI) it may reach the later stages, but only
-lazily inside the function: importing moegraph stays light and library imports flow forward.
+``compile(config)`` is the compiler: a ``CompileConfig`` in, its graph, schedule and report out
+(``moegraph.schedules.driver.build``, the one driver every front door calls).
+``compile(module, example_inputs, ...)`` also runs it: the module compiled by the driver, then
+sharded for this rank as an ``nn.Module`` (moegraph.runtime). ``trace(config)`` stops before the
+schedule: the graph after the passes.
+
+These are the pipeline's front door, so (like the CLI) they may reach the later stages, but only
+lazily inside the functions: importing moegraph stays light and library imports flow forward.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from moegraph.commands import DEFAULT_PASSES, passes_arg
+from moegraph.config import CompileConfig, SolverEffort
+from moegraph.ir import Strategy
+from moegraph.pass_steps import DEFAULT_PASSES, PassStep, parse_passes
+
+COMPILE_KEYWORDS = ("hardware", "attn", "ffn", "dispatch", "passes", "memory_budget", "schedule", "time_limit_s", "dp",
+                    "micro_batches")
+"""The keywords ``compile(module, ...)`` turns into its CompileConfig (the others run the module)."""
 
 
-def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa: A001
-            attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES,
-            memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
-            timeout_s: float = 300.0, time_limit_s: float = 10.0, record: bool = True, dp: int = 1,
-            cuda_graphs: str = "off", expert_rows: str = "exact", micro_batches: int = 1) -> Any:
-    """Compile one MoE decoder layer, or a whole causal LM, for this rank; returns an ``nn.Module``.
+def trace(config: CompileConfig) -> Any:
+    """The graph ``config`` describes after its passes (``moegraph.schedules.driver.lower``):
+    ``.graph``, ``.report`` (what the passes chose), ``.model``, ``.hardware``, ``.cost``."""
+    from moegraph.schedules.driver import lower
+    return lower(_config(config))
+
+
+def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | None = None,  # noqa: A001
+            hardware: Any = "h800", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
+            passes: str | tuple[PassStep, ...] = DEFAULT_PASSES, memory_budget: int | None = None,
+            schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0, time_limit_s: float = 10.0,
+            record: bool = True, dp: int = 1, cuda_graphs: str = "off", expert_rows: str = "exact",
+            micro_batches: int = 1) -> Any:
+    """Compile a ``CompileConfig`` into its graph, schedule and report, or one MoE decoder layer
+    or a whole causal LM into a sharded ``nn.Module`` for this rank.
+
+    ``compile(config)``: returns ``moegraph.schedules.driver.Compiled`` (``.graph``, ``.schedule``,
+    ``.report``); nothing runs. The other arguments do not apply.
+
+    ``compile(module, example_inputs, ...)``: the compile options as keywords (below) or as one
+    ``config=CompileConfig(...)`` (its strategy, passes, schedule, memory budget, solver effort,
+    hardware, micro-batches; its model, n, batch, seq and dtype come from the module, the world
+    and the input), not both.
 
     module:          the eager layer (the project's MoETransformerLayer, or transformers'
                      MixtralDecoderLayer, ...), or a causal LM (moegraph.models.MoETransformer,
@@ -30,14 +59,17 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                      for a model (called with the global input_ids / labels on every rank): b rows
                      per replica.
     hardware:        registry name, YAML path or Hardware: the cost model the scheduler uses.
-    attn/ffn/dispatch/passes: the parallel strategy and pass pipeline (as ``moegraph trace``; the
-                     same default pipeline as every command, "gate-reorder,sar=paper"; "" or "none" for none).
+    attn/ffn/dispatch: the parallel strategy (``moegraph.Strategy``).
+    passes:          the pass pipeline: typed steps (``moegraph.pass_steps``, default
+                     ``DEFAULT_PASSES``: gate-reorder, sar=paper), () for none; or its text form
+                     ("gate-reorder,sar=paper"; "" or "none" for none), as ``moegraph trace --passes``.
     memory_budget:   bytes of activation memory the schedule may use (None: unbounded).
     schedule:        'cpsat' | 'sequential' | 'greedy' | 'megascale' (moegraph.schedules methods),
-                     or a Schedule / ExecutionPlan.
+                     or a Schedule / ExecutionPlan (the graph is lowered, the plan taken as given).
     n:               group size; default and only supported value: the world size of the default
                      process group (1 without torch.distributed).
     timeout_s:       how long any collective may take before a CollectiveTimeout names it.
+    time_limit_s:    CP-SAT's search effort in deterministic seconds.
     dp:              data-parallel replicas D: the world holds n x D ranks, replica-major (rank
                      p*n + r is rank r of replica p); parameter gradients come back averaged over
                      the replicas (docs/runtime.md, "Data parallelism"); a whole model's come back
@@ -69,14 +101,48 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
     ``.unshard_output`` and ``.full_grads``. ``loss.backward()`` runs the scheduled backward and
     leaves gradients in the shards' ``.grad``.
     """
+    if isinstance(source, CompileConfig):
+        if example_inputs is not None or config is not None:
+            raise ValueError("compile(config) compiles the config alone: give no example_inputs or config=; to "
+                             "compile a module, compile(module, example_inputs, config=...)")
+        from moegraph.schedules.driver import build
+        return build(source)
+    return _compile_module(source, example_inputs, config, locals())
+
+
+def _config(config: Any) -> CompileConfig:
+    if not isinstance(config, CompileConfig):
+        raise ValueError(f"{config!r} is not a moegraph.CompileConfig")
+    return config
+
+
+def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | None, given: dict[str, Any]) -> Any:
+    """``compile(module, example_inputs, ...)``: the checks that need the module and its input,
+    then the runtime's compilation of a layer or a causal LM."""
+    import inspect
+
     import torch
 
-    from moegraph.ir import check_expert_rows
-    from moegraph.runtime.cudagraph import check_mode
     from moegraph.lowering import has_model_rule
-    check_expert_rows(expert_rows)
-    check_mode(cuda_graphs)
-    passes = passes_arg(passes) if isinstance(passes, str) else passes     # "none": the CLI's rule
+    from moegraph.runtime.options import RuntimeOptions
+    defaults = {k: p.default for k, p in inspect.signature(compile).parameters.items()}
+    changed = [k for k in COMPILE_KEYWORDS if given[k] is not defaults[k] and given[k] != defaults[k]
+               and not (k == "schedule" and not isinstance(given[k], str))]    # a given plan goes with a config
+    if config is not None and changed:
+        raise ValueError(f"compile(module, ..., config=...) takes the compile options from the config; "
+                         f"{', '.join(changed)} given as well")
+    options = RuntimeOptions(timeout_s=given["timeout_s"], record=given["record"], cuda_graphs=given["cuda_graphs"],
+                             expert_rows=given["expert_rows"])
+    schedule = given["schedule"]
+    plan_given = None if isinstance(schedule, str) else schedule
+    if config is None:
+        passes = given["passes"]
+        config = CompileConfig(
+            model=module, strategy=Strategy(given["attn"], given["ffn"], given["dispatch"], 1, dp=given["dp"]),
+            passes=parse_passes(passes) if isinstance(passes, str) else passes,
+            schedule=schedule if plan_given is None else "cpsat", memory_budget=given["memory_budget"],
+            micro_batches=given["micro_batches"], hardware=given["hardware"],
+            solver=SolverEffort(given["time_limit_s"]))
     if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):   # torch.compile's OptimizedModule
         raise ValueError(f"{type(module).__name__} wraps {type(module._orig_mod).__name__} (torch.compile): "
                          "moegraph compiles the original module; pass it (compiled._orig_mod, or the module you "
@@ -91,22 +157,17 @@ def compile(module: Any, example_inputs: Any, *, hardware: Any = "h800",  # noqa
                          f"({type(module).__name__}) takes its floating input [b, s, h] (fp32 or bf16), a whole "
                          "model its integer token ids [b, s]")
     if isinstance(x, torch.Tensor) and not x.is_floating_point():
-        if cuda_graphs != "off":
-            raise ValueError(f"cuda_graphs={cuda_graphs!r} captures a compiled layer; a whole model "
+        if options.cuda_graphs != "off":
+            raise ValueError(f"cuda_graphs={options.cuda_graphs!r} captures a compiled layer; a whole model "
                              f"({type(module).__name__}) runs uncaptured: use cuda_graphs='off'")
-        if expert_rows != "exact":
-            raise ValueError(f"expert_rows={expert_rows!r} applies to a compiled layer; a whole model "
+        if options.expert_rows != "exact":
+            raise ValueError(f"expert_rows={options.expert_rows!r} applies to a compiled layer; a whole model "
                              f"({type(module).__name__}) runs with expert_rows='exact'")
         from moegraph.runtime.model import compile_model       # token ids: a whole causal LM
-        return compile_model(module, x, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch, passes=passes,
-                             memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                             time_limit_s=time_limit_s, record=record, dp=dp, micro_batches=micro_batches)
-    if micro_batches != 1:
-        raise ValueError(f"micro_batches={micro_batches!r} applies to a whole causal LM (token ids as example_inputs); "
-                         f"a layer ({type(module).__name__}) compiles one micro-batch (its merged step: the CLI's "
-                         "--micro-batches, moegraph.microbatch.merge_microbatches)")
+        return compile_model(module, x, config, options, n=given["n"], given=plan_given)
+    if config.micro_batches != 1:
+        raise ValueError(f"micro_batches={config.micro_batches!r} applies to a whole causal LM (token ids as "
+                         f"example_inputs); a layer ({type(module).__name__}) compiles one micro-batch (its merged "
+                         "step: the CLI's --micro-batches, moegraph.passes.microbatch.merge_microbatches)")
     from moegraph.runtime.module import compile_module
-    return compile_module(module, example_inputs, hardware=hardware, attn=attn, ffn=ffn, dispatch=dispatch,
-                          passes=passes, memory_budget=memory_budget, schedule=schedule, n=n, timeout_s=timeout_s,
-                          time_limit_s=time_limit_s, record=record, dp=dp, cuda_graphs=cuda_graphs,
-                          expert_rows=expert_rows)
+    return compile_module(module, example_inputs, config, options, n=given["n"], given=plan_given)

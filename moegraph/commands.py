@@ -1,4 +1,8 @@
-"""`moegraph trace`, plus the layer options every graph-taking command shares."""
+"""`moegraph trace`, plus the layer options every graph-taking command shares.
+
+The flags become one ``CompileConfig`` here (``config_from_args``), the CLI's boundary: the
+--passes text is parsed into typed steps once, and the commands hand the config to the driver
+(``moegraph.schedules.driver``, imported lazily: a later stage)."""
 
 from __future__ import annotations
 
@@ -9,24 +13,18 @@ import json
 import logging
 import sys
 import time
-from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-from moegraph.cost import CostModel
+from moegraph.config import RECORDED, CompileConfig, Edges
 from moegraph.ir import Graph, Phase, Strategy
 from moegraph.layers import layer_count
 from moegraph.limits import check_graph_size
 from moegraph.options import UsageError, byte_size, positive_int
-from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
+from moegraph.pass_steps import DEFAULT_PASSES, parse_passes, step_label
+from moegraph.registry import ModelConfig, load_model
 
-# The paper's configuration (§4.1): gating applied before FC2, Fig 9's rematerialization. The
-# one default pass pipeline of every command and of ``moegraph.compile``; "none" runs no pass.
-DEFAULT_PASSES = "gate-reorder,sar=paper"
-
-
-def passes_arg(text: str) -> str:
-    """--passes value: a pipeline string, '' or 'none' for no passes (validated by the pipeline)."""
-    return "" if text.strip().lower() == "none" else text
+PASSES_DEFAULT_TEXT = ",".join(map(step_label, DEFAULT_PASSES))
+"""--passes's default: the text form of ``moegraph.pass_steps.DEFAULT_PASSES`` ("gate-reorder,sar=paper")."""
 
 
 def layers_arg(text: str) -> int | Literal["all"]:
@@ -54,7 +52,7 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
     add_layers_arg(p)
-    p.add_argument("--passes", type=passes_arg, default=DEFAULT_PASSES,
+    p.add_argument("--passes", default=PASSES_DEFAULT_TEXT,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
                         "passes (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -80,19 +78,15 @@ def add_memory_budget_arg(p: argparse.ArgumentParser) -> None:
                         "(default: none)")
 
 
-@dataclass(frozen=True)
-class Layer:
-    model: ModelConfig
-    hardware: Hardware
-    cost: CostModel
-    graph: Graph
-    report: dict[str, Any]        # what the passes chose and predicted
-
-
-def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> Layer:
-    """The graph the layer options describe. ``multi_layer``: the command handles a graph of
-    several layers (trace, compile); the others refuse --layers above 1 before any work. Every
-    size that multiplies the graph is checked (``moegraph.limits``) before anything is traced."""
+def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edges: Edges = "none",
+                     **fields: Any) -> CompileConfig:
+    """The CompileConfig the layer options describe (the CLI's one boundary: --passes text is
+    parsed here, --layers and --top-k are checked against the model with the flags' names).
+    ``multi_layer``: the command handles a graph of several layers (trace, compile, run); the
+    others refuse --layers above 1 before any work. ``edges``: the config's (compile's model step:
+    'auto'). ``fields``: further config fields the command sets (schedule, memory budget, ...).
+    With ``args.schedule_strategy`` (run --schedule FILE) the file's typed strategy is rebuilt
+    as it records (RECORDED)."""
     for flag in ("n", "batch", "seq", "dp"):
         if getattr(args, flag) < 1:  # also reached from code that builds args by hand (demo, benchmarks)
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
@@ -101,33 +95,22 @@ def layer_from_args(args: argparse.Namespace, *, multi_layer: bool = False) -> L
     if layers > 1 and not multi_layer:
         raise UsageError(f"--layers={layers}: this command runs one layer (multi-layer execution is not supported "
                          "yet); use --layers 1, or trace, compile or run for a multi-layer graph")
-    if args.top_k is not None:
-        if not 1 <= args.top_k <= model.experts:
-            raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
-        model = dataclasses.replace(model, top_k=args.top_k)
+    if args.top_k is not None and not 1 <= args.top_k <= model.experts:
+        raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
     file_strategy = getattr(args, "schedule_strategy", None)
+    # every size that multiplies the graph, before anything is traced (and torch imported, ~1 s)
     check_graph_size(layers=layers, micro_batches=getattr(args, "micro_batches", 1), n=args.n, dp=args.dp,
                      chunks=file_strategy.chunks if file_strategy is not None else 1)
-    from moegraph.tracer import trace_model      # after the checks: importing it loads torch (~1 s)
-    hw = load_hardware(args.hardware)
-    cost = CostModel(hw)
-    report: dict[str, Any] = {}
     if file_strategy is not None:
         # run --schedule FILE: the file's typed strategy rebuilds its graph (its labels are a record)
-        from moegraph.passes import lower_strategy
-        graph, report = lower_strategy(model, file_strategy, batch=args.batch, seq=args.seq, cost=cost, layers=layers)
+        strategy, passes = file_strategy, RECORDED
     else:
         strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype,
                             dp=args.dp)
-        graph = trace_model(model, strategy, batch=args.batch, seq=args.seq, layers=layers)
-        if args.passes:
-            from moegraph.passes import run_pipeline
-            graph, report = run_pipeline(graph, args.passes, cost=cost)
-    micro_batches = getattr(args, "micro_batches", 1)     # only commands that add_micro_batch_arg
-    if micro_batches > 1:
-        from moegraph.microbatch import merge_microbatches
-        graph = merge_microbatches(graph, micro_batches)   # after the passes: they rewrite one micro-batch
-    return Layer(model, hw, cost, graph, report)
+        passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
+    return CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch, seq=args.seq,
+                         top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1), edges=edges,
+                         hardware=args.hardware, **fields)
 
 
 def resolve_layers(layers: int | str, model: ModelConfig) -> int:
@@ -147,17 +130,18 @@ def forward_comm_bytes(graph: Graph) -> dict[str, int]:
     return {block: graph.forward_comm_bytes(block) for block in ("attention", "ffn")}
 
 
-def trace_summary(layer: Layer) -> dict[str, Any]:
+def trace_summary(layer: Any) -> dict[str, Any]:
+    """``moegraph trace``'s result of a lowered config (``moegraph.schedules.driver.Lowered``)."""
     g, cost = layer.graph, layer.cost
     nodes = [{"name": n.name, "kind": "comm" if n.is_comm else "compute", "op": n.op.value, "phase": n.phase.value,
               "role": n.role.value, "block": n.block, "flops": n.flops, "bytes": n.mem_bytes,
               "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
     strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
-    return {"step_memory": step_memory(g), "model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
+    return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,
             "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
-            "time_us_by_phase": by_phase, "passes": layer.report}
+            "time_us_by_phase": by_phase, "step_memory": step_memory(g), "passes": layer.report}
 
 
 def print_result(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
@@ -197,7 +181,8 @@ def trace_command(p: argparse.ArgumentParser):
     add_layer_args(p)
 
     def run(args) -> int:
-        print_result(trace_summary(layer_from_args(args, multi_layer=True)), args.json, format_trace)
+        from moegraph.schedules.driver import lower
+        print_result(trace_summary(lower(config_from_args(args, multi_layer=True))), args.json, format_trace)
         return 0
     return run
 
@@ -205,8 +190,8 @@ def trace_command(p: argparse.ArgumentParser):
 def step_memory(graph: Graph) -> dict[str, int]:
     """The whole-step memory of one rank running ``graph`` as one stage (moegraph.memory): a
     stack with the model's edges at the default vocabulary, as compile schedules it."""
-    from moegraph.edges import add_edges
     from moegraph.memory import graph_memory
+    from moegraph.passes.edges import add_edges
     from moegraph.models import VOCAB
     if layer_count(graph) > 1:
         return graph_memory(add_edges(graph, vocab=VOCAB), vocab=VOCAB).as_dict()

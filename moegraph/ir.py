@@ -279,7 +279,7 @@ class Strategy:
 
     Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget),
     compress and fuse record the rewrites applied (``moegraph.passes``: sar, compress, fuse), so
-    the typed fields alone rebuild the graph (``moegraph.passes.lower_strategy``); passes holds
+    the typed fields alone rebuild the graph (``CompileConfig(passes=RECORDED)``); passes holds
     the labels of the passes that produced it. Invalid values raise ConfigError naming every offending
     field at once. Divisibility by the model's sizes is checked where the sizes are known
     (``moegraph.builder.check_strategy``).

@@ -6,8 +6,9 @@ optimizer step (each of [b, s, h]).
 Within one micro-batch the forward's dispatch and combine cannot be hidden: the expert GEMMs
 need the dispatched tokens and the next block needs the combined output. Megatron-Core's EP
 overlap and DeepSeek's DualPipe hide them under *another* micro-batch's backward. This module
-builds the graph in which that is a scheduling decision: ``merge_microbatches(graph, M)``
-holds M renamed copies of ``graph``'s forward and backward (a one-layer graph, or a stack of
+builds the graph in which that is a scheduling decision: the merge pass
+(``moegraph.passes.microbatch.merge_microbatches(graph, M)``; this module holds what the stages
+after it read of a merged graph) holds M renamed copies of ``graph``'s forward and backward (a one-layer graph, or a stack of
 L layers from ``moegraph.layers``):
 
 * micro-batch j's nodes and values are ``mb{j}.<name>`` and carry the int node attribute
@@ -39,14 +40,10 @@ sequential baseline is exactly M times the micro-batch's (plus one sync).
 
 from __future__ import annotations
 
-import dataclasses
+from moegraph.ir import Graph, GraphError, Node
+from moegraph.layers import boundary
 
-from moegraph.ir import Graph, GraphError, Node, OpKind, Phase, Role, ValueKind, freeze_attrs, verify
-from moegraph.layers import boundary, layer_count
-from moegraph.limits import check_graph_size
-
-__all__ = ["MB_ATTR", "merge_microbatches", "micro_batch_count", "micro_batch_graph", "micro_batch_of",
-           "microbatch_boundaries", "mb_name"]
+__all__ = ["MB_ATTR", "micro_batch_count", "micro_batch_graph", "micro_batch_of", "microbatch_boundaries", "mb_name"]
 
 MB_ATTR = "mb"
 """Node attribute holding the node's micro-batch index (an int) in a merged step graph."""
@@ -84,127 +81,3 @@ def microbatch_boundaries(graph: Graph) -> tuple[tuple[str, str, str, str], ...]
         return (boundary(graph),)
     x, seed, y, dx = boundary(micro_batch_graph(graph))
     return tuple((mb_name(j, x), mb_name(j, seed), mb_name(j, y), mb_name(j, dx)) for j in range(M))
-
-
-def _is_sync(graph: Graph, node: Node) -> bool:
-    """A gradient-synchronisation step of a parameter gradient: a collective (all-reduce, DP
-    reduce-scatter / all-gather) or the cast to the FP32 main gradient, reading one parameter
-    gradient. Linear in its input, so syncing the sum equals summing the syncs."""
-    return (node.role is Role.WGRAD and len(node.inputs) == 1 and len(node.outputs) == 1
-            and graph.value[node.inputs[0]].kind is ValueKind.PARAM_GRAD
-            and (node.is_comm or node.op is OpKind.CAST))
-
-
-def _sync_chains(graph: Graph) -> dict[str, tuple[str, tuple[Node, ...]]]:
-    """parameter -> (its raw gradient before synchronisation, the sync nodes in order)."""
-    out = {}
-    for p, g in graph.grads:
-        chain = []
-        while (prod := graph.producer.get(g)) is not None and _is_sync(graph, prod):
-            chain.append(prod)
-            g = prod.inputs[0]
-        if graph.producer.get(g) is None:
-            raise GraphError(f"gradient {g!r} of parameter {p!r} has no producer in graph {graph.name!r}")
-        out[p] = (g, tuple(reversed(chain)))
-    return out
-
-
-def merge_microbatches(graph: Graph, micro_batches: int) -> Graph:
-    """The step graph of ``micro_batches`` micro-batches of ``graph`` (module docstring); verified.
-
-    ``micro_batches`` = 1 returns ``graph`` unchanged. ``graph`` is a one-layer or stacked
-    graph (passes already applied), not a merged one.
-    """
-    M = micro_batches
-    if isinstance(M, bool) or not isinstance(M, int) or M < 1:
-        raise ValueError(f"micro_batches={M!r} must be a positive integer")
-    if micro_batch_count(graph) != 1 or any(micro_batch_of(n) is not None for n in graph.nodes):
-        raise GraphError(f"graph {graph.name!r} already holds {micro_batch_count(graph)} micro-batches; merge its "
-                         "micro-batch graph (micro_batch_graph) instead")
-    if M == 1:
-        return graph
-    L = layer_count(graph)
-    check_graph_size(layers=L, micro_batches=M, nodes_per_layer=-(-len(graph.nodes) // L))    # before copying it
-    x, seed, y, dx = boundary(graph)
-    chains = _sync_chains(graph)
-    sync_nodes = {n.name for _, chain in chains.values() for n in chain}
-    sync_values = {o for _, chain in chains.values() for n in chain for o in n.outputs}
-    raw_of = {p: raw for p, (raw, _) in chains.items()}
-    shared = {v.name for v in graph.values if v.kind is ValueKind.PARAM} | sync_values
-
-    def rename(j: int, name: str) -> str:
-        return name if name in shared else mb_name(j, name)
-
-    values = [v for v in graph.values if v.name in shared]
-    for j in range(M):
-        for v in graph.values:
-            if v.name not in shared:
-                alias = rename(j, v.alias_of) if v.alias_of is not None else None
-                values.append(dataclasses.replace(v, name=mb_name(j, v.name), alias_of=alias))
-    nodes: list[Node] = []
-    total: dict[str, str] = {}                 # raw gradient -> the value holding its running sum
-    for j in range(M):
-        copies = [_renamed(n, j, rename) for n in graph.nodes if n.name not in sync_nodes]
-        if j > 0:
-            where = {c.outputs: i for i, c in enumerate(copies)}
-            for raw in raw_of.values():
-                done = _accumulate_into(copies, where, mb_name(j, raw), total[raw], values)
-                if done is not None:
-                    copies.append(done)
-        nodes += copies
-        total = {raw: mb_name(j, raw) for raw in raw_of.values()}
-    # the step's synchronisation: once, on the summed gradient
-    for raw, chain in chains.values():
-        for n in chain:
-            nodes.append(dataclasses.replace(n, inputs=tuple(total[raw] if v == raw else v for v in n.inputs)))
-    grads = tuple((p, total[g] if g in total else g) for p, g in graph.grads)
-    param_grads = [total.get(o, o) for o in graph.outputs[2:]]
-    outputs = tuple(name for j in range(M) for name in (mb_name(j, y), mb_name(j, dx))) + tuple(param_grads)
-    inputs = tuple(mb_name(j, x) for j in range(M)) + tuple(v for v in graph.inputs if v not in (x, seed)) \
-        + tuple(mb_name(j, seed) for j in range(M))
-    saved = frozenset(rename(j, v) for j in range(M) for v in graph.saved)
-    meta = dict(graph.meta) | {"micro_batches": M, "mb_graph": graph}
-    merged = dataclasses.replace(graph, values=tuple(values), nodes=tuple(nodes), inputs=inputs, outputs=outputs,
-                                 saved=saved, grads=grads, meta=freeze_attrs(meta))
-    return verify(merged)
-
-
-def _renamed(node: Node, j: int, rename) -> Node:
-    forward_of = mb_name(j, node.forward_of) if node.forward_of is not None else None
-    out = dataclasses.replace(node, name=mb_name(j, node.name), inputs=tuple(rename(j, v) for v in node.inputs),
-                              outputs=tuple(rename(j, v) for v in node.outputs), forward_of=forward_of)
-    return out.with_attrs(**{MB_ATTR: j})
-
-
-def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, values: list) -> Node | None:
-    """Make micro-batch j's gradient ``part`` the running sum ``acc`` + its own partial.
-
-    The first weight-gradient kernel of ``part``'s chain (a parameter's per-chunk kernels
-    already add into one another, attr accumulate) reads ``acc`` and adds into it, as a fused
-    GEMM accumulating into the main gradient does; ``copies`` is updated in place and None
-    returned. Otherwise an ADD node (returned) sums them: ``part`` is a raw gradient, read only
-    by the step's sync or the next micro-batch's sum, so the ADD's output takes ``part``'s name
-    and its producer writes ``<part>.partial`` instead. ``where``: outputs -> index in ``copies``."""
-    i = where.get((part,))
-    if i is None:
-        raise GraphError(f"gradient {part!r} is not the single output of one node")
-    head = i
-    while copies[head].attr("accumulate", False):
-        prev = where.get((copies[head].inputs[-1],))
-        if prev is None:
-            break
-        head = prev
-    node = copies[head]
-    if node.role is Role.WGRAD and not node.is_comm and len(node.outputs) == 1 and not node.attr("accumulate", False):
-        nbytes = next(v.nbytes for v in values if v.name == acc)
-        copies[head] = node.accumulating(acc, nbytes)
-        return None
-    # the partial keeps being produced under a new name; the ADD writes the sum as ``part``
-    partial = f"{part}.partial"
-    value = next(v for v in values if v.name == part)
-    values.append(dataclasses.replace(value, name=partial))
-    prod = copies[i]
-    copies[i] = dataclasses.replace(prod, outputs=(partial,))
-    return Node(name=f"{part}.accumulate", op=OpKind.ADD, phase=Phase.BACKWARD, inputs=(acc, partial), outputs=(part,),
-                role=Role.WGRAD, flops=value.numel, mem_bytes=3 * value.nbytes, module=prod.module, block=prod.block,
-                attrs=freeze_attrs({k: v for k, v in prod.attrs if k in ("layer", MB_ATTR)}))

@@ -11,46 +11,21 @@ from __future__ import annotations
 
 import argparse
 import math
-import re
 from pathlib import Path
 
-# The one unit of memory on the command line: binary prefixes, or plain bytes.
+from moegraph.sizes import BYTE_UNITS, SIZE_FORMS, format_bytes, format_bytes_apart, parse_byte_size  # noqa: F401
+
+
 class UsageError(ValueError):
     """A bad command-line value; reported as one line on stderr, exit code 2."""
 
 
-BYTE_UNITS = {"": 1, "b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
-SIZE_FORMS = "a positive size such as 1.5GiB, 800MiB, 64KiB or a plain number of bytes"
-
-
 def byte_size(text: str) -> int:
-    """'1.5GiB' / '800MiB' / '4096' -> bytes (an int > 0). Decimal prefixes (GB) are refused:
-    memory is counted in binary units here, and a silent 7% difference is worse than an error."""
-    m = _SIZE.match(str(text))
-    unit = m.group(2).lower() if m else ""
-    if not m or unit not in BYTE_UNITS:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {SIZE_FORMS}")
-    value = float(m.group(1)) * BYTE_UNITS[unit]
-    if not math.isfinite(value) or value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not {SIZE_FORMS}")
-    return int(value)
-
-
-def format_bytes(n: int) -> str:
-    """Bytes in the largest binary unit that keeps the number >= 1: 1610612736 -> '1.50GiB'."""
-    for unit in ("TiB", "GiB", "MiB", "KiB"):
-        if n >= BYTE_UNITS[unit.lower()]:
-            return f"{n / BYTE_UNITS[unit.lower()]:.2f}{unit}"
-    return f"{n}B"
-
-
-def format_bytes_apart(*sizes: int) -> tuple[str, ...]:
-    """format_bytes of each size, with the exact byte count added to every size that would read
-    like a different one ("436.00KiB (446,463 bytes) is below 436.00KiB (446,464 bytes)")."""
-    text = [format_bytes(n) for n in sizes]
-    return tuple(t + (f" ({n:,} bytes)" if any(t == u and n != m for u, m in zip(text, sizes)) else "")
-                 for t, n in zip(text, sizes))
+    """--memory-budget value: ``moegraph.sizes.parse_byte_size`` as an argparse type."""
+    try:
+        return parse_byte_size(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _number(text: str, kind: type, what: str, ok) -> float | int:

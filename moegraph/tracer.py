@@ -27,7 +27,7 @@ from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
-from moegraph.layers import layer_count, stack_layers
+from moegraph.layers import layer_count
 from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
@@ -302,8 +302,11 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> G
 
 
 def relower(graph: Graph, **strategy_changes) -> Graph:
-    """Lower the same layer again with some strategy fields changed (used by strategy passes)."""
-    layers = layer_count(graph)
+    """Lower the same layer again with some strategy fields changed (used by strategy passes).
+    One layer: a stack's layers are re-lowered by the pass manager, which restacks them."""
+    if layer_count(graph) > 1:
+        raise LoweringError(f"graph {graph.name!r} holds {layer_count(graph)} layers: re-lower its one-layer graph "
+                            "(moegraph.layers.layer_graph); the pass manager restacks it")
     program = graph.meta_get("program")
     if program is None:
         raise LoweringError(f"graph {graph.name!r} carries no layer program to re-lower")
@@ -311,8 +314,7 @@ def relower(graph: Graph, **strategy_changes) -> Graph:
     layer = lower(program, dataclasses.replace(graph.dims, n=strategy.n), strategy, graph.name)
     if graph.meta_get(AUX_META) is not None:                # the model's aux loss (trace_model) stays
         layer = layer.with_meta(**{AUX_META: graph.meta_get(AUX_META)})
-    # a multi-layer graph re-lowers its one layer and restacks it: identical layers, one lowering
-    return stack_layers(layer, layers)
+    return layer
 
 
 def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int, name: str | None = None) -> Graph:
@@ -324,10 +326,10 @@ def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int,
 def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int, seq: int,
                  name: str | None = None) -> Graph:
     """Lower a stack of decoder layers (an ``nn.ModuleList``, applied in order, each reading the
-    previous one's output) into one multi-layer graph (``moegraph.layers``): layer i's parameters
-    are read as ``layers.{i}.<name in the layer>``. Every layer must lower to the same program
-    (same blocks, sizes and parameter names); the first is lowered once and stacked. A single
-    layer gives the one-layer graph, its parameters named as in the layer."""
+    previous one's output) once: every layer must lower to the same program (same blocks, sizes
+    and parameter names), and the one-layer graph of the first is returned, its parameters named
+    as in the layer. The stack pass (``moegraph.passes.stack``, run by the driver) chains
+    len(layers) copies, layer i's parameters read as ``layers.{i}.<name in the layer>``."""
     layers = list(layers)
     if not layers:
         raise LoweringError("trace_layers needs at least one layer")
@@ -337,16 +339,16 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
             raise LoweringError(f"layer {i} ({type(layers[i]).__name__}) does not lower to the same program as "
                                 f"layer 0 ({type(layers[0]).__name__}): only identical layers can share one graph")
     program = programs[0]
-    graph = lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
-    return stack_layers(graph, len(layers))
+    return lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
 
 
 def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: int,
                     name: str | None = None) -> tuple[Graph, ModelSpec]:
     """Recognise a whole causal LM by its model rule (``moegraph.lowering.register_model``), never
-    tracing it as a whole: lower its decoder layers into one multi-layer graph (``trace_layers``:
-    identical layers, lowered once) and return that graph with the ModelSpec naming the parts
-    that run around it (embedding, final norm, LM head). Every parameter and buffer of the model
+    tracing it as a whole: lower its decoder layers (``trace_layers``: identical layers, lowered
+    once; the driver stacks ``len(model.get_submodule(spec.layers))`` of them) and return that
+    one-layer graph with the ModelSpec naming the parts that run around it (embedding, final norm,
+    LM head). Every parameter and buffer of the model
     must belong to a layer or to one of those parts, or be declared unused by the rule."""
     check_patches_and_hooks(model)
     spec = find_model_rule(model).spec(model)
@@ -386,22 +388,19 @@ def _assign_block_of_unassigned(g: GraphBuilder) -> None:
         g.nodes[i] = dataclasses.replace(node, block=block)
 
 
-def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, layers: int = 1) -> Graph:
-    """Trace the reference layer sized from a registry ModelConfig, without allocating weights;
-    ``layers`` > 1 stacks that many identical layers into one graph (``moegraph.layers``),
-    lowered once (at most the model's ``moe_layers``: an MoE layer is traced; DeepSeek-V3's
-    dense first layers are ``MoETransformerLayer.from_config(cfg, layer=i)``). A model with
-    ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for ``add_edges``."""
+def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192) -> Graph:
+    """Trace the reference layer sized from a registry ModelConfig, without allocating weights:
+    one MoE layer (DeepSeek-V3's dense first layers are ``MoETransformerLayer.from_config(cfg,
+    layer=i)``); the stack pass (``moegraph.passes.stack``) chains identical copies. A model with
+    ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for the edges pass."""
     from moegraph.models import MoETransformerLayer
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= cfg.moe_layers:
-        raise ConfigError(f"layers={layers!r} must be between 1 and {cfg.layers_phrase()}")
-    check_graph_size(layers=layers, chunks=strategy.chunks, n=strategy.n, dp=strategy.dp)    # before tracing
+    check_graph_size(chunks=strategy.chunks, n=strategy.n, dp=strategy.dp)    # before tracing
     with torch.device("meta"):
         layer = MoETransformerLayer.from_config(cfg)
     graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
     if cfg.router_aux_loss_coef > 0:        # the model step's edges add it (moegraph.edges, AUX_META)
         graph = graph.with_meta(**{AUX_META: AuxLoss(cfg.router_aux_loss_coef, cfg.experts, cfg.top_k)})
-    return stack_layers(graph, layers)
+    return graph
 
 
 __all__ = ["trace_module", "trace_layers", "trace_causal_lm", "trace_model", "extract_program", "lower", "relower", "LoweringError", "ConfigError"]

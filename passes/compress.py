@@ -13,9 +13,10 @@ rewired and ``saved`` is untouched; the new buffers are transient.
 Modes
     dp-bf16   every data-parallel gradient reduce-scatter in FP32 (attr dp=True, added by
               lowering when strategy.dp > 1: intra- and inter-node stages) sends BF16: half
-              the bytes. Main gradients stay FP32 before and after. The rewrite itself is
-              moegraph.compression's (the edges, added after the passes, apply it too); the
-              pass records graph.meta["dp_grad_wire"] = DpGradWire.BF16.
+              the bytes. Main gradients stay FP32 before and after. The pass records
+              graph.meta["dp_grad_wire"] = DpGradWire.BF16, and the model's edges (added
+              after it, moegraph.passes.edges) rewrite their own DP syncs with the same
+              ``dp_bf16``: one copy of the rule.
     tp-fp8    every forward (and recompute) tensor-parallel reduce-scatter of activations
               (attn='tp' output projection, ag-rs dispatch combine) sends FP8 E4M3 with a
               per-token scale (amax/448 per row, sent alongside as fp32), summed in FP32.
@@ -30,14 +31,71 @@ unchanged.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import typing
 
-from moegraph.compression import DP_WIRE_META, DpGradWire, derived, dp_bf16, is_dp_fp32_reduce_scatter
 from moegraph.cost import CostModel
 from moegraph.ir import Compress, Graph, Node, OpKind, Phase, Value, collective_bytes
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 MODES = tuple(m for m in typing.get_args(Compress) if m != "none")
+
+
+DP_WIRE_META = "dp_grad_wire"
+"""``graph.meta`` key: the wire format of the graph's data-parallel gradient reduce-scatters."""
+
+
+class DpGradWire(enum.Enum):
+    """Wire format of the data-parallel gradient reduce-scatters (attr dp=True)."""
+    FP32 = "fp32"          # as lowered (moegraph.autodiff._dp_sync)
+    BF16 = "bf16"          # compress=dp-bf16: BF16 all-to-all + FP32 local sum
+
+
+def dp_grad_wire(graph: Graph) -> DpGradWire:
+    """The wire format the graph's DP gradient reduce-scatters use (FP32 unless rewritten)."""
+    wire = graph.meta_get(DP_WIRE_META, DpGradWire.FP32)
+    if not isinstance(wire, DpGradWire):
+        raise ValueError(f"graph {graph.name!r}: meta {DP_WIRE_META}={wire!r} is not a DpGradWire")
+    return wire
+
+
+def derived(like: Node, name: str, op: OpKind, inputs: tuple[str, ...], outputs: tuple[str, ...],
+            values: dict[str, Value], *, attrs: dict, flops: int = 0, comm_bytes: int = 0) -> Node:
+    """A node in ``like``'s place (phase, role, module, block, chunk tag); mem_bytes from its values."""
+    chunk = {"chunk": like.attr("chunk")} if like.attr("chunk", None) is not None else {}
+    node = dataclasses.replace(like, name=name, op=op, inputs=inputs, outputs=outputs, flops=flops,
+                               mem_bytes=0 if op.is_comm else sum(values[v].nbytes for v in {*inputs, *outputs}),
+                               comm_bytes=comm_bytes, group=like.group if op.is_comm else 0, attrs=())
+    return node.with_attrs(**(chunk | attrs))
+
+
+def is_dp_fp32_reduce_scatter(graph_values: dict[str, Value], node: Node) -> bool:
+    """An FP32 data-parallel gradient reduce-scatter (``_dp_sync``'s, attr dp=True): what the
+    BF16 sync rewrites."""
+    return (node.op is OpKind.REDUCE_SCATTER and bool(node.attr("dp", False))
+            and graph_values[node.inputs[0]].dtype == "fp32")
+
+
+def dp_bf16(rs: Node, values: dict[str, Value]) -> list[Node]:
+    """FP32 gradient reduce-scatter -> BF16 all-to-all + FP32 local sum (flat buckets); the new
+    buffers are added to ``values``."""
+    (x,), (y,), g = rs.inputs, rs.outputs, rs.group
+    xv, numel = values[x], values[x].numel
+    values[f"{x}.bf16"] = dataclasses.replace(xv, name=f"{x}.bf16", dtype="bf16", alias_of=None)
+    values[f"{y}.parts"] = dataclasses.replace(values[y], name=f"{y}.parts", shape=(g, numel // g), dtype="bf16")
+    values[f"{y}.parts32"] = dataclasses.replace(values[f"{y}.parts"], name=f"{y}.parts32", dtype="fp32")
+    keep = {k: v for k, v in rs.attrs if k in ("scope", "axis", "dp")}
+    return [
+        derived(rs, f"{rs.name}.cast", OpKind.CAST, (x,), (f"{x}.bf16",), values, attrs={"to": "bf16"}),
+        derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.bf16",), (f"{y}.parts",), values,
+                comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, values[f"{x}.bf16"].nbytes, g),
+                attrs=keep | {"mode": "shards", "split_dim": 0, "flat": True, "compressed": "bf16"}),
+        derived(rs, f"{rs.name}.upcast", OpKind.CAST, (f"{y}.parts",), (f"{y}.parts32",), values,
+                attrs={"to": "fp32"}),
+        derived(rs, f"{rs.name}.sum", OpKind.ADD, (f"{y}.parts32",), (y,), values, flops=numel,
+                attrs={"reduce_dim": 0, "reduce": rs.attr("reduce", "sum"), "to": "fp32"}),
+    ]
+
 
 
 def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
@@ -72,7 +130,7 @@ def _targets(graph: Graph, mode: str) -> list[Node]:
             and n.phase in (Phase.FORWARD, Phase.RECOMPUTE)]
 
 
-@register("compress", stage=3, valid="dp-bf16, tp-fp8", relowers=False)
+@register("compress", stage=3, relowers=False)
 def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """Compress reductions on the wire (module docstring); ``compress`` needs a mode.
 

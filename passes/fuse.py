@@ -188,7 +188,7 @@ def mark(graph: Graph, chosen: list[Candidate]) -> Graph:
     return dataclasses.replace(graph, nodes=nodes)
 
 
-@register("fuse", stage=5, valid="auto (the default), all, none", relowers=False)
+@register("fuse", stage=5, relowers=False)
 def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """Mark fused comm+compute groups (module docstring). Invariant: the same nodes, values and
     saved set (only node attributes change), so the same function and the same memory."""

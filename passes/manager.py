@@ -1,23 +1,36 @@
-"""The pass manager: parse a pipeline spec, order it, run each pass, verify after each.
+"""The pass manager: order a pipeline, build each pass from its typed step, run it, verify after each.
 
-    graph, report = run_pipeline(graph, "sar=paper,gate-reorder,dispatch=auto,chunk=auto", cost=cost)
+    graph, report = run_pipeline(graph, (GateReorder(), Sar("paper")), cost=cost)
 
-A pass is a plain function ``Graph -> PassResult``; a pass with options is built from its
-argument and its context (``sar("paper", cost=cost)``). The manager knows each pass by a
-``PassSpec``: its name, how to build it, its stage and the arguments it accepts.
+A pass is a plain function ``Graph -> PassResult``, built from its typed step and the cost model
+(``moegraph.pass_steps``: the step types hold its arguments; ``sar("paper", cost)`` builds one by
+hand). The manager knows each pass by a ``PassSpec`` (its name, builder, stage and valid
+arguments) and runs a ``BuiltPass``: the function, its label and its scope, a typed field saying
+whether it rewrites one decoder layer or the whole step graph.
 
 Order is data (``PassSpec.stage``), and the manager sorts the pipeline by it (stably), so
 ``sar=paper,dispatch=auto`` runs dispatch first. The table, lowest stage first:
 
-    stage  pass          kind      why here
-    0      gate-reorder  re-lower  changes the MoE block's op sequence; later searches price it
-    1      dispatch      re-lower  chunk=auto's search should see the chosen dispatch
-    2      chunk         re-lower  splits whatever dispatch chain was chosen
-    3      compress      rewrite   replaces collectives; a re-lowering after it would undo it
-    4      sar           rewrite   decides on the final graph's values, pricing the rebuilt
-                                   nodes (compressed collectives included)
-    5      fuse          annotate  marks fused comm+compute groups on the final nodes (chunked
-                                   or not, recompute included); changes attributes only
+    stage  pass          scope  kind      why here
+    -1     stack         step   model     L identical layers (passes/stack.py): first, so that
+                                          sar's model-wide budget sees the stack
+    0      gate-reorder  layer  re-lower  changes the MoE block's op sequence; later searches price it
+    1      dispatch      layer  re-lower  chunk=auto's search should see the chosen dispatch
+    2      chunk         layer  re-lower  splits whatever dispatch chain was chosen
+    3      compress      layer  rewrite   replaces collectives; a re-lowering after it would undo it
+    4      sar           layer  rewrite   decides on the final graph's values, pricing the rebuilt
+                         (step            nodes (compressed collectives included); sar=budget on a
+                          budget)         stack shares the budget among its layers
+    5      fuse          layer  annotate  marks fused comm+compute groups on the final nodes (chunked
+                                          or not, recompute included); changes attributes only
+    10     microbatches  step   model     M micro-batches of the rewritten stack (passes/microbatch.py)
+    11     edges         step   model     the causal LM's embedding, norm, head (passes/edges.py): last,
+                                          per micro-batch, following compress=dp-bf16's wire format
+
+The user names the passes of stages 0-5 (``moegraph.pass_steps.STEPS``); the driver adds the
+model-level ones from ``CompileConfig`` (layers, micro_batches, edges), and the report lists only
+the user's. A layer-scoped pass on a stack runs once on the stack's layer graph (the layers are
+identical) and is restacked.
 
 Re-lowering passes rebuild the layer from its program (``moegraph.tracer.relower``), which
 discards every graph rewrite, so all of them precede the rewrites; a re-lowering pass applied
@@ -29,16 +42,14 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, verify
-from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.layers import layer_count, layer_graph
 from moegraph.microbatch import micro_batch_count
-
-
-class PassError(ValueError):
-    """A bad pipeline spec, or a pass that failed; the message names the pass (and its predecessors)."""
+from moegraph.pass_steps import STEPS, PassError, label, parse_passes, step_label  # noqa: F401 (re-exported)
+from moegraph.passes.stack import StackLayers, stack_layers
 
 
 @dataclass(frozen=True)
@@ -53,117 +64,154 @@ class PassResult:
 
 Pass = Callable[[Graph], PassResult]
 
+Scope = Literal["layer", "step"]
+"""What a pass rewrites: one decoder layer, or the whole step graph (module docstring)."""
+
+
+@dataclass(frozen=True)
+class BuiltPass:
+    """A pass built for one pipeline: its label, its function and its scope."""
+
+    label: str
+    """What the graph records (``Strategy.passes``) and the report is keyed by."""
+    run: Pass
+    scope: Scope = "layer"
+    """'layer': the pass rewrites one decoder layer; on a stack of identical layers the manager
+    runs it on the stack's layer graph once and restacks, exact for a pass whose decisions are
+    local to a layer. 'step': it rewrites the whole graph it is given (stacking, micro-batch
+    merging, the model's edges, sar's model-wide budget)."""
+    reported: bool = True
+    """Whether the pipeline's report lists it: the user's passes are; the model-level steps the
+    driver adds from the config's layers, micro-batches and edges are not (the graph shows them)."""
+
 
 @dataclass(frozen=True)
 class PassSpec:
+    """What the manager knows of a pass: how to build it from its typed step, where it runs."""
+
     name: str
-    build: Callable[[str | None, CostModel], Pass]   # (argument or None, cost model) -> pass
+    build: Callable[[Any, CostModel | None], BuiltPass]   # (step, cost model) -> the built pass
     stage: int
-    valid: str                                       # the accepted arguments, for error messages
+    valid: str                                            # the accepted arguments, for error messages
     relowers: bool
+    step: type                                            # the typed step it is built from
 
 
-def register(name: str, *, stage: int, valid: str, relowers: bool):
-    """Decorator on a builder ``(arg, cost) -> Pass``; adds it to PASSES."""
+PASSES: dict[str, PassSpec] = {}
+"""The user's passes by name (what a pipeline may name: ``moegraph.pass_steps.STEPS``)."""
+MODEL_PASSES: dict[type, PassSpec] = {}
+"""The model-level rewrites the driver adds (stack, micro-batch merge, edges), by step type."""
+
+
+def register(name: str, *, stage: int, relowers: bool, scope: Callable[[Any], Scope] = lambda step: "layer"):
+    """Decorator on a builder ``(arg text or None, cost) -> Pass`` of a user pass: adds it to
+    PASSES, built from its typed step (``moegraph.pass_steps.STEPS[name]``), labelled by it, with
+    the scope ``scope(step)``."""
+    step_type = STEPS[name]
+
     def wrap(build):
-        PASSES[name] = PassSpec(name, build, stage, valid, relowers)
+        def built(step, cost):
+            return BuiltPass(step_label(step), build(step.arg, cost), scope(step))
+        PASSES[name] = PassSpec(name, built, stage, step_type.VALID, relowers, step_type)
         return build
     return wrap
 
 
-PASSES: dict[str, PassSpec] = {}
+def register_model_pass(step_type: type, *, stage: int):
+    """Decorator on a builder ``(step, cost) -> Pass`` of a model-level rewrite (scope 'step',
+    not reported): adds it to MODEL_PASSES."""
+    def wrap(build):
+        def built(step, cost):
+            return BuiltPass(step.NAME, build(step, cost), "step", reported=False)
+        MODEL_PASSES[step_type] = PassSpec(step_type.NAME, built, stage, "", False, step_type)
+        return build
+    return wrap
 
 
-def label(name: str, arg: str | None) -> str:
-    return name if arg is None else f"{name}={arg}"
+def spec_of(step: Any) -> PassSpec:
+    """The PassSpec a typed step is built by (PassError naming it when there is none)."""
+    spec = MODEL_PASSES.get(type(step)) or PASSES.get(getattr(step, "NAME", None))
+    if spec is None or not isinstance(step, spec.step):
+        raise PassError(f"{step!r} is not a pass step; valid: {', '.join(sorted(PASSES))} "
+                        "(moegraph.pass_steps), or a model-level step")
+    return spec
 
 
-def parse_pipeline(spec: str | list[str] | tuple[str, ...]) -> list[tuple[str, str | None]]:
-    """``"a,b=x"`` or ``["a", "b=x"]`` -> [("a", None), ("b", "x")]; unknown names raise PassError."""
-    if isinstance(spec, str) and not spec.strip():
-        return []
-    items = [item.strip() for item in (spec.split(",") if isinstance(spec, str) else spec)]
-    out: list[tuple[str, str | None]] = []
-    for item in items:
-        if not item:
-            raise PassError(f"empty pass name in pipeline {spec!r}; valid: {', '.join(sorted(PASSES))}")
-        name, eq, arg = item.partition("=")
-        name, arg = name.strip(), (arg.strip() if eq else None)
-        if name not in PASSES:
-            raise PassError(f"unknown pass {name!r}; valid: {', '.join(sorted(PASSES))}")
-        if any(name == seen for seen, _ in out):
-            raise PassError(f"pass {name!r} is given twice in pipeline {spec!r}")
-        out.append((name, arg))
-    return out
-
-
-def build_pass(name: str, arg: str | None, cost: CostModel) -> Pass:
-    """The pass ``name=arg``; a bad argument raises PassError listing the valid ones."""
-    spec = PASSES[name]
+def build_pass(step: Any, cost: CostModel | None) -> BuiltPass:
+    """The pass ``step`` describes; a bad argument raises PassError listing the valid ones."""
+    spec = spec_of(step)
     try:
-        return per_layer(spec.build(arg, cost))
+        return spec.build(step, cost)
     except ValueError as err:
-        raise PassError(f"pass {name!r}: invalid argument {arg!r} ({err}); valid: {spec.valid}") from err
+        raise PassError(f"pass {spec.name!r}: invalid argument {step.arg!r} ({err}); valid: {spec.valid}") from err
 
 
-def per_layer(run: Pass) -> Pass:
-    """``run`` on a multi-layer graph (``moegraph.layers``): the layers are identical, so the
-    pass rewrites the one-layer graph once and the result is restacked. Exact for every pass
-    whose decisions are local to a layer; a pass deciding at model level (sar=budget) refuses
-    multi-layer graphs itself, before this runs. The report is the one layer's, with
-    ``layers`` added; a one-layer graph passes straight through. A pass that handles layers
-    itself is marked ``layer_aware`` and returned as it is."""
-    if getattr(run, "layer_aware", False):
-        return run
-
-    def wrapped(graph: Graph) -> PassResult:
-        layers = layer_count(graph)
-        if layers == 1:
-            return run(graph)
-        result = run(layer_graph(graph))
-        return PassResult(stack_layers(result.graph, layers), result.changed,
-                          {**result.report, "layers": layers, "report_is": "per layer"})
-    wrapped.layer_aware = True
-    return wrapped
+def staged(steps: str | Sequence[Any]) -> list[Any]:
+    """The steps of a pipeline (typed, or its text form) in the order they run (by stage): the
+    order their labels take in a graph's strategy.passes. A user pass named twice is a PassError."""
+    steps = parse_passes(steps) if isinstance(steps, str) else tuple(steps)
+    names = [s.NAME for s in steps if type(s) not in MODEL_PASSES]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise PassError(f"pass {twice[0]!r} is given twice in pipeline {steps!r}")
+    return sorted(steps, key=lambda s: spec_of(s).stage)
 
 
-def run_pipeline(graph: Graph, spec: str | list[str] | tuple[str, ...], *,
-                 cost: CostModel) -> tuple[Graph, dict[str, Any]]:
-    """Run the passes of ``spec`` in stage order, verifying after each.
+def run_pipeline(graph: Graph, steps: str | Sequence[Any], *, cost: CostModel | None) -> tuple[Graph, dict[str, Any]]:
+    """Run the passes of ``steps`` in stage order, verifying after each. ``steps``: typed steps
+    (``moegraph.pass_steps``, and the model-level ones the driver adds), or a pipeline's text
+    form ("gate-reorder,sar=paper", read by ``parse_passes``: for people, tests and benchmarks).
 
     Returns the final graph and the report: {"pipeline": [labels in run order], <pass name>:
-    that pass's report, ...}.
+    that pass's report, ...}, for the reported (user) passes.
     """
-    return run_passes(graph, [(label(name, arg), build_pass(name, arg, cost)) for name, arg in staged(spec)])
+    return run_passes(graph, [build_pass(step, cost) for step in staged(steps)])
 
 
-def staged(spec: str | list[str] | tuple[str, ...]) -> list[tuple[str, str | None]]:
-    """``spec``'s (name, argument) pairs in the order they run (by stage): the order their labels
-    take in a graph's strategy.passes."""
-    return sorted(parse_pipeline(spec), key=lambda it: PASSES[it[0]].stage)
-
-
-def run_passes(graph: Graph, passes: list[tuple[str, Pass]]) -> tuple[Graph, dict[str, Any]]:
-    """Run built ``(label, pass)`` pairs in the order given, verifying after each: what
-    run_pipeline does once the spec is parsed, and what the typed path (``passes_for``) runs.
-    Returns the final graph and the report (as run_pipeline's)."""
-    if micro_batch_count(graph) > 1:
-        # a pass rewrites one micro-batch's layer (restacking would drop the other micro-batches)
-        raise PassError(f"graph {graph.name!r} is a merged step of {micro_batch_count(graph)} micro-batches: run the "
-                        "passes on the micro-batch graph, then merge (moegraph.microbatch.merge_microbatches)")
-    report: dict[str, Any] = {"pipeline": [lab for lab, _ in passes]}
+def run_passes(graph: Graph, passes: Sequence[BuiltPass]) -> tuple[Graph, dict[str, Any]]:
+    """Run built passes in the order given, verifying after each: what run_pipeline does once
+    the steps are built, and what the typed path (``passes_for``) runs. A layer-scoped pass on
+    a stack runs once on its layer graph and is restacked (``BuiltPass.scope``). Returns the
+    final graph and the report (as run_pipeline's)."""
+    report: dict[str, Any] = {"pipeline": [p.label for p in passes if p.reported]}
     done: list[str] = []
-    for lab, run in passes:
+    for p in passes:
+        if p.scope == "layer" and micro_batch_count(graph) > 1:
+            # a layer pass rewrites one micro-batch's layer (restacking would drop the other micro-batches)
+            raise PassError(f"graph {graph.name!r} is a merged step of {micro_batch_count(graph)} micro-batches: "
+                            f"run {p.label!r} on the micro-batch graph, then merge (moegraph.passes.microbatch)")
         try:
-            result = run(graph)
+            result = _run_scoped(p, graph)
             verify(result.graph)
         except (ValueError, NotImplementedError) as err:
             before = ", ".join(done) if done else "none"
-            raise PassError(f"pass {lab!r} failed (passes before it: {before}): {err}") from err
+            raise PassError(f"pass {p.label!r} failed (passes before it: {before}): {err}") from err
         graph = result.graph
-        report[lab.partition("=")[0]] = dict(result.report)
-        done.append(lab)
+        if p.reported:
+            report[p.label.partition("=")[0]] = dict(result.report)
+        done.append(p.label)
     return graph, report
+
+
+def _run_scoped(p: BuiltPass, graph: Graph) -> PassResult:
+    """``p`` on ``graph`` by its scope: a layer pass on a stack rewrites the layer graph once and
+    the result is restacked, its report the one layer's with ``layers`` added."""
+    layers = layer_count(graph)
+    if p.scope == "step" or layers == 1:
+        return p.run(graph)
+    if p.scope != "layer":
+        raise PassError(f"pass {p.label!r} has scope {p.scope!r}; valid: layer, step")
+    result = p.run(layer_graph(graph))
+    return PassResult(stack_layers(result.graph, layers), result.changed,
+                      {**result.report, "layers": layers, "report_is": "per layer"})
+
+
+@register_model_pass(StackLayers, stage=-1)
+def stack(step: StackLayers, cost: CostModel | None = None) -> Pass:
+    """The stack pass (``moegraph.passes.stack``): registered here, as the manager restacks with it."""
+    def run(graph: Graph) -> PassResult:
+        out = stack_layers(graph, step.layers)
+        return PassResult(out, out is not graph)
+    return run
 
 
 # -- helpers the passes share ------------------------------------------------------------

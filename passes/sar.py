@@ -52,7 +52,6 @@ kernels) and never more activation memory: ``saved`` after is a subset of ``save
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import re
@@ -61,11 +60,13 @@ from dataclasses import dataclass
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
-from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.layers import layer_count, layer_graph
 from moegraph.solver_limits import set_time_limit
-from moegraph.options import byte_size
-from moegraph.passes.manager import (Pass, PassResult, label, mark_rewritten, per_layer, record, register,
+from moegraph.pass_steps import Sar, step_label
+from moegraph.sizes import parse_byte_size
+from moegraph.passes.manager import (Pass, PassResult, Scope, label, mark_rewritten, record, register,
                                      same_computation)
+from moegraph.passes.stack import stack_layers
 
 _CHUNK = re.compile(r"\.c\d+$")
 KEEP_SEARCH_S = 30.0
@@ -84,12 +85,9 @@ def unit_of(value: str) -> str:
 
 
 def parse_bytes(text: str) -> int:
-    """budget:<B> -> bytes, by the command line's one byte-size rule (moegraph.options.byte_size:
-    binary prefixes or plain bytes; '500MB' is refused rather than read as 10**6-byte units)."""
-    try:
-        return byte_size(text)
-    except argparse.ArgumentTypeError as err:
-        raise ValueError(str(err)) from None
+    """budget:<B> -> bytes, by the one byte-size rule (moegraph.sizes.parse_byte_size: binary
+    prefixes or plain bytes; '500MB' is refused rather than read as 10**6-byte units)."""
+    return parse_byte_size(text)
 
 
 @dataclass(frozen=True)
@@ -313,8 +311,7 @@ def budget_keep(graph: Graph, budget: int, cost: CostModel | None, *,
                      f"{solver.StatusName(status)}")
 
 
-@register("sar", stage=4, relowers=False,
-          valid="paper (the default), none, budget:<bytes>[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)")
+@register("sar", stage=4, relowers=False, scope=lambda step: remat_scope(step.policy))
 def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """Selective activation rematerialization; see the module docstring for policies.
     ``keep_search_s``: the budget policy's keep-set search time limit (seconds).
@@ -340,15 +337,23 @@ def sar(arg: str | None = None, cost: CostModel | None = None, *, keep_search_s:
 
 
 def remat_label(policy: Remat, budget: int | None = None) -> str:
-    """The label ``remat_pass`` records for a typed policy: 'sar=paper', 'sar=budget:<bytes>'."""
-    return "sar=" + (f"budget:{budget}" if policy == "budget" else policy)
+    """The label ``remat_pass`` records for a typed policy: 'sar=paper', 'sar=budget:3GiB' (the
+    typed step's own label, ``moegraph.pass_steps.Sar``)."""
+    return step_label(Sar(policy, budget))
+
+
+def remat_scope(policy: Remat | None) -> Scope:
+    """The scope of the sar pass of ``policy``: 'budget' caps a whole stack's activations, so it
+    decides at model level (scope 'step', ``_model_budget``); the others keep per layer."""
+    return "step" if policy == "budget" else "layer"
 
 
 def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None = None, *,
                pass_label: str | None = None, keep_search_s: float = KEEP_SEARCH_S) -> Pass:
     """The sar pass for a typed policy (``Strategy.remat``, ``Strategy.remat_budget``): what
     ``moegraph tune`` applies, with no pipeline string in between. ``budget``: bytes, with
-    policy 'budget' only; ``keep_search_s``: its keep-set search's time limit (seconds)."""
+    policy 'budget' only; ``keep_search_s``: its keep-set search's time limit (seconds).
+    Policy 'budget' takes a stack whole (scope 'step': ``remat_scope``); the others one layer."""
     keep_search_s = check_keep_search_s(keep_search_s)
     if policy not in typing.get_args(Remat):
         raise ValueError(f"remat={policy!r} is not one of {', '.join(map(repr, typing.get_args(Remat)))}")
@@ -377,11 +382,9 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         out = mark_rewritten(record(p.graph, me, remat=policy, remat_budget=budget), me).with_meta(remat=decided)
         return PassResult(out, not same_computation(graph, p.graph), report)
 
-    def run_layers(graph: Graph) -> PassResult:
+    def run_budget(graph: Graph) -> PassResult:
         layers = layer_count(graph)
-        if policy != "budget" or layers == 1:
-            return per_layer(run)(graph)
-        return _model_budget(graph, layers)
+        return run(graph) if layers == 1 else _model_budget(graph, layers)
 
     def _model_budget(graph: Graph, layers: int) -> PassResult:
         """The budget caps the whole stack's held activations. A stack holds exactly L times
@@ -403,5 +406,4 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         report = {**result.report, "budget_bytes": budget, "layer_budget_bytes": budget // layers, "layers": layers,
                   "report_is": "per layer (activation bytes of one layer; the stack holds layers times them)"}
         return PassResult(stacked, result.changed, report)
-    run_layers.layer_aware = True
-    return run_layers
+    return run_budget if policy == "budget" else run

@@ -1,6 +1,7 @@
 """Strategy passes: choose a Strategy field and re-lower the layer with it; and
-``lower_strategy`` / ``passes_for`` / ``rewrite_as``, the typed path from a whole Strategy
-value to its graph (no pipeline string in between).
+``lowering_strategy`` / ``passes_for`` / ``rewrite_as``, the typed path from a whole Strategy
+value to its graph (no pipeline string in between; the driver composes it for
+``CompileConfig(passes=RECORDED)``, how a schedule file's graph is rebuilt).
 
 gate-reorder, dispatch and chunk change *how the layer is lowered* (blocks.py reads
 Strategy.gate, .dispatch, .chunks), so they re-run the lowering through
@@ -16,14 +17,14 @@ import typing
 
 from moegraph.cost import CostModel
 from moegraph.ir import Gate, Graph, Strategy, valid_dispatches
+from moegraph.tracer import relower
 from moegraph.limits import MAX_CHUNKS, check_limit
-from moegraph.tracer import relower, trace_model
 from moegraph.passes.estimate import overlap_time_us, serial_time_us
 from moegraph.passes.compress import compress
 from moegraph.passes.fuse import fuse
-from moegraph.passes.manager import (Pass, PassError, PassResult, label, per_layer, record, register,
+from moegraph.passes.manager import (BuiltPass, Pass, PassError, PassResult, label, record, register,
                                      require_unrewritten, run_passes, same_computation)
-from moegraph.passes.sar import remat_label, remat_pass
+from moegraph.passes.sar import remat_label, remat_pass, remat_scope
 
 GATE_ORDERS = typing.get_args(Gate)
 DISPATCH_CHOICES = ("auto", "a2a", "ag-rs")
@@ -39,7 +40,7 @@ MAX_AUTO_CHUNKS = 16
 MAX_AUTO_NODES = 1000
 
 
-@register("gate-reorder", stage=0, valid="before-fc2 (the default), after-fc2", relowers=True)
+@register("gate-reorder", stage=0, relowers=True)
 def gate_reorder(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """Multiply routing weights into SwiGLU's output before FC2 ('before-fc2', the default;
     MegaScale-MoE §4.1 and Megatron-Core) or into FC2's output at the combine ('after-fc2', §7 FP8).
@@ -62,7 +63,7 @@ def gate_reorder(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     return run
 
 
-@register("dispatch", stage=1, valid="auto (the default), a2a, ag-rs", relowers=True)
+@register("dispatch", stage=1, relowers=True)
 def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """Token dispatch for the MoE block: all-to-all or all-gather + reduce-scatter.
 
@@ -98,7 +99,7 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     return run
 
 
-@register("chunk", stage=2, valid="auto (the default), or a chunk count N >= 1 dividing s/n", relowers=True)
+@register("chunk", stage=2, relowers=True)
 def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """Split attention's comm/GEMM pairs and the MoE dispatch -> experts -> combine chain into
     N token chunks (blocks.py, Strategy.chunks), so chunk j's collective can overlap chunk
@@ -150,39 +151,29 @@ def chunk(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     return run
 
 
-def lower_strategy(model, strategy: Strategy, *, batch: int, seq: int, cost: CostModel | None,
-                   layers: int = 1) -> tuple[Graph, dict]:
-    """The graph of one typed ``strategy`` for a registry ModelConfig: lowered with its lowering
-    fields (attn, ffn, dispatch, n, dtype, dp, chunks, gate: the layer is lowered for them
-    directly, no re-lowering pass runs), then rewritten by ``rewrite_as`` (compress, remat, fuse).
-
-    What ``moegraph tune`` builds each candidate with, and what ``run --schedule FILE`` rebuilds
-    a file's graph with: the strategy is passed as a value, never rebuilt into a pipeline string
-    and parsed back. A strategy that records no passes (a tune candidate) gets the labels of the
-    passes that build it (``gate-reorder`` when gate='before-fc2', ``chunk=N`` when N > 1, then
-    the rewrites' own: ``compress=..``, ``sar=..``, ``fuse=..``); one that records them (a
-    schedule file's) keeps its record. Returns the verified graph and the passes' report.
-    """
+def lowering_strategy(strategy: Strategy) -> Strategy:
+    """What a graph of ``strategy`` is traced for: its lowering fields (gate and chunks
+    included: lowered directly, no re-lowering pass runs), no rewrite, and the labels of the
+    passes that the lowering stands for (``gate-reorder`` when gate='before-fc2', ``chunk=N``
+    when N > 1), so that ``rewrite_as`` completes the record."""
     relowered = (("gate-reorder",) if strategy.gate == "before-fc2" else ()) + \
         ((label("chunk", str(strategy.chunks)),) if strategy.chunks > 1 else ())
-    lowering = dataclasses.replace(strategy, remat="none", remat_budget=None, compress="none", fuse="none",
-                                   passes=relowered)
-    graph = trace_model(model, lowering, batch=batch, seq=seq, layers=layers)   # layers > 1: a stack
-    return rewrite_as(graph, strategy, cost)
+    return dataclasses.replace(strategy, remat="none", remat_budget=None, compress="none", fuse="none",
+                               passes=relowered)
 
 
-def passes_for(strategy: Strategy, cost: CostModel | None) -> list[tuple[str, Pass]]:
+def passes_for(strategy: Strategy, cost: CostModel | None) -> list[BuiltPass]:
     """The rewrite passes ``strategy`` records, built from its typed fields (compress, remat and
-    remat_budget, fuse), as (label, pass) in stage order for ``run_passes``. The lowering fields
-    (gate, chunks, dispatch, ...) are not passes here: the graph is lowered for them."""
-    out: list[tuple[str, Pass]] = []
+    remat_budget, fuse), in stage order for ``run_passes``. The lowering fields (gate, chunks,
+    dispatch, ...) are not passes here: the graph is lowered for them."""
+    out: list[BuiltPass] = []
     if strategy.compress != "none":
-        out.append((label("compress", strategy.compress), per_layer(compress(strategy.compress, cost))))
+        out.append(BuiltPass(label("compress", strategy.compress), compress(strategy.compress, cost)))
     if strategy.remat != "none":
-        out.append((remat_label(strategy.remat, strategy.remat_budget),
-                    remat_pass(strategy.remat, strategy.remat_budget, cost)))
+        out.append(BuiltPass(remat_label(strategy.remat, strategy.remat_budget),
+                             remat_pass(strategy.remat, strategy.remat_budget, cost), remat_scope(strategy.remat)))
     if strategy.fuse != "none":
-        out.append((label("fuse", strategy.fuse), per_layer(fuse(strategy.fuse, cost))))
+        out.append(BuiltPass(label("fuse", strategy.fuse), fuse(strategy.fuse, cost)))
     return out
 
 

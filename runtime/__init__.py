@@ -2,9 +2,11 @@
 
 Read in this order: ``plan`` (what runs where, in which order), ``collectives`` (the IR
 collectives on gloo / NCCL), ``executor`` (streams, events, one node at a time), ``autograd``
-(forward/backward glue), ``module`` (the compiled nn.Module and ``compile_module``),
-``trace`` (measured Gantt), ``launch`` (spawning ranks), ``check`` (numerics against eager),
-``commands`` (``moegraph run``). docs/runtime.md describes the execution model.
+(forward/backward glue), ``options`` (RuntimeOptions: how a plan runs), ``module`` (the
+compiled nn.Module and ``compile_module``), ``model`` (a compiled causal LM), ``trace``
+(measured Gantt, --trace files), ``launch`` (spawning ranks), ``timing`` (plans timed on ranks),
+``device_memory`` (a run's measured memory), ``check`` (numerics against eager), ``training``
+(--train-steps), ``commands`` (``moegraph run``'s flags) and ``report`` (its text). docs/runtime.md describes the execution model.
 
 This file stays import-light (no torch): the CLI imports it to learn the expected errors.
 """

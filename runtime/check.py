@@ -159,3 +159,32 @@ def _train_and_compare(eager: nn.Module, compiled: Any, steps: Sequence[Any], co
     return {"losses": got, "eager_losses": expected,
             "max_rel_err_loss": max(rel_err(torch.tensor(a), torch.tensor(b)) for a, b in zip(got, expected)),
             "max_rel_err_params": param_errs[worst_param], "worst_param": worst_param, **report}
+
+
+def check_microbatches_against_eager(module: Any, layer: Any, batches: list[tuple[Any, Any]], *,
+                                     call: Any = None) -> dict[str, Any]:
+    """One ``train_step`` against eager gradient accumulation (M forward/backward passes of the
+    eager module into the same .grad) on the same full micro-batches (collective). Worst relative
+    error over the micro-batches' outputs; over their input gradients and every parameter gradient."""
+    import torch
+    for p in layer.parameters():
+        p.grad = None
+    ys, dxs = layer.train_step([layer.shard_input(x) for x, _ in batches], [layer.shard_input(dy) for _, dy in batches])
+    grads = layer.full_grads()
+    module.zero_grad(set_to_none=True)
+    errs_y, pairs = [], {}
+    for j, ((x, dy), y, dx) in enumerate(zip(batches, ys, dxs)):
+        xr = x.detach().clone().requires_grad_(True)
+        y_ref = call(module, xr) if call else module(xr)
+        y_ref.backward(dy)
+        errs_y.append(rel_err(layer.unshard_output(y), y_ref.detach()))
+        pairs[f"<input mb{j}>"] = (layer.unshard_output(dx.contiguous()), xr.grad)
+    dp = layer.layout.dp    # the DP sync averages parameter gradients over the replicas
+    ref = {k: (p.grad if p.grad is not None else torch.zeros_like(p)) / dp for k, p in module.named_parameters()}
+    module.zero_grad(set_to_none=True)
+    missing = sorted(set(ref) - set(grads))
+    if missing:
+        raise KeyError(f"the compiled layer has no gradient for module parameters {missing}")
+    report = grad_report({**pairs, **{k: (grads[k], g) for k, g in ref.items()}})
+    report.pop("rel_err_input_grad")
+    return {"max_rel_err_output": max(errs_y), **report}

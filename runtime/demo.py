@@ -13,16 +13,20 @@ import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
-from moegraph.commands import layer_from_args
+from moegraph.config import CompileConfig
+from moegraph.ir import Strategy
 from moegraph.options import check_output_dir, positive_int
-from moegraph.runtime.commands import measure_schedule
+from moegraph.pass_steps import GateReorder, Sar, step_label
+from moegraph.registry import load_hardware
+from moegraph.runtime.timing import measure_schedule
 from moegraph.runtime.netns import (AUTO, PLAIN_PROFILE, Link, LinkUnavailable, add_link_args, emulated_link,
                                     link_from_args, link_mismatch, namespace_privilege, profile_for)
 
 DEMO_PAPER = ["--model", "mixtral-8x7b", "--hardware", "h800", "--n", "8", "--seq", "8192"]
 AUTO_LINK = Link(10**9)                         # --link auto's link: enough wire time to overlap on 2 cores
-DEMO_CPU = dict(model="small", hardware=PLAIN_PROFILE, attn="sp", ffn="ep", dispatch="ag-rs", n=2, batch=1,
-                seq=512, top_k=None, dtype="fp32", dp=1, passes="gate-reorder,sar=paper")
+DEMO_CPU = CompileConfig(model="small", strategy=Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"),
+                         passes=(GateReorder(), Sar("paper")), batch=1, seq=512, hardware=PLAIN_PROFILE)
+"""The CPU run's layer (step 4/4): small enough for 2 CPU ranks in seconds."""
 
 
 @dataclass(frozen=True)
@@ -99,16 +103,15 @@ def demo_command(p: argparse.ArgumentParser):
 
 def _demo_cpu_run(steps: int, link: Link | None = None, hardware: str = PLAIN_PROFILE) -> int:
     """The CPU run; with ``link`` the caller has entered its namespace (the ranks inherit it)."""
-    a = argparse.Namespace(**{**DEMO_CPU, "hardware": hardware})
-    over = f"an emulated {link} link" if link else "gloo"
-    print(f"\n== 4/4 run: the '{a.model}' layer on {a.n} CPU ranks ({over}), s={a.seq}, {a.attn}+{a.ffn} "
-          f"{a.dispatch}, passes {a.passes}, profile {a.hardware} ==", flush=True)
-    layer = layer_from_args(a)
-    if warning := link_mismatch(layer.hardware, link):
+    config = DEMO_CPU.replace(hardware=hardware)
+    st, over = config.strategy, f"an emulated {link} link" if link else "gloo"
+    print(f"\n== 4/4 run: the '{config.model}' layer on {st.n} CPU ranks ({over}), s={config.seq}, {st.attn}+{st.ffn} "
+          f"{st.dispatch}, passes {','.join(map(step_label, config.passes))}, profile {hardware} ==", flush=True)
+    if warning := link_mismatch(load_hardware(hardware), link):
         print(warning, flush=True)
     # one set of ranks per schedule: two compiled layers in one process slow each other down on
     # this VM (docs/runtime.md), which would blur the comparison
-    rows = [measure_schedule(layer, method, steps=steps, warmup=2, check=method == "cpsat")
+    rows = [measure_schedule(config.replace(schedule=method), steps=steps, warmup=2, check=method == "cpsat")
             for method in ("cpsat", "sequential")]
     print(f"{'schedule':<12} {'predicted ms':>13} {'measured ms':>12} {'error':>7}   (median of {steps} steps, slowest rank)")
     for r in rows:

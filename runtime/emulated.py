@@ -306,11 +306,12 @@ class EmulatedRankGraph:
         ``masked``: whether the plans price the grouped GEMMs as the masked formulation (None: as
         ``device`` runs them: on CUDA where torch's grouped GEMM would read the host, as for fp32)."""
         from moegraph.grouped_gemm import native_grouped_mm
+        from moegraph.config import CompileConfig
         from moegraph.interpreter import shard_param
         from moegraph.ir import Strategy
         from moegraph.models import MoETransformerLayer
         from moegraph.registry import load_hardware
-        from moegraph.tracer import trace_module
+        from moegraph.schedules.driver import lower
         z = sizes
         self.sizes, self.device = z, torch.device(device)
         torch.manual_seed(seed)
@@ -318,8 +319,10 @@ class EmulatedRankGraph:
                                     experts=z.experts, top_k=z.k).to(self.device)
         self.comm_us = comm_us
         # lowered for the chunk count directly (what chunk=N re-lowers to): a typed value, no pipeline
-        self.graph = trace_module(layer, Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32", chunks=z.chunks),
-                                  batch=z.b, seq=z.s)
+        self.lowered = lower(CompileConfig(model=layer, strategy=Strategy("sp", "tp", "ag-rs", z.n, dtype="fp32",
+                                                                          chunks=z.chunks),
+                                           passes=(), batch=z.b, seq=z.s, hardware=hardware))
+        self.graph = self.lowered.graph
         if masked is None:
             masked = self.device.type == "cuda" and not native_grouped_mm(self.device, torch.float32)
         self.masked = masked
@@ -337,6 +340,8 @@ class EmulatedRankGraph:
         from moegraph.runtime.plan import ExecutionPlan
         if schedule == "sequential":
             return ExecutionPlan.sequential(self.graph)
+        # scheduled with the emulation's cost model (EmulatedCost: every collective lasts comm_us),
+        # which the driver's profile-priced build cannot take: the graph-level planner
         return make_plan(self.graph, self.cost, schedule, time_limit_s=time_limit_s)
 
     def predicted_hidden_fraction(self, plan: Any) -> float | None:

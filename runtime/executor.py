@@ -249,7 +249,7 @@ class Executor:
         the plan's edge collectives in its order. ``eager_kernels``: callables for this call's
         plan-run eager nodes (module docstring), beside and over the registered ones."""
         if self.edges is None:
-            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use backward")
+            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.passes.edges.add_edges): use backward")
         if set(partials) != set(self.edges.backward_inputs):
             raise RuntimeFailure(f"edge partial gradients {sorted(partials)} given, the graph reads "
                                  f"{sorted(self.edges.backward_inputs)}")
@@ -304,7 +304,7 @@ class Executor:
         gathered embedding rows; and ``EdgeValues.aux_stats``, the global router stats)."""
         self._check_merged()
         if self.edges is None:
-            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.edges.add_edges): use step")
+            raise RuntimeFailure(f"graph {self.graph.name!r} has no edges (moegraph.passes.edges.add_edges): use step")
         if set(aux_seeds or {}) != set(self.edges.aux_seeds):
             raise RuntimeFailure(f"aux seeds {sorted(aux_seeds or {})} given, the graph reads "
                                  f"{sorted(self.edges.aux_seeds)}")

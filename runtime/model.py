@@ -39,7 +39,7 @@ The graph the plan schedules holds, besides the layers:
     (``Executor.backward_edges(eager_kernels=...)``) index_adds this rank's rows [b, s/n, h] by its own input_ids
     shard into a partial [V, h] (padding row zeroed), which the plan's ``_dp_sync`` sums over the
     n ranks and averages over the replicas; the synchronised [V, h] is the embedding gradient.
-Runtime: ONE autograd Function (``_ScheduledStep``) runs embedding -> the plan's forward -> norm
+Runtime: ONE autograd Function (``ScheduledStep``) runs embedding -> the plan's forward -> norm
 -> head. Its backward runs the head and norm backward eagerly (``torch.autograd.grad`` on the
 graph its forward recorded), then the plan's backward (``Executor.backward_edges``) with the
 seed and the partials as inputs; the plan issues the edge collectives in its order on its
@@ -70,7 +70,7 @@ merged over M micro-batches (``moegraph.microbatch``) before ``add_edges``, so O
 optimizer step's M forwards and backwards and every micro-batch's edges. ``train_step(input_ids,
 labels)`` (M of each) runs it: the embedding forward per micro-batch before the plan (its input
 shard); inside, the executor runs every eager edge node at its plan position as a plan-run
-eager kernel (``_EdgeStep``: norm, head and loss forward under autograd, kept per micro-batch;
+eager kernel (``EdgeStep``: norm, head and loss forward under autograd, kept per micro-batch;
 their backward makes micro-batch j's seed and adds its head and norm partials into the previous
 micro-batch's); the plan syncs the summed partials once and gathers each micro-batch's layer-0
 input gradient, which scatters into the embedding gradient after the plan (ROWS), or (PARTIAL,
@@ -91,29 +91,30 @@ T = b*s/n tokens on this rank.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from moegraph.commands import DEFAULT_PASSES
-from moegraph.edges import EMBED_SCATTER, EmbedGrad, add_edges, aux_loss_value, edge_values, is_eager
+from moegraph.config import CompileConfig
+from moegraph.edges import EmbedGrad, aux_loss_value, edge_values
 from moegraph.interpreter import unshard_grad
-from moegraph.ir import Graph, OpKind, Role, Strategy
+from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
-from moegraph.microbatch import mb_name, merge_microbatches, micro_batch_of
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.executor import EagerKernel
-from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, frozen_sources, make_plan,
-                                     refuse_autocast, replica_batch)
-from moegraph.runtime.plan import COMM
+from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
+                                     frozen_sources, refuse_autocast, replica_batch)
+from moegraph.runtime.options import RuntimeOptions
+from moegraph.runtime.plan import ExecutionPlan
+from moegraph.runtime.model_steps import EdgeStep, GatherSequence, ScheduledStep, SumOverRanks
+
+if TYPE_CHECKING:
+    from moegraph.schedules.schedule_file import Schedule
 
 
 class ModelResult:
@@ -134,221 +135,6 @@ class ModelResult:
 class LoadResult(NamedTuple):
     missing_keys: list[str]
     unexpected_keys: list[str]
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """Forward: all-reduce (sum, all n x dp ranks) of each rank's term of a global scalar.
-    Backward: dp x identity. Every rank holds the same sum L = sum_r l_r and seeds its backward
-    with the same dL; the gradient of L by rank r's own term l_r is dL, which rank r already has
-    (no communication); x dp because the gradients are then averaged over replicas (module
-    docstring)."""
-
-    @staticmethod
-    def forward(ctx, term: torch.Tensor, dp: int) -> torch.Tensor:
-        ctx.dp = dp
-        total = term.clone()
-        dist.all_reduce(total)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        return grad * ctx.dp if ctx.dp > 1 else grad, None
-
-
-class _ScheduledStep(torch.autograd.Function):
-    """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
-    synchronised by the plan (module docstring). Forward returns this rank's logits shard
-    [b, s/n, V] (a base model: the normed hidden shard [b, s/n, h]) and the router's aux loss
-    (a scalar, the global batch's, identical on every rank; 0 without one). Backward: the aux
-    loss's gradient (x dp, as the loss's) is the plan's aux seed (moegraph.edges); the eager head and
-    norm backward give dy and their partial gradients; the plan's backward takes dy and the
-    partials and returns the layer gradients, the synchronised head and norm gradients and the
-    gathered layer-0 input gradient rows [dp*b, s, h], which scatter into the full embedding
-    gradient by the global input_ids (every rank holds them)."""
-
-    @staticmethod
-    def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
-                head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
-        layers = model.layers
-        x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
-        rec = layers._new_recorder()
-        y, saved = layers.executor.forward(x, params, recorder=rec)
-        aux = model._aux_value(saved)
-        with torch.enable_grad():
-            y_in = y.detach().requires_grad_()
-            leaves = [y_in, norm.detach().requires_grad_()]
-            out = rms_norm(y_in, leaves[1], model.spec.norm.eps)
-            if head is not None:
-                leaves.append(head.detach().requires_grad_())
-                out = F.linear(out, leaves[2])                                    # [b, s/n, V]
-        ctx.model, ctx.state, ctx.eager = model, (saved, rec), (out, leaves)
-        ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
-        return out.detach(), aux
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, d_out: torch.Tensor, d_aux: torch.Tensor):
-        model, layers, edges = ctx.model, ctx.model.layers, ctx.model.edges
-        input_ids, embed, *params = ctx.saved_tensors
-        (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
-        (out, leaves), ctx.eager = ctx.eager, None
-        dy, *partial = torch.autograd.grad(out, leaves, d_out)
-        partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
-        for seed in edges.aux_seeds:                        # x dp: the plan's DP sync averages (module docstring)
-            partials[seed] = (d_aux * model.dp).float().reshape(1)
-        if rec is not None:
-            rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
-        # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
-        kernels = ({EMBED_SCATTER: functools.partial(model._embed_scatter, layers.shard_input(input_ids))}
-                   if edges.embed_grad is EmbedGrad.PARTIAL else {})
-        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
-                                                          eager_kernels=kernels)
-        layers._keep(rec)
-        d_embed = model._embed_grad(synced, [input_ids])
-        d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
-        d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
-        return None, None, d_embed, d_norm, d_head, *grads
-
-
-class _EdgeStep:
-    """One merged step's eager edge kernels (``CompiledModel.train_step``), run by the executor at
-    their plan positions (``Executor.step_edges``), each ins -> outs. Micro-batch j's
-
-      norm          (RMSNORM, forward)  y -> normed: the final norm under autograd, on fresh leaves
-                                        (y, the norm weight); the graph is kept here;
-      lm_head       (GEMM, forward)     normed -> logits, and this rank's loss term (its shard's
-                                        summed cross-entropy / the micro-batch's global count);
-      lm_head.dgrad / .wgrad            the term's backward to (normed, the head weight), seeded with
-                                        1/M (the mean over micro-batches), run by whichever of the two
-                                        the plan reaches first; they return d_normed and the head's
-                                        partial (+ the previous micro-batch's, attr accumulate);
-      norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
-                                        (y, the norm weight): micro-batch j's seed, the norm's partial
-                                        (+ the previous one's);
-      embed.scatter (PARTIAL)           layer 0's input gradient rows [b, s/n, h] -> the embedding's
-                                        partial [V, h] by micro-batch j's input_ids shard
-                                        (``CompiledModel._embed_scatter``; + the previous one's).
-
-    A micro-batch's autograd graph is dropped once its four backward kernels ran."""
-
-    KINDS = {(OpKind.RMSNORM, Role.FORWARD): "norm", (OpKind.GEMM, Role.FORWARD): "head",
-             (OpKind.GEMM, Role.DGRAD): "head_dgrad", (OpKind.GEMM, Role.WGRAD): "head_wgrad",
-             (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad"}
-    BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
-
-    def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 ids: Sequence[torch.Tensor]):
-        """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count);
-        ``ids``: per micro-batch this rank's input_ids shard [b, s/n] (the PARTIAL scatter's)."""
-        self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
-        self.state: list[dict[str, Any] | None] = [{} for _ in labels]
-        self.terms: list[torch.Tensor | None] = [None] * self.M
-        self.ran: list[set[str]] = [set() for _ in labels]
-        self.scattered: list[bool] = [False] * self.M
-        self.scatters = model.edges.embed_grad is EmbedGrad.PARTIAL
-
-    def kernels(self, graph: Graph) -> dict[str, EagerKernel]:
-        """A callable for every eager node of the merged ``graph`` (an unknown one raises, naming it)."""
-        out = {}
-        for nd in graph.nodes:
-            if not is_eager(dict(nd.attrs)):
-                continue
-            j, kind = micro_batch_of(nd), self.KINDS.get((nd.op, nd.role))
-            if self.scatters and j is not None and j < self.M and nd.name == mb_name(j, EMBED_SCATTER):
-                out[nd.name] = functools.partial(self._scatter, j, nd.attr("accumulate", False) is True)
-                continue
-            if j is None or kind is None or j >= self.M:
-                raise RuntimeFailure(f"eager node {nd.name!r} ({nd.op.value}, {nd.role.value}, micro-batch {j}) has "
-                                     f"no kernel in a merged model step (those: micro-batch 0..{self.M - 1}'s "
-                                     f"{', '.join(f'({o.value}, {r.value})' for o, r in self.KINDS)})")
-            out[nd.name] = functools.partial(self._run, kind, j, nd.attr("accumulate", False) is True)
-        return out
-
-    def _run(self, kind: str, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
-        st = self.state[j]
-        if st is None or kind in self.ran[j]:
-            raise RuntimeFailure(f"micro-batch {j}'s eager edge kernel {kind!r} ran twice or after its backward "
-                                 "finished (a runtime bug)")
-        self.ran[j].add(kind)
-        out = getattr(self, f"_{kind}")(st, j, ins)
-        if accumulate:                                      # the previous micro-batches' sum, read last
-            out = out + ins[-1]
-        if self.ran[j].issuperset(self.BACKWARD):
-            self.state[j] = None                            # free micro-batch j's autograd graph
-        return [out]
-
-    def _scatter(self, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.scattered[j]:
-            raise RuntimeFailure(f"micro-batch {j}'s embedding scatter ran twice (a runtime bug)")
-        self.scattered[j] = True
-        return self.model._embed_scatter(self.ids[j], ins, accumulate=accumulate)
-
-    def _norm(self, st, j, ins):
-        (y,) = ins
-        with torch.enable_grad():
-            st["y"], st["norm_w"] = y.detach().requires_grad_(), self.model.norm.detach().requires_grad_()
-            st["normed"] = rms_norm(st["y"], st["norm_w"], self.model.spec.norm.eps)
-        return st["normed"].detach()
-
-    def _head(self, st, j, ins):
-        with torch.enable_grad():
-            st["head_w"] = self.model.lm_head.detach().requires_grad_()
-            logits = F.linear(st["normed"], st["head_w"])                           # [b, s/n, V]
-            st["term"] = self.model._loss_term(logits, *self.labels[j])
-        self.terms[j] = st["term"].detach()
-        return logits.detach()
-
-    def _head_backward(self, st):
-        if "d_normed" not in st:
-            term = st.pop("term")
-            # 1/M: the mean over micro-batches; x dp: the plan's DP sync averages over the
-            # replicas (module docstring, as _SumOverRanks' backward)
-            st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
-                                                               torch.full_like(term, self.model.dp / self.M))
-        return st
-
-    def _head_dgrad(self, st, j, ins):
-        return self._head_backward(st)["d_normed"]
-
-    def _head_wgrad(self, st, j, ins):
-        return self._head_backward(st)["d_head"]
-
-    def _norm_backward(self, st, d_normed):
-        if "dy" not in st:
-            st["dy"], st["d_norm"] = torch.autograd.grad(st["normed"], [st["y"], st["norm_w"]], d_normed)
-        return st
-
-    def _norm_dgrad(self, st, j, ins):
-        return self._norm_backward(st, ins[1])["dy"]
-
-    def _norm_wgrad(self, st, j, ins):
-        return self._norm_backward(st, ins[1])["d_norm"]
-
-    def check_done(self) -> None:
-        """Every micro-batch's kernels ran (else its seed or partials were never made)."""
-        left = [j for j in range(self.M) if self.state[j] is not None or self.terms[j] is None
-                or (self.scatters and not self.scattered[j])]
-        if left:
-            raise RuntimeFailure(f"the plan did not run every eager edge kernel of micro-batch(es) {left} "
-                                 f"(ran: {[sorted(r) for r in self.ran]}; a runtime bug)")
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Forward: every rank's shard [b, s/n, ...] -> the global [dp*b, s, ...] (all n x dp ranks:
-    ``CompiledLayer.unshard_output``). Backward: this rank's part of the incoming gradient
-    (``CompiledLayer.shard_input``; every rank computes the same function of the global tensor and
-    seeds it with the same gradient), x dp as the loss (module docstring)."""
-
-    @staticmethod
-    def forward(ctx, shard: torch.Tensor, layers: CompiledLayer) -> torch.Tensor:
-        ctx.layers = layers
-        return layers.unshard_output(shard)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        part = ctx.layers.shard_input(grad)
-        dp = ctx.layers.layout.dp
-        return (part * dp if dp > 1 else part), None
 
 
 class CompiledModel(nn.Module):
@@ -383,7 +169,7 @@ class CompiledModel(nn.Module):
         edges = edge_values(layers.graph)
         if edges is None or (edges.head_partial is None) != (self.lm_head is None):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
-                                 f"{self.lm_head is not None}): build it with moegraph.edges.add_edges after the passes")
+                                 f"{self.lm_head is not None}): build it with moegraph.passes.edges.add_edges after the passes")
         self.edges = edges
         self.micro_batches = layers.micro_batches
         if self.micro_batches > 1 and self.lm_head is None:
@@ -478,7 +264,7 @@ class CompiledModel(nn.Module):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
         aux = None
         if torch.is_grad_enabled():
-            out, aux = _ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head,
+            out, aux = ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head,
                                             *self.layers.params())
         else:
             x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
@@ -496,7 +282,7 @@ class CompiledModel(nn.Module):
         loss = None
         if labels is not None:
             term = self._loss_term(logits, *self._shard_labels(labels))
-            loss = _SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
+            loss = SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
             if aux is not None:                             # transformers: loss += coef * aux_loss
                 loss = loss + self.edges.aux_coef * aux
         full_logits = self._gather(logits) if output_logits or labels is None else None
@@ -532,7 +318,7 @@ class CompiledModel(nn.Module):
                                      f"[b, s] = {list(shape)} per micro-batch")
         layers, edges = self.layers, self.edges
         params = layers.params()
-        step = _EdgeStep(self, [self._shard_labels(lab) for lab in labels],
+        step = EdgeStep(self, [self._shard_labels(lab) for lab in labels],
                          [layers.shard_input(ids) for ids in input_ids])
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
@@ -579,7 +365,7 @@ class CompiledModel(nn.Module):
                                reduction="sum") / count
 
     def _gather(self, shard: torch.Tensor) -> torch.Tensor:
-        return _GatherSequence.apply(shard, self.layers) if self.layers.layout.world > 1 else shard
+        return GatherSequence.apply(shard, self.layers) if self.layers.layout.world > 1 else shard
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -650,28 +436,20 @@ class CompiledModel(nn.Module):
                 f"s={self.seq}, n={self.n}, dp={self.dp}")
 
 
-def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = "h800", attn: str = "sp",
-                  ffn: str = "ep", dispatch: str = "ag-rs", passes: str | Strategy = DEFAULT_PASSES,
-                  memory_budget: int | None = None, schedule: Any = "cpsat", n: int | None = None,
-                  timeout_s: float = 300.0, time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                  emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
-                  micro_batches: int = 1) -> CompiledModel:
+def compile_model(model: nn.Module, input_ids: torch.Tensor, config: CompileConfig,
+                  options: RuntimeOptions = RuntimeOptions(), *, n: int | None = None,
+                  given: "Schedule | ExecutionPlan | None" = None) -> CompiledModel:
     """See ``moegraph.compile``: a causal LM (recognised by its model rule) and its input_ids
-    [b, s] ([dp*b, s], the global batch, with dp replicas). ``micro_batches`` M >= 2: one merged
-    step plan of M micro-batches of that shape (``CompiledModel.train_step``); a causal LM.
-    ``passes``: a pipeline string, or a typed Strategy whose recorded rewrites (gate, chunks,
-    compress, remat, fuse) to apply, e.g. a schedule file's (``moegraph.passes.rewrite_as``)."""
-    from moegraph.cost import CostModel
-    from moegraph.registry import Hardware, load_hardware
-    from moegraph.tracer import trace_causal_lm
-
-    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
-        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer (micro-batches per optimizer "
-                         "step; 1: no merged step)")
+    [b, s] ([dp*b, s], the global batch, with dp replicas). The world and the input decide n
+    (``n``, default the world size / dp), b, s and the dtype (the parameters'), replacing the
+    config's; ``config.micro_batches`` M >= 2: one merged step plan of M micro-batches of that
+    shape (``CompiledModel.train_step``). The driver compiles the config (the stack, its passes,
+    the merge, the edges), or lowers it for ``given`` (a Schedule or ExecutionPlan, e.g. from a
+    schedule file with ``config.passes`` RECORDED); the layers run the plan with ``options``."""
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"example input_ids must be integer token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
-    rank, n, b = replica_batch(input_ids.shape[0], n, dp, "input_ids [dp*b, s]")
+    rank, n, b = replica_batch(input_ids.shape[0], n, config.strategy.dp, "input_ids [dp*b, s]")
     s = input_ids.shape[1]
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by n={n}")
@@ -680,34 +458,17 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, *, hardware: Any = 
     if len(dtypes) != 1 or next(model.parameters()).dtype not in DTYPES:
         raise ValueError(f"model parameters have dtypes {dtypes}: compile needs one of "
                          f"{sorted(map(str, DTYPES))} for all of them")
-    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
-    cost = CostModel(hw)
-    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[next(model.parameters()).dtype],
-                        dp=dp)
-    if isinstance(passes, Strategy):         # lowered for its lowering fields, then rewritten as it records
-        strategy = dataclasses.replace(strategy, gate=passes.gate, chunks=passes.chunks)
-    graph, spec = trace_causal_lm(model, strategy, batch=b, seq=s, name=type(model).__name__)
-    if micro_batches > 1 and spec.head is None:
-        raise ValueError(f"micro_batches={micro_batches}: {type(model).__name__} is a base model without an LM head; "
-                         "a merged step trains a causal LM (its loss seeds each micro-batch's backward)")
-    if isinstance(passes, Strategy):
-        from moegraph.passes import rewrite_as
-        graph, _report = rewrite_as(graph, passes, cost)
-    elif passes:
-        from moegraph.passes import run_pipeline
-        graph, _report = run_pipeline(graph, passes, cost=cost)
-    # M micro-batches of the stack (M = 1: unchanged), then the edges: per micro-batch eager head
-    # and norm, one sync per step (after the passes, which rewrite one layer and restack)
-    graph = merge_microbatches(graph, micro_batches)
-    graph = add_edges(graph, vocab=model.get_parameter(spec.head).shape[0] if spec.head is not None else None,
-                      aux=spec.aux_loss)
-    plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                     comm_streams=comm_streams)
+    # the module brings its layers, sizes and edges (its head): a registry model's do not apply
+    config = config.replace(model=model, layers=1, top_k=None, edges="auto", batch=b, seq=s,
+                            strategy=dataclasses.replace(config.strategy, n=n,
+                                                         dtype=DTYPES[next(model.parameters()).dtype]))
+    lowered, plan = compiled_plan(config, given)
+    graph, spec = lowered.graph, lowered.spec
     layer_full = {q: full[original_name(spec, graph, q)]
                   for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
     cold = frozen_sources(model.named_parameters())
-    layers = build_layer(graph, plan, layer_full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate,
-                         record=record, frozen=frozenset(q for q in layer_full if original_name(spec, graph, q) in cold))
+    layers = build_layer(graph, plan, layer_full, rank=rank, n=n, options=options,
+                         frozen=frozenset(q for q in layer_full if original_name(spec, graph, q) in cold))
     positional = [q.name for q in inspect.signature(model.forward).parameters.values()
                   if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
     layers.train_only = train_only_settings(model)

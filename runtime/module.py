@@ -17,7 +17,7 @@ replicas' losses, which equals the eager module's gradient on the concatenated d
 seed gradient divided by D. Input (activation) gradients stay each replica's own, unscaled.
 
 Micro-batches (gradient accumulation): a layer built on a merged step graph of M micro-batches
-(``moegraph.microbatch.merge_microbatches``) runs a whole optimizer step's forwards and backwards
+(``moegraph.passes.microbatch.merge_microbatches``) runs a whole optimizer step's forwards and backwards
 with ``train_step(xs, dys)``, in the schedule's interleaved order; ``forward`` refuses it.
 
 ``compile_module`` is the pipeline: trace -> passes -> schedule -> plan -> check that every
@@ -27,6 +27,7 @@ rank holds the same plan -> process groups -> CompiledLayer. ``moegraph.compile`
 from __future__ import annotations
 
 import collections
+import dataclasses
 import re
 import warnings
 from typing import TYPE_CHECKING, Any, Mapping, Sequence
@@ -35,10 +36,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moegraph.commands import DEFAULT_PASSES
+from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
-from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
+from moegraph.ir import ExpertRows, Graph, check_expert_rows
 from moegraph.expert_rows import expert_rows_refusal
 from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
@@ -46,10 +47,12 @@ from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
 from moegraph.runtime.cudagraph import GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
 from moegraph.runtime.executor import Executor
+from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
 
 if TYPE_CHECKING:
+    from moegraph.schedules.driver import Lowered
     from moegraph.schedules.schedule_file import Schedule
 
 DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16"}
@@ -249,7 +252,7 @@ class CompiledLayer(nn.Module):
         if self.micro_batches == 1:
             raise RuntimeFailure(f"layer {self.graph.name!r} runs one micro-batch: call it (forward) and backward; "
                                  "train_step runs a step graph of M >= 2 micro-batches (--micro-batches, "
-                                 "moegraph.microbatch.merge_microbatches)")
+                                 "moegraph.passes.microbatch.merge_microbatches)")
         params = self.params()
         rec = self._new_recorder()
         ys, dxs, grads = self.executor.step([x.detach() for x in xs], [dy.detach() for dy in dys],
@@ -397,8 +400,9 @@ def _attr_name(pname: str, taken) -> str:
 
 def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | ExecutionPlan" = "cpsat", *, memory_budget: int | None = None,
               time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,)) -> ExecutionPlan:
-    """An ExecutionPlan from a method name (scheduled by ``moegraph.schedules``), a Schedule, or
-    a plan (checked)."""
+    """An ExecutionPlan of a lowered graph from a method name (scheduled by
+    ``moegraph.schedules.compile_graph``: for tests and benchmarks that build graphs by hand;
+    the front doors compile a CompileConfig with the driver), a Schedule, or a plan (checked)."""
     if isinstance(schedule, ExecutionPlan):
         return check_plan(graph, schedule)
     if not isinstance(schedule, str):
@@ -409,6 +413,22 @@ def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | Executi
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
                            comm_streams=tuple(comm_streams), method=schedule)
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)
+
+
+def compiled_plan(config: CompileConfig, given: "Schedule | ExecutionPlan | None" = None, *,
+                  lowered: "Lowered | None" = None) -> "tuple[Lowered, ExecutionPlan]":
+    """(the lowered config, its execution plan): the driver's schedule of ``config``
+    (``moegraph.schedules.driver.build``), or ``given`` (a Schedule, e.g. a file's, or a plan)
+    for the driver's graph of ``config`` (``lower``), checked against it. ``lowered``: the
+    config's ``lower`` result when the caller has it."""
+    from moegraph.schedules.driver import build, lower
+    if given is None:
+        compiled = build(config, lowered=lowered)
+        return compiled.lowered, ExecutionPlan.from_schedule(compiled.graph, compiled.schedule, method=config.schedule)
+    lowered = lowered or lower(config)
+    if isinstance(given, ExecutionPlan):
+        return lowered, check_plan(lowered.graph, given)
+    return lowered, ExecutionPlan.from_schedule(lowered.graph, given)
 
 
 def rank_and_size(n: int | None, dp: int = 1) -> tuple[int, int]:
@@ -448,12 +468,12 @@ def comm_axes(graph: Graph) -> tuple[str, ...]:
 
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
-                timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), record: bool = True,
-                cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact",
-                frozen: frozenset[str] = frozenset()) -> CompiledLayer:
+                options: RuntimeOptions = RuntimeOptions(), frozen: frozenset[str] = frozenset()) -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
     groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
-    Collective when n x dp > 1."""
+    Collective when n x dp > 1. The runtime gets the plan, its graph and ``options``: nothing of
+    how they were compiled."""
+    timeout_s = options.timeout_s
     check_plan(graph, plan)
     if graph.strategy.n != n:
         raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
@@ -467,39 +487,28 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         world_meta = metadata_group()
         check_same_plan(plan.hash, rank=rank, n=layout.world, group=world_meta, timeout_s=timeout_s)
         comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
-                    emulate=emulate)
+                    emulate=options.emulate)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                         record=record, layout=layout, cuda_graphs=cuda_graphs, expert_rows=expert_rows,
-                         frozen=frozen)
+                         record=options.record, layout=layout, cuda_graphs=options.cuda_graphs,
+                         expert_rows=options.expert_rows, frozen=frozen)
 
 
-def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h800", attn: str = "sp",
-                   ffn: str = "ep", dispatch: str = "ag-rs", passes: str = DEFAULT_PASSES, memory_budget: int | None = None,
-                   schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0,
-                   time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
-                   emulate: frozenset[str] = frozenset(), record: bool = True, dp: int = 1,
-                   cuda_graphs: CudaGraphs = "off", expert_rows: ExpertRows = "exact") -> CompiledLayer:
-    """See ``moegraph.compile``."""
-    from moegraph.cost import CostModel
-    from moegraph.registry import Hardware, load_hardware
-    from moegraph.tracer import trace_module
-
+def compile_module(module: nn.Module, example_inputs: Any, config: CompileConfig,
+                   options: RuntimeOptions = RuntimeOptions(), *, n: int | None = None,
+                   given: "Schedule | ExecutionPlan | None" = None) -> CompiledLayer:
+    """See ``moegraph.compile``: one decoder layer. The world and the example input decide what
+    ``config`` cannot know in advance: n (``n``, default the world size / dp), the batch b, the
+    sequence s and the dtype replace the config's; the driver compiles the result (or lowers it
+    for ``given``, a Schedule or ExecutionPlan), and the layer runs its plan with ``options``."""
     x = example_inputs[0] if isinstance(example_inputs, (tuple, list)) else example_inputs
     if not isinstance(x, torch.Tensor) or x.dim() != 3:
         raise ValueError("example_inputs must be the layer input [b, s, h] (a tensor, or a tuple starting with it)")
     if x.dtype not in DTYPES:
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
-    check_device(check_mode(cuda_graphs), x.device)              # before tracing and scheduling
-    check_expert_rows(expert_rows)
-    rank, n, b = replica_batch(x.shape[0], n, dp, "example_inputs [dp*b, s, h]")
-    s = x.shape[1]
-    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
-    cost = CostModel(hw)
-    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[x.dtype], dp=dp)
-    graph = trace_module(module, strategy, batch=b, seq=s, name=type(module).__name__)
-    if passes:
-        from moegraph.passes import run_pipeline
-        graph, _report = run_pipeline(graph, passes, cost=cost)
+    check_device(check_mode(options.cuda_graphs), x.device)              # before tracing and scheduling
+    rank, n, b = replica_batch(x.shape[0], n, config.strategy.dp, "example_inputs [dp*b, s, h]")
+    config = config.replace(model=module, layers=1, top_k=None, edges="auto", batch=b, seq=x.shape[1],
+                            strategy=dataclasses.replace(config.strategy, n=n, dtype=DTYPES[x.dtype]))
     full = {k: p.detach() for k, p in module.named_parameters()}
     odd = sorted({f"{p.device}/{p.dtype}" for p in full.values()} - {f"{x.device}/{x.dtype}"})
     # buffers the graph reads (a router's score bias) keep their own dtype (transformers keeps it fp32)
@@ -507,16 +516,17 @@ def compile_module(module: nn.Module, example_inputs: Any, *, hardware: Any = "h
     if odd:
         raise ValueError(f"module parameters live on {odd} but example_inputs is {x.device}/{x.dtype}: "
                          "move the module and the input to one device and dtype")
+    from moegraph.schedules.driver import lower
+    lowered = lower(config)
+    graph = lowered.graph
     # data-dependent nodes refuse 'layer' whatever the order: ask before scheduling
-    if why := expert_rows_refusal(graph, expert_rows) or capture_refusal(graph, ExecutionPlan.sequential(graph),
-                                                                         cuda_graphs, expert_rows):
+    if why := expert_rows_refusal(graph, options.expert_rows) or capture_refusal(
+            graph, ExecutionPlan.sequential(graph), options.cuda_graphs, options.expert_rows):
         raise ValueError(why)
-    plan = make_plan(graph, cost, schedule, memory_budget=memory_budget, time_limit_s=time_limit_s,
-                     comm_streams=comm_streams)
+    _, plan = compiled_plan(config, given, lowered=lowered)
     if fused := fused_group_count(graph):
         warnings.warn(f"{fused} {FUSED_AS_MEMBERS}", stacklevel=3)
-    layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=timeout_s, emulate=emulate, record=record,
-                        cuda_graphs=cuda_graphs, expert_rows=expert_rows,
+    layer = build_layer(graph, plan, full, rank=rank, n=n, options=options,
                         frozen=frozen_sources(module.named_parameters()))
     layer.train_only = train_only_settings(module)
     return layer.train(module.training)          # the source's mode: eval stays eval

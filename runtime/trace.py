@@ -290,3 +290,37 @@ def trace_to_dict(trace: StepTrace) -> dict[str, Any]:
 def trace_from_dict(d: dict[str, Any]) -> StepTrace:
     return StepTrace(d["rank"], d["device"], tuple(NodeTiming(**t) for t in d["nodes"]),
                      tuple(WaitTiming(**w) for w in d["waits"]), d.get("backward_start_us"))
+
+
+def write_traces(out: str, graph: Any, plan: Any, traces: list[list[Any]], steps_us: list[float],
+                 hardware: Any = None) -> dict[str, Any]:
+    """The median step (``traced_step``): rank 0's as a measured schedule file (OUT), the plan's
+    prediction as a schedule file (OUT.predicted.json), all ranks' as a Chrome trace
+    (OUT.chrome.json). Also returns which step that is and its time."""
+    k = traced_step(steps_us)
+    paths = trace_paths(out)
+    measured = measured_schedule(traces[0][k], graph, plan, hardware=hardware, step=k, step_us=steps_us[k])
+    written = {"schedule": str(write_json(paths["schedule"], schedule_json(measured)))}
+    predicted = predicted_schedule(graph, plan, hardware=hardware)
+    if predicted is not None:
+        written["predicted"] = str(write_json(paths["predicted"], schedule_json(predicted)))
+    written["chrome"] = str(write_json(paths["chrome"], chrome_trace([t[k] for t in traces], graph)))
+    return {**written, "step": k, "step_us": steps_us[k], "of_steps": len(steps_us)}
+
+def traced_step(steps_us: list[float]) -> int:
+    """The step ``run --trace`` draws: the median step, a step that ran. With an even count no step
+    has the median time (the mean of the middle two), so it is the faster middle step (the low
+    median); the report names its index and time beside the median."""
+    order = sorted(range(len(steps_us)), key=steps_us.__getitem__)
+    return order[(len(order) - 1) // 2]
+
+def trace_paths(out: str) -> dict[str, Path]:
+    """The files ``run --trace OUT`` writes (``write_traces``), each checked before any work
+    (``moegraph.options.check_output``: a UsageError naming the path, nothing written)."""
+    from moegraph.options import check_output
+    path = check_output(out, flag="--trace")
+    paths = {"schedule": path, "predicted": path.with_suffix(".predicted.json"),
+             "chrome": path.with_suffix(".chrome.json")}
+    for p in paths.values():
+        check_output(p, flag="--trace")
+    return paths

@@ -28,9 +28,10 @@ from typing import Any, Sequence
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.options import format_bytes, format_bytes_apart
-from moegraph.edges import add_edges
-from moegraph.layers import costed_layer, layer_count, stack_layers
+from moegraph.config import METHODS, STEP_METHODS
+from moegraph.layers import costed_layer, layer_count
 from moegraph.microbatch import micro_batch_count
+from moegraph.passes.stack import stack_layers
 from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
@@ -42,12 +43,15 @@ from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header, round_us
 
-__all__ = ["CompileResult", "compile_graph", "model_step", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
+__all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
            "list_warm_starts"]
 
-METHODS = ("cpsat", "sequential", "greedy", "megascale")
-MICROBATCH_METHODS = tuple(MICROBATCH_BASELINES)
+MICROBATCH_METHODS = STEP_METHODS
 """Methods for a merged micro-batch step graph only (moegraph.microbatch): the paired baselines."""
+if set(METHODS) != {"cpsat", *BASELINES} or set(STEP_METHODS) != set(MICROBATCH_BASELINES):
+    # the method names CompileConfig offers (moegraph.config) are the ones implemented here
+    raise ImportError(f"moegraph.config's methods {METHODS + STEP_METHODS} differ from the schedulers "
+                      f"{('cpsat', *BASELINES, *MICROBATCH_BASELINES)}")
 _BASELINE_ORDER = ("megascale", "greedy", "sequential")  # tie-break among equally good baselines
 _log = logging.getLogger(__name__)   # progress of long solves (compile prints it on stderr)
 
@@ -353,11 +357,3 @@ def _attrs(attrs: tuple[tuple[str, Any], ...]) -> dict:
         return [thaw(x) for x in v] if isinstance(v, tuple) else v
     return {k: thaw(v) for k, v in attrs}
 
-
-def model_step(graph: Graph) -> Graph:
-    """The step graph `compile --layers` and `tune --layers` schedule for a registry model: a stack
-    of layers (one micro-batch, or the merged step of M) with the model's edges (moegraph.edges;
-    after the passes and the merge, as compile_model), at the default vocabulary
-    (``moegraph.models.VOCAB``: the registry has none); one layer stays a layer."""
-    from moegraph.models import VOCAB        # torch-bearing module: only when a stack needs it
-    return add_edges(graph, vocab=VOCAB) if layer_count(graph) > 1 else graph

@@ -263,7 +263,7 @@ _DUALPIPE = {**_MEGATRON, ("compute", 2): {"Bd": 0, "F": 1, "Bw": 2}}
 def _paired(problem: Problem, method: str, order: dict) -> Solution:
     if micro_batch_count(problem.graph) < 2:
         raise ScheduleError(f"the {method} baseline pairs micro-batches: it needs a merged step graph of M >= 2 "
-                            f"micro-batches (moegraph.microbatch.merge_microbatches; --micro-batches)")
+                            f"micro-batches (moegraph.passes.microbatch.merge_microbatches; --micro-batches)")
     _, stage, part = _pair_parts(problem)
     slots = pair_slots(problem)
 

@@ -1,24 +1,33 @@
-"""`moegraph compile`, `moegraph verify`, `moegraph gantt`."""
+"""`moegraph compile`, `moegraph verify`, `moegraph gantt`, `moegraph tune`: their flags and output.
+
+The library behind them: the driver (``moegraph.schedules.driver``), ``verify``, ``gantt`` and
+``tune``."""
 
 from __future__ import annotations
 
 import argparse
 import collections
-import dataclasses
 import json
+import os
 import sys
+import time
 from pathlib import Path
 
-from moegraph.commands import (add_layer_args, add_memory_budget_arg, add_micro_batch_arg, layer_from_args, print_result,
-                               progress_on_stderr)
+from moegraph.commands import (add_layer_args, add_layers_arg, add_memory_budget_arg, add_micro_batch_arg,
+                               config_from_args, print_result, progress_on_stderr, resolve_layers)
+from moegraph.config import SolverEffort
 from moegraph.cost import variant
+from moegraph.limits import check_graph_size
 from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.options import UsageError, check_output, format_bytes, make_parents, positive_float
-from moegraph.schedules.api import METHODS, MICROBATCH_METHODS, compile_graph, model_step
-from moegraph.schedules.problem import ScheduleError
-from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, per_layer_summary
+from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
+                              positive_float, positive_int)
+from moegraph.registry import load_hardware, load_model
+from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
+from moegraph.schedules.driver import COMM_STREAMS, build
+from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, load_schedule, per_layer_summary
+from moegraph.schedules.tune import Cache, format_table, tune
 
 
 
@@ -38,24 +47,24 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
 
 
 def compile_from_args(args):
+    """(the lowered graph, the CompileResult) of `moegraph compile`'s flags, built by the driver."""
     if args.output is not None:
         check_output(args.output, suffixes=(".json",))
     if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
-    layer = layer_from_args(args, multi_layer=True)
-    # a model step (one micro-batch or the merged step of M): the embedding, final norm and LM
-    # head gradients are synchronised by graph collectives the scheduler places
-    layer = dataclasses.replace(layer, graph=model_step(layer.graph))
-    streams = comm_streams_from(args)
-    result = compile_graph(layer.graph, layer.cost, memory_budget_bytes=args.memory_budget,
-                           time_limit_s=args.time_limit, comm_streams=streams, method=args.schedule)
-    return layer, result
+    # a model step (one micro-batch or the merged step of M): for a stack, the embedding, final
+    # norm and LM head gradients are synchronised by graph collectives the scheduler places
+    config = config_from_args(args, multi_layer=True, edges="auto", schedule=args.schedule,
+                              memory_budget=args.memory_budget, solver=SolverEffort(args.time_limit),
+                              comm_streams=args.comm_streams)
+    compiled = build(config)
+    return compiled.lowered, compiled.result
 
 
 def comm_streams_from(args: argparse.Namespace) -> tuple[str, ...]:
     """--comm-streams 1: one stream; 2: intra- and inter-node streams (docs/scheduler.md)."""
-    return ("comm",) if args.comm_streams == 1 else ("comm.intra", "comm.inter")
+    return COMM_STREAMS[args.comm_streams]
 
 
 def dp_summary(layer, result, comm_streams) -> dict:
@@ -155,15 +164,6 @@ def compile_command(p: argparse.ArgumentParser):
     return run
 
 
-def load_schedule(path: str) -> Schedule:
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no schedule file {path!r}")
-    try:
-        return Schedule.load(path)
-    except (ValueError, KeyError, TypeError) as err:
-        raise ScheduleError(f"{path}: not a moegraph schedule file: {err}") from err
-
-
 def verify_command(p: argparse.ArgumentParser):
     p.add_argument("schedule", metavar="SCHED.json", help="a schedule file written by compile, tune or run --trace")
     p.add_argument("--json", action="store_true",
@@ -220,5 +220,71 @@ def gantt_command(p: argparse.ArgumentParser):
                 indent=1))
         else:
             print(f"wrote {args.output}")
+        return 0
+    return run
+
+
+def tune_command(p: argparse.ArgumentParser):
+    p.add_argument("--model", default="mixtral-8x7b", help="registry name or YAML path (default %(default)s)")
+    p.add_argument("--hardware", default="h800", help="registry name or profile YAML (default %(default)s)")
+    p.add_argument("--n", type=positive_int, default=8, help="group size n (default %(default)s)")
+    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
+    p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
+    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
+    add_layers_arg(p)
+    add_memory_budget_arg(p)
+    add_micro_batch_arg(p)
+    p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
+                   help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
+    p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
+                   "each attn x ffn family; under --memory-budget every candidate whose greedy schedule breaks the "
+                   "budget (but whose memory bound fits) is scheduled by CP-SAT too (default %(default)s)")
+    p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
+                   help="cache folder ('' disables; default %(default)s)")
+    p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
+    p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
+    p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
+                   help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
+                        "faster (default: the profile's step_noise; 0 for registry profiles)")
+    p.add_argument("--fuse", action="store_true",
+                   help="also rank each candidate with its tile-level fused comm+compute groups (fuse=auto); "
+                        "`run` executes a fused schedule's groups as their member kernels")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+
+    def run(args) -> int:
+        if args.min_gain is not None and not args.min_gain < 1:
+            raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
+        model = load_model(args.model)
+        layers = resolve_layers(args.layers, model)
+        check_graph_size(layers=layers, micro_batches=args.micro_batches, n=args.n)   # before any graph
+        if args.cache:
+            check_output_dir(args.cache, flag="--cache")
+        if args.output:
+            check_output(args.output, suffixes=(".json",))
+            check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
+                         suffixes=(".png", ".svg", ".html", ".json"))
+        budget = args.memory_budget
+        t0 = time.perf_counter()
+
+        def say(msg: str) -> None:
+            # tune()'s own lines carry their elapsed time; the writing steps get the same clock
+            print(msg if msg.startswith("[") else f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr,
+                  flush=True)
+        res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
+                   dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
+                   cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
+                   micro_batches=args.micro_batches,
+                   progress=say, fuse=args.fuse)
+        schedule_json = res.pop("_best_schedule")
+        if args.output:
+            say(f"writing {args.output} and its Gantt chart")
+            sched = Schedule.from_json(schedule_json)
+            sched.save(make_parents(args.output))
+            gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
+            from moegraph.schedules.gantt import render
+            render(sched, make_parents(gantt))
+            res |= {"schedule_file": args.output, "gantt": gantt}
+            say(f"wrote {args.output} and {gantt}")
+        print_result(res, args.json, format_table)
         return 0
     return run

@@ -1,6 +1,6 @@
 """Periodic warm starts for stacked layers: a unit of K layers' schedule tiled across L layers.
 
-A multi-layer graph (``moegraph.layers.stack_layers``) is L copies of one layer graph: layer
+A multi-layer graph (``moegraph.passes.stack.stack_layers``) is L copies of one layer graph: layer
 i's node ``l{i}.<name>`` is the layer graph's ``<name>``, costed identically. CP-SAT gets
 nowhere on the whole (2,144 nodes for 32 mixtral layers: it returned the megascale list
 schedule, 223,268 us on h800), yet one layer (67 nodes) solves to optimality in seconds, and

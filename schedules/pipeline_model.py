@@ -28,14 +28,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import dataclasses
+
 import torch
 
+from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
-from moegraph.edges import add_edges
 from moegraph.ir import Graph, Node, OpKind, Phase, Strategy, collective_bytes
-from moegraph.layers import stack_layers
 from moegraph.memory import (ADAM_DISTRIBUTED, OptimizerSpec, StageMemory, boundary_bytes, layer_params,
                              pipeline_memory, rank_memory)
+from moegraph.pass_steps import parse_passes
+from moegraph.passes.edges import add_edges
+from moegraph.passes.stack import stack_layers
 from moegraph.passes.stages import Placement, StageLayout, balance
 from moegraph.schedules.pipeline import PipelineProblem, StageWork
 from moegraph.schedules.pipeline_price import EdgePrices, UnitPrice, price_edges, price_layer, ticks
@@ -52,17 +56,15 @@ def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str, 
     """One graph per layer of ``cfg`` (dense first layers, then MoE), identical layers sharing one
     graph; ``passes`` (a pipeline string, '' for none) applied to each distinct layer."""
     from moegraph.models import MoETransformerLayer
-    from moegraph.passes import run_pipeline
-    from moegraph.tracer import trace_model, trace_module
-
-    def passed(g: Graph) -> Graph:
-        return run_pipeline(g, passes, cost=cost)[0] if passes else g
-    moe = passed(trace_model(cfg, strategy, batch=batch, seq=seq, layers=1))
+    from moegraph.schedules.driver import lower
+    config = CompileConfig(model=cfg, strategy=strategy, passes=parse_passes(passes), batch=batch, seq=seq,
+                           edges="none", hardware=cost.hw)            # one layer each, lowered by the driver
+    moe = lower(config).graph
     dense: Graph | None = None
     if cfg.first_k_dense_replace:
         with torch.device("meta"):
             layer = MoETransformerLayer.from_config(cfg, layer=0)
-        dense = passed(trace_module(layer, strategy, batch=batch, seq=seq, name=f"{cfg.name}.dense"))
+        dense = dataclasses.replace(lower(config.replace(model=layer)).graph, name=f"{cfg.name}.dense")
     return tuple(dense if i < cfg.first_k_dense_replace else moe for i in range(cfg.layers))
 
 

@@ -34,7 +34,8 @@ from typing import Callable, Iterable, Sequence
 from moegraph.cost import CostModel
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph, Node, OpKind, Phase, Role, ValueKind
-from moegraph.microbatch import _sync_chains, merge_microbatches, micro_batch_of
+from moegraph.microbatch import micro_batch_of
+from moegraph.passes.microbatch import _sync_chains, merge_microbatches
 from moegraph.passes.stages import subgraph
 from moegraph.schedules.api import compile_graph
 

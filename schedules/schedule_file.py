@@ -219,6 +219,17 @@ class Schedule:
     def makespan_us(self) -> float:
         return max((n.end_us for n in self.nodes), default=0.0)
 
+def load_schedule(path: str | Path) -> Schedule:
+    """The schedule file at ``path`` (written by compile, tune or run --trace): FileNotFoundError
+    when there is none, ScheduleError (one line naming the file) when it is not a schedule file."""
+    from moegraph.schedules.problem import ScheduleError
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no schedule file {str(path)!r}")
+    try:
+        return Schedule.load(path)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ScheduleError(f"{path}: not a moegraph schedule file: {err}") from err
+
 
 def graph_header(graph: Graph) -> dict:
     """The file's "graph" object for ``graph`` (module docstring), its node names and digest included."""

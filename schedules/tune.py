@@ -3,8 +3,10 @@
 Search space: attention tp|sp x ffn tp|ep x dispatch a2a|ag-rs (ep only) x chunks x remat
 policy; SM budgets and order come from the scheduler. With ``--layers L`` every candidate is a
 stack of L layers, so rematerialization and peak memory are judged at model level. Each candidate is one typed
-``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), built
-into its graph by ``moegraph.passes.lower_strategy``: no pipeline string in between.
+``moegraph.ir.Strategy`` (remat='paper' goes with gate='before-fc2', Fig 9's pairing), compiled
+by the driver (``moegraph.schedules.driver``) from a ``CompileConfig`` whose passes are the typed
+steps that build it (``moegraph.pass_steps.steps_for``): the same path as `moegraph compile`,
+no pipeline string in between.
 Two stages keep it quick: every candidate is scheduled by the list-scheduling baselines
 (milliseconds), then the best few are refined by CP-SAT. Results are cached by content (graph,
 hardware profile, options; moegraph.schedules.tune_cache), one JSON file per candidate written
@@ -34,24 +36,17 @@ machine's step-to-step noise cannot be confirmed by measuring it.
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import os
-import sys
 import time
-from pathlib import Path
 from typing import Any
 
-from moegraph.cost import CostModel, variant
+from moegraph.config import CompileConfig, SolverEffort
+from moegraph.cost import variant
 from moegraph.ir import Graph, Strategy, valid_dispatches
-from moegraph.commands import add_layers_arg, add_memory_budget_arg, add_micro_batch_arg, print_result, resolve_layers
-from moegraph.limits import check_graph_size
-from moegraph.microbatch import merge_microbatches
-from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
-                              positive_float, positive_int)
-from moegraph.registry import Hardware, ModelConfig, load_hardware, load_model
-from moegraph.tracer import trace_model
-from moegraph.schedules.api import compile_graph, model_step
+from moegraph.options import format_bytes
+from moegraph.pass_steps import Fuse, steps_for
+from moegraph.registry import Hardware, ModelConfig
+from moegraph.schedules.driver import Lowered, build, lower
 from moegraph.schedules.problem import MemoryBudgetError
 from moegraph.schedules.schedule_file import Schedule
 from moegraph.schedules.tune_cache import Cache, cache_key
@@ -72,19 +67,21 @@ def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> lis
     return out
 
 
-def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int | None, time_limit: float,
-             cache: Cache) -> dict:
-    """Schedule one graph (cached), as `compile --schedule METHOD --memory-budget` does (the same
-    compile_graph call). Returns predicted_us, peak memory, the returned schedule's method (for
-    cpsat: "cpsat" or the warm start CP-SAT did not beat) and the schedule JSON; or, when it
-    does not fit the budget, why (and the least feasible peak, when compile gives one)."""
-    options = {"method": method, "memory_budget": memory_budget, "time_limit": time_limit}
-    key = cache_key(graph, cost.hw, options)
+def evaluate(config: CompileConfig, cache: Cache, lowered: Lowered | None = None) -> dict:
+    """Compile one config (cached), as `compile --schedule METHOD --memory-budget` does (the same
+    driver call). Returns predicted_us, peak memory, the returned schedule's method (for cpsat:
+    "cpsat" or the warm start CP-SAT did not beat) and the schedule JSON; or, when it does not
+    fit the budget, why (and the least feasible peak, when compile gives one). ``lowered``: the
+    config's graph when the caller has it (the cache is keyed by it)."""
+    lowered = lowered or lower(config)
+    options = {"method": config.schedule, "memory_budget": config.memory_budget,
+               "time_limit": config.solver.time_limit_s}
+    key = cache_key(lowered.graph, lowered.hardware, options)
     hit = cache.get(key)          # validated: tune_cache
     if hit is not None:
         return hit | {"cached": True}
     try:
-        result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit, method=method)
+        result = build(config, lowered=lowered).result
         s = result.schedule.summary
         entry = {"feasible": True, "predicted_us": s["makespan_us"], "peak_memory_bytes": s["peak_memory_bytes"],
                  "lower_bound_us": s["lower_bound_us"], "status": result.status, "method": result.source,
@@ -96,10 +93,24 @@ def evaluate(graph: Graph, cost: CostModel, method: str, *, memory_budget: int |
     return entry | {"cached": False}
 
 
-def build_graph(model: ModelConfig, strategy: Strategy, cost: CostModel, *, batch: int, seq: int,
-                layers: int = 1) -> Graph:
-    from moegraph.passes import lower_strategy
-    return lower_strategy(model, strategy, batch=batch, seq=seq, cost=cost, layers=layers)[0]
+def baseline_config(model: ModelConfig, hw: Hardware, *, n: int, batch: int, seq: int, dtype: str = "bf16",
+                    layers: int = 1, micro_batches: int = 1, time_limit: float = 5.0) -> CompileConfig:
+    """The tp+tp sequential baseline's config, and the base of every candidate's
+    (``candidate_config``): the step graph of M micro-batches, and for a stack of layers the
+    model's edges (edges='auto': eager head and norm, their gradient sync, the embedding gather),
+    as `compile --layers` schedules it, so that candidates and baseline compare like with like."""
+    return CompileConfig(model=model, strategy=Strategy("tp", "tp", "ag-rs", n, dtype=dtype), passes=(),
+                         schedule="sequential", batch=batch, seq=seq, layers=layers, micro_batches=micro_batches,
+                         hardware=hw, solver=SolverEffort(time_limit))
+
+
+def candidate_config(base: CompileConfig, cand: Strategy, *, fused: bool = False) -> CompileConfig:
+    """The config one candidate is compiled with: ``base`` (model, sizes, layers, micro-batches,
+    the model step's edges, hardware, budget, effort) traced for the candidate's lowering fields
+    and rewritten by the typed steps that give its other fields (``steps_for``: gate-reorder,
+    chunk=N, sar, ...); ``fused`` adds fuse=auto (the --fuse variant)."""
+    lowering = Strategy(cand.attn, cand.ffn, cand.dispatch, cand.n, dtype=cand.dtype, dp=cand.dp)
+    return base.replace(strategy=lowering, passes=steps_for(cand) + ((Fuse("auto"),) if fused else ()))
 
 
 def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: int = 8192, dtype: str = "bf16",
@@ -116,23 +127,23 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     if isinstance(min_gain, bool) or not isinstance(min_gain, (int, float)) or not 0 <= min_gain < 1:
         raise ValueError(f"min_gain={min_gain!r} must be a fraction in [0, 1)")
     cache = cache or Cache(None)
-    cost = CostModel(hw)
     say = progress or (lambda msg: None)
     t0 = time.perf_counter()
-    baseline_graph = _step(trace_model(model, Strategy("tp", "tp", "ag-rs", n, dtype=dtype), batch=batch, seq=seq,
-                                       layers=layers), micro_batches)
-    base = evaluate(baseline_graph, cost, "sequential", memory_budget=None, time_limit=time_limit, cache=cache)
+    base_config = baseline_config(model, hw, n=n, batch=batch, seq=seq, dtype=dtype, layers=layers,
+                                  micro_batches=micro_batches, time_limit=time_limit)
+    base = evaluate(base_config, cache)
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype)
     for i, cand in enumerate(cands, 1):
-        graph = build_graph(model, cand, cost, batch=batch, seq=seq, layers=layers)
-        # fuse before merging: passes refuse a merged graph
-        for g in (graph, *((_fused(graph, cost),) if fuse else ())):
-            if g is None:
+        for fused in (False, True) if fuse else (False,):
+            config = candidate_config(base_config, cand, fused=fused).replace(schedule="greedy",
+                                                                             memory_budget=memory_budget)
+            lowered = lower(config)
+            if fused and not lowered.report["fuse"]["chosen"]:
                 continue                # nothing to fuse in this layer: the unfused row stands for it
-            g = _step(g, micro_batches)
-            entry = evaluate(g, cost, "greedy", memory_budget=memory_budget, time_limit=time_limit, cache=cache)
-            rows.append({"candidate": cand, "graph": g, "stage1": entry})
+            entry = evaluate(config, cache, lowered)
+            g = lowered.graph
+            rows.append({"candidate": cand, "graph": g, "config": config, "lowered": lowered, "stage1": entry})
             say(f"[{time.perf_counter() - t0:6.1f}s] {i:>2}/{len(cands)} {_label(cand, g):<46} greedy "
                 + (f"{entry['predicted_us']:.1f} us" if entry["feasible"] else
                    "over the budget (scheduled within it below)" if _bound_fits(entry, memory_budget) else
@@ -144,8 +155,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     # candidate infeasible without a search.
     over = [r for r in rows if _bound_fits(r["stage1"], memory_budget)]
     for k, r in enumerate(over, 1):
-        r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
-                              cache=cache)
+        r["final"] = _refined(r, cache)
         say(f"[{time.perf_counter() - t0:6.1f}s] {k:>2}/{len(over)} {_label(r['candidate'], r['graph']):<46} "
             f"greedy over the budget; cp-sat within it: " + _outcome(r["final"]))
     feasible = sorted((r for r in rows if _entry(r)["feasible"]), key=lambda r: _entry(r)["predicted_us"])
@@ -155,8 +165,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     for r in _to_refine(feasible, refine):
         if "final" in r:
             continue        # already scheduled by CP-SAT under the budget above
-        r["final"] = evaluate(r["graph"], cost, "cpsat", memory_budget=memory_budget, time_limit=time_limit,
-                              cache=cache)
+        r["final"] = _refined(r, cache)
         say(f"[{time.perf_counter() - t0:6.1f}s] cp-sat {_label(r['candidate'], r['graph']):<46} "
             + _outcome(r["final"]))
     # rank the rows themselves, so the pick's schedule is its own row's (never found again by
@@ -169,7 +178,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         _label(order[0]["candidate"], order[0]["graph"]).strip()
     kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
     if kept:
-        best, schedule = _baseline_row(base, kept, baseline_graph.strategy), base.get("schedule")
+        best, schedule = _baseline_row(base, kept, base_config.strategy), base.get("schedule")
         label = "the tp+tp sequential baseline"
     if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
         raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
@@ -259,20 +268,9 @@ def _nothing_fits(rows: list[dict], memory_budget: int | None) -> MemoryBudgetEr
                              least, False)
 
 
-def _step(graph: Graph, micro_batches: int) -> Graph:
-    """The step graph a candidate (or the baseline) is ranked on: the merged step of M
-    micro-batches, and for a stack of layers the model's edges (moegraph.edges: eager head and
-    norm, their gradient sync, the embedding gather), as `compile --layers` schedules it, so
-    every candidate and the baseline compare like with like."""
-    return model_step(merge_microbatches(graph, micro_batches))
-
-
-def _fused(graph: Graph, cost: CostModel) -> Graph | None:
-    """``graph`` with fuse=auto's groups marked, or None when it marks none."""
-    from moegraph.passes import fuse, run_passes
-    from moegraph.passes.manager import per_layer
-    fused, report = run_passes(graph, [("fuse=auto", per_layer(fuse("auto", cost)))])    # the typed builder
-    return fused if report["fuse"]["chosen"] else None
+def _refined(row: dict, cache: Cache) -> dict:
+    """A row's candidate scheduled by CP-SAT (its config, method 'cpsat'; the same graph)."""
+    return evaluate(row["config"].replace(schedule="cpsat"), cache, row["lowered"])
 
 
 def _is_fused(graph: Graph) -> bool:
@@ -385,70 +383,4 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-def tune_command(p: argparse.ArgumentParser):
-    p.add_argument("--model", default="mixtral-8x7b", help="registry name or YAML path (default %(default)s)")
-    p.add_argument("--hardware", default="h800", help="registry name or profile YAML (default %(default)s)")
-    p.add_argument("--n", type=positive_int, default=8, help="group size n (default %(default)s)")
-    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
-    p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
-    p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
-    add_layers_arg(p)
-    add_memory_budget_arg(p)
-    add_micro_batch_arg(p)
-    p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
-                   help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
-    p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
-                   "each attn x ffn family; under --memory-budget every candidate whose greedy schedule breaks the "
-                   "budget (but whose memory bound fits) is scheduled by CP-SAT too (default %(default)s)")
-    p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
-                   help="cache folder ('' disables; default %(default)s)")
-    p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
-    p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
-    p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
-                   help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
-                        "faster (default: the profile's step_noise; 0 for registry profiles)")
-    p.add_argument("--fuse", action="store_true",
-                   help="also rank each candidate with its tile-level fused comm+compute groups (fuse=auto); "
-                        "`run` executes a fused schedule's groups as their member kernels")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-
-    def run(args) -> int:
-        if args.min_gain is not None and not args.min_gain < 1:
-            raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
-        model = load_model(args.model)
-        layers = resolve_layers(args.layers, model)
-        check_graph_size(layers=layers, micro_batches=args.micro_batches, n=args.n)   # before any graph
-        if args.cache:
-            check_output_dir(args.cache, flag="--cache")
-        if args.output:
-            check_output(args.output, suffixes=(".json",))
-            check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
-                         suffixes=(".png", ".svg", ".html", ".json"))
-        budget = args.memory_budget
-        t0 = time.perf_counter()
-
-        def say(msg: str) -> None:
-            # tune()'s own lines carry their elapsed time; the writing steps get the same clock
-            print(msg if msg.startswith("[") else f"[{time.perf_counter() - t0:6.1f}s] {msg}", file=sys.stderr,
-                  flush=True)
-        res = tune(model, load_hardware(args.hardware), n=args.n, batch=args.batch, seq=args.seq, layers=layers,
-                   dtype=args.dtype, memory_budget=budget, time_limit=args.time_limit, refine=args.refine,
-                   cache=Cache(Path(args.cache) if args.cache else None), min_gain=args.min_gain,
-                   micro_batches=args.micro_batches,
-                   progress=say, fuse=args.fuse)
-        schedule_json = res.pop("_best_schedule")
-        if args.output:
-            say(f"writing {args.output} and its Gantt chart")
-            sched = Schedule.from_json(schedule_json)
-            sched.save(make_parents(args.output))
-            gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
-            from moegraph.schedules.gantt import render
-            render(sched, make_parents(gantt))
-            res |= {"schedule_file": args.output, "gantt": gantt}
-            say(f"wrote {args.output} and {gantt}")
-        print_result(res, args.json, format_table)
-        return 0
-    return run
-
-
-__all__ = ["tune", "candidates", "build_graph", "Cache", "cache_key", "tune_command"]
+__all__ = ["tune", "candidates", "baseline_config", "candidate_config", "evaluate", "Cache", "cache_key", "format_table"]

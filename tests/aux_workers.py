@@ -56,17 +56,17 @@ def one_step(rank: int, world: int, case: dict) -> dict:
                                 dispatch=case.get("dispatch", "ag-rs"), passes=case.get("passes", ""),
                                 schedule="greedy", timeout_s=60.0, dp=dp)
     brk = case.get("break")
-    saved = Comm.issue, rt_model._ScheduledStep.apply
+    saved = Comm.issue, rt_model.ScheduledStep.apply
     try:
         if brk == "no_allreduce":
             Comm.issue = _local_aux_collectives(Comm.issue)
         elif brk == "zero_seed":
-            rt_model._ScheduledStep.apply = _zero_aux_seed(rt_model._ScheduledStep.apply)
+            rt_model.ScheduledStep.apply = _zero_aux_seed(rt_model.ScheduledStep.apply)
         elif brk is not None:
             raise ValueError(f"break={brk!r}")
         return _compare(model, compiled, ids, labels)
     finally:
-        Comm.issue, rt_model._ScheduledStep.apply = saved
+        Comm.issue, rt_model.ScheduledStep.apply = saved
 
 
 def _local_aux_collectives(issue):

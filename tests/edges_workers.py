@@ -80,7 +80,7 @@ def base_model_grad_checks(rank: int, n: int, seed: int) -> dict:
 def dp_bf16_edge_grads(rank: int, world: int, seed: int, dp: int) -> dict:
     """n x dp = ``world`` ranks, compress=dp-bf16: one step's gradients against eager on the
     global batch, and the edge nodes the plan runs compressed (the edges follow the passes' wire
-    format, moegraph.compression)."""
+    format, moegraph.passes.compress)."""
     from model_workers import dp_batches
     model = reference_model(seed, 2)
     ids, labels = dp_batches(seed + 1, 1, dp)[0]
@@ -145,12 +145,12 @@ def partial_embed_padding(rank: int, world: int, seed: int, dp: int) -> dict:
 
 def bucketed_edge_grads(rank: int, world: int, seed: int, dp: int, bucket: int) -> dict:
     """The public compile path with the edges' gradient buckets forced small
-    (``moegraph.edges.GRAD_BUCKET_BYTES`` and ``DP_GRAD_BUCKET_BYTES`` = ``bucket`` while compiling): one step's gradients
+    (``moegraph.passes.edges.GRAD_BUCKET_BYTES`` and ``DP_GRAD_BUCKET_BYTES`` = ``bucket`` while compiling): one step's gradients
     against eager. dp == 1: the head's sync in blocks (the embedding gathers its rows); then the
     same step with bucket 1's all-reduce made a local no-op, per row of the head gradient (only
     that block's rows may go wrong). dp > 1: replicas of 2B rows, so PARTIAL (as
     ``partial_embed_grads``): the head's and the embedding's syncs both in blocks."""
-    import moegraph.edges as edges_mod
+    import moegraph.passes.edges as edges_mod
     from model_workers import batches
     from moegraph.edges import edge_values
     model = reference_model(seed, 2)

@@ -242,16 +242,16 @@ def mb_train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict
         _, first_only = _accumulated(model, data[0][:1])
 
         # sabotage: micro-batch M-1's seed zeroed by its edges.norm.dgrad kernel
-        real = runtime_model._EdgeStep._norm_dgrad
+        real = runtime_model.EdgeStep._norm_dgrad
 
         def zero_last(self, st, j, ins):
             dy = real(self, st, j, ins)
             return torch.zeros_like(dy) if j == M - 1 else dy
-        runtime_model._EdgeStep._norm_dgrad = zero_last
+        runtime_model.EdgeStep._norm_dgrad = zero_last
         try:
             compiled.train_step(list(ids), list(labels))
         finally:
-            runtime_model._EdgeStep._norm_dgrad = real
+            runtime_model.EdgeStep._norm_dgrad = real
         bad = compiled.full_grads()
         res["zeroed_seed"] = max(rel_err(bad[k], r) for k, r in ref.items())
         compiled.zero_grad(set_to_none=True)
@@ -315,16 +315,16 @@ def mb_dp_case(rank: int, world: int, seed: int, dp: int, M: int, b: int = B) ->
     dropped = {}
     if pattern is EmbedGrad.PARTIAL:
         _, ref = _accumulated(model, steps[0])
-        real = runtime_model._EdgeStep._scatter
+        real = runtime_model.EdgeStep._scatter
 
         def drop_last(self, j, accumulate, ins):
             out = real(self, j, accumulate, ins)
             return [ins[1].clone()] if j == M - 1 else out
-        runtime_model._EdgeStep._scatter = drop_last
+        runtime_model.EdgeStep._scatter = drop_last
         try:
             compiled.train_step(*map(list, zip(*steps[0])))
         finally:
-            runtime_model._EdgeStep._scatter = real
+            runtime_model.EdgeStep._scatter = real
         bad = compiled.full_grads()
         dropped = {k: rel_err(bad[k], r) for k, r in ref.items()}
         compiled.zero_grad(set_to_none=True)

@@ -15,8 +15,10 @@ import torch
 import aux_workers as workers
 from helpers import RANK_BATCH
 import moegraph
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import CostModel
-from moegraph.edges import AuxLoss, add_edges, edge_values
+from moegraph.edges import AuxLoss, edge_values
+from moegraph.passes.edges import add_edges
 from moegraph.ir import GraphError, OpKind, Phase, Strategy
 from moegraph.registry import load_hardware, load_model
 from moegraph.runtime.check import rel_err
@@ -189,7 +191,7 @@ def test_lowering_reads_the_coefficient_and_ignores_what_does_not_add_it():
 
 def _graph(dispatch: str, dp: int = 1, aux: AuxLoss | None = AuxLoss(0.02, 8, 2)):
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", dispatch, 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", dispatch, 8, dtype="bf16", dp=dp), batch=1, seq=2048), 2)
     return add_edges(g, vocab=32000, aux=aux)
 
 
@@ -239,21 +241,22 @@ def test_aux_on_a_base_graph_or_other_routers_raises():
 
 def test_registry_coefficient_reaches_the_model_step_through_strategy_passes(tmp_path):
     """A registry model with router_aux_loss_coef > 0: its traced stack carries the AuxLoss and the
-    model step (schedules.api.model_step, what compile/tune --layers schedule) adds the nodes,
+    model step (the driver's edges='auto', what compile/tune --layers schedule) adds the nodes,
     also after a re-lowering pass (chunk=2); the default 0 adds none."""
     import dataclasses
 
-    from moegraph.passes import run_pipeline
+    from moegraph.config import CompileConfig
+    from moegraph.pass_steps import Chunk
     from moegraph.registry import RegistryError
-    from moegraph.schedules.api import compile_graph, model_step
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.driver import lower
     cost = CostModel(load_hardware("h800"))
     cfg = load_model("mixtral-8x7b")
     assert cfg.router_aux_loss_coef == 0.0
     aux_cfg = dataclasses.replace(cfg, router_aux_loss_coef=0.02)
     st = Strategy("sp", "ep", "a2a", 8, dtype="bf16")
-    plain = model_step(trace_model(cfg, st, batch=1, seq=2048, layers=2))
-    g, _ = run_pipeline(trace_model(aux_cfg, st, batch=1, seq=2048, layers=2), "chunk=2", cost=cost)
-    g = model_step(g)
+    plain = lower(CompileConfig(model=cfg, strategy=st, passes=(), seq=2048, layers=2)).graph
+    g = lower(CompileConfig(model=aux_cfg, strategy=st, passes=(Chunk(2),), seq=2048, layers=2)).graph
     assert edge_values(plain).aux_stats == ()
     ev = edge_values(g)
     assert (ev.aux_coef, ev.aux_experts, ev.aux_rows) == (0.02, 8, 2 * 2048)

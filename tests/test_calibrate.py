@@ -365,18 +365,18 @@ def _one_rank_env():
 def test_model_graphs_skip_only_a_layer_n_cannot_split(monkeypatch):
     """A layer the rank count cannot split is a note (its ConfigError); any other failure while
     building a model graph is a bug and propagates instead of fitting the profile on fewer graphs."""
-    import moegraph.tracer
+    import moegraph.schedules.driver as driver              # the one place the tracer is called from
     from moegraph.ir import ConfigError
     from moegraph.runtime.calibrate.graph_benches import MODEL_GRAPHS, bench_model_graphs
 
     def split_error(cfg, strategy, **kw):
         raise ConfigError(f"n={strategy.n} does not divide heads=3")
-    monkeypatch.setattr(moegraph.tracer, "trace_model", split_error)
+    monkeypatch.setattr(driver, "trace_model", split_error)
     res = bench_model_graphs(_one_rank_env(), time.time() + 60)
     assert res.samples == () and res.skipped.count("does not divide heads=3") == len(MODEL_GRAPHS)
 
     def bug(cfg, strategy, **kw):
         raise RuntimeError("shape mismatch in a lowering rule")
-    monkeypatch.setattr(moegraph.tracer, "trace_model", bug)
+    monkeypatch.setattr(driver, "trace_model", bug)
     with pytest.raises(RuntimeError, match="shape mismatch in a lowering rule"):
         bench_model_graphs(_one_rank_env(), time.time() + 60)

@@ -323,16 +323,14 @@ def test_a_malformed_graph_is_a_bug_with_its_traceback(monkeypatch, capsys):
     import dataclasses
 
     from moegraph.ir import GraphError
-    from moegraph.passes import PASSES, PassError, PassResult
+    from moegraph.passes import PASSES, BuiltPass, PassError, PassResult
 
-    def breaks(arg, cost):
-        def run(graph):
-            bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
-            return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
-        return run
-    monkeypatch.setitem(PASSES, "breaks", dataclasses.replace(PASSES["sar"], name="breaks", build=breaks))
+    def breaks(graph):
+        bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
+        return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
+    monkeypatch.setitem(PASSES, "sar", dataclasses.replace(PASSES["sar"], build=lambda step, cost: BuiltPass("sar", breaks)))
     with pytest.raises(PassError, match="reads unknown value 'nowhere'") as err:
-        main(["trace", *TINY, "--passes", "breaks"])
+        main(["trace", *TINY, "--passes", "sar"])
     assert isinstance(err.value.__cause__, GraphError)
     assert run_cli(["trace", *TINY, "--passes", "chunk=x"], capsys)[0] == 2          # the user's: one line
 

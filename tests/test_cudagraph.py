@@ -19,7 +19,7 @@ import torch
 import fake_cuda as fc
 import test_fake_device as tfd
 from helpers import eager_step, rel_err, small_layer
-from moegraph.commands import DEFAULT_PASSES
+from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.interpreter import shard_param
 from moegraph.ir import Strategy
 from moegraph.passes import run_pipeline

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from moegraph.cli import main
-from moegraph.runtime.commands import measurement_blocks
+from moegraph.runtime.timing import measurement_blocks
 
 
 @pytest.mark.slow
@@ -43,8 +43,8 @@ def test_prediction_benchmark_runs_its_schedules_in_abba_blocks(monkeypatch, cap
     spec.loader.exec_module(bench)
     order = []
 
-    def measured(layer, method, **kw):
-        order.append(method)
+    def measured(config, **kw):
+        order.append(config.schedule)
         return {"predicted_us": 1000.0, "step_us": 1000.0 + len(order)}
     monkeypatch.setattr(bench, "measure_schedule", measured)
     monkeypatch.setattr(bench, "gemm_probe_gflops", lambda: 1.0)
@@ -56,14 +56,13 @@ def test_prediction_benchmark_runs_its_schedules_in_abba_blocks(monkeypatch, cap
 
 @pytest.mark.slow
 def test_measure_schedule_runs_ranks_and_matches_eager():
-    import argparse
-
-    from moegraph.commands import layer_from_args
-    from moegraph.runtime.commands import measure_schedule
-    layer = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
-                                               dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
-                                               dp=1, passes="sar=paper"))
-    row = measure_schedule(layer, "sequential", steps=2, warmup=1, check=True)
+    from moegraph.config import CompileConfig
+    from moegraph.ir import Strategy
+    from moegraph.pass_steps import Sar
+    from moegraph.runtime.timing import measure_schedule
+    config = CompileConfig(model="tiny", strategy=Strategy("sp", "ep", "a2a", 2, dtype="fp32"), passes=(Sar("paper"),),
+                           schedule="sequential", batch=1, seq=64, hardware="cpu-2core-gloo")
+    row = measure_schedule(config, steps=2, warmup=1, check=True)
     assert row["schedule"] == "sequential" and row["step_us"] > 0 and row["predicted_us"] > 0
     assert len(row["step_us_all"]) == 2
     assert row["check"]["max_rel_err_output"] < 1e-5 and row["check"]["max_rel_err_grads"] < 1e-5
@@ -136,24 +135,24 @@ def test_namespace_privilege_probe_sees_dropped_capabilities():
 def test_hf_mixtral_implementation_runs_on_ranks_and_matches_its_eager_module():
     """benchmarks/heldout.py's hf-mixtral rows: ranks build transformers' MixtralDecoderLayer (its
     parameter names are the graph's) and the compiled step matches that module's eager step."""
-    import argparse
+    import dataclasses
 
     import pytest
     pytest.importorskip("transformers")
-    from moegraph.commands import Layer, layer_from_args
+    from moegraph.config import CompileConfig
     from moegraph.ir import Strategy
-    from moegraph.runtime.commands import spawn_plans
+    from moegraph.runtime.plan import ExecutionPlan
     from moegraph.runtime.reference import seeded_layer
-    from moegraph.runtime.module import make_plan
-    from moegraph.tracer import trace_module
-    ref = layer_from_args(argparse.Namespace(model="tiny", hardware="cpu-2core-gloo", attn="sp", ffn="ep",
-                                             dispatch="a2a", n=2, batch=1, seq=64, top_k=None, dtype="fp32",
-                                             dp=1, passes=""))
+    from moegraph.runtime.timing import spawn_plans
+    from moegraph.schedules.driver import lower
+    config = CompileConfig(model="tiny", strategy=Strategy("sp", "ep", "a2a", 2, dtype="fp32"), passes=(), batch=1,
+                           seq=64, hardware="cpu-2core-gloo")
+    ref = lower(config)
     module = seeded_layer(ref.model, 0, "fp32", "hf-mixtral")
     assert type(module).__name__ == "MixtralDecoderLayer"
-    graph = trace_module(module, Strategy("sp", "ep", "a2a", 2, dtype="fp32"), batch=1, seq=64)
-    layer = Layer(ref.model, ref.hardware, ref.cost, graph, {})
-    results = spawn_plans(layer, (make_plan(graph, layer.cost, "sequential"),), steps=1, warmup=0, check=True,
+    graph = lower(config.replace(model=module)).graph
+    layer = dataclasses.replace(ref, graph=graph)            # the registry model the ranks build, this graph
+    results = spawn_plans(layer, (ExecutionPlan.sequential(graph),), steps=1, warmup=0, check=True,
                           implementation="hf-mixtral")
     check = results[0]["check"]
     assert check["max_rel_err_output"] < 1e-5 and check["max_rel_err_grads"] < 1e-5, check

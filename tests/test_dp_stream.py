@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from moegraph.passes.stack import stack_layers
 from moegraph.ir import OpKind, Role
 from moegraph.schedules.problem import COMPUTE, TICK_US, build_problem
 
@@ -174,7 +175,7 @@ def test_dp_first_warm_start_beats_the_previous_warm_starts():
     from moegraph.schedules.solution import check_solution, makespan_ticks
     from moegraph.tracer import trace_model
     cost = CostModel(load_hardware("h800"))
-    g = trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512, layers=2)
+    g = stack_layers(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512), 2)
     g, _ = run_pipeline(g, "gate-reorder,sar=paper", cost=cost)
     p = build_problem(g, cost)
     dp = {s.method: s for s in dp_warm_starts(p)}
@@ -184,5 +185,5 @@ def test_dp_first_warm_start_beats_the_previous_warm_starts():
     for s in dp.values():
         check_solution(p, s)
     assert makespan_ticks(p, dp["dp-first"]) < 0.97 * min(makespan_ticks(p, s) for s in before)
-    g1 = trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=512, layers=2)
+    g1 = stack_layers(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=512), 2)
     assert dp_warm_starts(build_problem(g1, cost)) == [], "no DP sync, no DP-aware rules"

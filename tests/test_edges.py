@@ -10,8 +10,10 @@ import pytest
 
 import edges_workers as workers
 from helpers import RANK_BATCH, fresh_seed
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import CostModel
-from moegraph.edges import add_edges, edge_values
+from moegraph.edges import edge_values
+from moegraph.passes.edges import add_edges
 from moegraph.ir import ConfigError, GraphError, Strategy
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import compile_graph
@@ -42,7 +44,7 @@ PADDING = (RANK_BATCH.add(4, "edges.partial_embed_padding", workers.partial_embe
 
 def _graph(dp: int = 1, vocab: int | None = 32000, layers: int = 2):
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=layers)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048), layers)
     return add_edges(g, vocab=vocab)
 
 
@@ -191,10 +193,10 @@ def test_periodic_warm_start_tiles_the_layers_around_the_edges():
 # -- merged micro-batch steps (moegraph.microbatch): per micro-batch head and gather, one sync --------
 
 def _merged(M: int, dp: int = 1, passes: str = ""):
-    from moegraph.microbatch import merge_microbatches
+    from moegraph.passes.microbatch import merge_microbatches
     from moegraph.passes import run_pipeline
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048), 2)
     if passes:
         g, _ = run_pipeline(g, passes, cost=CostModel(load_hardware("h800")))
     return add_edges(merge_microbatches(g, M), vocab=32000)
@@ -269,7 +271,7 @@ def test_dp_bf16_compresses_the_edges_sync_too():
     """compress=dp-bf16 records its wire format in graph.meta; the edges (added after the passes)
     then send their DP reduce-scatters as bf16 all-to-alls: half the fp32 bytes, closed form
     (n-1)/n * V*h * 2 intra-node and (dp-1)/dp * V*h/n * 2 inter-node; in a merged step too."""
-    from moegraph.compression import DpGradWire, dp_grad_wire
+    from moegraph.passes.compress import DpGradWire, dp_grad_wire
     n, dp, V, h = 8, 2, 32000, 4096
     plain = {nd.name: nd for nd in _graph(dp=dp, layers=2).nodes}
     for g in (_graph_passes(dp, "compress=dp-bf16"), _merged(2, dp=dp, passes="compress=dp-bf16")):
@@ -289,7 +291,7 @@ def test_dp_bf16_compresses_the_edges_sync_too():
 def _graph_passes(dp: int, passes: str, embed_grad=None):
     from moegraph.passes import run_pipeline
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048), 2)
     g, _ = run_pipeline(g, passes, cost=CostModel(load_hardware("h800")))
     return add_edges(g, vocab=32000, embed_grad=embed_grad)
 
@@ -298,14 +300,14 @@ def test_merged_step_executor_runs_the_edges_by_step_edges():
     """The merged-step executor runs every eager edge node of a merged graph with edges at its plan
     position (tests/test_microbatch_model.py checks the numerics): it accepts the graph, refuses
     ``step`` (the seeds are the edges' to make) and a step whose kernels are missing, by name."""
-    from moegraph.microbatch import merge_microbatches
+    from moegraph.passes.microbatch import merge_microbatches
     import torch
 
     from moegraph.runtime import RuntimeFailure
     from moegraph.runtime.executor import Executor
     from moegraph.runtime.module import make_plan
     cfg = load_model("small")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1, seq=64, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1, seq=64), 2)
     merged = add_edges(merge_microbatches(g, 2), vocab=64)
     cost = CostModel(load_hardware("h800"))
     ex = Executor(merged, make_plan(merged, cost, "greedy"), None, rank=0, n=2, device=torch.device("cpu"))
@@ -384,7 +386,8 @@ def test_dp_warm_starts_issue_the_edges_sync_first():
     (dict(n=2, dp=2, b=4, s=16, h=32, vocab=64, elem=4), 8192, 4096, "partial", "partial"),
 ])
 def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen, mb2_chosen):
-    from moegraph.edges import EmbedGrad, embed_grad_choice, embed_grad_inter_bytes
+    from moegraph.edges import EmbedGrad
+    from moegraph.passes.edges import embed_grad_choice, embed_grad_inter_bytes
     assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == rows
     assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == partial
     assert embed_grad_choice(**point) is EmbedGrad(chosen)
@@ -401,7 +404,8 @@ def test_embed_grad_closed_form_bytes_and_choice(point, rows, partial, chosen, m
 def test_embed_grad_choice_over_micro_batches(M, chosen):
     """n=2 x dp=2, b=2, s=16, h=32, V=64, fp32: one micro-batch ties (ROWS 4096 = PARTIAL 4096:
     ROWS), M micro-batches send M x 4096 bytes of rows against PARTIAL's 4096 once."""
-    from moegraph.edges import EmbedGrad, embed_grad_choice, embed_grad_inter_bytes
+    from moegraph.edges import EmbedGrad
+    from moegraph.passes.edges import embed_grad_choice, embed_grad_inter_bytes
     point = dict(n=2, dp=2, b=2, s=16, h=32, vocab=64, elem=4, micro_batches=M)
     assert embed_grad_inter_bytes(EmbedGrad.ROWS, **point) == M * 4096
     assert embed_grad_inter_bytes(EmbedGrad.PARTIAL, **point) == 4096
@@ -424,7 +428,7 @@ def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
     from moegraph.edges import EmbedGrad
     n, dp, b, s, h, V = 8, 4, 8, 8192, 4096, 32000
     cfg = load_model("mixtral-8x7b")
-    g = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s, layers=1),
+    g = add_edges(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s), 1),
                   vocab=V)
     ev = edge_values(g)
     assert ev.embed_grad is EmbedGrad.PARTIAL and ev.embed_gathered == ()
@@ -444,8 +448,7 @@ def test_add_edges_builds_the_chosen_pattern_with_the_closed_form_bytes():
     with pytest.raises(GraphError, match="already has its edges"):
         add_edges(g, vocab=V)
     # forced ROWS at the same point: the 1.6 GB gather
-    rows = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s,
-                                 layers=1), vocab=V, embed_grad=EmbedGrad.ROWS)
+    rows = add_edges(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s), 1), vocab=V, embed_grad=EmbedGrad.ROWS)
     assert _inter_embed_bytes(rows) == 1_610_612_736
     small = _graph(dp=2, layers=1)
     assert edge_values(small).embed_grad is EmbedGrad.ROWS
@@ -473,14 +476,15 @@ def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once(
     hierarchical sync (no mb) reads the last partial; no gather. Greedy and megatron-1f1b plans
     verify, with each scatter after its layer 0's backward and the sync after the last scatter."""
     from moegraph.edges import EmbedGrad
-    from moegraph.microbatch import merge_microbatches, microbatch_boundaries
+    from moegraph.passes.microbatch import merge_microbatches
+    from moegraph.microbatch import microbatch_boundaries
     from moegraph.schedules.baselines import megatron_1f1b
     from moegraph.schedules.problem import build_problem
     from moegraph.schedules.solution import check_solution
     from moegraph.schedules.verify import verify_schedule
     n, dp, b, s, h, V = 8, 2, 2, 2048, 4096, 32000
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n, dtype="bf16", dp=dp), batch=b, seq=s), 2)
     assert edge_values(add_edges(g, vocab=V)).embed_grad is EmbedGrad.ROWS      # one micro-batch: 33.6 MB rows
     m = add_edges(merge_microbatches(g, 2), vocab=V)
     ev = edge_values(m)
@@ -517,7 +521,7 @@ def test_merged_step_partial_embed_grad_scatters_per_micro_batch_and_syncs_once(
 def _graph_forced(dp: int, vocab: int | None = 32000):
     from moegraph.edges import EmbedGrad
     cfg = load_model("mixtral-8x7b")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048, layers=1)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=dp), batch=1, seq=2048), 1)
     return add_edges(g, vocab=vocab, embed_grad=EmbedGrad.PARTIAL)
 
 
@@ -545,7 +549,7 @@ def test_executor_refuses_a_plan_eager_node_without_its_kernel():
     from moegraph.runtime.executor import Executor
     from moegraph.runtime.module import make_plan
     cfg = load_model("small")
-    g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64, layers=2)
+    g = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64), 2)
     g = add_edges(g, vocab=64, embed_grad=EmbedGrad.PARTIAL)
     plan = make_plan(g, CostModel(load_hardware("h800")), "greedy")
     ex = Executor(g, plan, None, rank=0, n=2, device=torch.device("cpu"))
@@ -566,8 +570,7 @@ def test_executor_refuses_a_plan_eager_node_without_its_kernel():
 def _graph_small_rows():
     from moegraph.edges import EmbedGrad
     cfg = load_model("small")
-    return add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64,
-                                 layers=2), vocab=64, embed_grad=EmbedGrad.ROWS)
+    return add_edges(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32", dp=2), batch=1, seq=64), 2), vocab=64, embed_grad=EmbedGrad.ROWS)
 
 
 def test_partial_embedding_gradient_matches_eager_on_n2_dp2(rank_results):
@@ -596,8 +599,7 @@ def test_periodic_tiling_places_the_partial_scatter_after_the_backward():
 
     cost = CostModel(load_hardware("h800"))
     cfg = load_model("mixtral-8x7b")
-    g = add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=1, seq=2048,
-                              layers=2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
+    g = add_edges(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16", dp=2), batch=1, seq=2048), 2), vocab=32000, embed_grad=EmbedGrad.PARTIAL)
     problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
     sol = greedy(unit)
     assert can_slide(unit)
@@ -644,7 +646,7 @@ def test_head_gradient_sync_in_buckets_closed_form():
     the ten summing to the whole all-reduce's), each writing its rows of the synced gradient, which
     keeps its name; the concat is zero-copy and priced 0. A bucket as large as the partial: the one
     all-reduce, no split."""
-    from moegraph.edges import GRAD_BUCKET_BYTES
+    from moegraph.passes.edges import GRAD_BUCKET_BYTES
     n, V, h = 8, 32000, 4096
     assert GRAD_BUCKET_BYTES == 25 * 2**20
     g = _graph(layers=1)
@@ -662,13 +664,13 @@ def test_head_gradient_sync_in_buckets_closed_form():
         assert ar.comm_bytes == 2 * (n - 1) * (V // BUCKETS) * h * 2 // n
         assert concat.inputs[i] == ar.outputs[0] and g.value[ar.outputs[0]].alias_of == ev.head_synced
     assert "edges.lm_head.grad_allreduce" not in node and "edges.norm.grad_allreduce" in node   # the norm: whole
-    whole = add_edges(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"),
-                                  batch=1, seq=2048, layers=1), vocab=V, grad_bucket_bytes=V * h * 2)
+    whole = add_edges(stack_layers(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"),
+                                  batch=1, seq=2048), 1), vocab=V, grad_bucket_bytes=V * h * 2)
     names = {nd.name for nd in whole.nodes}
     assert "edges.lm_head.grad_allreduce" in names and not any("bucket" in x or "grad_concat" in x for x in names)
     assert whole.producer[edge_values(whole).head_synced].name == "edges.lm_head.grad_allreduce"
     with pytest.raises(ValueError, match="grad_bucket_bytes=0 must be a positive integer"):
-        add_edges(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, layers=1),
+        add_edges(stack_layers(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), 1),
                   vocab=64, grad_bucket_bytes=0)
 
 
@@ -681,8 +683,7 @@ def test_bucket_rows_are_near_equal_and_follow_the_dp_sync():
     n, h = 2, 64
 
     def graph(bucket):
-        g = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", n, dtype="fp32", dp=2), batch=1, seq=64,
-                        layers=1)
+        g = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", n, dtype="fp32", dp=2), batch=1, seq=64), 1)
         return add_edges(g, vocab=50, embed_grad=EmbedGrad.PARTIAL, grad_bucket_bytes=bucket)
 
     node = {nd.name: nd for nd in graph(5000).nodes}

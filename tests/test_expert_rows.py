@@ -17,7 +17,7 @@ import comm_workers
 import test_fake_device as tfd
 from helpers import eager_step, rel_err, small_layer
 from moegraph import grouped_gemm, kernels
-from moegraph.commands import DEFAULT_PASSES
+from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.interpreter import shard_param
 from moegraph.ir import Strategy
 from moegraph.expert_rows import padded_rows_extra_bytes

@@ -280,7 +280,7 @@ def test_fake_device_step_host_syncs(attn, ffn, dispatch, expert_rows, monkeypat
     count R that sizes dropless routing's buffers; none with padded ones (C rows, R on the device),
     whose step still equals the eager module's. a2a: one copy of the split sizes per rank and index map, shared by
     every all-to-all that reads the map (so fewer than one per all-to-all)."""
-    from moegraph.commands import DEFAULT_PASSES
+    from moegraph.pass_steps import DEFAULT_PASSES
     from moegraph.ir import OpKind
     layer, graph, params, x, dy = build(attn, ffn, dispatch, 1, DEFAULT_PASSES, n=2)
     got, state, modes = _run_fake(graph, make_plan(graph, COST, "greedy"), params, x, dy, 2, monkeypatch,
@@ -330,7 +330,7 @@ def test_fake_device_step_host_syncs_catch_torch_grouped_mm_on_fp32(monkeypatch)
     (torch._grouped_mm for fp32 on the device) makes ffn=tp ag-rs count one offset copy per grouped
     GEMM call, two ranks, where test_fake_device_step_host_syncs expects none."""
     from moegraph import grouped_gemm
-    from moegraph.commands import DEFAULT_PASSES
+    from moegraph.pass_steps import DEFAULT_PASSES
     from moegraph.ir import OpKind
     monkeypatch.setattr(grouped_gemm, "native_grouped_mm", lambda device, dtype: True)
     _, graph, params, x, dy = build("tp", "tp", "ag-rs", 1, DEFAULT_PASSES, n=2)
@@ -545,7 +545,7 @@ def test_fake_device_compiled_model_host_syncs(family, micro_batches, monkeypatc
 
 def _host_all_reduce(shared: ThreadComm):
     """torch.distributed.all_reduce (sum, in place) over the rank threads of ``shared``: what the
-    model's eager parts call (the loss's _SumOverRanks, full_grads); ``group`` ignored (dp=1)."""
+    model's eager parts call (the loss's SumOverRanks, full_grads); ``group`` ignored (dp=1)."""
     slots: dict[int, torch.Tensor] = {}
 
     def all_reduce(t, op=None, group=None, async_op=False):
@@ -559,7 +559,7 @@ def _host_all_reduce(shared: ThreadComm):
 
 
 def _host_all_gather(shared: ThreadComm):
-    """torch.distributed.all_gather over the rank threads (the logits' _GatherSequence)."""
+    """torch.distributed.all_gather over the rank threads (the logits' GatherSequence)."""
     slots: dict[int, torch.Tensor] = {}
 
     def all_gather(parts, t, group=None, async_op=False):
@@ -599,24 +599,26 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     process; with n=1 the layers' full_grads reduce nothing); no host wait on a plan collective.
     The plan's collectives are the reference interpreter's (as test_fake_device_executor_step),
     not runtime.collectives' NCCL calls."""
-    import functools
-
+    import moegraph.passes.edges as edges_mod
     import moegraph.runtime.model as model_mod
-    from moegraph.edges import EmbedGrad, add_edges
+    from moegraph.edges import EmbedGrad
+    from moegraph.passes.edges import add_edges
     from moegraph.runtime.collectives import Layout
     from moegraph.runtime.module import CompiledLayer
     model = _tiny_lm(family)
     data = _lm_data(11, steps=micro_batches)
     shared = ThreadComm(n * dp)
     monkeypatch.setattr(model_mod, "replica_batch", lambda rows, n_, dp_, what: (_RANK.rank, n, rows // dp))
-    monkeypatch.setattr(model_mod, "add_edges", functools.partial(add_edges, embed_grad=EmbedGrad(embed_grad)))
+    # the driver's edges pass, with the pattern forced
+    monkeypatch.setattr(edges_mod, "add_edges", lambda graph, **kw: add_edges(graph, **{**kw, "embed_grad":
+                                                                                         EmbedGrad(embed_grad)}))
 
-    def build_layer(graph, plan, full, *, rank, n, timeout_s, emulate, record, frozen=frozenset()):
+    def build_layer(graph, plan, full, *, rank, n, options, frozen=frozenset()):
         comm = shared.for_rank(rank)
         comm.mp_group = None
         layout = Layout(n, dp, rank)
-        return CompiledLayer(graph, plan, full, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
-                             record=record, layout=layout, frozen=frozen)
+        return CompiledLayer(graph, plan, full, rank=layout.mp_rank, n=n, comm=comm, timeout_s=options.timeout_s,
+                             record=options.record, layout=layout, frozen=frozen)
     monkeypatch.setattr(model_mod, "build_layer", build_layer)
     compiled = []
     for r in range(n * dp):

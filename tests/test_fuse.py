@@ -15,6 +15,7 @@ import dataclasses
 
 import pytest
 
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, tile_pipeline_us, variant
 from moegraph.ir import Strategy, verify
 from moegraph.passes import PassError, run_pipeline
@@ -183,7 +184,7 @@ def test_bad_argument_and_bad_attr(h800):
 def test_multi_layer_graph_keeps_one_anchor_per_group(h800):
     """Restacking layers renames nodes (l0.out_proj ...): each layer's groups still price their kernel once."""
     one, _ = run_pipeline(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8)), "fuse=all", cost=h800)
-    two, _ = run_pipeline(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8), layers=2),
+    two, _ = run_pipeline(stack_layers(trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8)), 2),
                           "fuse=all", cost=h800)
     fused_us = sum(h800.node_time_us(n) for n in one.nodes if variant(n) == "fused")
     assert fused_us > 0
@@ -262,14 +263,19 @@ def test_fused_graph_computes_the_eager_layer(spec, rng):
 def test_tune_ranks_a_fused_twin_of_each_candidate(h800):
     """tune --fuse: a candidate with fusable groups gets a second, fused row; a layer with none
     (n = 1: no collectives) gets none."""
-    from moegraph.schedules.tune import _fused, _row, build_graph
+    from moegraph.config import CompileConfig
+    from moegraph.schedules.driver import lower
+    from moegraph.schedules.tune import _row, candidate_config
     model = load_model("tiny")
     cand = Strategy("sp", "ep", "ag-rs", 2)
-    graph = build_graph(model, cand, h800, batch=1, seq=64)
-    fused = _fused(graph, h800)
-    assert fused is not None and fused.strategy.passes[-1] == "fuse=auto"
+    base = CompileConfig(model=model, passes=(), batch=1, seq=64, hardware=h800.hw)
+    graph = lower(candidate_config(base, cand)).graph
+    twin = lower(candidate_config(base, cand, fused=True))
+    fused = twin.graph
+    assert twin.report["fuse"]["chosen"] and fused.strategy.passes[-1] == "fuse=auto"
     assert any(variant(n) == "fused" for n in fused.nodes) and not any(variant(n) == "fused" for n in graph.nodes)
-    assert _fused(build_graph(model, Strategy("sp", "ep", "ag-rs", 1), h800, batch=1, seq=64), h800) is None
+    lone = lower(candidate_config(base, Strategy("sp", "ep", "ag-rs", 1), fused=True))
+    assert not lone.report["fuse"]["chosen"]                     # tune skips the twin of such a candidate
     entry = {"feasible": True, "predicted_us": 100.0, "peak_memory_bytes": 1, "method": "greedy"}
     assert _row({"candidate": cand, "graph": fused, "stage1": entry}, 200.0)["fused"] is True
     assert _row({"candidate": cand, "graph": graph, "stage1": entry}, 200.0)["fused"] is False

@@ -13,7 +13,8 @@ from helpers import max_grad_err, rel_err, small_layer
 from moegraph.cost import CostModel
 from moegraph.interpreter import interpret
 from moegraph.ir import OpKind, Phase, Role, Strategy, verify
-from moegraph.layers import layer_count, layer_graph, stack_layers
+from moegraph.passes.stack import stack_layers
+from moegraph.layers import layer_count, layer_graph
 from moegraph.passes import PassError, run_pipeline
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import relower, trace_layers, trace_model
@@ -35,7 +36,7 @@ def _ancestors(graph, names):
 
 def test_stacked_graph_names_layers_params_and_order():
     one = trace_model(SMALL, SP, seq=64)
-    three = trace_model(SMALL, SP, seq=64, layers=3)
+    three = stack_layers(trace_model(SMALL, SP, seq=64), 3)
     assert layer_count(three) == 3 and layer_count(one) == 1 and layer_graph(three) == one
     verify(three)
     assert len(three.nodes) == 3 * len(one.nodes)
@@ -77,13 +78,13 @@ def test_activation_bytes_accumulate_across_layers():
     boundary = b * s // n * h * 2                         # the layer output == next layer's input
     assert {"hidden", "hidden_next"} <= one.saved
     for L in (2, 4):
-        many = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8), seq=8192, layers=L)
+        many = stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8), seq=8192), L)
         assert many.activation_bytes() == L * per_layer - (L - 1) * boundary
     # with sar=paper the layer output is not held by its own layer (the next one holds it as input)
     cost = CostModel(load_hardware("h800"))
     one_paper, _ = run_pipeline(one, "gate-reorder,sar=paper", cost=cost)
     assert "hidden_next" not in one_paper.saved and "hidden" in one_paper.saved
-    four_paper, report = run_pipeline(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8), seq=8192, layers=4),
+    four_paper, report = run_pipeline(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8), seq=8192), 4),
                                       "gate-reorder,sar=paper", cost=cost)
     assert layer_count(four_paper) == 4 and report["sar"]["layers"] == 4
     assert four_paper.activation_bytes() == 4 * one_paper.activation_bytes()
@@ -94,7 +95,7 @@ def test_activation_bytes_accumulate_across_layers():
 def test_no_false_edges_across_layers():
     """The last layer's weight-gradient all-reduces (sp attention's replicated weights) feed
     only its parameter gradients: no earlier layer's backward waits for them."""
-    g = trace_model(SMALL, SP, seq=64, layers=3)
+    g = stack_layers(trace_model(SMALL, SP, seq=64), 3)
     wgrad_ar = [n.name for n in g.nodes if n.layer == 2 and n.op is OpKind.ALL_REDUCE and n.role is Role.WGRAD]
     assert wgrad_ar, "sp attention has replicated weights whose gradients are all-reduced"
     l0_backward = [n.name for n in g.nodes if n.layer == 0 and n.phase is not Phase.FORWARD]
@@ -121,7 +122,8 @@ def test_interpreter_two_layers_match_eager(n, passes, rng):
     y_ref = model.layers[1](model.layers[0](xr))
     y_ref.backward(dy)
     grads_ref = {k: p.grad for k, p in model.named_parameters()}
-    graph = trace_layers(model.layers, Strategy("sp", "ep", "ag-rs", n, dtype="fp32"), batch=b, seq=s)
+    graph = stack_layers(trace_layers(model.layers, Strategy("sp", "ep", "ag-rs", n, dtype="fp32"), batch=b, seq=s),
+                         len(model.layers))
     if passes:
         graph, _ = run_pipeline(graph, passes, cost=CostModel(load_hardware("h800")))
         assert layer_count(graph) == 2
@@ -139,7 +141,8 @@ def test_interpreter_two_layers_detects_swapped_layers(rng):
     model = _two_layers(3)
     x, dy = torch.randn(2, 16, 64, generator=rng), torch.randn(2, 16, 64, generator=rng)
     y_ref = model.layers[1](model.layers[0](x)).detach()
-    graph = trace_layers(model.layers, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=2, seq=16)
+    graph = stack_layers(trace_layers(model.layers, Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=2, seq=16),
+                         len(model.layers))
     swapped = {k.replace("layers.0.", "layers.X.").replace("layers.1.", "layers.0.").replace("layers.X.", "layers.1."):
                p.detach() for k, p in model.named_parameters()}
     assert rel_err(interpret(graph, swapped, x, dy).output, y_ref) > 1e-2
@@ -160,7 +163,7 @@ def test_every_pass_runs_on_a_multi_layer_graph(spec):
     cost = CostModel(load_hardware("h800"))
     strategy = Strategy("tp", "ep", "ag-rs", 2)     # tp attention: compress=tp-fp8 has targets
     one, _ = run_pipeline(trace_model(SMALL, strategy, seq=64), spec, cost=cost)
-    two, report = run_pipeline(trace_model(SMALL, strategy, seq=64, layers=2), spec, cost=cost)
+    two, report = run_pipeline(stack_layers(trace_model(SMALL, strategy, seq=64), 2), spec, cost=cost)
     assert layer_count(two) == 2 and len(two.nodes) == 2 * len(one.nodes)
     assert two.strategy == one.strategy and report[spec.partition("=")[0]]["layers"] == 2
     assert {n.name for n in two.nodes if n.layer == 1} == {f"l1.{n.name}" for n in one.nodes}
@@ -171,7 +174,7 @@ def test_sar_budget_caps_the_whole_stack():
     keep-set a single layer gets under B // 3 (a stack holds 3x one layer's activations); a
     budget below 3x the least footprint is an error naming the stack."""
     cost = CostModel(load_hardware("h800"))
-    g = trace_model(SMALL, SP, seq=64, layers=3)
+    g = stack_layers(trace_model(SMALL, SP, seq=64), 3)
     one = trace_model(SMALL, SP, seq=64)
     paper = run_pipeline(one, "sar=paper", cost=cost)[0].activation_bytes()
     full = one.activation_bytes()
@@ -186,21 +189,27 @@ def test_sar_budget_caps_the_whole_stack():
         run_pipeline(g, "sar=budget:3000", cost=cost)
 
 
-def test_relower_keeps_the_layer_count():
-    g = trace_model(SMALL, SP, seq=64, layers=2)
-    again = relower(g, chunks=2)
+def test_a_stack_is_relowered_through_its_layer_graph():
+    """relower takes one layer; the pass manager re-lowers a stack's layer graph and restacks."""
+    from moegraph.tracer import LoweringError
+    g = stack_layers(trace_model(SMALL, SP, seq=64), 2)
+    with pytest.raises(LoweringError, match="holds 2 layers: re-lower its one-layer graph"):
+        relower(g, chunks=2)
+    again, _ = run_pipeline(g, "chunk=2", cost=None)
     assert layer_count(again) == 2 and again.strategy.chunks == 2
     assert len(again.nodes) == 2 * len(layer_graph(again).nodes)
 
 
 def test_layer_count_bounds():
     from moegraph.builder import ConfigError
+    from moegraph.config import CompileConfig
+    from moegraph.schedules.driver import lower
     with pytest.raises(ConfigError, match="between 1 and small's 4 layers"):
-        trace_model(SMALL, SP, seq=64, layers=5)
+        lower(CompileConfig(model=SMALL, strategy=SP, passes=(), seq=64, layers=5))
     with pytest.raises(ValueError, match="positive integer"):
         stack_layers(trace_model(SMALL, SP, seq=64), 0)
     big = dataclasses.replace(SMALL, layers=6)
-    assert layer_count(trace_model(big, SP, seq=64, layers=6)) == 6
+    assert layer_count(stack_layers(trace_model(big, SP, seq=64), 6)) == 6
 
 
 @pytest.mark.slow

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from moegraph.edges import add_edges
+from moegraph.passes.edges import add_edges
 from moegraph.ir import Strategy
-from moegraph.layers import stack_layers
+from moegraph.passes.stack import stack_layers
 from moegraph.memory import (ADAM, ADAM_DISTRIBUTED, edge_activation_bytes, layer_params, one_f_one_b_in_flight,
                              pipeline_memory, rank_memory, stack_activation_bytes, stage_memory)
 from moegraph.models import MoETransformer

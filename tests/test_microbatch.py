@@ -7,10 +7,12 @@ import torch
 from torch import nn
 
 from helpers import max_grad_err, rel_err, small_layer
+from moegraph.passes.stack import stack_layers
 from moegraph.cost import CostModel
 from moegraph.interpreter import interpret, interpret_microbatches
 from moegraph.ir import GraphError, OpKind, Phase, Role, Strategy, ValueKind
-from moegraph.microbatch import (merge_microbatches, micro_batch_count, micro_batch_graph, micro_batch_of,
+from moegraph.passes.microbatch import merge_microbatches
+from moegraph.microbatch import (micro_batch_count, micro_batch_graph, micro_batch_of,
                                  microbatch_boundaries)
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
@@ -52,7 +54,7 @@ def test_merged_gradients_equal_eager_accumulation(M, strategy, passes, rng):
     xs = [torch.randn(b, s, 64, generator=rng) for _ in range(M)]
     dys = [torch.randn(b, s, 64, generator=rng) for _ in range(M)]
     ys_ref, dxs_ref, grads_ref = _eager_accumulated(model, xs, dys)
-    graph = trace_layers(model.layers, strategy, batch=b, seq=s)
+    graph = stack_layers(trace_layers(model.layers, strategy, batch=b, seq=s), len(model.layers))
     if passes:
         graph, _ = run_pipeline(graph, passes, cost=CostModel(load_hardware("h800")))
     merged = merge_microbatches(graph, M)
@@ -69,7 +71,7 @@ def test_merged_gradients_equal_eager_accumulation(M, strategy, passes, rng):
 
 
 def test_merged_graph_structure():
-    one = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=2)
+    one = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64), 2)
     merged = merge_microbatches(one, 3)
     assert micro_batch_count(merged) == 3 and micro_batch_graph(merged) is one
     assert merge_microbatches(one, 1) is one
@@ -109,7 +111,7 @@ def test_merged_graph_structure():
 
 def test_passes_refuse_a_merged_graph():
     from moegraph.passes import PassError
-    merged = merge_microbatches(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=2), 2)
+    merged = merge_microbatches(stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2), seq=64), 2), 2)
     with pytest.raises(PassError, match="merged step of 2 micro-batches"):
         run_pipeline(merged, "sar=paper", cost=CostModel(load_hardware("h800")))
 

@@ -15,9 +15,11 @@ from moegraph.cli import main
 
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
-from moegraph.microbatch import merge_microbatches, micro_batch_of
+from moegraph.passes.microbatch import merge_microbatches
+from moegraph.microbatch import micro_batch_of
 from moegraph.registry import load_hardware
 from moegraph.runtime import PlanError, RuntimeFailure
+from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.module import build_layer, make_plan
 from moegraph.runtime.plan import ExecutionPlan, check_plan
 from moegraph.tracer import trace_module
@@ -64,7 +66,7 @@ def grads_rank(rank: int, n: int, cases) -> list[dict]:
         M = graph.meta_get("micro_batches")
         module = reference_layer(SEED)
         full = {k: p.detach() for k, p in module.named_parameters()}
-        layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=60)
+        layer = build_layer(graph, plan, full, rank=rank, n=n, options=RuntimeOptions(timeout_s=60))
         xs, dys = _batches(M, SEED + M)
         ys, dxs = layer.train_step([layer.shard_input(x) for x in xs], [layer.shard_input(dy) for dy in dys])
         grads = layer.full_grads()
@@ -94,7 +96,7 @@ def adamw_rank(rank: int, n: int, cases, steps: int) -> list[dict]:
         M = graph.meta_get("micro_batches")
         module = reference_layer(SEED)
         full = {k: p.detach().clone() for k, p in module.named_parameters()}
-        layer = build_layer(graph, plan, full, rank=rank, n=n, timeout_s=60)
+        layer = build_layer(graph, plan, full, rank=rank, n=n, options=RuntimeOptions(timeout_s=60))
         opt_c = torch.optim.AdamW(layer.parameters(), lr=1e-2)
         opt_e = torch.optim.AdamW(module.parameters(), lr=1e-2)
         for step in range(steps):

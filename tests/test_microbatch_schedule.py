@@ -7,10 +7,12 @@ import json
 
 import pytest
 
+from moegraph.passes.stack import stack_layers
 from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
-from moegraph.microbatch import merge_microbatches, micro_batch_of
+from moegraph.passes.microbatch import merge_microbatches
+from moegraph.microbatch import micro_batch_of
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import compile_graph
 from moegraph.schedules.baselines import MICROBATCH_BASELINES, _pair_parts, pair_slots
@@ -26,7 +28,7 @@ COST = CostModel(load_hardware("h800"))
 
 def _merged(M=2, layers=1):
     model = TINY if layers == 1 else SMALL
-    return merge_microbatches(trace_model(model, Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=layers), M)
+    return merge_microbatches(stack_layers(trace_model(model, Strategy("sp", "ep", "ag-rs", 2), seq=64), layers), M)
 
 
 def _ancestors(problem, i):

@@ -18,7 +18,7 @@ import pytest
 from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import GraphError, OpKind, Phase, Strategy, verify
-from moegraph.layers import stack_layers
+from moegraph.passes.stack import stack_layers
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model
 from moegraph.passes import (PASSES, KeepSearchTimeout, PassError, PassResult, dispatch, remat_pass, run_pipeline,
@@ -84,15 +84,15 @@ def test_failure_names_the_pass_and_its_predecessors(h800):
     assert isinstance(err.value.__cause__, ValueError)
 
 
-def test_verifier_failure_is_reported_as_the_pass_that_broke_the_graph(h800, monkeypatch):
-    def breaks(arg, cost):
-        def run(graph):
-            bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
-            return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
-        return run
-    monkeypatch.setitem(PASSES, "breaks", dataclasses.replace(PASSES["sar"], name="breaks", build=breaks, stage=9))
+def test_verifier_failure_is_reported_as_the_pass_that_broke_the_graph(h800):
+    from moegraph.pass_steps import Chunk, Sar
+    from moegraph.passes import BuiltPass, build_pass, run_passes
+
+    def breaks(graph):
+        bad = dataclasses.replace(graph.nodes[0], inputs=("nowhere",))
+        return PassResult(dataclasses.replace(graph, nodes=(bad,) + graph.nodes[1:]), True)
     with pytest.raises(PassError) as err:
-        run_pipeline(tiny(), "breaks,chunk=2,sar", cost=h800)
+        run_passes(tiny(), [build_pass(Chunk(2), h800), build_pass(Sar(), h800), BuiltPass("breaks", breaks)])
     assert str(err.value) == ("pass 'breaks' failed (passes before it: chunk=2, sar): "
                               "node 'input_norm' (rmsnorm, forward) reads unknown value 'nowhere'")
     assert isinstance(err.value.__cause__, GraphError)
@@ -377,7 +377,8 @@ def test_dp_sync_is_hierarchical_for_replicated_params(h800):
 
 def test_compress_without_targets_changes_nothing(h800):
     g = tiny()
-    result_dp = PASSES["compress"].build("dp-bf16", h800)(g)
+    from moegraph.pass_steps import Compress
+    result_dp = PASSES["compress"].build(Compress("dp-bf16"), h800).run(g)
     assert not result_dp.changed and result_dp.report["compressed"] == []
 
 
@@ -408,25 +409,31 @@ def test_registered_passes():
 @pytest.mark.parametrize("name, layers", [("tiny", 1), ("small", 2)])
 def test_lower_strategy_rebuilds_what_the_pipeline_built_from_the_typed_fields_alone(h800, name, layers):
     """Every rewrite a pipeline applies is a typed Strategy field (gate, chunks, compress, remat,
-    fuse), so lower_strategy on the pipeline's resulting strategy gives the same graph, digest
-    for digest (what run --schedule FILE checks), without parsing its recorded labels."""
+    fuse), so the driver's RECORDED path on the pipeline's resulting strategy gives the same
+    graph, digest for digest (what run --schedule FILE checks), without parsing its recorded labels."""
+    from moegraph.config import RECORDED, CompileConfig
     from moegraph.ir import graph_digest
-    from moegraph.passes import lower_strategy, passes_for
+    from moegraph.passes import passes_for
+    from moegraph.schedules.driver import lower
     import moegraph.passes.manager as manager
+
+    def lower_strategy(strategy):
+        return lower(CompileConfig(model=model, strategy=strategy, passes=RECORDED, seq=64, layers=layers,
+                                   edges="none", hardware=h800.hw)).graph
     model = load_model(name)
-    base = trace_model(model, Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64, layers=layers)
+    base = stack_layers(trace_model(model, Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), layers)
     piped, _ = run_pipeline(base, "gate-reorder,chunk=2,compress=tp-fp8,sar=paper,fuse=all", cost=h800)
     st = piped.strategy
     assert (st.gate, st.chunks, st.compress, st.remat, st.fuse) == ("before-fc2", 2, "tp-fp8", "paper", "all")
-    assert [lab for lab, _ in passes_for(st, h800)] == ["compress=tp-fp8", "sar=paper", "fuse=all"]
-    real = manager.parse_pipeline
+    assert [p.label for p in passes_for(st, h800)] == ["compress=tp-fp8", "sar=paper", "fuse=all"]
+    real = manager.parse_passes
     try:
-        manager.parse_pipeline = lambda spec: pytest.fail(f"parsed {spec!r}")
-        typed, _ = lower_strategy(model, st, batch=1, seq=64, cost=h800, layers=layers)
+        manager.parse_passes = lambda spec: pytest.fail(f"parsed {spec!r}")
+        typed = lower_strategy(st)
         # without a record, the labels are the typed passes' own, in stage order
-        fresh, _ = lower_strategy(model, dataclasses.replace(st, passes=()), batch=1, seq=64, cost=h800, layers=layers)
+        fresh = lower_strategy(dataclasses.replace(st, passes=()))
     finally:
-        manager.parse_pipeline = real
+        manager.parse_passes = real
     assert graph_digest(typed) == graph_digest(piped)
     assert fresh.strategy.passes == ("gate-reorder", "chunk=2", "compress=tp-fp8", "sar=paper", "fuse=all")
     assert graph_digest(dataclasses.replace(fresh, strategy=st)) == graph_digest(piped)

@@ -7,7 +7,7 @@ under test."""
 import pytest
 
 from moegraph.ir import Phase, Role, Strategy
-from moegraph.layers import stack_layers
+from moegraph.passes.stack import stack_layers
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_model
 from moegraph.schedules.api import compile_graph
@@ -65,7 +65,7 @@ def test_stacked_peak_without_remat_holds_every_saved_activation(method):
     backward (counted here from the graph's values) is live at the barrier, so no schedule can
     peak below their sum; and the memory model holds no more than that plus what backward
     allocates (less than one layer's activations of this graph)."""
-    g, _ = run_pipeline(trace_model(SMALL, SP, seq=64, layers=4), "gate-reorder,sar=none", cost=COST)
+    g, _ = run_pipeline(stack_layers(trace_model(SMALL, SP, seq=64), 4), "gate-reorder,sar=none", cost=COST)
     held = held_for_backward(g)
     one_layer = held_for_backward(run_pipeline(trace_model(SMALL, SP, seq=64), "gate-reorder,sar=none",
                                                 cost=COST)[0])
@@ -94,7 +94,7 @@ def test_stacked_rebuilds_run_just_ahead_of_their_layer(method):
     earlier than the next layer's backward, so at no instant are more than two layers' rebuilt
     values live. Without that rule the list schedules rebuild every layer at the barrier and
     hold all of them (the model-level peak then fell only 12% on 32 mixtral layers)."""
-    g, _ = run_pipeline(trace_model(SMALL, SP, seq=64, layers=4), "gate-reorder,sar=paper", cost=COST)
+    g, _ = run_pipeline(stack_layers(trace_model(SMALL, SP, seq=64), 4), "gate-reorder,sar=paper", cost=COST)
     per_layer = _rebuilt_bytes_per_layer(g)
     assert set(per_layer) == {0, 1, 2, 3} and len(set(per_layer.values())) == 1
     sched = compile_graph(g, COST, method=method, time_limit_s=0.5).schedule

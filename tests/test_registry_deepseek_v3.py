@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from helpers import assert_interpreted_matches_eager, rel_err
+from moegraph.passes.stack import stack_layers
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
 from moegraph.ir import OpKind, Phase, Strategy
@@ -268,13 +269,15 @@ def test_trace_and_compile_run_on_deepseek_v3(capsys):
 
 @pytest.mark.slow
 def test_a_stack_holds_only_the_moe_layers():
+    from moegraph.config import CompileConfig
+    from moegraph.schedules.driver import lower
     # 61 layers, the first 3 dense: a stack of identical MoE layers has at most 58
     cfg = load_model("deepseek-v3")
-    g = trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=58)
+    g = stack_layers(trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024), 58)
     assert {nd.layer for nd in g.nodes} == set(range(58))
     with pytest.raises(Exception, match=r"^layers=59 must be between 1 and deepseek-v3's 58 MoE layers \(its "
                                         r"first_k_dense_replace=3 dense layers lower to another graph\)$"):
-        trace_model(cfg, Strategy("tp", "ep", "a2a", N), batch=1, seq=1024, layers=59)
+        lower(CompileConfig(model=cfg, strategy=Strategy("tp", "ep", "a2a", N), passes=(), seq=1024, layers=59))
 
 
 @pytest.mark.slow

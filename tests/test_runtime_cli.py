@@ -56,7 +56,8 @@ def test_run_checks_measures_and_writes_traces(capfd, tmp_path):
 
 
 def test_the_traced_step_is_a_median_step_and_the_report_names_it():
-    from moegraph.runtime.commands import format_report, traced_step
+    from moegraph.runtime.report import format_report
+    from moegraph.runtime.trace import traced_step
     assert traced_step([315.7e3, 203.2e3]) == 1               # even: the faster middle step
     assert traced_step([9.0, 1.0, 5.0]) == 2                  # odd: the median itself
     assert traced_step([4.0, 3.0, 2.0, 1.0]) == 2
@@ -74,7 +75,8 @@ def test_the_traced_step_is_a_median_step_and_the_report_names_it():
 def test_run_reports_memory_predicted_and_measured_only_where_measured():
     """The text report's memory line: the plan's predicted peak and budget; on the CPU no measured
     number at all, on CUDA the largest rank's allocator peak (``memory_report``)."""
-    from moegraph.runtime.commands import format_report, memory_report
+    from moegraph.runtime.report import format_report
+    from moegraph.runtime.device_memory import memory_report
     from moegraph.runtime.plan import ExecutionPlan
     plan = ExecutionPlan("greedy", (), "0" * 64, peak_memory_bytes=3 * 2**20, memory_budget_bytes=4 * 2**20)
     report = {"model": "tiny", "hardware": "cpu", "backend": "gloo", "n": 2, "batch": 1, "seq": 8,
@@ -98,7 +100,7 @@ def test_device_memory_takes_each_blocks_peak_from_a_reset_statistic(monkeypatch
     earlier block's or the warm-up's peak does not count), and the largest block peak is kept."""
     import torch
 
-    from moegraph.runtime.commands import DeviceMemory
+    from moegraph.runtime.device_memory import DeviceMemory
     alloc = {"now": 100, "peak": 10_000}           # a warm-up peak the measured steps never reach
 
     def reset():
@@ -172,7 +174,7 @@ def test_gpu_sized_layers_on_cpu_ranks_are_refused_by_memory():
     was SIGKILLed after 116 s); the tiny default layer fits."""
     from moegraph.options import UsageError
     from moegraph.registry import load_model
-    from moegraph.runtime.commands import check_rank_memory
+    from moegraph.runtime.device_memory import check_rank_memory
     mixtral, gib = load_model("mixtral-8x7b"), 2**30
     with pytest.raises(UsageError, match=r"--n 8 gloo ranks on this machine's CPU would hold at least 4\d\.\d\dGiB: "
                                          r"each rank builds a mixtral-8x7b layer in fp32 \(5\.\d\dGiB\)"):
@@ -197,7 +199,7 @@ def test_docs_state_run_timeout_default():
 @pytest.mark.slow
 def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp_path, monkeypatch):
     """run --schedule FILE rebuilds the file's graph from its typed strategy (gate, chunks,
-    compress, remat, fuse: moegraph.passes.lower_strategy), never by joining the recorded pass
+    compress, remat, fuse: the driver with passes=RECORDED), never by joining the recorded pass
     labels into a pipeline string and parsing it back; the graph digest check passes and the
     report keeps the file's record of the passes."""
     import moegraph.passes.manager as manager
@@ -212,7 +214,7 @@ def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp
 
     def no_strings(spec):
         raise AssertionError(f"run parsed a pipeline string {spec!r}")
-    monkeypatch.setattr(manager, "parse_pipeline", no_strings)
+    monkeypatch.setattr(manager, "parse_passes", no_strings)
     assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["strategy"]["passes"] == ["gate-reorder", "chunk=2", "compress=tp-fp8", "sar=paper", "fuse=all"]

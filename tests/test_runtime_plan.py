@@ -15,7 +15,7 @@ import moegraph
 from helpers import eager_step, max_grad_err, rel_err, small_layer
 from moegraph.cost import CostModel
 from moegraph.ir import Phase, Strategy
-from moegraph.microbatch import merge_microbatches
+from moegraph.passes.microbatch import merge_microbatches
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model, trace_module
 from moegraph.runtime import PlanError, RuntimeFailure
@@ -91,7 +91,7 @@ class _CountedName(str):
 def test_check_plan_is_linear_in_the_nodes(graph):
     """A 100-layer step graph (5,600 nodes) checks with O(nodes) name comparisons: the listed-node
     set is built once, not per node (the quadratic version took 6.8 s there, the linear 0.03 s)."""
-    from moegraph.layers import stack_layers
+    from moegraph.passes.stack import stack_layers
     big = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), 100)
     plan = ExecutionPlan.sequential(big)
     counted = plan.with_entries(dataclasses.replace(e, name=_CountedName(e.name)) for e in plan.entries)

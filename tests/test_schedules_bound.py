@@ -196,7 +196,8 @@ def test_heads_hold_on_a_stack_beyond_the_ancestor_window():
     tiled one-layer optimum, and the bound rises above the longest-path one (layer after layer
     the exposed collectives add up)."""
     from moegraph.ir import Strategy
-    from moegraph.layers import layer_graph, stack_layers
+    from moegraph.passes.stack import stack_layers
+    from moegraph.layers import layer_graph
     from moegraph.passes import run_pipeline
     from moegraph.registry import load_model
     from moegraph.schedules import bound

@@ -102,7 +102,7 @@ LAYERS = 4
 
 @pytest.fixture(scope="module")
 def layered():
-    from moegraph.layers import stack_layers
+    from moegraph.passes.stack import stack_layers
     return compile_graph(stack_layers(moe_layer(recompute=True), LAYERS), COST, method="greedy").schedule
 
 
@@ -271,7 +271,7 @@ def test_gantt_refuses_a_node_on_an_unknown_stream_in_one_line(pair, tmp_path, c
     assert f"node {comm!r} is on unknown stream 'comm2'; streams: {list(a.streams)}" in lines[0]
     assert str(bad) in lines[0] and not (tmp_path / "c.png").exists()
     # the same words as verify's
-    from moegraph.schedules.commands import load_schedule
+    from moegraph.schedules.schedule_file import load_schedule
     from moegraph.schedules.verify import verify_schedule
     assert next(v.message for v in verify_schedule(load_schedule(str(bad))) if v.check == "structure") in lines[0]
 

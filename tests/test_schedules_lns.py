@@ -12,8 +12,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from moegraph.passes.stack import stack_layers
 from moegraph.ir import OpKind, Role, Strategy, verify
-from moegraph.microbatch import merge_microbatches
+from moegraph.passes.microbatch import merge_microbatches
 from moegraph.registry import load_model
 from moegraph.schedules import api, lns
 from moegraph.schedules.api import build_schedule, compile_graph
@@ -96,7 +97,7 @@ def test_window_search_beats_a_suboptimal_warm_start(merged):
 @pytest.mark.slow
 def test_compile_runs_the_window_search_on_merged_steps(monkeypatch):
     monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)   # the traced tiny model's merged step: 107 tasks
-    graph = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1)
+    graph = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64), 1)
     r = compile_graph(merge_microbatches(graph, 2), COST, time_limit_s=0.2)
     solver = r.schedule.summary["solver"]
     assert r.status == "FEASIBLE" and solver["lns"]["windows"] == 1
@@ -109,7 +110,7 @@ def test_compile_runs_the_window_search_under_a_memory_budget(monkeypatch):
     """compile_graph under a budget (the sequential baseline's peak on the tiny model's merged step)
     runs the window search too, and its schedule verifies within the budget."""
     monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)
-    graph = merge_microbatches(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1), 2)
+    graph = merge_microbatches(stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64), 1), 2)
     budget = peak_memory_bytes(build_problem(graph, COST), sequential(build_problem(graph, COST)))
     r = compile_graph(graph, COST, time_limit_s=0.2, memory_budget_bytes=budget)
     solver = r.schedule.summary["solver"]
@@ -180,7 +181,7 @@ def test_random_windows_never_break_the_budget(merged, lo, width, slack):
 def test_window_model_under_a_budget_is_window_sized():
     """A merged tiny-model step (M=4) under a budget: the last window's model holds about the
     window's tasks, not the step's, and it carries the memory cumulative."""
-    graph = trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64, layers=1)
+    graph = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), seq=64), 1)
     merged = merge_microbatches(graph, 4)
     free = build_problem(merged, COST)
     warm = sequential(free)

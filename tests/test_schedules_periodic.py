@@ -6,7 +6,8 @@ import pytest
 
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
-from moegraph.layers import layer_graph, stack_layers
+from moegraph.passes.stack import stack_layers
+from moegraph.layers import layer_graph
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules import compile_graph, verify_schedule
@@ -32,7 +33,7 @@ FAST = 2.0
 @pytest.fixture(scope="module")
 def stacked():
     """4 small layers with recompute (sar=paper), so backward holds recompute nodes too."""
-    return run_pipeline(trace_model(SMALL, SP, seq=64, layers=L), "gate-reorder,sar=paper", cost=COST)[0]
+    return run_pipeline(stack_layers(trace_model(SMALL, SP, seq=64), L), "gate-reorder,sar=paper", cost=COST)[0]
 
 
 @pytest.mark.parametrize("K", [1, 2])
@@ -77,7 +78,7 @@ def test_tiled_unit_schedule_is_feasible_and_periodic(stacked, K):
 @pytest.mark.slow
 def test_compile_stack_is_no_worse_than_layers_times_the_one_layer_optimum():
     # sp/ep/a2a without passes: the one small layer is proven optimal within FAST
-    stacked = trace_model(SMALL, Strategy("sp", "ep", "a2a", 2), seq=64, layers=L)
+    stacked = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "a2a", 2), seq=64), L)
     one = compile_graph(layer_graph(stacked), COST, time_limit_s=FAST)
     assert one.status == "OPTIMAL"
     r = compile_graph(stacked, COST, time_limit_s=FAST)
@@ -124,14 +125,14 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     backward gives a schedule the verifier accepts with less exposed DP sync and a shorter step
     than the plain tiling of the same unit schedule (measured: exposed 1,542 -> 948 us, step
     805,253 -> 742,306 ticks); without DP collectives the two tilings are the same."""
-    from moegraph.edges import add_edges
+    from moegraph.passes.edges import add_edges
     from moegraph.schedules.api import list_warm_starts
     from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
     cost = CostModel(load_hardware("h800"))
-    g = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048, layers=4)
+    g = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048), 4)
     g = add_edges(run_pipeline(g, "gate-reorder,sar=paper", cost=cost)[0], vocab=1024)
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
@@ -149,7 +150,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
         exposed[s.method] = dp_sync_exposure(schedule.nodes)["exposed_dp_sync_us"]
     assert exposed[slid.method] < 0.8 * exposed[plain.method]
     assert makespan_ticks(p, slid) < makespan_ticks(p, plain)
-    g1 = trace_model(SMALL, SP, seq=64, layers=2)
+    g1 = stack_layers(trace_model(SMALL, SP, seq=64), 2)
     p1, u1 = build_problem(g1, COST), build_problem(layer_graph(g1), COST)
     s1 = BASELINES["greedy"](u1)
     assert u1.dp_tail == set() and not can_slide(u1)
@@ -164,7 +165,7 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide
     cost = CostModel(load_hardware("h800"))
-    g = trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512, layers=2)
+    g = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512), 2)
     g = run_pipeline(g, "gate-reorder,sar=paper,compress=dp-bf16", cost=cost)[0]
     p = build_problem(g, cost)
     unit = build_problem(layer_graph(g), cost, comm_streams=p.streams[1:])
@@ -183,12 +184,12 @@ def test_dp_aware_tiling_offers_both_slide_orders():
     that are ready first), with 32,000 "tiled" is (616,000 vs 631,408: that sync is long; synced
     whole here: in its default two 25 MiB buckets "ready" wins there too). Both verify, and
     compile's periodic candidates hold both."""
-    from moegraph.edges import add_edges
+    from moegraph.passes.edges import add_edges
     from moegraph.schedules.api import list_warm_starts
     from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide
     cost = CostModel(load_hardware("h800"))
-    g0 = run_pipeline(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048, layers=2),
+    g0 = run_pipeline(stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048), 2),
                       "gate-reorder,sar=paper", cost=cost)[0]
     span = {}
     for vocab in (1024, 32000):

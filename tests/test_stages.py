@@ -9,7 +9,8 @@ import random
 import pytest
 
 from moegraph.cost import CostModel
-from moegraph.edges import add_edges
+from moegraph.passes.edges import add_edges
+from moegraph.passes.stack import stack_layers
 from moegraph.ir import GraphError, OpKind, Strategy
 from moegraph.passes.stages import (STAGE_ATTR, StageLayout, balance, rank_coords, split_stages, stage_graph,
                                     world_rank)
@@ -20,7 +21,7 @@ SMALL = load_model("small")
 
 
 def step_graph(layers=4, n=2, cfg=SMALL):
-    return add_edges(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n), batch=1, seq=16, layers=layers), vocab=100)
+    return add_edges(stack_layers(trace_model(cfg, Strategy("sp", "ep", "ag-rs", n), batch=1, seq=16), layers), vocab=100)
 
 
 def test_world_rank_order_puts_a_stage_group_on_consecutive_ranks():

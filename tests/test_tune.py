@@ -9,9 +9,17 @@ from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
 from moegraph.registry import load_hardware, load_model
-from moegraph.schedules.tune import Cache, _row_label, build_graph, cache_key, candidates, format_table, tune
+from moegraph.config import CompileConfig, SolverEffort
+from moegraph.schedules.driver import lower
+from moegraph.schedules.tune import Cache, _row_label, cache_key, candidate_config, candidates, format_table, tune
 
 ARGS = ["--model", "tiny", "--n", "2", "--seq", "256", "--time-limit", "1", "--refine", "1"]
+
+
+def build_graph(model, cand, cost, *, batch, seq, micro_batches=1):
+    """A candidate's graph as tune compiles it (``candidate_config``, lowered by the driver)."""
+    base = CompileConfig(model=model, passes=(), batch=batch, seq=seq, micro_batches=micro_batches, hardware=cost.hw)
+    return lower(candidate_config(base, cand)).graph
 
 
 @pytest.fixture(scope="module")
@@ -34,24 +42,25 @@ def test_search_space_covers_every_valid_strategy():
 
 
 def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
-    """The typed path (lower_strategy) never parses a pipeline string; the passes it records are
-    the pipeline that rebuilds the same graph from attn, ffn, dispatch, n, dtype (what `run
-    --schedule FILE` replays from a tune-written file), for every chunks x remat x dispatch point."""
+    """A candidate is compiled from typed pass steps (``steps_for``), never a pipeline string; the
+    passes it records are the pipeline that rebuilds the same graph from attn, ffn, dispatch, n,
+    dtype (what `run --schedule FILE` replays from a tune-written file), for every chunks x remat
+    x dispatch point."""
     from moegraph.passes import run_pipeline
     from moegraph.passes.manager import same_computation
     from moegraph.tracer import trace_model
     import moegraph.passes.manager as manager
     model, cost = load_model("tiny"), CostModel(load_hardware("h800"))
-    real_parse = manager.parse_pipeline
+    real_parse = manager.parse_passes
 
     def no_strings(spec):
         raise AssertionError(f"tune parsed a pipeline string {spec!r}")
     cands = [c for c in candidates(model, 2, 64) if (c.attn, c.ffn) == ("sp", "ep")]   # passes do not vary by family
     assert len(cands) == 12
     for cand in cands:
-        monkeypatch.setattr(manager, "parse_pipeline", no_strings)
+        monkeypatch.setattr(manager, "parse_passes", no_strings)
         typed = build_graph(model, cand, cost, batch=1, seq=64)
-        monkeypatch.setattr(manager, "parse_pipeline", real_parse)
+        monkeypatch.setattr(manager, "parse_passes", real_parse)
         base = trace_model(model, Strategy(cand.attn, cand.ffn, cand.dispatch, 2), batch=1, seq=64)
         piped, _ = run_pipeline(base, ",".join(typed.strategy.passes), cost=cost)
         assert typed.strategy == piped.strategy, cand
@@ -88,7 +97,7 @@ def test_repeat_run_is_served_from_the_cache(tmp_path, capsys, monkeypatch):
     def no_solver(*args, **kwargs):
         raise AssertionError("a repeated tune run called the scheduler instead of the cache")
 
-    monkeypatch.setattr(tune_mod, "compile_graph", no_solver)
+    monkeypatch.setattr(tune_mod, "build", no_solver)
     assert main(["tune", *ARGS, "--cache", cache, *out]) == 0
     b = json.loads(capsys.readouterr().out)
     assert a["candidates"] == b["candidates"]
@@ -164,9 +173,9 @@ def test_the_picks_schedule_is_its_own_rows_and_a_missing_one_is_an_error(tiny_c
     assert sched.summary["makespan_us"] == pytest.approx(best["predicted_us"])
     real = tune_mod.evaluate
 
-    def no_schedule(graph, cost, method, **kw):
-        entry = real(graph, cost, method, **kw)
-        return {k: v for k, v in entry.items() if k != "schedule"} if method == "cpsat" else entry
+    def no_schedule(config, cache, lowered=None):
+        entry = real(config, cache, lowered)
+        return {k: v for k, v in entry.items() if k != "schedule"} if config.schedule == "cpsat" else entry
     monkeypatch.setattr(tune_mod, "evaluate", no_schedule)
     with pytest.raises(RuntimeError, match="has no schedule"):
         _tiny_tune(tiny_cache, min_gain=0.0)
@@ -210,10 +219,11 @@ def test_cache_at_a_regular_file_is_one_line_before_any_work(tmp_path, capsys, m
 
 def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
     model, hw = load_model("tiny"), load_hardware("h800")
-    cost = CostModel(hw)
-    graph = build_graph(model, Strategy("tp", "tp", "ag-rs", 2), cost, batch=1, seq=64)
+    config = CompileConfig(model=model, strategy=Strategy("tp", "tp", "ag-rs", 2), passes=(), schedule="greedy",
+                           batch=1, seq=64, hardware=hw, solver=SolverEffort(1))
+    graph = lower(config).graph
     from moegraph.schedules.tune import evaluate
-    good = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=Cache(tmp_path))
+    good = evaluate(config, Cache(tmp_path))
     key = cache_key(graph, hw, {"method": "greedy", "memory_budget": None, "time_limit": 1})
     entry = tmp_path / f"{key}.json"
     assert entry.is_file() and good["cached"] is False
@@ -221,7 +231,7 @@ def test_a_corrupt_cache_entry_is_a_miss_with_one_warning(tmp_path, capsys):
     for garbage in (b"{not json", b"\xff\xfe", b"[1, 2]"):          # truncated, not UTF-8, not an entry
         entry.write_bytes(garbage)
         cache = Cache(tmp_path, warn=warnings.append)
-        again = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=cache)
+        again = evaluate(config, cache)
         assert again["cached"] is False and again["predicted_us"] == good["predicted_us"]     # recomputed
         assert cache.get(key) is not None                                                      # and rewritten
         assert Cache(tmp_path, warn=warnings.append).get(key)["predicted_us"] == good["predicted_us"]
@@ -323,9 +333,8 @@ def _compiled(cand, budget, micro_batches=1):
     it finds no schedule within the budget; and whether its greedy schedule breaks the budget."""
     from moegraph.schedules.api import compile_graph
     from moegraph.schedules.problem import MemoryBudgetError
-    from moegraph.schedules.tune import _step
     cost = CostModel(load_hardware("cpu-2core-gloo"))
-    g = _step(build_graph(load_model("tiny"), cand, cost, batch=1, seq=256), micro_batches)
+    g = build_graph(load_model("tiny"), cand, cost, batch=1, seq=256, micro_batches=micro_batches)
     try:
         compile_graph(g, cost, memory_budget_bytes=budget, time_limit_s=1, method="greedy")
         greedy_over = False
@@ -413,10 +422,10 @@ def test_the_baseline_is_kept_with_the_reason_when_no_candidate_schedule_is_foun
     budget = 700 * 2**10                       # the baseline peaks at 624KiB (a3-f1)
     real = tune_mod.evaluate
 
-    def nothing_found(graph, cost, method, **kw):
-        if graph.strategy.passes or graph.strategy.ffn == "ep":      # a candidate, not the baseline
+    def nothing_found(config, cache, lowered=None):
+        if config.passes or config.strategy.ffn == "ep":            # a candidate, not the baseline
             return {"feasible": False, "why": "no schedule found (stub)", "least_peak_bytes": budget - 1}
-        return real(graph, cost, method, **kw)
+        return real(config, cache, lowered)
     monkeypatch.setattr(tune_mod, "evaluate", nothing_found)
     res = tune(load_model("tiny"), load_hardware("cpu-2core-gloo"), memory_budget=budget, cache=Cache(tmp_path),
                **GLOO)

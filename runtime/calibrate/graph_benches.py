@@ -36,10 +36,11 @@ the synthetic sweeps, which fill the sizes no graph node covers."""
 def _model_graph(env: RankEnv, model: str, seq: int, attn: str, ffn: str, dispatch: str) -> Any:
     """The traced layer graph of one MODEL_GRAPHS entry at this run's n; ConfigError (raised by
     ``builder.check_strategy`` before anything is built) when n cannot split that layer."""
+    from moegraph.config import CompileConfig
     from moegraph.ir import Strategy
-    from moegraph.registry import load_model
-    from moegraph.tracer import trace_model
-    return trace_model(load_model(model), Strategy(attn, ffn, dispatch, env.n, dtype=env.dtype_name), batch=1, seq=seq)
+    from moegraph.schedules.driver import lower
+    return lower(CompileConfig(model=model, strategy=Strategy(attn, ffn, dispatch, env.n, dtype=env.dtype_name),
+                               passes=(), batch=1, seq=seq)).graph
 
 
 def _graph_inputs(env: RankEnv, graph: Any, model: str, seq: int):

@@ -9,7 +9,7 @@ executor's per-node host overhead, and every collective also absorbs the other r
 longer than the summed isolated prediction. This stage measures that directly:
 
 1. For each layer of IN_STEP_LAYERS (CALIBRATION_LAYERS and ACCUMULATE_LAYER), lower it for ``n`` ranks and run it with the runtime
-   (``moegraph.runtime.commands.spawn_plans``) under the sequential schedule: every node alone on the
+   (``moegraph.runtime.timing.spawn_plans``) under the sequential schedule: every node alone on the
    host, so a node's measured span is its in-step time.
 2. Per node, the median over steps and ranks of its service time (m: its span minus any wait
    behind the node before it on the same stream, ``service_spans``); per step, the slowest
@@ -52,6 +52,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from moegraph.config import CompileConfig
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
 __all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "fit_overlap_stretch", "retimed_makespan_us", "MAX_STRETCH", "InStepFit", "in_step_checks", "relative_mad",
@@ -135,31 +136,17 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
                   log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
     """Run each layer's sequential schedule on ``n`` fresh gloo CPU ranks; stop early (fewer
     samples) when the next layer would start after ``deadline`` (time.time())."""
-    from moegraph.commands import Layer
-    from moegraph.cost import CostModel
-    from moegraph.ir import Strategy
-    from moegraph.registry import load_model
-    from moegraph.tracer import trace_model
-    from moegraph.runtime.commands import spawn_plans, step_stats
-    from moegraph.runtime.module import make_plan
-    from moegraph.runtime.plan import ExecutionPlan
+    from moegraph.runtime.timing import spawn_plans, step_stats
     from moegraph.runtime.trace import trace_from_dict
-    cost = CostModel(hw)
     out = []
     for lc in layers:
-        model_name, seq, attn, ffn, dispatch = lc.model, lc.seq, lc.attn, lc.ffn, lc.dispatch
         if deadline is not None and time.time() + STEP_STAGE_S / len(layers) > deadline:
             break
         t = time.time()
-        model = load_model(model_name)
-        graph = trace_model(model, Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype="fp32",
-                                            chunks=lc.chunks), batch=1, seq=seq)
-        plan = ExecutionPlan.sequential(graph)      # one node at a time: each span is in-step time
-        # the unchunked layers also time a greedy plan (collectives beside compute) in the same
-        # launch, ABBA-interleaved: fit_overlap_stretch fits comm_overlap_stretch on it
-        probe = make_plan(graph, cost, "greedy") if lc.chunks == 1 else None
+        lowered, plan, probe = step_plans(lc, hw, n)
         plans = (plan,) if probe is None else (plan, probe)
-        results = spawn_plans(Layer(model, hw, cost, graph, {}), plans, steps=steps, warmup=warmup)
+        results = spawn_plans(lowered, plans, steps=steps, warmup=warmup)
+        graph = lowered.graph
         spans: dict[str, list[float]] = defaultdict(list)
         for r in results:
             for d in r["plans"][0]["traces"]:
@@ -174,6 +161,32 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
         log(f"in-step {label}: {steps} sequential steps, median {step / 1e3:.1f} ms"
             + (f"; greedy {overlap_us / 1e3:.1f} ms" if probe is not None else "") + f" ({time.time() - t:.1f}s)")
     return out
+
+
+def step_config(lc: LayerConfig, hw: Hardware, n: int) -> CompileConfig:
+    """The config one in-step layer is compiled with: the registry model at fp32, no passes, its
+    chunks lowered directly, on ``hw`` (the profile being calibrated), scheduled greedily (the
+    overlap probe; the sequential plan is read off the same graph)."""
+    from moegraph.ir import Strategy
+    return CompileConfig(model=lc.model, strategy=Strategy(attn=lc.attn, ffn=lc.ffn, dispatch=lc.dispatch, n=n,
+                                                           dtype="fp32", chunks=lc.chunks),
+                         passes=(), schedule="greedy", batch=1, seq=lc.seq, hardware=hw)
+
+
+def step_plans(lc: LayerConfig, hw: Hardware, n: int) -> tuple[Any, Any, Any]:
+    """(the lowered layer, its sequential plan, the greedy probe plan or None) of one in-step
+    layer, compiled by the driver (``step_config``). Sequential: one node at a time, so each span
+    is in-step time; the unchunked layers also time the greedy plan (collectives beside compute)
+    in the same launch, ABBA-interleaved: fit_overlap_stretch fits comm_overlap_stretch on it."""
+    from moegraph.runtime.module import compiled_plan
+    from moegraph.runtime.plan import ExecutionPlan
+    from moegraph.schedules.driver import lower
+    config = step_config(lc, hw, n)
+    if lc.chunks == 1:
+        lowered, probe = compiled_plan(config)
+    else:
+        lowered, probe = lower(config), None
+    return lowered, ExecutionPlan.sequential(lowered.graph), probe
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,245 @@
+"""The autograd glue of a compiled causal LM (``moegraph.runtime.model.CompiledModel``).
+
+``ScheduledStep`` runs the layers' scheduled plan as one autograd function around the eager
+edges (embedding, final norm, head, loss); ``EdgeStep`` gives a merged micro-batch step's plan
+the eager kernels it runs at their scheduled positions (``Executor.step_edges``);
+``SumOverRanks`` and ``GatherSequence`` are the two collectives autograd sees. Each passes its
+state explicitly (ctx, arguments): nothing rides on the model between calls.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from moegraph.edges import EMBED_SCATTER, EmbedGrad, is_eager
+from moegraph.ir import Graph, OpKind, Role
+from moegraph.microbatch import mb_name, micro_batch_of
+from moegraph.models import rms_norm
+from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.executor import EagerKernel
+from moegraph.runtime.module import CompiledLayer
+
+if TYPE_CHECKING:
+    from moegraph.runtime.model import CompiledModel
+
+
+
+class SumOverRanks(torch.autograd.Function):
+    """Forward: all-reduce (sum, all n x dp ranks) of each rank's term of a global scalar.
+    Backward: dp x identity. Every rank holds the same sum L = sum_r l_r and seeds its backward
+    with the same dL; the gradient of L by rank r's own term l_r is dL, which rank r already has
+    (no communication); x dp because the gradients are then averaged over replicas (module
+    docstring)."""
+
+    @staticmethod
+    def forward(ctx, term: torch.Tensor, dp: int) -> torch.Tensor:
+        ctx.dp = dp
+        total = term.clone()
+        dist.all_reduce(total)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.dp if ctx.dp > 1 else grad, None
+
+
+class ScheduledStep(torch.autograd.Function):
+    """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
+    synchronised by the plan (module docstring). Forward returns this rank's logits shard
+    [b, s/n, V] (a base model: the normed hidden shard [b, s/n, h]) and the router's aux loss
+    (a scalar, the global batch's, identical on every rank; 0 without one). Backward: the aux
+    loss's gradient (x dp, as the loss's) is the plan's aux seed (moegraph.edges); the eager head and
+    norm backward give dy and their partial gradients; the plan's backward takes dy and the
+    partials and returns the layer gradients, the synchronised head and norm gradients and the
+    gathered layer-0 input gradient rows [dp*b, s, h], which scatter into the full embedding
+    gradient by the global input_ids (every rank holds them)."""
+
+    @staticmethod
+    def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
+                head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+        layers = model.layers
+        x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
+        rec = layers._new_recorder()
+        y, saved = layers.executor.forward(x, params, recorder=rec)
+        aux = model._aux_value(saved)
+        with torch.enable_grad():
+            y_in = y.detach().requires_grad_()
+            leaves = [y_in, norm.detach().requires_grad_()]
+            out = rms_norm(y_in, leaves[1], model.spec.norm.eps)
+            if head is not None:
+                leaves.append(head.detach().requires_grad_())
+                out = F.linear(out, leaves[2])                                    # [b, s/n, V]
+        ctx.model, ctx.state, ctx.eager = model, (saved, rec), (out, leaves)
+        ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
+        return out.detach(), aux
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, d_out: torch.Tensor, d_aux: torch.Tensor):
+        model, layers, edges = ctx.model, ctx.model.layers, ctx.model.edges
+        input_ids, embed, *params = ctx.saved_tensors
+        (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
+        (out, leaves), ctx.eager = ctx.eager, None
+        dy, *partial = torch.autograd.grad(out, leaves, d_out)
+        partials = dict(zip(edges.partials, partial))      # (norm, head) in EdgeValues.partials order
+        for seed in edges.aux_seeds:                        # x dp: the plan's DP sync averages (module docstring)
+            partials[seed] = (d_aux * model.dp).float().reshape(1)
+        if rec is not None:
+            rec.mark_backward(torch.cuda.current_stream(dy.device) if dy.is_cuda else None)
+        # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
+        kernels = ({EMBED_SCATTER: functools.partial(model._embed_scatter, layers.shard_input(input_ids))}
+                   if edges.embed_grad is EmbedGrad.PARTIAL else {})
+        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
+                                                          eager_kernels=kernels)
+        layers._keep(rec)
+        d_embed = model._embed_grad(synced, [input_ids])
+        d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
+        d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
+        return None, None, d_embed, d_norm, d_head, *grads
+
+
+class EdgeStep:
+    """One merged step's eager edge kernels (``CompiledModel.train_step``), run by the executor at
+    their plan positions (``Executor.step_edges``), each ins -> outs. Micro-batch j's
+
+      norm          (RMSNORM, forward)  y -> normed: the final norm under autograd, on fresh leaves
+                                        (y, the norm weight); the graph is kept here;
+      lm_head       (GEMM, forward)     normed -> logits, and this rank's loss term (its shard's
+                                        summed cross-entropy / the micro-batch's global count);
+      lm_head.dgrad / .wgrad            the term's backward to (normed, the head weight), seeded with
+                                        1/M (the mean over micro-batches), run by whichever of the two
+                                        the plan reaches first; they return d_normed and the head's
+                                        partial (+ the previous micro-batch's, attr accumulate);
+      norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
+                                        (y, the norm weight): micro-batch j's seed, the norm's partial
+                                        (+ the previous one's);
+      embed.scatter (PARTIAL)           layer 0's input gradient rows [b, s/n, h] -> the embedding's
+                                        partial [V, h] by micro-batch j's input_ids shard
+                                        (``CompiledModel._embed_scatter``; + the previous one's).
+
+    A micro-batch's autograd graph is dropped once its four backward kernels ran."""
+
+    KINDS = {(OpKind.RMSNORM, Role.FORWARD): "norm", (OpKind.GEMM, Role.FORWARD): "head",
+             (OpKind.GEMM, Role.DGRAD): "head_dgrad", (OpKind.GEMM, Role.WGRAD): "head_wgrad",
+             (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad"}
+    BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
+
+    def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 ids: Sequence[torch.Tensor]):
+        """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count);
+        ``ids``: per micro-batch this rank's input_ids shard [b, s/n] (the PARTIAL scatter's)."""
+        self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
+        self.state: list[dict[str, Any] | None] = [{} for _ in labels]
+        self.terms: list[torch.Tensor | None] = [None] * self.M
+        self.ran: list[set[str]] = [set() for _ in labels]
+        self.scattered: list[bool] = [False] * self.M
+        self.scatters = model.edges.embed_grad is EmbedGrad.PARTIAL
+
+    def kernels(self, graph: Graph) -> dict[str, EagerKernel]:
+        """A callable for every eager node of the merged ``graph`` (an unknown one raises, naming it)."""
+        out = {}
+        for nd in graph.nodes:
+            if not is_eager(dict(nd.attrs)):
+                continue
+            j, kind = micro_batch_of(nd), self.KINDS.get((nd.op, nd.role))
+            if self.scatters and j is not None and j < self.M and nd.name == mb_name(j, EMBED_SCATTER):
+                out[nd.name] = functools.partial(self._scatter, j, nd.attr("accumulate", False) is True)
+                continue
+            if j is None or kind is None or j >= self.M:
+                raise RuntimeFailure(f"eager node {nd.name!r} ({nd.op.value}, {nd.role.value}, micro-batch {j}) has "
+                                     f"no kernel in a merged model step (those: micro-batch 0..{self.M - 1}'s "
+                                     f"{', '.join(f'({o.value}, {r.value})' for o, r in self.KINDS)})")
+            out[nd.name] = functools.partial(self._run, kind, j, nd.attr("accumulate", False) is True)
+        return out
+
+    def _run(self, kind: str, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        st = self.state[j]
+        if st is None or kind in self.ran[j]:
+            raise RuntimeFailure(f"micro-batch {j}'s eager edge kernel {kind!r} ran twice or after its backward "
+                                 "finished (a runtime bug)")
+        self.ran[j].add(kind)
+        out = getattr(self, f"_{kind}")(st, j, ins)
+        if accumulate:                                      # the previous micro-batches' sum, read last
+            out = out + ins[-1]
+        if self.ran[j].issuperset(self.BACKWARD):
+            self.state[j] = None                            # free micro-batch j's autograd graph
+        return [out]
+
+    def _scatter(self, j: int, accumulate: bool, ins: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.scattered[j]:
+            raise RuntimeFailure(f"micro-batch {j}'s embedding scatter ran twice (a runtime bug)")
+        self.scattered[j] = True
+        return self.model._embed_scatter(self.ids[j], ins, accumulate=accumulate)
+
+    def _norm(self, st, j, ins):
+        (y,) = ins
+        with torch.enable_grad():
+            st["y"], st["norm_w"] = y.detach().requires_grad_(), self.model.norm.detach().requires_grad_()
+            st["normed"] = rms_norm(st["y"], st["norm_w"], self.model.spec.norm.eps)
+        return st["normed"].detach()
+
+    def _head(self, st, j, ins):
+        with torch.enable_grad():
+            st["head_w"] = self.model.lm_head.detach().requires_grad_()
+            logits = F.linear(st["normed"], st["head_w"])                           # [b, s/n, V]
+            st["term"] = self.model._loss_term(logits, *self.labels[j])
+        self.terms[j] = st["term"].detach()
+        return logits.detach()
+
+    def _head_backward(self, st):
+        if "d_normed" not in st:
+            term = st.pop("term")
+            # 1/M: the mean over micro-batches; x dp: the plan's DP sync averages over the
+            # replicas (module docstring, as SumOverRanks' backward)
+            st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
+                                                               torch.full_like(term, self.model.dp / self.M))
+        return st
+
+    def _head_dgrad(self, st, j, ins):
+        return self._head_backward(st)["d_normed"]
+
+    def _head_wgrad(self, st, j, ins):
+        return self._head_backward(st)["d_head"]
+
+    def _norm_backward(self, st, d_normed):
+        if "dy" not in st:
+            st["dy"], st["d_norm"] = torch.autograd.grad(st["normed"], [st["y"], st["norm_w"]], d_normed)
+        return st
+
+    def _norm_dgrad(self, st, j, ins):
+        return self._norm_backward(st, ins[1])["dy"]
+
+    def _norm_wgrad(self, st, j, ins):
+        return self._norm_backward(st, ins[1])["d_norm"]
+
+    def check_done(self) -> None:
+        """Every micro-batch's kernels ran (else its seed or partials were never made)."""
+        left = [j for j in range(self.M) if self.state[j] is not None or self.terms[j] is None
+                or (self.scatters and not self.scattered[j])]
+        if left:
+            raise RuntimeFailure(f"the plan did not run every eager edge kernel of micro-batch(es) {left} "
+                                 f"(ran: {[sorted(r) for r in self.ran]}; a runtime bug)")
+
+
+class GatherSequence(torch.autograd.Function):
+    """Forward: every rank's shard [b, s/n, ...] -> the global [dp*b, s, ...] (all n x dp ranks:
+    ``CompiledLayer.unshard_output``). Backward: this rank's part of the incoming gradient
+    (``CompiledLayer.shard_input``; every rank computes the same function of the global tensor and
+    seeds it with the same gradient), x dp as the loss (module docstring)."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, layers: CompiledLayer) -> torch.Tensor:
+        ctx.layers = layers
+        return layers.unshard_output(shard)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        part = ctx.layers.shard_input(grad)
+        dp = ctx.layers.layout.dp
+        return (part * dp if dp > 1 else part), None
