@@ -9,11 +9,18 @@ import os
 
 import pytest
 
-from moegraph.cost import CostModel
+from moegraph.config import CompileConfig, SolverEffort
 from moegraph.ir import Strategy
 from moegraph.registry import load_hardware, load_model
-from moegraph.schedules.tune import build_graph, evaluate
+from moegraph.schedules.driver import lower
+from moegraph.schedules.tune import evaluate
 from moegraph.schedules.tune_cache import CACHE_VERSION, Cache, cache_key
+
+
+def tiny_tp(hw):
+    """tiny tp+tp greedy, as tune evaluates a config (its graph keys the cache)."""
+    return CompileConfig(model=load_model("tiny"), strategy=Strategy("tp", "tp", "ag-rs", 2), passes=(),
+                         schedule="greedy", batch=1, seq=64, hardware=hw, solver=SolverEffort(1))
 
 
 @pytest.fixture(scope="module")
@@ -21,10 +28,9 @@ def good(tmp_path_factory):
     """A real feasible entry (the greedy schedule of tiny tp+tp) and its key, as evaluate wrote it."""
     root = tmp_path_factory.mktemp("tune-cache")
     hw = load_hardware("h800")
-    cost = CostModel(hw)
-    graph = build_graph(load_model("tiny"), Strategy("tp", "tp", "ag-rs", 2), cost, batch=1, seq=64)
-    evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=Cache(root))
-    key = cache_key(graph, hw, {"method": "greedy", "memory_budget": None, "time_limit": 1})
+    config = tiny_tp(hw)
+    evaluate(config, Cache(root))
+    key = cache_key(lower(config).graph, hw, {"method": "greedy", "memory_budget": None, "time_limit": 1})
     return key, (root / f"{key}.json").read_text()
 
 
@@ -85,11 +91,7 @@ def test_an_entry_whose_name_is_a_folder_is_recomputed_and_not_written(good, tmp
     second warning line, and the result is still returned."""
     key, text = good
     (tmp_path / f"{key}.json").mkdir()
-    hw = load_hardware("h800")
-    cost = CostModel(hw)
-    graph = build_graph(load_model("tiny"), Strategy("tp", "tp", "ag-rs", 2), cost, batch=1, seq=64)
     warnings: list[str] = []
-    entry = evaluate(graph, cost, "greedy", memory_budget=None, time_limit=1, cache=Cache(tmp_path,
-                                                                                          warn=warnings.append))
+    entry = evaluate(tiny_tp(load_hardware("h800")), Cache(tmp_path, warn=warnings.append))
     assert entry["cached"] is False and entry["predicted_us"] == json.loads(text)["predicted_us"]
     assert len(warnings) == 1 and "is a directory" in warnings[0]
