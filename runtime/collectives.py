@@ -31,6 +31,9 @@ on the group its attr ``axis`` names (``axis_of``): "mp" (the default) the n ran
 replica, g in [p*n, (p+1)*n); "dp" the D ranks holding the same rank r, {r, r+n, .., r+(D-1)n}.
 This is the simulated layout of ``moegraph.interpreter`` (``axis_groups``, envs replica-major).
 Group-rank order is replica order along dp and rank order along mp, as the reference stacks them.
+Pipeline stages (``Layout.pp`` > 1, moegraph.passes.stages' world order): the world holds pp such
+blocks of n x D ranks, block p on global ranks [p*n*D, (p+1)*n*D); a plan's groups are its own
+block's, and every rank creates every block's groups (``new_group`` is collective).
 
 Every collective is issued with ``async_op=True`` and returns a ``Pending``; its outputs exist
 after ``Pending.wait`` (CPU: blocks the host; GPU: orders the current stream after it).
@@ -105,18 +108,26 @@ class Layout:
     n: int                 # model-parallel group size (the graph's strategy.n)
     dp: int                # replicas (strategy.dp)
     rank: int              # global rank in the default process group
+    pp: int = 1            # pipeline blocks of n x dp ranks in the default group (module docstring)
 
     def __post_init__(self):
-        if self.n < 1 or self.dp < 1 or not 0 <= self.rank < self.n * self.dp:
-            raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp} ranks")
+        if self.n < 1 or self.dp < 1 or self.pp < 1 or not 0 <= self.rank < self.n * self.dp * self.pp:
+            raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp}"
+                                 + (f" x pp={self.pp}" if self.pp > 1 else "") + " ranks")
 
     @property
     def world(self) -> int:
+        """The ranks running one plan (one pipeline block)."""
         return self.n * self.dp
 
     @property
+    def block(self) -> int:
+        """This rank's pipeline block (0 when pp = 1)."""
+        return self.rank // self.world
+
+    @property
     def replica(self) -> int:
-        return self.rank // self.n
+        return self.rank // self.n % self.dp
 
     @property
     def mp_rank(self) -> int:
@@ -130,8 +141,14 @@ class Layout:
         raise ValueError(f"axis {axis!r} is not one of mp, dp")
 
     def partition(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
-        """Every group of ``axis``, as global ranks in group-rank order (the same on every rank)."""
-        return axis_groups(axis, self.n, self.dp)
+        """Every group of ``axis`` in every pipeline block, as global ranks in group-rank order
+        (the same on every rank)."""
+        return tuple(tuple(p * self.world + r for r in g) for p in range(self.pp)
+                     for g in axis_groups(axis, self.n, self.dp))
+
+    def blocks(self) -> tuple[tuple[int, ...], ...]:
+        """Every pipeline block's ranks (one block of all ranks when pp = 1)."""
+        return tuple(tuple(range(p * self.world, (p + 1) * self.world)) for p in range(self.pp))
 
 
 @dataclass
@@ -202,21 +219,23 @@ class Comm:
     collectives use: one process group per (stream, budget, axis), this rank's group of that
     axis (``Layout``). Must be created on every rank with the same keys in the same order
     (``new_group`` is collective): callers check the plan hash first (``check_same_plan``).
-    ``rank`` is the global rank, ``n`` the model-parallel group size, ``dp`` the replicas.
+    ``rank`` is the global rank, ``n`` the model-parallel group size, ``dp`` the replicas, ``pp``
+    the pipeline blocks of n x dp ranks (``Layout``).
     """
 
     def __init__(self, keys: Sequence[tuple[str, int]], *, rank: int, n: int, timeout_s: float,
                  emulate: frozenset[str] = frozenset(), meta_group: Any = None, dp: int = 1,
-                 axes: Sequence[Axis] = ("mp",)):
-        self.layout = Layout(n, dp, rank)
+                 axes: Sequence[Axis] = ("mp",), pp: int = 1):
+        self.layout = Layout(n, dp, rank, pp)
         self.rank, self.n, self.dp, self.timeout_s = rank, n, dp, timeout_s
         self.backend = dist.get_backend() if self.layout.world > 1 else "none"
         self.emulate = emulated_collectives(self.backend, emulate)
-        # token count exchanges run within the replica; plan-hash checks and barriers over all ranks
-        self.world_meta = metadata_group()
+        # token count exchanges run within the replica; plan-hash checks and barriers over the block
+        self.world_meta = metadata_group(self.layout.blocks())
         self.meta = meta_group if meta_group is not None else metadata_group(self.layout.partition("mp"))
-        # full_grads / unshard_output helpers within a replica (default backend); WORLD when dp=1
-        self.mp_group = None if dp == 1 else _member_group(self.layout.partition("mp"), None, {})
+        # full_grads / unshard_output helpers within a replica (default backend); WORLD when it is one
+        self.mp_group = (None if dp == 1 and pp == 1 else
+                         _member_group(self.layout.partition("mp"), None, {}))
         self.native_budgets = self.backend == "nccl"
         axes = tuple(dict.fromkeys(axes))
         self.groups = {(*key, axis): _group(self.backend, *key, timeout_s, self.layout, axis)

@@ -468,27 +468,33 @@ def comm_axes(graph: Graph) -> tuple[str, ...]:
 
 
 def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *, rank: int, n: int,
-                options: RuntimeOptions = RuntimeOptions(), frozen: frozenset[str] = frozenset()) -> CompiledLayer:
+                options: RuntimeOptions = RuntimeOptions(), frozen: frozenset[str] = frozenset(), pp: int = 1,
+                comm: tuple[Sequence[tuple[str, int]], Sequence[str]] | None = None) -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
-    groups, and shard the parameters. ``rank``: the global rank among n x strategy.dp ranks.
-    Collective when n x dp > 1. The runtime gets the plan, its graph and ``options``: nothing of
-    how they were compiled."""
+    groups, and shard the parameters. ``rank``: the global rank among pp x n x strategy.dp ranks
+    (``pp`` > 1: pipeline blocks, ``collectives.Layout``; the plan is checked within the block).
+    ``comm``: the (stream, budget) keys and axes to create groups for, when ranks of other
+    blocks hold other plans (the union of every block's: ``new_group`` is collective); default
+    the plan's. Collective when pp x n x dp > 1. The runtime gets the plan, its graph and
+    ``options``: nothing of how they were compiled."""
     timeout_s = options.timeout_s
     check_plan(graph, plan)
     if graph.strategy.n != n:
         raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
-    layout = Layout(n, graph.strategy.dp, rank)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != layout.world:
-        raise RuntimeFailure(f"graph {graph.name!r} runs on n={n} x dp={layout.dp} = {layout.world} ranks, the "
-                             f"default process group has {dist.get_world_size()}")
+    layout = Layout(n, graph.strategy.dp, rank, pp)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() != layout.world * pp:
+        blocks = f"pp={pp} x " if pp > 1 else ""
+        raise RuntimeFailure(f"graph {graph.name!r} runs on {blocks}n={n} x dp={layout.dp} = {layout.world * pp} "
+                             f"ranks, the default process group has {dist.get_world_size()}")
     if layout.world == 1:
-        comm = NoComm()
+        comm_ = NoComm()
     else:
-        world_meta = metadata_group()
-        check_same_plan(plan.hash, rank=rank, n=layout.world, group=world_meta, timeout_s=timeout_s)
-        comm = Comm(plan.comm_keys(graph), rank=rank, n=n, dp=layout.dp, axes=comm_axes(graph), timeout_s=timeout_s,
-                    emulate=options.emulate)
-    return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm, timeout_s=timeout_s,
+        block_meta = metadata_group(layout.blocks())
+        check_same_plan(plan.hash, rank=rank, n=layout.world, group=block_meta, timeout_s=timeout_s)
+        keys, axes = comm if comm is not None else (plan.comm_keys(graph), comm_axes(graph))
+        comm_ = Comm(keys, rank=rank, n=n, dp=layout.dp, axes=axes, timeout_s=timeout_s, emulate=options.emulate,
+                     pp=pp)
+    return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm_, timeout_s=timeout_s,
                          record=options.record, layout=layout, cuda_graphs=options.cuda_graphs,
                          expert_rows=options.expert_rows, frozen=frozen)
 

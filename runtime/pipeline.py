@@ -1,34 +1,62 @@
 """Pipelined execution on torch.distributed.pipelining's runtime, from a moegraph stage-level order.
 
-Notation: P pipeline ranks, V stages per rank, M micro-batches; b, s, h, V_ocab as in moegraph.ir.
+Notation: P pipeline ranks, V stages per rank, M micro-batches; b (one micro-batch's rows), s, h,
+n (ranks of a stage's group) as in moegraph.ir; V_ocab the vocabulary.
 
 The order a schedule gives (moegraph.schedules.pipeline: torch's generated tables or CP-SAT's) is
 written as torch's compute-only action CSV (``moegraph.schedules.pipeline_torch.write_csv``); each
-pipeline rank builds its stages' modules (``stage_modules``: stage 0 takes the embedding, the last
-the final norm and LM head, every stage its layers as the layout says), wraps them in
-``PipelineStage``, loads the CSV into ``_PipelineScheduleRuntime`` (which adds the sends and
-receives and runs F, I, W, B and OVERLAP_F_B actions; the latter's parts one after the other
-unless a function is registered for it) and steps. The loss of each micro-batch is the causal
-LM loss of its rows (``moegraph.models.causal_lm_loss``); torch scales the accumulated gradients
-by 1/M (``scale_grads``), so a step's gradients are those of the mean micro-batch loss.
+pipeline rank wraps its stages' modules in ``PipelineStage``, loads the CSV into
+``_PipelineScheduleRuntime`` (which adds the sends and receives and runs F, I, W, B and
+OVERLAP_F_B actions, the latter's parts one after the other) and steps (``TorchPipeline``).
+torch scales the accumulated gradients by 1/M (``scale_grads``), so a step's gradients are those
+of the mean micro-batch loss.
 
-Ranks: the process group given (default: the world) is the pipeline group, pipeline rank =
-group rank; the moegraph world order (passes/stages.py) puts a stage's n x dp ranks together,
-and eager stage modules here are whole (n = 1, dp = 1).
+Two kinds of stage module:
+
+  * eager (``stage_modules``): a MoETransformer's parts as they are ([embedding], its layers,
+    [final norm, LM head]); n = 1. Any order runs, I/W splits included (torch splits the
+    autograd graph).
+  * compiled (``compile_stages``): moegraph's own. Each stage's decoder layers are lowered as
+    one multi-layer graph (``moegraph.tracer.trace_layers``), the passes applied, scheduled
+    (``make_plan``) and run by one ``CompiledLayer`` (its plan: collectives of the stage's
+    n-rank group overlapped with compute as the op-level schedule says); the embedding (first
+    stage) and the final norm and LM head (last stage) run eagerly around it on this rank's
+    sequence shard. A stage's backward is the plan's one backward: orders run B, never I and W
+    apart (``TorchPipeline`` refuses them; ``solve_pipeline(split=False)``), and an
+    OVERLAP_F_B pair runs as its two parts (no merged F&B plan yet).
+
+World (compiled stages, dp = 1): P x n ranks in moegraph's order (moegraph.passes.stages:
+r = p*n + i): stage p's group is ranks p*n .. p*n + n - 1, and member i of every stage forms one
+pipeline group (``pipeline_group``) in which each sends its own sequence shard [b, s/n, h] to
+its counterpart: the n pipeline groups run the same action table side by side. The first stage
+takes the full input_ids [b, s] and embeds its shard; the last stage's loss on each rank is its
+shard's term of the micro-batch's mean next-token loss (``ShardLoss``: summed cross-entropy over
+its positions / the micro-batch's scored-token count), so the n terms sum to the loss and each
+rank's backward from its own term is exact without communication (as ``runtime.model``). The
+edges' parameters (embedding, final norm, head) are replicated on the n ranks and get each
+rank's partial gradient: ``CompiledStage.sync_edge_grads`` sums them over the group after the
+step (the layers' replicated parameters are summed by their plan).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from moegraph.models import MoETransformer, causal_lm_loss
-from moegraph.passes.stages import StageLayout
+from moegraph.commands import DEFAULT_PASSES
+from moegraph.ir import Strategy
+from moegraph.layers import PARAM_PREFIX, layer_count
+from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, rms_norm, shift_labels
+from moegraph.passes.stages import StageLayout, rank_coords
+from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
 
-__all__ = ["StageModule", "stage_modules", "run_torch_schedule"]
+__all__ = ["StageModule", "stage_modules", "CompiledStage", "compile_stages", "pipeline_group", "ShardLoss",
+           "TorchPipeline", "run_torch_schedule"]
 
 
 class StageModule(nn.Module):
@@ -61,26 +89,228 @@ def stage_modules(model: MoETransformer, layout: StageLayout) -> tuple[StageModu
     return tuple(StageModule(model, s, k == 0, k == S - 1) for k, s in enumerate(layout.stages))
 
 
-def run_torch_schedule(modules: Sequence[StageModule], layout: StageLayout, csv_path: str | Path, *,
+class CompiledStage(nn.Module):
+    """One stage on this rank (module docstring): [embedding], a CompiledLayer of its decoder
+    layers, [final norm, LM head]. forward: input_ids [b, s] (first stage) or this rank's hidden
+    shard [b, s/n, h] -> hidden shard [b, s/n, h], or logits shard [b, s/n, V] (last stage)."""
+
+    def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
+                 norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
+                 padding_idx: int | None, eps: float):
+        """``original``: the layer graph's parameter source names -> the model's; ``names``: the
+        model's names of embed, norm and head (those given)."""
+        super().__init__()
+        self.layers, self.original = layers, dict(original)
+        self.names, self.padding_idx, self.eps = dict(names), padding_idx, eps
+
+        def own(t):
+            return None if t is None else nn.Parameter(t.detach().clone())
+        self.embed, self.norm, self.lm_head = own(embed), own(norm), own(head)
+
+    @property
+    def rank(self) -> int:
+        return self.layers.rank
+
+    @property
+    def n(self) -> int:
+        return self.layers.n
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            x = F.embedding(shard_input(x, self.rank, self.n), self.embed, padding_idx=self.padding_idx)  # [b, s] -> [b, s/n, h]
+        y = self.layers(x)                                                               # [b, s/n, h]
+        if self.lm_head is not None:
+            y = F.linear(rms_norm(y, self.norm, self.eps), self.lm_head)                 # [b, s/n, h] -> [b, s/n, V]
+        return y
+
+    def io_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(input, output) of one micro-batch, for ``PipelineStage``'s static shapes (no
+        inference forward on empty tensors, which would run the plan's collectives on garbage)."""
+        d = self.layers.graph.dims
+        hidden = torch.empty(d.b, d.s // d.n, d.h, dtype=self.layers.params()[0].dtype)
+        x = torch.empty(d.b, d.s, dtype=torch.int64) if self.embed is not None else hidden.clone().requires_grad_()
+        y = (torch.empty(d.b, d.s // d.n, self.lm_head.shape[0], dtype=hidden.dtype) if self.lm_head is not None
+             else hidden.clone())
+        return x, y.requires_grad_()
+
+    def _edges(self) -> list[tuple[str, nn.Parameter]]:
+        return [(self.names[k], p) for k, p in (("embed", self.embed), ("norm", self.norm), ("head", self.lm_head))
+                if p is not None]
+
+    @torch.no_grad()
+    def sync_edge_grads(self) -> None:
+        """Sum the edges' partial gradients over the stage's n ranks (module docstring; collective)."""
+        if self.n > 1:
+            import torch.distributed as dist
+            for _, p in self._edges():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.layers.executor.comm.mp_group)
+
+    @torch.no_grad()
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters, full, under the model's names (collective over the stage's ranks)."""
+        out = {self.original[q]: t for q, t in self.layers.full_params().items()}
+        return out | {k: p.detach().clone() for k, p in self._edges()}
+
+    @torch.no_grad()
+    def load_full(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Cut this rank's shards out of the model's full parameters (not a collective)."""
+        self.layers.load_full({q: state[k] for q, k in self.original.items()})
+        for k, p in self._edges():
+            p.copy_(state[k])
+
+
+def pipeline_group(pp: int, n: int) -> Any:
+    """This rank's pipeline group: member i of every stage, ranks i, n + i, .., (P-1)*n + i (None:
+    the world, n = 1). Collective: every rank creates every group."""
+    if n == 1:
+        return None
+    import torch.distributed as dist
+    mine = None
+    for i in range(n):
+        pg = dist.new_group(ranks=[p * n + i for p in range(pp)])
+        if dist.get_rank() % n == i:
+            mine = pg
+    return mine
+
+
+class ShardLoss:
+    """The last stage's loss on one of its n ranks: its positions' term of the micro-batch's mean
+    next-token cross-entropy (module docstring). labels: the micro-batch's full [b, s]."""
+
+    def __init__(self, member: int, n: int):
+        self.member, self.n = member, n
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from moegraph.runtime.model import CompiledModel
+        shifted = shift_labels(labels)                                                   # [b, s]
+        return CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n),
+                                        (shifted != IGNORE_INDEX).sum())
+
+
+def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tensor, *, n: int = 1,
+                   hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
+                   passes: str = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
+                   timeout_s: float = 300.0, emulate: frozenset[str] = frozenset()) -> dict[int, CompiledStage]:
+    """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
+    rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). Collective: every one of
+    the P x n ranks calls it with the same arguments."""
+    import torch.distributed as dist
+    from moegraph.cost import CostModel
+    from moegraph.registry import Hardware, load_hardware
+    from moegraph.tracer import trace_causal_lm, trace_layers
+
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world != layout.pp * n:
+        raise RuntimeFailure(f"the world has {world} ranks; pp={layout.pp} stages of n={n} ranks need {layout.pp * n}")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    p = rank_coords(rank, n=n, dp=1)[0]
+    if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"input_ids must be one micro-batch's token ids [b, s], got {input_ids.dtype} "
+                         f"{list(input_ids.shape)}")
+    b, s = input_ids.shape
+    dtype = next(model.parameters()).dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"model parameters are {dtype}: pipeline stages compile {sorted(map(str, DTYPES))}")
+    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
+    cost = CostModel(hw)
+    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[dtype], dp=1)
+    _, spec = trace_causal_lm(model, strategy, batch=b, seq=s)       # the model rule; every parameter placed
+    why = ("its LM head is tied to the embedding (the first and last stage would share one parameter)" if spec.tied
+           else "it adds the router's auxiliary loss (every layer's statistics, across stages)" if spec.aux_loss
+           else "it has no LM head" if spec.head is None else None)
+    if why:
+        raise ValueError(f"{type(model).__name__} cannot be split into pipeline stages: {why}")
+    decoder = model.get_submodule(spec.layers)
+    if layout.layers != len(decoder):
+        raise ValueError(f"layout holds {layout.layers} layers; the model has {len(decoder)}")
+    built = {}
+    for k in layout.stages_of(p):
+        graph = trace_layers([decoder[j] for j in layout.stages[k]], strategy, batch=b, seq=s,
+                             name=f"{type(model).__name__}.stage{k}")
+        if passes:
+            from moegraph.passes import run_pipeline
+            graph, _ = run_pipeline(graph, passes, cost=cost)
+        built[k] = (graph, make_plan(graph, cost, schedule, time_limit_s=time_limit_s))
+    # every block creates every group its peers need (new_group is collective): the union of plans'
+    keys = {key for g, plan in built.values() for key in plan.comm_keys(g)}
+    axes = {a for g, _ in built.values() for a in comm_axes(g)}
+    if world > 1:
+        everyone: list = [None] * world
+        dist.all_gather_object(everyone, (sorted(keys), sorted(axes)))
+        keys = {tuple(key) for e in everyone for key in e[0]}
+        axes = {a for e in everyone for a in e[1]}
+    full = dict(model.named_parameters()) | dict(model.named_buffers())
+    S = len(layout.stages)
+    out = {}
+    for k, (graph, plan) in built.items():
+        original = {q: _model_name(spec.layers, graph, q, layout.stages[k][0])
+                    for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
+        layer = build_layer(graph, plan, {q: full[o].detach() for q, o in original.items()}, rank=rank, n=n,
+                            timeout_s=timeout_s, emulate=emulate, record=False, pp=layout.pp,
+                            comm=(tuple(sorted(keys)), tuple(sorted(axes))))
+        first, last = k == 0, k == S - 1
+        names = {"embed": spec.embed} if first else {}
+        names |= {"norm": spec.norm.weight.qualname, "head": spec.head} if last else {}
+        out[k] = CompiledStage(layer, original, embed=full[spec.embed] if first else None,
+                               norm=full[spec.norm.weight.qualname] if last else None,
+                               head=full[spec.head] if last else None, names=names,
+                               padding_idx=spec.padding_idx, eps=spec.norm.eps)
+    return out
+
+
+def _model_name(layers: str, graph, qualname: str, first_layer: int) -> str:
+    """The model's name of a stage graph's parameter source: ``layers.{j}.<name>`` in the stage's
+    stack (``moegraph.layers``; a one-layer graph: ``<name>``) is the model's layer first + j."""
+    if layer_count(graph) == 1:
+        return f"{layers}.{first_layer}.{qualname}"
+    j, rest = qualname[len(PARAM_PREFIX) + 1:].split(".", 1)
+    return f"{layers}.{first_layer + int(j)}.{rest}"
+
+
+class TorchPipeline:
+    """This rank's stages in torch's ``_PipelineScheduleRuntime``, one action table, any number of
+    steps (module docstring). ``modules``: stage index -> module, at least this rank's stages
+    (``layout.stages_of(rank)``, rank in ``group``); ``static``: stage -> (input, output) examples
+    (``CompiledStage.io_examples``) to skip torch's shape inference."""
+
+    def __init__(self, modules: Mapping[int, nn.Module] | Sequence[nn.Module], layout: StageLayout,
+                 csv_path: str | Path, *, micro_batches: int, loss_fn: Callable = causal_lm_loss, group: Any = None,
+                 static: Mapping[int, tuple[torch.Tensor, torch.Tensor]] | None = None):
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+        from moegraph.schedules.pipeline import parts
+        from moegraph.schedules.pipeline_torch import read_csv
+        if dist.get_world_size(group) != layout.pp:
+            raise ValueError(f"the pipeline group has {dist.get_world_size(group)} ranks; the layout pp={layout.pp}")
+        self.rank, self.layout, self.S = dist.get_rank(group), layout, len(layout.stages)
+        self.mine = layout.stages_of(self.rank)
+        if any(isinstance(modules[k], CompiledStage) for k in self.mine):
+            split = [str(a) for row in read_csv(csv_path) for i in row for a in parts(i) if a.kind in ("I", "W")]
+            if split:
+                raise RuntimeFailure(f"the order splits backwards ({', '.join(split[:4])}{', ...' if len(split) > 4 else ''}"
+                                     "): a compiled stage runs its backward as one plan (B); solve with split=False")
+        kw = lambda k: {"input_args": static[k][0], "output_args": static[k][1]} if static else {}  # noqa: E731
+        self.stages = [PipelineStage(modules[k], k, self.S, torch.device("cpu"), group=group, **kw(k))
+                       for k in self.mine]
+        self.schedule = _PipelineScheduleRuntime(self.stages, micro_batches, loss_fn=loss_fn)
+        self.schedule._load_csv(str(csv_path))
+
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[torch.Tensor]:
+        """One step: ``input_ids`` [M*b, s] on the rank of stage 0, ``labels`` on the last stage's
+        (None elsewhere). Returns the per-micro-batch losses (loss_fn's) on the last stage's rank
+        ([] elsewhere); parameter gradients accumulate in the modules, scaled by 1/M."""
+        losses: list[torch.Tensor] = []
+        last = self.S - 1 in self.mine
+        args = (input_ids,) if 0 in self.mine else ()
+        self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
+        return losses
+
+
+def run_torch_schedule(modules: Sequence[nn.Module], layout: StageLayout, csv_path: str | Path, *,
                        micro_batches: int, input_ids: torch.Tensor | None, labels: torch.Tensor | None,
                        group=None) -> list[torch.Tensor]:
-    """One step of this rank's stages (``layout.stages_of(rank)``) in torch's runtime, the action
-    table read from ``csv_path``. ``input_ids`` [M*b, s] on the rank of stage 0, ``labels`` on the
-    rank of the last stage (None elsewhere). Returns the per-micro-batch losses on the last stage's
-    rank ([] elsewhere); parameter gradients accumulate in the modules."""
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-    rank = dist.get_rank(group)
-    if dist.get_world_size(group) != layout.pp:
-        raise ValueError(f"the pipeline group has {dist.get_world_size(group)} ranks; the layout pp={layout.pp}")
-    S = len(layout.stages)
-    mine = layout.stages_of(rank)
-    stages = [PipelineStage(modules[k], k, S, torch.device("cpu"), group=group) for k in mine]
-    schedule = _PipelineScheduleRuntime(stages, micro_batches, loss_fn=causal_lm_loss)
-    schedule._load_csv(str(csv_path))
-    losses: list[torch.Tensor] = []
-    args = (input_ids,) if 0 in mine else ()
-    target = labels if S - 1 in mine else None
-    schedule.step(*args, target=target, losses=losses if S - 1 in mine else None)
-    return losses
+    """One step of this rank's eager stages in torch's runtime (``TorchPipeline``)."""
+    return TorchPipeline(modules, layout, csv_path, micro_batches=micro_batches, group=group).step(input_ids, labels)

@@ -40,7 +40,7 @@ from typing import Mapping
 
 from ortools.sat.python import cp_model
 
-from moegraph.schedules.pipeline import Action, Orders, Pair, PipelineProblem, Timeline, simulate
+from moegraph.schedules.pipeline import Action, Orders, Pair, PipelineProblem, Timeline, parts, simulate
 from moegraph.schedules.problem import ScheduleError
 from moegraph.solver_limits import set_time_limit
 
@@ -98,11 +98,18 @@ micro-batch windows is what such a step needs (left to do)."""
 
 
 def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], *, time_limit_s: float = 30.0,
-                   pairs: bool = True, workers: int = 1, seed: int = 0) -> PipelineResult:
+                   pairs: bool = True, split: bool = True, workers: int = 1, seed: int = 0) -> PipelineResult:
     """Order the pipeline step (module docstring). ``warm_starts``: name -> orders (torch's
     schedules); at least one must fit the memory cap. Steps of more than ``SEARCH_ACTIONS``
-    actions get the warm-start check only."""
+    actions get the warm-start check only. ``pairs``: F&B pairs allowed; ``split``: a backward
+    may run as I then W (False for stages whose backward is one unit, e.g. moegraph's compiled
+    stages: warm starts that split are left out)."""
     t0 = time.perf_counter()
+    if not split:
+        warm_starts = {k: o for k, o in warm_starts.items()
+                       if not any(a.kind in ("I", "W") for row in o for i in row for a in parts(i))}
+        if not warm_starts:
+            raise ScheduleError("split=False, but every warm start splits a backward into I and W")
     timelines = {name: simulate(problem, o) for name, o in warm_starts.items()}
     fitting = {k: t for k, t in timelines.items() if t.fits}
     if not fitting:
@@ -116,7 +123,7 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
         _log.info("pipeline: %d actions > %d: no search", actions, SEARCH_ACTIONS)
         return PipelineResult(best, best_name, "SKIPPED", time.perf_counter() - t0, timelines, None, None)
     cands = candidate_pairs(problem, warm_starts) if pairs else []
-    model = _Model(problem, cands)
+    model = _Model(problem, cands, split)
     model.hint(best)
     solver = cp_model.CpSolver()
     p = solver.parameters
@@ -153,7 +160,7 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
 class _Model:
     """The CP-SAT model of a PipelineProblem (module docstring); handles keyed by action."""
 
-    def __init__(self, problem: PipelineProblem, pairs: list[tuple[Action, Action]]):
+    def __init__(self, problem: PipelineProblem, pairs: list[tuple[Action, Action]], can_split: bool = True):
         self.problem = pr = problem
         self.m = m = cp_model.CpModel()
         S, M, P = pr.stages, pr.micro_batches, pr.layout.pp
@@ -180,6 +187,8 @@ class _Model:
                     self.end[(k, s, j)] = m.NewIntVar(0, H, f"end[{k}{s}.{j}]")
                 st, en = (lambda k: self.start[(k, s, j)]), (lambda k: self.end[(k, s, j)])
                 split = self.split[(s, j)] = m.NewBoolVar(f"split[{s}.{j}]")
+                if not can_split:
+                    m.Add(split == 0)
                 f_pairs = by_part.get(Action("F", s, j), [])
                 b_pairs = by_part.get(Action("B", s, j), [])
                 solo_f = m.NewBoolVar(f"solo[F{s}.{j}]")

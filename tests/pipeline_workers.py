@@ -41,5 +41,67 @@ def torch_runtime_step(rank: int, world: int, csv_text: str, stages: tuple, plac
         path.write_text(csv_text)
         losses = run_torch_schedule(stage_modules(model, layout), layout, path, micro_batches=micro_batches,
                                     input_ids=ids, labels=labels)
-    return {"losses": [float(x) for x in losses],
+    return {"losses": [float(x.detach()) for x in losses],
             "grads": {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}}
+
+
+STEPS = 3
+OPTIMIZERS = {"sgd": lambda params: torch.optim.SGD(params, lr=0.5),
+              "adamw": lambda params: torch.optim.AdamW(params, lr=1e-3)}
+
+
+def hf_batches(seed: int, micro_batches: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """STEPS steps of (input_ids, labels) [M*b, s] for the tiny Mixtral (tests/model_workers.py)."""
+    from model_workers import B as HF_B, S as HF_S, VOCAB as HF_VOCAB
+    gen = torch.Generator().manual_seed(seed + 7)
+    out = []
+    for _ in range(STEPS):
+        ids = torch.randint(0, HF_VOCAB, (micro_batches * HF_B, HF_S), generator=gen)
+        labels = ids.clone()
+        labels[:, :2] = -100                        # some ignored labels: the loss counts scored tokens
+        out.append((ids, labels))
+    return out
+
+
+def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: int, micro_batches: int,
+                      seed: int) -> dict:
+    """The tiny Mixtral as moegraph's compiled stages (P = world / n, n ranks each) in torch's
+    runtime, the CSV's order: STEPS steps with each optimizer from the same weights. Returns, per
+    optimizer, each step's M losses (on the last stage's ranks) and the final parameters of this
+    rank's stages under the model's names."""
+    import torch.distributed as dist
+
+    from model_workers import mixtral_model
+    from moegraph.runtime.pipeline import ShardLoss, TorchPipeline, compile_stages, pipeline_group
+    layout = StageLayout(stages, world // n)
+    model = mixtral_model(seed, layout.layers)
+    init = {k: t.detach().clone() for k, t in model.named_parameters()}
+    data = hf_batches(seed, micro_batches)
+    mine = compile_stages(model, layout, data[0][0][: data[0][0].shape[0] // micro_batches], n=n,
+                          hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0)
+    group = pipeline_group(layout.pp, n)
+    last = len(stages) - 1 in mine
+    out: dict = {"kinds": sorted({type(m.layers).__name__ for m in mine.values()})}
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "order.csv"
+        path.write_text(csv_text)
+        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n),
+                             group=group, static={k: m.io_examples() for k, m in mine.items()})
+        for name, make in OPTIMIZERS.items():
+            for m in mine.values():
+                m.load_full(init)
+            opt = make([p for m in mine.values() for p in m.parameters()])
+            losses = []
+            for ids, labels in data:
+                opt.zero_grad()
+                terms = pipe.step(ids if 0 in mine else None, labels if last else None)
+                for m in mine.values():
+                    m.sync_edge_grads()
+                opt.step()
+                if last:
+                    total = torch.stack([t.detach() for t in terms])
+                    if n > 1:                       # the n ranks' terms sum to each micro-batch's loss
+                        dist.all_reduce(total, group=next(iter(mine.values())).layers.executor.comm.mp_group)
+                    losses.append(total.tolist())
+            out[name] = {"losses": losses, "params": {k: v for m in mine.values() for k, v in m.full_state().items()}}
+    return out
