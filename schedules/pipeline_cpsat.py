@@ -15,8 +15,9 @@ same as constraints). Variables, named after their action (``F3.5``: stage 3, mi
     makespan            the objective
 
 A rank's items (solo F, I, W, pairs, optimizer) share one NoOverlap; each link one NoOverlap;
-each rank's activations one cumulative under its memory cap (bytes in MiB units, rounded up: a
-solution here always fits in bytes). Micro-batches enter each stage in order (F, I and W of
+each rank's activations one cumulative under its memory cap (in units of a power of two near
+1/1024 of the smallest per-micro-batch hold, ``memory_unit``; holds rounded up, the cap down: a
+solution here always fits in bytes, and loses at most 0.1% of a hold to the rounding). Micro-batches enter each stage in order (F, I and W of
 micro-batch m before m+1's), as in every torch schedule: a symmetry cut, micro-batches cost the
 same.
 
@@ -44,9 +45,8 @@ from moegraph.schedules.pipeline import Action, Orders, Pair, PipelineProblem, T
 from moegraph.schedules.problem import ScheduleError
 from moegraph.solver_limits import set_time_limit
 
-__all__ = ["PipelineResult", "solve_pipeline", "candidate_pairs", "MIB", "SEARCH_ACTIONS"]
+__all__ = ["PipelineResult", "solve_pipeline", "candidate_pairs", "memory_unit", "SEARCH_ACTIONS"]
 
-MIB = 2**20
 _log = logging.getLogger(__name__)
 
 
@@ -87,6 +87,13 @@ def candidate_pairs(problem: PipelineProblem, orders: Mapping[str, Orders]) -> l
                         if 0 <= m1 < M and not (a == b and m1 == m2):
                             out[(Action("F", a, m1), Action("B", b, m2))] = None
     return list(out)
+
+
+def memory_unit(problem: PipelineProblem) -> int:
+    """Bytes per unit of the memory cumulative: the power of two at or below 1/1024 of the
+    smallest positive hold (I's part or W's), at least 1 (module docstring)."""
+    holds = [h for w in problem.work for h in (w.held - w.held_for_w, w.held_for_w) if h > 0]
+    return 1 << max(0, (min(holds, default=1) // 1024).bit_length() - 1)
 
 
 SEARCH_ACTIONS = 8000
@@ -165,6 +172,7 @@ class _Model:
         self.m = m = cp_model.CpModel()
         S, M, P = pr.stages, pr.micro_batches, pr.layout.pp
         rank = [pr.layout.rank_of(s) for s in range(S)]
+        unit = memory_unit(pr)
         horizon = (sum(w.f + max(w.b, w.i + w.w) + w.sync for w in pr.work) * M + sum(pr.send) * M
                    + sum(pr.send_back) * M + sum(pr.optimizer))
         self.horizon = H = max(1, horizon)
@@ -213,8 +221,8 @@ class _Model:
                     for k in "FIW":
                         m.Add(self.start[(k, s, j - 1)] <= st(k))
                 if pr.memory_cap_bytes is not None:
-                    held_i = -(-(w.held - w.held_for_w) // MIB)
-                    held_w = -(-w.held_for_w // MIB)
+                    held_i = -(-(w.held - w.held_for_w) // unit)
+                    held_w = -(-w.held_for_w // unit)
                     if held_i:
                         size = m.NewIntVar(0, H, f"live[{s}.{j}]")
                         mem[r].append((m.NewIntervalVar(st("F"), size, en("I"), f"live[{s}.{j}]"), held_i))
@@ -266,7 +274,7 @@ class _Model:
             m.AddNoOverlap(on_rank[r])
             m.AddNoOverlap(dp[r])
             if pr.memory_cap_bytes is not None and mem[r]:
-                cap = (pr.memory_cap_bytes - pr.static_bytes[r]) // MIB
+                cap = (pr.memory_cap_bytes - pr.static_bytes[r]) // unit
                 if cap < 0:
                     raise ScheduleError(f"rank {r}'s states ({pr.static_bytes[r] / 2**30:.2f} GiB) exceed the memory "
                                         f"cap {pr.memory_cap_bytes / 2**30:.2f} GiB before any activation")
