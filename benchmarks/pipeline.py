@@ -43,7 +43,8 @@ PLACEMENTS = ((1, "loop"), (2, "loop"), (2, "v"))
 GIB = 2**30
 
 
-def run(model: str, hw_name: str, op_limit: float, time_limit: float, passes: str) -> float:
+def run(model: str, hw_name: str, op_limit: float, time_limit: float, passes: str, overlap: bool, windows: int,
+        window: int, window_limit: float) -> float:
     c = CONFIGS[model]
     cost = CostModel(load_hardware(hw_name))
     cap = cost.hw.hbm_capacity_bytes
@@ -52,26 +53,31 @@ def run(model: str, hw_name: str, op_limit: float, time_limit: float, passes: st
     layers = model_layers(cfg, Strategy("sp", "ep", c["dispatch"], c["n"], dp=c["dp"]), batch=1, seq=c["seq"],
                           passes=passes, cost=cost)
     print(f"\n### {model} on {hw_name}: PP={c['pp']}, M={c['micro_batches']}, n={c['n']} {c['dispatch']}, "
-          f"dp={c['dp']}, s={c['seq']}, passes {passes}, cap {cap / GIB:.1f} GiB per rank\n")
-    print("| V | placement | schedule | step ms | bubble | exposed p2p ms | exposed sync ms | peak GiB | fits "
-          "| solve s |")
-    print("|---:|---|---|---:|---:|---:|---:|---:|---|---:|")
+          f"dp={c['dp']}, s={c['seq']}, passes {passes}, cap {cap / GIB:.1f} GiB per rank, parameter gather "
+          f"{'overlapped with the next step' if overlap else 'at the step end'}; CP-SAT {time_limit:g} s whole-step"
+          + (f", then up to {windows} windows of {window} micro-batches x {window_limit:g} s" if windows else "") + "\n")
+    print("| V | placement | schedule | step ms | bubble | exposed p2p ms | exposed gather ms | exposed sync ms "
+          "| peak GiB | fits | solve s |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     best_torch, best_cpsat = None, None
     for vpp, placement in PLACEMENTS:
         if len(layers) < c["pp"] * vpp:
             continue
         built = pipeline_problem(layers, cost, pp=c["pp"], vpp=vpp, placement=placement,
                                  micro_batches=c["micro_batches"], vocab=c["vocab"], memory_cap_bytes=cap,
-                                 method="cpsat", time_limit_s=op_limit, tick_us=1.0)
+                                 method="cpsat", time_limit_s=op_limit, tick_us=1.0, overlap_param_gather=overlap)
         warm = torch_warm_starts(built.problem)
         t1 = time.perf_counter()
-        res = solve_pipeline(built.problem, warm, time_limit_s=time_limit)
+        res = solve_pipeline(built.problem, warm, time_limit_s=time_limit, windows=windows, window=window,
+                             window_limit_s=window_limit)
         wall = time.perf_counter() - t1
-        rows = list(res.warm_starts.items()) + [(f"CP-SAT ({res.source}; {res.status})", res.timeline)]
+        how = res.status + (f", windows {res.windows.kept}/{res.windows.windows} kept" if res.windows else "")
+        rows = list(res.warm_starts.items()) + [(f"CP-SAT ({res.source}; {how})", res.timeline)]
         for name, tl in rows:
             s = tl.summary()
             print(f"| {vpp} | {placement} | {name} | {s['step_us'] / 1e3:,.1f} | {s['bubble_fraction']:.3f} | "
-                  f"{max(s['exposed_p2p_us']) / 1e3:,.1f} | {s['exposed_sync_us'] / 1e3:,.1f} | "
+                  f"{max(s['exposed_p2p_us']) / 1e3:,.1f} | {max(s['exposed_gather_us']) / 1e3:,.1f} | "
+                  f"{s['exposed_sync_us'] / 1e3:,.1f} | "
                   f"{max(s['peak_bytes']) / GIB:.1f} | {'yes' if s['fits'] else 'NO'} | "
                   f"{f'{wall:.0f}' if name.startswith('CP-SAT') else ''} |", flush=True)
         fitting = [tl.makespan for tl in res.warm_starts.values() if tl.fits]
@@ -92,12 +98,18 @@ def main() -> int:
     ap.add_argument("--op-limit", type=float, default=1.0, help="op-level CP-SAT effort per unit (s)")
     ap.add_argument("--time-limit", type=float, default=3.0, help="stage-level CP-SAT effort per placement (s)")
     ap.add_argument("--passes", default="gate-reorder,sar=paper")
+    ap.add_argument("--overlap-param-gather", action="store_true",
+                    help="the sync's all-gather half overlaps the next step's forward (Megatron's option)")
+    ap.add_argument("--windows", type=int, default=0, help="window search: windows per sweep (0: none)")
+    ap.add_argument("--window", type=int, default=4, help="micro-batches per window (default %(default)s)")
+    ap.add_argument("--window-limit", type=float, default=1.0, help="CP-SAT effort per window (s)")
     args = ap.parse_args()
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"pipeline acceptance; {stamp}, {platform.node()} ({os.cpu_count()} cores), "
           f"load average {os.getloadavg()[0]:.1f}")
     for model in args.model:
-        run(model, args.hardware, args.op_limit, args.time_limit, args.passes)
+        run(model, args.hardware, args.op_limit, args.time_limit, args.passes, args.overlap_param_gather, args.windows,
+            args.window, args.window_limit)
     return 0
 
 

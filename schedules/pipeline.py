@@ -24,14 +24,21 @@ OVERLAP_F_B: priced F + B minus the smaller of the two stages' op-level pair sav
   * stage s's gradient sync starts when its last backward item ends, one sync at a time per
     rank (its data-parallel stream); the rank's optimizer step follows its syncs and its items;
     the step ends with the last optimizer step;
+  * with the parameter all-gather overlapped (``StageWork.gather`` > 0: the distributed
+    optimizer's gather of the parameters the previous step updated, Megatron's
+    ``--overlap-param-gather``), stage s's gather runs on the rank's DP stream from the step's
+    start, the rank's stages in the order of their first forward, layer by layer as Megatron's
+    buckets: the stage's first forward starts once its first layer's part (``gather_lead``) is
+    in, and ends no earlier than the whole gather plus its last layer's forward (``f_tail``);
+    ``sync`` is then the reduce-scatter half alone;
   * memory: stage s's activations (``held`` bytes per micro-batch) are held from F's start
     until I's end, of them ``held_for_w`` until W's end (B: all until its end; a pair: the F
     part's from the pair's start, the B part's until its end); a rank's peak is its states
     (``static_bytes``) plus the most activations it holds at once, at most ``memory_cap_bytes``.
 
 Reported (``Timeline``): the step (makespan), the bubble (idle compute of each rank within the
-step), the exposed communication (ticks a rank waits on a transfer still in flight, and the
-step-end sync not hidden under compute), each rank's peak memory.
+step), the exposed communication (ticks a rank waits on a transfer still in flight or on a
+parameter gather, and the step-end sync not hidden under compute), each rank's peak memory.
 """
 
 from __future__ import annotations
@@ -44,7 +51,7 @@ from moegraph.passes.stages import StageLayout
 from moegraph.schedules.problem import ScheduleError
 
 __all__ = ["StageWork", "PipelineProblem", "Action", "Pair", "Item", "Orders", "Timeline", "Transfer",
-           "check_orders", "simulate", "parts", "with_cap", "KINDS"]
+           "check_orders", "simulate", "parts", "with_cap", "memory_unit", "KINDS"]
 
 KINDS = ("F", "I", "W", "B")
 
@@ -61,14 +68,27 @@ class StageWork:
     sync: int
     held: int
     held_for_w: int
+    gather: int = 0
+    gather_lead: int = 0
+    f_tail: int = 0
 
     def __post_init__(self):
-        for name in ("f", "i", "w", "b", "pair_saving", "sync", "held", "held_for_w"):
+        for name in ("f", "i", "w", "b", "pair_saving", "sync", "held", "held_for_w", "gather", "gather_lead",
+                     "f_tail"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ScheduleError(f"stage work {name}={value!r} must be an int >= 0")
         if self.held_for_w > self.held:
             raise ScheduleError(f"held_for_w={self.held_for_w} exceeds held={self.held}")
+        if self.gather_lead > self.gather or self.f_tail > self.f:
+            raise ScheduleError(f"gather_lead={self.gather_lead} exceeds gather={self.gather}, or f_tail={self.f_tail} "
+                                f"exceeds f={self.f}")
+
+    def gathered_start(self, begin: int) -> int:
+        """The earliest start of the stage's first forward when its gather runs from ``begin``
+        (module docstring; a gather without a lead or tail: the whole gather first)."""
+        lead, tail = (self.gather_lead, self.f_tail) if self.gather_lead or self.f_tail else (self.gather, self.f)
+        return max(begin + lead, begin + self.gather + tail - self.f)
 
 
 @dataclass(frozen=True)
@@ -202,6 +222,10 @@ class Timeline:
     peak_bytes: tuple[int, ...]
     wait_ticks: tuple[int, ...]
     """Per rank: ticks its compute waited on transfers in flight."""
+    gather: dict[int, tuple[int, int]] = field(default_factory=dict)
+    """Per stage with a parameter gather at the step's start: its (start, end)."""
+    gather_wait_ticks: tuple[int, ...] = ()
+    """Per rank: ticks its compute waited on its stages' parameter gathers."""
 
     def busy(self, rank: int) -> int:
         s, e = self.optimizer[rank]
@@ -234,6 +258,7 @@ class Timeline:
                 "bubble_us": [round(b * t, 3) for b in self.bubble_ticks],
                 "exposed_p2p_us": [round(w * t, 3) for w in self.wait_ticks],
                 "exposed_sync_us": round(self.exposed_sync_ticks * t, 3),
+                "exposed_gather_us": [round(w * t, 3) for w in self.gather_wait_ticks] or [0.0] * len(self.orders),
                 "peak_bytes": list(self.peak_bytes), "fits": self.fits}
 
 
@@ -251,7 +276,13 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
     end: dict[Item, int] = {}
     free = [0] * P
     wait = [0] * P
+    gather_wait = [0] * P
     pos = [0] * P
+    gather, dp_free = _gathers(problem, orders)
+    first_forward: dict[int, Action] = {}
+    for row in orders:
+        for a in (a for item in row for a in parts(item) if a.kind == "F"):
+            first_forward.setdefault(a.stage, a)
 
     def needs(a: Action) -> list[tuple[tuple[str, int, int], tuple[str, int, int] | None]]:
         """(key whose arrival gates a, the producer's key, or None when the arrival is local)."""
@@ -301,6 +332,11 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
                 begin = max([free[r], *times])
                 local = max([free[r], *[done[p] if p is not None else ready(k) for k, p in deps]])
                 wait[r] += begin - local
+                gathered = max([problem.work[a.stage].gathered_start(gather[a.stage][0]) for a in parts(item)
+                                if a.kind == "F" and first_forward.get(a.stage) == a and a.stage in gather], default=0)
+                if gathered > begin:
+                    gather_wait[r] += gathered - begin
+                    begin = gathered
                 start[item], end[item] = begin, begin + problem.duration(item)
                 free[r] = end[item]
                 for a in parts(item):
@@ -311,7 +347,7 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
         if not progressed:
             stuck = ", ".join(f"rank {r}: {orders[r][pos[r]]}" for r in range(P) if pos[r] < len(orders[r]))
             raise ScheduleError(f"the order deadlocks: every rank waits on an item another rank runs later ({stuck})")
-    sync, optimizer, dp_free = {}, {}, [0] * P
+    sync, optimizer = {}, {}
     for s in sorted(range(S), key=lambda k: (max(done[("W", k, m)] for m in range(problem.micro_batches)), k)):
         r = rank[s]
         begin = max(dp_free[r], max(done[("W", s, m)] for m in range(problem.micro_batches)))
@@ -321,7 +357,21 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
         begin = max([free[r], *[sync[s][1] for s in layout.stages_of(r)]])
         optimizer[r] = (begin, begin + problem.optimizer[r])
     return Timeline(problem, tuple(tuple(row) for row in orders), start, end, tuple(transfers), sync, optimizer,
-                    max(e for _, e in optimizer.values()), _peaks(problem, orders, start, end), tuple(wait))
+                    max(e for _, e in optimizer.values()), _peaks(problem, orders, start, end), tuple(wait),
+                    gather, tuple(gather_wait))
+
+
+def _gathers(problem: PipelineProblem, orders: Orders) -> tuple[dict[int, tuple[int, int]], list[int]]:
+    """The parameter gathers at the step's start (module docstring): per stage (start, end), and
+    where each rank's DP stream is free after them."""
+    out, free = {}, [0] * problem.layout.pp
+    for r, row in enumerate(orders):
+        first = [a.stage for item in row for a in parts(item) if a.kind == "F"]
+        for s in sorted(set(first), key=first.index):
+            if problem.work[s].gather:
+                out[s] = (free[r], free[r] + problem.work[s].gather)
+                free[r] = out[s][1]
+    return out, free
 
 
 def _peaks(problem: PipelineProblem, orders: Orders, start: dict, end: dict) -> tuple[int, ...]:
@@ -350,3 +400,9 @@ def _peaks(problem: PipelineProblem, orders: Orders, start: dict, end: dict) -> 
 def with_cap(problem: PipelineProblem, cap: int | None) -> PipelineProblem:
     return dataclasses.replace(problem, memory_cap_bytes=cap)
 
+
+def memory_unit(problem: PipelineProblem) -> int:
+    """Bytes per unit of the memory cumulative: the power of two at or below 1/1024 of the
+    smallest positive hold (I's part or W's), at least 1 (moegraph.schedules.pipeline_cpsat)."""
+    holds = [h for w in problem.work for h in (w.held - w.held_for_w, w.held_for_w) if h > 0]
+    return 1 << max(0, (min(holds, default=1) // 1024).bit_length() - 1)

@@ -12,6 +12,8 @@ same as constraints). Variables, named after their action (``F3.5``: stage 3, mi
                         pairs only, ``candidate_pairs``): both start together and end together
     xfer[...]           each transfer between two ranks: a fixed interval on its directed link
     sync[s], opt[r]     the step end: stage syncs on the rank's DP stream, then its optimizer
+    gather[s]           a stage's parameter gather at the step's start (``StageWork.gather`` > 0),
+                        on the same DP stream, before F(s, 0)
     makespan            the objective
 
 A rank's items (solo F, I, W, pairs, optimizer) share one NoOverlap; each link one NoOverlap;
@@ -33,6 +35,7 @@ fixed seed and a deterministic time limit (moegraph.solver_limits); more workers
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import time
@@ -41,11 +44,13 @@ from typing import Mapping
 
 from ortools.sat.python import cp_model
 
-from moegraph.schedules.pipeline import Action, Orders, Pair, PipelineProblem, Timeline, parts, simulate
+from moegraph.schedules.pipeline import (Action, Orders, Pair, PipelineProblem, Timeline, memory_unit, parts,
+                                         simulate)
+from moegraph.schedules.pipeline_lns import WindowSearch, improve_by_windows
 from moegraph.schedules.problem import ScheduleError
 from moegraph.solver_limits import set_time_limit
 
-__all__ = ["PipelineResult", "solve_pipeline", "candidate_pairs", "memory_unit", "SEARCH_ACTIONS"]
+__all__ = ["PipelineResult", "solve_pipeline", "candidate_pairs", "SEARCH_ACTIONS"]
 
 _log = logging.getLogger(__name__)
 
@@ -61,6 +66,8 @@ class PipelineResult:
     cpsat_step_ticks: int | None
     """The re-simulated step of CP-SAT's own order (None: no solution)."""
     bound_ticks: int | None
+    windows: WindowSearch | None = None
+    """The window search after the whole-step one (None: not asked)."""
 
 
 def candidate_pairs(problem: PipelineProblem, orders: Mapping[str, Orders]) -> list[tuple[Action, Action]]:
@@ -89,28 +96,23 @@ def candidate_pairs(problem: PipelineProblem, orders: Mapping[str, Orders]) -> l
     return list(out)
 
 
-def memory_unit(problem: PipelineProblem) -> int:
-    """Bytes per unit of the memory cumulative: the power of two at or below 1/1024 of the
-    smallest positive hold (I's part or W's), at least 1 (module docstring)."""
-    holds = [h for w in problem.work for h in (w.held - w.held_for_w, w.held_for_w) if h > 0]
-    return 1 << max(0, (min(holds, default=1) // 1024).bit_length() - 1)
-
-
 SEARCH_ACTIONS = 8000
-"""Most actions (F, I, W over stages and micro-batches) the search stage takes on. Above it (e.g.
-internal-352b's PP=15 x M=360 step, 16,200 actions) the search found no solution in 3 s of
-effort, even from the complete hint, and took 94 s of wall time on the 2-core box: the best warm
-start is returned without building the model (``status`` SKIPPED). A hierarchical decomposition over
-micro-batch windows is what such a step needs (left to do)."""
+"""Most actions (F, I, W over stages and micro-batches) the whole-step search takes on. Above it
+(e.g. internal-352b's PP=15 x M=360 step, 16,200 actions) the search found no solution in 3 s of
+effort, even from the complete hint, and took 94 s of wall time on the 2-core box: the model is
+not built (``status`` SKIPPED) and only the window search (moegraph.schedules.pipeline_lns) runs."""
 
 
 def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], *, time_limit_s: float = 30.0,
-                   pairs: bool = True, split: bool = True, workers: int = 1, seed: int = 0) -> PipelineResult:
+                   pairs: bool = True, split: bool = True, workers: int = 1, seed: int = 0, windows: int = 0,
+                   window: int = 4, window_limit_s: float = 1.0) -> PipelineResult:
     """Order the pipeline step (module docstring). ``warm_starts``: name -> orders (torch's
     schedules); at least one must fit the memory cap. Steps of more than ``SEARCH_ACTIONS``
-    actions get the warm-start check only. ``pairs``: F&B pairs allowed; ``split``: a backward
+    actions skip the whole-step search. ``pairs``: F&B pairs allowed; ``split``: a backward
     may run as I then W (False for stages whose backward is one unit, e.g. moegraph's compiled
-    stages: warm starts that split are left out)."""
+    stages: warm starts that split are left out). ``windows`` > 0: then up to that many windows
+    of ``window`` micro-batches per sweep, ``window_limit_s`` of effort each, improve the best
+    order so far (moegraph.schedules.pipeline_lns; two sweeps at most)."""
     t0 = time.perf_counter()
     if not split:
         warm_starts = {k: o for k, o in warm_starts.items()
@@ -127,8 +129,9 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
     best = fitting[best_name]
     actions = 3 * problem.stages * problem.micro_batches
     if actions > SEARCH_ACTIONS:
-        _log.info("pipeline: %d actions > %d: no search", actions, SEARCH_ACTIONS)
-        return PipelineResult(best, best_name, "SKIPPED", time.perf_counter() - t0, timelines, None, None)
+        _log.info("pipeline: %d actions > %d: no whole-step search", actions, SEARCH_ACTIONS)
+        return _windows(PipelineResult(best, best_name, "SKIPPED", 0.0, timelines, None, None), problem, split,
+                        seed, windows, window, window_limit_s, t0)
     cands = candidate_pairs(problem, warm_starts) if pairs else []
     model = _Model(problem, cands, split)
     model.hint(best)
@@ -161,7 +164,21 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
         own = timeline.makespan
         if timeline.fits and timeline.makespan < best.makespan:
             chosen, source = timeline, "cpsat"
-    return PipelineResult(chosen, source, name, time.perf_counter() - t0, timelines, own, bound)
+    return _windows(PipelineResult(chosen, source, name, 0.0, timelines, own, bound), problem, split, seed, windows,
+                    window, window_limit_s, t0)
+
+
+def _windows(res: PipelineResult, problem: PipelineProblem, split: bool, seed: int, windows: int, window: int,
+             limit_s: float, t0: float) -> PipelineResult:
+    """``res`` improved by the window search when asked (source 'cpsat' if it shortened the step)."""
+    if windows <= 0:
+        return dataclasses.replace(res, wall_s=time.perf_counter() - t0)
+    timeline, search = improve_by_windows(problem, res.timeline, window=window, max_windows=windows,
+                                          window_limit_s=limit_s, split=split, seed=seed)
+    _log.info("pipeline: windows: %s", search)
+    source = "cpsat" if search.after_ticks < search.before_ticks else res.source
+    return dataclasses.replace(res, timeline=timeline, source=source, wall_s=time.perf_counter() - t0,
+                               windows=search)
 
 
 class _Model:
@@ -173,7 +190,7 @@ class _Model:
         S, M, P = pr.stages, pr.micro_batches, pr.layout.pp
         rank = [pr.layout.rank_of(s) for s in range(S)]
         unit = memory_unit(pr)
-        horizon = (sum(w.f + max(w.b, w.i + w.w) + w.sync for w in pr.work) * M + sum(pr.send) * M
+        horizon = (sum(w.f + max(w.b, w.i + w.w) + w.sync + w.gather for w in pr.work) * M + sum(pr.send) * M
                    + sum(pr.send_back) * M + sum(pr.optimizer))
         self.horizon = H = max(1, horizon)
         self.start, self.end, self.split = {}, {}, {}
@@ -260,11 +277,19 @@ class _Model:
         self.makespan = m.NewIntVar(0, H, "makespan")
         self.sync, self.opt = {}, {}
         dp: list[list] = [[] for _ in range(P)]
+        self.gather = {}
         for s in range(S):
             x = self.sync[s] = m.NewIntVar(0, H, f"sync[{s}]")
             for j in range(M):
                 m.Add(x >= self.end[("W", s, j)])
             dp[rank[s]].append(m.NewFixedSizeIntervalVar(x, pr.work[s].sync, f"dp[{s}]"))
+            if pr.work[s].gather:
+                g = self.gather[s] = m.NewIntVar(0, H, f"gather[{s}]")
+                w = pr.work[s]
+                lead, tail = (w.gather_lead, w.f_tail) if w.gather_lead or w.f_tail else (w.gather, w.f)
+                m.Add(self.start[("F", s, 0)] >= g + lead)
+                m.Add(self.start[("F", s, 0)] >= g + w.gather + tail - w.f)
+                dp[rank[s]].append(m.NewFixedSizeIntervalVar(g, pr.work[s].gather, f"dp_gather[{s}]"))
         for r in range(P):
             x = self.opt[r] = m.NewIntVar(0, H, f"opt[{r}]")
             for s in pr.layout.stages_of(r):
@@ -316,6 +341,8 @@ class _Model:
             m.AddHint(self.xfer[(tr.direction, tr.stage, tr.mb)], tr.start)
         for s, (b, _) in t.sync.items():
             m.AddHint(self.sync[s], b)
+        for s, (b, _) in t.gather.items():
+            m.AddHint(self.gather[s], b)
         for r, (b, _) in t.optimizer.items():
             m.AddHint(self.opt[r], b)
         m.AddHint(self.makespan, t.makespan)

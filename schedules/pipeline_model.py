@@ -42,7 +42,7 @@ from moegraph.passes.edges import add_edges
 from moegraph.passes.stack import stack_layers
 from moegraph.passes.stages import Placement, StageLayout, balance
 from moegraph.schedules.pipeline import PipelineProblem, StageWork
-from moegraph.schedules.pipeline_price import EdgePrices, UnitPrice, price_edges, price_layer, ticks
+from moegraph.schedules.pipeline_price import ZERO, EdgePrices, UnitPrice, price_edges, price_layer, ticks
 from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for
 
 __all__ = ["model_layers", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "rank_memory_report",
@@ -83,8 +83,11 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
                      placement: Placement = "loop", micro_batches: int, vocab: int, tied: bool = False,
                      layout: StageLayout | None = None, memory_cap_bytes: int | None = None, method: str = "greedy",
                      time_limit_s: float = 2.0, tick_us: float = 1.0,
-                     optimizer: OptimizerSpec = ADAM_DISTRIBUTED) -> BuiltPipeline:
-    """The pipeline problem of ``layers`` (module docstring)."""
+                     optimizer: OptimizerSpec = ADAM_DISTRIBUTED, overlap_param_gather: bool = False) -> BuiltPipeline:
+    """The pipeline problem of ``layers`` (module docstring). ``overlap_param_gather``: the
+    sync's all-gather half runs before the stage's first forward of the step, on its DP stream
+    (Megatron's ``--overlap-param-gather``: the gather of the parameters the last optimizer step
+    updated overlaps the next step's forward), the rest at the step's end."""
     prices: dict[int, UnitPrice] = {}
     for g in layers:
         if id(g) not in prices:
@@ -107,7 +110,7 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
                                 optimizer=optimizer)
     work = []
     for k, stage in enumerate(layout.stages):
-        total = UnitPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+        total = ZERO
         for i in stage:
             total = total + per_layer[i]
         if k == 0:
@@ -115,8 +118,15 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
         if k == S - 1:
             total = total + edges.head
         held = stage_mem[k].activation_bytes_per_mb
-        work.append(StageWork(*(ticks(v, tick_us) for v in total.astuple()[:6]), held,
-                              min(held, total.held_for_w_bytes)))
+        f, i, w, b, saving, sync = (ticks(v, tick_us) for v in total.astuple()[:6])
+        gather = lead = tail = 0
+        if overlap_param_gather:         # layer by layer: the first layer's part leads, the last layer's forward ends
+            gather = ticks(total.gather_us, tick_us)
+            lead = min(gather, ticks(per_layer[stage[0]].gather_us + (edges.embedding.gather_us if k == 0 else 0),
+                                     tick_us))
+            tail = min(f, ticks(per_layer[stage[-1]].f_us + (edges.head.f_us if k == S - 1 else 0), tick_us))
+        work.append(StageWork(f, i, w, b, saving, max(0, sync - gather), held, min(held, total.held_for_w_bytes),
+                              gather, lead, tail))
     p2p = Node(name="pp.boundary", op=OpKind.P2P, phase=Phase.FORWARD, inputs=("x",), outputs=("y",),
                comm_bytes=collective_bytes(OpKind.P2P, boundary_bytes(layers[0]), 2), group=2,
                attrs=(("scope", "inter"),))

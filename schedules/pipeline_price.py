@@ -16,6 +16,8 @@ finds; the stage-level schedule (moegraph.schedules.pipeline) then orders the un
     pair  micro-batch 1's forward beside micro-batch 0's B, from the merged two-micro-batch graph
           (``merge_microbatches``) with each micro-batch's barrier: the op-level merged schedule
     sync  the sync chains of the step's end
+    gather  their all-gather half alone (the distributed optimizer's parameter all-gather, which
+          Megatron overlaps with the next step's forward: ``--overlap-param-gather``)
     held  bytes the forward leaves for the backward (``Graph.activation_bytes``) and, of them,
           what W still reads after I (freed only when W ends)
 
@@ -54,16 +56,17 @@ class UnitPrice:
     sync_us: float
     held_bytes: int
     held_for_w_bytes: int
+    gather_us: float = 0.0
 
     def __add__(self, o: "UnitPrice") -> "UnitPrice":
         return UnitPrice(*(a + b for a, b in zip(self.astuple(), o.astuple())))
 
     def astuple(self) -> tuple:
         return (self.f_us, self.i_us, self.w_us, self.b_us, self.pair_saving_us, self.sync_us, self.held_bytes,
-                self.held_for_w_bytes)
+                self.held_for_w_bytes, self.gather_us)
 
 
-ZERO = UnitPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0)
+ZERO = UnitPrice(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0.0)
 
 Pricer = Callable[[Graph], float]
 
@@ -95,8 +98,8 @@ def _held_for_w(graph: Graph, nodes: Iterable[Node], held: Iterable[str]) -> int
     return sum(graph.value[v].storage_bytes for v in read & set(held))
 
 
-def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, float, float, float, float]:
-    """(F, I, W, B, sync) makespans of the nodes ``part`` of ``graph``."""
+def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, float, float, float, float, float]:
+    """(F, I, W, B, sync, gather) makespans of the nodes ``part`` of ``graph``."""
     sync = _sync_names(graph)
     fwd = [n for n in part if n.phase is Phase.FORWARD]
     back = [n for n in part if n.phase is not Phase.FORWARD and n.name not in sync]
@@ -106,14 +109,15 @@ def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, fl
 
     def ms(nodes: list[Node], tag: str) -> float:
         return price(subgraph(graph, nodes, f"{graph.name}.{tag}")) if nodes else 0.0
-    return ms(fwd, "F"), ms(data, "I"), ms(wgrad, "W"), ms(back, "B"), ms(syncs, "sync")
+    gathers = [n for n in syncs if n.op is OpKind.ALL_GATHER]
+    return ms(fwd, "F"), ms(data, "I"), ms(wgrad, "W"), ms(back, "B"), ms(syncs, "sync"), ms(gathers, "gather")
 
 
 def price_layer(graph: Graph, cost: CostModel, *, method: str = "greedy", time_limit_s: float = 2.0) -> UnitPrice:
     """The units of one layer graph (passes applied; not merged), priced by the op-level
     schedule ``method`` with CP-SAT effort ``time_limit_s`` (module docstring)."""
     price = op_level(cost, method, time_limit_s)
-    f, i, w, b, sync = _units(graph, graph.nodes, price)
+    f, i, w, b, sync, gather = _units(graph, graph.nodes, price)
     merged = merge_microbatches(graph, 2)
     msync = _sync_names(merged)
     pair = [n for n in merged.nodes if n.name not in msync and (
@@ -121,7 +125,7 @@ def price_layer(graph: Graph, cost: CostModel, *, method: str = "greedy", time_l
         or (micro_batch_of(n) == 0 and n.phase is not Phase.FORWARD))]
     together = price(subgraph(merged, pair, f"{graph.name}.F&B"))
     return UnitPrice(f, i, w, b, max(0.0, f + b - together), sync, graph.activation_bytes(),
-                     _held_for_w(graph, graph.nodes, graph.saved))
+                     _held_for_w(graph, graph.nodes, graph.saved), gather)
 
 
 @dataclass(frozen=True)
@@ -144,10 +148,10 @@ def price_edges(step: Graph, cost: CostModel, *, method: str = "greedy", time_li
     out = []
     for embed in (True, False):
         part = [n for n in step.nodes if n.attr(EDGE_ATTR, False) and bool(n.attr(EMBED_ATTR, False)) == embed]
-        f, i, w, b, sync = _units(step, part, price)
+        f, i, w, b, sync, gather = _units(step, part, price)
         held = frozenset() if embed else edge_held_values(step)
         out.append(UnitPrice(f, i, w, b, 0.0, sync, sum(step.value[v].storage_bytes for v in held),
-                             _held_for_w(step, part, held)))
+                             _held_for_w(step, part, held), gather))
     return EdgePrices(*out)
 
 

@@ -174,3 +174,70 @@ def test_model_problem_prices_stages_and_reports_memory_by_component():
     for r, row in enumerate(report):
         assert row["total"] == tl.peak_bytes[r] == sum(row[c] for c in COMPONENTS)
         assert row["activations"] == min(2 - r, 4) * built.stage_memory[r].activation_bytes_per_mb
+
+
+def test_parameter_gather_delays_each_stage_first_forward_only():
+    """With the all-gather half overlapped with the next step (Megatron's --overlap-param-gather),
+    each stage's gather opens the step on its rank's DP stream: stage 0's first forward waits for
+    it (the whole step moves by g), stage 1's starts after its input arrives anyway."""
+    g = 5
+    layout = StageLayout(((0,), (1,)), 2)
+
+    def pr(gather):
+        work = tuple(StageWork(10, 6, 4, 10, 0, 3, 100, 0, gather) for _ in range(2))
+        return PipelineProblem(layout, 2, work, (0,), (0,), (0, 0), (0, 0))
+    orders = torch_orders("GPipe", layout, 2)
+    base, gathered = simulate(pr(0), orders), simulate(pr(g), orders)
+    assert gathered.gather == {0: (0, g), 1: (0, g)}
+    assert gathered.gather_wait_ticks == (g, 0)
+    assert gathered.makespan == base.makespan + g
+    assert gathered.summary()["exposed_gather_us"] == [g, 0]
+    res = solve_pipeline(pr(g), {"GPipe": orders}, time_limit_s=1)
+    assert res.timeline.makespan <= gathered.makespan
+    assert res.timeline.gather == gathered.gather and res.timeline.start[Action("F", 0, 0)] >= g
+    # layer by layer (two layers a stage): the forward starts after the first half and ends after all + f_tail
+    work = tuple(StageWork(10, 6, 4, 10, 0, 3, 100, 0, 8, 4, 5) for _ in range(2))
+    layered = simulate(PipelineProblem(layout, 2, work, (0,), (0,), (0, 0), (0, 0)), orders)
+    assert layered.start[Action("F", 0, 0)] == max(4, 8 + 5 - 10) and layered.gather_wait_ticks == (4, 0)
+
+
+def test_window_search_shortens_a_step_deterministically_under_the_cap():
+    """Windows of micro-batches over a fixed rest find zero bubble's split from 1F1B (W heavy),
+    the result re-simulates to itself, fits the cap, and is the same on a second run."""
+    from moegraph.schedules.pipeline_lns import improve_by_windows
+    P, M = 4, 8
+    pr = problem(P, M, f=10, i=10, w=10, b=20, sync=5, send=3, opt=2, held=100, held_w=50, cap=500)
+    start = simulate(pr, torch_orders("1F1B", pr.layout, M))
+    assert start.fits
+    runs = [improve_by_windows(pr, start, window=4, passes=1, max_windows=2, window_limit_s=0.3) for _ in range(2)]
+    (best, search), (again, _) = runs
+    assert search.windows == 2 and search.kept >= 1
+    assert best.makespan == search.after_ticks < start.makespan
+    assert simulate(pr, best.orders).makespan == best.makespan and best.fits
+    assert again.orders == best.orders
+
+
+def test_solve_pipeline_runs_windows_after_the_whole_step_search():
+    pr = problem(4, 8, f=10, i=10, w=10, b=20, sync=5, send=3, opt=2)
+    warm = {"1F1B": torch_orders("1F1B", pr.layout, 8)}
+    res = solve_pipeline(pr, warm, time_limit_s=0.2, windows=2, window_limit_s=0.3)
+    assert res.windows is not None and res.windows.windows in (2, 4)       # one sweep, or two if the first kept one
+    assert res.timeline.makespan == res.windows.after_ticks <= res.windows.before_ticks
+    assert res.timeline.makespan < res.warm_starts["1F1B"].makespan and res.source == "cpsat"
+
+
+def test_gather_half_of_the_sync_is_priced_apart_with_data_parallelism():
+    from moegraph.cost import CostModel
+    from moegraph.ir import Strategy
+    from moegraph.registry import load_hardware, load_model
+    from moegraph.schedules.pipeline_model import model_layers
+    from moegraph.schedules.pipeline_price import price_layer
+    cost = CostModel(load_hardware("h800"))
+    for dp in (1, 2):
+        layer = model_layers(load_model("small"), Strategy("sp", "ep", "ag-rs", 2, dp=dp), batch=1, seq=64,
+                             passes="", cost=cost)[0]
+        price = price_layer(layer, cost)
+        if dp == 1:
+            assert price.gather_us == 0
+        else:
+            assert 0 < price.gather_us < price.sync_us
