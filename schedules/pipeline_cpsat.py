@@ -46,7 +46,7 @@ from ortools.sat.python import cp_model
 
 from moegraph.schedules.pipeline import (Action, Orders, Pair, PipelineProblem, Timeline, memory_unit, parts,
                                          simulate)
-from moegraph.schedules.pipeline_lns import WindowSearch, improve_by_windows
+from moegraph.schedules.pipeline_lns import WindowSearch, add_transfers, improve_by_windows
 from moegraph.schedules.problem import ScheduleError
 from moegraph.solver_limits import set_time_limit
 
@@ -258,17 +258,7 @@ class _Model:
         links: dict[tuple[int, int], list] = {}
         for s in range(S - 1):
             for j in range(M):
-                for direction, src, dst, ticks, made, needed in (
-                        ("fwd", s, s + 1, pr.send[s], ("F", s, j), ("F", s + 1, j)),
-                        ("bwd", s + 1, s, pr.send_back[s], ("I", s + 1, j), ("I", s, j))):
-                    if rank[src] == rank[dst]:
-                        m.Add(self.start[needed] >= self.end[made])
-                        continue
-                    x = self.xfer[(direction, src, j)] = m.NewIntVar(0, H, f"xfer[{direction}{src}.{j}]")
-                    m.Add(x >= self.end[made])
-                    m.Add(self.start[needed] >= x + ticks)
-                    links.setdefault((rank[src], rank[dst]), []).append(
-                        m.NewFixedSizeIntervalVar(x, ticks, f"link[{direction}{src}.{j}]"))
+                add_transfers(m, pr, s, j, self.start, self.end, self.xfer, links, H)
         for ivs in links.values():
             m.AddNoOverlap(ivs)
         for j in range(M):

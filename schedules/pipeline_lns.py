@@ -218,20 +218,8 @@ class _Window:
                                                                                f"rest_link[{tr}]"))
         for s in range(S - 1):
             for j in free_mbs:
-                if (s, j) not in self.free and (s + 1, j) not in self.free:
-                    continue
-                for direction, src, dst, ticks, made, needed in (
-                        ("fwd", s, s + 1, pr.send[s], ("F", s, j), ("F", s + 1, j)),
-                        ("bwd", s + 1, s, pr.send_back[s], ("I", s + 1, j), ("I", s, j))):
-                    if rank[src] == rank[dst]:
-                        m.Add(self.start[needed] >= self.end[made])
-                        continue
-                    x = self.xfer[(direction, src, j)] = m.NewIntVar(0, H, f"xfer[{direction}{src}.{j}]")
-                    m.Add(x >= self.end[made])
-                    m.Add(self.start[needed] >= x + ticks)
-                    if ticks:
-                        links.setdefault((rank[src], rank[dst]), []).append(
-                            m.NewFixedSizeIntervalVar(x, ticks, f"link[{direction}{src}.{j}]"))
+                if (s, j) in self.free or (s + 1, j) in self.free:
+                    add_transfers(m, pr, s, j, self.start, self.end, self.xfer, links, H)
         for ivs in links.values():
             m.AddNoOverlap(ivs)
         for r in range(P):
@@ -301,6 +289,26 @@ class _Window:
             if split:
                 rows[r].append((solver.Value(self.start[("W", s, j)]), 1, 2, Action("W", s, j)))
         return tuple(tuple(x[3] for x in sorted(row, key=lambda x: (x[0], x[1], x[2], str(x[3])))) for row in rows)
+
+
+def add_transfers(m: cp_model.CpModel, pr: PipelineProblem, s: int, j: int, start: dict, end: dict, xfer: dict,
+                  links: dict, horizon: int) -> None:
+    """Micro-batch j's data flow across the boundary of stages s and s+1 (its output forward,
+    its input gradient back): on one rank the consumer follows the producer; across ranks a
+    transfer ``xfer[...]`` of the boundary's ticks on the directed link's NoOverlap list."""
+    rank = pr.layout.rank_of
+    for direction, src, dst, ticks, made, needed in (
+            ("fwd", s, s + 1, pr.send[s], ("F", s, j), ("F", s + 1, j)),
+            ("bwd", s + 1, s, pr.send_back[s], ("I", s + 1, j), ("I", s, j))):
+        if rank(src) == rank(dst):
+            m.Add(start[needed] >= end[made])
+            continue
+        x = xfer[(direction, src, j)] = m.NewIntVar(0, horizon, f"xfer[{direction}{src}.{j}]")
+        m.Add(x >= end[made])
+        m.Add(start[needed] >= x + ticks)
+        if ticks:
+            links.setdefault((rank(src), rank(dst)), []).append(
+                m.NewFixedSizeIntervalVar(x, ticks, f"link[{direction}{src}.{j}]"))
 
 
 def _action_times(t: Timeline) -> dict[tuple[str, int, int], tuple[int, int]]:
