@@ -141,6 +141,7 @@ def eager_training() -> dict:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
 @pytest.mark.parametrize("n", [1, 2])
 def test_compiled_stages_train_hf_mixtral_as_eager(n, tmp_path):

@@ -176,6 +176,7 @@ def test_model_problem_prices_stages_and_reports_memory_by_component():
         assert row["activations"] == min(2 - r, 4) * built.stage_memory[r].activation_bytes_per_mb
 
 
+@pytest.mark.slow
 def test_parameter_gather_delays_each_stage_first_forward_only():
     """With the all-gather half overlapped with the next step (Megatron's --overlap-param-gather),
     each stage's gather opens the step on its rank's DP stream: stage 0's first forward waits for
@@ -201,6 +202,7 @@ def test_parameter_gather_delays_each_stage_first_forward_only():
     assert layered.start[Action("F", 0, 0)] == max(4, 8 + 5 - 10) and layered.gather_wait_ticks == (4, 0)
 
 
+@pytest.mark.slow
 def test_window_search_shortens_a_step_deterministically_under_the_cap():
     """Windows of micro-batches over a fixed rest find zero bubble's split from 1F1B (W heavy),
     the result re-simulates to itself, fits the cap, and is the same on a second run."""
@@ -217,6 +219,7 @@ def test_window_search_shortens_a_step_deterministically_under_the_cap():
     assert again.orders == best.orders
 
 
+@pytest.mark.slow
 def test_solve_pipeline_runs_windows_after_the_whole_step_search():
     pr = problem(4, 8, f=10, i=10, w=10, b=20, sync=5, send=3, opt=2)
     warm = {"1F1B": torch_orders("1F1B", pr.layout, 8)}
