@@ -47,13 +47,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moegraph.commands import DEFAULT_PASSES
+from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.ir import Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, rms_norm, shift_labels
 from moegraph.passes.stages import StageLayout, rank_coords
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
+from moegraph.runtime.options import RuntimeOptions
 
 __all__ = ["StageModule", "stage_modules", "CompiledStage", "compile_stages", "pipeline_group", "ShardLoss",
            "TorchPipeline", "run_torch_schedule"]
@@ -190,15 +191,22 @@ class ShardLoss:
 
 def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tensor, *, n: int = 1,
                    hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
-                   passes: str = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
+                   passes: str | Sequence[Any] = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
                    timeout_s: float = 300.0, emulate: frozenset[str] = frozenset()) -> dict[int, CompiledStage]:
     """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
-    rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). Collective: every one of
-    the P x n ranks calls it with the same arguments."""
+    rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). ``passes``: typed steps
+    (moegraph.pass_steps) or their text form. Collective: every one of the P x n ranks calls it
+    with the same arguments.
+
+    The driver lowers the model (``moegraph.schedules.driver.lower``: the model rule, every
+    parameter placed, the passes applied to its layer once); each stage's graph is that layer
+    stacked to the stage's layer count (``moegraph.passes.stack``), scheduled by ``schedule``."""
     import torch.distributed as dist
-    from moegraph.cost import CostModel
-    from moegraph.registry import Hardware, load_hardware
-    from moegraph.tracer import trace_causal_lm, trace_layers
+    from moegraph.config import CompileConfig, SolverEffort
+    from moegraph.layers import layer_graph
+    from moegraph.pass_steps import parse_passes
+    from moegraph.passes.stack import stack_layers
+    from moegraph.schedules.driver import lower
 
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world != layout.pp * n:
@@ -212,10 +220,12 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     dtype = next(model.parameters()).dtype
     if dtype not in DTYPES:
         raise ValueError(f"model parameters are {dtype}: pipeline stages compile {sorted(map(str, DTYPES))}")
-    hw = hardware if isinstance(hardware, Hardware) else load_hardware(hardware)
-    cost = CostModel(hw)
-    strategy = Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n, dtype=DTYPES[dtype], dp=1)
-    _, spec = trace_causal_lm(model, strategy, batch=b, seq=s)       # the model rule; every parameter placed
+    steps = parse_passes(passes) if isinstance(passes, str) else tuple(passes)
+    lowered = lower(CompileConfig(model=model, strategy=Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n,
+                                                                 dtype=DTYPES[dtype], dp=1),
+                                  passes=steps, batch=b, seq=s, edges="none", hardware=hardware,
+                                  solver=SolverEffort(time_limit_s=time_limit_s)))
+    spec, cost = lowered.spec, lowered.cost
     why = ("its LM head is tied to the embedding (the first and last stage would share one parameter)" if spec.tied
            else "it adds the router's auxiliary loss (every layer's statistics, across stages)" if spec.aux_loss
            else "it has no LM head" if spec.head is None else None)
@@ -224,13 +234,10 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     decoder = model.get_submodule(spec.layers)
     if layout.layers != len(decoder):
         raise ValueError(f"layout holds {layout.layers} layers; the model has {len(decoder)}")
+    one = layer_graph(lowered.graph)
     built = {}
     for k in layout.stages_of(p):
-        graph = trace_layers([decoder[j] for j in layout.stages[k]], strategy, batch=b, seq=s,
-                             name=f"{type(model).__name__}.stage{k}")
-        if passes:
-            from moegraph.passes import run_pipeline
-            graph, _ = run_pipeline(graph, passes, cost=cost)
+        graph = stack_layers(one, len(layout.stages[k]))
         built[k] = (graph, make_plan(graph, cost, schedule, time_limit_s=time_limit_s))
     # every block creates every group its peers need (new_group is collective): the union of plans'
     keys = {key for g, plan in built.values() for key in plan.comm_keys(g)}
@@ -247,7 +254,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         original = {q: _model_name(spec.layers, graph, q, layout.stages[k][0])
                     for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
         layer = build_layer(graph, plan, {q: full[o].detach() for q, o in original.items()}, rank=rank, n=n,
-                            timeout_s=timeout_s, emulate=emulate, record=False, pp=layout.pp,
+                            options=RuntimeOptions(timeout_s=timeout_s, record=False, emulate=emulate), pp=layout.pp,
                             comm=(tuple(sorted(keys)), tuple(sorted(axes))))
         first, last = k == 0, k == S - 1
         names = {"embed": spec.embed} if first else {}
