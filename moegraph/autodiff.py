@@ -259,14 +259,20 @@ def _swiglu(g, node, grads):
 
 
 def _router(g, node, grads):
-    # inputs: x, w, and DeepSeek-V3's score bias (a buffer: it picks experts, it gets no gradient)
+    # inputs: x, w, and DeepSeek-V3's score bias (a buffer: it picks experts, it gets no gradient),
+    # then (attr logit_bias) GPT-OSS's trained logit bias, whose gradient a second wgrad node gives
     (dweights, _), (x, w, *bias) = grads, node.inputs
     if dweights is None:
         return (None,) * len(node.inputs)
     dx, dw = _grad_value(g, x), _grad_value(g, w)
     _bwd(g, node, "dgrad", OpKind.ROUTER, (*node.inputs, dweights), (dx,), flops=node.flops)
     _bwd(g, node, "wgrad", OpKind.ROUTER, (*node.inputs, dweights), (dw,), role=Role.WGRAD, flops=node.flops)
-    return (dx, dw, *(None for _ in bias))
+    if not node.attr("logit_bias", False):
+        return (dx, dw, *(None for _ in bias))
+    db = _grad_value(g, bias[-1])
+    _bwd(g, node, "bias_wgrad", OpKind.ROUTER, (*node.inputs, dweights), (db,), role=Role.WGRAD,
+         flops=g.values[dweights].numel, attrs={"wrt": "logit_bias"})
+    return (dx, dw, *(None for _ in bias[:-1]), db)
 
 
 def _mla_heads(g, node, grads):
@@ -328,6 +334,39 @@ def _rmsnorm_sharded(g, node, grads):
     _bwd(g, node, "dgrad", OpKind.RMSNORM_SHARDED, (x, w, ss, dy), (dx, dss), flops=2 * node.flops)
     _bwd(g, node, "wgrad", OpKind.RMSNORM_SHARDED, (x, w, ss, dy), (dw,), role=Role.WGRAD, flops=node.flops)
     return dx, dw, dss
+
+
+def _norm(g, node, grads):
+    # NORM (structural lowering): LayerNorm / per-head RMSNorm with a weight, or a weightless L2 norm
+    (dy,), (x, *w) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "dgrad", OpKind.NORM, (*node.inputs, dy), (dx,), flops=2 * node.flops)
+    if not w:
+        return (dx,)
+    dw = _grad_value(g, w[0])
+    _bwd(g, node, "wgrad", OpKind.NORM, (*node.inputs, dy), (dw,), role=Role.WGRAD, flops=node.flops)
+    return dx, dw
+
+
+def _scale(g, node, grads):
+    (dy,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "dgrad", OpKind.SCALE, (dy,), (dx,), flops=node.flops)
+    return (dx,)
+
+
+def _grouped_bias(g, node, grads):
+    # rows + bias[e] (x row weight): the rows' gradient passes through; the bias's sums its rows;
+    # the row weights' (gate before fc2) is the row's dy . bias[e]
+    (dy,), (rows, bias, seg, *row_w) = grads, node.inputs
+    db = _grad_value(g, bias)
+    _bwd(g, node, "wgrad", OpKind.GROUPED_BIAS, (bias, seg, *row_w, dy), (db,), role=Role.WGRAD,
+         flops=g.values[dy].numel)
+    if not row_w:
+        return dy, db, None
+    dw = _grad_value(g, row_w[0])
+    _bwd(g, node, "dgrad", OpKind.GROUPED_BIAS, (bias, seg, row_w[0], dy), (dw,), flops=g.values[dy].numel)
+    return dy, db, None, dw
 
 
 def _all_reduce(g, node, grads):
@@ -412,6 +451,10 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.SQUARE_SUM: _square_sum,
     OpKind.RMSNORM_SHARDED: _rmsnorm_sharded,
     OpKind.MLA_HEADS: _mla_heads,
+    OpKind.NORM: _norm,
+    OpKind.GLU: _swiglu,
+    OpKind.SCALE: _scale,
+    OpKind.GROUPED_BIAS: _grouped_bias,
     OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,
     OpKind.REDUCE_SCATTER: _reduce_scatter,

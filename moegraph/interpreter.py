@@ -66,9 +66,7 @@ def _rank_views(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n:
     per source (narrowed, then this rank's shard): read for parameters, written for gradients."""
     views = []
     for src in spec.sources:
-        t = full[src.qualname]
-        if src.narrow is not None:
-            t = t.narrow(*src.narrow)
+        t = src.view(full[src.qualname])
         if spec.shard_dim is not None:
             t = t.chunk(n, spec.shard_dim)[rank]
         views.append(t)

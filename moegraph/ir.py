@@ -177,10 +177,30 @@ class Node:
 
 @dataclass(frozen=True)
 class ParamSource:
-    """One module parameter, optionally narrowed (e.g. the gate half of a fused gate_up)."""
+    """One module parameter, optionally narrowed (e.g. the gate half of a fused gate_up).
+
+    The view is taken in this order: ``transpose`` swaps the last two dims (weights stored
+    [..., in, out], as GPT-OSS's and Llama 4's experts), then ``narrow`` keeps ``length`` entries
+    of ``dim`` from ``start`` every ``step`` (step 2: the interleaved gate/up halves of GPT-OSS)."""
 
     qualname: str
     narrow: tuple[int, int, int] | None = None  # (dim, start, length)
+    step: int = 1
+    transpose: bool = False
+
+    def view(self, t):
+        """This source's view of the module tensor ``t`` (no copy; writable, for gradients)."""
+        if self.transpose:
+            t = t.transpose(-2, -1)
+        if self.narrow is not None:
+            dim, start, length = self.narrow
+            if self.step == 1:
+                t = t.narrow(dim, start, length)
+            else:
+                index = [slice(None)] * t.dim()
+                index[dim] = slice(start, start + self.step * (length - 1) + 1, self.step)
+                t = t[tuple(index)]
+        return t
 
 
 @dataclass(frozen=True)

@@ -106,9 +106,16 @@ def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.
     device: the same for the node's forward, its backward and every step (``RankContext.tables``)."""
     layout, theta = node.typed.positions, node.typed.theta
     chunk, chunks = (node.typed.chunk or 0), node.typed.chunks
-    return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, like.dtype, like.device),
-                   lambda: rope_cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
-                                                        device=like.device), dim, theta, like.dtype))
+    inv, scaling = node.typed.inv_freq, node.typed.scaling          # the rotary module's (structural lowering)
+    return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, inv, scaling, like.dtype, like.device),
+                   lambda: family_kernels.cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
+                                                                  device=like.device), dim, theta, like.dtype, inv,
+                                                  scaling))
+
+
+def _positions(ctx: RankContext, node: Node, rows: int, device) -> torch.Tensor:
+    return chunk_positions(node.typed.positions, ctx.rank, ctx.n, ctx.seq, rows, node.typed.chunk or 0,
+                           node.typed.chunks, device=device)
 
 
 def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,8 +126,12 @@ def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torc
 
 def _rope_fwd(ctx: RankContext, node: Node, q, k):
     d, S = node.typed.head_dim, q.shape[1]
-    cos, sin = _rope_tables(ctx, node, S, d, q)
     b = q.shape[0]
+    if node.typed.rotary_dim is not None or node.typed.interleave:   # partial or pair-interleaved rotation
+        pos = _positions(ctx, node, S, q.device)
+        rot = lambda x: family_kernels.rotate(node, x.view(b, S, -1, d), pos, d).reshape(b, S, -1)  # noqa: E731
+        return rot(q), rot(k)
+    cos, sin = _rope_tables(ctx, node, S, d, q)
     rot = lambda x: apply_rope(x.view(b, S, -1, d), cos, sin).reshape(b, S, -1)  # noqa: E731
     return rot(q), rot(k)
 
@@ -139,7 +150,8 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
         pos, order = _cached(ctx, ("chunk_major", S, N, q.device), lambda: _chunk_order(ctx, S, N, q.device))
         q, k, v = q[:, order], k[:, order], v[:, order]
     dv = node.typed.v_head_dim or d                                    # MLA: values narrower than q/k heads
-    out = causal_gqa_attention(q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv))
+    sinks = qkv[3 * N] if node.typed.sinks else None                   # GPT-OSS: one input after q, k, v
+    out = family_kernels.attend(node, q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv), sinks)
     if N > 1:
         out = out[:, pos]
     return tuple(out.chunk(N, dim=1)) if N > 1 else (out,)
@@ -395,6 +407,11 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
     # RoPE with -sin (sin is the same in both halves, so the rotate-half sign flip commutes).
     dq, dk = ins
     d, S, b = node.typed.head_dim, dq.shape[1], dq.shape[0]
+    if node.typed.rotary_dim is not None or node.typed.interleave:
+        pos = _positions(ctx, node, S, dq.device)
+        back = lambda x: family_kernels.rotate(node, x.view(b, S, -1, d), pos, d,  # noqa: E731
+                                               inverse=True).reshape(b, S, -1)
+        return [back(dq), back(dk)]
     cos, sin = _rope_tables(ctx, node, S, d, dq)
     back = lambda x: apply_rope(x.view(b, S, -1, d), cos, -sin).reshape(b, S, -1)  # noqa: E731
     return [back(dq), back(dk)]
@@ -402,7 +419,8 @@ def _k_rope_dgrad(ctx, node, ins, shapes):
 
 def _k_attention_dgrad(ctx, node, ins, shapes):
     N = node.typed.chunks                                               # ins: q, k, v, o, do; N chunks each
-    qkv, do = ins[:3 * N], tuple(ins[4 * N:5 * N])
+    m = 3 * N + (1 if node.typed.sinks else 0)                          # + the sinks [H/n] after q, k, v
+    qkv, do = ins[:m], tuple(ins[m + N:m + 2 * N])
     return pullback(lambda *t: _attention_fwd(ctx, node, *t), qkv, do)
 
 
@@ -417,6 +435,8 @@ def _k_router_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
+    if node.typed.wrt == "logit_bias":                                 # GPT-OSS's trained router bias
+        return family_kernels.router_logit_bias_wgrad(node, ins)
     return router_pullback(node, 1, ins)
 
 
@@ -526,3 +546,7 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.MLA_HEADS, Role.FORWARD): _k_mla_heads,
     (OpKind.MLA_HEADS, Role.DGRAD): _k_mla_heads_dgrad,
 }
+
+# the structural lowering's ops (NORM, GLU, SCALE, GROUPED_BIAS): registered from their own module
+from moegraph import family_kernels  # noqa: E402
+KERNELS.update(family_kernels.KERNELS)

@@ -31,6 +31,11 @@ class OpKind(enum.Enum):
     RMSNORM_SHARDED = "rmsnorm_sharded"  # (x, w, ss) -> x rsqrt(ss/width + eps) w, ss all-reduced (OLMoE q/k norm)
     MLA_HEADS = "mla_heads"      # (q, kv, k_pe) -> per-head query, key, value of latent attention (DeepSeek-V3)
     CAST = "cast"                # precision change for compressed communication
+    # structural lowering's ops (moegraph.lowering.structural; kernels in moegraph.family_kernels)
+    NORM = "norm"                # LayerNorm, per-head RMSNorm (Qwen3 q/k) or weightless L2 norm (Llama 4 q/k)
+    GLU = "glu"                  # act(a) * b for GeGLU, or GPT-OSS's clamped SwiGLU (SwiGLU itself: SWIGLU)
+    SCALE = "scale"              # x * factor, a constant (Granite's residual multiplier)
+    GROUPED_BIAS = "grouped_bias"  # expert rows + their expert's bias (GPT-OSS expert biases)
     # communication
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"

@@ -41,6 +41,10 @@ Positions = Literal["shard", "full", "chunk_major"]
 IndexLayout = Literal["local", "all", "by_dest"]
 """INDEX_MAP's rows: this rank's experts, every expert, or every row by destination rank."""
 Reduce = Literal["sum", "mean"]
+NormKind = Literal["layer", "head_rms", "l2"]
+"""NORM's attr ``kind``: LayerNorm, RMSNorm of each head's ``group`` features, weightless L2 norm of each head."""
+GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu"]
+"""GLU's attr ``act``: act(a) * b for exact or tanh GELU, or GPT-OSS's clamped SwiGLU."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
@@ -51,6 +55,11 @@ CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
     (OpKind.ROUTER, Role.FORWARD): ("scoring", typing.get_args(Scoring)),
     (OpKind.ROUTER, Role.DGRAD): ("scoring", typing.get_args(Scoring)),
     (OpKind.ROUTER, Role.WGRAD): ("scoring", typing.get_args(Scoring)),
+    (OpKind.NORM, Role.FORWARD): ("kind", typing.get_args(NormKind)),
+    (OpKind.NORM, Role.DGRAD): ("kind", typing.get_args(NormKind)),
+    (OpKind.NORM, Role.WGRAD): ("kind", typing.get_args(NormKind)),
+    (OpKind.GLU, Role.FORWARD): ("act", typing.get_args(GluAct)),
+    (OpKind.GLU, Role.DGRAD): ("act", typing.get_args(GluAct)),
 }
 """(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
 op's VJP rule) computes; a switch over one ends in ``bad_choice``. (PERMUTE's weight-gradient role
@@ -108,6 +117,12 @@ class AttentionAttrs(NodeAttrs):
     causal: bool = True
     chunks: int = 1                      # token chunks given, each of q, k, v
     v_head_dim: int | None = None        # MLA: values narrower than q/k heads
+    # structural lowering (moegraph.family_kernels.attend): a mask narrower than causal, a softmax
+    # scale other than d^-0.5, per-head sink logits (an input after q, k, v)
+    window: int | None = None
+    chunk_size: int | None = None
+    scale: float | None = None
+    sinks: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,6 +136,12 @@ class RopeAttrs(NodeAttrs):
     theta: float
     positions: Positions
     chunks: int = 1
+    # structural lowering (moegraph.family_kernels.rotate): the rotary module's frequencies and
+    # cos/sin scale, partial rotation, interleaved pairs
+    inv_freq: tuple[float, ...] | None = None
+    scaling: float | None = None
+    rotary_dim: int | None = None
+    interleave: bool = False
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +157,12 @@ class RouterAttrs(NodeAttrs):
     aux: bool = False                    # emits the aux loss's stats (moegraph.edges)
     aux_rows: int | None = None
     aux_share: float | None = None
+    # structural lowering (moegraph.family_kernels.route_general): every field explicit, a group
+    # ranked by its best score, a trained logit bias input (and its weight-gradient node: wrt)
+    general: bool = False
+    group_score: Literal["top2-sum", "max"] | None = None
+    logit_bias: bool = False
+    wrt: Literal["weight", "logit_bias"] | None = None
 
     def problem(self, role: Role) -> str | None:
         if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
@@ -192,6 +219,32 @@ class MlaHeadsAttrs(NodeAttrs):
     positions: Positions
     interleave: bool = False
     chunks: int = 1
+    inv_freq: tuple[float, ...] | None = None   # the rotary module's frequencies (YaRN) and cos/sin scale
+    scaling: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class NormAttrs(NodeAttrs):
+    kind: NormKind
+    eps: float
+    group: int | None = None             # head_rms, l2: the head width each norm covers
+
+
+@dataclass(frozen=True, kw_only=True)
+class GluAttrs(NodeAttrs):
+    act: GluAct
+    limit: float | None = None           # clamped_swiglu: the clamp and the sigmoid's alpha
+    alpha: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScaleAttrs(NodeAttrs):
+    factor: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedBiasAttrs(NodeAttrs):
+    share: int = 1                       # tp experts: each rank adds bias/share to its partial sums
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -233,7 +286,8 @@ RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
     OpKind.SIGMOID_GATE: NodeAttrs, OpKind.SQUARE_SUM: NodeAttrs, OpKind.RMSNORM_SHARDED: RmsNormShardedAttrs,
     OpKind.MLA_HEADS: MlaHeadsAttrs, OpKind.CAST: CastAttrs, OpKind.ALL_GATHER: GatherScatterAttrs,
     OpKind.REDUCE_SCATTER: GatherScatterAttrs, OpKind.ALL_REDUCE: AllReduceAttrs, OpKind.ALL_TO_ALL: AllToAllAttrs,
-    OpKind.P2P: P2PAttrs,
+    OpKind.P2P: P2PAttrs, OpKind.NORM: NormAttrs, OpKind.GLU: GluAttrs, OpKind.SCALE: ScaleAttrs,
+    OpKind.GROUPED_BIAS: GroupedBiasAttrs,
 }
 """Op kind -> its attribute record (every OpKind has one: ``attrs_of`` raises for a kind without)."""
 

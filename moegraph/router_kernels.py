@@ -33,6 +33,9 @@ def pullback(fn: Callable, primals, cotangents) -> list:
 def route_tokens(node: Node, x, w, *bias):
     """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
     scoring = node.typed.scoring
+    if node.typed.general:            # group max, softmax choice bias, logit bias (structural lowering)
+        from moegraph.family_kernels import route_general
+        return route_general(node, x, w, *bias)
     if scoring == "softmax":
         return route(tokens(x), w, node.typed.top_k, node.typed.normalize)
     if scoring == "sigmoid":

@@ -32,6 +32,9 @@ from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
+from moegraph.lowering.blocks_ext import emit_scale
+from moegraph.lowering.check import check_layer, eager_call
+from moegraph.lowering.structural import guard_on, layer_context
 
 
 # Fig 9 names, by order of appearance in a pre-norm layer; later ones get numbered.
@@ -135,10 +138,11 @@ class Step:
     args index earlier steps' outputs; -1 is the layer input.
     """
 
-    kind: str                     # "norm" | "attention" | "moe" | "mlp" | "add"
+    kind: str                     # "norm" | "attention" | "moe" | "mlp" | "add" | "scale"
     args: tuple[int, ...]
     spec: NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec | None = None
     module: str = ""
+    factor: float = 1.0           # "scale": the constant multiplier (Granite's residual_multiplier)
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,11 @@ class LayerProgram:
 
 def extract_program(module: nn.Module) -> LayerProgram:
     """Trace ``module`` with torch.fx, rule-backed modules as leaves, into a LayerProgram."""
+    with layer_context(module):
+        return _extract_program(module)
+
+
+def _extract_program(module: nn.Module) -> LayerProgram:
     check_patches_and_hooks(module)
     if find_rule(module) is not None:     # a rule describes one block inside a layer, never a layer
         cls = type(module)
@@ -193,6 +202,10 @@ def extract_program(module: nn.Module) -> LayerProgram:
         elif node.op == "call_function" and node.target in (operator.add, torch.add):
             steps.append(Step("add", tuple(_index(index, a, node) for a in node.args[:2])))
             index[node] = len(steps) - 1
+        elif node.op == "call_function" and node.target in (operator.mul, torch.mul) and _scalar_mul(node):
+            tensor, factor = _scalar_mul(node)
+            steps.append(Step("scale", (_index(index, tensor, node),), factor=factor))
+            index[node] = len(steps) - 1
         elif node.op == "call_function" and node.target is operator.getitem:
             index[node] = _getitem(index[node.args[0]], node.args[1], node)
         elif node.op == "output":
@@ -216,7 +229,7 @@ def check_coverage(graph: Graph, program: LayerProgram) -> None:
     narrows: dict[str, list] = {}
     for _, spec in graph.params:
         for src in spec.sources:
-            narrows.setdefault(src.qualname, []).append(src.narrow)
+            narrows.setdefault(src.qualname, []).append(src)
     missing = [name if name not in narrows else f"{name} (only partly)"
                for name, shape in program.reads if not _covered(narrows.get(name), shape)]
     if missing:
@@ -225,20 +238,40 @@ def check_coverage(graph: Graph, program: LayerProgram) -> None:
                             "unused, with a reason)")
 
 
-def _covered(narrows: list | None, shape: tuple[int, ...]) -> bool:
-    if not narrows:
+def _covered(sources: list | None, shape: tuple[int, ...]) -> bool:
+    """Whether the sources' views (ParamSource.view) read every element of a tensor of ``shape``:
+    one whole view, or narrowed views of one dim whose (strided) ranges cover it."""
+    if not sources:
         return False
-    if None in narrows:
+    if any(src.narrow is None for src in sources):
         return True
-    dims = {d for d, _, _ in narrows}
+    dims = {_source_dim(src, len(shape)) for src in sources}
     if len(dims) != 1:
         return False
-    end = 0
-    for _, start, length in sorted(narrows, key=lambda t: t[1]):
-        if start > end:
-            return False
-        end = max(end, start + length)
-    return end >= shape[dims.pop()]
+    seen = bytearray(shape[dims.pop()])
+    for src in sources:
+        _, start, length = src.narrow
+        rows = range(start, min(len(seen), start + src.step * length), src.step)
+        seen[rows.start:rows.stop:rows.step] = b"\x01" * len(rows)
+    return all(seen)
+
+
+def _source_dim(src, ndim: int) -> int:
+    """The dim of the module tensor that ``src``'s narrow cuts (its transpose swaps the last two)."""
+    dim = src.narrow[0] % ndim
+    if src.transpose and dim >= ndim - 2:
+        dim = 2 * ndim - 3 - dim
+    return dim
+
+
+def _scalar_mul(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """(tensor, factor) of ``tensor * factor`` with a Python number (a residual multiplier), else None."""
+    a, b = (node.args + (None, None))[:2]
+    if isinstance(a, fx.Node) and isinstance(b, (int, float)) and not isinstance(b, bool):
+        return a, float(b)
+    if isinstance(b, fx.Node) and isinstance(a, (int, float)) and not isinstance(a, bool):
+        return b, float(a)
+    return None
 
 
 def _index(index, a, node) -> int:
@@ -267,8 +300,11 @@ def dims_of(program: LayerProgram, batch: int, seq: int, n: int) -> Dims:
                 ffn=mlp[0].ffn_hidden, experts=0)
 
 
-def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> Graph:
-    """Emit forward nodes for ``strategy``, append the backward, verify."""
+def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
+          step_values: dict[int, str] | None = None, coverage: bool = True) -> Graph:
+    """Emit forward nodes for ``strategy``, append the backward, verify; ``step_values`` (when given)
+    receives each step's output value name (the numerical check compares them); ``coverage``: run
+    the structural guard's check that every parameter is read (skipped when the guard is off)."""
     check_strategy(dims, strategy)
     g = GraphBuilder(name, dims, strategy)
     outs: dict[int, str] = {-1: g.input("hidden", (dims.b, dims.s // strategy.n, dims.h))}
@@ -286,18 +322,23 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str) -> G
             outs[i] = emit_moe(g, st.spec, x, module=st.module)
         elif st.kind == "mlp":
             outs[i] = emit_mlp(g, st.spec, x, module=st.module)
+        elif st.kind == "scale":
+            outs[i] = emit_scale(g, x, st.factor, name=f"scale{i}", out=f"scale{i}_out", module="", block="")
         elif st.kind == "add":
             nname, out = ADD_NAMES[adds] if adds < len(ADD_NAMES) else (f"add{adds + 1}", f"add{adds + 1}_out")
             adds += 1
             outs[i] = emit_add(g, x, outs[st.args[1]], name=nname, out=out, module="", block="")
         else:
-            raise LoweringError(f"unknown step kind {st.kind!r}; valid: norm, attention, moe, mlp, add")
+            raise LoweringError(f"unknown step kind {st.kind!r}; valid: norm, attention, moe, mlp, add, scale")
     g.outputs.append(outs[program.output])
+    if step_values is not None:
+        step_values.update(outs)
     _assign_block_of_unassigned(g)
     g.saved = {v for node in g.nodes for v in node.outputs} | {"hidden"}
     add_backward(g, g.outputs[0])
     graph = verify(g.build(program=program))
-    check_coverage(graph, program)
+    if coverage and guard_on():
+        check_coverage(graph, program)
     return graph
 
 
@@ -318,13 +359,16 @@ def relower(graph: Graph, **strategy_changes) -> Graph:
 
 
 def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int, name: str | None = None) -> Graph:
-    """Lower ``module`` (one MoE decoder layer) for ``strategy``; forward and backward, verified."""
+    """Lower ``module`` (one MoE decoder layer) for ``strategy``; forward and backward, verified, and
+    checked against the eager module (``moegraph.lowering.check``; cached)."""
     program = extract_program(module)
-    return lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(module).__name__)
+    graph = lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(module).__name__)
+    check_layer(module, program, strategy, name=_module_name("", type(module)))
+    return graph
 
 
 def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int, seq: int,
-                 name: str | None = None) -> Graph:
+                 name: str | None = None, call=None) -> Graph:
     """Lower a stack of decoder layers (an ``nn.ModuleList``, applied in order, each reading the
     previous one's output) once: every layer must lower to the same program (same blocks, sizes
     and parameter names), and the one-layer graph of the first is returned, its parameters named
@@ -333,13 +377,33 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
     layers = list(layers)
     if not layers:
         raise LoweringError("trace_layers needs at least one layer")
-    programs = [extract_program(m) for m in layers]
+    programs = []
+    for i, m in enumerate(layers):
+        try:
+            programs.append(extract_program(m))
+        except LoweringError as err:
+            raise LoweringError(f"layer {i}: {err}") from None
     for i, p in enumerate(programs[1:], start=1):
         if p != programs[0]:
             raise LoweringError(f"layer {i} ({type(layers[i]).__name__}) does not lower to the same program as "
-                                f"layer 0 ({type(layers[0]).__name__}): only identical layers can share one graph")
+                                f"layer 0 ({type(layers[0]).__name__}) ({_first_difference(programs[0], p)}): only "
+                                "identical layers can share one graph")
     program = programs[0]
-    return lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
+    graph = lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
+    check_layer(layers[0], program, strategy, name=f"layer 0 ({type(layers[0]).__name__})", call=call)
+    return graph
+
+
+def _first_difference(a: LayerProgram, b: LayerProgram) -> str:
+    """Which block of two layer programs differs first, and in which field, for the error line."""
+    for sa, sb in zip(a.steps, b.steps):
+        if sa != sb:
+            if type(sa.spec) is type(sb.spec) and dataclasses.is_dataclass(sa.spec):
+                field = next((f.name for f in dataclasses.fields(sa.spec)
+                              if getattr(sa.spec, f.name) != getattr(sb.spec, f.name)), "?")
+                return f"{sb.module or sb.kind}: {field} {getattr(sa.spec, field)!r} vs {getattr(sb.spec, field)!r}"
+            return f"{sb.module or sb.kind}"
+    return f"{len(a.steps)} vs {len(b.steps)} steps"
 
 
 def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: int,
@@ -353,7 +417,9 @@ def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: in
     check_patches_and_hooks(model)
     spec = find_model_rule(model).spec(model)
     layers = model.get_submodule(spec.layers)
-    graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__)
+    rotary = next((m for qn, m in model.named_modules() if qn.split(".")[-1] == "rotary_emb"), None)
+    call = eager_call(layers[0], rotary=rotary) if len(layers) else None
+    graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__, call=call)
     around = {spec.embed, spec.norm.weight.qualname, *([spec.head] if spec.head else []), *spec.unused}
     stray = [k for k, _ in [*model.named_parameters(), *model.named_buffers()]
              if k not in around and not k.startswith(f"{spec.layers}.")]

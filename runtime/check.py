@@ -20,9 +20,7 @@ from torch import nn
 NOISE_FLOOR = 1e-6
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """||actual - expected|| / ||expected||."""
-    return ((actual.double() - expected.double()).norm() / expected.double().norm().clamp_min(1e-30)).item()
+from moegraph.lowering.check import rel_err  # noqa: E402,F401 - the one copy (the compile's check uses it too)
 
 
 def grad_report(pairs: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> dict[str, Any]:

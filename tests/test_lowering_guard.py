@@ -16,7 +16,7 @@ from torch import nn
 from helpers import small_layer
 from moegraph.ir import ParamSource, Strategy
 from moegraph.lowering import LoweringError, check_patches_and_hooks, register
-from moegraph.lowering.blocks import MoESpec, NormSpec
+from moegraph.lowering.blocks import MoESpec, NormSpec, RopeSpec
 from moegraph.models import MoE, RMSNorm
 from moegraph.tracer import extract_program, trace_module
 
@@ -111,15 +111,18 @@ def test_attention_dropout_in_training_mode_is_named():
     trace_module(layer.eval(), STRATEGY, batch=1, seq=16)     # no dropout in eval mode: lowers
 
 
-def test_sliding_window_is_named():
-    assert lowering_error(mixtral(sliding_window=8)).startswith("self_attn (MixtralAttention): sliding_window=8 ")
+def test_a_sliding_window_lowers_to_a_windowed_attention():
+    """Mixtral with config.sliding_window: its model builds a sliding-window mask for every layer,
+    so the attention keeps keys in (q - 8, q]; the numerical check ran the layer with that mask."""
+    g = trace_module(mixtral(sliding_window=8), STRATEGY, batch=1, seq=16)
+    assert g.node["attention"].attr("window") == 8
 
 
 def test_a_replaced_router_inside_a_rule_backed_block_is_named():
     layer = mixtral()
     layer.mlp.gate = NoisyRouter(layer.self_attn.config)
-    assert lowering_error(layer).startswith("'mlp.gate' (NoisyRouter): the rule for MixtralSparseMoeBlock assumes a "
-                                            "MixtralTopKRouter here")
+    assert lowering_error(layer).startswith("'mlp.gate' (test_lowering_guard.NoisyRouter) subclasses MixtralTopKRouter "
+                                            "but overrides forward")
 
 
 def test_a_subclass_that_changes_nothing_keeps_its_parents_rule():
@@ -312,12 +315,22 @@ def test_deepseek_v3_attention_overriding_expand_kv_names_it():
     assert "OtherExpansion) subclasses DeepseekV3Attention but overrides expand_kv" in lowering_error(layer)
 
 
-def test_deepseek_v3_yarn_rope_is_named():
+def test_deepseek_v3_yarn_rope_lowers_with_its_frequencies_and_scale():
+    """YaRN (DeepSeek-V3's published rope_scaling): the rotary module's frequencies and attention
+    factor reach the MLA_HEADS node, and the attention's mscale^2 softmax scale the ATTENTION node."""
     import runtime_workers as workers
     yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "original_max_position_embeddings": 4096,
             "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
     layer, _ = workers.deepseek_v3_layer(0, rope_parameters=yarn)
-    assert lowering_error(layer) == "self_attn (DeepseekV3Attention): rope_type 'yarn' is not supported (only 'default')"
+    g = trace_module(layer, STRATEGY, batch=1, seq=16)
+    heads = g.node["mla_heads"]
+    assert len(heads.attr("inv_freq")) == 4 and heads.attr("inv_freq") != RopeSpec.default_inv_freq(10000.0, 8)
+    assert g.node["attention"].attr("scale") == layer.self_attn.scaling != 20 ** -0.5
+
+
+def test_rope_scaling_that_depends_on_the_sequence_is_named():
+    layer = mixtral(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e6, "factor": 2.0})
+    assert "rope_type 'dynamic' recomputes its frequencies from the sequence length" in lowering_error(layer)
 
 
 def test_an_attention_kernel_registered_in_the_attention_interface_is_named():

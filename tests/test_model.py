@@ -201,7 +201,6 @@ def test_unknown_parts_raise_naming_them():
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")
 @pytest.mark.parametrize("overrides, message", [
-    (dict(sliding_window=8), "sliding_window=8"),
     (dict(attention_dropout=0.1), "attention_dropout=0.1 in training mode"),
     (dict(router_jitter_noise=0.1), "router_jitter_noise=0.1"),
 ])

@@ -7,7 +7,7 @@ from torch import nn
 import moegraph
 from helpers import small_layer
 
-from moegraph.ir import Strategy
+from moegraph.ir import OpKind, Phase, Strategy
 from moegraph.models import Attention, MoE, RMSNorm
 from moegraph.tracer import LoweringError, trace_module
 
@@ -32,7 +32,13 @@ class WithScale(nn.Module):
         self.norm2, self.moe = RMSNorm(64), MoE(64, 96, 8, 2)
 
     def forward(self, x):
-        h = x + self.attn(self.norm(x)) * 0.5
+        h = x + self.attn(self.norm(x)) * x          # an elementwise product of two activations
+        return h + self.moe(self.norm2(h))
+
+
+class WithConstantScale(WithScale):
+    def forward(self, x):
+        h = x + self.attn(self.norm(x)) * 0.5        # a residual multiplier (Granite's)
         return h + self.moe(self.norm2(h))
 
 
@@ -44,6 +50,13 @@ def test_unknown_module_names_qualname_and_type():
 def test_unsupported_operation_between_blocks_is_named():
     with pytest.raises(LoweringError, match=r"cannot lower call_function .*mul.* in WithScale"):
         trace_module(WithScale(), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=16)
+
+
+def test_a_constant_residual_multiplier_lowers_to_a_scale_node():
+    """x * 0.5 between blocks is a SCALE node; the compile's numerical check ran it against eager."""
+    g = trace_module(WithConstantScale(), Strategy("sp", "ep", "ag-rs", 2, dtype="fp32"), batch=1, seq=16)
+    (scale,) = [nd for nd in g.nodes if nd.op is OpKind.SCALE and nd.phase is Phase.FORWARD]
+    assert scale.attr("factor") == 0.5
 
 
 def test_meta_device_tracing_allocates_nothing(monkeypatch):

@@ -1,7 +1,9 @@
 """Lowering rules: nn.Module types -> block specs the emitters in ``blocks`` understand.
 
-A model family plugs in with one rule file that calls ``register`` for each of its module
-types (see ``reference.py`` and ``hf_mixtral.py``). A rule reads the module's sizes and the
+transformers' families need no rule file: their decoder layers' parts are recognised by
+structure (``structural.py``, with the small per-family tables of ``families.py``) and whole
+causal LMs by their children (``hf_common.py``). A module class of another library plugs in with
+a rule file that calls ``register`` for each of its module types (see ``reference.py``). A rule reads the module's sizes and the
 qualified names of its parameters; it never builds nodes itself, so every family shares the
 same, tested, strategy-dependent lowering. What one rule file can describe is therefore
 bounded by the block specs: a module computing anything the specs cannot say (another norm,
@@ -94,6 +96,11 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
     cls = type(module)
     if cls in _RULES:
         return _RULES[cls]
+    if "transformers" in sys.modules or not _guard_on():
+        from moegraph.lowering.structural import structural_rule
+        rule = structural_rule(module, qualname)
+        if rule is not None:
+            return rule
     for base in cls.__mro__[1:]:
         rule = _RULES.get(base)
         if rule is None:
@@ -285,22 +292,37 @@ def register_model(model_type: type, *, children: Mapping[str, type]) -> Callabl
 
 
 def has_model_rule(model: object) -> bool:
-    """Whether ``model`` is a causal LM a model rule recognises (its exact class)."""
+    """Whether ``model`` is a causal LM a model rule recognises (its exact class, or a transformers
+    causal LM or base model by its children)."""
     _load_families()
-    return type(model) in _MODEL_RULES
+    return type(model) in _MODEL_RULES or _structural_model_rule(model) is not None
 
 
 def find_model_rule(model: nn.Module) -> ModelRule:
-    """The rule for exactly ``type(model)`` (a subclass may compute anything: no inheritance)."""
+    """The rule for exactly ``type(model)`` (a subclass may compute anything: no inheritance), or a
+    transformers causal LM recognised by its children."""
     _load_families()
-    rule = _MODEL_RULES.get(type(model))
+    rule = _MODEL_RULES.get(type(model)) or _structural_model_rule(model)
     if rule is None:
-        _load_families(every=True)
         cls = type(model)
         known = ", ".join(sorted(t.__name__ for t in _MODEL_RULES))
-        raise LoweringError(f"the model ({cls.__module__}.{cls.__name__}) has no model rule: only these causal LMs "
-                            f"are recognised: {known} (compile one decoder layer with its [b, s, h] input instead)")
+        raise LoweringError(f"the model ({cls.__module__}.{cls.__name__}) has no model rule: recognised are "
+                            f"transformers' causal LMs (children model and lm_head; the model's embed_tokens, layers, "
+                            f"norm, rotary_emb) and {known} (compile one decoder layer with its [b, s, h] input "
+                            "instead)")
     return rule
+
+
+def _structural_model_rule(model: object) -> ModelRule | None:
+    if "transformers" not in sys.modules or not isinstance(model, nn.Module):
+        return None
+    from moegraph.lowering.hf_common import structural_model_rule
+    return structural_model_rule(model)
+
+
+def _guard_on() -> bool:
+    from moegraph.lowering.structural import guard_on
+    return guard_on()
 
 
 def check_embedding(module: nn.Embedding, qualname: str) -> None:
@@ -334,16 +356,6 @@ def _type_name(obj: object) -> str:
 
 
 def _load_families(*, every: bool = False) -> None:
-    """Import the built-in rule files: the reference family's always, transformers' families once
-    transformers is imported (before that no module can be one of its classes, so compiling a
-    native model does not pay their 2-3 s import) or when ``every`` rule must be listed. Families
-    whose library is missing are skipped."""
-    global _FAMILIES_LOADED
+    """Import the built-in rule file of the project's own layer (transformers' families need none:
+    ``structural.py`` recognises them)."""
     from moegraph.lowering import reference  # noqa: F401
-    if _FAMILIES_LOADED or not (every or "transformers" in sys.modules):
-        return
-    _FAMILIES_LOADED = True
-    try:
-        from moegraph.lowering import hf_deepseek_v3, hf_mixtral, hf_olmoe, hf_qwen2_moe  # noqa: F401
-    except ImportError:          # transformers not installed: its modules simply have no rule
-        pass

@@ -31,7 +31,8 @@ Strategy fields read here besides attn/ffn/dispatch/n:
           small all-to-all (R fp32 values).
 
 Block specs name the module parameters a block reads; a model family's rule file only has to
-fill these specs from its module (see lowering/reference.py, lowering/hf_mixtral.py).
+fill these specs (``moegraph.lowering.specs``) from its module (see lowering/reference.py,
+lowering/structural.py).
 """
 
 from __future__ import annotations
@@ -39,104 +40,15 @@ from __future__ import annotations
 import math
 
 import contextlib
-from dataclasses import dataclass
-
 from moegraph.builder import ConfigError, GraphBuilder
-from moegraph.ir import OpKind, ParamSource, ParamSpec, Scoring, ValueKind
+from moegraph.family_kernels import attention_pairs
+from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
+from moegraph.lowering.blocks_ext import (emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_layernorm,
+                                          expert_bias_params)
+from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
 INDEX_DTYPE, WEIGHT_DTYPE = "int64", "fp32"
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    weight: ParamSource
-    eps: float
-
-
-@dataclass(frozen=True)
-class AttentionSpec:
-    q: ParamSource            # [H*d, h]
-    k: ParamSource            # [G*d, h]
-    v: ParamSource            # [G*d, h]
-    o: ParamSource            # [h, H*d]
-    heads: int
-    kv_heads: int
-    head_dim: int
-    rope_theta: float
-    tuple_output: bool = False   # the module returns (output, attention weights), as transformers' do
-    qkv_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [H*d], [G*d], [G*d] (Qwen2)
-    # RMSNorm of q over its full width H*d and of k over G*d, before RoPE (OLMoE)
-    q_norm: NormSpec | None = None
-    k_norm: NormSpec | None = None
-
-
-@dataclass(frozen=True)
-class MLPSpec:
-    """A dense SwiGLU MLP: a dense layer's FFN (DeepSeek-V3's first_k_dense_replace layers), or
-    the shared expert every token goes through beside the routed ones (Qwen2-MoE, DeepSeekMoE),
-    then optionally scaled by sigmoid(x @ gate.T) per token (Qwen2-MoE)."""
-
-    w1: ParamSource           # [f_s, h] gate projection
-    w3: ParamSource           # [f_s, h] up projection
-    w2: ParamSource           # [h, f_s] down projection
-    ffn_hidden: int           # f_s
-    hidden: int               # h
-    gate: ParamSource | None = None   # [1, h]
-
-
-@dataclass(frozen=True)
-class MLASpec:
-    """Multi-head latent attention (DeepSeek-V2/V3). Per token x [h]:
-        q  = q_b(norm_q(q_a(x)))  (or q(x) without a q rank)     [H*(dn+dr)], per head (q_nope, q_rot)
-        kv_a(x) = (c [r_kv], k_pe [dr]);  kv = kv_b(norm_kv(c))  [H*(dn+dv)], per head (k_nope, v)
-        query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) (k_pe shared by every head)
-        out = o(causal attention(query, key, value))             [h]
-    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5."""
-
-    q: ParamSource | None     # [H*(dn+dr), h]  when q is projected directly (q_rank None)
-    q_a: ParamSource | None   # [r_q, h]
-    q_norm: NormSpec | None   # over r_q
-    q_b: ParamSource | None   # [H*(dn+dr), r_q]
-    kv_a: ParamSource         # [r_kv + dr, h]
-    kv_norm: NormSpec         # over r_kv
-    kv_b: ParamSource         # [H*(dn+dv), r_kv]
-    o: ParamSource            # [h, H*dv]
-    heads: int                # H
-    nope_dim: int             # dn
-    rope_dim: int             # dr
-    v_dim: int                # dv
-    q_rank: int | None        # r_q
-    kv_rank: int              # r_kv
-    rope_theta: float
-    rope_interleave: bool     # RoPE pairs (2i, 2i+1) instead of (i, i + dr/2)
-    tuple_output: bool = True
-
-    @property
-    def qk_dim(self) -> int:
-        return self.nope_dim + self.rope_dim
-
-
-@dataclass(frozen=True)
-class MoESpec:
-    router: ParamSource       # [E, h]
-    w1: ParamSource           # [E, h_ffn, h] gate projection
-    w3: ParamSource           # [E, h_ffn, h] up projection
-    w2: ParamSource           # [E, h, h_ffn] down projection
-    experts: int
-    top_k: int
-    ffn_hidden: int
-    hidden: int
-    normalize: bool = True    # renormalise the top-k weights to sum to 1 (Mixtral; not Qwen2-MoE)
-    shared: MLPSpec | None = None
-    # DeepSeek-V3's router: sigmoid scores; experts chosen by score + score_bias (a buffer, used
-    # for the choice only) among the best topk_groups of `groups` expert groups (a group ranked by
-    # its two best scores); the chosen scores (renormalised if normalize) times `scale` weigh them
-    scoring: Scoring = "softmax"
-    score_bias: ParamSource | None = None     # [E]
-    groups: int = 1
-    topk_groups: int = 1
-    scale: float = 1.0
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -240,7 +152,10 @@ def emit_reduce_scatter(g: GraphBuilder, name: str, x: str, out: str, *, dim: in
 
 
 def emit_rmsnorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str, module: str, block: str) -> str:
-    """[b, s/n, h] -> [b, s/n, h]; the weight is replicated (its gradient is all-reduced)."""
+    """[b, s/n, h] -> [b, s/n, h]; the weight is replicated (its gradient is all-reduced). A LayerNorm
+    spec (kind 'layer') lowers to NORM (+ BIAS)."""
+    if spec.kind == "layer":
+        return emit_layernorm(g, spec, x, name=name, out=out, module=module, block=block)
     h = g.shape(x)[-1]
     w = g.param(f"{name}.weight", (h,), ParamSpec((spec.weight,), shard_dim=None))
     y = g.like(out, x)
@@ -269,11 +184,13 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     b_qkv = None
     if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+2Gl)d]
         b_qkv = g.param("qkv.bias", ((Hl + 2 * Gl) * d,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
-    # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp)
-    w_qk = tuple(None if ns is None else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
-                                                 ParamSpec((ns.weight,), shard_dim=0 if tp else None))
+    # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp);
+    # per-head norms' [d] (Qwen3) are emitted with their nodes
+    w_qk = tuple(None if ns is None or spec.qk_norm_per_head
+                 else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
+                              ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
-    rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g)
+    rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g) | spec.rotary.attrs()
     qs, ks, vs = [], [], []
     for c, x_in in _attention_chunks(g, x, kw):
         qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
@@ -287,16 +204,23 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
         g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
                attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d), "mode": "split"}, **kw)
-        if spec.q_norm is not None:
+        if spec.qk_norm_per_head:
+            q = emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw)
+            k = emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw)
+        elif spec.q_norm is not None:
             q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
-        if spec.k_norm is not None:
             k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
-        q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
-        g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
-               attrs=rope_attrs, **kw)
-        qa, ka, va = _ulysses_in(g, q_rope, k_rope, v, c, kw)
+        if spec.use_rope:
+            q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
+            g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
+                   attrs=rope_attrs, **kw)
+            q, k = q_rope, k_rope
+        qa, ka, va = _ulysses_in(g, q, k, v, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
-    return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw)
+    y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw, spec=spec)
+    if spec.o_bias is None:
+        return y
+    return emit_bias(g, y, spec.o_bias, name="o_bias", out="attn_out_biased", **kw)
 
 
 def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
@@ -328,7 +252,8 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
     w_kvn = rep("kv_a_norm.weight", (spec.kv_rank,), spec.kv_norm.weight)
     w_kvb = by_heads("kv_b_proj.weight", (Hl * (dn + dv), spec.kv_rank), spec.kv_b)
     heads_attrs = {"heads": Hl, "nope_dim": dn, "rope_dim": dr, "v_dim": dv, "theta": spec.rope_theta,
-                   "interleave": spec.rope_interleave} | _position_attrs(g)
+                   "interleave": spec.rope_interleave} | _position_attrs(g) | (
+        {k: v for k, v in spec.rope.attrs().items() if k in ("inv_freq", "scaling")} if spec.rope else {})
     qs, ks, vs = [], [], []
     for c, x_in in _attention_chunks(g, x, kw):
         if spec.q_rank is None:
@@ -351,7 +276,7 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
                flops=3 * b * S * (Hl + 1) * dr, attrs=heads_attrs, **kw)                    # RoPE; the rest moves
         qa, ka, va = _ulysses_in(g, qh, kh, vh, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
-    return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=dq, v_dim=dv, kw=kw)
+    return _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=dq, v_dim=dv, kw=kw, spec=spec)
 
 
 def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
@@ -380,8 +305,7 @@ def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
             x_in = emit_all_gather(g, f"ln2_ag{c}", xj, f"ln2_out_ag{c}", dim=1, **kw)      # [b, nL, h]
             a = emit_gemm(g, f"fc1{c}", x_in, w1, f"fc1_out{c}", **kw)                       # [b, nL, f/n]
             u = emit_gemm(g, f"fc3{c}", x_in, w3, f"fc3_out{c}", **kw)
-            act = g.like(f"fc2_in{c}", a)
-            g.node(f"swiglu{c}", OpKind.SWIGLU, (a, u), (act,), flops=5 * _numel(g, a), **kw)
+            act = emit_glu(g, f"swiglu{c}", a, u, f"fc2_in{c}", spec.activation, kw)
             if g.strategy.n == 1:
                 outs.append(emit_gemm(g, f"fc2{c}", act, w2, name, alias_of=alias, **kw))
                 continue
@@ -422,7 +346,7 @@ def _ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tu
 
 
 def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[str], o: ParamSource, *,
-                        heads: int, qk_dim: int, v_dim: int, kw: dict) -> str:
+                        heads: int, qk_dim: int, v_dim: int, kw: dict, spec=None) -> str:
     """Causal attention over H/n heads and the whole sequence (N chunks each of q, k, v:
     [b, s/N, H/n*d_qk], ..., [b, s/N, H/n*d_v]), then the output projection back to this rank's
     sequence shard [b, s/n, h] (tp: a reduce-scatter of partial sums; sp: Ulysses back first)."""
@@ -433,8 +357,13 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * dv)) for j in range(N)]
     attrs = {"head_dim": d, "causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
     # QK^T and PV over the causal half: (d + dv) b s^2 H/n
-    g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs), tuple(attns), flops=b * s * s * (H // n) * (d + dv),
-           attrs=attrs, **kw)
+    flops, extra, mask = b * s * s * (H // n) * (d + dv), (), _mask_attrs(spec)
+    if mask.get("window") or mask.get("chunk"):       # only the pairs the mask keeps: 2 (d + dv) b H/n pairs
+        flops = 2 * b * (H // n) * (d + dv) * attention_pairs(s, mask.get("window"), mask.get("chunk"))
+    if getattr(spec, "sinks", None) is not None:      # [H] cut by heads: this rank attends H/n of them
+        extra = (g.param("sinks", (H // n,), ParamSpec((spec.sinks,), shard_dim=0)),)
+    g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs, *extra), tuple(attns), flops=flops,
+           attrs=attrs | mask, **kw)
     out_full = g.value("attn_out", (b, s // n, h)) if N > 1 else None
     outs = []
     w_o = g.param("o_proj.weight", (h, Hl * dv), ParamSpec((o,), shard_dim=1 if tp else None))
@@ -458,6 +387,15 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
             outs.append(emit_gemm(g, f"out_proj{c}", attn_a2a, w_o, name, alias_of=alias, **kw))
     return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+
+
+def _mask_attrs(spec) -> dict:
+    """ATTENTION attrs beyond plain causal GQA: window, chunk, softmax scale, sinks (family_kernels.attend)."""
+    if spec is None:
+        return {}
+    found = {"window": getattr(spec, "window", None), "chunk": getattr(spec, "chunk", None),
+             "scale": spec.scale}
+    return {k: v for k, v in found.items() if v is not None} | ({"sinks": True} if getattr(spec, "sinks", None) else {})
 
 
 def _emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
@@ -493,11 +431,15 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     if spec.score_bias is not None:   # a buffer: read for the expert choice, never differentiated
         router_ins += (g.param("router.score_bias", (spec.experts,),
                                ParamSpec((spec.score_bias,), shard_dim=None, buffer=True)),)
+    if spec.router_bias is not None:  # trained, added to the logits (GPT-OSS): replicated like the weight
+        router_ins += (g.param("router.bias", (spec.experts,), ParamSpec((spec.router_bias,), shard_dim=None)),)
     ep = g.strategy.ffn == "ep"
     El, Fl = (spec.experts // g.strategy.n, spec.ffn_hidden) if ep else (spec.experts, spec.ffn_hidden // g.strategy.n)
     weights = (g.param("w1", (El, Fl, g.dims.h), ParamSpec((spec.w1,), shard_dim=0 if ep else 1)),
                g.param("w3", (El, Fl, g.dims.h), ParamSpec((spec.w3,), shard_dim=0 if ep else 1)),
                g.param("w2", (El, g.dims.h, Fl), ParamSpec((spec.w2,), shard_dim=0 if ep else 2)))
+    if spec.expert_bias is not None:
+        weights += expert_bias_params(g, spec.expert_bias, El, Fl, ep)
     out_full = g.value("ffn_out", g.shape(x)) if N > 1 else None
     outs = []
     for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
@@ -526,8 +468,7 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
     w2 = rep(spec.w2, (h, f), f"{prefix}.w2")
     a = emit_gemm(g, f"{prefix}_fc1", x, w1, f"{prefix}_fc1_out", **kw)                     # [b, s/n, f_s]
     b = emit_gemm(g, f"{prefix}_fc3", x, w3, f"{prefix}_fc3_out", **kw)
-    act = g.like(f"{prefix}_fc2_in", a)
-    g.node(f"{prefix}_swiglu", OpKind.SWIGLU, (a, b), (act,), flops=5 * _numel(g, a), **kw)
+    act = emit_glu(g, f"{prefix}_swiglu", a, b, f"{prefix}_fc2_in", spec.activation, kw)
     y = emit_gemm(g, f"{prefix}_fc2", act, w2, f"{prefix}_out", **kw)                        # [b, s/n, h]
     if spec.gate is None:
         return y
@@ -538,14 +479,14 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
     return gated
 
 
-def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], weights: tuple[str, str, str],
+def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], weights: tuple[str, ...],
                     El: int, c: str, j: int, kw: dict) -> str:
     """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked)."""
     n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
     before = g.strategy.gate == "before-fc2"
     E, k = spec.experts, spec.top_k
     h = g.dims.h
-    w1, w3, w2 = weights
+    w1, w3, w2, *biases = weights
 
     tokens_in = x if a2a else emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
     T = _numel(g, tokens_in) // h
@@ -572,8 +513,11 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
         rows = ffn_in
     fc1 = _grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
     fc3 = _grouped_gemm(g, f"fc3{c}", rows, w3, seg, f"fc3_out{c}", **kw)
-    fc2_in = g.like(f"fc2_in{c}", fc1)
-    g.node(f"swiglu{c}", OpKind.SWIGLU, (fc1, fc3), (fc2_in,), flops=5 * _numel(g, fc1), **kw)
+    if biases:                                                                      # GPT-OSS's expert biases
+        fc1 = emit_grouped_bias(g, f"fc1_bias{c}", fc1, biases[0], seg, kw=kw)
+        fc3 = emit_grouped_bias(g, f"fc3_bias{c}", fc3, biases[1], seg, kw=kw)
+    fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
+                      alpha=spec.swiglu_alpha)
     if before:
         # routing weight per expert row, gathered from [T, k] by the index map: [T, k] -> [R]
         row_w = g.value(f"row_weights_send{c}" if a2a and n > 1 else f"row_weights{c}", (R,),
@@ -590,6 +534,9 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
         g.node(f"gate{c}", OpKind.GATE, (fc2_in, row_w), (gated,), flops=_numel(g, fc2_in), **kw)  # [R, Fl]
         fc2_in = gated
     fc2_out = _grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
+    if biases:              # tp: each rank adds b2/n to its partial sums; gate before fc2: scaled like the rows
+        fc2_out = emit_grouped_bias(g, f"fc2_bias{c}", fc2_out, biases[2], seg, share=1 if ep else n,
+                                    row_weights=row_w if before else None, kw=kw)
     if a2a and n > 1:
         back = g.value(f"fc2_out_a2a{c}", (R, h), routed=True)
         g.collective(f"combine_a2a{c}", OpKind.ALL_TO_ALL, (fc2_out, seg), (back,),
@@ -615,6 +562,10 @@ def router_attrs(spec: MoESpec) -> dict:
     fields only where they differ from Mixtral's softmax router."""
     attrs = {"top_k": spec.top_k, "experts": spec.experts, "scoring": spec.scoring} \
         | ({} if spec.normalize else {"normalize": False})
+    if not spec.plain_router:         # family_kernels.route_general: every field explicit
+        return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
+                        "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
+                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize}
     if spec.scoring == "sigmoid":
         attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                   "score_bias": spec.score_bias is not None}

@@ -1,0 +1,102 @@
+"""Emitters for the parts structural lowering added to the blocks of ``blocks``: LayerNorms, per-head
+and L2 q/k norms, biases after a projection, gated activations other than SwiGLU, expert biases,
+constant scales. Each is called from ``blocks`` only where a spec asks for it, so a spec without
+these parts lowers to the graph it always did.
+
+Notation (as ``blocks``): b micro-batch, s sequence, h hidden, n group size, S rows on this rank
+after the block's layout, H/G query/kv heads, d head dim, R expert rows, El local experts, Fl local
+expert h_ffn (f under ep, f/n under tp).
+"""
+
+from __future__ import annotations
+
+import math
+
+from moegraph.builder import GraphBuilder
+from moegraph.ir import OpKind, ParamSource, ParamSpec
+from moegraph.lowering.specs import Activation, NormSpec
+
+
+def _numel(g: GraphBuilder, v: str) -> int:
+    return math.prod(g.shape(v))
+
+
+def emit_layernorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str, module: str, block: str) -> str:
+    """LayerNorm of [.., h] rows with a replicated weight [h], then its bias (a BIAS node) when it has
+    one; every rank normalises its own rows, so the weights' gradients are partial and all-reduced."""
+    h = g.shape(x)[-1]
+    w = g.param(f"{name}.weight", (h,), ParamSpec((spec.weight,), shard_dim=None))
+    y = g.like(out if spec.bias is None else f"{out}_unbiased", x)
+    g.node(name, OpKind.NORM, (x, w), (y,), flops=7 * _numel(g, x), attrs={"kind": "layer", "eps": spec.eps},
+           module=module, block=block)
+    if spec.bias is None:
+        return y
+    return emit_bias(g, y, spec.bias, name=f"{name}_bias", out=out, module=module, block=block)
+
+
+def emit_bias(g: GraphBuilder, x: str, src: ParamSource, *, name: str, out: str, module: str, block: str) -> str:
+    """x + b for a replicated b [X] over this rank's rows [.., X] (its gradient: dy summed over the
+    rows, partial per rank, all-reduced)."""
+    b = g.param(f"{name}.b", (g.shape(x)[-1],), ParamSpec((src,), shard_dim=None))
+    y = g.like(out, x)
+    g.node(name, OpKind.BIAS, (x, b), (y,), flops=_numel(g, x), module=module, block=block)
+    return y
+
+
+def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str, head_dim: int, kw: dict) -> str:
+    """RMSNorm of each head's d features of [b, S, X*d] with one weight [d] shared by the heads
+    (Qwen3's q/k norm), or with ``spec`` None a weightless L2 norm (Llama 4's) of eps from ``kw``."""
+    y = g.like(f"{name}_out", x)
+    if spec is None:
+        eps = kw.pop("eps")
+        g.node(name, OpKind.NORM, (x,), (y,), flops=3 * _numel(g, x),
+               attrs={"kind": "l2", "eps": eps, "group": head_dim}, **kw)
+        return y
+    w = g.param(f"{name}.weight", (head_dim,), ParamSpec((spec.weight,), shard_dim=None))
+    g.node(name, OpKind.NORM, (x, w), (y,), flops=4 * _numel(g, x),
+           attrs={"kind": "head_rms", "eps": spec.eps, "group": head_dim}, **kw)
+    return y
+
+
+def emit_glu(g: GraphBuilder, name: str, a: str, b: str, out: str, act: Activation, kw: dict,
+             limit: float | None = None, alpha: float | None = None) -> str:
+    """act(a) * b: SWIGLU for silu (as always), GLU otherwise: [.., F] x 2 -> [.., F]."""
+    y = g.like(out, a)
+    if act == "silu":
+        g.node(name, OpKind.SWIGLU, (a, b), (y,), flops=5 * _numel(g, a), **kw)
+        return y
+    attrs = {"act": act} | ({"limit": limit, "alpha": alpha} if act == "clamped_swiglu" else {})
+    g.node(name, OpKind.GLU, (a, b), (y,), flops=(8 if act == "clamped_swiglu" else 10) * _numel(g, a),
+           attrs=attrs, **kw)
+    return y
+
+
+def emit_scale(g: GraphBuilder, x: str, factor: float, *, name: str, out: str, module: str, block: str) -> str:
+    """x * factor (a constant): [..] -> [..]."""
+    y = g.like(out, x)
+    g.node(name, OpKind.SCALE, (x,), (y,), flops=_numel(g, x), attrs={"factor": float(factor)},
+           module=module, block=block)
+    return y
+
+
+def expert_bias_params(g: GraphBuilder, sources: tuple[ParamSource, ParamSource, ParamSource], El: int, Fl: int,
+                       ep: bool) -> tuple[str, str, str]:
+    """The experts' biases [El, Fl] (gate, up) and [El, h] (down), cut like their weights: by expert
+    under ep; under tp the gate/up biases by h_ffn and the down bias replicated (every rank adds
+    b2/n to its partial sums, which the combine's reduce-scatter adds up: attr share=n)."""
+    h = g.dims.h
+    b1 = g.param("b1", (El, Fl), ParamSpec((sources[0],), shard_dim=0 if ep else 1))
+    b3 = g.param("b3", (El, Fl), ParamSpec((sources[1],), shard_dim=0 if ep else 1))
+    b2 = g.param("b2", (El, h), ParamSpec((sources[2],), shard_dim=0 if ep else None))
+    return b1, b3, b2
+
+
+def emit_grouped_bias(g: GraphBuilder, name: str, rows: str, bias: str, seg: str, *, share: int = 1,
+                      row_weights: str | None = None, kw: dict) -> str:
+    """rows [R, N] + bias[expert of row] / share (times the row's routing weight when given: the gate
+    moved before FC2 must scale FC2's bias too)."""
+    y = g.like(f"{rows}_biased", rows)
+    ins = (rows, bias, seg) + ((row_weights,) if row_weights is not None else ())
+    g.node(name, OpKind.GROUPED_BIAS, ins, (y,), flops=_numel(g, rows),
+           attrs={"share": share} if share != 1 else {}, **kw)
+    return y

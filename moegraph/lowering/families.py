@@ -1,0 +1,90 @@
+"""What the structural lowering cannot read from a module: small declarative tables, one row per
+transformers family that needs one (keyed by the family's folder, ``transformers.models.<family>``).
+
+Everything else is read from the modules themselves (``moegraph.lowering.structural``): which
+submodules exist, their parameters' shapes, the attributes the class's forward reads, and the
+configuration fields with the usual names. A row here only says what differs from those defaults;
+a wrong row (or a missing one) cannot make a compile silently wrong, since every compile checks
+each lowered layer against its eager module numerically (``moegraph.lowering.check``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Scoring = Literal["softmax", "sigmoid"]
+GroupScore = Literal["top2-sum", "max"]
+
+
+@dataclass(frozen=True)
+class RouterRow:
+    """How a family's router turns logits into top-k weights (``MoESpec``'s router fields).
+
+    scoring:      softmax over the experts, or a sigmoid per expert.
+    normalize:    renormalise the chosen weights to sum to 1: a bool, or the name of the
+                  attribute (on the router, the block or the config) that says it.
+    choice_bias:  attribute path (from the MoE block) of the score-correction bias added to the
+                  scores for the choice only, or None.
+    group_score:  how an expert group ranks for grouped routing (n_group / topk_group):
+                  the sum of its two best scores (DeepSeek-V3) or its best one (DeepSeek-V2).
+    grouped:      the attribute that switches grouped routing on (e.g. topk_method), with the
+                  value meaning "grouped"; None: grouped whenever n_group > 1.
+    """
+
+    scoring: Scoring = "softmax"
+    normalize: bool | str = "norm_topk_prob"
+    choice_bias: str | None = None
+    group_score: GroupScore = "top2-sum"
+    grouped: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ExpertRow:
+    """How a family stores its fused expert weights (3-D tensors [E, ., .]).
+
+    gate_up:  'concat': gate rows then up rows (chunk(2)); 'interleaved': gate at even, up at odd
+              positions (GPT-OSS).
+    order:    'gate-up' (SwiGLU's silu(gate) * up) or 'up-gate' (the first half is the up projection).
+    """
+
+    gate_up: Literal["concat", "interleaved"] = "concat"
+    order: Literal["gate-up", "up-gate"] = "gate-up"
+
+
+@dataclass(frozen=True)
+class Family:
+    """One transformers family's row. Empty fields take the structural defaults."""
+
+    router: RouterRow = field(default_factory=RouterRow)
+    experts: ExpertRow = field(default_factory=ExpertRow)
+    # the MoE block's forward returns (hidden, router output): a tuple leaf
+    unsupported: str | None = None      # one line naming what is not modelled, when the whole family is refused
+
+
+DEFAULT = Family()
+
+FAMILIES: dict[str, Family] = {
+    "mixtral": Family(router=RouterRow(normalize=True)),
+    "qwen2_moe": Family(),
+    "qwen3_moe": Family(),
+    "olmoe": Family(),
+    "flex_olmo": Family(),
+    "deepseek_v3": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
+    "glm4_moe": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
+    "glm4_moe_lite": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
+    "dots1": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
+    "deepseek_v2": Family(router=RouterRow(normalize=False, group_score="max",
+                                           grouped=("topk_method", "group_limited_greedy"))),
+    "minimax_m2": Family(router=RouterRow(scoring="sigmoid", choice_bias="e_score_correction_bias",
+                                          normalize=True)),
+    "ernie4_5_moe": Family(router=RouterRow(normalize=True, choice_bias="gate.moe_statics.e_score_correction_bias")),
+    "gpt_oss": Family(router=RouterRow(normalize=True), experts=ExpertRow(gate_up="interleaved")),
+    "llama4": Family(router=RouterRow(scoring="sigmoid", normalize=False)),
+    "phimoe": Family(unsupported="the sparsemixer router (PhimoeTopKRouter: top-2 by masked Gumbel-style "
+                                 "jitter selection)"),
+}
+
+
+def family_row(family: str | None) -> Family:
+    return FAMILIES.get(family or "", DEFAULT)

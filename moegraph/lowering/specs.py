@@ -1,0 +1,186 @@
+"""Block specs: what a decoder layer's blocks compute, by the module parameters they read.
+
+A rule (``moegraph.lowering.structural`` for transformers' families, ``reference`` for the
+project's own layer) fills these from a module; the emitters (``blocks``, ``blocks_ext``) turn
+them into IR nodes for a strategy. Every optional field defaults to the plain Mixtral-style block,
+so a spec leaving them alone lowers to the graph it always did.
+
+Notation: h hidden, H query heads, G kv heads, d head dim, E experts, f expert h_ffn, f_s shared
+h_ffn; MLA: r_q, r_kv latent ranks, dn, dr, dv per-head no-RoPE, RoPE and value dims.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from moegraph.ir import ParamSource, Scoring
+
+Activation = Literal["silu", "gelu", "gelu_tanh", "clamped_swiglu"]
+"""The gated MLP's activation act(gate) * up: SwiGLU (silu), GeGLU (exact or tanh GELU), or
+GPT-OSS's clamped SwiGLU: (clamp(up, -l, l) + 1) * g sigmoid(alpha g), g = min(gate, l)."""
+NormKind = Literal["rms", "layer"]
+GroupScore = Literal["top2-sum", "max"]
+
+
+@dataclass(frozen=True)
+class NormSpec:
+    """RMSNorm weight * x rsqrt(mean(x^2) + eps), or with kind 'layer' LayerNorm (mean removed,
+    weight, then + bias when given)."""
+
+    weight: ParamSource
+    eps: float
+    kind: NormKind = "rms"
+    bias: ParamSource | None = None
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary position embedding as a family's rotary module computes it.
+
+    inv_freq: the inverse frequencies, d_r/2 of them (None: the default theta^(-2i/d_r)).
+    scaling:  cos and sin are multiplied by it (YaRN's attention factor; 1 otherwise).
+    dim:      rotated leading dims d_r of each head (partial RoPE), None: the whole head.
+    interleave: pairs (2i, 2i+1) rotate together (Llama 4, GLM) instead of (i, i + d_r/2).
+    """
+
+    theta: float = 10000.0
+    inv_freq: tuple[float, ...] | None = None
+    scaling: float = 1.0
+    dim: int | None = None
+    interleave: bool = False
+
+    @staticmethod
+    def default_inv_freq(theta: float, dim: int) -> tuple[float, ...]:
+        """theta^(-2i/dim) in fp32, exactly as transformers' default RoPE (and models.rope_cos_sin)."""
+        import torch
+        return tuple((1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))).tolist())
+
+    def attrs(self) -> dict:
+        """The ROPE node attributes beyond head_dim and theta: none for the default rotation."""
+        out = {}
+        if self.inv_freq is not None:
+            out["inv_freq"] = self.inv_freq
+        if self.scaling != 1.0:
+            out["scaling"] = self.scaling
+        if self.dim is not None:
+            out["rotary_dim"] = self.dim
+        if self.interleave:
+            out["interleave"] = True
+        return out
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    q: ParamSource            # [H*d, h]
+    k: ParamSource            # [G*d, h]
+    v: ParamSource            # [G*d, h]
+    o: ParamSource            # [h, H*d]
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_theta: float
+    tuple_output: bool = False   # the module returns (output, attention weights), as transformers' do
+    qkv_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [H*d], [G*d], [G*d] (Qwen2)
+    # RMSNorm of q over its full width H*d and of k over G*d, before RoPE (OLMoE); with
+    # qk_norm_per_head over each head's d (Qwen3, weights [d])
+    q_norm: NormSpec | None = None
+    k_norm: NormSpec | None = None
+    qk_norm_per_head: bool = False
+    rope: RopeSpec | None = None     # None: the default RoPE of rope_theta
+    use_rope: bool = True            # False: no rotary embedding at all (Llama 4's NoPE layers)
+    o_bias: ParamSource | None = None      # [h], added after the output projection (GPT-OSS)
+    scale: float | None = None             # softmax scale (None: d^-0.5)
+    window: int | None = None              # sliding window: keys in (q - window, q]
+    chunk: int | None = None               # chunked attention: keys in q's chunk of this size
+    sinks: ParamSource | None = None       # [H] per-head sink logits in the softmax denominator (GPT-OSS)
+
+    @property
+    def rotary(self) -> RopeSpec:
+        return self.rope if self.rope is not None else RopeSpec(theta=self.rope_theta)
+
+
+@dataclass(frozen=True)
+class MLPSpec:
+    """A dense gated MLP: a dense layer's FFN (DeepSeek-V3's first_k_dense_replace layers), or
+    the shared expert every token goes through beside the routed ones (Qwen2-MoE, DeepSeekMoE),
+    then optionally scaled by sigmoid(x @ gate.T) per token (Qwen2-MoE)."""
+
+    w1: ParamSource           # [f_s, h] gate projection
+    w3: ParamSource           # [f_s, h] up projection
+    w2: ParamSource           # [h, f_s] down projection
+    ffn_hidden: int           # f_s
+    hidden: int               # h
+    gate: ParamSource | None = None   # [1, h]
+    activation: Activation = "silu"
+
+
+@dataclass(frozen=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3). Per token x [h]:
+        q  = q_b(norm_q(q_a(x)))  (or q(x) without a q rank)     [H*(dn+dr)], per head (q_nope, q_rot)
+        kv_a(x) = (c [r_kv], k_pe [dr]);  kv = kv_b(norm_kv(c))  [H*(dn+dv)], per head (k_nope, v)
+        query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) (k_pe shared by every head)
+        out = o(causal attention(query, key, value))             [h]
+    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5 unless ``scale``."""
+
+    q: ParamSource | None     # [H*(dn+dr), h]  when q is projected directly (q_rank None)
+    q_a: ParamSource | None   # [r_q, h]
+    q_norm: NormSpec | None   # over r_q
+    q_b: ParamSource | None   # [H*(dn+dr), r_q]
+    kv_a: ParamSource         # [r_kv + dr, h]
+    kv_norm: NormSpec         # over r_kv
+    kv_b: ParamSource         # [H*(dn+dv), r_kv]
+    o: ParamSource            # [h, H*dv]
+    heads: int                # H
+    nope_dim: int             # dn
+    rope_dim: int             # dr
+    v_dim: int                # dv
+    q_rank: int | None        # r_q
+    kv_rank: int              # r_kv
+    rope_theta: float
+    rope_interleave: bool     # RoPE pairs (2i, 2i+1) instead of (i, i + dr/2)
+    tuple_output: bool = True
+    rope: RopeSpec | None = None     # non-default frequencies or scaling (YaRN)
+    scale: float | None = None       # softmax scale (YaRN's mscale^2 (dn+dr)^-0.5)
+
+    @property
+    def qk_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    router: ParamSource       # [E, h]
+    w1: ParamSource           # [E, h_ffn, h] gate projection
+    w3: ParamSource           # [E, h_ffn, h] up projection
+    w2: ParamSource           # [E, h, h_ffn] down projection
+    experts: int
+    top_k: int
+    ffn_hidden: int
+    hidden: int
+    normalize: bool = True    # renormalise the top-k weights to sum to 1 (Mixtral; not Qwen2-MoE)
+    shared: MLPSpec | None = None
+    # DeepSeek-V3's router: sigmoid scores; experts chosen by score + score_bias (a buffer, used
+    # for the choice only) among the best topk_groups of `groups` expert groups (a group ranked by
+    # its two best scores, or with group_score 'max' its best: DeepSeek-V2); the chosen scores
+    # (renormalised if normalize) times `scale` weigh them
+    scoring: Scoring = "softmax"
+    score_bias: ParamSource | None = None     # [E]
+    groups: int = 1
+    topk_groups: int = 1
+    scale: float = 1.0
+    group_score: GroupScore = "top2-sum"
+    activation: Activation = "silu"
+    router_bias: ParamSource | None = None    # [E] added to the router logits (GPT-OSS), trained
+    expert_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [E, f], [E, f], [E, h]
+    tuple_output: bool = False                # the block returns (output, router scores)
+    swiglu_alpha: float | None = None         # clamped_swiglu's alpha and limit
+    swiglu_limit: float | None = None
+
+    @property
+    def plain_router(self) -> bool:
+        """The router the ROUTER kernel always computed: no group max, no softmax choice bias, no logit bias."""
+        return (self.group_score == "top2-sum" and self.router_bias is None
+                and not (self.scoring == "softmax" and (self.score_bias is not None or self.groups != 1
+                                                        or self.scale != 1.0)))

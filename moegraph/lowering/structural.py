@@ -1,0 +1,577 @@
+"""Structural lowering: a decoder layer's parts recognised by what they hold, not by their class.
+
+A module is read as one block kind by its submodules and parameters alone:
+    norm       no children, a 1-D ``weight`` (and ``bias``: a LayerNorm), an epsilon attribute
+    attention  ``o_proj`` and ``q_proj``/``k_proj``/``v_proj`` (GQA), or the latent projections
+               ``kv_a_proj_with_mqa``/``kv_b_proj`` (MLA)
+    moe        an ``experts`` child (fused 3-D weights or a ModuleList of MLPs) and a router child
+               (``gate`` or ``router``) holding a weight [E, h]
+    mlp        ``gate_proj``/``up_proj``/``down_proj`` linears
+Sizes come from parameter shapes; behaviour (top-k, normalisation, windows, RoPE frequencies) from
+the attributes and configuration fields with transformers' usual names, and from the family's row
+in ``moegraph.lowering.families`` where a name alone cannot tell. Which attributes a class's forward
+reads is read from its source (``forward_reads``), so a child the forward never uses is left out
+(the coverage check then names its parameters).
+
+Never silently wrong by construction: every compile runs each lowered layer against its eager
+module (``moegraph.lowering.check``). The structural guard (on by default; ``structural_guard``)
+also refuses, before any lowering, what a structural reading is known not to describe: a subclass
+of a transformers class overriding a method, a child of a recognised block that its forward does not
+read, a module of a non-transformers class (its math is unknown; register a rule for it).
+
+Notation: h hidden, H query heads, G kv heads, d head dim, E experts, f expert h_ffn.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import contextvars
+import functools
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+from torch import nn
+
+from moegraph.ir import ParamSource
+from moegraph.lowering import LoweringError, Rule
+from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec
+from moegraph.lowering.families import Family, family_row
+
+_GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("moegraph_structural_guard", default=True)
+_LAYER: contextvars.ContextVar["LayerContext | None"] = contextvars.ContextVar("moegraph_layer", default=None)
+
+ROUTER_NAMES = ("gate", "router")
+SHARED_NAMES = ("shared_expert", "shared_experts", "shared_mlp")
+NORM_KINDS = ("norm", "attention", "mla", "moe", "mlp")
+
+
+@contextlib.contextmanager
+def structural_guard(on: bool):
+    """Switch the structural guard on or off inside the block (tests of the numerical check
+    switch it off, so that only the numbers can refuse a near-miss module)."""
+    token = _GUARD.set(bool(on))
+    try:
+        yield
+    finally:
+        _GUARD.reset(token)
+
+
+def guard_on() -> bool:
+    return _GUARD.get()
+
+
+@dataclass(frozen=True)
+class LayerContext:
+    """What every block of one decoder layer shares: its configuration (``config`` of any
+    submodule), layer index, and the family (transformers folder) of its class."""
+
+    config: object | None
+    layer_idx: int | None
+    family: str | None
+
+
+@contextlib.contextmanager
+def layer_context(layer: nn.Module):
+    """The LayerContext of ``layer`` for the rules called while it is lowered."""
+    config = next((m.config for m in layer.modules() if _is_config(getattr(m, "config", None))), None)
+    idx = next((m.layer_idx for m in layer.modules() if isinstance(getattr(m, "layer_idx", None), int)), None)
+    token = _LAYER.set(LayerContext(config, idx, family_of(type(layer))))
+    try:
+        yield
+    finally:
+        _LAYER.reset(token)
+
+
+def _is_config(obj) -> bool:
+    return obj is not None and hasattr(obj, "to_dict") and hasattr(obj, "hidden_size")
+
+
+def _ctx() -> LayerContext:
+    return _LAYER.get() or LayerContext(None, None, None)
+
+
+def family_of(cls: type) -> str | None:
+    """'qwen3_moe' for a class of transformers.models.qwen3_moe.modeling_qwen3_moe, else None."""
+    parts = cls.__module__.split(".")
+    if len(parts) >= 4 and parts[:2] == ["transformers", "models"] and parts[3].startswith("modeling_"):
+        return parts[2]
+    return None
+
+
+def _library_base(cls: type) -> type | None:
+    """The first class in cls's MRO defined in a transformers model file (cls itself, or the
+    transformers class a user subclassed)."""
+    return next((c for c in cls.__mro__ if family_of(c) is not None), None)
+
+
+# -- what a forward reads -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def forward_reads(cls: type) -> frozenset[str]:
+    """Names ``self.X`` read by cls.forward and by the methods it calls on self (transitively).
+    Read from the source (AST), so a child the forward never touches does not count as used."""
+    seen, reads, todo = set(), set(), ["forward"]
+    while todo:
+        name = todo.pop()
+        if name in seen:
+            continue
+        seen.add(name)
+        fn = getattr(cls, name, None)
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(fn))))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                reads.add(node.attr)
+                if callable(getattr(cls, node.attr, None)) and not isinstance(getattr(cls, node.attr, None), type):
+                    todo.append(node.attr)
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                  and len(node.args) >= 2 and isinstance(node.args[0], ast.Name) and node.args[0].id == "self"
+                  and isinstance(node.args[1], ast.Constant)):
+                reads.add(str(node.args[1].value))
+    return frozenset(reads)
+
+
+@functools.lru_cache(maxsize=None)
+def returns_tuple(cls: type) -> bool:
+    """Whether cls.forward returns a tuple literal (``return out, logits``): the tracer then hands
+    the layer a real tuple to unpack."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    return any(isinstance(n, ast.Return) and isinstance(n.value, ast.Tuple) for n in ast.walk(tree))
+
+
+# -- classification --------------------------------------------------------------------------------
+
+def classify(module: nn.Module) -> str | None:
+    """The block kind ``module`` has the structure of (module docstring), or None."""
+    children = dict(module.named_children())
+    own = dict(module.named_parameters(recurse=False))
+    if not children and "weight" in own and own["weight"].dim() == 1 and _eps(module) is not None:
+        return "norm"
+    if "o_proj" in children and "kv_b_proj" in children and "kv_a_proj_with_mqa" in children:
+        return "mla"
+    if "o_proj" in children and all(p in children for p in ("q_proj", "k_proj", "v_proj")):
+        return "attention"
+    if "experts" in children and _router_name(module) is not None:
+        return "moe"
+    if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+        return "mlp"
+    return None
+
+
+def _eps(module: nn.Module) -> float | None:
+    for attr in ("variance_epsilon", "eps", "epsilon"):
+        value = getattr(module, attr, None)
+        if isinstance(value, float):
+            return value
+    return None
+
+
+def _router_name(module: nn.Module) -> str | None:
+    # parameters read from _parameters: during torch.fx tracing, getattr returns proxies for them
+    for name in ROUTER_NAMES:
+        child = module._modules.get(name)
+        w = child._parameters.get("weight") if isinstance(child, nn.Module) else None
+        if w is not None and w.dim() == 2:
+            return name
+    return None
+
+
+def structural_rule(module: nn.Module, qualname: str) -> Rule | None:
+    """A Rule lowering ``module`` by its structure, or None when it has none of the block
+    structures. With the guard on, a structure on a class this lowering does not know raises."""
+    kind = classify(module)
+    if kind is None:
+        return None
+    cls = type(module)
+    base = _library_base(cls)
+    if guard_on():
+        if base is None:
+            return None          # not a transformers class: only a registered rule may describe it
+        _check_overrides(cls, base, qualname)
+    return Rule(cls, _BUILDERS[kind])
+
+
+def _check_overrides(cls: type, base: type, qualname: str) -> None:
+    """A user subclass of a transformers class overriding a method: its math is not the family's."""
+    if cls is base:
+        return
+    own = [name for c in cls.__mro__[:cls.__mro__.index(base)] for name, v in vars(c).items()
+           if callable(v) and not name.startswith("__") and hasattr(base, name)]
+    if "forward" in {n for c in cls.__mro__[:cls.__mro__.index(base)] for n in vars(c)}:
+        own = ["forward", *[o for o in own if o != "forward"]]
+    if own:
+        where = repr(qualname) if qualname else "the layer"
+        raise LoweringError(f"{where} ({cls.__module__}.{cls.__name__}) subclasses {base.__name__} but overrides "
+                            f"{', '.join(dict.fromkeys(own))}: the structural lowering reads {base.__name__}'s own "
+                            f"forward; register a rule for {cls.__name__}")
+
+
+def check_children(module: nn.Module, qualname: str, known: set[str]) -> None:
+    """Guard: every child of a recognised block must be one its lowering reads (``known``) or one
+    its forward never touches (then its parameters are named by the coverage check)."""
+    if not guard_on():
+        return
+    reads = forward_reads(type(module))
+    for name, child in module.named_children():
+        if name in reads and name not in known:
+            raise LoweringError(f"{_join(qualname, name)!r} ({type(child).__name__}): {type(module).__name__}'s "
+                                f"forward uses it, but the structural lowering of a {classify(module)} block does not "
+                                "model it")
+
+
+def _join(qualname: str, name: str) -> str:
+    return f"{qualname}.{name}" if qualname else name
+
+
+def _src(qualname: str, name: str) -> ParamSource:
+    return ParamSource(_join(qualname, name))
+
+
+def _child_class_check(module: nn.Module, qualname: str, name: str) -> nn.Module:
+    """A child a block's lowering reads; with the guard on it must be a plain nn.Linear or a
+    transformers class whose methods it did not override."""
+    child = getattr(module, name)
+    if not guard_on() or type(child) is nn.Linear:
+        return child
+    base = _library_base(type(child))
+    if base is None:
+        raise LoweringError(f"{_join(qualname, name)!r} ({type(child).__name__}): the structural lowering of "
+                            f"{type(module).__name__} reads it as its {name}, but it is not a transformers class; "
+                            "register a rule that describes it")
+    _check_overrides(type(child), base, _join(qualname, name))
+    return child
+
+
+# -- norms -----------------------------------------------------------------------------------------
+
+def norm_spec(module: nn.Module, qualname: str) -> NormSpec:
+    """An RMSNorm: weight * x rsqrt(mean(x^2) + eps); a bias makes it a LayerNorm (mean removed, then
+    + bias), recognised by its forward reading ``bias`` or by torch's nn.LayerNorm."""
+    eps = _eps(module)
+    bias = getattr(module, "bias", None)
+    if isinstance(module, nn.LayerNorm) or (bias is not None and "bias" in forward_reads(type(module))):
+        return NormSpec(_src(qualname, "weight"), eps, kind="layer",
+                        bias=None if bias is None else _src(qualname, "bias"))
+    return NormSpec(_src(qualname, "weight"), eps)
+
+
+# -- attention -------------------------------------------------------------------------------------
+
+def _layer_type(cfg, idx: int | None) -> str:
+    types = getattr(cfg, "layer_types", None)
+    if types and idx is not None and idx < len(types):
+        return types[idx]
+    return "sliding_attention" if getattr(cfg, "sliding_window", None) else "full_attention"
+
+
+def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
+    """(window, chunk) of layer ``idx``'s attention mask, as transformers' models build it: the
+    layer type (config.layer_types, or sliding wherever config.sliding_window is set) picks
+    create_causal_mask, create_sliding_window_causal_mask (keys in (q - window, q]) or
+    create_chunked_causal_mask (keys in q's chunk of attention_chunk_size)."""
+    kind = _layer_type(cfg, idx)
+    if kind == "full_attention":
+        return None, None
+    if kind == "sliding_attention":
+        return int(cfg.sliding_window), None
+    if kind == "chunked_attention":
+        return None, int(cfg.attention_chunk_size)
+    raise LoweringError(f"layer {idx}: {kind.replace('_', ' ')} (config.layer_types[{idx}]={kind!r}) is not modelled")
+
+
+def rope_of(cfg, head_dim: int, where: str) -> RopeSpec:
+    """RoPE as the family's rotary module computes it: its inverse frequencies and cos/sin scale
+    (transformers' ROPE_INIT_FUNCTIONS for the config's rope_type), rotating the first 2*len(inv_freq)
+    dims of each head. Types whose frequencies change with the sequence (dynamic, longrope) are refused."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+    params = getattr(cfg, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type in ("dynamic", "longrope"):
+        raise LoweringError(f"{where}: rope_type {rope_type!r} recomputes its frequencies from the sequence length; "
+                            "it is not modelled (use 'default', 'linear', 'yarn' or 'llama3')")
+    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
+    inv, scaling = _rope_init(cfg, rope_type, head_dim, ROPE_INIT_FUNCTIONS)
+    default = RopeSpec.default_inv_freq(theta, head_dim)
+    dim = 2 * len(inv)
+    if dim > head_dim or dim % 2:
+        raise LoweringError(f"{where}: the rotary module rotates {dim} dims of a {head_dim}-dim head")
+    freqs = None if tuple(inv) == default else tuple(inv)
+    return RopeSpec(theta=theta, inv_freq=freqs, scaling=float(scaling), dim=None if dim == head_dim else dim)
+
+
+def _rope_init(cfg, rope_type: str, head_dim: int, functions) -> tuple[tuple[float, ...], float]:
+    import torch
+    rotary_cls = _rotary_class(cfg)
+    if rotary_cls is not None:
+        with torch.device("cpu"):
+            rotary = rotary_cls(cfg)
+        return tuple(rotary.inv_freq.float().tolist()), float(rotary.attention_scaling)
+    if rope_type == "default":
+        return RopeSpec.default_inv_freq(float(cfg.rope_parameters["rope_theta"]), head_dim), 1.0
+    inv, scaling = functions[rope_type](cfg, "cpu")
+    return tuple(inv.float().tolist()), float(scaling)
+
+
+def _rotary_class(cfg) -> type | None:
+    """The family's own text rotary embedding (``*RotaryEmbedding`` in its modeling file)."""
+    family = _ctx().family
+    if family is None:
+        return None
+    import importlib
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    names = sorted(n for n in vars(mod) if n.endswith("RotaryEmbedding") and "Vision" not in n)
+    return getattr(mod, names[0]) if names else None
+
+
+def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
+    """GQA attention read from q/k/v/o_proj's shapes and the config (module docstring)."""
+    from moegraph.lowering.hf_common import check_attention
+    ctx = _ctx()
+    cfg = getattr(module, "config", None) or ctx.config
+    reads = forward_reads(type(module))
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        _child_class_check(module, qualname, name)
+    d = int(getattr(module, "head_dim", 0) or getattr(cfg, "head_dim", 0) or 0)
+    if not d:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): no head_dim attribute")
+    H, G = module.q_proj.out_features // d, module.k_proj.out_features // d
+    check_attention(module, qualname, head_dim=d, structural=True)
+    idx = getattr(module, "layer_idx", ctx.layer_idx)
+    window, chunk = mask_of(cfg, idx)
+    use_rope = getattr(module, "use_rope", True) if "use_rope" in reads else True
+    rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})") if use_rope else None
+    biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
+    qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
+        if all(b is not None for b in biases) else None
+    o_bias = _src(qualname, "o_proj.bias") if module.o_proj.bias is not None else None
+    q_norm = k_norm = None
+    per_head = False
+    known = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    if {"q_norm", "k_norm"} <= reads and getattr(module, "q_norm", None) is not None:
+        known |= {"q_norm", "k_norm"}
+        q_norm = norm_spec(_child_class_check(module, qualname, "q_norm"), f"{qualname}.q_norm")
+        k_norm = norm_spec(_child_class_check(module, qualname, "k_norm"), f"{qualname}.k_norm")
+        widths = (module.q_norm.weight.shape[0], module.k_norm.weight.shape[0])
+        if widths == (d, d):
+            per_head = True
+        elif widths != (H * d, G * d):
+            raise LoweringError(f"{qualname}: q_norm/k_norm normalise {widths} features: neither each head's {d} nor "
+                                f"the projections' {H * d} and {G * d}")
+    check_children(module, qualname, known)
+    sinks = _src(qualname, "sinks") if getattr(module, "sinks", None) is not None and "sinks" in reads else None
+    scale = float(module.scaling)
+    return AttentionSpec(q=_src(qualname, "q_proj.weight"), k=_src(qualname, "k_proj.weight"),
+                         v=_src(qualname, "v_proj.weight"), o=_src(qualname, "o_proj.weight"), heads=H, kv_heads=G,
+                         head_dim=d, rope_theta=rope.theta if rope is not None else 0.0, use_rope=use_rope,
+                         tuple_output=returns_tuple(type(module)), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
+                         qk_norm_per_head=per_head, o_bias=o_bias,
+                         rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
+                         scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks)
+
+
+def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q (q_a_proj, q_a_layernorm, q_b_proj)
+    or a direct q_proj, kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj, o_proj."""
+    from moegraph.lowering.hf_common import check_attention
+    cfg = getattr(module, "config", None) or _ctx().config
+    where = f"{qualname} ({type(module).__name__})"
+    low_rank = getattr(module, "q_lora_rank", None) is not None
+    names = ["kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"] + \
+        (["q_a_proj", "q_a_layernorm", "q_b_proj"] if low_rank else ["q_proj"])
+    for name in names:
+        if getattr(module, name, None) is None:
+            raise LoweringError(f"{where}: no {name}, which multi-head latent attention reads")
+        _child_class_check(module, qualname, name)
+    check_children(module, qualname, set(names))
+    check_attention(module, qualname, head_dim=module.qk_head_dim, structural=True)
+    if any(getattr(module, n).bias is not None for n in names if isinstance(getattr(module, n), nn.Linear)):
+        raise LoweringError(f"{where}: config.attention_bias=True (biases on q_a_proj, kv_a_proj_with_mqa, o_proj) "
+                            "is not supported")
+    H = module.num_heads
+    if getattr(cfg, "num_key_value_heads", H) != H:
+        raise LoweringError(f"{qualname}: num_key_value_heads={cfg.num_key_value_heads} differs from "
+                            f"num_attention_heads={H}; MLA expands one k and v per head")
+    dr = module.qk_rope_head_dim
+    if dr % 2:
+        raise LoweringError(f"{qualname}: qk_rope_head_dim={dr} is odd; RoPE rotates pairs")
+    window, chunk = mask_of(cfg, getattr(module, "layer_idx", _ctx().layer_idx))
+    if window or chunk:
+        raise LoweringError(f"{where}: a sliding-window or chunked mask on latent attention is not modelled")
+    rope = rope_of(cfg, dr, where)
+    p = functools.partial(lambda q, n: _src(q, f"{n}.weight"), qualname)
+    scale = float(module.scaling)
+    return MLASpec(q=None if low_rank else p("q_proj"), q_a=p("q_a_proj") if low_rank else None,
+                   q_norm=norm_spec(module.q_a_layernorm, f"{qualname}.q_a_layernorm") if low_rank else None,
+                   q_b=p("q_b_proj") if low_rank else None, kv_a=p("kv_a_proj_with_mqa"),
+                   kv_norm=norm_spec(module.kv_a_layernorm, f"{qualname}.kv_a_layernorm"), kv_b=p("kv_b_proj"),
+                   o=p("o_proj"), heads=H, nope_dim=module.qk_nope_head_dim, rope_dim=dr,
+                   v_dim=module.v_head_dim, q_rank=module.q_lora_rank, kv_rank=module.kv_lora_rank,
+                   rope_theta=rope.theta, rope_interleave=bool(getattr(cfg, "rope_interleave", False)),
+                   tuple_output=returns_tuple(type(module)),
+                   rope=None if rope == RopeSpec(theta=rope.theta) else rope,
+                   scale=None if scale == module.qk_head_dim ** -0.5 else scale)
+
+
+# -- MLPs and experts ------------------------------------------------------------------------------
+
+def activation_of(module: nn.Module, qualname: str) -> str:
+    """'silu' | 'gelu' | 'gelu_tanh' from the module's act_fn / activation_fn."""
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    name = type(act).__name__
+    if name in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if name in ("GELUActivation", "GELU") and getattr(act, "approximate", "none") == "none":
+        return "gelu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh") or \
+            (name == "GELU" and getattr(act, "approximate", "") == "tanh"):
+        return "gelu_tanh"
+    raise LoweringError(f"{qualname}: activation {act!r} is not modelled (SiLU, GELU, tanh-GELU are)")
+
+
+def mlp_spec(module: nn.Module, qualname: str) -> MLPSpec:
+    """A dense gated MLP: down(act(gate(x)) * up(x)), no biases."""
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        _child_class_check(module, qualname, name)
+        if getattr(module, name).bias is not None:
+            raise LoweringError(f"{qualname}.{name}.bias: a dense MLP with biases is not modelled")
+    check_children(module, qualname, {"gate_proj", "up_proj", "down_proj", "act_fn", "activation_fn"})
+    q = functools.partial(lambda qn, n: _src(qn, f"{n}.weight"), qualname)
+    return MLPSpec(w1=q("gate_proj"), w3=q("up_proj"), w2=q("down_proj"), ffn_hidden=module.gate_proj.out_features,
+                   hidden=module.gate_proj.in_features, activation=activation_of(module, qualname))
+
+
+def _lookup(root, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _setting(name: str, *where, default=None):
+    for obj in where:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
+    """Top-k routed experts (+ shared experts, + their sigmoid gate) read by structure and the family row."""
+    ctx = _ctx()
+    row: Family = family_row(family_of(type(module)) or ctx.family)
+    cfg = ctx.config
+    rname = _router_name(module)
+    router = _child_class_check(module, qualname, rname)
+    for owner in (module, router):
+        jitter = getattr(owner, "jitter_noise", 0) or getattr(owner, "router_jitter_noise", 0)
+        if module.training and isinstance(jitter, float) and jitter > 0:
+            raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={jitter} is random per "
+                                "step and cannot be reproduced; set it to 0")
+    experts = module.experts
+    E, h = router.weight.shape
+    top_k = _setting("top_k", router, module, default=None) or _setting("num_experts_per_tok", cfg)
+    if not isinstance(top_k, int):
+        raise LoweringError(f"{qualname}: no top_k on {rname}, the block or the config")
+    rr = row.router
+    normalize = rr.normalize if isinstance(rr.normalize, bool) else \
+        bool(_setting(rr.normalize, router, module, cfg, default=False))
+    scoring = rr.scoring
+    choice = None
+    if rr.choice_bias is not None:
+        bias = _lookup(module, rr.choice_bias)
+        if bias is None:
+            raise LoweringError(f"{qualname}: the family's router reads {rr.choice_bias}, which is missing")
+        choice = _src(qualname, rr.choice_bias)
+    groups = int(_setting("num_group", router, default=None) or _setting("n_group", cfg, default=1) or 1)
+    topk_groups = int(_setting("topk_group", router, cfg, default=1) or 1)
+    if rr.grouped is not None and _setting(rr.grouped[0], router, cfg) != rr.grouped[1]:
+        groups = topk_groups = 1
+    scale = float(_setting("routed_scaling_factor", router, module, cfg, default=1.0) or 1.0)
+    if rr.scoring == "softmax" and not getattr(cfg, "routed_scaling_factor", None):
+        scale = 1.0
+    known = {rname, "experts"}
+    shared = None
+    for name in SHARED_NAMES:
+        if getattr(module, name, None) is not None and name in forward_reads(type(module)):
+            known.add(name)
+            shared = mlp_spec(_child_class_check(module, qualname, name), f"{qualname}.{name}")
+    gate_name = "shared_expert_gate"
+    if getattr(module, gate_name, None) is not None and gate_name in forward_reads(type(module)):
+        known.add(gate_name)
+        if module.shared_expert_gate.out_features != 1:
+            raise LoweringError(f"{qualname}.shared_expert_gate has {module.shared_expert_gate.out_features} "
+                                "outputs, not 1")
+        shared = _replace(shared, gate=_src(qualname, "shared_expert_gate.weight"))
+    check_children(module, qualname, known)
+    w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
+    router_bias = _src(qualname, f"{rname}.bias") if getattr(router, "bias", None) is not None else None
+    expert_bias = _expert_biases(experts, f"{qualname}.experts", f, row)
+    return MoESpec(router=_src(qualname, f"{rname}.weight"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
+                   ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, scoring=scoring, score_bias=choice,
+                   groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
+                   activation=act, router_bias=router_bias, expert_bias=expert_bias,
+                   tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
+                   swiglu_alpha=layout.get("alpha"))
+
+
+def _replace(spec, **changes):
+    import dataclasses
+    return dataclasses.replace(spec, **changes)
+
+
+def _expert_weights(experts: nn.Module, qualname: str, h: int, row: Family):
+    """(w1, w3, w2, f, activation, extra) from fused 3-D weights: gate_up_proj [E, 2f, h] (or [E, h, 2f],
+    then read transposed) and down_proj [E, h, f] (or [E, f, h])."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3):
+        raise LoweringError(f"{qualname} ({type(experts).__name__}): only fused 3-D expert weights (gate_up_proj, "
+                            "down_proj) are modelled")
+    _, a, b = gate_up.shape
+    transposed = b != h and a == h or (a == h and b == 2 * down.shape[1] and down.shape[2] == h)
+    two_f = b if transposed else a
+    f = two_f // 2
+    gu = f"{qualname}.gate_up_proj"
+    if row.experts.gate_up == "interleaved":
+        first, second = ParamSource(gu, narrow=(1, 0, f), step=2, transpose=transposed), \
+            ParamSource(gu, narrow=(1, 1, f), step=2, transpose=transposed)
+    else:
+        first, second = ParamSource(gu, narrow=(1, 0, f), transpose=transposed), \
+            ParamSource(gu, narrow=(1, f, f), transpose=transposed)
+    w1, w3 = (second, first) if row.experts.order == "up-gate" else (first, second)
+    w2 = ParamSource(f"{qualname}.down_proj", transpose=down.shape[1] == f and down.shape[2] == h and f != h)
+    extra = {}
+    if getattr(experts, "act_fn", None) is not None:
+        act = activation_of(experts, qualname)
+    elif isinstance(getattr(experts, "alpha", None), float) and isinstance(getattr(experts, "limit", None), float):
+        act, extra = "clamped_swiglu", {"alpha": float(experts.alpha), "limit": float(experts.limit)}
+    else:
+        raise LoweringError(f"{qualname} ({type(experts).__name__}): no act_fn and no (alpha, limit) of a clamped "
+                            "SwiGLU: its activation is not modelled")
+    return w1, w3, w2, f, act, extra
+
+
+def _expert_biases(experts: nn.Module, qualname: str, f: int, row: Family):
+    b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+    if b13 is None and b2 is None:
+        return None
+    if b13 is None or b2 is None:
+        raise LoweringError(f"{qualname}: a bias on only one of gate_up_proj and down_proj is not modelled")
+    src = f"{qualname}.gate_up_proj_bias"
+    if row.experts.gate_up == "interleaved":
+        first, second = ParamSource(src, narrow=(1, 0, f), step=2), ParamSource(src, narrow=(1, 1, f), step=2)
+    else:
+        first, second = ParamSource(src, narrow=(1, 0, f)), ParamSource(src, narrow=(1, f, f))
+    b1, b3 = (second, first) if row.experts.order == "up-gate" else (first, second)
+    return b1, b3, ParamSource(f"{qualname}.down_proj_bias")
+
+
+_BUILDERS = {"norm": norm_spec, "attention": attention_spec, "mla": mla_spec, "moe": moe_spec, "mlp": mlp_spec}
