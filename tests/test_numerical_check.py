@@ -1,0 +1,264 @@
+"""Never silently wrong by construction (issue 27, item 2): every compile runs each lowered layer
+against its eager module (moegraph.lowering.check). With the structural guard switched off, so that
+only the numbers can refuse, modules that resemble a supported one but compute something else are
+refused in one line naming the first value that diverges; a supported one compiles; a repeat
+compile pays nothing.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moegraph.ir import Strategy
+from moegraph.lowering import LoweringError
+from moegraph.lowering.check import checked_count, layer_digest
+from moegraph.lowering.structural import structural_guard
+from moegraph.tracer import extract_program, trace_module
+
+transformers = pytest.importorskip("transformers")
+from transformers import MixtralConfig, Qwen2MoeConfig  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral as mx  # noqa: E402
+from transformers.models.qwen2_moe import modeling_qwen2_moe as qw  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+STRATEGY = Strategy("sp", "ep", "ag-rs", 2, dtype="fp32")
+
+
+def mixtral(**overrides) -> mx.MixtralDecoderLayer:
+    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
+                        num_local_experts=8, num_experts_per_tok=2, attn_implementation="sdpa", **overrides)
+    torch.manual_seed(0)
+    layer = mx.MixtralDecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def refusal(layer: nn.Module) -> str:
+    """The one line the numerical check refuses ``layer`` with, the structural guard off."""
+    for p in layer.parameters():          # replaced parts come with their own init: randomise them too
+        if p.dim() == 1 and bool((p == p[0]).all()):
+            nn.init.normal_(p, std=0.2)
+    with structural_guard(False), pytest.raises(LoweringError) as info:
+        trace_module(layer, STRATEGY, batch=1, seq=16)
+    text = str(info.value)
+    assert "\n" not in text and "the lowered graph differs from the eager module at" in text, text
+    return text
+
+
+# -- the five modified modules of the guard tests (tests/test_lowering_guard.py) --------------------
+
+class SharedExpertMoe(mx.MixtralSparseMoeBlock):
+    def __init__(self, config):
+        super().__init__(config)
+        h, f = config.hidden_size, config.intermediate_size
+        self.shared_up, self.shared_gate = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
+        self.shared_down = nn.Linear(f, h, bias=False)
+
+    def forward(self, x):
+        return super().forward(x) + self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
+
+
+class OnePlusRMSNorm(mx.MixtralRMSNorm):
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1 + self.weight)
+
+
+class QKNormAfterRopeAttention(mx.MixtralAttention):
+    """Per-head q/k norms applied AFTER RoPE: the structural reading (Qwen3's) applies them before."""
+
+    def __init__(self, config, layer_idx):
+        super().__init__(config, layer_idx)
+        self.q_norm, self.k_norm = mx.MixtralRMSNorm(self.head_dim), mx.MixtralRMSNorm(self.head_dim)
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+        b, s, _ = hidden_states.shape
+        q = self.q_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
+        q, k = mx.apply_rotary_pos_emb(q, k, *position_embeddings)
+        q, k = self.q_norm(q), self.k_norm(k)
+        k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
+
+
+class NoisyRouter(mx.MixtralTopKRouter):
+    def forward(self, hidden_states):
+        return super().forward(hidden_states + 0.1)
+
+
+def test_a_shared_expert_the_block_does_not_describe_is_refused_at_the_block():
+    layer = mixtral()
+    layer.mlp = SharedExpertMoe(layer.self_attn.config)
+    assert "at 'mlp' (SharedExpertMoe), its output" in refusal(layer)
+
+
+def test_a_one_plus_w_rmsnorm_is_refused_at_the_norm():
+    layer = mixtral()
+    layer.post_attention_layernorm = OnePlusRMSNorm(64)
+    assert "at 'post_attention_layernorm' (OnePlusRMSNorm), its output" in refusal(layer)
+
+
+def test_qk_norms_after_rope_are_refused_at_the_attention():
+    layer = mixtral()
+    layer.self_attn = QKNormAfterRopeAttention(layer.self_attn.config, 0)
+    assert "at 'self_attn' (QKNormAfterRopeAttention), its output" in refusal(layer)
+
+
+def test_a_q_bias_without_k_and_v_biases_is_refused_at_the_attention():
+    layer = mixtral()
+    layer.self_attn.q_proj = nn.Linear(64, 64, bias=True)
+    assert "at 'self_attn' (MixtralAttention), its output" in refusal(layer)
+
+
+def test_a_router_shifting_its_input_is_refused_at_the_block():
+    layer = mixtral()
+    layer.mlp.gate = NoisyRouter(layer.self_attn.config)
+    assert "at 'mlp' (MixtralSparseMoeBlock), its output" in refusal(layer)
+
+
+# -- new near misses: an extra bias, a changed activation, norm, router normalisation ---------------
+
+class BiasedRMSNorm(mx.MixtralRMSNorm):
+    """An RMSNorm plus a bias (no mean removed): the structural reading of a norm with a bias its
+    forward reads is a LayerNorm."""
+
+    def __init__(self, hidden):
+        super().__init__(hidden)
+        self.bias = nn.Parameter(torch.zeros(hidden))
+
+    def forward(self, x):
+        return super().forward(x) + self.bias
+
+
+class GeluExperts(mx.MixtralExperts):
+    """act_fn still says SiLU; the forward applies GELU."""
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for t in range(hidden_states.shape[0]):
+            for slot in range(top_k_index.shape[1]):
+                e = int(top_k_index[t, slot])
+                gate, up = F.linear(hidden_states[t], self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[t] += F.linear(F.gelu(gate) * up, self.down_proj[e]) * top_k_weights[t, slot]
+        return out
+
+
+class MeanSquareNorm(mx.MixtralRMSNorm):
+    """Divides by the mean square instead of its square root."""
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf / (xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).to(x.dtype)
+
+
+class RenormalisingRouter(qw.Qwen2MoeTopKRouter):
+    """Renormalises its top-k weights although config.norm_topk_prob is False."""
+
+    def forward(self, hidden_states):
+        logits, weights, experts = super().forward(hidden_states)
+        return logits, weights / weights.sum(-1, keepdim=True), experts
+
+
+def qwen2_moe() -> qw.Qwen2MoeDecoderLayer:
+    cfg = Qwen2MoeConfig(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                         shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3,
+                         num_attention_heads=8, num_key_value_heads=4, num_hidden_layers=1, norm_topk_prob=False,
+                         attn_implementation="sdpa")
+    cfg._experts_implementation = "eager"
+    torch.manual_seed(0)
+    layer = qw.Qwen2MoeDecoderLayer(cfg, 0)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.2)
+    return layer
+
+
+def test_an_extra_bias_in_a_norm_is_refused_at_the_norm():
+    layer = mixtral()
+    layer.input_layernorm = BiasedRMSNorm(64)
+    assert "at 'input_layernorm' (BiasedRMSNorm), its output" in refusal(layer)
+
+
+def test_a_changed_expert_activation_is_refused_at_the_block():
+    layer = mixtral()
+    layer.mlp.experts = GeluExperts(layer.self_attn.config)
+    assert "at 'mlp' (MixtralSparseMoeBlock), its output" in refusal(layer)
+
+
+def test_a_changed_norm_is_refused_at_the_norm():
+    layer = mixtral()
+    layer.post_attention_layernorm = MeanSquareNorm(64)
+    assert "at 'post_attention_layernorm' (MeanSquareNorm), its output" in refusal(layer)
+
+
+def test_a_changed_router_normalisation_is_refused_at_the_block():
+    layer = qwen2_moe()
+    layer.mlp.gate = RenormalisingRouter(layer.self_attn.config)
+    assert "at 'mlp' (Qwen2MoeSparseMoeBlock), its output" in refusal(layer)
+
+
+def test_with_the_guard_on_the_same_modules_are_named_before_any_numbers():
+    """The structural guard stays: the subclass is named (not just its numbers)."""
+    layer = mixtral()
+    layer.post_attention_layernorm = MeanSquareNorm(64)
+    with pytest.raises(LoweringError, match=r"MeanSquareNorm\) subclasses MixtralRMSNorm but overrides forward"):
+        trace_module(layer, STRATEGY, batch=1, seq=16)
+
+
+def test_the_unmodified_families_pass_with_the_guard_off():
+    with structural_guard(False):
+        trace_module(mixtral(), STRATEGY, batch=1, seq=16)
+        trace_module(qwen2_moe(), STRATEGY, batch=1, seq=16)
+
+
+# -- what the check compares, and its cache -------------------------------------------------------
+
+def test_a_gradient_only_difference_names_the_parameter():
+    """A router whose forward detaches its weight: outputs agree, the router weight's gradient does not."""
+    class DetachedRouter(mx.MixtralTopKRouter):
+        def forward(self, hidden_states):
+            hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+            logits = F.linear(hidden_states, self.weight.detach())
+            probs = torch.softmax(logits.float(), dim=-1)
+            top, idx = torch.topk(probs, self.top_k, dim=-1)
+            return logits, top / top.sum(-1, keepdim=True), idx
+    layer = mixtral()
+    layer.mlp.gate = DetachedRouter(layer.self_attn.config)
+    text = refusal(layer)
+    assert "at the gradient of 'mlp.gate.weight'" in text, text
+
+
+def test_a_repeat_compile_pays_nothing():
+    layer = mixtral(rope_theta=12345.0)          # a structure no other test checks
+    t0 = time.perf_counter()
+    trace_module(layer, STRATEGY, batch=1, seq=16)
+    first, count = time.perf_counter() - t0, checked_count()
+    other = mixtral(rope_theta=12345.0)          # the same structure, other weights: the cache answers
+    t0 = time.perf_counter()
+    trace_module(other, STRATEGY, batch=1, seq=16)
+    assert checked_count() == count
+    assert time.perf_counter() - t0 < first
+
+
+def test_the_digest_tells_structures_and_strategies_apart():
+    a, b = mixtral(), mixtral()
+    pa, pb = extract_program(a), extract_program(b)
+    assert layer_digest(a, pa, STRATEGY) == layer_digest(b, pb, STRATEGY)
+    assert layer_digest(a, pa, STRATEGY) != layer_digest(a, pa, Strategy("tp", "tp", "ag-rs", 2, dtype="fp32"))
+    b.mlp.gate.top_k = 3                        # a scalar the forward reads
+    assert layer_digest(a, pa, STRATEGY) != layer_digest(b, extract_program(b), STRATEGY)
+
+
+def test_a_meta_module_is_planned_without_a_check():
+    with torch.device("meta"):
+        layer = mx.MixtralDecoderLayer(mixtral().self_attn.config, 0)
+    count = checked_count()
+    trace_module(layer, STRATEGY, batch=1, seq=16)
+    assert checked_count() == count
