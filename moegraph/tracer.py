@@ -169,6 +169,7 @@ def extract_program(module: nn.Module) -> LayerProgram:
 
 def _extract_program(module: nn.Module) -> LayerProgram:
     check_patches_and_hooks(module)
+    _check_blocks(module)
     if find_rule(module) is not None:     # a rule describes one block inside a layer, never a layer
         cls = type(module)
         raise LoweringError(f"{cls.__module__}.{cls.__name__} is one block of a decoder layer, not a layer (its "
@@ -220,6 +221,19 @@ def _extract_program(module: nn.Module) -> LayerProgram:
     held = [*module.named_parameters(), *module.named_buffers()]
     reads = tuple((name, tuple(t.shape)) for name, t in held if name not in unused)
     return LayerProgram(tuple(steps), output, reads)
+
+
+def _check_blocks(layer: nn.Module) -> None:
+    """A transformers decoder layer's children holding parameters must each be a block with a rule
+    (the structural ones: attention, latent attention, MoE, MLP, norm): a Mamba mixer or a linear
+    attention is named before tracing, not as a tracing failure inside it."""
+    from moegraph.lowering.structural import family_of
+    if family_of(type(layer)) is None:
+        return
+    for name, child in layer.named_children():
+        if next(child.parameters(), None) is not None and find_rule(child, name) is None:
+            raise LoweringError(f"{name!r} ({type(child).__name__}) is not modelled: the structural lowering reads "
+                                "attention (GQA or latent), MoE, MLP and norm blocks")
 
 
 def check_coverage(graph: Graph, program: LayerProgram) -> None:

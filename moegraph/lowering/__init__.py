@@ -303,6 +303,9 @@ def find_model_rule(model: nn.Module) -> ModelRule:
     transformers causal LM recognised by its children."""
     _load_families()
     rule = _MODEL_RULES.get(type(model)) or _structural_model_rule(model)
+    if rule is None and "transformers" in sys.modules:
+        from moegraph.lowering.hf_common import explain_no_rule
+        explain_no_rule(model)           # raises naming the construct of a transformers model it cannot read
     if rule is None:
         cls = type(model)
         known = ", ".join(sorted(t.__name__ for t in _MODEL_RULES))

@@ -44,7 +44,7 @@ from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_layernorm,
-                                          expert_bias_params)
+                                          expert_bias_params, mask_attrs, router_attrs)
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
@@ -204,10 +204,9 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
         g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
                attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d), "mode": "split"}, **kw)
-        if spec.qk_norm_per_head:
-            q = emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw)
-            k = emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw)
-        elif spec.q_norm is not None:
+        if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
+            q, k = _head_norms(g, spec, q, k, c, kw)
+        elif spec.q_norm is not None and not spec.qk_norm_per_head:
             q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
             k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
         if spec.use_rope:
@@ -215,6 +214,8 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
             g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
                    attrs=rope_attrs, **kw)
             q, k = q_rope, k_rope
+        if spec.qk_norm_after_rope:
+            q, k = _head_norms(g, spec, q, k, c, kw)
         qa, ka, va = _ulysses_in(g, q, k, v, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
     y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw, spec=spec)
@@ -357,7 +358,7 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * dv)) for j in range(N)]
     attrs = {"head_dim": d, "causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
     # QK^T and PV over the causal half: (d + dv) b s^2 H/n
-    flops, extra, mask = b * s * s * (H // n) * (d + dv), (), _mask_attrs(spec)
+    flops, extra, mask = b * s * s * (H // n) * (d + dv), (), mask_attrs(spec)
     if mask.get("window") or mask.get("chunk"):       # only the pairs the mask keeps: 2 (d + dv) b H/n pairs
         flops = 2 * b * (H // n) * (d + dv) * attention_pairs(s, mask.get("window"), mask.get("chunk"))
     if getattr(spec, "sinks", None) is not None:      # [H] cut by heads: this rank attends H/n of them
@@ -389,13 +390,11 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
 
 
-def _mask_attrs(spec) -> dict:
-    """ATTENTION attrs beyond plain causal GQA: window, chunk, softmax scale, sinks (family_kernels.attend)."""
-    if spec is None:
-        return {}
-    found = {"window": getattr(spec, "window", None), "chunk": getattr(spec, "chunk", None),
-             "scale": spec.scale}
-    return {k: v for k, v in found.items() if v is not None} | ({"sinks": True} if getattr(spec, "sinks", None) else {})
+def _head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict) -> tuple[str, str]:
+    """Per-head q and k norms (weights [d], or weightless L2): [b, S, X*d] -> [b, S, X*d] each."""
+    d = spec.head_dim
+    return (emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps),
+            emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps))
 
 
 def _emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
@@ -555,24 +554,6 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
-
-
-def router_attrs(spec: MoESpec) -> dict:
-    """The ROUTER node's attributes: ``scoring`` always (the kernel reads no default); the other
-    fields only where they differ from Mixtral's softmax router."""
-    attrs = {"top_k": spec.top_k, "experts": spec.experts, "scoring": spec.scoring} \
-        | ({} if spec.normalize else {"normalize": False})
-    if not spec.plain_router:         # family_kernels.route_general: every field explicit
-        return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
-                        "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
-                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize}
-    if spec.scoring == "sigmoid":
-        attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
-                  "score_bias": spec.score_bias is not None}
-    elif spec.score_bias is not None or spec.groups != 1 or spec.scale != 1.0:
-        raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
-                          "sigmoid scoring only")
-    return attrs
 
 
 def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:

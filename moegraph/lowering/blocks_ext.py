@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import math
 
-from moegraph.builder import GraphBuilder
+from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import OpKind, ParamSource, ParamSpec
-from moegraph.lowering.specs import Activation, NormSpec
+from moegraph.lowering.specs import Activation, MoESpec, NormSpec
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -43,14 +43,15 @@ def emit_bias(g: GraphBuilder, x: str, src: ParamSource, *, name: str, out: str,
     return y
 
 
-def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str, head_dim: int, kw: dict) -> str:
+def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str, head_dim: int, kw: dict,
+                   l2_eps: float | None = None) -> str:
     """RMSNorm of each head's d features of [b, S, X*d] with one weight [d] shared by the heads
-    (Qwen3's q/k norm), or with ``spec`` None a weightless L2 norm (Llama 4's) of eps from ``kw``."""
+    (Qwen3's q/k norm), or with ``spec`` None a weightless L2 norm of eps ``l2_eps`` (Llama 4's).
+    Each rank holds whole heads (tp cuts by heads), so no cross-rank reduction is needed."""
     y = g.like(f"{name}_out", x)
     if spec is None:
-        eps = kw.pop("eps")
         g.node(name, OpKind.NORM, (x,), (y,), flops=3 * _numel(g, x),
-               attrs={"kind": "l2", "eps": eps, "group": head_dim}, **kw)
+               attrs={"kind": "l2", "eps": l2_eps, "group": head_dim}, **kw)
         return y
     w = g.param(f"{name}.weight", (head_dim,), ParamSpec((spec.weight,), shard_dim=None))
     g.node(name, OpKind.NORM, (x, w), (y,), flops=4 * _numel(g, x),
@@ -100,3 +101,30 @@ def emit_grouped_bias(g: GraphBuilder, name: str, rows: str, bias: str, seg: str
     g.node(name, OpKind.GROUPED_BIAS, ins, (y,), flops=_numel(g, rows),
            attrs={"share": share} if share != 1 else {}, **kw)
     return y
+
+
+def mask_attrs(spec) -> dict:
+    """ATTENTION attrs beyond plain causal GQA: window, chunk, softmax scale, sinks (family_kernels.attend)."""
+    if spec is None:
+        return {}
+    found = {"window": getattr(spec, "window", None), "chunk": getattr(spec, "chunk", None),
+             "scale": spec.scale}
+    return {k: v for k, v in found.items() if v is not None} | ({"sinks": True} if getattr(spec, "sinks", None) else {})
+
+
+def router_attrs(spec: MoESpec) -> dict:
+    """The ROUTER node's attributes: ``scoring`` always (the kernel reads no default); the other
+    fields only where they differ from Mixtral's softmax router."""
+    attrs = {"top_k": spec.top_k, "experts": spec.experts, "scoring": spec.scoring} \
+        | ({} if spec.normalize else {"normalize": False})
+    if not spec.plain_router:         # family_kernels.route_general: every field explicit
+        return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
+                        "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
+                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize}
+    if spec.scoring == "sigmoid":
+        attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
+                  "score_bias": spec.score_bias is not None}
+    elif spec.score_bias is not None or spec.groups != 1 or spec.scale != 1.0:
+        raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
+                          "sigmoid scoring only")
+    return attrs

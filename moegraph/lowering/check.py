@@ -130,8 +130,13 @@ def _run_check(module, program, strategy: Strategy, name: str, call, randomize: 
     try:
         with torch.enable_grad():
             xr = x.clone().requires_grad_(True)
-            y = _first(torch.func.functional_call(module, {**held, **dict(named)}, (xr,), call(xr),
-                                                  tie_weights=False))
+            try:
+                y = _first(torch.func.functional_call(module, {**held, **dict(named)}, (xr,), call(xr),
+                                                      tie_weights=False))
+            except Exception as err:  # noqa: BLE001 - the eager module fails as its model would call it
+                raise LoweringError(f"{name}: the eager module cannot run on a [{CHECK_BATCH}, {s}, {dims.h}] input "
+                                    f"as its model calls it ({type(err).__name__}: {err}), so the lowered graph "
+                                    "cannot be checked against it") from None
             if not randomize and not bool(torch.isfinite(y).all()):
                 raise _NotFinite()
             grads = torch.autograd.grad(y, [xr, *[p for _, p in named]], dy, allow_unused=True)

@@ -19,21 +19,23 @@ GroupScore = Literal["top2-sum", "max"]
 
 @dataclass(frozen=True)
 class RouterRow:
-    """How a family's router turns logits into top-k weights (``MoESpec``'s router fields).
+    """How a family's router turns logits into top-k weights (``MoESpec``'s router fields); a field
+    left None is read from the router itself (``structural.router_behaviour``: its forward's source
+    and attributes).
 
     scoring:      softmax over the experts, or a sigmoid per expert.
     normalize:    renormalise the chosen weights to sum to 1: a bool, or the name of the
                   attribute (on the router, the block or the config) that says it.
     choice_bias:  attribute path (from the MoE block) of the score-correction bias added to the
-                  scores for the choice only, or None.
+                  scores for the choice only.
     group_score:  how an expert group ranks for grouped routing (n_group / topk_group):
                   the sum of its two best scores (DeepSeek-V3) or its best one (DeepSeek-V2).
     grouped:      the attribute that switches grouped routing on (e.g. topk_method), with the
                   value meaning "grouped"; None: grouped whenever n_group > 1.
     """
 
-    scoring: Scoring = "softmax"
-    normalize: bool | str = "norm_topk_prob"
+    scoring: Scoring | None = None
+    normalize: bool | str | None = None
     choice_bias: str | None = None
     group_score: GroupScore = "top2-sum"
     grouped: tuple[str, str] | None = None
@@ -66,23 +68,11 @@ DEFAULT = Family()
 
 FAMILIES: dict[str, Family] = {
     "mixtral": Family(router=RouterRow(normalize=True)),
-    "qwen2_moe": Family(),
-    "qwen3_moe": Family(),
-    "olmoe": Family(),
-    "flex_olmo": Family(),
-    "deepseek_v3": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
-    "glm4_moe": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
-    "glm4_moe_lite": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
-    "dots1": Family(router=RouterRow(scoring="sigmoid", choice_bias="gate.e_score_correction_bias")),
     "deepseek_v2": Family(router=RouterRow(normalize=False, group_score="max",
                                            grouped=("topk_method", "group_limited_greedy"))),
-    "minimax_m2": Family(router=RouterRow(scoring="sigmoid", choice_bias="e_score_correction_bias",
-                                          normalize=True)),
+    "minimax_m2": Family(router=RouterRow(choice_bias="e_score_correction_bias", normalize=True)),
     "ernie4_5_moe": Family(router=RouterRow(normalize=True, choice_bias="gate.moe_statics.e_score_correction_bias")),
-    "gpt_oss": Family(router=RouterRow(normalize=True), experts=ExpertRow(gate_up="interleaved")),
-    "llama4": Family(router=RouterRow(scoring="sigmoid", normalize=False)),
-    "phimoe": Family(unsupported="the sparsemixer router (PhimoeTopKRouter: top-2 by masked Gumbel-style "
-                                 "jitter selection)"),
+    "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
 }
 
 

@@ -117,6 +117,31 @@ def is_causal_lm(model: nn.Module) -> bool:
             and isinstance(children["lm_head"], nn.Linear) and is_base_model(children["model"]))
 
 
+def explain_no_rule(model: nn.Module) -> None:
+    """Raise one line naming why a transformers causal LM or base model is not recognised: its first
+    decoder layer the structural lowering refuses, or the children its base model has beyond (or
+    without) embed_tokens, layers, norm and rotary_emb. Returns for a model of another library."""
+    from moegraph.tracer import extract_program
+    if family_of(type(model)) is None:
+        return
+    base = model.model if isinstance(getattr(model, "model", None), nn.Module) else model
+    layers = getattr(base, "layers", None)
+    if isinstance(layers, nn.ModuleList):
+        for i, layer in enumerate(layers):
+            try:
+                extract_program(layer)
+            except LoweringError as err:
+                raise LoweringError(f"{type(model).__name__}: layer {i}: {err}") from None
+    children = {name: type(child).__name__ for name, child in base.named_children()}
+    extra = {k: v for k, v in children.items() if k not in BASE_CHILDREN}
+    missing = [k for k in BASE_CHILDREN if k not in children]
+    parts = ([f"holds {', '.join(f'{k!r} ({v})' for k, v in extra.items())}"] if extra else []) + \
+        ([f"has no {', '.join(map(repr, missing))}"] if missing else [])
+    raise LoweringError(f"{type(model).__name__}: its base model {type(base).__name__} "
+                        f"{' and '.join(parts) or 'differs'}: the structural model rule reads embed_tokens, layers, "
+                        "norm and rotary_emb around the decoder layers")
+
+
 def structural_model_rule(model: nn.Module) -> ModelRule | None:
     """A ModelRule for a transformers causal LM or base model recognised by its children."""
     if is_causal_lm(model):
@@ -151,6 +176,8 @@ def check_rotary(rotary: nn.Module, qualname: str) -> None:
     """The model's rotary module holds the frequencies a freshly built one has (what the layers'
     RopeSpecs were read from), in fp32."""
     fresh = type(rotary)(rotary.config)
+    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+        raise LoweringError(f"{qualname} ({type(rotary).__name__}) holds no inv_freq: its RoPE is not modelled")
     if rotary.inv_freq.dtype != fresh.inv_freq.dtype:
         # model.to(torch.bfloat16) casts the buffer too: eager then rotates with the rounded
         # frequencies, the compiled layers with the config's exact ones

@@ -87,6 +87,8 @@ class AttentionSpec:
     q_norm: NormSpec | None = None
     k_norm: NormSpec | None = None
     qk_norm_per_head: bool = False
+    qk_norm_after_rope: bool = False       # per-head norms applied after RoPE (HunYuan, Llama 4)
+    qk_l2_eps: float | None = None         # a weightless L2 norm of each q and k head (Llama 4), its eps
     rope: RopeSpec | None = None     # None: the default RoPE of rope_theta
     use_rope: bool = True            # False: no rotary embedding at all (Llama 4's NoPE layers)
     o_bias: ParamSource | None = None      # [h], added after the output projection (GPT-OSS)

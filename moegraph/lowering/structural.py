@@ -178,9 +178,18 @@ def _router_name(module: nn.Module) -> str | None:
     for name in ROUTER_NAMES:
         child = module._modules.get(name)
         w = child._parameters.get("weight") if isinstance(child, nn.Module) else None
+        if w is None and isinstance(child, nn.Module) and isinstance(child._modules.get("wg"), nn.Linear):
+            w = child._modules["wg"]._parameters.get("weight")         # HunYuan: the router's linear is gate.wg
         if w is not None and w.dim() == 2:
             return name
     return None
+
+
+def _router_weight(router: nn.Module) -> tuple[str, nn.Parameter]:
+    """(path below the router, weight [E, h]) of a router child."""
+    if router._parameters.get("weight") is not None:
+        return "weight", router._parameters["weight"]
+    return "wg.weight", router._modules["wg"]._parameters["weight"]
 
 
 def structural_rule(module: nn.Module, qualname: str) -> Rule | None:
@@ -195,7 +204,21 @@ def structural_rule(module: nn.Module, qualname: str) -> Rule | None:
         if base is None:
             return None          # not a transformers class: only a registered rule may describe it
         _check_overrides(cls, base, qualname)
-    return Rule(cls, _BUILDERS[kind])
+    return Rule(cls, _read_failures(kind, _BUILDERS[kind]))
+
+
+def _read_failures(kind: str, build):
+    """``build`` with a failure to read the module's structure (an attribute it lacks, a shape that
+    does not fit) turned into one LoweringError line naming the module: a refusal, not a traceback."""
+    def rule(module: nn.Module, qualname: str):
+        try:
+            return build(module, qualname)
+        except LoweringError:
+            raise
+        except (AttributeError, TypeError, KeyError, IndexError, ValueError, ZeroDivisionError) as err:
+            raise LoweringError(f"{qualname or 'the layer'} ({type(module).__name__}): its {kind} structure is not the "
+                                f"one modelled ({type(err).__name__}: {err})") from None
+    return rule
 
 
 def _check_overrides(cls: type, base: type, qualname: str) -> None:
@@ -280,6 +303,8 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
     if kind == "full_attention":
         return None, None
     if kind == "sliding_attention":
+        if not getattr(cfg, "sliding_window", None):
+            return None, None              # a sliding layer without a window: transformers masks it fully causal
         return int(cfg.sliding_window), None
     if kind == "chunked_attention":
         return None, int(cfg.attention_chunk_size)
@@ -303,7 +328,27 @@ def rope_of(cfg, head_dim: int, where: str) -> RopeSpec:
     if dim > head_dim or dim % 2:
         raise LoweringError(f"{where}: the rotary module rotates {dim} dims of a {head_dim}-dim head")
     freqs = None if tuple(inv) == default else tuple(inv)
-    return RopeSpec(theta=theta, inv_freq=freqs, scaling=float(scaling), dim=None if dim == head_dim else dim)
+    return RopeSpec(theta=theta, inv_freq=freqs, scaling=float(scaling), dim=None if dim == head_dim else dim,
+                    interleave=rope_interleaved(_ctx().family))
+
+
+def rope_interleaved(family: str | None) -> bool:
+    """Whether the family's rotation pairs (2i, 2i+1) rather than (i, i + d/2), read from its modeling
+    file: a rotate_half that slices ::2, or a rotation through complex numbers (view_as_complex)."""
+    if family is None:
+        return False
+    import importlib
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    sources = []
+    for fn_name in ("rotate_half", "apply_rotary_emb", "apply_rotary_pos_emb"):
+        fn = getattr(mod, fn_name, None)
+        if callable(fn):
+            try:
+                sources.append(inspect.getsource(inspect.unwrap(fn)))
+            except (OSError, TypeError):
+                pass
+    text = "\n".join(sources)
+    return "view_as_complex" in text or "::2]" in text
 
 
 def _rope_init(cfg, rope_type: str, head_dim: int, functions) -> tuple[tuple[float, ...], float]:
@@ -312,7 +357,10 @@ def _rope_init(cfg, rope_type: str, head_dim: int, functions) -> tuple[tuple[flo
     if rotary_cls is not None:
         with torch.device("cpu"):
             rotary = rotary_cls(cfg)
-        return tuple(rotary.inv_freq.float().tolist()), float(rotary.attention_scaling)
+        if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
+            raise LoweringError(f"{rotary_cls.__name__} holds no inv_freq (per-layer-type rotary embeddings): its "
+                                "RoPE is not modelled")
+        return tuple(rotary.inv_freq.float().tolist()), float(getattr(rotary, "attention_scaling", 1.0))
     if rope_type == "default":
         return RopeSpec.default_inv_freq(float(cfg.rope_parameters["rope_theta"]), head_dim), 1.0
     inv, scaling = functions[rope_type](cfg, "cpu")
@@ -330,6 +378,45 @@ def _rotary_class(cfg) -> type | None:
     return getattr(mod, names[0]) if names else None
 
 
+QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
+
+
+def _used_after_rope(cls: type, attr: str) -> bool:
+    """Whether cls.forward first uses self.<attr> after its first call of a rotary function (a
+    callee whose name mentions rotary or rope): read from the source's line order."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward))))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    use = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == attr
+           and isinstance(n.value, ast.Name) and n.value.id == "self"]
+    rope = [n.lineno for n in ast.walk(tree) if isinstance(n, ast.Call)
+            and any(w in ast.unparse(n.func).lower() for w in ("rotary", "rope"))]
+    return bool(use and rope) and min(use) > min(rope)
+
+
+def rope_applied(module: nn.Module) -> bool:
+    """Whether this attention module rotates q and k: its forward's rotary call, when it sits under
+    ``if <test>`` reading only self's attributes (Llama 4's ``self.use_rope``, Cohere2's
+    ``self.sliding_window is not None or self.force_rope``), runs iff the test holds for this module."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.If):
+            continue
+        rotates = any(isinstance(n, ast.Call) and any(w in ast.unparse(n.func).lower() for w in ("rotary", "rope"))
+                      for stmt in node.body for n in ast.walk(stmt))
+        names = {n.id for n in ast.walk(node.test) if isinstance(n, ast.Name)}
+        if rotates and names <= {"self", "None", "True", "False"}:
+            try:
+                return bool(eval(compile(ast.Expression(node.test), "<rope test>", "eval"), {}, {"self": module}))
+            except Exception:  # noqa: BLE001 - an unreadable test: assume the rotation runs; the check decides
+                return True
+    return True
+
+
 def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     """GQA attention read from q/k/v/o_proj's shapes and the config (module docstring)."""
     from moegraph.lowering.hf_common import check_attention
@@ -345,25 +432,32 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     check_attention(module, qualname, head_dim=d, structural=True)
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
-    use_rope = getattr(module, "use_rope", True) if "use_rope" in reads else True
+    use_rope = rope_applied(module)
     rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})") if use_rope else None
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
         if all(b is not None for b in biases) else None
     o_bias = _src(qualname, "o_proj.bias") if module.o_proj.bias is not None else None
-    q_norm = k_norm = None
-    per_head = False
+    q_norm = k_norm = l2 = None
+    per_head = after = False
     known = {"q_proj", "k_proj", "v_proj", "o_proj"}
-    if {"q_norm", "k_norm"} <= reads and getattr(module, "q_norm", None) is not None:
-        known |= {"q_norm", "k_norm"}
-        q_norm = norm_spec(_child_class_check(module, qualname, "q_norm"), f"{qualname}.q_norm")
-        k_norm = norm_spec(_child_class_check(module, qualname, "k_norm"), f"{qualname}.k_norm")
-        widths = (module.q_norm.weight.shape[0], module.k_norm.weight.shape[0])
-        if widths == (d, d):
-            per_head = True
-        elif widths != (H * d, G * d):
-            raise LoweringError(f"{qualname}: q_norm/k_norm normalise {widths} features: neither each head's {d} nor "
-                                f"the projections' {H * d} and {G * d}")
+    names = next(((qn, kn) for qn, kn in QK_NORM_NAMES if {qn, kn} <= reads
+                  and module._modules.get(qn) is not None), None)
+    if names is not None:
+        qn, kn = names
+        known |= {qn, kn}
+        after = _used_after_rope(type(module), qn)
+        qmod, kmod = _child_class_check(module, qualname, qn), _child_class_check(module, qualname, kn)
+        if "weight" not in qmod._parameters and qn == kn and _eps(qmod) is not None:
+            l2, per_head = _eps(qmod), True                    # Llama 4: a weightless L2 norm of each head
+        else:
+            q_norm, k_norm = norm_spec(qmod, f"{qualname}.{qn}"), norm_spec(kmod, f"{qualname}.{kn}")
+            widths = (qmod.weight.shape[0], kmod.weight.shape[0])
+            if widths == (d, d):
+                per_head = True
+            elif widths != (H * d, G * d) or after:
+                raise LoweringError(f"{qualname}: {qn}/{kn} normalise {widths} features: neither each head's {d} "
+                                    f"nor the projections' {H * d} and {G * d} before RoPE")
     check_children(module, qualname, known)
     sinks = _src(qualname, "sinks") if getattr(module, "sinks", None) is not None and "sinks" in reads else None
     scale = float(module.scaling)
@@ -371,7 +465,7 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          v=_src(qualname, "v_proj.weight"), o=_src(qualname, "o_proj.weight"), heads=H, kv_heads=G,
                          head_dim=d, rope_theta=rope.theta if rope is not None else 0.0, use_rope=use_rope,
                          tuple_output=returns_tuple(type(module)), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
-                         qk_norm_per_head=per_head, o_bias=o_bias,
+                         qk_norm_per_head=per_head, qk_norm_after_rope=after, qk_l2_eps=l2, o_bias=o_bias,
                          rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks)
 
@@ -413,9 +507,10 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
                    kv_norm=norm_spec(module.kv_a_layernorm, f"{qualname}.kv_a_layernorm"), kv_b=p("kv_b_proj"),
                    o=p("o_proj"), heads=H, nope_dim=module.qk_nope_head_dim, rope_dim=dr,
                    v_dim=module.v_head_dim, q_rank=module.q_lora_rank, kv_rank=module.kv_lora_rank,
-                   rope_theta=rope.theta, rope_interleave=bool(getattr(cfg, "rope_interleave", False)),
+                   rope_theta=rope.theta,
+                   rope_interleave=bool(getattr(cfg, "rope_interleave", False)) or rope.interleave,
                    tuple_output=returns_tuple(type(module)),
-                   rope=None if rope == RopeSpec(theta=rope.theta) else rope,
+                   rope=None if rope.inv_freq is None and rope.scaling == 1.0 else rope,
                    scale=None if scale == module.qk_head_dim ** -0.5 else scale)
 
 
@@ -477,27 +572,35 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
             raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={jitter} is random per "
                                 "step and cannot be reproduced; set it to 0")
     experts = module.experts
-    E, h = router.weight.shape
+    wpath, weight = _router_weight(router)
+    E, h = weight.shape
     top_k = _setting("top_k", router, module, default=None) or _setting("num_experts_per_tok", cfg)
     if not isinstance(top_k, int):
         raise LoweringError(f"{qualname}: no top_k on {rname}, the block or the config")
     rr = row.router
-    normalize = rr.normalize if isinstance(rr.normalize, bool) else \
-        bool(_setting(rr.normalize, router, module, cfg, default=False))
-    scoring = rr.scoring
+    seen = router_behaviour(type(router))
+    probed = probe_router(router, weight, top_k, module, qualname)
+    normalize = rr.normalize if rr.normalize is not None else seen["normalize"]
+    if isinstance(normalize, str):
+        normalize = bool(_setting(normalize, router, module, cfg, default=False))
+    scoring = rr.scoring or seen["scoring"]
+    if probed is not None and rr.scoring is None and rr.normalize is None:
+        scoring, normalize = probed
+    choice_path = rr.choice_bias or (f"{rname}.e_score_correction_bias" if "e_score_correction_bias" in router._buffers
+                                     else "e_score_correction_bias" if "e_score_correction_bias" in module._buffers
+                                     else None)
     choice = None
-    if rr.choice_bias is not None:
-        bias = _lookup(module, rr.choice_bias)
-        if bias is None:
-            raise LoweringError(f"{qualname}: the family's router reads {rr.choice_bias}, which is missing")
-        choice = _src(qualname, rr.choice_bias)
+    if choice_path is not None:
+        if _lookup(module, choice_path) is None:
+            raise LoweringError(f"{qualname}: the family's router reads {choice_path}, which is missing")
+        choice = _src(qualname, choice_path)
     groups = int(_setting("num_group", router, default=None) or _setting("n_group", cfg, default=1) or 1)
     topk_groups = int(_setting("topk_group", router, cfg, default=1) or 1)
     if rr.grouped is not None and _setting(rr.grouped[0], router, cfg) != rr.grouped[1]:
         groups = topk_groups = 1
     scale = float(_setting("routed_scaling_factor", router, module, cfg, default=1.0) or 1.0)
-    if rr.scoring == "softmax" and not getattr(cfg, "routed_scaling_factor", None):
-        scale = 1.0
+    if "routed_scaling_factor" not in forward_reads(type(router)) | forward_reads(type(module)):
+        scale = 1.0                        # a config field the router never applies
     known = {rname, "experts"}
     shared = None
     for name in SHARED_NAMES:
@@ -513,14 +616,68 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
         shared = _replace(shared, gate=_src(qualname, "shared_expert_gate.weight"))
     check_children(module, qualname, known)
     w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
-    router_bias = _src(qualname, f"{rname}.bias") if getattr(router, "bias", None) is not None else None
+    router_bias = _src(qualname, f"{rname}.bias") if router._parameters.get("bias") is not None else None
     expert_bias = _expert_biases(experts, f"{qualname}.experts", f, row)
-    return MoESpec(router=_src(qualname, f"{rname}.weight"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
+    return MoESpec(router=_src(qualname, f"{rname}.{wpath}"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
                    ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, scoring=scoring, score_bias=choice,
                    groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
                    activation=act, router_bias=router_bias, expert_bias=expert_bias,
                    tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
                    swiglu_alpha=layout.get("alpha"))
+
+
+def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualname: str):
+    """(scoring, normalize) of a router, found by running it: its top-k weights on 32 random tokens
+    compared with softmax or sigmoid scores of x W^T, renormalised or not. None when it cannot run
+    (meta), returns no (weights, indices) pair, or matches none (the family row or the source then
+    decides, and the numerical check has the last word). Routers with a choice bias, groups or a
+    logit bias are left to the row."""
+    import torch
+    if weight.is_meta or "e_score_correction_bias" in router._buffers or router._parameters.get("bias") is not None:
+        return None
+    if int(getattr(router, "num_group", None) or 1) > 1:
+        return None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(32, weight.shape[1], generator=gen).to(dtype=weight.dtype, device=weight.device)
+    try:
+        with torch.no_grad():
+            out = router(x)
+    except Exception:  # noqa: BLE001 - a router that cannot run alone: its row or source decides
+        return None
+    out = out if isinstance(out, tuple) else (out,)
+    idx = next((t for t in out if torch.is_tensor(t) and not t.is_floating_point() and t.shape == (32, top_k)), None)
+    wts = next((t for t in out if torch.is_tensor(t) and t.is_floating_point() and t.shape == (32, top_k)), None)
+    if idx is None or wts is None:
+        return None
+    logits = x.float() @ weight.float().T
+    got = torch.zeros_like(logits).scatter(1, idx.long(), wts.float())
+    for scoring in ("softmax", "sigmoid"):
+        scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+        chosen = scores.gather(1, idx.long())
+        for normalize in (True, False):
+            w = chosen / chosen.sum(-1, keepdim=True) if normalize else chosen
+            want = torch.zeros_like(logits).scatter(1, idx.long(), w)
+            if float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-3:
+                return scoring, normalize
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def router_behaviour(cls: type) -> dict:
+    """What a router's forward does, read from its source: sigmoid or softmax scores; whether it
+    renormalises the chosen weights (it reads norm_topk_prob: that attribute decides; it divides by
+    their sum, or takes a softmax of the top-k logits: always)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        src = ""
+    scoring = "sigmoid" if "sigmoid" in src else "softmax"
+    if "norm_topk_prob" in src:
+        normalize: bool | str = "norm_topk_prob"
+    else:
+        topk, soft = src.find("topk("), src.find("softmax(")
+        normalize = ".sum(" in src or (0 <= topk < soft)
+    return {"scoring": scoring, "normalize": normalize}
 
 
 def _replace(spec, **changes):

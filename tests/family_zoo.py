@@ -1,0 +1,99 @@
+"""Tiny causal LMs of every MoE family in the installed transformers, for the family tests and
+``benchmarks/families_table.py``.
+
+Each family's own config class is built with its defaults overridden by the size fields it has
+(hidden 64, 8 heads of 8, 4 kv heads, 8 experts top-2, expert h_ffn 32, 2 layers, vocab 64, ...),
+plus a small per-family row where a family names a field differently or needs one to make its two
+layers identical (a compiled model stacks one lowered layer). Weights are drawn N(0, 0.2), buffers
+(score-correction biases) too, so that no bias or norm weight hides how it is used.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pathlib
+import re
+
+import torch
+from torch import nn
+
+VOCAB, H, LAYERS = 64, 64, 2
+
+# size fields by their transformers names; a field a config lacks is skipped
+SIZES = {
+    "hidden_size": H, "intermediate_size": 96, "moe_intermediate_size": 32, "expert_intermediate_size": 32,
+    "shared_expert_intermediate_size": 48, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 8,
+    "num_hidden_layers": LAYERS, "vocab_size": VOCAB, "num_local_experts": 8, "num_experts": 8, "n_routed_experts": 8,
+    "moe_num_experts": 8, "num_experts_per_tok": 2, "moe_k": 2, "moe_topk": 2, "n_shared_experts": 1,
+    "moe_num_shared_experts": 1, "num_shared_experts": 1, "first_k_dense_replace": 0, "max_position_embeddings": 128,
+    "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "kv_lora_rank": 16, "q_lora_rank": 24,
+    "qk_nope_head_dim": 12, "qk_rope_head_dim": 8, "v_head_dim": 16, "qk_head_dim": 20, "mlp_only_layers": [],
+    "decoder_sparse_step": 1, "moe_layer_freq": 1, "use_sliding_window": False, "moe_layer_start_index": 0,
+    "mlp_layer_types": ["sparse"] * LAYERS,
+    "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, "initializer_range": 0.02,
+}
+
+# per-family overrides (fields named differently, or layers made identical)
+ROWS: dict[str, dict] = {
+    "deepseek_v3": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
+    "deepseek_v2": {"n_group": 4, "topk_group": 2, "topk_method": "group_limited_greedy", "routed_scaling_factor": 2.0},
+    "glm4_moe": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5, "use_qk_norm": True,
+                 "partial_rotary_factor": 0.5, "attention_bias": True},
+    "dots1": {"n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.5},
+    "gpt_oss": {"layer_types": ["sliding_attention"] * LAYERS, "sliding_window": 6,
+                "rope_parameters": {"rope_type": "default", "rope_theta": 150000.0}},
+    "llama4": {"no_rope_layers": [1] * LAYERS, "interleave_moe_layer_step": 1, "attention_chunk_size": 8,
+               "intermediate_size_mlp": 96, "layer_types": ["chunked_attention"] * LAYERS},
+    "qwen2_moe": {"qkv_bias": True},
+}
+
+
+def moe_causal_lms() -> list[tuple[str, str]]:
+    """(family, ForCausalLM class) for every installed transformers modeling file that defines an
+    MoE block (read from the source: importing ~500 models is slow)."""
+    import transformers
+    moe = re.compile(r"^class \w*(Experts|SparseMoe|MoE|Moe)\w*\(", re.M)
+    lm = re.compile(r"^class (\w+ForCausalLM)\(", re.M)
+    found = []
+    for f in sorted((pathlib.Path(transformers.__file__).parent / "models").glob("*/modeling_*.py")):
+        if f.stem != f"modeling_{f.parent.name}":
+            continue
+        text = f.read_text()
+        if "experts" in text and moe.search(text):
+            found += [(f.parent.name, cls) for cls in lm.findall(text)]
+    return found
+
+
+def tiny_config(family: str, cls_name: str, **overrides):
+    """The family's config at the tiny sizes (module docstring)."""
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    config_cls = getattr(mod, cls_name).config_class
+    base = config_cls()
+    fields = set(base.to_dict()) | {k for k in SIZES if hasattr(base, k)}
+    kwargs = {k: v for k, v in SIZES.items() if k in fields}
+    if "kv_lora_rank" in fields:                      # latent attention: one k and v per head
+        kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 8)
+    types = base.to_dict().get("layer_types") if "layer_types" in fields else None
+    if types is not None and set(types) <= {"full_attention", "sliding_attention", "chunked_attention"}:
+        kwargs["layer_types"] = ["full_attention"] * LAYERS    # identical layers (a stack lowers one)
+    elif types is not None:                                     # a hybrid: its own first layer types
+        kwargs["layer_types"] = list(types[:LAYERS])
+    kwargs |= ROWS.get(family, {}) | overrides
+    cfg = config_cls(**kwargs)
+    cfg._attn_implementation = "sdpa" if getattr(getattr(mod, cls_name), "_supports_sdpa", True) else "eager"
+    cfg._experts_implementation = "eager"
+    return cfg
+
+
+def tiny_model(family: str, cls_name: str, seed: int = 0, **overrides) -> nn.Module:
+    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    cfg = tiny_config(family, cls_name, **overrides)
+    torch.manual_seed(seed)
+    model = getattr(mod, cls_name)(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+        for name, b in model.named_buffers():
+            if b.is_floating_point() and "rotary" not in name and "inv_freq" not in name:
+                b.normal_(0, 0.2)
+    return model.float()
