@@ -207,6 +207,10 @@ def _extract_program(module: nn.Module) -> LayerProgram:
             tensor, factor = _scalar_mul(node)
             steps.append(Step("scale", (_index(index, tensor, node),), factor=factor))
             index[node] = len(steps) - 1
+        elif node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
+            index[node] = ("shape", _index(index, node.args[0], node))     # a layer value's own [b, s, h]
+        elif node.op == "call_method" and node.target in ("view", "reshape") and _same_shape(index, node):
+            index[node] = _index(index, node.args[0], node)                # x.view(residual.shape): no-op
         elif node.op == "call_function" and node.target is operator.getitem:
             index[node] = _getitem(index[node.args[0]], node.args[1], node)
         elif node.op == "output":
@@ -276,6 +280,14 @@ def _source_dim(src, ndim: int) -> int:
     if src.transpose and dim >= ndim - 2:
         dim = 2 * ndim - 3 - dim
     return dim
+
+
+def _same_shape(index, node: fx.Node) -> bool:
+    """Whether ``x.view(y.shape)`` reshapes one layer value to another's shape: every value between
+    the blocks is [b, s, h], so it changes nothing (Llama 4's decoder layer writes it)."""
+    args = node.args[1:]
+    return (len(args) == 1 and isinstance(args[0], fx.Node) and isinstance(index.get(args[0]), tuple)
+            and len(index[args[0]]) == 2 and index[args[0]][0] == "shape" and isinstance(index.get(node.args[0]), int))
 
 
 def _scalar_mul(node: fx.Node) -> tuple[fx.Node, float] | None:

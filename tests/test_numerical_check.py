@@ -41,9 +41,9 @@ def mixtral(**overrides) -> mx.MixtralDecoderLayer:
 
 def refusal(layer: nn.Module) -> str:
     """The one line the numerical check refuses ``layer`` with, the structural guard off."""
-    for p in layer.parameters():          # replaced parts come with their own init: randomise them too
-        if p.dim() == 1 and bool((p == p[0]).all()):
-            nn.init.normal_(p, std=0.2)
+    torch.manual_seed(1)
+    for p in layer.parameters():          # replaced parts come uninitialised (torch.empty): weights as trained
+        nn.init.normal_(p, std=0.2)
     with structural_guard(False), pytest.raises(LoweringError) as info:
         trace_module(layer, STRATEGY, batch=1, seq=16)
     text = str(info.value)
@@ -71,7 +71,8 @@ class OnePlusRMSNorm(mx.MixtralRMSNorm):
 
 
 class QKNormAfterRopeAttention(mx.MixtralAttention):
-    """Per-head q/k norms applied AFTER RoPE: the structural reading (Qwen3's) applies them before."""
+    """Per-head norms named q_norm and k_norm, but the second one normalises v, not k: the structural
+    reading (HunYuan's, norms after RoPE) applies them to q and k."""
 
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
@@ -83,7 +84,7 @@ class QKNormAfterRopeAttention(mx.MixtralAttention):
         k = self.k_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(hidden_states).view(b, s, -1, self.head_dim).transpose(1, 2)
         q, k = mx.apply_rotary_pos_emb(q, k, *position_embeddings)
-        q, k = self.q_norm(q), self.k_norm(k)
+        q, v = self.q_norm(q), self.k_norm(v)
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
@@ -106,7 +107,7 @@ def test_a_one_plus_w_rmsnorm_is_refused_at_the_norm():
     assert "at 'post_attention_layernorm' (OnePlusRMSNorm), its output" in refusal(layer)
 
 
-def test_qk_norms_after_rope_are_refused_at_the_attention():
+def test_a_norm_of_v_named_k_norm_is_refused_at_the_attention():
     layer = mixtral()
     layer.self_attn = QKNormAfterRopeAttention(layer.self_attn.config, 0)
     assert "at 'self_attn' (QKNormAfterRopeAttention), its output" in refusal(layer)
@@ -160,11 +161,12 @@ class MeanSquareNorm(mx.MixtralRMSNorm):
 
 
 class RenormalisingRouter(qw.Qwen2MoeTopKRouter):
-    """Renormalises its top-k weights although config.norm_topk_prob is False."""
+    """Divides its top-k weights by their largest (not by their sum, nor leaves them): no router the
+    structural reading knows (running the router shows neither softmax nor sigmoid weights)."""
 
     def forward(self, hidden_states):
         logits, weights, experts = super().forward(hidden_states)
-        return logits, weights / weights.sum(-1, keepdim=True), experts
+        return logits, weights / weights.amax(-1, keepdim=True), experts
 
 
 def qwen2_moe() -> qw.Qwen2MoeDecoderLayer:

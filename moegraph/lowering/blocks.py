@@ -482,7 +482,9 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
                     El: int, c: str, j: int, kw: dict) -> str:
     """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked)."""
     n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
-    before = g.strategy.gate == "before-fc2"
+    # where routing weights multiply: Llama 4 scales the expert's input rows (whatever the gate
+    # strategy); else the strategy's gate: at the combine, or into SwiGLU's output before FC2
+    before = g.strategy.gate == "before-fc2" and not spec.weighted_input
     E, k = spec.experts, spec.top_k
     h = g.dims.h
     w1, w3, w2, *biases = weights
@@ -510,6 +512,11 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
                      full_bytes=g.nbytes(rows),
                      attrs={"mode": "tokens", "direction": "to_experts", "emit_map": True}, **kw)
         rows = ffn_in
+    if spec.weighted_input:
+        row_w = _row_weights(g, topk_w, imap, R, c, kw)
+        gated_in = g.like(f"ffn_in_gated{c}", rows)
+        g.node(f"gate{c}", OpKind.GATE, (rows, row_w), (gated_in,), flops=_numel(g, rows), **kw)   # [R, h]
+        rows = gated_in
     fc1 = _grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
     fc3 = _grouped_gemm(g, f"fc3{c}", rows, w3, seg, f"fc3_out{c}", **kw)
     if biases:                                                                      # GPT-OSS's expert biases
@@ -518,17 +525,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
                       alpha=spec.swiglu_alpha)
     if before:
-        # routing weight per expert row, gathered from [T, k] by the index map: [T, k] -> [R]
-        row_w = g.value(f"row_weights_send{c}" if a2a and n > 1 else f"row_weights{c}", (R,),
-                        kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
-        g.node(f"gate_weights{c}", OpKind.PERMUTE, (topk_w, imap), (row_w,), attrs={"index": "slot"}, **kw)
-        if a2a and n > 1:
-            # the weights travel with their rows to the experts: [R] -> [R] (R fp32 values)
-            sent = row_w
-            row_w = g.value(f"row_weights{c}", (R,), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
-            g.collective(f"gate_weights_a2a{c}", OpKind.ALL_TO_ALL, (sent, imap), (row_w,),
-                         full_bytes=g.nbytes(sent),
-                         attrs={"mode": "tokens", "direction": "to_experts", "emit_map": False}, **kw)
+        row_w = _row_weights(g, topk_w, imap, R, c, kw)
         gated = g.like(f"fc2_in_gated{c}", fc2_in)
         g.node(f"gate{c}", OpKind.GATE, (fc2_in, row_w), (gated,), flops=_numel(g, fc2_in), **kw)  # [R, Fl]
         fc2_in = gated
@@ -545,7 +542,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     final, alias = _chunk_out(g, "ffn_out", j)
     combined_name, combined_alias = (final, alias) if (a2a or n == 1) else (f"fc2_out_rs{c}", None)
     combined = g.value(combined_name, g.shape(tokens_in), alias_of=combined_alias)
-    if before:
+    if before or spec.weighted_input:
         g.node(f"combine_gather{c}", OpKind.UNPERMUTE, (fc2_out, imap), (combined,),
                flops=R * h, attrs={"weighted": False}, **kw)                       # [R, h] -> [b, S, h]
     else:
@@ -554,6 +551,22 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
+
+
+def _row_weights(g: GraphBuilder, topk_w: str, imap: str, R: int, c: str, kw: dict) -> str:
+    """Routing weight per expert row, gathered from [T, k] by the index map: [T, k] -> [R]; under a2a
+    the weights travel with their rows to the experts: [R] -> [R] (R fp32 values)."""
+    a2a, n = g.strategy.dispatch == "a2a", g.strategy.n
+    row_w = g.value(f"row_weights_send{c}" if a2a and n > 1 else f"row_weights{c}", (R,),
+                    kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
+    g.node(f"gate_weights{c}", OpKind.PERMUTE, (topk_w, imap), (row_w,), attrs={"index": "slot"}, **kw)
+    if a2a and n > 1:
+        sent = row_w
+        row_w = g.value(f"row_weights{c}", (R,), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
+        g.collective(f"gate_weights_a2a{c}", OpKind.ALL_TO_ALL, (sent, imap), (row_w,),
+                     full_bytes=g.nbytes(sent),
+                     attrs={"mode": "tokens", "direction": "to_experts", "emit_map": False}, **kw)
+    return row_w
 
 
 def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:

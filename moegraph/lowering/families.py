@@ -60,8 +60,8 @@ class Family:
 
     router: RouterRow = field(default_factory=RouterRow)
     experts: ExpertRow = field(default_factory=ExpertRow)
-    # the MoE block's forward returns (hidden, router output): a tuple leaf
-    unsupported: str | None = None      # one line naming what is not modelled, when the whole family is refused
+    # the routing weight scales each expert's input rows, not its output (Llama 4)
+    weighted_input: bool = False
 
 
 DEFAULT = Family()
@@ -73,6 +73,7 @@ FAMILIES: dict[str, Family] = {
     "minimax_m2": Family(router=RouterRow(choice_bias="e_score_correction_bias", normalize=True)),
     "ernie4_5_moe": Family(router=RouterRow(normalize=True, choice_bias="gate.moe_statics.e_score_correction_bias")),
     "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
+    "llama4": Family(weighted_input=True),
 }
 
 

@@ -179,6 +179,7 @@ class MoESpec:
     tuple_output: bool = False                # the block returns (output, router scores)
     swiglu_alpha: float | None = None         # clamped_swiglu's alpha and limit
     swiglu_limit: float | None = None
+    weighted_input: bool = False              # the routing weight scales the expert's input rows (Llama 4)
 
     @property
     def plain_router(self) -> bool:

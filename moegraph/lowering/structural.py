@@ -200,7 +200,7 @@ def structural_rule(module: nn.Module, qualname: str) -> Rule | None:
         return None
     cls = type(module)
     base = _library_base(cls)
-    if guard_on():
+    if guard_on() and type(module) is not nn.LayerNorm:       # torch's own LayerNorm: its math is known
         if base is None:
             return None          # not a transformers class: only a registered rule may describe it
         _check_overrides(cls, base, qualname)
@@ -322,7 +322,7 @@ def rope_of(cfg, head_dim: int, where: str) -> RopeSpec:
         raise LoweringError(f"{where}: rope_type {rope_type!r} recomputes its frequencies from the sequence length; "
                             "it is not modelled (use 'default', 'linear', 'yarn' or 'llama3')")
     theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    inv, scaling = _rope_init(cfg, rope_type, head_dim, ROPE_INIT_FUNCTIONS)
+    inv, scaling = _rope_init(cfg, rope_type, head_dim, ROPE_INIT_FUNCTIONS, where)
     default = RopeSpec.default_inv_freq(theta, head_dim)
     dim = 2 * len(inv)
     if dim > head_dim or dim % 2:
@@ -351,15 +351,15 @@ def rope_interleaved(family: str | None) -> bool:
     return "view_as_complex" in text or "::2]" in text
 
 
-def _rope_init(cfg, rope_type: str, head_dim: int, functions) -> tuple[tuple[float, ...], float]:
+def _rope_init(cfg, rope_type: str, head_dim: int, functions, where: str) -> tuple[tuple[float, ...], float]:
     import torch
     rotary_cls = _rotary_class(cfg)
     if rotary_cls is not None:
         with torch.device("cpu"):
             rotary = rotary_cls(cfg)
         if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
-            raise LoweringError(f"{rotary_cls.__name__} holds no inv_freq (per-layer-type rotary embeddings): its "
-                                "RoPE is not modelled")
+            raise LoweringError(f"{where}: its family's rotary module {rotary_cls.__name__} holds no inv_freq "
+                                "(per-layer-type rotary embeddings): its RoPE is not modelled")
         return tuple(rotary.inv_freq.float().tolist()), float(getattr(rotary, "attention_scaling", 1.0))
     if rope_type == "default":
         return RopeSpec.default_inv_freq(float(cfg.rope_parameters["rope_theta"]), head_dim), 1.0
@@ -433,6 +433,9 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
     use_rope = rope_applied(module)
+    if not use_rope and getattr(module, "attn_temperature_tuning", False):
+        raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
+                            "(q scaled by log(position)) is not modelled; set config.attn_temperature_tuning=False")
     rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})") if use_rope else None
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
@@ -576,7 +579,7 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     E, h = weight.shape
     top_k = _setting("top_k", router, module, default=None) or _setting("num_experts_per_tok", cfg)
     if not isinstance(top_k, int):
-        raise LoweringError(f"{qualname}: no top_k on {rname}, the block or the config")
+        raise LoweringError(f"{qualname} ({type(module).__name__}): no top_k on {rname}, the block or the config")
     rr = row.router
     seen = router_behaviour(type(router))
     probed = probe_router(router, weight, top_k, module, qualname)
@@ -623,7 +626,7 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
                    groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
                    activation=act, router_bias=router_bias, expert_bias=expert_bias,
                    tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
-                   swiglu_alpha=layout.get("alpha"))
+                   swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input)
 
 
 def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualname: str):
