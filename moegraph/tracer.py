@@ -487,8 +487,12 @@ def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192) -> 
     ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for the edges pass."""
     from moegraph.models import MoETransformerLayer
     check_graph_size(chunks=strategy.chunks, n=strategy.n, dp=strategy.dp)    # before tracing
-    with torch.device("meta"):
-        layer = MoETransformerLayer.from_config(cfg)
+    if cfg.hf_config is not None:             # read from a Hugging Face config: the family's own layer
+        from moegraph.registry.hf import hf_layer
+        layer = hf_layer(cfg)
+    else:
+        with torch.device("meta"):
+            layer = MoETransformerLayer.from_config(cfg)
     graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
     if cfg.router_aux_loss_coef > 0:        # the model step's edges add it (moegraph.edges, AUX_META)
         graph = graph.with_meta(**{AUX_META: AuxLoss(cfg.router_aux_loss_coef, cfg.experts, cfg.top_k)})

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from moegraph.canonical import canonical_json
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
-                                      MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text,
+                                      MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text, opt_text,
                                       validate_fields)
 
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
@@ -128,6 +128,11 @@ class ModelConfig(_Record):
     MoE block (DeepSeek-V3: 3). ``trace``/``compile``/``tune`` lower an MoE layer."""
     dense_ffn_hidden: int | None = checked(opt_bounded_int(MAX_SIZE), None)
     """Intermediate size of the dense layers' MLP (DeepSeek-V3: 18432). Only with first_k_dense_replace."""
+    hf_config: str | None = checked(opt_text, None)
+    """The Hugging Face config.json this entry was read from (canonical JSON; moegraph.registry.hf):
+    ``trace_model`` then lowers the family's own decoder layer (structurally) instead of the
+    reference layer, so every part the family has (windows, sinks, biases, q/k norms) is planned.
+    The fields above are that layer's sizes."""
 
     def __post_init__(self):
         validate_fields(self)

@@ -94,6 +94,10 @@ def text(v: Any) -> str:
     return v
 
 
+def opt_text(v: Any) -> str | None:
+    return None if v is None else text(v)
+
+
 # Model sizes are bounded so that every tensor of one layer has a storage size torch can
 # represent (a [hidden, hidden] tensor with hidden = 10**12 overflows int64 storage sizes) and
 # stays far above any real model (the largest public ones: hidden 16384-25600, h_ffn <= 65536,

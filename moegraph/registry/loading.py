@@ -92,7 +92,7 @@ def _registry(filename: str, kind: str, registry_dir: Path) -> dict[str, Any]:
 def _is_path(arg: str | os.PathLike) -> bool:
     if isinstance(arg, os.PathLike):
         return True
-    return "/" in arg or os.sep in arg or arg.endswith((".yaml", ".yml"))
+    return "/" in arg or os.sep in arg or arg.endswith((".yaml", ".yml", ".json"))
 
 
 def _load(arg: str | os.PathLike, kind: str, filename: str) -> Any:
@@ -104,15 +104,20 @@ def _load(arg: str | os.PathLike, kind: str, filename: str) -> Any:
             raise RegistryError(f"{kind} file '{arg}' is a directory; give a {kind} YAML file or a registry name")
         if not path.is_file():
             raise RegistryError(f"{kind} file '{arg}' does not exist")
+        if kind == "model" and path.suffix == ".json":                 # a Hugging Face config.json
+            from moegraph.registry.hf import load_hf_config
+            return load_hf_config(path, str(arg), path.stem)
         cls = ModelConfig if kind == "model" else Hardware
         return _build(cls, _read_yaml(path, str(arg)), str(arg), None, path.stem)
     entries = _registry(filename, kind, _REGISTRY_DIR)
     if arg in entries:
         return entries[arg]
+    if kind == "model" and arg in _hf_names():                       # a shipped published config.json
+        return _hf_entry(arg)
     profile = _PROFILES_DIR / f"{arg}.yaml"
     if kind == "hardware" and profile.is_file():                 # a shipped calibrated profile
         return _build(Hardware, _read_yaml(profile, profile.name), profile.name, None, arg)
-    known = sorted(entries) + (list(_profile_names()) if kind == "hardware" else [])
+    known = sorted(entries) + (list(_profile_names()) if kind == "hardware" else list(_hf_names()))
     raise RegistryError(f"unknown {kind} {arg!r}; known: {', '.join(known)}")
 
 
@@ -131,7 +136,19 @@ def load_hardware(name_or_path: str | os.PathLike) -> Hardware:
 
 
 def model_names() -> tuple[str, ...]:
-    return tuple(sorted(_registry("models.yaml", "model", _REGISTRY_DIR)))
+    """models.yaml's entries and the shipped Hugging Face configs (registry/hf/NAME.json)."""
+    return tuple(sorted(_registry("models.yaml", "model", _REGISTRY_DIR))) + _hf_names()
+
+
+def _hf_names() -> tuple[str, ...]:
+    from moegraph.registry.hf import hf_names
+    return hf_names()
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_entry(name: str) -> ModelConfig:
+    from moegraph.registry.hf import HF_DIR, load_hf_config
+    return load_hf_config(HF_DIR / f"{name}.json", f"{name}.json", name)
 
 
 def hardware_names() -> tuple[str, ...]:

@@ -1,0 +1,137 @@
+"""Hugging Face config.json files as registry models: ``load_model("path/to/config.json")``, and the
+shipped entries of ``registry/hf/*.json`` (published configs, each with its ``_source``).
+
+A config is read by the family it names (``model_type``, with transformers' own config class), so
+every field keeps transformers' meaning; its decoder layers are built on the meta device (nothing
+allocated) and lowered structurally (``moegraph.lowering.structural``). The ModelConfig's sizes come
+from the lowered MoE layer itself; ``hf_config`` keeps the config's canonical JSON, from which
+``moegraph.tracer.trace_model`` lowers the family's own layer rather than the reference one. A
+family that does not compile is refused with the lowering's one line.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from moegraph.canonical import canonical_json
+from moegraph.registry.configs import ModelConfig
+from moegraph.registry.fields import RegistryError
+
+HF_DIR = Path(__file__).parent / "hf"
+"""Shipped published configs: ``<name>.json``, the config.json values plus ``_source`` (its URL)."""
+
+
+def hf_names() -> tuple[str, ...]:
+    return tuple(sorted(p.stem for p in HF_DIR.glob("*.json")))
+
+
+def read_hf_json(path: Path, shown: str) -> dict[str, Any]:
+    """The config.json's mapping, without the ``_``-prefixed annotations (``_source``)."""
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise RegistryError(f"{shown}: cannot read ({err.strerror})") from None
+    except json.JSONDecodeError as err:
+        raise RegistryError(f"{shown}: invalid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise RegistryError(f"{shown}: not a Hugging Face config.json (no model_type)")
+    return {k: v for k, v in data.items() if not k.startswith("_")}
+
+
+def hf_text_config(data: dict[str, Any], shown: str):
+    """transformers' config object of ``data`` (its text config for a multimodal family)."""
+    try:
+        from transformers import AutoConfig
+    except ImportError:
+        raise RegistryError(f"{shown}: reading a Hugging Face config needs transformers (pip install "
+                            "transformers)") from None
+    try:
+        cfg = AutoConfig.for_model(data["model_type"], **{k: v for k, v in data.items() if k != "model_type"})
+    except ValueError as err:
+        raise RegistryError(f"{shown}: model_type {data['model_type']!r} is not a family the installed transformers "
+                            f"knows ({' '.join(str(err).split())[:120]})") from None
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def hf_model_layers(data: dict[str, Any], shown: str):
+    """The family's decoder layers built on the meta device from ``data`` (a list)."""
+    import torch
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
+    cfg = hf_text_config(data, shown)
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    if model_cls is None:
+        raise RegistryError(f"{shown}: transformers has no causal LM for model_type {data['model_type']!r}")
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    base = model.model if hasattr(model, "model") else model
+    return cfg, list(base.layers)
+
+
+def moe_layer(layers: list, shown: str):
+    """(index, layer, program) of the first decoder layer with an MoE block that lowers."""
+    from moegraph.lowering import LoweringError
+    from moegraph.lowering.specs import MoESpec
+    from moegraph.tracer import extract_program
+    first_error = None
+    for i, layer in enumerate(layers):
+        try:
+            program = extract_program(layer)
+        except LoweringError as err:
+            first_error = first_error or f"layer {i}: {err}"
+            continue
+        if program.specs(MoESpec):
+            return i, layer, program
+    raise RegistryError(f"{shown}: no MoE decoder layer lowers ({first_error or 'every layer is dense'})")
+
+
+def load_hf_config(path: Path, shown: str, name: str) -> ModelConfig:
+    """A ModelConfig named ``name`` from a Hugging Face config.json (module docstring)."""
+    from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec
+    data = read_hf_json(path, shown)
+    cfg, layers = hf_model_layers(data, shown)
+    index, _, program = moe_layer(layers, shown)
+    (moe,) = program.specs(MoESpec)
+    attn = (program.specs(AttentionSpec) + program.specs(MLASpec))[0]
+    dense = _leading_dense(layers[:index])
+    fields: dict[str, Any] = dict(
+        name=name, layers=len(layers), hidden=moe.hidden, experts=moe.experts, top_k=moe.top_k,
+        ffn_hidden=moe.ffn_hidden, rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-5) or 1e-5),
+        normalize_topk=moe.normalize, hf_config=canonical_json(data))
+    if isinstance(attn, MLASpec):
+        fields |= dict(heads=attn.heads, kv_heads=attn.heads, q_lora_rank=attn.q_rank, kv_lora_rank=attn.kv_rank,
+                       qk_nope_head_dim=attn.nope_dim, qk_rope_head_dim=attn.rope_dim, v_head_dim=attn.v_dim,
+                       rope_theta=attn.rope_theta)
+    else:
+        fields |= dict(heads=attn.heads, kv_heads=attn.kv_heads, head_dim=attn.head_dim,
+                       qkv_bias=attn.qkv_bias is not None, rope_theta=attn.rope_theta or 1e6,
+                       qk_norm=attn.q_norm is not None and not attn.qk_norm_per_head)
+    if moe.shared is not None:
+        fields |= dict(shared_experts=1, shared_ffn_hidden=moe.shared.ffn_hidden, shared_gate=moe.shared.gate is not None)
+    if moe.scoring == "sigmoid" and moe.group_score == "top2-sum" and moe.router_bias is None:
+        fields |= dict(router_scoring="sigmoid", n_group=moe.groups, topk_group=moe.topk_groups,
+                       routed_scaling_factor=moe.scale, score_correction_bias=moe.score_bias is not None)
+    if dense:
+        fields |= dict(first_k_dense_replace=len(dense), dense_ffn_hidden=dense[0].ffn_hidden)
+    try:
+        return ModelConfig(**fields)
+    except RegistryError as err:
+        raise RegistryError(f"{shown}: {err}", field=err.field) from None
+
+
+def _leading_dense(layers: list) -> list:
+    """The dense MLP specs of the layers before the first MoE layer (DeepSeek's first_k_dense_replace)."""
+    from moegraph.lowering.specs import MLPSpec
+    from moegraph.tracer import extract_program
+    return [spec for layer in layers for spec in extract_program(layer).specs(MLPSpec)]
+
+
+def hf_layer(cfg: ModelConfig):
+    """The family's own MoE decoder layer of a ModelConfig read from a config.json (meta device)."""
+    data = json.loads(cfg.hf_config)
+    _, layers = hf_model_layers(data, cfg.name)
+    return moe_layer(layers, cfg.name)[1]
+
+
+__all__ = ["HF_DIR", "hf_layer", "hf_names", "load_hf_config"]

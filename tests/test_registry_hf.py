@@ -1,0 +1,99 @@
+"""Hugging Face config.json files drive the registry and the CLI (issue 27, item 4): load_model reads
+any family that compiles, the shipped published configs are registry entries, and ``moegraph tune
+--model tests/assets/<x>.json`` ranks strategies. Sizes are typed here from the models' published
+configs (tests/assets/README.md), not read back from the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from moegraph.cli import main  # noqa: E402
+from moegraph.ir import OpKind, Phase, Strategy  # noqa: E402
+from moegraph.registry import RegistryError, load_model, model_names  # noqa: E402
+from moegraph.tracer import trace_model  # noqa: E402
+
+# name: (layers, hidden, heads, kv_heads, head_dim, expert h_ffn, experts, top_k, shared, dense first layers)
+PUBLISHED = {
+    "qwen3-30b-a3b": (48, 2048, 32, 4, 128, 768, 128, 8, 0, 0),
+    "qwen3-235b-a22b": (94, 4096, 64, 4, 128, 1536, 128, 8, 0, 0),
+    "gpt-oss-120b": (36, 2880, 64, 8, 64, 2880, 128, 4, 0, 0),
+    "llama-4-scout": (48, 5120, 40, 8, 128, 8192, 16, 1, 1, 0),
+    "llama-4-maverick": (48, 5120, 40, 8, 128, 8192, 128, 1, 1, 1),     # MoE every 2nd layer: layer 0 dense
+    "deepseek-v2": (60, 5120, 128, 128, 192, 1536, 160, 6, 1, 1),       # MLA: head dim 128 + 64
+    "glm-4.5": (92, 5120, 96, 8, 128, 1536, 160, 8, 1, 3),
+    "kimi-k2": (61, 7168, 64, 64, 192, 2048, 384, 8, 1, 1),
+}
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_shipped_entry_has_its_published_sizes(name):
+    cfg = load_model(name)
+    got = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn_hidden, cfg.experts, cfg.top_k,
+           cfg.shared_experts, cfg.first_k_dense_replace)
+    assert got == PUBLISHED[name]
+    assert name in model_names() and cfg.hf_config is not None
+
+
+def test_the_traced_layer_is_the_familys_own():
+    """GPT-OSS's sliding window (its layer 0), sinks and biases; DeepSeek-V3's YaRN frequencies; Qwen3's
+    per-head q/k norms: parts the reference layer has not, planned from the config."""
+    g = trace_model(load_model("tests/assets/gpt-oss-120b.json"), Strategy("tp", "ep", "a2a", 8), seq=4096)
+    attn = g.node["attention"]
+    assert attn.attr("window") == 128 and attn.attr("sinks") is True
+    assert {"o_bias", "fc1_bias"} <= {nd.name for nd in g.nodes}
+    g = trace_model(load_model("tests/assets/deepseek-v3.json"), Strategy("sp", "ep", "a2a", 8), seq=4096)
+    assert len(g.node["mla_heads"].attr("inv_freq")) == 32
+    g = trace_model(load_model("tests/assets/qwen3-30b-a3b.json"), Strategy("sp", "ep", "a2a", 4), seq=4096)
+    norms = [nd for nd in g.nodes if nd.op is OpKind.NORM and nd.phase is Phase.FORWARD]
+    assert {nd.attr("kind") for nd in norms} == {"head_rms"} and len(norms) == 2
+
+
+def test_every_asset_plans_through_trace_model():
+    """What tune lowers for each of tests/assets' configs (the CLI test below runs tune on one: ~10 s each)."""
+    for asset, n in (("qwen3-30b-a3b", 4), ("gpt-oss-120b", 8), ("deepseek-v3", 8)):
+        cfg = load_model(f"tests/assets/{asset}.json")
+        for attn, ffn, dispatch in (("tp", "tp", "ag-rs"), ("sp", "ep", "a2a")):
+            g = trace_model(cfg, Strategy(attn, ffn, dispatch, n), seq=1024)
+            assert g.dims.experts == cfg.experts and g.forward_comm_bytes("ffn") > 0
+
+
+@pytest.mark.parametrize("asset,n", [("gpt-oss-120b", "8")])
+def test_tune_ranks_strategies_for_a_hugging_face_config(asset, n, tmp_path, capsys):
+    out = tmp_path / "best.json"
+    assert main(["tune", "--model", f"tests/assets/{asset}.json", "--n", n, "--seq", "256", "--refine", "1",
+                 "--time-limit", "0.1", "--cache", "", "-o", str(out), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == asset
+    feasible = [c["predicted_us"] for c in report["candidates"] if c["feasible"]]
+    assert len(feasible) >= 6 and feasible == sorted(feasible)
+    assert report["best"]["predicted_us"] == feasible[0] and out.exists()
+
+
+def test_a_family_that_does_not_compile_is_refused_naming_the_construct(tmp_path):
+    path = tmp_path / "next.json"
+    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2, "hidden_size": 64,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "layer_types": ["linear_attention", "linear_attention"]}))
+    with pytest.raises(RegistryError) as err:
+        load_model(str(path))
+    assert "'linear_attn' (Qwen3NextGatedDeltaNet) is not modelled" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("text,message", [
+    ("{not json", "invalid JSON"),
+    ('{"hidden_size": 64}', "not a Hugging Face config.json (no model_type)"),
+    ('{"model_type": "no_such_family"}', "model_type 'no_such_family' is not a family the installed transformers knows"),
+])
+def test_a_bad_config_json_is_one_line(text, message, tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(RegistryError, match=re.escape(message)) as err:
+        load_model(str(path))
+    assert "\n" not in str(err.value)
