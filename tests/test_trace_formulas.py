@@ -78,3 +78,54 @@ def test_registry_models_match_table2():
         cfg = load_model(name)
         assert (cfg.hidden, cfg.heads, cfg.heads // cfg.kv_heads, cfg.ffn_hidden, cfg.experts, cfg.top_k) == \
             (h, heads, m, h_ffn, experts, k)
+
+
+# --- families read from Hugging Face configs (issue 27, item 6) --------------------------------------
+# Sizes typed from the published config.json files (tests/assets/README.md): H, G, d, h, k, f. Their
+# head width H*d differs from h, so the forms below keep H*d and G*d apart from h.
+
+HF = {"qwen3-30b-a3b": dict(H=32, G=4, d=128, h=2048, k=8, f=768, n=4),
+      "gpt-oss-120b": dict(H=64, G=8, d=64, h=2880, k=4, f=2880, n=8)}
+
+
+def _hf(name):
+    pytest.importorskip("transformers")
+    return load_model(f"tests/assets/{name}.json"), HF[name]
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_hf_family_tp_volumes_are_eq1_and_eq4(name):
+    """Whole heads per rank (per-head q/k norms, sinks, biases need no cross-rank sums): the
+    sequence all-gather and reduce-scatter of [b, s, h] in each block, as eq (1) and (4)."""
+    cfg, a = _hf(name)
+    n = a["n"]
+    comm = forward_comm_bytes(trace_model(cfg, Strategy("tp", "tp", "ag-rs", n), batch=B, seq=S))
+    assert comm == {"attention": exact(2 * B * S * a["h"] * Fr(n - 1, n) * BYTES),
+                    "ffn": exact(2 * B * S * a["h"] * Fr(n - 1, n) * BYTES)}
+
+
+@pytest.mark.parametrize("name", sorted(HF))
+def test_hf_family_ulysses_and_a2a_volumes(name):
+    """Ulysses in: this rank's q, k, v [b, s/n, (H+2G)d]; back: [b, s, Hd/n]; each (n-1)/n on the wire.
+    Expert all-to-alls: eq (3) with h (the rows carry h, not H*d)."""
+    cfg, a = _hf(name)
+    n, H, G, d, h, k = a["n"], a["H"], a["G"], a["d"], a["h"], a["k"]
+    comm = forward_comm_bytes(trace_model(cfg, Strategy("sp", "ep", "a2a", n), batch=B, seq=S))
+    ulysses = Fr(n - 1, n) * (B * Fr(S, n) * (H + 2 * G) * d + Fr(B * S * H * d, n))
+    assert comm == {"attention": exact(ulysses * BYTES), "ffn": exact(Fr(2 * k, n) * B * S * h * Fr(n - 1, n) * BYTES)}
+
+
+def test_hf_family_activation_bytes():
+    """sp + ep + ag-rs, per rank, u = b s/n tokens (bf16), from each block's saved values:
+    Qwen3-30B-A3B  u [4h + 6d(H+G) + (2n + 2k + 3)h + 3kf]: per-head q/k norm outputs beside the
+                   Fig 9 attention values, H*d apart from h;
+    GPT-OSS-120B   u [5h + d(6H+7G) + (2n + 3k + 3)h + 5kf]: the q/k/v and o biases' outputs, the expert
+                   biases' outputs (gate, up: k f each; down: k h), the clamped SwiGLU's."""
+    for name, form in (("qwen3-30b-a3b", lambda n, H, G, d, h, k, f: 4 * h + 6 * d * (H + G) + (2 * n + 2 * k + 3) * h
+                        + 3 * k * f),
+                       ("gpt-oss-120b", lambda n, H, G, d, h, k, f: 5 * h + d * (6 * H + 7 * G) + (2 * n + 3 * k + 3) * h
+                        + 5 * k * f)):
+        cfg, a = _hf(name)
+        g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", a["n"]), batch=B, seq=S)
+        u = Fr(B * S, a["n"])
+        assert g.activation_bytes() == exact(u * form(a["n"], a["H"], a["G"], a["d"], a["h"], a["k"], a["f"]) * BYTES)
