@@ -81,6 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|")
     bad = 0
     for family, cls, refusal in rows:
+        if refusal is not None and refusal.startswith("(no tiny config"):
+            print(f"| {cls} | not built: {refusal[1:-1]} | | | | |")     # the zoo's limit, not a refusal
+            continue
         if refusal is not None:
             print(f"| {cls} | refused: {refusal.replace('|', '/')} | | | | |")
             continue

@@ -216,11 +216,11 @@ class CompiledModel(nn.Module):
 
     # -- running ---------------------------------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor, *args: Any, output_logits: bool = False, **kwargs: Any) -> ModelResult:
+    def forward(self, input_ids: torch.Tensor, *args: Any, output_logits: bool = True, **kwargs: Any) -> ModelResult:
         """Called as the original: input_ids and labels the full [dp*b, s] on every rank (the same
         on each); positional arguments follow the original forward's order. Returns ``.loss`` when
-        labels are given, ``.logits`` [b, s, V] when asked (``output_logits``) or without labels (a
-        base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. The
+        labels are given and ``.logits`` [b, s, V], as transformers does (``output_logits=False``
+        skips gathering them when only the loss is wanted; a base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. The
         original's switches are accepted when they ask for what is compiled (use_cache=False,
         output_attentions=False, output_hidden_states=False, return_dict=True, logits_to_keep=0,
         output_router_logits as compiled); any other value, and any other argument of the original
@@ -285,7 +285,7 @@ class CompiledModel(nn.Module):
             loss = SumOverRanks.apply(term, self.dp) if self.layers.layout.world > 1 else term
             if aux is not None:                             # transformers: loss += coef * aux_loss
                 loss = loss + self.edges.aux_coef * aux
-        full_logits = self._gather(logits) if output_logits or labels is None else None
+        full_logits = self._gather(logits) if output_logits or labels is None else None   # transformers: both
         return ModelResult(loss=loss, logits=full_logits, aux_loss=aux)
 
     @torch.no_grad()

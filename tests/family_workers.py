@@ -35,7 +35,7 @@ def family_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
         except LoweringError as err:
             out.append({"case": case, "refused": str(err)})
             continue
-        got = compiled(ids, labels=labels, output_logits=True)
+        got = compiled(ids, labels=labels)                  # .logits with .loss, as transformers returns them
         got.loss.backward()
         ref = model(input_ids=ids, labels=labels)
         ref.loss.backward()
