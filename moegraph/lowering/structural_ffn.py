@@ -1,0 +1,237 @@
+"""Structural lowering of a decoder layer's feed-forward blocks: routed experts with their router and
+shared experts (MoE), and dense gated MLPs. See ``moegraph.lowering.structural`` for how blocks are
+recognised and the guard; this module reads the two FFN kinds.
+
+Notation: h hidden, E experts, f expert h_ffn, k top-k.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from torch import nn
+
+from moegraph.ir import ParamSource
+from moegraph.lowering import LoweringError
+from moegraph.lowering.families import Family, family_row
+from moegraph.lowering.specs import MLPSpec, MoESpec
+from moegraph.lowering.structural import (SHARED_NAMES, _child_class_check, _ctx, _router_name, _router_weight, _src,
+                                          check_children, family_of, forward_reads, returns_tuple)
+
+
+def activation_of(module: nn.Module, qualname: str) -> str:
+    """'silu' | 'gelu' | 'gelu_tanh' from the module's act_fn / activation_fn."""
+    act = getattr(module, "act_fn", None) or getattr(module, "activation_fn", None)
+    name = type(act).__name__
+    if name in ("SiLU", "SiLUActivation"):
+        return "silu"
+    if name in ("GELUActivation", "GELU") and getattr(act, "approximate", "none") == "none":
+        return "gelu"
+    if name in ("GELUTanh", "PytorchGELUTanh", "NewGELUActivation", "GELUPytorchTanh") or \
+            (name == "GELU" and getattr(act, "approximate", "") == "tanh"):
+        return "gelu_tanh"
+    raise LoweringError(f"{qualname}: activation {act!r} is not modelled (SiLU, GELU, tanh-GELU are)")
+
+
+def mlp_spec(module: nn.Module, qualname: str) -> MLPSpec:
+    """A dense gated MLP: down(act(gate(x)) * up(x)), no biases."""
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        _child_class_check(module, qualname, name)
+        if getattr(module, name).bias is not None:
+            raise LoweringError(f"{qualname}.{name}.bias: a dense MLP with biases is not modelled")
+    check_children(module, qualname, {"gate_proj", "up_proj", "down_proj", "act_fn", "activation_fn"})
+    q = functools.partial(lambda qn, n: _src(qn, f"{n}.weight"), qualname)
+    return MLPSpec(w1=q("gate_proj"), w3=q("up_proj"), w2=q("down_proj"), ffn_hidden=module.gate_proj.out_features,
+                   hidden=module.gate_proj.in_features, activation=activation_of(module, qualname))
+
+
+def _lookup(root, path: str):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj
+
+
+def _setting(name: str, *where, default=None):
+    for obj in where:
+        value = getattr(obj, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
+    """Top-k routed experts (+ shared experts, + their sigmoid gate) read by structure and the family row."""
+    ctx = _ctx()
+    row: Family = family_row(family_of(type(module)) or ctx.family)
+    cfg = ctx.config
+    rname = _router_name(module)
+    router = _child_class_check(module, qualname, rname)
+    for owner in (module, router):
+        jitter = getattr(owner, "jitter_noise", 0) or getattr(owner, "router_jitter_noise", 0)
+        if module.training and isinstance(jitter, float) and jitter > 0:
+            raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={jitter} is random per "
+                                "step and cannot be reproduced; set it to 0")
+    experts = module.experts
+    wpath, weight = _router_weight(router)
+    E, h = weight.shape
+    top_k = _setting("top_k", router, module, default=None) or _setting("num_experts_per_tok", cfg)
+    if not isinstance(top_k, int):
+        raise LoweringError(f"{qualname} ({type(module).__name__}): no top_k on {rname}, the block or the config")
+    rr = row.router
+    seen = router_behaviour(type(router))
+    probed = probe_router(router, weight, top_k, module, qualname)
+    normalize = rr.normalize if rr.normalize is not None else seen["normalize"]
+    if isinstance(normalize, str):
+        normalize = bool(_setting(normalize, router, module, cfg, default=False))
+    scoring = rr.scoring or seen["scoring"]
+    if probed is not None and rr.scoring is None and rr.normalize is None:
+        scoring, normalize = probed
+    choice_path = rr.choice_bias or (f"{rname}.e_score_correction_bias" if "e_score_correction_bias" in router._buffers
+                                     else "e_score_correction_bias" if "e_score_correction_bias" in module._buffers
+                                     else None)
+    choice = None
+    if choice_path is not None:
+        if _lookup(module, choice_path) is None:
+            raise LoweringError(f"{qualname}: the family's router reads {choice_path}, which is missing")
+        choice = _src(qualname, choice_path)
+    groups = int(_setting("num_group", router, default=None) or _setting("n_group", cfg, default=1) or 1)
+    topk_groups = int(_setting("topk_group", router, cfg, default=1) or 1)
+    if rr.grouped is not None and _setting(rr.grouped[0], router, cfg) != rr.grouped[1]:
+        groups = topk_groups = 1
+    scale = float(_setting("routed_scaling_factor", router, module, cfg, default=1.0) or 1.0)
+    if "routed_scaling_factor" not in forward_reads(type(router)) | forward_reads(type(module)):
+        scale = 1.0                        # a config field the router never applies
+    known = {rname, "experts"}
+    shared = None
+    for name in SHARED_NAMES:
+        if getattr(module, name, None) is not None and name in forward_reads(type(module)):
+            known.add(name)
+            shared = mlp_spec(_child_class_check(module, qualname, name), f"{qualname}.{name}")
+    gate_name = "shared_expert_gate"
+    if getattr(module, gate_name, None) is not None and gate_name in forward_reads(type(module)):
+        known.add(gate_name)
+        if module.shared_expert_gate.out_features != 1:
+            raise LoweringError(f"{qualname}.shared_expert_gate has {module.shared_expert_gate.out_features} "
+                                "outputs, not 1")
+        shared = _replace(shared, gate=_src(qualname, "shared_expert_gate.weight"))
+    check_children(module, qualname, known)
+    w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
+    router_bias = _src(qualname, f"{rname}.bias") if router._parameters.get("bias") is not None else None
+    expert_bias = _expert_biases(experts, f"{qualname}.experts", f, row)
+    return MoESpec(router=_src(qualname, f"{rname}.{wpath}"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
+                   ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, scoring=scoring, score_bias=choice,
+                   groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
+                   activation=act, router_bias=router_bias, expert_bias=expert_bias,
+                   tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
+                   swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input)
+
+
+def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualname: str):
+    """(scoring, normalize) of a router, found by running it: its top-k weights on 32 random tokens
+    compared with softmax or sigmoid scores of x W^T, renormalised or not. None when it cannot run
+    (meta), returns no (weights, indices) pair, or matches none (the family row or the source then
+    decides, and the numerical check has the last word). Routers with a choice bias, groups or a
+    logit bias are left to the row."""
+    import torch
+    if weight.is_meta or "e_score_correction_bias" in router._buffers or router._parameters.get("bias") is not None:
+        return None
+    if int(getattr(router, "num_group", None) or 1) > 1:
+        return None
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(32, weight.shape[1], generator=gen).to(dtype=weight.dtype, device=weight.device)
+    try:
+        with torch.no_grad():
+            out = router(x)
+    except Exception:  # noqa: BLE001 - a router that cannot run alone: its row or source decides
+        return None
+    out = out if isinstance(out, tuple) else (out,)
+    idx = next((t for t in out if torch.is_tensor(t) and not t.is_floating_point() and t.shape == (32, top_k)), None)
+    wts = next((t for t in out if torch.is_tensor(t) and t.is_floating_point() and t.shape == (32, top_k)), None)
+    if idx is None or wts is None:
+        return None
+    logits = x.float() @ weight.float().T
+    got = torch.zeros_like(logits).scatter(1, idx.long(), wts.float())
+    for scoring in ("softmax", "sigmoid"):
+        scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
+        chosen = scores.gather(1, idx.long())
+        for normalize in (True, False):
+            w = chosen / chosen.sum(-1, keepdim=True) if normalize else chosen
+            want = torch.zeros_like(logits).scatter(1, idx.long(), w)
+            if float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-3:
+                return scoring, normalize
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def router_behaviour(cls: type) -> dict:
+    """What a router's forward does, read from its source: sigmoid or softmax scores; whether it
+    renormalises the chosen weights (it reads norm_topk_prob: that attribute decides; it divides by
+    their sum, or takes a softmax of the top-k logits: always)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        src = ""
+    scoring = "sigmoid" if "sigmoid" in src else "softmax"
+    if "norm_topk_prob" in src:
+        normalize: bool | str = "norm_topk_prob"
+    else:
+        topk, soft = src.find("topk("), src.find("softmax(")
+        normalize = ".sum(" in src or (0 <= topk < soft)
+    return {"scoring": scoring, "normalize": normalize}
+
+
+def _replace(spec, **changes):
+    import dataclasses
+    return dataclasses.replace(spec, **changes)
+
+
+def _expert_weights(experts: nn.Module, qualname: str, h: int, row: Family):
+    """(w1, w3, w2, f, activation, extra) from fused 3-D weights: gate_up_proj [E, 2f, h] (or [E, h, 2f],
+    then read transposed) and down_proj [E, h, f] (or [E, f, h])."""
+    gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
+    if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3):
+        raise LoweringError(f"{qualname} ({type(experts).__name__}): only fused 3-D expert weights (gate_up_proj, "
+                            "down_proj) are modelled")
+    _, a, b = gate_up.shape
+    transposed = b != h and a == h or (a == h and b == 2 * down.shape[1] and down.shape[2] == h)
+    two_f = b if transposed else a
+    f = two_f // 2
+    gu = f"{qualname}.gate_up_proj"
+    if row.experts.gate_up == "interleaved":
+        first, second = ParamSource(gu, narrow=(1, 0, f), step=2, transpose=transposed), \
+            ParamSource(gu, narrow=(1, 1, f), step=2, transpose=transposed)
+    else:
+        first, second = ParamSource(gu, narrow=(1, 0, f), transpose=transposed), \
+            ParamSource(gu, narrow=(1, f, f), transpose=transposed)
+    w1, w3 = (second, first) if row.experts.order == "up-gate" else (first, second)
+    w2 = ParamSource(f"{qualname}.down_proj", transpose=down.shape[1] == f and down.shape[2] == h and f != h)
+    extra = {}
+    if getattr(experts, "act_fn", None) is not None:
+        act = activation_of(experts, qualname)
+    elif isinstance(getattr(experts, "alpha", None), float) and isinstance(getattr(experts, "limit", None), float):
+        act, extra = "clamped_swiglu", {"alpha": float(experts.alpha), "limit": float(experts.limit)}
+    else:
+        raise LoweringError(f"{qualname} ({type(experts).__name__}): no act_fn and no (alpha, limit) of a clamped "
+                            "SwiGLU: its activation is not modelled")
+    return w1, w3, w2, f, act, extra
+
+
+def _expert_biases(experts: nn.Module, qualname: str, f: int, row: Family):
+    b13, b2 = getattr(experts, "gate_up_proj_bias", None), getattr(experts, "down_proj_bias", None)
+    if b13 is None and b2 is None:
+        return None
+    if b13 is None or b2 is None:
+        raise LoweringError(f"{qualname}: a bias on only one of gate_up_proj and down_proj is not modelled")
+    src = f"{qualname}.gate_up_proj_bias"
+    if row.experts.gate_up == "interleaved":
+        first, second = ParamSource(src, narrow=(1, 0, f), step=2), ParamSource(src, narrow=(1, 1, f), step=2)
+    else:
+        first, second = ParamSource(src, narrow=(1, 0, f)), ParamSource(src, narrow=(1, f, f))
+    b1, b3 = (second, first) if row.experts.order == "up-gate" else (first, second)
+    return b1, b3, ParamSource(f"{qualname}.down_proj_bias")
+
+
