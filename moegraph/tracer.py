@@ -169,12 +169,12 @@ def extract_program(module: nn.Module) -> LayerProgram:
 
 def _extract_program(module: nn.Module) -> LayerProgram:
     check_patches_and_hooks(module)
-    _check_blocks(module)
     if find_rule(module) is not None:     # a rule describes one block inside a layer, never a layer
         cls = type(module)
         raise LoweringError(f"{cls.__module__}.{cls.__name__} is one block of a decoder layer, not a layer (its "
                             "lowering rule describes it inside one): compile the decoder layer that holds it (e.g. "
                             "model.model.layers[0] of a transformers causal LM) or the whole model instead")
+    _check_blocks(module)
     graph = _fx_graph(module)
     index: dict[fx.Node, object] = {}
     steps: list[Step] = []

@@ -359,8 +359,8 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     attrs = {"head_dim": d, "causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
     # QK^T and PV over the causal half: (d + dv) b s^2 H/n
     flops, extra, mask = b * s * s * (H // n) * (d + dv), (), mask_attrs(spec)
-    if mask.get("window") or mask.get("chunk"):       # only the pairs the mask keeps: 2 (d + dv) b H/n pairs
-        flops = 2 * b * (H // n) * (d + dv) * attention_pairs(s, mask.get("window"), mask.get("chunk"))
+    if mask.get("window") or mask.get("chunk_size"):  # only the pairs the mask keeps: 2 (d + dv) b H/n pairs
+        flops = 2 * b * (H // n) * (d + dv) * attention_pairs(s, mask.get("window"), mask.get("chunk_size"))
     if getattr(spec, "sinks", None) is not None:      # [H] cut by heads: this rank attends H/n of them
         extra = (g.param("sinks", (H // n,), ParamSpec((spec.sinks,), shard_dim=0)),)
     g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs, *extra), tuple(attns), flops=flops,

@@ -107,7 +107,7 @@ def mask_attrs(spec) -> dict:
     """ATTENTION attrs beyond plain causal GQA: window, chunk, softmax scale, sinks (family_kernels.attend)."""
     if spec is None:
         return {}
-    found = {"window": getattr(spec, "window", None), "chunk": getattr(spec, "chunk", None),
+    found = {"window": getattr(spec, "window", None), "chunk_size": getattr(spec, "chunk", None),
              "scale": spec.scale}
     return {k: v for k, v in found.items() if v is not None} | ({"sinks": True} if getattr(spec, "sinks", None) else {})
 
