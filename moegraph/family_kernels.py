@@ -34,7 +34,7 @@ def cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype, inv_freq: tu
     module's ``inv_freq`` and cos/sin ``scaling`` (YaRN's attention factor)."""
     if inv_freq is None and scaling is None:
         return rope_cos_sin(positions, dim, theta, dtype)
-    inv = torch.tensor(inv_freq, dtype=torch.float32, device=positions.device) if inv_freq is not None else \
+    inv = torch.tensor(inv_freq, dtype=torch.float32).to(positions.device) if inv_freq is not None else \
         1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
     emb = positions.float()[:, None] * inv[None, :]
     emb, s = torch.cat((emb, emb), dim=-1), 1.0 if scaling is None else scaling
@@ -52,7 +52,7 @@ def rotate(node: Node, x: torch.Tensor, positions: torch.Tensor, dim: int, inver
         cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), torch.float32)
         cos, sin = cos[:, : dr // 2], sin[:, : dr // 2]
     else:
-        freqs = positions.float()[:, None] * torch.tensor(inv, dtype=torch.float32, device=x.device)[None, :]
+        freqs = positions.float()[:, None] * torch.tensor(inv, dtype=torch.float32).to(positions.device)[None, :]
         cos, sin = freqs.cos(), freqs.sin()
     scaling = node.attr("scaling", 1.0)
     cos, sin = (cos * scaling).to(x.dtype), (sin * scaling).to(x.dtype)       # [S, dr/2]
@@ -196,18 +196,19 @@ def _glu_fwd(node: Node, a: torch.Tensor, b: torch.Tensor):
     raise bad_choice(node)
 
 
-def _row_experts(seg, rows: int, device) -> tuple[torch.Tensor, int]:
-    """Local expert of each of the map's real rows (host segments), and how many rows are real."""
-    segs = seg.segments
-    ids = torch.tensor([e for e, _ in segs], dtype=torch.int64, device=device)
-    counts = torch.tensor([c for _, c in segs], dtype=torch.int64, device=device)
+def _row_experts(seg, like: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Local expert of each of the map's real rows (host segments), on ``like``'s device, and how many
+    rows are real."""
+    segs = seg.segments                                   # host (expert, rows) pairs: built there, copied once
+    ids = torch.tensor([e for e, _ in segs], dtype=torch.int64)
+    counts = torch.tensor([c for _, c in segs], dtype=torch.int64)
     real = int(sum(c for _, c in segs))
-    return torch.repeat_interleave(ids, counts, output_size=real), min(real, rows)
+    return torch.repeat_interleave(ids, counts, output_size=real).to(like.device), min(real, like.shape[0])
 
 
 def _grouped_bias_fwd(node: Node, rows, bias, seg, *row_w):
     """rows [R, N] + bias[expert of row] / share (times the row's routing weight when given)."""
-    experts, real = _row_experts(seg, rows.shape[0], rows.device)
+    experts, real = _row_experts(seg, rows)
     add = bias[experts].to(rows.dtype) / node.attr("share", 1)
     if row_w:
         add = add * row_w[0][:real, None].to(rows.dtype)

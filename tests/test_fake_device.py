@@ -39,7 +39,16 @@ GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
           (("tp", "ep", "a2a", 2), "compress=dp-bf16", "ref"),
           (("tp", "ep", "a2a", 1), "gate-reorder,sar=paper", "qwen2_moe"),     # bias, sigmoid_gate
           (("tp", "tp", "ag-rs", 1), "", "olmoe"),             # q/k norm across ranks: square_sum, rmsnorm_sharded
-          (("sp", "ep", "a2a", 1), "gate-reorder,sar=paper", "deepseek_v3")]   # mla_heads
+          (("sp", "ep", "a2a", 1), "gate-reorder,sar=paper", "deepseek_v3"),   # mla_heads
+          # structurally lowered families (tests/family_zoo.py): glu, grouped_bias (its row-weight
+          # gradient under gate-reorder), the router's logit-bias gradient, attention sinks and
+          # windows (gpt_oss); per-head and L2 norms (qwen3_moe, llama4); scale (granitemoe);
+          # LayerNorm (mixtral with torch's nn.LayerNorm as its input norm)
+          (("sp", "ep", "a2a", 1), "gate-reorder", "zoo:gpt_oss"),
+          (("tp", "tp", "ag-rs", 1), "", "zoo:qwen3_moe"),
+          (("sp", "ep", "ag-rs", 1), "", "zoo:llama4"),
+          (("tp", "ep", "ag-rs", 1), "", "zoo:granitemoe"),
+          (("sp", "ep", "a2a", 1), "", "layernorm")]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread
@@ -48,6 +57,15 @@ pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors
 def build(attn, ffn, dispatch, dp, spec, family="ref", n=2, seed=0):
     if family == "ref":
         layer = small_layer(n, seed=seed)
+    elif family.startswith("zoo:") or family == "layernorm":
+        pytest.importorskip("transformers")
+        from family_zoo import moe_causal_lms, tiny_model
+        name = "mixtral" if family == "layernorm" else family[4:]
+        layer = tiny_model(name, dict(moe_causal_lms())[name], seed=seed).model.layers[0]
+        if family == "layernorm":
+            layer.input_layernorm = torch.nn.LayerNorm(H)
+            torch.nn.init.normal_(layer.input_layernorm.weight, 1.0, 0.2)
+            torch.nn.init.normal_(layer.input_layernorm.bias, 0.0, 0.2)
     else:
         pytest.importorskip("transformers")
         import runtime_workers
