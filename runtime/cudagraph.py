@@ -79,7 +79,8 @@ _STATIC_KERNELS = frozenset({OpKind.GEMM, OpKind.ATTENTION, OpKind.RMSNORM, OpKi
                              OpKind.ROUTER, OpKind.PERMUTE, OpKind.UNPERMUTE, OpKind.GATE, OpKind.SPLIT,
                              OpKind.ADD, OpKind.BIAS, OpKind.SIGMOID_GATE, OpKind.SQUARE_SUM,
                              OpKind.RMSNORM_SHARDED, OpKind.MLA_HEADS, OpKind.CAST, OpKind.ALL_GATHER,
-                             OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE})
+                             OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE,
+                             OpKind.NORM, OpKind.GLU, OpKind.SCALE})      # the structural lowering's elementwise ops
 
 
 def check_mode(mode: Any) -> CudaGraphs:
@@ -159,6 +160,8 @@ def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) ->
                 return (f"loops over host row segments of index map {seg!r} (layout by_dest has no device-side "
                         "group offsets)")
             return None
+        case OpKind.GROUPED_BIAS:       # the structural lowering's expert biases: rows' experts from host segments
+            return f"reads the host row segments of index map {node.inputs[2]!r} (each row's expert)"
         case op if op in _STATIC_KERNELS:
             return None
     raise NotImplementedError(f"no cuda_graphs rule for {node.op.value} (node {node.name!r})")
