@@ -67,10 +67,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
-from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
+from moegraph.efficiency import attention_factor, gemm_shape, gemm_shape_factor, size_eff
+from moegraph.ir import Node, OpKind, Phase, Role, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware, RegistryError
 
-__all__ = ["CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
+__all__ = ["SHAPE_KEYS", "shape_attrs", "CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
            "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
 
 _US = 1e6  # seconds -> microseconds
@@ -94,7 +95,9 @@ class FusedGroup:
 
     kind:    which of the four kernels.
     comm:    the collective's (op, comm_bytes, group n, scope).
-    compute: the compute members' (op, flops, mem_bytes, phase), in graph order.
+    compute: the compute members' (op, flops, mem_bytes, phase, shape attrs), in graph order; the
+             shape attrs (``SHAPE_KEYS``: role, mnk, groups, seq, head_dim) price each member by
+             its shape as the unfused node is priced.
     Each member's attribute adds ``anchor``: true on the one member charged the whole fused time
     (comm-first: the last compute node; compute-first: the first), so every value the group
     produces is available only when the kernel ends (passes/fuse.py checks that for consumers
@@ -104,7 +107,7 @@ class FusedGroup:
 
     kind: FusedKind
     comm: tuple[str, int, int, Scope]
-    compute: tuple[tuple[str, int, int, str], ...]
+    compute: tuple[tuple[str, int, int, str, tuple[tuple[str, Any], ...]], ...]
 
     def __post_init__(self):
         if self.kind not in get_args(FusedKind):
@@ -113,10 +116,13 @@ class FusedGroup:
             raise ValueError(f"fused {self.kind} needs a collective over n >= 2 ranks, got n={self.comm[2]}")
         if not self.compute:
             raise ValueError(f"fused {self.kind} has no compute node")
+        # a member given as (op, flops, mem_bytes, phase) has no shape attributes: forward, unshaped
+        object.__setattr__(self, "compute", tuple(tuple(c) if len(c) == 5 else (*c, shape_attrs({}))
+                                                  for c in self.compute))
 
     def to_attr(self, anchor: bool) -> dict[str, Any]:
         return {"variant": "fused", "kind": self.kind, "anchor": anchor, "comm": list(self.comm),
-                "compute": [list(c) for c in self.compute]}
+                "compute": [[*c[:4], dict(c[4])] for c in self.compute]}
 
     @staticmethod
     def is_anchor(node: Node) -> bool:
@@ -135,7 +141,8 @@ class FusedGroup:
                 raise ValueError(f"anchor {d['anchor']!r} is not true or false")
             op, nbytes, group, scope = d["comm"]
             return cls(kind=d["kind"], comm=(op, int(nbytes), int(group), scope),
-                       compute=tuple((c[0], int(c[1]), int(c[2]), c[3]) for c in d["compute"]))
+                       compute=tuple((c[0], int(c[1]), int(c[2]), c[3], shape_attrs(dict(c[4]) if len(c) > 4 else {}))
+                                     for c in d["compute"]))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute: {err}") from None
 
@@ -145,9 +152,13 @@ class FusedGroup:
                     comm_bytes=nbytes, group=group, attrs=(("scope", scope),))
 
     def compute_nodes(self) -> tuple[Node, ...]:
-        return tuple(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
-                          outputs=(), flops=flops, mem_bytes=mem)
-                     for i, (op, flops, mem, phase) in enumerate(self.compute))
+        out = []
+        for i, (op, flops, mem, phase, attrs) in enumerate(self.compute):
+            a = dict(attrs)
+            role = Role(a.pop("role", Role.FORWARD.value))
+            out.append(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
+                            outputs=(), role=role, flops=flops, mem_bytes=mem, attrs=tuple(sorted(a.items()))))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -160,6 +171,18 @@ class FusedPrice:
     unfused_us: float        # the group's nodes one after another, each at its own best
     sm: int                  # SMs the kernel gives its transfers (0 = copy engines)
     tiles: int
+
+
+SHAPE_KEYS = ("mnk", "groups", "seq", "head_dim")
+"""Node attributes the compute rules read (moegraph.efficiency); a fused group keeps them per member."""
+
+
+def shape_attrs(attrs: Mapping[str, Any], role: Role | str = Role.FORWARD) -> tuple[tuple[str, Any], ...]:
+    """The pricing attributes of a node (``SHAPE_KEYS``, lists made tuples) and its role, as a
+    fused group member stores them."""
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items() if k in SHAPE_KEYS}
+    out["role"] = role.value if isinstance(role, Role) else role
+    return tuple(sorted(out.items()))
 
 
 def variant_of(attrs: Mapping[str, Any]) -> Variant:
@@ -381,13 +404,25 @@ class CostModel:
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
-            eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name))
+            eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name) * self._shape(node, cls))
             flops_s = node.flops / (hw.peak_flops_bf16 * eff)
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
         t = hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
         return t + self._stream_us(node) + self._accumulate_us(node) if in_step_terms else t
+
+    def _shape(self, node: Node, cls: str) -> float:
+        """The shape factor (<= 1) of a GEMM, grouped GEMM or attention node (moegraph.efficiency);
+        1 for other classes, and for a GEMM without the ``mnk`` attribute (the router; graphs
+        built by other code), which runs at the large-GEMM efficiency. A measured curve (``_eff``)
+        replaces scalar and factor together."""
+        if cls in ("gemm", "grouped_gemm"):
+            shape = gemm_shape(node)
+            return 1.0 if shape is None else gemm_shape_factor(self.hw, shape)
+        if cls == "attention":
+            return attention_factor(self.hw, node)
+        return 1.0
 
     def _stream_us(self, node: Node) -> float:
         """In-step weight streaming of an expert GEMM (module docstring): stream_bytes / the
@@ -432,6 +467,18 @@ class CostModel:
                 return 1, hw.ring_eff_inter, hw.comm_sm_saturation, ()
         raise NotImplementedError(f"no cost rule for {op}")
 
+    def _half_bytes(self, op: OpKind, scope: Scope) -> float:
+        """The size-curve half point of ``op`` on ``scope``'s link (moegraph.efficiency.size_eff)."""
+        hw = self.hw
+        match op:
+            case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_REDUCE:
+                return hw.ring_half_bytes_intra if scope == "intra" else hw.ring_half_bytes_inter
+            case OpKind.ALL_TO_ALL:
+                return hw.a2a_half_bytes_intra if scope == "intra" else hw.a2a_half_bytes_inter
+            case OpKind.P2P:       # one send on the inter-stage link: a ring step's curve across nodes
+                return hw.ring_half_bytes_inter
+        raise NotImplementedError(f"no cost rule for {op}")
+
     def _link(self, scope: Scope) -> tuple[float, float]:
         """(bandwidth bytes/s, per-step latency us) of ``scope``'s link."""
         hw = self.hw
@@ -458,6 +505,9 @@ class CostModel:
             if points is not None:
                 eff = interpolate(points, node.comm_bytes)
                 break
+        else:        # no measured curve: the sourced size curve (an all-reduce sends 2x a ring's bytes per half)
+            per_pass = node.comm_bytes / steps
+            eff = size_eff(eff, self._half_bytes(node.op, scope), per_pass)
         bandwidth, alpha = self._pp_link() if node.op is OpKind.P2P else self._link(scope)
         latency = steps * (node.group - 1) * alpha
         if sm == 0:

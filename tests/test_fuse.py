@@ -3,7 +3,8 @@ and the runtime refusing what it cannot run.
 
 h800 numbers typed from hardware.yaml / Hardware defaults: P = 989e12, gemm_eff 0.75,
 B_nvlink = 200e9, a2a_eff_intra 0.55, ring_eff_intra 0.726, copy_engine_eff 0.6, alpha 2 us,
-kernel 4 us, copy engine +10 us, a2a saturation 24 SMs, 132 SMs, fused tile overhead 0.5 us.
+kernel 4 us, copy engine +10 us, a2a saturation 24 SMs, 132 SMs, fused tile overhead 0.5 us
+(helpers.flat_h800: the constant efficiencies before the shape and size curves, issue 29).
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from moegraph.passes.fuse import candidates, mark
 from moegraph.registry import load_hardware, load_model
 from moegraph.tracer import trace_model
 
+from helpers import flat_h800
+
 A2A_BYTES = 14_680_064
 GEMM_BODY_US = 150.0                          # compute time above the kernel latency
 GEMM_FLOPS = int(GEMM_BODY_US * 1e-6 * 989e12 * 0.75)
@@ -30,7 +33,7 @@ GEMM_FLOPS = int(GEMM_BODY_US * 1e-6 * 989e12 * 0.75)
 
 @pytest.fixture(scope="module")
 def h800() -> CostModel:
-    return CostModel(load_hardware("h800"))
+    return CostModel(flat_h800())
 
 
 def a2a_gemm(kind="a2a+gemm", nbytes=A2A_BYTES, flops=GEMM_FLOPS) -> FusedGroup:

@@ -210,7 +210,8 @@ def emit_gemm(g: GraphBuilder, name: str, x: str, w: str, out: str, *, module: s
     n_out, k_in = g.shape(w)
     y = g.value(out, g.shape(x)[:-1] + (n_out,), alias_of=alias_of)
     m_rows = _numel(g, x) // k_in
-    g.node(name, OpKind.GEMM, (x, w), (y,), flops=2 * m_rows * n_out * k_in, module=module, block=block)
+    g.node(name, OpKind.GEMM, (x, w), (y,), flops=2 * m_rows * n_out * k_in, module=module, block=block,
+           attrs={"mnk": (m_rows, n_out, k_in)})                                 # shape: moegraph.efficiency
     return y
 
 
@@ -431,7 +432,7 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     H, d, dv = heads, qk_dim, v_dim
     Hl = H // n if tp else H
     attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * dv)) for j in range(N)]
-    attrs = {"head_dim": d, "causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
+    attrs = {"head_dim": d, "causal": True, "seq": s} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
     # QK^T and PV over the causal half: (d + dv) b s^2 H/n
     g.node("attention", OpKind.ATTENTION, (*qs, *ks, *vs), tuple(attns), flops=b * s * s * (H // n) * (d + dv),
            attrs=attrs, **kw)
@@ -636,5 +637,6 @@ def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: 
     y = g.value(out, (r, n_out), routed=True)
     segments = math.prod(g.shape(seg)) if len(g.shape(seg)) == 2 else experts
     g.node(name, OpKind.GROUPED_GEMM, (rows, w, seg), (y,), flops=2 * r * n_out * k_in,
-           attrs={"stream_bytes": segments * (g.nbytes(w) // experts)}, **kw)
+           attrs={"stream_bytes": segments * (g.nbytes(w) // experts), "mnk": (r, n_out, k_in), "groups": experts},
+           **kw)
     return y
