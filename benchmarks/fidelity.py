@@ -1,0 +1,233 @@
+"""Fidelity: every published figure moegraph can predict, beside its prediction (issue 29 item 5).
+
+    .venv/bin/python benchmarks/fidelity.py              # all figures (CP-SAT for Table 5: ~1 min)
+    .venv/bin/python benchmarks/fidelity.py --fast       # without Table 5's CP-SAT solves
+
+Each row: the figure, its setting, the paper's number, moegraph's, whether the number was USED
+IN A FIT of hardware.yaml ("fit") or is HELD OUT ("held"), and the reason for any difference.
+Held-out and fitted rows are summarised apart. Per layer throughout (b = 1, s = 8192, n = 8 unless
+the row says otherwise): Table 5 is an iteration-level figure and the whole-step model (issue 28's
+pipeline helper) has not landed, so its rows compare one layer's forward + backward.
+
+Predictions: ``serial`` = the serial sum of node times (passes/estimate.py, what dispatch=auto
+uses, and MegaScale-MoE's "other optimizations disabled"); ``cpsat`` = the scheduled layer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moegraph.cost import CostModel  # noqa: E402
+from moegraph.ir import Node, OpKind, Phase, Strategy  # noqa: E402
+from moegraph.passes.estimate import serial_time_us  # noqa: E402
+from moegraph.registry import load_hardware, load_model  # noqa: E402
+from moegraph.tracer import trace_model  # noqa: E402
+
+MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
+N, B, S = 8, 1, 8192
+ROWS: list[dict] = []
+
+
+def row(fig: str, setting: str, paper: str, ours: str, status: str, reason: str, ok: bool | None = None) -> None:
+    ROWS.append(dict(fig=fig, setting=setting, paper=paper, ours=ours, status=status, reason=reason, ok=ok))
+
+
+def no_shapes(hw):
+    """``hw`` with the compute shape curves off (GEMMs at gemm_eff whatever their shape)."""
+    return dataclasses.replace(hw, gemm_tiles=(), gemm_k_half=0.0)
+
+
+def graph(model, attn, ffn, dispatch, *, seq=S, **over):
+    cfg = dataclasses.replace(load_model(model), **over) if over else load_model(model)
+    return trace_model(cfg, Strategy(attn, ffn, dispatch, N), batch=B, seq=seq)
+
+
+def ffn_comm_us(g, cost) -> float:
+    return sum(cost.node_time_us(nd) for nd in g.nodes if nd.is_comm and nd.block == "ffn")
+
+
+# --- MegaScale-MoE Fig 7: AG/RS vs A2A token dispatch by top-k ------------------------------------
+
+def fig7(models=("mixtral-8x7b", "phi-3.5-moe", "mixtral-8x22b"), hws=("h800", "a100", "h20")) -> None:
+    for hw_name in hws:
+        cost = CostModel(load_hardware(hw_name))
+        for model in models:
+            diffs = []
+            for k in range(1, 9):
+                a = ffn_comm_us(graph(model, "sp", "ep", "a2a", top_k=k, experts=max(8, load_model(model).experts)), cost)
+                g = ffn_comm_us(graph(model, "sp", "ep", "ag-rs", top_k=k, experts=max(8, load_model(model).experts)), cost)
+                diffs.append(a - g)
+            cross = next((k - 1 + (-diffs[k - 2]) / (diffs[k - 1] - diffs[k - 2]) for k in range(2, 9)
+                          if diffs[k - 2] < 0 <= diffs[k - 1]), None)
+            ours = f"top-k {cross:.2f}" if cross else "a2a faster up to top-k 8"
+            paper = "top-k > 6 (Mixtral-8x7B, H800)" if (model, hw_name) == ("mixtral-8x7b", "h800") else "-"
+            ok = None if paper == "-" else (cross is not None and 6 <= cross <= 8)
+            row("Fig 7", f"{model} {hw_name} comm-time crossover", paper, ours, "held",
+                "a2a_eff_intra from DeepEP (0.765) and ring_eff_intra from MoNTA (0.794): the bytes ratio k/n "
+                "crosses their ratio near k = 7.7; the paper's NCCL all-to-all is slower than DeepEP's kernel, "
+                "which moves its crossover below 7", ok)
+
+
+# --- MegaScale-MoE Fig 14: SP+EP vs TP+TP -----------------------------------------------------------
+
+def _serial(model, hw, attn, ffn, dispatch) -> float:
+    return serial_time_us(graph(model, attn, ffn, dispatch), CostModel(hw))
+
+
+def fig14(models=MODELS, hw_name="h800") -> None:
+    hw = load_hardware(hw_name)
+    gains = []
+    for model in models:
+        tp = _serial(model, hw, "tp", "tp", "ag-rs")
+        a2a, agrs = _serial(model, hw, "sp", "ep", "a2a"), _serial(model, hw, "sp", "ep", "ag-rs")
+        flat = no_shapes(hw)
+        tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
+        g = tp / min(a2a, agrs) - 1
+        shape = g - (tp0 / best0 - 1)
+        gains.append(g)
+        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
+            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part)",
+            0.149 - 0.03 <= g <= 0.329 + 0.03)
+
+
+# --- MegaScale-MoE Fig 16: fused vs unfused pairs ----------------------------------------------------
+
+def fig16(models=MODELS, hw_name="h800") -> None:
+    from moegraph.passes.fuse import candidates
+    cost = CostModel(load_hardware(hw_name))
+    factors = []
+    for model in models:
+        for dispatch in ("ag-rs",):
+            g = graph(model, "sp", "ep", dispatch)
+            seen = set()
+            for cand in candidates(g, cost):
+                if g.node[cand.anchor].phase is not Phase.FORWARD or cand.group.kind in seen:
+                    continue
+                seen.add(cand.group.kind)
+                p = cost.fused_price(cand.group)
+                f = p.unfused_us / p.time_us
+                factors.append(f)
+                row("Fig 16", f"{model} {hw_name} {cand.group.kind}", "1.2-4.7x (range)", f"{f:.2f}x", "held",
+                    "tile pipeline: max(comm, compute) + one tile; the unfused baseline pays its collective at "
+                    "the best SM budget and each member's own launch")
+    if factors:
+        lo, hi = min(factors), max(factors)
+        row("Fig 16", f"span over {len(factors)} pairs", "1.2-4.7x", f"{lo:.2f}-{hi:.2f}x", "held",
+            "a pair gains at most 2x by construction (comm and compute overlapped, nothing removed); the "
+            "paper's unfused baseline also runs Megatron's scatter/gather kernels, not priced here",
+            lo <= 1.2 + 0.05 and hi >= 3.0)
+
+
+# --- MegaScale-MoE Table 5: per layer ---------------------------------------------------------------
+
+def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
+    from moegraph.passes import run_pipeline
+    from moegraph.schedules.api import compile_graph
+    cost = CostModel(load_hardware(hw_name))
+    base = serial_time_us(graph(model, "tp", "tp", "ag-rs"), cost)
+    spep = {d: graph(model, "sp", "ep", d) for d in ("a2a", "ag-rs")}
+    d_best = min(spep, key=lambda d: serial_time_us(spep[d], cost))
+    s2 = serial_time_us(spep[d_best], cost)
+    s3 = compile_graph(spep[d_best], cost, time_limit_s=time_limit).schedule.makespan_us
+    fused, _ = run_pipeline(spep[d_best], "fuse=auto", cost=cost)
+    s4 = compile_graph(fused, cost, time_limit_s=time_limit).schedule.makespan_us
+    why = "per layer (no pipeline, DP, optimizer: the step model of issue 28 has not landed)"
+    row("Table 5", f"{model} {hw_name} (2) SP+EP {d_best}", "1.13", f"{base / s2:.3f}", "held", why,
+        abs(base / s2 - 1.13) <= 0.05)
+    row("Table 5", f"{model} {hw_name} (3) + inter-op overlap", "1.22", f"{base / s3:.3f}", "held",
+        why + "; one layer has less independent work to hide behind than a pipelined step", abs(base / s3 - 1.22) <= 0.05)
+    row("Table 5", f"{model} {hw_name} (4) + intra-op overlap", "1.28", f"{base / s4:.3f}", "held", why,
+        abs(base / s4 - 1.28) <= 0.05)
+
+
+# --- MoNTA: all-to-all operator (Fig 14 / eq 11-16) and end to end (Fig 17) ---------------------------
+
+def _comm(op, nbytes, group, scope, cost) -> float:
+    node = Node("c", op, Phase.FORWARD, (), ("y",), comm_bytes=int(nbytes), group=group, attrs=(("scope", scope),))
+    return cost.best_time_us(node)
+
+
+def monta_times(seq: int, chunks: int, cost: CostModel, pipeline_copy: bool) -> float:
+    """MoNTA's strategies priced by moegraph's collective curves: t = 8 (TP), e = 2 (EP), I = 256 MB
+    at 8K (Table 8, scaled with s). chunks = 0: the baseline 16-GPU all-to-all (its IB half)."""
+    t, e, vol = 8, 2, 256e6 * seq / 8192
+    if chunks == 0:
+        return _comm(OpKind.ALL_TO_ALL, vol / 2, 16, "inter", cost)
+    aa = _comm(OpKind.ALL_TO_ALL, vol / (chunks * t) * (e - 1) / e, e, "inter", cost)
+    ag = _comm(OpKind.ALL_GATHER, vol / chunks * (t - 1) / t, t, "intra", cost)
+    d2d = cost.hw.kernel_latency_us + 2 * vol / chunks / (cost.hw.hbm_bw_bytes_s * cost.hw.mem_eff) * 1e6
+    if chunks == 1:
+        return aa + ag + d2d
+    if pipeline_copy:                                       # O3 (Algorithm 2)
+        return aa + ag * chunks + d2d if aa < ag else aa * chunks + ag + d2d
+    return aa + (ag + d2d) * chunks if aa < ag + d2d else aa * chunks + ag + d2d     # O2 (Algorithm 1)
+
+
+def monta(hw_name="a800") -> None:
+    cost = CostModel(load_hardware(hw_name))
+    for seq, paper_best in ((8192, "O1, no chunking (O1/base 0.30)"), (262144, "O3, 4 chunks (O3/base 0.253)")):
+        base = monta_times(seq, 0, cost, False)
+        options = {("O1", 1): monta_times(seq, 1, cost, False)}
+        for n in (2, 4, 8):
+            options[("O2", n)] = monta_times(seq, n, cost, False)
+            options[("O3", n)] = monta_times(seq, n, cost, True)
+        (strat, n), t = min(options.items(), key=lambda kv: kv[1])
+        chunked = n > 1
+        row("MoNTA Fig 14", f"all-to-all operator, s={seq // 1024}K, {hw_name}, 2 nodes", paper_best,
+            f"{strat}{'' if n == 1 else f', {n} chunks'} ({strat}/base {t / base:.3f}; O1/base {options[('O1', 1)] / base:.3f})",
+            "fit", "the inter-node all-to-all and intra-node all-gather curves are fitted to MoNTA Table 8",
+            chunked == (seq > 8192))
+    o1 = monta_times(8192, 1, cost, False) / monta_times(8192, 0, cost, False)
+    e2e = 1 - 0.22 * (1 - o1)
+    row("MoNTA Fig 17", "2x70B, 16 A800, 8K, end to end", "-13% latency (O1)", f"{e2e - 1:+.1%}", "fit",
+        "MoNTA's own 22% all-to-all share with moegraph's O1/base ratio; no 2x70B layer is lowered")
+
+
+# --- Megatron-Core: EP overlap -----------------------------------------------------------------------
+
+def megatron() -> None:
+    row("Megatron-Core §5", "DeepSeek-V3 H100 EP a2a overhead with 1F1B overlap", "30-40% -> < 5%", "not predicted",
+        "held", "needs the merged 1F1B micro-batch step with W/D split across pipeline stages (issue 28)")
+    row("Megatron-LM PRs 2719/2730, 6311", "CUDA_DEVICE_MAX_CONNECTIONS=1 halves EP overlap gain", "0.5x gain",
+        "not predicted", "held", "the launch-order scheduling option (issue 29 item 3) has not landed")
+
+
+def report() -> str:
+    lines = ["| figure | setting | paper | moegraph | fit/held | within target | reason for a difference |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        ok = "-" if r["ok"] is None else ("yes" if r["ok"] else "NO")
+        lines.append(f"| {r['fig']} | {r['setting']} | {r['paper']} | {r['ours']} | {r['status']} | {ok} | {r['reason']} |")
+    for status in ("held", "fit"):
+        checked = [r for r in ROWS if r["status"] == status and r["ok"] is not None]
+        n_rows = sum(r["status"] == status for r in ROWS)
+        lines.append(f"\n{status}: {n_rows} rows, {len(checked)} with a target, "
+                     f"{sum(r['ok'] for r in checked)} within it")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fast", action="store_true", help="skip Table 5 (its CP-SAT solves)")
+    p.add_argument("--time-limit", type=float, default=5.0)
+    args = p.parse_args(argv)
+    fig7()
+    fig14()
+    fig16()
+    if not args.fast:
+        table5(time_limit=args.time_limit)
+    monta()
+    megatron()
+    print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
