@@ -21,9 +21,12 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     B, alpha, ring_eff, a2a_eff by scope: NVLink, intra-node latency, ring_eff_intra, a2a_eff_intra
     for "intra"; NIC, inter-node latency, ring_eff_inter, a2a_eff_inter for "inter". Scope comes
     from node attr "scope", else intra iff n <= gpus_per_node (``scope``).
-A collective holding `sm` SMs slows compute running beside it by sm_count / (sm_count - sm)
-(``compute_slowdown``), and the collective itself stretches by hw.comm_overlap_stretch while
-compute runs beside it; the scheduler applies both factors, this module prices nodes alone.
+Interference, both directions (``beside_comm_us``, docs/cost_model.md "Interference"): compute
+beside collectives that hold `sm` SMs runs its FLOP term on the SMs left, x S/(S - sm)
+(``compute_slowdown``), and its memory term on the HBM bandwidth left, x W'/(W' - c * R)
+(``hbm_slowdown``: W' = W * mem_eff, c = comm_hbm_traffic, R the NVLink rate those SMs reach);
+the collective itself stretches by hw.comm_overlap_stretch while compute runs beside it. The
+scheduler applies these factors; node_time_us prices nodes alone.
 A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evaluated at the
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
@@ -54,8 +57,11 @@ over n tiles, one per source/destination rank (the local tile needs no transfer)
     T = kernel_latency + two-stage flow time of those tiles  (``tile_pipeline_us``)
       = kernel_latency + max(comm, compute) + fill/drain (one tile of the other stage) when tiles
         are even, with b (SMs the kernel gives its transfers; 0 = copy engines) the allowed budget
-        that minimises T. The compute is the chain's unchunked nodes: weights are read once, not
-        once per tile as chunking does. The whole T is charged to the group's anchor node
+        that minimises T. The compute is the chain's unchunked GEMMs: weights are read once, not
+        once per tile as chunking does; its memory-bound members (scatter, gather, rope) are folded
+        into the GEMM tiles (read by index, applied in the epilogue) and add nothing. The unfused
+        baseline (``FusedPrice.unfused_us``) pays the collective at its default (NCCL-like) budget
+        and every member as its own kernel. The whole T is charged to the group's anchor node
         (``FusedGroup.is_anchor``); the group's other nodes cost 0.
 """
 
@@ -349,7 +355,11 @@ class CostModel:
         members = group.compute_nodes()
         alone = [0.0 if c.op is OpKind.SPLIT else self._compute_us(c, op_class(c), in_step_terms=False)
                  for c in members]
-        body = sum(t - kappa for t in alone if t > 0)   # the chain as one kernel: one launch (views cost 0)
+        # the chain as one kernel: one launch (views cost 0); the memory-bound members (the
+        # scatter, the gather, the QKV epilogue's rope) are folded into the GEMM's tiles, which
+        # read rows by the index map or apply them to the tile in registers (MegaScale-MoE §4.2,
+        # Fig 10c): no HBM pass of their own
+        body = sum(t - kappa for t, c in zip(alone, members) if t > 0 and op_class(c) != "memory")
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
             c = (self._comm_us(comm, b) - kappa) / (n - 1)
@@ -361,8 +371,10 @@ class CostModel:
             if best is None or kappa + t < best[0]:
                 best = (kappa + t, b)
         time_us, sm = best
+        # the unfused baseline (Fig 16's "without fine-grained overlap"): the collective at the
+        # NCCL-like default budget, then every member as its own kernel, scatter and gather included
         return FusedPrice(time_us=time_us, comm_us=self._comm_us(comm, sm), compute_us=kappa + body,
-                          unfused_us=self.best_time_us(comm) + sum(alone), sm=sm, tiles=n)
+                          unfused_us=self.node_time_us(comm) + sum(alone), sm=sm, tiles=n)
 
     def default_sm_budget(self, node: Node) -> int:
         """The smallest allowed budget that saturates the link (what NCCL would roughly use);
@@ -389,6 +401,37 @@ class CostModel:
             raise ValueError(f"sms_held_by_comm={held} leaves no SMs for compute (sm_count={total})")
         return total / (total - held)
 
+    def hbm_slowdown(self, sms_held_by_comm: int) -> float:
+        """Factor (>= 1) by which a memory-bound kernel stretches beside collectives holding this
+        many SMs: they move comm_hbm_traffic bytes of HBM per byte sent, at most at the NVLink
+        rate their SMs reach, W' = W * mem_eff - that rate is left (1 where comm_hbm_traffic = 0)."""
+        hw = self.hw
+        if sms_held_by_comm <= 0 or hw.comm_hbm_traffic <= 0:
+            return 1.0
+        rate = (hw.comm_hbm_traffic * hw.nvlink_bw_bytes_s * hw.ring_eff_intra
+                * min(1.0, sms_held_by_comm / hw.comm_sm_saturation))
+        hbm = hw.hbm_bw_bytes_s * hw.mem_eff
+        if rate >= hbm:
+            raise ValueError(f"collectives on {sms_held_by_comm} SMs move {rate:.3g} B/s of HBM, at least the "
+                             f"{hbm:.3g} B/s {hw.name} has (comm_hbm_traffic={hw.comm_hbm_traffic})")
+        return hbm / (hbm - rate)
+
+    def beside_comm_us(self, node: Node, sms_held_by_comm: int) -> float:
+        """Time of compute ``node`` while collectives hold ``sms_held_by_comm`` SMs (interference,
+        docs/cost_model.md): its FLOP term on the SMs left (``compute_slowdown``), its memory term
+        on the HBM bandwidth left (``hbm_slowdown``). A profile without comm_hbm_traffic, a fused
+        kernel and a view slow as a whole by compute_slowdown (a view: 0 either way)."""
+        if node.is_comm:
+            raise ValueError(f"node {node.name!r} ({node.op.value}) is a collective: beside_comm_us prices compute")
+        alone = self.node_time_us(node)
+        held = sms_held_by_comm
+        if held == 0 or alone == 0.0:
+            return alone * self.compute_slowdown(held)
+        if self.hw.comm_hbm_traffic <= 0 or FusedGroup.of(node) is not None:
+            return alone * self.compute_slowdown(held)
+        return self._compute_us(node, op_class(node), sm_slow=self.compute_slowdown(held),
+                                hbm_slow=self.hbm_slowdown(held))
+
     def comm_overlap_stretch(self) -> float:
         """Factor (>= 1) by which a collective stretches while compute runs beside it; node_time_us
         prices it alone, the scheduler applies this factor to the overlapped mode."""
@@ -400,7 +443,10 @@ class CostModel:
         points = self.hw.curve(curve_name)
         return scalar if points is None else interpolate(points, size)
 
-    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True) -> float:
+    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True, sm_slow: float = 1.0,
+                    hbm_slow: float = 1.0) -> float:
+        """kappa + max(FLOP term * sm_slow, memory term * hbm_slow) (+ the in-step terms, memory
+        traffic, * hbm_slow); the slowdowns are those of ``beside_comm_us`` (1: alone)."""
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
@@ -409,8 +455,8 @@ class CostModel:
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        t = hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
-        return t + self._stream_us(node) + self._accumulate_us(node) if in_step_terms else t
+        t = hw.kernel_latency_us + max(flops_s * sm_slow, mem_s * hbm_slow) * _US * hw.in_step_factor(cls)
+        return t + (self._stream_us(node) + self._accumulate_us(node)) * hbm_slow if in_step_terms else t
 
     def _shape(self, node: Node, cls: str) -> float:
         """The shape factor (<= 1) of a GEMM, grouped GEMM or attention node (moegraph.efficiency);

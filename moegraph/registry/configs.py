@@ -366,10 +366,17 @@ class Hardware(_Record):
     """SMs at which all-to-all reaches full bandwidth (more than a ring: n-1 peers at once)."""
     comm_overlap_stretch: float = checked(stretch, 1.0)
     """Factor (in [1, 10]) by which a collective runs longer while compute runs beside it
-    (the two share memory bandwidth, and on CPU the cores). 1 = not modelled (the registry's
-    GPU profiles: unmeasured); ``moegraph calibrate`` measures it where it can run collectives.
+    (the two share memory bandwidth, and on CPU the cores). 1 = no stretch (the registry's GPU
+    profiles: fitted to MoNTA Fig 14, see their sources); ``moegraph calibrate`` measures it
+    where it can run collectives.
     The scheduler gives each collective two modes when it is > 1: alone (no compute may
     overlap it) at the plain time, or beside compute at this factor times it."""
+    comm_hbm_traffic: float = checked(nonneg_float, 0.0)
+    """HBM bytes a collective moves per byte it sends (it reads what it sends and writes what it
+    receives: 2). Compute beside collectives that hold b SMs then has the HBM bandwidth those
+    collectives leave (``CostModel.beside_comm_us``): its FLOP term slows by S/(S-b), its memory
+    term by W/(W - traffic * link rate). 0 = not modelled: the whole node slows by S/(S-b)
+    (calibrated CPU profiles, where b counts cores)."""
     step_noise: float = checked(fraction_or_zero, 0.0)
     """Step-to-step noise of real steps on this machine: the relative median absolute deviation
     of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph
