@@ -142,13 +142,29 @@ def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
     s3 = compile_graph(spep[d_best], cost, time_limit_s=time_limit).schedule.makespan_us
     fused, _ = run_pipeline(spep[d_best], "fuse=auto", cost=cost)
     s4 = compile_graph(fused, cost, time_limit_s=time_limit).schedule.makespan_us
-    why = "per layer (no pipeline, DP, optimizer: the step model of issue 28 has not landed)"
-    row("Table 5", f"{model} {hw_name} (2) SP+EP {d_best}", "1.13", f"{base / s2:.3f}", "held", why,
-        abs(base / s2 - 1.13) <= 0.05)
-    row("Table 5", f"{model} {hw_name} (3) + inter-op overlap", "1.22", f"{base / s3:.3f}", "held",
-        why + "; one layer has less independent work to hide behind than a pipelined step", abs(base / s3 - 1.22) <= 0.05)
-    row("Table 5", f"{model} {hw_name} (4) + intra-op overlap", "1.28", f"{base / s4:.3f}", "held", why,
-        abs(base / s4 - 1.28) <= 0.05)
+    why = ("per layer, forward + backward, with interference (compute on the SMs and HBM collectives leave); "
+           "the paper's figure is an iteration's throughput (issue 28's step model has not landed)")
+    gains = {2: base / s2, 3: base / s3, 4: base / s4}
+    paper = {2: 1.13, 3: 1.22, 4: 1.28}
+    label = {2: f"(2) SP+EP {d_best}", 3: "(3) + inter-op overlap", 4: "(4) + intra-op overlap"}
+    for k in (2, 3, 4):
+        row("Table 5", f"{model} {hw_name} {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why,
+            abs(gains[k] - paper[k]) <= 0.05)
+    # An iteration also runs work none of the three changes: with PP 15 the pipeline's warm-up and
+    # cool-down, the embedding and head, the DP sync and the optimizer. If a share f of the
+    # baseline iteration is such work, a layer gain g becomes 1 / (f + (1 - f) / g). f fitted to
+    # row (2), then rows (3) and (4) follow.
+    hand = base / compile_graph(spep[d_best], cost, method="megascale").schedule.summary["makespan_us"]
+    row("Table 5", f"{model} {hw_name} (3) with MegaScale-MoE's hand-made order (the megascale baseline)", "1.22",
+        f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one "
+        "(under one hardware queue fed in graph order, CP-SAT reaches only 1.217: launch_order='program')",
+        abs(hand - 1.22) <= 0.05)
+    f = (1 / paper[2] - 1 / gains[2]) / (1 - 1 / gains[2])
+    est = {k: 1 / (f + (1 - f) / gains[k]) for k in (3, 4)}
+    row("Table 5", f"{model} {hw_name} (3), (4) at iteration level, f fitted to (2)", "1.22, 1.28",
+        f"{est[3]:.3f}, {est[4]:.3f} (f = {f:.2f} of the baseline iteration outside the layers' changed work)", "fit",
+        "a dilution estimate, not the step model: the share f stands for the pipeline bubble, edges, DP sync "
+        "and optimizer the per-layer figure leaves out", all(abs(est[k] - paper[k]) <= 0.05 for k in (3, 4)))
 
 
 # --- MoNTA: all-to-all operator (Fig 14 / eq 11-16) and end to end (Fig 17) ---------------------------
