@@ -10,7 +10,9 @@ the row says otherwise): Table 5 is an iteration-level figure and the whole-step
 pipeline helper) has not landed, so its rows compare one layer's forward + backward.
 
 Predictions: ``serial`` = the serial sum of node times (passes/estimate.py, what dispatch=auto
-uses, and MegaScale-MoE's "other optimizations disabled"); ``cpsat`` = the scheduled layer.
+uses, and MegaScale-MoE's "other optimizations disabled"); ``cpsat`` = the scheduled layer. The
+launch-order rows schedule a merged 2-micro-batch step (s = 4096) with the megatron-1f1b baseline,
+with a hardware queue per stream and with one queue (moegraph.schedules.launch).
 """
 
 from __future__ import annotations
