@@ -239,7 +239,7 @@ def megatron(hw_name="h100", seq=4096) -> None:
     """The launch-order option (moegraph.schedules.launch) on a merged 2-micro-batch EP step: the
     overlap gain of Megatron-Core's combined-1F1B order over the sequential step, with a hardware
     queue per stream and with one queue fed in that order (CUDA_DEVICE_MAX_CONNECTIONS=1)."""
-    from moegraph.microbatch import merge_microbatches
+    from moegraph.passes.microbatch import merge_microbatches
     from moegraph.schedules.api import compile_graph
     row("Megatron-Core §5", "DeepSeek-V3 H100 EP a2a overhead with 1F1B overlap", "30-40% -> < 5%", "not predicted",
         "held", "needs the merged 1F1B micro-batch step with W/D split across pipeline stages (issue 28)")

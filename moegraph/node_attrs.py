@@ -98,8 +98,14 @@ class CommAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GroupedGemmAttrs(NodeAttrs):
+class GemmAttrs(NodeAttrs):
+    mnk: tuple[int, ...] | None = None   # the forward product's (m, n, k) (moegraph.efficiency, cost model)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedGemmAttrs(GemmAttrs):
     stream_bytes: int | None = None      # expert weights streamed in the step (cost model)
+    groups: int | None = None            # expert GEMMs E the mnk rows are split over (moegraph.efficiency)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -108,6 +114,7 @@ class AttentionAttrs(NodeAttrs):
     causal: bool = True
     chunks: int = 1                      # token chunks given, each of q, k, v
     v_head_dim: int | None = None        # MLA: values narrower than q/k heads
+    seq: int | None = None               # tokens each head attends over (moegraph.efficiency, cost model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -226,7 +233,7 @@ class P2PAttrs(CommAttrs):
 
 
 RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
-    OpKind.GEMM: NodeAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
+    OpKind.GEMM: GemmAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
     OpKind.RMSNORM: RmsNormAttrs, OpKind.ROPE: RopeAttrs, OpKind.SWIGLU: NodeAttrs, OpKind.ROUTER: RouterAttrs,
     OpKind.INDEX_MAP: IndexMapAttrs, OpKind.PERMUTE: PermuteAttrs, OpKind.UNPERMUTE: UnpermuteAttrs,
     OpKind.GATE: NodeAttrs, OpKind.SPLIT: SplitAttrs, OpKind.ADD: AddAttrs, OpKind.BIAS: NodeAttrs,

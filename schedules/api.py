@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.options import format_bytes, format_bytes_apart
-from moegraph.config import METHODS, STEP_METHODS
+from moegraph.config import LAUNCH_ORDERS, METHODS, STEP_METHODS, LaunchOrder
 from moegraph.layers import costed_layer, layer_count
 from moegraph.microbatch import micro_batch_count
 from moegraph.passes.stack import stack_layers
@@ -37,7 +37,7 @@ from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baseli
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.dp_order import dp_warm_starts
-from moegraph.schedules.launch import LAUNCH_ORDERS, LaunchOrder, follows_launch, with_launch_order
+from moegraph.schedules.launch import follows_launch, with_launch_order
 from moegraph.schedules.periodic import SLIDE_ORDERS, can_slide, is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,

@@ -9,7 +9,7 @@ the compute it does not depend on, but waiting for compute that ends late, holds
 back (head-of-line blocking; Megatron-LM PRs 2719/2730 and 6311 report that it halves the
 expert-parallel overlap gain, which their launch reordering wins back).
 
-    LaunchOrder      the typed option: "free" (a queue per stream), "program" (one queue, kernels
+    LaunchOrder      the typed option (``CompileConfig.launch_order``): "free" (a queue per stream), "program" (one queue, kernels
                      launched in the graph's program order: the eager issue order of a framework
                      that follows the module's code), "megatron-1f1b" (one queue, Megatron-Core's
                      combined-1F1B order: per phase the collective first, then the compute, as its
@@ -28,15 +28,12 @@ from __future__ import annotations
 import dataclasses
 import heapq
 import typing
-from typing import Literal
 
+from moegraph.config import LAUNCH_ORDERS, LaunchOrder
 from moegraph.microbatch import micro_batch_count
 from moegraph.schedules.problem import Problem, ScheduleError
 
-__all__ = ["LaunchOrder", "LAUNCH_ORDERS", "launch_sequence", "with_launch_order", "follows_launch"]
-
-LaunchOrder = Literal["free", "program", "megatron-1f1b"]
-LAUNCH_ORDERS: tuple[str, ...] = typing.get_args(LaunchOrder)
+__all__ = ["launch_sequence", "with_launch_order", "follows_launch"]
 
 
 def launch_sequence(problem: Problem, order: LaunchOrder) -> tuple[int, ...]:

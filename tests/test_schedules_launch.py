@@ -4,7 +4,7 @@
 import pytest
 
 from moegraph.ir import OpKind, Strategy
-from moegraph.microbatch import merge_microbatches
+from moegraph.passes.microbatch import merge_microbatches
 from moegraph.registry import load_model
 from moegraph.tracer import trace_model
 from moegraph.schedules.api import compile_graph
