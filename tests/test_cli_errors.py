@@ -144,6 +144,8 @@ SCHEDULES_CASES = [
     (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
     (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
+    (["compile", "--launch-order", "megatron-1f1b"], "--launch-order megatron-1f1b launches one micro-batch's forward"),
+    (["compile", "--launch-order", "fifo"], "argument --launch-order: invalid choice: 'fifo'"),
     (["tune", "--micro-batches", "-2"], "'-2' is not a positive integer"),
 ]
 

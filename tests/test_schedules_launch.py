@@ -86,3 +86,31 @@ def test_megatron_order_on_a_merged_step():
 def test_unknown_launch_order_is_refused():
     with pytest.raises(ScheduleError, match="launch_order='fifo' is not one of free, program, megatron-1f1b"):
         compile_graph(head_of_line(), COST, launch_order="fifo")
+
+
+def test_config_launch_order_reaches_the_schedule():
+    """CompileConfig.launch_order is what the driver schedules under: the schedule's starts follow
+    the program's launch sequence, and the file records it."""
+    from moegraph.config import CompileConfig, SolverEffort
+    from moegraph.schedules.driver import build
+    config = CompileConfig(model="tiny", strategy=Strategy("sp", "ep", "a2a", 2), seq=64, passes=(),
+                           launch_order="program", solver=SolverEffort(1.0), hardware=COST.hw)
+    compiled = build(config)
+    assert compiled.schedule.summary["launch_order"] == "program"
+    seq = with_launch_order(build_problem(compiled.graph, compiled.cost), "program")
+    start = {n.name: n.start_us for n in compiled.schedule.nodes}
+    starts = [start[seq.tasks[i].name] for i in seq.launch]
+    assert len(starts) > 10 and starts == sorted(starts)
+    assert "launch_order" not in build(config.replace(launch_order="free")).schedule.summary
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(launch_order="fifo"), "launch_order='fifo' is not one of free, program, megatron-1f1b"),
+    (dict(launch_order="megatron-1f1b"), "launch_order='megatron-1f1b' launches one micro-batch's forward beside "
+                                         "another's backward: it needs micro_batches >= 2 (got 1)"),
+])
+def test_config_refuses_a_bad_launch_order(changes, message):
+    from moegraph.config import CompileConfig
+    from moegraph.ir import ConfigError
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        CompileConfig(model="tiny", **changes)
