@@ -259,7 +259,7 @@ def head_dim_effs(v: Any) -> tuple[tuple[int, float], ...]:
 
 
 # Hardware fields that are efficiencies, curve parameters or stretches: every hardware.yaml entry
-# names the source of each (its ``sources`` mapping; tests/test_hardware_sources.py checks).
+# names the source of each (its ``sources`` mapping; tests/test_registry.py checks).
 SOURCED_FIELDS = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "ring_eff_intra", "ring_eff_inter",
                   "a2a_eff_intra", "a2a_eff_inter", "copy_engine_eff", "fused_tile_overhead_us", "gemm_tiles",
                   "gemm_wave_exponent", "gemm_k_half", "attention_seq_half", "attention_head_dim_eff",
