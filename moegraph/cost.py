@@ -521,8 +521,8 @@ class CostModel:
                 return hw.ring_half_bytes_intra if scope == "intra" else hw.ring_half_bytes_inter
             case OpKind.ALL_TO_ALL:
                 return hw.a2a_half_bytes_intra if scope == "intra" else hw.a2a_half_bytes_inter
-            case OpKind.P2P:       # one send on the inter-stage link: a ring step's curve across nodes
-                return hw.ring_half_bytes_inter
+            case OpKind.P2P:       # no published send/recv size curve: flat (the ring's is fitted to
+                return 0.0         # MoNTA's inter-node all-to-all, ~90 us per call, not a p2p send)
         raise NotImplementedError(f"no cost rule for {op}")
 
     def _link(self, scope: Scope) -> tuple[float, float]:
