@@ -45,16 +45,30 @@ ROWS = (("baseline", ("tp", "tp"), "", "sequential", 1.00),
         ("(3) with intra-operator overlap", ("sp", "ep"), "gate-reorder,sar=paper,fuse=auto", "cpsat", 1.28))
 
 
+def iteration_rows(cost: CostModel, schedule: str = "Interleaved1F1B", op_limit: float = 2.0):
+    """Per row of ROWS: (label, paper, the pipeline timeline, one layer's forward + backward us,
+    wall s): each row's layers priced by their op-level schedule, the iteration simulated."""
+    placement, per_rank = TORCH_SCHEDULES[schedule]
+    cfg = load_model("internal-352b")
+    for label, (attn, ffn), passes, method, paper in ROWS:
+        t0 = time.perf_counter()
+        layers = model_layers(cfg, Strategy(attn, ffn, "ag-rs", N, dp=DP), batch=1, seq=SEQ, passes=passes,
+                              cost=cost)
+        built = pipeline_problem(layers, cost, pp=PP, vpp=per_rank or 2, placement=placement, micro_batches=M,
+                                 vocab=VOCAB, method=method, time_limit_s=op_limit, tick_us=1.0)
+        tl = simulate(built.problem, torch_orders(schedule, built.problem.layout, M))
+        layer = built.layer_prices[0].f_us + built.layer_prices[0].b_us
+        yield label, paper, tl, layer, time.perf_counter() - t0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--schedule", default="Interleaved1F1B", choices=sorted(TORCH_SCHEDULES))
     ap.add_argument("--op-limit", type=float, default=2.0, help="op-level CP-SAT effort per unit (s)")
     ap.add_argument("--hardware", default="h800")
     args = ap.parse_args()
-    placement, per_rank = TORCH_SCHEDULES[args.schedule]
-    vpp = per_rank or 2
+    vpp = TORCH_SCHEDULES[args.schedule][1] or 2
     cost = CostModel(load_hardware(args.hardware))
-    cfg = load_model("internal-352b")
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     print(f"Table 5, internal-352b on {args.hardware}: PP={PP} (V={vpp}, torch {args.schedule}), n={N}, dp={DP}, "
           f"s={SEQ}, M={M}; {stamp}, {platform.node()} ({os.cpu_count()} cores), "
@@ -63,21 +77,13 @@ def main() -> int:
           "| peak GiB | wall s |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     base_step = base_layer = None
-    for label, (attn, ffn), passes, method, paper in ROWS:
-        t0 = time.perf_counter()
-        layers = model_layers(cfg, Strategy(attn, ffn, "ag-rs", N, dp=DP), batch=1, seq=SEQ, passes=passes,
-                              cost=cost)
-        built = pipeline_problem(layers, cost, pp=PP, vpp=vpp, placement=placement, micro_batches=M, vocab=VOCAB,
-                                 method=method, time_limit_s=args.op_limit, tick_us=1.0)
-        tl = simulate(built.problem, torch_orders(args.schedule, built.problem.layout, M))
-        layer = built.layer_prices[0].f_us + built.layer_prices[0].b_us
+    for label, paper, tl, layer, wall in iteration_rows(cost, args.schedule, args.op_limit):
         base_step = base_step or tl.makespan
         base_layer = base_layer or layer
         s = tl.summary()
         print(f"| {label} | {tl.makespan / 1e6:.3f} | {base_step / tl.makespan:.2f} | {paper:.2f} | "
               f"{base_layer / layer:.2f} | {s['bubble_fraction']:.3f} | {max(s['exposed_p2p_us']) / 1e3:,.1f} | "
-              f"{s['exposed_sync_us'] / 1e3:,.1f} | {max(s['peak_bytes']) / 2**30:.1f} | "
-              f"{time.perf_counter() - t0:.0f} |", flush=True)
+              f"{s['exposed_sync_us'] / 1e3:,.1f} | {max(s['peak_bytes']) / 2**30:.1f} | {wall:.0f} |", flush=True)
     return 0
 
 

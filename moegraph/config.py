@@ -36,6 +36,11 @@ StepMethod = Literal["megatron-1f1b", "dualpipe"]
 """The paired baselines of a merged micro-batch step only (micro_batches >= 2)."""
 METHODS: tuple[str, ...] = typing.get_args(Method)
 STEP_METHODS: tuple[str, ...] = typing.get_args(StepMethod)
+LaunchOrder = Literal["free", "program", "megatron-1f1b"]
+"""How kernels reach the GPU (moegraph.schedules.launch): a hardware queue per stream ('free'), or
+one queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) fed in the graph's program order or in Megatron-Core's
+combined-1F1B order (a merged micro-batch step only)."""
+LAUNCH_ORDERS: tuple[str, ...] = typing.get_args(LaunchOrder)
 
 RECORDED = "strategy"
 """``CompileConfig.passes`` value: apply what the strategy's own typed fields record (gate and
@@ -127,6 +132,10 @@ class CompileConfig:
     """The cost model's hardware: a registry name, a profile YAML path, or a Hardware."""
     comm_streams: Literal[1, 2] = 1
     """Communication streams: 1 ('comm'), or 2 (intra- and inter-node: 'comm.intra', 'comm.inter')."""
+    launch_order: LaunchOrder = "free"
+    """'free': the scheduler orders kernels across streams; 'program' or 'megatron-1f1b': one hardware
+    queue fed in that order, so a kernel starts only after every kernel launched before it
+    ('megatron-1f1b' needs micro_batches >= 2)."""
     # pipeline stages (pp, vpp: issue 28) extend this config here
 
     def __post_init__(self):
@@ -169,6 +178,11 @@ class CompileConfig:
             problems.append(f"hardware={self.hardware!r} must be a registry name, a profile YAML path or a Hardware")
         if self.comm_streams not in (1, 2) or isinstance(self.comm_streams, bool):
             problems.append(f"comm_streams={self.comm_streams!r} is not one of 1, 2")
+        if self.launch_order not in LAUNCH_ORDERS:
+            problems.append(f"launch_order={self.launch_order!r} is not one of {', '.join(LAUNCH_ORDERS)}")
+        elif self.launch_order == "megatron-1f1b" and _positive(self.micro_batches) and self.micro_batches < 2:
+            problems.append("launch_order='megatron-1f1b' launches one micro-batch's forward beside another's "
+                            f"backward: it needs micro_batches >= 2 (got {self.micro_batches})")
         if problems:
             raise ConfigError("CompileConfig: " + "; ".join(problems))
 
@@ -188,5 +202,5 @@ def is_module(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.nn.Module)
 
 
-__all__ = ["CompileConfig", "Edges", "METHODS", "Method", "ModelEdges", "ModelSource", "RECORDED", "STEP_METHODS",
+__all__ = ["CompileConfig", "Edges", "LAUNCH_ORDERS", "LaunchOrder", "METHODS", "Method", "ModelEdges", "ModelSource", "RECORDED", "STEP_METHODS",
            "SolverEffort", "StepMethod", "is_module"]

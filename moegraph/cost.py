@@ -21,9 +21,12 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     B, alpha, ring_eff, a2a_eff by scope: NVLink, intra-node latency, ring_eff_intra, a2a_eff_intra
     for "intra"; NIC, inter-node latency, ring_eff_inter, a2a_eff_inter for "inter". Scope comes
     from node attr "scope", else intra iff n <= gpus_per_node (``scope``).
-A collective holding `sm` SMs slows compute running beside it by sm_count / (sm_count - sm)
-(``compute_slowdown``), and the collective itself stretches by hw.comm_overlap_stretch while
-compute runs beside it; the scheduler applies both factors, this module prices nodes alone.
+Interference, both directions (``beside_comm_us``, docs/cost_model.md "Interference"): compute
+beside collectives that hold `sm` SMs runs its FLOP term on the SMs left, x S/(S - sm)
+(``compute_slowdown``), and its memory term on the HBM bandwidth left, x W'/(W' - c * R)
+(``hbm_slowdown``: W' = W * mem_eff, c = comm_hbm_traffic, R the NVLink rate those SMs reach);
+the collective itself stretches by hw.comm_overlap_stretch while compute runs beside it. The
+scheduler applies these factors; node_time_us prices nodes alone.
 A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evaluated at the
 node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
 In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
@@ -54,8 +57,11 @@ over n tiles, one per source/destination rank (the local tile needs no transfer)
     T = kernel_latency + two-stage flow time of those tiles  (``tile_pipeline_us``)
       = kernel_latency + max(comm, compute) + fill/drain (one tile of the other stage) when tiles
         are even, with b (SMs the kernel gives its transfers; 0 = copy engines) the allowed budget
-        that minimises T. The compute is the chain's unchunked nodes: weights are read once, not
-        once per tile as chunking does. The whole T is charged to the group's anchor node
+        that minimises T. The compute is the chain's unchunked GEMMs: weights are read once, not
+        once per tile as chunking does; its memory-bound members (scatter, gather, rope) are folded
+        into the GEMM tiles (read by index, applied in the epilogue) and add nothing. The unfused
+        baseline (``FusedPrice.unfused_us``) pays the collective at its default (NCCL-like) budget
+        and every member as its own kernel. The whole T is charged to the group's anchor node
         (``FusedGroup.is_anchor``); the group's other nodes cost 0.
 """
 
@@ -67,10 +73,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, Mapping, get_args
 
-from moegraph.ir import Node, OpKind, Phase, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
+from moegraph.efficiency import attention_factor, gemm_shape, gemm_shape_factor, size_eff
+from moegraph.ir import Node, OpKind, Phase, Role, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware, RegistryError
 
-__all__ = ["CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
+__all__ = ["SHAPE_KEYS", "shape_attrs", "CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
            "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
 
 _US = 1e6  # seconds -> microseconds
@@ -94,7 +101,9 @@ class FusedGroup:
 
     kind:    which of the four kernels.
     comm:    the collective's (op, comm_bytes, group n, scope).
-    compute: the compute members' (op, flops, mem_bytes, phase), in graph order.
+    compute: the compute members' (op, flops, mem_bytes, phase, shape attrs), in graph order; the
+             shape attrs (``SHAPE_KEYS``: role, mnk, groups, seq, head_dim) price each member by
+             its shape as the unfused node is priced.
     Each member's attribute adds ``anchor``: true on the one member charged the whole fused time
     (comm-first: the last compute node; compute-first: the first), so every value the group
     produces is available only when the kernel ends (passes/fuse.py checks that for consumers
@@ -104,7 +113,7 @@ class FusedGroup:
 
     kind: FusedKind
     comm: tuple[str, int, int, Scope]
-    compute: tuple[tuple[str, int, int, str], ...]
+    compute: tuple[tuple[str, int, int, str, tuple[tuple[str, Any], ...]], ...]
 
     def __post_init__(self):
         if self.kind not in get_args(FusedKind):
@@ -113,10 +122,13 @@ class FusedGroup:
             raise ValueError(f"fused {self.kind} needs a collective over n >= 2 ranks, got n={self.comm[2]}")
         if not self.compute:
             raise ValueError(f"fused {self.kind} has no compute node")
+        # a member given as (op, flops, mem_bytes, phase) has no shape attributes: forward, unshaped
+        object.__setattr__(self, "compute", tuple(tuple(c) if len(c) == 5 else (*c, shape_attrs({}))
+                                                  for c in self.compute))
 
     def to_attr(self, anchor: bool) -> dict[str, Any]:
         return {"variant": "fused", "kind": self.kind, "anchor": anchor, "comm": list(self.comm),
-                "compute": [list(c) for c in self.compute]}
+                "compute": [[*c[:4], dict(c[4])] for c in self.compute]}
 
     @staticmethod
     def is_anchor(node: Node) -> bool:
@@ -135,7 +147,8 @@ class FusedGroup:
                 raise ValueError(f"anchor {d['anchor']!r} is not true or false")
             op, nbytes, group, scope = d["comm"]
             return cls(kind=d["kind"], comm=(op, int(nbytes), int(group), scope),
-                       compute=tuple((c[0], int(c[1]), int(c[2]), c[3]) for c in d["compute"]))
+                       compute=tuple((c[0], int(c[1]), int(c[2]), c[3], shape_attrs(dict(c[4]) if len(c) > 4 else {}))
+                                     for c in d["compute"]))
         except (KeyError, TypeError, ValueError) as err:
             raise ValueError(f"node {node.name!r}: bad {FUSED_ATTR!r} attribute: {err}") from None
 
@@ -145,9 +158,13 @@ class FusedGroup:
                     comm_bytes=nbytes, group=group, attrs=(("scope", scope),))
 
     def compute_nodes(self) -> tuple[Node, ...]:
-        return tuple(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
-                          outputs=(), flops=flops, mem_bytes=mem)
-                     for i, (op, flops, mem, phase) in enumerate(self.compute))
+        out = []
+        for i, (op, flops, mem, phase, attrs) in enumerate(self.compute):
+            a = dict(attrs)
+            role = Role(a.pop("role", Role.FORWARD.value))
+            out.append(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
+                            outputs=(), role=role, flops=flops, mem_bytes=mem, attrs=tuple(sorted(a.items()))))
+        return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -160,6 +177,18 @@ class FusedPrice:
     unfused_us: float        # the group's nodes one after another, each at its own best
     sm: int                  # SMs the kernel gives its transfers (0 = copy engines)
     tiles: int
+
+
+SHAPE_KEYS = ("mnk", "groups", "seq", "head_dim")
+"""Node attributes the compute rules read (moegraph.efficiency); a fused group keeps them per member."""
+
+
+def shape_attrs(attrs: Mapping[str, Any], role: Role | str = Role.FORWARD) -> tuple[tuple[str, Any], ...]:
+    """The pricing attributes of a node (``SHAPE_KEYS``, lists made tuples) and its role, as a
+    fused group member stores them."""
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items() if k in SHAPE_KEYS}
+    out["role"] = role.value if isinstance(role, Role) else role
+    return tuple(sorted(out.items()))
 
 
 def variant_of(attrs: Mapping[str, Any]) -> Variant:
@@ -328,7 +357,11 @@ class CostModel:
         members = group.compute_nodes()
         alone = [0.0 if c.op is OpKind.SPLIT else self._compute_us(c, op_class(c), in_step_terms=False)
                  for c in members]
-        body = sum(t - kappa for t in alone if t > 0)   # the chain as one kernel: one launch (views cost 0)
+        # the chain as one kernel: one launch (views cost 0); the memory-bound members (the
+        # scatter, the gather, the QKV epilogue's rope) are folded into the GEMM's tiles, which
+        # read rows by the index map or apply them to the tile in registers (MegaScale-MoE §4.2,
+        # Fig 10c): no HBM pass of their own
+        body = sum(t - kappa for t, c in zip(alone, members) if t > 0 and op_class(c) != "memory")
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
             c = (self._comm_us(comm, b) - kappa) / (n - 1)
@@ -340,8 +373,10 @@ class CostModel:
             if best is None or kappa + t < best[0]:
                 best = (kappa + t, b)
         time_us, sm = best
+        # the unfused baseline (Fig 16's "without fine-grained overlap"): the collective at the
+        # NCCL-like default budget, then every member as its own kernel, scatter and gather included
         return FusedPrice(time_us=time_us, comm_us=self._comm_us(comm, sm), compute_us=kappa + body,
-                          unfused_us=self.best_time_us(comm) + sum(alone), sm=sm, tiles=n)
+                          unfused_us=self.node_time_us(comm) + sum(alone), sm=sm, tiles=n)
 
     def default_sm_budget(self, node: Node) -> int:
         """The smallest allowed budget that saturates the link (what NCCL would roughly use);
@@ -368,6 +403,37 @@ class CostModel:
             raise ValueError(f"sms_held_by_comm={held} leaves no SMs for compute (sm_count={total})")
         return total / (total - held)
 
+    def hbm_slowdown(self, sms_held_by_comm: int) -> float:
+        """Factor (>= 1) by which a memory-bound kernel stretches beside collectives holding this
+        many SMs: they move comm_hbm_traffic bytes of HBM per byte sent, at most at the NVLink
+        rate their SMs reach, W' = W * mem_eff - that rate is left (1 where comm_hbm_traffic = 0)."""
+        hw = self.hw
+        if sms_held_by_comm <= 0 or hw.comm_hbm_traffic <= 0:
+            return 1.0
+        rate = (hw.comm_hbm_traffic * hw.nvlink_bw_bytes_s * hw.ring_eff_intra
+                * min(1.0, sms_held_by_comm / hw.comm_sm_saturation))
+        hbm = hw.hbm_bw_bytes_s * hw.mem_eff
+        if rate >= hbm:
+            raise ValueError(f"collectives on {sms_held_by_comm} SMs move {rate:.3g} B/s of HBM, at least the "
+                             f"{hbm:.3g} B/s {hw.name} has (comm_hbm_traffic={hw.comm_hbm_traffic})")
+        return hbm / (hbm - rate)
+
+    def beside_comm_us(self, node: Node, sms_held_by_comm: int) -> float:
+        """Time of compute ``node`` while collectives hold ``sms_held_by_comm`` SMs (interference,
+        docs/cost_model.md): its FLOP term on the SMs left (``compute_slowdown``), its memory term
+        on the HBM bandwidth left (``hbm_slowdown``). A profile without comm_hbm_traffic, a fused
+        kernel and a view slow as a whole by compute_slowdown (a view: 0 either way)."""
+        if node.is_comm:
+            raise ValueError(f"node {node.name!r} ({node.op.value}) is a collective: beside_comm_us prices compute")
+        alone = self.node_time_us(node)
+        held = sms_held_by_comm
+        if held == 0 or alone == 0.0:
+            return alone * self.compute_slowdown(held)
+        if self.hw.comm_hbm_traffic <= 0 or FusedGroup.of(node) is not None:
+            return alone * self.compute_slowdown(held)
+        return self._compute_us(node, op_class(node), sm_slow=self.compute_slowdown(held),
+                                hbm_slow=self.hbm_slowdown(held))
+
     def comm_overlap_stretch(self) -> float:
         """Factor (>= 1) by which a collective stretches while compute runs beside it; node_time_us
         prices it alone, the scheduler applies this factor to the overlapped mode."""
@@ -379,17 +445,32 @@ class CostModel:
         points = self.hw.curve(curve_name)
         return scalar if points is None else interpolate(points, size)
 
-    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True) -> float:
+    def _compute_us(self, node: Node, cls: str, in_step_terms: bool = True, sm_slow: float = 1.0,
+                    hbm_slow: float = 1.0) -> float:
+        """kappa + max(FLOP term * sm_slow, memory term * hbm_slow) (+ the in-step terms, memory
+        traffic, * hbm_slow); the slowdowns are those of ``beside_comm_us`` (1: alone)."""
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
-            eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name))
+            eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name) * self._shape(node, cls))
             flops_s = node.flops / (hw.peak_flops_bf16 * eff)
         mem_s = 0.0
         if node.mem_bytes:
             mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
-        t = hw.kernel_latency_us + max(flops_s, mem_s) * _US * hw.in_step_factor(cls)
-        return t + self._stream_us(node) + self._accumulate_us(node) if in_step_terms else t
+        t = hw.kernel_latency_us + max(flops_s * sm_slow, mem_s * hbm_slow) * _US * hw.in_step_factor(cls)
+        return t + (self._stream_us(node) + self._accumulate_us(node)) * hbm_slow if in_step_terms else t
+
+    def _shape(self, node: Node, cls: str) -> float:
+        """The shape factor (<= 1) of a GEMM, grouped GEMM or attention node (moegraph.efficiency);
+        1 for other classes, and for a GEMM without the ``mnk`` attribute (the router; graphs
+        built by other code), which runs at the large-GEMM efficiency. A measured curve (``_eff``)
+        replaces scalar and factor together."""
+        if cls in ("gemm", "grouped_gemm"):
+            shape = gemm_shape(node)
+            return 1.0 if shape is None else gemm_shape_factor(self.hw, shape)
+        if cls == "attention":
+            return attention_factor(self.hw, node)
+        return 1.0
 
     def _stream_us(self, node: Node) -> float:
         """In-step weight streaming of an expert GEMM (module docstring): stream_bytes / the
@@ -434,6 +515,18 @@ class CostModel:
                 return 1, hw.ring_eff_inter, hw.comm_sm_saturation, ()
         raise NotImplementedError(f"no cost rule for {op}")
 
+    def _half_bytes(self, op: OpKind, scope: Scope) -> float:
+        """The size-curve half point of ``op`` on ``scope``'s link (moegraph.efficiency.size_eff)."""
+        hw = self.hw
+        match op:
+            case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_REDUCE:
+                return hw.ring_half_bytes_intra if scope == "intra" else hw.ring_half_bytes_inter
+            case OpKind.ALL_TO_ALL:
+                return hw.a2a_half_bytes_intra if scope == "intra" else hw.a2a_half_bytes_inter
+            case OpKind.P2P:       # no published send/recv size curve: flat (the ring's is fitted to
+                return 0.0         # MoNTA's inter-node all-to-all, ~90 us per call, not a p2p send)
+        raise NotImplementedError(f"no cost rule for {op}")
+
     def _link(self, scope: Scope) -> tuple[float, float]:
         """(bandwidth bytes/s, per-step latency us) of ``scope``'s link."""
         hw = self.hw
@@ -460,6 +553,9 @@ class CostModel:
             if points is not None:
                 eff = interpolate(points, node.comm_bytes)
                 break
+        else:        # no measured curve: the sourced size curve (an all-reduce sends 2x a ring's bytes per half)
+            per_pass = node.comm_bytes / steps
+            eff = size_eff(eff, self._half_bytes(node.op, scope), per_pass)
         bandwidth, alpha = self._pp_link() if node.op is OpKind.P2P else self._link(scope)
         latency = steps * (node.group - 1) * alpha
         if sm == 0:

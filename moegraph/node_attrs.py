@@ -107,8 +107,14 @@ class CommAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
-class GroupedGemmAttrs(NodeAttrs):
+class GemmAttrs(NodeAttrs):
+    mnk: tuple[int, ...] | None = None   # the forward product's (m, n, k) (moegraph.efficiency, cost model)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupedGemmAttrs(GemmAttrs):
     stream_bytes: int | None = None      # expert weights streamed in the step (cost model)
+    groups: int | None = None            # expert GEMMs E the mnk rows are split over (moegraph.efficiency)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -123,6 +129,7 @@ class AttentionAttrs(NodeAttrs):
     chunk_size: int | None = None
     scale: float | None = None
     sinks: bool = False
+    seq: int | None = None               # tokens each head attends over (moegraph.efficiency, cost model)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -279,7 +286,7 @@ class P2PAttrs(CommAttrs):
 
 
 RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
-    OpKind.GEMM: NodeAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
+    OpKind.GEMM: GemmAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
     OpKind.RMSNORM: RmsNormAttrs, OpKind.ROPE: RopeAttrs, OpKind.SWIGLU: NodeAttrs, OpKind.ROUTER: RouterAttrs,
     OpKind.INDEX_MAP: IndexMapAttrs, OpKind.PERMUTE: PermuteAttrs, OpKind.UNPERMUTE: UnpermuteAttrs,
     OpKind.GATE: NodeAttrs, OpKind.SPLIT: SplitAttrs, OpKind.ADD: AddAttrs, OpKind.BIAS: NodeAttrs,

@@ -43,7 +43,7 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind
+from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind, shape_attrs
 from moegraph.ir import Fuse, Graph, Node, OpKind
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
@@ -101,7 +101,8 @@ def _candidate(ix: _Index, kind: FusedKind, members: list[str], anchor: str, com
             if any(f not in mset and f not in ready for f in ix.feeders(m)):
                 return None
     members = sorted(members, key=ix.order.get)
-    compute = tuple((ix.node[m].op.value, ix.node[m].flops, ix.node[m].mem_bytes, ix.node[m].phase.value)
+    compute = tuple((ix.node[m].op.value, ix.node[m].flops, ix.node[m].mem_bytes, ix.node[m].phase.value,
+                     shape_attrs(dict(ix.node[m].attrs), ix.node[m].role))
                     for m in members if not ix.node[m].is_comm)
     group = FusedGroup(kind=kind, compute=compute, comm=(comm.op.value, comm.comm_bytes, comm.group, cost.scope(comm)))
     return Candidate(tuple(members), anchor, group)

@@ -28,7 +28,7 @@ from typing import Any, Sequence
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.options import format_bytes, format_bytes_apart
-from moegraph.config import METHODS, STEP_METHODS
+from moegraph.config import LAUNCH_ORDERS, METHODS, STEP_METHODS, LaunchOrder
 from moegraph.layers import costed_layer, layer_count
 from moegraph.microbatch import micro_batch_count
 from moegraph.passes.stack import stack_layers
@@ -37,6 +37,7 @@ from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baseli
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
 from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.dp_order import dp_warm_starts
+from moegraph.schedules.launch import follows_launch, with_launch_order
 from moegraph.schedules.periodic import SLIDE_ORDERS, can_slide, is_stack, tile_layers
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
@@ -84,16 +85,21 @@ def strategy_label(s: Strategy) -> str:
 
 def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,
                   comm_streams: Sequence[str] = DEFAULT_COMM_STREAMS, method: str = "cpsat",
-                  workers: int = 1) -> CompileResult:
+                  workers: int = 1, launch_order: LaunchOrder = "free") -> CompileResult:
     """Schedule one layer graph. method: one of METHODS. time_limit_s: CP-SAT search effort
     (deterministic seconds, see moegraph.schedules.cpsat); under a memory budget that binds, two
-    solves of it (compile_problem). Raises ScheduleError (MemoryBudgetError for
-    a budget no schedule meets) on expected failures."""
+    solves of it (compile_problem). launch_order: "free" (a hardware queue per stream), or one
+    queue fed in a fixed order (moegraph.schedules.launch). Raises ScheduleError (MemoryBudgetError
+    for a budget no schedule meets) on expected failures."""
     t0 = time.perf_counter()
     if method not in METHODS + MICROBATCH_METHODS:
         raise ScheduleError(f"method={method!r} is not one of {', '.join(METHODS + MICROBATCH_METHODS)}")
+    if launch_order not in LAUNCH_ORDERS:
+        raise ScheduleError(f"launch_order={launch_order!r} is not one of {', '.join(LAUNCH_ORDERS)}")
     opts = SolverOptions(time_limit_s=time_limit_s, workers=workers)
     problem = build_problem(graph, cost, comm_streams=comm_streams, memory_budget_bytes=memory_budget_bytes)
+    if launch_order != "free":
+        problem = with_launch_order(problem, launch_order)
     schedule, status, cap_hit = compile_problem(problem, method, opts)
     return CompileResult(schedule, time.perf_counter() - t0, status, cap_hit)
 
@@ -106,7 +112,8 @@ def compile_problem(problem: Problem, method: str, opts: SolverOptions) -> tuple
     free_cap_hit = False
     # the periodic warm starts (CP-SAT on 1- and 2-layer units, built without a budget) are the
     # same for both solves below: computed once
-    periodic = _periodic(problem, opts) if method == "cpsat" and is_stack(problem.graph) else []
+    # (not under one hardware queue: a tiled unit ignores the step's launch order)
+    periodic = _periodic(problem, opts) if method == "cpsat" and is_stack(problem.graph) and not problem.launch else []
     if budget is not None:
         if method == "cpsat":     # the baselines ignore the budget: nothing to gain from a second run
             free, status, free_cap_hit = _compile(dataclasses.replace(problem, memory_budget_bytes=None), method,
@@ -142,6 +149,11 @@ def _compile(problem: Problem, method: str, opts: SolverOptions, least: int | No
     if method in MICROBATCH_BASELINES and method not in baselines_for(problem):
         raise ScheduleError(f"method={method!r} pairs micro-batches: it needs --micro-batches M >= 2")
     base = {name: fn(problem) for name, fn in baselines_for(problem).items()}
+    # under one hardware queue a baseline whose start order breaks the launch order is no
+    # schedule of this problem (sequential under "megatron-1f1b"): left out
+    base = {name: s for name, s in base.items() if follows_launch(problem, s.start) is None}
+    if method != "cpsat" and method not in base:
+        raise ScheduleError(f"the {method} baseline does not start its kernels in launch order {problem.launch_order!r}")
     span = {name: makespan_ticks(problem, s) for name, s in base.items()}
     peak = {name: peak_memory_bytes(problem, s) for name, s in base.items()}
     fits = {name: budget is None or peak[name] <= budget for name in base}
@@ -160,7 +172,7 @@ def _compile(problem: Problem, method: str, opts: SolverOptions, least: int | No
     # schedules (copy-engine collectives; memory-checked ones under a budget), and on a stack
     # of layers 1- and 2-layer CP-SAT schedules tiled over the layers (moegraph.schedules.periodic).
     cands = {n: base[n] for n in (*_BASELINE_ORDER, *(n for n in base if n not in _BASELINE_ORDER))}
-    extra = list_warm_starts(problem, budget) + list(periodic)
+    extra = [s for s in list_warm_starts(problem, budget) + list(periodic) if follows_launch(problem, s.start) is None]
     for s in extra:
         cands[s.method] = s
         span[s.method], peak[s.method] = makespan_ticks(problem, s), peak_memory_bytes(problem, s)
@@ -209,7 +221,7 @@ def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -
     """On a large merged micro-batch step, CP-SAT's full-model result improved window by window
     (``lns.improve``; never worse). Returns the result to report and ``summary.solver.lns``."""
     if (result.solution is None or result.status == "OPTIMAL" or micro_batch_count(problem.graph) < 2
-            or len(problem.tasks) < LNS_MIN_TASKS):
+            or len(problem.tasks) < LNS_MIN_TASKS or problem.launch):    # windows ignore the launch order
         return result, {}
     before = makespan_ticks(problem, result.solution)
     r = lns.improve(problem, result.solution, opts)
@@ -345,6 +357,8 @@ def build_schedule(problem: Problem, sol: Solution, bound: Bound, baseline_span:
         "peak_memory_bytes": peak_memory_bytes(problem, sol),
         "solver": solver_info,
     }
+    if problem.launch_order != "free":
+        summary["launch_order"] = problem.launch_order
     return Schedule(
         graph=graph_header(graph),
         hardware=problem.cost.hw.to_dict(), streams=problem.streams,

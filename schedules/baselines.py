@@ -70,7 +70,7 @@ from moegraph.schedules.problem import COMPUTE, Problem, ScheduleError, Task
 from moegraph.schedules.solution import Solution, alone_twin, makespan_ticks, settle_alone
 
 __all__ = ["sequential", "greedy", "megascale", "BASELINES", "list_schedule", "warm_starts", "budget_choices",
-           "CommMode", "MICROBATCH_BASELINES", "baselines_for", "megatron_1f1b", "dualpipe", "pair_slots"]
+           "CommMode", "MICROBATCH_BASELINES", "baselines_for", "megatron_1f1b", "dualpipe", "pair_slots", "paired_key"]
 
 Key = Callable[[Task], tuple]
 
@@ -260,25 +260,34 @@ _MEGATRON = {("compute", 0): {"Bd": 0, "Bw": 0, "F": 1}, ("comm", 0): {"Bd": 0, 
 _DUALPIPE = {**_MEGATRON, ("compute", 2): {"Bd": 0, "F": 1, "Bw": 2}}
 
 
-def _paired(problem: Problem, method: str, order: dict) -> Solution:
+def paired_key(problem: Problem, method: str) -> Key:
+    """The priority of a paired baseline's order (``MICROBATCH_BASELINES``): (slot, stage, the
+    stage's sub-order of the task's part on its stream, graph order). Also the launch order of
+    moegraph.schedules.launch's "megatron-1f1b"."""
     if micro_batch_count(problem.graph) < 2:
         raise ScheduleError(f"the {method} baseline pairs micro-batches: it needs a merged step graph of M >= 2 "
                             f"micro-batches (moegraph.passes.microbatch.merge_microbatches; --micro-batches)")
+    order = {"megatron-1f1b": _MEGATRON, "dualpipe": _DUALPIPE}[method]
     _, stage, part = _pair_parts(problem)
     slots = pair_slots(problem)
 
     def key(t: Task) -> tuple:
         kind = "compute" if t.kind == "compute" else "comm"
         return (slots[t.index], stage[t.index], order[(kind, stage[t.index])][part[t.index]], t.index)
-    return _fair(problem, method, key, key, slots=slots)
+    return key
+
+
+def _paired(problem: Problem, method: str) -> Solution:
+    key = paired_key(problem, method)
+    return _fair(problem, method, key, key, slots=pair_slots(problem))
 
 
 def megatron_1f1b(problem: Problem) -> Solution:
-    return _paired(problem, "megatron-1f1b", _MEGATRON)
+    return _paired(problem, "megatron-1f1b")
 
 
 def dualpipe(problem: Problem) -> Solution:
-    return _paired(problem, "dualpipe", _DUALPIPE)
+    return _paired(problem, "dualpipe")
 
 
 MICROBATCH_BASELINES: dict[str, Callable[[Problem], Solution]] = {"megatron-1f1b": megatron_1f1b,
@@ -427,8 +436,14 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
         unstarted[slots[i] if slots else 0] = unstarted.get(slots[i] if slots else 0, 0) + 1
     slot_order = sorted(unstarted)
     open_slot = [slot_order[0] if slot_order else 0, 0]     # the latest eligible slot, its position
+    # one hardware queue (problem.launch, moegraph.schedules.launch): only the next task in
+    # launch order may start; tasks outside the sequence (no kernel) are not held back
+    queue_pos = {i: k for k, i in enumerate(problem.launch)}
+    next_launch = [0]
 
     def eligible(i: int) -> bool:
+        if i in queue_pos and queue_pos[i] != next_launch[0]:
+            return False
         return slots is None or slots[i] <= open_slot[0]
 
     def finish(i: int) -> None:
@@ -459,6 +474,8 @@ def list_schedule(problem: Problem, method: str, *, comm_key: Key, compute_key: 
         start[i], mode[i] = now, m
         ready.discard(i)
         scheduled += 1
+        if i in queue_pos:
+            next_launch[0] += 1
         if slots is not None:
             unstarted[slots[i]] -= 1
             while unstarted[open_slot[0]] == 0 and open_slot[1] + 1 < len(slot_order):

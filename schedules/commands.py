@@ -15,7 +15,7 @@ from pathlib import Path
 
 from moegraph.commands import (add_layer_args, add_layers_arg, add_memory_budget_arg, add_micro_batch_arg,
                                config_from_args, print_result, progress_on_stderr, resolve_layers)
-from moegraph.config import SolverEffort
+from moegraph.config import LAUNCH_ORDERS, SolverEffort
 from moegraph.cost import variant
 from moegraph.limits import check_graph_size
 from moegraph.edges import edge_values
@@ -43,6 +43,10 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_micro_batch_arg(p)
     p.add_argument("--comm-streams", type=int, default=1, choices=(1, 2),
                    help="1: one comm stream; 2: intra- and inter-node comm streams (default %(default)s)")
+    p.add_argument("--launch-order", default="free", choices=LAUNCH_ORDERS,
+                   help="free: a hardware queue per stream; program or megatron-1f1b: one queue "
+                        "(CUDA_DEVICE_MAX_CONNECTIONS=1) fed in that order, megatron-1f1b needs --micro-batches "
+                        "M >= 2 (default %(default)s)")
     p.add_argument("-o", "--output", default=None, metavar="SCHED.json", help="write the schedule file here")
 
 
@@ -53,11 +57,14 @@ def compile_from_args(args):
     if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
+    if args.launch_order == "megatron-1f1b" and args.micro_batches < 2:
+        raise UsageError(f"--launch-order megatron-1f1b launches one micro-batch's forward beside another's backward: "
+                         f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
     # a model step (one micro-batch or the merged step of M): for a stack, the embedding, final
     # norm and LM head gradients are synchronised by graph collectives the scheduler places
     config = config_from_args(args, multi_layer=True, edges="auto", schedule=args.schedule,
                               memory_budget=args.memory_budget, solver=SolverEffort(args.time_limit),
-                              comm_streams=args.comm_streams)
+                              comm_streams=args.comm_streams, launch_order=args.launch_order)
     compiled = build(config)
     return compiled.lowered, compiled.result
 

@@ -210,8 +210,10 @@ def build_model(problem: Problem, *, horizon: int | None = None, hint: Solution 
         if len(runs) > 1:
             m.add_no_overlap(runs)
     _sm_constraints(problem, m, tv)
+    for a, b in zip(problem.launch, problem.launch[1:]):   # one hardware queue (moegraph.schedules.launch)
+        m.add(tv[tasks[b].name].start >= tv[tasks[a].name].start)
 
-    groups = chunk_symmetry(problem) if symmetry else None
+    groups = chunk_symmetry(problem) if symmetry and not problem.launch else None
     if groups:
         firsts = [tv[tasks[g[0]].name].start for g in groups]
         for a, b in zip(firsts, firsts[1:]):
@@ -472,7 +474,7 @@ def sub_problem(problem: Problem, keep: tuple[int, ...]) -> Problem:
                                       preds=tuple(new[p] for p in problem.tasks[old].preds if p in new),
                                       succs=tuple(new[c] for c in problem.tasks[old].succs if c in new))
                   for i, old in enumerate(keep))
-    return dataclasses.replace(problem, tasks=tasks, mem_values=())
+    return dataclasses.replace(problem, tasks=tasks, mem_values=(), launch=tuple(new[i] for i in problem.launch if i in new))
 
 
 def _forward_share(subs: list[tuple[Problem, tuple[int, ...], Solution | None]]) -> float:

@@ -86,7 +86,7 @@ class Compiled:
         return self.lowered.cost
 
 
-SCHEDULING_FIELDS = ("schedule", "memory_budget", "solver", "comm_streams")
+SCHEDULING_FIELDS = ("schedule", "memory_budget", "solver", "comm_streams", "launch_order")
 """The CompileConfig fields ``build`` reads and ``lower`` does not."""
 
 
@@ -163,7 +163,7 @@ def lower(config: CompileConfig) -> Lowered:
 
 def build(config: CompileConfig, *, lowered: Lowered | None = None) -> Compiled:
     """``config`` compiled: ``lower(config)``, scheduled by ``config.schedule`` under its memory
-    budget and solver effort (``moegraph.schedules.api.compile_graph``). ``lowered``: the
+    budget, solver effort and launch order (``moegraph.schedules.api.compile_graph``). ``lowered``: the
     config's ``lower`` result when the caller already has it (tune keys its cache by the graph
     before it schedules): lowered from a config that differs from this one at most in how it is
     scheduled (``SCHEDULING_FIELDS``)."""
@@ -171,10 +171,11 @@ def build(config: CompileConfig, *, lowered: Lowered | None = None) -> Compiled:
         lowered = lower(config)
     elif _lowering_part(lowered.config) != _lowering_part(config):
         raise ValueError("build(config, lowered=...): the lowered graph was built from a config that lowers "
-                         "differently (only schedule, memory_budget, solver and comm_streams may differ)")
+                         "differently (only schedule, memory_budget, solver, comm_streams and launch_order may differ)")
     lowered = dataclasses.replace(lowered, config=config)
     result = compile_graph(lowered.graph, lowered.cost, memory_budget_bytes=config.memory_budget,
                            time_limit_s=config.solver.time_limit_s, workers=config.solver.workers,
-                           comm_streams=comm_stream_names(config), method=config.schedule)
+                           comm_streams=comm_stream_names(config), method=config.schedule,
+                           launch_order=config.launch_order)
     return Compiled(lowered, result)
 

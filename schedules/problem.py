@@ -22,7 +22,8 @@ Semantics (docs/scheduler.md, the verifier implements them independently):
       separate stream (MegaScale-MoE §5), so they never queue behind intra-node collectives;
     * modes: a collective holds ``b`` SMs (b from cost.comm_sm_budgets, 0 = copy engines) for
       ``cost.node_time_us(node, b)``; a compute node runs on ``sm_count - b`` SMs
-      (b in {0} | hardware budgets) for ``base * sm_count / (sm_count - b)``; at any instant
+      (b in {0} | hardware budgets) for ``cost.beside_comm_us(node, b)`` (at most
+      ``base * sm_count / (sm_count - b)``: SMs and HBM bandwidth left); at any instant
       the SMs of running nodes sum to at most sm_count;
     * overlap stretch: with ``cost.comm_overlap_stretch()`` = x > 1 every collective mode comes
       twice: *alone* (no compute node may run during it) at the plain time, or beside compute
@@ -152,6 +153,11 @@ class Problem:
     mem_values: tuple[MemValue, ...]
     memory_budget_bytes: int | None
     tick_us: float = TICK_US
+    launch: tuple[int, ...] = ()
+    """Task indices in the order one hardware queue launches them (moegraph.schedules.launch):
+    each starts no earlier than the one before it; () = a queue per stream, no such rule."""
+    launch_order: str = "free"
+    """The launch.LaunchOrder ``launch`` comes from."""
 
     @functools.cached_property
     def by_name(self) -> dict[str, Task]:
@@ -260,11 +266,11 @@ def mode_duration_us(node: Node, cost: CostModel, budget: int, *, alone: bool = 
     """How long ``node`` runs in a mode, in us: a collective holding ``budget`` SMs, alone
     (its plain time) or beside compute (``stretch`` times it; default the cost model's
     comm_overlap_stretch); a compute node while collectives hold ``budget`` SMs (its time at
-    full SMs slowed by compute_slowdown; ``alone`` and ``stretch`` do not apply)."""
+    SMs and HBM left, ``cost.beside_comm_us``; ``alone`` and ``stretch`` do not apply)."""
     if node.is_comm:
         us = float(cost.node_time_us(node, budget))
         return us if alone else us * float(cost.comm_overlap_stretch() if stretch is None else stretch)
-    return float(cost.node_time_us(node)) * cost.compute_slowdown(budget)
+    return float(cost.beside_comm_us(node, budget))
 
 
 def _comm_modes(node: Node, cost: CostModel, sm_count: int) -> tuple[tuple[Mode, ...], Mode]:

@@ -125,6 +125,11 @@ def check_solution(problem: Problem, sol: Solution) -> None:
         used += d
         if used > problem.sm_count:
             raise ScheduleError(f"{sol.method}: more than {problem.sm_count} SMs in use")
+    if problem.launch:
+        from moegraph.schedules.launch import follows_launch
+        out_of_order = follows_launch(problem, sol.start)
+        if out_of_order:
+            raise ScheduleError(f"{sol.method}: {out_of_order}")
     beside = overlaps_compute(problem, sol)
     for t in tasks:
         k = sol.mode[t.index]

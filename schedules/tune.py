@@ -75,7 +75,8 @@ def evaluate(config: CompileConfig, cache: Cache, lowered: Lowered | None = None
     config's graph when the caller has it (the cache is keyed by it)."""
     lowered = lowered or lower(config)
     options = {"method": config.schedule, "memory_budget": config.memory_budget,
-               "time_limit": config.solver.time_limit_s}
+               "time_limit": config.solver.time_limit_s,
+               **({"launch_order": config.launch_order} if config.launch_order != "free" else {})}
     key = cache_key(lowered.graph, lowered.hardware, options)
     hit = cache.get(key)          # validated: tune_cache
     if hit is not None:

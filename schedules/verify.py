@@ -378,7 +378,7 @@ def _durations(s: Schedule, cost: CostModel | None, out: list[Violation]) -> Non
                     out.append(Violation("duration", f"node {n.name!r} runs on {n.sm_budget} SMs; allowed: "
                                                      f"{[S - b for b in reserves]}", (n.name,)))
                     continue
-                want, at = base * cost.compute_slowdown(S - n.sm_budget), f"on {n.sm_budget} of {S} SMs"
+                want, at = float(cost.beside_comm_us(node, S - n.sm_budget)), f"on {n.sm_budget} of {S} SMs"
         got = n.end_us - n.start_us
         if not (-1e-6 <= got - want <= DURATION_TOLERANCE_US):
             out.append(Violation("duration", f"node {n.name!r} lasts {got:.4f} us but the cost model gives "

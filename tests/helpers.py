@@ -155,3 +155,20 @@ def run_batch(rank: int, n: int, cases: list[tuple], folder: str) -> None:
 
 
 RANK_BATCH = RankBatch()
+
+
+# h800 as the cost model priced it before the shape and size curves (issue 29): constant
+# efficiencies, no curve, so tests can check the base formulas by hand (tests/test_cost.py).
+FLAT = dict(gemm_eff=0.75, grouped_gemm_eff=0.65, attention_eff=0.55, ring_eff_intra=0.726, ring_eff_inter=0.726,
+            a2a_eff_intra=0.55, a2a_eff_inter=0.427, gemm_tiles=(), gemm_k_half=0.0, attention_seq_half=0.0,
+            attention_head_dim_eff=(), attention_bwd_factor=1.0, ring_half_bytes_intra=0.0,
+            ring_half_bytes_inter=0.0, a2a_half_bytes_intra=0.0, a2a_half_bytes_inter=0.0,
+            comm_hbm_traffic=0.0)   # compute beside collectives slowed as a whole by S/(S-b), as before issue 29
+
+
+def flat_h800():
+    """h800 with the constant efficiencies of the module docstring and no shape or size curve."""
+    import dataclasses
+
+    from moegraph.registry import load_hardware
+    return dataclasses.replace(load_hardware("h800"), **FLAT)

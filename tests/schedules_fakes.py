@@ -156,7 +156,7 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
     qkv_a2a = g.node("a2a_qkv", OpKind.ALL_TO_ALL, (qr, kr, v), (g.val("qkv_a2a", (T * n, qkv_w // n)),),
                      comm_bytes=T * qkv_w * 2 * (n - 1) // n, **extra)
     attn = g.node("attn", OpKind.ATTENTION, (qkv_a2a,), (g.val("attn", (T * n, H * d // n)),),
-                  flops=2 * 2 * (T * n) ** 2 * (H * d // n) // 2)
+                  flops=2 * 2 * (T * n) ** 2 * (H * d // n) // 2, head_dim=d, seq=T * n)
     attn_a2a = g.comm("a2a_attn", OpKind.ALL_TO_ALL, attn, g.val("attn_a2a", (T, H * d)), **extra)
     attn_out = g.gemm("o_proj", attn_a2a, w_o, g.val("attn_out", (T, h)), T, H * d, h)
     ln2_in = g.node("add_attn", OpKind.ADD, (hid, attn_out), (g.val("ln2_in", (T, h)),), flops=T * h)
@@ -246,7 +246,7 @@ def moe_layer(n: int = 8, chunks: int = 1, recompute: bool = False, tokens: int 
                     B, Role.DGRAD, **extra)
     d_qkv_a2a = g.node("attn.bwd", OpKind.ATTENTION, (qkv_a2a, attn, d_attn),
                        (g.val("d_qkv_a2a", (T * n, qkv_w // n), GRAD),), B, Role.DGRAD,
-                       flops=int(2.5 * 2 * (T * n) ** 2 * (H * d // n)))
+                       flops=int(2.5 * 2 * (T * n) ** 2 * (H * d // n)), head_dim=d, seq=T * n)
     d_qkv = g.comm("a2a_qkv.bwd", OpKind.ALL_TO_ALL, d_qkv_a2a, g.val("d_qkv", (T, qkv_w), GRAD), B, Role.DGRAD,
                    **extra)
     d_ln1 = g.gemm("qkv.dgrad", d_qkv, w_qkv, g.val("d_ln1_out", (T, h), GRAD), T, qkv_w, h, B, Role.DGRAD)

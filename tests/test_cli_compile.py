@@ -16,7 +16,9 @@ def compile_json(capsys, *extra):
 
 @pytest.mark.slow
 def test_compile_json_summary_fields(capsys, tmp_path):
-    out = compile_json(capsys, "-o", str(tmp_path / "s.json"))
+    # on h20 CP-SAT beats its warm start here (on h800, since issue 29's interference, the
+    # megascale warm start of this tiny layer is already optimal)
+    out = compile_json(capsys, "--hardware", "h20", "-o", str(tmp_path / "s.json"))
     assert set(out) >= {"makespan_us", "lower_bound_us", "baselines", "peak_memory_bytes", "solver", "strategy"}
     assert set(out["baselines"]) == {"sequential", "greedy", "megascale"}
     assert set(out["solver"]) >= {"status", "objective_bound_us", "wall_s", "makespan_us", "warm_start",
@@ -33,7 +35,8 @@ def test_compile_json_summary_fields(capsys, tmp_path):
 def test_ten_runs_give_byte_identical_files(tmp_path, capsys):
     # 0.5 deterministic s (not TINY's 2): CP-SAT still stops mid-search (FEASIBLE, better than its
     # warm start), where a run-dependent search would show, at a quarter of the time
-    short = [*TINY[:-1], "0.5"]
+    # (h20, s = 2048: an instance where it does, since issue 29's cost model)
+    short = [*TINY[:-3], "2048", "--hardware", "h20", "--time-limit", "0.5"]
     texts = set()
     for i in range(10):
         path = tmp_path / f"s{i}.json"
@@ -172,8 +175,9 @@ def test_compile_prints_solver_progress_with_elapsed_time_on_stderr(capsys, monk
 
     import moegraph.schedules.api as api
     monkeypatch.setattr(api, "LNS_MIN_TASKS", 0)   # the tiny merged step gets the window search too
+    # h20: CP-SAT stops mid-search here, so the window search runs (on h800 the step is proven optimal)
     assert main(["compile", "--model", "tiny", "--n", "2", "--seq", "64", "--micro-batches", "2",
-                 "--time-limit", "0.2", "--json"]) == 0
+                 "--time-limit", "0.2", "--json", "--hardware", "h20"]) == 0
     captured = capsys.readouterr()
     assert json.loads(captured.out)["micro_batches"] == 2       # stdout stays one JSON object
     lines = captured.err.strip().splitlines()

@@ -144,6 +144,8 @@ SCHEDULES_CASES = [
     (["compile", "--micro-batches", "0"], "'0' is not a positive integer"),
     (["compile", "--schedule", "megatron-1f1b"], "--schedule megatron-1f1b pairs one micro-batch's forward"),
     (["compile", "--schedule", "dualpipe", "--micro-batches", "1"], "it needs --micro-batches M >= 2 (got 1)"),
+    (["compile", "--launch-order", "megatron-1f1b"], "--launch-order megatron-1f1b launches one micro-batch's forward"),
+    (["compile", "--launch-order", "fifo"], "argument --launch-order: invalid choice: 'fifo'"),
     (["tune", "--micro-batches", "-2"], "'-2' is not a positive integer"),
 ]
 
@@ -282,7 +284,9 @@ def _write_bad_registry_yaml(tmp) -> None:
     from moegraph.registry import load_hardware
     hw = yaml.safe_dump(load_hardware("h800").to_dict())
     (tmp / "hw_inf.yaml").write_text(hw.replace("nic_bw_bytes_s: 50000000000.0", "nic_bw_bytes_s: .inf"))
-    (tmp / "hw_nan.yaml").write_text(hw.replace("ring_eff_intra: 0.726", "ring_eff_intra: .nan"))
+    ring = f"ring_eff_intra: {load_hardware('h800').ring_eff_intra}"
+    assert ring in hw
+    (tmp / "hw_nan.yaml").write_text(hw.replace(ring, "ring_eff_intra: .nan"))
     model = "layers: 2\nhidden: 64\nheads: 4\nkv_heads: 2\nffn_hidden: 128\nexperts: 4\ntop_k: 2\n"
     (tmp / "rope_nan.yaml").write_text(model + "rope_theta: .nan\n")
     (tmp / "eps_nan.yaml").write_text(model + "rms_eps: .nan\n")

@@ -12,6 +12,7 @@ import math
 
 import pytest
 
+from helpers import flat_h800
 from moegraph.passes.stack import stack_layers
 from moegraph.ir import OpKind, Role
 from moegraph.schedules.problem import COMPUTE, TICK_US, build_problem
@@ -174,7 +175,7 @@ def test_dp_first_warm_start_beats_the_previous_warm_starts():
     from moegraph.schedules.dp_order import dp_warm_starts
     from moegraph.schedules.solution import check_solution, makespan_ticks
     from moegraph.tracer import trace_model
-    cost = CostModel(load_hardware("h800"))
+    cost = CostModel(flat_h800())  # sized on constant efficiencies (issue 29)
     g = stack_layers(trace_model(load_model("small"), Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512), 2)
     g, _ = run_pipeline(g, "gate-reorder,sar=paper", cost=cost)
     p = build_problem(g, cost)

@@ -15,6 +15,7 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from helpers import flat_h800
 from moegraph.cli import main
 from moegraph.cost import CostModel
 from moegraph.ir import GraphError, OpKind, Phase, Strategy, verify
@@ -265,7 +266,11 @@ def test_sar_keep_search_limit_must_be_positive_seconds(h800, limit):
 
 @pytest.mark.parametrize("start", ["a2a", "ag-rs"])
 @pytest.mark.parametrize("top_k,expected", [(1, "a2a"), (8, "ag-rs")])
-def test_dispatch_auto_on_mixtral_h800(h800, start, top_k, expected):
+def test_dispatch_auto_on_mixtral_h800(start, top_k, expected):
+    # the pass's decision on the constant-efficiency h800 (helpers.flat_h800): with the sourced
+    # curves (DeepEP's all-to-all at 0.765 of NVLink against rings at 0.794) the whole-layer serial
+    # estimate keeps a2a up to top-k 8 on Mixtral; benchmarks/fidelity.py reports that against Fig 7
+    h800 = CostModel(flat_h800())
     g = trace("mixtral-8x7b", Strategy("sp", "ep", start, N), top_k=top_k)
     out, report = run_pipeline(g, "dispatch=auto", cost=h800)
     r = report["dispatch"]
@@ -274,10 +279,11 @@ def test_dispatch_auto_on_mixtral_h800(h800, start, top_k, expected):
     assert r["predicted_us"][expected] < r["predicted_us"]["ag-rs" if expected == "a2a" else "a2a"]
 
 
-def test_dispatch_auto_follows_the_cost_model_not_a_threshold(h800):
+def test_dispatch_auto_follows_the_cost_model_not_a_threshold():
     """Make all-to-all as efficient as a ring and make latency free: at top-k 8 = n the bytes tie and
     all-to-all (which skips the n-fold router work) wins, so the choice really comes from the cost model."""
-    hw = dataclasses.replace(load_hardware("h800"), a2a_eff_intra=load_hardware("h800").ring_eff_intra)
+    h800 = CostModel(flat_h800())  # sized on constant efficiencies (issue 29)
+    hw = dataclasses.replace(flat_h800(), a2a_eff_intra=flat_h800().ring_eff_intra)
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N), top_k=8)
     assert run_pipeline(g, "dispatch=auto", cost=h800)[1]["dispatch"]["chosen"] == "ag-rs"
     assert run_pipeline(g, "dispatch=auto", cost=CostModel(hw))[1]["dispatch"]["chosen"] == "a2a"
@@ -302,8 +308,9 @@ def test_chunk_auto_searches_until_latency_stops_paying(h800):
     assert out.node["fc1.c0"].attr("chunk") == 0 and "fc1" not in out.node
 
 
-def test_chunk_auto_with_free_latency_chunks_finer(h800):
-    hw = load_hardware("h800")
+def test_chunk_auto_with_free_latency_chunks_finer():
+    hw = flat_h800()  # sized on constant efficiencies (issue 29)
+    h800 = CostModel(hw)
     free = CostModel(dataclasses.replace(hw, kernel_latency_us=0.0, intra_node_latency_us=0.0))
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N))
     chosen = run_pipeline(g, "chunk=auto", cost=h800)[1]["chunk"]["chosen"]

@@ -44,7 +44,7 @@ def test_every_entry_loads():
           "glm-4.5", "kimi-k2"}          # shipped Hugging Face configs (registry/hf/*.json)
     assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small", "qwen2-57b-a14b", "olmoe-1b-7b",
                                                 "deepseek-v3"} | hf
-    assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo", "cpu-2core-gloo",
+    assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "h200", "a800", "b200", "cpu-gloo", "cpu-2core-gloo",
                                    "cpu-2core-gloo-1gbit", "nvidia-h200-2026-11-27"}
     for name in model_names():
         assert load_model(name).name == name
@@ -97,11 +97,15 @@ def test_public_datasheets():
     assert (b200.peak_flops_bf16, b200.hbm_capacity_bytes, b200.hbm_bw_bytes_s) == (2250e12, 180 * 10**9, 8e12)
 
 
-def test_efficiency_defaults_are_monta_and_brief_numbers():
-    hw = load_hardware("h800")
-    assert (hw.gemm_eff, hw.grouped_gemm_eff, hw.attention_eff, hw.mem_eff) == (0.75, 0.65, 0.55, 0.8)
-    assert (hw.ring_eff_intra, hw.ring_eff_inter, hw.a2a_eff_intra, hw.a2a_eff_inter, hw.copy_engine_eff) == \
-        (0.726, 0.726, 0.55, 0.427, 0.6)
+def test_hardware_defaults_model_no_shape_or_size_effect():
+    """A profile written before the shape and size curves (every calibrated one) prices as it did:
+    each new field's default switches its effect off."""
+    f = {x.name: x.default for x in dataclasses.fields(Hardware)}
+    assert (f["gemm_tiles"], f["gemm_wave_exponent"], f["gemm_k_half"], f["attention_seq_half"]) == ((), 0.0, 0.0, 0.0)
+    assert (f["attention_head_dim_eff"], f["attention_bwd_factor"]) == ((), 1.0)
+    assert all(f[k] == 0.0 for k in ("ring_half_bytes_intra", "ring_half_bytes_inter", "a2a_half_bytes_intra",
+                                     "a2a_half_bytes_inter"))
+    assert (f["gemm_eff"], f["grouped_gemm_eff"], f["attention_eff"], f["mem_eff"]) == (0.75, 0.65, 0.55, 0.8)
 
 
 def test_cpu_gloo_has_copy_engine_budget_only():
@@ -169,7 +173,7 @@ def test_unknown_names():
                             "qwen3-235b-a22b, qwen3-30b-a3b")
     with pytest.raises(RegistryError) as e:
         load_hardware("v100")
-    assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h800, "
+    assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h200, h800, "
                             "cpu-2core-gloo, cpu-2core-gloo-1gbit, nvidia-h200-2026-11-27")
     assert load_hardware("cpu-2core-gloo").name == "cpu-2core-gloo"      # shipped calibrated profile by name
     assert load_hardware("cpu-2core-gloo-1gbit").link_bit_s == 1e9        # calibrated on the emulated link
@@ -233,19 +237,22 @@ def test_yaml_exponent_trap_is_explained(tmp_path):
         "(a string: write exponents as 1.0e+12 so YAML reads a number)")
 
 
-def test_every_collective_efficiency_names_its_source():
-    """Issue 14 item 6: in hardware.yaml each of the four per-link efficiencies carries a comment
-    naming where its number comes from (a paper table/figure) or saying it is assumed."""
+def test_every_sourced_field_names_its_source():
+    """Issue 29 item 6 (replaces issue 14's comment check): every registry entry sets each
+    efficiency, curve parameter and stretch explicitly and names its source: a paper table or
+    figure, a public benchmark, a fit ("fitted to ...") or, visibly, an assumption."""
     import re
+    import yaml
+    from moegraph.registry.fields import SOURCED_FIELDS
     from moegraph.registry.loading import _REGISTRY_DIR
-    text = (_REGISTRY_DIR / "hardware.yaml").read_text()
-    fields = ("ring_eff_intra", "ring_eff_inter", "a2a_eff_intra", "a2a_eff_inter")
-    for name in ("h800", "a100", "h20", "h100", "a800", "b200", "cpu-gloo"):
-        entry = text.split(f"\n{name}:\n", 1)[1].split("\n\n", 1)[0]
-        for f in fields:
-            line = re.search(rf"^  {f}: [0-9.]+ +# (.+)$", entry, re.M)
-            assert line, f"{name}.{f} has no source comment"
-            assert re.search(r"Table|Fig|assumed|placeholder|= ", line[1]), f"{name}.{f}: {line[1]}"
+    raw = yaml.safe_load((_REGISTRY_DIR / "hardware.yaml").read_text())
+    for name, entry in raw.items():
+        sources = entry.get("sources", {})
+        for field in SOURCED_FIELDS:
+            assert field in entry, f"{name}.{field} is not set (a default would carry no source)"
+            assert field in sources, f"{name}.{field} has no source line"
+            assert re.search(r"Table|Fig|README|report|measured|fitted|transferred|assumed|guess|placeholder|Guide|paper|"
+                             r"FlashAttention|nccl-tests", sources[field]), f"{name}.{field}: {sources[field]}"
 
 
 def test_hardware_errors(tmp_path):

@@ -167,15 +167,17 @@ MAIN_STRUCTURE = {
 # Attributes lowering writes explicitly since 2026-11-24 with the value the kernels used to
 # default to (ir.CHOICE_ATTRS): a node carrying one computes what it computed without it.
 WAS_DEFAULT = {("mode", "split"), ("index", "token"), ("scoring", "softmax")}
+COST_ANNOTATIONS = {"stream_bytes", "mnk", "groups", "seq"}
 
 
 def structure(g) -> str:
-    # stream_bytes (expert GEMMs' in-step weight traffic, a cost annotation added 2026-11-23) and
-    # the former defaults made explicit (WAS_DEFAULT) are left out, so these hashes still pin the
-    # graphs as they were before them
+    # stream_bytes (expert GEMMs' in-step weight traffic, a cost annotation added 2026-11-23), the
+    # shape annotations mnk / groups / seq (moegraph.efficiency, 2026-11-27) and the former defaults
+    # made explicit (WAS_DEFAULT) are left out, so these hashes still pin the graphs as they were
+    # before them
     blob = repr([(v.name, v.shape, v.dtype, v.kind.value, v.alias_of) for v in g.values]) + \
         repr([(x.name, x.op.value, x.phase.value, x.inputs, x.outputs, x.flops, x.comm_bytes,
-               tuple(a for a in x.attrs if a[0] != "stream_bytes" and a not in WAS_DEFAULT)) for x in g.nodes]) + \
+               tuple(a for a in x.attrs if a[0] not in COST_ANNOTATIONS and a not in WAS_DEFAULT)) for x in g.nodes]) + \
         repr(sorted(g.saved))
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 

@@ -4,6 +4,7 @@ import dataclasses
 
 import pytest
 
+from helpers import flat_h800
 from moegraph.cost import CostModel
 from moegraph.ir import Strategy
 from moegraph.passes.stack import stack_layers
@@ -23,7 +24,7 @@ from moegraph.tracer import trace_model
 # h800 with the intra-node all-to-all efficiency these instances were sized on: issue 14 item 6
 # raised it to 0.55, and the small sp/ep/a2a layer then needs 4 deterministic seconds, not 2, to
 # be proven optimal (the scheduler tests are about tiling, not about the registry's numbers)
-COST = CostModel(dataclasses.replace(load_hardware("h800"), a2a_eff_intra=0.427))
+COST = CostModel(dataclasses.replace(flat_h800(), a2a_eff_intra=0.427))  # constant efficiencies (issue 29)
 SMALL = load_model("small")
 SP = Strategy("sp", "ep", "ag-rs", 2)
 L = 4
@@ -131,7 +132,7 @@ def test_dp_aware_tiling_verifies_and_exposes_less_dp_sync():
     from moegraph.schedules.periodic import can_slide
     from moegraph.schedules.problem import DP_STREAM
     from moegraph.schedules.schedule_file import dp_sync_exposure
-    cost = CostModel(load_hardware("h800"))
+    cost = CostModel(flat_h800())  # sized on constant efficiencies (issue 29)
     g = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048), 4)
     g = add_edges(run_pipeline(g, "gate-reorder,sar=paper", cost=cost)[0], vocab=1024)
     p = build_problem(g, cost)
@@ -164,7 +165,7 @@ def test_dp_aware_tiling_refuses_a_dp_tail_with_compute():
     offered (can_slide) and tile_layers names the node."""
     from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide
-    cost = CostModel(load_hardware("h800"))
+    cost = CostModel(flat_h800())  # sized on constant efficiencies (issue 29)
     g = stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=1, seq=512), 2)
     g = run_pipeline(g, "gate-reorder,sar=paper,compress=dp-bf16", cost=cost)[0]
     p = build_problem(g, cost)
@@ -188,7 +189,7 @@ def test_dp_aware_tiling_offers_both_slide_orders():
     from moegraph.schedules.api import list_warm_starts
     from moegraph.schedules.baselines import BASELINES
     from moegraph.schedules.periodic import can_slide
-    cost = CostModel(load_hardware("h800"))
+    cost = CostModel(flat_h800())  # sized on constant efficiencies (issue 29)
     g0 = run_pipeline(stack_layers(trace_model(SMALL, Strategy("sp", "ep", "ag-rs", 2, dp=2), batch=8, seq=2048), 2),
                       "gate-reorder,sar=paper", cost=cost)[0]
     span = {}

@@ -31,13 +31,22 @@ def test_tasks_streams_sides_and_modes():
     assert [p.tasks[i].name for i in by["fc2"].preds] == ["ag"]
     hw = COST.hw
     S = hw.sm_count
-    # compute modes: sm_count - b for useful reserves, duration base * S / sm, fastest first
+    # compute modes: sm_count - b for useful reserves, fastest first; the FLOP term on the SMs
+    # left, the memory term on the HBM bandwidth the collectives leave (2 bytes per byte they
+    # send at the NVLink rate their SMs reach), hand-computed from the profile's fields
     fc1 = by["fc1"]
     base = COST.node_time_us(fc1.node)
     assert fc1.modes[fc1.default_mode].sm == S
+    flops_s = fc1.node.flops / (hw.peak_flops_bf16 * hw.gemm_eff * COST._shape(fc1.node, "gemm"))
+    mem_s = fc1.node.mem_bytes / (hw.hbm_bw_bytes_s * hw.mem_eff)
     for m in fc1.modes:
-        assert S - m.sm in hw.comm_sm_budgets or m.sm == S
-        assert m.duration_us == pytest.approx(base * S / m.sm)
+        b = S - m.sm
+        assert b in hw.comm_sm_budgets or m.sm == S
+        rate = 2 * hw.nvlink_bw_bytes_s * hw.ring_eff_intra * min(1, b / hw.comm_sm_saturation)
+        hbm = hw.hbm_bw_bytes_s * hw.mem_eff
+        want = hw.kernel_latency_us + max(flops_s * S / m.sm, mem_s * hbm / (hbm - rate)) * 1e6
+        assert m.duration_us == pytest.approx(want)
+        assert base <= m.duration_us <= base * S / m.sm + 1e-9
         assert m.ticks == to_ticks(m.duration_us)
     assert [m.ticks for m in fc1.modes] == sorted(m.ticks for m in fc1.modes)
     # collectives: budgets from the cost model, default kept even if dominated

@@ -16,7 +16,7 @@ from moegraph.canonical import canonical_json
 from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, RegistryError, checked, curves,
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
                                       MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text, opt_text,
-                                      validate_fields)
+                                      validate_fields, gemm_tiles, head_dim_effs, sources)
 
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
 
@@ -331,6 +331,37 @@ class Hardware(_Record):
     """Extra time per tile of a fused comm+compute kernel (moegraph.cost, "Fused tile-level
     variants"): the device-memory flag a tile waits on or raises and its smaller GEMM tile wave.
     Default 0.5 us: assumed (MegaScale-MoE §4.2 gives no number); one tile per rank."""
+    # Shape and size effects (moegraph.efficiency; docs/cost_model.md "Shapes"). Each default
+    # models no effect, so a profile written before they existed prices as it did.
+    gemm_tiles: tuple[tuple[int, int, float], ...] = checked(gemm_tiles, ())
+    """GEMM tiles [tile_m, tile_n, relative efficiency] the library picks from (tile and wave
+    quantization over sm_count); () = no tile model. gemm_eff is then the efficiency of a large,
+    well-tiled GEMM, and each shape runs at gemm_eff times its factor."""
+    gemm_wave_exponent: float = checked(fraction_or_zero, 0.0)
+    """gamma: the wave-quantization factor is raised to it (0 = hidden by the library's split-K /
+    stream-K kernels, 1 = the raw ceil(tiles/SMs) effect)."""
+    gemm_k_half: float = checked(nonneg_float, 0.0)
+    """k_half: a GEMM of reduction length k runs at k/(k + k_half) of its tile efficiency (each
+    output tile's prologue and epilogue); 0 = no small-K penalty."""
+    attention_seq_half: float = checked(nonneg_float, 0.0)
+    """s_half: causal attention over s tokens runs at s/(s + s_half) of attention_eff; 0 = no
+    sequence-length effect (then an attention node needs no ``seq`` attribute)."""
+    attention_head_dim_eff: tuple[tuple[int, float], ...] = checked(head_dim_effs, ())
+    """[[head dim, relative efficiency], ...], linear in log2(d) between points, clamped; () = 1."""
+    attention_bwd_factor: float = checked(fraction, 1.0)
+    """The attention backward's efficiency relative to the forward's (flash backward kernels
+    recompute and write dq, dk, dv); 1 = the same."""
+    ring_half_bytes_intra: float = checked(nonneg_float, 0.0)
+    """Ring collectives inside a node reach ring_eff_intra * b/(b + this) at b bytes sent; 0 = flat."""
+    ring_half_bytes_inter: float = checked(nonneg_float, 0.0)
+    """As ring_half_bytes_intra, across nodes."""
+    a2a_half_bytes_intra: float = checked(nonneg_float, 0.0)
+    """All-to-all inside a node reaches a2a_eff_intra * b/(b + this) at b bytes sent; 0 = flat."""
+    a2a_half_bytes_inter: float = checked(nonneg_float, 0.0)
+    """As a2a_half_bytes_intra, across nodes."""
+    sources: tuple[tuple[str, str], ...] = checked(sources, ())
+    """field -> where its value comes from, for the efficiencies, curve parameters and stretches
+    (fields.SOURCED_FIELDS); every hardware.yaml entry names all of them."""
     comm_sm_budgets: tuple[int, ...] = checked(sm_budgets)
     """SM counts a collective may be given, strictly increasing; 0 = copy engines (only if
     copy_engine_eff > 0). Each must leave SMs for compute (< sm_count)."""
@@ -340,10 +371,17 @@ class Hardware(_Record):
     """SMs at which all-to-all reaches full bandwidth (more than a ring: n-1 peers at once)."""
     comm_overlap_stretch: float = checked(stretch, 1.0)
     """Factor (in [1, 10]) by which a collective runs longer while compute runs beside it
-    (the two share memory bandwidth, and on CPU the cores). 1 = not modelled (the registry's
-    GPU profiles: unmeasured); ``moegraph calibrate`` measures it where it can run collectives.
+    (the two share memory bandwidth, and on CPU the cores). 1 = no stretch (the registry's GPU
+    profiles: fitted to MoNTA Fig 14, see their sources); ``moegraph calibrate`` measures it
+    where it can run collectives.
     The scheduler gives each collective two modes when it is > 1: alone (no compute may
     overlap it) at the plain time, or beside compute at this factor times it."""
+    comm_hbm_traffic: float = checked(nonneg_float, 0.0)
+    """HBM bytes a collective moves per byte it sends (it reads what it sends and writes what it
+    receives: 2). Compute beside collectives that hold b SMs then has the HBM bandwidth those
+    collectives leave (``CostModel.beside_comm_us``): its FLOP term slows by S/(S-b), its memory
+    term by W/(W - traffic * link rate). 0 = not modelled: the whole node slows by S/(S-b)
+    (calibrated CPU profiles, where b counts cores)."""
     step_noise: float = checked(fraction_or_zero, 0.0)
     """Step-to-step noise of real steps on this machine: the relative median absolute deviation
     of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph
@@ -404,6 +442,9 @@ class Hardware(_Record):
         d["curves"] = {name: [list(p) for p in pts] for name, pts in self.curves}
         d["in_step_factors"] = dict(self.in_step_factors)
         d["measured"] = dict(self.measured)
+        d["sources"] = dict(self.sources)
+        d["gemm_tiles"] = [list(t) for t in self.gemm_tiles]
+        d["attention_head_dim_eff"] = [list(p) for p in self.attention_head_dim_eff]
         return d
 
     def in_step_factor(self, op_class: str) -> float:

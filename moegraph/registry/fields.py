@@ -16,7 +16,8 @@ from typing import Any, Callable
 
 __all__ = ["RegistryError", "Bad", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "checked", "validate_fields",
            "text", "pos_int", "bounded_int", "opt_bounded_int", "count_or_zero", "flag", "one_of", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
-           "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured"]
+           "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured", "gemm_tiles", "head_dim_effs",
+           "sources", "SOURCED_FIELDS"]
 
 
 class RegistryError(ValueError):
@@ -226,6 +227,63 @@ def measured(v: Any) -> tuple[tuple[str, str], ...]:
         if isinstance(x, datetime.date):  # YAML reads 2025-01-31 as a date
             x = x.isoformat()
         out.append((k, text(x)))
+    return tuple(sorted(out))
+
+
+def gemm_tiles(v: Any) -> tuple[tuple[int, int, float], ...]:
+    """[[tile_m, tile_n, relative efficiency], ...]: the GEMM tiles the library picks from."""
+    if not isinstance(v, (list, tuple)):
+        raise Bad(f"expected a list of [tile_m, tile_n, relative efficiency], got {_got(v)}")
+    out = []
+    for t in v:
+        if not isinstance(t, (list, tuple)) or len(t) != 3:
+            raise Bad(f"expected a [tile_m, tile_n, relative efficiency] triple, got {_got(t)}")
+        try:
+            out.append((pos_int(t[0]), pos_int(t[1]), fraction(t[2])))
+        except Bad as err:
+            raise Bad(f"tile {list(t)}: {err}") from None
+    return tuple(out)
+
+
+def head_dim_effs(v: Any) -> tuple[tuple[int, float], ...]:
+    """[[head dim, relative efficiency], ...], head dims strictly increasing."""
+    if not isinstance(v, (list, tuple)):
+        raise Bad(f"expected a list of [head dim, relative efficiency] pairs, got {_got(v)}")
+    out = []
+    for p in v:
+        if not isinstance(p, (list, tuple)) or len(p) != 2:
+            raise Bad(f"expected a [head dim, relative efficiency] pair, got {_got(p)}")
+        try:
+            out.append((pos_int(p[0]), fraction(p[1])))
+        except Bad as err:
+            raise Bad(f"point {list(p)}: {err}") from None
+    if any(a[0] >= b[0] for a, b in zip(out, out[1:])):
+        raise Bad(f"head dims must increase strictly, got {[d for d, _ in out]}")
+    return tuple(out)
+
+
+# Hardware fields that are efficiencies, curve parameters or stretches: every hardware.yaml entry
+# names the source of each (its ``sources`` mapping; tests/test_registry.py checks).
+SOURCED_FIELDS = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "ring_eff_intra", "ring_eff_inter",
+                  "a2a_eff_intra", "a2a_eff_inter", "copy_engine_eff", "fused_tile_overhead_us", "gemm_tiles",
+                  "gemm_wave_exponent", "gemm_k_half", "attention_seq_half", "attention_head_dim_eff",
+                  "attention_bwd_factor", "ring_half_bytes_intra", "ring_half_bytes_inter", "a2a_half_bytes_intra",
+                  "a2a_half_bytes_inter", "comm_overlap_stretch", "comm_hbm_traffic", "comm_sm_saturation",
+                  "a2a_sm_saturation")
+
+
+def sources(v: Any) -> tuple[tuple[str, str], ...]:
+    """field -> where its value comes from (a paper, a public benchmark, or "fitted to X")."""
+    items = _pairs(v)
+    if items is None:
+        raise Bad(f"expected a mapping of field -> source text, got {_got(v)}")
+    out = []
+    for key, x in items:
+        if key not in SOURCED_FIELDS:
+            raise Bad(f"unknown sourced field {key!r}; valid: {', '.join(SOURCED_FIELDS)}")
+        if not isinstance(x, str) or not x.strip():
+            raise Bad(f"{key}: expected a non-empty source text, got {_got(x)}")
+        out.append((key, x))
     return tuple(sorted(out))
 
 

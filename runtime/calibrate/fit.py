@@ -19,7 +19,9 @@ evaluating its own formulas, reproduces the measurements:
                        fixed part, so no such message's curve point exceeds 1 (smaller ones'
                        bins may, and are clamped to 1); curves by comm_bytes:
                        ring_eff (all-gather + reduce-scatter), a2a_eff (even + uneven; each also
-                       sets its scalars *_intra = *_inter: one link measured),
+                       sets its scalars *_intra = *_inter, one link measured: eff_max and
+                       *_half_bytes of the size curve through the binned points, by
+                       moegraph.efficiency.fit_size_eff, the registry's fit),
                        all_reduce_eff
     slowdown           compute runs x s slower beside a collective: sm_count = 100 and one
                        comm budget b = round(100 (1 - 1/s)) with saturation b, so
@@ -38,6 +40,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from moegraph.efficiency import fit_size_eff
 from moegraph.registry import Hardware
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
@@ -271,7 +274,12 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
             if pts:
                 curves[curve] = binned_curve(pts, bw, width=COMM_BIN_WIDTH)
                 if curve != "all_reduce_eff":        # one link measured: it prices both scopes
-                    prof[f"{curve}_intra"] = prof[f"{curve}_inter"] = _overall(pts, bw)
+                    # the size curve the GPU profiles use (moegraph.efficiency.size_eff), fitted by
+                    # the same code as their published points; the binned curve still prices first
+                    eff_max, half = fit_size_eff((b, e) for b, e in curves[curve])
+                    prof[f"{curve}_intra"] = prof[f"{curve}_inter"] = _sig(eff_max)
+                    half_key = curve.replace("_eff", "_half_bytes")
+                    prof[f"{half_key}_intra"] = prof[f"{half_key}_inter"] = _sig(half)
             else:
                 unmeasured.append(curve)
         missing = [k for k, ss in comm.items() if not ss]

@@ -1,0 +1,307 @@
+"""Fidelity: every published figure moegraph can predict, beside its prediction (issue 29 item 5).
+
+    .venv/bin/python benchmarks/fidelity.py              # all figures (Table 5's CP-SAT and pipeline: ~30 s)
+    .venv/bin/python benchmarks/fidelity.py --fast       # without Table 5
+
+Each row: the figure, its setting, the paper's number, moegraph's, whether the number was USED
+IN A FIT of hardware.yaml ("fit") or is HELD OUT ("held"), and the reason for any difference.
+Held-out and fitted rows are summarised apart, and per figure. Per layer (b = 1, s = 8192, n = 8)
+unless the row says otherwise; Table 5 is an iteration-level figure: its rows are given per layer
+(one layer's forward + backward) and at iteration level, by the pipeline step model
+(benchmarks/pipeline_table5.py: PP=15 V=2 Interleaved1F1B, dp=2, M=360, the layers priced by
+their op-level schedules under this cost model).
+
+Predictions: ``serial`` = the serial sum of node times (passes/estimate.py, what dispatch=auto
+uses, and MegaScale-MoE's "other optimizations disabled"); ``cpsat`` = the scheduled layer. The
+launch-order rows schedule a merged 2-micro-batch step (s = 4096) with the megatron-1f1b baseline,
+with a hardware queue per stream and with one queue (moegraph.schedules.launch).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from moegraph.cost import CostModel  # noqa: E402
+from moegraph.ir import Node, OpKind, Phase, Strategy  # noqa: E402
+from moegraph.passes.estimate import serial_time_us  # noqa: E402
+from moegraph.registry import load_hardware, load_model  # noqa: E402
+from moegraph.tracer import trace_model  # noqa: E402
+
+MODELS = ("internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe")
+N, B, S = 8, 1, 8192
+ROWS: list[dict] = []
+
+
+def row(fig: str, setting: str, paper: str, ours: str, status: str, reason: str, ok: bool | None = None) -> None:
+    ROWS.append(dict(fig=fig, setting=setting, paper=paper, ours=ours, status=status, reason=reason, ok=ok))
+
+
+def no_shapes(hw):
+    """``hw`` with the compute shape curves off (GEMMs at gemm_eff whatever their shape)."""
+    return dataclasses.replace(hw, gemm_tiles=(), gemm_k_half=0.0)
+
+
+def graph(model, attn, ffn, dispatch, *, seq=S, **over):
+    cfg = dataclasses.replace(load_model(model), **over) if over else load_model(model)
+    return trace_model(cfg, Strategy(attn, ffn, dispatch, N), batch=B, seq=seq)
+
+
+def ffn_comm_us(g, cost) -> float:
+    return sum(cost.node_time_us(nd) for nd in g.nodes if nd.is_comm and nd.block == "ffn")
+
+
+# --- MegaScale-MoE Fig 7: AG/RS vs A2A token dispatch by top-k ------------------------------------
+
+def fig7(models=("mixtral-8x7b", "phi-3.5-moe", "mixtral-8x22b"), hws=("h800", "a100", "h20")) -> None:
+    for hw_name in hws:
+        cost = CostModel(load_hardware(hw_name))
+        for model in models:
+            diffs = []
+            for k in range(1, 9):
+                a = ffn_comm_us(graph(model, "sp", "ep", "a2a", top_k=k, experts=max(8, load_model(model).experts)), cost)
+                g = ffn_comm_us(graph(model, "sp", "ep", "ag-rs", top_k=k, experts=max(8, load_model(model).experts)), cost)
+                diffs.append(a - g)
+            cross = next((k - 1 + (-diffs[k - 2]) / (diffs[k - 1] - diffs[k - 2]) for k in range(2, 9)
+                          if diffs[k - 2] < 0 <= diffs[k - 1]), None)
+            ours = f"top-k {cross:.2f}" if cross else "a2a faster up to top-k 8"
+            paper = "top-k > 6 (Mixtral-8x7B, H800)" if (model, hw_name) == ("mixtral-8x7b", "h800") else "-"
+            ok = None if paper == "-" else (cross is not None and 6 <= cross <= 8)
+            row("Fig 7", f"{model} {hw_name} comm-time crossover", paper, ours, "held",
+                "a2a_eff_intra from DeepEP (0.765) and ring_eff_intra from MoNTA (0.794): the bytes ratio k/n "
+                "crosses their ratio near k = 7.7; the paper's NCCL all-to-all is slower than DeepEP's kernel, "
+                "which moves its crossover below 7", ok)
+
+
+# --- MegaScale-MoE Fig 14: SP+EP vs TP+TP -----------------------------------------------------------
+
+def _serial(model, hw, attn, ffn, dispatch) -> float:
+    return serial_time_us(graph(model, attn, ffn, dispatch), CostModel(hw))
+
+
+def fig14(models=MODELS, hw_name="h800") -> None:
+    hw = load_hardware(hw_name)
+    gains = []
+    for model in models:
+        tp = _serial(model, hw, "tp", "tp", "ag-rs")
+        a2a, agrs = _serial(model, hw, "sp", "ep", "a2a"), _serial(model, hw, "sp", "ep", "ag-rs")
+        flat = no_shapes(hw)
+        tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
+        g = tp / min(a2a, agrs) - 1
+        shape = g - (tp0 / best0 - 1)
+        gains.append(g)
+        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
+            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part)",
+            0.149 - 0.03 <= g <= 0.329 + 0.03)
+
+
+# --- MegaScale-MoE Fig 16: fused vs unfused pairs ----------------------------------------------------
+
+def fig16(models=MODELS, hw_name="h800") -> None:
+    from moegraph.passes.fuse import candidates
+    cost = CostModel(load_hardware(hw_name))
+    factors = []
+    for model in models:
+        for dispatch in ("ag-rs",):
+            g = graph(model, "sp", "ep", dispatch)
+            seen = set()
+            for cand in candidates(g, cost):
+                if g.node[cand.anchor].phase is not Phase.FORWARD or cand.group.kind in seen:
+                    continue
+                seen.add(cand.group.kind)
+                p = cost.fused_price(cand.group)
+                f = p.unfused_us / p.time_us
+                factors.append(f)
+                row("Fig 16", f"{model} {hw_name} {cand.group.kind}", "1.2-4.7x (range)", f"{f:.2f}x", "held",
+                    "tile pipeline: max(comm, compute) + one tile, scatter/gather/rope folded into the GEMM "
+                    "tiles; the unfused baseline pays its collective at the NCCL-like default budget and "
+                    "every member as its own kernel")
+    if factors:
+        lo, hi = min(factors), max(factors)
+        row("Fig 16", f"span over {len(factors)} pairs", "1.2-4.7x", f"{lo:.2f}-{hi:.2f}x", "held",
+            "a pair gains at most about 2x plus its folded scatter/gather (comm and compute overlapped): "
+            "above 2x the paper's baseline must pay more than its kernels' own times (Megatron's torch "
+            "scatter_add/gather, host launch gaps: no published size); AG+scatter+GroupedGEMM needs the "
+            "router on local tokens with its result gathered (moegraph's lowering routes the gathered "
+            "tokens, so the gather cannot be fused)",
+            lo <= 1.2 + 0.05 and hi >= 3.0)
+
+
+# --- MegaScale-MoE Table 5: per layer ---------------------------------------------------------------
+
+def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
+    from moegraph.passes import run_pipeline
+    from moegraph.schedules.api import compile_graph
+    cost = CostModel(load_hardware(hw_name))
+    base = serial_time_us(graph(model, "tp", "tp", "ag-rs"), cost)
+    spep = {d: graph(model, "sp", "ep", d) for d in ("a2a", "ag-rs")}
+    d_best = min(spep, key=lambda d: serial_time_us(spep[d], cost))
+    s2 = serial_time_us(spep[d_best], cost)
+    s3 = compile_graph(spep[d_best], cost, time_limit_s=time_limit).schedule.makespan_us
+    fused, _ = run_pipeline(spep[d_best], "fuse=auto", cost=cost)
+    s4 = compile_graph(fused, cost, time_limit_s=time_limit).schedule.makespan_us
+    why = ("per layer, forward + backward, with interference (compute on the SMs and HBM collectives leave); "
+           "the paper's figure is an iteration's throughput (the iteration rows below)")
+    gains = {2: base / s2, 3: base / s3, 4: base / s4}
+    paper = {2: 1.13, 3: 1.22, 4: 1.28}
+    label = {2: f"(2) SP+EP {d_best}", 3: "(3) + inter-op overlap", 4: "(4) + intra-op overlap"}
+    for k in (2, 3, 4):
+        row("Table 5", f"{model} {hw_name} per layer {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why,
+            abs(gains[k] - paper[k]) <= 0.05)
+    hand = base / compile_graph(spep[d_best], cost, method="megascale").schedule.summary["makespan_us"]
+    row("Table 5", f"{model} {hw_name} per layer (3) with MegaScale-MoE's hand-made order (the megascale baseline)",
+        "1.22", f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one "
+        "(under one hardware queue fed in graph order, CP-SAT reaches only 1.217: launch_order='program')",
+        abs(hand - 1.22) <= 0.05)
+    table5_iteration(cost)
+
+
+def table5_iteration(cost: CostModel) -> None:
+    """Table 5 at iteration level: the pipeline step model (benchmarks/pipeline_table5.py)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))     # pipeline_table5, beside this file
+    from pipeline_table5 import iteration_rows
+    base = None
+    for k, (label, paper, tl, _, _) in enumerate(iteration_rows(cost)):
+        base = base or tl.makespan
+        if k == 0:
+            continue
+        gain = base / tl.makespan
+        why = (f"whole iteration ({tl.makespan / 1e6:.2f} s; bubble {tl.summary()['bubble_fraction']:.3f}): "
+               "the pipeline bubble, p2p and the step-end sync dilute the layers' gains as in the paper")
+        if k == 1:
+            why += ("; the tp+tp baseline's activations (118.5 GiB) exceed an 80 GB H800, so the paper's baseline "
+                    "must have recomputed or run smaller micro-batches, which this prediction does not")
+        row("Table 5", f"internal-352b {cost.hw.name} iteration ({k + 1}) {label.split(' ', 1)[1]}", f"{paper:.2f}",
+            f"{gain:.3f}", "held", why, abs(gain - paper) <= 0.05)
+
+
+# --- MoNTA: all-to-all operator (Fig 14 / eq 11-16) and end to end (Fig 17) ---------------------------
+
+def _comm(op, nbytes, group, scope, cost) -> float:
+    node = Node("c", op, Phase.FORWARD, (), ("y",), comm_bytes=int(nbytes), group=group, attrs=(("scope", scope),))
+    return cost.best_time_us(node)
+
+
+def monta_times(seq: int, chunks: int, cost: CostModel, pipeline_copy: bool, stretch: float | None = None) -> float:
+    """MoNTA's strategies priced by moegraph's collective curves: t = 8 (TP), e = 2 (EP), I = 256 MB
+    at 8K (Table 8, scaled with s). chunks = 0: the baseline 16-GPU all-to-all (its IB half).
+    chunks = 1 is O1 (drop + all-to-all + all-gather): one chunk keeps the original layout, so no
+    reorder copy (MoNTA Fig 8 (1) vs (3)). Chunked, the pipeline's steady state runs collectives
+    beside another stream's kernel: each such collective takes ``stretch`` (default the profile's
+    comm_overlap_stretch); O3's copy beside an all-gather runs on the HBM bandwidth it leaves
+    (cost.hbm_slowdown at the all-gather's SMs)."""
+    t, e, vol = 8, 2, 256e6 * seq / 8192
+    x = cost.comm_overlap_stretch() if stretch is None else stretch
+    if chunks == 0:
+        return _comm(OpKind.ALL_TO_ALL, vol / 2, 16, "inter", cost)
+    aa = _comm(OpKind.ALL_TO_ALL, vol / (chunks * t) * (e - 1) / e, e, "inter", cost)
+    ag = _comm(OpKind.ALL_GATHER, vol / chunks * (t - 1) / t, t, "intra", cost)
+    if chunks == 1:
+        return aa + ag
+    d2d = cost.hw.kernel_latency_us + 2 * vol / chunks / (cost.hw.hbm_bw_bytes_s * cost.hw.mem_eff) * 1e6
+    if pipeline_copy:                                       # O3 (Algorithm 2)
+        d2d_beside = d2d * cost.hbm_slowdown(cost.hw.comm_sm_saturation)
+        return aa + ag * x * chunks + d2d_beside if aa < ag else aa * x * chunks + ag + d2d
+    return aa + (ag * x + d2d) * chunks if aa < ag + d2d else aa * x * chunks + ag + d2d     # O2 (Algorithm 1)
+
+
+def monta(hw_name="a800") -> None:
+    cost = CostModel(load_hardware(hw_name))
+    why = ("moegraph prices each chunk's all-to-all, all-gather and copy from MoNTA Table 8's curves; a "
+           "chunked pipeline pays each call's fixed cost (all-to-all ~166 us from Fig 13b's half point) but "
+           "hides it under the all-gather chain")
+    regimes = ((8192, "O1, no chunking (O1/base 0.30)", "held"), (32768, "O2 (32K-128K: 'MoNTA chooses O2')", "held"),
+               (131072, "O2 (32K-128K)", "held"), (262144, "O3, 4 chunks (O3/base 0.253)", "fit"))
+    for seq, paper_best, status in regimes:
+        base = monta_times(seq, 0, cost, False)
+        options = {("O1", 1): monta_times(seq, 1, cost, False)}
+        for n in (2, 4, 8):
+            options[("O2", n)] = monta_times(seq, n, cost, False)
+            options[("O3", n)] = monta_times(seq, n, cost, True)
+        (strat, n), t = min(options.items(), key=lambda kv: kv[1])
+        want = paper_best.split(",")[0].split(" ")[0]
+        o3_4 = options[("O3", 4)] / base
+        note = why
+        if seq == 262144:
+            note = (f"comm_overlap_stretch fitted here: O3 with 4 chunks at x = 1 gives {o3_4:.3f}, at x = 1.1 "
+                    f"{monta_times(seq, 4, cost, True, 1.1) / base:.3f}")
+        elif seq == 8192:
+            gap = (options[("O1", 1)] - min(v for k, v in options.items() if k[1] > 1))
+            note = (f"{why}; O1 is predicted at {options[('O1', 1)] / base:.3f} of the baseline, MoNTA measures 0.30; "
+                    f"chunking would lose only if each chunk cost {gap / 4:.0f} us more than priced: MoNTA names the "
+                    f"all-gather / copy memory conflict and host dispatch skew at small volumes, with no magnitude")
+        row("MoNTA Fig 14", f"all-to-all operator, s={seq // 1024}K, {hw_name}, 2 nodes", paper_best,
+            f"{strat}{'' if n == 1 else f', {n} chunks'} ({strat}/base {t / base:.3f}; O1/base "
+            f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f})", status, note, strat == want)
+    o1 = monta_times(8192, 1, cost, False) / monta_times(8192, 0, cost, False)
+    e2e = 1 - 0.22 * (1 - o1)
+    row("MoNTA Fig 17", "2x70B, 16 A800, 8K, end to end", "-13% latency (O1)", f"{e2e - 1:+.1%}", "held",
+        "MoNTA's own 22% all-to-all share with moegraph's O1/base ratio; no 2x70B layer is lowered")
+
+
+# --- Megatron-Core: EP overlap -----------------------------------------------------------------------
+
+def megatron(hw_name="h100", seq=4096) -> None:
+    """The launch-order option (moegraph.schedules.launch) on a merged 2-micro-batch EP step: the
+    overlap gain of Megatron-Core's combined-1F1B order over the sequential step, with a hardware
+    queue per stream and with one queue fed in that order (CUDA_DEVICE_MAX_CONNECTIONS=1)."""
+    from moegraph.passes.microbatch import merge_microbatches
+    from moegraph.schedules.api import compile_graph
+    row("Megatron-Core §5", "DeepSeek-V3 H100 EP a2a overhead with 1F1B overlap", "30-40% -> < 5%", "not predicted",
+        "held", "needs the merged 1F1B micro-batch step with W/D split across pipeline stages (issue 28)")
+    cost = CostModel(load_hardware(hw_name))
+    for model in ("deepseek-v3", "mixtral-8x7b"):
+        g = merge_microbatches(graph(model, "sp", "ep", "a2a", seq=seq), 2)
+        span = {k: compile_graph(g, cost, method=m, launch_order=lo).schedule.summary["makespan_us"]
+                for k, m, lo in (("seq", "sequential", "free"), ("free", "megatron-1f1b", "free"),
+                                 ("one", "megatron-1f1b", "megatron-1f1b"))}
+        free, one = span["seq"] / span["free"] - 1, span["seq"] / span["one"] - 1
+        paper = "0.5x gain (halved)" if model == "deepseek-v3" else "-"
+        row("Megatron-LM PRs 2719/2730, 6311", f"{model} {hw_name} s={seq // 1024}K, M=2: one hardware queue vs one "
+            f"per stream", paper, f"{one / free:.2f}x gain ({free:+.1%} -> {one:+.1%} over sequential)", "held",
+            "launch order megatron-1f1b: each phase's collective is launched before its compute; one waiting on the "
+            "previous phase's compute holds back the compute launched behind it",
+            None if paper == "-" else 0.4 <= one / free <= 0.6)
+
+
+def report() -> str:
+    lines = ["| figure | setting | paper | moegraph | fit/held | within target | reason for a difference |",
+             "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        ok = "-" if r["ok"] is None else ("yes" if r["ok"] else "NO")
+        lines.append(f"| {r['fig']} | {r['setting']} | {r['paper']} | {r['ours']} | {r['status']} | {ok} | {r['reason']} |")
+    for status in ("held", "fit"):
+        checked = [r for r in ROWS if r["status"] == status and r["ok"] is not None]
+        n_rows = sum(r["status"] == status for r in ROWS)
+        figs = dict.fromkeys(r["fig"] for r in checked)
+        per_fig = ", ".join(f"{f} {sum(r['ok'] for r in checked if r['fig'] == f)}/"
+                            f"{sum(r['fig'] == f for r in checked)}" for f in figs)
+        lines.append(f"\n{status}: {n_rows} rows, {len(checked)} with a target, "
+                     f"{sum(r['ok'] for r in checked)} within it ({per_fig})")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fast", action="store_true", help="skip Table 5 (its CP-SAT solves)")
+    p.add_argument("--time-limit", type=float, default=5.0)
+    args = p.parse_args(argv)
+    fig7()
+    fig14()
+    fig16()
+    if not args.fast:
+        table5(time_limit=args.time_limit)
+    monta()
+    megatron()
+    print(report())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
