@@ -108,8 +108,8 @@ def load_config_model(config: CompileConfig) -> tuple[ModelConfig, int]:
             raise ConfigError(f"top_k={config.top_k} must be between 1 and the expert count {model.experts} "
                               f"of {model.name}")
         model = dataclasses.replace(model, top_k=config.top_k)
-    layers = model.moe_layers if config.layers == "all" else config.layers
-    if not 1 <= layers <= model.moe_layers:
+    layers = model.all_layers if config.layers == "all" else config.layers
+    if not model.stackable(layers):
         raise ConfigError(f"layers={layers!r} must be between 1 and {model.layers_phrase()}")
     return model, layers
 
@@ -143,7 +143,7 @@ def lower(config: CompileConfig) -> Lowered:
             graph, layers = trace_module(config.model, traced_for, batch=config.batch, seq=config.seq, name=name), 1
     else:
         model, layers = load_config_model(config)
-        graph = trace_model(model, traced_for, batch=config.batch, seq=config.seq)
+        graph = trace_model(model, traced_for, batch=config.batch, seq=config.seq, layers=layers)
         if isinstance(config.edges, ModelEdges):
             edges = AddEdges(config.edges.vocab)
         elif config.edges == "auto" and layers > 1:     # a model step at the registry's default vocabulary

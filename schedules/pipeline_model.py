@@ -53,12 +53,16 @@ ADAM_BYTES_PER_ELEMENT = 30
 
 
 def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str, cost: CostModel) -> tuple[Graph, ...]:
-    """One graph per layer of ``cfg`` (dense first layers, then MoE), identical layers sharing one
-    graph; ``passes`` (a pipeline string, '' for none) applied to each distinct layer."""
+    """One graph per layer of ``cfg`` (dense first layers, then MoE; a Hugging Face config's own
+    layer kinds: ``moegraph.layers.LayerKinds``), identical layers sharing one graph; ``passes`` (a
+    pipeline string, '' for none) applied to each distinct layer."""
+    from moegraph.layers import layer_kinds
     from moegraph.models import MoETransformerLayer
     from moegraph.schedules.driver import lower
     config = CompileConfig(model=cfg, strategy=strategy, passes=parse_passes(passes), batch=batch, seq=seq,
                            edges="none", hardware=cost.hw)            # one layer each, lowered by the driver
+    if cfg.hf_config is not None:         # every layer, each kind lowered (and rewritten) once
+        return layer_kinds(lower(config.replace(layers="all")).graph).per_layer()
     moe = lower(config).graph
     dense: Graph | None = None
     if cfg.first_k_dense_replace:
