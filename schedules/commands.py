@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from moegraph.commands import (add_layer_args, add_layers_arg, add_memory_budget_arg, add_micro_batch_arg,
-                               config_from_args, print_result, progress_on_stderr, resolve_layers)
+                               add_pipeline_args, config_from_args, print_result, progress_on_stderr,
+                               resolve_layers)
 from moegraph.config import LAUNCH_ORDERS, SolverEffort
 from moegraph.cost import variant
 from moegraph.limits import check_graph_size
@@ -32,7 +33,7 @@ from moegraph.schedules.tune import Cache, format_table, tune
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    add_layer_args(p)
+    add_layer_args(p, pipeline=True)
     add_memory_budget_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s); a memory budget "
@@ -47,13 +48,16 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="free: a hardware queue per stream; program or megatron-1f1b: one queue "
                         "(CUDA_DEVICE_MAX_CONNECTIONS=1) fed in that order, megatron-1f1b needs --micro-batches "
                         "M >= 2 (default %(default)s)")
-    p.add_argument("-o", "--output", default=None, metavar="SCHED.json", help="write the schedule file here")
+    p.add_argument("-o", "--output", default=None, metavar="SCHED.json|ORDERS.csv",
+                   help="write the schedule file here; with --pp, the returned order as torch's action CSV "
+                        "(.csv: _PipelineScheduleRuntime._load_csv reads it)")
+    add_pipeline_args(p, search=True)
 
 
 def compile_from_args(args):
     """(the lowered graph, the CompileResult) of `moegraph compile`'s flags, built by the driver."""
     if args.output is not None:
-        check_output(args.output, suffixes=(".json",))
+        check_output(args.output, suffixes=(".csv",) if args.pp > 1 else (".json",))
     if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
@@ -160,6 +164,8 @@ def compile_command(p: argparse.ArgumentParser):
     add_compile_args(p)
 
     def run(args) -> int:
+        if args.pp > 1:
+            return compile_pipeline(args)
         with progress_on_stderr("moegraph.schedules"):
             layer, result = compile_from_args(args)
         if args.output:
@@ -169,6 +175,23 @@ def compile_command(p: argparse.ArgumentParser):
         print_result(summary, args.json, format_compile)
         return 0
     return run
+
+
+def compile_pipeline(args) -> int:
+    """`compile --pp`: the pipeline step (the driver's ``CompiledPipeline``), reported per order
+    and per rank; -o writes the returned order as torch's action CSV."""
+    from moegraph.schedules.pipeline_report import compile_summary, format_pipeline
+    if args.output is not None:
+        check_output(args.output, suffixes=(".csv",))
+    config = config_from_args(args, multi_layer=True, schedule=args.schedule, memory_budget=args.memory_budget,
+                              solver=SolverEffort(args.time_limit), comm_streams=args.comm_streams,
+                              launch_order=args.launch_order)
+    with progress_on_stderr("moegraph.schedules"):
+        compiled = build(config)
+    if args.output:
+        compiled.write_csv(make_parents(args.output))
+    print_result(compile_summary(compiled, args.output), args.json, format_pipeline)
+    return 0
 
 
 def verify_command(p: argparse.ArgumentParser):

@@ -136,15 +136,17 @@ def test_recorded_passes_rebuild_a_schedule_files_graph():
 # -- the model-level rewrites are passes, their scope a typed field -----------------------------------
 
 def test_model_level_rewrites_run_in_the_pass_manager_by_stage():
-    from moegraph.passes import MODEL_PASSES, PASSES, AddEdges, MergeMicroBatches, StackLayers
+    from moegraph.passes import MODEL_PASSES, PASSES, AddEdges, MergeMicroBatches, SplitStages, StackLayers
     from moegraph.passes.manager import spec_of
     from moegraph.passes.manager import staged
+    from moegraph.passes.stages import StageLayout
     stages = {t.NAME: s.stage for t, s in MODEL_PASSES.items()}
-    assert stages == {"stack": -1, "microbatches": 10, "edges": 11}
+    assert stages == {"stack": -1, "microbatches": 10, "edges": 11, "stages": 12}
     user = [p.stage for p in PASSES.values()]
-    assert stages["stack"] < min(user) and max(user) < stages["microbatches"] < stages["edges"]
-    order = staged([AddEdges(1024), Sar("paper"), MergeMicroBatches(2), StackLayers(2), GateReorder()])
-    assert [spec_of(s).name for s in order] == ["stack", "gate-reorder", "sar", "microbatches", "edges"]
+    assert stages["stack"] < min(user) and max(user) < stages["microbatches"] < stages["edges"] < stages["stages"]
+    split = SplitStages(StageLayout.even(2, 2))
+    order = staged([split, AddEdges(1024), Sar("paper"), MergeMicroBatches(2), StackLayers(2), GateReorder()])
+    assert [spec_of(s).name for s in order] == ["stack", "gate-reorder", "sar", "microbatches", "edges", "stages"]
 
 
 def test_a_pass_scope_is_a_field_not_a_function_attribute():
