@@ -261,17 +261,20 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
     p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
-    add_layers_arg(p)
+    add_layers_arg(p, pipeline=True)
     add_memory_budget_arg(p)
     add_micro_batch_arg(p)
+    add_pipeline_args(p)
     p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
                    help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
     p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
                    "each attn x ffn family; under --memory-budget every candidate whose greedy schedule breaks the "
                    "budget (but whose memory bound fits) is scheduled by CP-SAT too (default %(default)s)")
     p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
-                   help="cache folder ('' disables; default %(default)s)")
-    p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
+                   help="cache folder ('' disables; not used with --pp; default %(default)s)")
+    p.add_argument("-o", "--output", default=None, metavar="BEST.json|BEST.csv",
+                   help="best schedule file (default out/tune-best.json; with --pp the best order as torch's "
+                        "action CSV, default out/tune-best.csv)")
     p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
     p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
                    help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
@@ -282,6 +285,9 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     def run(args) -> int:
+        if args.pp > 1:
+            return tune_pipeline_command(args)
+        args.output = "out/tune-best.json" if args.output is None else args.output
         if args.min_gain is not None and not args.min_gain < 1:
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
         model = load_model(args.model)
@@ -318,3 +324,41 @@ def tune_command(p: argparse.ArgumentParser):
         print_result(res, args.json, format_table)
         return 0
     return run
+
+
+def tune_pipeline_command(args) -> int:
+    """`tune --pp`: strategies ranked by the predicted whole pipeline step (schedules/tune_pipeline.py);
+    -o writes the best order as torch's action CSV, --gantt its chart."""
+    from moegraph.commands import pipeline_fields
+    from moegraph.config import CompileConfig, config_layers
+    from moegraph.ir import Strategy
+    from moegraph.limits import MAX_MICRO_BATCHES, check_limit
+    from moegraph.schedules.pipeline_gantt import render_pipeline
+    from moegraph.schedules.tune_pipeline import format_pipeline_table, tune_pipeline
+    for flag, value in (("--fuse", args.fuse), ("--min-gain", args.min_gain is not None)):
+        if value:
+            raise UsageError(f"{flag} is not supported with --pp (tune --pp ranks unfused candidates by their "
+                             "predicted step)")
+    output = "out/tune-best.csv" if args.output is None else args.output
+    check_output(output, suffixes=(".csv",))
+    gantt = args.gantt or str(Path(output).with_suffix(".png"))
+    check_output(gantt, flag="--gantt", suffixes=(".png", ".svg"))
+    model = load_model(args.model)
+    fields = pipeline_fields(args)
+    check_graph_size(layers=2, n=args.n, stages=fields["pp"] * fields["vpp"])    # as config_from_args with --pp
+    check_limit("micro-batches", args.micro_batches, MAX_MICRO_BATCHES)
+    base = CompileConfig(model=model, strategy=Strategy("tp", "tp", "ag-rs", args.n, dtype=args.dtype), passes=(),
+                         layers="all" if args.layers is None else args.layers, batch=args.batch, seq=args.seq,
+                         micro_batches=args.micro_batches, memory_budget=args.memory_budget,
+                         solver=SolverEffort(args.time_limit), hardware=args.hardware, **fields)
+    config_layers(base, model)              # pp x vpp <= layers <= the model's, before any tracing
+    t0 = time.perf_counter()
+    res = tune_pipeline(base, refine=args.refine,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    best = res.pop("_best")
+    from moegraph.schedules.pipeline_torch import write_csv
+    write_csv(best["_timeline"].orders, make_parents(output))
+    render_pipeline(best["_timeline"], make_parents(gantt), title=f"{res['model']}: best pipeline step")
+    print(f"[{time.perf_counter() - t0:6.1f}s] wrote {output} and {gantt}", file=sys.stderr)
+    print_result(res | {"schedule_file": output, "gantt": gantt}, args.json, format_pipeline_table)
+    return 0

@@ -44,7 +44,7 @@ from moegraph.schedules.schedule_file import Schedule
 from moegraph.tracer import trace_causal_lm, trace_model, trace_module
 
 __all__ = ["Compiled", "CompiledPipeline", "Lowered", "build", "comm_stream_names", "layer_graphs", "load_config_model",
-           "lower", "pipeline_vocab"]
+           "lower", "pipeline_vocab", "pipeline_warm_starts", "price_pipeline", "check_pipeline_budget"]
 
 COMM_STREAMS = {1: DEFAULT_COMM_STREAMS, 2: ("comm.intra", "comm.inter")}
 """``CompileConfig.comm_streams`` -> the scheduler's stream names (docs/scheduler.md)."""
@@ -332,18 +332,26 @@ def check_pipeline_budget(problem) -> None:
         f"{format_bytes(need - problem.static_bytes[r])})", need, True)
 
 
+def pipeline_warm_starts(problem) -> tuple[dict[str, Any], dict[str, str]]:
+    """The orders a pipeline step starts from: torch's generated schedules for its layout (and
+    those torch refuses for P, V, M, with why); when none of them fits the memory cap, also the
+    least-memory order (``moegraph.schedules.pipeline.least_memory_orders``), which fits every
+    cap ``check_pipeline_budget`` lets through."""
+    from moegraph.schedules.pipeline import least_memory_orders, simulate
+    from moegraph.schedules.pipeline_torch import torch_baselines
+    warm, refused = torch_baselines(problem.layout, problem.micro_batches)
+    if not any(simulate(problem, o).fits for o in warm.values()):
+        warm["least-memory"] = least_memory_orders(problem.layout, problem.micro_batches)
+    return warm, refused
+
+
 def _build_pipeline(config: CompileConfig, lowered: Lowered) -> CompiledPipeline:
     """``build`` for pp > 1 (module docstring)."""
-    from moegraph.schedules.pipeline import least_memory_orders, simulate
     from moegraph.schedules.pipeline_cpsat import solve_pipeline
-    from moegraph.schedules.pipeline_torch import torch_baselines
     built = price_pipeline(config, lowered)
     problem = built.problem
     check_pipeline_budget(problem)
-    warm, refused = torch_baselines(problem.layout, problem.micro_batches)
-    if not any(simulate(problem, o).fits for o in warm.values()):
-        # a cap between the least peak and every torch schedule's: the least-memory order fits it
-        warm["least-memory"] = least_memory_orders(problem.layout, problem.micro_batches)
+    warm, refused = pipeline_warm_starts(problem)
     search = config.pipeline
     result = solve_pipeline(problem, warm, time_limit_s=config.solver.time_limit_s, workers=config.solver.workers,
                             windows=search.windows, window=search.window, window_limit_s=search.window_limit_s)

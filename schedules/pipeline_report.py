@@ -83,7 +83,7 @@ def estimate_summary(lowered) -> dict[str, Any]:
     simulated (no CP-SAT at either level); per-rank memory under ``ESTIMATE_PREFERENCE``'s."""
     from moegraph.schedules.driver import price_pipeline
     built = price_pipeline(lowered.config, lowered, method="greedy")
-    orders, refused = torch_baselines(built.problem.layout, built.problem.micro_batches)
+    orders, refused = torch_baselines(built.problem.layout, built.problem.micro_batches)     # no cap: torch's
     timelines = {name: simulate(built.problem, o) for name, o in orders.items()}
     chosen = next((n for n in ESTIMATE_PREFERENCE if n in timelines), next(iter(timelines)))
     return {**_head(lowered), "pipeline": _pipeline(lowered, built), "priced_by": "greedy",
