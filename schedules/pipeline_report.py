@@ -134,8 +134,9 @@ def format_pipeline(c: dict[str, Any]) -> str:
               f"{'; memory budget ' + format_bytes(budget) + ' per rank' if budget is not None else ''})",
               "peak memory per rank:"] + _memory_table(c["memory"])
     sol = c["solver"]
-    lines.append(f"returned: {c['source']} ({c['status']}); stage-level CP-SAT "
-                 + (f"{sol['cpsat_step_us'] / 1e3:,.3f} ms" if sol["cpsat_step_us"] is not None else "no solution")
+    whole = ("skipped (over SEARCH_ACTIONS)" if c["status"] == "SKIPPED" else
+             f"{sol['cpsat_step_us'] / 1e3:,.3f} ms" if sol["cpsat_step_us"] is not None else "no solution")
+    lines.append(f"returned: {c['source']} ({c['status']}); whole-step CP-SAT {whole}"
                  + (f", windows {sol['windows']['kept']}/{sol['windows']['solved']} kept" if sol["windows"] else "")
                  + f"; {sol['wall_s']:.1f} s")
     lines.append(f"schedule hash {c['hash'][:23]}" + (f", action CSV written to {c['output']}" if c["output"] else ""))
