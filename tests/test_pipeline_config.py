@@ -55,6 +55,7 @@ def one_line_error(capsys, argv: list[str]) -> str:
     (dict(pp=2, layers=4, edges="none"), "edges='none': with pp=2 the embedding and head are priced"),
     (dict(pp=2, layers=4, comm_streams=2), "comm_streams=2: with pp=2 each unit is priced on one comm stream"),
     (dict(pp=2, layers=4, pipeline=PipelineSearch(windows=-1)), "pipeline.windows=-1 must be an integer >= 0"),
+    (dict(pp=2, layers=4, launch_order="program"), "launch_order='program': with pp=2 each unit is priced"),
 ])
 def test_pipeline_fields_are_validated_naming_the_field(changes, message):
     with pytest.raises(ConfigError) as err:
