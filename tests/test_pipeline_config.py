@@ -209,10 +209,12 @@ def test_trace_shows_the_estimate_without_solving(capsys, monkeypatch):
 def test_tune_ranks_strategies_by_the_predicted_pipeline_step(capsys, tmp_path):
     from moegraph.schedules.pipeline_torch import read_csv
     out = tmp_path / "best.csv"
-    assert main(["tune", "--model", "small", "--n", "2", "--seq", "64", "--dtype", "fp32", "--pp", "2",
+    # s=66: only chunks=1 divides s/n, so 12 candidates (not 36)
+    assert main(["tune", "--model", "small", "--n", "2", "--seq", "66", "--dtype", "fp32", "--pp", "2",
                  "--micro-batches", "4", "--time-limit", "0.5", "--refine", "1", "-o", str(out), "--json"]) == 0
     res = json.loads(capsys.readouterr().out)
     rows = res["candidates"]
+    assert len(rows) == 12          # attn tp|sp x (ffn tp, ep a2a, ep ag-rs) x remat none|paper
     steps = [r["step_us"] for r in rows if r["feasible"]]
     assert steps == sorted(steps) and res["best"] == rows[0]
     assert res["best"]["speedup"] == pytest.approx(res["baseline"]["step_us"] / res["best"]["step_us"], rel=1e-3)
