@@ -40,7 +40,9 @@ def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | 
     or a whole causal LM into a sharded ``nn.Module`` for this rank.
 
     ``compile(config)``: returns ``moegraph.schedules.driver.Compiled`` (``.graph``, ``.schedule``,
-    ``.report``); nothing runs. The other arguments do not apply.
+    ``.report``); with ``config.pp`` > 1 a ``CompiledPipeline`` (``.timeline``, ``.memory()``,
+    ``.hash``, ``.write_csv(path)``; docs/pipeline.md); nothing runs. The other arguments do not
+    apply.
 
     ``compile(module, example_inputs, ...)``: the compile options as keywords (below) or as one
     ``config=CompileConfig(...)`` (its strategy, passes, schedule, memory budget, solver effort,

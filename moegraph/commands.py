@@ -15,11 +15,11 @@ import sys
 import time
 from typing import Any, Callable, Literal
 
-from moegraph.config import RECORDED, CompileConfig, Edges
+from moegraph.config import RECORDED, CompileConfig, Edges, ModelEdges, PipelineSearch, config_layers
 from moegraph.ir import Graph, Phase, Strategy
 from moegraph.layers import layer_count
-from moegraph.limits import check_graph_size
-from moegraph.options import UsageError, byte_size, positive_int
+from moegraph.limits import MAX_MICRO_BATCHES, check_graph_size, check_limit
+from moegraph.options import UsageError, byte_size, non_negative_int, positive_float, positive_int
 from moegraph.pass_steps import DEFAULT_PASSES, parse_passes, step_label
 from moegraph.registry import ModelConfig, load_model
 
@@ -37,8 +37,9 @@ def layers_arg(text: str) -> int | Literal["all"]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer or 'all'") from None
 
 
-def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-8x7b") -> None:
-    """The trace options: model, hardware, strategy, sizes, passes. Shared by compile/run/tune."""
+def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-8x7b", pipeline: bool = False) -> None:
+    """The trace options: model, hardware, strategy, sizes, passes. Shared by compile/run/tune.
+    ``pipeline``: the command takes --pp (then --layers defaults to all)."""
     p.add_argument("--model", default=model_default, help="registry name or YAML path (default %(default)s)")
     p.add_argument("--hardware", default="h800", help="registry name or YAML path (default %(default)s)")
     p.add_argument("--attn", default="sp", choices=("tp", "sp"), help="attention parallelism (default %(default)s)")
@@ -51,7 +52,7 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--top-k", type=positive_int, default=None, help="override the model's top-k")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
-    add_layers_arg(p)
+    add_layers_arg(p, pipeline=pipeline)
     p.add_argument("--passes", default=PASSES_DEFAULT_TEXT,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
                         "passes (default %(default)s)")
@@ -64,18 +65,71 @@ def add_micro_batch_arg(p: argparse.ArgumentParser) -> None:
                    help="micro-batches per optimizer step (gradient accumulation): M >= 2 schedules one step "
                         "graph in which a micro-batch's forward may overlap another's backward (default %(default)s)")
 
-def add_layers_arg(p: argparse.ArgumentParser) -> None:
-    """--layers, shared by the layer options and `moegraph tune` (resolved by ``resolve_layers``)."""
-    p.add_argument("--layers", type=layers_arg, default=1, metavar="L|all",
+def add_layers_arg(p: argparse.ArgumentParser, *, pipeline: bool = False) -> None:
+    """--layers, shared by the layer options and `moegraph tune` (resolved by ``resolve_layers``).
+    ``pipeline``: the command takes --pp, and --layers defaults to all with it (None: not given)."""
+    p.add_argument("--layers", type=layers_arg, default=None if pipeline else 1, metavar="L|all",
                    help="decoder layers in the graph, at most the model's; 'all' = the model's count "
-                        "(default %(default)s)")
+                        + ("(default 1; with --pp: all, the model's layers, its dense first layers included)"
+                           if pipeline else "(default %(default)s)"))
+
+
+def add_pipeline_args(p: argparse.ArgumentParser, *, search: bool = False) -> None:
+    """The pipeline options (docs/pipeline.md) of trace, compile and tune: --pp, --vpp,
+    --placement, --vocab; with ``search`` (compile) how the step is priced and searched."""
+    g = p.add_argument_group("pipeline stages (docs/pipeline.md)")
+    g.add_argument("--pp", type=positive_int, default=1, metavar="P",
+                   help="pipeline ranks: the model's layers cut into P x V stages balanced by predicted cost, the "
+                        "step of --micro-batches M ordered by CP-SAT against torch.distributed.pipelining's "
+                        "schedules; --memory-budget then caps each rank's whole memory (default 1: no pipeline)")
+    g.add_argument("--vpp", type=positive_int, default=1, metavar="V",
+                   help="virtual stages per pipeline rank; needs --pp (default %(default)s)")
+    g.add_argument("--placement", default="loop", choices=("loop", "v"),
+                   help="where a rank's V stages sit: loop (stage s on rank s mod P) or v (--vpp 2: stages s and "
+                        "2P-1-s on rank s) (default %(default)s)")
+    g.add_argument("--vocab", type=positive_int, default=None, metavar="VOCAB",
+                   help="with --pp: the LM head's vocabulary, priced with the last stage (default 32000, "
+                        "moegraph.models.VOCAB)")
+    if search:
+        g.add_argument("--unit-time-limit", type=positive_float, default=1.0, metavar="S",
+                       help="with --pp: CP-SAT effort per op-level unit price (F, I, W, B, F&B), deterministic "
+                            "seconds (default %(default)s)")
+        g.add_argument("--windows", type=non_negative_int, default=0, metavar="N",
+                       help="with --pp: then up to N windows of 4 micro-batches per sweep re-ordered by CP-SAT "
+                            "(the window search; default %(default)s: none)")
+        g.add_argument("--overlap-param-gather", action="store_true",
+                       help="with --pp: the gradient sync's all-gather half runs at the next step's start, beside "
+                            "the forward (Megatron's --overlap-param-gather)")
+
+
+PIPELINE_ONLY = {"vocab": None, "unit_time_limit": PipelineSearch().unit_time_limit_s,
+                 "windows": PipelineSearch().windows, "overlap_param_gather": False}
+"""The pipeline options that mean nothing without --pp, and their defaults."""
+
+
+def pipeline_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The CompileConfig fields of the pipeline options (none when the command has no --pp)."""
+    if not hasattr(args, "pp"):
+        return {}
+    pp = args.pp
+    if pp == 1:
+        given = [flag for flag, default in PIPELINE_ONLY.items() if getattr(args, flag, default) != default]
+        if given:
+            raise UsageError(f"--{given[0].replace('_', '-')} applies to a pipeline: give --pp P (P >= 2)")
+        return {"vpp": args.vpp, "placement": args.placement}
+    search = PipelineSearch(unit_time_limit_s=getattr(args, "unit_time_limit", PIPELINE_ONLY["unit_time_limit"]),
+                            windows=getattr(args, "windows", PIPELINE_ONLY["windows"]),
+                            overlap_param_gather=getattr(args, "overlap_param_gather", False))
+    return {"pp": pp, "vpp": args.vpp, "placement": args.placement, "pipeline": search,
+            **({"edges": ModelEdges(args.vocab)} if args.vocab is not None else {})}
 
 
 def add_memory_budget_arg(p: argparse.ArgumentParser) -> None:
     """--memory-budget, one unit on every command (moegraph.options.byte_size)."""
     p.add_argument("--memory-budget", type=byte_size, default=None, metavar="SIZE",
-                   help="peak memory cap for activations and buffers: 1.5GiB, 800MiB or plain bytes "
-                        "(default: none)")
+                   help="peak memory cap for activations and buffers: 1.5GiB, 800MiB or plain bytes; "
+                        "with --pp, each pipeline rank's whole memory (parameters, fp32 gradients, optimizer "
+                        "states, in-flight activations, p2p buffers) (default: none)")
 
 
 def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edges: Edges = "none",
@@ -91,6 +145,9 @@ def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edg
         if getattr(args, flag) < 1:  # also reached from code that builds args by hand (demo, benchmarks)
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")
     model = load_model(args.model)
+    pipeline = pipeline_fields(args)
+    if pipeline.get("pp", 1) > 1:
+        return _pipeline_config(args, model, pipeline, fields)
     layers = resolve_layers(getattr(args, "layers", 1), model)
     if layers > 1 and not multi_layer:
         raise UsageError(f"--layers={layers}: this command runs one layer (multi-layer execution is not supported "
@@ -110,12 +167,35 @@ def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edg
         passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
     return CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch, seq=args.seq,
                          top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1), edges=edges,
-                         hardware=args.hardware, **fields)
+                         hardware=args.hardware, **(pipeline | fields))
 
 
-def resolve_layers(layers: int | str, model: ModelConfig) -> int:
+def _pipeline_config(args: argparse.Namespace, model: ModelConfig, pipeline: dict[str, Any],
+                     fields: dict[str, Any]) -> CompileConfig:
+    """``config_from_args`` with --pp: the config of the pipeline step, its layers checked
+    against the model (``config_layers``) before anything is traced. The pipeline lowers one
+    graph per distinct layer and a two-layer boundary step, so the graph-size check counts those;
+    the layers and micro-batches are checked against their own limits."""
+    layers = "all" if getattr(args, "layers", None) is None else args.layers
+    if args.top_k is not None and not 1 <= args.top_k <= model.experts:
+        raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
+    check_graph_size(layers=2, n=args.n, dp=args.dp, stages=pipeline["pp"] * pipeline["vpp"])
+    check_limit("micro-batches", getattr(args, "micro_batches", 1), MAX_MICRO_BATCHES)
+    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp)
+    passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
+    config = CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch,
+                           seq=args.seq, top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1),
+                           hardware=args.hardware, **(pipeline | fields))
+    config_layers(config, model)            # pp x vpp <= layers <= the model's, before any tracing
+    return config
+
+
+def resolve_layers(layers: int | str | None, model: ModelConfig) -> int:
     """--layers against the model: 'all' is ``ModelConfig.all_layers`` (a registry model's MoE
-    layers; every layer of a Hugging Face config); a count it cannot stack is a UsageError."""
+    layers; every layer of a Hugging Face config); a count it cannot stack is a UsageError. None
+    (not given): 1."""
+    if layers is None:
+        return 1
     if layers == "all":
         return model.all_layers
     if isinstance(layers, bool) or not isinstance(layers, int) or not model.stackable(layers):
@@ -180,11 +260,18 @@ class _Elapsed(logging.Formatter):
 
 
 def trace_command(p: argparse.ArgumentParser):
-    add_layer_args(p)
+    add_layer_args(p, pipeline=True)
+    add_micro_batch_arg(p)
+    add_pipeline_args(p)
 
     def run(args) -> int:
         from moegraph.schedules.driver import lower
-        print_result(trace_summary(lower(config_from_args(args, multi_layer=True))), args.json, format_trace)
+        config = config_from_args(args, multi_layer=True)
+        if config.pp > 1:       # the pipeline's estimate, list-scheduled: nothing is solved
+            from moegraph.schedules.pipeline_report import estimate_summary, format_estimate
+            print_result(estimate_summary(lower(config)), args.json, format_estimate)
+            return 0
+        print_result(trace_summary(lower(config)), args.json, format_trace)
         return 0
     return run
 

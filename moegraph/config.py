@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from moegraph.ir import ConfigError, Strategy
+from moegraph.limits import check_graph_size
 from moegraph.pass_steps import DEFAULT_PASSES, PassError, PassStep, check_steps
 from moegraph.registry import Hardware, ModelConfig
 
@@ -34,6 +35,10 @@ Method = Literal["cpsat", "sequential", "greedy", "megascale"]
 """How a graph is scheduled: CP-SAT, or one of the list-scheduling baselines (moegraph.schedules)."""
 StepMethod = Literal["megatron-1f1b", "dualpipe"]
 """The paired baselines of a merged micro-batch step only (micro_batches >= 2)."""
+Placement = Literal["loop", "v"]
+"""Where a pipeline rank's V stages sit (``moegraph.passes.stages.StageLayout``): 'loop' puts
+stage s on rank s mod P (Megatron's interleaved schedule), 'v' puts stages s and 2P-1-s on rank s
+(V = 2: the V-shape of torch's ZBVZeroBubble and DualPipeV)."""
 METHODS: tuple[str, ...] = typing.get_args(Method)
 STEP_METHODS: tuple[str, ...] = typing.get_args(StepMethod)
 LaunchOrder = Literal["free", "program", "megatron-1f1b"]
@@ -93,6 +98,41 @@ Edges = Union[Literal["auto", "none"], ModelEdges]
 
 
 @dataclass(frozen=True)
+class PipelineSearch:
+    """The stage-level step's pricing and search (``CompileConfig.pp`` > 1): the op-level
+    schedule prices each stage's units (moegraph.schedules.pipeline_price) with ``schedule``'s
+    method and ``unit_time_limit_s`` of CP-SAT effort; CP-SAT then orders the units with
+    ``solver.time_limit_s`` of effort, warm-started from torch.distributed.pipelining's
+    generated schedules, and the window search refines the result (``windows`` > 0)."""
+
+    unit_time_limit_s: float = 1.0
+    """CP-SAT effort (deterministic seconds) per op-level unit price (F, I, W, B, the F&B pair)."""
+    windows: int = 0
+    """Windows per sweep of the window search after the whole-step one (0: none)."""
+    window: int = 4
+    """Micro-batches free in each window."""
+    window_limit_s: float = 1.0
+    """CP-SAT effort per window (deterministic seconds)."""
+    overlap_param_gather: bool = False
+    """The gradient sync's all-gather half runs at the next step's start, beside the forward
+    (Megatron's ``--overlap-param-gather``); False: the whole sync at the step's end."""
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in ("unit_time_limit_s", "window_limit_s"):
+            t = getattr(self, name)
+            if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+                out.append(f"pipeline.{name}={t!r} must be a positive number of seconds")
+        if isinstance(self.windows, bool) or not isinstance(self.windows, int) or self.windows < 0:
+            out.append(f"pipeline.windows={self.windows!r} must be an integer >= 0")
+        if not _positive(self.window):
+            out.append(f"pipeline.window={self.window!r} must be a positive integer")
+        if not isinstance(self.overlap_param_gather, bool):
+            out.append(f"pipeline.overlap_param_gather={self.overlap_param_gather!r} must be True or False")
+        return out
+
+
+@dataclass(frozen=True)
 class CompileConfig:
     """One compilation: the model, how it is parallelised and rewritten, how it is scheduled."""
 
@@ -110,12 +150,19 @@ class CompileConfig:
     """How to schedule: 'cpsat' or a baseline; 'megatron-1f1b' and 'dualpipe' need
     micro_batches >= 2."""
     memory_budget: int | None = None
-    """Bytes of activation memory the schedule may hold at its peak; None: unbounded."""
+    """A cap on the schedule's peak, in bytes; None: unbounded. Without a pipeline (pp = 1) it
+    caps what the op-level schedule holds (activations and comm buffers; the parameters,
+    gradients and optimizer states are not counted). With pp > 1 it caps the whole memory of each
+    pipeline rank: parameters, fp32 main gradients, optimizer states, the activations of its
+    in-flight micro-batches and the p2p buffers (``moegraph.memory``)."""
     layers: int | Literal["all"] = 1
     """Decoder layers in the graph (a registry model): at most the model's MoE layers, 'all' for
-    all of them. A module brings its own (1 here)."""
+    all of them. With pp > 1: the model's first L layers, its dense first layers included (at
+    most all of its layers; 'all' for the whole model). A module brings its own (1 here)."""
     micro_batches: int = 1
-    """M >= 2: one step graph of M micro-batches (gradient accumulation) is scheduled whole."""
+    """M >= 2: one step graph of M micro-batches (gradient accumulation) is scheduled whole.
+    With pp > 1: the pipeline's M micro-batches per step, which the stage-level schedule orders
+    (each stage's graph stays one micro-batch)."""
     batch: int = 1
     """Micro-batch b (rows per replica)."""
     seq: int = 8192
@@ -136,7 +183,17 @@ class CompileConfig:
     """'free': the scheduler orders kernels across streams; 'program' or 'megatron-1f1b': one hardware
     queue fed in that order, so a kernel starts only after every kernel launched before it
     ('megatron-1f1b' needs micro_batches >= 2)."""
-    # pipeline stages (pp, vpp: issue 28) extend this config here
+    # -- pipeline stages (issue 28; docs/pipeline.md): read by the driver when pp > 1 ------------
+    pp: int = 1
+    """P, the pipeline ranks: the model's layers are cut into P x vpp stages, balanced by the
+    predicted cost (embedding and head priced with their stages), each stage an n-rank group with
+    dp replicas (world = P x n x dp). 1: no pipeline, the graph is scheduled at the op level."""
+    vpp: int = 1
+    """V, the virtual stages per pipeline rank (S = P x V stages); V > 1 needs pp > 1."""
+    placement: Placement = "loop"
+    """Where a rank's V stages sit: 'loop' or 'v' (V = 2); see ``Placement``."""
+    pipeline: PipelineSearch = field(default_factory=PipelineSearch)
+    """How the stage-level step is priced and searched (pp > 1 only)."""
 
     def __post_init__(self):
         problems: list[str] = []
@@ -183,12 +240,82 @@ class CompileConfig:
         elif self.launch_order == "megatron-1f1b" and _positive(self.micro_batches) and self.micro_batches < 2:
             problems.append("launch_order='megatron-1f1b' launches one micro-batch's forward beside another's "
                             f"backward: it needs micro_batches >= 2 (got {self.micro_batches})")
+        problems += self._pipeline_problems()
         if problems:
             raise ConfigError("CompileConfig: " + "; ".join(problems))
+
+    def _pipeline_problems(self) -> list[str]:
+        """The pipeline fields' problems (pp, vpp, placement, pipeline) and what they rule out."""
+        out: list[str] = []
+        for name in ("pp", "vpp"):
+            if not _positive(getattr(self, name)):
+                out.append(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if out:
+            return out
+        if self.placement not in typing.get_args(Placement):
+            out.append(f"placement={self.placement!r} is not one of {', '.join(typing.get_args(Placement))}")
+        if isinstance(self.pipeline, PipelineSearch):
+            out += self.pipeline.problems()
+        else:
+            out.append(f"pipeline={self.pipeline!r} must be a PipelineSearch")
+        if self.pp == 1:
+            if self.vpp > 1:
+                out.append(f"vpp={self.vpp} needs pp >= 2: virtual stages are a pipeline's (give pp)")
+            elif self.placement != "loop":
+                out.append(f"placement={self.placement!r} needs pp >= 2 and vpp=2")
+            return out
+        stages = self.pp * self.vpp
+        try:
+            check_graph_size(stages=stages)
+        except ConfigError as err:
+            out.append(str(err))
+        if self.placement == "v" and self.vpp != 2:
+            out.append(f"placement='v' puts two stages on each rank: it needs vpp=2 (got vpp={self.vpp})")
+        if isinstance(self.layers, int) and _positive(self.layers) and stages > self.layers:
+            out.append(f"pp={self.pp} x vpp={self.vpp} = {stages} stages exceed layers={self.layers}: each stage "
+                       f"holds at least one layer (pp x vpp <= layers)")
+        if is_module(self.model):
+            out.append(f"pp={self.pp} needs a registry model or ModelConfig (a module's pipeline runs through "
+                       "moegraph.runtime.pipeline.compile_stages)")
+        if self.schedule in STEP_METHODS:
+            out.append(f"schedule={self.schedule!r} is a merged step's baseline; with pp={self.pp} the stage-level "
+                       f"baselines are torch's generated schedules (schedule prices each unit: {', '.join(METHODS)})")
+        if self.edges == "none" or isinstance(self.edges, ModelEdges) and self.edges.vocab is None:
+            out.append(f"edges={self.edges!r}: with pp={self.pp} the embedding and head are priced with their stages; "
+                       "give edges='auto' or ModelEdges(vocab)")
+        if self.comm_streams != 1:
+            out.append(f"comm_streams={self.comm_streams!r}: with pp={self.pp} each unit is priced on one comm "
+                       "stream (comm_streams=1)")
+        if self.launch_order != "free":
+            out.append(f"launch_order={self.launch_order!r}: with pp={self.pp} each unit is priced with a hardware "
+                       "queue per stream (launch_order='free')")
+        return out
 
     def replace(self, **changes: Any) -> "CompileConfig":
         """A copy with ``changes`` (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def config_layers(config: CompileConfig, model: ModelConfig) -> int:
+    """The decoder layers ``config`` compiles of ``model`` ('all' resolved), ConfigError when they
+    do not fit it: at most its MoE layers (a stack of identical layers; 'all' = all of them; a
+    Hugging Face config's 'all' is every layer, its kinds mixed: ``ModelConfig.all_layers``); with
+    pp > 1 at most all of its layers, its dense first layers included ('all' = the whole model),
+    and at least one per stage. ``model`` is the loaded ModelConfig ``config.model`` names."""
+    if config.pp > 1:
+        layers = model.layers if config.layers == "all" else config.layers
+        stages = config.pp * config.vpp
+        if layers > model.layers:
+            raise ConfigError(f"layers={layers} must be at most {model.name}'s {model.layers} layers (with pp, its "
+                              "dense first layers included), or 'all'")
+        if stages > layers:
+            raise ConfigError(f"pp={config.pp} x vpp={config.vpp} = {stages} stages exceed the {layers} layers of "
+                              f"{model.name}'s pipeline: each stage holds at least one layer (pp x vpp <= layers)")
+        return layers
+    layers = model.all_layers if config.layers == "all" else config.layers
+    if not model.stackable(layers):
+        raise ConfigError(f"layers={layers!r} must be between 1 and {model.layers_phrase()}")
+    return layers
 
 
 def _positive(value: Any) -> bool:
@@ -202,5 +329,6 @@ def is_module(value: Any) -> bool:
     return torch is not None and isinstance(value, torch.nn.Module)
 
 
-__all__ = ["CompileConfig", "Edges", "LAUNCH_ORDERS", "LaunchOrder", "METHODS", "Method", "ModelEdges", "ModelSource", "RECORDED", "STEP_METHODS",
-           "SolverEffort", "StepMethod", "is_module"]
+__all__ = ["CompileConfig", "Edges", "LAUNCH_ORDERS", "LaunchOrder", "METHODS", "Method", "ModelEdges", "ModelSource",
+           "PipelineSearch", "Placement", "RECORDED", "STEP_METHODS", "SolverEffort", "StepMethod", "config_layers",
+           "is_module"]

@@ -71,13 +71,13 @@ import bisect
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, Mapping, get_args
+from typing import Any, Iterable, Literal, Mapping, get_args
 
 from moegraph.efficiency import attention_factor, gemm_shape, gemm_shape_factor, size_eff
 from moegraph.ir import Node, OpKind, Phase, Role, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
 from moegraph.registry import Curve, Hardware, RegistryError
 
-__all__ = ["SHAPE_KEYS", "shape_attrs", "CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
+__all__ = ["SHAPE_KEYS", "shape_attrs", "shaped_node", "CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
            "FUSED_ATTR", "Variant", "tile_pipeline_us", "variant", "variant_of"]
 
 _US = 1e6  # seconds -> microseconds
@@ -158,13 +158,9 @@ class FusedGroup:
                     comm_bytes=nbytes, group=group, attrs=(("scope", scope),))
 
     def compute_nodes(self) -> tuple[Node, ...]:
-        out = []
-        for i, (op, flops, mem, phase, attrs) in enumerate(self.compute):
-            a = dict(attrs)
-            role = Role(a.pop("role", Role.FORWARD.value))
-            out.append(Node(name=f"fused.{self.kind}.compute{i}", op=OpKind(op), phase=Phase(phase), inputs=(),
-                            outputs=(), role=role, flops=flops, mem_bytes=mem, attrs=tuple(sorted(a.items()))))
-        return tuple(out)
+        return tuple(shaped_node(f"fused.{self.kind}.compute{i}", op, attrs, phase=Phase(phase), flops=flops,
+                                 mem_bytes=mem)
+                     for i, (op, flops, mem, phase, attrs) in enumerate(self.compute))
 
 
 @dataclass(frozen=True)
@@ -189,6 +185,19 @@ def shape_attrs(attrs: Mapping[str, Any], role: Role | str = Role.FORWARD) -> tu
     out = {k: tuple(v) if isinstance(v, list) else v for k, v in attrs.items() if k in SHAPE_KEYS}
     out["role"] = role.value if isinstance(role, Role) else role
     return tuple(sorted(out.items()))
+
+
+def shaped_node(name: str, op: OpKind | str, shape: Iterable[tuple[str, Any]], *, phase: Phase | None = None,
+                flops: int = 0, mem_bytes: int = 0) -> Node:
+    """A compute node priced as the one whose ``shape_attrs`` were ``shape`` (its role included):
+    how a fused group's member and the calibration's self-check price what they stored. The
+    phase follows the role unless given."""
+    attrs = dict(shape)
+    role = Role(attrs.pop("role", Role.FORWARD.value))
+    if phase is None:
+        phase = Phase.FORWARD if role is Role.FORWARD else Phase.BACKWARD
+    return Node(name=name, op=OpKind(op), phase=phase, inputs=(), outputs=(), role=role, flops=int(flops),
+                mem_bytes=int(mem_bytes), attrs=tuple(sorted(attrs.items())))
 
 
 def variant_of(attrs: Mapping[str, Any]) -> Variant:

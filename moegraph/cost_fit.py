@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from moegraph.cost import CostModel
-from moegraph.ir import Node, OpKind, Phase
+from moegraph.efficiency import gemm_attrs
+from moegraph.ir import Node, OpKind, Phase, freeze_attrs
 from moegraph.registry import Hardware
 
 __all__ = ["GemmSample", "read_shape_file", "gemm_node", "fit_gemm_shape", "fit_attention", "gemm_errors",
@@ -91,8 +92,9 @@ def gemm_node(s: GemmSample) -> Node:
     """The IR node the cost model prices for a sample: operands read once, output written once."""
     op = OpKind.GROUPED_GEMM if s.groups > 1 else OpKind.GEMM
     mem = 2 * (s.m * s.k + s.groups * s.n * s.k + s.m * s.n)
-    attrs = (("mnk", (s.m, s.n, s.k)),) + ((("groups", s.groups),) if s.groups > 1 else ())
-    return Node("sample", op, Phase.FORWARD, (), ("y",), flops=s.flops, mem_bytes=mem, attrs=attrs)
+    w = (s.groups, s.n, s.k) if s.groups > 1 else (s.n, s.k)
+    return Node("sample", op, Phase.FORWARD, (), ("y",), flops=s.flops, mem_bytes=mem,
+                attrs=freeze_attrs(gemm_attrs((s.m, s.k), w)))
 
 
 def gemm_errors(hw: Hardware, samples: Iterable[GemmSample]) -> list[float]:

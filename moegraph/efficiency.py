@@ -30,13 +30,13 @@ nccl-tests' bus-bandwidth curves and MoNTA Fig 13 show.
 from __future__ import annotations
 
 import math
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Sequence
 
 from moegraph.ir import Node, OpKind, Role
 from moegraph.registry import Hardware
 
 __all__ = ["GemmShape", "gemm_shape", "gemm_shape_factor", "attention_factor", "size_eff", "fit_size_eff",
-           "SHAPE_ATTR", "GROUPS_ATTR", "SEQ_ATTR"]
+           "SHAPE_ATTR", "GROUPS_ATTR", "SEQ_ATTR", "gemm_attrs", "attention_attrs"]
 
 SHAPE_ATTR = "mnk"
 """Node attribute of a GEMM / GROUPED_GEMM (and their backward nodes, which copy it): the forward
@@ -45,6 +45,26 @@ GROUPS_ATTR = "groups"
 """Node attribute of a GROUPED_GEMM: the number of expert GEMMs E the m rows are split over."""
 SEQ_ATTR = "seq"
 """Node attribute of an ATTENTION node: the key/query sequence length s each head attends over."""
+
+
+
+def gemm_attrs(x_shape: Sequence[int], w_shape: Sequence[int]) -> dict[str, Any]:
+    """The shape attributes of the forward product y = x @ w^T, for a GEMM or GROUPED_GEMM node
+    and the backward nodes of the same product: x [..., k] (m rows: every leading dim together),
+    w [n, k] (nn.Linear) or [E, n, k] (E experts: ``groups``). The one rule every builder of such
+    nodes uses (the lowering, passes/edges.py's head, the calibration's benchmarks)."""
+    *experts, n, k = (int(v) for v in w_shape)
+    if int(x_shape[-1]) != k or len(experts) > 1:
+        raise ValueError(f"gemm_attrs: x {tuple(x_shape)} @ w {tuple(w_shape)}^T is not a (grouped) linear product")
+    m = math.prod(int(v) for v in x_shape) // k
+    return {SHAPE_ATTR: (m, n, k)} | ({GROUPS_ATTR: experts[0]} if experts else {})
+
+
+def attention_attrs(*, seq: int, head_dim: int) -> dict[str, Any]:
+    """The shape attributes of an ATTENTION node (and its backward) over ``seq`` tokens per head
+    (the whole sequence, whatever the rank holds of it) of head dim ``head_dim``."""
+    return {SEQ_ATTR: int(seq), "head_dim": int(head_dim)}
+
 
 GemmShape = tuple[int, int, int, int]
 """(E, rows per group, output columns, reduction length) of the product a node computes."""

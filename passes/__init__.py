@@ -15,6 +15,7 @@ The model-level rewrites the driver adds from ``CompileConfig``, scope: the whol
     StackLayers(L)                        stack.py     L identical layers, chained
     MergeMicroBatches(M)                  microbatch.py  M micro-batches, gradients accumulated
     AddEdges(V)                           edges.py     a causal LM's embedding, norm, head and their syncs
+    SplitStages(layout)                   stages.py    the pipeline's stages, with P2P nodes at their boundaries
 
 A graph lowered for a whole typed ``moegraph.ir.Strategy`` (``lowering_strategy``) is rewritten
 as it records with ``rewrite_as`` (``passes_for``: the typed passes), no pipeline string in
@@ -33,8 +34,10 @@ from moegraph.passes.sar import KeepSearchTimeout, remat_pass, sar
 from moegraph.passes.fuse import fuse
 from moegraph.passes.microbatch import MergeMicroBatches, merge_microbatches
 from moegraph.passes.edges import AddEdges, add_edges
+from moegraph.passes.stages import SplitStages, split_stages
 
 __all__ = ["run_pipeline", "run_passes", "staged", "build_pass", "PassError", "PassResult", "PassSpec", "BuiltPass",
            "Pass", "Scope", "PASSES", "MODEL_PASSES", "sar", "remat_pass", "KeepSearchTimeout", "gate_reorder",
            "dispatch", "chunk", "compress", "fuse", "lowering_strategy", "passes_for", "rewrite_as", "StackLayers",
-           "stack_layers", "MergeMicroBatches", "merge_microbatches", "AddEdges", "add_edges"]
+           "stack_layers", "MergeMicroBatches", "merge_microbatches", "AddEdges", "add_edges",
+           "SplitStages", "split_stages"]

@@ -160,6 +160,7 @@ from typing import ClassVar
 from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
 from moegraph.cost import CostModel
+from moegraph.efficiency import gemm_attrs
 from moegraph.edges import (AUX_META, EAGER_ATTR, EDGE_ATTR, EDGES, EMBED_ATTR, EMBED_SCATTER, AuxLoss,
                             EdgeValues, EmbedGrad, edge_values)
 from moegraph.ir import (ConfigError, Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs,
@@ -517,12 +518,14 @@ def _eager_compute(g: GraphBuilder, j: int, at, seed: str, y: str, vocab: int | 
     if vocab is not None:
         logits = g.value(at(j, f"{EDGES}.logits"), (d.b, d.s // g.strategy.n, vocab))
         gemm = 2 * T * h * vocab
+        # the head's product normed [T, h] @ W[V, h]^T, priced by its shape as the layers' GEMMs are
+        head = dict(eager, attrs=eager["attrs"] | gemm_attrs(g.shape(normed), (vocab, h)))
         g.node(at(j, f"{EDGES}.lm_head"), OpKind.GEMM, (normed,), (logits,), flops=gemm,
-               mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
+               mem_bytes=(T * h + vocab * h + T * vocab) * item, **head)
         d_normed = g.like(at(j, f"{EDGES}.d_normed"), normed, kind=ValueKind.GRAD)
         head_partial = g.value(at(j, f"{EDGES}.d_lm_head.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD,
                                dtype=grad_dtype)
-        bwd = dict(phase=Phase.BACKWARD, flops=gemm, mem_bytes=(T * h + vocab * h + T * vocab) * item, **eager)
+        bwd = dict(phase=Phase.BACKWARD, flops=gemm, mem_bytes=(T * h + vocab * h + T * vocab) * item, **head)
         g.node(at(j, f"{EDGES}.lm_head.dgrad"), OpKind.GEMM, (logits,), (d_normed,), role=Role.DGRAD, **bwd)
         _wgrad(g, at(j, f"{EDGES}.lm_head.wgrad"), OpKind.GEMM, (normed, logits), head_partial, head_acc, **bwd)
     else:

@@ -24,11 +24,13 @@ Order is data (``PassSpec.stage``), and the manager sorts the pipeline by it (st
     5      fuse          layer  annotate  marks fused comm+compute groups on the final nodes (chunked
                                           or not, recompute included); changes attributes only
     10     microbatches  step   model     M micro-batches of the rewritten stack (passes/microbatch.py)
-    11     edges         step   model     the causal LM's embedding, norm, head (passes/edges.py): last,
-                                          per micro-batch, following compress=dp-bf16's wire format
+    11     edges         step   model     the causal LM's embedding, norm, head (passes/edges.py): after
+                                          the layers, per micro-batch, following compress=dp-bf16's wire format
+    12     stages        step   model     the pipeline's stage split (passes/stages.py): last, as it assigns
+                                          the edges to the first and last stages and adds the P2P nodes
 
 The user names the passes of stages 0-5 (``moegraph.pass_steps.STEPS``); the driver adds the
-model-level ones from ``CompileConfig`` (layers, micro_batches, edges), and the report lists only
+model-level ones from ``CompileConfig`` (layers, micro_batches, edges, pp), and the report lists only
 the user's. A layer-scoped pass on a stack runs once on the stack's layer graph (the layers are
 identical) and is restacked.
 

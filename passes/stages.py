@@ -44,20 +44,20 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterable, Literal, Sequence
+from typing import ClassVar, Iterable, Sequence
 
+from moegraph.config import Placement
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph, GraphError, Node, OpKind, Phase, Role, collective_bytes, freeze_attrs, verify
 from moegraph.limits import check_graph_size
-from moegraph.passes.manager import Pass, PassResult
+from moegraph.passes.manager import Pass, PassResult, register_model_pass
 
-__all__ = ["STAGE_ATTR", "StageLayout", "Placement", "world_rank", "rank_coords", "balance", "split_stages",
+__all__ = ["STAGE_ATTR", "StageLayout", "Placement", "SplitStages", "world_rank", "rank_coords", "balance", "split_stages",
            "stage_of", "stage_graph", "subgraph"]
 
 STAGE_ATTR = "stage"
 """Node attribute: the (virtual) pipeline stage a node runs on."""
 
-Placement = Literal["loop", "v"]
 
 
 def world_rank(pp_rank: int, replica: int, member: int, *, n: int, dp: int) -> int:
@@ -265,6 +265,31 @@ def split_stages(layout: StageLayout) -> Pass:
         return PassResult(verify(out), True, {"stages": [list(s) for s in layout.stages], "pp": layout.pp,
                                               "placement": layout.placement, "p2p": sorted(sends)})
     return run
+
+
+@dataclass(frozen=True)
+class SplitStages:
+    """The model-level step: split a model step graph (one micro-batch, its edges added) into the
+    stages of ``layout`` (``split_stages``). The pass manager runs it last (stage 12, scope step),
+    after the stack and the edges it assigns to stages."""
+
+    layout: StageLayout
+
+    NAME: ClassVar[str] = "stages"
+
+    def __post_init__(self):
+        if not isinstance(self.layout, StageLayout):
+            raise ValueError(f"layout={self.layout!r} must be a StageLayout")
+
+    @property
+    def arg(self) -> str:
+        return "|".join(",".join(map(str, s)) for s in self.layout.stages)
+
+
+@register_model_pass(SplitStages, stage=12)
+def _split(step: SplitStages, cost=None) -> Pass:
+    """The stage split of ``step.layout`` (``split_stages``), as the pass manager builds it."""
+    return split_stages(step.layout)
 
 
 def subgraph(graph: Graph, keep: Iterable[Node], name: str | None = None) -> Graph:

@@ -14,7 +14,8 @@ import time
 from pathlib import Path
 
 from moegraph.commands import (add_layer_args, add_layers_arg, add_memory_budget_arg, add_micro_batch_arg,
-                               config_from_args, print_result, progress_on_stderr, resolve_layers)
+                               add_pipeline_args, config_from_args, print_result, progress_on_stderr,
+                               resolve_layers)
 from moegraph.config import LAUNCH_ORDERS, SolverEffort
 from moegraph.cost import variant
 from moegraph.limits import check_graph_size
@@ -32,7 +33,7 @@ from moegraph.schedules.tune import Cache, format_table, tune
 
 
 def add_compile_args(p: argparse.ArgumentParser) -> None:
-    add_layer_args(p)
+    add_layer_args(p, pipeline=True)
     add_memory_budget_arg(p)
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s); a memory budget "
@@ -47,13 +48,16 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="free: a hardware queue per stream; program or megatron-1f1b: one queue "
                         "(CUDA_DEVICE_MAX_CONNECTIONS=1) fed in that order, megatron-1f1b needs --micro-batches "
                         "M >= 2 (default %(default)s)")
-    p.add_argument("-o", "--output", default=None, metavar="SCHED.json", help="write the schedule file here")
+    p.add_argument("-o", "--output", default=None, metavar="SCHED.json|ORDERS.csv",
+                   help="write the schedule file here; with --pp, the returned order as torch's action CSV "
+                        "(.csv: _PipelineScheduleRuntime._load_csv reads it)")
+    add_pipeline_args(p, search=True)
 
 
 def compile_from_args(args):
     """(the lowered graph, the CompileResult) of `moegraph compile`'s flags, built by the driver."""
     if args.output is not None:
-        check_output(args.output, suffixes=(".json",))
+        check_output(args.output, suffixes=(".csv",) if args.pp > 1 else (".json",))
     if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
@@ -160,6 +164,8 @@ def compile_command(p: argparse.ArgumentParser):
     add_compile_args(p)
 
     def run(args) -> int:
+        if args.pp > 1:
+            return compile_pipeline(args)
         with progress_on_stderr("moegraph.schedules"):
             layer, result = compile_from_args(args)
         if args.output:
@@ -169,6 +175,23 @@ def compile_command(p: argparse.ArgumentParser):
         print_result(summary, args.json, format_compile)
         return 0
     return run
+
+
+def compile_pipeline(args) -> int:
+    """`compile --pp`: the pipeline step (the driver's ``CompiledPipeline``), reported per order
+    and per rank; -o writes the returned order as torch's action CSV."""
+    from moegraph.schedules.pipeline_report import compile_summary, format_pipeline
+    if args.output is not None:
+        check_output(args.output, suffixes=(".csv",))
+    config = config_from_args(args, multi_layer=True, schedule=args.schedule, memory_budget=args.memory_budget,
+                              solver=SolverEffort(args.time_limit), comm_streams=args.comm_streams,
+                              launch_order=args.launch_order)
+    with progress_on_stderr("moegraph.schedules"):
+        compiled = build(config)
+    if args.output:
+        compiled.write_csv(make_parents(args.output))
+    print_result(compile_summary(compiled, args.output), args.json, format_pipeline)
+    return 0
 
 
 def verify_command(p: argparse.ArgumentParser):
@@ -238,17 +261,20 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--batch", type=positive_int, default=1, help="micro-batch b (default %(default)s)")
     p.add_argument("--seq", type=positive_int, default=8192, help="sequence length s (default %(default)s)")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
-    add_layers_arg(p)
+    add_layers_arg(p, pipeline=True)
     add_memory_budget_arg(p)
     add_micro_batch_arg(p)
+    add_pipeline_args(p)
     p.add_argument("--time-limit", type=positive_float, default=5.0, metavar="S",
                    help="CP-SAT effort per refined candidate, deterministic seconds (default %(default)s)")
     p.add_argument("--refine", type=positive_int, default=3, help="candidates refined by CP-SAT, plus the best of "
                    "each attn x ffn family; under --memory-budget every candidate whose greedy schedule breaks the "
                    "budget (but whose memory bound fits) is scheduled by CP-SAT too (default %(default)s)")
     p.add_argument("--cache", default=os.environ.get("MOEGRAPH_CACHE", ".moegraph-cache"),
-                   help="cache folder ('' disables; default %(default)s)")
-    p.add_argument("-o", "--output", default="out/tune-best.json", help="best schedule file (default %(default)s)")
+                   help="cache folder ('' disables; not used with --pp; default %(default)s)")
+    p.add_argument("-o", "--output", default=None, metavar="BEST.json|BEST.csv",
+                   help="best schedule file (default out/tune-best.json; with --pp the best order as torch's "
+                        "action CSV, default out/tune-best.csv)")
     p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
     p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
                    help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
@@ -259,6 +285,9 @@ def tune_command(p: argparse.ArgumentParser):
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
 
     def run(args) -> int:
+        if args.pp > 1:
+            return tune_pipeline_command(args)
+        args.output = "out/tune-best.json" if args.output is None else args.output
         if args.min_gain is not None and not args.min_gain < 1:
             raise UsageError(f"--min-gain={args.min_gain} must be a fraction in [0, 1) (0.05 = 5%)")
         model = load_model(args.model)
@@ -295,3 +324,41 @@ def tune_command(p: argparse.ArgumentParser):
         print_result(res, args.json, format_table)
         return 0
     return run
+
+
+def tune_pipeline_command(args) -> int:
+    """`tune --pp`: strategies ranked by the predicted whole pipeline step (schedules/tune_pipeline.py);
+    -o writes the best order as torch's action CSV, --gantt its chart."""
+    from moegraph.commands import pipeline_fields
+    from moegraph.config import CompileConfig, config_layers
+    from moegraph.ir import Strategy
+    from moegraph.limits import MAX_MICRO_BATCHES, check_limit
+    from moegraph.schedules.pipeline_gantt import render_pipeline
+    from moegraph.schedules.tune_pipeline import format_pipeline_table, tune_pipeline
+    for flag, value in (("--fuse", args.fuse), ("--min-gain", args.min_gain is not None)):
+        if value:
+            raise UsageError(f"{flag} is not supported with --pp (tune --pp ranks unfused candidates by their "
+                             "predicted step)")
+    output = "out/tune-best.csv" if args.output is None else args.output
+    check_output(output, suffixes=(".csv",))
+    gantt = args.gantt or str(Path(output).with_suffix(".png"))
+    check_output(gantt, flag="--gantt", suffixes=(".png", ".svg"))
+    model = load_model(args.model)
+    fields = pipeline_fields(args)
+    check_graph_size(layers=2, n=args.n, stages=fields["pp"] * fields["vpp"])    # as config_from_args with --pp
+    check_limit("micro-batches", args.micro_batches, MAX_MICRO_BATCHES)
+    base = CompileConfig(model=model, strategy=Strategy("tp", "tp", "ag-rs", args.n, dtype=args.dtype), passes=(),
+                         layers="all" if args.layers is None else args.layers, batch=args.batch, seq=args.seq,
+                         micro_batches=args.micro_batches, memory_budget=args.memory_budget,
+                         solver=SolverEffort(args.time_limit), hardware=args.hardware, **fields)
+    config_layers(base, model)              # pp x vpp <= layers <= the model's, before any tracing
+    t0 = time.perf_counter()
+    res = tune_pipeline(base, refine=args.refine,
+                        progress=lambda msg: print(msg, file=sys.stderr, flush=True))
+    best = res.pop("_best")
+    from moegraph.schedules.pipeline_torch import write_csv
+    write_csv(best["_timeline"].orders, make_parents(output))
+    render_pipeline(best["_timeline"], make_parents(gantt), title=f"{res['model']}: best pipeline step")
+    print(f"[{time.perf_counter() - t0:6.1f}s] wrote {output} and {gantt}", file=sys.stderr)
+    print_result(res | {"schedule_file": output, "gantt": gantt}, args.json, format_pipeline_table)
+    return 0

@@ -51,7 +51,8 @@ from moegraph.passes.stages import StageLayout
 from moegraph.schedules.problem import ScheduleError
 
 __all__ = ["StageWork", "PipelineProblem", "Action", "Pair", "Item", "Orders", "Timeline", "Transfer",
-           "check_orders", "simulate", "parts", "with_cap", "memory_unit", "KINDS"]
+           "check_orders", "simulate", "parts", "with_cap", "memory_unit", "KINDS", "least_memory_orders",
+           "least_peak_bytes"]
 
 KINDS = ("F", "I", "W", "B")
 
@@ -395,6 +396,30 @@ def _peaks(problem: PipelineProblem, orders: Orders, start: dict, end: dict) -> 
             peak = max(peak, live)
         out.append(problem.static_bytes[r] + peak)
     return tuple(out)
+
+
+def least_memory_orders(layout: StageLayout, micro_batches: int) -> Orders:
+    """One micro-batch at a time: its forwards through every stage, then its backwards (B) back,
+    then the next micro-batch. The order of least memory: a rank holds one micro-batch of each of
+    its stages at its peak (``least_peak_bytes``), which no order can go below (a rank's stages
+    hold the same micro-batch at once: F(s, m) runs before F(s', m) for s < s' on the rank, and
+    B(s', m) before B(s, m)). Not a baseline (torch generates those): the warm start that fits a
+    memory cap no torch schedule fits."""
+    rows: list[list[Item]] = [[] for _ in range(layout.pp)]
+    S = len(layout.stages)
+    for m in range(micro_batches):
+        for s in range(S):
+            rows[layout.rank_of(s)].append(Action("F", s, m))
+        for s in reversed(range(S)):
+            rows[layout.rank_of(s)].append(Action("B", s, m))
+    return tuple(tuple(row) for row in rows)
+
+
+def least_peak_bytes(problem: PipelineProblem) -> tuple[int, ...]:
+    """Per rank, the least peak memory of any order: its states plus one micro-batch's
+    activations of each of its stages (``least_memory_orders`` reaches it)."""
+    return tuple(problem.static_bytes[r] + sum(problem.work[s].held for s in problem.layout.stages_of(r))
+                 for r in range(problem.layout.pp))
 
 
 def with_cap(problem: PipelineProblem, cap: int | None) -> PipelineProblem:

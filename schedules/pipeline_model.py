@@ -9,11 +9,11 @@ Notation: P pipeline ranks, V stages per rank, M micro-batches, n, dp as in pass
 ``model_layers`` lowers each distinct layer once (DeepSeek-V3's dense first layers and its MoE
 layers; the same graph object for identical layers), with the passes applied. ``pipeline_problem``
 prices each distinct layer's units by the op-level schedule (``price_layer``), the edges from a
-two-layer model step (``price_edges``), cuts the layers into P*V stages (``balance``: the
-costliest stage, embedding and head priced with theirs, as cheap as possible; uneven counts
-allowed) unless a layout is given, prices each boundary transfer as the P2P node the split pass
-makes (``split_stages``; ``cost.node_time_us``), and adds each rank's states (moegraph.memory)
-and optimizer step:
+two-layer model step split by the stage-split pass (``boundary_step``, ``price_edges``), cuts
+the layers into P*V stages (``balance``: the costliest stage, embedding and head priced with
+theirs, as cheap as possible; uneven counts allowed) unless a layout is given, prices each
+boundary transfer as that step's P2P nodes (``cost.node_time_us``), and adds each rank's states
+(moegraph.memory) and optimizer step:
 
     optimizer  Adam over this rank's shard of the trained elements (trained / dp under the
                distributed optimizer), memory-bound: reads the fp32 gradient, master weight and
@@ -28,48 +28,45 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import dataclasses
-
-import torch
-
 from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, OpKind, Phase, Strategy, collective_bytes
-from moegraph.memory import (ADAM_DISTRIBUTED, OptimizerSpec, StageMemory, boundary_bytes, layer_params,
+from moegraph.ir import Graph, Node, OpKind, Phase, Strategy
+from moegraph.memory import (ADAM_DISTRIBUTED, OptimizerSpec, StageMemory, layer_params,
                              pipeline_memory, rank_memory)
 from moegraph.pass_steps import parse_passes
-from moegraph.passes.edges import add_edges
-from moegraph.passes.stack import stack_layers
-from moegraph.passes.stages import Placement, StageLayout, balance
+from moegraph.passes import AddEdges, StackLayers, run_pipeline
+from moegraph.passes.stages import Placement, SplitStages, StageLayout, balance
 from moegraph.schedules.pipeline import PipelineProblem, StageWork
 from moegraph.schedules.pipeline_price import ZERO, EdgePrices, UnitPrice, price_edges, price_layer, ticks
 from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for
 
-__all__ = ["model_layers", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "rank_memory_report",
+__all__ = ["model_layers", "boundary_step", "pipeline_problem", "BuiltPipeline", "torch_warm_starts", "rank_memory_report",
            "ADAM_BYTES_PER_ELEMENT"]
 
 ADAM_BYTES_PER_ELEMENT = 30
 """Bytes Adam moves per shard element (module docstring): 4 * 4 read, 3 * 4 + 2 written."""
 
 
-def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str, cost: CostModel) -> tuple[Graph, ...]:
+def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str | tuple, cost: CostModel,
+                 layers: int | None = None) -> tuple[Graph, ...]:
     """One graph per layer of ``cfg`` (dense first layers, then MoE; a Hugging Face config's own
-    layer kinds: ``moegraph.layers.LayerKinds``), identical layers sharing one graph; ``passes`` (a
-    pipeline string, '' for none) applied to each distinct layer."""
-    from moegraph.layers import layer_kinds
-    from moegraph.models import MoETransformerLayer
-    from moegraph.schedules.driver import lower
-    config = CompileConfig(model=cfg, strategy=strategy, passes=parse_passes(passes), batch=batch, seq=seq,
-                           edges="none", hardware=cost.hw)            # one layer each, lowered by the driver
-    if cfg.hf_config is not None:         # every layer, each kind lowered (and rewritten) once
-        return layer_kinds(lower(config.replace(layers="all")).graph).per_layer()
-    moe = lower(config).graph
-    dense: Graph | None = None
-    if cfg.first_k_dense_replace:
-        with torch.device("meta"):
-            layer = MoETransformerLayer.from_config(cfg, layer=0)
-        dense = dataclasses.replace(lower(config.replace(model=layer)).graph, name=f"{cfg.name}.dense")
-    return tuple(dense if i < cfg.first_k_dense_replace else moe for i in range(cfg.layers))
+    layer kinds; its first ``layers``, all by default), identical layers sharing one graph; ``passes`` (typed steps, or a pipeline's text
+    form, '' for none) applied to each distinct layer: the driver's ``layer_graphs``."""
+    from moegraph.schedules.driver import layer_graphs
+    config = CompileConfig(model=cfg, strategy=strategy, passes=parse_passes(passes) if isinstance(passes, str)
+                           else passes, batch=batch, seq=seq, edges="none", hardware=cost.hw)
+    return layer_graphs(config, cfg, cfg.layers if layers is None else layers, cost)
+
+
+def boundary_step(layer: Graph, vocab: int, cost: CostModel | None = None) -> Graph:
+    """The two-layer model step of ``layer`` (one micro-batch, a causal LM's edges at ``vocab``)
+    split at its layer boundary by the stage-split pass (``SplitStages``, run by the pass
+    manager): its P2P nodes are the transfers every stage boundary makes (a layer's input
+    [b, s/n, h] forward, its gradient backward), its edge nodes the embedding's and head's
+    units (``price_edges``)."""
+    graph, _ = run_pipeline(layer, (StackLayers(2), AddEdges(vocab), SplitStages(StageLayout(((0,), (1,)), 2))),
+                            cost=cost)
+    return graph
 
 
 @dataclass(frozen=True)
@@ -87,8 +84,10 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
                      placement: Placement = "loop", micro_batches: int, vocab: int, tied: bool = False,
                      layout: StageLayout | None = None, memory_cap_bytes: int | None = None, method: str = "greedy",
                      time_limit_s: float = 2.0, tick_us: float = 1.0,
-                     optimizer: OptimizerSpec = ADAM_DISTRIBUTED, overlap_param_gather: bool = False) -> BuiltPipeline:
-    """The pipeline problem of ``layers`` (module docstring). ``overlap_param_gather``: the
+                     optimizer: OptimizerSpec = ADAM_DISTRIBUTED, overlap_param_gather: bool = False,
+                     step: Graph | None = None) -> BuiltPipeline:
+    """The pipeline problem of ``layers`` (module docstring). ``step``: the split boundary step
+    (``boundary_step`` of the last layer, built here when not given). ``overlap_param_gather``: the
     sync's all-gather half runs before the stage's first forward of the step, on its DP stream
     (Megatron's ``--overlap-param-gather``: the gather of the parameters the last optimizer step
     updated overlaps the next step's forward), the rest at the step's end."""
@@ -97,9 +96,8 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
         if id(g) not in prices:
             prices[id(g)] = price_layer(g, cost, method=method, time_limit_s=time_limit_s)
     per_layer = tuple(prices[id(g)] for g in layers)
-    last = layers[-1]
-    edges = price_edges(add_edges(stack_layers(last, 2), vocab=vocab), cost, method=method,
-                        time_limit_s=time_limit_s)
+    step = boundary_step(layers[-1], vocab, cost) if step is None else step
+    edges = price_edges(step, cost, method=method, time_limit_s=time_limit_s)
     if layout is None:
         cut = balance([p.f_us + p.b_us for p in per_layer], pp * vpp,
                       first_extra=edges.embedding.f_us + edges.embedding.b_us,
@@ -131,10 +129,7 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
             tail = min(f, ticks(per_layer[stage[-1]].f_us + (edges.head.f_us if k == S - 1 else 0), tick_us))
         work.append(StageWork(f, i, w, b, saving, max(0, sync - gather), held, min(held, total.held_for_w_bytes),
                               gather, lead, tail))
-    p2p = Node(name="pp.boundary", op=OpKind.P2P, phase=Phase.FORWARD, inputs=("x",), outputs=("y",),
-               comm_bytes=collective_bytes(OpKind.P2P, boundary_bytes(layers[0]), 2), group=2,
-               attrs=(("scope", "inter"),))
-    p2p_us = cost.node_time_us(p2p)
+    p2p_us, back_us = (cost.node_time_us(_p2p(step, phase)) for phase in (Phase.FORWARD, Phase.BACKWARD))
     static, opt_us = [], []
     for r in range(layout.pp):
         mine = [stage_mem[s] for s in layout.stages_of(r)]
@@ -145,9 +140,18 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
                     mem_bytes=ADAM_BYTES_PER_ELEMENT * shard)
         opt_us.append(cost.node_time_us(adam))
     problem = PipelineProblem(layout, micro_batches, tuple(work), (ticks(p2p_us, tick_us),) * (S - 1),
-                              (ticks(p2p_us, tick_us),) * (S - 1), tuple(ticks(u, tick_us) for u in opt_us),
+                              (ticks(back_us, tick_us),) * (S - 1), tuple(ticks(u, tick_us) for u in opt_us),
                               tuple(static), memory_cap_bytes, tick_us)
     return BuiltPipeline(problem, per_layer, edges, stage_mem, p2p_us, tuple(opt_us))
+
+
+def _p2p(step: Graph, phase: Phase) -> Node:
+    """The split step's one P2P node of ``phase`` (``boundary_step``)."""
+    found = [n for n in step.nodes if n.op is OpKind.P2P and n.phase is phase]
+    if len(found) != 1:
+        raise ValueError(f"graph {step.name!r} has {len(found)} {phase.value} P2P nodes; a boundary step "
+                         "(boundary_step) has one each way")
+    return found[0]
 
 
 def rank_memory_report(built: BuiltPipeline, timeline) -> list[dict[str, int]]:

@@ -18,6 +18,7 @@ Which schedule fits which layout (``TORCH_SCHEDULES``: placement, stages per ran
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 from pathlib import Path
 
@@ -27,7 +28,8 @@ from moegraph.passes.stages import StageLayout
 from moegraph.schedules.pipeline import Action, Item, Orders, Pair
 from moegraph.schedules.problem import ScheduleError
 
-__all__ = ["TORCH_SCHEDULES", "torch_orders", "torch_schedules_for", "to_torch", "write_csv", "read_csv"]
+__all__ = ["TORCH_SCHEDULES", "torch_orders", "torch_schedules_for", "torch_baselines", "to_torch", "csv_text", "orders_hash", "write_csv",
+           "read_csv"]
 
 TORCH_SCHEDULES = {"GPipe": ("loop", 1), "1F1B": ("loop", 1), "Interleaved1F1B": ("loop", None),
                    "InterleavedZeroBubble": ("loop", None), "ZBVZeroBubble": ("v", 2), "DualPipeV": ("v", 2)}
@@ -92,6 +94,23 @@ def torch_orders(name: str, layout: StageLayout, micro_batches: int) -> Orders:
     return orders
 
 
+def torch_baselines(layout: StageLayout, micro_batches: int) -> tuple[dict[str, Orders], dict[str, str]]:
+    """Every torch schedule whose placement is ``layout``'s, as orders, and those torch refuses
+    for its P, V and M (name -> torch's reason: 1F1B and DualPipeV want at least as many
+    micro-batches as stages). ScheduleError when torch refuses them all."""
+    orders, refused = {}, {}
+    for name in torch_schedules_for(layout):
+        try:
+            orders[name] = torch_orders(name, layout, micro_batches)
+        except ScheduleError as err:
+            refused[name] = str(err)
+    if not orders:
+        raise ScheduleError(f"torch.distributed.pipelining generates no schedule for pp={layout.pp}, "
+                            f"vpp={layout.virtual} ({layout.placement}), micro_batches={micro_batches}: "
+                            + "; ".join(refused.values()))
+    return orders, refused
+
+
 def _renumber_last_forwards(row: tuple[Item, ...], M: int) -> tuple[Item, ...]:
     """torch 2.13's ``Schedule1F1B._get_pipeline_order`` numbers the last rank's forwards 1..M
     (it starts its counter at 0 and increments before the first use when there is no warm-up);
@@ -113,14 +132,26 @@ def to_torch(orders: Orders) -> dict[int, list]:
                 for i in row] for r, row in enumerate(orders)}
 
 
-def write_csv(orders: Orders, path: str | Path) -> Path:
-    """The order as torch's compute-only action CSV (``_PipelineScheduleRuntime._load_csv``)."""
+def csv_text(orders: Orders) -> str:
+    """The order as torch's compute-only action CSV text (``_PipelineScheduleRuntime._load_csv``):
+    one row per pipeline rank."""
     rows = to_torch(orders)
     text = io.StringIO(newline="")
     writer = csv.writer(text)
     for r in range(len(orders)):
         writer.writerow([str(a) for a in rows[r]])
-    return write_atomic(path, text.getvalue())        # a kill leaves the old CSV or this one (moegraph.atomic)
+    return text.getvalue()
+
+
+def orders_hash(orders: Orders) -> str:
+    """The pipeline schedule's hash: sha256 of its action CSV (``csv_text``), what ``write_csv``
+    writes; the same orders give the same hash whichever front door compiled them."""
+    return "sha256:" + hashlib.sha256(csv_text(orders).encode()).hexdigest()
+
+
+def write_csv(orders: Orders, path: str | Path) -> Path:
+    """The order as torch's compute-only action CSV (``csv_text``), written atomically."""
+    return write_atomic(path, csv_text(orders))        # a kill leaves the old CSV or this one (moegraph.atomic)
 
 
 def read_csv(path: str | Path) -> Orders:

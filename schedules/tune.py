@@ -163,7 +163,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     base_over = memory_budget is not None and base["peak_memory_bytes"] > memory_budget
     if not feasible and base_over:
         raise _nothing_fits(rows, memory_budget)
-    for r in _to_refine(feasible, refine):
+    for r in to_refine(feasible, refine):
         if "final" in r:
             continue        # already scheduled by CP-SAT under the budget above
         r["final"] = _refined(r, cache)
@@ -307,7 +307,7 @@ def _baseline_row(base: dict, why: str, strategy: Strategy) -> dict:
             "peak_memory_bytes": base["peak_memory_bytes"], "speedup": 1.0, "kept_baseline": why}
 
 
-def _to_refine(feasible: list[dict], refine: int) -> list[dict]:
+def to_refine(feasible: list[dict], refine: int) -> list[dict]:
     """The ``refine`` best by the greedy estimate, plus the best of every attn x ffn family: greedy
     can misrank families by more than CP-SAT's gain (it once hid an sp+ep candidate that CP-SAT
     made 1.5% faster than the pick), and a family's best is the comparison users ask for."""
@@ -384,4 +384,5 @@ def format_table(res: dict) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["tune", "candidates", "baseline_config", "candidate_config", "evaluate", "Cache", "cache_key", "format_table"]
+__all__ = ["tune", "candidates", "baseline_config", "candidate_config", "evaluate", "Cache", "cache_key", "format_table",
+           "to_refine"]

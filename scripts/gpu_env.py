@@ -46,6 +46,14 @@ def ortools_version() -> str:
     return f"ortools {ortools.__version__} from {ortools.__file__}"
 
 
+def transformers_version() -> str:
+    """The transformers the HF family tests lower (carried in .whl/, as CI's; docs/gpu.md)."""
+    import transformers
+    from moegraph.lowering.structural import require_supported_transformers, transformers_range
+    require_supported_transformers()
+    return f"transformers {transformers.__version__} from {transformers.__file__} (supported {transformers_range()})"
+
+
 def tiny_cpsat() -> str:
     """A 3-task, one-machine CP-SAT model through moegraph's own OR-tools import path."""
     from moegraph.schedules import cpsat
@@ -69,6 +77,7 @@ def tiny_cpsat() -> str:
 def main() -> int:
     check("moegraph importable", installed)
     check("ortools", ortools_version)
+    check("transformers", transformers_version)
     check("tiny CP-SAT solve", tiny_cpsat)
     try:
         import torch

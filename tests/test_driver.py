@@ -64,6 +64,26 @@ def test_every_front_door_compiles_the_same_config_to_one_schedule(tmp_path):
     assert cli.startswith("sha256:") and cli == tuned == api == calibrated
 
 
+@pytest.mark.slow
+def test_a_pipeline_config_compiles_to_one_schedule_by_the_cli_and_the_api(tmp_path, capsys):
+    """pp=2 (small, 4 layers, n=1, s=64, fp32, no passes, M=4, units greedy-priced): `compile
+    --pp 2 -o` and ``moegraph.compile(config)`` give one pipeline schedule hash, and the action
+    CSV the CLI writes is the schedule that hash names."""
+    import json
+
+    from moegraph.schedules.pipeline_torch import orders_hash, read_csv
+    out = tmp_path / "orders.csv"
+    assert main(["compile", "--model", "small", "--n", "1", "--seq", "64", "--dtype", "fp32", "--passes", "none",
+                 "--schedule", "greedy", "--time-limit", "1", "--pp", "2", "--micro-batches", "4", "-o", str(out),
+                 "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    api = moegraph.compile(CompileConfig(model="small", strategy=Strategy("sp", "ep", "ag-rs", 1, dtype="fp32"),
+                                         passes=(), schedule="greedy", seq=64, layers="all", micro_batches=4, pp=2,
+                                         solver=SolverEffort(1.0)))
+    assert cli["hash"].startswith("sha256:") and cli["hash"] == api.hash == orders_hash(read_csv(out))
+    assert cli["step_us"] == pytest.approx(api.timeline.makespan * api.built.problem.tick_us)
+
+
 def test_the_runtime_compiles_a_module_through_the_driver(monkeypatch):
     """``moegraph.compile(module, x)`` reaches the scheduler only through the driver's build."""
     import torch
@@ -136,15 +156,17 @@ def test_recorded_passes_rebuild_a_schedule_files_graph():
 # -- the model-level rewrites are passes, their scope a typed field -----------------------------------
 
 def test_model_level_rewrites_run_in_the_pass_manager_by_stage():
-    from moegraph.passes import MODEL_PASSES, PASSES, AddEdges, MergeMicroBatches, StackLayers
+    from moegraph.passes import MODEL_PASSES, PASSES, AddEdges, MergeMicroBatches, SplitStages, StackLayers
     from moegraph.passes.manager import spec_of
     from moegraph.passes.manager import staged
+    from moegraph.passes.stages import StageLayout
     stages = {t.NAME: s.stage for t, s in MODEL_PASSES.items()}
-    assert stages == {"stack": -1, "microbatches": 10, "edges": 11}
+    assert stages == {"stack": -1, "microbatches": 10, "edges": 11, "stages": 12}
     user = [p.stage for p in PASSES.values()]
-    assert stages["stack"] < min(user) and max(user) < stages["microbatches"] < stages["edges"]
-    order = staged([AddEdges(1024), Sar("paper"), MergeMicroBatches(2), StackLayers(2), GateReorder()])
-    assert [spec_of(s).name for s in order] == ["stack", "gate-reorder", "sar", "microbatches", "edges"]
+    assert stages["stack"] < min(user) and max(user) < stages["microbatches"] < stages["edges"] < stages["stages"]
+    split = SplitStages(StageLayout.even(2, 2))
+    order = staged([split, AddEdges(1024), Sar("paper"), MergeMicroBatches(2), StackLayers(2), GateReorder()])
+    assert [spec_of(s).name for s in order] == ["stack", "gate-reorder", "sar", "microbatches", "edges", "stages"]
 
 
 def test_a_pass_scope_is_a_field_not_a_function_attribute():

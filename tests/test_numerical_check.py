@@ -264,3 +264,67 @@ def test_a_meta_module_is_planned_without_a_check():
     count = checked_count()
     trace_module(layer, STRATEGY, batch=1, seq=16)
     assert checked_count() == count
+
+
+# -- the transformers versions the check calls layers of ---------------------------------------------
+
+def _as_in_5_17(fn):
+    """transformers 5.17's signature of a masking_utils function (its no-cache argument named
+    past_key_values; 5.24 renamed it cache), forwarding to the installed one."""
+    def make(config, inputs_embeds, attention_mask, past_key_values, position_ids=None, or_mask_function=None,
+             and_mask_function=None, block_sequence_ids=None):
+        calls.append(fn.__name__)
+        return fn(config=config, inputs_embeds=inputs_embeds, attention_mask=attention_mask, cache=past_key_values,
+                  position_ids=position_ids)
+    make.__name__ = fn.__name__
+    return make
+
+
+calls: list[str] = []
+
+
+def test_the_check_builds_masks_with_the_older_mask_signature(monkeypatch):
+    """On 5.17 every HF layer was refused: "create_causal_mask() got an unexpected keyword
+    argument 'cache'" (GPU session 2026-11-27). The eager call now names the argument as the
+    installed function declares it."""
+    from transformers import masking_utils as mu
+    for name in ("create_causal_mask", "create_sliding_window_causal_mask", "create_chunked_causal_mask"):
+        monkeypatch.setattr(mu, name, _as_in_5_17(getattr(mu, name)))
+    calls.clear()
+    count = checked_count()
+    trace_module(mixtral(rope_theta=5170.0), STRATEGY, batch=1, seq=16)      # a structure no other test checks
+    assert checked_count() == count + 1 and calls == ["create_causal_mask"]
+
+
+def test_a_mask_function_without_a_cache_argument_is_one_error():
+    from moegraph.lowering.check import mask_kwargs
+
+    def create_causal_mask(config, inputs_embeds, attention_mask, position_ids=None):
+        raise AssertionError("not called")
+    with pytest.raises(LoweringError, match=r"create_causal_mask\(config, .*\) takes no 'cache' or 'past_key_values'"):
+        mask_kwargs(create_causal_mask, config=None, inputs_embeds=None, position_ids=None)
+
+
+@pytest.mark.parametrize("version,ok", [("4.57.1", False), ("5.16.2", False), ("5.17.0", True), ("5.24.0.dev0", True),
+                                        ("6.0.0", False)])
+def test_an_unsupported_transformers_is_refused_in_one_line(monkeypatch, version, ok):
+    """Before any module is read: the installed version and the supported range, one line."""
+    from moegraph.lowering import structural
+    monkeypatch.setattr(structural, "installed_transformers", lambda: version)
+    if ok:
+        trace_module(mixtral(), STRATEGY, batch=1, seq=16)
+        return
+    with pytest.raises(LoweringError) as info:
+        trace_module(mixtral(), STRATEGY, batch=1, seq=16)
+    assert str(info.value) == (f"transformers {version} is not supported: moegraph lowers transformers models with "
+                               "transformers>=5.17,<6.0 (pip install 'transformers>=5.17,<6.0')")
+
+
+def test_pyproject_extras_name_the_supported_range():
+    import tomllib
+    from pathlib import Path
+
+    from moegraph.lowering.structural import transformers_range
+    extras = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert f"transformers{transformers_range()}" in extras["hf"] and f"transformers{transformers_range()}" in extras["test"]

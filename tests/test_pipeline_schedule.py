@@ -244,3 +244,34 @@ def test_gather_half_of_the_sync_is_priced_apart_with_data_parallelism():
             assert price.gather_us == 0
         else:
             assert 0 < price.gather_us < price.sync_us
+
+
+@pytest.mark.parametrize("V, placement", [(1, "loop"), (2, "loop"), (2, "v")])
+def test_the_least_memory_order_reaches_the_least_peak_and_no_torch_schedule_goes_below(V, placement):
+    """One micro-batch at a time holds one micro-batch of each of a rank's stages: the least peak
+    (``least_peak_bytes``); every torch schedule's peak is at least that, rank by rank."""
+    from moegraph.schedules.pipeline import least_memory_orders, least_peak_bytes
+    pr = problem(2, 4, V, placement, held=100, held_w=30, static=1000)
+    least = least_peak_bytes(pr)
+    assert least == (1000 + V * 100,) * 2
+    assert simulate(pr, least_memory_orders(pr.layout, 4)).peak_bytes == least
+    for name in torch_schedules_for(pr.layout):
+        try:
+            peaks = simulate(pr, torch_orders(name, pr.layout, 4)).peak_bytes
+        except ScheduleError:       # torch does not generate it for this P, V, M (DualPipeV: M < 2P)
+            continue
+        assert all(p >= q for p, q in zip(peaks, least)), name
+
+
+def test_a_cap_only_the_least_memory_order_fits_gets_it_as_warm_start():
+    from moegraph.schedules.driver import check_pipeline_budget, pipeline_warm_starts
+    from moegraph.schedules.problem import MemoryBudgetError
+    pr = problem(2, 4, held=100, static=1000, cap=1100)          # 1F1B holds 2 on rank 0, GPipe 4
+    warm, _ = pipeline_warm_starts(pr)
+    assert set(warm) == {"GPipe", "1F1B", "least-memory"}
+    res = solve_pipeline(pr, warm, time_limit_s=1.0)
+    assert res.timeline.fits and max(res.timeline.peak_bytes) <= 1100
+    check_pipeline_budget(pr)
+    with pytest.raises(MemoryBudgetError, match="the smallest feasible budget is 1.07KiB"):
+        check_pipeline_budget(problem(2, 4, held=100, static=1000, cap=1099))
+    assert set(pipeline_warm_starts(problem(2, 4, held=100, static=1000, cap=1200))[0]) == {"GPipe", "1F1B"}

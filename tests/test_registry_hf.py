@@ -77,6 +77,23 @@ def test_trace_of_a_real_config_shows_its_mixed_layer_stack(asset, kinds, capsys
     assert len(report["nodes"]) == sum(k["nodes"] * len(k["layers"]) for k in report["layer_kinds"])
 
 
+def test_a_pipeline_of_a_real_config_holds_its_own_layer_kinds():
+    """The driver's per-layer graphs of a Hugging Face config (pipeline stages price them) are its
+    own kinds: GPT-OSS's sliding-window and full attention alternate from layer 0 on; 'all' is every
+    layer, with or without pp."""
+    from moegraph.config import CompileConfig, config_layers
+    from moegraph.cost import CostModel
+    from moegraph.registry import load_hardware
+    from moegraph.schedules.pipeline_model import model_layers
+    cfg = load_model("tests/assets/gpt-oss-120b.json")
+    assert [config_layers(CompileConfig(model=cfg, layers="all", **pp), cfg) for pp in ({}, {"pp": 4})] == [36, 36]
+    graphs = model_layers(cfg, Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=256, passes="",
+                          cost=CostModel(load_hardware("h100")), layers=4)
+    windows = [next(n.attr("window", None) for n in g.nodes if n.op is OpKind.ATTENTION) for g in graphs]
+    assert windows == [128, None, 128, None]                  # published: sliding_window 128, layer 0 sliding
+    assert graphs[0] is graphs[2] and graphs[1] is graphs[3]   # each kind lowered once
+
+
 @pytest.mark.parametrize("asset,n", [("gpt-oss-120b", "8")])
 def test_tune_ranks_strategies_for_a_hugging_face_config(asset, n, tmp_path, capsys):
     out = tmp_path / "best.json"

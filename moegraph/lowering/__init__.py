@@ -94,6 +94,7 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
     """
     _load_families()
     cls = type(module)
+    _require_supported_library(cls)
     if cls in _RULES:
         return _RULES[cls]
     if "transformers" in sys.modules or not _guard_on():
@@ -112,6 +113,14 @@ def find_rule(module: nn.Module, qualname: str = "") -> Rule | None:
                                 f"describe it; register a rule for {cls.__name__}")
         return rule
     return None
+
+
+def _require_supported_library(cls: type) -> None:
+    """For a transformers class (a model, layer or block), one LoweringError when the installed
+    transformers is outside the supported range (``structural.require_supported_transformers``)."""
+    if any(c.__module__.startswith("transformers.") for c in cls.__mro__):
+        from moegraph.lowering.structural import require_supported_transformers
+        require_supported_transformers()
 
 
 def check_patches_and_hooks(root: nn.Module) -> None:
@@ -302,6 +311,7 @@ def find_model_rule(model: nn.Module) -> ModelRule:
     """The rule for exactly ``type(model)`` (a subclass may compute anything: no inheritance), or a
     transformers causal LM recognised by its children."""
     _load_families()
+    _require_supported_library(type(model))
     rule = _MODEL_RULES.get(type(model)) or _structural_model_rule(model)
     if rule is None and "transformers" in sys.modules:
         from moegraph.lowering.hf_common import explain_no_rule

@@ -41,6 +41,7 @@ import math
 
 import contextlib
 from moegraph.builder import ConfigError, GraphBuilder
+from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_layernorm,
@@ -123,7 +124,7 @@ def emit_gemm(g: GraphBuilder, name: str, x: str, w: str, out: str, *, module: s
     y = g.value(out, g.shape(x)[:-1] + (n_out,), alias_of=alias_of)
     m_rows = _numel(g, x) // k_in
     g.node(name, OpKind.GEMM, (x, w), (y,), flops=2 * m_rows * n_out * k_in, module=module, block=block,
-           attrs={"mnk": (m_rows, n_out, k_in)})                                 # shape: moegraph.efficiency
+           attrs=gemm_attrs(g.shape(x), g.shape(w)))
     return y
 
 
@@ -362,7 +363,7 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     H, d, dv = heads, qk_dim, v_dim
     Hl = H // n if tp else H
     attns = [g.value(f"attn{_sfx(j, N)}", (b, s // N, H // n * dv)) for j in range(N)]
-    attrs = {"head_dim": d, "causal": True, "seq": s} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
+    attrs = attention_attrs(seq=s, head_dim=d) | {"causal": True} | ({"v_head_dim": dv} if dv != d else {}) | ({"chunks": N} if N > 1 else {})
     # QK^T and PV over the causal half: (d + dv) b s^2 H/n
     flops, extra, mask = b * s * s * (H // n) * (d + dv), (), mask_attrs(spec)
     if mask.get("window") or mask.get("chunk_size"):  # only the pairs the mask keeps: 2 (d + dv) b H/n pairs
@@ -587,6 +588,6 @@ def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: 
     y = g.value(out, (r, n_out), routed=True)
     segments = math.prod(g.shape(seg)) if len(g.shape(seg)) == 2 else experts
     g.node(name, OpKind.GROUPED_GEMM, (rows, w, seg), (y,), flops=2 * r * n_out * k_in,
-           attrs={"stream_bytes": segments * (g.nbytes(w) // experts), "mnk": (r, n_out, k_in), "groups": experts},
+           attrs={"stream_bytes": segments * (g.nbytes(w) // experts)} | gemm_attrs(g.shape(rows), g.shape(w)),
            **kw)
     return y

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import math
 from typing import Callable
 
@@ -233,9 +234,28 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
         emb = rotary.to(x.device)(x, pos) if rotary is not None else None
         make = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
                 "chunked_attention": mu.create_chunked_causal_mask}.get(kind, mu.create_causal_mask)
-        mask = make(config=cfg, inputs_embeds=x, attention_mask=None, cache=None, position_ids=pos)
+        mask = make(**mask_kwargs(make, config=cfg, inputs_embeds=x, position_ids=pos))
         return {"position_embeddings": emb, "attention_mask": mask, "position_ids": pos}
     return kwargs
+
+
+CACHE_KWARGS = ("cache", "past_key_values")
+"""The no-cache argument of transformers' mask functions, by version: ``cache`` from 5.24 (which
+still takes ``past_key_values``, deprecated), ``past_key_values`` before (5.17 on the GPU image)."""
+
+
+def mask_kwargs(make: Callable, **given) -> dict:
+    """``given`` plus no padding mask and no cache, named as ``make`` (a masking_utils function of
+    the installed transformers) takes them; a LoweringError naming the function and its
+    signature when it takes none of CACHE_KWARGS, or lacks a given argument."""
+    params = inspect.signature(make).parameters
+    cache = next((name for name in CACHE_KWARGS if name in params), None)
+    missing = [name for name in given if name not in params]
+    if cache is None or missing:
+        what = f"no {' or '.join(map(repr, CACHE_KWARGS))}" if cache is None else f"no {missing[0]!r}"
+        raise LoweringError(f"transformers.masking_utils.{make.__name__}{inspect.signature(make)} takes {what}: "
+                            "this transformers is not one the numerical check can call a layer's mask builder in")
+    return given | {"attention_mask": None, cache: None}
 
 
 def _first(out):

@@ -29,6 +29,7 @@ import contextlib
 import contextvars
 import functools
 import inspect
+import re
 import textwrap
 from dataclasses import dataclass
 
@@ -89,6 +90,38 @@ def _is_config(obj) -> bool:
 
 def _ctx() -> LayerContext:
     return _LAYER.get() or LayerContext(None, None, None)
+
+
+TRANSFORMERS_SUPPORTED = ((5, 17), (6, 0))
+"""The transformers versions [low, high) whose models this lowering reads and checks: 5.17 (the GPU
+image's, checked there) to 5.x (CI installs the newest 5.x: 5.24 on 2026-11-27). pyproject.toml's
+``hf`` and ``test`` extras say the same (tests/test_numerical_check.py holds them together)."""
+
+
+def transformers_range() -> str:
+    """TRANSFORMERS_SUPPORTED as a pip requirement: '>=5.17,<6.0'."""
+    (a, b), (c, d) = TRANSFORMERS_SUPPORTED
+    return f">={a}.{b},<{c}.{d}"
+
+
+def installed_transformers() -> str:
+    """The imported transformers' version."""
+    import transformers
+    return transformers.__version__
+
+
+def require_supported_transformers(version: str | None = None) -> None:
+    """One LoweringError naming the installed transformers version and the supported range when
+    it is outside TRANSFORMERS_SUPPORTED (``version``: the installed one unless given), before any
+    of its modules is read: an older or newer library lays its models out and calls its layers
+    differently, which would fail deep in the lowering or its numerical check."""
+    if version is None:
+        version = installed_transformers()
+    m = re.match(r"(\d+)\.(\d+)", version)
+    low, high = TRANSFORMERS_SUPPORTED
+    if m is None or not low <= (int(m.group(1)), int(m.group(2))) < high:
+        raise LoweringError(f"transformers {version} is not supported: moegraph lowers transformers models with "
+                            f"transformers{transformers_range()} (pip install 'transformers{transformers_range()}')")
 
 
 def family_of(cls: type) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any, Callable
 import torch
 
 from moegraph.cost import collective_bytes
+from moegraph.efficiency import gemm_attrs
 from moegraph.index_map import IndexMap
 from moegraph.ir import Node, OpKind, Phase, freeze_attrs
 from moegraph.kernels import run_compute
@@ -96,7 +97,7 @@ def bench_overlap(env: RankEnv, deadline: float) -> BenchResult:
     # the small model's QKV projection at s=512 (~3 ms on one core), beside ~4 MiB messages
     m, k, n_out = (4096, 4096, 4096) if env.cuda else (512, 512, 512)
     x, w = env.rand(1, m, k), env.rand(n_out, k)
-    node = bench_node(OpKind.GEMM, flops=2 * m * k * n_out)
+    node = bench_node(OpKind.GEMM, flops=2 * m * k * n_out, **gemm_attrs(x.shape, w.shape))
     gemm = lambda: run_compute(env.ctx, node, [x, w], [(1, m, n_out)])  # noqa: E731
     kinds, comm_target = ("all_gather", "all_to_all"), 4 << 20
     share = max(0.0, deadline - time.time())

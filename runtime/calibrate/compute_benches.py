@@ -12,7 +12,9 @@ import time
 
 import torch
 
+from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.index_map import RecvMap
+from moegraph.cost import shape_attrs
 from moegraph.ir import OpKind, Role
 from moegraph.kernels import run_compute
 from moegraph.runtime.calibrate.harness import RankEnv, bench_node, compute_case, measure, sweep
@@ -22,7 +24,8 @@ from moegraph.runtime.calibrate.results import BenchResult, Sample
 def bench_kernel(env: RankEnv, deadline: float) -> BenchResult:
     """Per-node fixed cost: tiny kernels through run_compute, host time per call back to back."""
     t, cases = env.rand, []
-    cases.append(("gemm", bench_node(OpKind.GEMM, flops=2 * 8 * 8), [t(1, 1, 8), t(8, 8)], [(1, 1, 8)]))
+    cases.append(("gemm", bench_node(OpKind.GEMM, flops=2 * 8 * 8, **gemm_attrs((1, 1, 8), (8, 8))),
+                  [t(1, 1, 8), t(8, 8)], [(1, 1, 8)]))
     cases.append(("add", bench_node(OpKind.ADD, flops=8), [t(1, 1, 8), t(1, 1, 8)], [(1, 1, 8)]))
     cases.append(("rmsnorm", bench_node(OpKind.RMSNORM, flops=32, eps=1e-5), [t(1, 1, 8), t(8)], [(1, 1, 8)]))
     cases.append(("swiglu", bench_node(OpKind.SWIGLU, flops=40), [t(1, 8), t(1, 8)], [(1, 8)]))
@@ -35,7 +38,8 @@ def bench_kernel(env: RankEnv, deadline: float) -> BenchResult:
         calls = 50
         per = [env.clock.host_loop(fn, calls) for _ in range(7)]
         sec = env.group.reduce([statistics.median(per)], "mean")[0]
-        samples.append(Sample("kernel", node.op.value, sec, flops=node.flops, label=name))
+        samples.append(Sample("kernel", node.op.value, sec, flops=node.flops, label=name,
+                              shape=shape_attrs(dict(node.attrs), node.role)))
     med = statistics.median(s.seconds for s in samples)
     detail = ", ".join(f"{s.label} {s.seconds * 1e6:.1f}" for s in samples)
     return BenchResult("kernel", tuple(samples), f"fixed cost {med * 1e6:.1f} us/node (median of {detail} us)", 0.0)
@@ -61,7 +65,7 @@ def bench_gemm(env: RankEnv, deadline: float) -> BenchResult:
         x, w, dy = env.rand(1, m, k), env.rand(n, k), env.rand(1, m, n)
         ins, out = {"forward": ([x, w], (1, m, n)), "dgrad": ([dy, w], (1, m, k)),
                     "wgrad": ([x, dy], (n, k))}[role]
-        node = bench_node(OpKind.GEMM, Role(role), flops=2 * m * k * n)
+        node = bench_node(OpKind.GEMM, Role(role), flops=2 * m * k * n, **gemm_attrs(x.shape, w.shape))
         return compute_case(env, "gemm", node, ins, [out], f"{role} {m}x{k}x{n}", dl, left)
 
     samples, left = sweep(env, _gemm_cases(env), run, deadline, lambda c: 2 * c[0] * c[1] * c[2], min_cases=2)
@@ -95,7 +99,7 @@ def bench_grouped_gemm(env: RankEnv, deadline: float) -> BenchResult:
         x, w, dy = env.rand(r, k), env.rand(e, n, k), env.rand(r, n)
         ins, out = {"forward": ([x, w, seg], (r, n)), "dgrad": ([dy, w, seg], (r, k)),
                     "wgrad": ([x, dy, seg], (e, n, k))}[role]
-        node = bench_node(OpKind.GROUPED_GEMM, Role(role), flops=2 * r * k * n)
+        node = bench_node(OpKind.GROUPED_GEMM, Role(role), flops=2 * r * k * n, **gemm_attrs(x.shape, w.shape))
         return compute_case(env, "grouped_gemm", node, ins, [out], f"{role} R={r} El={e} {k}x{n}", dl, left)
 
     samples, left = sweep(env, cases, run, deadline, lambda c: 2 * c[0] * c[2] * c[3], min_cases=2)
@@ -123,11 +127,12 @@ def bench_attention(env: RankEnv, deadline: float) -> BenchResult:
         s, hl, gl, d, role = case
         q, k, v = env.rand(1, s, hl * d), env.rand(1, s, gl * d), env.rand(1, s, gl * d)
         fwd_flops = 2 * s * s * hl * d                                   # the IR's causal count
+        attrs = attention_attrs(seq=s, head_dim=d) | {"causal": True}
         if role == "forward":
-            node, ins = bench_node(OpKind.ATTENTION, flops=fwd_flops, head_dim=d, causal=True), [q, k, v]
+            node, ins = bench_node(OpKind.ATTENTION, flops=fwd_flops, **attrs), [q, k, v]
             outs = [(1, s, hl * d)]
         else:
-            node = bench_node(OpKind.ATTENTION, Role.DGRAD, flops=fwd_flops * 5 // 2, head_dim=d, causal=True)
+            node = bench_node(OpKind.ATTENTION, Role.DGRAD, flops=fwd_flops * 5 // 2, **attrs)
             ins, outs = [q, k, v, env.rand(1, s, hl * d), env.rand(1, s, hl * d)], [q.shape, k.shape, v.shape]
         return compute_case(env, "attention", node, ins, [tuple(o) for o in outs],
                              f"{role} s={s} H={hl} G={gl} d={d}", dl, left)

@@ -397,7 +397,7 @@ def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[Gra
     |error| of single nodes, per model graph the error of the summed compute time. Synthetic
     compute samples in a bin that layer-graph nodes priced (graph_first) were not fitted and
     are only counted."""
-    from moegraph.cost import CostModel
+    from moegraph.cost import CostModel, shaped_node
     from moegraph.ir import Node, OpKind, Phase
     cost = CostModel(hw)
     benches: list[GraphCheck | BenchCheck] = []
@@ -419,7 +419,8 @@ def self_check(hw: Hardware, results: Sequence[BenchResult], n: int) -> list[Gra
                     continue
                 node = Node("check", op, Phase.FORWARD, (), ("y",), comm_bytes=int(s.comm_bytes), group=n)
             else:
-                node = Node("check", op, Phase.FORWARD, (), ("y",), flops=int(s.flops), mem_bytes=int(s.mem_bytes))
+                # priced with the measured node's shape attributes (Sample.shape), as in a graph
+                node = shaped_node("check", op, s.shape, flops=s.flops, mem_bytes=s.mem_bytes)
             pred = cost.node_time_us(node) / 1e6
             errs.append(abs(pred / s.seconds - 1))
             if res.name == "model_graphs":

@@ -10,6 +10,7 @@ from typing import Any, Sequence
 
 import torch
 
+from moegraph.cost import shape_attrs
 from moegraph.ir import ConfigError, Node, OpKind
 from moegraph.kernels import RankContext, run_compute
 from moegraph.runtime.calibrate.harness import RankEnv
@@ -119,7 +120,7 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
             break
         passes += 1
     samples = [Sample("model_graphs", nd.op.value, sec, flops=nd.flops, mem_bytes=nd.mem_bytes,
-                      label=f"{label}: {nd.name}", graph=label)
+                      label=f"{label}: {nd.name}", graph=label, shape=shape_attrs(dict(nd.attrs), nd.role))
                for (i, label, _, nodes, _), medians in zip(prepared, best) for nd, sec in zip(nodes, medians)]
     left = len(MODEL_GRAPHS) - len(prepared) - len(notes)
     skipped = "; ".join(notes + ([f"{left} graphs not run (budget)"] if left else []))

@@ -17,6 +17,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
+from moegraph.cost import shape_attrs
 from moegraph.ir import Node, OpKind, Phase, Role, freeze_attrs
 from moegraph.kernels import RankContext, run_compute
 from moegraph.runtime.calibrate.results import Sample
@@ -208,6 +209,8 @@ def sweep(env: RankEnv, cases: Sequence[Any], run: Callable[[Any, float, int], S
 
 def bench_node(op: OpKind, role: Role = Role.FORWARD, *, flops: float = 0, mem_bytes: float = 0,
           **attrs: Any) -> Node:
+    """A benchmark's IR node; a GEMM, grouped GEMM or attention node takes the shape attributes the
+    lowering gives the same op (``moegraph.efficiency.gemm_attrs`` / ``attention_attrs``)."""
     phase = Phase.FORWARD if role is Role.FORWARD else Phase.BACKWARD
     return Node(name=f"calibrate.{op.value}.{role.value}", op=op, phase=phase, inputs=(), outputs=("y",),
                 role=role, flops=int(flops), mem_bytes=int(mem_bytes), attrs=freeze_attrs(attrs))
@@ -233,4 +236,5 @@ def compute_case(env: RankEnv, bench: str, node: Node, ins: list[Any], out_shape
     tensors = [t for t in ins if isinstance(t, torch.Tensor)]
     mem = node.mem_bytes or nbytes(*tensors) + sum(shape_bytes(s, tensors[0]) for s in out_shapes)
     seconds = measure(env, fn, deadline, left, "mean", **kw)
-    return Sample(bench, node.op.value, seconds, flops=node.flops, mem_bytes=mem, label=label)
+    return Sample(bench, node.op.value, seconds, flops=node.flops, mem_bytes=mem, label=label,
+                  shape=shape_attrs(dict(node.attrs), node.role))

@@ -188,7 +188,7 @@ def _flow_pairs(v: Any) -> Any:
 def write_samples(path: Path, results: Sequence[BenchResult], opts: CalibrationOptions, info: MachineInfo) -> None:
     """Every raw sample as JSON: {"options": ..., "machine": ..., "benchmarks": [{name, summary,
     seconds, skipped, samples: [{bench, op, seconds, flops, mem_bytes, comm_bytes, label, graph,
-    overlap}]}]}."""
+    overlap, shape}]}]}."""
     doc = {"options": {k: str(v) for k, v in dataclasses.asdict(opts).items()}, "machine": dataclasses.asdict(info),
            "benchmarks": [{"name": r.name, "summary": r.summary, "seconds": r.seconds, "skipped": r.skipped,
                            "samples": [dataclasses.asdict(s) for s in r.samples]} for r in results]}
@@ -201,7 +201,8 @@ def read_samples(path: Path) -> list[BenchResult]:
 
     def sample(s: dict[str, Any]) -> Sample:
         overlap = s.get("overlap")
-        return Sample(**{**s, "overlap": OverlapMeasure(**overlap) if overlap is not None else None})
+        shape = tuple((k, tuple(v) if isinstance(v, list) else v) for k, v in s.get("shape", ()))   # JSON lists
+        return Sample(**{**s, "overlap": OverlapMeasure(**overlap) if overlap is not None else None, "shape": shape})
     return [BenchResult(b["name"], tuple(sample(s) for s in b["samples"]), b["summary"], b["seconds"], b["skipped"])
             for b in doc["benchmarks"]]
 

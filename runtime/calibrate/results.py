@@ -11,6 +11,7 @@ import os
 import platform
 import socket
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -35,6 +36,9 @@ class Sample:
 
     op: an OpKind value (what the cost model prices it as), or "copy" (plain memcpy, for the
     bandwidth peak) or "overlap". flops / mem_bytes / comm_bytes follow the IR's conventions.
+    shape: the measured node's pricing attributes (``moegraph.cost.shape_attrs``: its role, and
+    mnk / groups / seq / head_dim as the lowering gives the same op), so the self-check prices the
+    sample as the cost model prices that node in a graph.
     """
 
     bench: str
@@ -46,6 +50,7 @@ class Sample:
     label: str = ""
     graph: str = ""                             # model_graphs: the layer graph the node belongs to
     overlap: OverlapMeasure | None = None       # the overlap benchmark's measurements
+    shape: tuple[tuple[str, Any], ...] = ()     # compute: the node's shape_attrs (role included)
 
 
 @dataclass(frozen=True)
