@@ -29,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.cost import CostModel  # noqa: E402
-from moegraph.ir import Node, OpKind, Phase, Strategy  # noqa: E402
+from moegraph.ir import Node, OpKind, Phase, Role, Strategy  # noqa: E402
 from moegraph.passes.estimate import serial_time_us  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.tracer import trace_model  # noqa: E402
@@ -85,6 +85,18 @@ def _serial(model, hw, attn, ffn, dispatch) -> float:
     return serial_time_us(graph(model, attn, ffn, dispatch), CostModel(hw))
 
 
+FIG14_MICRO_BATCHES = 32
+"""MegaScale-MoE §6.1, Fig 14: global batch 32 on one node of 8 GPUs (dp = 1): the gradient
+all-reduces of replicated weights run once per 32 micro-batches (b = 1), not once per layer pass."""
+
+
+def _serial_sync_amortized(model, hw, attn, ffn, dispatch, micro_batches=FIG14_MICRO_BATCHES) -> float:
+    """The serial sum with each weight-gradient all-reduce (the step-end sync) charged 1/micro_batches."""
+    cost, g = CostModel(hw), graph(model, attn, ffn, dispatch)
+    sync = sum(cost.node_time_us(nd) for nd in g.nodes if nd.op is OpKind.ALL_REDUCE and nd.role is Role.WGRAD)
+    return serial_time_us(g, cost) - sync * (1 - 1 / micro_batches)
+
+
 def fig14(models=MODELS, hw_name="h800") -> None:
     hw = load_hardware(hw_name)
     gains = []
@@ -95,10 +107,16 @@ def fig14(models=MODELS, hw_name="h800") -> None:
         tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
         g = tp / min(a2a, agrs) - 1
         shape = g - (tp0 / best0 - 1)
+        amortized = (_serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
+                     / min(_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
         gains.append(g)
         row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
             f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
-            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part)",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part); one layer's serial "
+            "sum charges the weight-gradient all-reduces (SP's replicated attention weights) every pass: with them "
+            f"once per {FIG14_MICRO_BATCHES} micro-batches (the paper's global batch 32, dp = 1) the gain is "
+            f"{amortized:+.1%}, so the in-range figures lean on that charge; the iteration's other parts (head, "
+            "optimizer, the paper's fewer layers) are not modelled here",
             0.149 - 0.03 <= g <= 0.329 + 0.03)
 
 

@@ -58,16 +58,16 @@ def test_the_stall_is_fitted_at_8k_and_is_the_registry_value():
     assert min(at32, key=at32.get)[1] > 1
 
 
-def _monta_layer(seq: int):
-    cfg = dataclasses.replace(load_model("mixtral-8x7b"), hidden=8192, heads=64, kv_heads=16, experts=16, top_k=2,
-                              ffn_hidden=28672)
-    return trace_model(cfg, Strategy("sp", "ep", "a2a", 16), batch=1, seq=seq)
-
-
 @pytest.mark.parametrize("seq,chunked", [(8192, False), (32768, True)])
 def test_chunk_auto_follows_montas_regime_on_a800_across_nodes(seq, chunked):
-    """moegraph's own chunk=auto on a MoNTA-sized layer over two a800 nodes: one call at 8K, chunks at 32K."""
-    chosen = run_pipeline(_monta_layer(seq), "chunk=auto", cost=CostModel(A800))[1]["chunk"]["chosen"]
+    """moegraph's own chunk=auto on a MoNTA-sized layer (fidelity.monta_layer: h 8192, top-2, n = 16)
+    over two a800 nodes: one call at 8K (the fitted volume), chunks at 32K (held out)."""
+    sys.path.insert(0, str(BENCH))
+    from fidelity import monta_layer
+    layer = monta_layer(seq)
+    dispatch = [nd for nd in layer.nodes if nd.op is OpKind.ALL_TO_ALL and nd.block == "ffn"]
+    assert dispatch and all(nd.group == 16 and CostModel(A800).scope(nd) == "inter" for nd in dispatch)
+    chosen = run_pipeline(layer, "chunk=auto", cost=CostModel(A800))[1]["chunk"]["chosen"]
     assert (chosen > 1) is chunked, chosen
 
 
