@@ -104,7 +104,8 @@ def test_check_reports_a_stale_table(tmp_path, capsys):
     shutil.copytree(cf.RECORDS, tmp_path / "results")
     rec = json.loads(next((tmp_path / "results").glob("*.json")).read_text())
     rec["figures"][0]["value"] += " (changed)"
-    _write(tmp_path / "results", f"{rec['benchmark']}-{rec['date']}-later.json", rec)
+    # a tag that sorts after any real one of that date ("session3" > "later"), so this record is the latest
+    _write(tmp_path / "results", f"{rec['benchmark']}-{rec['date']}-zzzz-later.json", rec)
     args = ["--results", str(tmp_path / "RESULTS.md"), "--records", str(tmp_path / "results")]
     assert cf.main([*args, "--check"]) == 1
     assert "is out of date" in capsys.readouterr().err

@@ -397,6 +397,12 @@ class Hardware(_Record):
     collectives leave (``CostModel.beside_comm_us``): its FLOP term slows by S/(S-b), its memory
     term by W/(W - traffic * link rate). 0 = not modelled: the whole node slows by S/(S-b)
     (calibrated CPU profiles, where b counts cores)."""
+    chunk_stall_us: float = checked(nonneg_float, 0.0)
+    """Fixed time each collective of a chunked decomposition (node attr ``chunk``) pays beyond
+    its time alone: the stall MoNTA (Guo et al. 2024, "Dissussions") measures when chunks of
+    small volume run beside each other's kernels (all-gather / copy scheduling, the first chunk
+    waiting on the other node's host). 0 = not modelled (every profile without a chunked-pipeline
+    measurement: the calibrated CPU ones price chunks as before)."""
     step_noise: float = checked(fraction_or_zero, 0.0)
     """Step-to-step noise of real steps on this machine: the relative median absolute deviation
     of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph
