@@ -96,7 +96,8 @@ MIB = 2**20
 
 @functools.cache
 def compiled_order() -> tuple:
-    """CP-SAT's order (B only, no pairs: a compiled stage runs its backward as one plan) for a
+    """CP-SAT's order (B only: a compiled stage runs its backward as one plan; no pairs: the
+    stages' own plans alone, paired_order covers the merged F&B) for a
     P=2 step whose transfers take half a forward, under a cap of 3 micro-batches in flight: it
     beats both torch schedules that fit (1F1B; GPipe holds 4)."""
     layout = StageLayout(((0,), (1,)), 2)
