@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -28,7 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from moegraph.cost import CostModel  # noqa: E402
-from moegraph.ir import Node, OpKind, Phase, Strategy  # noqa: E402
+from moegraph.ir import Node, OpKind, Phase, Role, Strategy  # noqa: E402
 from moegraph.passes.estimate import serial_time_us  # noqa: E402
 from moegraph.registry import load_hardware, load_model  # noqa: E402
 from moegraph.tracer import trace_model  # noqa: E402
@@ -84,6 +85,18 @@ def _serial(model, hw, attn, ffn, dispatch) -> float:
     return serial_time_us(graph(model, attn, ffn, dispatch), CostModel(hw))
 
 
+FIG14_MICRO_BATCHES = 32
+"""MegaScale-MoE §6.1, Fig 14: global batch 32 on one node of 8 GPUs (dp = 1): the gradient
+all-reduces of replicated weights run once per 32 micro-batches (b = 1), not once per layer pass."""
+
+
+def _serial_sync_amortized(model, hw, attn, ffn, dispatch, micro_batches=FIG14_MICRO_BATCHES) -> float:
+    """The serial sum with each weight-gradient all-reduce (the step-end sync) charged 1/micro_batches."""
+    cost, g = CostModel(hw), graph(model, attn, ffn, dispatch)
+    sync = sum(cost.node_time_us(nd) for nd in g.nodes if nd.op is OpKind.ALL_REDUCE and nd.role is Role.WGRAD)
+    return serial_time_us(g, cost) - sync * (1 - 1 / micro_batches)
+
+
 def fig14(models=MODELS, hw_name="h800") -> None:
     hw = load_hardware(hw_name)
     gains = []
@@ -94,10 +107,16 @@ def fig14(models=MODELS, hw_name="h800") -> None:
         tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
         g = tp / min(a2a, agrs) - 1
         shape = g - (tp0 / best0 - 1)
+        amortized = (_serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
+                     / min(_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
         gains.append(g)
         row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
             f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
-            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part)",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part); one layer's serial "
+            "sum charges the weight-gradient all-reduces (SP's replicated attention weights) every pass: with them "
+            f"once per {FIG14_MICRO_BATCHES} micro-batches (the paper's global batch 32, dp = 1) the gain is "
+            f"{amortized:+.1%}, so the in-range figures lean on that charge; the iteration's other parts (head, "
+            "optimizer, the paper's fewer layers) are not modelled here",
             0.149 - 0.03 <= g <= 0.329 + 0.03)
 
 
@@ -183,8 +202,11 @@ def table5_iteration(cost: CostModel) -> None:
 
 # --- MoNTA: all-to-all operator (Fig 14 / eq 11-16) and end to end (Fig 17) ---------------------------
 
-def _comm(op, nbytes, group, scope, cost) -> float:
-    node = Node("c", op, Phase.FORWARD, (), ("y",), comm_bytes=int(nbytes), group=group, attrs=(("scope", scope),))
+def _comm(op, nbytes, group, scope, cost, chunk: int | None = None) -> float:
+    """One collective at its best budget; ``chunk`` marks it as one of a chunked decomposition
+    (node attr "chunk", as blocks.py's chunked lowering writes it: it pays hw.chunk_stall_us)."""
+    attrs = (("scope", scope),) + (() if chunk is None else (("chunk", chunk),))
+    node = Node("c", op, Phase.FORWARD, (), ("y",), comm_bytes=int(nbytes), group=group, attrs=attrs)
     return cost.best_time_us(node)
 
 
@@ -200,8 +222,9 @@ def monta_times(seq: int, chunks: int, cost: CostModel, pipeline_copy: bool, str
     x = cost.comm_overlap_stretch() if stretch is None else stretch
     if chunks == 0:
         return _comm(OpKind.ALL_TO_ALL, vol / 2, 16, "inter", cost)
-    aa = _comm(OpKind.ALL_TO_ALL, vol / (chunks * t) * (e - 1) / e, e, "inter", cost)
-    ag = _comm(OpKind.ALL_GATHER, vol / chunks * (t - 1) / t, t, "intra", cost)
+    part = None if chunks == 1 else 0
+    aa = _comm(OpKind.ALL_TO_ALL, vol / (chunks * t) * (e - 1) / e, e, "inter", cost, part)
+    ag = _comm(OpKind.ALL_GATHER, vol / chunks * (t - 1) / t, t, "intra", cost, part)
     if chunks == 1:
         return aa + ag
     d2d = cost.hw.kernel_latency_us + 2 * vol / chunks / (cost.hw.hbm_bw_bytes_s * cost.hw.mem_eff) * 1e6
@@ -211,19 +234,44 @@ def monta_times(seq: int, chunks: int, cost: CostModel, pipeline_copy: bool, str
     return aa + (ag * x + d2d) * chunks if aa < ag + d2d else aa * x * chunks + ag + d2d     # O2 (Algorithm 1)
 
 
+MONTA_CHUNKS = (2, 4, 8)
+
+
+def monta_options(seq: int, cost: CostModel) -> dict[tuple[str, int], float]:
+    """MoNTA's strategies at ``seq`` tokens: O1 (one chunk) and O2/O3 with each of MONTA_CHUNKS chunks."""
+    options = {("O1", 1): monta_times(seq, 1, cost, False)}
+    for n in MONTA_CHUNKS:
+        options[("O2", n)] = monta_times(seq, n, cost, False)
+        options[("O3", n)] = monta_times(seq, n, cost, True)
+    return options
+
+
+def fit_chunk_stall(hw, seq: int = 8192) -> float:
+    """hw.chunk_stall_us fitted to MoNTA Fig 14 at ``seq`` (8K: no chunking measured best): the
+    smallest per-chunk stall, in whole us, at which O1 beats every chunked option. A lower bound,
+    not a point: the figure gives the order of the options, not the chunked times."""
+    def chunked_wins(stall: float) -> bool:
+        opts = monta_options(seq, CostModel(dataclasses.replace(hw, chunk_stall_us=stall)))
+        return min(v for k, v in opts.items() if k[1] > 1) <= opts[("O1", 1)]
+    lo, hi = 0.0, 1.0
+    while chunked_wins(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 0.5:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if chunked_wins(mid) else (lo, mid)
+    return float(math.ceil(hi))
+
+
 def monta(hw_name="a800") -> None:
-    cost = CostModel(load_hardware(hw_name))
-    why = ("moegraph prices each chunk's all-to-all, all-gather and copy from MoNTA Table 8's curves; a "
-           "chunked pipeline pays each call's fixed cost (all-to-all ~166 us from Fig 13b's half point) but "
-           "hides it under the all-gather chain")
-    regimes = ((8192, "O1, no chunking (O1/base 0.30)", "held"), (32768, "O2 (32K-128K: 'MoNTA chooses O2')", "held"),
+    hw = load_hardware(hw_name)
+    cost = CostModel(hw)
+    why = ("moegraph prices each chunk's all-to-all, all-gather and copy from MoNTA Table 8's curves, and "
+           f"each chunked collective's stall (chunk_stall_us {hw.chunk_stall_us:g} us, fitted at 8K)")
+    regimes = ((8192, "O1, no chunking (O1/base 0.30)", "fit"), (32768, "O2 (32K-128K: 'MoNTA chooses O2')", "held"),
                (131072, "O2 (32K-128K)", "held"), (262144, "O3, 4 chunks (O3/base 0.253)", "fit"))
     for seq, paper_best, status in regimes:
         base = monta_times(seq, 0, cost, False)
-        options = {("O1", 1): monta_times(seq, 1, cost, False)}
-        for n in (2, 4, 8):
-            options[("O2", n)] = monta_times(seq, n, cost, False)
-            options[("O3", n)] = monta_times(seq, n, cost, True)
+        options = monta_options(seq, cost)
         (strat, n), t = min(options.items(), key=lambda kv: kv[1])
         want = paper_best.split(",")[0].split(" ")[0]
         o3_4 = options[("O3", 4)] / base
@@ -232,10 +280,14 @@ def monta(hw_name="a800") -> None:
             note = (f"comm_overlap_stretch fitted here: O3 with 4 chunks at x = 1 gives {o3_4:.3f}, at x = 1.1 "
                     f"{monta_times(seq, 4, cost, True, 1.1) / base:.3f}")
         elif seq == 8192:
-            gap = (options[("O1", 1)] - min(v for k, v in options.items() if k[1] > 1))
-            note = (f"{why}; O1 is predicted at {options[('O1', 1)] / base:.3f} of the baseline, MoNTA measures 0.30; "
-                    f"chunking would lose only if each chunk cost {gap / 4:.0f} us more than priced: MoNTA names the "
-                    f"all-gather / copy memory conflict and host dispatch skew at small volumes, with no magnitude")
+            note = (f"chunk_stall_us fitted here (fit_chunk_stall: {fit_chunk_stall(hw):g} us, the profile "
+                    f"{hw.chunk_stall_us:g}); O1 is predicted at {options[('O1', 1)] / base:.3f} of the baseline, "
+                    "MoNTA measures 0.30 (its pairwise all-to-all is priced on the 16-card curve, as MoNTA's Table 8 does)")
+        else:
+            best_o2 = min(v for k, v in options.items() if k[0] == "O2")
+            note = (f"{why}; chunked, as MoNTA, but O3 (its copy hidden under the next all-gather, at the HBM "
+                    f"share priced) beats O2 ({best_o2 / base:.3f}): MoNTA measures the all-gather / copy conflict as "
+                    "worse, with no magnitude")
         row("MoNTA Fig 14", f"all-to-all operator, s={seq // 1024}K, {hw_name}, 2 nodes", paper_best,
             f"{strat}{'' if n == 1 else f', {n} chunks'} ({strat}/base {t / base:.3f}; O1/base "
             f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f})", status, note, strat == want)
@@ -243,6 +295,35 @@ def monta(hw_name="a800") -> None:
     e2e = 1 - 0.22 * (1 - o1)
     row("MoNTA Fig 17", "2x70B, 16 A800, 8K, end to end", "-13% latency (O1)", f"{e2e - 1:+.1%}", "held",
         "MoNTA's own 22% all-to-all share with moegraph's O1/base ratio; no 2x70B layer is lowered")
+    monta_chunk_auto(cost)
+
+
+def monta_layer(seq: int):
+    """A MoE layer of MoNTA's sizes (Table 7: h = 8192; 2x70B with top-2) lowered sp+ep+a2a over
+    n = 16 ranks, two 8-GPU nodes (the all-to-alls cross the NICs); 16 experts so that each rank
+    holds one (n must divide the expert count), heads 64 / kv heads 16 so that n divides them."""
+    cfg = dataclasses.replace(load_model("mixtral-8x7b"), hidden=8192, heads=64, kv_heads=16, experts=16, top_k=2,
+                              ffn_hidden=28672)
+    return trace_model(cfg, Strategy("sp", "ep", "a2a", 16), batch=B, seq=seq)
+
+
+def monta_chunk_auto(cost: CostModel) -> None:
+    """moegraph's own chunk=auto (passes.strategy.chunk: the MoE dispatch/experts/combine chain and
+    attention's collectives in N token chunks) on a MoNTA-sized layer across two a800 nodes: MoNTA's
+    regime says one call at small volumes (<16K), chunks from 32K."""
+    from moegraph.passes import run_pipeline
+    for seq, status in ((8192, "fit"), (32768, "held"), (131072, "held"), (262144, "fit")):
+        rep = run_pipeline(monta_layer(seq), "chunk=auto", cost=cost)[1]["chunk"]
+        chosen, pred = rep["chosen"], rep["predicted_us"]
+        gain = pred[1] / pred[chosen] - 1
+        want_chunks = seq >= 32768
+        paper = "chunks (MoNTA: O2/O3 from 32K)" if want_chunks else "no chunking (MoNTA: O1 below 16K)"
+        fitted = {8192: "chunk_stall_us is fitted to MoNTA's 8K operator figure", 262144:
+                  "comm_overlap_stretch is fitted to MoNTA's 256K operator figure"}.get(seq, "no fit at this volume")
+        row("MoNTA regime, chunk=auto", f"MoNTA-sized layer (h 8192, top-2), sp+ep a2a n=16 over 2 a800 nodes, "
+            f"s={seq // 1024}K", paper, f"{chosen} chunk{'s' if chosen > 1 else ''} ({gain:+.1%} vs 1)", status,
+            f"moegraph's own chunked layer (two-stream estimate), a different pipeline from MoNTA's; {fitted}",
+            (chosen > 1) == want_chunks)
 
 
 # --- Megatron-Core: EP overlap -----------------------------------------------------------------------

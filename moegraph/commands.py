@@ -191,13 +191,14 @@ def _pipeline_config(args: argparse.Namespace, model: ModelConfig, pipeline: dic
 
 
 def resolve_layers(layers: int | str | None, model: ModelConfig) -> int:
-    """--layers against the model: 'all' is its count of MoE layers (ModelConfig.moe_layers: the
-    stacked layers are identical); more than that is a UsageError. None (not given): 1."""
+    """--layers against the model: 'all' is ``ModelConfig.all_layers`` (a registry model's MoE
+    layers; every layer of a Hugging Face config); a count it cannot stack is a UsageError. None
+    (not given): 1."""
     if layers is None:
         return 1
     if layers == "all":
-        return model.moe_layers
-    if isinstance(layers, bool) or not isinstance(layers, int) or not 1 <= layers <= model.moe_layers:
+        return model.all_layers
+    if isinstance(layers, bool) or not isinstance(layers, int) or not model.stackable(layers):
         raise UsageError(f"--layers={layers} must be between 1 and {model.layers_phrase()}, or 'all'")
     return layers
 
@@ -217,7 +218,9 @@ def trace_summary(layer: Any) -> dict[str, Any]:
               "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
     strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
-    return {"model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
+    from moegraph.tracer import describe_kinds              # torch-bearing: only when tracing
+    kinds = describe_kinds(g)
+    return {**({"layer_kinds": kinds} if kinds else {}), "model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,
             "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
             "time_us_by_phase": by_phase, "step_memory": step_memory(g), "passes": layer.report}
@@ -301,6 +304,11 @@ def format_trace(s: dict[str, Any]) -> str:
               f"activation bytes held for backward: {s['activation_bytes']:,} ({s['activation_bytes'] / 2**30:.3f} GiB)",
               "step memory per rank (GiB): " + ", ".join(f"{k} {s['step_memory'][k] / 2**30:.3f}" for k in
                                                        ("params", "grads", "optimizer", "activations", "total"))]
+    for k in s.get("layer_kinds") or ():
+        layers = k["layers"]
+        shown = ", ".join(map(str, layers[:12])) + (f", ... ({len(layers)} layers)" if len(layers) > 12 else "")
+        lines.append(f"layer kind {k['kind']} ({k['nodes']} nodes): layers {shown}"
+                     + (f"; differs from kind 0 at {k['differs_from_kind_0']}" if k["differs_from_kind_0"] else ""))
     for key, value in (s.get("passes") or {}).items():
         lines.append(f"{key}: {value}")
     return "\n".join(lines)

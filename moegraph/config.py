@@ -303,7 +303,8 @@ class CompileConfig:
 
 def config_layers(config: CompileConfig, model: ModelConfig) -> int:
     """The decoder layers ``config`` compiles of ``model`` ('all' resolved), ConfigError when they
-    do not fit it: at most its MoE layers (a stack of identical layers; 'all' = all of them); with
+    do not fit it: at most its MoE layers (a stack of identical layers; 'all' = all of them; a
+    Hugging Face config's 'all' is every layer, its kinds mixed: ``ModelConfig.all_layers``); with
     pp > 1 at most all of its layers, its dense first layers included ('all' = the whole model),
     and at least one per stage. ``model`` is the loaded ModelConfig ``config.model`` names."""
     if config.pp > 1:
@@ -316,8 +317,8 @@ def config_layers(config: CompileConfig, model: ModelConfig) -> int:
             raise ConfigError(f"pp={config.pp} x vpp={config.vpp} = {stages} stages exceed the {layers} layers of "
                               f"{model.name}'s pipeline: each stage holds at least one layer (pp x vpp <= layers)")
         return layers
-    layers = model.moe_layers if config.layers == "all" else config.layers
-    if not 1 <= layers <= model.moe_layers:
+    layers = model.all_layers if config.layers == "all" else config.layers
+    if not model.stackable(layers):
         raise ConfigError(f"layers={layers!r} must be between 1 and {model.layers_phrase()}")
     return layers
 

@@ -18,6 +18,11 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
     all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
+    a collective of a chunked decomposition (node attr "chunk") adds hw.chunk_stall_us: MoNTA (Guo
+    et al. 2024) measures chunked all-to-all pipelines losing to one call at small volumes (8K
+    tokens on A800) and names per-chunk stalls (kernel scheduling beside the other chunks'
+    kernels, host dispatch skew) that no alone-time curve contains; 0 on profiles without such a
+    measurement.
     B, alpha, ring_eff, a2a_eff by scope: NVLink, intra-node latency, ring_eff_intra, a2a_eff_intra
     for "intra"; NIC, inter-node latency, ring_eff_inter, a2a_eff_inter for "inter". Scope comes
     from node attr "scope", else intra iff n <= gpus_per_node (``scope``).
@@ -573,7 +578,12 @@ class CostModel:
         else:
             scale = min(1.0, sm / saturation)
         wire = latency + node.comm_bytes / (bandwidth * eff * scale) * _US
-        return hw.kernel_latency_us + wire * hw.in_step_factor("comm")
+        return hw.kernel_latency_us + wire * hw.in_step_factor("comm") + self._chunk_stall_us(node)
+
+    def _chunk_stall_us(self, node: Node) -> float:
+        """hw.chunk_stall_us for a collective of a chunked decomposition (node attr ``chunk``), else 0:
+        chunks of small volume stall beside each other's kernels (MoNTA's 8K finding; module docstring)."""
+        return self.hw.chunk_stall_us if node.attr("chunk", None) is not None else 0.0
 
     def _require_comm(self, node: Node) -> None:
         if not node.op.is_comm:

@@ -27,7 +27,7 @@ from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
-from moegraph.layers import layer_count
+from moegraph.layers import KINDS_META, LayerKinds, layer_count, layer_kinds
 from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
@@ -394,12 +394,16 @@ def trace_module(module: nn.Module, strategy: Strategy, *, batch: int, seq: int,
 
 
 def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int, seq: int,
-                 name: str | None = None, call=None) -> Graph:
+                 name: str | None = None, rotary: nn.Module | None = None) -> Graph:
     """Lower a stack of decoder layers (an ``nn.ModuleList``, applied in order, each reading the
-    previous one's output) once: every layer must lower to the same program (same blocks, sizes
-    and parameter names), and the one-layer graph of the first is returned, its parameters named
-    as in the layer. The stack pass (``moegraph.passes.stack``, run by the driver) chains
-    len(layers) copies, layer i's parameters read as ``layers.{i}.<name in the layer>``."""
+    previous one's output): each distinct program (blocks, sizes, parameter names) is lowered and
+    checked against its first layer once. Identical layers: the one-layer graph of the first,
+    its parameters named as in the layer. Layers of several kinds (GPT-OSS's sliding and full
+    attention, DeepSeek's dense first layers): kind 0's graph carrying the kinds and the pattern
+    (``moegraph.layers.LayerKinds`` in its meta, ``KINDS_META``). The stack pass
+    (``moegraph.passes.stack``, run by the driver) chains len(layers) layers, layer i's parameters
+    read as ``layers.{i}.<name in the layer>``. ``rotary``: the model's rotary module, for the
+    eager call of each checked layer (``moegraph.lowering.check.eager_call``)."""
     layers = list(layers)
     if not layers:
         raise LoweringError("trace_layers needs at least one layer")
@@ -409,15 +413,39 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
             programs.append(extract_program(m))
         except LoweringError as err:
             raise LoweringError(f"layer {i}: {err}") from None
-    for i, p in enumerate(programs[1:], start=1):
-        if p != programs[0]:
-            raise LoweringError(f"layer {i} ({type(layers[i]).__name__}) does not lower to the same program as "
-                                f"layer 0 ({type(layers[0]).__name__}) ({_first_difference(programs[0], p)}): only "
-                                "identical layers can share one graph")
-    program = programs[0]
-    graph = lower(program, dims_of(program, batch, seq, strategy.n), strategy, name or type(layers[0]).__name__)
-    check_layer(layers[0], program, strategy, name=f"layer 0 ({type(layers[0]).__name__})", call=call)
-    return graph
+    distinct: list[LayerProgram] = []
+    pattern = []
+    for p in programs:
+        if p not in distinct:
+            distinct.append(p)
+        pattern.append(distinct.index(p))
+    name = name or type(layers[0]).__name__
+    graphs = []
+    for k, program in enumerate(distinct):
+        i = pattern.index(k)
+        graphs.append(lower(program, dims_of(program, batch, seq, strategy.n), strategy,
+                            name if k == 0 else f"{name}.layer{i}"))
+        check_layer(layers[i], program, strategy, name=f"layer {i} ({type(layers[i]).__name__})",
+                    call=eager_call(layers[i], rotary=rotary))
+    if len(graphs) == 1:
+        return graphs[0]
+    return graphs[0].with_meta(**{KINDS_META: LayerKinds(tuple(graphs), tuple(pattern))})
+
+
+def describe_kinds(graph: Graph) -> list[dict] | None:
+    """A mixed stack's kinds (``moegraph.layers.LayerKinds``) for ``moegraph trace``: each kind's
+    layers, graph and what first differs from kind 0 (its block and field); None for one kind."""
+    kinds = layer_kinds(graph) if layer_count(graph) > 1 else graph.meta_get(KINDS_META)
+    if kinds is None or not kinds.mixed:
+        return None
+    first = kinds.graphs[0].meta_get("program")
+    out = []
+    for k, g in enumerate(kinds.graphs):
+        program = g.meta_get("program")
+        differs = (_first_difference(first, program) if k and first is not None and program is not None else None)
+        out.append({"kind": k, "graph": g.name, "layers": [i for i, x in enumerate(kinds.pattern) if x == k],
+                    "nodes": len(g.nodes), "differs_from_kind_0": differs})
+    return out
 
 
 def _first_difference(a: LayerProgram, b: LayerProgram) -> str:
@@ -435,17 +463,16 @@ def _first_difference(a: LayerProgram, b: LayerProgram) -> str:
 def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: int,
                     name: str | None = None) -> tuple[Graph, ModelSpec]:
     """Recognise a whole causal LM by its model rule (``moegraph.lowering.register_model``), never
-    tracing it as a whole: lower its decoder layers (``trace_layers``: identical layers, lowered
-    once; the driver stacks ``len(model.get_submodule(spec.layers))`` of them) and return that
-    one-layer graph with the ModelSpec naming the parts that run around it (embedding, final norm,
+    tracing it as a whole: lower its decoder layers (``trace_layers``: each distinct kind once;
+    the driver stacks ``len(model.get_submodule(spec.layers))`` of them) and return that
+    graph with the ModelSpec naming the parts that run around it (embedding, final norm,
     LM head). Every parameter and buffer of the model
     must belong to a layer or to one of those parts, or be declared unused by the rule."""
     check_patches_and_hooks(model)
     spec = find_model_rule(model).spec(model)
     layers = model.get_submodule(spec.layers)
     rotary = next((m for qn, m in model.named_modules() if qn.split(".")[-1] == "rotary_emb"), None)
-    call = eager_call(layers[0], rotary=rotary) if len(layers) else None
-    graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__, call=call)
+    graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__, rotary=rotary)
     around = {spec.embed, spec.norm.weight.qualname, *([spec.head] if spec.head else []), *spec.unused}
     stray = [k for k, _ in [*model.named_parameters(), *model.named_buffers()]
              if k not in around and not k.startswith(f"{spec.layers}.")]
@@ -480,20 +507,22 @@ def _assign_block_of_unassigned(g: GraphBuilder) -> None:
         g.nodes[i] = dataclasses.replace(node, block=block)
 
 
-def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192) -> Graph:
-    """Trace the reference layer sized from a registry ModelConfig, without allocating weights:
-    one MoE layer (DeepSeek-V3's dense first layers are ``MoETransformerLayer.from_config(cfg,
-    layer=i)``); the stack pass (``moegraph.passes.stack``) chains identical copies. A model with
-    ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for the edges pass."""
+def trace_model(cfg, strategy: Strategy, *, batch: int = 1, seq: int = 8192, layers: int = 1) -> Graph:
+    """Trace the layers of a registry ModelConfig, without allocating weights. A registry model:
+    one MoE reference layer (DeepSeek-V3's dense first layers are ``MoETransformerLayer.from_config(
+    cfg, layer=i)``), which the stack pass (``moegraph.passes.stack``) chains ``layers`` times. A
+    Hugging Face config: the family's own decoder layers a stack of ``layers`` holds
+    (``moegraph.registry.hf.hf_stack``), through ``trace_layers`` (its kinds, when they differ). A
+    model with ``router_aux_loss_coef`` > 0 carries its aux loss in ``graph.meta`` for the edges pass."""
     from moegraph.models import MoETransformerLayer
     check_graph_size(chunks=strategy.chunks, n=strategy.n, dp=strategy.dp)    # before tracing
-    if cfg.hf_config is not None:             # read from a Hugging Face config: the family's own layer
-        from moegraph.registry.hf import hf_layer
-        layer = hf_layer(cfg)
+    if cfg.hf_config is not None:             # read from a Hugging Face config: the family's own layers
+        from moegraph.registry.hf import hf_stack
+        graph = trace_layers(hf_stack(cfg, layers), strategy, batch=batch, seq=seq, name=cfg.name)
     else:
         with torch.device("meta"):
             layer = MoETransformerLayer.from_config(cfg)
-    graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
+        graph = trace_module(layer, strategy, batch=batch, seq=seq, name=cfg.name)
     if cfg.router_aux_loss_coef > 0:        # the model step's edges add it (moegraph.edges, AUX_META)
         graph = graph.with_meta(**{AUX_META: AuxLoss(cfg.router_aux_loss_coef, cfg.experts, cfg.top_k)})
     return graph

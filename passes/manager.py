@@ -48,10 +48,10 @@ from typing import Any, Callable, Literal, Mapping, Sequence
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, verify
-from moegraph.layers import layer_count, layer_graph
+from moegraph.layers import LayerKinds, layer_count, layer_kinds
 from moegraph.microbatch import micro_batch_count
 from moegraph.pass_steps import STEPS, PassError, label, parse_passes, step_label  # noqa: F401 (re-exported)
-from moegraph.passes.stack import StackLayers, stack_layers
+from moegraph.passes.stack import StackLayers, stack_kinds, stack_layers
 
 
 @dataclass(frozen=True)
@@ -195,16 +195,21 @@ def run_passes(graph: Graph, passes: Sequence[BuiltPass]) -> tuple[Graph, dict[s
 
 
 def _run_scoped(p: BuiltPass, graph: Graph) -> PassResult:
-    """``p`` on ``graph`` by its scope: a layer pass on a stack rewrites the layer graph once and
-    the result is restacked, its report the one layer's with ``layers`` added."""
+    """``p`` on ``graph`` by its scope: a layer pass on a stack rewrites each distinct layer graph
+    once (one, or each kind of a mixed stack: ``moegraph.layers.LayerKinds``) and the result is
+    restacked, its report the (first kind's) one layer's with ``layers`` added."""
     layers = layer_count(graph)
     if p.scope == "step" or layers == 1:
         return p.run(graph)
     if p.scope != "layer":
         raise PassError(f"pass {p.label!r} has scope {p.scope!r}; valid: layer, step")
-    result = p.run(layer_graph(graph))
-    return PassResult(stack_layers(result.graph, layers), result.changed,
-                      {**result.report, "layers": layers, "report_is": "per layer"})
+    kinds = layer_kinds(graph)
+    results = [p.run(g) for g in kinds.graphs]
+    report = {**results[0].report, "layers": layers, "report_is": "per layer"}
+    if kinds.mixed:
+        report |= {"layer_kinds": len(kinds.graphs), "report_is": "per layer, of the first layer's kind"}
+    return PassResult(stack_kinds(LayerKinds(tuple(r.graph for r in results), kinds.pattern)),
+                      any(r.changed for r in results), report)
 
 
 @register_model_pass(StackLayers, stage=-1)

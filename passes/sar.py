@@ -60,13 +60,13 @@ from dataclasses import dataclass
 
 from moegraph.cost import CostModel
 from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
-from moegraph.layers import layer_count, layer_graph
+from moegraph.layers import LayerKinds, layer_count, layer_kinds
 from moegraph.solver_limits import set_time_limit
 from moegraph.pass_steps import Sar, step_label
 from moegraph.sizes import parse_byte_size
 from moegraph.passes.manager import (Pass, PassResult, Scope, label, mark_rewritten, record, register,
                                      same_computation)
-from moegraph.passes.stack import stack_layers
+from moegraph.passes.stack import stack_kinds
 
 _CHUNK = re.compile(r"\.c\d+$")
 KEEP_SEARCH_S = 30.0
@@ -387,23 +387,31 @@ def remat_pass(policy: Remat, budget: int | None = None, cost: CostModel | None 
         return run(graph) if layers == 1 else _model_budget(graph, layers)
 
     def _model_budget(graph: Graph, layers: int) -> PassResult:
-        """The budget caps the whole stack's held activations. A stack holds exactly L times
-        one layer's (a layer's output is held, if at all, as the next layer's input: one value),
-        so every layer gets the same keep-set, the cheapest within budget // L. Layers are
-        identical, so this is the optimum among keep-sets shared by all layers (a mix of
-        per-layer sets could use the remainder; the periodic warm starts need identical layers)."""
-        one = layer_graph(graph)
-        try:
-            result = remat_pass("budget", budget // layers, cost, pass_label=me, keep_search_s=keep_search_s)(one)
-        except KeepSearchTimeout:
-            raise                                  # not a verdict on the budget: the limit is named
-        except ValueError as err:
-            least = plan(one, frozenset(), cost).graph.activation_bytes() * layers
-            raise ValueError(f"budget {budget} bytes for {layers} layers is below their smallest activation "
-                             f"footprint {least} bytes (everything rebuilt from each layer's input)") from err
-        stacked = stack_layers(result.graph, layers)
+        """The budget caps the whole stack's held activations. A stack holds exactly the sum of its
+        layers' (a layer's output is held, if at all, as the next layer's input: one value), so
+        every layer gets the cheapest keep-set within budget // L, the same for every layer of a
+        kind. With identical layers this is the optimum among keep-sets shared by all layers (a mix
+        of per-layer sets could use the remainder; the periodic warm starts need identical layers);
+        a mixed stack's kinds (``moegraph.layers.LayerKinds``) each get budget // L per layer."""
+        kinds = layer_kinds(graph)
+        results = []
+        for one in kinds.graphs:
+            try:
+                results.append(remat_pass("budget", budget // layers, cost, pass_label=me,
+                                          keep_search_s=keep_search_s)(one))
+            except KeepSearchTimeout:
+                raise                                  # not a verdict on the budget: the limit is named
+            except ValueError as err:
+                least = sum(plan(kinds.graphs[k], frozenset(), cost).graph.activation_bytes() for k in kinds.pattern)
+                raise ValueError(f"budget {budget} bytes for {layers} layers is below their smallest activation "
+                                 f"footprint {least} bytes (everything rebuilt from each layer's input)") from err
+        stacked = stack_kinds(LayerKinds(tuple(r.graph for r in results), kinds.pattern))
         stacked = dataclasses.replace(stacked, strategy=dataclasses.replace(stacked.strategy, remat_budget=budget))
+        result = results[0]
         report = {**result.report, "budget_bytes": budget, "layer_budget_bytes": budget // layers, "layers": layers,
                   "report_is": "per layer (activation bytes of one layer; the stack holds layers times them)"}
-        return PassResult(stacked, result.changed, report)
+        if kinds.mixed:
+            report |= {"layer_kinds": len(kinds.graphs),
+                       "report_is": "per layer of the first layer's kind (each layer holds at most layer_budget_bytes)"}
+        return PassResult(stacked, any(r.changed for r in results), report)
     return run_budget if policy == "budget" else run

@@ -234,10 +234,10 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     likewise) for the order's OVERLAP_F_B actions (runtime.pipeline_pair)."""
     import torch.distributed as dist
     from moegraph.config import CompileConfig, SolverEffort
-    from moegraph.layers import layer_graph
+    from moegraph.layers import layer_kinds
     from moegraph.pass_steps import parse_passes
     from moegraph.passes.microbatch import pair_graph
-    from moegraph.passes.stack import stack_layers
+    from moegraph.passes.stack import stack_kinds
     from moegraph.schedules.driver import lower
 
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -266,10 +266,10 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     decoder = model.get_submodule(spec.layers)
     if layout.layers != len(decoder):
         raise ValueError(f"layout holds {layout.layers} layers; the model has {len(decoder)}")
-    one = layer_graph(lowered.graph)
+    kinds = layer_kinds(lowered.graph)          # one, or a mixed stack's (moegraph.layers.LayerKinds)
     built, paired = {}, {}
     for k in layout.stages_of(p):
-        graph = stack_layers(one, len(layout.stages[k]))
+        graph = stack_kinds(kinds.sub(layout.stages[k]))
         built[k] = (graph, make_plan(graph, cost, schedule, time_limit_s=time_limit_s))
         if pairs:
             pg = pair_graph(graph)

@@ -29,9 +29,9 @@ from moegraph.cost import CostModel
 from moegraph.ir import Graph, Strategy
 from moegraph.options import format_bytes, format_bytes_apart
 from moegraph.config import LAUNCH_ORDERS, METHODS, STEP_METHODS, LaunchOrder
-from moegraph.layers import costed_layer, layer_count
+from moegraph.layers import LayerKinds, costed_kinds, layer_count
 from moegraph.microbatch import micro_batch_count
-from moegraph.passes.stack import stack_layers
+from moegraph.passes.stack import stack_kinds
 from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
@@ -234,20 +234,22 @@ def _window_search(problem: Problem, result: CpSatResult, opts: SolverOptions) -
 
 
 def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
-    """Periodic warm starts for a stack of L layers: for each unit of K in UNIT_LAYERS layers
-    dividing L (K < L), the K-layer stack of the one-layer graph solved by CP-SAT (from its best
-    list schedule, no memory budget: each candidate's peak is checked against the budget like
-    every warm start's) and tiled over the L layers (moegraph.schedules.periodic). Each unit
-    solve gets LAYER_SHARE of the effort; deterministic, so the candidates are too."""
-    one = costed_layer(problem.graph)   # the stack's layer, aux-loss routers included
-    L = layer_count(problem.graph)
-    _log.info("periodic warm starts for %d layers: CP-SAT on %s-layer units, effort %g s each", L,
-              " and ".join(str(K) for K in UNIT_LAYERS if not L % K and K < L), opts.time_limit_s * LAYER_SHARE)
+    """Periodic warm starts for a stack of L layers: for each unit of K layers (K = u * P for u in
+    UNIT_LAYERS, P the period of the layer kinds' pattern: 1 for identical layers) dividing L
+    (K < L), the stack of the unit's K layers solved by CP-SAT (from its best list schedule, no
+    memory budget: each candidate's peak is checked against the budget like every warm start's)
+    and tiled over the L layers (moegraph.schedules.periodic). Each unit solve gets LAYER_SHARE of
+    the effort; deterministic, so the candidates are too. A pattern that does not repeat (dense
+    first layers: P = L) gives none."""
+    kinds = costed_kinds(problem.graph)   # the stack's layers, aux-loss routers included
+    L, P = layer_count(problem.graph), kinds.period()
+    units = [u * P for u in UNIT_LAYERS if not L % (u * P) and u * P < L]
+    _log.info("periodic warm starts for %d layers (kinds repeat every %d): CP-SAT on %s-layer units, effort %g s "
+              "each", L, P, " and ".join(map(str, units)) or "no", opts.time_limit_s * LAYER_SHARE)
     out = []
-    for K in UNIT_LAYERS:
-        if L % K or K >= L:
-            continue
-        unit = build_problem(stack_layers(one, K), problem.cost, comm_streams=problem.streams[1:])
+    for K in units:
+        unit = build_problem(stack_kinds(LayerKinds(kinds.graphs, kinds.pattern[:K])) if K > 1 else kinds.graphs[0],
+                             problem.cost, comm_streams=problem.streams[1:])
         cands = [*(fn(unit) for fn in BASELINES.values()), *list_warm_starts(unit)]
         hint = min(cands, key=lambda s: makespan_ticks(unit, s))  # first of equals: deterministic
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,

@@ -157,7 +157,7 @@ def lower(config: CompileConfig) -> Lowered:
             graph, layers = trace_module(config.model, traced_for, batch=config.batch, seq=config.seq, name=name), 1
     else:
         model, layers = load_config_model(config)
-        graph = trace_model(model, traced_for, batch=config.batch, seq=config.seq)
+        graph = trace_model(model, traced_for, batch=config.batch, seq=config.seq, layers=layers)
         if isinstance(config.edges, ModelEdges):
             edges = AddEdges(config.edges.vocab)
         elif config.edges == "auto" and layers > 1:     # a model step at the registry's default vocabulary
@@ -209,16 +209,21 @@ def pipeline_vocab(config: CompileConfig) -> int:
 
 def layer_graphs(config: CompileConfig, model: ModelConfig, layers: int, cost: CostModel) -> tuple[Graph, ...]:
     """One graph per layer of ``model``'s first ``layers`` (its dense first layers, then its MoE
-    layers), each distinct one lowered once by ``lower`` with ``config``'s strategy, passes and
+    layers; a Hugging Face config's own layer kinds), each distinct one lowered once by ``lower`` with ``config``'s strategy, passes and
     sizes (identical layers share one graph object)."""
     return _layer_lowerings(config, model, layers, cost)[0]
 
 
 def _layer_lowerings(config: CompileConfig, model: ModelConfig, layers: int,
                      cost: CostModel) -> tuple[tuple[Graph, ...], dict[str, Any]]:
-    """``layer_graphs`` and the MoE layer's pass report."""
+    """``layer_graphs`` and the MoE layer's pass report (a Hugging Face config: its whole stack's,
+    each of its layer kinds lowered and rewritten once, ``moegraph.layers.LayerKinds``)."""
     one = dataclasses.replace(config, model=model, top_k=None, layers=1, micro_batches=1, edges="none", pp=1,
                               vpp=1, placement="loop", memory_budget=None, hardware=cost.hw)
+    if model.hf_config is not None:         # the family's own layers: every layer, its first ``layers``
+        from moegraph.layers import layer_kinds
+        stack = lower(one.replace(layers="all"))
+        return layer_kinds(stack.graph).per_layer()[:layers], stack.report
     moe = lower(one)
     dense: Graph | None = None
     if model.first_k_dense_replace and layers > 0:

@@ -23,6 +23,13 @@ after every forward node (the barrier). ``check_solution`` re-checks the result;
 budget is not considered (the caller compares each candidate's peak with it, as for every
 warm start).
 
+Mixed stacks (``moegraph.layers.LayerKinds``: GPT-OSS's sliding and full attention layers,
+Llama 4's NoPE and dense layers) tile a unit whose K layers are one or two periods of the kinds'
+pattern (P = ``LayerKinds.period()``, K in {P, 2P}): layer i = q K + u is then of unit layer u's
+kind, so the tile is the stack's. A pattern that does not repeat within the stack (DeepSeek's
+dense first layers, then MoE layers: P = L) offers no unit smaller than the stack, and CP-SAT
+searches from the list schedules alone (``schedules.api``), as for any unstacked graph.
+
 A model step's edges (``moegraph.edges``: nodes with attr ``edge``, no layer) take a window of
 their own: the eager norm and head compute runs one node after another between the last
 forward window and the first backward window (its forward nodes, then its backward ones, which
@@ -67,7 +74,7 @@ from typing import Literal
 
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
-from moegraph.layers import layer_count, layer_graph
+from moegraph.layers import layer_count, layer_kinds
 from moegraph.schedules.problem import Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
@@ -80,21 +87,22 @@ layers gives ``periodicxK``."""
 
 
 def is_stack(graph: Graph) -> bool:
-    """Whether ``graph`` holds L > 1 layers that are exactly renamed copies of its
-    ``layer_graph`` (node ``l{i}.<name>`` for each layer node ``<name>`` and each i, same op,
-    phase and group), so a one-layer schedule can be tiled onto it."""
+    """Whether ``graph`` holds L > 1 layers that are exactly renamed copies of its layer kinds'
+    graphs (``layer_kinds``: node ``l{i}.<name>`` for each node ``<name>`` of layer i's kind and
+    each i, same op, phase and group), so a unit's schedule can be tiled onto it."""
     layers = layer_count(graph)
     if layers <= 1:
         return False
-    one = layer_graph(graph)
+    kinds = layer_kinds(graph)
     nodes = [n for n in graph.nodes if not n.attr(EDGE_ATTR, False)]     # a model's edges: own windows
-    if len(nodes) != layers * len(one.nodes):
+    if len(nodes) != sum(len(kinds.graphs[k].nodes) for k in kinds.pattern):
         return False
-    by_name = {n.name: n for n in one.nodes}
+    by_name = [{n.name: n for n in g.nodes} for g in kinds.graphs]
     for node in nodes:
         i = node.layer
         prefix = f"l{i}."
-        base = by_name.get(node.name[len(prefix):]) if i is not None and node.name.startswith(prefix) else None
+        base = (by_name[kinds.pattern[i]].get(node.name[len(prefix):])
+                if i is not None and 0 <= i < layers and node.name.startswith(prefix) else None)
         if base is None or (base.op, base.phase, base.group) != (node.op, node.phase, node.group):
             return False
     return True
@@ -133,6 +141,10 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     L, K = layer_count(graph), layer_count(unit.graph)
     if L % K:
         raise ScheduleError(f"{L} layers cannot be tiled by a unit of {K}")
+    pattern = layer_kinds(graph).pattern
+    if any(pattern[i] != pattern[i % K] for i in range(L)):
+        raise ScheduleError(f"graph {graph.name!r}: its layer kinds do not repeat every {K} layers: a unit of {K} "
+                            "cannot be tiled over them")
     periods = L // K
     fwd, span = barrier_ticks(unit, sol), makespan_ticks(unit, sol)
     tail = unit.dp_tail if dp_slide else frozenset()

@@ -49,8 +49,8 @@ ADAM_BYTES_PER_ELEMENT = 30
 
 def model_layers(cfg, strategy: Strategy, *, batch: int, seq: int, passes: str | tuple, cost: CostModel,
                  layers: int | None = None) -> tuple[Graph, ...]:
-    """One graph per layer of ``cfg`` (dense first layers, then MoE; its first ``layers``, all by
-    default), identical layers sharing one graph; ``passes`` (typed steps, or a pipeline's text
+    """One graph per layer of ``cfg`` (dense first layers, then MoE; a Hugging Face config's own
+    layer kinds; its first ``layers``, all by default), identical layers sharing one graph; ``passes`` (typed steps, or a pipeline's text
     form, '' for none) applied to each distinct layer: the driver's ``layer_graphs``."""
     from moegraph.schedules.driver import layer_graphs
     config = CompileConfig(model=cfg, strategy=strategy, passes=parse_passes(passes) if isinstance(passes, str)

@@ -14,7 +14,8 @@ B, S = 2, 16
 
 
 def family_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
-    """Each case: family, cls (the ForCausalLM class name), attn, ffn, dispatch. Returns per case the
+    """Each case: family, cls (the ForCausalLM class name), attn, ffn, dispatch, and optionally
+    overrides (config fields over the zoo's: e.g. a mixed layer stack). Returns per case the
     relative errors (``||compiled - eager|| / ||eager||``), or the refusal line."""
     import moegraph
     from family_zoo import VOCAB, tiny_model
@@ -24,7 +25,7 @@ def family_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     out = []
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
-        model = tiny_model(case["family"], case["cls"], seed=seed + i)
+        model = tiny_model(case["family"], case["cls"], seed=seed + i, **case.get("overrides", {}))
         gen = torch.Generator().manual_seed(seed + 1000 + i)
         ids = torch.randint(3, VOCAB, (B, S), generator=gen)
         labels = ids.clone()

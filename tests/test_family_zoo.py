@@ -78,6 +78,44 @@ def test_families_compiled_on_two_gloo_ranks_match_eager(rank_results):
             assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, (rank, res)
 
 
+# mixed layer stacks, as the real configs have them (moegraph.layers.LayerKinds): GPT-OSS's
+# alternating sliding-window and full attention, Llama 4's NoPE layer (every 4th, with its
+# temperature tuning, exactly 1 at these lengths) and interleaved dense / MoE layers, DeepSeek-V3's
+# dense first layer
+MIXED = {
+    "gpt_oss": dict(num_hidden_layers=4, layer_types=["sliding_attention", "full_attention"] * 2),
+    "llama4": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], interleave_moe_layer_step=2,
+                   layer_types=["chunked_attention"] * 3 + ["full_attention"]),
+    "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),
+}
+MIXED_KINDS = {"gpt_oss": (0, 1, 0, 1), "llama4": (0, 1, 0, 2), "deepseek_v3": (0, 1, 1)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(MIXED))
+def test_mixed_layer_stacks_compile_and_match_eager_on_one_rank(family):
+    from moegraph.layers import KINDS_META
+    model = tiny_model(family, LMS[family], **MIXED[family])
+    graph, _ = trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
+    assert graph.meta_get(KINDS_META).pattern == MIXED_KINDS[family]
+    (res,) = family_cases(0, 1, [dict(_case(COMPILED.index(family), family), overrides=MIXED[family])], seed=23)
+    assert "refused" not in res, res
+    assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
+
+
+MIXED_N2 = RANK_BATCH.add(2, "family_zoo.mixed_cases", family_cases,
+                          [dict(_case(i + 2, family), overrides=MIXED[family]) for i, family in enumerate(sorted(MIXED))],
+                          int.from_bytes(os.urandom(3), "little"))
+
+
+def test_mixed_layer_stacks_on_two_gloo_ranks_match_eager(rank_results):
+    for rank, results in enumerate(rank_results(2, MIXED_N2)):
+        assert len(results) == len(MIXED)
+        for res in results:
+            assert "refused" not in res, (rank, res)
+            assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, (rank, res)
+
+
 REFUSED = sorted(set(LMS) - set(COMPILED))
 
 

@@ -12,7 +12,7 @@ from torch import nn
 from helpers import max_grad_err, rel_err, small_layer
 from moegraph.cost import CostModel
 from moegraph.interpreter import interpret
-from moegraph.ir import OpKind, Phase, Role, Strategy, verify
+from moegraph.ir import GraphError, OpKind, Phase, Role, Strategy, verify
 from moegraph.passes.stack import stack_layers
 from moegraph.layers import layer_count, layer_graph
 from moegraph.passes import PassError, run_pipeline
@@ -148,12 +148,57 @@ def test_interpreter_two_layers_detects_swapped_layers(rng):
     assert rel_err(interpret(graph, swapped, x, dy).output, y_ref) > 1e-2
 
 
-def test_trace_layers_refuses_different_layers():
-    from moegraph.models import MoETransformerLayer
-    from moegraph.tracer import LoweringError
-    other = MoETransformerLayer(hidden=64, heads=8, kv_heads=4, ffn_hidden=32, experts=8, top_k=3)
-    with pytest.raises(LoweringError, match="layer 1 .* same program as layer 0"):
-        trace_layers([small_layer(1), other], SP, batch=1, seq=16)
+def _mixed_stack(seed: int) -> nn.Module:
+    """Layers of two kinds, A B A B: qkv biases on the second kind."""
+    model = nn.Module()
+    model.layers = nn.ModuleList([small_layer(1, seed=seed + i, **({"qkv_bias": True} if i % 2 else {}))
+                                  for i in range(4)])
+    return model
+
+
+@pytest.mark.parametrize("passes", ["", "gate-reorder,sar=paper"])
+def test_mixed_layers_lower_each_kind_once_and_match_eager(passes, rng):
+    """Layers that differ are a stack of kinds (moegraph.layers.LayerKinds): each distinct layer
+    lowered once, layer i its kind's copy; chained they compute the eager layers in order."""
+    from moegraph.layers import KINDS_META, layer_kinds
+    model = _mixed_stack(int(torch.randint(0, 2**31 - 8, (1,), generator=rng)))
+    b, s = 2, 16
+    strategy = Strategy("sp", "ep", "ag-rs", 2, dtype="fp32")
+    traced = trace_layers(model.layers, strategy, batch=b, seq=s)
+    kinds = traced.meta_get(KINDS_META)
+    assert kinds.pattern == (0, 1, 0, 1) and kinds.period() == 2 and len(kinds.graphs) == 2
+    graph = stack_layers(traced, 4)
+    if passes:
+        graph, _ = run_pipeline(graph, passes, cost=CostModel(load_hardware("h800")))
+    assert layer_count(graph) == 4 and layer_kinds(graph).pattern == (0, 1, 0, 1)
+    with pytest.raises(GraphError, match="stacks 2 kinds of layers .*ABAB"):
+        layer_graph(graph)
+    assert sum(n.op is OpKind.BIAS and n.phase is Phase.FORWARD for n in graph.nodes) == 2      # layers 1, 3
+    x, dy = torch.randn(b, s, 64, generator=rng), torch.randn(b, s, 64, generator=rng)
+    xr = x.clone().requires_grad_(True)
+    y_ref = xr
+    for layer in model.layers:
+        y_ref = layer(y_ref)
+    y_ref.backward(dy)
+    grads_ref = {k: p.grad for k, p in model.named_parameters()}
+    res = interpret(graph, {k: p.detach() for k, p in model.named_parameters()}, x, dy)
+    assert rel_err(res.output, y_ref.detach()) < 1e-5
+    assert rel_err(res.input_grad, xr.grad) < 1e-5
+    assert set(res.param_grads) == set(grads_ref)
+    name, err = max_grad_err(res.param_grads, grads_ref)
+    assert err < 1e-5, f"gradient of {name}: relative error {err:.2e}"
+
+
+def test_layer_kinds_period_and_stage_slices():
+    from moegraph.layers import LayerKinds
+    one = trace_model(SMALL, SP, seq=64)
+    other = dataclasses.replace(one, name="other")
+    assert LayerKinds((one, other), (0, 1, 0, 1)).period() == 2
+    assert LayerKinds((one, other), (0, 0, 1, 1)).period() == 4           # dense first layers: no repeat
+    sub = LayerKinds((one, other), (0, 0, 1, 1, 1)).sub([2, 3, 4])
+    assert sub.graphs == (other,) and sub.pattern == (0, 0, 0)
+    with pytest.raises(GraphError, match="must start with kind 0"):
+        LayerKinds((one, other), (1, 0))
 
 
 @pytest.mark.parametrize("spec", ["sar=paper", "gate-reorder", "dispatch=auto", "chunk=2", "chunk=auto",

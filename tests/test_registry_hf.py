@@ -63,6 +63,37 @@ def test_every_asset_plans_through_trace_model():
             assert g.dims.experts == cfg.experts and g.forward_comm_bytes("ffn") > 0
 
 
+@pytest.mark.parametrize("asset,kinds", [
+    ("gpt-oss-120b", [("0, 2, 4", None), ("1, 3, 5", "self_attn: window 128 vs None")]),     # sliding / full
+    ("deepseek-v3", [("0, 1, 2", None), ("3, 4, 5", "mlp")])])                              # dense first layers
+@pytest.mark.slow
+def test_trace_of_a_real_config_shows_its_mixed_layer_stack(asset, kinds, capsys):
+    """--layers all of a Hugging Face config stacks every decoder layer, each kind lowered once."""
+    assert main(["trace", "--model", f"tests/assets/{asset}.json", "--n", "8", "--seq", "1024", "--layers", "all",
+                 "--passes", "", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["layers"] == load_model(f"tests/assets/{asset}.json").layers
+    assert [(", ".join(map(str, k["layers"][:3])), k["differs_from_kind_0"]) for k in report["layer_kinds"]] == kinds
+    assert len(report["nodes"]) == sum(k["nodes"] * len(k["layers"]) for k in report["layer_kinds"])
+
+
+def test_a_pipeline_of_a_real_config_holds_its_own_layer_kinds():
+    """The driver's per-layer graphs of a Hugging Face config (pipeline stages price them) are its
+    own kinds: GPT-OSS's sliding-window and full attention alternate from layer 0 on; 'all' is every
+    layer, with or without pp."""
+    from moegraph.config import CompileConfig, config_layers
+    from moegraph.cost import CostModel
+    from moegraph.registry import load_hardware
+    from moegraph.schedules.pipeline_model import model_layers
+    cfg = load_model("tests/assets/gpt-oss-120b.json")
+    assert [config_layers(CompileConfig(model=cfg, layers="all", **pp), cfg) for pp in ({}, {"pp": 4})] == [36, 36]
+    graphs = model_layers(cfg, Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=256, passes="",
+                          cost=CostModel(load_hardware("h100")), layers=4)
+    windows = [next(n.attr("window", None) for n in g.nodes if n.op is OpKind.ATTENTION) for g in graphs]
+    assert windows == [128, None, 128, None]                  # published: sliding_window 128, layer 0 sliding
+    assert graphs[0] is graphs[2] and graphs[1] is graphs[3]   # each kind lowered once
+
+
 @pytest.mark.parametrize("asset,n", [("gpt-oss-120b", "8")])
 def test_tune_ranks_strategies_for_a_hugging_face_config(asset, n, tmp_path, capsys):
     out = tmp_path / "best.json"

@@ -212,3 +212,31 @@ def test_dp_aware_tiling_offers_both_slide_orders():
         tile_layers(p, unit, sol, dp_slide=True, slide_order="late")
     assert {s.method for s in _periodic(p, SolverOptions(time_limit_s=0.2))} == {
         PERIODIC, f"{PERIODIC}+dp", f"{PERIODIC}+dp-ready"}
+
+
+def _mixed(pattern):
+    """A stack of small layers of two kinds (qkv biases on kind 1) in ``pattern``, with recompute."""
+    from helpers import small_layer
+    from moegraph.tracer import trace_layers
+    layers = [small_layer(2, seed=i, **({"qkv_bias": True} if k else {})) for i, k in enumerate(pattern)]
+    traced = trace_layers(layers, SP, batch=1, seq=64)
+    return run_pipeline(stack_layers(traced, len(pattern)), "sar=paper", cost=COST)[0]
+
+
+@pytest.mark.slow
+def test_mixed_stack_tiles_a_unit_of_its_period_and_a_non_repeating_one_falls_back():
+    """Kinds A B A B repeat every 2 layers: the warm start tiles a 2-layer unit A B (feasible:
+    _periodic checks each candidate); A B B B never repeats within the stack (dense first layers):
+    no periodic warm start, CP-SAT searches from the list schedules and the schedule verifies."""
+    alternating = _mixed((0, 1, 0, 1))
+    assert is_stack(alternating)
+    tiled = _periodic(build_problem(alternating, COST), SolverOptions(time_limit_s=0.2))
+    assert [s.method for s in tiled] == [f"{PERIODIC}x2"]
+    first_dense = _mixed((0, 1, 1, 1))
+    assert is_stack(first_dense) and _periodic(build_problem(first_dense, COST), SolverOptions(time_limit_s=0.2)) == []
+    compiled = compile_graph(first_dense, COST, time_limit_s=0.5)
+    assert verify_schedule(compiled.schedule) == []
+    assert not compiled.schedule.summary["solver"]["warm_start"].startswith(PERIODIC)
+    with pytest.raises(ScheduleError, match="do not repeat every 2 layers"):
+        unit = build_problem(stack_layers(trace_model(SMALL, SP, seq=64), 2), COST)
+        tile_layers(build_problem(first_dense, COST), unit, Solution("x", (0,) * len(unit.tasks), (0,) * len(unit.tasks)))

@@ -175,6 +175,11 @@ def emit_add(g: GraphBuilder, a: str, b: str, *, name: str, out: str, module: st
 def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str) -> str:
     """Attention with RoPE and GQA under attn='tp' (Megatron TP + SP norms) or 'sp' (Ulysses)."""
     check_layout(g)
+    if spec.temperature_floor is not None and g.dims.s >= spec.temperature_floor:
+        raise ConfigError(f"{module}: attention temperature tuning (Llama 4's NoPE layers) scales q by log(position) "
+                          f"from position floor_scale - 1 = {spec.temperature_floor - 1} on, which is not modelled: "
+                          f"lowered for s < {spec.temperature_floor} only (s={g.dims.s}), or set "
+                          "config.attn_temperature_tuning=False")
     n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, G, d = spec.heads, spec.kv_heads, spec.head_dim
     b, h = g.dims.b, g.dims.h

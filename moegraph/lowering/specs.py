@@ -96,6 +96,10 @@ class AttentionSpec:
     window: int | None = None              # sliding window: keys in (q - window, q]
     chunk: int | None = None               # chunked attention: keys in q's chunk of this size
     sinks: ParamSource | None = None       # [H] per-head sink logits in the softmax denominator (GPT-OSS)
+    # Llama 4's attention temperature tuning of a NoPE layer scales q at position p by
+    # 1 + attn_scale * log1p(floor((p + 1) / floor_scale)): exactly 1 while p + 1 < floor_scale, so
+    # the layer is lowered (without it) for sequences s < floor_scale only; this is floor_scale
+    temperature_floor: int | None = None
 
     @property
     def rotary(self) -> RopeSpec:

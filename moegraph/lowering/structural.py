@@ -465,9 +465,13 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
     use_rope = rope_applied(module)
+    temperature_floor = None
     if not use_rope and getattr(module, "attn_temperature_tuning", False):
-        raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
-                            "(q scaled by log(position)) is not modelled; set config.attn_temperature_tuning=False")
+        temperature_floor = int(getattr(module, "floor_scale", 0) or 0)
+        if temperature_floor < 2:
+            raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
+                                f"with floor_scale={temperature_floor} (q scaled by log(position) from position 0) "
+                                "is not modelled; set config.attn_temperature_tuning=False")
     rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})") if use_rope else None
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
@@ -502,7 +506,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          tuple_output=returns_tuple(type(module)), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
                          qk_norm_per_head=per_head, qk_norm_after_rope=after, qk_l2_eps=l2, o_bias=o_bias,
                          rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
-                         scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks)
+                         scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks,
+                         temperature_floor=temperature_floor)
 
 
 def mla_spec(module: nn.Module, qualname: str) -> MLASpec:

@@ -219,8 +219,23 @@ class ModelConfig(_Record):
         of identical layers holds at most this many (the dense layers are another graph)."""
         return self.layers - self.first_k_dense_replace
 
+    @property
+    def all_layers(self) -> int:
+        """The stack ``layers='all'`` means: every decoder layer of a Hugging Face config (its layer
+        kinds mixed, dense first layers included: ``moegraph.registry.hf.hf_stack``); a registry
+        model's MoE layers (``moe_layers``: its dense layers are another graph)."""
+        return self.layers if self.hf_config is not None else self.moe_layers
+
+    def stackable(self, layers: int) -> bool:
+        """Whether a stack of ``layers`` fits the model: 1 to ``moe_layers`` (from the first MoE
+        layer on), or ``all_layers``."""
+        return 1 <= layers <= self.moe_layers or layers == self.all_layers
+
     def layers_phrase(self) -> str:
         """'{name}'s N layers', or '... N MoE layers (K dense first layers lower to another graph)'."""
+        if self.hf_config is not None and self.first_k_dense_replace:
+            return (f"{self.name}'s {self.moe_layers} layers from its first MoE layer on, or all its "
+                    f"{self.layers} layers")
         if not self.first_k_dense_replace:
             return f"{self.name}'s {self.layers} layers"
         return (f"{self.name}'s {self.moe_layers} MoE layers (its first_k_dense_replace={self.first_k_dense_replace} "
@@ -382,6 +397,12 @@ class Hardware(_Record):
     collectives leave (``CostModel.beside_comm_us``): its FLOP term slows by S/(S-b), its memory
     term by W/(W - traffic * link rate). 0 = not modelled: the whole node slows by S/(S-b)
     (calibrated CPU profiles, where b counts cores)."""
+    chunk_stall_us: float = checked(nonneg_float, 0.0)
+    """Fixed time each collective of a chunked decomposition (node attr ``chunk``) pays beyond
+    its time alone: the stall MoNTA (Guo et al. 2024, "Dissussions") measures when chunks of
+    small volume run beside each other's kernels (all-gather / copy scheduling, the first chunk
+    waiting on the other node's host). 0 = not modelled (every profile without a chunked-pipeline
+    measurement: the calibrated CPU ones price chunks as before)."""
     step_noise: float = checked(fraction_or_zero, 0.0)
     """Step-to-step noise of real steps on this machine: the relative median absolute deviation
     of measured step times (``moegraph calibrate``'s in-step stage); 0 = not measured. ``moegraph

@@ -129,9 +129,22 @@ def _leading_dense(layers: list) -> list:
 
 def hf_layer(cfg: ModelConfig):
     """The family's own MoE decoder layer of a ModelConfig read from a config.json (meta device)."""
+    return hf_stack(cfg, 1)[0]
+
+
+def hf_stack(cfg: ModelConfig, layers: int) -> list:
+    """The family's own decoder layers (meta device) a stack of ``layers`` holds: all of them when
+    ``layers`` is the model's layer count (``ModelConfig.all_layers``: GPT-OSS's alternating
+    attention, DeepSeek's dense first layers, Llama 4's NoPE and dense layers, each kind lowered
+    once), else ``layers`` consecutive ones from the first MoE layer on (one: that layer)."""
     data = json.loads(cfg.hf_config)
-    _, layers = hf_model_layers(data, cfg.name)
-    return moe_layer(layers, cfg.name)[1]
+    _, found = hf_model_layers(data, cfg.name)
+    if layers == len(found):
+        return found
+    start = moe_layer(found, cfg.name)[0]
+    if not 1 <= layers <= len(found) - start:
+        raise RegistryError(f"layers={layers} must be between 1 and {cfg.layers_phrase()}")
+    return found[start:start + layers]
 
 
-__all__ = ["HF_DIR", "hf_layer", "hf_names", "load_hf_config"]
+__all__ = ["HF_DIR", "hf_layer", "hf_names", "hf_stack", "load_hf_config"]
