@@ -124,12 +124,9 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
                           "(pipeline=PipelineSearch(runnable=True)) and whose edges give the vocabulary (ModelEdges)")
     vocab, n = config.edges.vocab, config.strategy.n
     model, layers = load_config_model(config)
-    if model.first_k_dense_replace or model.router_aux_loss_coef:
-        why = (f"{model.first_k_dense_replace} dense first layers (its stages stack one compiled layer)"
-               if model.first_k_dense_replace else f"router_aux_loss_coef={model.router_aux_loss_coef:g} (the "
-               "auxiliary loss sums every layer's statistics, across stages)")
-        raise ConfigError(f"pp={config.pp}: {model.name} has {why}; run --pp trains the project's MoETransformer "
-                          "without them")
+    if model.router_aux_loss_coef:
+        raise ConfigError(f"pp={config.pp}: {model.name} has router_aux_loss_coef={model.router_aux_loss_coef:g}: the "
+                          "auxiliary loss sums every layer's statistics, across stages (set it to 0 to run --pp)")
     world = config.pp * n
     check_rank_memory(model, layers, world, what=f"--pp {config.pp} x --n {n} = {world} gloo ranks")
     compiled = build(config)

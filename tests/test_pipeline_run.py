@@ -23,9 +23,9 @@ top_k: 2
 """
 
 
-def flags(tmp_path, schedule: str = "greedy") -> list[str]:
+def flags(tmp_path, schedule: str = "greedy", extra_fields: str = "") -> list[str]:
     model = tmp_path / "tiny2.yaml"
-    model.write_text(TINY2)
+    model.write_text(TINY2 + extra_fields)
     return ["run", "--model", str(model), "--n", "1", "--seq", "16", "--micro-batches", "4", "--vocab", "64",
             "--schedule", schedule, "--time-limit", "1"]
 
@@ -42,17 +42,18 @@ def test_run_pp_trains_the_pipeline_step_as_eager(tmp_path, capsys):
     assert r["step_us"] > 0 and r["predicted_step_us"] > 0
 
 
-@pytest.mark.parametrize("extra, schedule, message", [
-    (["--vpp", "2"], "greedy", "--vpp and --placement apply to a pipeline: give --pp P"),
-    (["--pp", "2", "--dp", "2"], "greedy", "it does not take --dp"),
-    (["--pp", "2", "--train-steps", "1"], "greedy", "it does not take --train-steps"),
-    (["--pp", "2"], "sequential", "by greedy or cpsat"),
-    (["--pp", "3"], "greedy", "pp=3 x vpp=1 = 3 stages exceed the 2 layers"),
+@pytest.mark.parametrize("extra, schedule, fields, message", [
+    (["--vpp", "2"], "greedy", "", "--vpp and --placement apply to a pipeline: give --pp P"),
+    (["--pp", "2", "--dp", "2"], "greedy", "", "it does not take --dp"),
+    (["--pp", "2", "--train-steps", "1"], "greedy", "", "it does not take --train-steps"),
+    (["--pp", "2"], "sequential", "", "by greedy or cpsat"),
+    (["--pp", "3"], "greedy", "", "pp=3 x vpp=1 = 3 stages exceed the 2 layers"),
+    (["--pp", "2"], "greedy", "router_aux_loss_coef: 0.01\n", "tiny2 has router_aux_loss_coef=0.01"),
 ])
-def test_run_pp_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, extra, schedule, message):
+def test_run_pp_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, extra, schedule, fields, message):
     """Exit 2, one stderr line naming the flag, before any rank starts."""
     try:
-        rc = main([*flags(tmp_path, schedule), *extra])
+        rc = main([*flags(tmp_path, schedule, fields), *extra])
     except SystemExit as stop:
         rc = stop.code
     out, err = capsys.readouterr()
