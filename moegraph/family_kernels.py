@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from moegraph.ir import Node, OpKind, Role, bad_choice
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
+from moegraph.tokens import Tokens, attention_allowed
 
 # -- RoPE ------------------------------------------------------------------------------------------
 
@@ -36,13 +37,13 @@ def cos_sin(positions: torch.Tensor, dim: int, theta: float, dtype, inv_freq: tu
         return rope_cos_sin(positions, dim, theta, dtype)
     inv = torch.tensor(inv_freq, dtype=torch.float32).to(positions.device) if inv_freq is not None else \
         1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=positions.device) / dim))
-    emb = positions.float()[:, None] * inv[None, :]
+    emb = positions.float()[..., None] * inv                      # [S, dim/2], or [b, S, dim/2]
     emb, s = torch.cat((emb, emb), dim=-1), 1.0 if scaling is None else scaling
     return (emb.cos() * s).to(dtype), (emb.sin() * s).to(dtype)
 
 
 def rotate(node: Node, x: torch.Tensor, positions: torch.Tensor, dim: int, inverse: bool = False) -> torch.Tensor:
-    """x [b, S, heads, dim] rotated by each row's position as the node's attrs say: frequencies
+    """x [b, S, heads, dim] rotated by each row's position (``positions`` [S], or [b, S]) as the node's attrs say: frequencies
     ``inv_freq`` (default: theta's), cos/sin times ``scaling``, the first ``rotary_dim`` dims only
     (the rest pass through), pairs (2i, 2i+1) when ``interleave`` else (i, i + dr/2). ``inverse``
     rotates back (the transpose, for the backward)."""
@@ -50,16 +51,17 @@ def rotate(node: Node, x: torch.Tensor, positions: torch.Tensor, dim: int, inver
     inv = node.attr("inv_freq", None)
     if inv is None:
         cos, sin = rope_cos_sin(positions, dr, node.attr("theta"), torch.float32)
-        cos, sin = cos[:, : dr // 2], sin[:, : dr // 2]
+        cos, sin = cos[..., : dr // 2], sin[..., : dr // 2]
     else:
-        freqs = positions.float()[:, None] * torch.tensor(inv, dtype=torch.float32).to(positions.device)[None, :]
+        freqs = positions.float()[..., None] * torch.tensor(inv, dtype=torch.float32).to(positions.device)
         cos, sin = freqs.cos(), freqs.sin()
     scaling = node.attr("scaling", 1.0)
-    cos, sin = (cos * scaling).to(x.dtype), (sin * scaling).to(x.dtype)       # [S, dr/2]
+    cos, sin = (cos * scaling).to(x.dtype), (sin * scaling).to(x.dtype)       # [S, dr/2] or [b, S, dr/2]
     if inverse:
         sin = -sin
     x_rot, x_pass = x[..., :dr], x[..., dr:]
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)
+    c, s = c[:, :, None, :], s[:, :, None, :]
     if node.attr("interleave", False):
         a, b = x_rot[..., 0::2], x_rot[..., 1::2]
         out = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
@@ -74,22 +76,19 @@ def attention_extended(node: Node) -> bool:
     return any(node.attr(a, None) is not None for a in ("window", "chunk_size", "scale")) or node.attr("sinks", False)
 
 
-def attend(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None):
+def attend(node: Node, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor | None = None,
+           tokens: Tokens | None = None):
     """q [b, S, H, d], k [b, S, G, d], v [b, S, G, dv] in sequence order -> [b, S, H*dv]: causal
     attention restricted to a sliding ``window`` (keys in (q - window, q]) or to q's ``chunk``, with
     softmax ``scale`` (default d^-0.5) and, with ``sinks`` [H], one extra logit per head in the
-    softmax's denominator only (GPT-OSS's attention sinks)."""
-    if not attention_extended(node):
+    softmax's denominator only (GPT-OSS's attention sinks); ``tokens``: the batch's padding or
+    packed documents (``moegraph.tokens.attention_allowed``)."""
+    if not attention_extended(node) and tokens is None:
         return causal_gqa_attention(q, k, v)
     b, S, H, d = q.shape
     scale = node.attr("scale", None) or d ** -0.5
-    i = torch.arange(S, device=q.device)
-    allowed = i[None, :] <= i[:, None]                                               # [S, S] (query, key)
-    window, chunk = node.attr("window", None), node.attr("chunk_size", None)
-    if window is not None:
-        allowed &= i[None, :] > i[:, None] - window
-    if chunk is not None:
-        allowed &= (i[None, :] // chunk) == (i[:, None] // chunk)
+    # [S, S] or [b, 1, S, S] (query, key)
+    allowed = attention_allowed(tokens, S, node.attr("window", None), node.attr("chunk_size", None), q.device)
     rep = H // k.shape[2]
     k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
     qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)            # [b, H, S, .]

@@ -34,6 +34,7 @@ from moegraph.index_map import build_index_map
 from moegraph.ir import ExpertRows, Node, OpKind, Role, bad_choice, check_expert_rows
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
 from moegraph.router_kernels import aux_stats, pullback, route_tokens, router_pullback, tokens
+from moegraph.tokens import Tokens, rope_positions
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,9 @@ class RankContext:
     # tables made from sizes alone, never from data (RoPE's cos/sin, chunked attention's order), made
     # once per rank and reused by every step: rebuilding them cost each node a dozen small kernels
     tables: dict = field(default_factory=dict, compare=False, repr=False)
+    # the step's batch layout (padding, packed documents: moegraph.tokens), full [b, s] on every
+    # rank; None: b plain causal sequences. A step runs with dataclasses.replace(ctx, tokens=...)
+    tokens: Tokens | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         check_expert_rows(self.expert_rows)
@@ -107,6 +111,8 @@ def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.
     layout, theta = node.typed.positions, node.typed.theta
     chunk, chunks = (node.typed.chunk or 0), node.typed.chunks
     inv, scaling = node.typed.inv_freq, node.typed.scaling          # the rotary module's (structural lowering)
+    if ctx.tokens is not None and ctx.tokens.positions is not None:  # the batch's own positions: [b, rows, dim]
+        return family_kernels.cos_sin(_positions(ctx, node, rows, like.device), dim, theta, like.dtype, inv, scaling)
     return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, inv, scaling, like.dtype, like.device),
                    lambda: family_kernels.cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
                                                                   device=like.device), dim, theta, like.dtype, inv,
@@ -114,8 +120,9 @@ def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.
 
 
 def _positions(ctx: RankContext, node: Node, rows: int, device) -> torch.Tensor:
-    return chunk_positions(node.typed.positions, ctx.rank, ctx.n, ctx.seq, rows, node.typed.chunk or 0,
-                           node.typed.chunks, device=device)
+    """The RoPE positions of the node's rows: [rows], or [b, rows] for a batch with position_ids."""
+    return rope_positions(ctx.tokens, chunk_positions(node.typed.positions, ctx.rank, ctx.n, ctx.seq, rows,
+                                                      node.typed.chunk or 0, node.typed.chunks, device=device))
 
 
 def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -151,7 +158,11 @@ def _attention_fwd(ctx: RankContext, node: Node, *qkv):
         q, k, v = q[:, order], k[:, order], v[:, order]
     dv = node.typed.v_head_dim or d                                    # MLA: values narrower than q/k heads
     sinks = qkv[3 * N] if node.typed.sinks else None                   # GPT-OSS: one input after q, k, v
-    out = family_kernels.attend(node, q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv), sinks)
+    if ctx.tokens is not None and S != ctx.seq:
+        raise ValueError(f"node {node.name!r} attends over {S} rows, not the sequence of {ctx.seq}: a padded or "
+                         "packed batch's mask needs the whole sequence")
+    out = family_kernels.attend(node, q.view(b, S, -1, d), k.view(b, S, -1, d), v.view(b, S, -1, dv), sinks,
+                                ctx.tokens)
     if N > 1:
         out = out[:, pos]
     return tuple(out.chunk(N, dim=1)) if N > 1 else (out,)

@@ -34,18 +34,20 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype=torch.float32):
-    """cos, sin of shape [s, d] in the rotate-half convention (as Hugging Face Mixtral)."""
+    """cos, sin of shape [s, d] ([b, s, d] for positions [b, s]) in the rotate-half convention (as
+    Hugging Face Mixtral)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    freqs = positions.float()[..., None] * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [b, s, heads, d]; cos/sin: [s, d]."""
+    """x: [b, s, heads, d]; cos/sin: [s, d], or [b, s, d] (each row's own positions)."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[None, :, None, :] + rotated * sin[None, :, None, :]
+    cos, sin = (cos[None], sin[None]) if cos.dim() == 2 else (cos, sin)
+    return x * cos[:, :, None, :] + rotated * sin[:, :, None, :]
 
 
 def causal_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

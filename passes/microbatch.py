@@ -110,7 +110,7 @@ def merge_microbatches(graph: Graph, micro_batches: int) -> Graph:
     for j in range(M):
         copies = [_renamed(n, j, rename) for n in graph.nodes if n.name not in sync_nodes]
         if j > 0:
-            where = {c.outputs: i for i, c in enumerate(copies)}
+            where = {o: i for i, c in enumerate(copies) for o in c.outputs}
             for raw in raw_of.values():
                 done = _accumulate_into(copies, where, mb_name(j, raw), total[raw], values)
                 if done is not None:
@@ -148,13 +148,13 @@ def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, value
     GEMM accumulating into the main gradient does; ``copies`` is updated in place and None
     returned. Otherwise an ADD node (returned) sums them: ``part`` is a raw gradient, read only
     by the step's sync or the next micro-batch's sum, so the ADD's output takes ``part``'s name
-    and its producer writes ``<part>.partial`` instead. ``where``: outputs -> index in ``copies``."""
-    i = where.get((part,))
+    and its producer writes ``<part>.partial`` instead. ``where``: output -> index in ``copies``."""
+    i = where.get(part)
     if i is None:
-        raise GraphError(f"gradient {part!r} is not the single output of one node")
+        raise GraphError(f"gradient {part!r} is the output of no node")
     head = i
     while copies[head].attr("accumulate", False):
-        prev = where.get((copies[head].inputs[-1],))
+        prev = where.get(copies[head].inputs[-1])
         if prev is None:
             break
         head = prev
@@ -167,8 +167,8 @@ def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, value
     partial = f"{part}.partial"
     value = next(v for v in values if v.name == part)
     values.append(dataclasses.replace(value, name=partial))
-    prod = copies[i]
-    copies[i] = dataclasses.replace(prod, outputs=(partial,))
+    prod = copies[i]          # one output, or one of several (attention's backward: d_sinks with dq, dk, dv)
+    copies[i] = dataclasses.replace(prod, outputs=tuple(partial if o == part else o for o in prod.outputs))
     return Node(name=f"{part}.accumulate", op=OpKind.ADD, phase=Phase.BACKWARD, inputs=(acc, partial), outputs=(part,),
                 role=Role.WGRAD, flops=value.numel, mem_bytes=3 * value.nbytes, module=prod.module, block=prod.block,
                 attrs=freeze_attrs({k: v for k, v in prod.attrs if k in ("layer", MB_ATTR)}))

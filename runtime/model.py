@@ -105,13 +105,15 @@ from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
+from moegraph.lowering.hf_common import masks_by_position
 from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, replica_batch)
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import ExecutionPlan
-from moegraph.runtime.model_steps import EdgeStep, GatherSequence, ScheduledStep, SumOverRanks
+from moegraph.runtime.model_steps import EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout
+from moegraph.tokens import Tokens, tokens_of
 
 if TYPE_CHECKING:
     from moegraph.schedules.schedule_file import Schedule
@@ -220,11 +222,13 @@ class CompiledModel(nn.Module):
         """Called as the original: input_ids and labels the full [dp*b, s] on every rank (the same
         on each); positional arguments follow the original forward's order. Returns ``.loss`` when
         labels are given and ``.logits`` [b, s, V], as transformers does (``output_logits=False``
-        skips gathering them when only the loss is wanted; a base model: ``.last_hidden_state`` [b, s, h]). attention_mask: None or all ones. The
+        skips gathering them when only the loss is wanted; a base model: ``.last_hidden_state`` [b, s, h]).
+        attention_mask: None, all ones, or right padding [dp*b, s]; position_ids: None, or packed
+        documents' positions [dp*b, s] or [1, s] (``moegraph.tokens``: either, not both). The
         original's switches are accepted when they ask for what is compiled (use_cache=False,
         output_attentions=False, output_hidden_states=False, return_dict=True, logits_to_keep=0,
         output_router_logits as compiled); any other value, and any other argument of the original
-        (position_ids, past_key_values, ...) unless None, raises naming it."""
+        (past_key_values, ...) unless None, raises naming it."""
         if self.micro_batches > 1:
             raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
                                  "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "
@@ -238,6 +242,7 @@ class CompiledModel(nn.Module):
                 raise TypeError(f"got {name!r} both by position and by name")
             kwargs[name] = value
         labels, attention_mask = kwargs.pop("labels", None), kwargs.pop("attention_mask", None)
+        position_ids = kwargs.pop("position_ids", None)
         # switches of the original's forward, accepted when they ask for what the compiled model does
         does = {"use_cache": False, "output_attentions": False, "output_hidden_states": False, "return_dict": True,
                 "logits_to_keep": 0, "output_router_logits": bool(self.edges.aux_stats)}
@@ -249,7 +254,7 @@ class CompiledModel(nn.Module):
         other = sorted(k for k, v in kwargs.items() if v is not None and k not in does)
         if other:
             raise ValueError(f"argument(s) {', '.join(other)} are not supported by the compiled model "
-                             "(only input_ids, labels, an all-ones attention_mask and "
+                             "(only input_ids, labels, a right-padding attention_mask or packed position_ids, and "
                              f"{', '.join(f'{k}={v!r}' for k, v in does.items())})")
         if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
             raise ValueError("labels given, but the compiled model is a base model without an LM head")
@@ -257,18 +262,17 @@ class CompiledModel(nn.Module):
             what = "[b, s]" if self.dp == 1 else f"[dp*b, s] (dp={self.dp} replicas of b={self.batch} rows)"
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
                              f"{what} = {[self.dp * self.batch, self.seq]}")
-        if attention_mask is not None and not bool(attention_mask.all()):
-            raise ValueError("attention_mask masks some positions: only causal attention over the whole "
-                             "sequence is compiled (pass None or all ones; mask the loss with labels=-100)")
+        tokens = self._tokens(attention_mask, position_ids, kwargs.get("use_cache"))
         if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
         aux = None
         if torch.is_grad_enabled():
-            out, aux = ScheduledStep.apply(self, input_ids, self.embed, self.norm, self.lm_head,
+            out, aux = ScheduledStep.apply(self, input_ids, tokens, self.embed, self.norm, self.lm_head,
                                             *self.layers.params())
         else:
             x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
-            y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
+            with batch_layout(self.layers.executor, tokens):
+                y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
             aux = self._aux_value(kept)
             out = rms_norm(y, self.norm, self.spec.norm.eps)                   # [b, s/n, h]
             if self.lm_head is not None:
@@ -287,6 +291,36 @@ class CompiledModel(nn.Module):
                 loss = loss + self.edges.aux_coef * aux
         full_logits = self._gather(logits) if output_logits or labels is None else None   # transformers: both
         return ModelResult(loss=loss, logits=full_logits, aux_loss=aux)
+
+    def _tokens(self, attention_mask, position_ids, use_cache) -> Tokens | None:
+        """This replica's batch layout (``moegraph.tokens``: right padding or packed documents), or
+        None for a plain batch; refused by name where the compiled step would differ from eager
+        (transformers masks packed documents apart only without a cache: ``use_cache=False``)."""
+        tokens = tokens_of(attention_mask, position_ids, self.dp * self.batch, self.seq, self.embed.device)
+        if tokens is None:
+            return None
+        given = "attention_mask" if tokens.keys is not None else "position_ids"
+        if given not in self.positional:          # the original model would not take it either
+            raise ValueError(f"{given}: the original forward takes no {given}, so only a plain batch (no "
+                             f"{given}, or one that changes nothing) is compiled for it")
+        if tokens.documents is not None and not self.masks_documents:
+            if self.masks_documents is None:
+                raise ValueError("position_ids restart (packed documents), but how the original builds its attention "
+                                 "mask is unknown (its base model's forward shows no mask builder): not compiled")
+            tokens = Tokens(positions=tokens.positions)    # as its masks: documents attend across, RoPE restarts
+        if tokens.documents is not None and use_cache is not False and self.caches_by_default:
+            raise ValueError("position_ids restart (packed documents) but use_cache is not False: transformers then "
+                             "builds a cache and attends across the documents, the compiled model keeps them apart; "
+                             "pass use_cache=False (as training does)")
+        if tokens.keys is not None and self.edges.aux_stats:
+            raise ValueError("attention_mask with padding and the router's auxiliary loss: transformers leaves the "
+                             "padded tokens out of the aux loss, the compiled one counts every token (compile "
+                             "without output_router_logits, or pass an unpadded batch)")
+        if self.layers.cuda_graphs != "off":
+            raise ValueError(f"attention_mask / position_ids with cuda_graphs={self.layers.cuda_graphs!r}: the "
+                             "captured kernels hold no batch layout (run without CUDA graphs)")
+        r = self.layers.layout.replica
+        return tokens.rows(slice(r * self.batch, (r + 1) * self.batch))
 
     @torch.no_grad()
     def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -472,8 +506,13 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, config: CompileConf
     positional = [q.name for q in inspect.signature(model.forward).parameters.values()
                   if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]
     layers.train_only = train_only_settings(model)
-    return CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional,
-                         frozen=cold).train(model.training)        # the source's mode: eval stays eval
+    compiled = CompiledModel(spec, layers, full, list(model.state_dict()), batch=b, seq=s, positional=positional,
+                             frozen=cold).train(model.training)    # the source's mode: eval stays eval
+    # transformers builds a cache unless use_cache=False, and then ignores packed documents; some
+    # families build their masks without position_ids at all (hf_common.masks_by_position)
+    compiled.caches_by_default = bool(getattr(getattr(model, "config", None), "use_cache", False))
+    compiled.masks_documents = masks_by_position(model) if "position_ids" in positional else None
+    return compiled
 
 
 def original_name(spec: ModelSpec, graph: Graph, graph_qualname: str) -> str:

@@ -9,6 +9,8 @@ state explicitly (ctx, arguments): nothing rides on the model between calls.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -21,6 +23,7 @@ from moegraph.edges import EMBED_SCATTER, EmbedGrad, is_eager
 from moegraph.ir import Graph, OpKind, Role
 from moegraph.microbatch import mb_name, micro_batch_of
 from moegraph.models import rms_norm
+from moegraph.tokens import Tokens
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import EagerKernel
 from moegraph.runtime.module import CompiledLayer
@@ -49,6 +52,21 @@ class SumOverRanks(torch.autograd.Function):
         return grad * ctx.dp if ctx.dp > 1 else grad, None
 
 
+@contextlib.contextmanager
+def batch_layout(executor, tokens: Tokens | None):
+    """Run ``executor``'s kernels with the batch layout ``tokens`` (padding, packed documents:
+    ``moegraph.tokens``; the RankContext they read), then restore the plain one."""
+    if tokens is None:
+        yield
+        return
+    plain = executor.ctx
+    executor.ctx = dataclasses.replace(plain, tokens=tokens)
+    try:
+        yield
+    finally:
+        executor.ctx = plain
+
+
 class ScheduledStep(torch.autograd.Function):
     """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
     synchronised by the plan (module docstring). Forward returns this rank's logits shard
@@ -61,12 +79,13 @@ class ScheduledStep(torch.autograd.Function):
     gradient by the global input_ids (every rank holds them)."""
 
     @staticmethod
-    def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, embed: torch.Tensor, norm: torch.Tensor,
-                head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, tokens: Tokens | None, embed: torch.Tensor,
+                norm: torch.Tensor, head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
         layers = model.layers
         x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
         rec = layers._new_recorder()
-        y, saved = layers.executor.forward(x, params, recorder=rec)
+        with batch_layout(layers.executor, tokens):
+            y, saved = layers.executor.forward(x, params, recorder=rec)
         aux = model._aux_value(saved)
         with torch.enable_grad():
             y_in = y.detach().requires_grad_()
@@ -75,7 +94,8 @@ class ScheduledStep(torch.autograd.Function):
             if head is not None:
                 leaves.append(head.detach().requires_grad_())
                 out = F.linear(out, leaves[2])                                    # [b, s/n, V]
-        ctx.model, ctx.state, ctx.eager = model, (saved, rec), (out, leaves)
+        # the backward runs with this step's layout, whatever forwards ran since
+        ctx.model, ctx.state, ctx.eager, ctx.tokens = model, (saved, rec), (out, leaves), tokens
         ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
         return out.detach(), aux
 
@@ -95,13 +115,14 @@ class ScheduledStep(torch.autograd.Function):
         # PARTIAL: the plan's edges.embed.scatter runs on this step's input_ids shard [b, s/n]
         kernels = ({EMBED_SCATTER: functools.partial(model._embed_scatter, layers.shard_input(input_ids))}
                    if edges.embed_grad is EmbedGrad.PARTIAL else {})
-        _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
-                                                          eager_kernels=kernels)
+        with batch_layout(layers.executor, ctx.tokens):
+            _, grads, synced = layers.executor.backward_edges(saved, dy, params, partials, recorder=rec,
+                                                              eager_kernels=kernels)
         layers._keep(rec)
         d_embed = model._embed_grad(synced, [input_ids])
         d_norm = synced[edges.norm_synced].to(leaves[1].dtype)     # _dp_sync's main gradients are fp32
         d_head = synced[edges.head_synced].to(leaves[2].dtype) if edges.head_synced is not None else None
-        return None, None, d_embed, d_norm, d_head, *grads
+        return None, None, None, d_embed, d_norm, d_head, *grads
 
 
 class EdgeStep:

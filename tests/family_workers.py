@@ -15,36 +15,83 @@ B, S = 2, 16
 
 def family_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     """Each case: family, cls (the ForCausalLM class name), attn, ffn, dispatch, and optionally
-    overrides (config fields over the zoo's: e.g. a mixed layer stack). Returns per case the
-    relative errors (``||compiled - eager|| / ||eager||``), or the refusal line."""
-    import moegraph
-    from family_zoo import VOCAB, tiny_model
-    from moegraph.lowering import LoweringError
-    from moegraph.runtime.check import grad_report, rel_err
+    overrides (config fields over the zoo's: e.g. a mixed layer stack), passes, dp. Returns per case
+    the relative errors (``step_errors``), or the refusal line."""
     warnings.filterwarnings("ignore")
     out = []
     for i, case in enumerate(cases):
         t0 = time.perf_counter()
-        model = tiny_model(case["family"], case["cls"], seed=seed + i, **case.get("overrides", {}))
-        gen = torch.Generator().manual_seed(seed + 1000 + i)
-        ids = torch.randint(3, VOCAB, (B, S), generator=gen)
-        labels = ids.clone()
-        try:
-            compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
-                                        dispatch=case["dispatch"], passes=case.get("passes", ""), schedule="greedy",
-                                        timeout_s=120.0)
-        except LoweringError as err:
-            out.append({"case": case, "refused": str(err)})
+        model, ids, compiled = compile_case(case, seed + i)
+        if isinstance(compiled, str):
+            out.append({"case": case, "refused": compiled})
             continue
-        got = compiled(ids, labels=labels)                  # .logits with .loss, as transformers returns them
-        got.loss.backward()
-        ref = model(input_ids=ids, labels=labels)
-        ref.loss.backward()
-        grads = compiled.full_grads()
-        pairs = {k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
-                 for k, p in model.named_parameters() if p.requires_grad}
-        report = grad_report(pairs)
-        out.append({"case": case, "logits": rel_err(got.logits, ref.logits), "loss": rel_err(got.loss, ref.loss),
-                    "grads": report["max_rel_err_grads"], "worst_grad": report["worst_grad"],
-                    "params": len(pairs), "seconds": round(time.perf_counter() - t0, 2)})
+        out.append({"case": case, **step_errors(compiled, model, ids, ids.clone()),
+                    "seconds": round(time.perf_counter() - t0, 2)})
+    return out
+
+
+def compile_case(case: dict, seed: int):
+    """(the case's tiny model, token ids [B, S], the model compiled with moegraph.compile for them
+    on these ranks, or its refusal line)."""
+    import moegraph
+    from family_zoo import VOCAB, tiny_model
+    from moegraph.lowering import LoweringError
+    model = tiny_model(case["family"], case["cls"], seed=seed, **case.get("overrides", {}))
+    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1000))
+    try:
+        compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
+                                    dispatch=case["dispatch"], passes=case.get("passes", ""), schedule="greedy",
+                                    dp=case.get("dp", 1), timeout_s=120.0)
+    except LoweringError as err:
+        return model, ids, str(err)
+    return model, ids, compiled
+
+
+def step_errors(compiled, model, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict:
+    """One forward and backward with labels through the compiled and the eager model (``kwargs``
+    to both), from zeroed gradients: relative errors of logits, loss and every trainable parameter's
+    gradient (``||compiled - eager|| / ||eager||``), the worst one named."""
+    from moegraph.runtime.check import grad_report, rel_err
+    model.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=True)
+    got = compiled(ids, labels=labels, **kwargs)        # .logits with .loss, as transformers returns them
+    got.loss.backward()
+    ref = model(input_ids=ids, labels=labels, **kwargs)
+    ref.loss.backward()
+    grads = compiled.full_grads()
+    pairs = {k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
+             for k, p in model.named_parameters() if p.requires_grad}
+    report = grad_report(pairs)
+    return {"logits": rel_err(got.logits, ref.logits), "loss": rel_err(got.loss, ref.loss),
+            "grads": report["max_rel_err_grads"], "worst_grad": report["worst_grad"], "params": len(pairs)}
+
+
+def real_batches(rows: int = B, seq: int = S) -> dict[str, dict]:
+    """The batch forms training feeds (moegraph.tokens), as transformers' keyword arguments: right
+    padding (row 1 holds 11 tokens, then padding) and packed documents (position_ids restarting:
+    row 0 holds documents of 7 and 9 tokens, row 1 of 5, 4 and 7). Labels are masked (-100) where
+    the mask is 0, as SFT collators do."""
+    mask = torch.ones(rows, seq, dtype=torch.long)
+    mask[1, 11:] = 0
+    docs = [[7, 9], [5, 4, 7]]
+    position_ids = torch.stack([torch.cat([torch.arange(n) for n in docs[r % 2]]) for r in range(rows)])
+    return {"padded": {"attention_mask": mask}, "packed": {"position_ids": position_ids}}
+
+
+def batch_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
+    """``family_cases`` for the batch forms of ``real_batches``: each case's tiny model compiled once
+    (for a plain batch), then each form run through it and through the eager model (use_cache=False,
+    as training runs): per form the relative errors (``step_errors``), or the refusal line."""
+    warnings.filterwarnings("ignore")
+    out = []
+    for i, case in enumerate(cases):
+        model, ids, compiled = compile_case(case, seed + i)
+        if isinstance(compiled, str):
+            out.append({"case": case, "refused": compiled})
+            continue
+        res: dict = {"case": case}
+        for form, kwargs in real_batches().items():
+            labels = ids.masked_fill(kwargs["attention_mask"] == 0, -100) if "attention_mask" in kwargs else ids
+            res[form] = step_errors(compiled, model, ids, labels, use_cache=False, **kwargs)
+        out.append(res)
     return out

@@ -89,6 +89,30 @@ def config_reads(cls: type) -> frozenset[str]:
     return frozenset(found)
 
 
+def masks_by_position(model: nn.Module) -> bool | None:
+    """Whether the transformers model's base model builds its attention masks from position_ids
+    (``create_causal_mask(..., position_ids=...)``, directly or through a ``mask_kwargs`` dict), so
+    that position_ids that restart keep packed documents apart (masking_utils); False when its
+    mask builders do not take them (GPT-OSS: the documents then attend to each other and only RoPE
+    restarts); None when its forward builds no mask the source shows."""
+    base = getattr(model, "model", model)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(base).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    # create_causal_mask(...), or a local naming one of the builders (mask_function = ... if ... else ...)
+    calls = [nd for nd in ast.walk(tree) if isinstance(nd, ast.Call) and isinstance(nd.func, ast.Name)
+             and "mask" in nd.func.id]
+    if not calls:
+        return None
+    direct = any(kw.arg == "position_ids" for call in calls for kw in call.keywords)
+    spread = any(isinstance(nd, ast.Assign) and isinstance(nd.value, ast.Dict)
+                 and any(isinstance(t, ast.Name) and t.id.endswith("mask_kwargs") for t in nd.targets)
+                 and any(isinstance(k, ast.Constant) and k.value == "position_ids" for k in nd.value.keys)
+                 for nd in ast.walk(tree))
+    return direct or spread
+
+
 def _check_config_reads(model: nn.Module) -> None:
     cfg = model.config
     odd = sorted(name for name in config_reads(type(model)) - HARMLESS_CONFIG

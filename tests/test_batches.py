@@ -1,0 +1,140 @@
+"""Batches as training feeds them (issue 27, item 5; moegraph.tokens): right-padded rows with an
+attention_mask and packed documents with restarting position_ids match the eager transformers model
+(use_cache=False, as training runs), logits, loss and every trainable parameter's gradient, fp32
+within 1e-5, on one rank and on two gloo ranks (the suite's shared spawn); the forms not modelled
+are refused in one line naming them.
+
+Each case compiles its tiny model (tests/family_zoo.py) once for a plain batch and runs both forms
+through it (tests/family_workers.batch_cases). The cases cover the mask's paths: GQA through SDPA
+(Mixtral, sequence-parallel with 2 chunks), sliding-window attention with sinks in a mixed stack
+(GPT-OSS), chunked attention and NoPE (Llama 4), q/k norms over 2 replicas (Qwen3-MoE, dp=2), MLA
+(DeepSeek-V3, one rank).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from family_workers import B, S, batch_cases, real_batches  # noqa: E402
+from family_zoo import VOCAB, moe_causal_lms, tiny_model  # noqa: E402
+from helpers import RANK_BATCH  # noqa: E402
+
+TOL = 1e-5
+LMS = dict(moe_causal_lms())
+FORMS = ("padded", "packed")
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _case(family: str, attn: str, ffn: str, dispatch: str, **extra) -> dict:
+    return dict(family=family, cls=LMS[family], attn=attn, ffn=ffn, dispatch=dispatch, **extra)
+
+
+def _assert_matches(results: list[dict], where) -> None:
+    for res in results:
+        assert "refused" not in res, (where, res)
+        for form in FORMS:
+            r = res[form]
+            assert r["logits"] < TOL and r["loss"] < TOL and r["grads"] < TOL, (where, res["case"]["family"], form, r)
+
+
+@pytest.mark.slow
+def test_the_forms_change_what_eager_computes():
+    """The forms are not no-ops (else matching them would test nothing): padding changes the pads'
+    own logits only (they attend to no pad), packing every later document's."""
+    model = tiny_model("mixtral", LMS["mixtral"], seed=1)
+    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        forms = {f: model(input_ids=ids, use_cache=False, **kw).logits for f, kw in real_batches().items()}
+    changed = lambda got: (got - plain).abs().amax(-1) > 1e-4  # noqa: E731 - [b, s]: which tokens' logits moved
+    assert changed(forms["padded"]).nonzero().tolist() == [[1, c] for c in range(11, S)]   # no real token sees a pad
+    packed = changed(forms["packed"])
+    assert not packed[0, :7].any() and packed[0, 7:].all() and packed[1, 5:].all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["deepseek_v3"])
+def test_padded_and_packed_batches_match_eager_on_one_rank(family):
+    _assert_matches(batch_cases(0, 1, [_case(family, "sp", "ep", "a2a")], seed=31), "n=1")
+
+
+N2_CASES = [_case("mixtral", "sp", "ep", "a2a", passes="chunk=2"),
+            _case("gpt_oss", "tp", "tp", "ag-rs", overrides=dict(layer_types=["sliding_attention", "full_attention"])),
+            _case("llama4", "sp", "tp", "ag-rs"),
+            _case("qwen3_moe", "tp", "ep", "ag-rs", dp=2)]
+N2 = RANK_BATCH.add(2, "batches.batch_cases", batch_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
+
+
+def test_padded_and_packed_batches_on_two_gloo_ranks_match_eager(rank_results):
+    for rank, results in enumerate(rank_results(2, N2)):
+        assert len(results) == len(N2_CASES)
+        _assert_matches(results, f"rank {rank}")
+
+
+# -- the forms not modelled: one line each, naming the form ----------------------------------------
+
+@pytest.fixture(scope="module")
+def compiled():
+    import moegraph
+    model = tiny_model("mixtral", LMS["mixtral"], seed=2)
+    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(2))
+    return moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes=""), ids
+
+
+def _mask(*holes: tuple[int, int]) -> torch.Tensor:
+    mask = torch.ones(B, S, dtype=torch.long)
+    for row, col in holes:
+        mask[row, col] = 0
+    return mask
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(attention_mask=_mask((1, 0), (1, 1))), r"attention_mask row 1 starts with a 0 \(left padding\)"),
+    (dict(attention_mask=_mask((0, 5))), "attention_mask row 0 has a 1 after a 0: only right padding"),
+    (dict(attention_mask=_mask()[:, None, None, :].float()), r"attention_mask: a 4-D mask \[2, 1, 1, 16\] is not"),
+    (dict(attention_mask=_mask() * 2), "attention_mask holds values other than 0 and 1"),
+    (dict(attention_mask=_mask()[:, :8]), r"attention_mask has shape \[2, 8\]"),
+    (dict(attention_mask=_mask((1, 15)), position_ids=torch.arange(S)[None]), "attention_mask and position_ids together"),
+    (dict(position_ids=torch.arange(S)[None].float()), r"position_ids is torch.float32 \[1, 16\]"),
+    (dict(position_ids=(torch.arange(S) % 8)[None]), "pass use_cache=False"),       # transformers' cache default
+])
+def test_forms_not_modelled_are_refused_in_one_line(compiled, kwargs, message):
+    model, ids = compiled
+    with pytest.raises(ValueError, match=message) as err:
+        model(ids, **kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_padding_with_the_routers_aux_loss_is_refused():
+    """transformers leaves the pads out of the aux loss; the compiled one counts every token."""
+    import moegraph
+    model = tiny_model("mixtral", LMS["mixtral"], seed=3, output_router_logits=True)
+    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    with pytest.raises(ValueError, match="attention_mask with padding and the router's auxiliary loss") as err:
+        compiled(ids, attention_mask=_mask((0, 15)), output_router_logits=True)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.slow
+def test_gpt_oss_micro_batches_accumulate_the_sinks_gradient_as_eager():
+    """A merged step of M micro-batches sums each gradient over them; GPT-OSS's sinks gradient is
+    one of its attention backward's several outputs (with dq, dk, dv), summed by an ADD node."""
+    import moegraph
+    from moegraph.runtime.check import grad_report
+    model = tiny_model("gpt_oss", LMS["gpt_oss"], seed=4)
+    gen = torch.Generator().manual_seed(4)
+    ids = [torch.randint(3, VOCAB, (B, S), generator=gen) for _ in range(2)]
+    compiled = moegraph.compile(model, ids[0], hardware="cpu-gloo", schedule="greedy", passes="", micro_batches=2)
+    compiled.train_step(ids, ids)
+    for x in ids:                                        # eager accumulation of (loss / M).backward()
+        (model(input_ids=x, labels=x).loss / 2).backward()
+    grads = compiled.full_grads()
+    report = grad_report({k: (grads[k], p.grad) for k, p in model.named_parameters()})
+    assert report["max_rel_err_grads"] < TOL, report
