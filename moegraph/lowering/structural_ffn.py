@@ -153,7 +153,7 @@ def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualna
     wts = next((t for t in out if torch.is_tensor(t) and t.is_floating_point() and t.shape == (32, top_k)), None)
     if idx is None or wts is None:
         return None
-    logits = x.float() @ weight.float().T
+    logits = x.float() @ weight.detach().float().T   # a probe: no graph for autograd to keep
     got = torch.zeros_like(logits).scatter(1, idx.long(), wts.float())
     for scoring in ("softmax", "sigmoid"):
         scores = logits.softmax(-1) if scoring == "softmax" else logits.sigmoid()
