@@ -116,6 +116,10 @@ class PipelineSearch:
     overlap_param_gather: bool = False
     """The gradient sync's all-gather half runs at the next step's start, beside the forward
     (Megatron's ``--overlap-param-gather``); False: the whole sync at the step's end."""
+    runnable: bool = False
+    """The order runs on moegraph's compiled stages (moegraph.runtime.pipeline, ``run --pp``):
+    each backward whole (B, no I/W split) and F&B pairs only of a stage's forward beside its
+    own backward (one merged pair plan); False: any order torch's runtime takes."""
 
     def problems(self) -> list[str]:
         out = []
@@ -127,8 +131,9 @@ class PipelineSearch:
             out.append(f"pipeline.windows={self.windows!r} must be an integer >= 0")
         if not _positive(self.window):
             out.append(f"pipeline.window={self.window!r} must be a positive integer")
-        if not isinstance(self.overlap_param_gather, bool):
-            out.append(f"pipeline.overlap_param_gather={self.overlap_param_gather!r} must be True or False")
+        for name in ("overlap_param_gather", "runnable"):
+            if not isinstance(getattr(self, name), bool):
+                out.append(f"pipeline.{name}={getattr(self, name)!r} must be True or False")
         return out
 
 

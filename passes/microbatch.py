@@ -21,6 +21,7 @@ from moegraph.layers import boundary, layer_count
 from moegraph.limits import check_graph_size
 from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch_of
 from moegraph.passes.manager import Pass, PassResult, register_model_pass
+from moegraph.passes.stages import subgraph
 
 
 @dataclass(frozen=True)
@@ -173,4 +174,37 @@ def _accumulate_into(copies: list[Node], where: dict, part: str, acc: str, value
                 attrs=freeze_attrs({k: v for k, v in prod.attrs if k in ("layer", MB_ATTR)}))
 
 
-__all__ = ["MergeMicroBatches", "merge_microbatches"]
+def pair_graph(graph: Graph) -> Graph:
+    """The overlapped F&B pair of ``graph`` (one layer or a stack, passes applied, not merged):
+    micro-batch 1's forward beside micro-batch 0's whole backward (its recompute and its own
+    gradient synchronisation included, as an unmerged backward runs them), one verified graph in
+    the merged graph's layout (``mb{j}.`` names, the ``mb`` attribute, meta ``micro_batches`` 2:
+    the barrier holds per micro-batch, so the op-level schedule interleaves the two). No
+    gradient accumulation: micro-batch 0's gradients are its own. Inputs: ``mb1.<x>``,
+    ``mb0.<seed>``, the values micro-batch 0's backward reads of its forward (``mb0.<v>``), the
+    parameters; outputs: ``mb1.<y>`` and the values micro-batch 1's backward will read,
+    ``mb0.<dx>`` and micro-batch 0's synchronised parameter gradients (``grads``). What a
+    pipeline stage runs for torch's OVERLAP_F_B (moegraph.runtime.pipeline_pair) and, less its
+    synchronisation (once per step), what the pair is priced at (moegraph.schedules.pipeline_price)."""
+    if micro_batch_count(graph) != 1 or any(micro_batch_of(n) is not None for n in graph.nodes):
+        raise GraphError(f"graph {graph.name!r} is a merged step graph; pair its micro-batch graph (micro_batch_graph)")
+    shared = {v.name for v in graph.values if v.kind is ValueKind.PARAM}
+
+    def rename(j: int, name: str) -> str:
+        return name if name in shared else mb_name(j, name)
+
+    values = [v for v in graph.values if v.name in shared] + [
+        dataclasses.replace(v, name=mb_name(j, v.name), alias_of=None if v.alias_of is None else rename(j, v.alias_of))
+        for j in (0, 1) for v in graph.values if v.name not in shared]
+    both = dataclasses.replace(
+        graph, values=tuple(values), nodes=tuple(_renamed(n, j, rename) for j in (0, 1) for n in graph.nodes),
+        inputs=tuple(dict.fromkeys(rename(j, v) for j in (0, 1) for v in graph.inputs)),
+        outputs=tuple(dict.fromkeys(rename(j, v) for j in (0, 1) for v in graph.outputs)),
+        saved=frozenset(rename(j, v) for j in (0, 1) for v in graph.saved),
+        grads=tuple((p, mb_name(0, g)) for p, g in graph.grads),
+        meta=freeze_attrs(dict(graph.meta) | {"micro_batches": 2, "mb_graph": graph}))
+    keep = [n for n in both.nodes if (micro_batch_of(n) == 1) == (n.phase is Phase.FORWARD)]
+    return subgraph(both, keep, f"{graph.name}.F&B")
+
+
+__all__ = ["MergeMicroBatches", "merge_microbatches", "pair_graph"]

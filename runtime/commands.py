@@ -125,6 +125,16 @@ def run_command(p: argparse.ArgumentParser):
                    help="per-node and total error of the cost model against the measured steps")
     add_memory_budget_arg(p)
     add_link_args(p)
+    g = p.add_argument_group("pipeline stages (docs/pipeline.md)")
+    # dests of their own: config_from_args reads args.pp as compile's pipeline options (with --vocab
+    # a pipeline-only flag there, while run's --vocab sizes --train-steps' model)
+    g.add_argument("--pp", dest="pp_ranks", type=positive_int, default=1, metavar="P",
+                   help="train the model (--layers, default all) as P pipeline stages on P x n gloo ranks, "
+                        "--steps AdamW steps of --micro-batches M, in the order compile --pp finds (default 1)")
+    g.add_argument("--vpp", dest="pp_vpp", type=positive_int, default=1, metavar="V",
+                   help="stages per pipeline rank (default 1)")
+    g.add_argument("--placement", dest="pp_placement", default="loop", choices=("loop", "v"),
+                   help="where a rank's V stages sit (docs/pipeline.md; default %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=10.0, metavar="S",
                    help="CP-SAT search effort in deterministic seconds (default %(default)s)")
     p.add_argument("--timeout", type=positive_float, default=120.0,
@@ -253,6 +263,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     t0 = time.time()
     hardware_given = not isinstance(args.hardware, Unset)
+    pp = getattr(args, "pp_ranks", 1)                 # code that builds run's args by hand may leave it out
+    if pp == 1 and (getattr(args, "pp_vpp", 1) != 1 or getattr(args, "pp_placement", "loop") != "loop"):
+        raise UsageError("--vpp and --placement apply to a pipeline: give --pp P (P >= 2)")
+    if pp > 1 and isinstance(args.layers, Unset):
+        args.layers = Unset("all")                    # a pipeline's stages cut the whole model by default
     args, schedule = resolve_layer_args(args)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
@@ -270,6 +285,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; --backend {args.backend} moves data "
                          f"over the GPUs' own links, which it cannot shape")
     check_micro_batch_args(args)
+    if pp > 1:
+        return run_pipeline_flags(args, link, t0)
     if schedule is not None:
         check_schedule_file(schedule, args.schedule, args.memory_budget)
         model_step_file_args(args, schedule, t0)
@@ -344,6 +361,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.trace:
         report["trace"] = write_traces(args.trace, g, plan, traces, report["step_us_all"], layer.hardware)
     return report
+
+def run_pipeline_flags(args: argparse.Namespace, link: Any, t0: float) -> dict[str, Any]:
+    """``run --pp P``: the flags checked (one line before any work) and turned into the pipeline
+    config (``PipelineSearch(runnable=True)``: the order compiled stages run), then
+    ``moegraph.runtime.pipeline_run.run_pipeline``."""
+    from moegraph.config import PipelineSearch
+    from moegraph.runtime.pipeline_run import run_pipeline
+    refused = [flag for flag, given in (
+        ("--dp", args.dp > 1), ("--backend nccl", args.backend != "gloo"),
+        ("--schedule FILE.json", isinstance(args.schedule, Path)), ("--trace", args.trace),
+        ("--compare-prediction", args.compare_prediction), ("--link", link is not None),
+        ("--expert-rows padded", args.expert_rows != "exact"), ("--train-steps", args.train_steps is not None)) if given]
+    if refused:
+        raise UsageError(f"--pp {args.pp_ranks} trains the pipeline step on local gloo ranks (dp=1, --steps AdamW "
+                         f"steps); it does not take {', '.join(refused)}")
+    if args.schedule not in ("greedy", "cpsat"):
+        raise UsageError(f"--pp {args.pp_ranks} --schedule {args.schedule}: each stage's layers are scheduled alone, "
+                         "by greedy or cpsat")
+    # config_from_args reads compile's pipeline options under these names
+    flags = argparse.Namespace(**vars(args), pp=args.pp_ranks, vpp=args.pp_vpp, placement=args.pp_placement)
+    config = config_from_args(flags, multi_layer=True, schedule=args.schedule, memory_budget=args.memory_budget,
+                              solver=SolverEffort(args.time_limit), edges=ModelEdges(args.vocab),
+                              pipeline=PipelineSearch(runnable=True))
+    return run_pipeline(config, steps=args.steps, warmup=args.warmup, seed=args.seed, check=args.check,
+                        timeout_s=args.timeout, t0=t0)
 
 def check_cuda_graph_args(args: argparse.Namespace) -> None:
     """--cuda-graphs against the other flags (UsageError before any work): CUDA graphs need NCCL

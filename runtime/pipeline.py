@@ -7,7 +7,7 @@ The order a schedule gives (moegraph.schedules.pipeline: torch's generated table
 written as torch's compute-only action CSV (``moegraph.schedules.pipeline_torch.write_csv``); each
 pipeline rank wraps its stages' modules in ``PipelineStage``, loads the CSV into
 ``_PipelineScheduleRuntime`` (which adds the sends and receives and runs F, I, W, B and
-OVERLAP_F_B actions, the latter's parts one after the other) and steps (``TorchPipeline``).
+OVERLAP_F_B actions) and steps (``TorchPipeline``).
 torch scales the accumulated gradients by 1/M (``scale_grads``), so a step's gradients are those
 of the mean micro-batch loss.
 
@@ -22,8 +22,11 @@ Two kinds of stage module:
     n-rank group overlapped with compute as the op-level schedule says); the embedding (first
     stage) and the final norm and LM head (last stage) run eagerly around it on this rank's
     sequence shard. A stage's backward is the plan's one backward: orders run B, never I and W
-    apart (``TorchPipeline`` refuses them; ``solve_pipeline(split=False)``), and an
-    OVERLAP_F_B pair runs as its two parts (no merged F&B plan yet).
+    apart (``TorchPipeline`` refuses them; ``solve_pipeline(split=False)``). An OVERLAP_F_B
+    pair of a stage's F and its own B runs as moegraph's merged F&B (``compile_stages(pairs=
+    True)``: the op-level schedule of the pair graph, registered with torch's
+    ``register_custom_function``; runtime.pipeline_pair); a pair of two stages is refused.
+    Eager stages run a pair's two parts one after the other (torch's default).
 
 World (compiled stages, dp = 1): P x n ranks in moegraph's order (moegraph.passes.stages:
 r = p*n + i): stage p's group is ranks p*n .. p*n + n - 1, and member i of every stage forms one
@@ -53,8 +56,10 @@ from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, rms_norm, shift_labels
 from moegraph.passes.stages import StageLayout, rank_coords
 from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
 from moegraph.runtime.options import RuntimeOptions
+from moegraph.runtime.pipeline_pair import PairRunner, check_merged_pairs, overlap_f_b
 
 __all__ = ["StageModule", "stage_modules", "CompiledStage", "compile_stages", "pipeline_group", "ShardLoss",
            "TorchPipeline", "run_torch_schedule"]
@@ -97,12 +102,15 @@ class CompiledStage(nn.Module):
 
     def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
                  norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
-                 padding_idx: int | None, eps: float):
+                 padding_idx: int | None, eps: float, pair: "PairRunner | None" = None):
         """``original``: the layer graph's parameter source names -> the model's; ``names``: the
-        model's names of embed, norm and head (those given)."""
+        model's names of embed, norm and head (those given); ``pair``: the layers' merged F&B
+        runner (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B)."""
         super().__init__()
         self.layers, self.original = layers, dict(original)
         self.names, self.padding_idx, self.eps = dict(names), padding_idx, eps
+        self.pair = pair
+        self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None
 
         def own(t):
             return None if t is None else nn.Parameter(t.detach().clone())
@@ -116,10 +124,30 @@ class CompiledStage(nn.Module):
     def n(self) -> int:
         return self.layers.n
 
+    def _embed(self, x: torch.Tensor) -> torch.Tensor:
+        if self.embed is None:
+            return x
+        return F.embedding(shard_input(x, self.rank, self.n), self.embed, padding_idx=self.padding_idx)  # [b, s] -> [b, s/n, h]
+
+    def prepare_pair(self, x: torch.Tensor) -> None:
+        """A merged F&B pair's forward input (runtime.pipeline_pair): its layers' input now, for
+        the pair's backward; the next ``forward(x)`` of this very ``x`` takes the pair's output."""
+        if self.pair is None:
+            raise RuntimeFailure(f"stage layers {self.layers.graph.name!r} have no merged F&B plan "
+                                 "(compile_stages(pairs=True))")
+        h = self._embed(x)
+        self._prepared = (x, h)
+        self.pair.arm(h)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.embed is not None:
-            x = F.embedding(shard_input(x, self.rank, self.n), self.embed, padding_idx=self.padding_idx)  # [b, s] -> [b, s/n, h]
-        y = self.layers(x)                                                               # [b, s/n, h]
+        if self._prepared is not None and self._prepared[0] is x:
+            (_, x), self._prepared = self._prepared, None
+        else:
+            x = self._embed(x)
+        if self.pair is not None and torch.is_grad_enabled():
+            y = ScheduledLayerFunction.apply(self.pair, x, *self.layers.params())               # [b, s/n, h]
+        else:
+            y = self.layers(x)                                                           # [b, s/n, h]
         if self.lm_head is not None:
             y = F.linear(rms_norm(y, self.norm, self.eps), self.lm_head)                 # [b, s/n, h] -> [b, s/n, V]
         return y
@@ -192,7 +220,8 @@ class ShardLoss:
 def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tensor, *, n: int = 1,
                    hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
                    passes: str | Sequence[Any] = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
-                   timeout_s: float = 300.0, emulate: frozenset[str] = frozenset()) -> dict[int, CompiledStage]:
+                   timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), pairs: bool = False
+                   ) -> dict[int, CompiledStage]:
     """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
     rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). ``passes``: typed steps
     (moegraph.pass_steps) or their text form. Collective: every one of the P x n ranks calls it
@@ -200,11 +229,14 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
 
     The driver lowers the model (``moegraph.schedules.driver.lower``: the model rule, every
     parameter placed, the passes applied to its layer once); each stage's graph is that layer
-    stacked to the stage's layer count (``moegraph.passes.stack``), scheduled by ``schedule``."""
+    stacked to the stage's layer count (``moegraph.passes.stack``), scheduled by ``schedule``.
+    ``pairs``: each stage also gets its merged F&B (``pair_graph`` of its graph, scheduled
+    likewise) for the order's OVERLAP_F_B actions (runtime.pipeline_pair)."""
     import torch.distributed as dist
     from moegraph.config import CompileConfig, SolverEffort
     from moegraph.layers import layer_kinds
     from moegraph.pass_steps import parse_passes
+    from moegraph.passes.microbatch import pair_graph
     from moegraph.passes.stack import stack_kinds
     from moegraph.schedules.driver import lower
 
@@ -235,13 +267,17 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     if layout.layers != len(decoder):
         raise ValueError(f"layout holds {layout.layers} layers; the model has {len(decoder)}")
     kinds = layer_kinds(lowered.graph)          # one, or a mixed stack's (moegraph.layers.LayerKinds)
-    built = {}
+    built, paired = {}, {}
     for k in layout.stages_of(p):
         graph = stack_kinds(kinds.sub(layout.stages[k]))
         built[k] = (graph, make_plan(graph, cost, schedule, time_limit_s=time_limit_s))
+        if pairs:
+            pg = pair_graph(graph)
+            paired[k] = (pg, make_plan(pg, cost, schedule, time_limit_s=time_limit_s))
     # every block creates every group its peers need (new_group is collective): the union of plans'
-    keys = {key for g, plan in built.values() for key in plan.comm_keys(g)}
-    axes = {a for g, _ in built.values() for a in comm_axes(g)}
+    plans = [*built.values(), *paired.values()]
+    keys = {key for g, plan in plans for key in plan.comm_keys(g)}
+    axes = {a for g, _ in plans for a in comm_axes(g)}
     if world > 1:
         everyone: list = [None] * world
         dist.all_gather_object(everyone, (sorted(keys), sorted(axes)))
@@ -262,7 +298,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         out[k] = CompiledStage(layer, original, embed=full[spec.embed] if first else None,
                                norm=full[spec.norm.weight.qualname] if last else None,
                                head=full[spec.head] if last else None, names=names,
-                               padding_idx=spec.padding_idx, eps=spec.norm.eps)
+                               padding_idx=spec.padding_idx, eps=spec.norm.eps,
+                               pair=PairRunner(layer, *paired[k]) if pairs else None)
     return out
 
 
@@ -294,16 +331,25 @@ class TorchPipeline:
             raise ValueError(f"the pipeline group has {dist.get_world_size(group)} ranks; the layout pp={layout.pp}")
         self.rank, self.layout, self.S = dist.get_rank(group), layout, len(layout.stages)
         self.mine = layout.stages_of(self.rank)
-        if any(isinstance(modules[k], CompiledStage) for k in self.mine):
-            split = [str(a) for row in read_csv(csv_path) for i in row for a in parts(i) if a.kind in ("I", "W")]
+        self.merged_pairs = 0
+        """This rank's OVERLAP_F_B actions per step run as moegraph's merged F&B (compiled stages;
+        eager stages run a pair's parts one after the other, torch's default)."""
+        compiled = any(isinstance(modules[k], CompiledStage) for k in self.mine)
+        if compiled:
+            orders = read_csv(csv_path)
+            split = [str(a) for row in orders for i in row for a in parts(i) if a.kind in ("I", "W")]
             if split:
                 raise RuntimeFailure(f"the order splits backwards ({', '.join(split[:4])}{', ...' if len(split) > 4 else ''}"
                                      "): a compiled stage runs its backward as one plan (B); solve with split=False")
+            self.merged_pairs = check_merged_pairs(orders, modules, self.mine)
         kw = lambda k: {"input_args": static[k][0], "output_args": static[k][1]} if static else {}  # noqa: E731
         self.stages = [PipelineStage(modules[k], k, self.S, torch.device("cpu"), group=group, **kw(k))
                        for k in self.mine]
         self.schedule = _PipelineScheduleRuntime(self.stages, micro_batches, loss_fn=loss_fn)
         self.schedule._load_csv(str(csv_path))
+        if self.merged_pairs:
+            from torch.distributed.pipelining.schedules import OVERLAP_F_B
+            self.schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)
 
     def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[torch.Tensor]:
         """One step: ``input_ids`` [M*b, s] on the rank of stage 0, ``labels`` on the last stage's

@@ -11,6 +11,9 @@ from moegraph.runtime.device_memory import format_memory
 def format_report(r: dict[str, Any]) -> str:
     if "train_steps" in r:
         return format_train_report(r)
+    if "pp" in r:
+        from moegraph.runtime.pipeline_run import format_pipeline_report
+        return format_pipeline_report(r)
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
              f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")

@@ -359,5 +359,6 @@ def _build_pipeline(config: CompileConfig, lowered: Lowered) -> CompiledPipeline
     warm, refused = pipeline_warm_starts(problem)
     search = config.pipeline
     result = solve_pipeline(problem, warm, time_limit_s=config.solver.time_limit_s, workers=config.solver.workers,
-                            windows=search.windows, window=search.window, window_limit_s=search.window_limit_s)
+                            windows=search.windows, window=search.window, window_limit_s=search.window_limit_s,
+                            split=not search.runnable, cross_pairs=not search.runnable)
     return CompiledPipeline(lowered, built, result, refused)

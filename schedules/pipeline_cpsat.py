@@ -96,6 +96,12 @@ def candidate_pairs(problem: PipelineProblem, orders: Mapping[str, Orders]) -> l
     return list(out)
 
 
+def _whole_backwards(orders: Orders) -> Orders:
+    """``orders`` with each I run as the whole B (at I's place) and each W dropped."""
+    return tuple(tuple(Action("B", i.stage, i.mb) if isinstance(i, Action) and i.kind == "I" else i
+                       for i in row if not (isinstance(i, Action) and i.kind == "W")) for row in orders)
+
+
 SEARCH_ACTIONS = 8000
 """Most actions (F, I, W over stages and micro-batches) the whole-step search takes on. Above it
 (e.g. internal-352b's PP=15 x M=360 step, 16,200 actions) the search found no solution in 3 s of
@@ -105,20 +111,25 @@ not built (``status`` SKIPPED) and only the window search (moegraph.schedules.pi
 
 def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], *, time_limit_s: float = 30.0,
                    pairs: bool = True, split: bool = True, workers: int = 1, seed: int = 0, windows: int = 0,
-                   window: int = 4, window_limit_s: float = 1.0) -> PipelineResult:
+                   window: int = 4, window_limit_s: float = 1.0, cross_pairs: bool = True) -> PipelineResult:
     """Order the pipeline step (module docstring). ``warm_starts``: name -> orders (torch's
     schedules); at least one must fit the memory cap. Steps of more than ``SEARCH_ACTIONS``
     actions skip the whole-step search. ``pairs``: F&B pairs allowed; ``split``: a backward
     may run as I then W (False for stages whose backward is one unit, e.g. moegraph's compiled
-    stages: warm starts that split are left out). ``windows`` > 0: then up to that many windows
+    stages: a warm start's I becomes B, its W goes). ``cross_pairs``: a pair may overlap two
+    stages' F and B (False: a stage's F beside its own B only, what a compiled stage's merged
+    F&B runs; warm starts pairing two stages are left out). ``windows`` > 0: then up to that many windows
     of ``window`` micro-batches per sweep, ``window_limit_s`` of effort each, improve the best
     order so far (moegraph.schedules.pipeline_lns; two sweeps at most)."""
     t0 = time.perf_counter()
-    if not split:
-        warm_starts = {k: o for k, o in warm_starts.items()
-                       if not any(a.kind in ("I", "W") for row in o for i in row for a in parts(i))}
+    if not split:       # a split warm start runs each whole backward where its I was
+        warm_starts = {(k if o == whole else f"{k} (B at I)"): whole
+                       for k, o in warm_starts.items() for whole in [_whole_backwards(o)]}
+    if not cross_pairs:
+        warm_starts = {k: o for k, o in warm_starts.items() if not any(
+            isinstance(i, Pair) and i.forward.stage != i.backward.stage for row in o for i in row)}
         if not warm_starts:
-            raise ScheduleError("split=False, but every warm start splits a backward into I and W")
+            raise ScheduleError("cross_pairs=False, but every warm start pairs two stages' F and B")
     timelines = {name: simulate(problem, o) for name, o in warm_starts.items()}
     fitting = {k: t for k, t in timelines.items() if t.fits}
     if not fitting:
@@ -132,7 +143,7 @@ def solve_pipeline(problem: PipelineProblem, warm_starts: Mapping[str, Orders], 
         _log.info("pipeline: %d actions > %d: no whole-step search", actions, SEARCH_ACTIONS)
         return _windows(PipelineResult(best, best_name, "SKIPPED", 0.0, timelines, None, None), problem, split,
                         seed, windows, window, window_limit_s, t0)
-    cands = candidate_pairs(problem, warm_starts) if pairs else []
+    cands = [(f, b) for f, b in candidate_pairs(problem, warm_starts) if cross_pairs or f.stage == b.stage] if pairs else []
     model = _Model(problem, cands, split)
     model.hint(best)
     solver = cp_model.CpSolver()

@@ -13,8 +13,8 @@ finds; the stage-level schedule (moegraph.schedules.pipeline) then orders the un
           end (moegraph.microbatch's sync chains: they run once per step, on the summed gradient)
     I     B without the weight-gradient nodes (role WGRAD): what the data gradient needs
     W     the weight-gradient nodes alone (the embedding's: its per-micro-batch gradient gather)
-    pair  micro-batch 1's forward beside micro-batch 0's B, from the merged two-micro-batch graph
-          (``merge_microbatches``) with each micro-batch's barrier: the op-level merged schedule
+    pair  micro-batch 1's forward beside micro-batch 0's B (``pair_graph``: the merged graph's
+          layout, each micro-batch's barrier), less its sync: the op-level merged schedule
     sync  the sync chains of the step's end
     gather  their all-gather half alone (the distributed optimizer's parameter all-gather, which
           Megatron overlaps with the next step's forward: ``--overlap-param-gather``)
@@ -36,8 +36,7 @@ from typing import Callable, Iterable, Sequence
 from moegraph.cost import CostModel
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph, Node, OpKind, Phase, Role, ValueKind
-from moegraph.microbatch import micro_batch_of
-from moegraph.passes.microbatch import _sync_chains, merge_microbatches
+from moegraph.passes.microbatch import _sync_chains, pair_graph
 from moegraph.passes.stages import subgraph
 from moegraph.schedules.api import compile_graph
 
@@ -118,12 +117,9 @@ def price_layer(graph: Graph, cost: CostModel, *, method: str = "greedy", time_l
     schedule ``method`` with CP-SAT effort ``time_limit_s`` (module docstring)."""
     price = op_level(cost, method, time_limit_s)
     f, i, w, b, sync, gather = _units(graph, graph.nodes, price)
-    merged = merge_microbatches(graph, 2)
-    msync = _sync_names(merged)
-    pair = [n for n in merged.nodes if n.name not in msync and (
-        (micro_batch_of(n) == 1 and n.phase is Phase.FORWARD)
-        or (micro_batch_of(n) == 0 and n.phase is not Phase.FORWARD))]
-    together = price(subgraph(merged, pair, f"{graph.name}.F&B"))
+    pair = pair_graph(graph)
+    psync = _sync_names(pair)
+    together = price(subgraph(pair, [n for n in pair.nodes if n.name not in psync], pair.name))
     return UnitPrice(f, i, w, b, max(0.0, f + b - together), sync, graph.activation_bytes(),
                      _held_for_w(graph, graph.nodes, graph.saved), gather)
 

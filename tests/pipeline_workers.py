@@ -64,11 +64,13 @@ def hf_batches(seed: int, micro_batches: int) -> list[tuple[torch.Tensor, torch.
 
 
 def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: int, micro_batches: int,
-                      seed: int) -> dict:
+                      seed: int, pairs: bool = False, optimizers: tuple = tuple(OPTIMIZERS)) -> dict:
     """The tiny Mixtral as moegraph's compiled stages (P = world / n, n ranks each) in torch's
-    runtime, the CSV's order: STEPS steps with each optimizer from the same weights. Returns, per
-    optimizer, each step's M losses (on the last stage's ranks) and the final parameters of this
-    rank's stages under the model's names."""
+    runtime, the CSV's order: STEPS steps with each of ``optimizers`` from the same weights.
+    Returns, per optimizer, each step's M losses (on the last stage's ranks) and the final
+    parameters of this rank's stages under the model's names; the pairs run merged per step
+    (``merged``) and the merged F&B plans' runs (``pair_runs``). ``pairs``: stages compiled with
+    their merged F&B."""
     import torch.distributed as dist
 
     from model_workers import mixtral_model
@@ -78,7 +80,7 @@ def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: in
     init = {k: t.detach().clone() for k, t in model.named_parameters()}
     data = hf_batches(seed, micro_batches)
     mine = compile_stages(model, layout, data[0][0][: data[0][0].shape[0] // micro_batches], n=n,
-                          hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0)
+                          hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0, pairs=pairs)
     group = pipeline_group(layout.pp, n)
     last = len(stages) - 1 in mine
     out: dict = {"kinds": sorted({type(m.layers).__name__ for m in mine.values()})}
@@ -87,7 +89,9 @@ def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: in
         path.write_text(csv_text)
         pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n),
                              group=group, static={k: m.io_examples() for k, m in mine.items()})
-        for name, make in OPTIMIZERS.items():
+        out["merged"] = pipe.merged_pairs
+        for name in optimizers:
+            make = OPTIMIZERS[name]
             for m in mine.values():
                 m.load_full(init)
             opt = make([p for m in mine.values() for p in m.parameters()])
@@ -104,4 +108,5 @@ def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: in
                         dist.all_reduce(total, group=next(iter(mine.values())).layers.executor.comm.mp_group)
                     losses.append(total.tolist())
             out[name] = {"losses": losses, "params": {k: v for m in mine.values() for k, v in m.full_state().items()}}
+    out["pair_runs"] = sum(m.pair.runs for m in mine.values() if m.pair is not None)
     return out

@@ -96,7 +96,8 @@ MIB = 2**20
 
 @functools.cache
 def compiled_order() -> tuple:
-    """CP-SAT's order (B only, no pairs: a compiled stage runs its backward as one plan) for a
+    """CP-SAT's order (B only: a compiled stage runs its backward as one plan; no pairs: the
+    stages' own plans alone, paired_order covers the merged F&B) for a
     P=2 step whose transfers take half a forward, under a cap of 3 micro-batches in flight: it
     beats both torch schedules that fit (1F1B; GPipe holds 4)."""
     layout = StageLayout(((0,), (1,)), 2)
@@ -122,13 +123,41 @@ def _register_compiled(n: int) -> str:
 COMPILED = {n: _register_compiled(n) for n in (1, 2)} if HAS_TRANSFORMERS else {}
 
 
-def eager_training() -> dict:
+@functools.cache
+def paired_order() -> tuple:
+    """CP-SAT's order (B only) for a P=2 step where an F&B pair saves its whole F: it overlaps
+    pairs on both ranks, a stage's F beside its own B ((0F2;0B0), (1F1;1B0), (1F3;1B2))."""
+    layout = StageLayout(((0,), (1,)), 2)
+    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(2))
+    problem = PipelineProblem(layout, M, work, (10,), (10,), (0, 0), (0, 0), memory_cap_bytes=3 * MIB)
+    res = solve_pipeline(problem, {n: torch_orders(n, layout, M) for n in torch_schedules_for(layout)},
+                         time_limit_s=1, split=False)
+    assert res.source == "cpsat"
+    return res.timeline.orders
+
+
+def _register_paired() -> str:
+    def args():
+        import tempfile
+        from pathlib import Path
+        with tempfile.TemporaryDirectory() as tmp:
+            text = write_csv(paired_order(), Path(tmp) / "o.csv").read_text()
+        return (text, ((0,), (1,)), 1, M, SEED, True, ("sgd",))
+    return RANK_BATCH.add(2, "pipeline.compiled.pairs", pipeline_workers.compiled_training, make_args=args,
+                          timeout_s=120)
+
+
+PAIRED = _register_paired() if HAS_TRANSFORMERS else None
+
+
+def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS)) -> dict:
     """The same model, data and optimizers, eager: gradient accumulation over the M micro-batches."""
     from model_workers import mixtral_model
     from moegraph.runtime.check import eager_accumulate
     data = pipeline_workers.hf_batches(SEED, M)
     out = {}
-    for name, make in pipeline_workers.OPTIMIZERS.items():
+    for name in optimizers:
+        make = pipeline_workers.OPTIMIZERS[name]
         model = mixtral_model(SEED, 2)
         init = {k: p.detach().clone() for k, p in model.named_parameters()}
         opt = make(model.parameters())
@@ -139,6 +168,16 @@ def eager_training() -> dict:
             opt.step()
         out[name] = {"losses": losses, "params": {k: p.detach() for k, p in model.named_parameters()}, "init": init}
     return out
+
+
+def assert_sgd_params_match(ranks: list, ref: dict) -> None:
+    """Every parameter after the SGD steps (and its update) matches eager's."""
+    got = {k: v for r in ranks for k, v in r["sgd"]["params"].items()}
+    want, init = ref["sgd"]["params"], ref["sgd"]["init"]
+    assert set(got) == set(want)
+    for k, p in got.items():
+        assert rel_err(p, want[k]) < 1e-5, f"parameter {k} (seed {SEED})"
+        assert rel_err(p - init[k], want[k] - init[k]) < 1e-4, f"update of {k} (seed {SEED})"
 
 
 @pytest.mark.slow
@@ -154,9 +193,34 @@ def test_compiled_stages_train_hf_mixtral_as_eager(n, tmp_path):
     for name in ("sgd", "adamw"):
         got = [x for step in last[name]["losses"] for x in step]
         assert got == pytest.approx([x for step in ref[name]["losses"] for x in step], rel=1e-5), f"{name}, seed {SEED}"
-    got = {k: v for r in ranks for k, v in r["sgd"]["params"].items()}
-    want, init = ref["sgd"]["params"], ref["sgd"]["init"]
-    assert set(got) == set(want)
-    for k, p in got.items():
-        assert rel_err(p, want[k]) < 1e-5, f"parameter {k} (seed {SEED})"
-        assert rel_err(p - init[k], want[k] - init[k]) < 1e-4, f"update of {k} (seed {SEED})"
+    assert_sgd_params_match(ranks, ref)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_merged_pairs_train_hf_mixtral_as_eager(tmp_path):
+    """CP-SAT's order with F&B pairs on both ranks, each run as the stage's merged F&B plan
+    (torch's OVERLAP_F_B by register_custom_function), P=2 n=1 M=4: after 3 SGD steps every
+    parameter matches eager's."""
+    pairs = [i for row in paired_order() for i in row if isinstance(i, Pair)]
+    assert pairs and all(p.forward.stage == p.backward.stage for p in pairs)
+    ranks = RANK_BATCH.get(2, PAIRED, tmp_path)
+    for r, row in zip(ranks, paired_order()):
+        mine = sum(isinstance(i, Pair) for i in row)
+        assert r["merged"] == mine and r["pair_runs"] == mine * pipeline_workers.STEPS, r
+    ref = eager_training(("sgd",))
+    assert_sgd_params_match(ranks, ref)
+    assert [x for step in ranks[-1]["sgd"]["losses"] for x in step] == pytest.approx(
+        [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
+
+
+def test_a_pair_of_two_stages_is_refused_by_name():
+    """A V-shape's turn pairs stage 0's F with stage 3's B: one pair graph cannot hold two stages."""
+    from moegraph.runtime import RuntimeFailure
+    from moegraph.runtime.pipeline_pair import check_merged_pairs
+    orders = ((Pair(Action("F", 0, 1), Action("B", 3, 0)),), ())
+    with pytest.raises(RuntimeFailure, match=r"pair \(0F1;3B0\) overlaps stage 0's forward with stage 3's backward"):
+        check_merged_pairs(orders, {0: object(), 3: object()}, (0, 3))
+    same = ((Pair(Action("F", 0, 1), Action("B", 0, 0)),), ())
+    with pytest.raises(RuntimeFailure, match="stage 0 was compiled without its merged F&B plan"):
+        check_merged_pairs(same, {0: object()}, (0,))

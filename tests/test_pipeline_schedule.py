@@ -134,6 +134,20 @@ def test_overlapped_pairs_are_chosen_when_they_save():
     assert any(isinstance(i, Pair) for row in res.timeline.orders for i in row)
 
 
+def test_runnable_orders_pair_a_stage_only_with_itself():
+    """split=False, cross_pairs=False (what compiled stages run, PipelineSearch.runnable): the
+    V-shape's turn pairs no two stages, DualPipeV's table, which does, is no warm start, and
+    ZBV's runs each whole B where its I was."""
+    pr = problem(2, 4, 2, "v", f=10, i=8, w=4, saving=8, send=1)
+    warm = {n: torch_orders(n, pr.layout, 4) for n in ("ZBVZeroBubble", "DualPipeV")}
+    assert any(isinstance(i, Pair) and i.forward.stage != i.backward.stage for row in warm["DualPipeV"] for i in row)
+    res = solve_pipeline(pr, warm, time_limit_s=2, split=False, cross_pairs=False)
+    assert set(res.warm_starts) == {"ZBVZeroBubble (B at I)"}
+    items = [i for row in res.timeline.orders for i in row]
+    assert all(i.forward.stage == i.backward.stage for i in items if isinstance(i, Pair))
+    assert not any(isinstance(i, Action) and i.kind in ("I", "W") for i in items)
+
+
 @pytest.mark.slow
 def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     from moegraph.schedules.pipeline_gantt import BUBBLE, pipeline_figure, render_pipeline

@@ -1,0 +1,61 @@
+"""`moegraph run --pp`: the pipeline step compiled by the one driver and trained on P x n gloo
+ranks in torch's runtime (runtime/pipeline_run.py), checked against eager; its refusals.
+
+Tiny: a 2-layer copy of the registry's `tiny` (h=64, 4 experts top-2) at s=16, vocab 64, P=2,
+n=1, M=4, stage layers list-scheduled, 2 AdamW steps."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from moegraph.cli import main
+
+TINY2 = """name: tiny2
+layers: 2
+hidden: 64
+heads: 4
+kv_heads: 2
+ffn_hidden: 128
+experts: 4
+top_k: 2
+"""
+
+
+def flags(tmp_path, schedule: str = "greedy", extra_fields: str = "") -> list[str]:
+    model = tmp_path / "tiny2.yaml"
+    model.write_text(TINY2 + extra_fields)
+    return ["run", "--model", str(model), "--n", "1", "--seq", "16", "--micro-batches", "4", "--vocab", "64",
+            "--schedule", schedule, "--time-limit", "1"]
+
+
+@pytest.mark.slow
+def test_run_pp_trains_the_pipeline_step_as_eager(tmp_path, capsys):
+    """Two stages of one layer each on two ranks, the driver's order in torch's runtime: every
+    micro-batch loss of 2 AdamW steps matches the eager model's gradient accumulation."""
+    assert main([*flags(tmp_path), "--pp", "2", "--steps", "2", "--warmup", "0", "--check", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pp"], r["world"], r["stages"], r["micro_batches"]) == (2, 2, [[0], [1]], 4)
+    assert len(r["losses"]) == 2 and all(len(step) == 4 for step in r["losses"])
+    assert r["max_rel_err_loss"] < 1e-5, r
+    assert r["step_us"] > 0 and r["predicted_step_us"] > 0
+
+
+@pytest.mark.parametrize("extra, schedule, fields, message", [
+    (["--vpp", "2"], "greedy", "", "--vpp and --placement apply to a pipeline: give --pp P"),
+    (["--pp", "2", "--dp", "2"], "greedy", "", "it does not take --dp"),
+    (["--pp", "2", "--train-steps", "1"], "greedy", "", "it does not take --train-steps"),
+    (["--pp", "2"], "sequential", "", "by greedy or cpsat"),
+    (["--pp", "3"], "greedy", "", "pp=3 x vpp=1 = 3 stages exceed the 2 layers"),
+    (["--pp", "2"], "greedy", "router_aux_loss_coef: 0.01\n", "tiny2 has router_aux_loss_coef=0.01"),
+])
+def test_run_pp_refuses_what_it_cannot_run_in_one_line(tmp_path, capsys, extra, schedule, fields, message):
+    """Exit 2, one stderr line naming the flag, before any rank starts."""
+    try:
+        rc = main([*flags(tmp_path, schedule, fields), *extra])
+    except SystemExit as stop:
+        rc = stop.code
+    out, err = capsys.readouterr()
+    assert rc == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert message in err
