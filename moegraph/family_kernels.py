@@ -124,7 +124,7 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     """x [..., h], w [E, h] -> (weights [T, k], experts [T, k]) for routers beyond ROUTER's two plain
     ones. Inputs after w: the choice bias [E] when attr score_bias, the trained logit bias [E] when
     attr logit_bias. scores = softmax or sigmoid of the (biased) fp32 logits; experts = top-k of
-    scores + choice bias among the topk_groups best of ``groups`` groups (a group ranked by
+    scores + choice bias (logits + choice bias when attr bias_on_logits: Kolibri) among the topk_groups best of ``groups`` groups (a group ranked by
     group_score: its two best, or its best choice score); weights = their scores, renormalised
     when normalize, times scale."""
     extra = list(extra)
@@ -139,7 +139,8 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
         scores = torch.sigmoid(logits)
     else:
         raise bad_choice(node)
-    choice = scores if choice_bias is None else scores + choice_bias.float().reshape(-1)
+    choice = logits if node.attr("bias_on_logits", False) else scores
+    choice = choice if choice_bias is None else choice + choice_bias.float().reshape(-1)
     T, E = choice.shape
     groups, topk_groups = node.attr("groups", 1), node.attr("topk_groups", 1)
     if groups > 1:

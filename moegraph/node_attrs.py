@@ -169,11 +169,14 @@ class RouterAttrs(NodeAttrs):
     general: bool = False
     group_score: Literal["top2-sum", "max"] | None = None
     logit_bias: bool = False
+    bias_on_logits: bool = False         # the choice bias is added to the logits before scoring (Kolibri)
     wrt: Literal["weight", "logit_bias"] | None = None
 
     def problem(self, role: Role) -> str | None:
         if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
             return "scoring='sigmoid' needs groups, topk_groups and scale"
+        if self.bias_on_logits and not (self.general and self.score_bias):
+            return "bias_on_logits=True needs general=True and a score_bias input"
         if self.aux and role is not Role.FORWARD and None in (self.aux_rows, self.aux_share):
             return "aux=True needs aux_rows and aux_share in its gradients (the aux loss's seed scale)"
         return None

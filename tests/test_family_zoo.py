@@ -19,10 +19,11 @@ transformers = pytest.importorskip("transformers")
 
 from family_workers import family_cases  # noqa: E402
 from family_zoo import moe_causal_lms, tiny_model  # noqa: E402
-from helpers import RANK_BATCH  # noqa: E402
+from helpers import RANK_BATCH, eager_step, max_grad_err, rel_err  # noqa: E402
+from moegraph.interpreter import interpret  # noqa: E402
 from moegraph.ir import Strategy  # noqa: E402
 from moegraph.lowering import LoweringError  # noqa: E402
-from moegraph.tracer import trace_causal_lm  # noqa: E402
+from moegraph.tracer import trace_causal_lm, trace_module  # noqa: E402
 
 TOL = 1e-5
 COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("sp", "tp", "ag-rs"),
@@ -31,8 +32,8 @@ COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("s
 # the families that compile (the issue's named ones among them: Qwen3-MoE, GPT-OSS, DeepSeek-V2,
 # GLM-4.5, Granite MoE, ERNIE 4.5, HunYuan, dots.llm1, MiniMax-M2, Llama 4)
 COMPILED = ("aria", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
-            "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "llama4",
-            "mellum", "mimo_v2_flash", "minimax_m2",
+            "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "kolibri1",
+            "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open")
 LMS = dict(moe_causal_lms())
 
@@ -65,7 +66,23 @@ def test_family_compiles_and_matches_eager_on_one_rank(family):
     assert res["grads"] < TOL, res
 
 
-N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS]
+# families whose layers compile but whose own defaults refuse at the model edges: compiled with the
+# one edge setting neutral. Cohere2-MoE: attention and MoE in parallel on one norm, NoPE full-attention
+# layers, the shared expert averaged with the routed ones; its logits' logit_scale=0.0625 is refused
+# by name (test_cohere2_moe_refuses_its_logit_scale_by_name)
+EDGE_NEUTRAL = {"cohere2_moe": dict(logit_scale=1.0)}
+
+
+@pytest.mark.parametrize("family", [f if f in LMS else pytest.param(f, marks=pytest.mark.skip(reason=_missing(f)))
+                                    for f in EDGE_NEUTRAL])
+def test_family_layers_compile_and_match_eager_with_a_neutral_edge(family):
+    (res,) = family_cases(0, 1, [dict(_case(1, family), overrides=EDGE_NEUTRAL[family])], seed=13)
+    assert "refused" not in res, res
+    assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
+
+
+N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS] + \
+    [dict(_case(i + 4, family), overrides=ov) for i, (family, ov) in enumerate(EDGE_NEUTRAL.items()) if family in LMS]
 N2 = RANK_BATCH.add(2, "family_zoo.family_cases", family_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
 
 
@@ -130,6 +147,37 @@ def test_every_other_family_refuses_in_one_line_naming_a_construct(family):
     text = str(info.value)
     assert "\n" not in text and ("'" in text or "(" in text), text
     assert not any(s in text for s in ("Proxy", "symbolically traced", "TraceError")), text
+
+
+def test_cohere2_moe_refuses_its_logit_scale_by_name():
+    if "cohere2_moe" not in LMS:
+        pytest.skip(_missing("cohere2_moe"))
+    with pytest.raises(LoweringError) as info:
+        trace_causal_lm(tiny_model("cohere2_moe", LMS["cohere2_moe"]), Strategy("sp", "ep", "a2a", 1, dtype="fp32"),
+                        batch=2, seq=16)
+    assert str(info.value) == ("Cohere2MoeForCausalLM.forward reads self.logit_scale=0.0625: the compiled model's "
+                               "embedding, final norm and LM head do not model it")
+
+
+@pytest.mark.parametrize("strategy", [Strategy("sp", "ep", "a2a", 1, dtype="fp32"),
+                                      Strategy("tp", "tp", "ag-rs", 2, dtype="fp32")])
+def test_cohere2_moe_layer_with_its_bias_free_layernorm_matches_eager(strategy):
+    """Cohere2-MoE's own default norm (rms_norm_eps=None): mean-centred, a weight and no bias, lowered
+    as a NORM 'layer' node; its model's final LayerNorm is refused at the edges, so one decoder layer
+    (a NoPE full-attention layer: the eager call's cos/sin are not read) is checked here."""
+    if "cohere2_moe" not in LMS:
+        pytest.skip(_missing("cohere2_moe"))
+    layer = tiny_model("cohere2_moe", LMS["cohere2_moe"], seed=5, rms_norm_eps=None).model.layers[0]
+    gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
+    x, dy = torch.randn(2, 16, 64, generator=gen), torch.randn(2, 16, 64, generator=gen)
+    unused = torch.full((1, 16, 8), float("nan"))       # NaN: any use of RoPE would show
+    y_ref, dx_ref, grads_ref = eager_step(layer, x, dy, call=lambda m, t: m(t, position_embeddings=(unused, unused)))
+    graph = trace_module(layer, strategy, batch=2, seq=16)
+    assert any(n.op.name == "NORM" and n.attr("kind") == "layer" for n in graph.nodes)
+    res = interpret(graph, {k: t.detach() for k, t in [*layer.named_parameters(), *layer.named_buffers()]}, x, dy)
+    assert rel_err(res.output, y_ref) < TOL and rel_err(res.input_grad, dx_ref) < TOL
+    name, err = max_grad_err(res.param_grads, grads_ref)
+    assert err < TOL, f"gradient of {name}: {err:.2e}"
 
 
 def test_the_compiled_families_cover_every_strategy_at_two_ranks():

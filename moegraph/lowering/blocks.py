@@ -460,6 +460,8 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     shared = _emit_shared_expert(g, spec.shared, x, kw)
     y = g.like("moe_out", routed)
     g.node("shared_add", OpKind.ADD, (routed, shared), (y,), flops=_numel(g, routed), **kw)
+    if spec.shared_average:           # (routed + shared) / 2 (Cohere2-MoE's 'average' combination)
+        return emit_scale(g, y, 0.5, name="shared_average", out="moe_avg_out", **kw)
     return y
 
 

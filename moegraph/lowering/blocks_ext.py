@@ -120,7 +120,8 @@ def router_attrs(spec: MoESpec) -> dict:
     if not spec.plain_router:         # family_kernels.route_general: every field explicit
         return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                         "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
-                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize}
+                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize} \
+            | ({"bias_on_logits": True} if spec.bias_on_logits else {})
     if spec.scoring == "sigmoid":
         attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                   "score_bias": spec.score_bias is not None}

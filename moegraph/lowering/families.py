@@ -28,6 +28,9 @@ class RouterRow:
                   attribute (on the router, the block or the config) that says it.
     choice_bias:  attribute path (from the MoE block) of the score-correction bias added to the
                   scores for the choice only.
+    choice_on:    what that bias is added to: the scores (DeepSeek-V3: sigmoid(logits) + bias) or
+                  the logits before the scoring (Kolibri: top-k of logits + bias; the chosen
+                  experts' sigmoid scores weigh them).
     group_score:  how an expert group ranks for grouped routing (n_group / topk_group):
                   the sum of its two best scores (DeepSeek-V3) or its best one (DeepSeek-V2).
     grouped:      the attribute that switches grouped routing on (e.g. topk_method), with the
@@ -37,6 +40,7 @@ class RouterRow:
     scoring: Scoring | None = None
     normalize: bool | str | None = None
     choice_bias: str | None = None
+    choice_on: Literal["scores", "logits"] = "scores"
     group_score: GroupScore = "top2-sum"
     grouped: tuple[str, str] | None = None
 
@@ -72,6 +76,7 @@ FAMILIES: dict[str, Family] = {
                                            grouped=("topk_method", "group_limited_greedy"))),
     "minimax_m2": Family(router=RouterRow(choice_bias="e_score_correction_bias", normalize=True)),
     "ernie4_5_moe": Family(router=RouterRow(normalize=True, choice_bias="gate.moe_statics.e_score_correction_bias")),
+    "kolibri1": Family(router=RouterRow(choice_on="logits")),
     "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
     "llama4": Family(weighted_input=True),
 }

@@ -25,7 +25,7 @@ from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
 from moegraph.lowering.rope import rotary_frequencies
 from moegraph.lowering.specs import NormSpec
-from moegraph.lowering.structural import classify, family_of, norm_spec
+from moegraph.lowering.structural import classify, family_of, forward_reads, norm_spec
 
 
 def check_attention(module: nn.Module, qualname: str, head_dim: int | None = None, structural: bool = False) -> None:
@@ -120,6 +120,23 @@ def _check_config_reads(model: nn.Module) -> None:
                  if not _neutral(getattr(cfg, name, None)))
     if odd:
         values = ", ".join(f"config.{name}={getattr(cfg, name, None)!r}" for name in odd)
+        raise LoweringError(f"{type(model).__name__}.forward reads {values}: the compiled model's embedding, final "
+                            "norm and LM head do not model it")
+
+
+# a ForCausalLM's own attributes its forward may read: the aux loss's (``aux_loss`` models them)
+MODELLED_SELF = frozenset({"router_aux_loss_coef", "num_experts", "num_experts_per_tok", "vocab_size"})
+
+
+def _check_self_reads(model: nn.Module) -> None:
+    """A setting the causal LM's forward reads from itself rather than its config (Cohere2-MoE's
+    ``self.logit_scale``): refused by name unless it is neutral, as a config field."""
+    children = dict(model.named_children())
+    odd = sorted(name for name in forward_reads(type(model)) - MODELLED_SELF - {"config"}
+                 if name not in children and not callable(getattr(model, name, None))
+                 and not _neutral(getattr(model, name, None)))
+    if odd:
+        values = ", ".join(f"self.{name}={getattr(model, name, None)!r}" for name in odd)
         raise LoweringError(f"{type(model).__name__}.forward reads {values}: the compiled model's embedding, final "
                             "norm and LM head do not model it")
 
@@ -239,6 +256,7 @@ def causal_lm(model: nn.Module) -> ModelSpec:
     or not); the loss is transformers' mean next-token cross-entropy, plus the router's auxiliary
     load-balancing loss where it adds one (``aux_loss``)."""
     _check_config_reads(model)
+    _check_self_reads(model)
     tied = check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
     base = prefixed(base_model(model.model), "model.")
     return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model),

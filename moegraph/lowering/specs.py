@@ -169,12 +169,14 @@ class MoESpec:
     hidden: int
     normalize: bool = True    # renormalise the top-k weights to sum to 1 (Mixtral; not Qwen2-MoE)
     shared: MLPSpec | None = None
+    shared_average: bool = False              # output (routed + shared) / 2, not their sum (Cohere2-MoE)
     # DeepSeek-V3's router: sigmoid scores; experts chosen by score + score_bias (a buffer, used
     # for the choice only) among the best topk_groups of `groups` expert groups (a group ranked by
     # its two best scores, or with group_score 'max' its best: DeepSeek-V2); the chosen scores
     # (renormalised if normalize) times `scale` weigh them
     scoring: Scoring = "softmax"
     score_bias: ParamSource | None = None     # [E]
+    bias_on_logits: bool = False              # score_bias is added to the logits, not the scores (Kolibri)
     groups: int = 1
     topk_groups: int = 1
     scale: float = 1.0
@@ -189,7 +191,8 @@ class MoESpec:
 
     @property
     def plain_router(self) -> bool:
-        """The router the ROUTER kernel always computed: no group max, no softmax choice bias, no logit bias."""
-        return (self.group_score == "top2-sum" and self.router_bias is None
+        """The router the ROUTER kernel always computed: no group max, no softmax choice bias, no logit bias,
+        no choice bias on the logits."""
+        return (self.group_score == "top2-sum" and self.router_bias is None and not self.bias_on_logits
                 and not (self.scoring == "softmax" and (self.score_bias is not None or self.groups != 1
                                                         or self.scale != 1.0)))

@@ -309,13 +309,34 @@ def _child_class_check(module: nn.Module, qualname: str, name: str) -> nn.Module
 
 def norm_spec(module: nn.Module, qualname: str) -> NormSpec:
     """An RMSNorm: weight * x rsqrt(mean(x^2) + eps); a bias makes it a LayerNorm (mean removed, then
-    + bias), recognised by its forward reading ``bias`` or by torch's nn.LayerNorm."""
+    + bias), recognised by its forward reading ``bias`` or by torch's nn.LayerNorm; so does a forward
+    that removes the mean, found by running it (Cohere's bias-free LayerNorm)."""
     eps = _eps(module)
     bias = getattr(module, "bias", None)
-    if isinstance(module, nn.LayerNorm) or (bias is not None and "bias" in forward_reads(type(module))):
+    if isinstance(module, nn.LayerNorm) or (bias is not None and "bias" in forward_reads(type(module))) or \
+            _removes_mean(module, eps):
         return NormSpec(_src(qualname, "weight"), eps, kind="layer",
                         bias=None if bias is None else _src(qualname, "bias"))
     return NormSpec(_src(qualname, "weight"), eps)
+
+
+def _removes_mean(module: nn.Module, eps: float) -> bool:
+    """Whether a bias-free norm centres its rows: its output on 8 random rows (mean 1) is F.layer_norm's
+    (weight, no bias) and not an RMSNorm's. False when it cannot run (meta weights: then it is read as
+    an RMSNorm, and the numerical check, which runs on real weights, has the last word)."""
+    import torch
+    import torch.nn.functional as F
+    w = module._parameters["weight"]
+    if w.is_meta or "bias" in module._parameters:
+        return False
+    x = (torch.randn(8, w.shape[0], generator=torch.Generator().manual_seed(7)) + 1).to(w.dtype).to(w.device)
+    try:
+        with torch.no_grad():
+            got = module(x).float()
+    except Exception:  # noqa: BLE001 - a norm that cannot run alone: read as RMSNorm, checked by numbers
+        return False
+    want = F.layer_norm(x.float(), (w.shape[0],), w.detach().float(), None, eps)
+    return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())))
 
 
 # -- attention -------------------------------------------------------------------------------------

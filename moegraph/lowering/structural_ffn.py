@@ -123,15 +123,32 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
                                 "outputs, not 1")
         shared = _replace(shared, gate=_src(qualname, "shared_expert_gate.weight"))
     check_children(module, qualname, known)
+    average = _shared_combination(module, qualname) if shared is not None else False
     w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
     router_bias = _src(qualname, f"{rname}.bias") if router._parameters.get("bias") is not None else None
     expert_bias = _expert_biases(experts, f"{qualname}.experts", f, row)
     return MoESpec(router=_src(qualname, f"{rname}.{wpath}"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
-                   ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, scoring=scoring, score_bias=choice,
+                   ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, shared_average=average, scoring=scoring, score_bias=choice,
+                   bias_on_logits=choice is not None and rr.choice_on == "logits",
                    groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
                    activation=act, router_bias=router_bias, expert_bias=expert_bias,
                    tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
                    swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input)
+
+
+COMBINATION = "shared_expert_combination_strategy"
+
+
+def _shared_combination(module: nn.Module, qualname: str) -> bool:
+    """Whether the block averages its routed and shared experts' outputs (Cohere2-MoE's
+    ``shared_expert_combination_strategy='average'``) rather than adding them ('sum', every other)."""
+    if COMBINATION not in forward_reads(type(module)):
+        return False
+    how = getattr(module, COMBINATION, None)
+    if how not in ("sum", "average"):
+        raise LoweringError(f"{qualname} ({type(module).__name__}): {COMBINATION}={how!r} is not modelled "
+                            "('sum' and 'average' are)")
+    return how == "average"
 
 
 def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualname: str):
