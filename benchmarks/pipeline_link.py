@@ -20,6 +20,7 @@ in rounds, the order rotated each round, after warm-up steps.
 
     sudo .venv/bin/python benchmarks/pipeline_link.py                   # 24 steps per order
     sudo .venv/bin/python benchmarks/pipeline_link.py --steps 3         # smoke
+    sudo .venv/bin/python benchmarks/pipeline_link.py --breakdown       # + per-action times (pipeline_breakdown.py)
 
 Prints one Markdown block for RESULTS.md.
 """
@@ -81,12 +82,14 @@ def predict(args, cfg):
     one = simulate(problem, warm["1F1B"])
     problem = with_cap(problem, one.peak_bytes[0] + problem.work[0].held)
     res = solve_pipeline(problem, warm, time_limit_s=args.time_limit, pairs=False, split=False)
-    return problem, {"cpsat": res.timeline, "1F1B": simulate(problem, warm["1F1B"])}, res
+    return problem, {"cpsat": res.timeline, "1F1B": simulate(problem, warm["1F1B"])}, res, built
 
 
 def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_batches: int, hardware: str,
-              csvs: dict, steps: int, seed: int) -> dict:
-    """Build the compiled stages and one TorchPipeline per order; time each order's steps."""
+              csvs: dict, steps: int, seed: int, breakdown: bool = False) -> dict:
+    """Build the compiled stages and one TorchPipeline per order; time each order's steps.
+    ``breakdown``: also record every action's start and every p2p wait of the timed steps
+    (pipeline_breakdown.ActionClock): {"times": ..., "events": {order: [per step events]}}."""
     import torch
     import torch.distributed as dist
 
@@ -112,14 +115,24 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
                                         static=static)
     names = list(pipes)
     times: dict[str, list[float]] = {k: [] for k in names}
+    events: dict[str, list] = {k: [] for k in names}
+    clock = None
+    if breakdown:
+        from pipeline_breakdown import ActionClock
+        clock = ActionClock()
 
-    def one(name: str) -> float:
+    def one(name: str, timed: bool = False) -> float:
         for m in mine.values():
             m.zero_grad(set_to_none=True)
         dist.barrier()
         t0 = time.perf_counter()
+        if clock is not None:
+            clock.start(t0)
         pipes[name].step(ids if rank == 0 else None, labels if rank == 1 else None)
-        took = torch.tensor([time.perf_counter() - t0])
+        t1 = time.perf_counter()
+        if clock is not None and timed:
+            events[name].append(clock.stop(t1))
+        took = torch.tensor([t1 - t0])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)                   # the slower rank's step
         return float(took)
     for name in names:
@@ -127,8 +140,8 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
             one(name)
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(one(name))
-    return times
+            times[name].append(one(name, True))
+    return {"times": times, "events": events} if breakdown else times
 
 
 def main(argv=None) -> int:
@@ -142,6 +155,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT's stage-level effort, s")
     p.add_argument("--tick-us", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time every action (F, B, p2p waits) per rank beside its predicted unit "
+                        "(benchmarks/pipeline_breakdown.py)")
     args = p.parse_args(argv)
     from moegraph.registry import RegistryError, load_hardware, load_model
     from moegraph.runtime.launch import spawn
@@ -158,7 +174,7 @@ def main(argv=None) -> int:
     if warn:
         print(f"pipeline_link: {warn}", file=sys.stderr)
     t0 = time.perf_counter()
-    problem, predicted, res = predict(args, cfg)
+    problem, predicted, res, built = predict(args, cfg)
     solve_s = time.perf_counter() - t0
     csvs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,8 +182,9 @@ def main(argv=None) -> int:
             csvs[name] = write_csv(tl.orders, Path(tmp) / f"{name}.csv").read_text()
     load0 = os.getloadavg()[0]
     with emulated_link(link):
-        times = spawn(rank_main, 2, args=(str(MODEL), args.vocab, args.seq, args.micro_batches, args.hardware, csvs,
-                                          args.steps, args.seed), timeout_s=3600)[0]
+        ranks = spawn(rank_main, 2, args=(str(MODEL), args.vocab, args.seq, args.micro_batches, args.hardware, csvs,
+                                          args.steps, args.seed, args.breakdown), timeout_s=3600)
+    times = ranks[0]["times"] if args.breakdown else ranks[0]
     load1 = os.getloadavg()[0]
     tick = problem.tick_us
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -197,6 +214,10 @@ def main(argv=None) -> int:
           f"{'PASS' if up >= TARGET else 'FAIL'}), predicted {pred_up:.3f}x; worst prediction error {worst * 100:.1f}% "
           f"(target <= {TOLERANCE:.0%}: {'PASS' if worst <= TOLERANCE else 'FAIL'})"
           + ("" if args.steps >= ACCEPT_STEPS else f"; {args.steps} steps < {ACCEPT_STEPS}: not an acceptance run"))
+    if args.breakdown:
+        from pipeline_breakdown import report
+        print()
+        print(report(built, problem, predicted, [r["events"] for r in ranks]))
     return 0
 
 
