@@ -106,20 +106,25 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
     labels = torch.randint(0, vocab, (micro_batches, seq), generator=gen)
     mine = compile_stages(net, layout, ids[:1], n=1, hardware=hardware, passes="", schedule="greedy")
     static = {k: m.io_examples() for k, m in mine.items()}
+    clock = None
+    loss_fn = ShardLoss(0, 1)
+    if breakdown:
+        from pipeline_breakdown import ActionClock
+        clock = ActionClock()
+        for m in mine.values():                 # the stage module's forward, the loss: parts of F's span
+            m.forward = clock.timed("stage module forward", m.forward)
+            m.layers.record = True              # the plan's per-node times (pipeline_breakdown.node_classes)
+        loss_fn = clock.timed("loss", loss_fn)
     pipes = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in csvs.items():
             path = Path(tmp) / f"{name}.csv"
             path.write_text(text)
-            pipes[name] = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(0, 1),
+            pipes[name] = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=loss_fn,
                                         static=static)
     names = list(pipes)
     times: dict[str, list[float]] = {k: [] for k in names}
     events: dict[str, list] = {k: [] for k in names}
-    clock = None
-    if breakdown:
-        from pipeline_breakdown import ActionClock
-        clock = ActionClock()
 
     def one(name: str, timed: bool = False) -> float:
         for m in mine.values():
@@ -138,10 +143,16 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
     for name in names:
         for _ in range(WARMUP):
             one(name)
+    for m in mine.values() if breakdown else ():
+        m.layers.clear_traces()
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(one(name, True))
-    return {"times": times, "events": events} if breakdown else times
+    if not breakdown:
+        return times
+    from pipeline_breakdown import node_classes
+    (m,) = mine.values()
+    return {"times": times, "events": events, "classes": node_classes(m.layers, hardware)}
 
 
 def main(argv=None) -> int:
@@ -215,9 +226,11 @@ def main(argv=None) -> int:
           f"(target <= {TOLERANCE:.0%}: {'PASS' if worst <= TOLERANCE else 'FAIL'})"
           + ("" if args.steps >= ACCEPT_STEPS else f"; {args.steps} steps < {ACCEPT_STEPS}: not an acceptance run"))
     if args.breakdown:
-        from pipeline_breakdown import report
+        from pipeline_breakdown import class_report, report
         print()
         print(report(built, problem, predicted, [r["events"] for r in ranks]))
+        print()
+        print(class_report(ranks))
     return 0
 
 
