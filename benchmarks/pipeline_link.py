@@ -9,7 +9,8 @@ The configuration: benchmarks/pipeline_link.yaml (sizes the calibration never sa
 are `small` at n=2, these run at n=1), one layer per stage, P=2 ranks, s tokens per
 micro-batch, M micro-batches, vocabulary V. The prediction (this process): each layer's units
 priced by the op-level greedy schedule on the profile (``moegraph.schedules.pipeline_model``),
-the boundary send on the profile's inter-stage link (its NIC: the same emulated link), no
+the boundary send on the profile's inter-stage link (the emulated link the profile was calibrated
+on, at its whole rate: moegraph.cost, p2p), no
 optimizer step (the measured step is torch's ``step``: forwards, backwards, sends); CP-SAT
 orders the step (B only, no pairs: a compiled stage's backward is one plan) under a memory cap
 of 1F1B's peak plus one micro-batch in flight (GPipe, which holds all M, does not fit). The
