@@ -27,9 +27,8 @@ the phase. Forward keeps what backward and recompute nodes read (the graph's sav
 the parameters); backward returns the layer-input gradient and the parameter gradients. Every
 collective issued in a phase completes before the phase returns.
 
-A model step graph's edges (``moegraph.edges``, run by ``runtime.model.CompiledModel``): the
-nodes marked ``eager`` whose outputs the caller supplies (the final norm and LM head compute,
-priced for the schedule) are never run here, autograd runs them; ``backward_edges`` takes their
+A model step graph's edges (``moegraph.edges``, ``runtime.model.CompiledModel``): ``eager`` nodes
+whose outputs the caller supplies (final norm, LM head) are never run here, autograd runs them; ``backward_edges`` takes their
 outputs (the last layer's incoming gradient, the head and norm partial gradients) as inputs and
 returns, besides the layers' gradients, what the plan's edge collectives made (synchronised
 gradients, gathered rows). An eager node whose output the plan itself reads and nobody supplies
@@ -40,19 +39,16 @@ callable given for it (``Executor(eager_kernels=...)`` / ``set_eager_kernel``, o
 node's input tensors to its output tensors); a phase that holds one without a callable is
 refused, by name, before it runs anything.
 
-Merged step graphs (``moegraph.microbatch``: M micro-batches, gradient accumulation) run whole:
-``step`` takes the M input shards and M seed gradients and walks every plan entry in one pass,
-so micro-batch j+1's forward runs between micro-batch j's backward entries where the schedule
-put it; ``forward``/``backward`` refuse such a graph. Parameter gradients come out summed over
-the micro-batches by the graph itself (accumulating weight-gradient kernels, ADD nodes), then
-synchronised once per step.
-A merged step graph WITH the model's edges (``CompiledModel.train_step``) runs by
-``step_edges``: it takes no seeds, since every eager edge node of micro-batch j (its norm and head
-forward, their data- and weight-gradient nodes) is plan-run: the caller gives one callable per
-node (ins -> outs) and the executor runs it at its plan position, so micro-batch j's norm
-backward makes its seed where the schedule put it, and the weight-gradient kernels add into the
-previous micro-batch's partial as the graph's accumulate nodes read it. The plan then syncs the
-summed partials once per step and gathers each micro-batch's embedding-gradient rows.
+Merged step graphs (``moegraph.microbatch``: M micro-batches) run whole: ``step`` takes the M
+input shards and seeds and walks every plan entry in one pass (micro-batch j+1's forward between
+j's backward entries where the schedule put it); ``forward``/``backward`` refuse such a graph.
+Parameter gradients come out summed over the micro-batches by the graph itself (accumulating
+weight-gradient kernels, ADD nodes), then synchronised once per step. WITH the model's edges
+(``CompiledModel.train_step``) ``step_edges`` takes no seeds: every eager edge node of micro-batch
+j (norm and head forward, their gradients) is plan-run by the caller's callable (ins -> outs) at
+its plan position, so j's norm backward makes its seed where the schedule put it and the weight-
+gradient kernels add into the previous micro-batch's partial. The plan then syncs the summed
+partials once per step and gathers each micro-batch's embedding-gradient rows.
 """
 
 from __future__ import annotations
@@ -353,6 +349,10 @@ class Executor:
             raise RuntimeFailure(f"graph {self.graph.name!r} is a step of {self.micro_batches} micro-batches whose "
                                  f"forward and backward interleave: it has no separate {what}; run the whole step "
                                  "with CompiledLayer.train_step(xs, dys) (Executor.step)")
+
+    def run_whole(self, inputs: dict[str, Any], keep: set[str]) -> dict[str, Any]:
+        """The plan as one phase over named ``inputs``, returning ``keep``: the pipeline's F&B pair."""
+        return self._run(self.plan.entries, inputs, self._release_step, None, keep)
 
     # -- one phase -------------------------------------------------------------------------------
 

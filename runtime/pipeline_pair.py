@@ -102,9 +102,7 @@ class PairRunner:
         if missing:
             raise RuntimeFailure(f"pair graph {self.pair.name!r} reads {missing[:3]}, which micro-batch's forward "
                                  "did not keep")
-        # the whole pair plan as one phase, as Executor.step runs a merged step's plan (the pair has
-        # neither a merged step's boundaries nor a layer's two phases)
-        env = ex._run(ex.plan.entries, given, ex._release_step, None, set(self.pair.outputs))
+        env = ex.run_whole(given, set(self.pair.outputs))     # the pair plan as one phase
         mine = dict(given) | env
         self._made = (x, env[self.y], {k: mine[k if k in self.params else mb_name(1, k)] for k in layer_ex.saved})
         self.runs += 1

@@ -31,8 +31,8 @@ COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("s
 # the families that compile (the issue's named ones among them: Qwen3-MoE, GPT-OSS, DeepSeek-V2,
 # GLM-4.5, Granite MoE, ERNIE 4.5, HunYuan, dots.llm1, MiniMax-M2, Llama 4)
 COMPILED = ("aria", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
-            "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "llama4",
-            "minimax_m2",
+            "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "llama4",
+            "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open")
 LMS = dict(moe_causal_lms())
 

@@ -45,7 +45,7 @@ from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_layernorm,
-                                          expert_bias_params, mask_attrs, router_attrs)
+                                          emit_scale, expert_bias_params, mask_attrs, router_attrs)
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
@@ -182,15 +182,16 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                           "config.attn_temperature_tuning=False")
     n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, G, d = spec.heads, spec.kv_heads, spec.head_dim
+    dv = spec.v_head_dim or d
     b, h = g.dims.b, g.dims.h
     Hl, Gl = (H // n, G // n) if tp else (H, G)          # heads this rank's QKV projection produces
     kw = dict(module=module, block=ATTN)
 
-    w_qkv = g.param("qkv.weight", ((Hl + 2 * Gl) * d, h),
+    w_qkv = g.param("qkv.weight", ((Hl + Gl) * d + Gl * dv, h),
                     ParamSpec((spec.q, spec.k, spec.v), shard_dim=0 if tp else None))
     b_qkv = None
-    if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+2Gl)d]
-        b_qkv = g.param("qkv.bias", ((Hl + 2 * Gl) * d,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
+    if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+Gl)d + Gl dv]
+        b_qkv = g.param("qkv.bias", ((Hl + Gl) * d + Gl * dv,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
     # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp);
     # per-head norms' [d] (Qwen3) are emitted with their nodes
     w_qk = tuple(None if ns is None or spec.qk_norm_per_head
@@ -200,7 +201,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g) | spec.rotary.attrs()
     qs, ks, vs = [], [], []
     for c, x_in in _attention_chunks(g, x, kw):
-        qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)                    # [b, S, (Hl+2Gl)d]
+        qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)            # [b, S, (Hl+Gl)d + Gl dv]
         if b_qkv is not None:
             biased = g.like(f"qkv_biased{c}", qkv)
             g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
@@ -208,9 +209,11 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         S = g.shape(qkv)[1]
         q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
-        v = g.value(f"v{c}", (b, S, Gl * d), alias_of=qkv)
+        v = g.value(f"v{c}", (b, S, Gl * dv), alias_of=qkv)
         g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * d), "mode": "split"}, **kw)
+               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * dv), "mode": "split"}, **kw)
+        if spec.v_scale != 1.0:
+            v = emit_scale(g, v, spec.v_scale, name=f"v_scale{c}", out=f"v_scaled{c}", **kw)
         if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
             q, k = _head_norms(g, spec, q, k, c, kw)
         elif spec.q_norm is not None and not spec.qk_norm_per_head:
@@ -225,7 +228,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
             q, k = _head_norms(g, spec, q, k, c, kw)
         qa, ka, va = _ulysses_in(g, q, k, v, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
-    y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=d, kw=kw, spec=spec)
+    y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=dv, kw=kw, spec=spec)
     if spec.o_bias is None:
         return y
     return emit_bias(g, y, spec.o_bias, name="o_bias", out="attn_out_biased", **kw)

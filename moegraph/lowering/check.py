@@ -217,21 +217,24 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
     transformers decoder layer, its family's rotary embedding of positions 0..s-1 and the attention
     mask of its layer type (full causal, sliding window or chunked, built by transformers'
     masking_utils from the layer's config); none for any other module."""
-    from moegraph.lowering.structural import _ctx, _layer_type, _rotary_class, family_of, layer_context
+    from moegraph.lowering.rope import rotary_class
+    from moegraph.lowering.structural import _ctx, _layer_type, family_of, layer_context
     if family_of(type(layer)) is None:
         return lambda x: {}
     with layer_context(layer):
         cfg, idx = _ctx().config, _ctx().layer_idx
         if rotary is None:
-            cls = _rotary_class(cfg)
+            cls = rotary_class(_ctx().family)
             rotary = cls(cfg) if cls is not None else None
     kind = _layer_type(cfg, idx)
+    # a rotary module with frequencies per layer type takes the type (Laguna's forward(x, pos, layer_type))
+    by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
 
     def kwargs(x: torch.Tensor) -> dict:
         from transformers import masking_utils as mu
         b, s = x.shape[:2]
         pos = torch.arange(s, device=x.device)[None].expand(b, s)
-        emb = rotary.to(x.device)(x, pos) if rotary is not None else None
+        emb = None if rotary is None else rotary.to(x.device)(x, pos, kind) if by_type else rotary.to(x.device)(x, pos)
         make = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
                 "chunked_attention": mu.create_chunked_causal_mask}.get(kind, mu.create_causal_mask)
         mask = make(**mask_kwargs(make, config=cfg, inputs_embeds=x, position_ids=pos))

@@ -23,6 +23,7 @@ from torch import nn
 from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
+from moegraph.lowering.rope import rotary_frequencies
 from moegraph.lowering.specs import NormSpec
 from moegraph.lowering.structural import classify, family_of, norm_spec
 
@@ -198,25 +199,39 @@ def base_model(model: nn.Module) -> ModelSpec:
 
 def check_rotary(rotary: nn.Module, qualname: str) -> None:
     """The model's rotary module holds the frequencies a freshly built one has (what the layers'
-    RopeSpecs were read from), in fp32."""
+    RopeSpecs were read from), in fp32: its ``inv_freq``, or each layer type's ``<type>_inv_freq``
+    where config.rope_parameters is keyed by layer type."""
     fresh = type(rotary)(rotary.config)
-    if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
-        raise LoweringError(f"{qualname} ({type(rotary).__name__}) holds no inv_freq: its RoPE is not modelled")
-    if rotary.inv_freq.dtype != fresh.inv_freq.dtype:
+    types = sorted(set(getattr(rotary.config, "layer_types", None) or ())) \
+        if rotary_frequencies(rotary, None) is None else [None]
+    for layer_type in types or [None]:
+        here, there = rotary_frequencies(rotary, layer_type), rotary_frequencies(fresh, layer_type)
+        name = f"{qualname}.{'inv_freq' if layer_type is None else layer_type + '_inv_freq'}"
+        if here is None or there is None:
+            held = sorted(n for n, _ in rotary.named_buffers())
+            raise LoweringError(f"{qualname} ({type(rotary).__name__}) holds no {name.split('.')[-1]} (its buffers: "
+                                f"{', '.join(held) or 'none'}): its RoPE is not modelled")
+        _check_frequencies(name, here, there, rotary.config, qualname)
+
+
+def _check_frequencies(name: str, here: tuple[torch.Tensor, float], there: tuple[torch.Tensor, float], cfg,
+                       qualname: str) -> None:
+    (inv, scaling), (fresh, fresh_scaling) = here, there
+    if inv.dtype != fresh.dtype:
         # model.to(torch.bfloat16) casts the buffer too: eager then rotates with the rounded
         # frequencies, the compiled layers with the config's exact ones
-        raise LoweringError(f"{qualname}.inv_freq is {rotary.inv_freq.dtype}, not {fresh.inv_freq.dtype} (a cast such as "
+        raise LoweringError(f"{name} is {inv.dtype}, not {fresh.dtype} (a cast such as "
                             "model.to(torch.bfloat16) casts the RoPE buffers too, and eager then rotates with rounded "
                             "frequencies the compiled layers do not use): build the model in that dtype instead "
                             "(from_pretrained(..., dtype=...), or construct it under torch.set_default_dtype), which "
-                            f"keeps them {fresh.inv_freq.dtype}, or recompute them after the cast: r.inv_freq = "
+                            f"keeps them {fresh.dtype}, or recompute them after the cast: r.inv_freq = "
                             f"r.compute_default_rope_parameters(r.config)[0] for r the {qualname} module "
                             f"(model.model.{qualname} of a ForCausalLM)")
-    if not torch.equal(rotary.inv_freq.detach().cpu().float(), fresh.inv_freq.float()):
-        raise LoweringError(f"{qualname}.inv_freq differs from the frequencies its config gives (rope_parameters="
-                            f"{rotary.config.rope_parameters}): the layers would compute other rotations")
-    if getattr(rotary, "attention_scaling", 1.0) != getattr(fresh, "attention_scaling", 1.0):
-        raise LoweringError(f"{qualname}.attention_scaling={rotary.attention_scaling} differs from its config's")
+    if not torch.equal(inv.detach().cpu().float(), fresh.float()):
+        raise LoweringError(f"{name} differs from the frequencies its config gives (rope_parameters="
+                            f"{cfg.rope_parameters}): the layers would compute other rotations")
+    if scaling != fresh_scaling:
+        raise LoweringError(f"{name.removesuffix('inv_freq')}attention_scaling={scaling} differs from its config's")
 
 
 def causal_lm(model: nn.Module) -> ModelSpec:

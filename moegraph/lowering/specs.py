@@ -100,6 +100,8 @@ class AttentionSpec:
     # 1 + attn_scale * log1p(floor((p + 1) / floor_scale)): exactly 1 while p + 1 < floor_scale, so
     # the layer is lowered (without it) for sequences s < floor_scale only; this is floor_scale
     temperature_floor: int | None = None
+    v_head_dim: int | None = None          # each value head's width where it is not d (MiMo-V2-Flash)
+    v_scale: float = 1.0                   # values multiplied by it before attending (MiMo-V2-Flash)
 
     @property
     def rotary(self) -> RopeSpec:

@@ -37,6 +37,7 @@ from torch import nn
 
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, Rule
+from moegraph.lowering.rope import rope_of
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec
 
 _GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("moegraph_structural_guard", default=True)
@@ -343,73 +344,6 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
     raise LoweringError(f"layer {idx}: {kind.replace('_', ' ')} (config.layer_types[{idx}]={kind!r}) is not modelled")
 
 
-def rope_of(cfg, head_dim: int, where: str) -> RopeSpec:
-    """RoPE as the family's rotary module computes it: its inverse frequencies and cos/sin scale
-    (transformers' ROPE_INIT_FUNCTIONS for the config's rope_type), rotating the first 2*len(inv_freq)
-    dims of each head. Types whose frequencies change with the sequence (dynamic, longrope) are refused."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-    params = getattr(cfg, "rope_parameters", None) or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type in ("dynamic", "longrope"):
-        raise LoweringError(f"{where}: rope_type {rope_type!r} recomputes its frequencies from the sequence length; "
-                            "it is not modelled (use 'default', 'linear', 'yarn' or 'llama3')")
-    theta = float(params.get("rope_theta", getattr(cfg, "rope_theta", 10000.0)))
-    inv, scaling = _rope_init(cfg, rope_type, head_dim, ROPE_INIT_FUNCTIONS, where)
-    default = RopeSpec.default_inv_freq(theta, head_dim)
-    dim = 2 * len(inv)
-    if dim > head_dim or dim % 2:
-        raise LoweringError(f"{where}: the rotary module rotates {dim} dims of a {head_dim}-dim head")
-    freqs = None if tuple(inv) == default else tuple(inv)
-    return RopeSpec(theta=theta, inv_freq=freqs, scaling=float(scaling), dim=None if dim == head_dim else dim,
-                    interleave=rope_interleaved(_ctx().family))
-
-
-def rope_interleaved(family: str | None) -> bool:
-    """Whether the family's rotation pairs (2i, 2i+1) rather than (i, i + d/2), read from its modeling
-    file: a rotate_half that slices ::2, or a rotation through complex numbers (view_as_complex)."""
-    if family is None:
-        return False
-    import importlib
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    sources = []
-    for fn_name in ("rotate_half", "apply_rotary_emb", "apply_rotary_pos_emb"):
-        fn = getattr(mod, fn_name, None)
-        if callable(fn):
-            try:
-                sources.append(inspect.getsource(inspect.unwrap(fn)))
-            except (OSError, TypeError):
-                pass
-    text = "\n".join(sources)
-    return "view_as_complex" in text or "::2]" in text
-
-
-def _rope_init(cfg, rope_type: str, head_dim: int, functions, where: str) -> tuple[tuple[float, ...], float]:
-    import torch
-    rotary_cls = _rotary_class(cfg)
-    if rotary_cls is not None:
-        with torch.device("cpu"):
-            rotary = rotary_cls(cfg)
-        if not isinstance(getattr(rotary, "inv_freq", None), torch.Tensor):
-            raise LoweringError(f"{where}: its family's rotary module {rotary_cls.__name__} holds no inv_freq "
-                                "(per-layer-type rotary embeddings): its RoPE is not modelled")
-        return tuple(rotary.inv_freq.float().tolist()), float(getattr(rotary, "attention_scaling", 1.0))
-    if rope_type == "default":
-        return RopeSpec.default_inv_freq(float(cfg.rope_parameters["rope_theta"]), head_dim), 1.0
-    inv, scaling = functions[rope_type](cfg, "cpu")
-    return tuple(inv.float().tolist()), float(scaling)
-
-
-def _rotary_class(cfg) -> type | None:
-    """The family's own text rotary embedding (``*RotaryEmbedding`` in its modeling file)."""
-    family = _ctx().family
-    if family is None:
-        return None
-    import importlib
-    mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    names = sorted(n for n in vars(mod) if n.endswith("RotaryEmbedding") and "Vision" not in n)
-    return getattr(mod, names[0]) if names else None
-
-
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
 
 
@@ -461,6 +395,14 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     if not d:
         raise LoweringError(f"{qualname} ({type(module).__name__}): no head_dim attribute")
     H, G = module.q_proj.out_features // d, module.k_proj.out_features // d
+    dv = module.v_proj.out_features // G                 # the value heads' width (MiMo-V2-Flash: not d)
+    if module.v_proj.out_features != G * dv or module.o_proj.in_features != H * dv:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): v_proj gives {module.v_proj.out_features} and "
+                            f"o_proj takes {module.o_proj.in_features} features: not {G} and {H} value heads of one "
+                            "width")
+    v_scale = getattr(module, "v_scale", 1.0)
+    if isinstance(v_scale, bool) or not isinstance(v_scale, (int, float)):
+        raise LoweringError(f"{qualname}.v_scale={v_scale!r}: only a constant value scale is modelled")
     check_attention(module, qualname, head_dim=d, structural=True)
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
@@ -472,7 +414,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
             raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
                                 f"with floor_scale={temperature_floor} (q scaled by log(position) from position 0) "
                                 "is not modelled; set config.attn_temperature_tuning=False")
-    rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})") if use_rope else None
+    rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})", _layer_type(cfg, idx), _ctx().family) \
+        if use_rope else None
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
         if all(b is not None for b in biases) else None
@@ -507,7 +450,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          qk_norm_per_head=per_head, qk_norm_after_rope=after, qk_l2_eps=l2, o_bias=o_bias,
                          rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks,
-                         temperature_floor=temperature_floor)
+                         temperature_floor=temperature_floor, v_head_dim=None if dv == d else dv,
+                         v_scale=float(v_scale))
 
 
 def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
@@ -538,7 +482,7 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
     window, chunk = mask_of(cfg, getattr(module, "layer_idx", _ctx().layer_idx))
     if window or chunk:
         raise LoweringError(f"{where}: a sliding-window or chunked mask on latent attention is not modelled")
-    rope = rope_of(cfg, dr, where)
+    rope = rope_of(cfg, dr, where, _layer_type(cfg, getattr(module, "layer_idx", _ctx().layer_idx)), _ctx().family)
     p = functools.partial(lambda q, n: _src(q, f"{n}.weight"), qualname)
     scale = float(module.scaling)
     return MLASpec(q=None if low_rank else p("q_proj"), q_a=p("q_a_proj") if low_rank else None,

@@ -63,6 +63,9 @@ def _setting(name: str, *where, default=None):
     return default
 
 
+SCALE_NAMES = ("routed_scaling_factor", "router_scaling_factor")
+
+
 def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     """Top-k routed experts (+ shared experts, + their sigmoid gate) read by structure and the family row."""
     ctx = _ctx()
@@ -102,9 +105,10 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     topk_groups = int(_setting("topk_group", router, cfg, default=1) or 1)
     if rr.grouped is not None and _setting(rr.grouped[0], router, cfg) != rr.grouped[1]:
         groups = topk_groups = 1
-    scale = float(_setting("routed_scaling_factor", router, module, cfg, default=1.0) or 1.0)
-    if "routed_scaling_factor" not in forward_reads(type(router)) | forward_reads(type(module)):
-        scale = 1.0                        # a config field the router never applies
+    # routed scaling: DeepSeek's routed_scaling_factor, HY-V3's router_scaling_factor
+    scale_name = next((n for n in SCALE_NAMES if n in forward_reads(type(router)) | forward_reads(type(module))),
+                      None)                # None: a config field the router never applies
+    scale = float(_setting(scale_name, router, module, cfg, default=1.0) or 1.0) if scale_name else 1.0
     known = {rname, "experts"}
     shared = None
     for name in SHARED_NAMES:
