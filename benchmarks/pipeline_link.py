@@ -9,7 +9,8 @@ The configuration: benchmarks/pipeline_link.yaml (sizes the calibration never sa
 are `small` at n=2, these run at n=1), one layer per stage, P=2 ranks, s tokens per
 micro-batch, M micro-batches, vocabulary V. The prediction (this process): each layer's units
 priced by the op-level greedy schedule on the profile (``moegraph.schedules.pipeline_model``),
-the boundary send on the profile's inter-stage link (its NIC: the same emulated link), no
+the boundary send on the profile's inter-stage link (the emulated link the profile was calibrated
+on, at its whole rate: moegraph.cost, p2p), no
 optimizer step (the measured step is torch's ``step``: forwards, backwards, sends); CP-SAT
 orders the step (B only, no pairs: a compiled stage's backward is one plan) under a memory cap
 of 1F1B's peak plus one micro-batch in flight (GPipe, which holds all M, does not fit). The
@@ -20,6 +21,7 @@ in rounds, the order rotated each round, after warm-up steps.
 
     sudo .venv/bin/python benchmarks/pipeline_link.py                   # 24 steps per order
     sudo .venv/bin/python benchmarks/pipeline_link.py --steps 3         # smoke
+    sudo .venv/bin/python benchmarks/pipeline_link.py --breakdown       # + per-action times (pipeline_breakdown.py)
 
 Prints one Markdown block for RESULTS.md.
 """
@@ -81,12 +83,14 @@ def predict(args, cfg):
     one = simulate(problem, warm["1F1B"])
     problem = with_cap(problem, one.peak_bytes[0] + problem.work[0].held)
     res = solve_pipeline(problem, warm, time_limit_s=args.time_limit, pairs=False, split=False)
-    return problem, {"cpsat": res.timeline, "1F1B": simulate(problem, warm["1F1B"])}, res
+    return problem, {"cpsat": res.timeline, "1F1B": simulate(problem, warm["1F1B"])}, res, built
 
 
 def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_batches: int, hardware: str,
-              csvs: dict, steps: int, seed: int) -> dict:
-    """Build the compiled stages and one TorchPipeline per order; time each order's steps."""
+              csvs: dict, steps: int, seed: int, breakdown: bool = False) -> dict:
+    """Build the compiled stages and one TorchPipeline per order; time each order's steps.
+    ``breakdown``: also record every action's start and every p2p wait of the timed steps
+    (pipeline_breakdown.ActionClock): {"times": ..., "events": {order: [per step events]}}."""
     import torch
     import torch.distributed as dist
 
@@ -103,32 +107,53 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
     labels = torch.randint(0, vocab, (micro_batches, seq), generator=gen)
     mine = compile_stages(net, layout, ids[:1], n=1, hardware=hardware, passes="", schedule="greedy")
     static = {k: m.io_examples() for k, m in mine.items()}
+    clock = None
+    loss_fn = ShardLoss(0, 1)
+    if breakdown:
+        from pipeline_breakdown import ActionClock
+        clock = ActionClock()
+        for m in mine.values():                 # the stage module's forward, the loss: parts of F's span
+            m.forward = clock.timed("stage module forward", m.forward)
+            m.layers.record = True              # the plan's per-node times (pipeline_breakdown.node_classes)
+        loss_fn = clock.timed("loss", loss_fn)
     pipes = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, text in csvs.items():
             path = Path(tmp) / f"{name}.csv"
             path.write_text(text)
-            pipes[name] = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(0, 1),
+            pipes[name] = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=loss_fn,
                                         static=static)
     names = list(pipes)
     times: dict[str, list[float]] = {k: [] for k in names}
+    events: dict[str, list] = {k: [] for k in names}
 
-    def one(name: str) -> float:
+    def one(name: str, timed: bool = False) -> float:
         for m in mine.values():
             m.zero_grad(set_to_none=True)
         dist.barrier()
         t0 = time.perf_counter()
+        if clock is not None:
+            clock.start(t0)
         pipes[name].step(ids if rank == 0 else None, labels if rank == 1 else None)
-        took = torch.tensor([time.perf_counter() - t0])
+        t1 = time.perf_counter()
+        if clock is not None and timed:
+            events[name].append(clock.stop(t1))
+        took = torch.tensor([t1 - t0])
         dist.all_reduce(took, op=dist.ReduceOp.MAX)                   # the slower rank's step
         return float(took)
     for name in names:
         for _ in range(WARMUP):
             one(name)
+    for m in mine.values() if breakdown else ():
+        m.layers.clear_traces()
     for r in range(steps):
         for name in names[r % len(names):] + names[:r % len(names)]:
-            times[name].append(one(name))
-    return times
+            times[name].append(one(name, True))
+    if not breakdown:
+        return times
+    from pipeline_breakdown import node_classes
+    (m,) = mine.values()
+    return {"times": times, "events": events, "classes": node_classes(m.layers, hardware)}
 
 
 def main(argv=None) -> int:
@@ -142,6 +167,9 @@ def main(argv=None) -> int:
     p.add_argument("--time-limit", type=float, default=5.0, help="CP-SAT's stage-level effort, s")
     p.add_argument("--tick-us", type=float, default=100.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time every action (F, B, p2p waits) per rank beside its predicted unit "
+                        "(benchmarks/pipeline_breakdown.py)")
     args = p.parse_args(argv)
     from moegraph.registry import RegistryError, load_hardware, load_model
     from moegraph.runtime.launch import spawn
@@ -158,7 +186,7 @@ def main(argv=None) -> int:
     if warn:
         print(f"pipeline_link: {warn}", file=sys.stderr)
     t0 = time.perf_counter()
-    problem, predicted, res = predict(args, cfg)
+    problem, predicted, res, built = predict(args, cfg)
     solve_s = time.perf_counter() - t0
     csvs = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -166,8 +194,9 @@ def main(argv=None) -> int:
             csvs[name] = write_csv(tl.orders, Path(tmp) / f"{name}.csv").read_text()
     load0 = os.getloadavg()[0]
     with emulated_link(link):
-        times = spawn(rank_main, 2, args=(str(MODEL), args.vocab, args.seq, args.micro_batches, args.hardware, csvs,
-                                          args.steps, args.seed), timeout_s=3600)[0]
+        ranks = spawn(rank_main, 2, args=(str(MODEL), args.vocab, args.seq, args.micro_batches, args.hardware, csvs,
+                                          args.steps, args.seed, args.breakdown), timeout_s=3600)
+    times = ranks[0]["times"] if args.breakdown else ranks[0]
     load1 = os.getloadavg()[0]
     tick = problem.tick_us
     when = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
@@ -197,6 +226,12 @@ def main(argv=None) -> int:
           f"{'PASS' if up >= TARGET else 'FAIL'}), predicted {pred_up:.3f}x; worst prediction error {worst * 100:.1f}% "
           f"(target <= {TOLERANCE:.0%}: {'PASS' if worst <= TOLERANCE else 'FAIL'})"
           + ("" if args.steps >= ACCEPT_STEPS else f"; {args.steps} steps < {ACCEPT_STEPS}: not an acceptance run"))
+    if args.breakdown:
+        from pipeline_breakdown import class_report, report
+        print()
+        print(report(built, problem, predicted, [r["events"] for r in ranks]))
+        print()
+        print(class_report(ranks))
     return 0
 
 

@@ -139,3 +139,25 @@ def test_p2p_priced_on_the_inter_stage_link():
     assert CostModel(hw).node_time_us(node) == pytest.approx(expected)
     slow = dataclasses.replace(hw, pp_link_bw_bytes_s=hw.pp_link_bw_bytes_s / 4)
     assert CostModel(slow).node_time_us(node) > CostModel(hw).node_time_us(node)
+
+
+def test_p2p_on_an_emulated_link_has_the_links_whole_rate():
+    """A profile calibrated over the emulated link (link_bit_s, one token bucket every rank shares):
+    a lone send moves at the link's rate, not at the collectives' per-rank share (B * ring_eff)."""
+    hw = load_hardware("cpu-2core-gloo-1gbit")
+    split = split_stages(StageLayout.even(4, 2))(step_graph()).graph
+    node = next(n for n in split.nodes if n.op is OpKind.P2P)
+    comm = hw.in_step_factor("comm")
+    expected = hw.kernel_latency_us + (hw.inter_node_latency_us + node.comm_bytes / (1e9 / 8) * 1e6) * comm
+    assert hw.link_bit_s == 1e9
+    assert CostModel(hw).node_time_us(node) == pytest.approx(expected)
+    # the share rule (B * ring_eff) would be slower: 1gbit's collectives reach ~half the link each
+    plain = dataclasses.replace(hw, link_bit_s=0.0)
+    share = hw.kernel_latency_us + (hw.inter_node_latency_us + node.comm_bytes / (
+        hw.nic_bw_bytes_s * hw.ring_eff_inter) * 1e6) * comm
+    assert CostModel(plain).node_time_us(node) == pytest.approx(share)
+    fixed = hw.kernel_latency_us + hw.inter_node_latency_us * comm
+    assert CostModel(plain).node_time_us(node) - fixed > 1.5 * (CostModel(hw).node_time_us(node) - fixed)
+    # a measured pp link wins over the emulated link's rate
+    given = dataclasses.replace(hw, pp_link_bw_bytes_s=50e6)
+    assert CostModel(given).node_time_us(node) > CostModel(plain).node_time_us(node)
