@@ -117,9 +117,9 @@ class Executor:
         self.eager_kernels: dict[str, EagerKernel] = {}
         self.plan_eager: frozenset[str] = frozenset()
         self.rank, self.n, self.timeout_s = rank, n, timeout_s
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.ctx = RankContext(rank, n, graph.dims.s, expert_rows)
+        self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
+        # node_ctx: a step's own contexts by node (CompiledModel.train_step: each micro-batch's layout)
+        self.ctx, self.node_ctx = RankContext(rank, n, graph.dims.s, expert_rows), {}
         self.param_names = tuple(p for p, _ in graph.params)
         self._cross = _cross_stream_values(graph, plan)
         self._programs: dict[int, tuple[Sequence[PlanEntry], list[_Step]]] = {}
@@ -454,7 +454,7 @@ class Executor:
                 raise RuntimeFailure(f"eager kernel of {node.name!r} made {bad}, the graph expects "
                                      f"{dict(zip(node.outputs, shapes))}")
         else:
-            outs = run_compute(self.ctx, node, ins, shapes)
+            outs = run_compute(self.node_ctx.get(node.name, self.ctx), node, ins, shapes)
         if len(outs) != len(node.outputs):
             raise RuntimeFailure(f"node {node.name!r} produced {len(outs)} outputs, expected {len(node.outputs)}")
         return outs

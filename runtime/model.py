@@ -112,7 +112,8 @@ from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, bu
                                      frozen_sources, refuse_autocast, replica_batch)
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import ExecutionPlan
-from moegraph.runtime.model_steps import EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout
+from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
+                                         step_layouts)
 from moegraph.tokens import Tokens, tokens_of
 
 if TYPE_CHECKING:
@@ -323,15 +324,22 @@ class CompiledModel(nn.Module):
         return tokens.rows(slice(r * self.batch, (r + 1) * self.batch))
 
     @torch.no_grad()
-    def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *,
+                   attention_mask: Sequence[torch.Tensor | None] | None = None,
+                   position_ids: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
         """One optimizer step of M micro-batches (``micro_batches=M`` >= 2 at compile time) in the
         merged schedule's order: ``input_ids[j]``, ``labels[j]`` are micro-batch j's full [b, s]
-        (the same on every rank, as ``forward`` takes them). Returns the M losses (each what
-        ``model(input_ids[j], labels=labels[j]).loss`` returns: the mean over its scored tokens),
-        detached. Loss convention: the MEAN over micro-batches, the usual gradient-accumulation
-        loop's ``(loss / M).backward()``: the gradients ADDED to every parameter's ``.grad``
-        (embedding, layer shards, final norm, head; as backward, on top of what is there) are the
-        gradient of sum_j loss_j / M. Every rank must call it (collective)."""
+        (the same on every rank, as ``forward`` takes them); ``attention_mask[j]`` (right padding)
+        or ``position_ids[j]`` (packed documents), each None or M entries (an entry None: a plain
+        batch), as ``forward`` takes them, run as use_cache=False (a training step builds no
+        cache: packed documents attend within themselves). Returns the M losses (each what
+        ``model(input_ids[j], labels=labels[j], ...).loss`` returns: the mean over its scored
+        tokens, labels -100 ignored), detached. Loss convention: the MEAN over micro-batches, the
+        usual gradient-accumulation loop's ``(loss / M).backward()``: the gradients ADDED to every
+        parameter's ``.grad`` (embedding, layer shards, final norm, head; as backward, on top of
+        what is there) are the gradient of sum_j loss_j / M, each micro-batch weighted 1/M whatever
+        its count of scored tokens (not transformers' Trainer's num_items_in_batch, the step's
+        summed cross-entropy / its scored tokens). Every rank must call it (collective)."""
         M = self.micro_batches
         if M == 1:
             raise RuntimeFailure("the model was compiled for one micro-batch: call it (model(input_ids, labels=...)"
@@ -350,6 +358,7 @@ class CompiledModel(nn.Module):
                     desc = f"{t.dtype} {list(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__
                     raise ValueError(f"micro-batch {j}'s {what} is {desc}; the model was compiled for integer "
                                      f"[b, s] = {list(shape)} per micro-batch")
+        layouts = self._step_tokens(attention_mask, position_ids)
         layers, edges = self.layers, self.edges
         params = layers.params()
         step = EdgeStep(self, [self._shard_labels(lab) for lab in labels],
@@ -360,9 +369,10 @@ class CompiledModel(nn.Module):
         # (on the model's device: the routers' backward multiplies it into their device stats)
         aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M, device=self.embed.device)
                      for name in edges.aux_seeds}
-        _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
-                                                         eager_kernels=step.kernels(layers.graph), recorder=rec,
-                                                         aux_seeds=aux_seeds)
+        with step_layouts(layers.executor, layouts):
+            _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],
+                                                             eager_kernels=step.kernels(layers.graph), recorder=rec,
+                                                             aux_seeds=aux_seeds)
         layers._keep(rec)
         step.check_done()
         accumulate_grads((*params, self.embed, self.norm, self.lm_head),
@@ -375,6 +385,25 @@ class CompiledModel(nn.Module):
             terms = terms + edges.aux_coef * torch.stack([aux_loss_value(synced[name], edges.aux_experts,
                                                                          edges.aux_rows) for name in edges.aux_stats])
         return list(terms.unbind())
+
+    def _step_tokens(self, attention_mask, position_ids) -> list[Tokens | None]:
+        """Each micro-batch's batch layout (``_tokens``, as use_cache=False) of train_step's
+        per-micro-batch attention_mask / position_ids (None, or M entries each None or a tensor)."""
+        M = self.micro_batches
+        for what, seq in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+            if seq is not None and (isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence) or len(seq) != M):
+                got = (f"one tensor {list(seq.shape)}" if isinstance(seq, torch.Tensor) else
+                       f"{len(seq)}" if isinstance(seq, Sequence) else type(seq).__name__)
+                raise ValueError(f"train_step takes {what} as None or a sequence of {M} entries (one per micro-batch, "
+                                 f"each None or a tensor), got {got}")
+        layouts = []
+        for j in range(M):
+            try:
+                layouts.append(self._tokens(None if attention_mask is None else attention_mask[j],
+                                            None if position_ids is None else position_ids[j], use_cache=False))
+            except ValueError as err:
+                raise type(err)(f"micro-batch {j}'s {err}") from None
+        return layouts
 
     def _aux_value(self, saved: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The router's aux loss from the plan's global stats (kept by its forward: the routers'

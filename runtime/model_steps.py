@@ -67,6 +67,23 @@ def batch_layout(executor, tokens: Tokens | None):
         executor.ctx = plain
 
 
+@contextlib.contextmanager
+def step_layouts(executor, tokens: Sequence[Tokens | None]):
+    """Run a merged step's kernels with micro-batch j's batch layout ``tokens[j]`` (None: a plain
+    batch): the RankContext its nodes read (``Executor.node_ctx``; the step-level nodes, gradient
+    sums and syncs, read none), then restore the plain one."""
+    if all(t is None for t in tokens):
+        yield
+        return
+    ctxs = [None if t is None else dataclasses.replace(executor.ctx, tokens=t) for t in tokens]
+    executor.node_ctx = {nd.name: ctxs[j] for nd in executor.graph.nodes
+                         if (j := micro_batch_of(nd)) is not None and ctxs[j] is not None}
+    try:
+        yield
+    finally:
+        executor.node_ctx = {}
+
+
 class ScheduledStep(torch.autograd.Function):
     """embedding -> the plan's layers -> final norm (-> LM head), with the edges' gradients
     synchronised by the plan (module docstring). Forward returns this rank's logits shard

@@ -41,7 +41,8 @@ def compile_case(case: dict, seed: int):
     try:
         compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
                                     dispatch=case["dispatch"], passes=case.get("passes", ""), schedule="greedy",
-                                    dp=case.get("dp", 1), timeout_s=120.0)
+                                    dp=case.get("dp", 1), micro_batches=case.get("micro_batches", 1),
+                                    timeout_s=120.0)
     except LoweringError as err:
         return model, ids, str(err)
     return model, ids, compiled
@@ -95,3 +96,38 @@ def batch_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
             res[form] = step_errors(compiled, model, ids, labels, use_cache=False, **kwargs)
         out.append(res)
     return out
+
+
+def accumulation_case(rank: int, n: int, case: dict, seed: int) -> dict:
+    """``case`` compiled for a step of 2 micro-batches (``CompiledModel.train_step``): micro-batch 0
+    right-padded, 1 packed (``real_batches``), against eager gradient accumulation
+    (``(loss_j / 2).backward()`` per micro-batch, use_cache=False): the relative errors of the two
+    losses and of every trainable parameter's gradient, and the refusal line of a left-padded
+    micro-batch 1."""
+    from family_zoo import VOCAB
+    from moegraph.runtime.check import grad_report, rel_err
+    warnings.filterwarnings("ignore")
+    model, ids0, compiled = compile_case(dict(case, micro_batches=2), seed)
+    if isinstance(compiled, str):
+        return {"refused": compiled}
+    forms = real_batches()
+    mask, positions = forms["padded"]["attention_mask"], forms["packed"]["position_ids"]
+    ids = [ids0, torch.randint(3, VOCAB, ids0.shape, generator=torch.Generator().manual_seed(seed))]
+    labels = [ids[0].masked_fill(mask == 0, -100), ids[1].clone()]
+    losses = compiled.train_step(ids, labels, attention_mask=[mask, None], position_ids=[None, positions])
+    ref = []
+    for x, y, kw in zip(ids, labels, ({"attention_mask": mask}, {"position_ids": positions})):
+        loss = model(input_ids=x, labels=y, use_cache=False, **kw).loss
+        (loss / 2).backward()
+        ref.append(loss.detach())
+    grads = compiled.full_grads()
+    report = grad_report({k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
+                          for k, p in model.named_parameters() if p.requires_grad})
+    left = mask.flip(-1)
+    try:
+        compiled.train_step(ids, labels, attention_mask=[None, left])
+        refusal = None
+    except ValueError as err:
+        refusal = str(err)
+    return {"loss": rel_err(torch.stack(losses), torch.stack(ref)), "grads": report["max_rel_err_grads"],
+            "worst_grad": report["worst_grad"], "refusal": refusal}

@@ -20,7 +20,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from family_workers import B, S, batch_cases, real_batches  # noqa: E402
+from family_workers import B, S, accumulation_case, batch_cases, real_batches  # noqa: E402
 from family_zoo import VOCAB, moe_causal_lms, tiny_model  # noqa: E402
 from helpers import RANK_BATCH  # noqa: E402
 
@@ -77,6 +77,23 @@ def test_padded_and_packed_batches_on_two_gloo_ranks_match_eager(rank_results):
         _assert_matches(results, f"rank {rank}")
 
 
+# -- gradient accumulation: CompiledModel.train_step, M = 2 micro-batches in one merged step -------
+
+ACCUMULATION = RANK_BATCH.add(2, "batches.accumulation_case", accumulation_case, _case("qwen3_moe", "sp", "ep", "a2a"),
+                              int.from_bytes(os.urandom(3), "little"))
+
+
+def test_train_step_accumulates_a_padded_and_a_packed_micro_batch_as_eager(rank_results):
+    """Micro-batch 0 right-padded, 1 packed, on 2 gloo ranks (Qwen3-MoE sequence-parallel: RoPE and
+    the masks on each rank's half): both losses and every gradient as eager's
+    ``(loss_j / 2).backward()`` per micro-batch; a left-padded micro-batch is refused naming it."""
+    for rank, res in enumerate(rank_results(2, ACCUMULATION)):
+        assert "refused" not in res, (rank, res)
+        assert res["loss"] < TOL and res["grads"] < TOL, (rank, res)
+        assert res["refusal"].startswith("micro-batch 1's attention_mask row 1 starts with a 0 (left padding)"), res
+        assert "\n" not in res["refusal"]
+
+
 # -- the forms not modelled: one line each, naming the form ----------------------------------------
 
 @pytest.fixture(scope="module")
@@ -119,6 +136,16 @@ def test_padding_with_the_routers_aux_loss_is_refused():
     compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
     with pytest.raises(ValueError, match="attention_mask with padding and the router's auxiliary loss") as err:
         compiled(ids, attention_mask=_mask((0, 15)), output_router_logits=True)
+    assert "\n" not in str(err.value)
+
+
+def test_train_step_refuses_padding_with_the_routers_aux_loss():
+    import moegraph
+    model = tiny_model("mixtral", LMS["mixtral"], seed=3, output_router_logits=True)
+    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="", micro_batches=2)
+    with pytest.raises(ValueError, match="micro-batch 0's attention_mask with padding and the router's aux") as err:
+        compiled.train_step([ids, ids], [ids, ids], attention_mask=[_mask((0, 15)), None])
     assert "\n" not in str(err.value)
 
 
