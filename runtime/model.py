@@ -78,7 +78,9 @@ input gradient, which scatters into the embedding gradient after the plan (ROWS)
 layer 0's backward, bound to its input_ids shard and adding into micro-batch j-1's partial, and
 syncs the last partial once (the synchronised [V, h] is the embedding gradient). Loss
 convention: the gradient of the MEAN of the M micro-batch losses, eager's ``(loss / M).backward()``
-per micro-batch, added to ``.grad``; ``forward`` refuses such a model.
+per micro-batch, added to ``.grad`` (given ``num_items_in_batch``, transformers' Trainer's: the SUM of
+each summed cross-entropy / N); ``forward`` refuses such a model. Each micro-batch may be right-padded
+or packed (its own ``attention_mask`` / ``position_ids``: its nodes read its layout, ``step_layouts``).
 
 ``parameters()`` are this rank's shards (any torch optimizer works on them). Checkpoints use
 the ORIGINAL module's names: ``full_state_dict()`` gathers full tensors (a collective),
@@ -326,7 +328,8 @@ class CompiledModel(nn.Module):
     @torch.no_grad()
     def train_step(self, input_ids: Sequence[torch.Tensor], labels: Sequence[torch.Tensor], *,
                    attention_mask: Sequence[torch.Tensor | None] | None = None,
-                   position_ids: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                   position_ids: Sequence[torch.Tensor | None] | None = None,
+                   num_items_in_batch: int | torch.Tensor | None = None) -> list[torch.Tensor]:
         """One optimizer step of M micro-batches (``micro_batches=M`` >= 2 at compile time) in the
         merged schedule's order: ``input_ids[j]``, ``labels[j]`` are micro-batch j's full [b, s]
         (the same on every rank, as ``forward`` takes them); ``attention_mask[j]`` (right padding)
@@ -338,8 +341,11 @@ class CompiledModel(nn.Module):
         usual gradient-accumulation loop's ``(loss / M).backward()``: the gradients ADDED to every
         parameter's ``.grad`` (embedding, layer shards, final norm, head; as backward, on top of
         what is there) are the gradient of sum_j loss_j / M, each micro-batch weighted 1/M whatever
-        its count of scored tokens (not transformers' Trainer's num_items_in_batch, the step's
-        summed cross-entropy / its scored tokens). Every rank must call it (collective)."""
+        its count of scored tokens. ``num_items_in_batch`` N (transformers' Trainer's: the step's
+        scored tokens, every micro-batch's shifted labels not -100): each loss is instead its summed
+        cross-entropy / N (``model(..., num_items_in_batch=N).loss``) and the step adds the gradient
+        of their SUM, as the Trainer's loop (it divides by no M then). Every rank must call it
+        (collective)."""
         M = self.micro_batches
         if M == 1:
             raise RuntimeFailure("the model was compiled for one micro-batch: call it (model(input_ids, labels=...)"
@@ -359,15 +365,22 @@ class CompiledModel(nn.Module):
                     raise ValueError(f"micro-batch {j}'s {what} is {desc}; the model was compiled for integer "
                                      f"[b, s] = {list(shape)} per micro-batch")
         layouts = self._step_tokens(attention_mask, position_ids)
+        shards = [self._shard_labels(lab) for lab in labels]
+        weight = 1.0 / M
+        if num_items_in_batch is not None:     # transformers' fixed_cross_entropy: sum / N, the losses summed
+            items = torch.as_tensor(num_items_in_batch)
+            if items.dim() != 0 or items.dtype not in (torch.int32, torch.int64) or int(items) < 1:
+                raise ValueError(f"num_items_in_batch={num_items_in_batch!r}: pass the step's count of scored tokens, "
+                                 "a positive integer (or a 0-d integer tensor)")
+            shards, weight = [(mine, items.to(mine.device)) for mine, _ in shards], 1.0
         layers, edges = self.layers, self.edges
         params = layers.params()
-        step = EdgeStep(self, [self._shard_labels(lab) for lab in labels],
-                         [layers.shard_input(ids) for ids in input_ids])
+        step = EdgeStep(self, shards, [layers.shard_input(ids) for ids in input_ids], weight)
         xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
-        # each micro-batch's aux loss seeded as its LM loss: 1/M (the mean), x dp (the DP sync averages)
-        # (on the model's device: the routers' backward multiplies it into their device stats)
-        aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp / M, device=self.embed.device)
+        # each micro-batch's aux loss seeded as its LM loss: weight (1/M, the mean), x dp (the DP sync
+        # averages) (on the model's device: the routers' backward multiplies it into their device stats)
+        aux_seeds = {name: torch.full((1,), edges.aux_coef * self.dp * weight, device=self.embed.device)
                      for name in edges.aux_seeds}
         with step_layouts(layers.executor, layouts):
             _, _, grads, synced = layers.executor.step_edges(xs, [p.detach() for p in params],

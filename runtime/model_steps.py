@@ -151,7 +151,7 @@ class EdgeStep:
       lm_head       (GEMM, forward)     normed -> logits, and this rank's loss term (its shard's
                                         summed cross-entropy / the micro-batch's global count);
       lm_head.dgrad / .wgrad            the term's backward to (normed, the head weight), seeded with
-                                        1/M (the mean over micro-batches), run by whichever of the two
+                                        ``weight`` (1/M: the mean over micro-batches), run by whichever of the two
                                         the plan reaches first; they return d_normed and the head's
                                         partial (+ the previous micro-batch's, attr accumulate);
       norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
@@ -169,10 +169,12 @@ class EdgeStep:
     BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
 
     def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                 ids: Sequence[torch.Tensor]):
+                 ids: Sequence[torch.Tensor], weight: float):
         """``labels``: per micro-batch (this rank's shifted labels [b, s/n], the global count);
-        ``ids``: per micro-batch this rank's input_ids shard [b, s/n] (the PARTIAL scatter's)."""
+        ``ids``: per micro-batch this rank's input_ids shard [b, s/n] (the PARTIAL scatter's);
+        ``weight``: each micro-batch loss's in the step's (1/M, or 1 for num_items_in_batch)."""
         self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
+        self.weight = weight
         self.state: list[dict[str, Any] | None] = [{} for _ in labels]
         self.terms: list[torch.Tensor | None] = [None] * self.M
         self.ran: list[set[str]] = [set() for _ in labels]
@@ -233,10 +235,10 @@ class EdgeStep:
     def _head_backward(self, st):
         if "d_normed" not in st:
             term = st.pop("term")
-            # 1/M: the mean over micro-batches; x dp: the plan's DP sync averages over the
-            # replicas (module docstring, as SumOverRanks' backward)
+            # weight (1/M: the mean over micro-batches); x dp: the plan's DP sync averages over
+            # the replicas (module docstring, as SumOverRanks' backward)
             st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
-                                                               torch.full_like(term, self.model.dp / self.M))
+                                                               torch.full_like(term, self.model.dp * self.weight))
         return st
 
     def _head_dgrad(self, st, j, ins):

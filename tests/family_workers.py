@@ -100,10 +100,11 @@ def batch_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
 
 def accumulation_case(rank: int, n: int, case: dict, seed: int) -> dict:
     """``case`` compiled for a step of 2 micro-batches (``CompiledModel.train_step``): micro-batch 0
-    right-padded, 1 packed (``real_batches``), against eager gradient accumulation
-    (``(loss_j / 2).backward()`` per micro-batch, use_cache=False): the relative errors of the two
-    losses and of every trainable parameter's gradient, and the refusal line of a left-padded
-    micro-batch 1."""
+    right-padded, 1 packed (``real_batches``), against eager gradient accumulation (use_cache=False)
+    under both reductions: per reduction the relative errors of the two losses and of every
+    trainable parameter's gradient (``mean``: ``(loss_j / 2).backward()``; ``items``: transformers'
+    Trainer's ``model(..., num_items_in_batch=N).loss.backward()``, N the step's scored tokens), and
+    the refusal line of a left-padded micro-batch 1."""
     from family_zoo import VOCAB
     from moegraph.runtime.check import grad_report, rel_err
     warnings.filterwarnings("ignore")
@@ -114,20 +115,25 @@ def accumulation_case(rank: int, n: int, case: dict, seed: int) -> dict:
     mask, positions = forms["padded"]["attention_mask"], forms["packed"]["position_ids"]
     ids = [ids0, torch.randint(3, VOCAB, ids0.shape, generator=torch.Generator().manual_seed(seed))]
     labels = [ids[0].masked_fill(mask == 0, -100), ids[1].clone()]
-    losses = compiled.train_step(ids, labels, attention_mask=[mask, None], position_ids=[None, positions])
-    ref = []
-    for x, y, kw in zip(ids, labels, ({"attention_mask": mask}, {"position_ids": positions})):
-        loss = model(input_ids=x, labels=y, use_cache=False, **kw).loss
-        (loss / 2).backward()
-        ref.append(loss.detach())
-    grads = compiled.full_grads()
-    report = grad_report({k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
-                          for k, p in model.named_parameters() if p.requires_grad})
-    left = mask.flip(-1)
+    items = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+    out = {}
+    for reduction, kw, scale in (("mean", {}, 0.5), ("items", {"num_items_in_batch": items}, 1.0)):
+        model.zero_grad(set_to_none=True)
+        compiled.zero_grad(set_to_none=True)
+        losses = compiled.train_step(ids, labels, attention_mask=[mask, None], position_ids=[None, positions], **kw)
+        ref = []
+        for x, y, form in zip(ids, labels, ({"attention_mask": mask}, {"position_ids": positions})):
+            loss = model(input_ids=x, labels=y, use_cache=False, **form, **kw).loss
+            (loss * scale).backward()
+            ref.append(loss.detach())
+        grads = compiled.full_grads()
+        report = grad_report({k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
+                              for k, p in model.named_parameters() if p.requires_grad})
+        out[reduction] = {"loss": rel_err(torch.stack(losses), torch.stack(ref)),
+                          "grads": report["max_rel_err_grads"], "worst_grad": report["worst_grad"]}
     try:
-        compiled.train_step(ids, labels, attention_mask=[None, left])
-        refusal = None
+        compiled.train_step(ids, labels, attention_mask=[None, mask.flip(-1)])
+        out["refusal"] = None
     except ValueError as err:
-        refusal = str(err)
-    return {"loss": rel_err(torch.stack(losses), torch.stack(ref)), "grads": report["max_rel_err_grads"],
-            "worst_grad": report["worst_grad"], "refusal": refusal}
+        out["refusal"] = str(err)
+    return out

@@ -86,10 +86,13 @@ ACCUMULATION = RANK_BATCH.add(2, "batches.accumulation_case", accumulation_case,
 def test_train_step_accumulates_a_padded_and_a_packed_micro_batch_as_eager(rank_results):
     """Micro-batch 0 right-padded, 1 packed, on 2 gloo ranks (Qwen3-MoE sequence-parallel: RoPE and
     the masks on each rank's half): both losses and every gradient as eager's
-    ``(loss_j / 2).backward()`` per micro-batch; a left-padded micro-batch is refused naming it."""
+    ``(loss_j / 2).backward()`` per micro-batch, and, given num_items_in_batch, as transformers'
+    Trainer's ``loss_j.backward()`` of each summed cross-entropy / the step's scored tokens; a
+    left-padded micro-batch is refused naming it."""
     for rank, res in enumerate(rank_results(2, ACCUMULATION)):
         assert "refused" not in res, (rank, res)
-        assert res["loss"] < TOL and res["grads"] < TOL, (rank, res)
+        for reduction in ("mean", "items"):
+            assert res[reduction]["loss"] < TOL and res[reduction]["grads"] < TOL, (rank, reduction, res)
         assert res["refusal"].startswith("micro-batch 1's attention_mask row 1 starts with a 0 (left padding)"), res
         assert "\n" not in res["refusal"]
 
@@ -139,14 +142,44 @@ def test_padding_with_the_routers_aux_loss_is_refused():
     assert "\n" not in str(err.value)
 
 
-def test_train_step_refuses_padding_with_the_routers_aux_loss():
+@pytest.fixture(scope="module")
+def aux_step():
+    """A tiny Mixtral with the router's aux loss, compiled for a step of 2 micro-batches, and 2 batches."""
     import moegraph
-    model = tiny_model("mixtral", LMS["mixtral"], seed=3, output_router_logits=True)
-    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
-    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="", micro_batches=2)
-    with pytest.raises(ValueError, match="micro-batch 0's attention_mask with padding and the router's aux") as err:
-        compiled.train_step([ids, ids], [ids, ids], attention_mask=[_mask((0, 15)), None])
+    model = tiny_model("mixtral", LMS["mixtral"], seed=5, output_router_logits=True)
+    gen = torch.Generator().manual_seed(5)
+    ids = [torch.randint(3, VOCAB, (B, S), generator=gen) for _ in range(2)]
+    return model, moegraph.compile(model, ids[0], hardware="cpu-gloo", schedule="greedy", passes="", micro_batches=2), ids
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(attention_mask=[_mask((0, 15)), None]), "micro-batch 0's attention_mask with padding and the router's aux"),
+    (dict(num_items_in_batch=0), "num_items_in_batch=0: pass the step's count of scored tokens"),
+])
+def test_train_step_refuses_in_one_line(aux_step, kwargs, message):
+    _, compiled, ids = aux_step
+    with pytest.raises(ValueError, match=message) as err:
+        compiled.train_step(ids, ids, **kwargs)
     assert "\n" not in str(err.value)
+
+
+def test_train_step_sums_the_losses_with_the_aux_loss_given_num_items_in_batch(aux_step):
+    """transformers' Trainer's reduction: each loss_j = its summed cross-entropy / N + coef * its aux
+    loss, backward of each, no 1/M."""
+    from moegraph.runtime.check import grad_report
+    model, compiled, ids = aux_step
+    labels = [ids[0].clone(), ids[1].masked_fill(_mask((1, 9), (0, 3)) == 0, -100)]
+    items = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+    model.zero_grad(set_to_none=True)
+    compiled.zero_grad(set_to_none=True)
+    losses = compiled.train_step(ids, labels, num_items_in_batch=torch.tensor(items))
+    for x, y, got in zip(ids, labels, losses):
+        loss = model(input_ids=x, labels=y, num_items_in_batch=items).loss
+        loss.backward()
+        assert abs(float(got) - loss.item()) < TOL * loss.item()
+    grads = compiled.full_grads()
+    report = grad_report({k: (grads[k], p.grad) for k, p in model.named_parameters()})
+    assert report["max_rel_err_grads"] < TOL, report
 
 
 @pytest.mark.slow
