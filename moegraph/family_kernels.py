@@ -185,6 +185,10 @@ def _norm_fwd(node: Node, x: torch.Tensor, w: torch.Tensor | None = None):
 
 def _glu_fwd(node: Node, a: torch.Tensor, b: torch.Tensor):
     act = node.attr("act")
+    if act in ("sigmoid", "softplus"):      # a gated attention output: b [.., X*group] * act(a [.., X])
+        gate = torch.sigmoid(a) if act == "sigmoid" else F.softplus(a.float()).to(b.dtype)   # Laguna: fp32 softplus
+        group = node.attr("group", None)
+        return b * gate if group is None else (b.unflatten(-1, (-1, group)) * gate.unsqueeze(-1)).flatten(-2)
     if act == "gelu":
         return F.gelu(a) * b
     if act == "gelu_tanh":

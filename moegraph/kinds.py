@@ -33,7 +33,7 @@ class OpKind(enum.Enum):
     CAST = "cast"                # precision change for compressed communication
     # structural lowering's ops (moegraph.lowering.structural; kernels in moegraph.family_kernels)
     NORM = "norm"                # LayerNorm, per-head RMSNorm (Qwen3 q/k) or weightless L2 norm (Llama 4 q/k)
-    GLU = "glu"                  # act(a) * b for GeGLU, or GPT-OSS's clamped SwiGLU (SwiGLU itself: SWIGLU)
+    GLU = "glu"                  # act(a) * b: GeGLU, GPT-OSS's clamped SwiGLU, a gated attention output (Laguna)
     SCALE = "scale"              # x * factor, a constant (Granite's residual multiplier)
     GROUPED_BIAS = "grouped_bias"  # expert rows + their expert's bias (GPT-OSS expert biases)
     # communication

@@ -43,8 +43,9 @@ IndexLayout = Literal["local", "all", "by_dest"]
 Reduce = Literal["sum", "mean"]
 NormKind = Literal["layer", "head_rms", "l2"]
 """NORM's attr ``kind``: LayerNorm, RMSNorm of each head's ``group`` features, weightless L2 norm of each head."""
-GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu"]
-"""GLU's attr ``act``: act(a) * b for exact or tanh GELU, or GPT-OSS's clamped SwiGLU."""
+GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu", "sigmoid", "softplus"]
+"""GLU's attr ``act``: act(a) * b for exact or tanh GELU, or GPT-OSS's clamped SwiGLU; sigmoid or
+softplus for a gated attention output (a: the gate's logits, per feature or, attr ``group``, per head)."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
@@ -245,6 +246,7 @@ class GluAttrs(NodeAttrs):
     act: GluAct
     limit: float | None = None           # clamped_swiglu: the clamp and the sigmoid's alpha
     alpha: float | None = None
+    group: int | None = None             # a [.., X] broadcast over groups of this many of b [.., X*group]
 
 
 @dataclass(frozen=True, kw_only=True)

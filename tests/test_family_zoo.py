@@ -33,7 +33,7 @@ COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("s
 # GLM-4.5, Granite MoE, ERNIE 4.5, HunYuan, dots.llm1, MiniMax-M2, Llama 4)
 COMPILED = ("aria", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
             "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "kolibri1",
-            "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
+            "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open")
 LMS = dict(moe_causal_lms())
 
@@ -81,8 +81,13 @@ def test_family_layers_compile_and_match_eager_with_a_neutral_edge(family):
     assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
 
 
+# a compiled family's other settings, at n=2 under a strategy of their own (strategy, config fields):
+# Laguna's attention output gated per feature (its default, in COMPILED: one gate per head)
+VARIANTS = {"laguna": (4, dict(gating="per-element"))}
+
 N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS] + \
-    [dict(_case(i + 4, family), overrides=ov) for i, (family, ov) in enumerate(EDGE_NEUTRAL.items()) if family in LMS]
+    [dict(_case(i + 4, family), overrides=ov) for i, (family, ov) in enumerate(EDGE_NEUTRAL.items()) if family in LMS] + \
+    [dict(_case(i, family), overrides=ov) for family, (i, ov) in VARIANTS.items() if family in LMS]
 N2 = RANK_BATCH.add(2, "family_zoo.family_cases", family_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
 
 

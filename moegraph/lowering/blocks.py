@@ -44,12 +44,13 @@ from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
-from moegraph.lowering.blocks_ext import (emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_layernorm,
-                                          emit_scale, expert_bias_params, mask_attrs, router_attrs)
+from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm,
+                                          emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
+                                          mask_attrs, out_gate_param, router_attrs)
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
-INDEX_DTYPE, WEIGHT_DTYPE = "int64", "fp32"
+INDEX_DTYPE = "int64"
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -199,8 +200,9 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                               ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
     rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g) | spec.rotary.attrs()
-    qs, ks, vs = [], [], []
+    qs, ks, vs, xs = [], [], [], []
     for c, x_in in _attention_chunks(g, x, kw):
+        xs.append(x_in)
         qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)            # [b, S, (Hl+Gl)d + Gl dv]
         if b_qkv is not None:
             biased = g.like(f"qkv_biased{c}", qkv)
@@ -215,20 +217,20 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         if spec.v_scale != 1.0:
             v = emit_scale(g, v, spec.v_scale, name=f"v_scale{c}", out=f"v_scaled{c}", **kw)
         if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
-            q, k = _head_norms(g, spec, q, k, c, kw)
+            q, k = head_norms(g, spec, q, k, c, kw)
         elif spec.q_norm is not None and not spec.qk_norm_per_head:
-            q = _emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
-            k = _emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
+            q = emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
+            k = emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
         if spec.use_rope:
             q_rope, k_rope = g.like(f"q_rope{c}", q), g.like(f"k_rope{c}", k)
             g.node(f"rope{c}", OpKind.ROPE, (q, k), (q_rope, k_rope), flops=3 * (_numel(g, q) + _numel(g, k)),
                    attrs=rope_attrs, **kw)
             q, k = q_rope, k_rope
         if spec.qk_norm_after_rope:
-            q, k = _head_norms(g, spec, q, k, c, kw)
+            q, k = head_norms(g, spec, q, k, c, kw)
         qa, ka, va = _ulysses_in(g, q, k, v, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
-    y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=dv, kw=kw, spec=spec)
+    y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=dv, kw=kw, spec=spec, gate_ins=xs)
     if spec.o_bias is None:
         return y
     return emit_bias(g, y, spec.o_bias, name="o_bias", out="attn_out_biased", **kw)
@@ -271,7 +273,7 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
             q = emit_gemm(g, f"q_proj{c}", x_in, w_q, f"q{c}", **kw)                       # [b, S, Hl*dq]
         else:
             cq = emit_gemm(g, f"q_a_proj{c}", x_in, w_qa, f"q_latent{c}", **kw)            # [b, S, r_q]
-            cq = _emit_width_norm(g, spec.q_norm, cq, f"q_a_norm{c}", w_qn, spec.q_rank, kw)
+            cq = emit_width_norm(g, spec.q_norm, cq, f"q_a_norm{c}", w_qn, spec.q_rank, kw)
             q = emit_gemm(g, f"q_b_proj{c}", cq, w_qb, f"q{c}", **kw)                      # [b, S, Hl*dq]
         ckv = emit_gemm(g, f"kv_a_proj{c}", x_in, w_kva, f"kv_latent_pe{c}", **kw)         # [b, S, r_kv+dr]
         b, S = g.shape(ckv)[:2]
@@ -279,7 +281,7 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
         k_pe = g.value(f"k_pe{c}", (b, S, dr), alias_of=ckv)
         g.node(f"kv_a_split{c}", OpKind.SPLIT, (ckv,), (ckv_c, k_pe), mem_bytes=0,
                attrs={"dim": 2, "sizes": (spec.kv_rank, dr), "mode": "split"}, **kw)
-        ckv_c = _emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
+        ckv_c = emit_width_norm(g, spec.kv_norm, ckv_c, f"kv_a_norm{c}", w_kvn, spec.kv_rank, kw)
         kv = emit_gemm(g, f"kv_b_proj{c}", ckv_c, w_kvb, f"kv{c}", **kw)                   # [b, S, Hl*(dn+dv)]
         qh, kh = g.value(f"q_heads{c}", (b, S, Hl * dq)), g.value(f"k_heads{c}", (b, S, Hl * dq))
         vh = g.value(f"v_heads{c}", (b, S, Hl * dv))
@@ -357,10 +359,13 @@ def _ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tu
 
 
 def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[str], o: ParamSource, *,
-                        heads: int, qk_dim: int, v_dim: int, kw: dict, spec=None) -> str:
+                        heads: int, qk_dim: int, v_dim: int, kw: dict, spec=None, gate_ins: list[str] = ()) -> str:
     """Causal attention over H/n heads and the whole sequence (N chunks each of q, k, v:
     [b, s/N, H/n*d_qk], ..., [b, s/N, H/n*d_v]), then the output projection back to this rank's
-    sequence shard [b, s/n, h] (tp: a reduce-scatter of partial sums; sp: Ulysses back first)."""
+    sequence shard [b, s/n, h] (tp: a reduce-scatter of partial sums; sp: Ulysses back first).
+    A gated output (``spec.out_gate``) multiplies o_proj's input by act(g_proj(x)), x the chunk's
+    QKV input ``gate_ins[j]`` (tp: the gathered tokens, g_proj cut by heads like q; sp: this
+    rank's tokens, g_proj replicated like q)."""
     n, tp, N = g.strategy.n, g.strategy.attn == "tp", g.strategy.chunks
     b, s, h = g.dims.b, g.dims.s, g.dims.h
     H, d, dv = heads, qk_dim, v_dim
@@ -378,56 +383,28 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     out_full = g.value("attn_out", (b, s // n, h)) if N > 1 else None
     outs = []
     w_o = g.param("o_proj.weight", (h, Hl * dv), ParamSpec((o,), shard_dim=1 if tp else None))
+    gate = getattr(spec, "out_gate", None)
+    w_gate = out_gate_param(g, gate, Hl, dv) if gate is not None else None
     for j, attn in enumerate(attns):
         with _chunk(g, j, N) as c:
             name, alias = _chunk_out(g, "attn_out", j)
-            if tp:
-                if n == 1:
-                    outs.append(emit_gemm(g, f"out_proj{c}", attn, w_o, name, alias_of=alias, **kw))
-                    continue
-                partial = emit_gemm(g, f"out_proj{c}", attn, w_o, f"attn_out_partial{c}", **kw)
-                outs.append(emit_reduce_scatter(g, f"attn_rs{c}", partial, name, dim=1, alias_of=alias,
-                                                **kw))                           # [b, nL, h] -> [b, L, h]
-                continue
-            attn_a2a = attn
-            if n > 1:
+            if not tp and n > 1:
                 # Ulysses back: split sequence, gather heads. [b, nL, H/n*d] -> [b, L, H*d]
                 attn_a2a = g.value(f"attn_a2a{c}", (b, s // n // N, H * dv))
                 g.collective(f"attn_a2a{c}", OpKind.ALL_TO_ALL, (attn,), (attn_a2a,),
                              full_bytes=g.nbytes(attn),
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
-            outs.append(emit_gemm(g, f"out_proj{c}", attn_a2a, w_o, name, alias_of=alias, **kw))
+                attn = attn_a2a
+            if gate is not None:                      # [b, S, Hl] or [b, S, Hl*dv] logits
+                logit = emit_gemm(g, f"attn_gate_proj{c}", gate_ins[j], w_gate, f"attn_gate_logit{c}", **kw)
+                attn = emit_out_gate(g, gate, logit, attn, dv, name=f"attn_gate{c}", out=f"attn_gated{c}", kw=kw)
+            if not tp or n == 1:
+                outs.append(emit_gemm(g, f"out_proj{c}", attn, w_o, name, alias_of=alias, **kw))
+                continue
+            partial = emit_gemm(g, f"out_proj{c}", attn, w_o, f"attn_out_partial{c}", **kw)
+            outs.append(emit_reduce_scatter(g, f"attn_rs{c}", partial, name, dim=1, alias_of=alias,
+                                            **kw))                           # [b, nL, h] -> [b, L, h]
     return _concat_chunks(g, "attn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
-
-
-def _head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict) -> tuple[str, str]:
-    """Per-head q and k norms (weights [d], or weightless L2): [b, S, X*d] -> [b, S, X*d] each."""
-    d = spec.head_dim
-    return (emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps),
-            emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps))
-
-
-def _emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
-    """RMSNorm over the last dim of x, whose full row is ``width`` wide: [b, S, X] -> [b, S, X].
-
-    When this rank holds the whole row (sp, n = 1) it is a plain RMSNORM. Under attention tp it
-    holds width/n of each row, so the mean of squares needs every rank's part: a SQUARE_SUM
-    [b, S, 1] (fp32), an ALL_REDUCE of it (b*S*4 bytes per rank, 2(n-1)/n on the wire), then
-    RMSNORM_SHARDED scales the slice.
-    """
-    y = g.like(f"{name}_out", x)
-    if g.shape(x)[-1] == width:
-        g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs={"eps": spec.eps}, **kw)
-        return y
-    rows = g.shape(x)[:-1]
-    part = g.value(f"{name}_sumsq_part", (*rows, 1), dtype=WEIGHT_DTYPE)
-    g.node(f"{name}_sumsq", OpKind.SQUARE_SUM, (x,), (part,), flops=2 * _numel(g, x), **kw)
-    total = g.value(f"{name}_sumsq", (*rows, 1), dtype=WEIGHT_DTYPE)
-    g.collective(f"{name}_allreduce", OpKind.ALL_REDUCE, (part,), (total,),
-                 full_bytes=g.nbytes(part), flops=_numel(g, part), **kw)
-    g.node(name, OpKind.RMSNORM_SHARDED, (x, w, total), (y,), flops=3 * _numel(g, x),
-           attrs={"eps": spec.eps, "width": width}, **kw)
-    return y
 
 
 def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:

@@ -1,6 +1,7 @@
 """Emitters for the parts structural lowering added to the blocks of ``blocks``: LayerNorms, per-head
-and L2 q/k norms, biases after a projection, gated activations other than SwiGLU, expert biases,
-constant scales. Each is called from ``blocks`` only where a spec asks for it, so a spec without
+and L2 q/k norms (and q/k/latent norms over a projection's width, sharded under tp), biases after a
+projection, gated activations other than SwiGLU, a gated attention output, expert biases, constant
+scales. Each is called from ``blocks`` only where a spec asks for it, so a spec without
 these parts lowers to the graph it always did.
 
 Notation (as ``blocks``): b micro-batch, s sequence, h hidden, n group size, S rows on this rank
@@ -14,7 +15,9 @@ import math
 
 from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import OpKind, ParamSource, ParamSpec
-from moegraph.lowering.specs import Activation, MoESpec, NormSpec
+from moegraph.lowering.specs import Activation, AttentionSpec, MoESpec, NormSpec, OutGateSpec
+
+WEIGHT_DTYPE = "fp32"
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -129,3 +132,51 @@ def router_attrs(spec: MoESpec) -> dict:
         raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
                           "sigmoid scoring only")
     return attrs
+
+
+def head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict) -> tuple[str, str]:
+    """Per-head q and k norms (weights [d], or weightless L2): [b, S, X*d] -> [b, S, X*d] each."""
+    d = spec.head_dim
+    return (emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps),
+            emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps))
+
+
+def emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
+    """RMSNorm over the last dim of x, whose full row is ``width`` wide: [b, S, X] -> [b, S, X].
+
+    When this rank holds the whole row (sp, n = 1) it is a plain RMSNORM. Under attention tp it
+    holds width/n of each row, so the mean of squares needs every rank's part: a SQUARE_SUM
+    [b, S, 1] (fp32), an ALL_REDUCE of it (b*S*4 bytes per rank, 2(n-1)/n on the wire), then
+    RMSNORM_SHARDED scales the slice.
+    """
+    y = g.like(f"{name}_out", x)
+    if g.shape(x)[-1] == width:
+        g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs={"eps": spec.eps}, **kw)
+        return y
+    rows = g.shape(x)[:-1]
+    part = g.value(f"{name}_sumsq_part", (*rows, 1), dtype=WEIGHT_DTYPE)
+    g.node(f"{name}_sumsq", OpKind.SQUARE_SUM, (x,), (part,), flops=2 * _numel(g, x), **kw)
+    total = g.value(f"{name}_sumsq", (*rows, 1), dtype=WEIGHT_DTYPE)
+    g.collective(f"{name}_allreduce", OpKind.ALL_REDUCE, (part,), (total,),
+                 full_bytes=g.nbytes(part), flops=_numel(g, part), **kw)
+    g.node(name, OpKind.RMSNORM_SHARDED, (x, w, total), (y,), flops=3 * _numel(g, x),
+           attrs={"eps": spec.eps, "width": width}, **kw)
+    return y
+
+
+def out_gate_param(g: GraphBuilder, gate: OutGateSpec, heads: int, dv: int) -> str:
+    """g_proj's weight for this rank's ``heads`` query heads: [heads, h] (one gate per head) or
+    [heads*dv, h], cut by heads under attention tp like q's rows, replicated under sp."""
+    rows = heads if gate.per_head else heads * dv
+    return g.param("g_proj.weight", (rows, g.dims.h),
+                   ParamSpec((gate.weight,), shard_dim=0 if g.strategy.attn == "tp" else None))
+
+
+def emit_out_gate(g: GraphBuilder, gate: OutGateSpec, logit: str, y: str, dv: int, *, name: str, out: str,
+                  kw: dict) -> str:
+    """y * act(logit), a GLU node: [b, S, X*dv] x [b, S, X] (per head, broadcast over dv) or
+    [b, S, X*dv] -> [b, S, X*dv]. Sigmoid and softplus: ~4 FLOPs a gate, one multiply per feature."""
+    gated = g.like(out, y)
+    g.node(name, OpKind.GLU, (logit, y), (gated,), flops=_numel(g, y) + 4 * _numel(g, logit),
+           attrs={"act": gate.act} | ({"group": dv} if gate.per_head else {}), **kw)
+    return gated

@@ -21,6 +21,7 @@ Activation = Literal["silu", "gelu", "gelu_tanh", "clamped_swiglu"]
 GPT-OSS's clamped SwiGLU: (clamp(up, -l, l) + 1) * g sigmoid(alpha g), g = min(gate, l)."""
 NormKind = Literal["rms", "layer"]
 GroupScore = Literal["top2-sum", "max"]
+GateAct = Literal["sigmoid", "softplus"]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,17 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class OutGateSpec:
+    """A gated attention output: the attention's output [H*dv] times act(g_proj(x)) of the layer
+    input x, before o_proj; one gate per head broadcast over its dv features (Laguna's default,
+    weight [H, h]) or one per feature (weight [H*dv, h]; Laguna's 'per-element', AFMoE)."""
+
+    weight: ParamSource
+    act: GateAct
+    per_head: bool
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     q: ParamSource            # [H*d, h]
     k: ParamSource            # [G*d, h]
@@ -102,6 +114,7 @@ class AttentionSpec:
     temperature_floor: int | None = None
     v_head_dim: int | None = None          # each value head's width where it is not d (MiMo-V2-Flash)
     v_scale: float = 1.0                   # values multiplied by it before attending (MiMo-V2-Flash)
+    out_gate: OutGateSpec | None = None    # the output gated before o_proj (Laguna)
 
     @property
     def rotary(self) -> RopeSpec:

@@ -38,7 +38,7 @@ from torch import nn
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, Rule
 from moegraph.lowering.rope import rope_of
-from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec
+from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, OutGateSpec, RopeSpec
 
 _GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("moegraph_structural_guard", default=True)
 _LAYER: contextvars.ContextVar["LayerContext | None"] = contextvars.ContextVar("moegraph_layer", default=None)
@@ -366,6 +366,7 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
 
 
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
+OUT_GATE_NAMES = ("g_proj", "gate_proj")      # Laguna, AFMoE: the attention output's gate projection
 
 
 def _used_after_rope(cls: type, attr: str) -> bool:
@@ -461,6 +462,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
             elif widths != (H * d, G * d) or after:
                 raise LoweringError(f"{qualname}: {qn}/{kn} normalise {widths} features: neither each head's {d} "
                                     f"nor the projections' {H * d} and {G * d} before RoPE")
+    gate_name, out_gate = _out_gate(module, qualname, reads, H, dv)
+    known.add(gate_name)
     check_children(module, qualname, known)
     sinks = _src(qualname, "sinks") if getattr(module, "sinks", None) is not None and "sinks" in reads else None
     scale = float(module.scaling)
@@ -472,7 +475,31 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks,
                          temperature_floor=temperature_floor, v_head_dim=None if dv == d else dv,
-                         v_scale=float(v_scale))
+                         v_scale=float(v_scale), out_gate=out_gate)
+
+
+def _out_gate(module: nn.Module, qualname: str, reads: frozenset[str], H: int,
+              dv: int) -> tuple[str | None, OutGateSpec | None]:
+    """(child name, gated output) when the forward reads a bias-free linear ``g_proj`` or
+    ``gate_proj`` of H (a gate per head) or H*dv outputs; its activation is the one sigmoid or
+    softplus the forward calls (read from the source). Where the gate applies (before o_proj, on
+    the layer input) is what the numerical check against eager confirms."""
+    name = next((n for n in OUT_GATE_NAMES if n in reads and isinstance(module._modules.get(n), nn.Linear)), None)
+    if name is None:
+        return None, None
+    where = f"{_join(qualname, name)!r} ({type(module).__name__})"
+    lin = _child_class_check(module, qualname, name)
+    if lin.bias is not None or lin.out_features not in (H, H * dv):
+        raise LoweringError(f"{where}: an attention output gate of {lin.out_features} outputs"
+                            f"{' with a bias' if lin.bias is not None else ''} is not modelled (a bias-free gate of "
+                            f"{H} heads or {H * dv} features is)")
+    src = textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward)))
+    acts = {a for a in ("sigmoid", "softplus") if re.search(rf"\b{a}\(", src)}
+    if len(acts) != 1:
+        raise LoweringError(f"{where}: the attention output gate's activation is not modelled (the forward calls "
+                            f"{' and '.join(sorted(acts)) or 'neither sigmoid nor softplus'})")
+    return name, OutGateSpec(weight=_src(qualname, f"{name}.weight"), act=acts.pop(),
+                             per_head=lin.out_features == H and H != H * dv)
 
 
 def mla_spec(module: nn.Module, qualname: str) -> MLASpec:

@@ -93,9 +93,13 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     scoring = rr.scoring or seen["scoring"]
     if probed is not None and rr.scoring is None and rr.normalize is None:
         scoring, normalize = probed
-    choice_path = rr.choice_bias or (f"{rname}.e_score_correction_bias" if "e_score_correction_bias" in router._buffers
-                                     else "e_score_correction_bias" if "e_score_correction_bias" in module._buffers
-                                     else None)
+    choice_path = rr.choice_bias or (f"{rname}.{CHOICE_BIAS}" if _holds_choice_bias(router)
+                                     else CHOICE_BIAS if _holds_choice_bias(module) else None)
+    for attr in forward_reads(type(router)):
+        cap = getattr(router, attr, None)
+        if "softcap" in attr and cap not in (None, 0, 0.0):
+            raise LoweringError(f"{qualname}.{rname}.{attr}={cap}: a tanh soft cap on the router logits is not "
+                                "modelled; set it to 0")
     choice = None
     if choice_path is not None:
         if _lookup(module, choice_path) is None:
@@ -136,6 +140,16 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
                    swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input)
 
 
+CHOICE_BIAS = "e_score_correction_bias"
+
+
+def _holds_choice_bias(module: nn.Module) -> bool:
+    """A score-correction bias for the expert choice: a buffer (DeepSeek-V3), or a parameter that
+    is never trained (Laguna's, requires_grad=False: the choice's top-k passes it no gradient)."""
+    p = module._parameters.get(CHOICE_BIAS)
+    return CHOICE_BIAS in module._buffers or (p is not None and not p.requires_grad)
+
+
 COMBINATION = "shared_expert_combination_strategy"
 
 
@@ -158,7 +172,7 @@ def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualna
     decides, and the numerical check has the last word). Routers with a choice bias, groups or a
     logit bias are left to the row."""
     import torch
-    if weight.is_meta or "e_score_correction_bias" in router._buffers or router._parameters.get("bias") is not None:
+    if weight.is_meta or _holds_choice_bias(router) or router._parameters.get("bias") is not None:
         return None
     if int(getattr(router, "num_group", None) or 1) > 1:
         return None
