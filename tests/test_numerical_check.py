@@ -206,6 +206,46 @@ def test_a_changed_router_normalisation_is_refused_at_the_block():
     assert "at 'mlp' (Qwen2MoeSparseMoeBlock), its output" in refusal(layer)
 
 
+class HandGatedAttention(nn.Module):
+    """Laguna's attention with a per-feature softplus output gate, its forward written out: the gate
+    before o_proj (as Laguna) or, a near miss, after it (one gate per output feature: H*d = h)."""
+
+    after = False
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, **kwargs):
+        from transformers.models.laguna.modeling_laguna import apply_rotary_pos_emb
+        b, s, _ = hidden_states.shape
+        shape = (b, s, -1, self.head_dim)
+        q = self.q_norm(self.q_proj(hidden_states).view(shape)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(hidden_states).view(shape)).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        v = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling, enable_gqa=True)
+        out = out.transpose(1, 2).reshape(b, s, -1)
+        gate = F.softplus(self.g_proj(hidden_states))
+        return (self.o_proj(out) * gate if self.after else self.o_proj(out * gate)), None
+
+
+@pytest.mark.parametrize("after", [False, True])
+def test_an_attention_gate_after_o_proj_is_refused_at_the_attention(after):
+    """Read as Laguna's gated output (a g_proj the forward reads, softplus); applied after o_proj
+    instead of before, the numbers refuse it. The same forward with the gate before o_proj passes:
+    the hand-written attention itself is faithful."""
+    from family_zoo import moe_causal_lms, tiny_model
+    lms = dict(moe_causal_lms())
+    if "laguna" not in lms:
+        pytest.skip(f"transformers {transformers.__version__} has no model type 'laguna'")
+    layer = tiny_model("laguna", lms["laguna"], gating="per-element").model.layers[0]
+    cls = type("GateAfterOutputAttention" if after else "GateBeforeOutputAttention",
+               (HandGatedAttention, type(layer.self_attn)), {"after": after})
+    layer.self_attn.__class__ = cls
+    if after:
+        assert "at 'self_attn' (GateAfterOutputAttention), its output" in refusal(layer)
+        return
+    with structural_guard(False):
+        trace_module(layer, STRATEGY, batch=1, seq=16)
+
+
 def test_with_the_guard_on_the_same_modules_are_named_before_any_numbers():
     """The structural guard stays: the subclass is named (not just its numbers)."""
     layer = mixtral()

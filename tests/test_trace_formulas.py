@@ -13,7 +13,7 @@ import pytest
 from moegraph.commands import forward_comm_bytes
 from moegraph.ir import Strategy
 from moegraph.registry import load_model
-from moegraph.tracer import trace_model
+from moegraph.tracer import trace_model, trace_module
 
 MODELS = ["internal-352b", "mixtral-8x7b", "mixtral-8x22b", "hunyuan-large", "phi-3.5-moe", "deepseek-moe"]
 # Table 2, typed from the paper: h, heads, m, h_ffn, experts, top-k
@@ -129,3 +129,25 @@ def test_hf_family_activation_bytes():
         g = trace_model(cfg, Strategy("sp", "ep", "ag-rs", a["n"]), batch=B, seq=S)
         u = Fr(B * S, a["n"])
         assert g.activation_bytes() == exact(u * form(a["n"], a["H"], a["G"], a["d"], a["h"], a["k"], a["f"]) * BYTES)
+
+
+@pytest.mark.parametrize("gating", ["per-head", "per-element"])
+def test_gated_attention_activation_bytes_add_the_gate(gating):
+    """Laguna's gated attention output (the zoo's tiny layer: h=64, H=8, G=4, d=8; sp, n=2, fp32), the
+    attention block's saved values per rank, u = b s/n tokens: u [3h + 6d(H+G)] as Qwen3-30B-A3B's
+    above (its layer input aside), plus the gate's logits (u H per head, u Hd per feature), read by
+    the gate's backward beside the attention output, and the gated output u Hd, o_proj's input."""
+    pytest.importorskip("transformers")
+    from family_zoo import moe_causal_lms, tiny_model
+    lms = dict(moe_causal_lms())
+    if "laguna" not in lms:
+        pytest.skip("the installed transformers has no model type 'laguna'")
+    h, H, G, d, n, b, s = 64, 8, 4, 8, 2, 2, 16
+    layer = tiny_model("laguna", lms["laguna"], gating=gating).model.layers[0]
+    assert (layer.self_attn.num_heads, layer.self_attn.head_dim, layer.self_attn.k_proj.out_features) == (H, d, G * d)
+    g = trace_module(layer, Strategy("sp", "ep", "ag-rs", n, dtype="fp32"), batch=b, seq=s)
+    block = {o: node.block for node in g.nodes for o in node.outputs}
+    saved = sum(g.value[v].storage_bytes for v in g.saved if block.get(v) == "attention")
+    u = Fr(b * s, n)
+    gate = (H if gating == "per-head" else H * d) + H * d
+    assert saved == exact(u * (3 * h + 6 * d * (H + G) + gate) * 4)
