@@ -185,6 +185,20 @@ def test_cohere2_moe_layer_with_its_bias_free_layernorm_matches_eager(strategy):
     assert err < TOL, f"gradient of {name}: {err:.2e}"
 
 
+@pytest.mark.parametrize("family,attn", [("laguna", "tp"), ("laguna", "sp"), ("qwen3_moe", "sp")])
+def test_token_chunks_share_the_per_head_norm_and_gate_weights(family, attn):
+    """chunks=2 at n=2 (emulated in the compile's own check against the eager layer): each chunk's
+    per-head q/k norm (and Laguna's gate) reads one weight, so the chunks' gradients add up (with a
+    weight per chunk, 0.7 off at q_norm.weight)."""
+    if family not in LMS:
+        pytest.skip(_missing(family))
+    layer = tiny_model(family, LMS[family]).model.layers[0]
+    graph = trace_module(layer, Strategy(attn, "ep", "a2a", 2, dtype="fp32", chunks=2), batch=2, seq=16)
+    norms = [n for n in graph.nodes if n.op.name == "NORM" and n.attr("kind") == "head_rms"]
+    assert len(norms) >= 4 and len({n.inputs[1] for n in norms}) == 2
+    assert sum(n.op.name == "GLU" for n in graph.nodes) == (4 if family == "laguna" else 0)
+
+
 def test_the_compiled_families_cover_every_strategy_at_two_ranks():
     assert {(c["attn"], c["ffn"], c["dispatch"]) for c in N2_CASES} == set(COMBOS)
     assert torch.get_num_threads() >= 1

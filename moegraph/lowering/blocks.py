@@ -194,8 +194,9 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+Gl)d + Gl dv]
         b_qkv = g.param("qkv.bias", ((Hl + Gl) * d + Gl * dv,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
     # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp);
-    # per-head norms' [d] (Qwen3) are emitted with their nodes
-    w_qk = tuple(None if ns is None or spec.qk_norm_per_head
+    # per-head norms' [d] (Qwen3) replicated; one weight for every token chunk
+    w_qk = tuple(None if ns is None
+                 else g.param(f"{name}.weight", (d,), ParamSpec((ns.weight,), shard_dim=None)) if spec.qk_norm_per_head
                  else g.param(f"{name}.weight", (X // n * d if tp else X * d,),
                               ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
@@ -217,7 +218,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         if spec.v_scale != 1.0:
             v = emit_scale(g, v, spec.v_scale, name=f"v_scale{c}", out=f"v_scaled{c}", **kw)
         if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
-            q, k = head_norms(g, spec, q, k, c, kw)
+            q, k = head_norms(g, spec, q, k, c, kw, w_qk)
         elif spec.q_norm is not None and not spec.qk_norm_per_head:
             q = emit_width_norm(g, spec.q_norm, q, f"q_norm{c}", w_qk[0], H * d, kw)
             k = emit_width_norm(g, spec.k_norm, k, f"k_norm{c}", w_qk[1], G * d, kw)
@@ -227,7 +228,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                    attrs=rope_attrs, **kw)
             q, k = q_rope, k_rope
         if spec.qk_norm_after_rope:
-            q, k = head_norms(g, spec, q, k, c, kw)
+            q, k = head_norms(g, spec, q, k, c, kw, w_qk)
         qa, ka, va = _ulysses_in(g, q, k, v, c, kw)
         qs.append(qa), ks.append(ka), vs.append(va)
     y = _attend_and_project(g, qs, ks, vs, spec.o, heads=H, qk_dim=d, v_dim=dv, kw=kw, spec=spec, gate_ins=xs)

@@ -47,16 +47,17 @@ def emit_bias(g: GraphBuilder, x: str, src: ParamSource, *, name: str, out: str,
 
 
 def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str, head_dim: int, kw: dict,
-                   l2_eps: float | None = None) -> str:
+                   l2_eps: float | None = None, w: str | None = None) -> str:
     """RMSNorm of each head's d features of [b, S, X*d] with one weight [d] shared by the heads
-    (Qwen3's q/k norm), or with ``spec`` None a weightless L2 norm of eps ``l2_eps`` (Llama 4's).
-    Each rank holds whole heads (tp cuts by heads), so no cross-rank reduction is needed."""
+    (Qwen3's q/k norm; ``w``: that weight's value when token chunks share it), or with ``spec`` None
+    a weightless L2 norm of eps ``l2_eps`` (Llama 4's). Each rank holds whole heads (tp cuts by
+    heads), so no cross-rank reduction is needed."""
     y = g.like(f"{name}_out", x)
     if spec is None:
         g.node(name, OpKind.NORM, (x,), (y,), flops=3 * _numel(g, x),
                attrs={"kind": "l2", "eps": l2_eps, "group": head_dim}, **kw)
         return y
-    w = g.param(f"{name}.weight", (head_dim,), ParamSpec((spec.weight,), shard_dim=None))
+    w = w or g.param(f"{name}.weight", (head_dim,), ParamSpec((spec.weight,), shard_dim=None))
     g.node(name, OpKind.NORM, (x, w), (y,), flops=4 * _numel(g, x),
            attrs={"kind": "head_rms", "eps": spec.eps, "group": head_dim}, **kw)
     return y
@@ -134,11 +135,15 @@ def router_attrs(spec: MoESpec) -> dict:
     return attrs
 
 
-def head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict) -> tuple[str, str]:
-    """Per-head q and k norms (weights [d], or weightless L2): [b, S, X*d] -> [b, S, X*d] each."""
+def head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict,
+               weights: tuple[str | None, str | None]) -> tuple[str, str]:
+    """Per-head q and k norms (weights [d], or weightless L2): [b, S, X*d] -> [b, S, X*d] each. Their
+    weights are created once for every token chunk (``weights``), so the chunks' gradients sum."""
     d = spec.head_dim
-    return (emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps),
-            emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps))
+    return (emit_head_norm(g, spec.q_norm, q, name=f"q_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps,
+                           w=weights[0]),
+            emit_head_norm(g, spec.k_norm, k, name=f"k_norm{c}", head_dim=d, kw=kw, l2_eps=spec.qk_l2_eps,
+                           w=weights[1]))
 
 
 def emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, width: int, kw: dict) -> str:
