@@ -199,6 +199,18 @@ def test_token_chunks_share_the_per_head_norm_and_gate_weights(family, attn):
     assert sum(n.op.name == "GLU" for n in graph.nodes) == (4 if family == "laguna" else 0)
 
 
+@pytest.mark.parametrize("attn", ["tp", "sp"])
+def test_afmoe_dense_layer_with_its_sigmoid_output_gate_matches_eager(attn):
+    """AFMoE's attention gates its output per feature by sigmoid(gate_proj(x)) (Laguna's: softplus,
+    per head): its dense first layer compiles at n=2, checked against eager by the compile; its MoE
+    layers refuse at their router (test_every_other_family_refuses_in_one_line_naming_a_construct)."""
+    if "afmoe" not in LMS:
+        pytest.skip(_missing("afmoe"))
+    layer = tiny_model("afmoe", LMS["afmoe"]).model.layers[0]
+    graph = trace_module(layer, Strategy(attn, "ep", "a2a", 2, dtype="fp32"), batch=2, seq=16)
+    assert [n.attr("act") for n in graph.nodes if n.op.name == "GLU"] == ["sigmoid", "sigmoid"]
+
+
 def test_the_compiled_families_cover_every_strategy_at_two_ranks():
     assert {(c["attn"], c["ffn"], c["dispatch"]) for c in N2_CASES} == set(COMBOS)
     assert torch.get_num_threads() >= 1
