@@ -27,7 +27,6 @@ from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
 from moegraph.lowering.rope import rotary_frequencies
-from moegraph.lowering.specs import NormSpec
 from moegraph.lowering.structural import classify, family_of, forward_reads, norm_spec
 
 
@@ -364,6 +363,11 @@ def aux_loss(model: nn.Module) -> AuxLoss | None:
 def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
     """``spec`` of a submodule, its names as seen from the parent (``prefix`` ends in a dot)."""
     return dataclasses.replace(spec, embed=prefix + spec.embed, layers=prefix + spec.layers,
-                               norm=dataclasses.replace(spec.norm, weight=ParamSource(prefix + spec.norm.weight.qualname)),
+                               norm=dataclasses.replace(spec.norm, weight=_prefixed(spec.norm.weight, prefix),
+                                                        bias=spec.norm.bias and _prefixed(spec.norm.bias, prefix)),
                                head=None if spec.head is None else prefix + spec.head,
                                unused={prefix + k: v for k, v in spec.unused.items()})
+
+
+def _prefixed(src: ParamSource, prefix: str) -> ParamSource:
+    return dataclasses.replace(src, qualname=prefix + src.qualname)
