@@ -1,6 +1,8 @@
 """The edges of a model step graph, read: the names, attributes and records later stages use.
 
-A causal LM is embedding -> L decoder layers -> final RMSNorm -> LM head -> loss. The edges
+A causal LM is embedding -> L decoder layers -> final norm -> LM head (-> x logit_scale) -> loss,
+the final norm an RMSNorm or a bias-free LayerNorm and the logits' constant multiplier 1 unless
+the model has one (``EdgeHead``: Cohere's LayerNorm and ``logit_scale``). The edges
 pass (``moegraph.passes.edges.add_edges``, the module docstring there describes the nodes)
 appends their gradient syncs and priced eager compute to the step graph; this module holds what
 the tracer, the cost model, the scheduler and the runtime read of them: the block and attribute
@@ -15,7 +17,9 @@ V vocabulary, T = b*s/n tokens per rank.
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
+from typing import Literal
 
 from moegraph.ir import GraphError, Graph, Node
 
@@ -57,6 +61,33 @@ class AuxLoss:
             raise ValueError(f"AuxLoss.coef={self.coef!r} must be a number >= 0")
         if not 1 <= self.top_k <= self.experts:
             raise ValueError(f"AuxLoss: top_k={self.top_k} must be in 1..experts={self.experts}")
+
+
+FinalNorm = Literal["rms", "layer"]
+"""The final norm the edges model: RMSNorm, or LayerNorm (mean removed, a weight, no bias)."""
+
+
+@dataclass(frozen=True)
+class EdgeHead:
+    """What the eager edges compute between the last layer and the loss, beyond the LM head's
+    product: the final ``norm`` ('rms': RMSNorm, priced as an RMSNORM node; 'layer': a bias-free
+    LayerNorm of epsilon ``eps``, a NORM node of kind 'layer', as the layers' LayerNorms), and
+    the logits' constant multiplier ``logit_scale`` (Cohere's ``logits * self.logit_scale``; 1:
+    none, and no node). The default is the plain RMSNorm -> head of every other family."""
+
+    norm: FinalNorm = "rms"
+    eps: float | None = None
+    logit_scale: float = 1.0
+
+    def __post_init__(self):
+        if self.norm not in ("rms", "layer"):
+            raise ValueError(f"EdgeHead.norm={self.norm!r} is not one of 'rms', 'layer'")
+        if self.norm == "layer" and (isinstance(self.eps, bool) or not isinstance(self.eps, (int, float))
+                                     or not self.eps > 0):
+            raise ValueError(f"EdgeHead: a final LayerNorm needs its eps > 0, got eps={self.eps!r}")
+        s = self.logit_scale
+        if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
+            raise ValueError(f"EdgeHead.logit_scale={s!r} must be a finite number")
 
 
 AUX_META = "aux_loss"
@@ -112,6 +143,8 @@ class EdgeValues:
     aux_coef: float = 0.0
     aux_experts: int = 0
     aux_rows: int = 0
+    final_norm: FinalNorm = "rms"
+    logit_scale: float = 1.0
 
     @property
     def seed(self) -> str:
@@ -176,4 +209,4 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 __all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR",
-           "EMBED_SCATTER", "EdgeValues", "EmbedGrad", "edge_layer", "edge_values", "is_edge", "is_eager"]
+           "EMBED_SCATTER", "EdgeHead", "FinalNorm", "EdgeValues", "EmbedGrad", "edge_layer", "edge_values", "is_edge", "is_eager"]

@@ -172,7 +172,7 @@ def router_logit_bias_wgrad(node: Node, ins) -> list:
 def _norm_fwd(node: Node, x: torch.Tensor, w: torch.Tensor | None = None):
     kind, eps = node.attr("kind"), node.attr("eps")
     if kind == "layer":
-        return F.layer_norm(x, (x.shape[-1],), w, None, eps)
+        return layer_norm(x, w, eps)
     if kind == "head_rms":
         d = node.attr("group")
         return rms_norm(x.unflatten(-1, (-1, d)), w, eps).flatten(-2)
@@ -181,6 +181,12 @@ def _norm_fwd(node: Node, x: torch.Tensor, w: torch.Tensor | None = None):
         xf = x.unflatten(-1, (-1, d)).float()
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype).flatten(-2)
     raise bad_choice(node)
+
+
+def layer_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """NORM's kind 'layer': a LayerNorm of the last dim with weight ``w`` and no bias (a bias is its
+    own BIAS node); also the model edges' final LayerNorm (``runtime.model_steps.final_norm``)."""
+    return F.layer_norm(x, (x.shape[-1],), w, None, eps)
 
 
 def _glu_fwd(node: Node, a: torch.Tensor, b: torch.Tensor):
@@ -282,5 +288,5 @@ KERNELS = {
     (OpKind.GROUPED_BIAS, Role.WGRAD): _k_grouped_bias_wgrad,
 }
 
-__all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "rope_extended", "rotate", "route_general",
-           "router_logit_bias_wgrad"]
+__all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "rope_extended", "rotate",
+           "route_general", "router_logit_bias_wgrad"]

@@ -73,14 +73,12 @@ sync (same names). The synced value's name is unchanged, so the runtime reads it
 
 The eager compute is in the graph too, so the scheduler prices it and orders around it: nodes
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
-(autograd runs them; the executor skips them and takes their outputs as inputs):
-
-  forward   edges.norm       RMSNORM  last layer output [b, s/n, h] -> normed [b, s/n, h]
-            edges.lm_head    GEMM     normed -> logits [b, s/n, V]      2*T*h*V FLOPs
-  backward  edges.lm_head.dgrad  GEMM  d_logits -> d_normed            2*T*h*V FLOPs
-            edges.lm_head.wgrad  GEMM  -> the head's partial gradient  2*T*h*V FLOPs
-            edges.norm.dgrad     RMSNORM -> the last layer's incoming gradient (the layers' seed)
-            edges.norm.wgrad     RMSNORM -> the norm's partial gradient
+(autograd runs them; the executor skips them and takes their outputs as inputs), per micro-batch
+the final norm and the LM head, forward and backward (``moegraph.passes.edges_head``): RMSNORM
+(or a NORM of kind 'layer' for a bias-free LayerNorm) ``edges.norm``, GEMM ``edges.lm_head``
+(2*T*h*V FLOPs each way), a SCALE ``edges.logit_scale`` where the logits are multiplied by a
+constant (``moegraph.edges.EdgeHead``), and their ``.dgrad`` / ``.wgrad``; ``edges.norm.dgrad``
+makes the layers' seed,
 
 and, with the PARTIAL embedding gradient, one the plan RUNS (its input is made by the plan and its
 output read by the plan's sync; the runtime registers the kernel, ``Executor.set_eager_kernel``):
@@ -88,9 +86,7 @@ output read by the plan's sync; the runtime registers the kernel, ``Executor.set
   backward  edges.embed.scatter  PERMUTE  dx [b, s/n, h] -> partial [V, h]   T*h adds, memory-bound:
                                           reads T*h, writes V*h elements
 
-with T = b*s/n tokens on this rank. The GEMMs' bytes read the weight [V, h] besides their
-tensors (the weight is no graph value: the compiled model holds it). d_logits is priced as the
-logits value (same shape); the cross-entropy itself and the embedding's ROWS scatter
+with T = b*s/n tokens on this rank. The cross-entropy itself and the embedding's ROWS scatter
 (memory-bound, O(T*h + T*V)) are not priced (PARTIAL's is). The last layer's seed gradient,
 formerly a graph input, is made by edges.norm.dgrad, so every layer's backward waits for the head's. A base model
 (no head) has no head nodes; its incoming gradient is the graph input ``edges.d_normed``.
@@ -160,13 +156,13 @@ from typing import ClassVar
 from moegraph.autodiff import param_grad
 from moegraph.builder import GraphBuilder
 from moegraph.cost import CostModel
-from moegraph.efficiency import gemm_attrs
-from moegraph.edges import (AUX_META, EAGER_ATTR, EDGE_ATTR, EDGES, EMBED_ATTR, EMBED_SCATTER, AuxLoss,
+from moegraph.edges import (AUX_META, EAGER_ATTR, EDGE_ATTR, EDGES, EMBED_ATTR, EMBED_SCATTER, AuxLoss, EdgeHead,
                             EdgeValues, EmbedGrad, edge_values)
 from moegraph.ir import (ConfigError, Graph, GraphError, Node, OpKind, ParamSpec, Phase, Role, ValueKind, freeze_attrs,
                          verify)
 from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch_of, microbatch_boundaries
 from moegraph.passes.compress import DpGradWire, dp_bf16, dp_grad_wire, is_dp_fp32_reduce_scatter
+from moegraph.passes.edges_head import eager_compute, wgrad_node
 from moegraph.passes.manager import Pass, PassResult, register_model_pass
 
 
@@ -180,6 +176,8 @@ class AddEdges:
     """The router's auxiliary loss; None: the graph's own (``graph.meta[AUX_META]``), if any."""
     embed_grad: EmbedGrad | None = None
     """The embedding gradient's pattern; None: chosen by inter-node bytes (``embed_grad_choice``)."""
+    head: EdgeHead = EdgeHead()
+    """The final norm and the logits' multiplier (``moegraph.edges.EdgeHead``): RMSNorm and 1 by default."""
 
     NAME: ClassVar[str] = "edges"
 
@@ -197,7 +195,8 @@ class AddEdges:
 def edges(step: AddEdges, cost: CostModel | None = None) -> Pass:
     """The edges pass of ``step`` (``add_edges``)."""
     def run(graph: Graph) -> PassResult:
-        return PassResult(add_edges(graph, vocab=step.vocab, embed_grad=step.embed_grad, aux=step.aux), True)
+        return PassResult(add_edges(graph, vocab=step.vocab, embed_grad=step.embed_grad, aux=step.aux,
+                                    head=step.head), True)
     return run
 
 
@@ -242,7 +241,7 @@ def embed_grad_choice(*, n: int, dp: int, b: int, s: int, h: int, vocab: int | N
     return EmbedGrad.PARTIAL if partial < embed_grad_inter_bytes(EmbedGrad.ROWS, **kw) else EmbedGrad.ROWS
 
 def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None = None,
-              aux: AuxLoss | None = None, grad_bucket_bytes: int | None = None) -> Graph:
+              aux: AuxLoss | None = None, grad_bucket_bytes: int | None = None, head: EdgeHead = EdgeHead()) -> Graph:
     """``graph`` (one layer or a stack, after the passes; or the merged step of M micro-batches
     of one, ``moegraph.microbatch``) with the edges appended (module docstring); ``vocab`` V, or
     None for a base model without an LM head. ``embed_grad``: the embedding gradient's pattern,
@@ -250,7 +249,8 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     raises. ``aux``: the router's auxiliary loss (a causal LM only); None: the graph's own
     (``graph.meta[AUX_META]``, a registry model's router_aux_loss_coef), if any.
     ``grad_bucket_bytes``: the [V, h] gradient syncs' bucket size (None: ``GRAD_BUCKET_BYTES`` at
-    dp == 1, ``DP_GRAD_BUCKET_BYTES`` at dp > 1, where None syncs each whole). Verified."""
+    dp == 1, ``DP_GRAD_BUCKET_BYTES`` at dp > 1, where None syncs each whole). ``head``: the final
+    norm and the logits' multiplier (``EdgeHead``; a base model's multiplier must be 1). Verified."""
     bucket = grad_bucket_bytes
     if bucket is None:
         bucket = GRAD_BUCKET_BYTES if graph.strategy.dp == 1 else DP_GRAD_BUCKET_BYTES
@@ -266,6 +266,8 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         raise GraphError(f"graph {graph.name!r} already has its edges")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
         raise ValueError(f"vocab={vocab!r} must be a positive integer or None (no LM head)")
+    if not isinstance(head, EdgeHead) or (vocab is None and head.logit_scale != 1):
+        raise ValueError(f"head={head!r} must be an EdgeHead, with logit_scale 1 for a base model (no LM head)")
     if embed_grad is not None and not isinstance(embed_grad, EmbedGrad):
         raise ValueError(f"embed_grad={embed_grad!r} must be None or one of {list(EmbedGrad)}")
     st, d = graph.strategy, graph.dims
@@ -291,8 +293,8 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         first = len(g.nodes)
         if aux is not None:                                 # after every router of micro-batch j
             g.nodes.extend(aux_nodes[j])
-        norm_partial, head_partial = _eager_compute(g, j, at, seed, y, vocab, T, h, item, grad_dtype,
-                                                    norm_partial, head_partial)
+        norm_partial, head_partial = eager_compute(g, j, at, seed, y, vocab, head, T, h, item, grad_dtype,
+                                                   norm_partial, head_partial)
         computes.append(g.nodes[first:])
 
     def compressed(nodes: list[Node]) -> list[Node]:
@@ -327,7 +329,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         for j, (_, _, _, dx) in enumerate(bounds):
             first = len(g.nodes)
             out = g.value(at(j, f"{EDGES}.d_embed.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
-            _wgrad(g, at(j, EMBED_SCATTER), OpKind.PERMUTE, (dx,), out, embed_partial, phase=Phase.BACKWARD,
+            wgrad_node(g, at(j, EMBED_SCATTER), OpKind.PERMUTE, (dx,), out, embed_partial, phase=Phase.BACKWARD,
                    block=EDGES, flops=T * h, mem_bytes=(T * h + vocab * h) * elem, attrs=embed_attrs)
             embed_partial = out
             gathers.append(g.nodes[first:])
@@ -339,7 +341,8 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         else:
             sync += embed_sync
     names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
-                       tuple(gathered), pattern, embed_partial, embed_synced, **aux_values)
+                       tuple(gathered), pattern, embed_partial, embed_synced, **aux_values, final_norm=head.norm,
+                       logit_scale=float(head.logit_scale))
 
     def marked(nodes, j):
         mb = {MB_ATTR: j} if M > 1 and j is not None else {}
@@ -501,51 +504,6 @@ def _embed_pattern(graph: Graph, asked: EmbedGrad | None, vocab: int | None, M: 
         raise ConfigError(f"graph {graph.name!r}: the PARTIAL embedding gradient does not apply to {why}")
     embed_grad_inter_bytes(EmbedGrad.PARTIAL, **kw)         # raises when V*h does not split over n*dp
     return asked
-
-
-def _eager_compute(g: GraphBuilder, j: int, at, seed: str, y: str, vocab: int | None, T: int, h: int, item: int,
-                   grad_dtype: str, norm_acc: str | None, head_acc: str | None) -> tuple[str, str | None]:
-    """Micro-batch j's eager norm and head, forward and backward, priced (module docstring):
-    the backward makes ``seed``; the weight-gradient nodes add into ``norm_acc`` / ``head_acc``
-    (the previous micro-batches' sums) when given. Returns the (norm, head) partial sums."""
-    d = g.dims
-    eager = dict(block=EDGES, attrs={EAGER_ATTR: True})
-    normed = g.like(at(j, f"{EDGES}.normed"), y)
-    g.node(at(j, f"{EDGES}.norm"), OpKind.RMSNORM, (y,), (normed,), flops=4 * T * h,
-           mem_bytes=(2 * T * h + h) * item, **eager)
-    norm_partial = g.value(at(j, f"{EDGES}.d_norm.partial"), (h,), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
-    head_partial = None
-    if vocab is not None:
-        logits = g.value(at(j, f"{EDGES}.logits"), (d.b, d.s // g.strategy.n, vocab))
-        gemm = 2 * T * h * vocab
-        # the head's product normed [T, h] @ W[V, h]^T, priced by its shape as the layers' GEMMs are
-        head = dict(eager, attrs=eager["attrs"] | gemm_attrs(g.shape(normed), (vocab, h)))
-        g.node(at(j, f"{EDGES}.lm_head"), OpKind.GEMM, (normed,), (logits,), flops=gemm,
-               mem_bytes=(T * h + vocab * h + T * vocab) * item, **head)
-        d_normed = g.like(at(j, f"{EDGES}.d_normed"), normed, kind=ValueKind.GRAD)
-        head_partial = g.value(at(j, f"{EDGES}.d_lm_head.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD,
-                               dtype=grad_dtype)
-        bwd = dict(phase=Phase.BACKWARD, flops=gemm, mem_bytes=(T * h + vocab * h + T * vocab) * item, **head)
-        g.node(at(j, f"{EDGES}.lm_head.dgrad"), OpKind.GEMM, (logits,), (d_normed,), role=Role.DGRAD, **bwd)
-        _wgrad(g, at(j, f"{EDGES}.lm_head.wgrad"), OpKind.GEMM, (normed, logits), head_partial, head_acc, **bwd)
-    else:
-        d_normed = g.input(at(j, f"{EDGES}.d_normed"), g.shape(normed), kind=ValueKind.GRAD)
-    # as autodiff's rmsnorm rule: the data gradient twice the forward's FLOPs, the weight's once
-    g.node(at(j, f"{EDGES}.norm.dgrad"), OpKind.RMSNORM, (y, d_normed), (seed,), phase=Phase.BACKWARD,
-           role=Role.DGRAD, flops=8 * T * h, mem_bytes=3 * T * h * item, **eager)
-    _wgrad(g, at(j, f"{EDGES}.norm.wgrad"), OpKind.RMSNORM, (y, d_normed), norm_partial, norm_acc,
-           phase=Phase.BACKWARD, flops=4 * T * h, mem_bytes=(2 * T * h + h) * item, **eager)
-    return norm_partial, head_partial
-
-
-def _wgrad(g: GraphBuilder, name: str, op: OpKind, inputs: tuple[str, ...], out: str, acc: str | None, *,
-           mem_bytes: int, attrs: dict, **kw) -> None:
-    """A weight-gradient node; with ``acc`` (the previous micro-batches' sum) it adds into it, as
-    ``moegraph.microbatch`` makes a layer's weight-gradient kernel accumulate: ``acc`` read last,
-    its bytes read once more (``Node.accumulating``)."""
-    g.node(name, op, inputs, (out,), role=Role.WGRAD, mem_bytes=mem_bytes, attrs=attrs, **kw)
-    if acc is not None:
-        g.nodes[-1] = g.nodes[-1].accumulating(acc, g.nbytes(acc))
 
 
 def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:

@@ -5,7 +5,9 @@ Every rank of the group calls it with the same arguments as the original model (
 on request or without labels; a base model's ``.last_hidden_state``). Inside, rank r works on
 its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
 
-  * embedding, final RMSNorm, LM head and loss run eagerly on the shard;
+  * embedding, final norm (RMSNorm, or a bias-free LayerNorm), LM head (its logits times the
+    model's logit_scale, where it has one: ``moegraph.edges.EdgeHead``) and loss run eagerly on
+    the shard;
   * the decoder layers run as ONE CompiledLayer over the stacked graph (``moegraph.layers``):
     one plan for all layers, so a layer's collectives may overlap other layers' compute;
   * the loss is the global mean over the non-ignored next-token labels: each rank divides its
@@ -20,8 +22,9 @@ its sequence shard, positions r*s/n .. (r+1)*s/n - 1:
 The edges in the schedule (``moegraph.edges``, added to the stacked graph after the passes).
 The graph the plan schedules holds, besides the layers:
   * the eager compute, priced (nodes with attr ``eager``, which the executor skips: autograd
-    runs them): forward ``edges.norm`` (RMSNORM, 4*T*h FLOPs) and ``edges.lm_head`` (GEMM,
-    2*T*h*V) after the last layer's forward; backward ``edges.lm_head.dgrad`` / ``.wgrad``
+    runs them): forward ``edges.norm`` (RMSNORM, 4*T*h FLOPs; a LayerNorm's NORM, 7*T*h) and
+    ``edges.lm_head`` (GEMM, 2*T*h*V; then ``edges.logit_scale``, SCALE, with a logit scale) after
+    the last layer's forward; backward (``.logit_scale.dgrad``,) ``edges.lm_head.dgrad`` / ``.wgrad``
     (2*T*h*V each) and ``edges.norm.dgrad`` / ``.wgrad``, which make the last layer's incoming
     gradient (the layers' seed) and the partial gradients: every layer's backward is scheduled
     after them, as autograd runs it (T = b*s/n tokens on this rank);
@@ -108,14 +111,14 @@ from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
 from moegraph.lowering.hf_common import masks_by_position
-from moegraph.models import IGNORE_INDEX, rms_norm, shift_labels
+from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, replica_batch)
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
-                                         step_layouts)
+                                         check_edge_head, final_norm, head_logits, step_layouts)
 from moegraph.tokens import Tokens, tokens_of
 
 if TYPE_CHECKING:
@@ -175,6 +178,7 @@ class CompiledModel(nn.Module):
         if edges is None or (edges.head_partial is None) != (self.lm_head is None):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
                                  f"{self.lm_head is not None}): build it with moegraph.passes.edges.add_edges after the passes")
+        check_edge_head(edges, spec.norm, spec.logit_scale, layers.graph.name)
         self.edges = edges
         self.micro_batches = layers.micro_batches
         if self.micro_batches > 1 and self.lm_head is None:
@@ -277,9 +281,9 @@ class CompiledModel(nn.Module):
             with batch_layout(self.layers.executor, tokens):
                 y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
             aux = self._aux_value(kept)
-            out = rms_norm(y, self.norm, self.spec.norm.eps)                   # [b, s/n, h]
+            out = final_norm(y, self.norm, self.spec.norm)                     # [b, s/n, h]
             if self.lm_head is not None:
-                out = F.linear(out, self.lm_head)                               # [b, s/n, V]
+                out = head_logits(out, self.lm_head, self.spec.logit_scale)     # [b, s/n, V]
         aux = aux if self.edges.aux_stats else None
         if self.spec.output is ModelOutput.HIDDEN:
             return ModelResult(last_hidden_state=self._gather(out))

@@ -19,8 +19,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moegraph.edges import EMBED_SCATTER, EmbedGrad, is_eager
+from moegraph.edges import EMBED_SCATTER, EdgeValues, EmbedGrad, is_eager
+from moegraph.family_kernels import layer_norm
 from moegraph.ir import Graph, OpKind, Role
+from moegraph.lowering.specs import NormSpec
 from moegraph.microbatch import mb_name, micro_batch_of
 from moegraph.models import rms_norm
 from moegraph.tokens import Tokens
@@ -31,6 +33,33 @@ from moegraph.runtime.module import CompiledLayer
 if TYPE_CHECKING:
     from moegraph.runtime.model import CompiledModel
 
+
+
+def final_norm(y: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> torch.Tensor:
+    """The model edges' final norm of this rank's rows [b, s/n, h]: an RMSNorm, or a bias-free
+    LayerNorm computed as the NORM op's kind 'layer' (``moegraph.edges.EdgeHead``)."""
+    if spec.kind == "rms":
+        return rms_norm(y, weight, spec.eps)
+    if spec.kind == "layer" and spec.bias is None:
+        return layer_norm(y, weight, spec.eps)
+    raise RuntimeFailure(f"final norm {spec.kind!r}{' with a bias' if spec.bias is not None else ''} is not "
+                         "modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
+
+
+def head_logits(normed: torch.Tensor, head: torch.Tensor, logit_scale: float) -> torch.Tensor:
+    """The LM head's logits [b, s/n, V] of the normed rows [b, s/n, h], times the model's
+    ``logit_scale`` (``moegraph.edges.EdgeHead``; 1: none)."""
+    logits = F.linear(normed, head)                                                  # [b, s/n, V]
+    return logits if logit_scale == 1 else logits * logit_scale
+
+
+def check_edge_head(edges: EdgeValues, spec: NormSpec, logit_scale: float, graph: str) -> None:
+    """The graph's edge nodes price the final norm and logit scale the eager edges compute (else
+    the plan was built for another model's edges)."""
+    if (edges.final_norm, edges.logit_scale) != (spec.kind, float(logit_scale)):
+        raise RuntimeFailure(f"graph {graph!r} prices a final {edges.final_norm} norm and logit scale "
+                             f"{edges.logit_scale}; the model computes a {spec.kind} norm and logit scale "
+                             f"{logit_scale}: lower the graph from this model (AddEdges(head=spec.edge_head))")
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -107,10 +136,10 @@ class ScheduledStep(torch.autograd.Function):
         with torch.enable_grad():
             y_in = y.detach().requires_grad_()
             leaves = [y_in, norm.detach().requires_grad_()]
-            out = rms_norm(y_in, leaves[1], model.spec.norm.eps)
+            out = final_norm(y_in, leaves[1], model.spec.norm)                   # [b, s/n, h]
             if head is not None:
                 leaves.append(head.detach().requires_grad_())
-                out = F.linear(out, leaves[2])                                    # [b, s/n, V]
+                out = head_logits(out, leaves[2], model.spec.logit_scale)         # [b, s/n, V]
         # the backward runs with this step's layout, whatever forwards ran since
         ctx.model, ctx.state, ctx.eager, ctx.tokens = model, (saved, rec), (out, leaves), tokens
         ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
@@ -146,14 +175,19 @@ class EdgeStep:
     """One merged step's eager edge kernels (``CompiledModel.train_step``), run by the executor at
     their plan positions (``Executor.step_edges``), each ins -> outs. Micro-batch j's
 
-      norm          (RMSNORM, forward)  y -> normed: the final norm under autograd, on fresh leaves
-                                        (y, the norm weight); the graph is kept here;
-      lm_head       (GEMM, forward)     normed -> logits, and this rank's loss term (its shard's
-                                        summed cross-entropy / the micro-batch's global count);
-      lm_head.dgrad / .wgrad            the term's backward to (normed, the head weight), seeded with
-                                        ``weight`` (1/M: the mean over micro-batches), run by whichever of the two
-                                        the plan reaches first; they return d_normed and the head's
-                                        partial (+ the previous micro-batch's, attr accumulate);
+      norm          (RMSNORM or NORM 'layer', forward)  y -> normed: the final norm (``final_norm``)
+                                        under autograd, on fresh leaves (y, the norm weight); the
+                                        graph is kept here;
+      lm_head       (GEMM, forward)     normed -> logits, and (without a logit scale) this rank's
+                                        loss term (its shard's summed cross-entropy / the
+                                        micro-batch's global count);
+      logit_scale   (SCALE, forward)    logits -> logits x the model's logit_scale, and the loss term;
+      logit_scale.dgrad, lm_head.dgrad / .wgrad
+                                        the term's backward to (the logits, normed, the head weight),
+                                        seeded with ``weight`` (1/M: the mean over micro-batches), run
+                                        by whichever of them the plan reaches first; they return
+                                        d_logits, d_normed and the head's partial (+ the previous
+                                        micro-batch's, attr accumulate);
       norm.dgrad / .wgrad               normed's backward from the d_normed the plan hands them to
                                         (y, the norm weight): micro-batch j's seed, the norm's partial
                                         (+ the previous one's);
@@ -161,12 +195,14 @@ class EdgeStep:
                                         partial [V, h] by micro-batch j's input_ids shard
                                         (``CompiledModel._embed_scatter``; + the previous one's).
 
-    A micro-batch's autograd graph is dropped once its four backward kernels ran."""
+    A micro-batch's autograd graph is dropped once its backward kernels ran."""
 
-    KINDS = {(OpKind.RMSNORM, Role.FORWARD): "norm", (OpKind.GEMM, Role.FORWARD): "head",
-             (OpKind.GEMM, Role.DGRAD): "head_dgrad", (OpKind.GEMM, Role.WGRAD): "head_wgrad",
-             (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad"}
-    BACKWARD = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad")
+    KINDS = {(OpKind.RMSNORM, Role.FORWARD): "norm", (OpKind.NORM, Role.FORWARD): "norm",
+             (OpKind.GEMM, Role.FORWARD): "head", (OpKind.SCALE, Role.FORWARD): "scale",
+             (OpKind.SCALE, Role.DGRAD): "scale_dgrad", (OpKind.GEMM, Role.DGRAD): "head_dgrad",
+             (OpKind.GEMM, Role.WGRAD): "head_wgrad", (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad",
+             (OpKind.NORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad",
+             (OpKind.NORM, Role.WGRAD): "norm_wgrad"}
 
     def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  ids: Sequence[torch.Tensor], weight: float):
@@ -175,6 +211,9 @@ class EdgeStep:
         ``weight``: each micro-batch loss's in the step's (1/M, or 1 for num_items_in_batch)."""
         self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
         self.weight = weight
+        self.scale = model.spec.logit_scale
+        self.backward = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad") + \
+            (("scale_dgrad",) if self.scale != 1 else ())
         self.state: list[dict[str, Any] | None] = [{} for _ in labels]
         self.terms: list[torch.Tensor | None] = [None] * self.M
         self.ran: list[set[str]] = [set() for _ in labels]
@@ -207,7 +246,7 @@ class EdgeStep:
         out = getattr(self, f"_{kind}")(st, j, ins)
         if accumulate:                                      # the previous micro-batches' sum, read last
             out = out + ins[-1]
-        if self.ran[j].issuperset(self.BACKWARD):
+        if self.ran[j].issuperset(self.backward):
             self.state[j] = None                            # free micro-batch j's autograd graph
         return [out]
 
@@ -221,25 +260,41 @@ class EdgeStep:
         (y,) = ins
         with torch.enable_grad():
             st["y"], st["norm_w"] = y.detach().requires_grad_(), self.model.norm.detach().requires_grad_()
-            st["normed"] = rms_norm(st["y"], st["norm_w"], self.model.spec.norm.eps)
+            st["normed"] = final_norm(st["y"], st["norm_w"], self.model.spec.norm)
         return st["normed"].detach()
 
     def _head(self, st, j, ins):
         with torch.enable_grad():
             st["head_w"] = self.model.lm_head.detach().requires_grad_()
-            logits = F.linear(st["normed"], st["head_w"])                           # [b, s/n, V]
-            st["term"] = self.model._loss_term(logits, *self.labels[j])
+            st["logits"] = head_logits(st["normed"], st["head_w"], 1.0)             # [b, s/n, V]
+            if self.scale == 1:
+                self._loss(st, j, st["logits"])
+        return st["logits"].detach()
+
+    def _scale(self, st, j, ins):
+        with torch.enable_grad():
+            scaled = st["logits"] * self.scale                                      # [b, s/n, V]
+            self._loss(st, j, scaled)
+        return scaled.detach()
+
+    def _loss(self, st, j, logits):
+        st["term"] = self.model._loss_term(logits, *self.labels[j])
         self.terms[j] = st["term"].detach()
-        return logits.detach()
 
     def _head_backward(self, st):
         if "d_normed" not in st:
             term = st.pop("term")
             # weight (1/M: the mean over micro-batches); x dp: the plan's DP sync averages over
             # the replicas (module docstring, as SumOverRanks' backward)
-            st["d_normed"], st["d_head"] = torch.autograd.grad(term, [st["normed"], st["head_w"]],
-                                                               torch.full_like(term, self.model.dp * self.weight))
+            wrt = [st["normed"], st["head_w"]] + ([st["logits"]] if self.scale != 1 else [])
+            grads = torch.autograd.grad(term, wrt, torch.full_like(term, self.model.dp * self.weight))
+            st["d_normed"], st["d_head"] = grads[:2]
+            st["d_logits"] = grads[2] if self.scale != 1 else None
+            del st["logits"]
         return st
+
+    def _scale_dgrad(self, st, j, ins):
+        return self._head_backward(st)["d_logits"]
 
     def _head_dgrad(self, st, j, ins):
         return self._head_backward(st)["d_normed"]

@@ -16,8 +16,9 @@ Two kinds of stage module:
   * eager (``stage_modules``): a MoETransformer's parts as they are ([embedding], its layers,
     [final norm, LM head]); n = 1. Any order runs, I/W splits included (torch splits the
     autograd graph).
-  * compiled (``compile_stages``): moegraph's own. Each stage's decoder layers are lowered as
-    one multi-layer graph (``moegraph.tracer.trace_layers``), the passes applied, scheduled
+  * compiled (``compile_stages``): moegraph's own (the final norm an RMSNorm or a bias-free
+    LayerNorm, the logits times the model's logit_scale: ``moegraph.edges.EdgeHead``). Each
+    stage's decoder layers are lowered as one multi-layer graph (``moegraph.tracer.trace_layers``), the passes applied, scheduled
     (``make_plan``) and run by one ``CompiledLayer`` (its plan: collectives of the stage's
     n-rank group overlapped with compute as the op-level schedule says); the embedding (first
     stage) and the final norm and LM head (last stage) run eagerly around it on this rank's
@@ -53,10 +54,12 @@ from torch import nn
 from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.ir import Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
-from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, rms_norm, shift_labels
+from moegraph.lowering.specs import NormSpec
+from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_labels
 from moegraph.passes.stages import StageLayout, rank_coords
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
+from moegraph.runtime.model_steps import final_norm, head_logits
 from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.pipeline_pair import PairRunner, check_merged_pairs, overlap_f_b
@@ -102,13 +105,17 @@ class CompiledStage(nn.Module):
 
     def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
                  norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
-                 padding_idx: int | None, eps: float, pair: "PairRunner | None" = None):
+                 padding_idx: int | None, final: NormSpec, logit_scale: float = 1.0,
+                 pair: "PairRunner | None" = None):
         """``original``: the layer graph's parameter source names -> the model's; ``names``: the
-        model's names of embed, norm and head (those given); ``pair``: the layers' merged F&B
-        runner (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B)."""
+        model's names of embed, norm and head (those given); ``final``: the final norm (RMSNorm or
+        a bias-free LayerNorm) and ``logit_scale`` the logits' multiplier (``moegraph.edges.EdgeHead``),
+        which the last stage computes; ``pair``: the layers' merged F&B runner
+        (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B)."""
         super().__init__()
         self.layers, self.original = layers, dict(original)
-        self.names, self.padding_idx, self.eps = dict(names), padding_idx, eps
+        self.names, self.padding_idx = dict(names), padding_idx
+        self.final, self.logit_scale = final, logit_scale
         self.pair = pair
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -149,7 +156,7 @@ class CompiledStage(nn.Module):
         else:
             y = self.layers(x)                                                           # [b, s/n, h]
         if self.lm_head is not None:
-            y = F.linear(rms_norm(y, self.norm, self.eps), self.lm_head)                 # [b, s/n, h] -> [b, s/n, V]
+            y = head_logits(final_norm(y, self.norm, self.final), self.lm_head, self.logit_scale)   # -> [b, s/n, V]
         return y
 
     def io_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -298,7 +305,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         out[k] = CompiledStage(layer, original, embed=full[spec.embed] if first else None,
                                norm=full[spec.norm.weight.qualname] if last else None,
                                head=full[spec.head] if last else None, names=names,
-                               padding_idx=spec.padding_idx, eps=spec.norm.eps,
+                               padding_idx=spec.padding_idx, final=spec.norm, logit_scale=spec.logit_scale,
                                pair=PairRunner(layer, *paired[k]) if pairs else None)
     return out
 

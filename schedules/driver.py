@@ -152,7 +152,7 @@ def lower(config: CompileConfig) -> Lowered:
             if config.micro_batches > 1 and vocab is None:
                 raise ConfigError(f"micro_batches={config.micro_batches}: {name} is a base model without an LM "
                                   "head; a merged step trains a causal LM (its loss seeds each micro-batch's backward)")
-            edges = AddEdges(vocab, aux=spec.aux_loss) if config.edges == "auto" else None
+            edges = AddEdges(vocab, aux=spec.aux_loss, head=spec.edge_head) if config.edges == "auto" else None
         else:                                       # one decoder layer
             graph, layers = trace_module(config.model, traced_for, batch=config.batch, seq=config.seq, name=name), 1
     else:

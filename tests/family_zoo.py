@@ -45,6 +45,8 @@ ROWS: dict[str, dict] = {
     "llama4": {"no_rope_layers": [1] * LAYERS, "interleave_moe_layer_step": 1, "attention_chunk_size": 8,
                "intermediate_size_mlp": 96, "layer_types": ["chunked_attention"] * LAYERS},
     "qwen2_moe": {"qkv_bias": True},
+    # its own default norm (rms_norm_eps=None: a bias-free LayerNorm, in the layers and at the model's end)
+    "cohere2_moe": {"rms_norm_eps": None},
 }
 
 

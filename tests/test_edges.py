@@ -94,6 +94,45 @@ def test_eager_edge_compute_is_priced():
     assert g.producer[edge_values(g).seed].name == "edges.norm.dgrad"
 
 
+def test_a_layernorm_and_logit_scale_head_is_priced():
+    """EdgeHead('layer', eps, c) (Cohere's bias-free final LayerNorm and logit_scale): the norm is
+    the NORM op's kind 'layer', priced as the layers' (7*T*h FLOPs; its data gradient twice, its
+    weight's once); the scale a SCALE on the logits [b, s/n, V] both ways (T*V FLOPs, reading and
+    writing T*V bf16 elements), between the head and the loss, its backward feeding the head's;
+    the cost model prices each; the default head has neither. M=2: each micro-batch its own."""
+    from moegraph.edges import EdgeHead
+    cfg = load_model("mixtral-8x7b")
+    layer = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"), batch=1, seq=2048)
+    head = EdgeHead("layer", 1e-5, 0.0625)
+    g = add_edges(layer, vocab=32000, head=head)
+    T, h, V = 2048 // 8, 4096, 32000
+    node = {n.name: n for n in g.nodes}
+    for name, flops in (("edges.norm", 7 * T * h), ("edges.norm.dgrad", 14 * T * h), ("edges.norm.wgrad", 7 * T * h)):
+        assert node[name].op.name == "NORM" and node[name].attr("kind") == "layer" and node[name].flops == flops
+        assert node[name].attr("eps") == 1e-5 and node[name].attr("eager") is True
+    scale, back = node["edges.logit_scale"], node["edges.logit_scale.dgrad"]
+    for nd in (scale, back):
+        assert nd.op.name == "SCALE" and nd.attr("factor") == 0.0625 and nd.attr("eager") is True
+        assert nd.flops == T * V and nd.mem_bytes == 2 * T * V * 2
+        assert g.value[nd.outputs[0]].shape == (1, 2048 // 8, V)
+    assert scale.inputs == node["edges.lm_head"].outputs
+    assert node["edges.lm_head.dgrad"].inputs == back.outputs == node["edges.lm_head.wgrad"].inputs[1:]
+    assert back.inputs == scale.outputs
+    cost = CostModel(load_hardware("h800"))
+    assert all(cost.node_time_us(node[k]) > 0 for k in ("edges.norm", "edges.logit_scale", "edges.logit_scale.dgrad"))
+    ev = edge_values(g)
+    assert (ev.final_norm, ev.logit_scale) == ("layer", 0.0625)
+    plain = add_edges(layer, vocab=32000)
+    assert {n.name: n for n in plain.nodes}["edges.norm"].op.name == "RMSNORM"
+    assert not any("logit_scale" in n.name for n in plain.nodes)
+    assert (edge_values(plain).final_norm, edge_values(plain).logit_scale) == ("rms", 1.0)
+    from moegraph.passes.microbatch import merge_microbatches
+    merged = {n.name: n for n in add_edges(merge_microbatches(layer, 2), vocab=32000, head=head).nodes}
+    assert all(merged[f"mb{j}.edges.logit_scale.dgrad"].attr("mb") == j for j in range(2))
+    with pytest.raises(ValueError, match="logit_scale 1 for a base model"):
+        add_edges(layer, vocab=None, head=head)
+
+
 def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():
     g = _graph(dp=2, layers=1)
     names = {n.name for n in g.nodes if n.attr("edge", False)}

@@ -31,9 +31,9 @@ COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("s
 
 # the families that compile (the issue's named ones among them: Qwen3-MoE, GPT-OSS, DeepSeek-V2,
 # GLM-4.5, Granite MoE, ERNIE 4.5, HunYuan, dots.llm1, MiniMax-M2, Llama 4)
-COMPILED = ("aria", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo", "flint",
-            "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3", "kolibri1",
-            "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
+COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo",
+            "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
+            "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open")
 LMS = dict(moe_causal_lms())
 
@@ -66,27 +66,11 @@ def test_family_compiles_and_matches_eager_on_one_rank(family):
     assert res["grads"] < TOL, res
 
 
-# families whose layers compile but whose own defaults refuse at the model edges: compiled with the
-# one edge setting neutral. Cohere2-MoE: attention and MoE in parallel on one norm, NoPE full-attention
-# layers, the shared expert averaged with the routed ones; its logits' logit_scale=0.0625 is refused
-# by name (test_cohere2_moe_refuses_its_logit_scale_by_name)
-EDGE_NEUTRAL = {"cohere2_moe": dict(logit_scale=1.0)}
-
-
-@pytest.mark.parametrize("family", [f if f in LMS else pytest.param(f, marks=pytest.mark.skip(reason=_missing(f)))
-                                    for f in EDGE_NEUTRAL])
-def test_family_layers_compile_and_match_eager_with_a_neutral_edge(family):
-    (res,) = family_cases(0, 1, [dict(_case(1, family), overrides=EDGE_NEUTRAL[family])], seed=13)
-    assert "refused" not in res, res
-    assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
-
-
 # a compiled family's other settings, at n=2 under a strategy of their own (strategy, config fields):
 # Laguna's attention output gated per feature (its default, in COMPILED: one gate per head)
 VARIANTS = {"laguna": (4, dict(gating="per-element"))}
 
 N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS] + \
-    [dict(_case(i + 4, family), overrides=ov) for i, (family, ov) in enumerate(EDGE_NEUTRAL.items()) if family in LMS] + \
     [dict(_case(i, family), overrides=ov) for family, (i, ov) in VARIANTS.items() if family in LMS]
 N2 = RANK_BATCH.add(2, "family_zoo.family_cases", family_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
 
@@ -154,25 +138,80 @@ def test_every_other_family_refuses_in_one_line_naming_a_construct(family):
     assert not any(s in text for s in ("Proxy", "symbolically traced", "TraceError")), text
 
 
-def test_cohere2_moe_refuses_its_logit_scale_by_name():
+# Cohere2-MoE (in COMPILED with its own defaults: attention and MoE in parallel on one norm, NoPE
+# full-attention layers, the shared expert averaged with the routed ones, bias-free LayerNorms,
+# the logits times logit_scale=0.0625): the model edges' LayerNorm and logit scale
+
+def test_cohere2_moe_logit_scale_is_computed_by_the_compiled_model():
+    """The compiled model multiplies its logits by the model's logit_scale (0.0625): against eager
+    with the scale forced to 1 it differs (logits by 1 - 0.0625), with its own it matches."""
     if "cohere2_moe" not in LMS:
         pytest.skip(_missing("cohere2_moe"))
+    from family_workers import compile_case, step_errors
+    model, ids, compiled = compile_case(_case(0, "cohere2_moe"), 17)
+    assert not isinstance(compiled, str), compiled
+    assert type(model.model.norm).__name__ == "Cohere2MoeLayerNorm" and model.logit_scale == 0.0625
+    model.logit_scale = 1.0
+    wrong = step_errors(compiled, model, ids, ids.clone())
+    assert wrong["logits"] > 0.9 and wrong["loss"] > 1e-3 and wrong["grads"] > 0.1, wrong
+    model.logit_scale = 0.0625
+    right = step_errors(compiled, model, ids, ids.clone())
+    assert right["logits"] < TOL and right["loss"] < TOL and right["grads"] < TOL, right
+
+
+def test_cohere2_moe_train_step_accumulates_as_eager_on_one_rank():
+    """train_step of M=2 (micro-batch 0 right-padded, 1 packed): the merged step's plan-run edge
+    kernels (the LayerNorm, the head, its logit scale and their backward) give both losses and every
+    gradient as eager accumulation, under both reductions."""
+    if "cohere2_moe" not in LMS:
+        pytest.skip(_missing("cohere2_moe"))
+    from family_workers import accumulation_case
+    res = accumulation_case(0, 1, _case(2, "cohere2_moe"), int.from_bytes(os.urandom(3), "little"))
+    assert "refused" not in res, res
+    for reduction in ("mean", "items"):
+        assert res[reduction]["loss"] < TOL and res[reduction]["grads"] < TOL, (reduction, res)
+
+
+def test_a_logit_scale_read_otherwise_or_not_finite_is_refused_by_name():
+    """Only ``logits = logits * self.logit_scale`` after ``logits = self.lm_head(...)`` is modelled:
+    a forward dividing by it, or a scale that is not a finite number, is refused naming it."""
+    from moegraph.lowering.hf_common import logit_scale
+
+    class Divides(torch.nn.Module):
+        logit_scale = 0.5
+
+        def forward(self, hidden):
+            logits = self.lm_head(hidden)
+            logits = logits / self.logit_scale
+            return logits
+
+    class Scales(Divides):
+        def forward(self, hidden):
+            logits = self.lm_head(hidden)
+            logits = logits * self.logit_scale
+            return logits
+
     with pytest.raises(LoweringError) as info:
-        trace_causal_lm(tiny_model("cohere2_moe", LMS["cohere2_moe"]), Strategy("sp", "ep", "a2a", 1, dtype="fp32"),
-                        batch=2, seq=16)
-    assert str(info.value) == ("Cohere2MoeForCausalLM.forward reads self.logit_scale=0.0625: the compiled model's "
-                               "embedding, final norm and LM head do not model it")
+        logit_scale(Divides())
+    assert str(info.value).startswith("Divides.forward reads self.logit_scale=0.5 other than as the LM head's "
+                                      "logits times it"), info.value
+    assert logit_scale(Scales()) == 0.5
+    broken = Scales()
+    broken.logit_scale = float("nan")
+    with pytest.raises(LoweringError, match=r"^Scales.forward reads self.logit_scale=nan: the compiled model's LM "
+                                            r"head multiplies its logits by a finite number only$"):
+        logit_scale(broken)
 
 
 @pytest.mark.parametrize("strategy", [Strategy("sp", "ep", "a2a", 1, dtype="fp32"),
                                       Strategy("tp", "tp", "ag-rs", 2, dtype="fp32")])
 def test_cohere2_moe_layer_with_its_bias_free_layernorm_matches_eager(strategy):
     """Cohere2-MoE's own default norm (rms_norm_eps=None): mean-centred, a weight and no bias, lowered
-    as a NORM 'layer' node; its model's final LayerNorm is refused at the edges, so one decoder layer
-    (a NoPE full-attention layer: the eager call's cos/sin are not read) is checked here."""
+    as a NORM 'layer' node; one decoder layer (a NoPE full-attention layer: the eager call's cos/sin
+    are not read) through the reference interpreter, also under tp at n=2."""
     if "cohere2_moe" not in LMS:
         pytest.skip(_missing("cohere2_moe"))
-    layer = tiny_model("cohere2_moe", LMS["cohere2_moe"], seed=5, rms_norm_eps=None).model.layers[0]
+    layer = tiny_model("cohere2_moe", LMS["cohere2_moe"], seed=5).model.layers[0]
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(3), "little"))
     x, dy = torch.randn(2, 16, 64, generator=gen), torch.randn(2, 16, 64, generator=gen)
     unused = torch.full((1, 16, 8), float("nan"))       # NaN: any use of RoPE would show

@@ -224,3 +224,29 @@ def test_a_pair_of_two_stages_is_refused_by_name():
     same = ((Pair(Action("F", 0, 1), Action("B", 0, 0)),), ())
     with pytest.raises(RuntimeFailure, match="stage 0 was compiled without its merged F&B plan"):
         check_merged_pairs(same, {0: object()}, (0,))
+
+
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_compiled_last_stage_computes_the_models_final_layernorm_and_logit_scale():
+    """Cohere2-MoE (a bias-free final LayerNorm, logits x logit_scale=0.0625) as one compiled stage
+    (first and last, n=1, in this process): its logits, loss and the final norm's and head's
+    gradients match eager; against eager with the scale forced to 1 the logits differ."""
+    from family_zoo import VOCAB, moe_causal_lms, tiny_model
+    from moegraph.runtime.pipeline import ShardLoss, compile_stages
+    lms = dict(moe_causal_lms())
+    if "cohere2_moe" not in lms:
+        pytest.skip("the installed transformers has no cohere2_moe")
+    model = tiny_model("cohere2_moe", lms["cohere2_moe"], seed=SEED % 1000)
+    ids = torch.randint(3, VOCAB, (2, 16), generator=torch.Generator().manual_seed(SEED))
+    (stage,) = compile_stages(model, StageLayout(((0, 1),), 1), ids, hardware="cpu-gloo", passes="",
+                              schedule="greedy").values()
+    logits = stage(ids)
+    ShardLoss(0, 1)(logits, ids).backward()
+    ref = model(input_ids=ids, labels=ids)
+    ref.loss.backward()
+    assert rel_err(logits, ref.logits) < 1e-5
+    assert rel_err(stage.norm.grad, model.model.norm.weight.grad) < 1e-5
+    assert rel_err(stage.lm_head.grad, model.lm_head.weight.grad) < 1e-5
+    model.logit_scale = 1.0
+    with torch.no_grad():
+        assert rel_err(logits, model(input_ids=ids).logits) > 0.9

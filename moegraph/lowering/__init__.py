@@ -35,7 +35,7 @@ from typing import Callable, Mapping
 
 from torch import nn
 
-from moegraph.edges import AuxLoss
+from moegraph.edges import AuxLoss, EdgeHead
 from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
 
 BlockSpec = NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec
@@ -238,12 +238,14 @@ class ModelSpec:
     embed:       the token embedding's weight [vocab, h]; ``padding_idx`` its row that gets no
                  gradient (nn.Embedding's padding_idx), or None.
     layers:      the nn.ModuleList of decoder layers, applied in order to the embedding.
-    norm:        the final RMSNorm, applied to the last layer's output.
+    norm:        the final norm, applied to the last layer's output: an RMSNorm, or a LayerNorm
+                 without bias (kind 'layer').
     head:        the LM head's weight [vocab, h] (no bias), or None for a base model.
     unused:      other parameters or buffers of the model -> why nothing needs to read them.
     aux_loss:    the router's auxiliary load-balancing loss the causal LM adds to its loss
                  (transformers' ``output_router_logits=True``: ``moegraph.edges.AuxLoss``), or None.
     tied:        the head's weight is the embedding's (tie_word_embeddings): one parameter.
+    logit_scale: the constant the logits are multiplied by (Cohere's ``self.logit_scale``; 1: none).
     """
 
     embed: str
@@ -255,6 +257,15 @@ class ModelSpec:
     unused: Mapping[str, str] = field(default_factory=dict)
     aux_loss: AuxLoss | None = None
     tied: bool = False
+    logit_scale: float = 1.0
+
+    @property
+    def edge_head(self) -> EdgeHead:
+        """What the model edges compute around the LM head (``moegraph.edges.EdgeHead``)."""
+        if self.norm.bias is not None:
+            raise LoweringError(f"the final norm's bias ({self.norm.weight.qualname.rsplit('.', 1)[0]}) is not "
+                                "modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
+        return EdgeHead(self.norm.kind, self.norm.eps if self.norm.kind == "layer" else None, self.logit_scale)
 
 
 ModelSpecRule = Callable[[nn.Module], ModelSpec]

@@ -3,9 +3,11 @@
 A causal LM is ``<X>ForCausalLM`` with children ``model`` and ``lm_head``; its base model holds
 ``embed_tokens``, ``layers`` (the decoder layers), ``norm`` and ``rotary_emb``. The decoder
 layers lower structurally (``moegraph.lowering.structural``); the parts around them run as the
-model edges (embedding, final norm, LM head, loss). What the edges do not compute is refused by
+model edges (embedding, final norm, LM head, loss): an RMSNorm or a bias-free LayerNorm
+(Cohere's), and the logits times the model's own ``logit_scale`` where its forward multiplies
+them by it (Cohere2-MoE: ``moegraph.edges.EdgeHead``). What the edges do not compute is refused by
 name: the configuration fields a model's forward reads beyond the ones listed here as harmless
-(e.g. Granite's embedding_multiplier or logits_scaling).
+(e.g. Granite's embedding_multiplier or logits_scaling), and any other number it reads from itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import sys
 import textwrap
 
@@ -24,7 +27,6 @@ from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
 from moegraph.lowering.rope import rotary_frequencies
-from moegraph.lowering.specs import NormSpec
 from moegraph.lowering.structural import classify, family_of, forward_reads, norm_spec
 
 
@@ -129,16 +131,87 @@ MODELLED_SELF = frozenset({"router_aux_loss_coef", "num_experts", "num_experts_p
 
 
 def _check_self_reads(model: nn.Module) -> None:
-    """A setting the causal LM's forward reads from itself rather than its config (Cohere2-MoE's
-    ``self.logit_scale``): refused by name unless it is neutral, as a config field."""
+    """A setting the causal LM's forward reads from itself rather than its config: refused by name
+    unless it is neutral, as a config field, or modelled (``logit_scale``, read by ``logit_scale``)."""
     children = dict(model.named_children())
-    odd = sorted(name for name in forward_reads(type(model)) - MODELLED_SELF - {"config"}
+    odd = sorted(name for name in forward_reads(type(model)) - MODELLED_SELF - {"config", LOGIT_SCALE}
                  if name not in children and not callable(getattr(model, name, None))
                  and not _neutral(getattr(model, name, None)))
     if odd:
         values = ", ".join(f"self.{name}={getattr(model, name, None)!r}" for name in odd)
         raise LoweringError(f"{type(model).__name__}.forward reads {values}: the compiled model's embedding, final "
                             "norm and LM head do not model it")
+
+
+LOGIT_SCALE = "logit_scale"
+
+
+def logit_scale(model: nn.Module) -> float:
+    """The constant a causal LM's forward multiplies its logits by (Cohere2-MoE's
+    ``logits = logits * self.logit_scale`` right after ``logits = self.lm_head(...)``), 1.0 when
+    it reads no ``self.logit_scale``; read in any other way, or not a finite number, it is refused
+    by name (``EdgeHead``)."""
+    if LOGIT_SCALE not in forward_reads(type(model)):
+        return 1.0
+    value = getattr(model, LOGIT_SCALE, None)
+    where = f"{type(model).__name__}.forward reads self.{LOGIT_SCALE}={value!r}"
+    if not _scales_the_head_logits(type(model)):
+        raise LoweringError(f"{where} other than as the LM head's logits times it (logits = self.lm_head(...); "
+                            f"logits = logits * self.{LOGIT_SCALE}): the compiled model's final norm and LM head do "
+                            "not model it")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise LoweringError(f"{where}: the compiled model's LM head multiplies its logits by a finite number only")
+    return float(value)
+
+
+def _scales_the_head_logits(cls: type) -> bool:
+    """Whether every read of ``self.logit_scale`` in cls.forward (and none in the methods it
+    calls) is a statement ``X = X * self.logit_scale`` (either order) whose X the forward last
+    assigned from ``self.lm_head(...)``."""
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+
+    def is_scale(e) -> bool:
+        return (isinstance(e, ast.Attribute) and e.attr == LOGIT_SCALE and isinstance(e.value, ast.Name)
+                and e.value.id == "self")
+
+    reads = sum(is_scale(e) for e in ast.walk(fn))
+    last: dict[str, ast.expr] = {}                      # name -> the value it was last assigned
+    scaled = 0
+    for st in fn.body:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)):
+            continue
+        x, v = st.targets[0].id, st.value
+        if (isinstance(v, ast.BinOp) and isinstance(v.op, ast.Mult)
+                and {type(v.left), type(v.right)} == {ast.Name, ast.Attribute}):
+            name, attr = (v.left, v.right) if isinstance(v.left, ast.Name) else (v.right, v.left)
+            src = last.get(x)
+            if (is_scale(attr) and name.id == x and isinstance(src, ast.Call) and isinstance(src.func, ast.Attribute)
+                    and src.func.attr == "lm_head" and isinstance(src.func.value, ast.Name)
+                    and src.func.value.id == "self"):
+                scaled += 1
+        last[x] = v
+    # the methods the forward calls on self (transitively) must not read it
+    todo = [n.attr for n in ast.walk(fn) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+            and n.value.id == "self" and n.attr != "forward"]
+    seen, elsewhere = set(), False
+    while todo and not elsewhere:
+        name = todo.pop()
+        method = getattr(cls, name, None)
+        if name in seen or not callable(method) or isinstance(method, type):
+            continue
+        seen.add(name)
+        try:
+            tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(method))))
+        except (OSError, TypeError, SyntaxError):
+            continue
+        attrs = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)
+                 and n.value.id == "self"]
+        elsewhere = LOGIT_SCALE in attrs
+        todo += attrs
+    return reads == scaled == 1 and not elsewhere
 
 
 def _neutral(value) -> bool:
@@ -205,9 +278,9 @@ def base_model(model: nn.Module) -> ModelSpec:
                             f"{cfg.num_hidden_layers} (forward runs only the first num_hidden_layers)")
     check_rotary(model.rotary_emb, "rotary_emb")
     norm = norm_spec(model.norm, "norm")
-    if norm.kind != "rms":
-        raise LoweringError(f"norm ({type(model.norm).__name__}): a final {norm.kind} norm is not modelled by the "
-                            "model edges (RMSNorm is)")
+    if norm.bias is not None:
+        raise LoweringError(f"norm ({type(model.norm).__name__}): a final LayerNorm with a bias is not modelled by "
+                            "the model edges (RMSNorm and a bias-free LayerNorm are)")
     unused = {f"rotary_emb.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
               "(check_rotary compared them)" for name, _ in model.rotary_emb.named_buffers()}
     return ModelSpec(embed="embed_tokens.weight", padding_idx=model.embed_tokens.padding_idx, layers="layers",
@@ -260,7 +333,7 @@ def causal_lm(model: nn.Module) -> ModelSpec:
     tied = check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
     base = prefixed(base_model(model.model), "model.")
     return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model),
-                               tied=tied)
+                               tied=tied, logit_scale=logit_scale(model))
 
 
 def aux_loss(model: nn.Module) -> AuxLoss | None:
@@ -290,6 +363,11 @@ def aux_loss(model: nn.Module) -> AuxLoss | None:
 def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
     """``spec`` of a submodule, its names as seen from the parent (``prefix`` ends in a dot)."""
     return dataclasses.replace(spec, embed=prefix + spec.embed, layers=prefix + spec.layers,
-                               norm=NormSpec(ParamSource(prefix + spec.norm.weight.qualname), spec.norm.eps),
+                               norm=dataclasses.replace(spec.norm, weight=_prefixed(spec.norm.weight, prefix),
+                                                        bias=spec.norm.bias and _prefixed(spec.norm.bias, prefix)),
                                head=None if spec.head is None else prefix + spec.head,
                                unused={prefix + k: v for k, v in spec.unused.items()})
+
+
+def _prefixed(src: ParamSource, prefix: str) -> ParamSource:
+    return dataclasses.replace(src, qualname=prefix + src.qualname)
