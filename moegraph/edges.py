@@ -95,12 +95,14 @@ AUX_META = "aux_loss"
 (``moegraph.tracer.trace_model``), which ``add_edges`` adds when given none."""
 
 AUX_STATS = f"{EDGES}.aux.stats"
-"""The global [2, E] router stats (counts, prob sums) of a one-micro-batch step's aux loss."""
+"""The global [3, E] router stats (counts, prob sums, rows counted) of a one-micro-batch step's aux loss."""
 
 
-def aux_loss_value(stats, experts: int, rows: int):
-    """transformers' aux loss of the global stats [2, E] (counts, prob sums; tensors) over N =
-    ``rows``: E * sum_i (count_i / N) * (psum_i / N)."""
+def aux_loss_value(stats, experts: int):
+    """transformers' aux loss of the global stats [3, E] (counts, prob sums, and in every column
+    N, the rows counted: a padded batch's those its mask keeps; tensors):
+    E * sum_i (count_i / N) * (psum_i / N)."""
+    rows = stats[2, 0]
     return (stats[0] / rows * (stats[1] / rows)).sum() * experts
 
 @dataclass(frozen=True)
@@ -124,9 +126,10 @@ class EdgeValues:
     and the synchronised embedding gradient [V, h] (fp32, already the mean over the replicas);
     ROWS: None.
     aux_stats / aux_seeds: with the aux loss (``AuxLoss``), per micro-batch the global router
-    stats [2, E] (``edges.aux.stats``, read for the loss value) and the aux seed [1] the runtime
+    stats [3, E] (``edges.aux.stats``, read for the loss value) and the aux seed [1] the runtime
     gives to the routers' backward; empty without. aux_coef, aux_experts: the loss's coefficient
-    and E; aux_rows: N, one micro-batch's global router rows over all layers (0: no aux loss).
+    and E; aux_rows: N of a plain micro-batch, its global router rows over all layers (0: no aux loss;
+    the runtime reads N from the stats' row 2, a padded micro-batch's fewer).
     """
 
     seeds: tuple[str, ...]

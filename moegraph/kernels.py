@@ -248,8 +248,18 @@ def _k_swiglu(ctx, node, ins, shapes):
 def _k_router(ctx, node, ins, shapes):
     weights, experts = route_tokens(node, *ins)
     if node.typed.aux:                          # the aux loss's stats (moegraph.edges)
-        return [weights, experts, aux_stats(node, ins[0], ins[1], experts)]
+        return [weights, experts, aux_stats(node, ins[0], ins[1], experts, _router_keep(ctx, node, ins[0]))]
     return [weights, experts]
+
+
+def _router_keep(ctx, node, x):
+    """Which of an aux router's rows [b, S, h] the aux loss counts: [b*S] fp32 0/1 of a padded
+    batch (its attention mask at the rows' positions, ``chunk_positions``), None: every row."""
+    if ctx.tokens is None or ctx.tokens.keys is None:
+        return None
+    pos = chunk_positions(node.typed.aux_positions, ctx.rank, ctx.n, ctx.seq, x.shape[1], node.typed.chunk or 0,
+                          node.typed.aux_chunks, device=x.device)                   # [S]
+    return ctx.tokens.keys[:, pos].reshape(-1).float()                              # [b, S] -> [b*S]
 
 
 def _k_index_map(ctx, node, ins, shapes):
@@ -442,13 +452,13 @@ def _k_swiglu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_dgrad(ctx, node, ins, shapes):
-    return router_pullback(node, 0, ins)
+    return router_pullback(node, 0, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
     if node.typed.wrt == "logit_bias":                                 # GPT-OSS's trained router bias
         return family_kernels.router_logit_bias_wgrad(node, ins)
-    return router_pullback(node, 1, ins)
+    return router_pullback(node, 1, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
 
 
 def _k_permute_dgrad(ctx, node, ins, shapes):

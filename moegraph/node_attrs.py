@@ -165,6 +165,10 @@ class RouterAttrs(NodeAttrs):
     aux: bool = False                    # emits the aux loss's stats (moegraph.edges)
     aux_rows: int | None = None
     aux_share: float | None = None
+    # a padded batch's aux loss counts the rows the attention mask keeps: where the router's rows
+    # sit in the sequence ('shard': this rank's own; 'full': gathered over the n ranks), of chunks
+    aux_positions: Positions | None = None
+    aux_chunks: int = 1
     # structural lowering (moegraph.family_kernels.route_general): every field explicit, a group
     # ranked by its best score, a trained logit bias input (and its weight-gradient node: wrt)
     general: bool = False

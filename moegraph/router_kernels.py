@@ -76,21 +76,28 @@ def _router_probs(x, w):
     return torch.softmax(F.linear(tokens(x), w).float(), dim=-1)
 
 
-def aux_stats(node: Node, x, w, experts):
-    """A router's aux-loss stats [2, E] fp32: the top-k slots per expert, the sum of P per expert."""
+def aux_stats(node: Node, x, w, experts, keep=None):
+    """A router's aux-loss stats [3, E] fp32: the top-k slots per expert, the sum of P per expert,
+    and (every column) the rows counted. ``keep`` [T] (fp32 0/1, a padded batch: ``router_keep``)
+    counts only the rows it keeps, as transformers' loss weights them by the attention mask."""
     E = node.typed.experts
     slots = experts.reshape(-1)
+    weight = (torch.ones(slots.shape, dtype=torch.float32, device=slots.device) if keep is None
+              else keep.repeat_interleave(experts.shape[-1]))                      # [T*k], t-major as slots
     # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
     # integer counts in fp32 are exact whatever order the adds land in
-    counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(
-        0, slots, torch.ones(slots.shape, dtype=torch.float32, device=slots.device))
-    return torch.stack([counts, _router_probs(x, w).sum(0)])
+    counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(0, slots, weight)
+    probs = _router_probs(x, w)                                                     # [T, E]
+    if keep is None:
+        return torch.stack([counts, probs.sum(0), counts.new_full((E,), float(probs.shape[0]))])
+    return torch.stack([counts, (probs * keep[:, None]).sum(0), keep.sum().expand(E)])
 
 
-def router_pullback(node: Node, primal: int, ins):
+def router_pullback(node: Node, primal: int, ins, keep=None):
     """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
-    (the global stats [2, E], the aux seed [1]) and the aux loss's probability gradient
-    seed * E * count / N^2 * share (moegraph.edges) joins the routing weights' cotangent."""
+    (the global stats [3, E], the aux seed [1]) and the aux loss's probability gradient
+    seed * E * count / N^2 * share (moegraph.edges; N the stats' row 2, the rows counted) joins
+    the routing weights' cotangent, on the rows ``keep`` [T] keeps (a padded batch) or all."""
     if not node.typed.aux:
         (x, w, *bias), dweights = ins[:-1], ins[-1]
         leaves = (x, w)
@@ -98,12 +105,12 @@ def router_pullback(node: Node, primal: int, ins):
                         (leaves[primal],), (dweights,))
     (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
     leaves = (x, w)
-    rows, E = node.typed.aux_rows, node.typed.experts
-    c = seed.float() * (E * node.typed.aux_share / rows / rows) * stats[0]              # [E]
+    rows, E = stats[2, 0], node.typed.experts
+    c = seed.float() * (E * node.typed.aux_share) / rows / rows * stats[0]              # [E]
 
     def fn(p):
         args = tuple(p if i == primal else leaves[i] for i in range(2))
         return _router_fwd(node, *args, *bias), _router_probs(*args)
     T = tokens(x).shape[0]
-    return pullback(fn, (leaves[primal],), (dweights, c.expand(T, E)))
-
+    dprobs = c.expand(T, E) if keep is None else c[None, :] * keep[:, None]             # [T, E]
+    return pullback(fn, (leaves[primal],), (dweights, dprobs))

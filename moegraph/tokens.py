@@ -12,7 +12,9 @@ full [b, s] tensors on every rank: each kernel indexes the positions its rows ho
   right padding  ``attention_mask`` [b, s] of ones then zeros (every row starts with a one):
                  a key at a zero is never attended to (transformers' padding mask, and-ed with
                  the causal one); positions stay 0..s-1. The loss ignores what the labels say
-                 (-100), as transformers' does.
+                 (-100), as transformers' does; the router's aux loss counts the tokens the mask
+                 keeps (transformers' ``load_balancing_loss_func`` weights its rows by the mask:
+                 ``moegraph.kernels``' router stats).
   packing        ``position_ids`` [b, s] (or [1, s]) that restart: a new document starts where a
                  position is not its predecessor + 1 (transformers' ``find_packed_sequence_indices``);
                  RoPE rotates by the given positions and attention stays within a document, causal

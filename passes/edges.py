@@ -109,17 +109,20 @@ the bytes, as the layers'.
 
 The router's auxiliary load-balancing loss (``AuxLoss``, transformers' ``load_balancing_loss_func``
 with ``output_router_logits=True``; ``add_edges(..., aux=AuxLoss(...))``): over ALL layers' router
-rows of a step's global batch (N = L * dp*b*s rows), P = softmax(logits) in fp32,
+rows of a step's global batch (N = L * dp*b*s rows; a padded batch's, L * its tokens the
+attention mask keeps: transformers' loss weights each row by the mask), P = softmax(logits) in fp32,
 
     aux = E * sum_i (count_i / N) * (psum_i / N),   loss = lm_loss + coef * aux,
 
-count_i the top-k slots choosing expert i, psum_i the sum of P[:, i]. The counts carry no gradient,
-so d loss / d P[t, i] = coef * E * count_i / N^2, one constant per expert known once every layer
-has routed. In the graph, per micro-batch:
+count_i the top-k slots choosing expert i, psum_i the sum of P[:, i] (both over the kept rows).
+The counts carry no gradient, so d loss / d P[t, i] = coef * E * count_i / N^2 (0 at a pad), one
+constant per expert known once every layer has routed. In the graph, per micro-batch:
 
-  forward   every ROUTER forward also writes its [2, E] fp32 stats (row 0 the counts, row 1 the
-            prob sums over its rows; attr ``aux``, priced T*(E + k) more FLOPs);
-            ``edges.aux.sum`` (ADD) sums the L routers' stats (2E*(L-1) FLOPs);
+  forward   every ROUTER forward also writes its [3, E] fp32 stats (row 0 the counts, row 1 the
+            prob sums over its rows, row 2 in every column the rows it counted: N's share, so a
+            padded batch's N crosses the ranks with the sums; attr ``aux``, with ``aux_positions``
+            and ``aux_chunks`` saying where its rows sit for the mask; priced T*(E + k) more
+            FLOPs); ``edges.aux.sum`` (ADD) sums the L routers' stats (3E*(L-1) FLOPs);
             ``edges.aux.allreduce`` (ALL_REDUCE, group n) sums them over the replica's ranks when
             the routers' rows are distinct there (a2a dispatch: each rank routes its own shard);
             under ag-rs every rank of the replica routes the same gathered rows, so it holds the
@@ -127,9 +130,11 @@ has routed. In the graph, per micro-batch:
             times); ``edges.aux.allreduce_dp`` (scope inter, axis dp) sums over the replicas.
             The result ``edges.aux.stats`` is the global batch's, identical on every rank: the
             runtime reads it for the loss value (E * count . psum / N^2, E FLOPs, not priced).
+            EdgeValues.aux_rows and the routers' attr ``aux_rows`` are a plain batch's N.
   backward  every ROUTER dgrad / wgrad also reads ``edges.aux.stats`` and the aux seed
             ``edges.d_aux`` [1] (fp32; the runtime gives coef * dloss, x dp as the LM loss's
-            seed) and adds d_aux * E * count / N^2 * share to its softmax's probability gradient
+            seed) and adds d_aux * E * count / N^2 * share (N the stats' row 2) to its softmax's
+            probability gradient at each row the mask keeps
             (softmax backward P * (g - sum(P g)), 4*T*E FLOPs more); share = 1/n where the n
             ranks route the same rows (ag-rs: their router gradients are summed by the gather's
             reduce-scatter and the router weight's all-reduce), 1 where they are distinct.
@@ -391,31 +396,33 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
                          f"{d.b * d.s}): the aux loss's reduction is not known for it")
     rows = moe_layers * d.b * d.s * st.dp                   # N: the global batch's rows over the layers
     share = 1.0 if distinct else 1.0 / st.n
+    # where the routers' rows sit, for a padded batch's mask (moegraph.kernels.chunk_positions)
+    where = dict(aux_positions="shard" if distinct else "full", aux_chunks=st.chunks)
     stats_of: dict[str, str] = {}
     replaced: dict[str, Node] = {}
     for nd in forward:
         T = rows_of[nd.name]
-        stats_of[nd.name] = g.value(f"{nd.name}.aux_stats", (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+        stats_of[nd.name] = g.value(f"{nd.name}.aux_stats", (3, E), kind=ValueKind.ROUTING, dtype="fp32")
         replaced[nd.name] = dataclasses.replace(nd, outputs=nd.outputs + (stats_of[nd.name],),
                                                 flops=nd.flops + T * (E + aux.top_k),
-                                                mem_bytes=nd.mem_bytes + 2 * E * f32).with_attrs(aux=True)
+                                                mem_bytes=nd.mem_bytes + 3 * E * f32).with_attrs(aux=True, **where)
     kw = dict(block=EDGES, phase=Phase.FORWARD)
     stats, seeds, nodes = [], [], []
     for j in range(M):
         first = len(g.nodes)
         parts = [stats_of[nd.name] for nd in forward if mb(nd) == j]
-        total = g.value(at(j, f"{EDGES}.aux.stats_local"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
-        g.node(at(j, f"{EDGES}.aux.sum"), OpKind.ADD, tuple(parts), (total,), flops=2 * E * (len(parts) - 1),
-               mem_bytes=(len(parts) + 1) * 2 * E * f32, **kw)
+        total = g.value(at(j, f"{EDGES}.aux.stats_local"), (3, E), kind=ValueKind.ROUTING, dtype="fp32")
+        g.node(at(j, f"{EDGES}.aux.sum"), OpKind.ADD, tuple(parts), (total,), flops=3 * E * (len(parts) - 1),
+               mem_bytes=(len(parts) + 1) * 3 * E * f32, **kw)
         if distinct and st.n > 1:                           # the replica's ranks hold distinct rows
-            out = g.value(at(j, f"{EDGES}.aux.stats_replica"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+            out = g.value(at(j, f"{EDGES}.aux.stats_replica"), (3, E), kind=ValueKind.ROUTING, dtype="fp32")
             g.collective(at(j, f"{EDGES}.aux.allreduce"), OpKind.ALL_REDUCE, (total,), (out,), group=st.n,
-                         full_bytes=2 * E * f32, flops=2 * E, **kw)
+                         full_bytes=3 * E * f32, flops=3 * E, **kw)
             total = out
         if st.dp > 1:                                       # the replicas hold distinct rows
-            out = g.value(at(j, f"{EDGES}.aux.stats_global"), (2, E), kind=ValueKind.ROUTING, dtype="fp32")
+            out = g.value(at(j, f"{EDGES}.aux.stats_global"), (3, E), kind=ValueKind.ROUTING, dtype="fp32")
             g.collective(at(j, f"{EDGES}.aux.allreduce_dp"), OpKind.ALL_REDUCE, (total,), (out,), group=st.dp,
-                         full_bytes=2 * E * f32, flops=2 * E, attrs={"scope": "inter", "axis": "dp"}, **kw)
+                         full_bytes=3 * E * f32, flops=3 * E, attrs={"scope": "inter", "axis": "dp"}, **kw)
             total = out
         stats.append(total)
         seed = g.value(at(j, f"{EDGES}.d_aux"), (1,), kind=ValueKind.GRAD, dtype="fp32")
@@ -433,8 +440,8 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
                else nd.inputs + (stats[j], seeds[j]))
         replaced[nd.name] = dataclasses.replace(nd, inputs=ins,
                                                 flops=nd.flops + 4 * T * E,
-                                                mem_bytes=nd.mem_bytes + 2 * E * f32 + f32
-                                                ).with_attrs(aux=True, aux_rows=rows, aux_share=share)
+                                                mem_bytes=nd.mem_bytes + 3 * E * f32 + f32
+                                                ).with_attrs(aux=True, aux_rows=rows, aux_share=share, **where)
     graph = dataclasses.replace(graph, nodes=tuple(replaced.get(nd.name, nd) for nd in graph.nodes))
     values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E,
                   aux_rows=rows)

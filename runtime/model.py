@@ -319,10 +319,6 @@ class CompiledModel(nn.Module):
             raise ValueError("position_ids restart (packed documents) but use_cache is not False: transformers then "
                              "builds a cache and attends across the documents, the compiled model keeps them apart; "
                              "pass use_cache=False (as training does)")
-        if tokens.keys is not None and self.edges.aux_stats:
-            raise ValueError("attention_mask with padding and the router's auxiliary loss: transformers leaves the "
-                             "padded tokens out of the aux loss, the compiled one counts every token (compile "
-                             "without output_router_logits, or pass an unpadded batch)")
         if self.layers.cuda_graphs != "off":
             raise ValueError(f"attention_mask / position_ids with cuda_graphs={self.layers.cuda_graphs!r}: the "
                              "captured kernels hold no batch layout (run without CUDA graphs)")
@@ -399,8 +395,8 @@ class CompiledModel(nn.Module):
         if layers.layout.world > 1:
             dist.all_reduce(terms)
         if edges.aux_stats:                                 # + coef * each micro-batch's aux loss
-            terms = terms + edges.aux_coef * torch.stack([aux_loss_value(synced[name], edges.aux_experts,
-                                                                         edges.aux_rows) for name in edges.aux_stats])
+            terms = terms + edges.aux_coef * torch.stack([aux_loss_value(synced[name], edges.aux_experts)
+                                                     for name in edges.aux_stats])
         return list(terms.unbind())
 
     def _step_tokens(self, attention_mask, position_ids) -> list[Tokens | None]:
@@ -429,7 +425,7 @@ class CompiledModel(nn.Module):
         if not edges.aux_stats:
             return torch.zeros((), device=self.embed.device)
         stats = saved[edges.aux_stats[0]]
-        return aux_loss_value(stats, edges.aux_experts, edges.aux_rows)
+        return aux_loss_value(stats, edges.aux_experts)
 
     def _shard_labels(self, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's shifted labels [b, s/n], the global count of scored tokens) of the full

@@ -96,10 +96,12 @@ def test_skewed_routing_is_far_from_balanced(n2):
 
 
 def test_broken_aux_terms_fail_the_comparison(n2):
-    """Without the stats' all-reduce (a2a) the loss and the router gradients go wrong; with the
-    aux seed zeroed (its gradient dropped) the router gradients do: the comparison can fail."""
+    """Without the stats' all-reduce (a2a) the loss and the router gradients go wrong (each rank's
+    aux loss is then its own rows', N their count: a local estimate, 4e-3 off here, the router
+    gradients 1.2); with the aux seed zeroed (its gradient dropped) the router gradients do: the
+    comparison can fail."""
     r = n2["broken-no-allreduce"]
-    assert r["aux"] > BROKEN and r["router_grads"] > BROKEN, r
+    assert r["aux"] > 100 * TOL and r["router_grads"] > BROKEN, r
     r = n2["broken-zero-seed"]
     assert r["loss"] < TOL and r["router_grads"] > BROKEN, r
 
@@ -196,9 +198,10 @@ def _graph(dispatch: str, dp: int = 1, aux: AuxLoss | None = AuxLoss(0.02, 8, 2)
 
 
 def test_graph_nodes_and_prices():
-    """Each router writes its [2, E] stats (T*(E+k) more FLOPs), one ADD sums the 2 layers', a
-    [2, E] fp32 all-reduce (a2a: group n) and an inter one (dp) make them global; every router
-    backward reads them and the seed (4*T*E more FLOPs)."""
+    """Each router writes its [3, E] stats (counts, prob sums, rows counted; T*(E+k) more FLOPs),
+    one ADD sums the 2 layers', a [3, E] fp32 all-reduce (a2a: group n) and an inter one (dp) make
+    them global; every router backward reads them and the seed (4*T*E more FLOPs); the routers
+    know where their rows sit (a padded batch's mask: this rank's shard under a2a)."""
     plain, g = _graph("a2a", dp=2, aux=None), _graph("a2a", dp=2)
     before, node = {n.name: n for n in plain.nodes}, {n.name: n for n in g.nodes}
     T, E, k = 2048 // 8, 8, 2
@@ -209,15 +212,17 @@ def test_graph_nodes_and_prices():
         assert r.flops == before[r.name].flops + extra, r.name
     ev = edge_values(g)
     assert ev.aux_rows == 2 * 2048 * 2 and ev.aux_coef == 0.02            # N = L * dp*b*s
-    assert node["edges.aux.sum"].flops == 2 * E and len(node["edges.aux.sum"].inputs) == 2
+    assert node["edges.aux.sum"].flops == 3 * E and len(node["edges.aux.sum"].inputs) == 2
     ar, ar_dp = node["edges.aux.allreduce"], node["edges.aux.allreduce_dp"]
     assert (ar.group, ar_dp.group, ar_dp.attr("scope")) == (8, 2, "inter")
-    assert ar.comm_bytes == 2 * 7 * (2 * E * 4) // 8                      # ring all-reduce of [2, E] fp32
+    assert ar.comm_bytes == 2 * 7 * (3 * E * 4) // 8                      # ring all-reduce of [3, E] fp32
+    assert {(r.attr("aux_positions"), r.attr("aux_chunks")) for r in routers} == {("shard", 1)}
     assert all(node[x].attr("edge") is True for x in ("edges.aux.sum", "edges.aux.allreduce"))
     # ag-rs: the routers see the replica's gathered rows: no intra all-reduce, the gradient shared by n
     agrs = {n.name: n for n in _graph("ag-rs").nodes}
     assert "edges.aux.allreduce" not in agrs and "edges.aux.allreduce_dp" not in agrs
     assert agrs["l0.router.dgrad"].attr("aux_share") == pytest.approx(1 / 8)
+    assert agrs["l0.router.dgrad"].attr("aux_positions") == "full"           # the gathered rows
     est = CostModel(load_hardware("h800"))
     assert est.node_time_us(ar) > 0
 

@@ -6,9 +6,9 @@ are refused in one line naming them.
 
 Each case compiles its tiny model (tests/family_zoo.py) once for a plain batch and runs both forms
 through it (tests/family_workers.batch_cases). The cases cover the mask's paths: GQA through SDPA
-(Mixtral, sequence-parallel with 2 chunks), sliding-window attention with sinks in a mixed stack
-(GPT-OSS), chunked attention and NoPE (Llama 4), q/k norms over 2 replicas (Qwen3-MoE, dp=2), MLA
-(DeepSeek-V3, one rank).
+(Mixtral, sequence-parallel with 2 chunks, with the router's aux loss over the unpadded tokens),
+sliding-window attention with sinks in a mixed stack (GPT-OSS), chunked attention and NoPE (Llama
+4), q/k norms over 2 replicas (Qwen3-MoE, dp=2), MLA (DeepSeek-V3, one rank).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from family_zoo import VOCAB, moe_causal_lms, tiny_model  # noqa: E402
 from helpers import RANK_BATCH  # noqa: E402
 
 TOL = 1e-5
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
 LMS = dict(moe_causal_lms())
 FORMS = ("padded", "packed")
 
@@ -64,7 +65,9 @@ def test_padded_and_packed_batches_match_eager_on_one_rank(family):
     _assert_matches(batch_cases(0, 1, [_case(family, "sp", "ep", "a2a")], seed=31), "n=1")
 
 
-N2_CASES = [_case("mixtral", "sp", "ep", "a2a", passes="chunk=2"),
+# Mixtral with the router's aux loss (coef 0.5, so that pads counted in it would show: 8e-4 in the
+# loss, 0.36 in the router's gradient): transformers leaves the pads out of it
+N2_CASES = [_case("mixtral", "sp", "ep", "a2a", passes="chunk=2", overrides=AUX),
             _case("gpt_oss", "tp", "tp", "ag-rs", overrides=dict(layer_types=["sliding_attention", "full_attention"])),
             _case("llama4", "sp", "tp", "ag-rs"),
             _case("qwen3_moe", "tp", "ep", "ag-rs", dp=2)]
@@ -131,29 +134,17 @@ def test_forms_not_modelled_are_refused_in_one_line(compiled, kwargs, message):
     assert "\n" not in str(err.value)
 
 
-def test_padding_with_the_routers_aux_loss_is_refused():
-    """transformers leaves the pads out of the aux loss; the compiled one counts every token."""
-    import moegraph
-    model = tiny_model("mixtral", LMS["mixtral"], seed=3, output_router_logits=True)
-    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(3))
-    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
-    with pytest.raises(ValueError, match="attention_mask with padding and the router's auxiliary loss") as err:
-        compiled(ids, attention_mask=_mask((0, 15)), output_router_logits=True)
-    assert "\n" not in str(err.value)
-
-
 @pytest.fixture(scope="module")
 def aux_step():
     """A tiny Mixtral with the router's aux loss, compiled for a step of 2 micro-batches, and 2 batches."""
     import moegraph
-    model = tiny_model("mixtral", LMS["mixtral"], seed=5, output_router_logits=True)
+    model = tiny_model("mixtral", LMS["mixtral"], seed=5, **AUX)
     gen = torch.Generator().manual_seed(5)
     ids = [torch.randint(3, VOCAB, (B, S), generator=gen) for _ in range(2)]
     return model, moegraph.compile(model, ids[0], hardware="cpu-gloo", schedule="greedy", passes="", micro_batches=2), ids
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(attention_mask=[_mask((0, 15)), None]), "micro-batch 0's attention_mask with padding and the router's aux"),
     (dict(num_items_in_batch=0), "num_items_in_batch=0: pass the step's count of scored tokens"),
 ])
 def test_train_step_refuses_in_one_line(aux_step, kwargs, message):
@@ -163,19 +154,25 @@ def test_train_step_refuses_in_one_line(aux_step, kwargs, message):
     assert "\n" not in str(err.value)
 
 
-def test_train_step_sums_the_losses_with_the_aux_loss_given_num_items_in_batch(aux_step):
-    """transformers' Trainer's reduction: each loss_j = its summed cross-entropy / N + coef * its aux
-    loss, backward of each, no 1/M."""
+@pytest.mark.parametrize("reduction", ["mean", "items"])
+def test_train_step_with_the_aux_loss_and_a_padded_micro_batch_matches_eager(aux_step, reduction):
+    """Micro-batch 0 right-padded (its labels -100 at the pads, as SFT collators): its aux loss over
+    its unpadded tokens (transformers' load_balancing_loss_func weights the rows by the mask),
+    micro-batch 1 plain. ``mean``: eager ``(loss_j / 2).backward()``; ``items``: transformers'
+    Trainer's reduction, each loss_j = its summed cross-entropy / N + coef * its aux loss,
+    backward of each, no 1/M."""
     from moegraph.runtime.check import grad_report
     model, compiled, ids = aux_step
-    labels = [ids[0].clone(), ids[1].masked_fill(_mask((1, 9), (0, 3)) == 0, -100)]
+    mask = _mask(*((1, c) for c in range(10, S)))
+    labels = [ids[0].masked_fill(mask == 0, -100), ids[1].masked_fill(_mask((1, 9), (0, 3)) == 0, -100)]
     items = sum(int((y[:, 1:] != -100).sum()) for y in labels)
+    kw, scale = ({}, 0.5) if reduction == "mean" else ({"num_items_in_batch": items}, 1.0)
     model.zero_grad(set_to_none=True)
     compiled.zero_grad(set_to_none=True)
-    losses = compiled.train_step(ids, labels, num_items_in_batch=torch.tensor(items))
-    for x, y, got in zip(ids, labels, losses):
-        loss = model(input_ids=x, labels=y, num_items_in_batch=items).loss
-        loss.backward()
+    losses = compiled.train_step(ids, labels, attention_mask=[mask, None], **kw)
+    for x, y, m, got in zip(ids, labels, (mask, None), losses):
+        loss = model(input_ids=x, labels=y, attention_mask=m, use_cache=False, **kw).loss
+        (loss * scale).backward()
         assert abs(float(got) - loss.item()) < TOL * loss.item()
     grads = compiled.full_grads()
     report = grad_report({k: (grads[k], p.grad) for k, p in model.named_parameters()})
