@@ -47,6 +47,8 @@ ROWS: dict[str, dict] = {
     "qwen2_moe": {"qkv_bias": True},
     # its own default norm (rms_norm_eps=None: a bias-free LayerNorm, in the layers and at the model's end)
     "cohere2_moe": {"rms_norm_eps": None},
+    # a routed scaling other than its default 1 (the router's route_scale)
+    "afmoe": {"route_scale": 2.5},
 }
 
 

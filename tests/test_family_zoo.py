@@ -34,7 +34,8 @@ COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs"), ("s
 COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie4_5_moe", "exaone_moe", "flex_olmo",
             "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
-            "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open")
+            "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
+            "afmoe")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -241,13 +242,23 @@ def test_token_chunks_share_the_per_head_norm_and_gate_weights(family, attn):
 @pytest.mark.parametrize("attn", ["tp", "sp"])
 def test_afmoe_dense_layer_with_its_sigmoid_output_gate_matches_eager(attn):
     """AFMoE's attention gates its output per feature by sigmoid(gate_proj(x)) (Laguna's: softplus,
-    per head): its dense first layer compiles at n=2, checked against eager by the compile; its MoE
-    layers refuse at their router (test_every_other_family_refuses_in_one_line_naming_a_construct)."""
+    per head): its dense first layer compiles at n=2, checked against eager by the compile (the whole
+    model, MoE layers included, is in COMPILED)."""
     if "afmoe" not in LMS:
         pytest.skip(_missing("afmoe"))
     layer = tiny_model("afmoe", LMS["afmoe"]).model.layers[0]
     graph = trace_module(layer, Strategy(attn, "ep", "a2a", 2, dtype="fp32"), batch=2, seq=16)
     assert [n.attr("act") for n in graph.nodes if n.op.name == "GLU"] == ["sigmoid", "sigmoid"]
+
+
+def test_afmoe_with_mup_scaled_embeddings_refuses_naming_the_switch():
+    """mup_enabled=True scales AFMoE's embeddings by sqrt(h) in its base model's forward, which the
+    model edges do not compute: a switch that is on is not a neutral multiplier of 1."""
+    if "afmoe" not in LMS:
+        pytest.skip(_missing("afmoe"))
+    model = tiny_model("afmoe", LMS["afmoe"], mup_enabled=True)
+    with pytest.raises(LoweringError, match=r"config\.mup_enabled=True"):
+        trace_causal_lm(model, Strategy("sp", "ep", "ag-rs", 1, dtype="fp32"), batch=2, seq=16)
 
 
 def test_the_compiled_families_cover_every_strategy_at_two_ranks():

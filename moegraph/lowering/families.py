@@ -77,6 +77,8 @@ FAMILIES: dict[str, Family] = {
     "minimax_m2": Family(router=RouterRow(choice_bias="e_score_correction_bias", normalize=True)),
     "ernie4_5_moe": Family(router=RouterRow(normalize=True, choice_bias="gate.moe_statics.e_score_correction_bias")),
     "kolibri1": Family(router=RouterRow(choice_on="logits")),
+    # the block's never-trained expert_bias, passed to its router as a forward argument
+    "afmoe": Family(router=RouterRow(choice_bias="expert_bias")),
     "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
     "llama4": Family(weighted_input=True),
 }

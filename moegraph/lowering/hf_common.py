@@ -215,8 +215,10 @@ def _scales_the_head_logits(cls: type) -> bool:
 
 
 def _neutral(value) -> bool:
-    """A multiplier of 1 (or a setting that is off) changes nothing."""
-    return value is None or value is False or (isinstance(value, (int, float)) and value in (0, 1))
+    """A multiplier of 1 (or a setting that is off) changes nothing; True is a switch that is on, not
+    a multiplier of 1 (AFMoE's mup_enabled)."""
+    return value is None or value is False or \
+        (isinstance(value, (int, float)) and not isinstance(value, bool) and value in (0, 1))
 
 
 def is_base_model(model: nn.Module) -> bool:

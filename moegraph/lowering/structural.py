@@ -210,19 +210,23 @@ def _router_name(module: nn.Module) -> str | None:
     # parameters read from _parameters: during torch.fx tracing, getattr returns proxies for them
     for name in ROUTER_NAMES:
         child = module._modules.get(name)
-        w = child._parameters.get("weight") if isinstance(child, nn.Module) else None
-        if w is None and isinstance(child, nn.Module) and isinstance(child._modules.get("wg"), nn.Linear):
-            w = child._modules["wg"]._parameters.get("weight")         # HunYuan: the router's linear is gate.wg
+        w = _router_weight(child)[1] if isinstance(child, nn.Module) else None
         if w is not None and w.dim() == 2:
             return name
     return None
 
 
-def _router_weight(router: nn.Module) -> tuple[str, nn.Parameter]:
-    """(path below the router, weight [E, h]) of a router child."""
+ROUTER_LINEARS = ("wg", "gate")     # the router's own linear: HunYuan's gate.wg, AFMoE's router.gate
+
+
+def _router_weight(router: nn.Module) -> tuple[str | None, nn.Parameter | None]:
+    """(path below the router, weight [E, h]) of a router child; (None, None) when it has none."""
     if router._parameters.get("weight") is not None:
         return "weight", router._parameters["weight"]
-    return "wg.weight", router._modules["wg"]._parameters["weight"]
+    for name in ROUTER_LINEARS:
+        if isinstance(router._modules.get(name), nn.Linear):
+            return f"{name}.weight", router._modules[name]._parameters["weight"]
+    return None, None
 
 
 def structural_rule(module: nn.Module, qualname: str) -> Rule | None:

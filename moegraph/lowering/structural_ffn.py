@@ -63,7 +63,7 @@ def _setting(name: str, *where, default=None):
     return default
 
 
-SCALE_NAMES = ("routed_scaling_factor", "router_scaling_factor")
+SCALE_NAMES = ("routed_scaling_factor", "router_scaling_factor", "route_scale")
 
 
 def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
@@ -109,7 +109,7 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     topk_groups = int(_setting("topk_group", router, cfg, default=1) or 1)
     if rr.grouped is not None and _setting(rr.grouped[0], router, cfg) != rr.grouped[1]:
         groups = topk_groups = 1
-    # routed scaling: DeepSeek's routed_scaling_factor, HY-V3's router_scaling_factor
+    # routed scaling: DeepSeek's routed_scaling_factor, HY-V3's router_scaling_factor, AFMoE's route_scale
     scale_name = next((n for n in SCALE_NAMES if n in forward_reads(type(router)) | forward_reads(type(module))),
                       None)                # None: a config field the router never applies
     scale = float(_setting(scale_name, router, module, cfg, default=1.0) or 1.0) if scale_name else 1.0
