@@ -49,6 +49,7 @@ ROWS: dict[str, dict] = {
     "cohere2_moe": {"rms_norm_eps": None},
     # a routed scaling other than its default 1 (the router's route_scale)
     "afmoe": {"route_scale": 2.5},
+    "axk1": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
 }
 
 

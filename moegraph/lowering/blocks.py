@@ -432,14 +432,15 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
         with _chunk(g, j, N) as c:
             outs.append(_emit_moe_chunk(g, spec, xj, router_ins, weights, El, c, j, kw))
-    routed = _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
-    if spec.shared is None:
-        return routed
-    shared = _emit_shared_expert(g, spec.shared, x, kw)
-    y = g.like("moe_out", routed)
-    g.node("shared_add", OpKind.ADD, (routed, shared), (y,), flops=_numel(g, routed), **kw)
-    if spec.shared_average:           # (routed + shared) / 2 (Cohere2-MoE's 'average' combination)
-        return emit_scale(g, y, 0.5, name="shared_average", out="moe_avg_out", **kw)
+    y = _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+    if spec.shared is not None:
+        shared = _emit_shared_expert(g, spec.shared, x, kw)
+        routed, y = y, g.like("moe_out", y)
+        g.node("shared_add", OpKind.ADD, (routed, shared), (y,), flops=_numel(g, routed), **kw)
+        if spec.shared_average:           # (routed + shared) / 2 (Cohere2-MoE's 'average' combination)
+            y = emit_scale(g, y, 0.5, name="shared_average", out="moe_avg_out", **kw)
+    if spec.post_norm is not None:        # the block's own output norm, on [b, s/n, h] (A.X-K1)
+        y = emit_rmsnorm(g, spec.post_norm, y, name="moe_post_norm", out="moe_normed", **kw)
     return y
 
 

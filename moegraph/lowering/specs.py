@@ -201,6 +201,7 @@ class MoESpec:
     swiglu_alpha: float | None = None         # clamped_swiglu's alpha and limit
     swiglu_limit: float | None = None
     weighted_input: bool = False              # the routing weight scales the expert's input rows (Llama 4)
+    post_norm: NormSpec | None = None         # a norm on the block's output, before the residual add (A.X-K1)
 
     @property
     def plain_router(self) -> bool:

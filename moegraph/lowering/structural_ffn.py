@@ -15,9 +15,9 @@ from torch import nn
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError
 from moegraph.lowering.families import Family, family_row
-from moegraph.lowering.specs import MLPSpec, MoESpec
+from moegraph.lowering.specs import MLPSpec, MoESpec, NormSpec
 from moegraph.lowering.structural import (SHARED_NAMES, _child_class_check, _ctx, _router_name, _router_weight, _src,
-                                          check_children, family_of, forward_reads, returns_tuple)
+                                          check_children, family_of, forward_reads, norm_spec, returns_tuple)
 
 
 def activation_of(module: nn.Module, qualname: str) -> str:
@@ -126,6 +126,7 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
             raise LoweringError(f"{qualname}.shared_expert_gate has {module.shared_expert_gate.out_features} "
                                 "outputs, not 1")
         shared = _replace(shared, gate=_src(qualname, "shared_expert_gate.weight"))
+    post_norm = _post_norm(module, qualname, known)
     check_children(module, qualname, known)
     average = _shared_combination(module, qualname) if shared is not None else False
     w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
@@ -137,7 +138,22 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
                    groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
                    activation=act, router_bias=router_bias, expert_bias=expert_bias,
                    tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
-                   swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input)
+                   swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input, post_norm=post_norm)
+
+
+def _post_norm(module: nn.Module, qualname: str, known: set[str]) -> NormSpec | None:
+    """The norm a block's forward applies to its output before the residual add (A.X-K1's
+    post_mlp_layernorm): the one norm child the forward reads (added to ``known``). Where the forward
+    applies it is not read here: the numerical check compares the block with eager."""
+    reads = forward_reads(type(module))
+    names = [n for n, c in module.named_children() if n in reads and n not in known and "norm" in type(c).__name__.lower()]
+    if not names:
+        return None
+    if len(names) > 1:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): its forward reads {len(names)} norms "
+                            f"({', '.join(names)}); one on the block's output is modelled")
+    known.add(names[0])
+    return norm_spec(_child_class_check(module, qualname, names[0]), f"{qualname}.{names[0]}")
 
 
 CHOICE_BIAS = "e_score_correction_bias"
