@@ -50,6 +50,8 @@ ROWS: dict[str, dict] = {
     # a routed scaling other than its default 1 (the router's route_scale)
     "afmoe": {"route_scale": 2.5},
     "axk1": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
+    "granitemoe_swa": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
+                       "layer_rope_theta": [10000.0, 0]},
 }
 
 

@@ -35,7 +35,7 @@ COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie
             "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
-            "afmoe", "axk1")   # last: appending keeps the other families' strategies (COMBOS by index)
+            "afmoe", "axk1", "granitemoe_swa")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -68,8 +68,9 @@ def test_family_compiles_and_matches_eager_on_one_rank(family):
 
 
 # a compiled family's other settings, at n=2 under a strategy of their own (strategy, config fields):
-# Laguna's attention output gated per feature (its default, in COMPILED: one gate per head)
-VARIANTS = {"laguna": (4, dict(gating="per-element"))}
+# Laguna's attention output gated per feature (its default, in COMPILED: one gate per head);
+# GraniteMoeSWA with a theta per layer (in COMPILED: RoPE then NoPE), two rotary modules in rotary_embs
+VARIANTS = {"laguna": (4, dict(gating="per-element")), "granitemoe_swa": (1, dict(layer_rope_theta=[500.0, 10000.0]))}
 
 N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS] + \
     [dict(_case(i, family), overrides=ov) for family, (i, ov) in VARIANTS.items() if family in LMS]

@@ -217,15 +217,16 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
     transformers decoder layer, its family's rotary embedding of positions 0..s-1 and the attention
     mask of its layer type (full causal, sliding window or chunked, built by transformers'
     masking_utils from the layer's config); none for any other module."""
-    from moegraph.lowering.rope import rotary_class
+    from moegraph.lowering.rope import layer_rope_config, rotary_class
     from moegraph.lowering.structural import _ctx, _layer_type, family_of, layer_context
     if family_of(type(layer)) is None:
         return lambda x: {}
     with layer_context(layer):
         cfg, idx = _ctx().config, _ctx().layer_idx
-        if rotary is None:
+        rope_cfg = layer_rope_config(cfg, idx)
+        if rotary is None or rope_cfg is not cfg:      # a theta of its own (GraniteMoeSWA): its own module
             cls = rotary_class(_ctx().family)
-            rotary = cls(cfg) if cls is not None else None
+            rotary = cls(rope_cfg) if cls is not None and rope_cfg is not None else None
     kind = _layer_type(cfg, idx)
     # a rotary module with frequencies per layer type takes the type (Laguna's forward(x, pos, layer_type))
     by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters

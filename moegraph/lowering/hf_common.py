@@ -64,6 +64,16 @@ def check_attention_kernel(module: nn.Module, qualname: str) -> None:
 # -- models ----------------------------------------------------------------------------------------
 
 BASE_CHILDREN = ("embed_tokens", "layers", "norm", "rotary_emb")
+# one rotary module per distinct non-zero theta of config.layer_rope_theta (GraniteMoeSWA)
+THETA_ROTARIES = "rotary_embs"
+
+
+def base_children(model: nn.Module) -> tuple[str, ...]:
+    """The children a base model's rule reads: BASE_CHILDREN, and ``rotary_embs`` where its config
+    gives each layer its own RoPE theta (``config.layer_rope_theta``)."""
+    cfg = getattr(model, "config", None)
+    return BASE_CHILDREN + ((THETA_ROTARIES,) if getattr(cfg, "layer_rope_theta", None) is not None
+                            and isinstance(getattr(model, THETA_ROTARIES, None), nn.ModuleList) else ())
 
 # configuration fields a base model's or causal LM's forward may read without changing what the
 # edges compute (masks, caches, output plumbing, the aux loss's sizes)
@@ -118,7 +128,8 @@ def masks_by_position(model: nn.Module) -> bool | None:
 
 def _check_config_reads(model: nn.Module) -> None:
     cfg = model.config
-    odd = sorted(name for name in config_reads(type(model)) - HARMLESS_CONFIG
+    modelled = {"layer_rope_theta"} if THETA_ROTARIES in base_children(model) else set()   # each layer's RopeSpec
+    odd = sorted(name for name in config_reads(type(model)) - HARMLESS_CONFIG - modelled
                  if not _neutral(getattr(cfg, name, None)))
     if odd:
         values = ", ".join(f"config.{name}={getattr(cfg, name, None)!r}" for name in odd)
@@ -223,7 +234,7 @@ def _neutral(value) -> bool:
 
 def is_base_model(model: nn.Module) -> bool:
     children = dict(model.named_children())
-    return (family_of(type(model)) is not None and set(children) == set(BASE_CHILDREN)
+    return (family_of(type(model)) is not None and set(children) == set(base_children(model))
             and isinstance(children["embed_tokens"], nn.Embedding) and isinstance(children["layers"], nn.ModuleList)
             and classify(children["norm"]) == "norm")
 
@@ -250,7 +261,7 @@ def explain_no_rule(model: nn.Module) -> None:
             except LoweringError as err:
                 raise LoweringError(f"{type(model).__name__}: layer {i}: {err}") from None
     children = {name: type(child).__name__ for name, child in base.named_children()}
-    extra = {k: v for k, v in children.items() if k not in BASE_CHILDREN}
+    extra = {k: v for k, v in children.items() if k not in base_children(base)}
     missing = [k for k in BASE_CHILDREN if k not in children]
     parts = ([f"holds {', '.join(f'{k!r} ({v})' for k, v in extra.items())}"] if extra else []) + \
         ([f"has no {', '.join(map(repr, missing))}"] if missing else [])
@@ -264,7 +275,7 @@ def structural_model_rule(model: nn.Module) -> ModelRule | None:
     if is_causal_lm(model):
         return ModelRule(type(model), causal_lm, {"model": type(model.model), "lm_head": nn.Linear})
     if is_base_model(model):
-        return ModelRule(type(model), base_model, {name: type(getattr(model, name)) for name in BASE_CHILDREN})
+        return ModelRule(type(model), base_model, {name: type(getattr(model, name)) for name in base_children(model)})
     return None
 
 
@@ -279,14 +290,32 @@ def base_model(model: nn.Module) -> ModelSpec:
         raise LoweringError(f"layers: {len(model.layers)} decoder layers but config.num_hidden_layers="
                             f"{cfg.num_hidden_layers} (forward runs only the first num_hidden_layers)")
     check_rotary(model.rotary_emb, "rotary_emb")
+    rotaries = {"rotary_emb": model.rotary_emb}
+    if THETA_ROTARIES in base_children(model):
+        rotaries.update(_theta_rotaries(model))
     norm = norm_spec(model.norm, "norm")
     if norm.bias is not None:
         raise LoweringError(f"norm ({type(model.norm).__name__}): a final LayerNorm with a bias is not modelled by "
                             "the model edges (RMSNorm and a bias-free LayerNorm are)")
-    unused = {f"rotary_emb.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
-              "(check_rotary compared them)" for name, _ in model.rotary_emb.named_buffers()}
+    unused = {f"{qn}.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
+              "(check_rotary compared them)" for qn, rotary in rotaries.items() for name, _ in rotary.named_buffers()}
     return ModelSpec(embed="embed_tokens.weight", padding_idx=model.embed_tokens.padding_idx, layers="layers",
                      norm=norm, head=None, output=ModelOutput.HIDDEN, unused=unused)
+
+
+def _theta_rotaries(model: nn.Module) -> dict[str, nn.Module]:
+    """``rotary_embs``: one rotary module per distinct non-zero theta of config.layer_rope_theta, each
+    holding the frequencies its config gives (the layers' RopeSpecs are read from that config)."""
+    wanted = sorted({float(t) for t in model.config.layer_rope_theta if t})
+    rotaries = {f"{THETA_ROTARIES}.{i}": r for i, r in enumerate(getattr(model, THETA_ROTARIES))}
+    held = sorted(float((getattr(r, "config", None) and r.config.rope_parameters or {}).get("rope_theta", 0.0))
+                  for r in rotaries.values())
+    if held != wanted:
+        raise LoweringError(f"{THETA_ROTARIES}: rotary modules of theta {held}, not the distinct non-zero "
+                            f"config.layer_rope_theta {wanted}")
+    for qn, rotary in rotaries.items():
+        check_rotary(rotary, qn)
+    return rotaries
 
 
 def check_rotary(rotary: nn.Module, qualname: str) -> None:

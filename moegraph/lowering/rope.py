@@ -4,11 +4,14 @@ A layer's rotation is what its family's rotary embedding computes for it: the mo
 ``inv_freq`` and ``attention_scaling`` (transformers' ROPE_INIT_FUNCTIONS for the config's
 rope_type), or, where ``config.rope_parameters`` is keyed by layer type (Laguna, Mellum,
 MiMo-V2-Flash: full and sliding layers with their own theta and partial rotary factor), its
-``<type>_inv_freq`` and ``<type>_attention_scaling``. Notation: d head dim, d_r rotated dims.
+``<type>_inv_freq`` and ``<type>_attention_scaling``; where ``config.layer_rope_theta`` gives each
+layer its own theta (GraniteMoeSWA: 0 for a NoPE layer), the rotary module its model builds from the
+config with that theta (``layer_rope_config``). Notation: d head dim, d_r rotated dims.
 """
 
 from __future__ import annotations
 
+import copy
 import importlib
 import inspect
 
@@ -41,6 +44,26 @@ def rope_of(cfg, head_dim: int, where: str, layer_type: str, family: str | None)
     freqs = None if tuple(inv) == default else tuple(inv)
     return RopeSpec(theta=theta, inv_freq=freqs, scaling=float(scaling), dim=None if dim == head_dim else dim,
                     interleave=rope_interleaved(family))
+
+
+def layer_rope_config(cfg, idx: int | None):
+    """The config layer ``idx``'s rotation is built from: where ``config.layer_rope_theta`` sets each
+    layer's theta (GraniteMoeSWA, whose model holds one rotary module per distinct non-zero theta in
+    ``rotary_embs``), a copy whose rope_parameters carry that theta, as its model builds it; None for
+    a theta of 0 (the model passes that layer no position embeddings: NoPE); else cfg itself."""
+    thetas = getattr(cfg, "layer_rope_theta", None)
+    if thetas is None or idx is None:
+        return cfg
+    theta = thetas[idx]
+    if not theta:
+        return None
+    params = getattr(cfg, "rope_parameters", None) or {}
+    if "rope_theta" not in params and "rope_type" not in params:
+        raise LoweringError(f"layer {idx}: config.layer_rope_theta with rope_parameters keyed by layer type "
+                            f"({sorted(params)}) is not modelled")
+    layer_cfg = copy.deepcopy(cfg)
+    layer_cfg.rope_parameters = {**params, "rope_theta": theta}
+    return layer_cfg
 
 
 def rope_parameters_of(cfg, layer_type: str, where: str) -> tuple[dict, str | None]:

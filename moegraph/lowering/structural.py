@@ -37,7 +37,7 @@ from torch import nn
 
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, Rule
-from moegraph.lowering.rope import rope_of
+from moegraph.lowering.rope import layer_rope_config, rope_of
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, OutGateSpec, RopeSpec
 
 _GUARD: contextvars.ContextVar[bool] = contextvars.ContextVar("moegraph_structural_guard", default=True)
@@ -432,7 +432,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     check_attention(module, qualname, head_dim=d, structural=True)
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
-    use_rope = rope_applied(module)
+    rope_cfg = layer_rope_config(cfg, idx)             # None: its model passes it no rotation (NoPE)
+    use_rope = rope_applied(module) and rope_cfg is not None
     temperature_floor = None
     if not use_rope and getattr(module, "attn_temperature_tuning", False):
         temperature_floor = int(getattr(module, "floor_scale", 0) or 0)
@@ -440,7 +441,7 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
             raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
                                 f"with floor_scale={temperature_floor} (q scaled by log(position) from position 0) "
                                 "is not modelled; set config.attn_temperature_tuning=False")
-    rope = rope_of(cfg, d, f"{qualname} ({type(module).__name__})", _layer_type(cfg, idx), _ctx().family) \
+    rope = rope_of(rope_cfg, d, f"{qualname} ({type(module).__name__})", _layer_type(cfg, idx), _ctx().family) \
         if use_rope else None
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
