@@ -265,3 +265,16 @@ def test_afmoe_with_mup_scaled_embeddings_refuses_naming_the_switch():
 def test_the_compiled_families_cover_every_strategy_at_two_ranks():
     assert {(c["attn"], c["ffn"], c["dispatch"]) for c in N2_CASES} == set(COMBOS)
     assert torch.get_num_threads() >= 1
+
+
+def test_beam_layers_refuse_naming_the_position_dependent_query_scale():
+    """Beam's edges refuse its final logit soft cap first; its layers, read alone, refuse the query
+    scale its model passes its attention (the NoPE layers' scalable softmax), by name."""
+    if "beam" not in LMS:
+        pytest.skip(_missing("beam"))
+    from moegraph.tracer import extract_program
+    model = tiny_model("beam", LMS["beam"])
+    with pytest.raises(LoweringError) as info:
+        extract_program(model.model.layers[0])
+    assert str(info.value).startswith("self_attn (BeamAttention): its forward multiplies the queries by a "
+                                      "position-dependent attention_scaling"), info.value

@@ -409,6 +409,9 @@ def rope_applied(module: nn.Module) -> bool:
     return True
 
 
+QUERY_SCALE_ARG = "attention_scaling"   # a query scale per position, computed by the model (Beam)
+
+
 def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     """GQA attention read from q/k/v/o_proj's shapes and the config (module docstring)."""
     from moegraph.lowering.hf_common import check_attention
@@ -430,6 +433,10 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     if isinstance(v_scale, bool) or not isinstance(v_scale, (int, float)):
         raise LoweringError(f"{qualname}.v_scale={v_scale!r}: only a constant value scale is modelled")
     check_attention(module, qualname, head_dim=d, structural=True)
+    if QUERY_SCALE_ARG in inspect.signature(type(module).forward).parameters:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): its forward multiplies the queries by a "
+                            f"position-dependent {QUERY_SCALE_ARG} its model passes (Beam's NoPE layers' scalable "
+                            "softmax, (1 + (p + 1)/2048)^0.1): not modelled")
     idx = getattr(module, "layer_idx", ctx.layer_idx)
     window, chunk = mask_of(cfg, idx)
     rope_cfg = layer_rope_config(cfg, idx)             # None: its model passes it no rotation (NoPE)
