@@ -10,7 +10,6 @@ import re
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from helpers import small_layer
@@ -24,13 +23,9 @@ transformers = pytest.importorskip("transformers")
 from transformers import MixtralConfig  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral as hf  # noqa: E402
 
+from near_misses import NoisyRouter, OnePlusRMSNorm, SharedExpertMoe, mixtral  # noqa: E402
+
 STRATEGY = Strategy("sp", "ep", "ag-rs", 2, dtype="fp32")
-
-
-def mixtral(**overrides) -> hf.MixtralDecoderLayer:
-    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
-                        num_local_experts=8, num_experts_per_tok=2, attn_implementation="sdpa", **overrides)
-    return hf.MixtralDecoderLayer(cfg, 0)
 
 
 def lowering_error(layer: nn.Module) -> str:
@@ -41,27 +36,6 @@ def lowering_error(layer: nn.Module) -> str:
     return text
 
 
-class SharedExpertMoe(hf.MixtralSparseMoeBlock):
-    """A shared SwiGLU expert beside the routed ones (DeepSeekMoE / Qwen2-MoE style)."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        h, f = config.hidden_size, config.intermediate_size
-        self.shared_up, self.shared_gate = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
-        self.shared_down = nn.Linear(f, h, bias=False)
-
-    def forward(self, x):
-        return super().forward(x) + self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-
-
-class OnePlusRMSNorm(hf.MixtralRMSNorm):
-    """Gemma-style x * (1 + w)."""
-
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1 + self.weight)
-
-
 class QKNormAttention(hf.MixtralAttention):
     def __init__(self, config, layer_idx):
         super().__init__(config, layer_idx)
@@ -70,11 +44,6 @@ class QKNormAttention(hf.MixtralAttention):
 
     def forward(self, hidden_states, *args, **kwargs):  # q/k normed per head before RoPE (OLMo-2 style)
         return super().forward(hidden_states, *args, **kwargs)
-
-
-class NoisyRouter(hf.MixtralTopKRouter):
-    def forward(self, hidden_states):
-        return super().forward(hidden_states + 0.1)
 
 
 def test_moe_subclass_with_a_shared_expert_names_the_class():
@@ -121,7 +90,7 @@ def test_a_sliding_window_lowers_to_a_windowed_attention():
 def test_a_replaced_router_inside_a_rule_backed_block_is_named():
     layer = mixtral()
     layer.mlp.gate = NoisyRouter(layer.self_attn.config)
-    assert lowering_error(layer).startswith("'mlp.gate' (test_lowering_guard.NoisyRouter) subclasses MixtralTopKRouter "
+    assert lowering_error(layer).startswith("'mlp.gate' (near_misses.NoisyRouter) subclasses MixtralTopKRouter "
                                             "but overrides forward")
 
 

@@ -21,19 +21,21 @@ from moegraph.lowering.structural import structural_guard
 from moegraph.tracer import extract_program, trace_module
 
 transformers = pytest.importorskip("transformers")
-from transformers import MixtralConfig, Qwen2MoeConfig  # noqa: E402
+from transformers import Qwen2MoeConfig  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral as mx  # noqa: E402
 from transformers.models.qwen2_moe import modeling_qwen2_moe as qw  # noqa: E402
+
+import near_misses  # noqa: E402
+from near_misses import NoisyRouter, OnePlusRMSNorm, SharedExpertMoe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STRATEGY = Strategy("sp", "ep", "ag-rs", 2, dtype="fp32")
 
 
 def mixtral(**overrides) -> mx.MixtralDecoderLayer:
-    cfg = MixtralConfig(hidden_size=64, intermediate_size=96, num_attention_heads=8, num_key_value_heads=4,
-                        num_local_experts=8, num_experts_per_tok=2, attn_implementation="sdpa", **overrides)
+    """near_misses.mixtral with every weight drawn (replaced parts come as torch.empty)."""
     torch.manual_seed(0)
-    layer = mx.MixtralDecoderLayer(cfg, 0)
+    layer = near_misses.mixtral(**overrides)
     for p in layer.parameters():
         nn.init.normal_(p, std=0.2)
     return layer
@@ -51,24 +53,8 @@ def refusal(layer: nn.Module) -> str:
     return text
 
 
-# -- the five modified modules of the guard tests (tests/test_lowering_guard.py) --------------------
-
-class SharedExpertMoe(mx.MixtralSparseMoeBlock):
-    def __init__(self, config):
-        super().__init__(config)
-        h, f = config.hidden_size, config.intermediate_size
-        self.shared_up, self.shared_gate = nn.Linear(h, f, bias=False), nn.Linear(h, f, bias=False)
-        self.shared_down = nn.Linear(f, h, bias=False)
-
-    def forward(self, x):
-        return super().forward(x) + self.shared_down(F.silu(self.shared_gate(x)) * self.shared_up(x))
-
-
-class OnePlusRMSNorm(mx.MixtralRMSNorm):
-    def forward(self, x):
-        xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1 + self.weight)
-
+# -- the five modified modules of the guard tests: three shared (tests/near_misses.py), the attention
+# variant below, and a q bias ---------------------------------------------------------------------
 
 class QKNormAfterRopeAttention(mx.MixtralAttention):
     """Per-head norms named q_norm and k_norm, but the second one normalises v, not k: the structural
@@ -88,11 +74,6 @@ class QKNormAfterRopeAttention(mx.MixtralAttention):
         k, v = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1)), None
-
-
-class NoisyRouter(mx.MixtralTopKRouter):
-    def forward(self, hidden_states):
-        return super().forward(hidden_states + 0.1)
 
 
 def test_a_shared_expert_the_block_does_not_describe_is_refused_at_the_block():
