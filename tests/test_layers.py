@@ -105,6 +105,23 @@ def test_no_false_edges_across_layers():
     assert any(g.node[a].layer == 2 and g.node[a].role is Role.DGRAD for a in before_l0)
 
 
+def _assert_matches_eager_chain(graph, model: nn.Module, x: torch.Tensor, dy: torch.Tensor) -> None:
+    """The interpreted stack ``graph`` computes ``model.layers`` chained in order: output, input
+    gradient and every parameter's gradient within 1e-5 of eager autograd."""
+    xr = x.clone().requires_grad_(True)
+    y_ref = xr
+    for layer in model.layers:
+        y_ref = layer(y_ref)
+    y_ref.backward(dy)
+    grads_ref = {k: p.grad for k, p in model.named_parameters()}
+    res = interpret(graph, {k: p.detach() for k, p in model.named_parameters()}, x, dy)
+    assert rel_err(res.output, y_ref.detach()) < 1e-5
+    assert rel_err(res.input_grad, xr.grad) < 1e-5
+    assert set(res.param_grads) == set(grads_ref)
+    name, err = max_grad_err(res.param_grads, grads_ref)
+    assert err < 1e-5, f"gradient of {name}: relative error {err:.2e}"
+
+
 def _two_layers(seed: int) -> nn.Module:
     model = nn.Module()
     model.layers = nn.ModuleList([small_layer(1, seed=seed), small_layer(1, seed=seed + 1)])
@@ -118,21 +135,12 @@ def test_interpreter_two_layers_match_eager(n, passes, rng):
     model = _two_layers(int(torch.randint(0, 2**31 - 2, (1,), generator=rng)))
     b, s = 2, 16
     x, dy = torch.randn(b, s, 64, generator=rng), torch.randn(b, s, 64, generator=rng)
-    xr = x.clone().requires_grad_(True)
-    y_ref = model.layers[1](model.layers[0](xr))
-    y_ref.backward(dy)
-    grads_ref = {k: p.grad for k, p in model.named_parameters()}
     graph = stack_layers(trace_layers(model.layers, Strategy("sp", "ep", "ag-rs", n, dtype="fp32"), batch=b, seq=s),
                          len(model.layers))
     if passes:
         graph, _ = run_pipeline(graph, passes, cost=CostModel(load_hardware("h800")))
         assert layer_count(graph) == 2
-    res = interpret(graph, {k: p.detach() for k, p in model.named_parameters()}, x, dy)
-    assert rel_err(res.output, y_ref.detach()) < 1e-5
-    assert rel_err(res.input_grad, xr.grad) < 1e-5
-    assert set(res.param_grads) == set(grads_ref)
-    name, err = max_grad_err(res.param_grads, grads_ref)
-    assert err < 1e-5, f"gradient of {name}: relative error {err:.2e}"
+    _assert_matches_eager_chain(graph, model, x, dy)
 
 
 @pytest.mark.slow
@@ -175,18 +183,7 @@ def test_mixed_layers_lower_each_kind_once_and_match_eager(passes, rng):
         layer_graph(graph)
     assert sum(n.op is OpKind.BIAS and n.phase is Phase.FORWARD for n in graph.nodes) == 2      # layers 1, 3
     x, dy = torch.randn(b, s, 64, generator=rng), torch.randn(b, s, 64, generator=rng)
-    xr = x.clone().requires_grad_(True)
-    y_ref = xr
-    for layer in model.layers:
-        y_ref = layer(y_ref)
-    y_ref.backward(dy)
-    grads_ref = {k: p.grad for k, p in model.named_parameters()}
-    res = interpret(graph, {k: p.detach() for k, p in model.named_parameters()}, x, dy)
-    assert rel_err(res.output, y_ref.detach()) < 1e-5
-    assert rel_err(res.input_grad, xr.grad) < 1e-5
-    assert set(res.param_grads) == set(grads_ref)
-    name, err = max_grad_err(res.param_grads, grads_ref)
-    assert err < 1e-5, f"gradient of {name}: relative error {err:.2e}"
+    _assert_matches_eager_chain(graph, model, x, dy)
 
 
 def test_layer_kinds_period_and_stage_slices():
