@@ -128,8 +128,7 @@ class EdgeValues:
     aux_stats / aux_seeds: with the aux loss (``AuxLoss``), per micro-batch the global router
     stats [3, E] (``edges.aux.stats``, read for the loss value) and the aux seed [1] the runtime
     gives to the routers' backward; empty without. aux_coef, aux_experts: the loss's coefficient
-    and E; aux_rows: N of a plain micro-batch, its global router rows over all layers (0: no aux loss;
-    the runtime reads N from the stats' row 2, a padded micro-batch's fewer).
+    and E (N, the rows counted, is the stats' row 2: a padded micro-batch counts fewer).
     """
 
     seeds: tuple[str, ...]
@@ -145,7 +144,6 @@ class EdgeValues:
     aux_seeds: tuple[str, ...] = ()
     aux_coef: float = 0.0
     aux_experts: int = 0
-    aux_rows: int = 0
     final_norm: FinalNorm = "rms"
     logit_scale: float = 1.0
 

@@ -130,7 +130,6 @@ constant per expert known once every layer has routed. In the graph, per micro-b
             times); ``edges.aux.allreduce_dp`` (scope inter, axis dp) sums over the replicas.
             The result ``edges.aux.stats`` is the global batch's, identical on every rank: the
             runtime reads it for the loss value (E * count . psum / N^2, E FLOPs, not priced).
-            EdgeValues.aux_rows and the routers' attr ``aux_rows`` are a plain batch's N.
   backward  every ROUTER dgrad / wgrad also reads ``edges.aux.stats`` and the aux seed
             ``edges.d_aux`` [1] (fp32; the runtime gives coef * dloss, x dp as the LM loss's
             seed) and adds d_aux * E * count / N^2 * share (N the stats' row 2) to its softmax's
@@ -394,7 +393,6 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
         raise GraphError(f"graph {graph.name!r}: its routers see {local} rows over {moe_layers} layers, neither "
                          f"each rank's shard (b*s/n={d.b * d.s // st.n} per layer) nor the replica's (b*s="
                          f"{d.b * d.s}): the aux loss's reduction is not known for it")
-    rows = moe_layers * d.b * d.s * st.dp                   # N: the global batch's rows over the layers
     share = 1.0 if distinct else 1.0 / st.n
     # where the routers' rows sit, for a padded batch's mask (moegraph.kernels.chunk_positions)
     where = dict(aux_positions="shard" if distinct else "full", aux_chunks=st.chunks)
@@ -441,10 +439,9 @@ def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[
         replaced[nd.name] = dataclasses.replace(nd, inputs=ins,
                                                 flops=nd.flops + 4 * T * E,
                                                 mem_bytes=nd.mem_bytes + 3 * E * f32 + f32
-                                                ).with_attrs(aux=True, aux_rows=rows, aux_share=share, **where)
+                                                ).with_attrs(aux=True, aux_share=share, **where)
     graph = dataclasses.replace(graph, nodes=tuple(replaced.get(nd.name, nd) for nd in graph.nodes))
-    values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E,
-                  aux_rows=rows)
+    values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E)
     return graph, values, nodes
 
 
