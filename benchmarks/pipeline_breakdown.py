@@ -69,7 +69,7 @@ def node_classes(layer, hardware: str) -> dict[str, tuple[float, float, float, i
     nodes, each node's median (percentile) over the recorded runs of it."""
     from moegraph.cost import CostModel, op_class
     from moegraph.registry import load_hardware
-    cost = CostModel(load_hardware(hardware))
+    cost = CostModel(load_hardware(hardware).for_group(1))         # its stages: groups of one rank
     spans: dict[str, list[float]] = {}
     for trace in layer.traces:
         for t in trace.nodes:

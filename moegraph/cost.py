@@ -16,7 +16,8 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     p2p (pipeline stages):      t = kernel_latency + alpha_inter  + bytes / (B_pp * ring_eff_inter * s(sm))
                                 B_pp = hw.pp_link_bw_bytes_s (0: the NIC's): stages sit on different nodes;
                                 emulated link (hw.link_bit_s > 0): B_pp = link_bit_s / 8, eff 1: its one
-                                token bucket (runtime/netns.py) gives a lone send what n ranks' collectives share
+                                token bucket (runtime/netns.py) gives a lone send what n ranks' collectives share,
+                                and a stage's sends both ways take turns on it (PipelineProblem.shared_link)
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
     all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
@@ -528,7 +529,7 @@ class CostModel:
             case OpKind.ALL_REDUCE:
                 return 2, self.ring_eff(scope), hw.comm_sm_saturation, ("all_reduce_eff", "ring_eff")
             case OpKind.P2P:       # one step on the inter-stage link (``_pp_link``), at a ring step's efficiency
-                return 1, 1.0 if self._lone_emulated_link() else hw.ring_eff_inter, hw.comm_sm_saturation, ()
+                return 1, 1.0 if self.emulated_link() else hw.ring_eff_inter, hw.comm_sm_saturation, ()
         raise NotImplementedError(f"no cost rule for {op}")
 
     def _half_bytes(self, op: OpKind, scope: Scope) -> float:
@@ -550,16 +551,15 @@ class CostModel:
             return hw.nvlink_bw_bytes_s, hw.intra_node_latency_us
         return hw.nic_bw_bytes_s, hw.inter_node_latency_us
 
-    def _lone_emulated_link(self) -> bool:
-        """A pipeline send on the calibration's emulated link: its whole rate (module docstring, p2p)."""
+    def emulated_link(self) -> bool:
+        """Stages on the calibration's emulated link: a lone send has its whole rate, both directions share it."""
         return self.hw.link_bit_s > 0 and not self.hw.pp_link_bw_bytes_s
 
     def _pp_link(self) -> tuple[float, float]:
-        """(bandwidth bytes/s, latency us) of the link between pipeline stages (``OpKind.P2P``):
-        hw.pp_link_bw_bytes_s (0: the NIC's; on an emulated link its rate, ``_lone_emulated_link``),
-        the inter-node latency (stages sit on different nodes)."""
+        """(bytes/s, us) of the stages' link (``OpKind.P2P``): hw.pp_link_bw_bytes_s (0: the NIC's;
+        an emulated link's rate), the inter-node latency (stages sit on different nodes)."""
         hw = self.hw
-        if self._lone_emulated_link():
+        if self.emulated_link():
             return hw.link_bit_s / 8, hw.inter_node_latency_us
         return hw.pp_link_bw_bytes_s or hw.nic_bw_bytes_s, hw.inter_node_latency_us
 

@@ -134,6 +134,7 @@ def lower(config: CompileConfig) -> Lowered:
     table (moegraph.passes.manager). With pp > 1: the pipeline's layers and boundary step
     (module docstring)."""
     hw = config.hardware if isinstance(config.hardware, Hardware) else load_hardware(config.hardware)
+    hw = hw.for_group(config.strategy.n)        # a group of one rank runs without collective skew
     cost = CostModel(hw)
     if config.pp > 1:
         return _lower_pipeline(config, hw, cost)

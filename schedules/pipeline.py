@@ -19,7 +19,8 @@ OVERLAP_F_B: priced F + B minus the smaller of the two stages' op-level pair sav
     input gradient; on the last stage F(s, m) only; W(s, m) needs I(s, m);
   * an output crossing ranks is one transfer on the directed link between the two ranks
     (``send[s]`` ticks forward from stage s to s+1, ``send_back[s]`` backward from s+1 to s), the
-    link carrying one transfer at a time, in the order the sender makes them; on one rank
+    link carrying one transfer at a time, in the order the sender makes them, each in the link's
+    earliest free gap from its send (``shared_link``: one link for both directions); on one rank
     (V-shape's turn, adjacent loop stages never share one) it is handed over at no cost;
   * stage s's gradient sync starts when its last backward item ends, one sync at a time per
     rank (its data-parallel stream); the rank's optimizer step follows its syncs and its items;
@@ -107,6 +108,10 @@ class PipelineProblem:
     """Per rank, the bytes held whatever the schedule (parameters, gradients, optimizer, buffers)."""
     memory_cap_bytes: int | None = None
     tick_us: float = 1.0
+    shared_link: bool = False
+    """One medium carries both directions between two ranks (the calibration's emulated link: one
+    token bucket on the namespace's loopback passes every packet), so a forward send and a
+    backward send between the same ranks take turns; False: a full-duplex link per direction."""
 
     def __post_init__(self):
         S, P, M = len(self.layout.stages), self.layout.pp, self.micro_batches
@@ -122,6 +127,11 @@ class PipelineProblem:
     @property
     def stages(self) -> int:
         return len(self.layout.stages)
+
+    def link(self, sender: int, receiver: int) -> tuple[int, int]:
+        """The link a transfer from rank ``sender`` to ``receiver`` occupies: its direction's, or
+        with ``shared_link`` the one medium both directions share."""
+        return (min(sender, receiver), max(sender, receiver)) if self.shared_link else (sender, receiver)
 
     def pair_ticks(self, forward_stage: int, backward_stage: int) -> int:
         a, b = self.work[forward_stage], self.work[backward_stage]
@@ -203,7 +213,7 @@ class Transfer:
     direction: str          # "fwd" | "bwd"
     stage: int              # the sender
     mb: int
-    link: tuple[int, int]   # (sender rank, receiver rank)
+    link: tuple[int, int]   # PipelineProblem.link: (sender rank, receiver rank), or the shared medium
     start: int
     end: int
 
@@ -271,7 +281,7 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
     rank = [layout.rank_of(s) for s in range(S)]
     done: dict[tuple[str, int, int], int] = {}        # (F|I|W, stage, mb) -> end (B and pairs fill F/I/W)
     arrive: dict[tuple[str, int, int], int] = {}      # ("fwd", s, m): stage s may start F; ("bwd", s, m): I
-    link_free: dict[tuple[int, int], int] = {}
+    link_busy: dict[tuple[int, int], list[tuple[int, int]]] = {}    # link -> its transfers' (start, end)
     transfers: list[Transfer] = []
     start: dict[Item, int] = {}
     end: dict[Item, int] = {}
@@ -314,9 +324,14 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
         if rank[s] == rank[to]:
             arrive[key] = t
             return
-        link = (rank[s], rank[to])
-        begin = max(t, link_free.get(link, 0))
-        link_free[link] = begin + ticks
+        link = problem.link(rank[s], rank[to])
+        busy = link_busy.setdefault(link, [])
+        begin = t                  # the earliest gap from t: a shared link's two senders are simulated
+        for b, e in sorted(busy):  # rank by rank, not in time order; one sender's sends come in order
+            if begin + ticks <= b:
+                break
+            begin = max(begin, e)
+        busy.append((begin, begin + ticks))
         arrive[key] = begin + ticks
         transfers.append(Transfer(direction, s, m, link, begin, begin + ticks))
 

@@ -295,7 +295,7 @@ def add_transfers(m: cp_model.CpModel, pr: PipelineProblem, s: int, j: int, star
                   links: dict, horizon: int) -> None:
     """Micro-batch j's data flow across the boundary of stages s and s+1 (its output forward,
     its input gradient back): on one rank the consumer follows the producer; across ranks a
-    transfer ``xfer[...]`` of the boundary's ticks on the directed link's NoOverlap list."""
+    transfer ``xfer[...]`` of the boundary's ticks on its link's NoOverlap list (``PipelineProblem.link``)."""
     rank = pr.layout.rank_of
     for direction, src, dst, ticks, made, needed in (
             ("fwd", s, s + 1, pr.send[s], ("F", s, j), ("F", s + 1, j)),
@@ -307,7 +307,7 @@ def add_transfers(m: cp_model.CpModel, pr: PipelineProblem, s: int, j: int, star
         m.Add(x >= end[made])
         m.Add(start[needed] >= x + ticks)
         if ticks:
-            links.setdefault((rank(src), rank(dst)), []).append(
+            links.setdefault(pr.link(rank(src), rank(dst)), []).append(
                 m.NewFixedSizeIntervalVar(x, ticks, f"link[{direction}{src}.{j}]"))
 
 

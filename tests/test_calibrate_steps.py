@@ -159,15 +159,15 @@ def test_fit_stream_recovers_a_known_line_and_refuses_an_unseparable_one():
 STREAM_BW, SUM_BW = 4e9, 2e9          # bytes/s the synthetic steps are made with
 
 
-def _with_terms(graph, label: str) -> StepSample:
+def _with_terms(graph, label: str, factors: dict = TRUE, stream_bw: float = STREAM_BW) -> StepSample:
     """Measurements from known factors plus the two in-step terms at known rates."""
     cost, kappa = CostModel(BASE), BASE.kernel_latency_us
     spans = {}
     for node in graph.nodes:
         p = cost.node_time_us(node)
-        t = 0.0 if node.op is OpKind.SPLIT else kappa + TRUE[op_class(node)] * (p - kappa)
+        t = 0.0 if node.op is OpKind.SPLIT else kappa + factors[op_class(node)] * (p - kappa)
         if node.op is OpKind.GROUPED_GEMM:
-            t += node.attr("stream_bytes") / STREAM_BW * 1e6
+            t += node.attr("stream_bytes") / stream_bw * 1e6
         if node.attr("accumulate", False):
             t += node.attr("accumulate_bytes") / SUM_BW * 1e6
         spans[node.name] = t
@@ -234,6 +234,7 @@ def test_in_step_stage_stores_both_rates_in_the_profile(monkeypatch):
     samples = [_with_terms(_graph(64, "sp", "ep", "ag-rs"), "a"), _with_terms(_graph(32, "tp", "ep", "a2a"), "b"),
                _with_terms(chunked, "c")]
     monkeypatch.setattr(steps, "measure_steps", lambda *a, **k: samples)
+    monkeypatch.setattr(steps, "measure_solo", lambda *a, **k: [])      # tests/test_solo_in_step.py
     opts = CalibrationOptions(time_budget_s=180.0, verbose=False)
     facts = CalibrationFacts.of_run(opts, MachineInfo("h", "c", 2, "t"), 1.0, (), (), ())
     profile, checks = _in_step_stage(Profile(BASE.to_dict(), facts, "d"), opts, time.time())

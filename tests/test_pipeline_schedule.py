@@ -289,3 +289,29 @@ def test_a_cap_only_the_least_memory_order_fits_gets_it_as_warm_start():
     with pytest.raises(MemoryBudgetError, match="the smallest feasible budget is 1.07KiB"):
         check_pipeline_budget(problem(2, 4, held=100, static=1000, cap=1099))
     assert set(pipeline_warm_starts(problem(2, 4, held=100, static=1000, cap=1200))[0]) == {"GPipe", "1F1B"}
+
+
+def _overlapping(transfers) -> list:
+    """Pairs of transfers on the same link whose intervals intersect."""
+    xs = sorted(transfers, key=lambda x: (x.start, x.end))
+    return [(a, b) for i, a in enumerate(xs) for b in xs[i + 1:] if a.link == b.link and b.start < a.end]
+
+
+def test_a_shared_link_carries_one_direction_at_a_time():
+    """The emulated link (one token bucket for both directions): a forward send and a gradient
+    sent back take turns, in the simulated timeline and in CP-SAT's, where a full-duplex link runs
+    them at once."""
+    import dataclasses
+    duplex = problem(2, 6, f=10, i=6, w=4, send=24)          # sends longer than a forward
+    shared = dataclasses.replace(duplex, shared_link=True)
+    order = torch_orders("1F1B", duplex.layout, 6)
+    both = simulate(duplex, order)
+    assert {x.link for x in both.transfers} == {(0, 1), (1, 0)}
+    assert any(a.direction != b.direction for a, b in _overlapping(
+        [dataclasses.replace(x, link=(0, 1)) for x in both.transfers]))   # the two directions do overlap
+    one = simulate(shared, order)
+    assert {x.link for x in one.transfers} == {(0, 1)} and not _overlapping(one.transfers)
+    assert one.makespan > both.makespan
+    res = solve_pipeline(shared, {"1F1B": order}, time_limit_s=2)
+    assert not _overlapping(res.timeline.transfers)
+    assert res.timeline.makespan <= one.makespan

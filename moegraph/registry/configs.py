@@ -436,6 +436,17 @@ class Hardware(_Record):
     of the sum (node attr ``accumulate_bytes``) per second, as the runtime runs it. Fitted by
     ``moegraph calibrate``'s in-step stage on its chunked layer (ACCUMULATE_LAYER); 0 (the default, and every profile written before
     it existed): not modelled, no term."""
+    solo_in_step_factors: tuple[tuple[str, float], ...] = checked(in_step, ())
+    """Optional, compute op class -> factor: in_step_factors for a group of one rank (n = 1: a
+    pipeline stage, a one-device layer), where no collective runs between a rank's nodes. The
+    n-rank factors are fitted on steps in which each collective makes every rank wait for the
+    slowest, which the fit spreads over the classes; a lone rank has none of it, and its classes
+    differ by more than one scale (on the 2-core VM: GEMMs and memory-bound nodes 25-45% faster than
+    their n-rank price, expert GEMMs as priced). Fitted by ``moegraph calibrate``'s in-step stage
+    on SOLO_LAYERS at n = 1 on two processes (the way two pipeline stages share a host); empty
+    (every GPU profile): not measured. ``for_group(1)`` applies them."""
+    solo_in_step_stream_bw_bytes_s: float = checked(nonneg_float, 0.0)
+    """in_step_stream_bw_bytes_s fitted with solo_in_step_factors (0: no streaming term at n = 1)."""
     measured: tuple[tuple[str, str], ...] = checked(measured, ())
     """Optional provenance of calibrated numbers: date, machine, notes."""
 
@@ -452,6 +463,19 @@ class Hardware(_Record):
             if getattr(self, sat) > self.sm_count:
                 raise RegistryError(f"{sat}={getattr(self, sat)} exceeds sm_count={self.sm_count}")
 
+    def for_group(self, n: int) -> "Hardware":
+        """This profile as it prices a layer whose ranks form groups of ``n``: itself for n > 1 or
+        without solo factors; for n = 1 its compute classes' in-step factors and streaming rate
+        replaced by the solo ones (the collectives keep theirs: a lone rank's only collectives, the
+        data-parallel sync, run as the n-rank steps' do)."""
+        if n > 1 or not self.solo_in_step_factors:
+            return self
+        comm = tuple((c, f) for c, f in self.in_step_factors if c == "comm")
+        solo = tuple((c, f) for c, f in self.solo_in_step_factors if c != "comm")
+        return dataclasses.replace(self, in_step_factors=tuple(sorted(solo + comm)), solo_in_step_factors=(),
+                                   in_step_stream_bw_bytes_s=self.solo_in_step_stream_bw_bytes_s,
+                                   solo_in_step_stream_bw_bytes_s=0.0)
+
     def curve(self, name: str) -> Curve | None:
         """The measured curve ``name`` (one of CURVE_NAMES), or None if not calibrated."""
         if name not in CURVE_NAMES:
@@ -462,6 +486,7 @@ class Hardware(_Record):
         d = super().to_dict()
         d["curves"] = {name: [list(p) for p in pts] for name, pts in self.curves}
         d["in_step_factors"] = dict(self.in_step_factors)
+        d["solo_in_step_factors"] = dict(self.solo_in_step_factors)
         d["measured"] = dict(self.measured)
         d["sources"] = dict(self.sources)
         d["gemm_tiles"] = [list(t) for t in self.gemm_tiles]

@@ -172,7 +172,8 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
     """Measure real steps, store what they fit in the profile (the in-step factors, the expert
     weight-streaming and gradient-accumulation rates, the in-step comm_overlap_stretch);
     (profile, StepChecks)."""
-    from moegraph.runtime.calibrate.steps import fit_in_step, fit_overlap_stretch, in_step_checks, measure_steps
+    from moegraph.runtime.calibrate.steps import (fit_in_step, fit_overlap_stretch, in_step_checks, measure_solo,
+                                                  measure_steps)
     if not in_step_enabled(opts):
         why = "CUDA: not implemented" if opts.device != "cpu" else (
             "n=1 times no collective" if opts.n < 2 else f"--time-budget < {MIN_IN_STEP_BUDGET_S:g} s")
@@ -192,7 +193,16 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
     stretch = fit_overlap_stretch(profile.hardware(), samples)
     if stretch is not None:
         profile = profile.with_fields(comm_overlap_stretch=stretch)
-    checks = in_step_checks(profile.hardware(), samples)
+    solo = measure_solo(profile.hardware(), deadline=t0 + opts.time_budget_s - RESERVE_S, log=log)
+    if solo:
+        solo_fit = fit_in_step(profile.hardware(), solo)
+        compute = {c: f for c, f in solo_fit.factors.items() if c != "comm"}
+        profile = profile.with_fields(solo_in_step_factors=compute,
+                                      solo_in_step_stream_bw_bytes_s=solo_fit.stream_bw_bytes_s).with_remark(
+            "solo_in_step=[" + ", ".join(f"{c} x{f:.2f}" for c, f in compute.items())
+            + (f", expert weights streamed at {solo_fit.stream_bw_bytes_s / 1e9:.2f} GB/s" if solo_fit.stream_bw_bytes_s
+               else "") + f"] from {len(solo)} layer(s) at n=1 on two processes")
+    checks = in_step_checks(profile.hardware(), samples) + in_step_checks(profile.hardware().for_group(1), solo)
     text = ", ".join(f"{c} x{f:.2f}" for c, f in fit.factors.items()) + (
         f", expert weights streamed at {fit.stream_bw_bytes_s / 1e9:.2f} GB/s" if fit.stream_bw_bytes_s else "") + (
         f", gradients accumulated at {fit.accumulate_bw_bytes_s / 1e9:.2f} GB/s" if fit.accumulate_bw_bytes_s else "")

@@ -55,7 +55,7 @@ from typing import Any, Callable, Literal, Sequence
 from moegraph.config import CompileConfig
 from moegraph.registry import IN_STEP_CLASSES, Hardware
 
-__all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "fit_overlap_stretch", "retimed_makespan_us", "MAX_STRETCH", "InStepFit", "in_step_checks", "relative_mad",
+__all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "SOLO_LAYERS", "measure_solo", "LayerConfig", "StepSample", "measure_steps", "service_spans", "fit_in_step", "fit_stream", "fit_overlap_stretch", "retimed_makespan_us", "MAX_STRETCH", "InStepFit", "in_step_checks", "relative_mad",
            "STEP_STAGE_S"]
 
 
@@ -87,6 +87,10 @@ CALIBRATION_LAYERS = (LayerConfig("small", 512, "sp", "ep", "ag-rs"), LayerConfi
 # accumulate_bw_bytes_s; a chunked layer of these sizes is in-sample for that number.
 ACCUMULATE_LAYER = LayerConfig("small", 512, "sp", "ep", "ag-rs", chunks=2)
 IN_STEP_LAYERS = CALIBRATION_LAYERS + (ACCUMULATE_LAYER,)
+# Timed last, at n = 1 on two processes: what a rank's compute takes with no collective between its
+# nodes (Hardware.solo_in_step_factors). Two sequence lengths, so that the expert GEMMs' weight
+# streaming separates from their FLOPs. In the calibration set: an n = 1 layer of these sizes is in-sample.
+SOLO_LAYERS = (LayerConfig("small", 512, "sp", "ep", "ag-rs"), LayerConfig("small", 256, "sp", "ep", "ag-rs"))
 STEPS, WARMUP = 12, 2
 STEP_STAGE_S = 60.0          # what the stage needs on the 2-core VM (four spawns of ~5-15 s)
 
@@ -133,9 +137,9 @@ def service_spans(nodes: Sequence[Any]) -> dict[str, float]:
 
 def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_STEP_LAYERS, steps: int = STEPS,
                   warmup: int = WARMUP, deadline: float | None = None,
-                  log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
-    """Run each layer's sequential schedule on ``n`` fresh gloo CPU ranks; stop early (fewer
-    samples) when the next layer would start after ``deadline`` (time.time())."""
+                  log: Callable[[str], None] = lambda _: None, dp: int = 1) -> list[StepSample]:
+    """Run each layer's sequential schedule on ``n`` x ``dp`` fresh gloo CPU ranks; stop early
+    (fewer samples) when the next layer would start after ``deadline`` (time.time())."""
     from moegraph.runtime.timing import spawn_plans, step_stats
     from moegraph.runtime.trace import trace_from_dict
     out = []
@@ -143,7 +147,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
         if deadline is not None and time.time() + STEP_STAGE_S / len(layers) > deadline:
             break
         t = time.time()
-        lowered, plan, probe = step_plans(lc, hw, n)
+        lowered, plan, probe = step_plans(lc, hw, n, dp)
         plans = (plan,) if probe is None else (plan, probe)
         results = spawn_plans(lowered, plans, steps=steps, warmup=warmup)
         graph = lowered.graph
@@ -154,7 +158,7 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
                     spans[name].append(us)
         stats = step_stats(results)
         step = stats["step_us"]
-        label = f"{lc} n={n}"
+        label = f"{lc} n={n}" + (f" dp={dp}" if dp > 1 else "")
         overlap_us = step_stats(results, 1)["step_us"] if probe is not None else 0.0
         out.append(StepSample(label, graph, tuple((k, statistics.median(v)) for k, v in spans.items()), step,
                               relative_mad(stats["step_us_all"]), probe, overlap_us))
@@ -163,17 +167,17 @@ def measure_steps(hw: Hardware, n: int, *, layers: Sequence[LayerConfig] = IN_ST
     return out
 
 
-def step_config(lc: LayerConfig, hw: Hardware, n: int) -> CompileConfig:
+def step_config(lc: LayerConfig, hw: Hardware, n: int, dp: int = 1) -> CompileConfig:
     """The config one in-step layer is compiled with: the registry model at fp32, no passes, its
     chunks lowered directly, on ``hw`` (the profile being calibrated), scheduled greedily (the
     overlap probe; the sequential plan is read off the same graph)."""
     from moegraph.ir import Strategy
     return CompileConfig(model=lc.model, strategy=Strategy(attn=lc.attn, ffn=lc.ffn, dispatch=lc.dispatch, n=n,
-                                                           dtype="fp32", chunks=lc.chunks),
+                                                           dtype="fp32", chunks=lc.chunks, dp=dp),
                          passes=(), schedule="greedy", batch=1, seq=lc.seq, hardware=hw)
 
 
-def step_plans(lc: LayerConfig, hw: Hardware, n: int) -> tuple[Any, Any, Any]:
+def step_plans(lc: LayerConfig, hw: Hardware, n: int, dp: int = 1) -> tuple[Any, Any, Any]:
     """(the lowered layer, its sequential plan, the greedy probe plan or None) of one in-step
     layer, compiled by the driver (``step_config``). Sequential: one node at a time, so each span
     is in-step time; the unchunked layers also time the greedy plan (collectives beside compute)
@@ -181,8 +185,8 @@ def step_plans(lc: LayerConfig, hw: Hardware, n: int) -> tuple[Any, Any, Any]:
     from moegraph.runtime.module import compiled_plan
     from moegraph.runtime.plan import ExecutionPlan
     from moegraph.schedules.driver import lower
-    config = step_config(lc, hw, n)
-    if lc.chunks == 1:
+    config = step_config(lc, hw, n, dp)
+    if lc.chunks == 1 and n > 1:              # at n = 1 there is no collective to overlap
         lowered, probe = compiled_plan(config)
     else:
         lowered, probe = lower(config), None
@@ -328,6 +332,15 @@ def retimed_makespan_us(graph: Any, cost: Any, plan: Any, stretch: float) -> flo
         if is_fwd:
             fwd_end = max(end.values(), default=0.0)
     return max(end.values(), default=0.0)
+
+
+def measure_solo(hw: Hardware, *, layers: Sequence[LayerConfig] = (), steps: int = STEPS, warmup: int = WARMUP,
+                 deadline: float | None = None, log: Callable[[str], None] = lambda _: None) -> list[StepSample]:
+    """SOLO_LAYERS (or ``layers``) at n = 1 under the sequential schedule, each on two gloo
+    processes (dp = 2, its replicas: both cores busy, as two pipeline stages keep them), compiled on
+    ``hw``; stops early as ``measure_steps`` does."""
+    return measure_steps(hw, 1, layers=layers or SOLO_LAYERS, steps=steps, warmup=warmup, deadline=deadline,
+                         log=log, dp=2)
 
 
 MAX_STRETCH = 4.0
