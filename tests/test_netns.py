@@ -304,7 +304,8 @@ def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
     """The ranks calibrate inside the namespace: the fitted per-rank bandwidth is of the link's
     order, far below plain loopback (~1 GB/s here), and the profile records the link. Not "below
     the rate": tbf's token bucket lets each short transfer's first burst through at loopback speed,
-    so a fit over short transfers lands above rate/8 (measured 14.8-20.9 MB/s at 12.5)."""
+    so a fit over short transfers lands above rate/8 (measured 14.8-20.9 MB/s at 12.5 on a quiet
+    machine, 56.4 MB/s beside niced work, where the 10 s budget reaches fewer and shorter sizes)."""
     out = tmp_path / "link.yaml"
     proc = subprocess.Popen([sys.executable, "-m", "moegraph", "calibrate", "--time-budget", "10", "--n", "2",
                              "--link", "100mbit", "--quiet", "-o", str(out)], stdout=subprocess.PIPE,
@@ -314,5 +315,5 @@ def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
     assert not list(NETNS_DIR.glob(f"moegraph-{proc.pid}-*")), "the calibration left its namespace behind"
     hw = load_hardware(out)
     assert hw.link_bit_s == 1e8 and hw.link_latency_us == 0
-    assert hw.nvlink_bw_bytes_s <= 4 * 100e6 / 8, hw.nvlink_bw_bytes_s      # loopback would be ~80x this
+    assert hw.nvlink_bw_bytes_s <= 8 * 100e6 / 8, hw.nvlink_bw_bytes_s      # loopback would be ~80x this
     assert "gloo over an emulated 100mbit link" in hw.description
