@@ -73,8 +73,9 @@ def pricing_hardware(hw, rate_bit_s: int):
     """The profile as it prices this benchmark: its groups of one rank (``Hardware.for_group``), on
     the run's emulated link. A step of P = 2 stages x n = 1 (dp = 1) holds no collective, only the
     stages' sends, which the cost model prices at the emulated link's rate (moegraph.cost, p2p):
-    so a link other than the calibration's changes only that rate."""
-    return dataclasses.replace(hw.for_group(1), link_bit_s=float(rate_bit_s))
+    so a link other than the calibration's changes only that rate (and the token bucket's depth)."""
+    from moegraph.runtime.netns import bucket_bytes
+    return dataclasses.replace(hw.for_group(1), link_bit_s=float(rate_bit_s), link_burst_bytes=float(bucket_bytes(rate_bit_s)))
 
 
 def predict(args, cfg):

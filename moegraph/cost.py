@@ -15,9 +15,10 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
     all-reduce (RS + AG):       t = kernel_latency + 2(n-1)*alpha + bytes / (B * ring_eff * s(sm))
     p2p (pipeline stages):      t = kernel_latency + alpha_inter  + bytes / (B_pp * ring_eff_inter * s(sm))
                                 B_pp = hw.pp_link_bw_bytes_s (0: the NIC's): stages sit on different nodes;
-                                emulated link (hw.link_bit_s > 0): B_pp = link_bit_s / 8, eff 1: its one
-                                token bucket (runtime/netns.py) gives a lone send what n ranks' collectives share,
-                                and a stage's sends both ways take turns on it (PipelineProblem.shared_link)
+                                emulated link (hw.link_bit_s > 0): B_pp = link_bit_s / 8, eff 1, bytes less the
+                                bucket's depth hw.link_burst_bytes (passed at once): its one token bucket (runtime/
+                                netns.py) gives a lone send what n ranks' collectives share; a stage's sends both
+                                ways take turns on it (PipelineProblem.shared_link)
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
     all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
@@ -284,8 +285,7 @@ _CLASS_EFF = {"gemm": "gemm_eff", "grouped_gemm": "grouped_gemm_eff", "attention
 
 def collective_scope(node: Node, gpus_per_node: int) -> Scope:
     """Which link a collective crosses: node attr "scope", else intra iff its group fits in one
-    node of ``gpus_per_node`` GPUs. The cost model prices that link; the scheduler gives it its
-    stream."""
+    node of ``gpus_per_node`` GPUs. The cost model prices that link; the scheduler, its stream."""
     scope = node.attr("scope", "intra" if node.group <= gpus_per_node else "inter")
     if scope not in ("intra", "inter"):
         raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
@@ -586,12 +586,12 @@ class CostModel:
             latency += hw.copy_engine_latency_us
         else:
             scale = min(1.0, sm / saturation)
-        wire = latency + node.comm_bytes / (bandwidth * eff * scale) * _US
+        sent = node.comm_bytes - (hw.link_burst_bytes if node.op is OpKind.P2P and self.emulated_link() else 0)
+        wire = latency + max(0.0, sent) / (bandwidth * eff * scale) * _US
         return hw.kernel_latency_us + wire * hw.in_step_factor("comm") + self._chunk_stall_us(node)
 
     def _chunk_stall_us(self, node: Node) -> float:
-        """hw.chunk_stall_us for a collective of a chunked decomposition (node attr ``chunk``), else 0:
-        chunks of small volume stall beside each other's kernels (MoNTA's 8K finding; module docstring)."""
+        """hw.chunk_stall_us for a collective of a chunked decomposition (attr ``chunk``), else 0 (docstring)."""
         return self.hw.chunk_stall_us if node.attr("chunk", None) is not None else 0.0
 
     def _require_comm(self, node: Node) -> None:

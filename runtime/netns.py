@@ -256,6 +256,12 @@ def _no_c10d_name_warnings() -> Iterator[None]:
         os.environ.pop("TORCH_CPP_LOG_LEVEL", None)
 
 
+def bucket_bytes(rate_bit_s: int) -> int:
+    """The token bucket's depth for a link of ``rate_bit_s``: BURST_S of its rate, at least two
+    loopback packets. A lone send passes this much at once (Hardware.link_burst_bytes)."""
+    return max(2 * LO_MTU, int(rate_bit_s / 8 * BURST_S))
+
+
 def create(ns: Namespace) -> None:
     """Create ``ns``, bring its loopback up and shape it; LinkUnavailable names what failed."""
     for tool in ("ip", "tc"):
@@ -264,8 +270,7 @@ def create(ns: Namespace) -> None:
     remove_stale()
     _run(ns, ["ip", "netns", "add", ns.name], privilege=True)
     _run(ns, ["ip", "-n", ns.name, "link", "set", "lo", "up"], privilege=True)
-    rate_b_s = ns.link.rate_bit_s / 8
-    burst = max(2 * LO_MTU, int(rate_b_s * BURST_S))
+    burst = bucket_bytes(ns.link.rate_bit_s)
     _run(ns, ["tc", "-n", ns.name, "qdisc", "add", "dev", "lo", "root", "handle", "1:", "tbf",
               "rate", f"{ns.link.rate_bit_s}bit", "burst", str(burst), "latency", f"{int(QUEUE_S * 1e3)}ms"])
     if ns.link.latency_us:

@@ -315,5 +315,6 @@ def test_calibrate_on_the_link_records_it_and_measures_its_bandwidth(tmp_path):
     assert not list(NETNS_DIR.glob(f"moegraph-{proc.pid}-*")), "the calibration left its namespace behind"
     hw = load_hardware(out)
     assert hw.link_bit_s == 1e8 and hw.link_latency_us == 0
+    assert hw.link_burst_bytes == 2 * 65536          # 1 ms of 100mbit is under two 64 KiB loopback packets
     assert hw.nvlink_bw_bytes_s <= 8 * 100e6 / 8, hw.nvlink_bw_bytes_s      # loopback would be ~80x this
     assert "gloo over an emulated 100mbit link" in hw.description

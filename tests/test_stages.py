@@ -148,8 +148,9 @@ def test_p2p_on_an_emulated_link_has_the_links_whole_rate():
     split = split_stages(StageLayout.even(4, 2))(step_graph()).graph
     node = next(n for n in split.nodes if n.op is OpKind.P2P)
     comm = hw.in_step_factor("comm")
+    assert hw.link_bit_s == 1e9 and hw.link_burst_bytes == 2 * 65536    # the 1gbit bucket (runtime/netns.py)
+    hw = dataclasses.replace(hw, link_burst_bytes=0.0)                   # this boundary's 8 KiB fit in it
     expected = hw.kernel_latency_us + (hw.inter_node_latency_us + node.comm_bytes / (1e9 / 8) * 1e6) * comm
-    assert hw.link_bit_s == 1e9
     assert CostModel(hw).node_time_us(node) == pytest.approx(expected)
     # the share rule (B * ring_eff) would be slower: 1gbit's collectives reach ~half the link each
     plain = dataclasses.replace(hw, link_bit_s=0.0)
@@ -158,6 +159,11 @@ def test_p2p_on_an_emulated_link_has_the_links_whole_rate():
     assert CostModel(plain).node_time_us(node) == pytest.approx(share)
     fixed = hw.kernel_latency_us + hw.inter_node_latency_us * comm
     assert CostModel(plain).node_time_us(node) - fixed > 1.5 * (CostModel(hw).node_time_us(node) - fixed)
+    # the token bucket's depth passes at once: only the bytes beyond it take the link's time
+    deep = dataclasses.replace(hw, link_burst_bytes=node.comm_bytes / 4)
+    assert CostModel(deep).node_time_us(node) - fixed == pytest.approx(0.75 * (expected - fixed))
+    drained = dataclasses.replace(hw, link_burst_bytes=2.0 * node.comm_bytes)
+    assert CostModel(drained).node_time_us(node) == pytest.approx(fixed)
     # a measured pp link wins over the emulated link's rate
     given = dataclasses.replace(hw, pp_link_bw_bytes_s=50e6)
     assert CostModel(given).node_time_us(node) > CostModel(plain).node_time_us(node)

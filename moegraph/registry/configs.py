@@ -414,6 +414,9 @@ class Hardware(_Record):
     when it differs from the run's ``--link``: collective prices describe the calibration's link."""
     link_latency_us: float = checked(nonneg_float, 0.0)
     """That link's added one-way delay (``--link-latency``), microseconds; 0 = none."""
+    link_burst_bytes: float = checked(nonneg_float, 0.0)
+    """That link's token-bucket depth, bytes (runtime/netns.py ``bucket_bytes``): a lone pipeline
+    send passes this much at once and the rest at link_bit_s; 0 = none recorded."""
     curves: tuple[tuple[str, Curve], ...] = checked(curves, ())
     """Optional measured efficiency curves, name -> ((size, eff), ...), size in FLOPs for compute
     curves and bytes for memory/comm curves; interpolated linearly in log(size), clamped at the

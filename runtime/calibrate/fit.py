@@ -45,6 +45,7 @@ from moegraph.registry import Hardware
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
+from moegraph.runtime.netns import bucket_bytes
 
 __all__ = ["fit_profile", "link_peak", "COMM_BIN_WIDTH", "binned_curve", "graph_first", "refine_compute_curves", "self_check", "summarize_checks",
            "GraphCheck", "BenchCheck", "fit_bin", "COMPUTE_CURVES", "COMM_CURVES", "COMM_KINDS", "BIN_WIDTH"]
@@ -327,6 +328,7 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     prof["curves"] = curves
     prof["link_bit_s"] = float(opts.link.rate_bit_s) if opts.link else 0.0     # never the base's
     prof["link_latency_us"] = opts.link.latency_us if opts.link else 0.0
+    prof["link_burst_bytes"] = float(bucket_bytes(opts.link.rate_bit_s)) if opts.link else 0.0
     # the in-step stage fits these together (steps.py), never the base's: a base's factors were
     # fitted beside its own rates, and would misprice expert GEMMs without them
     prof["in_step_factors"] = {}
