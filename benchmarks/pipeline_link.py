@@ -13,7 +13,8 @@ how much of the transfers is exposed; at 1gbit it allows about 1.07x). The predi
 process): each layer's units priced by the op-level greedy schedule on the profile as it prices a
 group of one rank (``Hardware.for_group(1)``: its one-rank in-step factors, docs/calibration.md),
 the boundary sends at the emulated link's rate with both directions taking turns on its one
-medium (moegraph.cost, p2p; ``PipelineProblem.shared_link``): a step of P=2 x n=1 holds no
+medium (moegraph.cost, p2p; ``PipelineProblem.shared_link``), each once its receive is posted
+where torch's runtime posts it (``PipelineProblem.rendezvous``): a step of P=2 x n=1 holds no
 collective, so a link rate other than the calibration's changes only the sends' price; no
 optimizer step (the measured step is torch's ``step``: forwards, backwards, sends); CP-SAT
 orders the step (B only, no pairs: a compiled stage's backward is one plan) under a memory cap

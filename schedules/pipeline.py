@@ -20,7 +20,9 @@ OVERLAP_F_B: priced F + B minus the smaller of the two stages' op-level pair sav
   * an output crossing ranks is one transfer on the directed link between the two ranks
     (``send[s]`` ticks forward from stage s to s+1, ``send_back[s]`` backward from s+1 to s), the
     link carrying one transfer at a time, in the order the sender makes them, each in the link's
-    earliest free gap from its send (``shared_link``: one link for both directions); on one rank
+    earliest free gap from its send (``shared_link``: one link for both directions), or with
+    ``rendezvous`` from when the receiver has also posted its receive (not in the CP-SAT model,
+    which assumes receives posted early: its orders are priced by this timeline); on one rank
     (V-shape's turn, adjacent loop stages never share one) it is handed over at no cost;
   * stage s's gradient sync starts when its last backward item ends, one sync at a time per
     rank (its data-parallel stream); the rank's optimizer step follows its syncs and its items;
@@ -108,6 +110,10 @@ class PipelineProblem:
     """Per rank, the bytes held whatever the schedule (parameters, gradients, optimizer, buffers)."""
     memory_cap_bytes: int | None = None
     tick_us: float = 1.0
+    rendezvous: bool = False
+    """A transfer starts once its receive is posted too (``recv_posts``: where torch's runtime posts
+    it, after some of the receiver's items) as gloo and NCCL move a message once both ends are
+    posted; False: as soon as it is sent (the receive already waits)."""
     shared_link: bool = False
     """One medium carries both directions between two ranks (the calibration's emulated link: one
     token bucket on the namespace's loopback passes every packet), so a forward send and a
@@ -282,6 +288,8 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
     done: dict[tuple[str, int, int], int] = {}        # (F|I|W, stage, mb) -> end (B and pairs fill F/I/W)
     arrive: dict[tuple[str, int, int], int] = {}      # ("fwd", s, m): stage s may start F; ("bwd", s, m): I
     link_busy: dict[tuple[int, int], list[tuple[int, int]]] = {}    # link -> its transfers' (start, end)
+    pending: dict[tuple[str, int, int], tuple[int, int, int, int]] = {}   # rendezvous: sent, not yet posted
+    posts = _recv_posts(problem, orders) if problem.rendezvous else {}
     transfers: list[Transfer] = []
     start: dict[Item, int] = {}
     end: dict[Item, int] = {}
@@ -306,7 +314,16 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
         return own if s == S - 1 else own + [(("bwd", s, m), ("I", s + 1, m))]
 
     def ready(key: tuple[str, int, int]) -> int | None:
-        return arrive.get(key) if key[0] in ("fwd", "bwd") else done.get(key)
+        if key[0] not in ("fwd", "bwd"):
+            return done.get(key)
+        if key not in arrive and key in pending:       # rendezvous: once the receiver has posted
+            t, s, m, ticks = pending[key]
+            k, row = posts[key], orders[rank[key[1]]]
+            posted = 0 if k == 0 else end.get(row[k - 1])
+            if posted is None:
+                return None
+            _place(key, s, m, max(t, posted), ticks)
+        return arrive.get(key)
 
     def finish(a: Action, t: int) -> None:
         s, m = a.stage, a.mb
@@ -323,7 +340,13 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
         key = (direction, to, m)
         if rank[s] == rank[to]:
             arrive[key] = t
-            return
+        elif problem.rendezvous:
+            pending[key] = (t, s, m, ticks)
+        else:
+            _place(key, s, m, t, ticks)
+
+    def _place(key: tuple[str, int, int], s: int, m: int, t: int, ticks: int) -> None:
+        direction, to, _ = key
         link = problem.link(rank[s], rank[to])
         busy = link_busy.setdefault(link, [])
         begin = t                  # the earliest gap from t: a shared link's two senders are simulated
@@ -375,6 +398,12 @@ def simulate(problem: PipelineProblem, orders: Orders) -> Timeline:
     return Timeline(problem, tuple(tuple(row) for row in orders), start, end, tuple(transfers), sync, optimizer,
                     max(e for _, e in optimizer.values()), _peaks(problem, orders, start, end), tuple(wait),
                     gather, tuple(gather_wait))
+
+
+def _recv_posts(problem: PipelineProblem, orders: Orders) -> dict[tuple[str, int, int], int]:
+    """Where torch's runtime posts each cross-rank receive of ``orders`` (rendezvous)."""
+    from moegraph.schedules.pipeline_torch import recv_posts      # it imports this module
+    return recv_posts(orders, problem.layout)
 
 
 def _gathers(problem: PipelineProblem, orders: Orders) -> tuple[dict[int, tuple[int, int]], list[int]]:

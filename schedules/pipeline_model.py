@@ -141,7 +141,8 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
         opt_us.append(cost.node_time_us(adam))
     problem = PipelineProblem(layout, micro_batches, tuple(work), (ticks(p2p_us, tick_us),) * (S - 1),
                               (ticks(back_us, tick_us),) * (S - 1), tuple(ticks(u, tick_us) for u in opt_us),
-                              tuple(static), memory_cap_bytes, tick_us, shared_link=cost.emulated_link())
+                              tuple(static), memory_cap_bytes, tick_us, shared_link=cost.emulated_link(),
+                              rendezvous=True)     # it runs in torch's runtime: receives posted where it posts them
     return BuiltPipeline(problem, per_layer, edges, stage_mem, p2p_us, tuple(opt_us))
 
 

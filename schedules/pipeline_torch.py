@@ -28,7 +28,7 @@ from moegraph.passes.stages import StageLayout
 from moegraph.schedules.pipeline import Action, Item, Orders, Pair
 from moegraph.schedules.problem import ScheduleError
 
-__all__ = ["TORCH_SCHEDULES", "torch_orders", "torch_schedules_for", "torch_baselines", "to_torch", "csv_text", "orders_hash", "write_csv",
+__all__ = ["TORCH_SCHEDULES", "torch_orders", "torch_schedules_for", "torch_baselines", "to_torch", "recv_posts", "csv_text", "orders_hash", "write_csv",
            "read_csv"]
 
 TORCH_SCHEDULES = {"GPipe": ("loop", 1), "1F1B": ("loop", 1), "Interleaved1F1B": ("loop", None),
@@ -130,6 +130,26 @@ def to_torch(orders: Orders) -> dict[int, list]:
         return _Action(a.stage, _ComputationType.from_str(a.kind), a.mb)
     return {r: [_Action(-1, OVERLAP_F_B, None, (one(i.forward), one(i.backward))) if isinstance(i, Pair) else one(i)
                 for i in row] for r, row in enumerate(orders)}
+
+
+def recv_posts(orders: Orders, layout: StageLayout) -> dict[tuple[str, int, int], int]:
+    """Where torch's runtime posts each receive of ``orders``: (``"fwd"`` or ``"bwd"``, receiving
+    stage, micro-batch) -> how many of the receiving rank's items run before it. The runtime lowers
+    the compute-only table with torch's own ``_add_send_recv`` (a receive goes into the receiver's
+    list when the builder places the sender's compute, as early as its interleaving allows) and
+    posts each receive when it reaches it; gloo and NCCL move a message once both ends are posted.
+    Only receives across ranks are listed."""
+    from torch.distributed.pipelining.schedules import RECV_B, RECV_F, _add_send_recv
+    lowered = _add_send_recv(to_torch(orders), stage_to_rank=layout.rank_of, num_stages=len(layout.stages))
+    out = {}
+    for rank, actions in lowered.items():
+        done = 0
+        for a in actions:
+            if a.computation_type in (RECV_F, RECV_B):
+                out[("fwd" if a.computation_type == RECV_F else "bwd", a.stage_index, a.microbatch_index)] = done
+            elif a.is_compute_op:
+                done += 1
+    return out
 
 
 def csv_text(orders: Orders) -> str:

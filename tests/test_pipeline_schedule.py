@@ -315,3 +315,21 @@ def test_a_shared_link_carries_one_direction_at_a_time():
     res = solve_pipeline(shared, {"1F1B": order}, time_limit_s=2)
     assert not _overlapping(res.timeline.transfers)
     assert res.timeline.makespan <= one.makespan
+
+
+def test_a_transfer_waits_for_its_receive_to_be_posted():
+    """torch's runtime posts a receive where its ``_add_send_recv`` placed it (1F1B at P=2: rank 1's
+    receive of micro-batch 1 after its F0, rank 0's gradient of micro-batch 1 after its F2), and
+    gloo/NCCL move the message once both ends are posted. F=10, B=10, a send 8 ticks."""
+    import dataclasses
+    eager = problem(2, 4, f=10, i=6, w=4, send=8)
+    order = torch_orders("1F1B", eager.layout, 4)
+    before = {(x.direction, x.mb): x.start for x in simulate(eager, order).transfers}
+    tl = simulate(dataclasses.replace(eager, rendezvous=True), order)
+    after = {(x.direction, x.mb): x.start for x in tl.transfers}
+    # rank 0: F0 0-10, F1 10-20; rank 1: F0 18-28 (fwd0 10-18), B0 28-38; bwd0 38-46, rank 0 B0 46-56, F2 56-66
+    assert (before[("fwd", 1)], after[("fwd", 1)]) == (20, 28)     # sent at 20, posted after rank 1's F0 (28)
+    # rank 1: F1 38-48, B1 48-58 sends at 58; rank 0 posts that receive after its F2 (66)
+    assert (before[("bwd", 1)], after[("bwd", 1)]) == (58, 66)
+    assert all(after[k] >= before[k] for k in before)
+    assert tl.makespan == 140 and simulate(eager, order).makespan == 132
