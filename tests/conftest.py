@@ -5,9 +5,11 @@ import pytest
 import torch
 
 import seeding
+import sharding
 
-# Tests run on 2 cores; keep torch from oversubscribing them.
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Tests run on 2 cores; keep torch from oversubscribing them (scripts/test.sh runs two shards side
+# by side, one thread each: MOEGRAPH_TEST_THREADS=1).
+torch.set_num_threads(int(os.environ.get("MOEGRAPH_TEST_THREADS", 0)) or max(1, min(2, os.cpu_count() or 1)))
 
 SEED = pytest.StashKey[int]()
 
@@ -23,12 +25,27 @@ def pytest_report_header(config):
     return f"test seed: {seeding.ENV}={seeding.session_seed()} (tests/seeding.py)"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--shard", default=None, metavar="K/N",
+                     help="run shard K of N (0-based): whole test files, balanced by tests/shard_weights.json "
+                          "(scripts/test.sh runs two side by side)")
+
+
 def pytest_collection_modifyitems(config, items):
     """A test that takes ``rank_results`` (directly or through a fixture) is slow: the first one to
-    run spawns every registered case of its rank count (helpers.RankBatch), tens of seconds."""
+    run spawns every registered case of its rank count (helpers.RankBatch), tens of seconds.
+    With ``--shard K/N`` only shard K's files run (``sharding.shard_of``)."""
     for item in items:
         if "rank_results" in item.fixturenames:
             item.add_marker(pytest.mark.slow)
+    spec = config.getoption("--shard")
+    if spec:
+        try:
+            keep = sharding.shard_of(items, spec)
+        except ValueError as err:
+            raise pytest.UsageError(str(err)) from None
+        config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+        items[:] = [item for item in items if item in keep]
 
 
 @pytest.fixture(autouse=True)
