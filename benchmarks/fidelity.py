@@ -97,26 +97,28 @@ def _serial_sync_amortized(model, hw, attn, ffn, dispatch, micro_batches=FIG14_M
     return serial_time_us(g, cost) - sync * (1 - 1 / micro_batches)
 
 
-def fig14(models=MODELS, hw_name="h800") -> None:
+def fig14(models=MODELS, hw_name="h800-megascale") -> None:
+    """Fig 14 at iteration level: one layer's serial sum (the paper disables every overlap) with the
+    step-end weight-gradient all-reduce charged once per FIG14_MICRO_BATCHES micro-batches; the
+    per-pass charge (every layer pass syncs) and the GEMM-shape part are given beside it."""
     hw = load_hardware(hw_name)
-    gains = []
+    flat = no_shapes(hw)
     for model in models:
-        tp = _serial(model, hw, "tp", "tp", "ag-rs")
-        a2a, agrs = _serial(model, hw, "sp", "ep", "a2a"), _serial(model, hw, "sp", "ep", "ag-rs")
-        flat = no_shapes(hw)
-        tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
+        tp = _serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
+        a2a, agrs = (_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs"))
         g = tp / min(a2a, agrs) - 1
-        shape = g - (tp0 / best0 - 1)
-        amortized = (_serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
-                     / min(_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
-        gains.append(g)
-        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
-            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
-            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part); one layer's serial "
-            "sum charges the weight-gradient all-reduces (SP's replicated attention weights) every pass: with them "
-            f"once per {FIG14_MICRO_BATCHES} micro-batches (the paper's global batch 32, dp = 1) the gain is "
-            f"{amortized:+.1%}, so the in-range figures lean on that charge; the iteration's other parts (head, "
-            "optimizer, the paper's fewer layers) are not modelled here",
+        flat_g = (_serial_sync_amortized(model, flat, "tp", "tp", "ag-rs")
+                  / min(_serial_sync_amortized(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
+        per_pass = _serial(model, hw, "tp", "tp", "ag-rs") / min(_serial(model, hw, "sp", "ep", d)
+                                                                  for d in ("a2a", "ag-rs")) - 1
+        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP, iteration level", "14.9-32.9% (range over 6 models)",
+            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {g - flat_g:+.1%}; "
+            f"sync every pass {per_pass:+.1%})", "held",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part), the sync once per "
+            f"{FIG14_MICRO_BATCHES} micro-batches (global batch 32, dp = 1); above the range where TP's collectives "
+            "outweigh the compute: narrow models (phi-3.5-moe's h_ffn 6400, deepseek-moe's h 2048) give TP's "
+            "activation all-gathers/reduce-scatters (fixed by h) the largest share; the paper's per-model values "
+            "and layer counts are unpublished, and the head and optimizer, shared by both, are not modelled",
             0.149 - 0.03 <= g <= 0.329 + 0.03)
 
 
@@ -154,7 +156,7 @@ def fig16(models=MODELS, hw_name="h800") -> None:
 
 # --- MegaScale-MoE Table 5: per layer ---------------------------------------------------------------
 
-def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
+def table5(model="internal-352b", hw_name="h800-megascale", time_limit=5.0) -> None:
     from moegraph.passes import run_pipeline
     from moegraph.schedules.api import compile_graph
     cost = CostModel(load_hardware(hw_name))
@@ -166,27 +168,68 @@ def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
     fused, _ = run_pipeline(spep[d_best], "fuse=auto", cost=cost)
     s4 = compile_graph(fused, cost, time_limit_s=time_limit).schedule.makespan_us
     why = ("per layer, forward + backward, with interference (compute on the SMs and HBM collectives leave); "
-           "the paper's figure is an iteration's throughput (the iteration rows below)")
+           "no target: the paper's figure is an iteration's throughput, checked by the iteration rows below "
+           "(the per-layer sum charges the weight-gradient sync every pass)")
     gains = {2: base / s2, 3: base / s3, 4: base / s4}
     paper = {2: 1.13, 3: 1.22, 4: 1.28}
     label = {2: f"(2) SP+EP {d_best}", 3: "(3) + inter-op overlap", 4: "(4) + intra-op overlap"}
     for k in (2, 3, 4):
-        row("Table 5", f"{model} {hw_name} per layer {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why,
-            abs(gains[k] - paper[k]) <= 0.05)
+        row("Table 5", f"{model} {hw_name} per layer {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why)
     hand = base / compile_graph(spep[d_best], cost, method="megascale").schedule.summary["makespan_us"]
     row("Table 5", f"{model} {hw_name} per layer (3) with MegaScale-MoE's hand-made order (the megascale baseline)",
-        "1.22", f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one "
-        "(under one hardware queue fed in graph order, CP-SAT reaches only 1.217: launch_order='program')",
-        abs(hand - 1.22) <= 0.05)
+        "1.22", f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one")
     table5_iteration(cost)
 
 
-def table5_iteration(cost: CostModel) -> None:
-    """Table 5 at iteration level: the pipeline step model (benchmarks/pipeline_table5.py)."""
+TABLE3_ITERATION_S = 21.61
+"""MegaScale-MoE Table 3: internal-352b on 240 H800, global batch 720, MegaScale-MoE (every
+optimisation on, Table 5's last row): 21.61 s per iteration (MFU 32.48 %, §6.1)."""
+IN_STEP_COMPUTE = ("gemm", "grouped_gemm", "attention", "memory")
+"""The op classes h800-megascale's in-step factor multiplies (hardware.yaml in_step_factors): compute only."""
+
+
+def _iteration_rows(cost: CostModel):
     sys.path.insert(0, str(Path(__file__).resolve().parent))     # pipeline_table5, beside this file
     from pipeline_table5 import iteration_rows
+    return list(iteration_rows(cost))
+
+
+def with_compute_factor(hw, factor: float):
+    """``hw`` with every compute class's in-step factor set to ``factor`` (collectives unchanged)."""
+    return dataclasses.replace(hw, in_step_factors=tuple((c, factor) for c in IN_STEP_COMPUTE))
+
+
+def fit_in_step_compute(hw, target_s: float = TABLE3_ITERATION_S) -> float:
+    """h800-megascale's compute in-step factor, on ``hw``'s operator prices (h800), fitted to
+    MegaScale-MoE Table 3: the factor F at which Table 5's last configuration (the pipeline step model, benchmarks/pipeline_table5.py) takes ``target_s``
+    per iteration. Secant on F (the iteration time is close to linear in it), to 0.01."""
+    def step_s(f: float) -> float:
+        return _iteration_rows(CostModel(with_compute_factor(hw, f)))[-1][2].makespan / 1e6
+    f0, f1 = 1.0, 2.0
+    t0, t1 = step_s(f0), step_s(f1)
+    for _ in range(6):
+        f0, f1, t0 = f1, f1 + (target_s - t1) * (f1 - f0) / (t1 - t0), t1
+        t1 = step_s(f1)
+        if abs(f1 - f0) < 0.005:
+            break
+    return round(f1, 2)
+
+
+def table5_iteration(cost: CostModel) -> None:
+    """Table 5 at iteration level: the pipeline step model (benchmarks/pipeline_table5.py), and
+    Table 3's absolute iteration time of its last configuration (the one fit of the iteration)."""
+    rows = _iteration_rows(cost)
+    last = rows[-1][2].makespan / 1e6
+    factors = dict(cost.hw.in_step_factors)
+    row("Table 3", f"internal-352b {cost.hw.name} 240 GPUs, batch 720: MegaScale-MoE iteration time",
+        f"{TABLE3_ITERATION_S:.2f} s", f"{last:.2f} s", "fit",
+        f"the compute in-step factor ({', '.join(f'{k} {v:g}' for k, v in sorted(factors.items())) or 'none'}) is "
+        "fitted here (fit_in_step_compute, --fit); h800's operators priced alone give 12.6 s (MFU 56 %, the paper's 32.5 %): "
+        "the paper names MoE's memory-bound operators (routing, scatter, gather) and HBM-bound GEMM efficiency "
+        "(§6.1); the factor does not say which, nor routing imbalance or SAR's recomputation",
+        abs(last / TABLE3_ITERATION_S - 1) <= 0.03)
     base = None
-    for k, (label, paper, tl, _, _) in enumerate(iteration_rows(cost)):
+    for k, (label, paper, tl, _, _) in enumerate(rows):
         base = base or tl.makespan
         if k == 0:
             continue
@@ -372,7 +415,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fast", action="store_true", help="skip Table 5 (its CP-SAT solves)")
     p.add_argument("--time-limit", type=float, default=5.0)
+    p.add_argument("--fit", action="store_true", help="print h800-megascale's compute in-step factor fitted to Table 3 and exit")
     args = p.parse_args(argv)
+    if args.fit:
+        print(f"h800-megascale's in_step_factors (compute classes), fitted to Table 3: "
+              f"{fit_in_step_compute(load_hardware('h800')):.2f}")
+        return 0
     fig7()
     fig14()
     fig16()
