@@ -332,7 +332,11 @@ def monta(hw_name="a800") -> None:
     for seq, paper_best, status in regimes:
         base = monta_times(seq, 0, cost, False)
         options = monta_options(seq, cost)
-        (strat, n), t = min(options.items(), key=lambda kv: kv[1])
+        # the figure measures O1 and O2, O3 with 4 chunks each ("all sequences are split into 4 chunks
+        # for both O2 and O3"): the check picks among those; moegraph's own best chunk count beside it
+        measured = {k: v for k, v in options.items() if k[1] in (1, 4)}
+        (strat, n), t = min(measured.items(), key=lambda kv: kv[1])
+        (own, own_n), own_t = min(options.items(), key=lambda kv: kv[1])
         want = paper_best.split(",")[0].split(" ")[0]
         o3_4 = options[("O3", 4)] / base
         note = why
@@ -344,13 +348,17 @@ def monta(hw_name="a800") -> None:
                     f"{hw.chunk_stall_us:g}); O1 is predicted at {options[('O1', 1)] / base:.3f} of the baseline, "
                     "MoNTA measures 0.30 (its pairwise all-to-all is priced on the 16-card curve, as MoNTA's Table 8 does)")
         else:
-            best_o2 = min(v for k, v in options.items() if k[0] == "O2")
+            o2_4 = options[("O2", 4)] / base
             note = (f"{why}; chunked, as MoNTA, but O3 (its copy hidden under the next all-gather, at the HBM "
-                    f"share priced) beats O2 ({best_o2 / base:.3f}): MoNTA measures the all-gather / copy conflict as "
-                    "worse, with no magnitude")
+                    f"share priced) beats O2 ({o2_4:.3f} with 4 chunks). For O2 to win here and O3 at 256K, O3 "
+                    "must pay a fixed per-chunk cost (a volume-proportional stretch of the all-gather beside the "
+                    "copy would hurt 256K as much): MoNTA names it (all-gather and copy both use load/store "
+                    "instructions and kernel scheduling, so its r_2, r_3 'differ' for O3) with no magnitude, and "
+                    "neither fitted point (8K: O1 beats both; 256K: O3 wins) bounds it from below")
         row("MoNTA Fig 14", f"all-to-all operator, s={seq // 1024}K, {hw_name}, 2 nodes", paper_best,
             f"{strat}{'' if n == 1 else f', {n} chunks'} ({strat}/base {t / base:.3f}; O1/base "
-            f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f})", status, note, strat == want)
+            f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f}; any chunk count: {own}, {own_n} "
+            f"({own_t / base:.3f}))", status, note, strat == want)
     o1 = monta_times(8192, 1, cost, False) / monta_times(8192, 0, cost, False)
     e2e = 1 - 0.22 * (1 - o1)
     row("MoNTA Fig 17", "2x70B, 16 A800, 8K, end to end", "-13% latency (O1)", f"{e2e - 1:+.1%}", "held",
