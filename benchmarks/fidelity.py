@@ -206,8 +206,9 @@ def with_compute_factor(hw, factor: float):
 
 def fit_in_step_compute(hw, target_s: float = TABLE3_ITERATION_S) -> float:
     """h800-megascale's compute in-step factor, on ``hw``'s operator prices (h800), fitted to
-    MegaScale-MoE Table 3: the factor F at which Table 5's last configuration (the pipeline step model, benchmarks/pipeline_table5.py) takes ``target_s``
-    per iteration. Secant on F (the iteration time is close to linear in it), to 0.01."""
+    MegaScale-MoE Table 3: the factor F at which Table 5's last configuration (the pipeline step
+    model, benchmarks/pipeline_table5.py) takes ``target_s`` per iteration. Secant on F (the
+    iteration time is close to linear in it), to 0.01."""
     def step_s(f: float) -> float:
         return _iteration_rows(CostModel(with_compute_factor(hw, f)))[-1][2].makespan / 1e6
     f0, f1 = 1.0, 2.0
@@ -229,7 +230,8 @@ def table5_iteration(cost: CostModel) -> None:
     row("Table 3", f"internal-352b {cost.hw.name} 240 GPUs, batch 720: MegaScale-MoE iteration time",
         f"{TABLE3_ITERATION_S:.2f} s", f"{last:.2f} s", "fit",
         f"the compute in-step factor ({', '.join(f'{k} {v:g}' for k, v in sorted(factors.items())) or 'none'}) is "
-        "fitted here (fit_in_step_compute, --fit); h800's operators priced alone give 12.6 s (MFU 56 %, the paper's 32.5 %): "
+        "fitted here (fit_in_step_compute, --fit); h800's operators priced alone give 12.6 s "
+        "(MFU 56 %, the paper's 32.5 %): "
         "the paper names MoE's memory-bound operators (routing, scatter, gather) and HBM-bound GEMM efficiency "
         "(§6.1); the factor does not say which, nor routing imbalance or SAR's recomputation",
         abs(last / TABLE3_ITERATION_S - 1) <= 0.03)
