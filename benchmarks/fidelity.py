@@ -97,26 +97,30 @@ def _serial_sync_amortized(model, hw, attn, ffn, dispatch, micro_batches=FIG14_M
     return serial_time_us(g, cost) - sync * (1 - 1 / micro_batches)
 
 
-def fig14(models=MODELS, hw_name="h800") -> None:
+def fig14(models=MODELS, hw_name="h800-megascale") -> None:
+    """Fig 14 at iteration level: one layer's serial sum (the paper disables every overlap) with the
+    step-end weight-gradient all-reduce charged once per FIG14_MICRO_BATCHES micro-batches; the
+    per-pass charge (every layer pass syncs) and the GEMM-shape part are given beside it."""
     hw = load_hardware(hw_name)
-    gains = []
+    flat = no_shapes(hw)
     for model in models:
-        tp = _serial(model, hw, "tp", "tp", "ag-rs")
-        a2a, agrs = _serial(model, hw, "sp", "ep", "a2a"), _serial(model, hw, "sp", "ep", "ag-rs")
-        flat = no_shapes(hw)
-        tp0, best0 = _serial(model, flat, "tp", "tp", "ag-rs"), min(_serial(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs"))
+        tp = _serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
+        a2a, agrs = (_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs"))
         g = tp / min(a2a, agrs) - 1
-        shape = g - (tp0 / best0 - 1)
-        amortized = (_serial_sync_amortized(model, hw, "tp", "tp", "ag-rs")
-                     / min(_serial_sync_amortized(model, hw, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
-        gains.append(g)
-        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP", "14.9-32.9% (range over 6 models)",
-            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {shape:+.1%})", "held",
-            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part); one layer's serial "
-            "sum charges the weight-gradient all-reduces (SP's replicated attention weights) every pass: with them "
-            f"once per {FIG14_MICRO_BATCHES} micro-batches (the paper's global batch 32, dp = 1) the gain is "
-            f"{amortized:+.1%}, so the in-range figures lean on that charge; the iteration's other parts (head, "
-            "optimizer, the paper's fewer layers) are not modelled here",
+        flat_g = (_serial_sync_amortized(model, flat, "tp", "tp", "ag-rs")
+                  / min(_serial_sync_amortized(model, flat, "sp", "ep", d) for d in ("a2a", "ag-rs")) - 1)
+        per_pass = _serial(model, hw, "tp", "tp", "ag-rs") / min(_serial(model, hw, "sp", "ep", d)
+                                                                  for d in ("a2a", "ag-rs")) - 1
+        row("Fig 14", f"{model} {hw_name} SP+EP over TP+TP, iteration level", "14.9-32.9% (range over 6 models)",
+            f"{g:+.1%} (a2a {tp / a2a - 1:+.1%}, ag-rs {tp / agrs - 1:+.1%}; GEMM shape {g - flat_g:+.1%}; "
+            f"sync every pass {per_pass:+.1%})", "held",
+            "communication volume (eq 1-4) plus TP's narrower expert GEMMs (the shape part), the sync once per "
+            f"{FIG14_MICRO_BATCHES} micro-batches (global batch 32, dp = 1), compute at h800-megascale's Table-3 "
+            "factor; the head and optimizer, shared by both, are ~2% of an iteration at the layer counts that fit "
+            "80 GB. Above the range where TP's activation collectives (fixed by h) weigh most: 34.5% of a TP+TP "
+            "layer for phi-3.5-moe (h_ffn 6400), 29.5% for deepseek-moe (h 2048, whose TP experts also permute all "
+            "b*s*k rows on every rank), 20-26% for the others; the paper publishes only the range over its 6 models, "
+            "not each model's value, its layer counts or Fig 14's sequence length (s = 8192 assumed)",
             0.149 - 0.03 <= g <= 0.329 + 0.03)
 
 
@@ -144,17 +148,20 @@ def fig16(models=MODELS, hw_name="h800") -> None:
     if factors:
         lo, hi = min(factors), max(factors)
         row("Fig 16", f"span over {len(factors)} pairs", "1.2-4.7x", f"{lo:.2f}-{hi:.2f}x", "held",
-            "a pair gains at most about 2x plus its folded scatter/gather (comm and compute overlapped): "
-            "above 2x the paper's baseline must pay more than its kernels' own times (Megatron's torch "
-            "scatter_add/gather, host launch gaps: no published size); AG+scatter+GroupedGEMM needs the "
-            "router on local tokens with its result gathered (moegraph's lowering routes the gathered "
-            "tokens, so the gather cannot be fused)",
+            "operators priced alone on h800 (Fig 16 times the operators, not a step). A fused kernel costs at least "
+            "max(comm, compute) plus one tile, so a pair gains at most (comm + compute) / max(comm, compute) <= 2x "
+            "plus its folded scatter/gather; above 2x the paper's baseline must pay more than its kernels' own times "
+            "(NCCL all-to-all at small per-peer sizes, launch gaps): no published H800 all-to-all size sweep gives "
+            "that size (the intra-node half point is transferred from MoNTA's all-gather), and pricing the fused "
+            "transfers without a call's fixed cost moves the pairs to 1.50-2.10x (RESULTS.md, 11:35); "
+            "AG+scatter+GroupedGEMM needs the router on local tokens with its result gathered (moegraph's lowering "
+            "routes the gathered tokens, so the gather cannot be fused)",
             lo <= 1.2 + 0.05 and hi >= 3.0)
 
 
 # --- MegaScale-MoE Table 5: per layer ---------------------------------------------------------------
 
-def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
+def table5(model="internal-352b", hw_name="h800-megascale", time_limit=5.0) -> None:
     from moegraph.passes import run_pipeline
     from moegraph.schedules.api import compile_graph
     cost = CostModel(load_hardware(hw_name))
@@ -166,27 +173,70 @@ def table5(model="internal-352b", hw_name="h800", time_limit=5.0) -> None:
     fused, _ = run_pipeline(spep[d_best], "fuse=auto", cost=cost)
     s4 = compile_graph(fused, cost, time_limit_s=time_limit).schedule.makespan_us
     why = ("per layer, forward + backward, with interference (compute on the SMs and HBM collectives leave); "
-           "the paper's figure is an iteration's throughput (the iteration rows below)")
+           "no target: the paper's figure is an iteration's throughput, checked by the iteration rows below "
+           "(the per-layer sum charges the weight-gradient sync every pass)")
     gains = {2: base / s2, 3: base / s3, 4: base / s4}
     paper = {2: 1.13, 3: 1.22, 4: 1.28}
     label = {2: f"(2) SP+EP {d_best}", 3: "(3) + inter-op overlap", 4: "(4) + intra-op overlap"}
     for k in (2, 3, 4):
-        row("Table 5", f"{model} {hw_name} per layer {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why,
-            abs(gains[k] - paper[k]) <= 0.05)
+        row("Table 5", f"{model} {hw_name} per layer {label[k]}", f"{paper[k]:.2f}", f"{gains[k]:.3f}", "held", why)
     hand = base / compile_graph(spep[d_best], cost, method="megascale").schedule.summary["makespan_us"]
     row("Table 5", f"{model} {hw_name} per layer (3) with MegaScale-MoE's hand-made order (the megascale baseline)",
-        "1.22", f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one "
-        "(under one hardware queue fed in graph order, CP-SAT reaches only 1.217: launch_order='program')",
-        abs(hand - 1.22) <= 0.05)
+        "1.22", f"{hand:.3f}", "held", why + "; CP-SAT's order hides more per layer than the paper's hand-made one")
     table5_iteration(cost)
 
 
-def table5_iteration(cost: CostModel) -> None:
-    """Table 5 at iteration level: the pipeline step model (benchmarks/pipeline_table5.py)."""
+TABLE3_ITERATION_S = 21.61
+"""MegaScale-MoE Table 3: internal-352b on 240 H800, global batch 720, MegaScale-MoE (every
+optimisation on, Table 5's last row): 21.61 s per iteration (MFU 32.48 %, §6.1)."""
+IN_STEP_COMPUTE = ("gemm", "grouped_gemm", "attention", "memory")
+"""The op classes h800-megascale's in-step factor multiplies (hardware.yaml in_step_factors): compute only."""
+
+
+def _iteration_rows(cost: CostModel):
     sys.path.insert(0, str(Path(__file__).resolve().parent))     # pipeline_table5, beside this file
     from pipeline_table5 import iteration_rows
+    return list(iteration_rows(cost))
+
+
+def with_compute_factor(hw, factor: float):
+    """``hw`` with every compute class's in-step factor set to ``factor`` (collectives unchanged)."""
+    return dataclasses.replace(hw, in_step_factors=tuple((c, factor) for c in IN_STEP_COMPUTE))
+
+
+def fit_in_step_compute(hw, target_s: float = TABLE3_ITERATION_S) -> float:
+    """h800-megascale's compute in-step factor, on ``hw``'s operator prices (h800), fitted to
+    MegaScale-MoE Table 3: the factor F at which Table 5's last configuration (the pipeline step
+    model, benchmarks/pipeline_table5.py) takes ``target_s`` per iteration. Secant on F (the
+    iteration time is close to linear in it), to 0.01."""
+    def step_s(f: float) -> float:
+        return _iteration_rows(CostModel(with_compute_factor(hw, f)))[-1][2].makespan / 1e6
+    f0, f1 = 1.0, 2.0
+    t0, t1 = step_s(f0), step_s(f1)
+    for _ in range(6):
+        f0, f1, t0 = f1, f1 + (target_s - t1) * (f1 - f0) / (t1 - t0), t1
+        t1 = step_s(f1)
+        if abs(f1 - f0) < 0.005:
+            break
+    return round(f1, 2)
+
+
+def table5_iteration(cost: CostModel) -> None:
+    """Table 5 at iteration level: the pipeline step model (benchmarks/pipeline_table5.py), and
+    Table 3's absolute iteration time of its last configuration (the one fit of the iteration)."""
+    rows = _iteration_rows(cost)
+    last = rows[-1][2].makespan / 1e6
+    factors = dict(cost.hw.in_step_factors)
+    row("Table 3", f"internal-352b {cost.hw.name} 240 GPUs, batch 720: MegaScale-MoE iteration time",
+        f"{TABLE3_ITERATION_S:.2f} s", f"{last:.2f} s", "fit",
+        f"the compute in-step factor ({', '.join(f'{k} {v:g}' for k, v in sorted(factors.items())) or 'none'}) is "
+        "fitted here (fit_in_step_compute, --fit); h800's operators priced alone give 12.6 s "
+        "(MFU 56 %, the paper's 32.5 %): "
+        "the paper names MoE's memory-bound operators (routing, scatter, gather) and HBM-bound GEMM efficiency "
+        "(§6.1); the factor does not say which, nor routing imbalance or SAR's recomputation",
+        abs(last / TABLE3_ITERATION_S - 1) <= 0.03)
     base = None
-    for k, (label, paper, tl, _, _) in enumerate(iteration_rows(cost)):
+    for k, (label, paper, tl, _, _) in enumerate(rows):
         base = base or tl.makespan
         if k == 0:
             continue
@@ -196,8 +246,20 @@ def table5_iteration(cost: CostModel) -> None:
         if k == 1:
             why += ("; the tp+tp baseline's activations (118.5 GiB) exceed an 80 GB H800, so the paper's baseline "
                     "must have recomputed or run smaller micro-batches, which this prediction does not")
+        else:
+            why += ("; the overlap rows gain less than the paper's +8% / +5%: a layer's forward has no independent "
+                    "work to hide its collectives behind (the paper, §4.2, says so too), CP-SAT hides about 60% of the "
+                    "backward's, and gate-reorder + SAR, which the paper reports cost no speed (§4.1), cost ~2.7% per "
+                    "layer here (the reordered gate is its own kernel over [b*s*k/n, h_ffn] rows, forward and "
+                    "backward, not fused into the SwiGLU)")
         row("Table 5", f"internal-352b {cost.hw.name} iteration ({k + 1}) {label.split(' ', 1)[1]}", f"{paper:.2f}",
             f"{gain:.3f}", "held", why, abs(gain - paper) <= 0.05)
+    cut = 1 - rows[-1][2].makespan / rows[-2][2].makespan
+    row("§6.2 (Fig 16 text)", f"internal-352b {cost.hw.name} iteration time cut by intra-operator overlap",
+        "7.1-12.9% (range over 6 models)", f"{cut:.1%}", "held",
+        "Table 5's rows (4) against (3) (240 GPUs; the paper's range may come from its single-node runs); the "
+        "fused kernels are priced operator by operator on h800's formulas (Fig 16's pairs: 1.2-1.8x), and what "
+        "they hide shrinks with compute's Table-3 share", 0.071 - 0.01 <= cut <= 0.129 + 0.01)
 
 
 # --- MoNTA: all-to-all operator (Fig 14 / eq 11-16) and end to end (Fig 17) ---------------------------
@@ -272,7 +334,11 @@ def monta(hw_name="a800") -> None:
     for seq, paper_best, status in regimes:
         base = monta_times(seq, 0, cost, False)
         options = monta_options(seq, cost)
-        (strat, n), t = min(options.items(), key=lambda kv: kv[1])
+        # the figure measures O1 and O2, O3 with 4 chunks each ("all sequences are split into 4 chunks
+        # for both O2 and O3"): the check picks among those; moegraph's own best chunk count beside it
+        measured = {k: v for k, v in options.items() if k[1] in (1, 4)}
+        (strat, n), t = min(measured.items(), key=lambda kv: kv[1])
+        (own, own_n), own_t = min(options.items(), key=lambda kv: kv[1])
         want = paper_best.split(",")[0].split(" ")[0]
         o3_4 = options[("O3", 4)] / base
         note = why
@@ -284,13 +350,17 @@ def monta(hw_name="a800") -> None:
                     f"{hw.chunk_stall_us:g}); O1 is predicted at {options[('O1', 1)] / base:.3f} of the baseline, "
                     "MoNTA measures 0.30 (its pairwise all-to-all is priced on the 16-card curve, as MoNTA's Table 8 does)")
         else:
-            best_o2 = min(v for k, v in options.items() if k[0] == "O2")
+            o2_4 = options[("O2", 4)] / base
             note = (f"{why}; chunked, as MoNTA, but O3 (its copy hidden under the next all-gather, at the HBM "
-                    f"share priced) beats O2 ({best_o2 / base:.3f}): MoNTA measures the all-gather / copy conflict as "
-                    "worse, with no magnitude")
+                    f"share priced) beats O2 ({o2_4:.3f} with 4 chunks). For O2 to win here and O3 at 256K, O3 "
+                    "must pay a fixed per-chunk cost (a volume-proportional stretch of the all-gather beside the "
+                    "copy would hurt 256K as much): MoNTA names it (all-gather and copy both use load/store "
+                    "instructions and kernel scheduling, so its r_2, r_3 'differ' for O3) with no magnitude, and "
+                    "neither fitted point (8K: O1 beats both; 256K: O3 wins) bounds it from below")
         row("MoNTA Fig 14", f"all-to-all operator, s={seq // 1024}K, {hw_name}, 2 nodes", paper_best,
             f"{strat}{'' if n == 1 else f', {n} chunks'} ({strat}/base {t / base:.3f}; O1/base "
-            f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f})", status, note, strat == want)
+            f"{options[('O1', 1)] / base:.3f}; O3 4 chunks {o3_4:.3f}; any chunk count: {own}, {own_n} "
+            f"({own_t / base:.3f}))", status, note, strat == want)
     o1 = monta_times(8192, 1, cost, False) / monta_times(8192, 0, cost, False)
     e2e = 1 - 0.22 * (1 - o1)
     row("MoNTA Fig 17", "2x70B, 16 A800, 8K, end to end", "-13% latency (O1)", f"{e2e - 1:+.1%}", "held",
@@ -372,7 +442,12 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--fast", action="store_true", help="skip Table 5 (its CP-SAT solves)")
     p.add_argument("--time-limit", type=float, default=5.0)
+    p.add_argument("--fit", action="store_true", help="print h800-megascale's compute in-step factor fitted to Table 3 and exit")
     args = p.parse_args(argv)
+    if args.fit:
+        print(f"h800-megascale's in_step_factors (compute classes), fitted to Table 3: "
+              f"{fit_in_step_compute(load_hardware('h800')):.2f}")
+        return 0
     fig7()
     fig14()
     fig16()

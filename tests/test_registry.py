@@ -44,7 +44,8 @@ def test_every_entry_loads():
           "glm-4.5", "kimi-k2"}          # shipped Hugging Face configs (registry/hf/*.json)
     assert set(model_names()) == set(TABLE2) | {"tiny", "tiny-top1", "small", "qwen2-57b-a14b", "olmoe-1b-7b",
                                                 "deepseek-v3"} | hf
-    assert set(hardware_names()) == {"h800", "a100", "h20", "h100", "h200", "a800", "b200", "cpu-gloo", "cpu-2core-gloo",
+    assert set(hardware_names()) == {"h800", "h800-megascale", "a100", "h20", "h100", "h200", "a800", "b200", "cpu-gloo",
+                                   "cpu-2core-gloo",
                                    "cpu-2core-gloo-1gbit", "nvidia-h200-2026-11-27"}
     for name in model_names():
         assert load_model(name).name == name
@@ -174,7 +175,7 @@ def test_unknown_names():
     with pytest.raises(RegistryError) as e:
         load_hardware("v100")
     assert str(e.value) == ("unknown hardware 'v100'; known: a100, a800, b200, cpu-gloo, h100, h20, h200, h800, "
-                            "cpu-2core-gloo, cpu-2core-gloo-1gbit, nvidia-h200-2026-11-27")
+                            "h800-megascale, cpu-2core-gloo, cpu-2core-gloo-1gbit, nvidia-h200-2026-11-27")
     assert load_hardware("cpu-2core-gloo").name == "cpu-2core-gloo"      # shipped calibrated profile by name
     assert load_hardware("cpu-2core-gloo-1gbit").link_bit_s == 1e9        # calibrated on the emulated link
 
@@ -368,3 +369,14 @@ def test_model_sizes_are_bounded(tmp_path):
     assert msg.startswith("my.yaml: one layer's parameters take ") and "over the 17,592,186,044,416 bytes" in msg
     # the largest registry model is far inside the bound
     assert max(load_model(n).layer_param_bytes for n in model_names()) < 2**44 // 250   # kimi-k2: 68 GB
+
+
+def test_h800_megascale_is_h800_with_the_fitted_step_factor():
+    """h800-megascale (hardware.yaml: `<<: *h800`) is h800's operator pricing with one compute
+    in-step factor fitted to MegaScale-MoE Table 3; the merge key inherits every other field."""
+    a, b = load_hardware("h800"), load_hardware("h800-megascale")
+    differ = {f.name for f in dataclasses.fields(a) if getattr(a, f.name) != getattr(b, f.name)}
+    assert differ == {"name", "description", "sources", "in_step_factors"}
+    assert dict(b.in_step_factors) == {c: 1.87 for c in ("gemm", "grouped_gemm", "attention", "memory")}
+    assert a.in_step_factors == () and "Table 3" in dict(b.sources)["in_step_factors"]
+    assert dict(a.sources)["gemm_eff"] == dict(b.sources)["gemm_eff"]

@@ -269,7 +269,7 @@ SOURCED_FIELDS = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "r
                   "gemm_wave_exponent", "gemm_k_half", "attention_seq_half", "attention_head_dim_eff",
                   "attention_bwd_factor", "ring_half_bytes_intra", "ring_half_bytes_inter", "a2a_half_bytes_intra",
                   "a2a_half_bytes_inter", "comm_overlap_stretch", "comm_hbm_traffic", "comm_sm_saturation",
-                  "a2a_sm_saturation", "chunk_stall_us")
+                  "a2a_sm_saturation", "chunk_stall_us", "in_step_factors")
 
 
 def sources(v: Any) -> tuple[tuple[str, str], ...]:

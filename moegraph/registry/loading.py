@@ -29,11 +29,14 @@ _PROFILES_DIR = _REGISTRY_DIR / "profiles"     # calibrated profiles shipped wit
 # --- loading -------------------------------------------------------------------------------------
 
 class _StrictLoader(yaml.SafeLoader):
-    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one)."""
+    """SafeLoader that rejects duplicate keys (PyYAML silently keeps the last one). A merge key
+    (``<<: *entry``) is allowed: the entry's own keys override the merged mapping's."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(None, None, f"duplicate key {key!r}",
