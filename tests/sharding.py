@@ -49,3 +49,25 @@ def shard_of(items: list, spec: str) -> set:
         owner[unit] = min(range(n), key=lambda s: (load[s], s))
         load[owner[unit]] += sum(weights.get(f, DEFAULT_S) for f in units[unit])
     return {i for u, fs in units.items() if owner[u] == k for f in fs for i in files[f]}
+
+
+def weights_from_durations(text: str) -> dict[str, float]:
+    """Seconds per test file from pytest's ``--durations=0`` report (setup, call and teardown)."""
+    import re
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = re.match(r"^([\d.]+)s (?:call|setup|teardown)\s+(tests/[^:]+)::", line)
+        if m:
+            out[m.group(2)] = out.get(m.group(2), 0.0) + float(m.group(1))
+    return {f: round(s, 1) for f, s in sorted(out.items())}
+
+
+if __name__ == "__main__":          # python tests/sharding.py durations.txt: rewrite shard_weights.json
+    import sys
+    if len(sys.argv) != 2:
+        sys.exit("usage: python tests/sharding.py DURATIONS.txt (pytest --durations=0 output)")
+    found = weights_from_durations(Path(sys.argv[1]).read_text())
+    if not found:
+        sys.exit(f"{sys.argv[1]}: no '--durations=0' lines (NN.NNs call tests/file.py::test)")
+    WEIGHTS.write_text(json.dumps(found, indent=0) + "\n")
+    print(f"{WEIGHTS}: {len(found)} files, {sum(found.values()):.0f} s")

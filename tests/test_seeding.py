@@ -53,7 +53,7 @@ def _run(folder: Path, seed: str | None, *select: str) -> tuple[subprocess.Compl
 
 @pytest.mark.slow
 def test_a_failing_test_reports_its_seed_and_the_seed_replays_it(tmp_path):
-    for name in ("conftest.py", "seeding.py"):
+    for name in ("conftest.py", "seeding.py", "sharding.py"):
         shutil.copy(TESTS / name, tmp_path / name)
     (tmp_path / "test_tiny.py").write_text(TINY)
 
@@ -78,7 +78,7 @@ def test_a_failing_test_reports_its_seed_and_the_seed_replays_it(tmp_path):
 
 @pytest.mark.slow
 def test_a_malformed_seed_is_one_usage_error(tmp_path):
-    for name in ("conftest.py", "seeding.py"):
+    for name in ("conftest.py", "seeding.py", "sharding.py"):
         shutil.copy(TESTS / name, tmp_path / name)
     (tmp_path / "test_tiny.py").write_text(TINY)
     proc, _ = _run(tmp_path, "12x")
