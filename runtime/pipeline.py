@@ -59,10 +59,11 @@ from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_
 from moegraph.passes.stages import StageLayout, rank_coords
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
-from moegraph.runtime.model_steps import final_norm, head_logits
+from moegraph.runtime.model_steps import batch_layout, final_norm, head_logits
 from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.pipeline_pair import PairRunner, check_merged_pairs, overlap_f_b
+from moegraph.tokens import BatchForms, Tokens, batch_forms, micro_batch_forms
 
 __all__ = ["StageModule", "stage_modules", "CompiledStage", "compile_stages", "pipeline_group", "ShardLoss",
            "TorchPipeline", "run_torch_schedule"]
@@ -106,17 +107,20 @@ class CompiledStage(nn.Module):
     def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
                  norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
                  padding_idx: int | None, final: NormSpec, logit_scale: float = 1.0,
-                 pair: "PairRunner | None" = None):
+                 pair: "PairRunner | None" = None, forms: BatchForms = BatchForms()):
         """``original``: the layer graph's parameter source names -> the model's; ``names``: the
         model's names of embed, norm and head (those given); ``final``: the final norm (RMSNorm or
         a bias-free LayerNorm) and ``logit_scale`` the logits' multiplier (``moegraph.edges.EdgeHead``),
         which the last stage computes; ``pair``: the layers' merged F&B runner
-        (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B)."""
+        (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B); ``forms``: what the original
+        does with a padded or packed batch (``moegraph.tokens.batch_forms``)."""
         super().__init__()
         self.layers, self.original = layers, dict(original)
         self.names, self.padding_idx = dict(names), padding_idx
         self.final, self.logit_scale = final, logit_scale
-        self.pair = pair
+        self.pair, self.forms = pair, forms
+        self.layouts: list[Tokens | None] | None = None
+        """The step's micro-batch layouts (``set_layouts``), read by the micro-batch index each call gets."""
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None
 
         def own(t):
@@ -136,25 +140,58 @@ class CompiledStage(nn.Module):
             return x
         return F.embedding(shard_input(x, self.rank, self.n), self.embed, padding_idx=self.padding_idx)  # [b, s] -> [b, s/n, h]
 
-    def prepare_pair(self, x: torch.Tensor) -> None:
+    def set_layouts(self, forms: Sequence[tuple[Any, Any]] | None) -> None:
+        """A step's per-micro-batch (attention_mask, position_ids), each None or micro-batch j's
+        full [b, s] (``moegraph.tokens.micro_batch_forms``), checked as the original takes them
+        (``BatchForms.layout``, use_cache=False as training runs; refused in one line naming the
+        micro-batch); None: plain batches."""
+        if forms is None:
+            self.layouts = None
+            return
+        d = self.layers.graph.dims
+        layouts = []
+        for j, (mask, positions) in enumerate(forms):
+            try:
+                layouts.append(self.forms.layout(mask, positions, d.b, d.s, self.layers.executor.device))
+            except ValueError as err:
+                raise type(err)(f"micro-batch {j}'s {err}") from None
+        self.layouts = layouts
+
+    def _layout(self, micro_batch: torch.Tensor | None) -> "Tokens | None":
+        if micro_batch is None:
+            return None
+        if self.layouts is None:
+            raise RuntimeFailure("a micro-batch index reached the stage outside a step with batch layouts "
+                                 "(TorchPipeline.step(attention_mask=..., position_ids=...))")
+        return self.layouts[int(micro_batch)]
+
+    def prepare_pair(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None) -> None:
         """A merged F&B pair's forward input (runtime.pipeline_pair): its layers' input now, for
-        the pair's backward; the next ``forward(x)`` of this very ``x`` takes the pair's output."""
+        the pair's backward; the next ``forward(x)`` of this very ``x`` takes the pair's output.
+        ``micro_batch``: the forward's index (its batch layout), as ``forward``'s."""
         if self.pair is None:
             raise RuntimeFailure(f"stage layers {self.layers.graph.name!r} have no merged F&B plan "
                                  "(compile_stages(pairs=True))")
         h = self._embed(x)
         self._prepared = (x, h)
-        self.pair.arm(h)
+        self.pair.arm(h, self._layout(micro_batch))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None) -> torch.Tensor:
+        """``micro_batch``: the micro-batch's index [1] (torch chunks the step's ``arange(M)``
+        keyword into every stage's call, ``TorchPipeline.step``): its batch layout; None: plain."""
         if self._prepared is not None and self._prepared[0] is x:
             (_, x), self._prepared = self._prepared, None
         else:
             x = self._embed(x)
-        if self.pair is not None and torch.is_grad_enabled():
-            y = ScheduledLayerFunction.apply(self.pair, x, *self.layers.params())               # [b, s/n, h]
+        tokens = self._layout(micro_batch)
+        runner = self.pair if self.pair is not None else self.layers
+        if tokens is not None:                  # the forward and, later, its backward run with its layout
+            runner = LayoutRunner(runner, self.layers.executor, tokens)
+        if torch.is_grad_enabled() and runner is not self.layers:
+            y = ScheduledLayerFunction.apply(runner, x, *self.layers.params())           # [b, s/n, h]
         else:
-            y = self.layers(x)                                                           # [b, s/n, h]
+            with batch_layout(self.layers.executor, tokens):
+                y = self.layers(x)                                                       # [b, s/n, h]
         if self.lm_head is not None:
             y = head_logits(final_norm(y, self.norm, self.final), self.lm_head, self.logit_scale)   # -> [b, s/n, V]
         return y
@@ -189,11 +226,35 @@ class CompiledStage(nn.Module):
         return out | {k: p.detach().clone() for k, p in self._edges()}
 
     @torch.no_grad()
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """The stage's parameters' gradients, full, under the model's names (collective over the
+        stage's ranks; after ``sync_edge_grads``; a missing one counts as zero)."""
+        out = {self.original[q]: g for q, g in self.layers.full_grads().items()}
+        return out | {k: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for k, p in self._edges()}
+
+    @torch.no_grad()
     def load_full(self, state: Mapping[str, torch.Tensor]) -> None:
         """Cut this rank's shards out of the model's full parameters (not a collective)."""
         self.layers.load_full({q: state[k] for q, k in self.original.items()})
         for k, p in self._edges():
             p.copy_(state[k])
+
+
+class LayoutRunner:
+    """A compiled stage's layers runner (``runtime.autograd.Runner``: the layer's own, or its
+    ``PairRunner``) run with one micro-batch's batch layout, forward and, whenever autograd reaches
+    it, backward (other micro-batches' forwards run between them)."""
+
+    def __init__(self, runner: Any, executor: Any, tokens: Tokens):
+        self.runner, self.executor, self.tokens = runner, executor, tokens
+
+    def run_forward(self, x: torch.Tensor, params: Sequence[torch.Tensor]):
+        with batch_layout(self.executor, self.tokens):
+            return self.runner.run_forward(x, params)
+
+    def run_backward(self, state, dy: torch.Tensor, params: Sequence[torch.Tensor]):
+        with batch_layout(self.executor, self.tokens):
+            return self.runner.run_backward(state, dy, params)
 
 
 def pipeline_group(pp: int, n: int) -> Any:
@@ -212,16 +273,29 @@ def pipeline_group(pp: int, n: int) -> Any:
 
 class ShardLoss:
     """The last stage's loss on one of its n ranks: its positions' term of the micro-batch's mean
-    next-token cross-entropy (module docstring). labels: the micro-batch's full [b, s]."""
+    next-token cross-entropy (module docstring). labels: the micro-batch's full [b, s]; ``items``
+    (transformers' ``num_items_in_batch`` N, the step's scored tokens): its summed cross-entropy / N
+    instead of the micro-batch's own count."""
 
     def __init__(self, member: int, n: int):
         self.member, self.n = member, n
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, items: int | None = None) -> torch.Tensor:
         from moegraph.runtime.model import CompiledModel
         shifted = shift_labels(labels)                                                   # [b, s]
-        return CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n),
-                                        (shifted != IGNORE_INDEX).sum())
+        count = (shifted != IGNORE_INDEX).sum() if items is None else torch.tensor(items)
+        return CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n), count)
+
+
+class _StepLoss:
+    """The schedule's loss function: ``loss_fn`` with the running step's ``items`` (None: its own
+    reduction); torch calls it with (output, target) only, also from the merged F&B."""
+
+    def __init__(self, loss_fn: Callable):
+        self.loss_fn, self.items = loss_fn, None
+
+    def __call__(self, output, target):
+        return self.loss_fn(output, target) if self.items is None else self.loss_fn(output, target, items=self.items)
 
 
 def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tensor, *, n: int = 1,
@@ -291,6 +365,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         keys = {tuple(key) for e in everyone for key in e[0]}
         axes = {a for e in everyone for a in e[1]}
     full = dict(model.named_parameters()) | dict(model.named_buffers())
+    forms = batch_forms(model)
     S = len(layout.stages)
     out = {}
     for k, (graph, plan) in built.items():
@@ -306,7 +381,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                                norm=full[spec.norm.weight.qualname] if last else None,
                                head=full[spec.head] if last else None, names=names,
                                padding_idx=spec.padding_idx, final=spec.norm, logit_scale=spec.logit_scale,
-                               pair=PairRunner(layer, *paired[k]) if pairs else None)
+                               pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms)
     return out
 
 
@@ -352,20 +427,55 @@ class TorchPipeline:
         kw = lambda k: {"input_args": static[k][0], "output_args": static[k][1]} if static else {}  # noqa: E731
         self.stages = [PipelineStage(modules[k], k, self.S, torch.device("cpu"), group=group, **kw(k))
                        for k in self.mine]
-        self.schedule = _PipelineScheduleRuntime(self.stages, micro_batches, loss_fn=loss_fn)
+        self.modules, self.M = {k: modules[k] for k in self.mine}, micro_batches
+        self.loss = _StepLoss(loss_fn)
+        self.schedule = _PipelineScheduleRuntime(self.stages, micro_batches, loss_fn=self.loss)
         self.schedule._load_csv(str(csv_path))
         if self.merged_pairs:
             from torch.distributed.pipelining.schedules import OVERLAP_F_B
             self.schedule.register_custom_function(OVERLAP_F_B, overlap_f_b)
 
-    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None) -> list[torch.Tensor]:
+    def step(self, input_ids: torch.Tensor | None, labels: torch.Tensor | None, *,
+             attention_mask: Sequence[torch.Tensor | None] | None = None,
+             position_ids: Sequence[torch.Tensor | None] | None = None,
+             num_items_in_batch: int | None = None) -> list[torch.Tensor]:
         """One step: ``input_ids`` [M*b, s] on the rank of stage 0, ``labels`` on the last stage's
         (None elsewhere). Returns the per-micro-batch losses (loss_fn's) on the last stage's rank
-        ([] elsewhere); parameter gradients accumulate in the modules, scaled by 1/M."""
+        ([] elsewhere); parameter gradients accumulate in the modules, scaled by 1/M: the gradient
+        of the mean micro-batch loss.
+
+        As ``CompiledModel.train_step`` (compiled stages; every rank passes the same): per
+        micro-batch a right-padded ``attention_mask`` or packed ``position_ids`` [b, s]
+        (``moegraph.tokens``: each argument None or M entries, each None or a tensor);
+        ``num_items_in_batch`` N (transformers' Trainer's, the step's scored tokens): each loss is
+        its summed cross-entropy / N and the gradients are those of the losses' SUM (not scaled by
+        1/M; ``loss_fn`` takes ``items``, as ``ShardLoss``)."""
+        forms = micro_batch_forms(attention_mask, position_ids, self.M)
+        laid = any(f != (None, None) for f in forms)
+        eager = [k for k, m in self.modules.items() if not isinstance(m, CompiledStage)]
+        if laid and eager:
+            raise RuntimeFailure(f"attention_mask / position_ids run on compiled stages (compile_stages); stage "
+                                 f"{eager[0]} is {type(self.modules[eager[0]]).__name__}")
+        if num_items_in_batch is not None and (isinstance(num_items_in_batch, bool)
+                                               or not isinstance(num_items_in_batch, int) or num_items_in_batch < 1):
+            raise ValueError(f"num_items_in_batch={num_items_in_batch!r}: pass the step's count of scored tokens, "
+                             "a positive integer")
         losses: list[torch.Tensor] = []
         last = self.S - 1 in self.mine
         args = (input_ids,) if 0 in self.mine else ()
-        self.schedule.step(*args, target=labels if last else None, losses=losses if last else None)
+        # every stage's call gets its micro-batch's index (torch chunks arange(M) as it chunks input_ids)
+        kwargs = {"micro_batch": torch.arange(self.M)} if laid else {}
+        for m in self.modules.values():
+            if isinstance(m, CompiledStage):
+                m.set_layouts(forms if laid else None)
+        self.loss.items, self.schedule.scale_grads = num_items_in_batch, num_items_in_batch is None
+        try:
+            self.schedule.step(*args, target=labels if last else None, losses=losses if last else None, **kwargs)
+        finally:
+            self.loss.items, self.schedule.scale_grads = None, True
+            for m in self.modules.values():
+                if isinstance(m, CompiledStage):
+                    m.set_layouts(None)
         return losses
 
 

@@ -38,6 +38,7 @@ from moegraph.ir import Graph
 from moegraph.microbatch import mb_name
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import Executor
+from moegraph.runtime.model_steps import step_layouts
 from moegraph.runtime.module import CompiledLayer
 from moegraph.runtime.plan import ExecutionPlan
 
@@ -58,14 +59,16 @@ class PairRunner:
         self.x, self.seed, self.y, self.dx = (mb_name(j, v) for j, v in zip((1, 0, 1, 0), (
             ex.input_name, ex.seed_name, ex.output_name, ex.input_grad_name)))
         self._armed: torch.Tensor | None = None
+        self._armed_layout: Any = None
         self._made: tuple[torch.Tensor, torch.Tensor, dict[str, Any]] | None = None
         self.runs = 0
 
-    def arm(self, x: torch.Tensor) -> None:
-        """Micro-batch a's layer input [b, s/n, h]: the next backward runs beside its forward."""
+    def arm(self, x: torch.Tensor, tokens: Any = None) -> None:
+        """Micro-batch a's layer input [b, s/n, h] and batch layout (``moegraph.tokens.Tokens``;
+        None: plain): the next backward runs beside its forward."""
         if self._armed is not None or self._made is not None:
             raise RuntimeFailure(f"stage layers {self.layer.graph.name!r}: a merged F&B pair is already under way")
-        self._armed = x
+        self._armed, self._armed_layout = x, tokens
 
     def disarm(self) -> None:
         """After the pair's backward: it must have run the pair (module docstring, step 3)."""
@@ -88,6 +91,10 @@ class PairRunner:
         if self._armed is None:
             return self.layer.run_backward(state, dy, params)
         x, self._armed = self._armed, None
+        # m's layout: the one its backward runs with (runtime.pipeline.LayoutRunner sets it on the
+        # layer's executor; None: plain); a's: armed with it. The pair graph's mb0 is m, mb1 a.
+        layouts = [self.layer.executor.ctx.tokens, self._armed_layout]
+        self._armed_layout = None
         saved, _ = state
         ex, layer_ex = self.executor, self.layer.executor
         given = dict(zip(layer_ex.param_names, params)) | {self.x: x.detach(), self.seed: dy.contiguous()}
@@ -102,7 +109,8 @@ class PairRunner:
         if missing:
             raise RuntimeFailure(f"pair graph {self.pair.name!r} reads {missing[:3]}, which micro-batch's forward "
                                  "did not keep")
-        env = ex.run_whole(given, set(self.pair.outputs))     # the pair plan as one phase
+        with step_layouts(ex, layouts):
+            env = ex.run_whole(given, set(self.pair.outputs))     # the pair plan as one phase
         mine = dict(given) | env
         self._made = (x, env[self.y], {k: mine[k if k in self.params else mb_name(1, k)] for k in layer_ex.saved})
         self.runs += 1
@@ -148,7 +156,7 @@ def overlap_f_b(action: Any, ctx: Any) -> None:
         _wait_batch_p2p(sched.bwd_recv_ops.pop((k, m)))
     # 2. micro-batch a's layer input: the object torch's forward_one_chunk passes below
     x = ctx.arg_mbs[a][0] if stage.is_first else stage._retrieve_recv_activations(a)[0]
-    module.prepare_pair(x)
+    module.prepare_pair(x, **ctx.kwarg_mbs[a])
     # 3. m's backward, by torch (its loss, the stage's backward counter, the V-shape's hand-over)
     sched.backward_counter[k] += 1
     stage.backward_one_chunk(m, loss=sched._maybe_get_loss(stage, m), full_backward=True,
