@@ -56,12 +56,15 @@ from moegraph.ir import Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering.specs import NormSpec
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_labels
+from moegraph.edges import AuxLoss
+from moegraph.passes.stage_aux import StageAux, stage_aux
 from moegraph.passes.stages import StageLayout, rank_coords
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.model_steps import batch_layout, final_norm, head_logits
 from moegraph.runtime.module import DTYPES, CompiledLayer, build_layer, comm_axes, make_plan, shard_input
 from moegraph.runtime.options import RuntimeOptions
+from moegraph.runtime.pipeline_aux import StageLayersAux, aux_term
 from moegraph.runtime.pipeline_pair import PairRunner, check_merged_pairs, overlap_f_b
 from moegraph.tokens import BatchForms, Tokens, batch_forms, micro_batch_forms
 
@@ -107,18 +110,22 @@ class CompiledStage(nn.Module):
     def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
                  norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
                  padding_idx: int | None, final: NormSpec, logit_scale: float = 1.0,
-                 pair: "PairRunner | None" = None, forms: BatchForms = BatchForms()):
+                 pair: "PairRunner | None" = None, forms: BatchForms = BatchForms(),
+                 aux_loss: AuxLoss | None = None, aux: StageAux | None = None):
         """``original``: the layer graph's parameter source names -> the model's; ``names``: the
         model's names of embed, norm and head (those given); ``final``: the final norm (RMSNorm or
         a bias-free LayerNorm) and ``logit_scale`` the logits' multiplier (``moegraph.edges.EdgeHead``),
         which the last stage computes; ``pair``: the layers' merged F&B runner
         (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B); ``forms``: what the original
-        does with a padded or packed batch (``moegraph.tokens.batch_forms``)."""
+        does with a padded or packed batch (``moegraph.tokens.batch_forms``); ``aux_loss``: the
+        model's router aux loss (None: none), ``aux`` the stage graph's stats (None: it has no
+        router; ``moegraph.passes.stage_aux``)."""
         super().__init__()
         self.layers, self.original = layers, dict(original)
         self.names, self.padding_idx = dict(names), padding_idx
         self.final, self.logit_scale = final, logit_scale
         self.pair, self.forms = pair, forms
+        self.aux_loss, self.aux = aux_loss, aux
         self.layouts: list[Tokens | None] | None = None
         """The step's micro-batch layouts (``set_layouts``), read by the micro-batch index each call gets."""
         self._prepared: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -176,9 +183,13 @@ class CompiledStage(nn.Module):
         self._prepared = (x, h)
         self.pair.arm(h, self._layout(micro_batch))
 
-    def forward(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None) -> torch.Tensor:
-        """``micro_batch``: the micro-batch's index [1] (torch chunks the step's ``arange(M)``
-        keyword into every stage's call, ``TorchPipeline.step``): its batch layout; None: plain."""
+    def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None,
+                micro_batch: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """``stats``: with the router's aux loss, the stages before's router stats [3, E] (None on
+        the first stage); the output is then (output, stats with this stage's routers' added:
+        runtime.pipeline_aux). ``micro_batch``: the micro-batch's index [1] (torch chunks the
+        step's ``arange(M)`` keyword into every stage's call, ``TorchPipeline.step``): its batch
+        layout; None: plain."""
         if self._prepared is not None and self._prepared[0] is x:
             (_, x), self._prepared = self._prepared, None
         else:
@@ -187,14 +198,25 @@ class CompiledStage(nn.Module):
         runner = self.pair if self.pair is not None else self.layers
         if tokens is not None:                  # the forward and, later, its backward run with its layout
             runner = LayoutRunner(runner, self.layers.executor, tokens)
-        if torch.is_grad_enabled() and runner is not self.layers:
-            y = ScheduledLayerFunction.apply(runner, x, *self.layers.params())           # [b, s/n, h]
+        params = self.layers.params()
+        mine = None                             # this stage's routers' stats [3, E]
+        if torch.is_grad_enabled() and self.aux is not None:
+            y, mine = StageLayersAux.apply(runner, self.aux, x, *params)                 # [b, s/n, h], [3, E]
+        elif torch.is_grad_enabled() and runner is not self.layers:
+            y = ScheduledLayerFunction.apply(runner, x, *params)                         # [b, s/n, h]
+        elif self.aux is not None:              # no gradient: the forward alone, its stats kept
+            with batch_layout(self.layers.executor, tokens):
+                y, kept = self.layers.forward_only(x, keep=(self.aux.stats,))
+            mine = kept[self.aux.stats]
         else:
             with batch_layout(self.layers.executor, tokens):
                 y = self.layers(x)                                                       # [b, s/n, h]
         if self.lm_head is not None:
             y = head_logits(final_norm(y, self.norm, self.final), self.lm_head, self.logit_scale)   # -> [b, s/n, V]
-        return y
+        if self.aux_loss is None:
+            return y
+        parts = [t for t in (stats, mine) if t is not None]
+        return y, (sum(parts[1:], parts[0]) if parts else torch.zeros(3, self.aux_loss.experts, requires_grad=True))
 
     def io_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, output) of one micro-batch, for ``PipelineStage``'s static shapes (no
@@ -203,8 +225,11 @@ class CompiledStage(nn.Module):
         hidden = torch.empty(d.b, d.s // d.n, d.h, dtype=self.layers.params()[0].dtype)
         x = torch.empty(d.b, d.s, dtype=torch.int64) if self.embed is not None else hidden.clone().requires_grad_()
         y = (torch.empty(d.b, d.s // d.n, self.lm_head.shape[0], dtype=hidden.dtype) if self.lm_head is not None
-             else hidden.clone())
-        return x, y.requires_grad_()
+             else hidden.clone()).requires_grad_()
+        if self.aux_loss is None:
+            return x, y
+        stats = torch.empty(3, self.aux_loss.experts, requires_grad=True)      # the routers' stats, fp32
+        return (x if self.embed is not None else (x, stats.clone())), (y, stats)
 
     def _edges(self) -> list[tuple[str, nn.Parameter]]:
         return [(self.names[k], p) for k, p in (("embed", self.embed), ("norm", self.norm), ("head", self.lm_head))
@@ -277,14 +302,19 @@ class ShardLoss:
     (transformers' ``num_items_in_batch`` N, the step's scored tokens): its summed cross-entropy / N
     instead of the micro-batch's own count."""
 
-    def __init__(self, member: int, n: int):
-        self.member, self.n = member, n
+    def __init__(self, member: int, n: int, aux: AuxLoss | None = None):
+        self.member, self.n, self.aux = member, n, aux
 
-    def __call__(self, logits: torch.Tensor, labels: torch.Tensor, items: int | None = None) -> torch.Tensor:
+    def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
+                 items: int | None = None) -> torch.Tensor:
+        """``output``: the logits shard [b, s/n, V], or with ``aux`` (the model's router aux loss)
+        (logits, the whole model's router stats [3, E]): + coef * aux (runtime.pipeline_aux)."""
         from moegraph.runtime.model import CompiledModel
+        logits, stats = output if self.aux is not None else (output, None)
         shifted = shift_labels(labels)                                                   # [b, s]
         count = (shifted != IGNORE_INDEX).sum() if items is None else torch.tensor(items)
-        return CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n), count)
+        term = CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n), count)
+        return term if stats is None else term + aux_term(stats, self.aux, self.n)
 
 
 class _StepLoss:
@@ -340,7 +370,6 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                                   solver=SolverEffort(time_limit_s=time_limit_s)))
     spec, cost = lowered.spec, lowered.cost
     why = ("its LM head is tied to the embedding (the first and last stage would share one parameter)" if spec.tied
-           else "it adds the router's auxiliary loss (every layer's statistics, across stages)" if spec.aux_loss
            else "it has no LM head" if spec.head is None else None)
     if why:
         raise ValueError(f"{type(model).__name__} cannot be split into pipeline stages: {why}")
@@ -348,9 +377,11 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     if layout.layers != len(decoder):
         raise ValueError(f"layout holds {layout.layers} layers; the model has {len(decoder)}")
     kinds = layer_kinds(lowered.graph)          # one, or a mixed stack's (moegraph.layers.LayerKinds)
-    built, paired = {}, {}
+    built, paired, auxes = {}, {}, {}
     for k in layout.stages_of(p):
         graph = stack_kinds(kinds.sub(layout.stages[k]))
+        if spec.aux_loss is not None:           # its routers' share of the aux loss (passes/stage_aux.py)
+            graph, auxes[k] = stage_aux(graph, spec.aux_loss)
         built[k] = (graph, make_plan(graph, cost, schedule, time_limit_s=time_limit_s))
         if pairs:
             pg = pair_graph(graph)
@@ -381,7 +412,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                                norm=full[spec.norm.weight.qualname] if last else None,
                                head=full[spec.head] if last else None, names=names,
                                padding_idx=spec.padding_idx, final=spec.norm, logit_scale=spec.logit_scale,
-                               pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms)
+                               pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms,
+                               aux_loss=spec.aux_loss, aux=auxes.get(k))
     return out
 
 

@@ -56,6 +56,9 @@ class PairRunner:
         self.executor = Executor(pair, plan, ex.comm, rank=layer.rank, n=layer.n, device=ex.device,
                                  timeout_s=layer.timeout_s, expert_rows=layer.expert_rows)
         self.params = {p for p, _ in layer.graph.params}
+        # the layer graph's other inputs its backward reads (the aux seed: passes/stage_aux.py) come
+        # with that backward, not from the forward
+        self.supplied = set(layer.graph.inputs) - self.params - {ex.input_name, ex.seed_name}
         self.x, self.seed, self.y, self.dx = (mb_name(j, v) for j, v in zip((1, 0, 1, 0), (
             ex.input_name, ex.seed_name, ex.output_name, ex.input_grad_name)))
         self._armed: torch.Tensor | None = None
@@ -112,7 +115,8 @@ class PairRunner:
         with step_layouts(ex, layouts):
             env = ex.run_whole(given, set(self.pair.outputs))     # the pair plan as one phase
         mine = dict(given) | env
-        self._made = (x, env[self.y], {k: mine[k if k in self.params else mb_name(1, k)] for k in layer_ex.saved})
+        self._made = (x, env[self.y], {k: mine[k if k in self.params else mb_name(1, k)] for k in layer_ex.saved
+                                       if k not in self.supplied})
         self.runs += 1
         grads = [env[self.pair.grad_of[p]] if p in self.pair.grad_of else None for p in layer_ex.param_names]
         return env[self.dx], grads

@@ -159,7 +159,8 @@ def compiled_batch_step(rank: int, world: int, csv_text: str, stages: tuple, n: 
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "order.csv"
         path.write_text(csv_text)
-        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n),
+        aux = next(iter(mine.values())).aux_loss
+        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n, aux),
                              group=pipeline_group(layout.pp, n), static={k: m.io_examples() for k, m in mine.items()})
         out["merged"] = pipe.merged_pairs
         for reduction in REDUCTIONS:

@@ -265,7 +265,9 @@ def _register_batches(n: int, overrides: dict) -> str:
     return RANK_BATCH.add(2 * n, name, pipeline_workers.compiled_batch_step, make_args=args, timeout_s=120)
 
 
-BATCHES = {(1, ""): _register_batches(1, {})} if HAS_TRANSFORMERS else {}
+# the router's aux loss (coef 0.5, so that pads counted in it would show), summed over the stages
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+BATCHES = {(1, ""): _register_batches(1, {}), (1, "aux"): _register_batches(1, AUX)} if HAS_TRANSFORMERS else {}
 
 
 @pytest.mark.slow
@@ -278,7 +280,7 @@ def test_padded_and_packed_micro_batches_match_eager(n, aux, tmp_path):
     micro-batch losses and for num_items_in_batch."""
     ranks = RANK_BATCH.get(2 * n, BATCHES[n, aux], tmp_path)
     assert all(r["merged"] > 0 for r in ranks)
-    ref = pipeline_workers.eager_batch_step(SEED, M, 2, {})
+    ref = pipeline_workers.eager_batch_step(SEED, M, 2, AUX if aux else {})
     for reduction in pipeline_workers.REDUCTIONS:
         got = ranks[-1][reduction]["losses"]
         assert rel_err(got, ref[reduction]["losses"]) < 1e-5, (reduction, got, ref[reduction]["losses"], SEED)
