@@ -58,7 +58,7 @@ from moegraph.lowering.specs import NormSpec
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_labels
 from moegraph.edges import AuxLoss
 from moegraph.passes.stage_aux import StageAux, stage_aux
-from moegraph.passes.stages import StageLayout, rank_coords
+from moegraph.passes.stages import StageLayout, rank_coords, world_rank
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
 from moegraph.runtime.model_steps import batch_layout, final_norm, head_logits
@@ -125,6 +125,7 @@ class CompiledStage(nn.Module):
         self.names, self.padding_idx = dict(names), padding_idx
         self.final, self.logit_scale = final, logit_scale
         self.pair, self.forms = pair, forms
+        self.replicas, self.dp = None, 1        # the data-parallel group (compile_stages(dp=...))
         self.aux_loss, self.aux = aux_loss, aux
         self.layouts: list[Tokens | None] | None = None
         """The step's micro-batch layouts (``set_layouts``), read by the micro-batch index each call gets."""
@@ -245,6 +246,20 @@ class CompiledStage(nn.Module):
                     dist.all_reduce(p.grad, group=self.layers.executor.comm.mp_group)
 
     @torch.no_grad()
+    def sync_grads(self) -> None:
+        """The step's end (collective): the edges' partial gradients summed over the stage's n ranks
+        (``sync_edge_grads``), then every gradient averaged over the dp replicas (``replicas``,
+        ``compile_stages(dp=...)``): each replica's is the mean over its M micro-batches, so the
+        average is the mean over the global batch's dp x M, eager's on it."""
+        import torch.distributed as dist
+        self.sync_edge_grads()
+        if self.dp > 1:
+            for p in self.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.replicas)
+                    p.grad /= self.dp
+
+    @torch.no_grad()
     def full_state(self) -> dict[str, torch.Tensor]:
         """The stage's parameters, full, under the model's names (collective over the stage's ranks)."""
         out = {self.original[q]: t for q, t in self.layers.full_params().items()}
@@ -282,17 +297,31 @@ class LayoutRunner:
             return self.runner.run_backward(state, dy, params)
 
 
-def pipeline_group(pp: int, n: int) -> Any:
-    """This rank's pipeline group: member i of every stage, ranks i, n + i, .., (P-1)*n + i (None:
-    the world, n = 1). Collective: every rank creates every group."""
-    if n == 1:
+def pipeline_group(pp: int, n: int, dp: int = 1) -> Any:
+    """This rank's pipeline group: member i of replica d of every stage, ranks (p*dp + d)*n + i for
+    p = 0..P-1 (moegraph.passes.stages' order; None: the world, n = dp = 1). Collective: every
+    rank creates every group."""
+    if n * dp == 1:
         return None
+    return _groups([[world_rank(p, d, i, n=n, dp=dp) for p in range(pp)] for d in range(dp) for i in range(n)])
+
+
+def replica_group(pp: int, n: int, dp: int) -> Any:
+    """This rank's data-parallel group: member i of pipeline rank p's dp replicas, ranks
+    (p*dp + d)*n + i for d = 0..dp-1 (None: dp = 1). Collective: every rank creates every group."""
+    if dp == 1:
+        return None
+    return _groups([[world_rank(p, d, i, n=n, dp=dp) for d in range(dp)] for p in range(pp) for i in range(n)])
+
+
+def _groups(every: list[list[int]]) -> Any:
+    """Create ``every`` group, in one order on every rank (new_group is collective); this rank's."""
     import torch.distributed as dist
-    mine = None
-    for i in range(n):
-        pg = dist.new_group(ranks=[p * n + i for p in range(pp)])
-        if dist.get_rank() % n == i:
-            mine = pg
+    here, mine = dist.get_rank(), None
+    for members in every:
+        group = dist.new_group(ranks=members)
+        if here in members:
+            mine = group
     return mine
 
 
@@ -331,12 +360,14 @@ class _StepLoss:
 def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tensor, *, n: int = 1,
                    hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
                    passes: str | Sequence[Any] = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
-                   timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), pairs: bool = False
-                   ) -> dict[int, CompiledStage]:
+                   timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), pairs: bool = False,
+                   dp: int = 1) -> dict[int, CompiledStage]:
     """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
     rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). ``passes``: typed steps
-    (moegraph.pass_steps) or their text form. Collective: every one of the P x n ranks calls it
-    with the same arguments.
+    (moegraph.pass_steps) or their text form. Collective: every one of the P x n x dp ranks calls
+    it with the same arguments (``dp`` replicas of the pipeline, moegraph.passes.stages' rank
+    order: each replica's stage p on its own n ranks; ``CompiledStage.sync_grads`` averages the
+    replicas' gradients after a step).
 
     The driver lowers the model (``moegraph.schedules.driver.lower``: the model rule, every
     parameter placed, the passes applied to its layer once); each stage's graph is that layer
@@ -352,10 +383,11 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     from moegraph.schedules.driver import lower
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    if world != layout.pp * n:
-        raise RuntimeFailure(f"the world has {world} ranks; pp={layout.pp} stages of n={n} ranks need {layout.pp * n}")
+    if world != layout.pp * n * dp:
+        raise RuntimeFailure(f"the world has {world} ranks; pp={layout.pp} stages of n={n} ranks x dp={dp} replicas "
+                             f"need {layout.pp * n * dp}")
     rank = dist.get_rank() if dist.is_initialized() else 0
-    p = rank_coords(rank, n=n, dp=1)[0]
+    p = rank_coords(rank, n=n, dp=dp)[0]
     if input_ids.dim() != 2 or input_ids.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"input_ids must be one micro-batch's token ids [b, s], got {input_ids.dtype} "
                          f"{list(input_ids.shape)}")
@@ -397,13 +429,14 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         axes = {a for e in everyone for a in e[1]}
     full = dict(model.named_parameters()) | dict(model.named_buffers())
     forms = batch_forms(model)
+    replicas = replica_group(layout.pp, n, dp)      # every rank creates every group: before the stages
     S = len(layout.stages)
     out = {}
     for k, (graph, plan) in built.items():
         original = {q: _model_name(spec.layers, graph, q, layout.stages[k][0])
                     for q in {src.qualname for _, ps in graph.params for src in ps.sources}}
         layer = build_layer(graph, plan, {q: full[o].detach() for q, o in original.items()}, rank=rank, n=n,
-                            options=RuntimeOptions(timeout_s=timeout_s, record=False, emulate=emulate), pp=layout.pp,
+                            options=RuntimeOptions(timeout_s=timeout_s, record=False, emulate=emulate), pp=layout.pp * dp,
                             comm=(tuple(sorted(keys)), tuple(sorted(axes))))
         first, last = k == 0, k == S - 1
         names = {"embed": spec.embed} if first else {}
@@ -414,6 +447,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                                padding_idx=spec.padding_idx, final=spec.norm, logit_scale=spec.logit_scale,
                                pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms,
                                aux_loss=spec.aux_loss, aux=auxes.get(k))
+        out[k].replicas, out[k].dp = replicas, dp
     return out
 
 

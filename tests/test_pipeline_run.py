@@ -2,7 +2,7 @@
 ranks in torch's runtime (runtime/pipeline_run.py), checked against eager; its refusals.
 
 Tiny: a 2-layer copy of the registry's `tiny` (h=64, 4 experts top-2) at s=16, vocab 64, P=2,
-n=1, M=4, stage layers list-scheduled, 2 AdamW steps."""
+n=1, dp=2, M=4, stage layers list-scheduled, 2 AdamW steps."""
 
 from __future__ import annotations
 
@@ -32,19 +32,21 @@ def flags(tmp_path, schedule: str = "greedy", extra_fields: str = "") -> list[st
 
 @pytest.mark.slow
 def test_run_pp_trains_the_pipeline_step_as_eager(tmp_path, capsys):
-    """Two stages of one layer each on two ranks, the driver's order in torch's runtime: every
-    micro-batch loss of 2 AdamW steps matches the eager model's gradient accumulation."""
-    assert main([*flags(tmp_path), "--pp", "2", "--steps", "2", "--warmup", "0", "--check", "--json"]) == 0
+    """Two stages of one layer each, two data-parallel replicas of them on four ranks, the
+    driver's order in torch's runtime, the replicas' gradients averaged after each step: every
+    micro-batch loss of 2 AdamW steps matches the eager model's gradient accumulation over the
+    global batch (dp x M micro-batches; without the average the second step's differ by ~5e-4)."""
+    assert main([*flags(tmp_path), "--pp", "2", "--dp", "2", "--steps", "2", "--warmup", "0", "--check",
+                 "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
-    assert (r["pp"], r["world"], r["stages"], r["micro_batches"]) == (2, 2, [[0], [1]], 4)
-    assert len(r["losses"]) == 2 and all(len(step) == 4 for step in r["losses"])
+    assert (r["pp"], r["dp"], r["world"], r["stages"], r["micro_batches"]) == (2, 2, 4, [[0], [1]], 4)
+    assert len(r["losses"]) == 2 and all(len(step) == 2 * 4 for step in r["losses"])
     assert r["max_rel_err_loss"] < 1e-5, r
     assert r["step_us"] > 0 and r["predicted_step_us"] > 0
 
 
 @pytest.mark.parametrize("extra, schedule, fields, message", [
     (["--vpp", "2"], "greedy", "", "--vpp and --placement apply to a pipeline: give --pp P"),
-    (["--pp", "2", "--dp", "2"], "greedy", "", "it does not take --dp"),
     (["--pp", "2", "--train-steps", "1"], "greedy", "", "it does not take --train-steps"),
     (["--pp", "2"], "sequential", "", "by greedy or cpsat"),
     (["--pp", "3"], "greedy", "", "pp=3 x vpp=1 = 3 stages exceed the 2 layers"),
