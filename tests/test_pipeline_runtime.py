@@ -267,7 +267,8 @@ def _register_batches(n: int, overrides: dict) -> str:
 
 # the router's aux loss (coef 0.5, so that pads counted in it would show), summed over the stages
 AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
-BATCHES = {(1, ""): _register_batches(1, {}), (1, "aux"): _register_batches(1, AUX)} if HAS_TRANSFORMERS else {}
+BATCHES = ({(1, ""): _register_batches(1, {}), (1, "aux"): _register_batches(1, AUX), (2, "aux"): _register_batches(2, AUX)}
+           if HAS_TRANSFORMERS else {})
 
 
 @pytest.mark.slow
