@@ -130,9 +130,6 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
                           "(pipeline=PipelineSearch(runnable=True)) and whose edges give the vocabulary (ModelEdges)")
     vocab, n, dp = config.edges.vocab, config.strategy.n, config.strategy.dp
     model, layers = load_config_model(config)
-    if model.router_aux_loss_coef:
-        raise ConfigError(f"pp={config.pp}: {model.name} has router_aux_loss_coef={model.router_aux_loss_coef:g}: the "
-                          "auxiliary loss sums every layer's statistics, across stages (set it to 0 to run --pp)")
     world = config.pp * n * dp
     check_rank_memory(model, layers, world, what=f"--pp {config.pp} x --n {n} x --dp {dp} = {world} gloo ranks")
     compiled = build(config)
