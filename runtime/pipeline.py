@@ -173,16 +173,20 @@ class CompiledStage(nn.Module):
                                  "(TorchPipeline.step(attention_mask=..., position_ids=...))")
         return self.layouts[int(micro_batch)]
 
-    def prepare_pair(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None) -> None:
+    def prepare_pair(self, x: torch.Tensor, micro_batch: torch.Tensor | None = None,
+                     backward: "CompiledStage | None" = None) -> None:
         """A merged F&B pair's forward input (runtime.pipeline_pair): its layers' input now, for
-        the pair's backward; the next ``forward(x)`` of this very ``x`` takes the pair's output.
-        ``micro_batch``: the forward's index (its batch layout), as ``forward``'s."""
-        if self.pair is None:
-            raise RuntimeFailure(f"stage layers {self.layers.graph.name!r} have no merged F&B plan "
-                                 "(compile_stages(pairs=True))")
+        the pair's backward on ``backward``'s stage (None: this one); the next ``forward(x)`` of
+        this very ``x`` takes the pair's output. ``micro_batch``: the forward's index (its batch
+        layout), as ``forward``'s."""
+        backward = self if backward is None else backward
+        for stage in (self, backward):
+            if stage.pair is None:
+                raise RuntimeFailure(f"stage layers {stage.layers.graph.name!r} have no merged F&B plan "
+                                     "(compile_stages(pairs=True))")
         h = self._embed(x)
         self._prepared = (x, h)
-        self.pair.arm(h, self._layout(micro_batch))
+        backward.pair.arm(h, self._layout(micro_batch), forward=self.pair)
 
     def forward(self, x: torch.Tensor, stats: torch.Tensor | None = None,
                 micro_batch: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -361,7 +365,7 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                    hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
                    passes: str | Sequence[Any] = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
                    timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), pairs: bool = False,
-                   dp: int = 1) -> dict[int, CompiledStage]:
+                   dp: int = 1, cross_pairs: Sequence[tuple[int, int]] = ()) -> dict[int, CompiledStage]:
     """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
     rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). ``passes``: typed steps
     (moegraph.pass_steps) or their text form. Collective: every one of the P x n x dp ranks calls
@@ -373,12 +377,15 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     parameter placed, the passes applied to its layer once); each stage's graph is that layer
     stacked to the stage's layer count (``moegraph.passes.stack``), scheduled by ``schedule``.
     ``pairs``: each stage also gets its merged F&B (``pair_graph`` of its graph, scheduled
-    likewise) for the order's OVERLAP_F_B actions (runtime.pipeline_pair)."""
+    likewise) for the order's OVERLAP_F_B actions (runtime.pipeline_pair); ``cross_pairs``
+    (forward stage, backward stage), pairs of two stages on one rank (a V-shape's turn; with
+    ``pairs``): the rank holding both gets that pair's plan (``cross_pair_graph``)."""
     import torch.distributed as dist
     from moegraph.config import CompileConfig, SolverEffort
     from moegraph.layers import layer_kinds
     from moegraph.pass_steps import parse_passes
     from moegraph.passes.microbatch import pair_graph
+    from moegraph.passes.stage_pairs import cross_pair_graph
     from moegraph.passes.stack import stack_kinds
     from moegraph.schedules.driver import lower
 
@@ -418,8 +425,15 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         if pairs:
             pg = pair_graph(graph)
             paired[k] = (pg, make_plan(pg, cost, schedule, time_limit_s=time_limit_s))
+    if cross_pairs and not pairs:
+        raise ValueError(f"cross_pairs={list(cross_pairs)} run as merged F&B plans: pass pairs=True too")
+    crossed = {}
+    for kf, kb in cross_pairs:
+        if kf != kb and kf in built and kb in built:
+            cg = cross_pair_graph(built[kf][0], built[kb][0])
+            crossed[kf, kb] = (cg, make_plan(cg, cost, schedule, time_limit_s=time_limit_s))
     # every block creates every group its peers need (new_group is collective): the union of plans'
-    plans = [*built.values(), *paired.values()]
+    plans = [*built.values(), *paired.values(), *crossed.values()]
     keys = {key for g, plan in plans for key in plan.comm_keys(g)}
     axes = {a for g, _ in plans for a in comm_axes(g)}
     if world > 1:
@@ -448,6 +462,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                                pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms,
                                aux_loss=spec.aux_loss, aux=auxes.get(k))
         out[k].replicas, out[k].dp = replicas, dp
+    for (kf, kb), (cg, plan) in crossed.items():
+        out[kb].pair.add_cross(out[kf].pair, cg, plan)
     return out
 
 

@@ -64,23 +64,32 @@ def hf_batches(seed: int, micro_batches: int) -> list[tuple[torch.Tensor, torch.
 
 
 def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: int, micro_batches: int,
-                      seed: int, pairs: bool = False, optimizers: tuple = tuple(OPTIMIZERS)) -> dict:
+                      seed: int, pairs: bool = False, optimizers: tuple = tuple(OPTIMIZERS),
+                      placement: str = "loop") -> dict:
     """The tiny Mixtral as moegraph's compiled stages (P = world / n, n ranks each) in torch's
     runtime, the CSV's order: STEPS steps with each of ``optimizers`` from the same weights.
     Returns, per optimizer, each step's M losses (on the last stage's ranks) and the final
     parameters of this rank's stages under the model's names; the pairs run merged per step
     (``merged``) and the merged F&B plans' runs (``pair_runs``). ``pairs``: stages compiled with
-    their merged F&B."""
+    their merged F&B, and the plans of the CSV's pairs of two stages."""
     import torch.distributed as dist
 
     from model_workers import mixtral_model
     from moegraph.runtime.pipeline import ShardLoss, TorchPipeline, compile_stages, pipeline_group
-    layout = StageLayout(stages, world // n)
+    from moegraph.schedules.pipeline import Pair
+    from moegraph.schedules.pipeline_torch import read_csv
+    layout = StageLayout(stages, world // n, placement)
     model = mixtral_model(seed, layout.layers)
     init = {k: t.detach().clone() for k, t in model.named_parameters()}
     data = hf_batches(seed, micro_batches)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "order.csv"
+        path.write_text(csv_text)
+        cross = sorted({(i.forward.stage, i.backward.stage) for row in read_csv(path) for i in row
+                        if isinstance(i, Pair) and i.forward.stage != i.backward.stage})
     mine = compile_stages(model, layout, data[0][0][: data[0][0].shape[0] // micro_batches], n=n,
-                          hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0, pairs=pairs)
+                          hardware="cpu-gloo", passes="", schedule="greedy", timeout_s=60.0, pairs=pairs,
+                          cross_pairs=cross)
     group = pipeline_group(layout.pp, n)
     last = len(stages) - 1 in mine
     out: dict = {"kinds": sorted({type(m.layers).__name__ for m in mine.values()})}

@@ -150,7 +150,7 @@ def _register_paired() -> str:
 PAIRED = _register_paired() if HAS_TRANSFORMERS else None
 
 
-def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS)) -> dict:
+def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS), layers: int = 2) -> dict:
     """The same model, data and optimizers, eager: gradient accumulation over the M micro-batches."""
     from model_workers import mixtral_model
     from moegraph.runtime.check import eager_accumulate
@@ -158,7 +158,7 @@ def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS)) -> di
     out = {}
     for name in optimizers:
         make = pipeline_workers.OPTIMIZERS[name]
-        model = mixtral_model(SEED, 2)
+        model = mixtral_model(SEED, layers)
         init = {k: p.detach().clone() for k, p in model.named_parameters()}
         opt = make(model.parameters())
         losses = []
@@ -214,13 +214,21 @@ def test_merged_pairs_train_hf_mixtral_as_eager(tmp_path):
         [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
 
 
-def test_a_pair_of_two_stages_is_refused_by_name():
-    """A V-shape's turn pairs stage 0's F with stage 3's B: one pair graph cannot hold two stages."""
+def test_a_pair_without_its_plan_is_refused_by_name():
+    """A V-shape's turn pairs stage 0's F with stage 3's B: stages compiled without that pair's
+    plan (compile_stages(cross_pairs=...)), or without merged plans at all, refuse it by name."""
+    from types import SimpleNamespace
+
     from moegraph.runtime import RuntimeFailure
     from moegraph.runtime.pipeline_pair import check_merged_pairs
     orders = ((Pair(Action("F", 0, 1), Action("B", 3, 0)),), ())
-    with pytest.raises(RuntimeFailure, match=r"pair \(0F1;3B0\) overlaps stage 0's forward with stage 3's backward"):
-        check_merged_pairs(orders, {0: object(), 3: object()}, (0, 3))
+    class Runner:                               # a stage's PairRunner with only its own pair's plan
+        def __init__(self):
+            self.plans = {self: None}
+    own = {k: SimpleNamespace(pair=Runner()) for k in (0, 3)}
+    with pytest.raises(RuntimeFailure, match=r"pair \(0F1;3B0\) overlaps stage 0's forward with stage 3's backward, "
+                                             r"but the stages were compiled without that pair's plan"):
+        check_merged_pairs(orders, own, (0, 3))
     same = ((Pair(Action("F", 0, 1), Action("B", 0, 0)),), ())
     with pytest.raises(RuntimeFailure, match="stage 0 was compiled without its merged F&B plan"):
         check_merged_pairs(same, {0: object()}, (0,))
@@ -289,3 +297,53 @@ def test_padded_and_packed_micro_batches_match_eager(n, aux, tmp_path):
         assert set(grads) == set(ref[reduction]["grads"])
         for k, g in grads.items():
             assert rel_err(g, ref[reduction]["grads"][k]) < 1e-5, f"{reduction}: gradient of {k} (seed {SEED})"
+
+
+# -- a V-shape's turn: F&B pairs of two stages, merged ---------------------------------------------
+
+V_LAYOUT = StageLayout(((0,), (1,), (2,), (3,)), 2, "v")
+
+
+@functools.cache
+def v_order() -> tuple:
+    """CP-SAT's order (B only) for a V-shape (stages 0 and 3 on rank 0, 1 and 2 on rank 1) where
+    an F&B pair saves its whole F: it overlaps pairs of two stages both ways at the turn
+    ((0F2;3B0), (3F2;0B0), (1F2;2B0), (2F2;1B0), ...) beside a stage's own."""
+    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(4))
+    problem = PipelineProblem(V_LAYOUT, M, work, (1,) * 3, (1,) * 3, (0, 0), (0, 0))
+    res = solve_pipeline(problem, {n: torch_orders(n, V_LAYOUT, M) for n in torch_schedules_for(V_LAYOUT)},
+                         time_limit_s=1, split=False)
+    assert res.source == "cpsat"
+    return res.timeline.orders
+
+
+def _register_v() -> str:
+    def args():
+        import tempfile
+        from pathlib import Path
+        with tempfile.TemporaryDirectory() as tmp:
+            text = write_csv(v_order(), Path(tmp) / "o.csv").read_text()
+        return (text, V_LAYOUT.stages, 1, M, SEED, True, ("sgd",), "v")
+    return RANK_BATCH.add(2, "pipeline.compiled.v_pairs", pipeline_workers.compiled_training, make_args=args,
+                          timeout_s=120)
+
+
+V_PAIRS = _register_v() if HAS_TRANSFORMERS else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_v_shape_pairs_of_two_stages_train_as_eager(tmp_path):
+    """The V-shape's order with pairs of two stages (cross_pair_graph: one stage's forward beside
+    another's backward, each stage's parameters its own), each run as one merged plan, P=2 n=1
+    M=4, 4 layers: after 3 SGD steps every parameter matches eager's."""
+    pairs = [i for row in v_order() for i in row if isinstance(i, Pair)]
+    assert any(p.forward.stage != p.backward.stage for p in pairs)
+    ranks = RANK_BATCH.get(2, V_PAIRS, tmp_path)
+    for r, row in zip(ranks, v_order()):
+        mine = sum(isinstance(i, Pair) for i in row)
+        assert r["merged"] == mine and r["pair_runs"] == mine * pipeline_workers.STEPS, r
+    ref = eager_training(("sgd",), layers=4)
+    assert_sgd_params_match(ranks, ref)
+    assert [x for step in ranks[0]["sgd"]["losses"] for x in step] == pytest.approx(
+        [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
