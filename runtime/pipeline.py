@@ -26,7 +26,8 @@ Two kinds of stage module:
     apart (``TorchPipeline`` refuses them; ``solve_pipeline(split=False)``). An OVERLAP_F_B
     pair of a stage's F and its own B runs as moegraph's merged F&B (``compile_stages(pairs=
     True)``: the op-level schedule of the pair graph, registered with torch's
-    ``register_custom_function``; runtime.pipeline_pair); a pair of two stages is refused.
+    ``register_custom_function``; runtime.pipeline_pair), and so does a V-shape's pair of two
+    stages on one rank (``compile_stages(cross_pairs=...)``: passes/stage_pairs.py).
     Eager stages run a pair's two parts one after the other (torch's default).
 
 World (compiled stages, dp = 1): P x n ranks in moegraph's order (moegraph.passes.stages:

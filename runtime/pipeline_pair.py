@@ -22,10 +22,13 @@ torch runs them:
   4. torch's forward of a (``forward_one_chunk``): the layers' forward node takes the kept
      output and saved values (nothing runs twice), the head and loss run eagerly.
 
-Only a stage's forward beside its own backward runs merged (the pair graph holds one stage's
-parameters); ``check_merged_pairs`` refuses, naming it, an order that pairs two stages (a
-V-shape's turn) before anything runs, as it refuses a compiled stage built without its pair
-plan. Nothing falls back to running the parts one after the other.
+A pair of two stages on this rank (a V-shape's turn: stage k's forward beside stage 2P-1-k's
+backward) runs alike on ``cross_pair_graph`` (moegraph.passes.stage_pairs: each stage's
+parameters its own), a plan the backward stage's runner holds per forward stage
+(``PairRunner.add_cross``); the forward's output and saved values go to the forward stage's
+runner. ``check_merged_pairs`` refuses, naming it, an order with a pair whose plan its stages
+were not compiled with, before anything runs. Nothing falls back to running the parts one
+after the other.
 """
 
 from __future__ import annotations

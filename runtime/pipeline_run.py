@@ -1,20 +1,22 @@
-"""`moegraph run --pp P`: the pipeline step compiled by the driver, trained on P x n local ranks.
+"""`moegraph run --pp P`: the pipeline step compiled by the driver, trained on P x n x dp local ranks.
 
-Notation: P pipeline ranks, V stages per rank, n ranks per stage group, M micro-batches of b
-rows, s sequence, V_ocab the vocabulary.
+Notation: P pipeline ranks, V stages per rank, n ranks per stage group, dp replicas, M
+micro-batches of b rows, s sequence, V_ocab the vocabulary.
 
 The parent turns the flags into one ``CompileConfig`` (``config_from_args`` with pp, vpp,
-placement and ``PipelineSearch(runnable=True)``: every backward whole and F&B pairs only of a
-stage with itself, what compiled stages run) and compiles it once with the driver
-(``moegraph.schedules.driver.build``: the stages balanced, the order CP-SAT's or the best torch
-schedule's), writes the order as torch's action CSV and spawns P x n gloo ranks
-(``pipeline_rank``). Each rank builds the seeded ``MoETransformer`` (``--layers``, ``--vocab``),
-compiles its stages with the config's strategy, passes, hardware and schedule method
-(``runtime.pipeline.compile_stages``, with their merged F&B plans when the order pairs), and
-trains warm-up + K AdamW steps in torch's ``_PipelineScheduleRuntime`` (``TorchPipeline``). A
+placement and ``PipelineSearch(runnable=True)``: every backward whole, what compiled stages
+run) and compiles it once with the driver (``moegraph.schedules.driver.build``: the stages
+balanced, the order CP-SAT's or the best torch schedule's), writes the order as torch's action
+CSV and spawns P x n x dp gloo ranks (``pipeline_rank``, moegraph.passes.stages' rank order).
+Each rank builds the seeded ``MoETransformer`` (``--layers``, ``--vocab``; with the router's
+aux loss when the model has one), compiles its stages with the config's strategy, passes,
+hardware and schedule method (``runtime.pipeline.compile_stages``, with the merged F&B plans of
+the order's pairs, of one stage or of two), and trains warm-up + K AdamW steps in torch's
+``_PipelineScheduleRuntime`` (``TorchPipeline``), replica d on its M micro-batches of each
+step's global batch, the gradients averaged over the replicas (``CompiledStage.sync_grads``). A
 step's time is the slowest rank's; the report gives the median over the K steps beside the
-driver's predicted step. ``--check``: the last stage's rank trains the eager model alike
-(gradient accumulation over the M micro-batches) and compares every micro-batch loss.
+driver's predicted step. ``--check``: the last rank trains the eager model alike (gradient
+accumulation over the global batch's dp x M micro-batches) and compares every micro-batch loss.
 """
 
 from __future__ import annotations
@@ -76,10 +78,12 @@ def pipeline_rank(rank: int, world: int, spec: PipelineRun) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "order.csv"
         path.write_text(spec.csv)
-        pairs = any(isinstance(i, Pair) for row in read_csv(path) for i in row)
+        paired = [i for row in read_csv(path) for i in row if isinstance(i, Pair)]
+        cross = sorted({(i.forward.stage, i.backward.stage) for i in paired if i.forward.stage != i.backward.stage})
         mine = compile_stages(model, layout, data[0][:b], n=n, hardware=cfg.hardware, attn=st.attn, ffn=st.ffn,
                               dispatch=st.dispatch, passes=cfg.passes, schedule=cfg.schedule,
-                              time_limit_s=cfg.solver.time_limit_s, timeout_s=spec.timeout_s, pairs=pairs, dp=dp)
+                              time_limit_s=cfg.solver.time_limit_s, timeout_s=spec.timeout_s, pairs=bool(paired), dp=dp,
+                              cross_pairs=cross)
         aux = next(iter(mine.values())).aux_loss
         pipe = TorchPipeline(mine, layout, path, micro_batches=M, loss_fn=ShardLoss(member, n, aux),
                              group=pipeline_group(layout.pp, n, dp), static={k: m.io_examples() for k, m in mine.items()})
@@ -151,7 +155,7 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
         "pp": config.pp, "vpp": config.vpp, "placement": layout.placement, "n": n, "dp": dp, "world": world,
         "stages": [list(s) for s in layout.stages], "micro_batches": config.micro_batches, "batch": config.batch,
         "seq": config.seq, "schedule": config.schedule, "order": compiled.result.source, "order_hash": compiled.hash,
-        "f_b_pairs": pairs, "merged_pairs": sum(r["merged_pairs"] for r in results) // (n * dp),
+        "f_b_pairs": pairs, "pairs": [str(i) for row in orders for i in row if isinstance(i, Pair)], "merged_pairs": sum(r["merged_pairs"] for r in results) // (n * dp),
         "predicted_step_us": round(tl.makespan * compiled.built.problem.tick_us, 1),
         "steps": steps, "warmup": warmup, "step_us": round(statistics.median(steps_s) * 1e6, 1),
         "step_us_all": [round(x * 1e6, 1) for x in steps_s], "losses": losses}
@@ -167,8 +171,8 @@ def format_pipeline_report(r: dict[str, Any]) -> str:
     lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: pp={r['pp']} vpp={r['vpp']} "
              f"{r['placement']} x n={r['n']} x dp={r['dp']} = {r['world']} gloo ranks, stages {r['stages']}, "
              f"M={r['micro_batches']} x b={r['batch']} s={r['seq']}",
-             f"order {r['order']} ({r['order_hash'][:12]}), {r['f_b_pairs']} F&B pairs ({r['merged_pairs']} run as "
-             f"merged F&B plans), stage layers scheduled by {r['schedule']}",
+             f"order {r['order']} ({r['order_hash'][:12]}), {r['f_b_pairs']} F&B pairs {' '.join(r['pairs'])} "
+             f"({r['merged_pairs']} run as merged F&B plans), stage layers scheduled by {r['schedule']}",
              f"step time: median {r['step_us'] / 1e3:.3f} ms over {r['steps']} steps after {r['warmup']} warm-up, "
              f"predicted {r['predicted_step_us'] / 1e3:.3f} ms",
              "losses (mean over micro-batches): " + ", ".join(f"{sum(x) / len(x):.4f}" for x in r["losses"])]

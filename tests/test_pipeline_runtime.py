@@ -15,7 +15,7 @@ from moegraph.models import causal_lm_loss
 from moegraph.passes.stages import StageLayout
 from moegraph.schedules.pipeline import Action, Pair, PipelineProblem, StageWork
 from moegraph.schedules.pipeline_cpsat import solve_pipeline
-from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for, write_csv
+from moegraph.schedules.pipeline_torch import csv_text, torch_orders, torch_schedules_for
 
 M = 4
 SEED = fresh_seed()
@@ -43,11 +43,7 @@ CASES = {
 
 def _register(name: str, layout: StageLayout, saving: int) -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        orders = cpsat_order(layout, saving)
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(orders, Path(tmp) / "o.csv").read_text()
+        text = csv_text(cpsat_order(layout, saving))
         return (text, layout.stages, layout.placement, M, SEED)
     return RANK_BATCH.add(2, f"pipeline.torch_runtime.{name}", pipeline_workers.torch_runtime_step, make_args=args,
                           timeout_s=120)
@@ -111,10 +107,7 @@ def compiled_order() -> tuple:
 
 def _register_compiled(n: int) -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(compiled_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(compiled_order())
         return (text, ((0,), (1,)), n, M, SEED)
     return RANK_BATCH.add(2 * n, f"pipeline.compiled.n{n}", pipeline_workers.compiled_training, make_args=args,
                           timeout_s=240)
@@ -138,10 +131,7 @@ def paired_order() -> tuple:
 
 def _register_paired() -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(paired_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(paired_order())
         return (text, ((0,), (1,)), 1, M, SEED, True, ("sgd",))
     return RANK_BATCH.add(2, "pipeline.compiled.pairs", pipeline_workers.compiled_training, make_args=args,
                           timeout_s=120)
@@ -264,10 +254,7 @@ def test_a_compiled_last_stage_computes_the_models_final_layernorm_and_logit_sca
 
 def _register_batches(n: int, overrides: dict) -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(paired_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(paired_order())
         return (text, ((0,), (1,)), n, M, SEED, True, overrides)
     name = f"pipeline.compiled.batches.n{n}{'.aux' if overrides else ''}"
     return RANK_BATCH.add(2 * n, name, pipeline_workers.compiled_batch_step, make_args=args, timeout_s=120)
@@ -319,10 +306,7 @@ def v_order() -> tuple:
 
 def _register_v() -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(v_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(v_order())
         return (text, V_LAYOUT.stages, 1, M, SEED, True, ("sgd",), "v")
     return RANK_BATCH.add(2, "pipeline.compiled.v_pairs", pipeline_workers.compiled_training, make_args=args,
                           timeout_s=120)
