@@ -331,3 +331,28 @@ def test_v_shape_pairs_of_two_stages_train_as_eager(tmp_path):
     assert_sgd_params_match(ranks, ref)
     assert [x for step in ranks[0]["sgd"]["losses"] for x in step] == pytest.approx(
         [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_batch_form_a_stage_cannot_run_is_refused_in_one_line():
+    """As train_step's: a left-padded micro-batch, both forms in one micro-batch, a step's forms
+    as one tensor instead of one per micro-batch: one line naming the micro-batch and the form."""
+    from model_workers import mixtral_model
+    from moegraph.runtime.pipeline import compile_stages
+    from moegraph.tokens import micro_batch_forms
+    model = mixtral_model(SEED, 2)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(SEED))
+    (stage,) = compile_stages(model, StageLayout(((0, 1),), 1), ids, passes="", schedule="greedy").values()
+    ones = torch.ones(2, 16, dtype=torch.long)
+    left = ones.clone()
+    left[1, :3] = 0
+    with pytest.raises(ValueError, match=r"^micro-batch 1's attention_mask row 1 starts with a 0 \(left padding\)"):
+        stage.set_layouts([(None, None), (left, None)])
+    with pytest.raises(ValueError, match="^micro-batch 0's attention_mask and position_ids together are not supported"):
+        stage.set_layouts([(left.flip(-1), torch.arange(16)[None])])
+    with pytest.raises(ValueError, match=r"a step of 2 micro-batches takes attention_mask as None or a sequence of 2 "
+                                         r"entries .* got one tensor \[4, 16\]"):
+        micro_batch_forms(torch.ones(4, 16), None, 2)
+    stage.set_layouts([(ones, None), (None, torch.arange(16)[None])])      # plain forms: nothing to lay out
+    assert stage.layouts == [None, None]
