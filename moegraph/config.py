@@ -118,8 +118,8 @@ class PipelineSearch:
     (Megatron's ``--overlap-param-gather``); False: the whole sync at the step's end."""
     runnable: bool = False
     """The order runs on moegraph's compiled stages (moegraph.runtime.pipeline, ``run --pp``):
-    each backward whole (B, no I/W split) and F&B pairs only of a stage's forward beside its
-    own backward (one merged pair plan); False: any order torch's runtime takes."""
+    each backward whole (B, no I/W split; F&B pairs of one stage or, on a V-shape, of two, each
+    one merged pair plan); False: any order torch's runtime takes."""
 
     def problems(self) -> list[str]:
         out = []

@@ -329,14 +329,18 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 class MoETransformer(nn.Module):
     """A causal MoE language model: token embedding, L MoETransformerLayer, final RMSNorm, an
-    untied LM head. ``forward(input_ids [b, s], labels=None)`` -> CausalLMOutput."""
+    untied LM head. ``forward(input_ids [b, s], labels=None)`` -> CausalLMOutput.
+    ``router_aux_loss_coef`` > 0 adds, with labels, coef x the routers' load-balancing loss
+    (``load_balancing_loss``) to the loss, as transformers' Mixtral with output_router_logits."""
 
-    def __init__(self, vocab: int, layers: list[MoETransformerLayer], hidden: int, rms_eps: float = 1e-5):
+    def __init__(self, vocab: int, layers: list[MoETransformerLayer], hidden: int, rms_eps: float = 1e-5,
+                 router_aux_loss_coef: float = 0.0):
         super().__init__()
         self.embed = nn.Embedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, rms_eps)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.router_aux_loss_coef = router_aux_loss_coef
 
     @classmethod
     def from_config(cls, cfg, *, layers: int | None = None, vocab: int = VOCAB) -> "MoETransformer":
@@ -347,11 +351,36 @@ class MoETransformer(nn.Module):
         if isinstance(count, bool) or not isinstance(count, int) or not 1 <= count <= cfg.layers:
             raise ValueError(f"layers={count!r} must be between 1 and {cfg.name}'s {cfg.layers} layers")
         return cls(vocab, [MoETransformerLayer.from_config(cfg, layer=i) for i in range(count)], cfg.hidden,
-                   cfg.rms_eps)
+                   cfg.rms_eps, router_aux_loss_coef=cfg.router_aux_loss_coef)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None) -> CausalLMOutput:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x)
+        aux = self.router_aux_loss_coef > 0 and labels is not None
+        routed: list[torch.Tensor] = []                 # each MoE layer's router input [b, s, h]
+        hooks = [layer.moe.register_forward_pre_hook(lambda _, args: routed.append(args[0]))
+                 for layer in self.layers if aux and layer.moe is not None]
+        try:
+            x = self.embed(input_ids)
+            for layer in self.layers:
+                x = layer(x)
+        finally:
+            for hook in hooks:
+                hook.remove()
         logits = self.lm_head(self.norm(x))
-        return CausalLMOutput(None if labels is None else causal_lm_loss(logits, labels), logits)
+        if labels is None:
+            return CausalLMOutput(None, logits)
+        loss = causal_lm_loss(logits, labels)
+        if aux:
+            moes = [layer.moe for layer in self.layers if layer.moe is not None]
+            router_logits = [F.linear(x.reshape(-1, x.shape[-1]), m.router.weight) for x, m in zip(routed, moes)]
+            loss = loss + self.router_aux_loss_coef * load_balancing_loss(router_logits, moes[0].top_k)
+        return CausalLMOutput(loss, logits)
+
+
+def load_balancing_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """transformers' ``load_balancing_loss_func`` (no attention mask): every layer's router logits
+    [T, E] together, P = softmax in fp32, the top-k of P one-hot: E * sum over the k slots and the
+    experts of (fraction of rows choosing the expert in the slot) x (mean P of the expert)."""
+    logits = torch.cat(router_logits)                                          # [L*T, E]
+    probs = torch.softmax(logits.float(), dim=-1)
+    chosen = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, logits.shape[-1]).float()   # [L*T, k, E]
+    return (chosen.mean(0) * probs.mean(0)[None]).sum() * logits.shape[-1]

@@ -30,10 +30,11 @@ position_ids, position_ids that are not integers of shape [b, s] or [1, s].
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
-__all__ = ["Tokens", "TokensError", "tokens_of", "attention_allowed", "rope_positions"]
+__all__ = ["Tokens", "TokensError", "BatchForms", "batch_forms", "micro_batch_forms", "tokens_of", "attention_allowed", "rope_positions"]
 
 
 class TokensError(ValueError):
@@ -57,6 +58,72 @@ class Tokens:
         """The layout of rows ``index`` (a data-parallel replica's)."""
         pick = lambda t: None if t is None else t[index]  # noqa: E731
         return Tokens(pick(self.positions), pick(self.documents), pick(self.keys))
+
+
+@dataclass(frozen=True)
+class BatchForms:
+    """What the original model does with the two arguments, so that a compiled batch layout is
+    refused by name where the compiled step would differ from eager (``batch_forms``).
+
+    takes:             the original forward's argument names (it may take neither form).
+    masks_documents:   whether it keeps packed documents apart by their position_ids (transformers
+                       builds the mask from them: ``hf_common.masks_by_position``); False: they
+                       attend across and only RoPE restarts; None: unknown (no mask builder seen).
+    caches_by_default: its config's use_cache: transformers then builds a cache unless
+                       use_cache=False and attends across packed documents.
+    """
+
+    takes: frozenset[str] = frozenset()
+    masks_documents: bool | None = None
+    caches_by_default: bool = False
+
+    def layout(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, rows: int, seq: int,
+               device: torch.device, use_cache: bool | None = False) -> Tokens | None:
+        """The ``Tokens`` of a batch of ``rows`` x ``seq`` (``tokens_of``) as the original runs it
+        (``use_cache``: the call's; training passes False), or None for a plain batch."""
+        tokens = tokens_of(attention_mask, position_ids, rows, seq, device)
+        if tokens is None:
+            return None
+        given = "attention_mask" if tokens.keys is not None else "position_ids"
+        if given not in self.takes:               # the original model would not take it either
+            raise ValueError(f"{given}: the original forward takes no {given}, so only a plain batch (no "
+                             f"{given}, or one that changes nothing) is compiled for it")
+        if tokens.documents is not None and not self.masks_documents:
+            if self.masks_documents is None:
+                raise ValueError("position_ids restart (packed documents), but how the original builds its attention "
+                                 "mask is unknown (its base model's forward shows no mask builder): not compiled")
+            tokens = Tokens(positions=tokens.positions)    # as its masks: documents attend across, RoPE restarts
+        if tokens.documents is not None and use_cache is not False and self.caches_by_default:
+            raise ValueError("position_ids restart (packed documents) but use_cache is not False: transformers then "
+                             "builds a cache and attends across the documents, the compiled model keeps them apart; "
+                             "pass use_cache=False (as training does)")
+        return tokens
+
+
+def micro_batch_forms(attention_mask, position_ids, micro_batches: int) -> list[tuple[object, object]]:
+    """A step's per-micro-batch (attention_mask, position_ids): each argument None, or a sequence of
+    ``micro_batches`` entries, each None or a tensor (one per micro-batch; a step's whole batch in
+    one tensor is refused: each micro-batch takes either form, or none)."""
+    M = micro_batches
+    for what, seq in (("attention_mask", attention_mask), ("position_ids", position_ids)):
+        if seq is not None and (isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence) or len(seq) != M):
+            got = (f"one tensor {list(seq.shape)}" if isinstance(seq, torch.Tensor) else
+                   f"{len(seq)}" if isinstance(seq, Sequence) else type(seq).__name__)
+            raise ValueError(f"a step of {M} micro-batches takes {what} as None or a sequence of {M} entries (one per "
+                             f"micro-batch, each None or a tensor), got {got}")
+    return [(None if attention_mask is None else attention_mask[j], None if position_ids is None else position_ids[j])
+            for j in range(M)]
+
+
+def batch_forms(model) -> BatchForms:
+    """The ``BatchForms`` of an original module (an nn.Module; a transformers causal LM or not)."""
+    import inspect
+
+    from moegraph.lowering.hf_common import masks_by_position
+    takes = frozenset(q.name for q in inspect.signature(model.forward).parameters.values()
+                      if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD, q.KEYWORD_ONLY))
+    return BatchForms(takes, masks_by_position(model) if "position_ids" in takes else None,
+                      bool(getattr(getattr(model, "config", None), "use_cache", False)))
 
 
 def tokens_of(attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, rows: int, seq: int,

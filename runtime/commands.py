@@ -369,13 +369,13 @@ def run_pipeline_flags(args: argparse.Namespace, link: Any, t0: float) -> dict[s
     from moegraph.config import PipelineSearch
     from moegraph.runtime.pipeline_run import run_pipeline
     refused = [flag for flag, given in (
-        ("--dp", args.dp > 1), ("--backend nccl", args.backend != "gloo"),
+        ("--backend nccl", args.backend != "gloo"),
         ("--schedule FILE.json", isinstance(args.schedule, Path)), ("--trace", args.trace),
         ("--compare-prediction", args.compare_prediction), ("--link", link is not None),
         ("--expert-rows padded", args.expert_rows != "exact"), ("--train-steps", args.train_steps is not None)) if given]
     if refused:
-        raise UsageError(f"--pp {args.pp_ranks} trains the pipeline step on local gloo ranks (dp=1, --steps AdamW "
-                         f"steps); it does not take {', '.join(refused)}")
+        raise UsageError(f"--pp {args.pp_ranks} trains the pipeline step on local gloo ranks (--steps AdamW steps); "
+                         f"it does not take {', '.join(refused)}")
     if args.schedule not in ("greedy", "cpsat"):
         raise UsageError(f"--pp {args.pp_ranks} --schedule {args.schedule}: each stage's layers are scheduled alone, "
                          "by greedy or cpsat")

@@ -110,7 +110,6 @@ from moegraph.interpreter import unshard_grad
 from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
-from moegraph.lowering.hf_common import masks_by_position
 from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
@@ -119,7 +118,7 @@ from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
                                          check_edge_head, final_norm, head_logits, step_layouts)
-from moegraph.tokens import Tokens, tokens_of
+from moegraph.tokens import Tokens, batch_forms, micro_batch_forms
 
 if TYPE_CHECKING:
     from moegraph.schedules.schedule_file import Schedule
@@ -303,22 +302,10 @@ class CompiledModel(nn.Module):
         """This replica's batch layout (``moegraph.tokens``: right padding or packed documents), or
         None for a plain batch; refused by name where the compiled step would differ from eager
         (transformers masks packed documents apart only without a cache: ``use_cache=False``)."""
-        tokens = tokens_of(attention_mask, position_ids, self.dp * self.batch, self.seq, self.embed.device)
+        tokens = self.forms.layout(attention_mask, position_ids, self.dp * self.batch, self.seq, self.embed.device,
+                                   use_cache)
         if tokens is None:
             return None
-        given = "attention_mask" if tokens.keys is not None else "position_ids"
-        if given not in self.positional:          # the original model would not take it either
-            raise ValueError(f"{given}: the original forward takes no {given}, so only a plain batch (no "
-                             f"{given}, or one that changes nothing) is compiled for it")
-        if tokens.documents is not None and not self.masks_documents:
-            if self.masks_documents is None:
-                raise ValueError("position_ids restart (packed documents), but how the original builds its attention "
-                                 "mask is unknown (its base model's forward shows no mask builder): not compiled")
-            tokens = Tokens(positions=tokens.positions)    # as its masks: documents attend across, RoPE restarts
-        if tokens.documents is not None and use_cache is not False and self.caches_by_default:
-            raise ValueError("position_ids restart (packed documents) but use_cache is not False: transformers then "
-                             "builds a cache and attends across the documents, the compiled model keeps them apart; "
-                             "pass use_cache=False (as training does)")
         if self.layers.cuda_graphs != "off":
             raise ValueError(f"attention_mask / position_ids with cuda_graphs={self.layers.cuda_graphs!r}: the "
                              "captured kernels hold no batch layout (run without CUDA graphs)")
@@ -402,18 +389,10 @@ class CompiledModel(nn.Module):
     def _step_tokens(self, attention_mask, position_ids) -> list[Tokens | None]:
         """Each micro-batch's batch layout (``_tokens``, as use_cache=False) of train_step's
         per-micro-batch attention_mask / position_ids (None, or M entries each None or a tensor)."""
-        M = self.micro_batches
-        for what, seq in (("attention_mask", attention_mask), ("position_ids", position_ids)):
-            if seq is not None and (isinstance(seq, torch.Tensor) or not isinstance(seq, Sequence) or len(seq) != M):
-                got = (f"one tensor {list(seq.shape)}" if isinstance(seq, torch.Tensor) else
-                       f"{len(seq)}" if isinstance(seq, Sequence) else type(seq).__name__)
-                raise ValueError(f"train_step takes {what} as None or a sequence of {M} entries (one per micro-batch, "
-                                 f"each None or a tensor), got {got}")
         layouts = []
-        for j in range(M):
+        for j, (mask, positions) in enumerate(micro_batch_forms(attention_mask, position_ids, self.micro_batches)):
             try:
-                layouts.append(self._tokens(None if attention_mask is None else attention_mask[j],
-                                            None if position_ids is None else position_ids[j], use_cache=False))
+                layouts.append(self._tokens(mask, positions, use_cache=False))
             except ValueError as err:
                 raise type(err)(f"micro-batch {j}'s {err}") from None
         return layouts
@@ -552,8 +531,7 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, config: CompileConf
                              frozen=cold).train(model.training)    # the source's mode: eval stays eval
     # transformers builds a cache unless use_cache=False, and then ignores packed documents; some
     # families build their masks without position_ids at all (hf_common.masks_by_position)
-    compiled.caches_by_default = bool(getattr(getattr(model, "config", None), "use_cache", False))
-    compiled.masks_documents = masks_by_position(model) if "position_ids" in positional else None
+    compiled.forms = batch_forms(model)
     return compiled
 
 

@@ -361,5 +361,5 @@ def _build_pipeline(config: CompileConfig, lowered: Lowered) -> CompiledPipeline
     search = config.pipeline
     result = solve_pipeline(problem, warm, time_limit_s=config.solver.time_limit_s, workers=config.solver.workers,
                             windows=search.windows, window=search.window, window_limit_s=search.window_limit_s,
-                            split=not search.runnable, cross_pairs=not search.runnable)
+                            split=not search.runnable)
     return CompiledPipeline(lowered, built, result, refused)

@@ -30,7 +30,7 @@ from typing import Sequence
 
 from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, OpKind, Phase, Strategy
+from moegraph.ir import Graph, Node, OpKind, Phase, Strategy, ValueKind
 from moegraph.memory import (ADAM_DISTRIBUTED, OptimizerSpec, StageMemory, layer_params,
                              pipeline_memory, rank_memory)
 from moegraph.pass_steps import parse_passes
@@ -147,8 +147,11 @@ def pipeline_problem(layers: Sequence[Graph], cost: CostModel, *, pp: int, vpp: 
 
 
 def _p2p(step: Graph, phase: Phase) -> Node:
-    """The split step's one P2P node of ``phase`` (``boundary_step``)."""
-    found = [n for n in step.nodes if n.op is OpKind.P2P and n.phase is phase]
+    """The split step's one P2P node of ``phase`` (``boundary_step``) that moves the layers'
+    activation or its gradient; a model with the router's aux loss also sends its routers' [3, E]
+    stats across (routing values, 12*E bytes: not priced)."""
+    found = [n for n in step.nodes if n.op is OpKind.P2P and n.phase is phase
+             and step.value[n.inputs[0]].kind is not ValueKind.ROUTING]
     if len(found) != 1:
         raise ValueError(f"graph {step.name!r} has {len(found)} {phase.value} P2P nodes; a boundary step "
                          "(boundary_step) has one each way")

@@ -15,7 +15,7 @@ from moegraph.models import causal_lm_loss
 from moegraph.passes.stages import StageLayout
 from moegraph.schedules.pipeline import Action, Pair, PipelineProblem, StageWork
 from moegraph.schedules.pipeline_cpsat import solve_pipeline
-from moegraph.schedules.pipeline_torch import torch_orders, torch_schedules_for, write_csv
+from moegraph.schedules.pipeline_torch import csv_text, torch_orders, torch_schedules_for
 
 M = 4
 SEED = fresh_seed()
@@ -43,11 +43,7 @@ CASES = {
 
 def _register(name: str, layout: StageLayout, saving: int) -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        orders = cpsat_order(layout, saving)
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(orders, Path(tmp) / "o.csv").read_text()
+        text = csv_text(cpsat_order(layout, saving))
         return (text, layout.stages, layout.placement, M, SEED)
     return RANK_BATCH.add(2, f"pipeline.torch_runtime.{name}", pipeline_workers.torch_runtime_step, make_args=args,
                           timeout_s=120)
@@ -111,10 +107,7 @@ def compiled_order() -> tuple:
 
 def _register_compiled(n: int) -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(compiled_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(compiled_order())
         return (text, ((0,), (1,)), n, M, SEED)
     return RANK_BATCH.add(2 * n, f"pipeline.compiled.n{n}", pipeline_workers.compiled_training, make_args=args,
                           timeout_s=240)
@@ -138,10 +131,7 @@ def paired_order() -> tuple:
 
 def _register_paired() -> str:
     def args():
-        import tempfile
-        from pathlib import Path
-        with tempfile.TemporaryDirectory() as tmp:
-            text = write_csv(paired_order(), Path(tmp) / "o.csv").read_text()
+        text = csv_text(paired_order())
         return (text, ((0,), (1,)), 1, M, SEED, True, ("sgd",))
     return RANK_BATCH.add(2, "pipeline.compiled.pairs", pipeline_workers.compiled_training, make_args=args,
                           timeout_s=120)
@@ -150,7 +140,7 @@ def _register_paired() -> str:
 PAIRED = _register_paired() if HAS_TRANSFORMERS else None
 
 
-def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS)) -> dict:
+def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS), layers: int = 2) -> dict:
     """The same model, data and optimizers, eager: gradient accumulation over the M micro-batches."""
     from model_workers import mixtral_model
     from moegraph.runtime.check import eager_accumulate
@@ -158,7 +148,7 @@ def eager_training(optimizers: tuple = tuple(pipeline_workers.OPTIMIZERS)) -> di
     out = {}
     for name in optimizers:
         make = pipeline_workers.OPTIMIZERS[name]
-        model = mixtral_model(SEED, 2)
+        model = mixtral_model(SEED, layers)
         init = {k: p.detach().clone() for k, p in model.named_parameters()}
         opt = make(model.parameters())
         losses = []
@@ -214,13 +204,21 @@ def test_merged_pairs_train_hf_mixtral_as_eager(tmp_path):
         [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
 
 
-def test_a_pair_of_two_stages_is_refused_by_name():
-    """A V-shape's turn pairs stage 0's F with stage 3's B: one pair graph cannot hold two stages."""
+def test_a_pair_without_its_plan_is_refused_by_name():
+    """A V-shape's turn pairs stage 0's F with stage 3's B: stages compiled without that pair's
+    plan (compile_stages(cross_pairs=...)), or without merged plans at all, refuse it by name."""
+    from types import SimpleNamespace
+
     from moegraph.runtime import RuntimeFailure
     from moegraph.runtime.pipeline_pair import check_merged_pairs
     orders = ((Pair(Action("F", 0, 1), Action("B", 3, 0)),), ())
-    with pytest.raises(RuntimeFailure, match=r"pair \(0F1;3B0\) overlaps stage 0's forward with stage 3's backward"):
-        check_merged_pairs(orders, {0: object(), 3: object()}, (0, 3))
+    class Runner:                               # a stage's PairRunner with only its own pair's plan
+        def __init__(self):
+            self.plans = {self: None}
+    own = {k: SimpleNamespace(pair=Runner()) for k in (0, 3)}
+    with pytest.raises(RuntimeFailure, match=r"pair \(0F1;3B0\) overlaps stage 0's forward with stage 3's backward, "
+                                             r"but the stages were compiled without that pair's plan"):
+        check_merged_pairs(orders, own, (0, 3))
     same = ((Pair(Action("F", 0, 1), Action("B", 0, 0)),), ())
     with pytest.raises(RuntimeFailure, match="stage 0 was compiled without its merged F&B plan"):
         check_merged_pairs(same, {0: object()}, (0,))
@@ -250,3 +248,111 @@ def test_a_compiled_last_stage_computes_the_models_final_layernorm_and_logit_sca
     model.logit_scale = 1.0
     with torch.no_grad():
         assert rel_err(logits, model(input_ids=ids).logits) > 0.9
+
+
+# -- batches as training feeds them: padded and packed micro-batches, both loss reductions --------
+
+def _register_batches(n: int, overrides: dict) -> str:
+    def args():
+        text = csv_text(paired_order())
+        return (text, ((0,), (1,)), n, M, SEED, True, overrides)
+    name = f"pipeline.compiled.batches.n{n}{'.aux' if overrides else ''}"
+    return RANK_BATCH.add(2 * n, name, pipeline_workers.compiled_batch_step, make_args=args, timeout_s=120)
+
+
+# the router's aux loss (coef 0.5, so that pads counted in it would show), summed over the stages
+AUX = dict(output_router_logits=True, router_aux_loss_coef=0.5)
+BATCHES = ({(1, ""): _register_batches(1, {}), (1, "aux"): _register_batches(1, AUX), (2, "aux"): _register_batches(2, AUX)}
+           if HAS_TRANSFORMERS else {})
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+@pytest.mark.parametrize("n, aux", list(BATCHES))
+def test_padded_and_packed_micro_batches_match_eager(n, aux, tmp_path):
+    """P=2 compiled stages, CP-SAT's order with merged F&B pairs on both ranks, M=4 micro-batches
+    alternately right-padded and packed (tests/family_workers.real_batches): the losses and every
+    parameter's gradient match eager gradient accumulation within 1e-5, for the mean of the
+    micro-batch losses and for num_items_in_batch."""
+    ranks = RANK_BATCH.get(2 * n, BATCHES[n, aux], tmp_path)
+    assert all(r["merged"] > 0 for r in ranks)
+    ref = pipeline_workers.eager_batch_step(SEED, M, 2, AUX if aux else {})
+    for reduction in pipeline_workers.REDUCTIONS:
+        got = ranks[-1][reduction]["losses"]
+        assert rel_err(got, ref[reduction]["losses"]) < 1e-5, (reduction, got, ref[reduction]["losses"], SEED)
+        grads = {k: g for r in ranks for k, g in r[reduction]["grads"].items()}
+        assert set(grads) == set(ref[reduction]["grads"])
+        for k, g in grads.items():
+            assert rel_err(g, ref[reduction]["grads"][k]) < 1e-5, f"{reduction}: gradient of {k} (seed {SEED})"
+
+
+# -- a V-shape's turn: F&B pairs of two stages, merged ---------------------------------------------
+
+V_LAYOUT = StageLayout(((0,), (1,), (2,), (3,)), 2, "v")
+
+
+@functools.cache
+def v_order() -> tuple:
+    """CP-SAT's order (B only) for a V-shape (stages 0 and 3 on rank 0, 1 and 2 on rank 1) where
+    an F&B pair saves its whole F: it overlaps pairs of two stages both ways at the turn
+    ((0F2;3B0), (3F2;0B0), (1F2;2B0), (2F2;1B0), ...) beside a stage's own."""
+    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(4))
+    problem = PipelineProblem(V_LAYOUT, M, work, (1,) * 3, (1,) * 3, (0, 0), (0, 0))
+    res = solve_pipeline(problem, {n: torch_orders(n, V_LAYOUT, M) for n in torch_schedules_for(V_LAYOUT)},
+                         time_limit_s=1, split=False)
+    assert res.source == "cpsat"
+    return res.timeline.orders
+
+
+def _register_v() -> str:
+    def args():
+        text = csv_text(v_order())
+        return (text, V_LAYOUT.stages, 1, M, SEED, True, ("sgd",), "v")
+    return RANK_BATCH.add(2, "pipeline.compiled.v_pairs", pipeline_workers.compiled_training, make_args=args,
+                          timeout_s=120)
+
+
+V_PAIRS = _register_v() if HAS_TRANSFORMERS else None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_v_shape_pairs_of_two_stages_train_as_eager(tmp_path):
+    """The V-shape's order with pairs of two stages (cross_pair_graph: one stage's forward beside
+    another's backward, each stage's parameters its own), each run as one merged plan, P=2 n=1
+    M=4, 4 layers: after 3 SGD steps every parameter matches eager's."""
+    pairs = [i for row in v_order() for i in row if isinstance(i, Pair)]
+    assert any(p.forward.stage != p.backward.stage for p in pairs)
+    ranks = RANK_BATCH.get(2, V_PAIRS, tmp_path)
+    for r, row in zip(ranks, v_order()):
+        mine = sum(isinstance(i, Pair) for i in row)
+        assert r["merged"] == mine and r["pair_runs"] == mine * pipeline_workers.STEPS, r
+    ref = eager_training(("sgd",), layers=4)
+    assert_sgd_params_match(ranks, ref)
+    assert [x for step in ranks[0]["sgd"]["losses"] for x in step] == pytest.approx(
+        [x for step in ref["sgd"]["losses"] for x in step], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not HAS_TRANSFORMERS, reason="transformers is not installed")
+def test_a_batch_form_a_stage_cannot_run_is_refused_in_one_line():
+    """As train_step's: a left-padded micro-batch, both forms in one micro-batch, a step's forms
+    as one tensor instead of one per micro-batch: one line naming the micro-batch and the form."""
+    from model_workers import mixtral_model
+    from moegraph.runtime.pipeline import compile_stages
+    from moegraph.tokens import micro_batch_forms
+    model = mixtral_model(SEED, 2)
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(SEED))
+    (stage,) = compile_stages(model, StageLayout(((0, 1),), 1), ids, passes="", schedule="greedy").values()
+    ones = torch.ones(2, 16, dtype=torch.long)
+    left = ones.clone()
+    left[1, :3] = 0
+    with pytest.raises(ValueError, match=r"^micro-batch 1's attention_mask row 1 starts with a 0 \(left padding\)"):
+        stage.set_layouts([(None, None), (left, None)])
+    with pytest.raises(ValueError, match="^micro-batch 0's attention_mask and position_ids together are not supported"):
+        stage.set_layouts([(left.flip(-1), torch.arange(16)[None])])
+    with pytest.raises(ValueError, match=r"a step of 2 micro-batches takes attention_mask as None or a sequence of 2 "
+                                         r"entries .* got one tensor \[4, 16\]"):
+        micro_batch_forms(torch.ones(4, 16), None, 2)
+    stage.set_layouts([(ones, None), (None, torch.arange(16)[None])])      # plain forms: nothing to lay out
+    assert stage.layouts == [None, None]

@@ -135,7 +135,7 @@ def test_overlapped_pairs_are_chosen_when_they_save():
 
 
 def test_runnable_orders_pair_a_stage_only_with_itself():
-    """split=False, cross_pairs=False (what compiled stages run, PipelineSearch.runnable): the
+    """split=False (what compiled stages run, PipelineSearch.runnable), cross_pairs=False: the
     V-shape's turn pairs no two stages, DualPipeV's table, which does, is no warm start, and
     ZBV's runs each whole B where its I was."""
     pr = problem(2, 4, 2, "v", f=10, i=8, w=4, saving=8, send=1)

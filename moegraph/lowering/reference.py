@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moegraph import models
+from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from torch import nn
 
@@ -76,5 +77,10 @@ def moe(module: models.MoE, qualname: str) -> MoESpec:
 def transformer(model: models.MoETransformer) -> ModelSpec:
     check_embedding(model.embed, "embed")
     tied = check_head(model, model.lm_head, model.embed, "lm_head")
+    aux = None
+    if model.router_aux_loss_coef > 0:          # the routers' load-balancing loss (moegraph.models)
+        moe = next(layer.moe for layer in model.layers if layer.moe is not None)
+        aux = AuxLoss(model.router_aux_loss_coef, moe.w1.shape[0], moe.top_k)
     return ModelSpec(embed="embed.weight", padding_idx=model.embed.padding_idx, layers="layers",
-                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM, tied=tied)
+                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM, tied=tied,
+                     aux_loss=aux)
