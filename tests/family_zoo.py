@@ -52,6 +52,22 @@ ROWS: dict[str, dict] = {
     "axk1": {"n_group": 4, "topk_group": 2, "routed_scaling_factor": 2.5},
     "granitemoe_swa": {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 6,
                        "layer_rope_theta": [10000.0, 0]},
+    # nested sub-configs, shrunk with their own field names; clip_qkv and rope_theta as dbrx-instruct's
+    # config.json gives them (its attention reads attn_config.rope_theta, which the class does not declare)
+    # (d_model by its own name: its __post_init__ copies it into ffn_config before the alias hidden_size lands)
+    "dbrx": {"d_model": H, "attn_config": {"kv_n_heads": 4, "clip_qkv": 8.0, "rope_theta": 500000.0},
+             "ffn_config": {"ffn_hidden_size": 32, "moe_num_experts": 8, "moe_top_k": 2}},
+    # its validators: MLP types of its own names ('moe', no hash routing), no compressed layers
+    "deepseek_v4": {"mlp_layer_types": ["moe"] * LAYERS, "layer_types": ["sliding_attention"] * LAYERS},
+    # heterogeneous per-layer configs made homogeneous (no per-layer overrides); MoE layers
+    "dots3_note": {"per_layer_config": {}, "mlp_layer_types": ["sparse"] * LAYERS},
+    # its MoE variant (enable_moe_block, as the 26B-A4B), without per-layer inputs
+    "gemma4": {"per_layer_config": {}, "enable_moe_block": True, "top_k_experts": 2, "hidden_size_per_layer_input": 0,
+               "vocab_size_per_layer_input": VOCAB},
+    # a hybrid: LFM2-8B-A1B's layers mix short convolutions and attention (its default leaves them unset)
+    "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
+    # its validator: one expert per token
+    "zaya": {"num_experts_per_tok": 1},
 }
 
 
@@ -71,12 +87,21 @@ def moe_causal_lms() -> list[tuple[str, str]]:
     return found
 
 
+def _has(config, field: str) -> bool:
+    """Whether the config has the field (a per-layer attribute of a heterogeneous config counts:
+    reading it globally raises)."""
+    try:
+        return hasattr(config, field)
+    except Exception:  # noqa: BLE001 - transformers' AmbiguousGlobalPerLayerAttributeError
+        return True
+
+
 def tiny_config(family: str, cls_name: str, **overrides):
     """The family's config at the tiny sizes (module docstring)."""
     mod = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
     config_cls = getattr(mod, cls_name).config_class
     base = config_cls()
-    fields = set(base.to_dict()) | {k for k in SIZES if hasattr(base, k)}
+    fields = set(base.to_dict()) | {k for k in SIZES if _has(base, k)}
     kwargs = {k: v for k, v in SIZES.items() if k in fields}
     if "kv_lora_rank" in fields:                      # latent attention: one k and v per head
         kwargs["num_key_value_heads"] = kwargs.get("num_attention_heads", 8)
