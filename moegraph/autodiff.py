@@ -355,6 +355,14 @@ def _scale(g, node, grads):
     return (dx,)
 
 
+def _limit(g, node, grads):
+    # clamp: dy where -c <= x <= c, else 0; soft cap: dy (1 - tanh(x/c)^2); both read the input x
+    (dy,), (x,) = grads, node.inputs
+    dx = _grad_value(g, x)
+    _bwd(g, node, "dgrad", OpKind.LIMIT, (x, dy), (dx,), flops=3 * g.values[dy].numel)
+    return (dx,)
+
+
 def _grouped_bias(g, node, grads):
     # rows + bias[e] (x row weight): the rows' gradient passes through; the bias's sums its rows;
     # the row weights' (gate before fc2) is the row's dy . bias[e]
@@ -454,6 +462,7 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.NORM: _norm,
     OpKind.GLU: _swiglu,
     OpKind.SCALE: _scale,
+    OpKind.LIMIT: _limit,
     OpKind.GROUPED_BIAS: _grouped_bias,
     OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,

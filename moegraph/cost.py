@@ -272,7 +272,7 @@ def op_class(node: Node) -> str:
               | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP | OpKind.SPLIT
               | OpKind.BIAS | OpKind.SIGMOID_GATE | OpKind.SQUARE_SUM | OpKind.RMSNORM_SHARDED | OpKind.MLA_HEADS):
             return "memory"
-        case OpKind.NORM | OpKind.GLU | OpKind.SCALE | OpKind.GROUPED_BIAS:   # structural lowering's elementwise ops
+        case OpKind.NORM | OpKind.GLU | OpKind.SCALE | OpKind.GROUPED_BIAS | OpKind.LIMIT:   # structural lowering's elementwise ops
             return "memory"
         case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE | OpKind.P2P:
             return "comm"

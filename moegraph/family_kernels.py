@@ -260,6 +260,31 @@ def _k_scale(ctx, node, ins, shapes):
     return [ins[0] * node.attr("factor")]
 
 
+def limit(x: torch.Tensor, how: str, c: float) -> torch.Tensor:
+    """LIMIT: clamp(x, -c, c) (DBRX's clip_qkv) or the soft cap c * tanh(x / c) (Beam's final logits);
+    also the model edges' logit soft cap (``runtime.model_steps.head_logits``)."""
+    if how == "clamp":
+        return x.clamp(min=-c, max=c)
+    if how == "softcap":
+        return torch.tanh(x / c) * c
+    raise ValueError(f"LIMIT how={how!r} is not one of 'clamp', 'softcap'")
+
+
+def _limit_fwd(node: Node, x: torch.Tensor):
+    if node.attr("how") not in ("clamp", "softcap"):
+        raise bad_choice(node)
+    return limit(x, node.attr("how"), node.attr("limit"))
+
+
+def _k_limit(ctx, node, ins, shapes):
+    return [_limit_fwd(node, ins[0])]
+
+
+def _k_limit_dgrad(ctx, node, ins, shapes):
+    x, dy = ins
+    return _pullback(lambda x_: _limit_fwd(node, x_), (x,), (dy,))
+
+
 def _k_grouped_bias(ctx, node, ins, shapes):
     return [_grouped_bias_fwd(node, *ins)]
 
@@ -283,10 +308,12 @@ KERNELS = {
     (OpKind.GLU, Role.DGRAD): _k_glu_dgrad,
     (OpKind.SCALE, Role.FORWARD): _k_scale,
     (OpKind.SCALE, Role.DGRAD): _k_scale,
+    (OpKind.LIMIT, Role.FORWARD): _k_limit,
+    (OpKind.LIMIT, Role.DGRAD): _k_limit_dgrad,
     (OpKind.GROUPED_BIAS, Role.FORWARD): _k_grouped_bias,
     (OpKind.GROUPED_BIAS, Role.DGRAD): _k_grouped_bias_dgrad,
     (OpKind.GROUPED_BIAS, Role.WGRAD): _k_grouped_bias_wgrad,
 }
 
-__all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "rope_extended", "rotate",
+__all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "limit", "rope_extended", "rotate",
            "route_general", "router_logit_bias_wgrad"]

@@ -179,17 +179,21 @@ class Node:
 class ParamSource:
     """One module parameter, optionally narrowed (e.g. the gate half of a fused gate_up).
 
-    The view is taken in this order: ``transpose`` swaps the last two dims (weights stored
-    [..., in, out], as GPT-OSS's and Llama 4's experts), then ``narrow`` keeps ``length`` entries
-    of ``dim`` from ``start`` every ``step`` (step 2: the interleaved gate/up halves of GPT-OSS)."""
+    The view is taken in this order: ``unflatten`` E views a flat [E*f, ...] tensor as [E, f, ...]
+    (DBRX's experts), ``transpose`` swaps the last two dims (weights stored [..., in, out], as
+    GPT-OSS's and Llama 4's experts), then ``narrow`` keeps ``length`` entries of ``dim`` from
+    ``start`` every ``step`` (step 2: the interleaved gate/up halves of GPT-OSS)."""
 
     qualname: str
     narrow: tuple[int, int, int] | None = None  # (dim, start, length)
     step: int = 1
     transpose: bool = False
+    unflatten: int | None = None
 
     def view(self, t):
         """This source's view of the module tensor ``t`` (no copy; writable, for gradients)."""
+        if self.unflatten is not None:
+            t = t.unflatten(0, (self.unflatten, -1))
         if self.transpose:
             t = t.transpose(-2, -1)
         if self.narrow is not None:

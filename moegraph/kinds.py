@@ -36,6 +36,7 @@ class OpKind(enum.Enum):
     GLU = "glu"                  # act(a) * b: GeGLU, GPT-OSS's clamped SwiGLU, a gated attention output (Laguna)
     SCALE = "scale"              # x * factor, a constant (Granite's residual multiplier)
     GROUPED_BIAS = "grouped_bias"  # expert rows + their expert's bias (GPT-OSS expert biases)
+    LIMIT = "limit"              # x bounded by c: clamp to [-c, c] (DBRX's clip_qkv) or c*tanh(x/c) (a logit soft cap)
     # communication
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"

@@ -46,6 +46,8 @@ NormKind = Literal["layer", "head_rms", "l2"]
 GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu", "sigmoid", "softplus"]
 """GLU's attr ``act``: act(a) * b for exact or tanh GELU, or GPT-OSS's clamped SwiGLU; sigmoid or
 softplus for a gated attention output (a: the gate's logits, per feature or, attr ``group``, per head)."""
+LimitHow = Literal["clamp", "softcap"]
+"""LIMIT's attr ``how``: clamp(x, -c, c), or the soft cap c * tanh(x / c), c the attr ``limit``."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
@@ -61,6 +63,8 @@ CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
     (OpKind.NORM, Role.WGRAD): ("kind", typing.get_args(NormKind)),
     (OpKind.GLU, Role.FORWARD): ("act", typing.get_args(GluAct)),
     (OpKind.GLU, Role.DGRAD): ("act", typing.get_args(GluAct)),
+    (OpKind.LIMIT, Role.FORWARD): ("how", typing.get_args(LimitHow)),
+    (OpKind.LIMIT, Role.DGRAD): ("how", typing.get_args(LimitHow)),
 }
 """(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
 op's VJP rule) computes; a switch over one ends in ``bad_choice``. (PERMUTE's weight-gradient role
@@ -258,6 +262,12 @@ class ScaleAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LimitAttrs(NodeAttrs):
+    how: LimitHow
+    limit: float                         # c > 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupedBiasAttrs(NodeAttrs):
     share: int = 1                       # tp experts: each rank adds bias/share to its partial sums
 
@@ -301,7 +311,7 @@ RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
     OpKind.SIGMOID_GATE: NodeAttrs, OpKind.SQUARE_SUM: NodeAttrs, OpKind.RMSNORM_SHARDED: RmsNormShardedAttrs,
     OpKind.MLA_HEADS: MlaHeadsAttrs, OpKind.CAST: CastAttrs, OpKind.ALL_GATHER: GatherScatterAttrs,
     OpKind.REDUCE_SCATTER: GatherScatterAttrs, OpKind.ALL_REDUCE: AllReduceAttrs, OpKind.ALL_TO_ALL: AllToAllAttrs,
-    OpKind.P2P: P2PAttrs, OpKind.NORM: NormAttrs, OpKind.GLU: GluAttrs, OpKind.SCALE: ScaleAttrs,
+    OpKind.P2P: P2PAttrs, OpKind.NORM: NormAttrs, OpKind.GLU: GluAttrs, OpKind.SCALE: ScaleAttrs, OpKind.LIMIT: LimitAttrs,
     OpKind.GROUPED_BIAS: GroupedBiasAttrs,
 }
 """Op kind -> its attribute record (every OpKind has one: ``attrs_of`` raises for a kind without)."""

@@ -21,6 +21,7 @@ from typing import Sequence
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 from torch import nn
 
 from moegraph.autodiff import add_backward
@@ -209,6 +210,12 @@ def _extract_program(module: nn.Module) -> LayerProgram:
             index[node] = len(steps) - 1
         elif node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
             index[node] = ("shape", _index(index, node.args[0], node))     # a layer value's own [b, s, h]
+        elif node.op == "call_function" and node.target is getattr and node.args[1:] == ("dtype",):
+            index[node] = ("dtype", _index(index, node.args[0], node))     # every layer value has the layer's dtype
+        elif node.op == "call_method" and node.target == "to" and _same_dtype(index, node):
+            index[node] = _index(index, node.args[0], node)                # x.to(residual.dtype): no-op
+        elif node.op == "call_function" and node.target is F.dropout:
+            index[node] = _index(index, _no_dropout(node, module), node)    # p = 0 or eval: the identity
         elif node.op == "call_method" and node.target in ("view", "reshape") and _same_shape(index, node):
             index[node] = _index(index, node.args[0], node)                # x.view(residual.shape): no-op
         elif node.op == "call_function" and node.target is operator.getitem:
@@ -231,13 +238,35 @@ def _check_blocks(layer: nn.Module) -> None:
     """A transformers decoder layer's children holding parameters must each be a block with a rule
     (the structural ones: attention, latent attention, MoE, MLP, norm): a Mamba mixer or a linear
     attention is named before tracing, not as a tracing failure inside it."""
-    from moegraph.lowering.structural import family_of
+    from moegraph.lowering.structural import classify, family_of
     if family_of(type(layer)) is None:
         return
     for name, child in layer.named_children():
+        kinds = [classify(c) for c in child.children()] if isinstance(child, nn.ModuleList) else []
+        if kinds and all(k in ("attention", "mla") for k in kinds):
+            raise LoweringError(f"{name!r} (ModuleList of {len(kinds)} {type(child[0]).__name__}): a decoder layer of "
+                                f"{len(kinds)} attention sublayers (LongCat-Flash's dual sublayers, its MoE on a "
+                                "shortcut across them) is not modelled: one attention block per layer is")
+    for name, child in _blocks_of(layer):
         if next(child.parameters(), None) is not None and find_rule(child, name) is None:
             raise LoweringError(f"{name!r} ({type(child).__name__}) is not modelled: the structural lowering reads "
                                 "attention (GQA or latent), MoE, MLP and norm blocks")
+
+
+def _blocks_of(layer: nn.Module, prefix: str = ""):
+    """(qualname, module) of the layer's children, and of the children of a container among them: a
+    transformers module without a rule or parameters of its own whose every child holding
+    parameters has a rule (DBRX's norm_attn_norm: norm_1, attn, norm_2), which fx traces into."""
+    from moegraph.lowering.structural import family_of
+    for name, child in layer.named_children():
+        qualname = f"{prefix}{name}"
+        inner = [(n, c) for n, c in child.named_children() if next(c.parameters(), None) is not None]
+        if (find_rule(child, qualname) is None and family_of(type(child)) is not None and inner
+                and not dict(child.named_parameters(recurse=False))
+                and all(find_rule(c, f"{qualname}.{n}") is not None for n, c in inner)):
+            yield from _blocks_of(child, f"{qualname}.")
+        else:
+            yield qualname, child
 
 
 def check_coverage(graph: Graph, program: LayerProgram) -> None:
@@ -263,6 +292,8 @@ def _covered(sources: list | None, shape: tuple[int, ...]) -> bool:
         return False
     if any(src.narrow is None for src in sources):
         return True
+    if any(src.unflatten is not None for src in sources):
+        return False          # a narrowed view of an unflattened tensor: not one dim of the tensor itself
     dims = {_source_dim(src, len(shape)) for src in sources}
     if len(dims) != 1:
         return False
@@ -288,6 +319,27 @@ def _same_shape(index, node: fx.Node) -> bool:
     args = node.args[1:]
     return (len(args) == 1 and isinstance(args[0], fx.Node) and isinstance(index.get(args[0]), tuple)
             and len(index[args[0]]) == 2 and index[args[0]][0] == "shape" and isinstance(index.get(node.args[0]), int))
+
+
+def _same_dtype(index, node: fx.Node) -> bool:
+    """Whether ``x.to(y.dtype)`` casts one layer value to another's dtype: every value between the
+    blocks has the layer's dtype, so it changes nothing (DBRX's ``norm_1(x).to(x.dtype)``)."""
+    args = node.args[1:]
+    return (len(args) == 1 and not node.kwargs and isinstance(args[0], fx.Node)
+            and isinstance(index.get(args[0]), tuple) and index[args[0]][0] == "dtype"
+            and isinstance(index.get(node.args[0]), int))
+
+
+def _no_dropout(node: fx.Node, layer: nn.Module) -> fx.Node:
+    """The input of ``F.dropout(x, p, training)`` between blocks when it is the identity (p = 0, or
+    not training: DBRX's resid_pdrop); a dropout that drops is random per step: refused by name."""
+    bound = inspect.signature(F.dropout).bind(*node.args, **node.kwargs)
+    bound.apply_defaults()
+    p, training = bound.arguments["p"], bound.arguments["training"]
+    if isinstance(p, (int, float)) and not isinstance(p, bool) and (p == 0 or training is False):
+        return bound.arguments["input"]
+    raise LoweringError(f"{_owner(node, layer)}: dropout with p={p!r} in training mode between its blocks is random "
+                        "per step and not modelled; set it to 0 (e.g. config.resid_pdrop) or call .eval()")
 
 
 def _scalar_mul(node: fx.Node) -> tuple[fx.Node, float] | None:

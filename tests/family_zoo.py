@@ -68,6 +68,9 @@ ROWS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     # its validator: one expert per token
     "zaya": {"num_experts_per_tok": 1},
+    # its head_dim is the q/k head dim (nope + rope, as its config derives it when not given): its rotary
+    # module rotates head_dim * partial_rotary_factor = qk_rope_head_dim features
+    "mistral4": {"head_dim": SIZES["qk_head_dim"]},
 }
 
 

@@ -35,7 +35,7 @@ COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie
             "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
-            "afmoe", "axk1", "granitemoe_swa")   # last: appending keeps the other families' strategies (COMBOS by index)
+            "afmoe", "axk1", "granitemoe_swa", "dbrx", "mistral4")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -44,7 +44,7 @@ from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
-from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm,
+from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm, emit_limit,
                                           emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
                                           mask_attrs, out_gate_param, router_attrs)
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
@@ -209,6 +209,8 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
             biased = g.like(f"qkv_biased{c}", qkv)
             g.node(f"qkv_bias{c}", OpKind.BIAS, (qkv, b_qkv), (biased,), flops=_numel(g, qkv), **kw)
             qkv = biased
+        if spec.qkv_clip is not None:
+            qkv = emit_limit(g, qkv, "clamp", spec.qkv_clip, name=f"qkv_clip{c}", out=f"qkv_clipped{c}", **kw)
         S = g.shape(qkv)[1]
         q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
@@ -249,6 +251,10 @@ def emit_mla(g: GraphBuilder, spec: MLASpec, x: str, *, module: str) -> str:
     query (q_nope, rope(q_rot)), key (k_nope, rope(k_pe)) and value.
     """
     check_layout(g)
+    if spec.query_scale_from is not None and g.dims.s > spec.query_scale_from:
+        raise ConfigError(f"{module}: its query scale 1 + beta log(1 + floor(p / {spec.query_scale_from})) (Mistral 4's "
+                          f"llama_4_scaling_beta) departs from 1 at position {spec.query_scale_from}, which is not "
+                          f"modelled: lowered for s <= {spec.query_scale_from} only (s={g.dims.s})")
     n, tp = g.strategy.n, g.strategy.attn == "tp"
     H, dn, dr, dv, dq = spec.heads, spec.nope_dim, spec.rope_dim, spec.v_dim, spec.qk_dim
     h = g.dims.h

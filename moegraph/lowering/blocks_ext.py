@@ -84,6 +84,14 @@ def emit_scale(g: GraphBuilder, x: str, factor: float, *, name: str, out: str, m
     return y
 
 
+def emit_limit(g: GraphBuilder, x: str, how: str, c: float, *, name: str, out: str, module: str, block: str) -> str:
+    """x bounded by c (LIMIT: clamp to [-c, c], or the soft cap c*tanh(x/c)): [..] -> [..]."""
+    y = g.like(out, x)
+    g.node(name, OpKind.LIMIT, (x,), (y,), flops=(1 if how == "clamp" else 3) * _numel(g, x),
+           attrs={"how": how, "limit": float(c)}, module=module, block=block)
+    return y
+
+
 def expert_bias_params(g: GraphBuilder, sources: tuple[ParamSource, ParamSource, ParamSource], El: int, Fl: int,
                        ep: bool) -> tuple[str, str, str]:
     """The experts' biases [El, Fl] (gate, up) and [El, h] (down), cut like their weights: by expert

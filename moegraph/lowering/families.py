@@ -56,6 +56,21 @@ class ExpertRow:
 
     gate_up: Literal["concat", "interleaved"] = "concat"
     order: Literal["gate-up", "up-gate"] = "gate-up"
+    # three tensors of their own instead (paths below the experts module: gate, up, down), each flat
+    # [E*f, h] (DBRX's mlp.w1, mlp.v1, mlp.w2; down used as rows @ w2, i.e. stored [f, h] per expert)
+    separate: tuple[str, str, str] | None = None
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """The children a causal LM and its base model hold (``moegraph.lowering.hf_common``): the base
+    model's attribute, and in it the embedding, the decoder layers and the final norm (the rotary
+    module is ``rotary_emb`` in every family)."""
+
+    base: str = "model"
+    embed: str = "embed_tokens"
+    layers: str = "layers"
+    norm: str = "norm"
 
 
 @dataclass(frozen=True)
@@ -66,6 +81,7 @@ class Family:
     experts: ExpertRow = field(default_factory=ExpertRow)
     # the routing weight scales each expert's input rows, not its output (Llama 4)
     weighted_input: bool = False
+    names: ModelNames = field(default_factory=ModelNames)
 
 
 DEFAULT = Family()
@@ -81,6 +97,11 @@ FAMILIES: dict[str, Family] = {
     "afmoe": Family(router=RouterRow(choice_bias="expert_bias")),
     "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
     "llama4": Family(weighted_input=True),
+    # the top-k weights divided by their p-norm, p = ffn_config.moe_normalize_expert_weights (1: their sum);
+    # separate flat expert tensors; a base model 'transformer' of wte, blocks, norm_f
+    "dbrx": Family(router=RouterRow(normalize="moe_normalize_expert_weights"),
+                   experts=ExpertRow(separate=("mlp.w1", "mlp.v1", "mlp.w2")),
+                   names=ModelNames(base="transformer", embed="wte", layers="blocks", norm="norm_f")),
 }
 
 

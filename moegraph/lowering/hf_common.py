@@ -1,7 +1,9 @@
 """transformers' causal LMs recognised by structure, and the attention settings every family shares.
 
 A causal LM is ``<X>ForCausalLM`` with children ``model`` and ``lm_head``; its base model holds
-``embed_tokens``, ``layers`` (the decoder layers), ``norm`` and ``rotary_emb``. The decoder
+``embed_tokens``, ``layers`` (the decoder layers), ``norm`` and ``rotary_emb`` (a family may name
+the first four otherwise: its row's ``ModelNames``, DBRX's ``transformer`` of ``wte``, ``blocks``,
+``norm_f``). The decoder
 layers lower structurally (``moegraph.lowering.structural``); the parts around them run as the
 model edges (embedding, final norm, LM head, loss): an RMSNorm or a bias-free LayerNorm
 (Cohere's), and the logits times the model's own ``logit_scale`` where its forward multiplies
@@ -17,6 +19,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import re
 import sys
 import textwrap
 
@@ -26,6 +29,7 @@ from torch import nn
 from moegraph.edges import AuxLoss
 from moegraph.ir import ParamSource
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
+from moegraph.lowering.families import ModelNames, family_row
 from moegraph.lowering.rope import rotary_frequencies
 from moegraph.lowering.structural import classify, family_of, forward_reads, norm_spec
 
@@ -63,17 +67,23 @@ def check_attention_kernel(module: nn.Module, qualname: str) -> None:
 
 # -- models ----------------------------------------------------------------------------------------
 
-BASE_CHILDREN = ("embed_tokens", "layers", "norm", "rotary_emb")
 # one rotary module per distinct non-zero theta of config.layer_rope_theta (GraniteMoeSWA)
 THETA_ROTARIES = "rotary_embs"
 
 
+def names_of(model: nn.Module) -> ModelNames:
+    """The children's names of a causal LM or base model of its family (``families.ModelNames``)."""
+    return family_row(family_of(type(model))).names
+
+
 def base_children(model: nn.Module) -> tuple[str, ...]:
-    """The children a base model's rule reads: BASE_CHILDREN, and ``rotary_embs`` where its config
-    gives each layer its own RoPE theta (``config.layer_rope_theta``)."""
-    cfg = getattr(model, "config", None)
-    return BASE_CHILDREN + ((THETA_ROTARIES,) if getattr(cfg, "layer_rope_theta", None) is not None
-                            and isinstance(getattr(model, THETA_ROTARIES, None), nn.ModuleList) else ())
+    """The children a base model's rule reads: its family's embedding, layers and norm, then
+    ``rotary_emb``, and ``rotary_embs`` where its config gives each layer its own RoPE theta
+    (``config.layer_rope_theta``)."""
+    cfg, names = getattr(model, "config", None), names_of(model)
+    return (names.embed, names.layers, names.norm, "rotary_emb") + (
+        (THETA_ROTARIES,) if getattr(cfg, "layer_rope_theta", None) is not None
+        and isinstance(getattr(model, THETA_ROTARIES, None), nn.ModuleList) else ())
 
 # configuration fields a base model's or causal LM's forward may read without changing what the
 # edges compute (masks, caches, output plumbing, the aux loss's sizes)
@@ -108,7 +118,7 @@ def masks_by_position(model: nn.Module) -> bool | None:
     that position_ids that restart keep packed documents apart (masking_utils); False when its
     mask builders do not take them (GPT-OSS: the documents then attend to each other and only RoPE
     restarts); None when its forward builds no mask the source shows."""
-    base = getattr(model, "model", model)
+    base = getattr(model, names_of(model).base, model)
     try:
         tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(base).forward))))
     except (OSError, TypeError, SyntaxError):
@@ -233,16 +243,16 @@ def _neutral(value) -> bool:
 
 
 def is_base_model(model: nn.Module) -> bool:
-    children = dict(model.named_children())
+    children, names = dict(model.named_children()), names_of(model)
     return (family_of(type(model)) is not None and set(children) == set(base_children(model))
-            and isinstance(children["embed_tokens"], nn.Embedding) and isinstance(children["layers"], nn.ModuleList)
-            and classify(children["norm"]) == "norm")
+            and isinstance(children[names.embed], nn.Embedding) and isinstance(children[names.layers], nn.ModuleList)
+            and classify(children[names.norm]) == "norm")
 
 
 def is_causal_lm(model: nn.Module) -> bool:
-    children = dict(model.named_children())
-    return (family_of(type(model)) is not None and set(children) == {"model", "lm_head"}
-            and isinstance(children["lm_head"], nn.Linear) and is_base_model(children["model"]))
+    children, base = dict(model.named_children()), names_of(model).base
+    return (family_of(type(model)) is not None and set(children) == {base, "lm_head"}
+            and isinstance(children["lm_head"], nn.Linear) and is_base_model(children[base]))
 
 
 def explain_no_rule(model: nn.Module) -> None:
@@ -252,8 +262,9 @@ def explain_no_rule(model: nn.Module) -> None:
     from moegraph.tracer import extract_program
     if family_of(type(model)) is None:
         return
-    base = model.model if isinstance(getattr(model, "model", None), nn.Module) else model
-    layers = getattr(base, "layers", None)
+    names = names_of(model)
+    base = getattr(model, names.base) if isinstance(getattr(model, names.base, None), nn.Module) else model
+    layers = getattr(base, names.layers, None)
     if isinstance(layers, nn.ModuleList):
         for i, layer in enumerate(layers):
             try:
@@ -262,18 +273,19 @@ def explain_no_rule(model: nn.Module) -> None:
                 raise LoweringError(f"{type(model).__name__}: layer {i}: {err}") from None
     children = {name: type(child).__name__ for name, child in base.named_children()}
     extra = {k: v for k, v in children.items() if k not in base_children(base)}
-    missing = [k for k in BASE_CHILDREN if k not in children]
+    missing = [k for k in base_children(base) if k not in children]
     parts = ([f"holds {', '.join(f'{k!r} ({v})' for k, v in extra.items())}"] if extra else []) + \
         ([f"has no {', '.join(map(repr, missing))}"] if missing else [])
     raise LoweringError(f"{type(model).__name__}: its base model {type(base).__name__} "
-                        f"{' and '.join(parts) or 'differs'}: the structural model rule reads embed_tokens, layers, "
-                        "norm and rotary_emb around the decoder layers")
+                        f"{' and '.join(parts) or 'differs'}: the structural model rule reads "
+                        f"{', '.join(base_children(base)[:3])} and rotary_emb around the decoder layers")
 
 
 def structural_model_rule(model: nn.Module) -> ModelRule | None:
     """A ModelRule for a transformers causal LM or base model recognised by its children."""
     if is_causal_lm(model):
-        return ModelRule(type(model), causal_lm, {"model": type(model.model), "lm_head": nn.Linear})
+        base = names_of(model).base
+        return ModelRule(type(model), causal_lm, {base: type(getattr(model, base)), "lm_head": nn.Linear})
     if is_base_model(model):
         return ModelRule(type(model), base_model, {name: type(getattr(model, name)) for name in base_children(model)})
     return None
@@ -283,24 +295,39 @@ def base_model(model: nn.Module) -> ModelSpec:
     """A family's base model (embed_tokens, layers, norm, rotary_emb): returns the final norm's output.
     Its layers compute RoPE from the config (the attention's RopeSpec comes from the family's rotary
     module built from it), so the model's rotary module must hold those frequencies."""
-    cfg = model.config
+    cfg, names = model.config, names_of(model)
     _check_config_reads(model)
-    check_embedding(model.embed_tokens, "embed_tokens")
-    if len(model.layers) != cfg.num_hidden_layers:
-        raise LoweringError(f"layers: {len(model.layers)} decoder layers but config.num_hidden_layers="
-                            f"{cfg.num_hidden_layers} (forward runs only the first num_hidden_layers)")
+    embed, layers = getattr(model, names.embed), getattr(model, names.layers)
+    check_embedding(embed, names.embed)
+    count = layer_count_field(type(model), names.layers)
+    if len(layers) != getattr(cfg, count):
+        raise LoweringError(f"{names.layers}: {len(layers)} decoder layers but config.{count}={getattr(cfg, count)} "
+                            f"(forward runs only the first {count})")
     check_rotary(model.rotary_emb, "rotary_emb")
     rotaries = {"rotary_emb": model.rotary_emb}
     if THETA_ROTARIES in base_children(model):
         rotaries.update(_theta_rotaries(model))
-    norm = norm_spec(model.norm, "norm")
+    norm = norm_spec(getattr(model, names.norm), names.norm)
     if norm.bias is not None:
-        raise LoweringError(f"norm ({type(model.norm).__name__}): a final LayerNorm with a bias is not modelled by "
-                            "the model edges (RMSNorm and a bias-free LayerNorm are)")
+        raise LoweringError(f"{names.norm} ({type(getattr(model, names.norm)).__name__}): a final LayerNorm with a "
+                            "bias is not modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
     unused = {f"{qn}.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
               "(check_rotary compared them)" for qn, rotary in rotaries.items() for name, _ in rotary.named_buffers()}
-    return ModelSpec(embed="embed_tokens.weight", padding_idx=model.embed_tokens.padding_idx, layers="layers",
+    return ModelSpec(embed=f"{names.embed}.weight", padding_idx=embed.padding_idx, layers=names.layers,
                      norm=norm, head=None, output=ModelOutput.HIDDEN, unused=unused)
+
+
+@functools.lru_cache(maxsize=None)
+def layer_count_field(cls: type, layers: str) -> str:
+    """The config field a base model's forward runs that many of its decoder layers by
+    (``self.<layers>[: self.config.<field>]``): ``num_hidden_layers`` in most families, LongCat-Flash's
+    ``num_layers`` (its num_hidden_layers counts the two attention sublayers of each)."""
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return "num_hidden_layers"
+    found = set(re.findall(rf"self\.{re.escape(layers)}\[\s*:\s*self\.config\.(\w+)\s*\]", src))
+    return found.pop() if len(found) == 1 else "num_hidden_layers"
 
 
 def _theta_rotaries(model: nn.Module) -> dict[str, nn.Module]:
@@ -361,8 +388,10 @@ def causal_lm(model: nn.Module) -> ModelSpec:
     load-balancing loss where it adds one (``aux_loss``)."""
     _check_config_reads(model)
     _check_self_reads(model)
-    tied = check_head(model, model.lm_head, model.model.embed_tokens, "lm_head")
-    base = prefixed(base_model(model.model), "model.")
+    names = names_of(model)
+    base_module = getattr(model, names.base)
+    tied = check_head(model, model.lm_head, getattr(base_module, names.embed), "lm_head")
+    base = prefixed(base_model(base_module), f"{names.base}.")
     return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model),
                                tied=tied, logit_scale=logit_scale(model))
 

@@ -115,6 +115,7 @@ class AttentionSpec:
     v_head_dim: int | None = None          # each value head's width where it is not d (MiMo-V2-Flash)
     v_scale: float = 1.0                   # values multiplied by it before attending (MiMo-V2-Flash)
     out_gate: OutGateSpec | None = None    # the output gated before o_proj (Laguna)
+    qkv_clip: float | None = None          # q, k, v clamped to [-c, c] after their projection (DBRX's clip_qkv)
 
     @property
     def rotary(self) -> RopeSpec:
@@ -164,6 +165,10 @@ class MLASpec:
     tuple_output: bool = True
     rope: RopeSpec | None = None     # non-default frequencies or scaling (YaRN)
     scale: float | None = None       # softmax scale (YaRN's mscale^2 (dn+dr)^-0.5)
+    # Mistral 4's query scale 1 + beta * log(1 + floor(p / P)) (rope_parameters' llama_4_scaling_beta
+    # and original_max_position_embeddings P): exactly 1 for positions p < P, so the layer is lowered
+    # (without it) for sequences s <= P only; this is P
+    query_scale_from: int | None = None
 
     @property
     def qk_dim(self) -> int:

@@ -191,6 +191,8 @@ def classify(module: nn.Module) -> str | None:
         return "mla"
     if "o_proj" in children and all(p in children for p in ("q_proj", "k_proj", "v_proj")):
         return "attention"
+    if all(isinstance(children.get(p), nn.Linear) for p in FUSED_ATTENTION):
+        return "attention"
     if "experts" in children and _router_name(module) is not None:
         return "moe"
     if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
@@ -216,7 +218,7 @@ def _router_name(module: nn.Module) -> str | None:
     return None
 
 
-ROUTER_LINEARS = ("wg", "gate")     # the router's own linear: HunYuan's gate.wg, AFMoE's router.gate
+ROUTER_LINEARS = ("wg", "gate", "layer")   # the router's own linear: HunYuan's gate.wg, AFMoE's router.gate, DBRX's router.layer
 
 
 def _router_weight(router: nn.Module) -> tuple[str | None, nn.Parameter | None]:
@@ -369,6 +371,8 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
     raise LoweringError(f"layer {idx}: {kind.replace('_', ' ')} (config.layer_types[{idx}]={kind!r}) is not modelled")
 
 
+FUSED_ATTENTION = ("Wqkv", "out_proj")
+"""A fused q/k/v projection and its output projection (DBRX): rows q [H*d], k [G*d], v [G*d]."""
 QK_NORM_NAMES = (("q_norm", "k_norm"), ("query_layernorm", "key_layernorm"), ("qk_norm", "qk_norm"))
 OUT_GATE_NAMES = ("g_proj", "gate_proj")      # Laguna, AFMoE: the attention output's gate projection
 
@@ -413,16 +417,18 @@ QUERY_SCALE_ARG = "attention_scaling"   # a query scale per position, computed b
 
 
 def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
-    """GQA attention read from q/k/v/o_proj's shapes and the config (module docstring)."""
+    """GQA attention read from q/k/v/o_proj's shapes (or a fused Wqkv's) and the config (module docstring)."""
     from moegraph.lowering.hf_common import check_attention
     ctx = _ctx()
     cfg = getattr(module, "config", None) or ctx.config
     reads = forward_reads(type(module))
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        _child_class_check(module, qualname, name)
     d = int(getattr(module, "head_dim", 0) or getattr(cfg, "head_dim", 0) or 0)
     if not d:
         raise LoweringError(f"{qualname} ({type(module).__name__}): no head_dim attribute")
+    if "q_proj" not in module._modules:
+        return _fused_attention_spec(module, qualname, d)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        _child_class_check(module, qualname, name)
     H, G = module.q_proj.out_features // d, module.k_proj.out_features // d
     dv = module.v_proj.out_features // G                 # the value heads' width (MiMo-V2-Flash: not d)
     if module.v_proj.out_features != G * dv or module.o_proj.in_features != H * dv:
@@ -437,19 +443,7 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
         raise LoweringError(f"{qualname} ({type(module).__name__}): its forward multiplies the queries by a "
                             f"position-dependent {QUERY_SCALE_ARG} its model passes (Beam's NoPE layers' scalable "
                             "softmax, (1 + (p + 1)/2048)^0.1): not modelled")
-    idx = getattr(module, "layer_idx", ctx.layer_idx)
-    window, chunk = mask_of(cfg, idx)
-    rope_cfg = layer_rope_config(cfg, idx)             # None: its model passes it no rotation (NoPE)
-    use_rope = rope_applied(module) and rope_cfg is not None
-    temperature_floor = None
-    if not use_rope and getattr(module, "attn_temperature_tuning", False):
-        temperature_floor = int(getattr(module, "floor_scale", 0) or 0)
-        if temperature_floor < 2:
-            raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
-                                f"with floor_scale={temperature_floor} (q scaled by log(position) from position 0) "
-                                "is not modelled; set config.attn_temperature_tuning=False")
-    rope = rope_of(rope_cfg, d, f"{qualname} ({type(module).__name__})", _layer_type(cfg, idx), _ctx().family) \
-        if use_rope else None
+    rope, use_rope, window, chunk, temperature_floor = _position_settings(module, qualname, cfg, d)
     biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
     qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
         if all(b is not None for b in biases) else None
@@ -488,6 +482,62 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks,
                          temperature_floor=temperature_floor, v_head_dim=None if dv == d else dv,
                          v_scale=float(v_scale), out_gate=out_gate)
+
+
+def _position_settings(module: nn.Module, qualname: str, cfg, d: int):
+    """(rope, use_rope, window, chunk, temperature_floor) of an attention module: its layer's mask
+    and rotation (module docstring)."""
+    idx = getattr(module, "layer_idx", _ctx().layer_idx)
+    window, chunk = mask_of(cfg, idx)
+    rope_cfg = layer_rope_config(cfg, idx)             # None: its model passes it no rotation (NoPE)
+    use_rope = rope_applied(module) and rope_cfg is not None
+    temperature_floor = None
+    if not use_rope and getattr(module, "attn_temperature_tuning", False):
+        temperature_floor = int(getattr(module, "floor_scale", 0) or 0)
+        if temperature_floor < 2:
+            raise LoweringError(f"{qualname} ({type(module).__name__}): attention temperature tuning of a NoPE layer "
+                                f"with floor_scale={temperature_floor} (q scaled by log(position) from position 0) "
+                                "is not modelled; set config.attn_temperature_tuning=False")
+    rope = rope_of(rope_cfg, d, f"{qualname} ({type(module).__name__})", _layer_type(cfg, idx), _ctx().family) \
+        if use_rope else None
+    return rope, use_rope, window, chunk, temperature_floor
+
+
+CLIP_QKV = "clip_qkv"
+
+
+def _fused_attention_spec(module: nn.Module, qualname: str, d: int) -> AttentionSpec:
+    """DBRX's attention: one bias-free projection ``Wqkv`` whose rows are q [H*d], k [G*d], v [G*d]
+    (H ``num_heads``, G ``num_key_value_heads``), each clamped to [-c, c] where its forward reads a
+    ``clip_qkv`` c, and ``out_proj``; RoPE, mask and scale as any attention's."""
+    from moegraph.lowering.hf_common import check_attention
+    cfg = getattr(module, "config", None) or _ctx().config
+    where = f"{qualname} ({type(module).__name__})"
+    qkv_name, o_name = FUSED_ATTENTION
+    qkv, out = (_child_class_check(module, qualname, n) for n in FUSED_ATTENTION)
+    H, G = getattr(module, "num_heads", None), getattr(module, "num_key_value_heads", None)
+    if not isinstance(H, int) or not isinstance(G, int) or qkv.out_features != (H + 2 * G) * d \
+            or out.in_features != H * d:
+        raise LoweringError(f"{where}: {qkv_name} gives {qkv.out_features} and {o_name} takes {out.in_features} "
+                            f"features: not q, k, v of num_heads={H!r}, num_key_value_heads={G!r} heads of {d}")
+    if qkv.bias is not None or out.bias is not None:
+        raise LoweringError(f"{where}: biases on a fused {qkv_name} or its {o_name} are not modelled")
+    check_attention(module, qualname, head_dim=d, structural=True)
+    clip = getattr(module, CLIP_QKV, None) if CLIP_QKV in forward_reads(type(module)) else None
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip > 0):
+        raise LoweringError(f"{where}: {CLIP_QKV}={clip!r}: only a clamp to [-c, c], c > 0, is modelled")
+    check_children(module, qualname, set(FUSED_ATTENTION))
+    rope, use_rope, window, chunk, temperature_floor = _position_settings(module, qualname, cfg, d)
+    w = f"{qkv_name}.weight"
+    rows = ((0, H * d), (H * d, G * d), (H * d + G * d, G * d))
+    q, k, v = (ParamSource(_join(qualname, w), narrow=(0, start, length)) for start, length in rows)
+    scale = float(module.scaling)
+    return AttentionSpec(q=q, k=k, v=v, o=_src(qualname, f"{o_name}.weight"), heads=H, kv_heads=G, head_dim=d,
+                         rope_theta=rope.theta if rope is not None else 0.0, use_rope=use_rope,
+                         tuple_output=returns_tuple(type(module)),
+                         rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
+                         scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk,
+                         temperature_floor=temperature_floor, qkv_clip=None if clip is None else float(clip))
 
 
 def _out_gate(module: nn.Module, qualname: str, reads: frozenset[str], H: int,
@@ -545,6 +595,7 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
     rope = rope_of(cfg, dr, where, _layer_type(cfg, getattr(module, "layer_idx", _ctx().layer_idx)), _ctx().family)
     p = functools.partial(lambda q, n: _src(q, f"{n}.weight"), qualname)
     scale = float(module.scaling)
+    query_scale_from = _position_query_scale(module, cfg, where)
     return MLASpec(q=None if low_rank else p("q_proj"), q_a=p("q_a_proj") if low_rank else None,
                    q_norm=norm_spec(module.q_a_layernorm, f"{qualname}.q_a_layernorm") if low_rank else None,
                    q_b=p("q_b_proj") if low_rank else None, kv_a=p("kv_a_proj_with_mqa"),
@@ -555,7 +606,30 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
                    rope_interleave=bool(getattr(cfg, "rope_interleave", False)) or rope.interleave,
                    tuple_output=returns_tuple(type(module)),
                    rope=None if rope.inv_freq is None and rope.scaling == 1.0 else rope,
-                   scale=None if scale == module.qk_head_dim ** -0.5 else scale)
+                   scale=None if scale == module.qk_head_dim ** -0.5 else scale, query_scale_from=query_scale_from)
+
+
+QUERY_SCALE_FN = "get_llama_4_attn_scale"
+
+
+def _position_query_scale(module: nn.Module, cfg, where: str) -> int | None:
+    """P where the forward multiplies the queries by ``get_llama_4_attn_scale(position_ids, beta, P)``
+    = 1 + beta log(1 + floor(p / P)) (Mistral 4: rope_parameters' llama_4_scaling_beta and
+    original_max_position_embeddings), read from the source; None when it does not or beta is 0."""
+    try:
+        src = inspect.getsource(inspect.unwrap(type(module).forward))
+    except (OSError, TypeError):
+        return None
+    if QUERY_SCALE_FN not in src:
+        return None
+    params = getattr(cfg, "rope_parameters", None) or {}
+    beta, P = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if not beta:
+        return None
+    if not isinstance(P, int) or P < 1:
+        raise LoweringError(f"{where}: a query scale by position (llama_4_scaling_beta={beta}) with "
+                            f"original_max_position_embeddings={P!r} is not modelled")
+    return P
 
 
 def _moe(module: nn.Module, qualname: str) -> MoESpec:

@@ -63,6 +63,7 @@ def _setting(name: str, *where, default=None):
     return default
 
 
+JITTER_NAMES = ("jitter_noise", "router_jitter_noise", "moe_jitter_eps")    # DBRX's: moe_jitter_eps
 SCALE_NAMES = ("routed_scaling_factor", "router_scaling_factor", "route_scale")
 
 
@@ -74,7 +75,7 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     rname = _router_name(module)
     router = _child_class_check(module, qualname, rname)
     for owner in (module, router):
-        jitter = getattr(owner, "jitter_noise", 0) or getattr(owner, "router_jitter_noise", 0)
+        jitter = next((j for a in JITTER_NAMES if (j := getattr(owner, a, 0))), 0)
         if module.training and isinstance(jitter, float) and jitter > 0:
             raise LoweringError(f"{qualname} ({type(module).__name__}): router_jitter_noise={jitter} is random per "
                                 "step and cannot be reproduced; set it to 0")
@@ -89,7 +90,11 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     probed = probe_router(router, weight, top_k, module, qualname)
     normalize = rr.normalize if rr.normalize is not None else seen["normalize"]
     if isinstance(normalize, str):
-        normalize = bool(_setting(normalize, router, module, cfg, default=False))
+        how = _setting(normalize, router, module, cfg, default=False)
+        if not isinstance(how, bool) and how not in (1, 0):     # DBRX: divided by their p-norm, p = how
+            raise LoweringError(f"{qualname} ({type(module).__name__}): {normalize}={how!r} divides the top-k weights "
+                                "by their p-norm with p != 1: not modelled (p=1, their sum, is)")
+        normalize = bool(how)
     scoring = rr.scoring or seen["scoring"]
     if probed is not None and rr.scoring is None and rr.normalize is None:
         scoring, normalize = probed
@@ -242,7 +247,10 @@ def _replace(spec, **changes):
 
 def _expert_weights(experts: nn.Module, qualname: str, h: int, row: Family):
     """(w1, w3, w2, f, activation, extra) from fused 3-D weights: gate_up_proj [E, 2f, h] (or [E, h, 2f],
-    then read transposed) and down_proj [E, h, f] (or [E, f, h])."""
+    then read transposed) and down_proj [E, h, f] (or [E, f, h]); or the family row's three flat
+    tensors (``ExpertRow.separate``)."""
+    if row.experts.separate is not None:
+        return _separate_expert_weights(experts, qualname, h, row.experts.separate)
     gate_up, down = getattr(experts, "gate_up_proj", None), getattr(experts, "down_proj", None)
     if not (isinstance(gate_up, nn.Parameter) and isinstance(down, nn.Parameter) and gate_up.dim() == 3):
         raise LoweringError(f"{qualname} ({type(experts).__name__}): only fused 3-D expert weights (gate_up_proj, "
@@ -269,6 +277,23 @@ def _expert_weights(experts: nn.Module, qualname: str, h: int, row: Family):
         raise LoweringError(f"{qualname} ({type(experts).__name__}): no act_fn and no (alpha, limit) of a clamped "
                             "SwiGLU: its activation is not modelled")
     return w1, w3, w2, f, act, extra
+
+
+def _separate_expert_weights(experts: nn.Module, qualname: str, h: int, paths: tuple[str, str, str]):
+    """Gate, up and down as three flat tensors [E*f, h] (DBRX: ``mlp.w1``, ``mlp.v1``, ``mlp.w2``), each
+    viewed as [E, f, h]; the down projection computes rows @ w2 (w2 [f, h] per expert), so it is read
+    transposed, as down_proj's [E, h, f]. The activation is the module holding them's."""
+    tensors = [_lookup(experts, p) for p in paths]
+    E = getattr(experts, "num_experts", None)
+    if not isinstance(E, int) or any(not isinstance(t, nn.Parameter) or t.dim() != 2 or t.shape[1] != h
+                                     or t.shape != tensors[0].shape or t.shape[0] % E for t in tensors):
+        shapes = ", ".join(f"{p} {None if t is None else tuple(t.shape)}" for p, t in zip(paths, tensors))
+        raise LoweringError(f"{qualname} ({type(experts).__name__}): {shapes}: not three flat [E*f, {h}] expert "
+                            f"tensors of num_experts={E!r} experts")
+    f = tensors[0].shape[0] // E
+    w1, w3, w2 = (ParamSource(f"{qualname}.{p}", unflatten=E, transpose=i == 2) for i, p in enumerate(paths))
+    holder = _lookup(experts, paths[0].rpartition(".")[0]) if "." in paths[0] else experts
+    return w1, w3, w2, f, activation_of(holder, f"{qualname}.{paths[0].rpartition('.')[0]}"), {}
 
 
 def _expert_biases(experts: nn.Module, qualname: str, f: int, row: Family):
