@@ -86,3 +86,28 @@ def test_longcat_flash_dual_sublayers_refuse_by_name():
                                             r"layer of 2 attention sublayers .* is not modelled: one attention block "
                                             r"per layer is$"):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
+
+
+@pytest.mark.parametrize("training,how", [
+    (True, "samples the experts at random in training mode"),
+    (False, "picks and weighs the experts in eval mode by a masked softmax around the best score"),
+])
+def test_phimoe_sparsemixer_router_refuses_by_name(training, how):
+    """PhiMoE's router calls sparsemixer: in training it draws its experts by Gumbel sampling (random
+    per step); in eval it weighs them by a masked softmax, not a top-k of scores: refused naming it in
+    both modes (before router_jitter_noise, which is sparsemixer's threshold there, not a noise)."""
+    _need("phimoe")
+    from moegraph.tracer import extract_program
+    model = tiny_model("phimoe", LMS["phimoe"]).train(training)
+    with pytest.raises(LoweringError, match=rf"^mlp\.router \(PhimoeTopKRouter\): its routing function sparsemixer "
+                                            rf"{how}"):
+        extract_program(model.model.layers[0])
+
+
+def test_minimax_m3_fused_shared_expert_refuses_by_name():
+    _need("minimax_m3_vl")
+    model = tiny_model("minimax_m3_vl", LMS["minimax_m3_vl"])
+    with pytest.raises(LoweringError, match=r"^layer 0: 'mlp\.shared_experts' \(MiniMaxM3VLDenseMLP\): a gated MLP "
+                                            r"without gate_proj, up_proj \(it holds gate_up_proj, down_proj; its "
+                                            r"forward clamps by swiglu_limit\) is not modelled"):
+        trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)

@@ -36,6 +36,13 @@ def activation_of(module: nn.Module, qualname: str) -> str:
 
 def mlp_spec(module: nn.Module, qualname: str) -> MLPSpec:
     """A dense gated MLP: down(act(gate(x)) * up(x)), no biases."""
+    missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not isinstance(module._modules.get(n), nn.Linear)]
+    if missing:
+        held = ", ".join(n for n, _ in module.named_children()) or "no children"
+        clamp = [a for a in ("swiglu_limit", "limit") if a in forward_reads(type(module))]
+        raise LoweringError(f"{qualname!r} ({type(module).__name__}): a gated MLP without {', '.join(missing)} (it "
+                            f"holds {held}"f"{'; its forward clamps by ' + clamp[0] if clamp else ''}) is not "
+                            "modelled: gate_proj, up_proj and down_proj linears are")
     for name in ("gate_proj", "up_proj", "down_proj"):
         _child_class_check(module, qualname, name)
         if getattr(module, name).bias is not None:
@@ -74,6 +81,13 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     cfg = ctx.config
     rname = _router_name(module)
     router = _child_class_check(module, qualname, rname)
+    sampler = sampling_call(type(router))
+    if sampler is not None:
+        mode = ("samples the experts at random in training mode (Gumbel sampling, random per step, with its own "
+                "gradient estimator)" if router.training else "picks and weighs the experts in eval mode by a masked "
+                "softmax around the best score, not a top-k of softmax or sigmoid scores")
+        raise LoweringError(f"{qualname}.{rname} ({type(router).__name__}): its routing function {sampler} {mode}: "
+                            "not modelled")
     for owner in (module, router):
         jitter = next((j for a in JITTER_NAMES if (j := getattr(owner, a, 0))), 0)
         if module.training and isinstance(jitter, float) and jitter > 0:
@@ -219,6 +233,34 @@ def probe_router(router: nn.Module, weight, top_k: int, block: nn.Module, qualna
             want = torch.zeros_like(logits).scatter(1, idx.long(), w)
             if float((got - want).norm() / want.norm().clamp_min(1e-30)) < 1e-3:
                 return scoring, normalize
+    return None
+
+
+RANDOM_CALLS = ("exponential_(", "rand_like(", "multinomial(", "bernoulli(", "randn_like(")
+
+
+@functools.lru_cache(maxsize=None)
+def sampling_call(cls: type) -> str | None:
+    """The name of a module-level function a router's forward calls that draws random numbers
+    (PhiMoE's ``sparsemixer``: Gumbel sampling of the experts in training), read from the sources;
+    None when it calls none."""
+    import re
+    import sys
+    try:
+        src = inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return None
+    namespace = vars(sys.modules[cls.__module__])
+    for name in dict.fromkeys(re.findall(r"(?<![.\w])(\w+)\(", src)):
+        fn = namespace.get(name)
+        if not inspect.isfunction(fn):
+            continue
+        try:
+            body = inspect.getsource(fn)
+        except (OSError, TypeError):
+            continue
+        if any(call in body for call in RANDOM_CALLS):
+            return name
     return None
 
 
