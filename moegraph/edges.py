@@ -1,8 +1,10 @@
 """The edges of a model step graph, read: the names, attributes and records later stages use.
 
-A causal LM is embedding -> L decoder layers -> final norm -> LM head (-> x logit_scale) -> loss,
-the final norm an RMSNorm or a bias-free LayerNorm and the logits' constant multiplier 1 unless
-the model has one (``EdgeHead``: Cohere's LayerNorm and ``logit_scale``). The edges
+A causal LM is embedding -> L decoder layers -> final norm -> LM head (-> x logit_scale)
+(-> soft cap) -> loss, the final norm an RMSNorm or a LayerNorm (with or without a bias), the
+logits' constant multiplier 1 and no soft cap unless the model has them (``EdgeHead``, the one
+description of them every stage reads: Cohere's LayerNorm and ``logit_scale``, PhiMoE's biased
+LayerNorm, Beam's ``final_logit_softcapping``). The edges
 pass (``moegraph.passes.edges.add_edges``, the module docstring there describes the nodes)
 appends their gradient syncs and priced eager compute to the step graph; this module holds what
 the tracer, the cost model, the scheduler and the runtime read of them: the block and attribute
@@ -64,30 +66,61 @@ class AuxLoss:
 
 
 FinalNorm = Literal["rms", "layer"]
-"""The final norm the edges model: RMSNorm, or LayerNorm (mean removed, a weight, no bias)."""
+"""The final norm the edges model: RMSNorm, or LayerNorm (mean removed, a weight, a bias or none)."""
 
 
 @dataclass(frozen=True)
 class EdgeHead:
     """What the eager edges compute between the last layer and the loss, beyond the LM head's
-    product: the final ``norm`` ('rms': RMSNorm, priced as an RMSNORM node; 'layer': a bias-free
-    LayerNorm of epsilon ``eps``, a NORM node of kind 'layer', as the layers' LayerNorms), and
-    the logits' constant multiplier ``logit_scale`` (Cohere's ``logits * self.logit_scale``; 1:
-    none, and no node). The default is the plain RMSNorm -> head of every other family."""
+    product: the one description the lowering builds (``ModelSpec.edge_head``), the edges pass
+    prices, the graph carries (``EdgeValues.head``) and the runtime computes.
+
+    norm:        'rms': RMSNorm, priced as an RMSNORM node; 'layer': LayerNorm, a NORM node of kind
+                 'layer', as the layers' LayerNorms.
+    eps:         the norm's epsilon; None where only the price is wanted (a registry model's plan),
+                 not a model the runtime runs.
+    bias:        the LayerNorm adds a bias [h] (PhiMoE's): its gradient travels with the weight's,
+                 one partial [2h] (weight, then bias) and one sync.
+    logit_scale: the logits' constant multiplier (Cohere's ``logits * self.logit_scale``; 1: none,
+                 and no node).
+    softcap:     the logits, after the scale, soft-capped to c * tanh(logits / c) (Beam's
+                 ``final_logit_softcapping`` c; None: none, and no node).
+    The default is the plain RMSNorm -> head of most families."""
 
     norm: FinalNorm = "rms"
     eps: float | None = None
+    bias: bool = False
     logit_scale: float = 1.0
+    softcap: float | None = None
 
     def __post_init__(self):
         if self.norm not in ("rms", "layer"):
             raise ValueError(f"EdgeHead.norm={self.norm!r} is not one of 'rms', 'layer'")
-        if self.norm == "layer" and (isinstance(self.eps, bool) or not isinstance(self.eps, (int, float))
-                                     or not self.eps > 0):
-            raise ValueError(f"EdgeHead: a final LayerNorm needs its eps > 0, got eps={self.eps!r}")
+        e = self.eps
+        if e is not None and (isinstance(e, bool) or not isinstance(e, (int, float)) or not e > 0):
+            raise ValueError(f"EdgeHead.eps={e!r} must be a number > 0 or None")
+        if self.norm == "layer" and e is None:
+            raise ValueError("EdgeHead: a final LayerNorm needs its eps > 0, got eps=None")
+        if not isinstance(self.bias, bool) or (self.bias and self.norm != "layer"):
+            raise ValueError(f"EdgeHead.bias={self.bias!r}: a bias (True) is a LayerNorm's (norm='layer')")
         s = self.logit_scale
         if isinstance(s, bool) or not isinstance(s, (int, float)) or not math.isfinite(s):
             raise ValueError(f"EdgeHead.logit_scale={s!r} must be a finite number")
+        c = self.softcap
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
+                              or not c > 0):
+            raise ValueError(f"EdgeHead.softcap={c!r} must be None or a finite number > 0")
+
+    @property
+    def norm_params(self) -> int:
+        """How many [h] vectors the final norm holds: its weight, and its bias where it has one."""
+        return 1 + self.bias
+
+    @property
+    def plain(self) -> bool:
+        """The logits are the LM head's product itself (no scale, no soft cap): what a base model,
+        which has no head, must have."""
+        return self.logit_scale == 1 and self.softcap is None
 
 
 AUX_META = "aux_loss"
@@ -111,7 +144,8 @@ class EdgeValues:
 
     seeds: per micro-batch, the last layer's incoming gradient [b, s/n, h], made by that
     micro-batch's eager norm backward (one entry for a one-micro-batch graph).
-    norm_partial / head_partial: this rank's partial gradient of the final norm [h] and of the
+    norm_partial / head_partial: this rank's partial gradient of the final norm [h] ([2h]: weight,
+    then bias, with a bias) and of the
     LM head [V, h] for the whole step (head: None for a base model without one), made by the
     eager weight-gradient nodes; in a merged step each micro-batch's adds into the previous
     one's (attr accumulate), so this is the last micro-batch's, the sum over all of them.
@@ -125,6 +159,8 @@ class EdgeValues:
     ``edges.embed.scatter`` (in a merged step the last micro-batch's, the sum over all of them),
     and the synchronised embedding gradient [V, h] (fp32, already the mean over the replicas);
     ROWS: None.
+    head: the final norm, the logits' scale and soft cap the edge nodes price (``EdgeHead``); the
+    runtime computes the same (it checks).
     aux_stats / aux_seeds: with the aux loss (``AuxLoss``), per micro-batch the global router
     stats [3, E] (``edges.aux.stats``, read for the loss value) and the aux seed [1] the runtime
     gives to the routers' backward; empty without. aux_coef, aux_experts: the loss's coefficient
@@ -144,8 +180,11 @@ class EdgeValues:
     aux_seeds: tuple[str, ...] = ()
     aux_coef: float = 0.0
     aux_experts: int = 0
-    final_norm: FinalNorm = "rms"
-    logit_scale: float = 1.0
+    head: EdgeHead = EdgeHead()
+
+    def __post_init__(self):
+        if not isinstance(self.head, EdgeHead):     # graph.meta holds it frozen: (field, value) pairs
+            object.__setattr__(self, "head", EdgeHead(**dict(self.head)))
 
     @property
     def seed(self) -> str:

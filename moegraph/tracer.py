@@ -525,7 +525,7 @@ def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: in
     layers = model.get_submodule(spec.layers)
     rotary = next((m for qn, m in model.named_modules() if qn.split(".")[-1] == "rotary_emb"), None)
     graph = trace_layers(layers, strategy, batch=batch, seq=seq, name=name or type(model).__name__, rotary=rotary)
-    around = {spec.embed, spec.norm.weight.qualname, *([spec.head] if spec.head else []), *spec.unused}
+    around = {spec.embed, *spec.norm_names, *([spec.head] if spec.head else []), *spec.unused}
     stray = [k for k, _ in [*model.named_parameters(), *model.named_buffers()]
              if k not in around and not k.startswith(f"{spec.layers}.")]
     if stray:

@@ -75,9 +75,10 @@ The eager compute is in the graph too, so the scheduler prices it and orders aro
 with the attribute ``eager`` (``EAGER_ATTR``) that the runtime does NOT execute from the plan
 (autograd runs them; the executor skips them and takes their outputs as inputs), per micro-batch
 the final norm and the LM head, forward and backward (``moegraph.passes.edges_head``): RMSNORM
-(or a NORM of kind 'layer' for a bias-free LayerNorm) ``edges.norm``, GEMM ``edges.lm_head``
+(or a NORM of kind 'layer' for a LayerNorm, its bias priced in it) ``edges.norm``, GEMM ``edges.lm_head``
 (2*T*h*V FLOPs each way), a SCALE ``edges.logit_scale`` where the logits are multiplied by a
-constant (``moegraph.edges.EdgeHead``), and their ``.dgrad`` / ``.wgrad``; ``edges.norm.dgrad``
+constant and a LIMIT ``edges.logit_softcap`` where they are soft-capped (``moegraph.edges.EdgeHead``),
+and their ``.dgrad`` / ``.wgrad``; ``edges.norm.dgrad``
 makes the layers' seed,
 
 and, with the PARTIAL embedding gradient, one the plan RUNS (its input is made by the plan and its
@@ -181,7 +182,8 @@ class AddEdges:
     embed_grad: EmbedGrad | None = None
     """The embedding gradient's pattern; None: chosen by inter-node bytes (``embed_grad_choice``)."""
     head: EdgeHead = EdgeHead()
-    """The final norm and the logits' multiplier (``moegraph.edges.EdgeHead``): RMSNorm and 1 by default."""
+    """The final norm and the logits' scale and soft cap (``moegraph.edges.EdgeHead``): RMSNorm, 1 and none by
+    default."""
 
     NAME: ClassVar[str] = "edges"
 
@@ -270,8 +272,9 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         raise GraphError(f"graph {graph.name!r} already has its edges")
     if vocab is not None and (isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1):
         raise ValueError(f"vocab={vocab!r} must be a positive integer or None (no LM head)")
-    if not isinstance(head, EdgeHead) or (vocab is None and head.logit_scale != 1):
-        raise ValueError(f"head={head!r} must be an EdgeHead, with logit_scale 1 for a base model (no LM head)")
+    if not isinstance(head, EdgeHead) or (vocab is None and not head.plain):
+        raise ValueError(f"head={head!r} must be an EdgeHead, with logit_scale 1 and no soft cap for a base model "
+                         "(no LM head)")
     if embed_grad is not None and not isinstance(embed_grad, EmbedGrad):
         raise ValueError(f"embed_grad={embed_grad!r} must be None or one of {list(EmbedGrad)}")
     st, d = graph.strategy, graph.dims
@@ -345,8 +348,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
         else:
             sync += embed_sync
     names = EdgeValues(tuple(b[1] for b in bounds), norm_partial, norm_synced, head_partial, head_synced,
-                       tuple(gathered), pattern, embed_partial, embed_synced, **aux_values, final_norm=head.norm,
-                       logit_scale=float(head.logit_scale))
+                       tuple(gathered), pattern, embed_partial, embed_synced, **aux_values, head=head)
 
     def marked(nodes, j):
         mb = {MB_ATTR: j} if M > 1 and j is not None else {}

@@ -117,7 +117,8 @@ from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, bu
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
-                                         check_edge_head, final_norm, head_logits, step_layouts)
+                                         check_edge_head, final_norm, head_logits, norm_params,
+                                         split_norm, step_layouts)
 from moegraph.tokens import Tokens, batch_forms, micro_batch_forms
 
 if TYPE_CHECKING:
@@ -163,8 +164,11 @@ class CompiledModel(nn.Module):
         # a frozen (requires_grad=False) original parameter stays frozen: no gradient reaches its .grad
         trains = lambda k: k not in frozen  # noqa: E731
         self.embed = nn.Parameter(full[spec.embed].detach().clone(), requires_grad=trains(spec.embed))
-        self.norm = nn.Parameter(full[spec.norm.weight.qualname].detach().clone(),
-                                 requires_grad=trains(spec.norm.weight.qualname))
+        # the final norm's weight (and bias) as one vector, as the edges' one partial (norm_params)
+        if len({trains(k) for k in spec.norm_names}) > 1:
+            raise RuntimeFailure(f"the final norm's {' and '.join(spec.norm_names)}: one frozen, one trained is not "
+                                 "supported (the compiled model holds them as one vector)")
+        self.norm = nn.Parameter(norm_params(full, spec).clone(), requires_grad=trains(spec.norm))
         # tied (spec.tied): the head IS the embedding, one parameter; autograd and accumulate_grads
         # add the head's synced gradient and the embedding's into its .grad, as in the original
         self.lm_head = (self.embed if spec.tied else
@@ -177,7 +181,7 @@ class CompiledModel(nn.Module):
         if edges is None or (edges.head_partial is None) != (self.lm_head is None):
             raise RuntimeFailure(f"graph {layers.graph.name!r} carries no edges matching the model (head: "
                                  f"{self.lm_head is not None}): build it with moegraph.passes.edges.add_edges after the passes")
-        check_edge_head(edges, spec.norm, spec.logit_scale, layers.graph.name)
+        check_edge_head(edges, spec.edge_head, layers.graph.name)
         self.edges = edges
         self.micro_batches = layers.micro_batches
         if self.micro_batches > 1 and self.lm_head is None:
@@ -280,9 +284,9 @@ class CompiledModel(nn.Module):
             with batch_layout(self.layers.executor, tokens):
                 y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
             aux = self._aux_value(kept)
-            out = final_norm(y, self.norm, self.spec.norm)                     # [b, s/n, h]
+            out = final_norm(y, self.norm, self.spec.edge_head)                # [b, s/n, h]
             if self.lm_head is not None:
-                out = head_logits(out, self.lm_head, self.spec.logit_scale)     # [b, s/n, V]
+                out = head_logits(out, self.lm_head, self.spec.edge_head)       # [b, s/n, V]
         aux = aux if self.edges.aux_stats else None
         if self.spec.output is ModelOutput.HIDDEN:
             return ModelResult(last_hidden_state=self._gather(out))
@@ -446,7 +450,7 @@ class CompiledModel(nn.Module):
                 dist.all_reduce(t, group=self.layers.executor.comm.mp_group)
         out = {self.original_name(q): t for q, t in regions.items()}
         out[self.spec.embed] = self.embed.detach().clone()
-        out[self.spec.norm.weight.qualname] = self.norm.detach().clone()
+        out |= split_norm(self.norm.detach().clone(), self.spec)
         if self.lm_head is not None:
             out[self.spec.head] = self.lm_head.detach().clone()
         out |= {k: v.clone() for k, v in self._constants.items()}
@@ -460,10 +464,11 @@ class CompiledModel(nn.Module):
         """Full gradients under the original module's parameter names, on every rank (a collective;
         parameters without a gradient count as zero)."""
         out = {self.original_name(q): g for q, g in self.layers.full_grads().items()}
-        for name, p in ((self.spec.embed, self.embed), (self.spec.norm.weight.qualname, self.norm),
-                        (self.spec.head, self.lm_head)):
+        for name, p in ((self.spec.embed, self.embed), (self.spec.head, self.lm_head)):
             if p is not None:
                 out[name] = p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+        out |= split_norm(self.norm.grad.clone() if self.norm.grad is not None else torch.zeros_like(self.norm),
+                          self.spec)
         return out
 
     @torch.no_grad()
@@ -481,7 +486,7 @@ class CompiledModel(nn.Module):
         sources = {src.qualname for _, spec in graph.params for src in spec.sources}
         self.layers.load_full({q: state_dict[self.original_name(q)] for q in sources})
         self.embed.copy_(state_dict[self.spec.embed])
-        self.norm.copy_(state_dict[self.spec.norm.weight.qualname])
+        self.norm.copy_(norm_params(state_dict, self.spec))
         if self.lm_head is not None:
             self.lm_head.copy_(state_dict[self.spec.head])
         return LoadResult([], unexpected)

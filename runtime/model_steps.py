@@ -12,17 +12,17 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moegraph.edges import EMBED_SCATTER, EdgeValues, EmbedGrad, is_eager
-from moegraph.family_kernels import layer_norm
+from moegraph.edges import EMBED_SCATTER, EdgeHead, EdgeValues, EmbedGrad, is_eager
+from moegraph.family_kernels import layer_norm, limit
 from moegraph.ir import Graph, OpKind, Role
-from moegraph.lowering.specs import NormSpec
+from moegraph.lowering import ModelSpec
 from moegraph.microbatch import mb_name, micro_batch_of
 from moegraph.models import rms_norm
 from moegraph.tokens import Tokens
@@ -35,31 +35,47 @@ if TYPE_CHECKING:
 
 
 
-def final_norm(y: torch.Tensor, weight: torch.Tensor, spec: NormSpec) -> torch.Tensor:
-    """The model edges' final norm of this rank's rows [b, s/n, h]: an RMSNorm, or a bias-free
-    LayerNorm computed as the NORM op's kind 'layer' (``moegraph.edges.EdgeHead``)."""
-    if spec.kind == "rms":
-        return rms_norm(y, weight, spec.eps)
-    if spec.kind == "layer" and spec.bias is None:
-        return layer_norm(y, weight, spec.eps)
-    raise RuntimeFailure(f"final norm {spec.kind!r}{' with a bias' if spec.bias is not None else ''} is not "
-                         "modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
+def norm_params(full: Mapping[str, torch.Tensor], spec: ModelSpec) -> torch.Tensor:
+    """The final norm's parameters as the compiled model holds them, one vector [h] ([2h]: the
+    weight, then a LayerNorm's bias), as the edges' one partial gradient (``EdgeHead.bias``)."""
+    return torch.cat([full[name].detach().reshape(-1) for name in spec.norm_names])
 
 
-def head_logits(normed: torch.Tensor, head: torch.Tensor, logit_scale: float) -> torch.Tensor:
+def split_norm(params: torch.Tensor, spec: ModelSpec) -> dict[str, torch.Tensor]:
+    """``norm_params``' vector (or its gradient) back under the model's names."""
+    return dict(zip(spec.norm_names, params.chunk(len(spec.norm_names))))
+
+
+def final_norm(y: torch.Tensor, params: torch.Tensor, head: EdgeHead) -> torch.Tensor:
+    """The model edges' final norm of this rank's rows [b, s/n, h] (``head``: ``moegraph.edges.EdgeHead``):
+    an RMSNorm, or a LayerNorm computed as the NORM op's kind 'layer', then its bias; ``params`` the
+    weight [h] (then the bias [h]: ``norm_params``)."""
+    h = y.shape[-1]
+    if params.shape[0] != head.norm_params * h or head.eps is None:
+        raise RuntimeFailure(f"final norm parameters [{params.shape[0]}] for {head} of width {h} (a runtime bug)")
+    if head.norm == "rms":
+        return rms_norm(y, params, head.eps)
+    if head.norm == "layer":
+        out = layer_norm(y, params[:h], head.eps)
+        return out + params[h:] if head.bias else out
+    raise RuntimeFailure(f"final norm {head.norm!r} is not one of 'rms', 'layer'")
+
+
+def head_logits(normed: torch.Tensor, weight: torch.Tensor, head: EdgeHead) -> torch.Tensor:
     """The LM head's logits [b, s/n, V] of the normed rows [b, s/n, h], times the model's
-    ``logit_scale`` (``moegraph.edges.EdgeHead``; 1: none)."""
-    logits = F.linear(normed, head)                                                  # [b, s/n, V]
-    return logits if logit_scale == 1 else logits * logit_scale
+    ``logit_scale``, then soft-capped (``moegraph.edges.EdgeHead``: each only where it has it)."""
+    logits = F.linear(normed, weight)                                                # [b, s/n, V]
+    if head.logit_scale != 1:
+        logits = logits * head.logit_scale
+    return logits if head.softcap is None else limit(logits, "softcap", head.softcap)
 
 
-def check_edge_head(edges: EdgeValues, spec: NormSpec, logit_scale: float, graph: str) -> None:
-    """The graph's edge nodes price the final norm and logit scale the eager edges compute (else
-    the plan was built for another model's edges)."""
-    if (edges.final_norm, edges.logit_scale) != (spec.kind, float(logit_scale)):
-        raise RuntimeFailure(f"graph {graph!r} prices a final {edges.final_norm} norm and logit scale "
-                             f"{edges.logit_scale}; the model computes a {spec.kind} norm and logit scale "
-                             f"{logit_scale}: lower the graph from this model (AddEdges(head=spec.edge_head))")
+def check_edge_head(edges: EdgeValues, head: EdgeHead, graph: str) -> None:
+    """The graph's edge nodes price the final norm, logit scale and soft cap the eager edges compute
+    (else the plan was built for another model's edges)."""
+    if edges.head != head:
+        raise RuntimeFailure(f"graph {graph!r} prices the model edges {edges.head}; the model computes {head}: lower "
+                             "the graph from this model (AddEdges(head=spec.edge_head))")
 
 
 class SumOverRanks(torch.autograd.Function):
@@ -136,10 +152,10 @@ class ScheduledStep(torch.autograd.Function):
         with torch.enable_grad():
             y_in = y.detach().requires_grad_()
             leaves = [y_in, norm.detach().requires_grad_()]
-            out = final_norm(y_in, leaves[1], model.spec.norm)                   # [b, s/n, h]
+            out = final_norm(y_in, leaves[1], model.spec.edge_head)              # [b, s/n, h]
             if head is not None:
                 leaves.append(head.detach().requires_grad_())
-                out = head_logits(out, leaves[2], model.spec.logit_scale)         # [b, s/n, V]
+                out = head_logits(out, leaves[2], model.spec.edge_head)           # [b, s/n, V]
         # the backward runs with this step's layout, whatever forwards ran since
         ctx.model, ctx.state, ctx.eager, ctx.tokens = model, (saved, rec), (out, leaves), tokens
         ctx.save_for_backward(input_ids, embed, *params)   # version-checked: no in-place update before backward
@@ -181,8 +197,9 @@ class EdgeStep:
       lm_head       (GEMM, forward)     normed -> logits, and (without a logit scale) this rank's
                                         loss term (its shard's summed cross-entropy / the
                                         micro-batch's global count);
-      logit_scale   (SCALE, forward)    logits -> logits x the model's logit_scale, and the loss term;
-      logit_scale.dgrad, lm_head.dgrad / .wgrad
+      logit_scale   (SCALE, forward)    logits -> logits x the model's logit_scale, and, last, the loss term;
+      logit_softcap (LIMIT, forward)    (scaled) logits -> c tanh(. / c), and the loss term (``EdgeHead``);
+      logit_softcap.dgrad, logit_scale.dgrad, lm_head.dgrad / .wgrad
                                         the term's backward to (the logits, normed, the head weight),
                                         seeded with ``weight`` (1/M: the mean over micro-batches), run
                                         by whichever of them the plan reaches first; they return
@@ -202,7 +219,8 @@ class EdgeStep:
              (OpKind.SCALE, Role.DGRAD): "scale_dgrad", (OpKind.GEMM, Role.DGRAD): "head_dgrad",
              (OpKind.GEMM, Role.WGRAD): "head_wgrad", (OpKind.RMSNORM, Role.DGRAD): "norm_dgrad",
              (OpKind.NORM, Role.DGRAD): "norm_dgrad", (OpKind.RMSNORM, Role.WGRAD): "norm_wgrad",
-             (OpKind.NORM, Role.WGRAD): "norm_wgrad"}
+             (OpKind.NORM, Role.WGRAD): "norm_wgrad", (OpKind.LIMIT, Role.FORWARD): "softcap",
+             (OpKind.LIMIT, Role.DGRAD): "softcap_dgrad"}
 
     def __init__(self, model: "CompiledModel", labels: Sequence[tuple[torch.Tensor, torch.Tensor]],
                  ids: Sequence[torch.Tensor], weight: float):
@@ -211,9 +229,10 @@ class EdgeStep:
         ``weight``: each micro-batch loss's in the step's (1/M, or 1 for num_items_in_batch)."""
         self.model, self.labels, self.ids, self.M = model, list(labels), list(ids), len(labels)
         self.weight = weight
-        self.scale = model.spec.logit_scale
-        self.backward = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad") + \
-            (("scale_dgrad",) if self.scale != 1 else ())
+        self.head = head = model.spec.edge_head
+        # the logits' ops after the head's product, in order (each kernel's input: the previous one's output)
+        self.tail = tuple(k for k, on in (("scale", head.logit_scale != 1), ("softcap", head.softcap is not None)) if on)
+        self.backward = ("head_dgrad", "head_wgrad", "norm_dgrad", "norm_wgrad") + tuple(f"{k}_dgrad" for k in self.tail)
         self.state: list[dict[str, Any] | None] = [{} for _ in labels]
         self.terms: list[torch.Tensor | None] = [None] * self.M
         self.ran: list[set[str]] = [set() for _ in labels]
@@ -260,22 +279,33 @@ class EdgeStep:
         (y,) = ins
         with torch.enable_grad():
             st["y"], st["norm_w"] = y.detach().requires_grad_(), self.model.norm.detach().requires_grad_()
-            st["normed"] = final_norm(st["y"], st["norm_w"], self.model.spec.norm)
+            st["normed"] = final_norm(st["y"], st["norm_w"], self.head)
         return st["normed"].detach()
 
     def _head(self, st, j, ins):
         with torch.enable_grad():
             st["head_w"] = self.model.lm_head.detach().requires_grad_()
-            st["logits"] = head_logits(st["normed"], st["head_w"], 1.0)             # [b, s/n, V]
-            if self.scale == 1:
-                self._loss(st, j, st["logits"])
-        return st["logits"].detach()
+            st["logits"] = [F.linear(st["normed"], st["head_w"])]                   # [b, s/n, V]
+            if not self.tail:
+                self._loss(st, j, st["logits"][-1])
+        return st["logits"][-1].detach()
+
+    def _tail_step(self, kind, st, j):
+        if len(st["logits"]) != 1 + self.tail.index(kind):
+            raise RuntimeFailure(f"micro-batch {j}'s logit {kind} ran out of order (a runtime bug)")
+        with torch.enable_grad():
+            x = st["logits"][-1]
+            y = x * self.head.logit_scale if kind == "scale" else limit(x, "softcap", self.head.softcap)
+            st["logits"].append(y)                                                  # [b, s/n, V]
+            if kind == self.tail[-1]:
+                self._loss(st, j, y)
+        return y.detach()
 
     def _scale(self, st, j, ins):
-        with torch.enable_grad():
-            scaled = st["logits"] * self.scale                                      # [b, s/n, V]
-            self._loss(st, j, scaled)
-        return scaled.detach()
+        return self._tail_step("scale", st, j)
+
+    def _softcap(self, st, j, ins):
+        return self._tail_step("softcap", st, j)
 
     def _loss(self, st, j, logits):
         st["term"] = self.model._loss_term(logits, *self.labels[j])
@@ -286,15 +316,19 @@ class EdgeStep:
             term = st.pop("term")
             # weight (1/M: the mean over micro-batches); x dp: the plan's DP sync averages over
             # the replicas (module docstring, as SumOverRanks' backward)
-            wrt = [st["normed"], st["head_w"]] + ([st["logits"]] if self.scale != 1 else [])
+            # the tail's inputs: each tail kernel's backward returns its input's gradient
+            wrt = [st["normed"], st["head_w"]] + st["logits"][:len(self.tail)]
             grads = torch.autograd.grad(term, wrt, torch.full_like(term, self.model.dp * self.weight))
             st["d_normed"], st["d_head"] = grads[:2]
-            st["d_logits"] = grads[2] if self.scale != 1 else None
+            st["d_tail"] = dict(zip(self.tail, grads[2:]))
             del st["logits"]
         return st
 
     def _scale_dgrad(self, st, j, ins):
-        return self._head_backward(st)["d_logits"]
+        return self._head_backward(st)["d_tail"]["scale"]
+
+    def _softcap_dgrad(self, st, j, ins):
+        return self._head_backward(st)["d_tail"]["softcap"]
 
     def _head_dgrad(self, st, j, ins):
         return self._head_backward(st)["d_normed"]

@@ -55,9 +55,8 @@ from torch import nn
 from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.ir import Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
-from moegraph.lowering.specs import NormSpec
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_labels
-from moegraph.edges import AuxLoss
+from moegraph.edges import AuxLoss, EdgeHead
 from moegraph.passes.stage_aux import StageAux, stage_aux
 from moegraph.passes.stages import StageLayout, rank_coords, world_rank
 from moegraph.runtime import RuntimeFailure
@@ -110,12 +109,12 @@ class CompiledStage(nn.Module):
 
     def __init__(self, layers: CompiledLayer, original: Mapping[str, str], *, embed: torch.Tensor | None,
                  norm: torch.Tensor | None, head: torch.Tensor | None, names: Mapping[str, str],
-                 padding_idx: int | None, final: NormSpec, logit_scale: float = 1.0,
+                 padding_idx: int | None, final: EdgeHead,
                  pair: "PairRunner | None" = None, forms: BatchForms = BatchForms(),
                  aux_loss: AuxLoss | None = None, aux: StageAux | None = None):
         """``original``: the layer graph's parameter source names -> the model's; ``names``: the
         model's names of embed, norm and head (those given); ``final``: the final norm (RMSNorm or
-        a bias-free LayerNorm) and ``logit_scale`` the logits' multiplier (``moegraph.edges.EdgeHead``),
+        a bias-free LayerNorm) and the logits' scale and soft cap (``moegraph.edges.EdgeHead``),
         which the last stage computes; ``pair``: the layers' merged F&B runner
         (runtime.pipeline_pair; None: the stage runs no OVERLAP_F_B); ``forms``: what the original
         does with a padded or packed batch (``moegraph.tokens.batch_forms``); ``aux_loss``: the
@@ -124,7 +123,7 @@ class CompiledStage(nn.Module):
         super().__init__()
         self.layers, self.original = layers, dict(original)
         self.names, self.padding_idx = dict(names), padding_idx
-        self.final, self.logit_scale = final, logit_scale
+        self.final = final
         self.pair, self.forms = pair, forms
         self.replicas, self.dp = None, 1        # the data-parallel group (compile_stages(dp=...))
         self.aux_loss, self.aux = aux_loss, aux
@@ -218,7 +217,7 @@ class CompiledStage(nn.Module):
             with batch_layout(self.layers.executor, tokens):
                 y = self.layers(x)                                                       # [b, s/n, h]
         if self.lm_head is not None:
-            y = head_logits(final_norm(y, self.norm, self.final), self.lm_head, self.logit_scale)   # -> [b, s/n, V]
+            y = head_logits(final_norm(y, self.norm, self.final), self.lm_head, self.final)   # -> [b, s/n, V]
         if self.aux_loss is None:
             return y
         parts = [t for t in (stats, mine) if t is not None]
@@ -455,11 +454,14 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                             comm=(tuple(sorted(keys)), tuple(sorted(axes))))
         first, last = k == 0, k == S - 1
         names = {"embed": spec.embed} if first else {}
-        names |= {"norm": spec.norm.weight.qualname, "head": spec.head} if last else {}
+        if last and spec.norm_bias is not None:
+            raise RuntimeFailure(f"the final norm's bias {spec.norm_bias!r}: a LayerNorm with a bias is not run by a "
+                                 "pipeline's last stage (one stage: compile without pipeline stages)")
+        names |= {"norm": spec.norm, "head": spec.head} if last else {}
         out[k] = CompiledStage(layer, original, embed=full[spec.embed] if first else None,
-                               norm=full[spec.norm.weight.qualname] if last else None,
+                               norm=full[spec.norm] if last else None,
                                head=full[spec.head] if last else None, names=names,
-                               padding_idx=spec.padding_idx, final=spec.norm, logit_scale=spec.logit_scale,
+                               padding_idx=spec.padding_idx, final=spec.edge_head,
                                pair=PairRunner(layer, *paired[k]) if pairs else None, forms=forms,
                                aux_loss=spec.aux_loss, aux=auxes.get(k))
         out[k].replicas, out[k].dp = replicas, dp

@@ -34,9 +34,10 @@ def compile_case(case: dict, seed: int):
     """(the case's tiny model, token ids [B, S], the model compiled with moegraph.compile for them
     on these ranks, or its refusal line)."""
     import moegraph
-    from family_zoo import VOCAB, tiny_model
+    from family_zoo import VOCAB, tiny_model, with_edge_head
     from moegraph.lowering import LoweringError
-    model = tiny_model(case["family"], case["cls"], seed=seed, **case.get("overrides", {}))
+    model = with_edge_head(tiny_model(case["family"], case["cls"], seed=seed, **case.get("overrides", {})),
+                           **case.get("edges", {}))
     ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1000))
     try:
         compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],

@@ -132,3 +132,56 @@ def tiny_model(family: str, cls_name: str, seed: int = 0, **overrides) -> nn.Mod
             if b.is_floating_point() and "rotary" not in name and "inv_freq" not in name:
                 b.normal_(0, 0.2)
     return model.float()
+
+
+def with_edge_head(model: nn.Module, softcap: float | None = None, norm_bias: bool = False) -> nn.Module:
+    """``model`` (a compiled family's tiny causal LM) with the model edges of families that do not
+    compile for their layers: a final LayerNorm with a bias (PhiMoE's: ``nn.LayerNorm``, weight and
+    bias drawn as the zoo's) and/or Beam's logit soft cap: the causal LM becomes a user's subclass
+    whose forward is Beam's head (``config.final_logit_softcapping`` = ``softcap``), compiled by the
+    structural causal-LM rule registered for it (``register_model``: the documented way to compile
+    a class of one's own)."""
+    if norm_bias:
+        h = model.config.hidden_size
+        norm = nn.LayerNorm(h, eps=1e-5)
+        with torch.no_grad():
+            norm.weight.normal_(1, 0.2), norm.bias.normal_(0, 0.2)
+        model.model.norm = norm
+    if softcap is not None:
+        model.config.final_logit_softcapping = softcap
+        model.__class__ = _softcapped(type(model), type(model.model))
+    return model
+
+
+_SOFTCAPPED: dict[type, type] = {}
+
+
+def _softcapped(base: type, base_model: type) -> type:
+    """A subclass of the causal LM ``base`` whose forward soft-caps its logits as Beam's does, with the
+    structural causal-LM rule registered for it."""
+    if base in _SOFTCAPPED:
+        return _SOFTCAPPED[base]
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    from moegraph.lowering import register_model
+    from moegraph.lowering.hf_common import causal_lm
+
+    class Softcapped(base):
+        def forward(self, input_ids=None, attention_mask=None, position_ids=None, labels=None, use_cache=None,
+                    **kwargs):
+            outputs = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                 use_cache=use_cache)
+            logits = self.lm_head(outputs.last_hidden_state)
+            if self.config.final_logit_softcapping is not None:         # modeling_beam.BeamForCausalLM's lines
+                logits = logits.float() / self.config.final_logit_softcapping
+                logits = torch.tanh(logits)
+                logits = logits * self.config.final_logit_softcapping
+            loss = None
+            if labels is not None:
+                loss = self.loss_function(logits=logits, labels=labels, vocab_size=self.config.vocab_size, **kwargs)
+            return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+    Softcapped.__name__ = f"Softcapped{base.__name__}"
+    register_model(Softcapped, children={"model": base_model, "lm_head": nn.Linear})(causal_lm)
+    _SOFTCAPPED[base] = Softcapped
+    return Softcapped

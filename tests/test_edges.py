@@ -103,7 +103,7 @@ def test_a_layernorm_and_logit_scale_head_is_priced():
     from moegraph.edges import EdgeHead
     cfg = load_model("mixtral-8x7b")
     layer = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"), batch=1, seq=2048)
-    head = EdgeHead("layer", 1e-5, 0.0625)
+    head = EdgeHead("layer", 1e-5, logit_scale=0.0625)
     g = add_edges(layer, vocab=32000, head=head)
     T, h, V = 2048 // 8, 4096, 32000
     node = {n.name: n for n in g.nodes}
@@ -120,17 +120,46 @@ def test_a_layernorm_and_logit_scale_head_is_priced():
     assert back.inputs == scale.outputs
     cost = CostModel(load_hardware("h800"))
     assert all(cost.node_time_us(node[k]) > 0 for k in ("edges.norm", "edges.logit_scale", "edges.logit_scale.dgrad"))
-    ev = edge_values(g)
-    assert (ev.final_norm, ev.logit_scale) == ("layer", 0.0625)
+    assert edge_values(g).head == head
     plain = add_edges(layer, vocab=32000)
     assert {n.name: n for n in plain.nodes}["edges.norm"].op.name == "RMSNORM"
     assert not any("logit_scale" in n.name for n in plain.nodes)
-    assert (edge_values(plain).final_norm, edge_values(plain).logit_scale) == ("rms", 1.0)
+    assert edge_values(plain).head == EdgeHead()
     from moegraph.passes.microbatch import merge_microbatches
     merged = {n.name: n for n in add_edges(merge_microbatches(layer, 2), vocab=32000, head=head).nodes}
     assert all(merged[f"mb{j}.edges.logit_scale.dgrad"].attr("mb") == j for j in range(2))
-    with pytest.raises(ValueError, match="logit_scale 1 for a base model"):
+    with pytest.raises(ValueError, match="logit_scale 1 and no soft cap for a base model"):
         add_edges(layer, vocab=None, head=head)
+
+
+def test_a_biased_layernorm_and_a_logit_soft_cap_are_priced():
+    """EdgeHead('layer', eps, bias=True, softcap=c) (PhiMoE's final LayerNorm, Beam's soft cap): the
+    norm's bias adds T*h FLOPs to the LayerNorm's 7*T*h and its partial gradient is [2h] (weight,
+    then bias: one sync); the soft cap is a LIMIT on the logits (3*T*V FLOPs, reading and writing
+    T*V bf16 elements), after the scale, its backward (reading its input too) first in the head's
+    backward chain; with both, the chain is scale -> cap forward and cap -> scale backward."""
+    from moegraph.edges import EdgeHead
+    cfg = load_model("mixtral-8x7b")
+    layer = trace_model(cfg, Strategy("sp", "ep", "ag-rs", 8, dtype="bf16"), batch=1, seq=2048)
+    head = EdgeHead("layer", 1e-5, bias=True, logit_scale=0.5, softcap=30.0)
+    g = add_edges(layer, vocab=32000, head=head)
+    T, h, V = 2048 // 8, 4096, 32000
+    node = {n.name: n for n in g.nodes}
+    assert node["edges.norm"].flops == 8 * T * h and node["edges.norm.wgrad"].flops == 8 * T * h
+    assert g.value[edge_values(g).norm_partial].shape == (2 * h,)
+    cap, back = node["edges.logit_softcap"], node["edges.logit_softcap.dgrad"]
+    assert cap.op.name == back.op.name == "LIMIT"
+    assert (cap.attr("how"), cap.attr("limit")) == ("softcap", 30.0) and cap.flops == 3 * T * V
+    assert cap.mem_bytes == 2 * T * V * 2 and back.mem_bytes == 3 * T * V * 2
+    assert cap.inputs == node["edges.logit_scale"].outputs and back.inputs == (cap.inputs[0], cap.outputs[0])
+    assert node["edges.logit_scale.dgrad"].inputs == back.outputs
+    assert node["edges.lm_head.dgrad"].inputs == node["edges.logit_scale.dgrad"].outputs
+    assert CostModel(load_hardware("h800")).node_time_us(cap) > 0
+    assert edge_values(g).head == head
+    with pytest.raises(ValueError, match="a bias"):
+        EdgeHead("rms", 1e-5, bias=True)
+    with pytest.raises(ValueError, match="softcap"):
+        EdgeHead(softcap=0.0)
 
 
 def test_edge_sync_follows_the_dp_rule_and_base_models_have_no_head():

@@ -3,7 +3,9 @@ showing that they are modelled (tests/test_family_zoo.py holds every family at i
 DBRX's fused Wqkv with clip_qkv, its p-norm routing and residual dropout.
 
 Each compiled construct is shown load-bearing: the compiled model matches eager with it, and the
-same compiled model differs from an eager model without it.
+same compiled model differs from an eager model without it. The model edges of families whose
+layers do not compile (PhiMoE's final LayerNorm with a bias, Beam's logit soft cap) run on
+Qwen3-MoE's tiny model (tests/family_zoo.with_edge_head), at n=1 and on 2 gloo ranks.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from family_workers import compile_case, step_errors  # noqa: E402
+import os  # noqa: E402
+
+from family_workers import accumulation_case, compile_case, family_cases, step_errors  # noqa: E402
+from helpers import RANK_BATCH  # noqa: E402
 from family_zoo import ROWS, moe_causal_lms, tiny_model  # noqa: E402
 from moegraph.ir import ConfigError, OpKind, Strategy  # noqa: E402
 from moegraph.lowering import LoweringError  # noqa: E402
@@ -97,11 +102,10 @@ def test_phimoe_sparsemixer_router_refuses_by_name(training, how):
     per step); in eval it weighs them by a masked softmax, not a top-k of scores: refused naming it in
     both modes (before router_jitter_noise, which is sparsemixer's threshold there, not a noise)."""
     _need("phimoe")
-    from moegraph.tracer import extract_program
     model = tiny_model("phimoe", LMS["phimoe"]).train(training)
-    with pytest.raises(LoweringError, match=rf"^mlp\.router \(PhimoeTopKRouter\): its routing function sparsemixer "
-                                            rf"{how}"):
-        extract_program(model.model.layers[0])
+    with pytest.raises(LoweringError, match=rf"^layer 0: mlp\.router \(PhimoeTopKRouter\): its routing function "
+                                            rf"sparsemixer {how}"):
+        trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
 
 
 def test_minimax_m3_fused_shared_expert_refuses_by_name():
@@ -111,3 +115,77 @@ def test_minimax_m3_fused_shared_expert_refuses_by_name():
                                             r"without gate_proj, up_proj \(it holds gate_up_proj, down_proj; its "
                                             r"forward clamps by swiglu_limit\) is not modelled"):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
+
+
+# -- the model edges: a final LayerNorm with a bias (PhiMoE's), a logit soft cap (Beam's) --------------
+
+EDGE_HEADS = [dict(norm_bias=True), dict(softcap=1.5), dict(softcap=2.0, norm_bias=True)]
+EDGE_COMBOS = [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs"), ("tp", "ep", "ag-rs")]
+
+
+def _edge_case(i: int, edges: dict) -> dict:
+    attn, ffn, dispatch = EDGE_COMBOS[i % len(EDGE_COMBOS)]
+    return dict(family="qwen3_moe", cls=LMS.get("qwen3_moe"), attn=attn, ffn=ffn, dispatch=dispatch, edges=edges)
+
+
+def test_a_biased_final_layernorm_and_a_logit_softcap_match_eager_and_are_load_bearing():
+    """The edges' LayerNorm bias (its gradient in the norm's one partial [2h]) and soft cap c
+    tanh(logits / c) match eager, logits, loss and every gradient; the same compiled model against
+    eager with the bias zeroed, or with another cap, differs."""
+    _need("qwen3_moe")
+    model, ids, compiled = compile_case(_edge_case(0, dict(softcap=1.5, norm_bias=True)), 7)
+    assert not isinstance(compiled, str), compiled
+    assert compiled.spec.edge_head.bias and compiled.spec.edge_head.softcap == 1.5
+    right = step_errors(compiled, model, ids, ids.clone())
+    assert right["logits"] < TOL and right["loss"] < TOL and right["grads"] < TOL, right
+    model.config.final_logit_softcapping = 3.0
+    assert step_errors(compiled, model, ids, ids.clone())["logits"] > 1e-2
+    model.config.final_logit_softcapping = 1.5
+    with torch.no_grad():
+        model.model.norm.bias.zero_()
+    assert step_errors(compiled, model, ids, ids.clone())["logits"] > 1e-2
+
+
+EDGES_N2 = RANK_BATCH.add(2, "family_constructs.edges", family_cases,
+                          [_edge_case(i, e) for i, e in enumerate(EDGE_HEADS)] if "qwen3_moe" in LMS else [],
+                          int.from_bytes(os.urandom(3), "little"))
+
+
+def test_the_edge_heads_match_eager_on_two_gloo_ranks(rank_results):
+    _need("qwen3_moe")
+    for rank, results in enumerate(rank_results(2, EDGES_N2)):
+        assert len(results) == len(EDGE_HEADS)
+        for res in results:
+            assert "refused" not in res, (rank, res)
+            assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, (rank, res)
+
+
+def test_the_edge_heads_accumulate_as_eager_in_a_merged_step():
+    """train_step of M=2 (the merged step's eager edge kernels: the biased norm, the head, the cap and
+    their backward), both reductions, against eager gradient accumulation."""
+    _need("qwen3_moe")
+    res = accumulation_case(0, 1, _edge_case(1, dict(softcap=2.0, norm_bias=True)), int.from_bytes(os.urandom(3), "little"))
+    assert "refused" not in res, res
+    for reduction in ("mean", "items"):
+        assert res[reduction]["loss"] < TOL and res[reduction]["grads"] < TOL, (reduction, res)
+
+
+def test_a_softcap_read_otherwise_is_refused_by_name():
+    """Only Beam's three lines after ``logits = self.lm_head(...)`` are modelled: a forward capping
+    by another formula is refused naming the field."""
+    from moegraph.lowering.hf_common import logit_softcap
+
+    class Config:
+        final_logit_softcapping = 30.0
+
+    class Clamps(torch.nn.Module):
+        config = Config()
+
+        def forward(self, hidden):
+            logits = self.lm_head(hidden)
+            logits = logits.clamp(-self.config.final_logit_softcapping, self.config.final_logit_softcapping)
+            return logits
+
+    with pytest.raises(LoweringError, match=r"^Clamps\.forward reads config\.final_logit_softcapping=30\.0 other "
+                                            r"than as the LM head's logits' soft cap"):
+        logit_softcap(Clamps())

@@ -268,13 +268,13 @@ def test_the_compiled_families_cover_every_strategy_at_two_ranks():
 
 
 def test_beam_layers_refuse_naming_the_position_dependent_query_scale():
-    """Beam's edges refuse its final logit soft cap first; its layers, read alone, refuse the query
-    scale its model passes its attention (the NoPE layers' scalable softmax), by name."""
+    """Beam's edges (its final logit soft cap, its NoPE layer type's absent frequencies) are modelled;
+    its layers refuse the query scale its model passes its attention (the NoPE layers' scalable
+    softmax), by name."""
     if "beam" not in LMS:
         pytest.skip(_missing("beam"))
-    from moegraph.tracer import extract_program
     model = tiny_model("beam", LMS["beam"])
     with pytest.raises(LoweringError) as info:
-        extract_program(model.model.layers[0])
-    assert str(info.value).startswith("self_attn (BeamAttention): its forward multiplies the queries by a "
+        trace_causal_lm(model, Strategy("sp", "ep", "ag-rs", 1, dtype="fp32"), batch=2, seq=16)
+    assert str(info.value).startswith("layer 0: self_attn (BeamAttention): its forward multiplies the queries by a "
                                       "position-dependent attention_scaling"), info.value

@@ -238,34 +238,39 @@ class ModelSpec:
     embed:       the token embedding's weight [vocab, h]; ``padding_idx`` its row that gets no
                  gradient (nn.Embedding's padding_idx), or None.
     layers:      the nn.ModuleList of decoder layers, applied in order to the embedding.
-    norm:        the final norm, applied to the last layer's output: an RMSNorm, or a LayerNorm
-                 without bias (kind 'layer').
+    norm:        the final norm's weight [h], applied to the last layer's output; ``norm_bias``
+                 its bias [h] (a LayerNorm's), or None.
     head:        the LM head's weight [vocab, h] (no bias), or None for a base model.
+    edge_head:   what the final norm and the logits compute (``moegraph.edges.EdgeHead``: the norm's
+                 kind, eps and bias, the logits' scale and soft cap).
     unused:      other parameters or buffers of the model -> why nothing needs to read them.
     aux_loss:    the router's auxiliary load-balancing loss the causal LM adds to its loss
                  (transformers' ``output_router_logits=True``: ``moegraph.edges.AuxLoss``), or None.
     tied:        the head's weight is the embedding's (tie_word_embeddings): one parameter.
-    logit_scale: the constant the logits are multiplied by (Cohere's ``self.logit_scale``; 1: none).
     """
 
     embed: str
     padding_idx: int | None
     layers: str
-    norm: NormSpec
+    norm: str
     head: str | None
     output: ModelOutput
+    edge_head: EdgeHead
     unused: Mapping[str, str] = field(default_factory=dict)
     aux_loss: AuxLoss | None = None
     tied: bool = False
-    logit_scale: float = 1.0
+    norm_bias: str | None = None
+
+    def __post_init__(self):
+        if self.edge_head.bias != (self.norm_bias is not None):
+            raise ValueError(f"ModelSpec: edge_head.bias={self.edge_head.bias} but norm_bias={self.norm_bias!r}")
+        if self.head is None and not self.edge_head.plain:
+            raise ValueError(f"ModelSpec: a base model (no LM head) has no logit scale or soft cap ({self.edge_head})")
 
     @property
-    def edge_head(self) -> EdgeHead:
-        """What the model edges compute around the LM head (``moegraph.edges.EdgeHead``)."""
-        if self.norm.bias is not None:
-            raise LoweringError(f"the final norm's bias ({self.norm.weight.qualname.rsplit('.', 1)[0]}) is not "
-                                "modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
-        return EdgeHead(self.norm.kind, self.norm.eps if self.norm.kind == "layer" else None, self.logit_scale)
+    def norm_names(self) -> tuple[str, ...]:
+        """The final norm's parameters: its weight, then its bias where it has one."""
+        return (self.norm,) + ((self.norm_bias,) if self.norm_bias is not None else ())
 
 
 ModelSpecRule = Callable[[nn.Module], ModelSpec]

@@ -26,8 +26,7 @@ import textwrap
 import torch
 from torch import nn
 
-from moegraph.edges import AuxLoss
-from moegraph.ir import ParamSource
+from moegraph.edges import AuxLoss, EdgeHead
 from moegraph.lowering import LoweringError, ModelOutput, ModelRule, ModelSpec, check_embedding, check_head
 from moegraph.lowering.families import ModelNames, family_row
 from moegraph.lowering.rope import rotary_frequencies
@@ -139,6 +138,8 @@ def masks_by_position(model: nn.Module) -> bool | None:
 def _check_config_reads(model: nn.Module) -> None:
     cfg = model.config
     modelled = {"layer_rope_theta"} if THETA_ROTARIES in base_children(model) else set()   # each layer's RopeSpec
+    if logit_softcap(model) is not None:                    # the edges' soft cap (EdgeHead.softcap)
+        modelled.add(SOFTCAP)
     odd = sorted(name for name in config_reads(type(model)) - HARMLESS_CONFIG - modelled
                  if not _neutral(getattr(cfg, name, None)))
     if odd:
@@ -183,6 +184,70 @@ def logit_scale(model: nn.Module) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise LoweringError(f"{where}: the compiled model's LM head multiplies its logits by a finite number only")
     return float(value)
+
+
+SOFTCAP = "final_logit_softcapping"
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """The soft cap c a causal LM's forward puts on its logits (Beam's, as Gemma's: ``logits =
+    logits / self.config.final_logit_softcapping; logits = torch.tanh(logits); logits = logits *
+    self.config.final_logit_softcapping`` after ``logits = self.lm_head(...)``), None when its
+    forward reads no such field or the field is None; read in any other way, or not a finite
+    number > 0, it is refused by name (``EdgeHead.softcap``)."""
+    if SOFTCAP not in config_reads(type(model)):
+        return None
+    value = getattr(model.config, SOFTCAP, None)
+    if value is None:
+        return None
+    where = f"{type(model).__name__}.forward reads config.{SOFTCAP}={value!r}"
+    if not _softcaps_the_head_logits(type(model)):
+        raise LoweringError(f"{where} other than as the LM head's logits' soft cap (logits / c, tanh, * c): the "
+                            "compiled model's LM head does not model it")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or not value > 0:
+        raise LoweringError(f"{where}: the compiled model's LM head soft-caps its logits by a finite number > 0 only")
+    return float(value)
+
+
+def _softcaps_the_head_logits(cls: type) -> bool:
+    """Whether cls.forward's reads of ``self.config.final_logit_softcapping`` are ``is (not) None``
+    tests and one soft cap of the LM head's logits, three statements in a row: ``X = X / c`` (X or
+    ``X.float()``), ``X = torch.tanh(X)``, ``X = X * c``, X last assigned from ``self.lm_head(...)``."""
+    try:
+        fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return False
+
+    def is_cap(e) -> bool:
+        return (isinstance(e, ast.Attribute) and e.attr == SOFTCAP and isinstance(e.value, ast.Attribute)
+                and e.value.attr == "config" and isinstance(e.value.value, ast.Name) and e.value.value.id == "self")
+
+    def assigns(st, x=None):
+        ok = isinstance(st, ast.Assign) and len(st.targets) == 1 and isinstance(st.targets[0], ast.Name)
+        return ok and (x is None or st.targets[0].id == x)
+
+    def operand(e, x) -> bool:                  # X or X.float()
+        if isinstance(e, ast.Call) and isinstance(e.func, ast.Attribute) and e.func.attr == "float" and not e.args:
+            e = e.func.value
+        return isinstance(e, ast.Name) and e.id == x
+
+    reads = [e for e in ast.walk(fn) if is_cap(e)]
+    tests = sum(isinstance(n, ast.Compare) and is_cap(n.left) and len(n.ops) == 1
+                and isinstance(n.ops[0], (ast.Is, ast.IsNot)) for n in ast.walk(fn))
+    capped, head_names = 0, set()
+    for body in (n.body for n in ast.walk(fn) if isinstance(getattr(n, "body", None), list)):
+        for i, st in enumerate(body):
+            if assigns(st) and isinstance(st.value, ast.Call) and ast.unparse(st.value.func) == "self.lm_head":
+                head_names.add(st.targets[0].id)
+            if not (assigns(st) and i + 2 < len(body)):
+                continue
+            x, a, b, c = st.targets[0].id, st.value, body[i + 1], body[i + 2]
+            if (x in head_names and isinstance(a, ast.BinOp) and isinstance(a.op, ast.Div) and operand(a.left, x)
+                    and is_cap(a.right) and assigns(b, x) and ast.unparse(b.value) == f"torch.tanh({x})"
+                    and assigns(c, x) and isinstance(c.value, ast.BinOp) and isinstance(c.value.op, ast.Mult)
+                    and operand(c.value.left, x) and is_cap(c.value.right)):
+                capped += 1
+    return capped == 1 and len(reads) == tests + 2
 
 
 def _scales_the_head_logits(cls: type) -> bool:
@@ -308,13 +373,11 @@ def base_model(model: nn.Module) -> ModelSpec:
     if THETA_ROTARIES in base_children(model):
         rotaries.update(_theta_rotaries(model))
     norm = norm_spec(getattr(model, names.norm), names.norm)
-    if norm.bias is not None:
-        raise LoweringError(f"{names.norm} ({type(getattr(model, names.norm)).__name__}): a final LayerNorm with a "
-                            "bias is not modelled by the model edges (RMSNorm and a bias-free LayerNorm are)")
     unused = {f"{qn}.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
               "(check_rotary compared them)" for qn, rotary in rotaries.items() for name, _ in rotary.named_buffers()}
+    head = EdgeHead(norm.kind, norm.eps, bias=norm.bias is not None)
     return ModelSpec(embed=f"{names.embed}.weight", padding_idx=embed.padding_idx, layers=names.layers,
-                     norm=norm, head=None, output=ModelOutput.HIDDEN, unused=unused)
+                     norm=norm.weight.qualname, norm_bias=norm.bias and norm.bias.qualname, edge_head=head, head=None, output=ModelOutput.HIDDEN, unused=unused)
 
 
 @functools.lru_cache(maxsize=None)
@@ -350,8 +413,12 @@ def check_rotary(rotary: nn.Module, qualname: str) -> None:
     RopeSpecs were read from), in fp32: its ``inv_freq``, or each layer type's ``<type>_inv_freq``
     where config.rope_parameters is keyed by layer type."""
     fresh = type(rotary)(rotary.config)
-    types = sorted(set(getattr(rotary.config, "layer_types", None) or ())) \
-        if rotary_frequencies(rotary, None) is None else [None]
+    params = getattr(rotary.config, "rope_parameters", None)
+    nope = {t for t, p in params.items() if p is None} if isinstance(params, dict) else set()   # Beam's NoPE type
+    layer_types = set(getattr(rotary.config, "layer_types", None) or ())
+    if rotary_frequencies(rotary, None) is None and layer_types and layer_types <= nope:
+        return                                              # every layer NoPE: no frequencies to hold
+    types = sorted(layer_types - nope) if rotary_frequencies(rotary, None) is None else [None]
     for layer_type in types or [None]:
         here, there = rotary_frequencies(rotary, layer_type), rotary_frequencies(fresh, layer_type)
         name = f"{qualname}.{'inv_freq' if layer_type is None else layer_type + '_inv_freq'}"
@@ -392,8 +459,9 @@ def causal_lm(model: nn.Module) -> ModelSpec:
     base_module = getattr(model, names.base)
     tied = check_head(model, model.lm_head, getattr(base_module, names.embed), "lm_head")
     base = prefixed(base_model(base_module), f"{names.base}.")
+    head = dataclasses.replace(base.edge_head, logit_scale=logit_scale(model), softcap=logit_softcap(model))
     return dataclasses.replace(base, head="lm_head.weight", output=ModelOutput.CAUSAL_LM, aux_loss=aux_loss(model),
-                               tied=tied, logit_scale=logit_scale(model))
+                               tied=tied, edge_head=head)
 
 
 def aux_loss(model: nn.Module) -> AuxLoss | None:
@@ -422,12 +490,7 @@ def aux_loss(model: nn.Module) -> AuxLoss | None:
 
 def prefixed(spec: ModelSpec, prefix: str) -> ModelSpec:
     """``spec`` of a submodule, its names as seen from the parent (``prefix`` ends in a dot)."""
-    return dataclasses.replace(spec, embed=prefix + spec.embed, layers=prefix + spec.layers,
-                               norm=dataclasses.replace(spec.norm, weight=_prefixed(spec.norm.weight, prefix),
-                                                        bias=spec.norm.bias and _prefixed(spec.norm.bias, prefix)),
+    return dataclasses.replace(spec, embed=prefix + spec.embed, layers=prefix + spec.layers, norm=prefix + spec.norm,
+                               norm_bias=spec.norm_bias and prefix + spec.norm_bias,
                                head=None if spec.head is None else prefix + spec.head,
                                unused={prefix + k: v for k, v in spec.unused.items()})
-
-
-def _prefixed(src: ParamSource, prefix: str) -> ParamSource:
-    return dataclasses.replace(src, qualname=prefix + src.qualname)

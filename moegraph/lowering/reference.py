@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moegraph import models
-from moegraph.edges import AuxLoss
+from moegraph.edges import AuxLoss, EdgeHead
 from moegraph.ir import ParamSource
 from torch import nn
 
@@ -81,6 +81,7 @@ def transformer(model: models.MoETransformer) -> ModelSpec:
     if model.router_aux_loss_coef > 0:          # the routers' load-balancing loss (moegraph.models)
         moe = next(layer.moe for layer in model.layers if layer.moe is not None)
         aux = AuxLoss(model.router_aux_loss_coef, moe.w1.shape[0], moe.top_k)
+    norm = rmsnorm(model.norm, "norm")
     return ModelSpec(embed="embed.weight", padding_idx=model.embed.padding_idx, layers="layers",
-                     norm=rmsnorm(model.norm, "norm"), head="lm_head.weight", output=ModelOutput.CAUSAL_LM, tied=tied,
-                     aux_loss=aux)
+                     norm=norm.weight.qualname, head="lm_head.weight", output=ModelOutput.CAUSAL_LM,
+                     edge_head=EdgeHead("rms", norm.eps), tied=tied, aux_loss=aux)
