@@ -244,9 +244,9 @@ def _check_blocks(layer: nn.Module) -> None:
     for name, child in layer.named_children():
         kinds = [classify(c) for c in child.children()] if isinstance(child, nn.ModuleList) else []
         if kinds and all(k in ("attention", "mla") for k in kinds):
-            raise LoweringError(f"{name!r} (ModuleList of {len(kinds)} {type(child[0]).__name__}): a decoder layer of "
-                                f"{len(kinds)} attention sublayers (LongCat-Flash's dual sublayers, its MoE on a "
-                                "shortcut across them) is not modelled: one attention block per layer is")
+            raise LoweringError(f"{name!r} (ModuleList): {len(kinds)} attention sublayers ({type(child[0]).__name__}) in "
+                                "one decoder layer (LongCat-Flash's dual sublayers, its MoE on a shortcut across "
+                                "them) are not modelled: one attention block per layer is")
     for name, child in _blocks_of(layer):
         if next(child.parameters(), None) is not None and find_rule(child, name) is None:
             raise LoweringError(f"{name!r} ({type(child).__name__}) is not modelled: the structural lowering reads "
@@ -338,7 +338,7 @@ def _no_dropout(node: fx.Node, layer: nn.Module) -> fx.Node:
     p, training = bound.arguments["p"], bound.arguments["training"]
     if isinstance(p, (int, float)) and not isinstance(p, bool) and (p == 0 or training is False):
         return bound.arguments["input"]
-    raise LoweringError(f"{_owner(node, layer)}: dropout with p={p!r} in training mode between its blocks is random "
+    raise LoweringError(f"{_enclosing(node, layer) or type(layer).__name__}: dropout with p={p!r} in training mode between its blocks is random "
                         "per step and not modelled; set it to 0 (e.g. config.resid_pdrop) or call .eval()")
 
 

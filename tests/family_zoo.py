@@ -4,8 +4,11 @@
 Each family's own config class is built with its defaults overridden by the size fields it has
 (hidden 64, 8 heads of 8, 4 kv heads, 8 experts top-2, expert h_ffn 32, 2 layers, vocab 64, ...),
 plus a small per-family row where a family names a field differently or needs one to make its two
-layers identical (a compiled model stacks one lowered layer). Weights are drawn N(0, 0.2), buffers
-(score-correction biases) too, so that no bias or norm weight hides how it is used.
+layers identical (a compiled model stacks one lowered layer): nested sub-configs shrunk with their
+own field names (DBRX's attn_config and ffn_config), the values its validators demand (DeepSeek-V4's
+MLP types, Zaya's one expert per token), heterogeneous per-layer configs made homogeneous
+(Dots3Note, Gemma4: no per-layer overrides). Weights are drawn N(0, 0.2), buffers (score-correction
+biases) too, so that no bias or norm weight hides how it is used.
 """
 
 from __future__ import annotations

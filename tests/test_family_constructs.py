@@ -87,9 +87,9 @@ def test_mistral4_query_scale_by_position_refuses_beyond_where_it_is_one():
 def test_longcat_flash_dual_sublayers_refuse_by_name():
     _need("longcat_flash")
     model = tiny_model("longcat_flash", LMS["longcat_flash"])
-    with pytest.raises(LoweringError, match=r"^layer 0: 'self_attn' \(ModuleList of 2 LongcatFlashMLA\): a decoder "
-                                            r"layer of 2 attention sublayers .* is not modelled: one attention block "
-                                            r"per layer is$"):
+    with pytest.raises(LoweringError, match=r"^layer 0: 'self_attn' \(ModuleList\): 2 attention sublayers "
+                                            r"\(LongcatFlashMLA\) in one decoder layer .* are not modelled: one "
+                                            r"attention block per layer is$"):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
 
 

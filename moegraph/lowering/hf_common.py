@@ -186,6 +186,14 @@ def logit_scale(model: nn.Module) -> float:
     return float(value)
 
 
+def _forward_tree(cls: type) -> ast.FunctionDef | None:
+    """cls.forward's syntax tree (its def), or None when its source cannot be read."""
+    try:
+        return ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
+    except (OSError, TypeError, SyntaxError, IndexError):
+        return None
+
+
 SOFTCAP = "final_logit_softcapping"
 
 
@@ -213,9 +221,8 @@ def _softcaps_the_head_logits(cls: type) -> bool:
     """Whether cls.forward's reads of ``self.config.final_logit_softcapping`` are ``is (not) None``
     tests and one soft cap of the LM head's logits, three statements in a row: ``X = X / c`` (X or
     ``X.float()``), ``X = torch.tanh(X)``, ``X = X * c``, X last assigned from ``self.lm_head(...)``."""
-    try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    fn = _forward_tree(cls)
+    if fn is None:
         return False
 
     def is_cap(e) -> bool:
@@ -254,9 +261,8 @@ def _scales_the_head_logits(cls: type) -> bool:
     """Whether every read of ``self.logit_scale`` in cls.forward (and none in the methods it
     calls) is a statement ``X = X * self.logit_scale`` (either order) whose X the forward last
     assigned from ``self.lm_head(...)``."""
-    try:
-        fn = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(cls.forward)))).body[0]
-    except (OSError, TypeError, SyntaxError, IndexError):
+    fn = _forward_tree(cls)
+    if fn is None:
         return False
 
     def is_scale(e) -> bool:
