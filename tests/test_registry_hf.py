@@ -117,10 +117,42 @@ def test_a_family_that_does_not_compile_is_refused_naming_the_construct(tmp_path
     assert "'linear_attn' (Qwen3NextGatedDeltaNet) is not modelled" in str(err.value) and "\n" not in str(err.value)
 
 
+# config.json values of the families the zoo's tests compile besides the shipped ones (sizes typed
+# here): DBRX's nested sub-configs and base model transformer.blocks, Mistral 4 (its causal LM is
+# not in transformers' auto mapping: the family module's own)
+OTHER_FAMILIES = {
+    "dbrx": ({"d_model": 1024, "n_heads": 16, "n_layers": 4, "vocab_size": 32000,
+              "attn_config": {"clip_qkv": 8.0, "kv_n_heads": 8, "rope_theta": 500000.0},
+              "ffn_config": {"ffn_hidden_size": 2048, "moe_num_experts": 16, "moe_top_k": 4}},
+             (4, 1024, 16, 8, 64, 2048, 16, 4)),
+    "mistral4": ({"hidden_size": 1024, "num_attention_heads": 16, "num_key_value_heads": 16, "num_hidden_layers": 4,
+                  "vocab_size": 32000, "n_routed_experts": 16, "num_experts_per_tok": 4, "moe_intermediate_size": 512,
+                  "first_k_dense_replace": 0},
+                 (4, 1024, 16, 16, None, 512, 16, 4)),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_FAMILIES))
+def test_a_config_of_dbrx_or_mistral4_plans(family, tmp_path):
+    values, sizes = OTHER_FAMILIES[family]
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": family, **values}))
+    cfg = load_model(str(path))
+    got = (cfg.layers, cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim if sizes[4] else None, cfg.ffn_hidden,
+           cfg.experts, cfg.top_k)
+    assert got == sizes
+    g = trace_model(cfg, Strategy("tp", "ep", "a2a", 8), seq=1024)
+    if family == "dbrx":                  # clip_qkv: a clamp of the fused projection
+        assert [(nd.attr("how"), nd.attr("limit")) for nd in g.nodes
+                if nd.op is OpKind.LIMIT and nd.phase is Phase.FORWARD] == [("clamp", 8.0)]
+
+
 @pytest.mark.parametrize("text,message", [
     ("{not json", "invalid JSON"),
     ('{"hidden_size": 64}', "not a Hugging Face config.json (no model_type)"),
     ('{"model_type": "no_such_family"}', "model_type 'no_such_family' is not a family the installed transformers knows"),
+    ('{"model_type": "dbrx", "ffn_config": {"moe_normalize_expert_weights": 1}}',
+     "the dbrx config refuses its values (Validation error for field 'moe_normalize_expert_weights'"),
 ])
 def test_a_bad_config_json_is_one_line(text, message, tmp_path):
     path = tmp_path / "config.json"

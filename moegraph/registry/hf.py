@@ -47,11 +47,18 @@ def hf_text_config(data: dict[str, Any], shown: str):
     except ImportError:
         raise RegistryError(f"{shown}: reading a Hugging Face config needs transformers (pip install "
                             "transformers)") from None
+    from huggingface_hub.errors import StrictDataclassError
+    known = True
+    try:
+        AutoConfig.for_model(data["model_type"])
+    except ValueError:
+        known = False
     try:
         cfg = AutoConfig.for_model(data["model_type"], **{k: v for k, v in data.items() if k != "model_type"})
-    except ValueError as err:
-        raise RegistryError(f"{shown}: model_type {data['model_type']!r} is not a family the installed transformers "
-                            f"knows ({' '.join(str(err).split())[:120]})") from None
+    except (ValueError, TypeError, StrictDataclassError) as err:   # the config class's validators
+        what = (f"the {data['model_type']} config refuses its values" if known else
+                f"model_type {data['model_type']!r} is not a family the installed transformers knows")
+        raise RegistryError(f"{shown}: {what} ({' '.join(str(err).split())[:160]})") from None
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
@@ -60,13 +67,32 @@ def hf_model_layers(data: dict[str, Any], shown: str):
     import torch
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
     cfg = hf_text_config(data, shown)
-    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None)
+    model_cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(cfg), None) or _family_causal_lm(cfg)
     if model_cls is None:
         raise RegistryError(f"{shown}: transformers has no causal LM for model_type {data['model_type']!r}")
+    from moegraph.lowering.hf_common import names_of
     with torch.device("meta"):
         model = model_cls(cfg)
-    base = model.model if hasattr(model, "model") else model
-    return cfg, list(base.layers)
+    names = names_of(model)                              # DBRX: transformer.blocks
+    base = getattr(model, names.base, model)
+    return cfg, list(getattr(base, names.layers))
+
+
+def _family_causal_lm(cfg) -> type | None:
+    """The ``<X>ForCausalLM`` of the config's own family module taking exactly this config class,
+    where transformers' auto mapping has none for it (Mistral 4's text model); None if it has none."""
+    import importlib
+    import inspect
+    family = type(cfg).__module__.split(".")
+    if len(family) < 3 or family[:2] != ["transformers", "models"]:
+        return None
+    try:
+        mod = importlib.import_module(f"transformers.models.{family[2]}.modeling_{family[2]}")
+    except ImportError:
+        return None
+    found = [c for name, c in vars(mod).items() if name.endswith("ForCausalLM") and inspect.isclass(c)
+             and getattr(c, "config_class", None) is type(cfg)]
+    return found[0] if len(found) == 1 else None
 
 
 def moe_layer(layers: list, shown: str):
