@@ -43,12 +43,13 @@ GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
           # structurally lowered families (tests/family_zoo.py): glu, grouped_bias (its row-weight
           # gradient under gate-reorder), the router's logit-bias gradient, attention sinks and
           # windows (gpt_oss); per-head and L2 norms (qwen3_moe, llama4); scale (granitemoe);
-          # LayerNorm (mixtral with torch's nn.LayerNorm as its input norm)
+          # LayerNorm (mixtral with torch's nn.LayerNorm as its input norm); limit (dbrx's clip_qkv)
           (("sp", "ep", "a2a", 1), "gate-reorder", "zoo:gpt_oss"),
           (("tp", "tp", "ag-rs", 1), "", "zoo:qwen3_moe"),
           (("sp", "ep", "ag-rs", 1), "", "zoo:llama4"),
           (("tp", "ep", "ag-rs", 1), "", "zoo:granitemoe"),
-          (("sp", "ep", "a2a", 1), "", "layernorm")]
+          (("sp", "ep", "a2a", 1), "", "layernorm"),
+          (("tp", "ep", "a2a", 1), "", "zoo:dbrx")]
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread
@@ -61,7 +62,8 @@ def build(attn, ffn, dispatch, dp, spec, family="ref", n=2, seed=0):
         pytest.importorskip("transformers")
         from family_zoo import moe_causal_lms, tiny_model
         name = "mixtral" if family == "layernorm" else family[4:]
-        layer = tiny_model(name, dict(moe_causal_lms())[name], seed=seed).model.layers[0]
+        model = tiny_model(name, dict(moe_causal_lms())[name], seed=seed)
+        layer = model.transformer.blocks[0] if name == "dbrx" else model.model.layers[0]
         if family == "layernorm":
             layer.input_layernorm = torch.nn.LayerNorm(H)
             torch.nn.init.normal_(layer.input_layernorm.weight, 1.0, 0.2)
