@@ -294,7 +294,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     computes: list[list[Node]] = []
     aux_values: dict = {}
     if aux is not None:                                     # the layers' routers rewritten; the stats
-        graph, aux_values, aux_nodes = _aux_loss(graph, g, aux, M, at)   # sums and all-reduces
+        graph, aux_values, aux_nodes = aux_loss_graph(graph, g, aux, M, at)   # sums and all-reduces
     norm_partial = head_partial = None                      # the running sums over the micro-batches
     for j, (_, seed, y, _) in enumerate(bounds):
         first = len(g.nodes)
@@ -366,7 +366,7 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     return verify(edged)
 
 
-def _aux_loss(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[Graph, dict, list[list[Node]]]:
+def aux_loss_graph(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> tuple[Graph, dict, list[list[Node]]]:
     """The aux loss's graph (module docstring): ``graph`` with its routers rewritten, the
     EdgeValues fields, and per micro-batch the forward nodes that make its global stats (made
     with ``g``, not yet in ``g.nodes``: the caller places them before micro-batch j's head)."""
@@ -559,4 +559,4 @@ def _splice(graph: Graph, computes: list[list[Node]], sync: list[Node], gathers:
                 out += gathers[j]
     return tuple(out + sync + (gathers[0] if M == 1 else []))
 
-__all__ = ["AddEdges", "DP_GRAD_BUCKET_BYTES", "GRAD_BUCKET_BYTES", "add_edges", "embed_grad_choice", "embed_grad_inter_bytes"]
+__all__ = ["AddEdges", "DP_GRAD_BUCKET_BYTES", "GRAD_BUCKET_BYTES", "add_edges", "aux_loss_graph", "embed_grad_choice", "embed_grad_inter_bytes"]

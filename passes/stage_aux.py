@@ -12,7 +12,7 @@ expert i, psum_i the sum of the softmax probabilities of expert i (moegraph.pass
 not split into per-layer terms, so a pipeline sums the statistics along its stages: stage k's
 [3, E] fp32 stats (counts, prob sums, rows counted) are its routers' (``edges.aux.sum``, and
 over the group's n ranks where they route distinct rows: the edges pass's own nodes,
-``_aux_loss``), which the runtime adds to the sum of the stages before it and sends on with the
+``aux_loss_graph``), which the runtime adds to the sum of the stages before it and sends on with the
 activation; the last stage computes aux from the total. The counts and N carry no gradient, so
 the loss's gradient reaches the stats only at the prob sums: d loss / d psum_i = coef * E *
 count_i / N^2, one number per expert, which travels back with the activation gradient.
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from moegraph.builder import GraphBuilder
 from moegraph.edges import AuxLoss
 from moegraph.ir import Graph, OpKind, Phase, ValueKind, verify
-from moegraph.passes.edges import _aux_loss
+from moegraph.passes.edges import aux_loss_graph
 
 __all__ = ["StageAux", "stage_aux"]
 
@@ -54,7 +54,7 @@ def stage_aux(graph: Graph, aux: AuxLoss) -> tuple[Graph, StageAux | None]:
     if not any(nd.op is OpKind.ROUTER for nd in graph.nodes):
         return graph, None
     g = GraphBuilder.extend(graph)
-    graph, values, nodes = _aux_loss(graph, g, aux, 1, lambda j, name: name)
+    graph, values, nodes = aux_loss_graph(graph, g, aux, 1, lambda j, name: name)
     first_bwd = next(i for i, nd in enumerate(graph.nodes) if nd.phase is not Phase.FORWARD)
     spliced = graph.nodes[:first_bwd] + tuple(nodes[0]) + graph.nodes[first_bwd:]
     seed = values["aux_seeds"][0]
