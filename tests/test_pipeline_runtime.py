@@ -120,9 +120,16 @@ COMPILED = {n: _register_compiled(n) for n in (1, 2)} if HAS_TRANSFORMERS else {
 def paired_order() -> tuple:
     """CP-SAT's order (B only) for a P=2 step where an F&B pair saves its whole F: it overlaps
     pairs on both ranks, a stage's F beside its own B ((0F2;0B0), (1F1;1B0), (1F3;1B2))."""
-    layout = StageLayout(((0,), (1,)), 2)
-    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(2))
-    problem = PipelineProblem(layout, M, work, (10,), (10,), (0, 0), (0, 0), memory_cap_bytes=3 * MIB)
+    return _pairing_order(StageLayout(((0,), (1,)), 2), send=10, memory_cap_bytes=3 * MIB)
+
+
+def _pairing_order(layout: StageLayout, send: int, memory_cap_bytes: int | None = None) -> tuple:
+    """CP-SAT's order (B only) on ``layout`` when an F&B pair saves its whole F (each stage F 10,
+    B 20 ticks, a send ``send``): the orders the pair tests run."""
+    S = len(layout.stages)
+    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(S))
+    problem = PipelineProblem(layout, M, work, (send,) * (S - 1), (send,) * (S - 1), (0,) * layout.pp,
+                              (0,) * layout.pp, memory_cap_bytes=memory_cap_bytes)
     res = solve_pipeline(problem, {n: torch_orders(n, layout, M) for n in torch_schedules_for(layout)},
                          time_limit_s=1, split=False)
     assert res.source == "cpsat"
@@ -296,12 +303,7 @@ def v_order() -> tuple:
     """CP-SAT's order (B only) for a V-shape (stages 0 and 3 on rank 0, 1 and 2 on rank 1) where
     an F&B pair saves its whole F: it overlaps pairs of two stages both ways at the turn
     ((0F2;3B0), (3F2;0B0), (1F2;2B0), (2F2;1B0), ...) beside a stage's own."""
-    work = tuple(StageWork(10, 20, 10, 20, 20, 0, MIB, 0) for _ in range(4))
-    problem = PipelineProblem(V_LAYOUT, M, work, (1,) * 3, (1,) * 3, (0, 0), (0, 0))
-    res = solve_pipeline(problem, {n: torch_orders(n, V_LAYOUT, M) for n in torch_schedules_for(V_LAYOUT)},
-                         time_limit_s=1, split=False)
-    assert res.source == "cpsat"
-    return res.timeline.orders
+    return _pairing_order(V_LAYOUT, send=1)
 
 
 def _register_v() -> str:
