@@ -206,6 +206,11 @@ def _glu_fwd(node: Node, a: torch.Tensor, b: torch.Tensor):
     raise bad_choice(node)
 
 
+def scale_rows(y: torch.Tensor, row_w: torch.Tensor) -> torch.Tensor:
+    """y [R, F] times each row's routing weight [R] (SWIGLU/GLU attr row_weights; the GATE node)."""
+    return y * row_w[:, None].to(y.dtype)
+
+
 def _row_experts(seg, like: torch.Tensor) -> tuple[torch.Tensor, int]:
     """Local expert of each of the map's real rows (host segments), on ``like``'s device, and how many
     rows are real."""
@@ -247,13 +252,20 @@ def _k_norm_wgrad(ctx, node, ins, shapes):
     return _pullback(lambda w_: _norm_fwd(node, x, w_), (w,), (dy,))
 
 
+def _glu_rows(node: Node, a: torch.Tensor, b: torch.Tensor, *row_w: torch.Tensor):
+    """GLU's output, its rows times their routing weights [R] when the node has row_weights."""
+    if node.typed.row_weights != bool(row_w):
+        raise ValueError(f"node {node.name!r}: row_weights={node.typed.row_weights} with {2 + len(row_w)} inputs")
+    return scale_rows(_glu_fwd(node, a, b), *row_w) if row_w else _glu_fwd(node, a, b)
+
+
 def _k_glu(ctx, node, ins, shapes):
-    return [_glu_fwd(node, *ins)]
+    return [_glu_rows(node, *ins)]
 
 
 def _k_glu_dgrad(ctx, node, ins, shapes):
-    a, b, dy = ins
-    return _pullback(lambda a_, b_: _glu_fwd(node, a_, b_), (a, b), (dy,))
+    *fwd, dy = ins
+    return _pullback(lambda *p: _glu_rows(node, *p), tuple(fwd), (dy,))
 
 
 def _k_scale(ctx, node, ins, shapes):

@@ -29,6 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from moegraph.family_kernels import scale_rows
 from moegraph.grouped_gemm import grouped_rows, grouped_weight_grad
 from moegraph.index_map import build_index_map
 from moegraph.ir import ExpertRows, Node, OpKind, Role, bad_choice, check_expert_rows
@@ -242,6 +243,9 @@ def _k_cast(ctx, node, ins, shapes):
 
 
 def _k_swiglu(ctx, node, ins, shapes):
+    if node.typed.row_weights:
+        a, b, row_w = ins
+        return [scale_rows(_swiglu_fwd(a, b), row_w)]
     return [_swiglu_fwd(*ins)]
 
 
@@ -295,8 +299,7 @@ def _tokens_count(shape):
 
 
 def _k_gate(ctx, node, ins, shapes):
-    rows, gates = ins
-    return [rows * gates[:, None].to(rows.dtype)]
+    return [scale_rows(*ins)]
 
 
 def _k_bias(ctx, node, ins, shapes):
@@ -447,6 +450,11 @@ def _k_attention_dgrad(ctx, node, ins, shapes):
 
 def _k_swiglu_dgrad(ctx, node, ins, shapes):
     # y = silu(a) b:  da = silu'(a) (dy b),  db = dy silu(a); aten's fused silu_backward is one pass
+    if node.typed.row_weights:     # y = silu(a) b w: the rows' dy is dy w; dw = sum_f dy silu(a) b
+        a, b, row_w, dy = ins
+        dy_rows = scale_rows(dy, row_w)
+        return [torch.ops.aten.silu_backward(dy_rows * b, a), dy_rows * F.silu(a),
+                (dy * _swiglu_fwd(a, b)).sum(-1).to(row_w.dtype)]
     a, b, dy = ins
     return [torch.ops.aten.silu_backward(dy * b, a), dy * F.silu(a)]
 
@@ -519,7 +527,7 @@ def _k_rmsnorm_sharded_wgrad(ctx, node, ins, shapes):
 
 def _k_gate_dgrad(ctx, node, ins, shapes):
     dy, rows, gates = ins
-    return [dy * gates[:, None].to(dy.dtype), (dy * rows).sum(-1).to(gates.dtype)]
+    return [scale_rows(dy, gates), (dy * rows).sum(-1).to(gates.dtype)]
 
 
 KERNELS: dict[tuple[OpKind, Role], Callable] = {

@@ -249,11 +249,17 @@ class NormAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SwigluAttrs(NodeAttrs):
+    row_weights: bool = False            # a third input [R]: each row's routing weight scales the output
+
+
+@dataclass(frozen=True, kw_only=True)
 class GluAttrs(NodeAttrs):
     act: GluAct
     limit: float | None = None           # clamped_swiglu: the clamp and the sigmoid's alpha
     alpha: float | None = None
     group: int | None = None             # a [.., X] broadcast over groups of this many of b [.., X*group]
+    row_weights: bool = False            # as SwigluAttrs.row_weights
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -305,7 +311,7 @@ class P2PAttrs(CommAttrs):
 
 RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
     OpKind.GEMM: GemmAttrs, OpKind.GROUPED_GEMM: GroupedGemmAttrs, OpKind.ATTENTION: AttentionAttrs,
-    OpKind.RMSNORM: RmsNormAttrs, OpKind.ROPE: RopeAttrs, OpKind.SWIGLU: NodeAttrs, OpKind.ROUTER: RouterAttrs,
+    OpKind.RMSNORM: RmsNormAttrs, OpKind.ROPE: RopeAttrs, OpKind.SWIGLU: SwigluAttrs, OpKind.ROUTER: RouterAttrs,
     OpKind.INDEX_MAP: IndexMapAttrs, OpKind.PERMUTE: PermuteAttrs, OpKind.UNPERMUTE: UnpermuteAttrs,
     OpKind.GATE: NodeAttrs, OpKind.SPLIT: SplitAttrs, OpKind.ADD: AddAttrs, OpKind.BIAS: NodeAttrs,
     OpKind.SIGMOID_GATE: NodeAttrs, OpKind.SQUARE_SUM: NodeAttrs, OpKind.RMSNORM_SHARDED: RmsNormShardedAttrs,

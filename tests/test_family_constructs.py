@@ -189,3 +189,21 @@ def test_a_softcap_read_otherwise_is_refused_by_name():
     with pytest.raises(LoweringError, match=r"^Clamps\.forward reads config\.final_logit_softcapping=30\.0 other "
                                             r"than as the LM head's logits' soft cap"):
         logit_softcap(Clamps())
+
+
+@pytest.mark.parametrize("family,act", [("gpt_oss", "GLU"), ("qwen3_moe", "SWIGLU")])
+def test_gate_reorder_scales_the_glu_rows_in_its_kernel(family, act):
+    """gate-reorder multiplies each expert row by its routing weight inside the SwiGLU kernel
+    (GPT-OSS: its clamped GLU with expert biases, the down bias scaled like the rows): no GATE node,
+    the GLU reads the row weights, and a train step matches eager, logits and every gradient (the
+    routing weights' included: they reach the router through the GLU's backward)."""
+    _need(family)
+    case = dict(family=family, cls=LMS[family], attn="sp", ffn="ep", dispatch="a2a", passes="gate-reorder")
+    model, ids, compiled = compile_case(case, 4)
+    assert not isinstance(compiled, str), compiled
+    graph = compiled.layers.graph
+    glus = [n for n in graph.nodes if n.op.name == act and n.role.value == "forward"]
+    assert glus and all(n.attr("row_weights") is True and len(n.inputs) == 3 for n in glus)
+    assert not any(n.op is OpKind.GATE for n in graph.nodes)
+    errors = step_errors(compiled, model, ids, ids.clone())
+    assert errors["logits"] < TOL and errors["loss"] < TOL and errors["grads"] < TOL, errors

@@ -183,7 +183,8 @@ def test_sar_rebuilds_the_paper_chains(h800):
     assert re["post_attn_norm.re"].op is OpKind.RMSNORM and re["post_attn_norm.re"].inputs[0] == "ln2_in"
     assert re["ln2_ag.re"].inputs == ("ln2_out.re",) and re["ln2_ag.re"].op is OpKind.ALL_GATHER
     assert re["dispatch_scatter.re"].inputs[0] == "ln2_out_ag.re"
-    assert re["swiglu.re"].inputs == ("fc1_out", "fc3_out")
+    # the gated SwiGLU (routing weights in its own kernel) rebuilds FC2's input in one node
+    assert re["swiglu.re"].inputs == ("fc1_out", "fc3_out", "row_weights") and "gate.re" not in re
     assert re["attn_a2a.re"].inputs == ("attn",)
     assert all(n.forward_of == name[:-3] and n.role.value == "forward" for name, n in re.items())
     wgrad = out.node["fc1.wgrad"]
@@ -359,7 +360,9 @@ def test_gate_reorder_under_a2a_sends_the_weights(h800):
     a2a = out.node["gate_weights_a2a"]
     k = load_model("mixtral-8x7b").top_k
     assert a2a.comm_bytes == S // N * k * 4 * (N - 1) // N          # R fp32 weights, (n-1)/n of them sent
-    assert out.node["combine_gather"].attr("weighted") is False and out.node["gate"].op is OpKind.GATE
+    swiglu = out.node["swiglu"]      # the received weights scale SwiGLU's rows in its kernel: no GATE node
+    assert out.node["combine_gather"].attr("weighted") is False and swiglu.inputs[2] == "row_weights"
+    assert swiglu.attr("row_weights") is True and not any(n.op is OpKind.GATE for n in out.nodes)
     assert out.strategy.gate == "before-fc2"
 
 

@@ -26,7 +26,9 @@ Strategy fields read here besides attn/ffn/dispatch/n:
   gate    "after-fc2": the combine multiplies expert rows by their routing weight (weighted
           UNPERMUTE), so FC2's output is needed for the weight gradient.
           "before-fc2" (MegaScale-MoE §4.1, Megatron-Core "memory-efficient permutation"):
-          a GATE node scales SwiGLU's output before FC2 and the combine is an unweighted sum.
+          SwiGLU's kernel scales its output rows by their routing weights before FC2 (one
+          pass, as MegaScale fuses it; SWIGLU/GLU attr row_weights) and the combine is an
+          unweighted sum.
           Under all-to-all dispatch the per-row weights travel to the experts in an extra
           small all-to-all (R fp32 values).
 
@@ -519,13 +521,10 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if biases:                                                                      # GPT-OSS's expert biases
         fc1 = emit_grouped_bias(g, f"fc1_bias{c}", fc1, biases[0], seg, kw=kw)
         fc3 = emit_grouped_bias(g, f"fc3_bias{c}", fc3, biases[1], seg, kw=kw)
-    fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
-                      alpha=spec.swiglu_alpha)
-    if before:
+    if before:                                 # the routing weights scale SwiGLU's rows in its own kernel
         row_w = _row_weights(g, topk_w, imap, R, c, kw)
-        gated = g.like(f"fc2_in_gated{c}", fc2_in)
-        g.node(f"gate{c}", OpKind.GATE, (fc2_in, row_w), (gated,), flops=_numel(g, fc2_in), **kw)  # [R, Fl]
-        fc2_in = gated
+    fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
+                      alpha=spec.swiglu_alpha, row_weights=row_w if before else None)   # [R, Fl] x 2 (, [R]) -> [R, Fl]
     fc2_out = _grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
     if biases:              # tp: each rank adds b2/n to its partial sums; gate before fc2: scaled like the rows
         fc2_out = emit_grouped_bias(g, f"fc2_bias{c}", fc2_out, biases[2], seg, share=1 if ep else n,

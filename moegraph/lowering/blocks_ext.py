@@ -64,14 +64,21 @@ def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str,
 
 
 def emit_glu(g: GraphBuilder, name: str, a: str, b: str, out: str, act: Activation, kw: dict,
-             limit: float | None = None, alpha: float | None = None) -> str:
-    """act(a) * b: SWIGLU for silu (as always), GLU otherwise: [.., F] x 2 -> [.., F]."""
+             limit: float | None = None, alpha: float | None = None, row_weights: str | None = None) -> str:
+    """act(a) * b: SWIGLU for silu (as always), GLU otherwise: [.., F] x 2 -> [.., F].
+
+    ``row_weights`` ([R], rows [R, F]): each output row also times its routing weight, in the same
+    kernel (MegaScale-MoE §4.1 multiplies SwiGLU's output by the gating weight; §7 moves it back
+    after FC2 only for FP8): one pass over the rows where a separate GATE kernel would re-read and
+    re-write them, forward and backward."""
     y = g.like(out, a)
+    ins, weighted = ((a, b, row_weights), {"row_weights": True}) if row_weights is not None else ((a, b), {})
+    scale = _numel(g, a) if row_weights is not None else 0
     if act == "silu":
-        g.node(name, OpKind.SWIGLU, (a, b), (y,), flops=5 * _numel(g, a), **kw)
+        g.node(name, OpKind.SWIGLU, ins, (y,), flops=5 * _numel(g, a) + scale, attrs=weighted, **kw)
         return y
-    attrs = {"act": act} | ({"limit": limit, "alpha": alpha} if act == "clamped_swiglu" else {})
-    g.node(name, OpKind.GLU, (a, b), (y,), flops=(8 if act == "clamped_swiglu" else 10) * _numel(g, a),
+    attrs = {"act": act} | ({"limit": limit, "alpha": alpha} if act == "clamped_swiglu" else {}) | weighted
+    g.node(name, OpKind.GLU, ins, (y,), flops=(8 if act == "clamped_swiglu" else 10) * _numel(g, a) + scale,
            attrs=attrs, **kw)
     return y
 
