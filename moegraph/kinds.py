@@ -17,12 +17,12 @@ class OpKind(enum.Enum):
     ATTENTION = "attention"
     RMSNORM = "rmsnorm"
     ROPE = "rope"
-    SWIGLU = "swiglu"
+    SWIGLU = "swiglu"            # silu(a) * b (attr row_weights: times each row's routing weight, gate-reorder)
     ROUTER = "router"            # logits -> softmax or sigmoid (+ selection bias, groups) -> top-k -> renormalise, scale
     INDEX_MAP = "index_map"      # routing -> row mapping, computed once per step (paper §3.2)
     PERMUTE = "permute"          # scatter by index map: token rows -> expert-ordered rows
     UNPERMUTE = "unpermute"      # gather by index map: expert rows -> token rows (weighted sum)
-    GATE = "gate"                # multiply expert rows by their routing weight
+    GATE = "gate"                # multiply expert rows by their routing weight (Llama 4's expert input)
     SPLIT = "split"              # views into a fused tensor (q, k, v of qkv)
     ADD = "add"
     BIAS = "bias"                # x + b, b [X] broadcast over the leading dims (q/k/v biases)
