@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Callable
 
 from moegraph.builder import ConfigError, GraphBuilder
-from moegraph.ir import Node, OpKind, Phase, Role, ValueKind, bad_choice
+from moegraph.ir import Node, OpKind, Phase, Role, ValueKind, bad_choice, collective_bytes
 
 GRAD = ValueKind.GRAD
 
@@ -386,10 +386,26 @@ def _all_reduce(g, node, grads):
 
 
 def _all_gather(g, node, grads):
+    if len(node.inputs) > 1:            # a router's weights and expert ids: only the weights get a gradient
+        return _all_gather_some(g, node, grads)
     (dy,), (x,) = grads, node.inputs
     dx = _grad_value(g, x)
     _bwd(g, node, "bwd", OpKind.REDUCE_SCATTER, (dy,), (dx,), comm_bytes=node.comm_bytes, flops=g.values[dy].numel)
     return (dx,)
+
+
+def _all_gather_some(g, node, grads):
+    """A gather of several values: one reduce-scatter of the gradients it has (the transposed
+    collective of those values' share of the forward's bytes); None for the others."""
+    dins = tuple(None if d is None else _grad_value(g, x) for x, d in zip(node.inputs, grads))
+    dys = tuple(d for d in grads if d is not None)
+    if len(dys) != 1:
+        raise NotImplementedError(f"all_gather {node.name!r}: gradients of {len(dys)} of its {len(grads)} outputs; "
+                                  "the backward reduce-scatters exactly one")
+    (dy,) = dys
+    _bwd(g, node, "bwd", OpKind.REDUCE_SCATTER, dys, tuple(d for d in dins if d is not None),
+         comm_bytes=collective_bytes(OpKind.REDUCE_SCATTER, g.nbytes(dy), node.group), flops=g.values[dy].numel)
+    return dins
 
 
 def _reduce_scatter(g, node, grads):

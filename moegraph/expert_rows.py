@@ -10,6 +10,7 @@ Notation: T tokens, k top-k, R expert rows, El experts on this rank, C padded ro
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 from moegraph.index_map import padded_rows
@@ -41,7 +42,8 @@ def padded_rows_extra_bytes(graph: Graph) -> int:
     local index map."""
     ratios = set()
     for nd in local_index_maps(graph):
-        T, k = graph.value[nd.inputs[0]].shape
+        *lead, k = graph.value[nd.inputs[0]].shape                   # [..., k]: T tokens
+        T = math.prod(lead)
         expected = graph.value[nd.outputs[0]].shape[0]
         ratios.add(Fraction(padded_rows(T, k, nd.typed.experts_per_rank), expected))
     if not ratios:

@@ -157,7 +157,8 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
 
 
 def _router_weights(node: Node, x, w, *extra):
-    return route_general(node, x, w, *extra)[0]
+    """The routing weights in x's leading dims, as the ROUTER returns them: [..., k]."""
+    return route_general(node, x, w, *extra)[0].view(*x.shape[:-1], -1)
 
 
 def router_logit_bias_wgrad(node: Node, ins) -> list:

@@ -131,7 +131,7 @@ def padded_rows(tokens: int, top_k: int, experts_per_rank: int) -> int:
 
 def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int,
                     expert_rows: ExpertRows = "exact") -> IndexMap:
-    """experts: [T, k] routed expert ids -> rows sorted by expert (stable in token order).
+    """experts: [..., k] routed expert ids (T tokens) -> rows sorted by expert (stable in token order).
 
     layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
     expert, all local (tensor-parallel experts); 'by_dest': every row, grouped by the rank
@@ -146,6 +146,7 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     T*k rows either way.
     """
     expert_rows = check_expert_rows(expert_rows)
+    experts = experts.reshape(-1, experts.shape[-1])            # [..., k] -> [T, k]
     flat_experts = experts.reshape(-1)                          # [T*k]
     if layout == "local":
         key = flat_experts - rank * experts_per_rank

@@ -174,11 +174,12 @@ def run_collective(node: Node, ins: list[list[Any]], shapes: list[tuple[int, ...
     """
     n = len(ins)
     flat = node.typed.flat
-    if node.op is OpKind.ALL_GATHER:
-        full = torch.cat([x[0].reshape(-1) if flat else x[0] for x in ins], dim=node.typed.dim)
+    if node.op is OpKind.ALL_GATHER:          # each input (a router's weights and ids: two) gathered along dim
+        fulls = [torch.cat([x[t].reshape(-1) if flat else x[t] for x in ins], dim=node.typed.dim)
+                 for t in range(len(ins[0]))]
         if flat and shapes:
-            full = full.view(shapes[0])
-        return [[full] for _ in range(n)]
+            fulls = [full.view(shape) for full, shape in zip(fulls, shapes)]
+        return [list(fulls) for _ in range(n)]
     if node.op is OpKind.REDUCE_SCATTER:
         stacked, how = torch.stack([x[0].reshape(-1) if flat else x[0] for x in ins]), node.typed.reduce
         if how not in ("sum", "mean"):

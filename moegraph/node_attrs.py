@@ -167,9 +167,8 @@ class RouterAttrs(NodeAttrs):
     scale: float | None = None           # sigmoid scoring: routed weights' scale
     score_bias: bool = False             # sigmoid scoring: a selection-bias buffer input
     aux: bool = False                    # emits the aux loss's stats (moegraph.edges)
-    aux_share: float | None = None
     # a padded batch's aux loss counts the rows the attention mask keeps: where the router's rows
-    # sit in the sequence ('shard': this rank's own; 'full': gathered over the n ranks), of chunks
+    # sit in the sequence ('shard': this rank's own, what every lowered router reads), of chunks
     aux_positions: Positions | None = None
     aux_chunks: int = 1
     # structural lowering (moegraph.family_kernels.route_general): every field explicit, a group
@@ -185,8 +184,6 @@ class RouterAttrs(NodeAttrs):
             return "scoring='sigmoid' needs groups, topk_groups and scale"
         if self.bias_on_logits and not (self.general and self.score_bias):
             return "bias_on_logits=True needs general=True and a score_bias input"
-        if self.aux and role is not Role.FORWARD and self.aux_share is None:
-            return "aux=True needs aux_share in its gradients (the aux loss's seed scale)"
         return None
 
 

@@ -31,7 +31,15 @@ def pullback(fn: Callable, primals, cotangents) -> list:
 
 
 def route_tokens(node: Node, x, w, *bias):
-    """x [..., h] -> (weights [T, k], experts [T, k]); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
+    """x [..., h] -> (weights [..., k], experts [..., k]), x's leading dims kept (the lowering's
+    [b, L, k]: gathered along L like the tokens); softmax (Mixtral) or sigmoid scoring (DeepSeek-V3)."""
+    weights, experts = _route_rows(node, x, w, *bias)                  # [T, k] each
+    lead = x.shape[:-1]
+    return weights.view(*lead, -1), experts.view(*lead, -1)
+
+
+def _route_rows(node: Node, x, w, *bias):
+    """x [..., h] -> (weights [T, k], experts [T, k])."""
     scoring = node.typed.scoring
     if node.typed.general:            # group max, softmax choice bias, logit bias (structural lowering)
         from moegraph.family_kernels import route_general
@@ -96,7 +104,7 @@ def aux_stats(node: Node, x, w, experts, keep=None):
 def router_pullback(node: Node, primal: int, ins, keep=None):
     """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
     (the global stats [3, E], the aux seed [1]) and the aux loss's probability gradient
-    seed * E * count / N^2 * share (moegraph.edges; N the stats' row 2, the rows counted) joins
+    seed * E * count / N^2 (moegraph.edges; N the stats' row 2, the rows counted) joins
     the routing weights' cotangent, on the rows ``keep`` [T] keeps (a padded batch) or all."""
     if not node.typed.aux:
         (x, w, *bias), dweights = ins[:-1], ins[-1]
@@ -106,7 +114,7 @@ def router_pullback(node: Node, primal: int, ins, keep=None):
     (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
     leaves = (x, w)
     rows, E = stats[2, 0], node.typed.experts
-    c = seed.float() * (E * node.typed.aux_share) / rows / rows * stats[0]              # [E]
+    c = seed.float() * E / rows / rows * stats[0]                                       # [E]
 
     def fn(p):
         args = tuple(p if i == primal else leaves[i] for i in range(2))

@@ -124,20 +124,17 @@ constant per expert known once every layer has routed. In the graph, per micro-b
             padded batch's N crosses the ranks with the sums; attr ``aux``, with ``aux_positions``
             and ``aux_chunks`` saying where its rows sit for the mask; priced T*(E + k) more
             FLOPs); ``edges.aux.sum`` (ADD) sums the L routers' stats (3E*(L-1) FLOPs);
-            ``edges.aux.allreduce`` (ALL_REDUCE, group n) sums them over the replica's ranks when
-            the routers' rows are distinct there (a2a dispatch: each rank routes its own shard);
-            under ag-rs every rank of the replica routes the same gathered rows, so it holds the
-            replica's stats already and there is no intra all-reduce (it would count them n
-            times); ``edges.aux.allreduce_dp`` (scope inter, axis dp) sums over the replicas.
+            ``edges.aux.allreduce`` (ALL_REDUCE, group n) sums them over the replica's ranks, whose
+            rows are distinct (every dispatch routes each rank's own shard; ag-rs gathers the
+            routing, not the router's input: moegraph.lowering.blocks);
+            ``edges.aux.allreduce_dp`` (scope inter, axis dp) sums over the replicas.
             The result ``edges.aux.stats`` is the global batch's, identical on every rank: the
             runtime reads it for the loss value (E * count . psum / N^2, E FLOPs, not priced).
   backward  every ROUTER dgrad / wgrad also reads ``edges.aux.stats`` and the aux seed
             ``edges.d_aux`` [1] (fp32; the runtime gives coef * dloss, x dp as the LM loss's
-            seed) and adds d_aux * E * count / N^2 * share (N the stats' row 2) to its softmax's
+            seed) and adds d_aux * E * count / N^2 (N the stats' row 2) to its softmax's
             probability gradient at each row the mask keeps
-            (softmax backward P * (g - sum(P g)), 4*T*E FLOPs more); share = 1/n where the n
-            ranks route the same rows (ag-rs: their router gradients are summed by the gather's
-            reduce-scatter and the router weight's all-reduce), 1 where they are distinct.
+            (softmax backward P * (g - sum(P g)), 4*T*E FLOPs more).
   precision the counts are the routers' own top-k (softmax of the fp32 logits); transformers'
             loss re-selects on the softmax of the logits in the model dtype: the same in fp32, in
             bf16 a near-tie may count to the other expert (a bf16 rounding-level difference).
@@ -385,19 +382,13 @@ def aux_loss_graph(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> t
     rows_of = {nd.name: graph.value[nd.inputs[0]].numel // d.h for nd in forward}      # T of each router
     moe_layers = len({nd.layer for nd in forward if mb(nd) == 0})
     local = sum(rows_of[nd.name] for nd in forward if mb(nd) == 0)                     # rows over the layers
-    # the routers' rows: each rank's own sequence shard (a2a) or the replica's gathered rows, the
-    # same on its n ranks (ag-rs); n == 1 is both (distinct)
-    if local == moe_layers * d.b * d.s // st.n:
-        distinct = True
-    elif local == moe_layers * d.b * d.s:
-        distinct = False
-    else:
-        raise GraphError(f"graph {graph.name!r}: its routers see {local} rows over {moe_layers} layers, neither "
-                         f"each rank's shard (b*s/n={d.b * d.s // st.n} per layer) nor the replica's (b*s="
-                         f"{d.b * d.s}): the aux loss's reduction is not known for it")
-    share = 1.0 if distinct else 1.0 / st.n
+    # the routers' rows: each rank's own sequence shard (every dispatch; n == 1: the replica's)
+    if local != moe_layers * d.b * d.s // st.n:
+        raise GraphError(f"graph {graph.name!r}: its routers see {local} rows over {moe_layers} layers, not each "
+                         f"rank's shard (b*s/n={d.b * d.s // st.n} per layer): the aux loss's reduction is not "
+                         "known for it")
     # where the routers' rows sit, for a padded batch's mask (moegraph.kernels.chunk_positions)
-    where = dict(aux_positions="shard" if distinct else "full", aux_chunks=st.chunks)
+    where = dict(aux_positions="shard", aux_chunks=st.chunks)
     stats_of: dict[str, str] = {}
     replaced: dict[str, Node] = {}
     for nd in forward:
@@ -414,7 +405,7 @@ def aux_loss_graph(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> t
         total = g.value(at(j, f"{EDGES}.aux.stats_local"), (3, E), kind=ValueKind.ROUTING, dtype="fp32")
         g.node(at(j, f"{EDGES}.aux.sum"), OpKind.ADD, tuple(parts), (total,), flops=3 * E * (len(parts) - 1),
                mem_bytes=(len(parts) + 1) * 3 * E * f32, **kw)
-        if distinct and st.n > 1:                           # the replica's ranks hold distinct rows
+        if st.n > 1:                                        # the replica's ranks hold distinct rows
             out = g.value(at(j, f"{EDGES}.aux.stats_replica"), (3, E), kind=ValueKind.ROUTING, dtype="fp32")
             g.collective(at(j, f"{EDGES}.aux.allreduce"), OpKind.ALL_REDUCE, (total,), (out,), group=st.n,
                          full_bytes=3 * E * f32, flops=3 * E, **kw)
@@ -441,7 +432,7 @@ def aux_loss_graph(graph: Graph, g: GraphBuilder, aux: AuxLoss, M: int, at) -> t
         replaced[nd.name] = dataclasses.replace(nd, inputs=ins,
                                                 flops=nd.flops + 4 * T * E,
                                                 mem_bytes=nd.mem_bytes + 3 * E * f32 + f32
-                                                ).with_attrs(aux=True, aux_share=share, **where)
+                                                ).with_attrs(aux=True, **where)
     graph = dataclasses.replace(graph, nodes=tuple(replaced.get(nd.name, nd) for nd in graph.nodes))
     values = dict(aux_stats=tuple(stats), aux_seeds=tuple(seeds), aux_coef=float(aux.coef), aux_experts=E)
     return graph, values, nodes

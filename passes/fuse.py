@@ -10,7 +10,26 @@ paper's four kernels (``moegraph.cost.FusedKind``):
     a2a+gemm                  ALL_TO_ALL -> GEMM(s) of the same phase (SP output projection)
     gemm+a2a                  GEMM -> memory ops (split, rope, ...) -> ALL_TO_ALL (SP QKV projection)
     ag+scatter+grouped_gemm   ALL_GATHER -> PERMUTE -> GROUPED_GEMM(s) (ag-rs token dispatch)
-    grouped_gemm+gather+rs    GROUPED_GEMM -> UNPERMUTE -> REDUCE_SCATTER (ag-rs token combine)
+    grouped_gemm+gather+rs    GROUPED_GEMM(s) [-> ADD] -> row gather -> REDUCE_SCATTER (ag-rs token combine)
+
+The row gather sums expert rows back into token rows by the index map: the combine's UNPERMUTE,
+or in backward the dispatch's PERMUTE dgrad, fed by the FC1 and FC3 dgrads (summed by an ADD,
+which the kernel folds into its tiles). Under ag-rs dispatch (e.g. sp+ep, n = 8; each chunk's
+pairs with chunk=N) these match:
+
+    forward   ln2_ag -> dispatch_scatter -> fc1, fc3                       ag+scatter+grouped_gemm
+              fc2 -> combine_gather -> ffn_rs                               grouped_gemm+gather+rs
+    backward  fc3.dgrad, fc1.dgrad -> add -> dispatch_scatter.dgrad -> ln2_ag.bwd   grouped_gemm+gather+rs
+
+The forward dispatch is eligible because the router reads each rank's own tokens and only its
+(small) result is gathered (``moegraph.lowering.blocks``: one ``routing_ag`` collective before the
+token all-gather): the index map, and with it every tile's rows, is known before the tokens
+arrive, as the paper's kernel needs (its tiles' signals depend on the routing, §4.2). The fused
+price covers the token gather; the routing gather stays a separate small collective before the
+kernel. The backward's AG+scatter (ffn_rs.bwd -> combine_gather.dgrad -> fc2.dgrad, fc2.wgrad) is
+not eligible: fc2.dgrad's readers (the gate's or SwiGLU's dgrad) do not wait for fc2.wgrad, the
+last GEMM and so the anchor, and with gate=after-fc2 the combine's dgrad also makes the routing
+weights' gradient, read outside the group.
 
 The pass only sets the node attribute ``moegraph.cost.FUSED_ATTR`` (``FusedGroup``) on each
 member; nodes, values and edges stay as they are, so the same function is computed (the
@@ -18,8 +37,8 @@ invariant) and the runtime could run the members one by one. The cost model char
 fused kernel's time to the group's anchor and 0 to the other members, so a group is eligible
 only if that is sound for the scheduler: every value a member produces must reach a consumer
 outside the group no earlier than the kernel's end. Comm-first groups put the anchor last, so
-an outside consumer of an earlier member's output (the router reading the gathered tokens,
-a weight gradient reading the dispatched rows) must descend from the anchor; compute-first
+an outside consumer of an earlier member's output (a router reading the gathered tokens, a
+weight gradient reading the dispatched rows) must descend from the anchor; compute-first
 groups put it first, so every later member ends with it, and their other inputs must be ready
 when it starts (produced by its ancestors). The scheduler still sees the members' collective as
 a zero-time node: it does not model the link as busy during the kernel (docs/cost_model.md).
@@ -44,7 +63,7 @@ import typing
 from dataclasses import dataclass
 
 from moegraph.cost import FUSED_ATTR, CostModel, FusedGroup, FusedKind, shape_attrs
-from moegraph.ir import Fuse, Graph, Node, OpKind
+from moegraph.ir import Fuse, Graph, Node, OpKind, Role
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 CHOICES = typing.get_args(Fuse)
@@ -132,10 +151,12 @@ def candidates(graph: Graph, cost: CostModel) -> list[Candidate]:
             case OpKind.REDUCE_SCATTER:
                 cand = None
                 feeders = ix.feeders(c.name)
-                if len(feeders) == 1 and ix.node[feeders[0]].op is OpKind.UNPERMUTE:
-                    gg = [f for f in ix.feeders(feeders[0]) if ix.node[f].op is OpKind.GROUPED_GEMM]
-                    if len(gg) == 1:
-                        cand = _candidate(ix, "grouped_gemm+gather+rs", [gg[0], feeders[0], c.name], gg[0], c, cost)
+                if len(feeders) == 1 and _is_row_gather(ix.node[feeders[0]]):
+                    chain = _gemms_summed(ix, feeders[0])
+                    if chain is not None:
+                        gg, adds = chain
+                        cand = _candidate(ix, "grouped_gemm+gather+rs", [gg[0], *gg[1:], *adds, feeders[0], c.name],
+                                          gg[0], c, cost)
             case OpKind.ALL_REDUCE:
                 cand = None            # gradient synchronisation: no fused kernel in the paper
             case _:
@@ -143,6 +164,35 @@ def candidates(graph: Graph, cost: CostModel) -> list[Candidate]:
         if cand is not None:
             out.append(cand)
     return out
+
+
+def _is_row_gather(node: Node) -> bool:
+    """Expert rows summed back into token rows by the index map: the combine's UNPERMUTE, or the
+    dispatch's PERMUTE dgrad."""
+    return ((node.op is OpKind.UNPERMUTE and node.role is Role.FORWARD)
+            or (node.op is OpKind.PERMUTE and node.role is Role.DGRAD and node.typed.index == "token"))
+
+
+def _gemms_summed(ix: _Index, gather: str) -> tuple[list[str], list[str]] | None:
+    """The GROUPED_GEMMs feeding ``gather``'s rows, directly or through ADDs of their phase (the
+    FC1 and FC3 dgrads' sum), in graph order, and those ADDs; None if any other node feeds the
+    rows. The gather's other feeders (the index map, the routing weights) are not walked."""
+    node = ix.node[gather]
+    rows = node.inputs[0]                      # both kinds read the expert rows first
+    producer = next((p for p in ix.feeders(gather) if rows in ix.node[p].outputs), None)
+    gemms, adds, frontier = [], [], [producer] if producer is not None else []
+    while frontier:
+        f = ix.node[frontier.pop()]
+        if f.op is OpKind.GROUPED_GEMM and f.phase is node.phase and f.name not in gemms:
+            gemms.append(f.name)
+        elif f.op is OpKind.ADD and f.phase is node.phase and f.name not in adds:
+            adds.append(f.name)
+            frontier.extend(ix.feeders(f.name))
+        else:
+            return None
+    if not gemms:
+        return None
+    return sorted(gemms, key=ix.order.get), sorted(adds, key=ix.order.get)
 
 
 # ops between a QKV GEMM and its all-to-all that a fused GEMM+A2A epilogue applies per tile

@@ -11,17 +11,16 @@ over the step's N router rows (L * the tokens the mask keeps), count_i the top-k
 expert i, psum_i the sum of the softmax probabilities of expert i (moegraph.passes.edges). It does
 not split into per-layer terms, so a pipeline sums the statistics along its stages: stage k's
 [3, E] fp32 stats (counts, prob sums, rows counted) are its routers' (``edges.aux.sum``, and
-over the group's n ranks where they route distinct rows: the edges pass's own nodes,
+over the group's n ranks, each routing its own rows: the edges pass's own nodes,
 ``aux_loss_graph``), which the runtime adds to the sum of the stages before it and sends on with the
 activation; the last stage computes aux from the total. The counts and N carry no gradient, so
 the loss's gradient reaches the stats only at the prob sums: d loss / d psum_i = coef * E *
 count_i / N^2, one number per expert, which travels back with the activation gradient.
 
 The routers' backward (moegraph.router_kernels.router_pullback) reads that coefficient as the
-graph's (global stats, aux seed) pair: c_i = seed * E * share / N^2 * stats[0, i]. A stage's
-runtime gives it (stats = [d psum, 0, 1], seed = 1 / E), which makes c_i = share * d psum_i,
-the probability gradient of the whole model's aux loss (share: 1/n where the n ranks route the
-same rows, as in the unsplit graph).
+graph's (global stats, aux seed) pair: c_i = seed * E / N^2 * stats[0, i]. A stage's
+runtime gives it (stats = [d psum, 0, 1], seed = 1 / E), which makes c_i = d psum_i,
+the probability gradient of the whole model's aux loss.
 """
 
 from __future__ import annotations

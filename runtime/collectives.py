@@ -272,7 +272,7 @@ class Comm:
         pg = self.groups[key]
         issued = time.perf_counter_ns()
         if node.op is OpKind.ALL_GATHER:
-            works, finish, keep = self._all_gather(node, ins[0], pg, shapes, g)
+            works, finish, keep = self._all_gather(node, ins, pg, shapes, g)
         elif node.op is OpKind.REDUCE_SCATTER:
             works, finish, keep = self._reduce_scatter(node, ins[0], pg, g)
         elif node.op is OpKind.ALL_REDUCE:
@@ -298,18 +298,30 @@ class Comm:
     # ones a backend cannot reduce or even carry (fp8 on gloo), and several tensors of different
     # dtypes pack into one exchange.
 
-    def _all_gather(self, node: Node, x: torch.Tensor, pg, shapes, n: int):
+    def _all_gather(self, node: Node, ins: list[torch.Tensor], pg, shapes, n: int):
+        """Every input gathered along dim; several (a router's weights and expert ids) travel
+        packed into one exchange of their bytes."""
         dim, flat = node.typed.dim, node.typed.flat
-        x = (x.reshape(-1) if flat else x).contiguous()
-        send = _bytes(x)                                            # [numel * itemsize] uint8
+        if flat and len(ins) != 1:
+            raise RuntimeFailure(f"all_gather {node.name!r}: a flat gather takes one tensor, got {len(ins)}")
+        xs = [(x.reshape(-1) if flat else x).contiguous() for x in ins]
+        parts = [_bytes(x) for x in xs]                             # [numel * itemsize] uint8 each
+        send = parts[0] if len(parts) == 1 else torch.cat(parts)
         out = send.new_empty((n * send.numel(),))                   # preallocated: shards in rank order
         work = _all_gather_single(out, send, group=pg, async_op=True)
 
         def finish():
             # [n, ..S..] rank-major is [.., n*S, ..] itself when nothing precedes dim (flat buckets,
             # token rows, b=1): a view. Otherwise one reorder copy, which no collective can avoid.
-            full = _from_rank_major(_unbytes(out, x.dtype, (n, *x.shape)), dim)
-            return [full.view(shapes[0]) if flat and shapes else full]
+            if len(xs) == 1:
+                full = _from_rank_major(_unbytes(out, xs[0].dtype, (n, *xs[0].shape)), dim)
+                return [full.view(shapes[0]) if flat and shapes else full]
+            rows, fulls, off = out.view(n, -1), [], 0
+            for x, part in zip(xs, parts):                          # [n, bytes] -> each tensor's [n, ..S..]
+                size = part.numel()
+                fulls.append(_from_rank_major(_unbytes(rows[:, off:off + size], x.dtype, (n, *x.shape)), dim))
+                off += size
+            return fulls
         return [work], finish, (send, out)
 
     def _reduce_scatter(self, node: Node, x: torch.Tensor, pg, n: int):

@@ -114,9 +114,12 @@ class EmulatedComm:
         cuda = tensors[0].is_cuda
         if cuda and self.sleep_cycles:
             _cuda_sleep(self.sleep_cycles)
-        dtype = tensors[0].dtype                   # a collective's outputs have its operand's dtype
-        src = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
-        outs = [_fill(src, shape) for shape in shapes]
+        if node.op is OpKind.ALL_GATHER and len(tensors) > 1:   # each output from its own operand (and dtype)
+            outs = [_fill(t.reshape(-1), shape) for t, shape in zip(tensors, shapes, strict=True)]
+        else:
+            dtype = tensors[0].dtype               # a collective's outputs have its operand's dtype
+            src = torch.cat([t.reshape(-1).to(dtype) for t in tensors])
+            outs = [_fill(src, shape) for shape in shapes]
         if self.synchronous and cuda:
             torch.cuda.synchronize(tensors[0].device)
         self.issued += 1

@@ -14,8 +14,7 @@ to their routers' backward as the graph's (stats, seed) pair (stage_aux's docstr
 
 The n ranks of the last stage each hold the whole aux loss: its term is added once to the sum of
 their loss terms (the value 1/n of it on each rank) while every rank's backward takes its full
-gradient (each rank's routers see their own rows: the full coefficient applies to them; where
-they see the same rows the routers' share divides it, as in the unsplit graph).
+gradient (each rank's routers see their own rows: the full coefficient applies to them).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ class StageLayersAux(torch.autograd.Function):
         (saved, rec), ctx.state = ctx.state, None
         E = ctx.aux.experts
         d_psum = torch.zeros(E) if d_stats is None else d_stats[1].float()
-        # stage_aux's docstring: (stats, seed) = ([d psum, 0, 1], 1/E) makes the routers' c = share * d psum
+        # stage_aux's docstring: (stats, seed) = ([d psum, 0, 1], 1/E) makes the routers' c = d psum
         saved = dict(saved) | {ctx.aux.stats: torch.stack([d_psum, torch.zeros_like(d_psum), torch.ones_like(d_psum)]),
                                ctx.aux.seed: torch.full((1,), 1.0 / E, device=d_psum.device)}
         dx, grads = ctx.runner.run_backward((saved, rec), dy, params)

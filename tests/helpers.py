@@ -172,3 +172,12 @@ def flat_h800():
 
     from moegraph.registry import load_hardware
     return dataclasses.replace(load_hardware("h800"), **FLAT)
+
+
+def routing_gather_bytes(b: int, s: int, k: int, n: int):
+    """Bytes one rank sends in ag-rs dispatch's routing all-gather (each rank routes its own b*s/n
+    tokens, then the top-k weights, fp32, and expert ids, int64, of all b*s are gathered): a ring
+    all-gather of b*s*k*(4 + 8) bytes sends (n-1)/n of it. Outside the paper's eq (4), which
+    counts the tokens' gather and reduce-scatter only. A Fraction."""
+    from fractions import Fraction
+    return Fraction(b * s * k * (4 + 8) * (n - 1), n)

@@ -79,10 +79,9 @@ def _assert_matches(r: dict) -> None:
 @pytest.mark.parametrize("case", [k for k in N2 if not k.startswith("broken")])
 def test_loss_and_every_gradient_match_eager_n2(n2, case):
     _assert_matches(n2[case])
-    # a2a: each rank routes its own shard, the stats are summed over the replica; ag-rs and tp:
-    # every rank routes the replica's gathered rows, nothing to sum
-    a2a = N2[case].get("dispatch") == "a2a"
-    assert n2[case]["edge_nodes"] == (["edges.aux.allreduce", "edges.aux.sum"] if a2a else ["edges.aux.sum"])
+    # every dispatch (ag-rs too: it gathers the routing, not the router's input) routes each
+    # rank's own shard: the stats are summed over the replica
+    assert n2[case]["edge_nodes"] == ["edges.aux.allreduce", "edges.aux.sum"]
     # 2 layers x chunks x micro-batches routers, all summed
     chunks = 2 if N2[case].get("passes") == CHUNKED else 1
     assert n2[case]["routers"] == 2 * chunks * N2[case].get("micro_batches", 1)
@@ -218,11 +217,12 @@ def test_graph_nodes_and_prices():
     assert ar.comm_bytes == 2 * 7 * (3 * E * 4) // 8                      # ring all-reduce of [3, E] fp32
     assert {(r.attr("aux_positions"), r.attr("aux_chunks")) for r in routers} == {("shard", 1)}
     assert all(node[x].attr("edge") is True for x in ("edges.aux.sum", "edges.aux.allreduce"))
-    # ag-rs: the routers see the replica's gathered rows: no intra all-reduce, the gradient shared by n
+    # ag-rs: the routers see each rank's own rows too (the routing is gathered after them): the
+    # stats are summed over the replica, the routers' rows are this rank's shard
     agrs = {n.name: n for n in _graph("ag-rs").nodes}
-    assert "edges.aux.allreduce" not in agrs and "edges.aux.allreduce_dp" not in agrs
-    assert agrs["l0.router.dgrad"].attr("aux_share") == pytest.approx(1 / 8)
-    assert agrs["l0.router.dgrad"].attr("aux_positions") == "full"           # the gathered rows
+    assert agrs["edges.aux.allreduce"].group == 8 and "edges.aux.allreduce_dp" not in agrs
+    assert agrs["l0.router"].flops == 2 * T * 4096 * E + 5 * T * E + T * (E + k)    # T = s/n rows, + the stats
+    assert agrs["l0.router.dgrad"].attr("aux_positions") == "shard"
     est = CostModel(load_hardware("h800"))
     assert est.node_time_us(ar) > 0
 

@@ -22,7 +22,7 @@ from fractions import Fraction as Fr
 import pytest
 import torch
 
-from helpers import assert_interpreted_matches_eager, rel_err
+from helpers import assert_interpreted_matches_eager, rel_err, routing_gather_bytes
 from moegraph.passes.stack import stack_layers
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
@@ -67,10 +67,10 @@ def test_layer_param_bytes_follow_the_architecture():
 def test_tp_volumes_are_eq1_and_eq4():
     # MLA under tp: the tokens are all-gathered once (the latents are computed replicated from
     # them, so their norms need no reduction) and the output projection reduce-scattered: eq (1).
-    # The sigmoid router and the shared expert send nothing: eq (4).
+    # The shared expert sends nothing: eq (4), plus the sigmoid router's top-k weights and ids gathered.
     comm = forward_comm_bytes(trace_model(load_model("deepseek-v3"), Strategy("tp", "tp", "ag-rs", N), batch=B, seq=S))
     eq1 = 2 * B * S * H_ * Fr(N - 1, N) * BYTES
-    assert comm == {"attention": exact(eq1), "ffn": exact(eq1)}
+    assert comm == {"attention": exact(eq1), "ffn": exact(eq1 + routing_gather_bytes(B, S, K, N))}
 
 
 def sp_attention_formula() -> Fr:

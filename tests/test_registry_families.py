@@ -17,7 +17,7 @@ from fractions import Fraction as Fr
 import pytest
 import torch
 
-from helpers import assert_interpreted_matches_eager, small_layer
+from helpers import assert_interpreted_matches_eager, routing_gather_bytes, small_layer
 from moegraph.cli import main
 from moegraph.commands import forward_comm_bytes
 from moegraph.ir import OpKind, Phase, Strategy
@@ -85,7 +85,7 @@ def test_tp_volumes_are_eq1_and_eq4_plus_the_qk_norm_all_reduces(name):
     eq1 = 2 * B * S * a.h * Fr(n - 1, n) * BYTES
     qk = 2 * 2 * Fr(n - 1, n) * 4 * B * S if a.qk_norm else 0      # two fp32 [b, s, 1] all-reduces
     eq4 = 2 * B * S * a.h * Fr(n - 1, n) * BYTES                   # the shared expert sends nothing
-    assert comm == {"attention": exact(eq1 + qk), "ffn": exact(eq4)}
+    assert comm == {"attention": exact(eq1 + qk), "ffn": exact(eq4 + routing_gather_bytes(B, S, a.k, n))}
 
 
 @pytest.mark.parametrize("name", sorted(ARCH))

@@ -10,6 +10,7 @@ from fractions import Fraction as Fr
 
 import pytest
 
+from helpers import routing_gather_bytes
 from moegraph.commands import forward_comm_bytes
 from moegraph.ir import Strategy
 from moegraph.registry import load_model
@@ -37,12 +38,12 @@ def exact(x: Fr) -> int:
 
 @pytest.mark.parametrize("name", MODELS)
 def test_tp_attention_and_ffn_volumes_match_eq1_and_eq4(name):
-    h, _, _, _ = paper(name)
+    h, _, _, k = paper(name)
     comm = forward_comm_bytes(trace_model(load_model(name), Strategy("tp", "tp", "ag-rs", N), batch=B, seq=S))
     eq1 = 2 * B * S * h * Fr(N - 1, N)
     eq4 = 2 * B * S * h * Fr(N - 1, N)
     assert comm["attention"] == exact(eq1 * BYTES)
-    assert comm["ffn"] == exact(eq4 * BYTES)
+    assert comm["ffn"] == exact(eq4 * BYTES + routing_gather_bytes(B, S, k, N))     # + the routing's gather
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -101,7 +102,7 @@ def test_hf_family_tp_volumes_are_eq1_and_eq4(name):
     n = a["n"]
     comm = forward_comm_bytes(trace_model(cfg, Strategy("tp", "tp", "ag-rs", n), batch=B, seq=S))
     assert comm == {"attention": exact(2 * B * S * a["h"] * Fr(n - 1, n) * BYTES),
-                    "ffn": exact(2 * B * S * a["h"] * Fr(n - 1, n) * BYTES)}
+                    "ffn": exact(2 * B * S * a["h"] * Fr(n - 1, n) * BYTES + routing_gather_bytes(B, S, a["k"], n))}
 
 
 @pytest.mark.parametrize("name", sorted(HF))

@@ -488,13 +488,16 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     h = g.dims.h
     w1, w3, w2, *biases = weights
 
-    tokens_in = x if a2a else emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
+    topk_w, topk_idx = _route_local_tokens(g, spec, x, router_ins, c, kw)        # [b, L, k] each
+    tokens_in = x
+    if not a2a:
+        # ag-rs: the (small) routing of every rank's tokens is gathered first, in the tokens' own
+        # [b, nL] order, so the index map and the scatter's row selection are known before the token
+        # all-gather lands: the AG+scatter+GroupedGEMM kernel's tile signals (MegaScale-MoE §4.2)
+        topk_w, topk_idx = _gather_routing(g, topk_w, topk_idx, c, kw)          # [b, L, k] -> [b, nL, k]
+        tokens_in = emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
     T = _numel(g, tokens_in) // h
     R = T * k if (a2a or not ep) else T * k // n        # balanced expectation of expert rows here
-    topk_w = g.value(f"topk_weights{c}", (T, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
-    topk_idx = g.value(f"topk_experts{c}", (T, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
-    g.node(f"router{c}", OpKind.ROUTER, (tokens_in, *router_ins), (topk_w, topk_idx),
-           flops=2 * T * h * E + 5 * T * E, attrs=router_attrs(spec), **kw)
     layout = "by_dest" if a2a else ("local" if ep else "all")
     imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
     g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
@@ -547,6 +550,37 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
+
+
+def _route_local_tokens(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], c: str,
+                        kw: dict) -> tuple[str, str]:
+    """The ROUTER on this rank's own tokens (every dispatch): [b, L, h] -> top-k weights and expert
+    ids [b, L, k] each. Routing is per token in every lowered family, so routing the local tokens
+    and gathering the result (ag-rs) is the same function as routing the gathered tokens, at 1/n of
+    the router's FLOPs; its aux-loss statistics then cover this rank's shard (passes/edges.py)."""
+    b, L, h = g.shape(x)
+    E, k, T = spec.experts, spec.top_k, b * L
+    topk_w = g.value(f"topk_weights{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
+    topk_idx = g.value(f"topk_experts{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
+    g.node(f"router{c}", OpKind.ROUTER, (x, *router_ins), (topk_w, topk_idx),
+           flops=2 * T * h * E + 5 * T * E, attrs=router_attrs(spec), **kw)
+    return topk_w, topk_idx
+
+
+def _gather_routing(g: GraphBuilder, topk_w: str, topk_idx: str, c: str, kw: dict) -> tuple[str, str]:
+    """Every rank's top-k weights and expert ids, in one all-gather along the sequence like the
+    tokens': [b, L, k] x 2 -> [b, nL, k] x 2 (b*L*k*(4 + 8) bytes per rank). One collective, so the
+    weights are in hand wherever the ids are (the combine of a fused GroupedGEMM+gather+RS needs
+    them when its kernel starts). The weights' gradient comes back by the gather's reduce-scatter."""
+    if g.strategy.n == 1:
+        return topk_w, topk_idx
+    outs = []
+    for v, name in ((topk_w, f"topk_weights_ag{c}"), (topk_idx, f"topk_experts_ag{c}")):
+        b, L, k = g.shape(v)
+        outs.append(g.value(name, (b, L * g.strategy.n, k), kind=ValueKind.ROUTING, dtype=g.values[v].dtype))
+    g.collective(f"routing_ag{c}", OpKind.ALL_GATHER, (topk_w, topk_idx), tuple(outs), full_bytes=g.nbytes(*outs),
+                 attrs={"dim": 1}, **kw)
+    return outs[0], outs[1]
 
 
 def _row_weights(g: GraphBuilder, topk_w: str, imap: str, R: int, c: str, kw: dict) -> str:
