@@ -8,7 +8,7 @@ Each case compiles its tiny model (tests/family_zoo.py) once for a plain batch a
 through it (tests/family_workers.batch_cases). The cases cover the mask's paths: GQA through SDPA
 (Mixtral, sequence-parallel with 2 chunks, with the router's aux loss over the unpadded tokens),
 sliding-window attention with sinks in a mixed stack (GPT-OSS), chunked attention and NoPE (Llama
-4), q/k norms over 2 replicas (Qwen3-MoE, dp=2), MLA (DeepSeek-V3, one rank).
+4), q/k norms over 2 replicas (Qwen3-MoE, dp=2), MLA (DeepSeek-V3, one rank and, under ag-rs, two).
 """
 
 from __future__ import annotations
@@ -66,8 +66,12 @@ def test_padded_and_packed_batches_match_eager_on_one_rank(family):
 
 
 # Mixtral with the router's aux loss (coef 0.5, so that pads counted in it would show: 8e-4 in the
-# loss, 0.36 in the router's gradient): transformers leaves the pads out of it
+# loss, 0.36 in the router's gradient): transformers leaves the pads out of it. Under both dispatches
+# each rank routes its own tokens (ag-rs gathers the routing after; b = 2 rows, so the gathered
+# routing's [b, nL] order must be the tokens'), also DeepSeek-V3's score-biased, group-limited router
 N2_CASES = [_case("mixtral", "sp", "ep", "a2a", passes="chunk=2", overrides=AUX),
+            _case("mixtral", "tp", "ep", "ag-rs", passes="chunk=2", overrides=AUX),
+            _case("deepseek_v3", "sp", "ep", "ag-rs"),
             _case("gpt_oss", "tp", "tp", "ag-rs", overrides=dict(layer_types=["sliding_attention", "full_attention"])),
             _case("llama4", "sp", "tp", "ag-rs"),
             _case("qwen3_moe", "tp", "ep", "ag-rs", dp=2)]

@@ -290,3 +290,37 @@ def test_tune_ranks_a_fused_twin_of_each_candidate(h800):
     entry = {"feasible": True, "predicted_us": 100.0, "peak_memory_bytes": 1, "method": "greedy"}
     assert _row({"candidate": cand, "graph": fused, "stage1": entry}, 200.0)["fused"] is True
     assert _row({"candidate": cand, "graph": graph, "stage1": entry}, 200.0)["fused"] is False
+
+
+def _kinds_by_anchor(g, cost) -> dict:
+    return {c.anchor: c.group.kind for c in candidates(g, cost)}
+
+
+@pytest.mark.parametrize("ffn", ["ep", "tp"])
+def test_agrs_dispatch_fuses_once_the_routing_is_gathered(h800, ffn):
+    """Under ag-rs each rank routes its own tokens and gathers the routing first (one small
+    collective), so the token all-gather feeds only the scatter: the forward AG+scatter+GroupedGEMM
+    is eligible (MegaScale-MoE's kernel needs the routing before the tokens arrive), per chunk too."""
+    g = trace_model(load_model("mixtral-8x7b"), Strategy("sp", ffn, "ag-rs", 8), batch=1, seq=8192)
+    assert _kinds_by_anchor(g, h800)["fc3"] == "ag+scatter+grouped_gemm"
+    routing = g.node["routing_ag"]
+    assert (routing.inputs, g.node["index_map"].inputs) == (("topk_weights", "topk_experts"), ("topk_experts_ag",))
+    assert g.value["topk_experts_ag"].shape == (1, 8192, 2) and g.node["router"].inputs[0] == "ln2_out"
+    chunked = trace_model(load_model("mixtral-8x7b"), Strategy("sp", ffn, "ag-rs", 8, chunks=2), batch=1, seq=8192)
+    kinds = _kinds_by_anchor(chunked, h800)
+    assert (kinds["fc3.c0"], kinds["fc3.c1"]) == ("ag+scatter+grouped_gemm",) * 2
+
+
+def test_a_reader_of_the_gathered_tokens_outside_the_group_blocks_it(h800):
+    """The soundness rule, on the lowering before local routing: a router reading the gathered
+    tokens would start before the fused kernel ends in the schedule (all its time is on fc3), so
+    the group is not eligible; the combine's pair, which does not read the tokens, still is."""
+    g = trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "ag-rs", 8), batch=1, seq=8192)
+    router = g.node["router"]
+    late = dataclasses.replace(router, inputs=("ln2_out_ag",) + router.inputs[1:])
+    order = [n for n in g.nodes if n.name != "ln2_ag"]          # the token gather moves up, before the router
+    at = next(i for i, n in enumerate(order) if n.name == "router")
+    order[at:at + 1] = [g.node["ln2_ag"], late]
+    gathered = dataclasses.replace(g, nodes=tuple(order))
+    kinds = _kinds_by_anchor(gathered, h800)
+    assert "fc3" not in kinds and kinds["fc2"] == "grouped_gemm+gather+rs"

@@ -3,7 +3,8 @@
 Notation (MegaScale-MoE Table 1):
     b: micro-batch  s: sequence  h: hidden  n: group size  k: top-k  m: q/kv head ratio
     f: h_ffn/h      E: experts   H: query heads  G: kv heads (H/m)  d: head dim (h/H)
-    T: tokens seen by the router on this rank   R: expert rows on this rank (balanced: b*s*k/n)
+    T: tokens the expert rows come from (a2a: this rank's b*s/n; ag-rs: the gathered b*s)
+    R: expert rows on this rank (balanced: b*s*k/n)
     N: token chunks (Strategy.chunks)           L: local tokens per chunk, s/(nN)
 
 Contract between blocks: every block consumes and produces the sequence-sharded activation
@@ -31,6 +32,15 @@ Strategy fields read here besides attn/ffn/dispatch/n:
           unweighted sum.
           Under all-to-all dispatch the per-row weights travel to the experts in an extra
           small all-to-all (R fp32 values).
+
+Routing: under every dispatch the ROUTER reads this rank's own tokens [b, L, h] and writes
+[b, L, k] weights and expert ids. Under ag-rs (n > 1) both are all-gathered along L in one
+collective, as the tokens are ([b, nL, k]: the tokens' own order, also for b > 1), before the
+token all-gather: the index map is then known before the tokens arrive, which MegaScale-MoE's
+AG+scatter+GroupedGEMM kernel needs (passes/fuse.py), and the router's FLOPs and its aux-loss
+statistics cover this rank's tokens as under a2a. ROUTER is row-wise by definition (each row's
+top-k from its own logits; a router reading other tokens has no lowering), so routing the local
+tokens and gathering the result is the function the gathered tokens' routing was.
 
 Block specs name the module parameters a block reads; a model family's rule file only has to
 fill these specs (``moegraph.lowering.specs``) from its module (see lowering/reference.py,
@@ -484,7 +494,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     # where routing weights multiply: Llama 4 scales the expert's input rows (whatever the gate
     # strategy); else the strategy's gate: at the combine, or into SwiGLU's output before FC2
     before = g.strategy.gate == "before-fc2" and not spec.weighted_input
-    E, k = spec.experts, spec.top_k
+    k = spec.top_k
     h = g.dims.h
     w1, w3, w2, *biases = weights
 
