@@ -114,8 +114,8 @@ class EmulatedComm:
         cuda = tensors[0].is_cuda
         if cuda and self.sleep_cycles:
             _cuda_sleep(self.sleep_cycles)
-        if node.op is OpKind.ALL_GATHER and len(tensors) > 1:   # each output from its own operand (and dtype)
-            outs = [_fill(t.reshape(-1), shape) for t, shape in zip(tensors, shapes, strict=True)]
+        if node.op is OpKind.ALL_GATHER and 1 < len(tensors) == len(shapes):   # a router's weights and ids:
+            outs = [_fill(t.reshape(-1), shape) for t, shape in zip(tensors, shapes)]   # each from its operand
         else:
             dtype = tensors[0].dtype               # a collective's outputs have its operand's dtype
             src = torch.cat([t.reshape(-1).to(dtype) for t in tensors])

@@ -175,3 +175,15 @@ def test_predicted_hidden_fraction_reads_the_plans_times(rank_graph):
                  for e in plan.entries)
     assert rg.predicted_hidden_fraction(dataclasses.replace(plan, entries=late)) == 0.0
     assert rg.predicted_hidden_fraction(rg.plan("sequential")) is None
+
+
+def test_emulated_gather_of_several_values_keeps_each_operand_and_dtype():
+    """ag-rs's routing gather (fp32 weights and int64 expert ids in one all-gather): each output is
+    its own operand repeated, in its dtype, so the emulated ids stay valid expert ids."""
+    comm = EmulatedComm(2)
+    w, ids = torch.rand(1, 3, 2), torch.randint(0, 4, (1, 3, 2))
+    node = Node("routing_ag", OpKind.ALL_GATHER, Phase.FORWARD, ("w", "e"), ("w_ag", "e_ag"), comm_bytes=1, group=2,
+                attrs=(("dim", 1),))
+    out_w, out_ids = comm.issue(node, [w, ids], "comm", 0, [(1, 6, 2), (1, 6, 2)]).wait(1.0, 0)
+    assert out_ids.dtype == torch.int64 and torch.equal(out_ids.reshape(-1), ids.reshape(-1).repeat(2))
+    assert out_w.dtype == w.dtype and torch.equal(out_w.reshape(-1), w.reshape(-1).repeat(2))

@@ -79,12 +79,13 @@ def test_verify_checks_the_barrier_per_micro_batch():
 
 def test_pair_stages_follow_megatron_order():
     """The three phases of Megatron-Core's pair, checked on named nodes of the tiny layer
-    (sp+ep, ag-rs: ln2_ag dispatches, the router runs on the gathered tokens, ffn_rs combines)."""
+    (sp+ep, ag-rs: the router runs on the rank's tokens before the dispatch, as Megatron's, then
+    routing_ag and ln2_ag dispatch, ffn_rs combines)."""
     p = build_problem(_merged(2), COST)
     _, stage, part = _pair_parts(p)
     st = {t.name: stage[t.index] for t in p.tasks}
     expect = {  # forward of micro-batch 1
-        "mb1.qkv_proj": 0, "mb1.attention": 0, "mb1.post_attn_norm": 0, "mb1.router": 1, "mb1.ln2_ag": 1, "mb1.fc1": 1, "mb1.fc2": 1,
+        "mb1.qkv_proj": 0, "mb1.attention": 0, "mb1.post_attn_norm": 0, "mb1.router": 0, "mb1.ln2_ag": 1, "mb1.fc1": 1, "mb1.fc2": 1,
         "mb1.ffn_rs": 2, "mb1.ffn_residual": 2,
         # backward of micro-batch 0
         "mb0.ffn_rs.bwd": 0, "mb0.fc2.dgrad": 1, "mb0.fc1.wgrad": 1, "mb0.ln2_ag.bwd": 1,
