@@ -33,14 +33,8 @@ Strategy fields read here besides attn/ffn/dispatch/n:
           Under all-to-all dispatch the per-row weights travel to the experts in an extra
           small all-to-all (R fp32 values).
 
-Routing: under every dispatch the ROUTER reads this rank's own tokens [b, L, h] and writes
-[b, L, k] weights and expert ids. Under ag-rs (n > 1) both are all-gathered along L in one
-collective, as the tokens are ([b, nL, k]: the tokens' own order, also for b > 1), before the
-token all-gather: the index map is then known before the tokens arrive, which MegaScale-MoE's
-AG+scatter+GroupedGEMM kernel needs (passes/fuse.py), and the router's FLOPs and its aux-loss
-statistics cover this rank's tokens as under a2a. ROUTER is row-wise by definition (each row's
-top-k from its own logits; a router reading other tokens has no lowering), so routing the local
-tokens and gathering the result is the function the gathered tokens' routing was.
+Routing: the ROUTER reads this rank's own tokens under every dispatch; ag-rs gathers its result
+(``moegraph.lowering.routing``).
 
 Block specs name the module parameters a block reads; a model family's rule file only has to
 fill these specs (``moegraph.lowering.specs``) from its module (see lowering/reference.py,
@@ -58,11 +52,11 @@ from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm, emit_limit,
                                           emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
-                                          mask_attrs, out_gate_param, router_attrs)
+                                          mask_attrs, out_gate_param)
+from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
-INDEX_DTYPE = "int64"
 
 
 def _numel(g: GraphBuilder, v: str) -> int:
@@ -498,13 +492,13 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     h = g.dims.h
     w1, w3, w2, *biases = weights
 
-    topk_w, topk_idx = _route_local_tokens(g, spec, x, router_ins, c, kw)        # [b, L, k] each
+    topk_w, topk_idx = route_local_tokens(g, spec, x, router_ins, c, kw)        # [b, L, k] each
     tokens_in = x
     if not a2a:
         # ag-rs: the (small) routing of every rank's tokens is gathered first, in the tokens' own
         # [b, nL] order, so the index map and the scatter's row selection are known before the token
         # all-gather lands: the AG+scatter+GroupedGEMM kernel's tile signals (MegaScale-MoE §4.2)
-        topk_w, topk_idx = _gather_routing(g, topk_w, topk_idx, c, kw)          # [b, L, k] -> [b, nL, k]
+        topk_w, topk_idx = gather_routing(g, topk_w, topk_idx, c, kw)          # [b, L, k] -> [b, nL, k]
         tokens_in = emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
     T = _numel(g, tokens_in) // h
     R = T * k if (a2a or not ep) else T * k // n        # balanced expectation of expert rows here
@@ -560,37 +554,6 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
-
-
-def _route_local_tokens(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], c: str,
-                        kw: dict) -> tuple[str, str]:
-    """The ROUTER on this rank's own tokens (every dispatch): [b, L, h] -> top-k weights and expert
-    ids [b, L, k] each. Routing is per token in every lowered family, so routing the local tokens
-    and gathering the result (ag-rs) is the same function as routing the gathered tokens, at 1/n of
-    the router's FLOPs; its aux-loss statistics then cover this rank's shard (passes/edges.py)."""
-    b, L, h = g.shape(x)
-    E, k, T = spec.experts, spec.top_k, b * L
-    topk_w = g.value(f"topk_weights{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
-    topk_idx = g.value(f"topk_experts{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
-    g.node(f"router{c}", OpKind.ROUTER, (x, *router_ins), (topk_w, topk_idx),
-           flops=2 * T * h * E + 5 * T * E, attrs=router_attrs(spec), **kw)
-    return topk_w, topk_idx
-
-
-def _gather_routing(g: GraphBuilder, topk_w: str, topk_idx: str, c: str, kw: dict) -> tuple[str, str]:
-    """Every rank's top-k weights and expert ids, in one all-gather along the sequence like the
-    tokens': [b, L, k] x 2 -> [b, nL, k] x 2 (b*L*k*(4 + 8) bytes per rank). One collective, so the
-    weights are in hand wherever the ids are (the combine of a fused GroupedGEMM+gather+RS needs
-    them when its kernel starts). The weights' gradient comes back by the gather's reduce-scatter."""
-    if g.strategy.n == 1:
-        return topk_w, topk_idx
-    outs = []
-    for v, name in ((topk_w, f"topk_weights_ag{c}"), (topk_idx, f"topk_experts_ag{c}")):
-        b, L, k = g.shape(v)
-        outs.append(g.value(name, (b, L * g.strategy.n, k), kind=ValueKind.ROUTING, dtype=g.values[v].dtype))
-    g.collective(f"routing_ag{c}", OpKind.ALL_GATHER, (topk_w, topk_idx), tuple(outs), full_bytes=g.nbytes(*outs),
-                 attrs={"dim": 1}, **kw)
-    return outs[0], outs[1]
 
 
 def _row_weights(g: GraphBuilder, topk_w: str, imap: str, R: int, c: str, kw: dict) -> str:

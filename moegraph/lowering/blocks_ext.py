@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import math
 
-from moegraph.builder import ConfigError, GraphBuilder
+from moegraph.builder import GraphBuilder
 from moegraph.ir import OpKind, ParamSource, ParamSpec
-from moegraph.lowering.specs import Activation, AttentionSpec, MoESpec, NormSpec, OutGateSpec
+from moegraph.lowering.specs import Activation, AttentionSpec, NormSpec, OutGateSpec
 
 WEIGHT_DTYPE = "fp32"
 
@@ -129,25 +129,6 @@ def mask_attrs(spec) -> dict:
     found = {"window": getattr(spec, "window", None), "chunk_size": getattr(spec, "chunk", None),
              "scale": spec.scale}
     return {k: v for k, v in found.items() if v is not None} | ({"sinks": True} if getattr(spec, "sinks", None) else {})
-
-
-def router_attrs(spec: MoESpec) -> dict:
-    """The ROUTER node's attributes: ``scoring`` always (the kernel reads no default); the other
-    fields only where they differ from Mixtral's softmax router."""
-    attrs = {"top_k": spec.top_k, "experts": spec.experts, "scoring": spec.scoring} \
-        | ({} if spec.normalize else {"normalize": False})
-    if not spec.plain_router:         # family_kernels.route_general: every field explicit
-        return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
-                        "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
-                        "logit_bias": spec.router_bias is not None, "normalize": spec.normalize} \
-            | ({"bias_on_logits": True} if spec.bias_on_logits else {})
-    if spec.scoring == "sigmoid":
-        attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
-                  "score_bias": spec.score_bias is not None}
-    elif spec.score_bias is not None or spec.groups != 1 or spec.scale != 1.0:
-        raise ConfigError(f"router {spec.router.qualname}: a score bias, expert groups and scaling are modelled for "
-                          "sigmoid scoring only")
-    return attrs
 
 
 def head_norms(g: GraphBuilder, spec: AttentionSpec, q: str, k: str, c: str, kw: dict,
