@@ -157,6 +157,8 @@ def test_every_collective_sends_exactly_n_minus_1_shards(graph):
         full = graph.value[node.outputs[0] if node.op is OpKind.ALL_GATHER else node.inputs[0]].nbytes
         if node.name.startswith("qkv_a2a"):       # q, k and v travel together
             full = sum(graph.value[v].nbytes for v in node.inputs)
+        if node.name.startswith("routing_ag"):    # ag-rs: the top-k weights and ids travel together
+            full = sum(graph.value[v].nbytes for v in node.outputs)
         assert node.comm_bytes * node.group == full * (node.group - 1), node.name
 
 

@@ -89,7 +89,7 @@ class _CountedName(str):
 
 
 def test_check_plan_is_linear_in_the_nodes(graph):
-    """A 100-layer step graph (5,600 nodes) checks with O(nodes) name comparisons: the listed-node
+    """A 100-layer step graph (5,800 nodes) checks with O(nodes) name comparisons: the listed-node
     set is built once, not per node (the quadratic version took 6.8 s there, the linear 0.03 s)."""
     from moegraph.passes.stack import stack_layers
     big = stack_layers(trace_model(load_model("tiny"), Strategy("sp", "ep", "ag-rs", 2), batch=1, seq=64), 100)
@@ -97,7 +97,7 @@ def test_check_plan_is_linear_in_the_nodes(graph):
     counted = plan.with_entries(dataclasses.replace(e, name=_CountedName(e.name)) for e in plan.entries)
     _CountedName.compared = 0
     check_plan(big, counted)
-    assert len(big.nodes) == 5600 and 0 < _CountedName.compared <= 3 * len(big.nodes), _CountedName.compared
+    assert len(big.nodes) == 5800 and 0 < _CountedName.compared <= 3 * len(big.nodes), _CountedName.compared
 
 
 def test_plan_from_a_schedule_follows_predicted_starts(graph):
