@@ -79,7 +79,7 @@ def op_level(cost: CostModel, method: str, time_limit_s: float) -> Pricer:
     return price
 
 
-def _sync_names(graph: Graph) -> set[str]:
+def step_sync_names(graph: Graph) -> set[str]:
     """The step-end gradient synchronisation: the layers' sync chains (moegraph.microbatch), and
     the edges' (their partial gradients are no graph parameter's): weight-gradient collectives,
     casts and bucket views reading only parameter gradients."""
@@ -99,7 +99,7 @@ def _held_for_w(graph: Graph, nodes: Iterable[Node], held: Iterable[str]) -> int
 
 def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, float, float, float, float, float]:
     """(F, I, W, B, sync, gather) makespans of the nodes ``part`` of ``graph``."""
-    sync = _sync_names(graph)
+    sync = step_sync_names(graph)
     fwd = [n for n in part if n.phase is Phase.FORWARD]
     back = [n for n in part if n.phase is not Phase.FORWARD and n.name not in sync]
     wgrad = [n for n in back if n.role is Role.WGRAD]
@@ -118,7 +118,7 @@ def price_layer(graph: Graph, cost: CostModel, *, method: str = "greedy", time_l
     price = op_level(cost, method, time_limit_s)
     f, i, w, b, sync, gather = _units(graph, graph.nodes, price)
     pair = pair_graph(graph)
-    psync = _sync_names(pair)
+    psync = step_sync_names(pair)
     together = price(subgraph(pair, [n for n in pair.nodes if n.name not in psync], pair.name))
     return UnitPrice(f, i, w, b, max(0.0, f + b - together), sync, graph.activation_bytes(),
                      _held_for_w(graph, graph.nodes, graph.saved), gather)
