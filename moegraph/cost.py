@@ -21,12 +21,12 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
                                 ways take turns on it (PipelineProblem.shared_link)
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
     s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
-    all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency.
+    all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency; a reduce-scatter or
+    all-reduce has no sm = 0 (copy engines cannot add; a fused kernel's SMs add for its transfers).
     a collective of a chunked decomposition (node attr "chunk") adds hw.chunk_stall_us: MoNTA (Guo
     et al. 2024) measures chunked all-to-all pipelines losing to one call at small volumes (8K
-    tokens on A800) and names per-chunk stalls (kernel scheduling beside the other chunks'
-    kernels, host dispatch skew) that no alone-time curve contains; 0 on profiles without such a
-    measurement.
+    tokens on A800) and names per-chunk stalls (kernel scheduling beside the other chunks' kernels,
+    host dispatch skew) that no alone-time curve contains; 0 on profiles without such a measurement.
     B, alpha, ring_eff, a2a_eff by scope: NVLink, intra-node latency, ring_eff_intra, a2a_eff_intra
     for "intra"; NIC, inter-node latency, ring_eff_inter, a2a_eff_inter for "inter". Scope comes
     from node attr "scope", else intra iff n <= gpus_per_node (``scope``).
@@ -53,9 +53,8 @@ a separate pass over a fresh weight-sized tensor (``kernels.run_compute``). Wher
 has a rate W_a = ``hw.accumulate_bw_bytes_s`` > 0 the node adds
     t_acc = accumulate_bytes / W_a         (node attr "accumulate_bytes": the running sum's bytes)
 measured as the runtime runs it; W_a = 0: no term.
-A fused group prices its members without either in-step term (``in_step_terms=False``): the
-fused kernel reads each expert's weights once, and adds into a running gradient sum in its
-epilogue rather than as the runtime's separate pass.
+A fused group prices its members without either in-step term (``in_step_terms=False``): its kernel
+reads each expert's weights once and accumulates in its epilogue, not in a separate pass.
 
 Fused tile-level variants (MegaScale-MoE §4.2, Fig 10; the `fuse` pass marks them): a group of
 one collective and the compute chain it feeds (or that feeds it) runs as one kernel, pipelined
@@ -358,12 +357,13 @@ class CostModel:
         return self._compute_us(node, cls)
 
     def comm_sm_budgets(self, node: Node) -> tuple[int, ...]:
-        """SM counts this collective may hold (0 = copy engines). A collective inside a fused
-        kernel holds none of its own: the kernel (its anchor) prices its transfers."""
+        """SM counts this collective may hold: 0 = copy engines, which move bytes but cannot add (so
+        not a reduce-scatter's or all-reduce's); inside a fused kernel none (its anchor prices it)."""
         self._require_comm(node)
         if FusedGroup.of(node) is not None:
             return (0,)
-        return self.hw.comm_sm_budgets
+        budgets, adds = self.hw.comm_sm_budgets, node.op in (OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE)
+        return tuple(b for b in budgets if b > 0) if adds and any(budgets) else budgets
 
     def fused_price(self, group: FusedGroup) -> FusedPrice:
         """The fused kernel's time from its tile pipeline (module docstring), at the SM budget
@@ -381,7 +381,7 @@ class CostModel:
         body = sum(t - kappa for t, c in zip(alone, members) if t > 0 and op_class(c) != "memory")
         best: tuple[float, int] | None = None
         for b in hw.comm_sm_budgets:
-            c = (self._comm_us(comm, b) - kappa) / (n - 1)
+            c = (self._comm_us(comm, b, hw.comm_sm_budgets) - kappa) / (n - 1)   # the kernel's SMs reduce
             g = body * self.compute_slowdown(b) / n + hw.fused_tile_overhead_us
             if group.kind in COMM_FIRST:
                 t = tile_pipeline_us([0.0] + [c] * (n - 1), [g] * n)
@@ -392,7 +392,7 @@ class CostModel:
         time_us, sm = best
         # the unfused baseline (Fig 16's "without fine-grained overlap"): the collective at the
         # NCCL-like default budget, then every member as its own kernel, scatter and gather included
-        return FusedPrice(time_us=time_us, comm_us=self._comm_us(comm, sm), compute_us=kappa + body,
+        return FusedPrice(time_us=time_us, comm_us=self._comm_us(comm, sm, hw.comm_sm_budgets), compute_us=kappa + body,
                           unfused_us=self.node_time_us(comm) + sum(alone), sm=sm, tiles=n)
 
     def default_sm_budget(self, node: Node) -> int:
@@ -563,9 +563,9 @@ class CostModel:
             return hw.link_bit_s / 8, hw.inter_node_latency_us
         return hw.pp_link_bw_bytes_s or hw.nic_bw_bytes_s, hw.inter_node_latency_us
 
-    def _comm_us(self, node: Node, sm: int) -> float:
+    def _comm_us(self, node: Node, sm: int, budgets: tuple[int, ...] | None = None) -> float:
         hw = self.hw
-        budgets = self.comm_sm_budgets(node)
+        budgets = self.comm_sm_budgets(node) if budgets is None else budgets
         if sm not in budgets:
             raise ValueError(f"sm_budget={sm} is not allowed for {node.name!r} ({node.op.value}) "
                              f"on {hw.name}; allowed: {', '.join(map(str, budgets))}")
