@@ -443,7 +443,7 @@ def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> 
     """Megatron-Core's EP overlap (its §5: 1F1B forward-backward overlap with the backward MLP's W/D
     split): the share of a pipeline's steady-state step that expert-parallel communication leaves
     exposed, without overlap and with it. The steady-state unit is the F&B pair of one layer
-    (moegraph.passes.microbatch.pair_graph: micro-batch 1's forward beside micro-batch 0's
+    (moegraph.schedules.pipeline_price.steady_pair: micro-batch 1's forward beside micro-batch 0's
     backward, the W/D split being the graph's own wgrad/dgrad nodes), less the step-end sync, as
     the pipeline prices it; ``sequential`` runs it in program order, ``megatron-1f1b`` in
     Megatron's combined order, ``cpsat`` scheduled. DeepSeek-V3, ep a2a at n = 64 (Megatron's EP64
@@ -453,16 +453,12 @@ def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> 
     tokens, as there, and its attention does the same FLOPs (n/tp sequences of heads/n heads, where
     Megatron's does one of heads/tp)."""
     from moegraph.passes import run_pipeline
-    from moegraph.passes.microbatch import pair_graph
-    from moegraph.passes.stages import subgraph
     from moegraph.schedules.api import compile_graph
-    from moegraph.schedules.pipeline_price import step_sync_names
+    from moegraph.schedules.pipeline_price import steady_pair
     from moegraph.schedules.schedule_file import exposed_comm
     layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n), batch=n // tp,
                                         seq=seq), "gate-reorder,sar=paper", cost=cost)
-    pair = pair_graph(layer)
-    sync = step_sync_names(pair)
-    pair = subgraph(pair, [nd for nd in pair.nodes if nd.name not in sync], pair.name)
+    pair = steady_pair(layer)
     share = {}
     for method in ("sequential", "megatron-1f1b", "cpsat"):
         sched = compile_graph(pair, cost, method=method, time_limit_s=5.0).schedule

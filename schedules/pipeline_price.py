@@ -79,7 +79,7 @@ def op_level(cost: CostModel, method: str, time_limit_s: float) -> Pricer:
     return price
 
 
-def step_sync_names(graph: Graph) -> set[str]:
+def _sync_names(graph: Graph) -> set[str]:
     """The step-end gradient synchronisation: the layers' sync chains (moegraph.microbatch), and
     the edges' (their partial gradients are no graph parameter's): weight-gradient collectives,
     casts and bucket views reading only parameter gradients."""
@@ -99,7 +99,7 @@ def _held_for_w(graph: Graph, nodes: Iterable[Node], held: Iterable[str]) -> int
 
 def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, float, float, float, float, float]:
     """(F, I, W, B, sync, gather) makespans of the nodes ``part`` of ``graph``."""
-    sync = step_sync_names(graph)
+    sync = _sync_names(graph)
     fwd = [n for n in part if n.phase is Phase.FORWARD]
     back = [n for n in part if n.phase is not Phase.FORWARD and n.name not in sync]
     wgrad = [n for n in back if n.role is Role.WGRAD]
@@ -112,14 +112,20 @@ def _units(graph: Graph, part: Sequence[Node], price: Pricer) -> tuple[float, fl
     return ms(fwd, "F"), ms(data, "I"), ms(wgrad, "W"), ms(back, "B"), ms(syncs, "sync"), ms(gathers, "gather")
 
 
+def steady_pair(graph: Graph) -> Graph:
+    """One layer's F&B pair (``pair_graph``: micro-batch 1's forward beside micro-batch 0's
+    backward) less the step-end sync, which runs once per step: the pipeline's steady-state unit."""
+    pair = pair_graph(graph)
+    sync = _sync_names(pair)
+    return subgraph(pair, [n for n in pair.nodes if n.name not in sync], pair.name)
+
+
 def price_layer(graph: Graph, cost: CostModel, *, method: str = "greedy", time_limit_s: float = 2.0) -> UnitPrice:
     """The units of one layer graph (passes applied; not merged), priced by the op-level
     schedule ``method`` with CP-SAT effort ``time_limit_s`` (module docstring)."""
     price = op_level(cost, method, time_limit_s)
     f, i, w, b, sync, gather = _units(graph, graph.nodes, price)
-    pair = pair_graph(graph)
-    psync = step_sync_names(pair)
-    together = price(subgraph(pair, [n for n in pair.nodes if n.name not in psync], pair.name))
+    together = price(steady_pair(graph))
     return UnitPrice(f, i, w, b, max(0.0, f + b - together), sync, graph.activation_bytes(),
                      _held_for_w(graph, graph.nodes, graph.saved), gather)
 

@@ -84,12 +84,18 @@ def test_mistral4_query_scale_by_position_refuses_beyond_where_it_is_one():
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=1, seq=P + 8)
 
 
-def test_longcat_flash_dual_sublayers_refuse_by_name():
-    _need("longcat_flash")
-    model = tiny_model("longcat_flash", LMS["longcat_flash"])
-    with pytest.raises(LoweringError, match=r"^layer 0: 'self_attn' \(ModuleList\): 2 attention sublayers "
-                                            r"\(LongcatFlashMLA\) in one decoder layer .* are not modelled: one "
-                                            r"attention block per layer is$"):
+@pytest.mark.parametrize("family,message", [
+    ("longcat_flash", r"^layer 0: 'self_attn' \(ModuleList\): 2 attention sublayers \(LongcatFlashMLA\) in one "
+                      r"decoder layer .* are not modelled: one attention block per layer is$"),
+    ("minimax_m3_vl", r"^layer 0: 'mlp\.shared_experts' \(MiniMaxM3VLDenseMLP\): a gated MLP without gate_proj, "
+                      r"up_proj \(it holds gate_up_proj, down_proj; its forward clamps by swiglu_limit\) is not "
+                      r"modelled"),
+])
+def test_constructs_next_to_the_modelled_set_refuse_by_name(family, message):
+    """LongCat-Flash's two attention sublayers per layer, MiniMax-M3's fused, clamped shared expert."""
+    _need(family)
+    model = tiny_model(family, LMS[family])
+    with pytest.raises(LoweringError, match=message):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
 
 
@@ -105,15 +111,6 @@ def test_phimoe_sparsemixer_router_refuses_by_name(training, how):
     model = tiny_model("phimoe", LMS["phimoe"]).train(training)
     with pytest.raises(LoweringError, match=rf"^layer 0: mlp\.router \(PhimoeTopKRouter\): its routing function "
                                             rf"sparsemixer {how}"):
-        trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
-
-
-def test_minimax_m3_fused_shared_expert_refuses_by_name():
-    _need("minimax_m3_vl")
-    model = tiny_model("minimax_m3_vl", LMS["minimax_m3_vl"])
-    with pytest.raises(LoweringError, match=r"^layer 0: 'mlp\.shared_experts' \(MiniMaxM3VLDenseMLP\): a gated MLP "
-                                            r"without gate_proj, up_proj \(it holds gate_up_proj, down_proj; its "
-                                            r"forward clamps by swiglu_limit\) is not modelled"):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
 
 
