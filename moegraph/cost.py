@@ -5,10 +5,9 @@ alpha per-step latency; P peak FLOP/s; W HBM bytes/s. docs/cost_model.md sets ea
 next to the paper's equations.
 
 Compute (every op but SPLIT, which is a view and costs nothing):
-    t = kernel_latency + max(flops / (P * eff_op), mem_bytes / (W * mem_eff))
+    t = kernel_latency + max(flops / (P * eff_op), mem_bytes * traffic_op / (W * mem_eff))
     eff_op: GEMM, ROUTER -> gemm_eff; GROUPED_GEMM -> grouped_gemm_eff; ATTENTION -> attention_eff;
-    memory-bound ops (norms, rope, swiglu, permutes, gates, add, bias, cast, index map, square sums) -> 1, because
-    their few FLOPs never bind: the mem_bytes term decides.
+    memory-bound ops -> 1 (their few FLOPs never bind); traffic_op: hw.mem_traffic (1 unless calibrated).
 Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.collective_bytes``):
     all-gather, reduce-scatter: t = kernel_latency + (n-1)*alpha  + bytes / (B * ring_eff * s(sm))
     all-to-all:                 t = kernel_latency + (n-1)*alpha  + bytes / (B * a2a_eff  * s_a2a(sm))
@@ -83,6 +82,7 @@ from typing import Any, Iterable, Literal, Mapping, get_args
 
 from moegraph.efficiency import attention_factor, gemm_shape, gemm_shape_factor, size_eff
 from moegraph.ir import Node, OpKind, Phase, Role, collective_bytes  # noqa: F401  (re-exported: calibration prices with it)
+from moegraph.kinds import MEMORY_BOUND_OPS
 from moegraph.registry import Curve, Hardware, RegistryError
 
 __all__ = ["SHAPE_KEYS", "shape_attrs", "shaped_node", "CostModel", "byte_attr", "collective_bytes", "interpolate", "op_class", "FusedGroup", "FusedKind", "FusedPrice",
@@ -267,11 +267,7 @@ def op_class(node: Node) -> str:
             return "grouped_gemm"
         case OpKind.ATTENTION:
             return "attention"
-        case (OpKind.RMSNORM | OpKind.ROPE | OpKind.SWIGLU | OpKind.PERMUTE | OpKind.UNPERMUTE
-              | OpKind.GATE | OpKind.ADD | OpKind.CAST | OpKind.INDEX_MAP | OpKind.SPLIT
-              | OpKind.BIAS | OpKind.SIGMOID_GATE | OpKind.SQUARE_SUM | OpKind.RMSNORM_SHARDED | OpKind.MLA_HEADS):
-            return "memory"
-        case OpKind.NORM | OpKind.GLU | OpKind.SCALE | OpKind.GROUPED_BIAS | OpKind.LIMIT:   # structural lowering's elementwise ops
+        case kind if kind in MEMORY_BOUND_OPS:
             return "memory"
         case OpKind.ALL_GATHER | OpKind.REDUCE_SCATTER | OpKind.ALL_TO_ALL | OpKind.ALL_REDUCE | OpKind.P2P:
             return "comm"
@@ -319,7 +315,7 @@ def _neutral_fields(hw: Hardware):
             continue
         if isinstance(value, (int, float)):
             yield f.name, type(value)(1)
-        elif f.name in ("curves", "in_step_factors") and value:
+        elif f.name in ("curves", "in_step_factors", "mem_op_traffic") and value:
             yield f.name, ()
 
 
@@ -473,7 +469,8 @@ class CostModel:
             flops_s = node.flops / (hw.peak_flops_bf16 * eff)
         mem_s = 0.0
         if node.mem_bytes:
-            mem_s = node.mem_bytes / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
+            traffic = hw.mem_traffic(node.op.value) if cls == "memory" else 1.0   # a GEMM's floor: one pass
+            mem_s = node.mem_bytes * traffic / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
         t = hw.kernel_latency_us + max(flops_s * sm_slow, mem_s * hbm_slow) * _US * hw.in_step_factor(cls)
         return t + (self._stream_us(node) + self._accumulate_us(node)) * hbm_slow if in_step_terms else t
 

@@ -53,6 +53,13 @@ LAYER_ATTR = "layer"
 """Node attribute holding the node's layer index (an int) in a multi-layer graph (``moegraph.layers``)."""
 
 COMM_OPS = frozenset({OpKind.ALL_GATHER, OpKind.REDUCE_SCATTER, OpKind.ALL_TO_ALL, OpKind.ALL_REDUCE, OpKind.P2P})
+# memory-bound ops: their few FLOPs never bind, the bytes they move decide (moegraph.cost's class
+# "memory"); the structural lowering's elementwise ops (NORM ... LIMIT) included
+MEMORY_BOUND_OPS = frozenset({
+    OpKind.RMSNORM, OpKind.ROPE, OpKind.SWIGLU, OpKind.PERMUTE, OpKind.UNPERMUTE, OpKind.GATE, OpKind.ADD,
+    OpKind.CAST, OpKind.INDEX_MAP, OpKind.SPLIT, OpKind.BIAS, OpKind.SIGMOID_GATE, OpKind.SQUARE_SUM,
+    OpKind.RMSNORM_SHARDED, OpKind.MLA_HEADS, OpKind.NORM, OpKind.GLU, OpKind.SCALE, OpKind.GROUPED_BIAS,
+    OpKind.LIMIT})
 
 
 class Phase(enum.Enum):

@@ -14,6 +14,8 @@ import math
 from dataclasses import field
 from typing import Any, Callable
 
+from moegraph.kinds import MEMORY_BOUND_OPS
+
 __all__ = ["RegistryError", "Bad", "CURVE_NAMES", "IN_STEP_CLASSES", "Curve", "checked", "validate_fields",
            "text", "pos_int", "bounded_int", "opt_bounded_int", "count_or_zero", "flag", "one_of", "MAX_SIZE", "MAX_COUNT", "pos_float", "nonneg_float", "fraction",
            "fraction_or_zero", "stretch", "sm_budgets", "curves", "in_step", "measured", "gemm_tiles", "head_dim_effs",
@@ -214,6 +216,21 @@ def in_step(v: Any) -> tuple[tuple[str, float], ...]:
         f = pos_float(x)
         if not 0.1 <= f <= 100:
             raise Bad(f"{name}: factor {f!r} is outside [0.1, 100]")
+        out.append((name, f))
+    return tuple(sorted(out))
+
+
+# the memory-bound op kinds, whose kernels the traffic factors describe, and "other": the factor of
+# such an op the calibration did not measure (a GEMM's memory floor is one fused pass: no factor)
+TRAFFIC_OPS = tuple(sorted(k.value for k in MEMORY_BOUND_OPS)) + ("other",)
+
+
+def mem_traffic(v: Any) -> tuple[tuple[str, float], ...]:
+    out = []
+    for name, x in _keyed(v, TRAFFIC_OPS, "a mapping of op kind -> traffic factor", "op kind"):
+        f = pos_float(x)
+        if not 0.1 <= f <= 100:
+            raise Bad(f"{name}: traffic factor {f!r} is outside [0.1, 100]")
         out.append((name, f))
     return tuple(sorted(out))
 

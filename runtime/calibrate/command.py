@@ -35,15 +35,17 @@ from moegraph.registry import load_hardware
 from moegraph.runtime.calibrate.fit import BenchCheck, GraphCheck, fit_profile, self_check, summarize_checks
 from moegraph.runtime.calibrate.options import (MAX_BUDGET_S, MAX_RANKS, MIN_BUDGET_S, MIN_IN_STEP_BUDGET_S,
                                                 CalibrationError, CalibrationOptions, in_step_enabled)
-from moegraph.runtime.calibrate.profile_io import Profile, write_profile, write_samples
+from moegraph.runtime.calibrate.profile_io import Profile, read_samples, write_profile, write_samples
 from moegraph.runtime.calibrate.results import BenchResult, MachineInfo
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
 
-__all__ = ["calibrate_command", "options_from_args", "run_calibration", "Calibration", "format_summary"]
+__all__ = ["calibrate_command", "options_from_args", "run_calibration", "refit_options", "refit_calibration", "median_results",
+           "Calibration", "format_summary"]
 
 STARTUP_HINT_S = 5.0        # spawning ranks and importing torch on a 2-core machine
 RESERVE_S = 1.5             # kept back from the budget for teardown, fitting and writing
 HARD_LIMIT_EXTRA_S = 120.0  # ranks still running this long after the budget are killed
+MAX_SAMPLES_BYTES = 64 << 20  # --refit reads at most this much per file: a bounded input
 FOREIGN_LOAD_WARN = 0.15    # cores used by other processes during the run that make it suspect
 
 
@@ -73,6 +75,10 @@ def calibrate_command(p: argparse.ArgumentParser):
     p.add_argument("-o", "--output", required=True, metavar="PROFILE.yaml", help="where to write the profile")
     p.add_argument("--samples", default=None, metavar="FILE.json",
                    help="also write every raw sample (median seconds, sizes) as JSON, for inspection or refitting")
+    p.add_argument("--refit", default=None, nargs="+", metavar="SAMPLES.json",
+                   help="fit the profile from earlier runs' --samples files instead of measuring (several: each "
+                        "case's median over the runs): their device, ranks, dtype and base (--base overrides it); "
+                        "the in-step stage, which measures real steps, is skipped")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the summary")
     add_link_args(p)
@@ -80,9 +86,13 @@ def calibrate_command(p: argparse.ArgumentParser):
 
 
 def _handle(args: argparse.Namespace) -> int:
-    opts = options_from_args(args)
-    with emulated_link(opts.link):                   # the ranks spawned inside talk over the emulated link
-        cal = run_calibration(opts)
+    if args.refit is not None:
+        opts, recorded = refit_options(args)
+        cal = refit_calibration(opts, *recorded, runs=len(args.refit))
+    else:
+        opts = options_from_args(args)
+        with emulated_link(opts.link):               # the ranks spawned inside talk over the emulated link
+            cal = run_calibration(opts)
     if args.json:
         json.dump(summary_json(cal, opts), sys.stdout, indent=1)
         print()
@@ -124,6 +134,79 @@ def options_from_args(args: argparse.Namespace) -> CalibrationOptions:
         raise UsageError(f"--link {link} shapes gloo's loopback sockets; it needs --device cpu")
     return CalibrationOptions(args.device, backend, args.n, float(budget), base, dtype, output, not args.quiet, samples,
                               link)
+
+
+def refit_options(args: argparse.Namespace) -> tuple[CalibrationOptions, tuple[list[BenchResult], MachineInfo]]:
+    """--refit: the recorded runs' options (their device, backend, ranks, dtype, base unless --base
+    is given) with this command's output; (options, (their results, the first run's machine)):
+    one file's results as recorded, several files' as each case's median (median_results). One-line
+    UsageErrors for a file that is not a samples file, runs that differ in what they measured, and
+    flags that only a measuring run uses."""
+    paths = [Path(p) for p in args.refit]
+    path = paths[0]
+    for flag, value in (("--samples", args.samples), ("--link", getattr(args, "link", None)),
+                        ("--link-latency", getattr(args, "link_latency", None))):
+        if value:
+            raise UsageError(f"--refit {path}: {flag} measures or records a run; a refit does neither")
+    runs, machines, setups = [], [], set()
+    for p in paths:
+        try:
+            if p.stat().st_size > MAX_SAMPLES_BYTES:
+                raise UsageError(f"--refit {p}: {p.stat().st_size:,} bytes, over the {MAX_SAMPLES_BYTES:,} a "
+                                 "samples file may hold (a full CPU run writes under 1 MB)")
+            doc = json.loads(p.read_text())
+            recorded = doc["options"]
+            runs.append(read_samples(p))
+            machines.append(MachineInfo(**doc["machine"]))
+            device, backend, n, dtype = recorded["device"], recorded["backend"], int(recorded["n"]), recorded["dtype"]
+            budget = float(recorded["time_budget_s"])
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UsageError(f"--refit {p}: not a samples file written by --samples "
+                             f"({type(err).__name__}: {err})") from None
+        setups.add((device, backend, n, dtype, machines[-1].gpu or machines[-1].cpu))
+    if len(setups) > 1:
+        raise UsageError(f"--refit: the files record different runs (device, backend, n, dtype, machine): "
+                         f"{sorted(setups)}; refit one machine's runs together")
+    results = runs[0] if len(runs) == 1 else median_results(runs)
+    given = {"--device": (args.device, "cpu", device), "--backend": (args.backend, None, backend),
+             "--n": (args.n, 2, n), "--dtype": (args.dtype, None, dtype)}
+    for flag, (value, default, was) in given.items():
+        if value != default and str(value) != str(was):
+            raise UsageError(f"--refit {path}: {flag} {value} differs from the recorded run's {was}; "
+                             f"a refit fits what was measured (leave {flag} out)")
+    output = Path(args.output)
+    _check_writable(output)
+    base = args.base or recorded["base"]
+    load_hardware(base)
+    opts = CalibrationOptions(device, backend, n, budget, base, dtype, output, not args.quiet, None, None)
+    return opts, (results, machines[0])
+
+
+def median_results(runs: list[list[BenchResult]]) -> list[BenchResult]:
+    """Several runs' results as one: each case (benchmark, label) at its median time over the runs
+    that measured it; the first run's order, benchmarks and summaries (a case only later runs
+    measured is left out: the first run's budget decides what is fitted)."""
+    times: dict[tuple[str, str], list[float]] = {}
+    for results in runs:
+        for r in results:
+            for smp in r.samples:
+                times.setdefault((r.name, smp.label), []).append(smp.seconds)
+    return [dataclasses.replace(r, samples=tuple(dataclasses.replace(smp, seconds=statistics.median(
+                times[(r.name, smp.label)])) for smp in r.samples)) for r in runs[0]]
+
+
+def refit_calibration(opts: CalibrationOptions, results: list[BenchResult], info: MachineInfo,
+                      runs: int = 1) -> Calibration:
+    """Fit and write ``opts.output`` from recorded benchmark results, as run_calibration fits a
+    measured run (the isolated regime only: the in-step stage measures real steps)."""
+    wall = sum(r.seconds for r in results)
+    profile = fit_profile(results, load_hardware(opts.base), opts, info, wall)
+    checks: list[Any] = list(self_check(profile.hardware(), results, opts.n))
+    profile = profile.with_remark("self-check: " + summarize_checks(checks)).with_remark(
+        f"refit from {runs} recorded run(s)" + (", each case's median" if runs > 1 else "")
+        + "; in_step=skipped (a refit measures no step)")
+    write_profile(opts.output, profile, results, checks)
+    return Calibration(profile, tuple(results), tuple(checks), wall)
 
 
 def _check_writable(path: Path, suffixes: tuple[str, ...] = (".yaml", ".yml")) -> None:

@@ -12,7 +12,11 @@ evaluating its own formulas, reproduces the measurements:
                        curves and mem_eff are refined together (the cost model takes the max of
                        the FLOP and memory terms). The router is left out (see COMPUTE_CURVES).
     hbm_bw_bytes_s     W = best copy or memory-bound kernel bandwidth (reads + writes); mem_eff
-                       by mem_bytes as above
+                       by mem_bytes as above, from the streaming kernel ADD alone when measured
+    mem_op_traffic     per other memory-bound op: its summed time in the bandwidth regime
+                       (t >= 2 kappa) over the summed time mem_eff's curve gives its IR bytes
+                       (fit_mem_traffic); then the curves are refined with the factors applied and
+                       the factors fitted once more against the refined curve
     latencies, link    alpha = min over collectives of (t_smallest - kappa) / (steps (n-1));
                        B = the best size bin of any collective (link_peak) of comm_bytes /
                        (t - kappa - steps (n-1) alpha) over messages taking at least twice that
@@ -40,6 +44,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
+from moegraph.cost import interpolate
 from moegraph.efficiency import fit_size_eff
 from moegraph.registry import Hardware
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
@@ -47,7 +52,7 @@ from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
 from moegraph.runtime.netns import bucket_bytes
 
-__all__ = ["fit_profile", "link_peak", "COMM_BIN_WIDTH", "binned_curve", "graph_first", "refine_compute_curves", "self_check", "summarize_checks",
+__all__ = ["fit_profile", "link_peak", "COMM_BIN_WIDTH", "binned_curve", "graph_first", "refine_compute_curves", "fit_mem_traffic", "self_check", "summarize_checks",
            "GraphCheck", "BenchCheck", "fit_bin", "COMPUTE_CURVES", "COMM_CURVES", "COMM_KINDS", "BIN_WIDTH"]
 
 CPU_SHARES = 100            # sm_count of a CPU profile: compute "SMs" are percent of the cores
@@ -56,6 +61,10 @@ CPU_SHARES = 100            # sm_count of a CPU profile: compute "SMs" are perce
 # so it is left out of the fit rather than dragging down every GEMM of its size.
 COMPUTE_CURVES = {"gemm_eff": ("gemm",), "grouped_gemm_eff": ("grouped_gemm",), "attention_eff": ("attention",)}
 BIN_WIDTH = 0.5             # log10 width of a compute / memory curve bin (half a decade)
+# the streaming kernel that mem_eff's curve is fitted on: one kernel reading its two inputs and
+# writing its output once, the bytes the IR counts; every other memory-bound op gets a traffic
+# factor against it (Hardware.mem_op_traffic)
+TRAFFIC_REFERENCE = "add"
 COMM_CURVES = {"ring_eff": ("all_gather", "reduce_scatter"), "a2a_eff": ("all_to_all", "all_to_all_uneven"),
                "all_reduce_eff": ("all_reduce",)}
 COMM_BIN_WIDTH = math.log10(4)   # log10 width of a collective curve bin: one bin per benchmarked size
@@ -121,8 +130,32 @@ def link_peak(points: Sequence[tuple[float, float]], width: float = COMM_BIN_WID
     return max((sum(b for b, _ in pts) / sum(t for _, t in pts) for pts in bins.values()), default=0.0)
 
 
+def fit_mem_traffic(samples: Sequence[Any], curve: Sequence[Sequence[float]], bw: float,
+                    kappa: float) -> dict[str, float]:
+    """op -> traffic factor (Hardware.mem_op_traffic): per measured memory-bound op, the summed net
+    time of its samples in the bandwidth regime (t >= 2 kappa, where the fixed cost does not
+    decide) over the summed time the mem_eff ``curve`` gives their IR bytes, within [0.1, 100];
+    the reference op 1; "other", for the ops not measured, the same quotient over every non-reference
+    sample together (what one pooled curve would charge them: no measurement says they stream
+    like the reference). Empty when no non-reference op was measured in that regime."""
+    by_op: dict[str, list[Any]] = defaultdict(list)
+    for s in samples:
+        if s.op != TRAFFIC_REFERENCE and s.mem_bytes > 0 and s.seconds >= 2 * kappa:
+            by_op[s.op].append(s)
+    points = tuple((float(x), float(e)) for x, e in curve)
+
+    def factor(ss: list[Any]) -> float:
+        priced = sum(s.mem_bytes / (bw * interpolate(points, s.mem_bytes)) for s in ss)
+        return _sig(min(100.0, max(0.1, sum(s.seconds - kappa for s in ss) / priced)))
+    if not by_op:
+        return {}
+    out = {op: factor(ss) for op, ss in sorted(by_op.items())}
+    return out | {TRAFFIC_REFERENCE: 1.0, "other": factor([s for ss in by_op.values() for s in ss])}
+
+
 def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str, list[Any]], peak: float,
-                          bw: float, kappa: float, *, width: float = BIN_WIDTH, rounds: int = 60) -> None:
+                          bw: float, kappa: float, *, width: float = BIN_WIDTH, rounds: int = 60,
+                          traffic: dict[str, float] | None = None) -> None:
     """Adjust the compute and mem_eff curve points (in place) until, for every point, the cost
     model's predicted total over the samples of that point's bin equals their measured total.
 
@@ -130,7 +163,8 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
     (W mem_eff(mem_bytes))) with efficiencies interpolated in log(size), so a node's price can
     come from the other curve, and its neighbours' points matter: a damped fixed-point
     iteration over every point handles both. A point is scaled by (predicted / measured) of
-    the nodes whose binding term it prices; points stay within [1e-4, 1]."""
+    the nodes whose binding term it prices; points stay within [1e-4, 1]. ``traffic``: op ->
+    factor on the memory term (Hardware.mem_op_traffic), as the cost model applies it."""
     import numpy as np
     rows = [(name, s) for name, ss in fitted.items() for s in ss]
     if not rows:
@@ -138,6 +172,7 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
     cls = np.array([name for name, _ in rows])
     flops = np.array([float(s.flops) for _, s in rows])
     mem = np.array([float(s.mem_bytes) for _, s in rows])
+    moved = mem * np.array([(traffic or {}).get(s.op, 1.0) for _, s in rows])     # bytes the kernels move
     target = np.maximum(np.array([s.seconds for _, s in rows]) - kappa, 1e-9)
     key_f = np.round(np.log10(np.maximum(flops, 1.0)) / width)
     key_m = np.round(np.log10(np.maximum(mem, 1.0)) / width)
@@ -154,7 +189,7 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
                 t_flop[m] = flops[m] / (peak * eff(curves[name], flops[m]))
         m = cls == "mem_eff"
         t_flop[m] = flops[m] / peak                                      # memory-bound ops: eff 1
-        t_mem = mem / (bw * eff(curves["mem_eff"], mem)) if "mem_eff" in curves else np.zeros(len(rows))
+        t_mem = moved / (bw * eff(curves["mem_eff"], mem)) if "mem_eff" in curves else np.zeros(len(rows))
         pred = np.maximum(t_flop, t_mem)
         for name, curve in curves.items():
             if name == "mem_eff":
@@ -234,16 +269,26 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
                                            if dram else ""))
     else:
         unmeasured.append("hbm_bw_bytes_s")
+    reference: list[Any] = []
     if mem_ops:
         chosen = graph_first(mem_ops, lambda s: s.mem_bytes)
-        pts = [(s.mem_bytes, s.seconds - kappa, False) for s in chosen]
+        # the curve from the streaming kernel alone where measured: one curve over ops whose
+        # kernels move the IR's bytes once (ADD) and several times (eager RMSNorm) fits neither
+        reference = [s for s in chosen if s.op == TRAFFIC_REFERENCE]
+        pts = [(s.mem_bytes, s.seconds - kappa, False) for s in reference or chosen]
         curves["mem_eff"] = binned_curve(pts, prof["hbm_bw_bytes_s"])
         prof["mem_eff"] = _overall(pts, prof["hbm_bw_bytes_s"])
         fitted["mem_eff"] = chosen
     else:
         unmeasured.append("mem_eff")
+    traffic: dict[str, float] = {}
+    if reference:
+        traffic = fit_mem_traffic(fitted["mem_eff"], curves["mem_eff"], prof["hbm_bw_bytes_s"], kappa)
     if fitted:
-        refine_compute_curves(curves, fitted, prof["peak_flops_bf16"], prof["hbm_bw_bytes_s"], kappa)
+        refine_compute_curves(curves, fitted, prof["peak_flops_bf16"], prof["hbm_bw_bytes_s"], kappa, traffic=traffic)
+    if reference:
+        traffic = fit_mem_traffic(fitted["mem_eff"], curves["mem_eff"], prof["hbm_bw_bytes_s"], kappa)
+    prof["mem_op_traffic"] = traffic
 
     # collectives
     n = opts.n
