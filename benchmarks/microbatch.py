@@ -3,11 +3,12 @@ speed-up over M x the single-micro-batch CP-SAT schedule, and CP-SAT against the
 megatron-1f1b and dualpipe orders.
 
     .venv/bin/python benchmarks/microbatch.py [--model mixtral-8x7b] [--hardware h800] [--layers 4]
-                                              [--micro-batches 4] [--dispatch ag-rs] [--time-limit 10]
+                                              [--micro-batches 4] [--dispatch ag-rs|a2a|auto] [--time-limit 10]
                                               [--memory-budget BYTES | --budget-factor F] [--compare-window-search]
 
 Both schedules are CP-SAT's at the same deterministic time limit, on the default pass
-pipeline (gate-reorder, sar=paper), n=8, s=8192. Prints one Markdown block for RESULTS.md.
+pipeline (gate-reorder, sar=paper; with --dispatch auto also the dispatch pass, which picks the
+dispatch of the smaller predicted layer time, as `compile` does), n=8, s=8192. Prints one Markdown block for RESULTS.md.
 ``--budget-factor F`` bounds the merged step's memory at F x the single-micro-batch schedule's
 peak; ``--compare-window-search`` also compiles the merged step without the window search
 (moegraph.schedules.lns) and prints both (makespan, peak, wall time).
@@ -39,7 +40,8 @@ def main() -> None:
     ap.add_argument("--hardware", default="h800")
     ap.add_argument("--layers", type=positive_int, default=4)
     ap.add_argument("--micro-batches", type=positive_int, default=4)
-    ap.add_argument("--dispatch", default="ag-rs", choices=("ag-rs", "a2a"))
+    ap.add_argument("--dispatch", default="ag-rs", choices=("ag-rs", "a2a", "auto"),
+                    help="token dispatch; auto: the dispatch pass's choice (the smaller predicted layer time)")
     ap.add_argument("--time-limit", type=positive_float, default=10.0)
     budget = ap.add_mutually_exclusive_group()
     budget.add_argument("--memory-budget", type=byte_size, default=None, help="for the merged step only")
@@ -50,8 +52,11 @@ def main() -> None:
     args = ap.parse_args()
     M = args.micro_batches
     cost = CostModel(load_hardware(args.hardware))
-    graph = stack_layers(trace_model(load_model(args.model), Strategy("sp", "ep", args.dispatch, 8), seq=8192), args.layers)
-    graph, _ = run_pipeline(graph, "gate-reorder,sar=paper", cost=cost)
+    traced = "a2a" if args.dispatch == "auto" else args.dispatch
+    graph = stack_layers(trace_model(load_model(args.model), Strategy("sp", "ep", traced, 8), seq=8192), args.layers)
+    passes = "gate-reorder,dispatch=auto,sar=paper" if args.dispatch == "auto" else "gate-reorder,sar=paper"
+    graph, _ = run_pipeline(graph, passes, cost=cost)
+    args.dispatch = graph.strategy.dispatch if args.dispatch != "auto" else f"auto -> {graph.strategy.dispatch}"
     one = compile_graph(graph, cost, time_limit_s=args.time_limit)
     if args.budget_factor is not None:
         args.memory_budget = int(args.budget_factor * one.schedule.summary["peak_memory_bytes"])
@@ -68,7 +73,7 @@ def main() -> None:
     s1, s = one.schedule.summary, merged.schedule.summary
     span = s["makespan_us"]
     print(f"{args.model}, {args.layers} layers, {args.hardware}, sp+ep {args.dispatch}, n=8, s=8192, "
-          f"passes gate-reorder,sar=paper, M={M}, --time-limit {args.time_limit:g}"
+          f"passes {passes}, M={M}, --time-limit {args.time_limit:g}"
           + (f", merged step's memory budget {format_bytes(args.memory_budget)}" if args.memory_budget else "") + "; "
           f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC on {platform.node()} "
           f"({os.cpu_count()} cores, load average {os.getloadavg()[0]:.1f})\n")

@@ -123,3 +123,23 @@ def test_refit_refuses_in_one_line(capsys, tmp_path):
     assert "--samples measures or records a run" in _refit_error(
         capsys, "--refit", str(RUNS[0]), "--samples", str(tmp_path / "s.json"), "-o", out)
     assert not Path(out).exists()
+
+
+GRAPH_RUNS = [DATA / f"h200-calibrate-samples-2026-11-27-graph{i}.json" for i in (1, 2, 3)]
+"""Three `calibrate --device cuda --n 1 --time-budget 60 --samples` runs with the layer-graph
+benchmark on the GPU (the Mixtral-8x7B layer at s 4096, bf16, forward and backward; 2026-11-27,
+H200, torch 2.11)."""
+
+
+def test_layer_graph_runs_price_every_memory_op_and_the_layer_held_out():
+    """Fit on graph run 1: the layer's rope, permutes and norms get their own factors, INDEX_MAP
+    (a sort over 131 KB of routing ids: latency-bound) none; runs 2 and 3's layer compute (the
+    summed time of its 41 nodes) priced within 12%, as in-sample."""
+    from moegraph.runtime.calibrate.fit import GraphCheck, self_check
+    runs = [read_samples(p) for p in GRAPH_RUNS]
+    hw = _fit(runs[0])
+    traffic = dict(hw.mem_op_traffic)
+    assert {"rope", "permute", "unpermute", "rmsnorm", "swiglu"} <= set(traffic) and "index_map" not in traffic
+    for held_out in runs[1:]:
+        (layer,) = [c for c in self_check(hw, held_out, 1) if isinstance(c, GraphCheck)]
+        assert abs(layer.error) < 0.12, layer.line()

@@ -52,7 +52,6 @@ class BenchSpec:
     weight: float                 # share of the remaining budget
     mandatory: bool               # runs (one case) even past the deadline: the profile needs it
     needs_comm: bool = False      # needs n >= 2 ranks
-    cpu_only: bool = False
     min_s: float = 0.2            # the least time it can do anything useful in (else skipped)
 
 
@@ -69,14 +68,14 @@ BENCHES: tuple[BenchSpec, ...] = (
     BenchSpec("attention", 1.5, False),
     BenchSpec("overlap", 1.5, False, needs_comm=True, min_s=0.5),
     BenchSpec("all_to_all_uneven", 1.0, False, needs_comm=True),
-    BenchSpec("model_graphs", 6.0, False, cpu_only=True, min_s=4.0),   # one graph: trace, interpret, time
+    BenchSpec("model_graphs", 6.0, False, min_s=4.0),   # one graph: trace, interpret, time
 )
 
 
 def run_benches(env: RankEnv, only: Sequence[str] | None = None) -> list[BenchResult]:
     """Run BENCHES in order within the budget. Results are identical in shape on every rank."""
     specs = [b for b in BENCHES if (only is None or b.name in only)
-             and not (b.needs_comm and env.n < 2) and not (b.cpu_only and env.cuda)]
+             and not (b.needs_comm and env.n < 2)]
     results: list[BenchResult] = []
     for i, spec in enumerate(specs):
         now = time.time()

@@ -135,14 +135,19 @@ def fit_mem_traffic(samples: Sequence[Any], curve: Sequence[Sequence[float]], bw
     """op -> traffic factor (Hardware.mem_op_traffic): per measured memory-bound op, the summed net
     time of its samples in the bandwidth regime (t >= 2 kappa, where the fixed cost does not
     decide) over the summed time the mem_eff ``curve`` gives their IR bytes, within [0.1, 100];
-    the reference op 1; "other", for the ops not measured, the same quotient over every non-reference
+    the reference op 1 (samples whose bytes the reference kernel moves in under kappa / 4 are left
+    out: latency-bound); "other", for the ops not measured, the same quotient over every non-reference
     sample together (what one pooled curve would charge them: no measurement says they stream
     like the reference). Empty when no non-reference op was measured in that regime."""
+    points = tuple((float(x), float(e)) for x, e in curve)
     by_op: dict[str, list[Any]] = defaultdict(list)
     for s in samples:
-        if s.op != TRAFFIC_REFERENCE and s.mem_bytes > 0 and s.seconds >= 2 * kappa:
+        # bytes enough that the reference kernel would take a quarter of the fixed cost to move
+        # them: a sort over a few routing ids (INDEX_MAP, 131 KB in 284 us on the H200) is not
+        # bandwidth-bound, and no traffic factor describes it
+        streams = s.mem_bytes / (bw * interpolate(points, s.mem_bytes)) >= kappa / 4
+        if s.op != TRAFFIC_REFERENCE and s.mem_bytes > 0 and s.seconds >= 2 * kappa and streams:
             by_op[s.op].append(s)
-    points = tuple((float(x), float(e)) for x, e in curve)
 
     def factor(ss: list[Any]) -> float:
         priced = sum(s.mem_bytes / (bw * interpolate(points, s.mem_bytes)) for s in ss)

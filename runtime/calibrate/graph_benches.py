@@ -1,5 +1,6 @@
-"""Whole layer graphs of the registry's CPU models: every compute node timed on this rank's real
-inputs (one interpreter run), so the profile's curves see the shapes real steps run.
+"""Whole layer graphs of registry models (CPU-sized on CPU ranks, GPU-sized on a GPU): every compute
+node timed on this rank's real inputs (one interpreter run), so the profile's curves see the shapes
+real steps run.
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ both would blur the curves for the model the CPU runs are about. ``tiny``-sized 
 the synthetic sweeps, which fill the sizes no graph node covers."""
 
 
+CUDA_MODEL_GRAPHS = (("mixtral-8x7b", 4096, "tp", "ep", "ag-rs"),)
+"""On one GPU (n = 1): the layer ``benchmarks/gpu_layer.py`` runs (h 4096, f 14336, 8 experts,
+top-2, s 4096), at the sizes a GPU runs. Its memory-bound nodes, forward and backward (norms,
+rope, permutes, gates, casts, index maps), are the ops the synthetic memory sweep (add, rmsnorm,
+swiglu forward) does not measure, so each gets its own traffic factor (Hardware.mem_op_traffic)
+instead of the pooled ``other``; its GEMMs and attention put real shapes into the curves."""
+
+
+def model_graphs_for(env: RankEnv) -> tuple[tuple[str, int, str, str, str], ...]:
+    """The layer graphs this rank's device times: CUDA_MODEL_GRAPHS on a GPU, else MODEL_GRAPHS."""
+    return CUDA_MODEL_GRAPHS if env.cuda else MODEL_GRAPHS
+
+
 def _model_graph(env: RankEnv, model: str, seq: int, attn: str, ffn: str, dispatch: str) -> Any:
     """The traced layer graph of one MODEL_GRAPHS entry at this run's n; ConfigError (raised by
     ``builder.check_strategy`` before anything is built) when n cannot split that layer."""
@@ -51,7 +65,7 @@ def _graph_inputs(env: RankEnv, graph: Any, model: str, seq: int):
     from moegraph.registry import load_model
     cfg = load_model(model)
     torch.manual_seed(seq)
-    layer = MoETransformerLayer.from_config(cfg).to(env.dtype)
+    layer = MoETransformerLayer.from_config(cfg).to(env.device, env.dtype)
     params = {k: p.detach() for k, p in layer.named_parameters()}
     x, dy = env.rand(1, seq, cfg.hidden), env.rand(1, seq, cfg.hidden)
     with torch.no_grad():
@@ -80,7 +94,7 @@ def _time_nodes(env: RankEnv, graph: Any, nodes: Sequence[Node], values: dict[st
 def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
     """Every compute node of real layer graphs (forward and backward), on this rank's real inputs.
 
-    Pass 1 traces each graph of MODEL_GRAPHS, runs the interpreter once for this rank's inputs
+    Pass 1 traces each graph of ``model_graphs_for(env)``, runs the interpreter once for this rank's inputs
     and times every compute node; while time is left, later passes time the graphs again and
     each node keeps its fastest pass: a burst of load from other processes inflates one pass,
     not the result (the ranks' own contention is in every pass)."""
@@ -88,7 +102,8 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
     best: list[list[float]] = []
     notes: list[str] = []
     first_pass_end = time.time() + 0.6 * max(0.0, deadline - time.time())
-    for i, (model, seq, attn, ffn, dispatch) in enumerate(MODEL_GRAPHS):
+    graphs = model_graphs_for(env)
+    for i, (model, seq, attn, ffn, dispatch) in enumerate(graphs):
         (stop,) = env.group.agree(int(time.time() >= first_pass_end and i >= 1))
         if stop:
             break
@@ -100,7 +115,7 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
             continue
         values = _graph_inputs(env, graph, model, seq)
         nodes = [nd for nd in graph.nodes if not nd.is_comm and nd.op is not OpKind.SPLIT]
-        graph_deadline = time.time() + max(0.0, first_pass_end - time.time()) / (len(MODEL_GRAPHS) - i)
+        graph_deadline = time.time() + max(0.0, first_pass_end - time.time()) / (len(graphs) - i)
         medians = _time_nodes(env, graph, nodes, values, graph_deadline, 2)
         prepared.append((i, label, graph, nodes, values))
         best.append(medians)
@@ -122,7 +137,7 @@ def bench_model_graphs(env: RankEnv, deadline: float) -> BenchResult:
     samples = [Sample("model_graphs", nd.op.value, sec, flops=nd.flops, mem_bytes=nd.mem_bytes,
                       label=f"{label}: {nd.name}", graph=label, shape=shape_attrs(dict(nd.attrs), nd.role))
                for (i, label, _, nodes, _), medians in zip(prepared, best) for nd, sec in zip(nodes, medians)]
-    left = len(MODEL_GRAPHS) - len(prepared) - len(notes)
+    left = len(graphs) - len(prepared) - len(notes)
     skipped = "; ".join(notes + ([f"{left} graphs not run (budget)"] if left else []))
     return BenchResult("model_graphs", tuple(samples),
                        f"{len(prepared)} layer graphs, {len(samples)} nodes, up to {passes} passes", 0.0, skipped)
