@@ -469,7 +469,7 @@ class CostModel:
             flops_s = node.flops / (hw.peak_flops_bf16 * eff)
         mem_s = 0.0
         if node.mem_bytes:
-            traffic = hw.mem_traffic(node.op.value) if cls == "memory" else 1.0   # a GEMM's floor: one pass
+            traffic = hw.mem_traffic(node.op.value, node.role.value) if cls == "memory" else 1.0   # GEMM: one pass
             mem_s = node.mem_bytes * traffic / (hw.hbm_bw_bytes_s * self._eff("mem_eff", node.mem_bytes, hw.mem_eff))
         t = hw.kernel_latency_us + max(flops_s * sm_slow, mem_s * hbm_slow) * _US * hw.in_step_factor(cls)
         return t + (self._stream_us(node) + self._accumulate_us(node)) * hbm_slow if in_step_terms else t

@@ -48,17 +48,23 @@ def test_a_bad_entry_is_refused_naming_it():
         dataclasses.replace(hw, mem_op_traffic={"gemm": 2.0})         # a GEMM's floor is one pass
     with pytest.raises(RegistryError, match="mem_op_traffic: rmsnorm: traffic factor 1000.0 is outside"):
         dataclasses.replace(hw, mem_op_traffic={"rmsnorm": 1000})
+    with pytest.raises(RegistryError, match="mem_op_traffic: unknown op kind 'rmsnorm.recompute'"):
+        dataclasses.replace(hw, mem_op_traffic={"rmsnorm.recompute": 2.0})   # roles: forward, dgrad, wgrad
 
 
 def test_the_factor_scales_the_memory_term_of_memory_bound_nodes_only():
     hw = load_hardware("h100")
-    with_factors = dataclasses.replace(hw, mem_op_traffic={"rmsnorm": 4.0, "add": 1.0, "other": 2.5})
+    with_factors = dataclasses.replace(hw, mem_op_traffic={"rmsnorm": 4.0, "rmsnorm.dgrad": 6.0, "add": 1.0,
+                                                           "other": 2.5})
     kappa = hw.kernel_latency_us
 
     def net(h, op, **kw):
         return CostModel(h).node_time_us(shaped_node("n", op, (), **kw)) - kappa
     big = 1 << 30                                       # bytes: the memory term binds, the latency does not
     assert net(with_factors, OpKind.RMSNORM, mem_bytes=big) == pytest.approx(4.0 * net(hw, OpKind.RMSNORM, mem_bytes=big))
+    dgrad = (("role", "dgrad"),)                        # the role's entry before the op's
+    assert CostModel(with_factors).node_time_us(shaped_node("n", OpKind.RMSNORM, dgrad, mem_bytes=big)) - kappa == \
+        pytest.approx(6.0 * (CostModel(hw).node_time_us(shaped_node("n", OpKind.RMSNORM, dgrad, mem_bytes=big)) - kappa))
     assert net(with_factors, OpKind.ADD, mem_bytes=big) == pytest.approx(net(hw, OpKind.ADD, mem_bytes=big))
     assert net(with_factors, OpKind.ROPE, mem_bytes=big) == pytest.approx(2.5 * net(hw, OpKind.ROPE, mem_bytes=big))
     # a GEMM whose memory floor binds (a few FLOPs, many bytes) keeps one pass: "other" is for
@@ -140,6 +146,10 @@ def test_layer_graph_runs_price_every_memory_op_and_the_layer_held_out():
     hw = _fit(runs[0])
     traffic = dict(hw.mem_op_traffic)
     assert {"rope", "permute", "unpermute", "rmsnorm", "swiglu"} <= set(traffic) and "index_map" not in traffic
+    # per role: a forward index_select streams (under 2x ADD's traffic), its backward index_add
+    # does not (over 8x); the weighted combine is the other way round
+    assert traffic["permute.forward"] < 2 < 8 < traffic["permute.dgrad"]
+    assert traffic["unpermute.forward"] > 2 * traffic["unpermute.dgrad"]
     for held_out in runs[1:]:
         (layer,) = [c for c in self_check(hw, held_out, 1) if isinstance(c, GraphCheck)]
         assert abs(layer.error) < 0.12, layer.line()

@@ -17,7 +17,7 @@ from moegraph.registry.fields import (CURVE_NAMES, IN_STEP_CLASSES, Curve, Regis
                                       fraction, fraction_or_zero, in_step, measured, nonneg_float,
                                       MAX_COUNT, MAX_SIZE, bounded_int, count_or_zero, flag, one_of, opt_bounded_int, pos_float, pos_int, sm_budgets, stretch, text, opt_text,
                                       validate_fields, gemm_tiles, head_dim_effs, sources,
-                                      mem_traffic)
+                                      mem_traffic, traffic_factor)
 
 __all__ = ["ModelConfig", "Hardware", "MAX_LAYER_PARAM_BYTES"]
 
@@ -328,10 +328,11 @@ class Hardware(_Record):
     """Fraction of HBM bandwidth reached by memory-bound kernels; default 0.8 (MoNTA Table 8:
     D2D copy at 80%)."""
     mem_op_traffic: tuple[tuple[str, float], ...] = checked(mem_traffic, ())
-    """Optional, memory-bound op kind (an OpKind value) -> factor: the HBM traffic of the kernel that runs that
+    """Optional, memory-bound op kind (an OpKind value), or "kind.role", -> factor: the HBM traffic of the kernel that runs that
     op per byte the IR counts (node.mem_bytes), relative to the streaming kernel the mem_eff curve
-    is fitted on (ADD). It multiplies the memory term of that op's nodes; an op not listed takes
-    the entry "other" (calibrate: the measured ops' pooled factor), else 1.
+    is fitted on (ADD). It multiplies the memory term of that op's nodes: the node's "kind.role"
+    entry, else "kind" (its roles pooled), else "other" (calibrate: the measured ops' pooled
+    factor), else 1.
     The runtime runs some ops as several eager torch kernels that re-read their rows (on the H200,
     2026-11-27: RMSNORM at ~13x ADD's time per IR byte, SWIGLU ~1.7x), which one mem_eff curve
     cannot price beside ADD. Fitted by ``moegraph calibrate`` on the ops it measures; empty (every
@@ -507,11 +508,10 @@ class Hardware(_Record):
         d["attention_head_dim_eff"] = [list(p) for p in self.attention_head_dim_eff]
         return d
 
-    def mem_traffic(self, op: str) -> float:
-        """The memory-traffic factor of op kind ``op`` (an OpKind value): its entry, else the entry
-        "other", else 1 (not calibrated)."""
-        factors = dict(self.mem_op_traffic)
-        return factors.get(op, factors.get("other", 1.0))
+    def mem_traffic(self, op: str, role: str = "forward") -> float:
+        """The memory-traffic factor of op kind ``op`` (an OpKind value) in ``role`` (a Role value):
+        its "op.role" entry, else "op", else "other", else 1 (not calibrated)."""
+        return traffic_factor(dict(self.mem_op_traffic), op, role)
 
     def in_step_factor(self, op_class: str) -> float:
         """The in-step factor of ``op_class`` (one of IN_STEP_CLASSES); 1 if not calibrated."""

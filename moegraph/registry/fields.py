@@ -12,7 +12,7 @@ import dataclasses
 import datetime
 import math
 from dataclasses import field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from moegraph.kinds import MEMORY_BOUND_OPS
 
@@ -220,14 +220,23 @@ def in_step(v: Any) -> tuple[tuple[str, float], ...]:
     return tuple(sorted(out))
 
 
-# the memory-bound op kinds, whose kernels the traffic factors describe, and "other": the factor of
-# such an op the calibration did not measure (a GEMM's memory floor is one fused pass: no factor)
-TRAFFIC_OPS = tuple(sorted(k.value for k in MEMORY_BOUND_OPS)) + ("other",)
+# keys of Hardware.mem_op_traffic: a memory-bound op kind ("permute", every role of it), one role of
+# it ("permute.dgrad": eager torch runs an op's backward as other kernels than its forward), and
+# "other": such an op the calibration did not measure (a GEMM's memory floor is one fused pass)
+TRAFFIC_OPS = tuple(sorted(k.value for k in MEMORY_BOUND_OPS))
+TRAFFIC_KEYS = TRAFFIC_OPS + tuple(f"{op}.{role}" for op in TRAFFIC_OPS for role in ("forward", "dgrad", "wgrad")) + (
+    "other",)
+
+
+def traffic_factor(factors: Mapping[str, float], op: str, role: str) -> float:
+    """The traffic factor of ``op`` in ``role`` (Hardware.mem_op_traffic as a dict): its role's
+    entry, else the op's, else "other", else 1."""
+    return factors.get(f"{op}.{role}", factors.get(op, factors.get("other", 1.0)))
 
 
 def mem_traffic(v: Any) -> tuple[tuple[str, float], ...]:
     out = []
-    for name, x in _keyed(v, TRAFFIC_OPS, "a mapping of op kind -> traffic factor", "op kind"):
+    for name, x in _keyed(v, TRAFFIC_KEYS, "a mapping of op kind[.role] -> traffic factor", "op kind"):
         f = pos_float(x)
         if not 0.1 <= f <= 100:
             raise Bad(f"{name}: traffic factor {f!r} is outside [0.1, 100]")

@@ -39,8 +39,8 @@ from moegraph.runtime.calibrate.profile_io import Profile, read_samples, write_p
 from moegraph.runtime.calibrate.results import BenchResult, MachineInfo
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args
 
-__all__ = ["calibrate_command", "options_from_args", "run_calibration", "refit_options", "refit_calibration", "median_results",
-           "Calibration", "format_summary"]
+__all__ = ["calibrate_command", "options_from_args", "run_calibration", "refit_options", "refit_calibration",
+           "median_results", "Calibration", "format_summary"]
 
 STARTUP_HINT_S = 5.0        # spawning ranks and importing torch on a 2-core machine
 RESERVE_S = 1.5             # kept back from the budget for teardown, fitting and writing

@@ -47,6 +47,7 @@ from typing import Any, Iterable, Sequence
 from moegraph.cost import interpolate
 from moegraph.efficiency import fit_size_eff
 from moegraph.registry import Hardware
+from moegraph.registry.fields import traffic_factor
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
@@ -132,13 +133,14 @@ def link_peak(points: Sequence[tuple[float, float]], width: float = COMM_BIN_WID
 
 def fit_mem_traffic(samples: Sequence[Any], curve: Sequence[Sequence[float]], bw: float,
                     kappa: float) -> dict[str, float]:
-    """op -> traffic factor (Hardware.mem_op_traffic): per measured memory-bound op, the summed net
-    time of its samples in the bandwidth regime (t >= 2 kappa, where the fixed cost does not
-    decide) over the summed time the mem_eff ``curve`` gives their IR bytes, within [0.1, 100];
-    the reference op 1 (samples whose bytes the reference kernel moves in under kappa / 4 are left
-    out: latency-bound); "other", for the ops not measured, the same quotient over every non-reference
-    sample together (what one pooled curve would charge them: no measurement says they stream
-    like the reference). Empty when no non-reference op was measured in that regime."""
+    """op[.role] -> traffic factor (Hardware.mem_op_traffic), per measured memory-bound op ("op",
+    its roles pooled) and per role of it ("op.role": eager torch runs a backward as other kernels
+    than its forward): the summed net time (t - kappa) of its samples over the summed time the
+    mem_eff ``curve`` gives their IR bytes, within [0.1, 100]. Only samples whose bytes the
+    reference kernel would take at least kappa / 4 to move count (the rest are latency-bound);
+    the reference op is 1; "other", for the ops not measured, is the same quotient over every
+    non-reference sample together (what one pooled curve charged them: no measurement says they
+    stream like the reference). Empty when no non-reference op was measured."""
     points = tuple((float(x), float(e)) for x, e in curve)
     by_op: dict[str, list[Any]] = defaultdict(list)
     for s in samples:
@@ -146,7 +148,7 @@ def fit_mem_traffic(samples: Sequence[Any], curve: Sequence[Sequence[float]], bw
         # them: a sort over a few routing ids (INDEX_MAP, 131 KB in 284 us on the H200) is not
         # bandwidth-bound, and no traffic factor describes it
         streams = s.mem_bytes / (bw * interpolate(points, s.mem_bytes)) >= kappa / 4
-        if s.op != TRAFFIC_REFERENCE and s.mem_bytes > 0 and s.seconds >= 2 * kappa and streams:
+        if s.op != TRAFFIC_REFERENCE and s.mem_bytes > 0 and s.seconds > kappa and streams:
             by_op[s.op].append(s)
 
     def factor(ss: list[Any]) -> float:
@@ -154,8 +156,19 @@ def fit_mem_traffic(samples: Sequence[Any], curve: Sequence[Sequence[float]], bw
         return _sig(min(100.0, max(0.1, sum(s.seconds - kappa for s in ss) / priced)))
     if not by_op:
         return {}
-    out = {op: factor(ss) for op, ss in sorted(by_op.items())}
+    out = {}
+    for op, ss in sorted(by_op.items()):
+        out[op] = factor(ss)
+        roles: dict[str, list[Any]] = defaultdict(list)
+        for smp in ss:
+            roles[sample_role(smp)].append(smp)
+        out |= {f"{op}.{role}": factor(rs) for role, rs in sorted(roles.items())}
     return out | {TRAFFIC_REFERENCE: 1.0, "other": factor([s for ss in by_op.values() for s in ss])}
+
+
+def sample_role(s: Any) -> str:
+    """A compute sample's role (a Role value; its stored shape attrs, forward when absent)."""
+    return dict(s.shape).get("role", "forward")
 
 
 def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str, list[Any]], peak: float,
@@ -177,7 +190,8 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
     cls = np.array([name for name, _ in rows])
     flops = np.array([float(s.flops) for _, s in rows])
     mem = np.array([float(s.mem_bytes) for _, s in rows])
-    moved = mem * np.array([(traffic or {}).get(s.op, 1.0) for _, s in rows])     # bytes the kernels move
+    moved = mem * np.array([traffic_factor(traffic or {}, s.op, sample_role(s)) if name == "mem_eff" else 1.0
+                            for name, s in rows])                                  # bytes the kernels move
     target = np.maximum(np.array([s.seconds for _, s in rows]) - kappa, 1e-9)
     key_f = np.round(np.log10(np.maximum(flops, 1.0)) / width)
     key_m = np.round(np.log10(np.maximum(mem, 1.0)) / width)
