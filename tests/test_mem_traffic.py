@@ -109,6 +109,11 @@ def test_refit_of_recorded_runs_writes_their_profile(tmp_path, capsys):
     hw = load_hardware(out)
     assert hw.sm_count == 132 and 10 < hw.mem_traffic("rmsnorm") < 20
     assert "refit from 3 recorded run(s), each case's median" in dict(hw.measured)["notes"]
+    # provenance: what the runs measured names them; the collectives (one GPU) keep the base's line
+    sources, base = dict(hw.sources), dict(load_hardware("h100").sources)
+    for measured in ("mem_eff", "gemm_eff", "grouped_gemm_eff", "attention_eff"):
+        assert sources[measured].startswith("measured by moegraph calibrate on NVIDIA H200"), measured
+    assert sources["ring_eff_intra"] == base["ring_eff_intra"]
 
 
 def _refit_error(capsys, *args) -> str:

@@ -47,7 +47,7 @@ from typing import Any, Iterable, Sequence
 from moegraph.cost import interpolate
 from moegraph.efficiency import fit_size_eff
 from moegraph.registry import Hardware
-from moegraph.registry.fields import traffic_factor
+from moegraph.registry.fields import SOURCED_FIELDS, traffic_factor
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
 from moegraph.runtime.calibrate.options import CalibrationOptions
 from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
@@ -400,6 +400,12 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     prof["accumulate_bw_bytes_s"] = 0.0
     prof.pop("measured", None)
     prof.pop("description", None)
+    # the base's source lines stay for what this run did not measure; a measured field names this run
+    measured_here = [*fitted, *(f"{c}_{scope}" for c in COMM_CURVES if c in curves and c != "all_reduce_eff"
+                                for scope in ("intra", "inter"))] + (["comm_overlap_stretch"] if overlap else [])
+    prof["sources"] = dict(prof.get("sources") or {}) | {
+        f: f"measured by moegraph calibrate on {info.gpu or info.cpu} (this profile's measured block; "
+           "docs/calibration.md)" for f in measured_here if f in SOURCED_FIELDS}
     facts = CalibrationFacts.of_run(opts, info, wall_s, unmeasured, skipped, notes)
     return Profile(prof, facts, _description(opts, info))
 
