@@ -58,10 +58,12 @@ Backend gaps, emulated exactly:
 
 SM budgets (GPU, NCCL): one process group per distinct (stream, budget) of the plan, its
 communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
-nccl_ctas(budget)`` (one CTA per channel, one SM per CTA). torch 2.13's NCCL config has no CTA
-policy, so budget 0 (copy engines, in the cost model) cannot be honoured: it runs on 1 CTA, and
-budgets above NCCL's channel limit run on that limit (``Comm.ctas`` holds what each group
-really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
+nccl_ctas(budget)`` (one CTA per channel, one SM per CTA). Budget 0 (copy engines, in the cost
+model) runs on 1 CTA: NCCL >= 2.28 can run all-gather and all-to-all on copy engines inside an
+NVLink domain (its zero-CTA policy, which torch exposes as ``Options().config.cta_policy =
+ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO``, with buffers registered in symmetric memory), which
+this runtime does not use yet: it needs a multi-GPU machine to check. Budgets above NCCL's
+channel limit run on that limit (``Comm.ctas`` holds what each group really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
 connected when the Comm is built (compile), not at the first collective. On CPU (gloo) budgets
 are recorded, not enforced; each stream still gets its own gloo group, so its collectives
 progress on their own threads.
@@ -511,10 +513,10 @@ NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count
 def nccl_ctas(budget: int) -> int:
     """The CTA count (= SMs) a communicator really gets for an SM budget.
 
-    torch 2.13's NCCL config has ``min_ctas``/``max_ctas`` and no CTA policy, so NCCL cannot run a
-    collective on zero SMs (copy engines would need NCCL's zero-CTA policy and registered
-    buffers): budget 0 becomes the least NCCL allows, 1 CTA. Budgets above NCCL's channel limit
-    become that limit. The schedule priced budget 0 at the copy-engine rate; docs/runtime.md says so.
+    Pinned by ``min_ctas``/``max_ctas``; budget 0 becomes the least they allow, 1 CTA (NCCL's
+    copy-engine collectives need its zero-CTA policy and symmetric-memory buffers, not used yet:
+    module docstring). Budgets above NCCL's channel limit become that limit. The schedule priced
+    budget 0 at the copy-engine rate; docs/runtime.md says so.
     """
     if budget < 0:
         raise ValueError(f"SM budget {budget} is negative")

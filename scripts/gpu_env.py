@@ -96,6 +96,8 @@ def main() -> int:
     # runtime/emulated.py): present in torch 2.13 and, by reading, in 2.11; checked here where it runs
     check("torch._grouped_mm(a, b, offs=)", lambda: _grouped_mm(torch, cuda))
     check("ProcessGroupNCCL.Options().config.min_ctas/max_ctas, is_high_priority_stream", lambda: _nccl(torch))
+    check("ProcessGroupNCCL zero-CTA policy (copy-engine all-gather/all-to-all, NCCL >= 2.28; not used yet)",
+          lambda: _cta_policy(torch))
     check("torch.cuda._sleep", lambda: _call_if(cuda, torch.cuda._sleep, 1000))
     check("torch.cuda.set_sync_debug_mode", lambda: _sync_debug(torch, cuda))
     check("torch.cuda.Stream(priority=)", lambda: _stream(torch, cuda))
@@ -136,6 +138,20 @@ def _nccl(torch) -> str:
     opts.is_high_priority_stream = True
     opts.config.min_ctas = opts.config.max_ctas = 4
     return f"min_ctas={opts.config.min_ctas} max_ctas={opts.config.max_ctas}"
+
+
+def _cta_policy(torch) -> str:
+    """Whether this torch can ask NCCL for copy-engine collectives (docs/runtime.md, "SM budgets"):
+    information for the runtime's budget 0, not a requirement (absent: budget 0 runs on 1 CTA)."""
+    import torch.distributed as dist
+    if not hasattr(dist, "ProcessGroupNCCL"):
+        return "not in this build (CPU torch)"
+    zero = getattr(dist.ProcessGroupNCCL, "NCCL_CTA_POLICY_ZERO", None)
+    if zero is None:
+        return "absent in this torch (budget 0 runs on 1 CTA)"
+    opts = dist.ProcessGroupNCCL.Options()
+    opts.config.cta_policy = zero
+    return f"NCCL_CTA_POLICY_ZERO={zero} settable"
 
 
 def _sync_debug(torch, cuda: bool) -> str:
