@@ -31,14 +31,14 @@ STAMP=$(date -u +%Y-%m-%d)
 
 # per-part limits (seconds): hang guards, not estimates. The limits of one call's steps, the
 # install's included, sum to at most 575 s of a device call's 600 (tests 60+240+240, bench
-# 60+360+150, calibrate 60+450+30; `all` 30+60+45+80+80+100+50+100+30, which measured 4+13+37+33
+# 60+360+150, calibrate 60+3x(100+30); `all` 30+60+45+80+80+100+50+100+30, which measured 4+13+37+33
 # +14+20+12 s on the H200). CAL_BUDGET (calibrate's --time-budget) may be set lower by the caller
 # when device time runs short.
 T_INSTALL=60
 if [ "$PART" = all ]; then
     T_ENV=45 T_TESTS=160 T_LAYER=100 T_OVERLAP=50 CAL_BUDGET=${CAL_BUDGET:-100}
 else
-    T_ENV=150 T_TESTS=480 T_LAYER=360 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-450}
+    T_ENV=150 T_TESTS=480 T_LAYER=360 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-100}   # calibrate: 3 runs
 fi
 T_CAL=$((CAL_BUDGET + 30))
 
@@ -92,11 +92,23 @@ part_bench() {
 }
 
 part_calibrate() {
-    local gpu
+    local gpu i rc=0
     gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr 'A-Z ' 'a-z-' | tr -cd 'a-z0-9-')
-    # single-GPU curves (n=1: collectives left unmeasured, from the h100 base profile)
-    step "calibrate" calibrate.log "$T_CAL" "$PY" -m moegraph calibrate --device cuda --n 1 \
-        --time-budget "$CAL_BUDGET" -o "$OUT/${gpu:-cuda}-$STAMP.yaml"
+    # single-GPU curves and the GPU-sized layer graph (n=1: collectives left unmeasured, from the
+    # h100 base profile). In `all`, one run (the call returns at most 8 files); alone, three runs
+    # that also keep their raw samples, so the profile can be refit from them and from earlier
+    # sessions' (calibrate --refit; docs/calibration.md): 2 + 3 + 1 files
+    if [ "$PART" = all ]; then
+        step "calibrate" calibrate.log "$T_CAL" "$PY" -m moegraph calibrate --device cuda --n 1 \
+            --time-budget "$CAL_BUDGET" -o "$OUT/${gpu:-cuda}-$STAMP.yaml"
+        return $?
+    fi
+    for i in 1 2 3; do
+        step "calibrate $i" calibrate.log "$T_CAL" "$PY" -m moegraph calibrate --device cuda --n 1 \
+            --time-budget "$CAL_BUDGET" -o "$OUT/${gpu:-cuda}-$STAMP.yaml" \
+            --samples "$OUT/${gpu:-cuda}-$STAMP-samples-$i.json" || rc=$?
+    done
+    return $rc
 }
 
 # every call: the device tool re-sends the working tree, and a warm machine's $SITE may hold an
