@@ -271,8 +271,11 @@ def _in_step_stage(profile: Profile, opts: CalibrationOptions, t0: float) -> tup
         return profile.with_remark("in_step=skipped (out of time)"), []
     fit = fit_in_step(profile.hardware(), samples)
     noise = round(statistics.median(s.noise for s in samples), 4)
+    source = (f"measured by moegraph calibrate's in-step stage on {profile.facts.cpu} (real steps of "
+              "CALIBRATION_LAYERS; docs/calibration.md)")
     profile = profile.with_fields(in_step_factors=fit.factors, in_step_stream_bw_bytes_s=fit.stream_bw_bytes_s,
-                                  accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s, step_noise=noise)
+                                  accumulate_bw_bytes_s=fit.accumulate_bw_bytes_s, step_noise=noise,
+                                  sources={**profile.fields.get("sources", {}), "in_step_factors": source})
     stretch = fit_overlap_stretch(profile.hardware(), samples)
     if stretch is not None:
         profile = profile.with_fields(comm_overlap_stretch=stretch)
