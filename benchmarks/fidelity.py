@@ -155,25 +155,31 @@ def fig14(models=MODELS, hw_name="h800-megascale") -> None:
 
 # --- MegaScale-MoE Fig 16: fused vs unfused pairs ----------------------------------------------------
 
-def fig16(models=MODELS, hw_name="h800") -> None:
+def pair_factors(cost: CostModel, models=MODELS) -> list[tuple[str, str, float]]:
+    """(model, fused kind, unfused / fused time) of each model's first forward pair of each kind
+    that fuse=auto's candidates offer, SP+EP ag-rs (Fig 16's four pairs)."""
     from moegraph.passes.fuse import candidates
-    cost = CostModel(load_hardware(hw_name))
-    factors = []
+    out = []
     for model in models:
-        for dispatch in ("ag-rs",):
-            g = graph(model, "sp", "ep", dispatch)
-            seen = set()
-            for cand in candidates(g, cost):
-                if g.node[cand.anchor].phase is not Phase.FORWARD or cand.group.kind in seen:
-                    continue
-                seen.add(cand.group.kind)
-                p = cost.fused_price(cand.group)
-                f = p.unfused_us / p.time_us
-                factors.append(f)
-                row("Fig 16", f"{model} {hw_name} {cand.group.kind}", "1.2-4.7x (range)", f"{f:.2f}x", "held",
-                    "tile pipeline: max(comm, compute) + one tile, scatter/gather/rope folded into the GEMM "
-                    "tiles; the unfused baseline pays its collective at the NCCL-like default budget and "
-                    "every member as its own kernel")
+        g = graph(model, "sp", "ep", "ag-rs")
+        seen = set()
+        for cand in candidates(g, cost):
+            if g.node[cand.anchor].phase is not Phase.FORWARD or cand.group.kind in seen:
+                continue
+            seen.add(cand.group.kind)
+            p = cost.fused_price(cand.group)
+            out.append((model, str(cand.group.kind), p.unfused_us / p.time_us))
+    return out
+
+
+def fig16(models=MODELS, hw_name="h800") -> None:
+    factors = []
+    for model, kind, f in pair_factors(CostModel(load_hardware(hw_name)), models):
+        factors.append(f)
+        row("Fig 16", f"{model} {hw_name} {kind}", "1.2-4.7x (range)", f"{f:.2f}x", "held",
+            "tile pipeline: max(comm, compute) + one tile, scatter/gather/rope folded into the GEMM "
+            "tiles; the unfused baseline pays its collective at the NCCL-like default budget and "
+            "every member as its own kernel")
     if factors:
         lo, hi = min(factors), max(factors)
         row("Fig 16", f"span over {len(factors)} pairs", "1.2-4.7x", f"{lo:.2f}-{hi:.2f}x", "held",
@@ -199,19 +205,11 @@ def fig16_eager_baseline(models=MODELS, hw_name="h800") -> None:
     """Fig 16's span with the unfused baseline's scatter, gather and rope priced as eager torch
     kernels: h800's profile with the traffic factors measured on the H200 (per op and role). The
     fused kernels fold those members into their GEMM tiles, so only the baseline changes."""
-    from moegraph.passes.fuse import candidates
     traffic = load_hardware(EAGER_PROFILE).mem_op_traffic
     cost = CostModel(dataclasses.replace(load_hardware(hw_name), mem_op_traffic=traffic))
     by_kind: dict[str, list[float]] = {}
-    for model in models:
-        g = graph(model, "sp", "ep", "ag-rs")
-        seen = set()
-        for cand in candidates(g, cost):
-            if g.node[cand.anchor].phase is not Phase.FORWARD or cand.group.kind in seen:
-                continue
-            seen.add(cand.group.kind)
-            p = cost.fused_price(cand.group)
-            by_kind.setdefault(str(cand.group.kind), []).append(p.unfused_us / p.time_us)
+    for _, kind, f in pair_factors(cost, models):
+        by_kind.setdefault(kind, []).append(f)
     factors = [f for fs in by_kind.values() for f in fs]
     if not factors:
         return
@@ -495,6 +493,26 @@ def monta_chunk_auto(cost: CostModel) -> None:
 
 # --- Megatron-Core: EP overlap -----------------------------------------------------------------------
 
+def ep_exposure(cost: CostModel, seq: int, n: int, tp: int, methods) -> dict[str, tuple[float, float]]:
+    """method -> (exposed EP communication / makespan, makespan us) of DeepSeek-V3's steady-state
+    F&B pair at EP n (megatron_ep_overlap's docstring), scheduled by each method under ``cost``."""
+    from moegraph.passes import run_pipeline
+    from moegraph.schedules.api import compile_graph
+    from moegraph.schedules.pipeline_price import steady_pair
+    from moegraph.schedules.schedule_file import exposed_comm
+    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n), batch=n // tp,
+                                        seq=seq), "gate-reorder,sar=paper", cost=cost)
+    pair = steady_pair(layer)
+    share = {}
+    for method in methods:
+        sched = compile_graph(pair, cost, method=method, time_limit_s=5.0).schedule
+        nodes = list(sched.nodes)
+        ep = [x for x in nodes if x.kind == "comm" and pair.node[x.name].block == "ffn"]
+        exposed = sum(e - b for b, e in exposed_comm([x for x in nodes if x.kind == "compute"] + ep))
+        share[method] = (exposed / sched.summary["makespan_us"], sched.summary["makespan_us"])
+    return share
+
+
 def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> None:
     """Megatron-Core's EP overlap (its §5: 1F1B forward-backward overlap with the backward MLP's W/D
     split): the share of a pipeline's steady-state step that expert-parallel communication leaves
@@ -508,20 +526,7 @@ def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> 
     shards one batch over its n ranks, so the batch is n/tp sequences: each rank routes s/tp
     tokens, as there, and its attention does the same FLOPs (n/tp sequences of heads/n heads, where
     Megatron's does one of heads/tp)."""
-    from moegraph.passes import run_pipeline
-    from moegraph.schedules.api import compile_graph
-    from moegraph.schedules.pipeline_price import steady_pair
-    from moegraph.schedules.schedule_file import exposed_comm
-    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n), batch=n // tp,
-                                        seq=seq), "gate-reorder,sar=paper", cost=cost)
-    pair = steady_pair(layer)
-    share = {}
-    for method in ("sequential", "megatron-1f1b", "cpsat"):
-        sched = compile_graph(pair, cost, method=method, time_limit_s=5.0).schedule
-        nodes = list(sched.nodes)
-        ep = [s for s in nodes if s.kind == "comm" and pair.node[s.name].block == "ffn"]
-        exposed = sum(e - s for s, e in exposed_comm([s for s in nodes if s.kind == "compute"] + ep))
-        share[method] = (exposed / sched.summary["makespan_us"], sched.summary["makespan_us"])
+    share = ep_exposure(cost, seq, n, tp, ("sequential", "megatron-1f1b", "cpsat"))
     (seq_s, seq_t), (meg_s, meg_t), (cp_s, cp_t) = share.values()
     row("Megatron-Core §5", f"DeepSeek-V3 {cost.hw.name} EP{n} a2a, s={seq // 1024}K, {seq // tp} tokens per rank: "
         "exposed EP communication, "
@@ -564,21 +569,8 @@ def megatron_dedup_what_if(cost: CostModel, seq: int, n: int = 64, tp: int = 2) 
     """Megatron-Core's EP overlap row again, with the EP all-to-alls' bytes scaled as DeepEP's
     node-deduplicating FP8 dispatch would send them (NodeDedupWhatIf): how much of the row's gap
     its cause explains. No target: moegraph lowers no such collective."""
-    from moegraph.passes import run_pipeline
-    from moegraph.schedules.api import compile_graph
-    from moegraph.schedules.pipeline_price import steady_pair
-    from moegraph.schedules.schedule_file import exposed_comm
     what_if = NodeDedupWhatIf(cost.hw, DEDUP_ROWS * FP8, DEDUP_ROWS)
-    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n), batch=n // tp,
-                                        seq=seq), "gate-reorder,sar=paper", cost=what_if)
-    pair = steady_pair(layer)
-    share = {}
-    for method in ("sequential", "megatron-1f1b"):
-        sched = compile_graph(pair, what_if, method=method, time_limit_s=5.0).schedule
-        nodes = list(sched.nodes)
-        ep = [x for x in nodes if x.kind == "comm" and pair.node[x.name].block == "ffn"]
-        exposed = sum(e - b for b, e in exposed_comm([x for x in nodes if x.kind == "compute"] + ep))
-        share[method] = exposed / sched.summary["makespan_us"]
+    share = {m: v[0] for m, v in ep_exposure(what_if, seq, n, tp, ("sequential", "megatron-1f1b")).items()}
     row("Megatron-Core §5", f"the row above, what-if: EP all-to-all bytes as a node-deduplicating FP8 dispatch "
         f"would send them (dispatch x{DEDUP_ROWS * FP8:g}, combine x{DEDUP_ROWS:g})", "30-40% -> < 5%",
         f"{share['sequential']:.1%} -> {share['megatron-1f1b']:.1%} (Megatron's order)", "held",

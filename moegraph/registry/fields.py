@@ -210,14 +210,19 @@ def curves(v: Any) -> tuple[tuple[str, Curve], ...]:
 IN_STEP_CLASSES = ("gemm", "grouped_gemm", "attention", "memory", "comm")
 
 
-def in_step(v: Any) -> tuple[tuple[str, float], ...]:
+def _factors(v: Any, names: tuple[str, ...], expected: str, what: str, kind: str) -> tuple[tuple[str, float], ...]:
+    """A mapping of ``names`` -> factor, each within [0.1, 100], as sorted pairs."""
     out = []
-    for name, x in _keyed(v, IN_STEP_CLASSES, "a mapping of op class -> factor", "op class"):
+    for name, x in _keyed(v, names, expected, what):
         f = pos_float(x)
         if not 0.1 <= f <= 100:
-            raise Bad(f"{name}: factor {f!r} is outside [0.1, 100]")
+            raise Bad(f"{name}: {kind} {f!r} is outside [0.1, 100]")
         out.append((name, f))
     return tuple(sorted(out))
+
+
+def in_step(v: Any) -> tuple[tuple[str, float], ...]:
+    return _factors(v, IN_STEP_CLASSES, "a mapping of op class -> factor", "op class", "factor")
 
 
 # keys of Hardware.mem_op_traffic: a memory-bound op kind ("permute", every role of it), one role of
@@ -235,13 +240,7 @@ def traffic_factor(factors: Mapping[str, float], op: str, role: str) -> float:
 
 
 def mem_traffic(v: Any) -> tuple[tuple[str, float], ...]:
-    out = []
-    for name, x in _keyed(v, TRAFFIC_KEYS, "a mapping of op kind[.role] -> traffic factor", "op kind"):
-        f = pos_float(x)
-        if not 0.1 <= f <= 100:
-            raise Bad(f"{name}: traffic factor {f!r} is outside [0.1, 100]")
-        out.append((name, f))
-    return tuple(sorted(out))
+    return _factors(v, TRAFFIC_KEYS, "a mapping of op kind[.role] -> traffic factor", "op kind", "traffic factor")
 
 
 _MEASURED_KEYS = ("date", "machine", "notes")
