@@ -59,11 +59,8 @@ Backend gaps, emulated exactly:
 SM budgets (GPU, NCCL): one process group per distinct (stream, budget) of the plan, its
 communicator created with ``ProcessGroupNCCL.Options().config.min_ctas = max_ctas =
 nccl_ctas(budget)`` (one CTA per channel, one SM per CTA). Budget 0 (copy engines, in the cost
-model) runs on 1 CTA: NCCL >= 2.28 can run all-gather and all-to-all on copy engines inside an
-NVLink domain (its zero-CTA policy, which torch exposes as ``Options().config.cta_policy =
-ProcessGroupNCCL.NCCL_CTA_POLICY_ZERO``, with buffers registered in symmetric memory), which
-this runtime does not use yet: it needs a multi-GPU machine to check. Budgets above NCCL's
-channel limit run on that limit (``Comm.ctas`` holds what each group really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
+model) is refused on NCCL and left out of plans compiled for NCCL ranks (``native_budgets``: this
+runtime has no copy-engine path yet). Budgets above NCCL's channel limit run on that limit (``Comm.ctas`` holds what each group really got). NCCL's streams are high priority (``is_high_priority_stream``). Communicators are
 connected when the Comm is built (compile), not at the first collective. On CPU (gloo) budgets
 are recorded, not enforced; each stream still gets its own gloo group, so its collectives
 progress on their own threads.
@@ -85,6 +82,7 @@ from moegraph.index_map import IndexMap, RecvMap
 from moegraph.interpreter import Axis, axis_groups, axis_of
 from moegraph.ir import Node, OpKind
 from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
+from moegraph.runtime.native_budgets import check_native_budgets, nccl_ctas
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -239,6 +237,7 @@ class Comm:
         self.mp_group = (None if dp == 1 and pp == 1 else
                          _member_group(self.layout.partition("mp"), None, {}))
         self.native_budgets = self.backend == "nccl"
+        check_native_budgets(keys, self.backend)
         axes = tuple(dict.fromkeys(axes))
         self.groups = {(*key, axis): _group(self.backend, *key, timeout_s, self.layout, axis)
                        for key in keys for axis in axes}
@@ -505,22 +504,6 @@ def metadata_group(parts: tuple[tuple[int, ...], ...] | None = None) -> Any:
     if (parts is None or len(parts) == 1) and dist.get_backend() == "gloo":
         return dist.group.WORLD
     return _member_group(parts, "gloo", {}, ("meta",))
-
-
-NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count (MAXCHANNELS: 32, or 64 on newer NCCL)
-
-
-def nccl_ctas(budget: int) -> int:
-    """The CTA count (= SMs) a communicator really gets for an SM budget.
-
-    Pinned by ``min_ctas``/``max_ctas``; budget 0 becomes the least they allow, 1 CTA (NCCL's
-    copy-engine collectives need its zero-CTA policy and symmetric-memory buffers, not used yet:
-    module docstring). Budgets above NCCL's channel limit become that limit. The schedule priced
-    budget 0 at the copy-engine rate; docs/runtime.md says so.
-    """
-    if budget < 0:
-        raise ValueError(f"SM budget {budget} is negative")
-    return min(max(budget, 1), NCCL_MAX_CTAS)
 
 
 def nccl_options(budget: int) -> Any:

@@ -260,6 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from moegraph.expert_rows import expert_rows_refusal, padded_rows_extra_bytes
     from moegraph.runtime.cudagraph import capture_refusal
     from moegraph.runtime.module import compiled_plan
+    from moegraph.runtime.native_budgets import check_native_budgets, runnable_config
     from moegraph.runtime.plan import FUSED_AS_MEMBERS, ExecutionPlan, fused_group_count
     t0 = time.time()
     hardware_given = not isinstance(args.hardware, Unset)
@@ -312,7 +313,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with emulated_link(link):                         # a missing privilege fails here, before any work
         if profile_note:                              # said once the link exists (else the error alone)
             print(profile_note, file=sys.stderr, flush=True)
-        config = run_config(args, schedule)
+        # planned for what the ranks run (NCCL: no budget 0); a file's plan is checked as given
+        config = run_config(args, schedule) if schedule is not None else runnable_config(run_config(args, None),
+                                                                                          args.backend)
         layer = lower(config)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
@@ -324,6 +327,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # said once planned: a budget below the least feasible peak fails inside the scheduler, and
         # bad input gets exactly one stderr line
         _, plan = compiled_plan(config, schedule, lowered=layer)
+        check_native_budgets(plan.comm_keys(layer.graph), args.backend)     # before spawning
         progress(t0, f"planned: schedule {plan.method}")
         options = RuntimeOptions(timeout_s=args.timeout, cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,

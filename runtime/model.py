@@ -115,6 +115,7 @@ from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, replica_batch)
 from moegraph.runtime.options import RuntimeOptions
+from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
                                          check_edge_head, final_norm, head_logits, norm_params,
@@ -519,9 +520,10 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, config: CompileConf
         raise ValueError(f"model parameters have dtypes {dtypes}: compile needs one of "
                          f"{sorted(map(str, DTYPES))} for all of them")
     # the module brings its layers, sizes and edges (its head): a registry model's do not apply
-    config = config.replace(model=model, layers=1, top_k=None, edges="auto", batch=b, seq=s,
-                            strategy=dataclasses.replace(config.strategy, n=n,
-                                                         dtype=DTYPES[next(model.parameters()).dtype]))
+    config = runnable_config(config.replace(model=model, layers=1, top_k=None, edges="auto", batch=b, seq=s,
+                                            strategy=dataclasses.replace(config.strategy, n=n,
+                                                                         dtype=DTYPES[next(model.parameters()).dtype])),
+                             world_backend())
     lowered, plan = compiled_plan(config, given)
     graph, spec = lowered.graph, lowered.spec
     layer_full = {q: full[original_name(spec, graph, q)]

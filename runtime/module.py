@@ -48,6 +48,7 @@ from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, 
 from moegraph.runtime.cudagraph import GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.options import RuntimeOptions
+from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
 
@@ -513,8 +514,9 @@ def compile_module(module: nn.Module, example_inputs: Any, config: CompileConfig
         raise ValueError(f"input dtype {x.dtype} is not one of {sorted(map(str, DTYPES))}")
     check_device(check_mode(options.cuda_graphs), x.device)              # before tracing and scheduling
     rank, n, b = replica_batch(x.shape[0], n, config.strategy.dp, "example_inputs [dp*b, s, h]")
-    config = config.replace(model=module, layers=1, top_k=None, edges="auto", batch=b, seq=x.shape[1],
-                            strategy=dataclasses.replace(config.strategy, n=n, dtype=DTYPES[x.dtype]))
+    config = runnable_config(config.replace(model=module, layers=1, top_k=None, edges="auto", batch=b, seq=x.shape[1],
+                                            strategy=dataclasses.replace(config.strategy, n=n, dtype=DTYPES[x.dtype])),
+                             world_backend())
     full = {k: p.detach() for k, p in module.named_parameters()}
     odd = sorted({f"{p.device}/{p.dtype}" for p in full.values()} - {f"{x.device}/{x.dtype}"})
     # buffers the graph reads (a router's score bias) keep their own dtype (transformers keeps it fp32)

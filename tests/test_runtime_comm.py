@@ -37,12 +37,15 @@ def test_all_to_all_with_a_rank_receiving_zero_rows_matches_eager(rank_results):
 
 
 def test_sm_budgets_map_to_real_nccl_cta_counts():
-    """torch 2.13's NCCL config has min/max CTAs and no zero-CTA policy: budget 0 must become a
-    real CTA count (1), never an unconstrained communicator; budgets beyond NCCL's channel
-    limit become that limit."""
-    from moegraph.runtime.collectives import NCCL_MAX_CTAS, nccl_ctas
-    assert [nccl_ctas(b) for b in (0, 1, 16)] == [1, 1, 16]
+    """min = max CTAs pins a NCCL collective's SMs: budgets beyond NCCL's channel limit become
+    that limit, and budget 0 (copy engines, which this runtime does not run) has no CTA count:
+    it is refused, never silently run on 1 CTA or on an unconstrained communicator."""
+    from moegraph.runtime import PlanError
+    from moegraph.runtime.native_budgets import NCCL_MAX_CTAS, nccl_ctas
+    assert [nccl_ctas(b) for b in (1, 16)] == [1, 16]
     assert nccl_ctas(10 * NCCL_MAX_CTAS) == NCCL_MAX_CTAS
+    with pytest.raises(PlanError, match="budget 0"):
+        nccl_ctas(0)
 
 
 def test_rank_major_layouts_copy_only_when_they_must():
