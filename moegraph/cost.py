@@ -19,8 +19,9 @@ Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.co
                                 netns.py) gives a lone send what n ranks' collectives share; a stage's sends both
                                 ways take turns on it (PipelineProblem.shared_link)
     s(sm) = min(1, sm / comm_sm_saturation), s_a2a(sm) = min(1, sm / a2a_sm_saturation) for sm > 0;
-    s(0) = copy_engine_eff / ring_eff (copy engines reach B * copy_engine_eff on a ring pattern,
-    all-to-all keeps its relative penalty) and sm = 0 adds copy_engine_latency; a reduce-scatter or
+    s(0) = min(1, copy_engine_eff / ring_eff) (copy engines reach B * copy_engine_eff on a ring
+    pattern, at most a saturated ring's rate on that link; all-to-all keeps its relative penalty)
+    and sm = 0 adds copy_engine_latency; a reduce-scatter or
     all-reduce has no sm = 0 (copy engines cannot add; a fused kernel's SMs add for its transfers).
     a collective of a chunked decomposition (node attr "chunk") adds hw.chunk_stall_us: MoNTA (Guo
     et al. 2024) measures chunked all-to-all pipelines losing to one call at small volumes (8K
@@ -578,8 +579,8 @@ class CostModel:
             eff = size_eff(eff, self._half_bytes(node.op, scope), per_pass)
         bandwidth, alpha = self._pp_link() if node.op is OpKind.P2P else self._link(scope)
         latency = steps * (node.group - 1) * alpha
-        if sm == 0:
-            scale = hw.copy_engine_eff / self.ring_eff(scope)
+        if sm == 0:          # copy engines never outrun what a saturated ring gets of the link
+            scale = min(1.0, hw.copy_engine_eff / self.ring_eff(scope))
             latency += hw.copy_engine_latency_us
         else:
             scale = min(1.0, sm / saturation)

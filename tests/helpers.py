@@ -163,7 +163,8 @@ FLAT = dict(gemm_eff=0.75, grouped_gemm_eff=0.65, attention_eff=0.55, ring_eff_i
             a2a_eff_intra=0.55, a2a_eff_inter=0.427, gemm_tiles=(), gemm_k_half=0.0, attention_seq_half=0.0,
             attention_head_dim_eff=(), attention_bwd_factor=1.0, ring_half_bytes_intra=0.0,
             ring_half_bytes_inter=0.0, a2a_half_bytes_intra=0.0, a2a_half_bytes_inter=0.0,
-            comm_hbm_traffic=0.0)   # compute beside collectives slowed as a whole by S/(S-b), as before issue 29
+            comm_hbm_traffic=0.0,   # compute beside collectives slowed as a whole by S/(S-b), as before issue 29
+            copy_engine_eff=0.6)    # below the flat rings: budget 0 only pays where SMs are scarce
 
 
 def flat_h800():

@@ -94,6 +94,15 @@ def test_all_gather(h800, budget, expected):
     assert h800.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), budget) == pytest.approx(expected, rel=1e-7)
 
 
+def test_copy_engines_never_outrun_a_saturated_ring(h800):
+    """copy_engine_eff above the ring's (H100: 380 vs 370 GB/s, hardware.yaml) gives budget 0 the
+    saturated ring's wire time, not more: 4 + 14 + 10 + 58720256 / (200e9 * 0.726) = 432.4094766
+    (all-gather); 4 + 14 + 10 + 58720256 / (200e9 * 0.55) = 561.8205091 (all-to-all)."""
+    fast = CostModel(dataclasses.replace(h800.hw, copy_engine_eff=0.9))
+    assert fast.node_time_us(comm(OpKind.ALL_GATHER, AG_BYTES), 0) == pytest.approx(432.4094766, rel=1e-7)
+    assert fast.node_time_us(comm(OpKind.ALL_TO_ALL, AG_BYTES), 0) == pytest.approx(561.8205091, rel=1e-7)
+
+
 @pytest.mark.parametrize("budget, expected", [
     (24, 551.8205091),   # 4 + 14 + 58720256 / (200e9 * 0.55): intra-node a2a_eff
     (16, 818.7307636),   # 16/24 of saturation: 18 + 533.8205091 * 24/16
