@@ -104,7 +104,7 @@ def check_layer(module: nn.Module, program, strategy: Strategy, *, name: str,
 
 
 class _NotFinite(Exception):
-    """The eager module's output on the check's input is not finite: its weights say nothing."""
+    """The eager module's output or gradients on the check's input are not finite: its weights say nothing."""
 
 
 def _run_check(module, program, strategy: Strategy, name: str, call, randomize: bool = False) -> float:
@@ -141,6 +141,9 @@ def _run_check(module, program, strategy: Strategy, name: str, call, randomize: 
             if not randomize and not bool(torch.isfinite(y).all()):
                 raise _NotFinite()
             grads = torch.autograd.grad(y, [xr, *[p for _, p in named]], dy, allow_unused=True)
+            # finite garbage (uninitialised expert weights of 1e30) can overflow in backward only
+            if not randomize and not all(bool(torch.isfinite(g).all()) for g in grads if g is not None):
+                raise _NotFinite()
     finally:
         for hk in hooks:
             hk.remove()
