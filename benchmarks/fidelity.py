@@ -587,11 +587,10 @@ def megatron(hw_name="h100", seq=4096) -> None:
     overlap gain of Megatron-Core's combined-1F1B order over the sequential step, with a hardware
     queue per stream and with one queue fed in that order (CUDA_DEVICE_MAX_CONNECTIONS=1)."""
     from moegraph.passes.microbatch import merge_microbatches
-    from moegraph.runtime.native_budgets import runnable_hardware
     from moegraph.schedules.api import compile_graph
     # Megatron-LM's collectives run on SMs (NCCL before 2.28's copy-engine collectives, DeepEP's
-    # kernels): the profile's SM budgets, as NCCL runs them, without budget 0
-    cost = CostModel(runnable_hardware(load_hardware(hw_name), "nccl"))
+    # kernels): the profile's SM budgets, without budget 0
+    cost = CostModel(load_hardware(hw_name).without_copy_engines())
     megatron_ep_overlap(cost, seq)
     megatron_dedup_what_if(cost, seq)
     for model in ("deepseek-v3", "mixtral-8x7b"):

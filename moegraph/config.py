@@ -184,6 +184,10 @@ class CompileConfig:
     """The cost model's hardware: a registry name, a profile YAML path, or a Hardware."""
     comm_streams: Literal[1, 2] = 1
     """Communication streams: 1 ('comm'), or 2 (intra- and inter-node: 'comm.intra', 'comm.inter')."""
+    copy_engines: bool = True
+    """Whether collectives may run on copy engines (SM budget 0) where the hardware allows it.
+    False schedules them on SMs only (``Hardware.without_copy_engines``): what moegraph's runtime
+    runs on NCCL, which sets it for the plans it compiles (docs/runtime.md, "SM budgets")."""
     launch_order: LaunchOrder = "free"
     """'free': the scheduler orders kernels across streams; 'program' or 'megatron-1f1b': one hardware
     queue fed in that order, so a kernel starts only after every kernel launched before it
@@ -238,6 +242,8 @@ class CompileConfig:
             problems.append(f"solver={self.solver!r} must be a SolverEffort")
         if not isinstance(self.hardware, (str, os.PathLike, Hardware)):
             problems.append(f"hardware={self.hardware!r} must be a registry name, a profile YAML path or a Hardware")
+        if not isinstance(self.copy_engines, bool):
+            problems.append(f"copy_engines={self.copy_engines!r} must be True or False")
         if self.comm_streams not in (1, 2) or isinstance(self.comm_streams, bool):
             problems.append(f"comm_streams={self.comm_streams!r} is not one of 1, 2")
         if self.launch_order not in LAUNCH_ORDERS:

@@ -8,20 +8,19 @@ zero-CTA policy whose buffers live in registered symmetric-memory windows (docs/
 budgets"), which this runtime does not set up (checking it needs two GPUs). Budget 0 would run on
 the one CTA ``min_ctas`` allows: one SM's share of a ring, not the copy-engine rate the schedule
 priced it at (a ring saturates at comm_sm_saturation, 16 SMs on the GPU profiles). So a plan
-compiled where it runs on NCCL leaves budget 0 out (``runnable_config``), and a plan that gives a
-NCCL collective budget 0 is refused (``check_native_budgets``), never run at a rate nobody priced. gloo does not enforce budgets (its schedules record them): unchanged.
+compiled where it runs on NCCL leaves budget 0 out (``runnable_config``: the config's
+``copy_engines=False``, which `moegraph compile --no-copy-engines` also sets for a plan made
+elsewhere), and a plan that gives a NCCL collective budget 0 is refused (``check_native_budgets``),
+never run at a rate nobody priced. gloo does not enforce budgets (its schedules record them): unchanged.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable
 
 import torch.distributed as dist
 
 from moegraph.config import CompileConfig
-from moegraph.ir import ConfigError
-from moegraph.registry import Hardware, load_hardware
 from moegraph.runtime import PlanError
 
 NCCL_MAX_CTAS = 32          # NCCL caps CTAs per collective at its channel count (MAXCHANNELS: 32, or 64 on newer NCCL)
@@ -37,18 +36,6 @@ def nccl_ctas(budget: int) -> int:
     return min(budget, NCCL_MAX_CTAS)
 
 
-def runnable_hardware(hw: Hardware, backend: str | None) -> Hardware:
-    """``hw`` with only the SM budgets ``backend`` runs: without 0 on NCCL, as is elsewhere."""
-    if backend != "nccl" or 0 not in hw.comm_sm_budgets:
-        return hw
-    budgets = tuple(b for b in hw.comm_sm_budgets if b > 0)
-    if not budgets:
-        raise ConfigError(f"hardware {hw.name!r} allows only SM budget 0 (copy engines; comm_sm_budgets="
-                          f"{list(hw.comm_sm_budgets)}), which this runtime does not run on NCCL: give the "
-                          "GPUs' profile, or one whose comm_sm_budgets has a budget of 1 SM or more")
-    return dataclasses.replace(hw, comm_sm_budgets=budgets)
-
-
 def world_backend() -> str | None:
     """The default process group's backend when several ranks run, else None."""
     several = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
@@ -56,11 +43,10 @@ def world_backend() -> str | None:
 
 
 def runnable_config(config: CompileConfig, backend: str | None) -> CompileConfig:
-    """``config`` planned for what ``backend`` runs (``runnable_hardware``): every front door that
-    compiles a plan to run on ranks calls it with the ranks' backend (None: one process)."""
-    hw = config.hardware if isinstance(config.hardware, Hardware) else load_hardware(config.hardware)
-    runnable = runnable_hardware(hw, backend)
-    return config if runnable is hw else config.replace(hardware=runnable)
+    """``config`` planned for what ``backend`` runs: on NCCL its collectives on SMs only
+    (``copy_engines=False``: ``Hardware.without_copy_engines``); as is elsewhere. Every front door
+    that compiles a plan to run on ranks calls it with the ranks' backend (None: one process)."""
+    return config.replace(copy_engines=False) if backend == "nccl" and config.copy_engines else config
 
 
 def check_native_budgets(keys: Iterable[tuple[str, int]], backend: str) -> None:
@@ -71,6 +57,6 @@ def check_native_budgets(keys: Iterable[tuple[str, int]], backend: str) -> None:
     streams = sorted({stream for stream, budget in keys if budget == 0})
     if streams:
         raise PlanError(f"the plan gives collectives on stream(s) {', '.join(streams)} SM budget 0 (copy engines), "
-                        "which this runtime does not run on NCCL (docs/runtime.md, 'SM budgets'): compile the plan "
-                        "on these ranks (moegraph.compile and `moegraph run --backend nccl` leave budget 0 out), or "
-                        "schedule it with a profile whose comm_sm_budgets has no 0")
+                        "which this runtime does not run on NCCL (docs/runtime.md, 'SM budgets'): compile it with "
+                        "`moegraph compile --no-copy-engines` (CompileConfig(copy_engines=False)), or on these ranks "
+                        "(moegraph.compile and `moegraph run --backend nccl` leave budget 0 out)")

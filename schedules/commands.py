@@ -48,6 +48,9 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
                    help="free: a hardware queue per stream; program or megatron-1f1b: one queue "
                         "(CUDA_DEVICE_MAX_CONNECTIONS=1) fed in that order, megatron-1f1b needs --micro-batches "
                         "M >= 2 (default %(default)s)")
+    p.add_argument("--no-copy-engines", dest="copy_engines", action="store_false",
+                   help="schedule every collective on SMs (no SM budget 0): what `run --backend nccl` runs, "
+                        "which refuses a schedule file that gives a collective budget 0 (docs/runtime.md)")
     p.add_argument("-o", "--output", default=None, metavar="SCHED.json|ORDERS.csv",
                    help="write the schedule file here; with --pp, the returned order as torch's action CSV "
                         "(.csv: _PipelineScheduleRuntime._load_csv reads it)")
@@ -68,7 +71,8 @@ def compile_from_args(args):
     # norm and LM head gradients are synchronised by graph collectives the scheduler places
     config = config_from_args(args, multi_layer=True, edges="auto", schedule=args.schedule,
                               memory_budget=args.memory_budget, solver=SolverEffort(args.time_limit),
-                              comm_streams=args.comm_streams, launch_order=args.launch_order)
+                              comm_streams=args.comm_streams, launch_order=args.launch_order,
+                              copy_engines=args.copy_engines)
     compiled = build(config)
     return compiled.lowered, compiled.result
 
@@ -185,7 +189,7 @@ def compile_pipeline(args) -> int:
         check_output(args.output, suffixes=(".csv",))
     config = config_from_args(args, multi_layer=True, schedule=args.schedule, memory_budget=args.memory_budget,
                               solver=SolverEffort(args.time_limit), comm_streams=args.comm_streams,
-                              launch_order=args.launch_order)
+                              launch_order=args.launch_order, copy_engines=args.copy_engines)
     with progress_on_stderr("moegraph.schedules"):
         compiled = build(config)
     if args.output:

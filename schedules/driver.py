@@ -135,6 +135,8 @@ def lower(config: CompileConfig) -> Lowered:
     (module docstring)."""
     hw = config.hardware if isinstance(config.hardware, Hardware) else load_hardware(config.hardware)
     hw = hw.for_group(config.strategy.n)        # a group of one rank runs without collective skew
+    if not config.copy_engines:
+        hw = hw.without_copy_engines()
     cost = CostModel(hw)
     if config.pp > 1:
         return _lower_pipeline(config, hw, cost)

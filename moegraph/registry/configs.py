@@ -490,6 +490,19 @@ class Hardware(_Record):
                                    in_step_stream_bw_bytes_s=self.solo_in_step_stream_bw_bytes_s,
                                    solo_in_step_stream_bw_bytes_s=0.0)
 
+    def without_copy_engines(self) -> "Hardware":
+        """This profile with its collectives on SMs only: SM budget 0 (copy engines) left out of
+        ``comm_sm_budgets``, for a runtime that does not run copy-engine collectives (moegraph's
+        on NCCL: docs/runtime.md, "SM budgets"). A profile with budget 0 alone is refused."""
+        if 0 not in self.comm_sm_budgets:
+            return self
+        budgets = tuple(b for b in self.comm_sm_budgets if b > 0)
+        if not budgets:
+            raise RegistryError(f"hardware {self.name!r} allows only SM budget 0 (copy engines; comm_sm_budgets="
+                                f"{list(self.comm_sm_budgets)}): without copy engines no budget is left; give "
+                                "the GPUs' profile, or one whose comm_sm_budgets has a budget of 1 SM or more")
+        return dataclasses.replace(self, comm_sm_budgets=budgets)
+
     def curve(self, name: str) -> Curve | None:
         """The measured curve ``name`` (one of CURVE_NAMES), or None if not calibrated."""
         if name not in CURVE_NAMES:
