@@ -102,9 +102,10 @@ def baseline_peaks(layer, comm_streams, budget: int) -> dict[str, int]:
     return {name: peak_memory_bytes(problem, fn(problem)) for name, fn in baselines_for(problem).items()}
 
 
-def compile_summary(layer, result, output: str | None, comm_streams=("comm",), memory_budget: int | None = None) -> dict:
+def compile_summary(layer, result, output: str | None, comm_streams=("comm",), memory_budget: int | None = None,
+                    copy_engines: bool = True) -> dict:
     s = result.schedule.summary
-    return {"model": layer.model.name, "hardware": layer.hardware.name,
+    return {"model": layer.model.name, "hardware": layer.hardware.name, "copy_engines": copy_engines,
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
             "lower_bound_us": s["lower_bound_us"], "baselines": s["baselines"],
             "peak_memory_bytes": s["peak_memory_bytes"], "exposed_comm_us": s["exposed_comm_us"],
@@ -140,7 +141,8 @@ def format_compile(c: dict) -> str:
             *((k, v) for k, v in sorted(c["baselines"].items()) if k != c["source"])]
     width = max(12, *(len(name) for name, _ in rows))
     over = [name for name, _ in rows if budget is not None and peaks.get(name, 0) > budget]
-    lines = [f"{c['model']} on {c['hardware']}: {c['nodes']} nodes{mbs}, strategy "
+    sm_only = "" if c.get("copy_engines", True) else " (collectives on SMs only: --no-copy-engines)"
+    lines = [f"{c['model']} on {c['hardware']}{sm_only}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate"))
              + (f" dp={c['strategy']['dp']}" if c["strategy"].get("dp", 1) > 1 else ""),   # replicas: more nodes
              f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
@@ -175,7 +177,7 @@ def compile_command(p: argparse.ArgumentParser):
         if args.output:
             result.schedule.save(make_parents(args.output))
         summary = compile_summary(layer, result, args.output, comm_streams=comm_streams_from(args),
-                                  memory_budget=args.memory_budget)
+                                  memory_budget=args.memory_budget, copy_engines=args.copy_engines)
         print_result(summary, args.json, format_compile)
         return 0
     return run

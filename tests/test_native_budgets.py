@@ -65,7 +65,8 @@ def test_compile_no_copy_engines_writes_a_plan_nccl_runs(tmp_path, capsys):
     collective budget 0; the default compile of the same layer gives some (refused on NCCL)."""
     for flags, name in (((), "ce.json"), (("--no-copy-engines",), "sm.json")):
         assert main(["compile", "--time-limit", "1", *flags, "-o", str(tmp_path / name)]) == 0
-    capsys.readouterr()
+        said = "(collectives on SMs only: --no-copy-engines)" in capsys.readouterr().out
+        assert said == bool(flags)
     hw, comm = _file_budgets(tmp_path / "ce.json")
     assert 0 in hw and 0 in comm
     hw, comm = _file_budgets(tmp_path / "sm.json")
