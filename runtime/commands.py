@@ -313,9 +313,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with emulated_link(link):                         # a missing privilege fails here, before any work
         if profile_note:                              # said once the link exists (else the error alone)
             print(profile_note, file=sys.stderr, flush=True)
-        # planned for what the ranks run (NCCL: no budget 0); a file's plan is checked as given
-        config = run_config(args, schedule) if schedule is not None else runnable_config(run_config(args, None),
-                                                                                          args.backend)
+        config = run_config(args, schedule)
+        if schedule is None:                          # planned for what the ranks run (NCCL: no budget 0)
+            config = runnable_config(config, args.backend)     # a file's plan is checked as given, below
         layer = lower(config)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
