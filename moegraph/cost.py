@@ -6,8 +6,8 @@ next to the paper's equations.
 
 Compute (every op but SPLIT, which is a view and costs nothing):
     t = kernel_latency + max(flops / (P * eff_op), mem_bytes * traffic_op / (W * mem_eff))
-    eff_op: GEMM, ROUTER -> gemm_eff; GROUPED_GEMM -> grouped_gemm_eff; ATTENTION -> attention_eff;
-    memory-bound ops -> 1 (their few FLOPs never bind); traffic_op: hw.mem_traffic (1 unless calibrated).
+    eff_op: GEMM, ROUTER -> gemm_eff; GROUPED_GEMM -> grouped_gemm_eff (times the shape factor, on a
+    calibrated curve too); ATTENTION -> attention_eff; memory-bound ops -> 1; traffic_op: hw.mem_traffic.
 Collectives (comm_bytes already holds what this rank sends, see ``moegraph.ir.collective_bytes``):
     all-gather, reduce-scatter: t = kernel_latency + (n-1)*alpha  + bytes / (B * ring_eff * s(sm))
     all-to-all:                 t = kernel_latency + (n-1)*alpha  + bytes / (B * a2a_eff  * s_a2a(sm))
@@ -36,9 +36,8 @@ beside collectives that hold `sm` SMs runs its FLOP term on the SMs left, x S/(S
 (``hbm_slowdown``: W' = W * mem_eff, c = comm_hbm_traffic, R the NVLink rate those SMs reach);
 the collective itself stretches by hw.comm_overlap_stretch while compute runs beside it. The
 scheduler applies these factors; node_time_us prices nodes alone.
-A measured curve in ``hw.curves`` replaces the matching scalar efficiency, evaluated at the
-node's size: FLOPs for compute curves, mem_bytes for mem_eff, comm_bytes for comm curves.
-In-step factors (``hw.in_step_factors``, measured from real steps by `moegraph calibrate`)
+A measured curve in ``hw.curves`` replaces the scalar efficiency, at the node's FLOPs, mem_bytes
+or comm_bytes. In-step factors (``hw.in_step_factors``, from real steps by `moegraph calibrate`)
 multiply everything above kernel_latency by the node's op class factor (``op_class``).
 In-step weight streaming: an expert GEMM (GROUPED_GEMM) runs one GEMM per row segment (per
 local expert, and per source rank when all-to-all fed it; again for every chunk), and inside a
@@ -48,11 +47,9 @@ W_s = ``hw.in_step_stream_bw_bytes_s`` > 0 the node adds
     t_stream = stream_bytes / W_s          (node attr "stream_bytes", moegraph/lowering/blocks.py)
 after the in-step factor; W_s = 0 (datasheet GPU profiles, older CPU profiles): no term.
 Gradient accumulation: a weight-gradient kernel with attr accumulate=True (each token chunk's
-but the last, moegraph.autodiff) adds its result to the running sum, which the runtime does as
-a separate pass over a fresh weight-sized tensor (``kernels.run_compute``). Where the profile
-has a rate W_a = ``hw.accumulate_bw_bytes_s`` > 0 the node adds
-    t_acc = accumulate_bytes / W_a         (node attr "accumulate_bytes": the running sum's bytes)
-measured as the runtime runs it; W_a = 0: no term.
+but the last, moegraph.autodiff) adds its result to the running sum in a separate pass over a
+fresh weight-sized tensor (``kernels.run_compute``); where W_a = ``hw.accumulate_bw_bytes_s`` > 0
+the node adds t_acc = accumulate_bytes / W_a (attr "accumulate_bytes"); W_a = 0: no term.
 A fused group prices its members without either in-step term (``in_step_terms=False``): its kernel
 reads each expert's weights once and accumulates in its epilogue, not in a separate pass.
 
@@ -466,7 +463,7 @@ class CostModel:
         hw, eff_name = self.hw, _CLASS_EFF[cls]
         flops_s = 0.0
         if node.flops:
-            eff = 1.0 if eff_name is None else self._eff(eff_name, node.flops, getattr(hw, eff_name) * self._shape(node, cls))
+            eff = 1.0 if eff_name is None else self._class_eff(node, cls, eff_name)
             flops_s = node.flops / (hw.peak_flops_bf16 * eff)
         mem_s = 0.0
         if node.mem_bytes:
@@ -475,11 +472,16 @@ class CostModel:
         t = hw.kernel_latency_us + max(flops_s * sm_slow, mem_s * hbm_slow) * _US * hw.in_step_factor(cls)
         return t + (self._stream_us(node) + self._accumulate_us(node)) * hbm_slow if in_step_terms else t
 
+    def _class_eff(self, node: Node, cls: str, eff_name: str) -> float:
+        """A GEMM's curve by FLOPs (or scalar) times its shape factor (calibration fits the curve
+        to samples divided by theirs); attention's curve replaces scalar and factor together."""
+        gemm, scalar, shape = cls in ("gemm", "grouped_gemm"), getattr(self.hw, eff_name), self._shape(node, cls)
+        return self._eff(eff_name, node.flops, scalar) * shape if gemm else self._eff(eff_name, node.flops, scalar * shape)
+
     def _shape(self, node: Node, cls: str) -> float:
         """The shape factor (<= 1) of a GEMM, grouped GEMM or attention node (moegraph.efficiency);
         1 for other classes, and for a GEMM without the ``mnk`` attribute (the router; graphs
-        built by other code), which runs at the large-GEMM efficiency. A measured curve (``_eff``)
-        replaces scalar and factor together."""
+        built by other code), which runs at the large-GEMM efficiency."""
         if cls in ("gemm", "grouped_gemm"):
             shape = gemm_shape(node)
             return 1.0 if shape is None else gemm_shape_factor(self.hw, shape)

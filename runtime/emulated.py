@@ -193,7 +193,8 @@ class EmulatedCost(CostModel):
     Compute: as the hardware profile prices it, except
       ``fp32_flops_s``   the rate of FLOP-bound terms (the profile's own efficiency curves still
                          apply) instead of the profile's bf16 peak: the emulated graph is fp32, run
-                         with TF32 off (None: the profile's rate);
+                         with TF32 off (None: the profile's rate); and no GEMM tile factors, which
+                         are cuBLAS's bf16 tensor-core tiles (fp32 without TF32 runs other kernels);
       ``masked_groups``  node name -> E for the grouped GEMMs the device runs in the masked
                          formulation (moegraph.grouped_gemm: every one of the E experts' products
                          for every row), priced at E times their FLOPs.
@@ -205,7 +206,8 @@ class EmulatedCost(CostModel):
             raise ValueError(f"comm_us={comm_us!r} must be >= 0")
         if fp32_flops_s is not None and not fp32_flops_s > 0:
             raise ValueError(f"fp32_flops_s={fp32_flops_s!r} must be > 0")
-        super().__init__(hw if fp32_flops_s is None else dataclasses.replace(hw, peak_flops_bf16=fp32_flops_s))
+        super().__init__(hw if fp32_flops_s is None else dataclasses.replace(hw, peak_flops_bf16=fp32_flops_s,
+                                                                              gemm_tiles=(), gemm_k_half=0.0))
         self.comm_us = comm_us
         self.masked_groups = dict(masked_groups or {})
         self._as_run: dict[str, tuple[Node, Node]] = {}

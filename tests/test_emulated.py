@@ -120,7 +120,7 @@ def test_the_plans_cost_model_is_told_what_the_emulated_run_runs():
     stretch beside compute: each collective of a greedy plan is predicted to last exactly that.
     Compute is priced on the measured H200 profile at the FP32 rate (the graph is fp32, TF32 off):
     a compute node takes what the profile's own model gives it with the bf16 peak replaced by
-    66.9 TFLOP/s; a grouped GEMM the device runs masked (every expert's product for every row,
+    66.9 TFLOP/s and no GEMM tile factors (cuBLAS's bf16 tensor-core tiles); a grouped GEMM the device runs masked (every expert's product for every row,
     moegraph.grouped_gemm) is priced at ``experts`` times its FLOPs, one it runs natively at its own."""
     import dataclasses
 
@@ -128,7 +128,8 @@ def test_the_plans_cost_model_is_told_what_the_emulated_run_runs():
     from moegraph.ir import OpKind
     from moegraph.registry import load_hardware
     z = TINY_SIZES
-    fp32 = CostModel(dataclasses.replace(load_hardware("nvidia-h200-2026-11-27"), peak_flops_bf16=66.9e12))
+    fp32 = CostModel(dataclasses.replace(load_hardware("nvidia-h200-2026-11-27"), peak_flops_bf16=66.9e12,
+                                         gemm_tiles=(), gemm_k_half=0.0))
     tick = 0.01                                                         # the schedule's time grid, rounded up
     for masked in (True, False):
         rg = EmulatedRankGraph(z, "cpu", comm_us=321.0, masked=masked)

@@ -188,6 +188,20 @@ CURVE_NAMES = ("gemm_eff", "grouped_gemm_eff", "attention_eff", "mem_eff", "ring
 Curve = tuple[tuple[float, float], ...]
 
 
+SHAPE_DIVIDED_CURVES = ("gemm_eff", "grouped_gemm_eff")
+"""Curves the cost model multiplies by a GEMM's shape factor (calibration divides the samples
+by theirs), so a point is relative to the factor and exceeds 1 where the factor over-penalises
+the bin's shapes (runtime.calibrate.fit.shape_caps keeps each product <= 1)."""
+
+
+def _curve_point(name: str, v: Any) -> float:
+    if name not in SHAPE_DIVIDED_CURVES:
+        return fraction(v)
+    if not 0 < _number(v, "a number in (0, 1e4]") <= 1e4:
+        raise Bad(f"expected a number in (0, 1e4] (a shape-divided GEMM curve), got {v!r}")
+    return float(v)
+
+
 def curves(v: Any) -> tuple[tuple[str, Curve], ...]:
     out = []
     for name, points in _keyed(v, CURVE_NAMES, "a mapping of curve name -> [[size, eff], ...]", "curve"):
@@ -198,7 +212,7 @@ def curves(v: Any) -> tuple[tuple[str, Curve], ...]:
             if not isinstance(p, (list, tuple)) or len(p) != 2:
                 raise Bad(f"{name}: expected a [size, eff] pair, got {_got(p)}")
             try:
-                pts.append((pos_float(p[0]), fraction(p[1])))
+                pts.append((pos_float(p[0]), _curve_point(name, p[1])))
             except Bad as err:
                 raise Bad(f"{name}: point {list(p)}: {err}") from None
         if any(a[0] >= b[0] for a, b in zip(pts, pts[1:])):

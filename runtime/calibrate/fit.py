@@ -7,7 +7,9 @@ evaluating its own formulas, reproduces the measurements:
     peak_flops_bf16    P = best GEMM-class FLOP/s, flops / (t - kappa); holds the measured peak
                        of the profile's dtype (fp32 on CPU: see measured.notes, dtype=...)
     *_eff curves       per half-decade size bin: sum(flops) / (P * sum(t - kappa)), time-weighted,
-                       so the predicted total of the bin's kernels equals the measured total; a
+                       each GEMM's time times its shape factor (moegraph.efficiency, from the
+                       base profile's tiles and the device's SMs), which the cost model applies
+                       on top of the curve: so the predicted total of the bin's kernels equals the measured total; a
                        bin holding nodes of real layer graphs uses only those; then the compute
                        curves and mem_eff are refined together (the cost model takes the max of
                        the FLOP and memory terms). The router is left out (see COMPUTE_CURVES).
@@ -37,6 +39,7 @@ evaluating its own formulas, reproduces the measurements:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -44,8 +47,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from moegraph.cost import interpolate
-from moegraph.efficiency import fit_size_eff
+from moegraph.cost import interpolate, shaped_node
+from moegraph.efficiency import fit_size_eff, gemm_shape, gemm_shape_factor
 from moegraph.registry import Hardware
 from moegraph.registry.fields import SOURCED_FIELDS, traffic_factor
 from moegraph.runtime.calibrate.results import MEMORY_BOUND_OPS, BenchResult, MachineInfo, Sample
@@ -54,7 +57,7 @@ from moegraph.runtime.calibrate.profile_io import CalibrationFacts, Profile
 from moegraph.runtime.netns import bucket_bytes
 
 __all__ = ["fit_profile", "link_peak", "COMM_BIN_WIDTH", "binned_curve", "graph_first", "refine_compute_curves", "fit_mem_traffic", "self_check", "summarize_checks",
-           "GraphCheck", "BenchCheck", "fit_bin", "COMPUTE_CURVES", "COMM_CURVES", "COMM_KINDS", "BIN_WIDTH"]
+           "GraphCheck", "BenchCheck", "fit_bin", "gemm_factor", "COMPUTE_CURVES", "COMM_CURVES", "COMM_KINDS", "BIN_WIDTH"]
 
 CPU_SHARES = 100            # sm_count of a CPU profile: compute "SMs" are percent of the cores
 # The router is priced with gemm_eff, but runs softmax/top-k (forward) and a vjp (backward)
@@ -81,10 +84,10 @@ def _sig(x: float, digits: int = 4) -> float:
 
 
 def binned_curve(points: Sequence[tuple[float, float, bool]], rate: float, *, width: float = BIN_WIDTH,
-                 eff_floor: float = 1e-4) -> list[list[float]]:
+                 eff_floor: float = 1e-4, caps: dict[int, float] | None = None) -> list[list[float]]:
     """points: (size, net seconds, from a real layer graph). One point per log10 bin of
     ``width``: eff = sum(size) / (rate * sum(net seconds)); a bin with graph points uses only
-    those. Sizes strictly increase; eff is clamped to [eff_floor, 1]."""
+    those. Sizes strictly increase; eff is clamped to [eff_floor, caps.get(bin, 1)]."""
     bins: dict[int, list[tuple[float, float, bool]]] = defaultdict(list)
     for size, net, real in points:
         if size > 0:
@@ -97,7 +100,7 @@ def binned_curve(points: Sequence[tuple[float, float, bool]], rate: float, *, wi
         size = _sig(math.exp(statistics.fmean(math.log(s) for s, _, _ in pts)))
         net = sum(t for _, t, _ in pts)
         eff = 1.0 if net <= 0 else sum(s for s, _, _ in pts) / (rate * net)
-        eff = _sig(min(1.0, max(eff_floor, eff)))
+        eff = _sig(min((caps or {}).get(key, 1.0), max(eff_floor, eff)))
         if curve and size <= curve[-1][0]:
             continue
         curve.append([size, eff])
@@ -171,9 +174,29 @@ def sample_role(s: Any) -> str:
     return dict(s.shape).get("role", "forward")
 
 
+def gemm_factor(s: Any, hw: Hardware) -> float:
+    """The cost model's shape factor of a GEMM or grouped-GEMM sample on ``hw`` (its stored
+    shape attrs); 1 for other ops and for a sample without ``mnk``."""
+    if s.op not in ("gemm", "grouped_gemm"):
+        return 1.0
+    shape = gemm_shape(shaped_node("sample", s.op, s.shape, flops=s.flops, mem_bytes=s.mem_bytes))
+    return 1.0 if shape is None else gemm_shape_factor(hw, shape)
+
+
+def shape_caps(samples: Sequence[Any], hw: Hardware, width: float = BIN_WIDTH) -> dict[int, float]:
+    """Per FLOP bin, the most a shape-divided curve point may be: 1 / the bin's smallest shape
+    factor (>= 1), so no sample of the bin is priced above the peak; where the factor
+    over-penalises a shape the point exceeds 1 and the product stays <= 1."""
+    caps: dict[int, float] = {}
+    for s in samples:
+        key, q = round(math.log10(s.flops) / width), gemm_factor(s, hw)
+        caps[key] = max(caps.get(key, 1.0), 1.0 / max(q, 1e-4))
+    return caps
+
+
 def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str, list[Any]], peak: float,
                           bw: float, kappa: float, *, width: float = BIN_WIDTH, rounds: int = 60,
-                          traffic: dict[str, float] | None = None) -> None:
+                          traffic: dict[str, float] | None = None, shape_hw: Hardware | None = None) -> None:
     """Adjust the compute and mem_eff curve points (in place) until, for every point, the cost
     model's predicted total over the samples of that point's bin equals their measured total.
 
@@ -182,13 +205,17 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
     come from the other curve, and its neighbours' points matter: a damped fixed-point
     iteration over every point handles both. A point is scaled by (predicted / measured) of
     the nodes whose binding term it prices; points stay within [1e-4, 1]. ``traffic``: op ->
-    factor on the memory term (Hardware.mem_op_traffic), as the cost model applies it."""
+    factor on the memory term (Hardware.mem_op_traffic), as the cost model applies it;
+    ``shape_hw``: the profile whose GEMM shape factors multiply the curves (``gemm_factor``)."""
     import numpy as np
     rows = [(name, s) for name, ss in fitted.items() for s in ss]
     if not rows:
         return
     cls = np.array([name for name, _ in rows])
     flops = np.array([float(s.flops) for _, s in rows])
+    shape = np.array([gemm_factor(s, shape_hw) if shape_hw is not None else 1.0 for _, s in rows])
+    caps = {name: shape_caps(fitted[name], shape_hw, width) if shape_hw is not None and name in COMPUTE_CURVES
+            else {} for name in curves}
     mem = np.array([float(s.mem_bytes) for _, s in rows])
     moved = mem * np.array([traffic_factor(traffic or {}, s.op, sample_role(s)) if name == "mem_eff" else 1.0
                             for name, s in rows])                                  # bytes the kernels move
@@ -205,7 +232,7 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
         for name in COMPUTE_CURVES:
             m = cls == name
             if m.any() and name in curves:
-                t_flop[m] = flops[m] / (peak * eff(curves[name], flops[m]))
+                t_flop[m] = flops[m] / (peak * eff(curves[name], flops[m]) * shape[m])
         m = cls == "mem_eff"
         t_flop[m] = flops[m] / peak                                      # memory-bound ops: eff 1
         t_mem = moved / (bw * eff(curves["mem_eff"], mem)) if "mem_eff" in curves else np.zeros(len(rows))
@@ -221,7 +248,8 @@ def refine_compute_curves(curves: dict[str, list[list[float]]], fitted: dict[str
                 sel = binds & (keys == round(math.log10(point[0]) / width))
                 if sel.any():
                     ratio = pred[sel].sum() / target[sel].sum()
-                    point[1] = min(1.0, max(1e-4, point[1] * ratio ** 0.7))
+                    cap = caps[name].get(round(math.log10(point[0]) / width), 1.0)
+                    point[1] = min(cap, max(1e-4, point[1] * ratio ** 0.7))
     for curve in curves.values():
         for point in curve:
             point[1] = _sig(point[1])
@@ -260,14 +288,18 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     rates = [s.flops / (s.seconds - kappa) for s in compute
              if s.op in sum(COMPUTE_CURVES.values(), ()) and s.flops > 0 and s.seconds >= 10 * kappa]
     fitted: dict[str, list[Any]] = {}
+    # the SMs the profile will have (the device's, as set below), for the GEMM shape factors
+    sms = info.sm_count if not cpu and info.sm_count is not None and info.sm_count > max(base.comm_sm_budgets) \
+        else base.sm_count
+    shape_hw = dataclasses.replace(base, sm_count=sms)
     if rates:
         peak = max(rates)
         prof["peak_flops_bf16"] = _sig(peak)
         for curve, ops in COMPUTE_CURVES.items():
             chosen = graph_first([s for s in compute if s.op in ops and s.flops > 0], lambda s: s.flops)
             if chosen:
-                pts = [(s.flops, s.seconds - kappa, False) for s in chosen]
-                curves[curve] = binned_curve(pts, peak)
+                pts = [(s.flops, (s.seconds - kappa) * gemm_factor(s, shape_hw), False) for s in chosen]
+                curves[curve] = binned_curve(pts, peak, caps=shape_caps(chosen, shape_hw))
                 prof[curve] = _overall(pts, peak)
                 fitted[curve] = chosen
             else:
@@ -304,7 +336,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     if reference:
         traffic = fit_mem_traffic(fitted["mem_eff"], curves["mem_eff"], prof["hbm_bw_bytes_s"], kappa)
     if fitted:
-        refine_compute_curves(curves, fitted, prof["peak_flops_bf16"], prof["hbm_bw_bytes_s"], kappa, traffic=traffic)
+        refine_compute_curves(curves, fitted, prof["peak_flops_bf16"], prof["hbm_bw_bytes_s"], kappa, traffic=traffic,
+                              shape_hw=shape_hw)
     if reference:
         traffic = fit_mem_traffic(fitted["mem_eff"], curves["mem_eff"], prof["hbm_bw_bytes_s"], kappa)
     prof["mem_op_traffic"] = traffic
