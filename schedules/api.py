@@ -246,15 +246,22 @@ def _periodic(problem: Problem, opts: SolverOptions) -> list[Solution]:
     units = [u * P for u in UNIT_LAYERS if not L % (u * P) and u * P < L]
     _log.info("periodic warm starts for %d layers (kinds repeat every %d): CP-SAT on %s-layer units, effort %g s "
               "each", L, P, " and ".join(map(str, units)) or "no", opts.time_limit_s * LAYER_SHARE)
-    out = []
+    out: list[Solution] = []
+    smaller: tuple[Problem, Solution] | None = None      # the last unit solved (K ascending)
     for K in units:
         unit = build_problem(stack_kinds(LayerKinds(kinds.graphs, kinds.pattern[:K])) if K > 1 else kinds.graphs[0],
                              problem.cost, comm_streams=problem.streams[1:])
         cands = [*(fn(unit) for fn in BASELINES.values()), *list_warm_starts(unit)]
+        if smaller is not None and K % layer_count(smaller[0].graph) == 0:
+            # the smaller unit's schedule tiled over this one: CP-SAT starts from it, so the larger
+            # unit only adds the overlap between its layers (2 mixtral-8x7b h800 layers from
+            # 13,140.3 us tiled instead of 13,683.2 listed: 12,508.4 in the same effort)
+            cands.append(tile_layers(unit, *smaller))
         hint = min(cands, key=lambda s: makespan_ticks(unit, s))  # first of equals: deterministic
         r = solve(unit, dataclasses.replace(opts, time_limit_s=opts.time_limit_s * LAYER_SHARE), hint=hint,
                   horizon=makespan_ticks(unit, hint))
         sol = r.solution if r.solution is not None else hint
+        smaller = (unit, sol)
         _log.info("periodic warm start: %d-layer unit %s (%.1f us), tiled over %d layers", K, r.status,
                   makespan_ticks(unit, sol) * unit.tick_us, L)
         # with DP collectives also the DP-aware tiling: each period's DP sync slides under the
