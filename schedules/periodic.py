@@ -42,6 +42,18 @@ their stream (tiled or copy-engine mode, SMs permitting) and the end of the step
 DP-aware tiling places its tail (below). The head's gradient buckets (moegraph.edges) fit such
 gaps where one long all-reduce did not; CP-SAT then searches from there.
 
+Carried buckets (``carry``). The late edge collectives find no room in the tiled backward when
+the tile runs compute alone (every SM) wherever its own collectives leave the comm stream free:
+at 32 mixtral-8x7b layers on h800 the head's ten gradient buckets (387 us each) then run after
+layer 0's backward, 2% of the step exposed. A carrying schedule is the unit's backward with one
+such bucket added, solved by CP-SAT (the unit's backward, then the bucket after it, as its warm
+start), so its compute makes room for it: one mixtral-8x7b layer's backward 3,943.5 us alone,
+3,990.7 us carrying a 387 us bucket. The first backward periods to run (the buckets' inputs are
+ready before any) each take the carrying schedule and one of the alike buckets
+(``alike_edge_collectives``), their windows B_c long instead of B; the rest run as tiled. Still
+feasible by construction: a carrying window is a schedule of the same tasks plus the bucket,
+whose inputs (the head's backward) end before the first backward window.
+
 Makespan (L/K) (F + B) (plus the edges' windows). These are warm starts: CP-SAT then searches from the best
 (stage 2 of ``cpsat.solve``), never ending worse.
 
@@ -70,6 +82,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
+from dataclasses import dataclass
 from typing import Literal
 
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
@@ -79,7 +92,8 @@ from moegraph.schedules.problem import Problem, ScheduleError
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 
-__all__ = ["PERIODIC", "SLIDE_ORDERS", "SlideOrder", "can_slide", "is_stack", "tile_layers"]
+__all__ = ["PERIODIC", "SLIDE_ORDERS", "SlideOrder", "Carry", "alike_edge_collectives", "can_slide", "is_stack",
+           "tile_layers"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -123,7 +137,7 @@ SLIDE_ORDERS: tuple[SlideOrder, ...] = ("tiled", "ready")
 
 
 def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: bool = False,
-                slide_order: SlideOrder = "tiled") -> Solution:
+                slide_order: SlideOrder = "tiled", carry: Carry | None = None) -> Solution:
     """``sol`` (a solution of ``unit``: the one-layer graph, or a stack of K of its layers)
     repeated over the layers of ``problem``'s graph (module doc), K layers per period: layer
     i = q K + u runs as the unit's layer u in period q. ``dp_slide``: the DP tail of each
@@ -132,7 +146,11 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     (``is_stack``), L is not a multiple of K, or a node's mode in the unit has no twin (same
     SMs, alone flag and ticks) in the stacked problem. ``slide_order`` (``SlideOrder``): the
     order the slid tasks are placed in; "tiled" names the result ``periodic+dp``, "ready"
-    ``periodic+dp-ready``."""
+    ``periodic+dp-ready``. ``carry`` (``Carry``; not with ``dp_slide``): the first backward
+    periods to run each carry one of its alike edge collectives, on the carrying schedule of the
+    unit's backward (module doc, "Carried buckets"); the result is named ``...+carry``."""
+    if carry is not None and dp_slide:
+        raise ValueError("carry and dp_slide are exclusive: a carrying period has no DP tail to slide")
     if slide_order not in SLIDE_ORDERS:
         raise ValueError(f"slide_order={slide_order!r} is not one of {', '.join(SLIDE_ORDERS)}")
     graph = problem.graph
@@ -157,6 +175,12 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     bwd = max((unit_ends[t.index] for t in unit.tasks if t.side == 1 and t.index not in tail), default=fwd) - fwd
     if not tail:
         bwd = span - fwd
+    carried = carry.tasks[:periods] if carry is not None else ()     # period periods-1-j carries carried[j]
+    span_of = [bwd] * periods
+    for j in range(len(carried)):
+        span_of[periods - 1 - j] = makespan_ticks(carry.unit, carry.solution)
+    # backward periods run last first: period q's window starts after those of q + 1 .. periods - 1
+    before = [sum(span_of[q + 1:]) for q in range(periods)]
     start, mode = [0] * len(problem.tasks), [0] * len(problem.tasks)
     edges = [t for t in problem.tasks if t.node.attr(EDGE_ATTR, False)]
     # edge compute reading what an edge backward collective made (the bucketed [V, h] syncs'
@@ -182,7 +206,7 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     for t in edge_compute:                          # between the forward and the backward windows
         start[t.index], mode[t.index] = at, mid_mode[t.index]
         at += t.modes[mid_mode[t.index]].ticks
-    at = periods * (fwd + bwd) + ef + eb
+    at = periods * fwd + sum(span_of) + ef + eb
     for t in after:                                 # before the late collectives that read them
         start[t.index], mode[t.index] = at, t.default_mode
         at += t.modes[t.default_mode].ticks
@@ -193,12 +217,15 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         i = t.node.layer
         q, u = divmod(i, K)
         base = t.name[len(f"l{i}."):]
-        src = unit.by_name[f"l{u}.{base}" if K > 1 else base]
-        s = sol.start[src.index]
+        src, s = unit.by_name[f"l{u}.{base}" if K > 1 else base], None
+        if t.side == 1 and periods - 1 - q < len(carried):     # a carrying period: its own schedule
+            src = carry.unit.by_name[f"l{u}.{base}"]
+            s, m = carry.solution.start[src.index] + fwd, src.modes[carry.solution.mode[src.index]]
+        else:
+            s, m = sol.start[src.index], src.modes[sol.mode[src.index]]
         # period q's forward after q earlier ones; backward periods last first, after the
-        # last forward ends ((periods - 1) fwd + fwd; s >= fwd for a backward node)
-        start[t.index] = s + q * fwd if t.side == 0 else s + (periods - 1) * fwd + ef + eb + (periods - 1 - q) * bwd
-        m = src.modes[sol.mode[src.index]]
+        # last forward ends (periods fwd; s >= fwd for a backward node)
+        start[t.index] = s + q * fwd if t.side == 0 else s - fwd + periods * fwd + ef + eb + before[q]
         k = next((k for k, x in enumerate(t.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)), None)
         if k is None:
             raise ScheduleError(f"{t.name!r} has no mode like its unit node {src.name!r}'s "
@@ -207,13 +234,17 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         if src.index in tail:
             late[t.index] = start[t.index]
     name = PERIODIC if K == 1 else f"{PERIODIC}x{K}"
+    carried_task = carry.unit.tasks[carry.carried] if carry is not None else None
+    for j, i in enumerate(carried):                 # inside its period's window, as the carrying schedule has it
+        start[i] = carry.solution.start[carried_task.index] + periods * fwd + ef + eb + before[periods - 1 - j]
+        mode[i] = carry.solution.mode[carried_task.index]
     for t in edges:
         # as soon as its inputs allow, in the gaps the tiled backward leaves on its stream (the
         # head's gradient buckets fit there), else after the layers' backward, alone
-        if (t.kind == "comm" and t.side == 1) or t.index in fed:
+        if ((t.kind == "comm" and t.side == 1) or t.index in fed) and t.index not in carried:
             late[t.index], mode[t.index] = 0, t.default_mode
     _place_late(problem, start, mode, late, at, slide_order)
-    suffix = "" if not dp_slide else "+dp" + ("-ready" if slide_order == "ready" else "")
+    suffix = ("" if not dp_slide else "+dp" + ("-ready" if slide_order == "ready" else "")) + ("+carry" if carried else "")
     return settle_alone(problem, Solution(name + suffix, tuple(start), tuple(mode)))
 
 
@@ -323,3 +354,31 @@ def _free_from(spans: list[tuple[int, int, int]], t: int, d: int) -> int:
             break
         s = b
     return s
+
+
+@dataclass(frozen=True)
+class Carry:
+    """A carrying schedule (module doc, "Carried buckets"): ``unit`` is the stacked problem's
+    backward tasks of layers 0 .. K-1 (named ``l{u}.<name>``) and one edge collective
+    (``carried``, its index in ``unit``), solved as ``solution`` (backward from 0); ``tasks``:
+    the stacked problem's alike edge collectives to carry, one per backward period."""
+
+    unit: Problem
+    solution: Solution
+    carried: int
+    tasks: tuple[int, ...]
+
+
+def alike_edge_collectives(problem: Problem) -> tuple[int, ...]:
+    """The largest group (at least two) of the edges' backward collectives with the same stream
+    and modes, whose inputs are all edge compute the tiling runs before the backward windows
+    (the head's gradient buckets, moegraph.edges); () if none."""
+    groups: dict[tuple, list[int]] = {}
+    for t in problem.tasks:
+        if t.node.attr(EDGE_ATTR, False) and t.kind == "comm" and t.side == 1 and all(
+                problem.tasks[p].kind == "compute" and problem.tasks[p].node.attr(EDGE_ATTR, False)
+                and not problem.tasks[p].node.attr(EMBED_ATTR, False) for p in t.preds):
+            key = (t.stream, *((m.sm, m.alone, m.ticks) for m in t.modes))
+            groups.setdefault(key, []).append(t.index)
+    best = max(groups.values(), key=len, default=[])          # first of equals: by index
+    return tuple(best) if len(best) >= 2 else ()

@@ -258,6 +258,47 @@ def test_periodic_warm_start_tiles_the_layers_around_the_edges():
     assert tiled.start[problem.by_name["edges.norm.grad_allreduce"].index] < last_backward
 
 
+def test_carrying_periods_hide_the_heads_buckets_the_plain_tiling_leaves_at_the_end():
+    """The head's gradient buckets (alike edge collectives) find no room in the plain tiling's
+    backward and run after it; a carrying schedule (the unit's backward with one bucket, solved
+    by CP-SAT) lets the first backward periods each take one, inside their windows: feasible, and
+    shorter than the plain tiling (moegraph.schedules.periodic, "Carried buckets")."""
+    from moegraph.layers import layer_graph
+    from moegraph.schedules.api import _carrying
+    from moegraph.schedules.baselines import greedy
+    from moegraph.schedules.cpsat import SolverOptions
+    from moegraph.schedules.periodic import alike_edge_collectives, tile_layers
+    from moegraph.schedules.problem import build_problem
+    from moegraph.schedules.solution import alone_twin, barrier_ticks, check_solution, makespan_ticks, solution_ends
+
+    cost = CostModel(load_hardware("h800"))
+    g = _graph(layers=4)
+    problem, unit = build_problem(g, cost), build_problem(layer_graph(g), cost)
+    buckets = alike_edge_collectives(problem)
+    assert [problem.tasks[i].name for i in buckets] == [f"edges.lm_head.bucket{j}.grad_allreduce"
+                                                       for j in range(BUCKETS)]
+    sol = greedy(unit)
+    plain = tile_layers(problem, unit, sol)
+    carry = _carrying(problem, unit, sol, SolverOptions(time_limit_s=2.0))
+    bucket = problem.tasks[buckets[0]]
+    alone = bucket.modes[alone_twin(bucket, bucket.default_mode)].ticks      # run after the backward
+    assert carry is not None
+    assert makespan_ticks(carry.unit, carry.solution) < makespan_ticks(unit, sol) - barrier_ticks(unit, sol) + alone
+
+    def layers_backward_end(sol_):
+        ends = solution_ends(problem, sol_)
+        return ends, max(ends[t.index] for t in problem.tasks
+                         if not t.node.attr("edge", False) and t.side == 1 and t.kind == "compute")
+    _, plain_end = layers_backward_end(plain)
+    assert all(plain.start[i] >= plain_end for i in buckets)          # the plain tiling: all after
+    carried = tile_layers(problem, unit, sol, carry=carry)
+    check_solution(problem, carried)
+    assert carried.method.endswith("+carry")
+    ends, end = layers_backward_end(carried)
+    assert sum(ends[i] <= end for i in buckets) == 4    # one per backward period (4 layers, 1-layer unit)
+    assert makespan_ticks(problem, carried) < makespan_ticks(problem, plain)
+
+
 # -- merged micro-batch steps (moegraph.microbatch): per micro-batch head and gather, one sync --------
 
 def _merged(M: int, dp: int = 1, passes: str = ""):
