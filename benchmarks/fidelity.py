@@ -150,9 +150,10 @@ def fig14(models=MODELS, hw_name="h800-megascale") -> None:
             "layer for phi-3.5-moe (h_ffn 6400), 29.5% for deepseek-moe (h 2048, whose TP experts also permute all "
             "b*s*k rows on every rank), 20-26% for the others; the paper publishes only the range over its 6 models, "
             "not each model's value, its layer counts or Fig 14's sequence length (s = 8192 assumed). The shape "
-            "part, measured: these layers' GEMMs timed on an H200 take 0.96-1.40x as long under TP as under EP "
-            "(deepseek-moe 1.40x, phi-3.5-moe 1.08x), h200's shape factors predict 1.02-1.28x (benchmarks/"
-            "fig14_gemms.py, held out), so TP's narrow experts are as slow as priced and do not explain the excess",
+            "part, measured: these layers' GEMMs take 0.96-1.40x as long under TP as under EP on an H200 (h200's "
+            "shape factors: 1.02-1.28x) and 1.01-1.49x on an H100 (h100: 1.02-1.44x; deepseek-moe 1.49 / 1.44, "
+            "phi-3.5-moe 1.08 / 1.10; benchmarks/fig14_gemms.py, held out), so TP's narrow experts are as slow as "
+            "priced and do not explain the excess",
             0.149 - 0.03 <= g <= 0.329 + 0.03)
 
 

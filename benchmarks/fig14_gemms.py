@@ -14,6 +14,8 @@ Three steps, the middle one on the GPU (torch only, no moegraph):
     python benchmarks/fig14_gemms.py emit > benchmarks/data/fig14-gemm-shapes.txt
     python3 benchmarks/fig14_gemms.py time benchmarks/data/fig14-gemm-shapes.txt > OUT.txt   # on the GPU
     python benchmarks/fig14_gemms.py compare benchmarks/data/h200-fig14-gemms-2026-11-27.txt
+    python benchmarks/fig14_gemms.py compare benchmarks/data/h100-fig14-gemms-2026-11-27-run1.txt \
+        benchmarks/data/h100-fig14-gemms-2026-11-27-run2.txt --profiles h100,h800
 
 Shape lines: ``E rows cols red`` (``moegraph.efficiency.gemm_shape``: E groups of
 y[rows, cols] = x[rows, red] @ w[red, cols]) with ``dense`` or ``grouped``. Timed lines add
@@ -65,10 +67,10 @@ profile; h800-megascale, on which fidelity.py's Fig 14 row is priced (its shape 
 peak and Table-3 factor: only its TP/EP ratio compares)."""
 
 
-def compare(paths: list[str]) -> None:
+def compare(paths: list[str], profiles: tuple[str, ...] = PROFILES) -> None:
     """Per model: the layer's GEMM time under TP+TP over SP+EP, measured (median over the timed
-    files) and predicted by each profile with and without its shape factor; then the per-product
-    error of each profile."""
+    files) and predicted by each of ``profiles`` with and without its shape factor; then the
+    per-product error of the first (a datasheet profile of the GPU that ran them)."""
     import statistics
 
     sys.path.insert(0, __file__.rsplit("/", 1)[0])
@@ -80,12 +82,12 @@ def compare(paths: list[str]) -> None:
 
     runs = [read_timed(p) for p in paths]
     measured = {key: statistics.median(r[key] for r in runs) for key in runs[0]}
-    costs = {name: CostModel(load_hardware(name)) for name in PROFILES}
-    flat = {name: F.ShapelessCost(load_hardware(name)) for name in PROFILES}
-    errors: dict[str, list[float]] = {name: [] for name in PROFILES} | {f"{n} shapeless": [] for n in PROFILES}
+    costs = {name: CostModel(load_hardware(name)) for name in profiles}
+    flat = {name: F.ShapelessCost(load_hardware(name)) for name in profiles}
+    errors: dict[str, list[float]] = {name: [] for name in profiles} | {f"{n} shapeless": [] for n in profiles}
     print(f"# {len(paths)} timed file(s), each product at its median: {', '.join(paths)}")
-    print("| model | TP/EP GEMM time, measured | " + " | ".join(f"{n} (shapeless)" for n in PROFILES) + " |")
-    print("|---|---|" + "---|" * len(PROFILES))
+    print("| model | TP/EP GEMM time, measured | " + " | ".join(f"{n} (shapeless)" for n in profiles) + " |")
+    print("|---|---|" + "---|" * len(profiles))
     for model in F.MODELS:
         tot: dict[str, dict[str, float]] = {}
         for attn, ffn, dispatch in (("tp", "tp", "ag-rs"), ("sp", "ep", "a2a")):
@@ -96,20 +98,20 @@ def compare(paths: list[str]) -> None:
                 kind = "dense" if nd.op is OpKind.GEMM else ("wgrad" if nd.role is Role.WGRAD else "grouped")
                 us = measured[(*gemm_shape(nd), kind)]
                 t["measured"] += us
-                for n in PROFILES:
+                for n in profiles:
                     for label, cm in ((n, costs[n]), (f"{n} shapeless", flat[n])):
                         pred = cm.node_time_us(nd)
                         t[label] += pred
                         errors[label].append(pred / us - 1)
         ratio = {k: tot["tp"][k] / tot["ep"][k] for k in tot["tp"]}
         print(f"| {model} | {ratio['measured']:.3f} ({tot['tp']['measured'] / 1e3:.2f} / {tot['ep']['measured'] / 1e3:.2f} ms) | "
-              + " | ".join(f"{ratio[n]:.3f} ({ratio[n + ' shapeless']:.3f})" for n in PROFILES) + " |")
+              + " | ".join(f"{ratio[n]:.3f} ({ratio[n + ' shapeless']:.3f})" for n in profiles) + " |")
     print()
-    print("# per product, h200 only: the calibrated profile's kernel_latency_us (~25 us) is the executor's host")
-    print("# cost per node, which back-to-back kernels hide; h800-megascale carries Table 3's whole-step factor")
+    print(f"# per product, {profiles[0]} only: a calibrated profile's kernel_latency_us (~25 us) is the executor's")
+    print("# host cost per node, which back-to-back kernels hide; h800-megascale carries Table 3's whole-step factor")
     print("| profile | median abs error per product (every node of both strategies) | max abs error |")
     print("|---|---|---|")
-    for label in ("h200", "h200 shapeless"):
+    for label in (profiles[0], f"{profiles[0]} shapeless"):
         e = [abs(x) for x in errors[label]]
         print(f"| {label} | {statistics.median(e):.1%} | {max(e):.1%} |")
 
@@ -165,7 +167,12 @@ if __name__ == "__main__":
     elif mode == "time" and len(sys.argv) == 3:
         time_file(sys.argv[2])
     elif mode == "compare" and len(sys.argv) >= 3:
-        compare(sys.argv[2:])
+        args = sys.argv[2:]
+        if "--profiles" in args:             # compare FILES... --profiles a,b,c (first: the GPU's datasheet)
+            i = args.index("--profiles")
+            compare(args[:i], tuple(args[i + 1].split(",")))
+        else:
+            compare(args)
     else:
-        print("usage: fig14_gemms.py emit | time SHAPES.txt | compare TIMED.txt", file=sys.stderr)
+        print("usage: fig14_gemms.py emit | time SHAPES.txt | compare TIMED.txt... [--profiles A,B]", file=sys.stderr)
         sys.exit(2)
