@@ -45,7 +45,7 @@ def row(fig: str, setting: str, paper: str, ours: str, status: str, reason: str,
 
 def no_shapes(hw):
     """``hw`` with the compute shape curves off (GEMMs at gemm_eff whatever their shape)."""
-    return dataclasses.replace(hw, gemm_tiles=(), gemm_k_half=0.0)
+    return hw.without_gemm_shapes()
 
 
 class ShapelessCost(CostModel):

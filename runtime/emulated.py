@@ -206,8 +206,8 @@ class EmulatedCost(CostModel):
             raise ValueError(f"comm_us={comm_us!r} must be >= 0")
         if fp32_flops_s is not None and not fp32_flops_s > 0:
             raise ValueError(f"fp32_flops_s={fp32_flops_s!r} must be > 0")
-        super().__init__(hw if fp32_flops_s is None else dataclasses.replace(hw, peak_flops_bf16=fp32_flops_s,
-                                                                              gemm_tiles=(), gemm_k_half=0.0))
+        super().__init__(hw if fp32_flops_s is None
+                         else dataclasses.replace(hw.without_gemm_shapes(), peak_flops_bf16=fp32_flops_s))
         self.comm_us = comm_us
         self.masked_groups = dict(masked_groups or {})
         self._as_run: dict[str, tuple[Node, Node]] = {}

@@ -35,14 +35,14 @@ from moegraph.passes.stack import stack_kinds
 from moegraph.schedules import lns
 from moegraph.schedules.baselines import BASELINES, MICROBATCH_BASELINES, baselines_for, warm_starts
 from moegraph.schedules.bound import Bound, lower_bound, memory_lower_bound
-from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve, sub_problem
+from moegraph.schedules.cpsat import CpSatResult, SolverOptions, min_peak_memory, solve
 from moegraph.schedules.dp_order import dp_warm_starts
 from moegraph.schedules.launch import follows_launch, with_launch_order
-from moegraph.edges import EDGE_ATTR
-from moegraph.schedules.periodic import SLIDE_ORDERS, Carry, alike_edge_collectives, can_slide, is_stack, tile_layers
+from moegraph.schedules.periodic import (SLIDE_ORDERS, Carry, alike_edge_collectives, can_slide, carrying_problem, is_stack,
+                                         tile_layers)
 from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, Problem, ScheduleError, build_problem
-from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, check_solution, makespan_ticks,
-                                         peak_memory_bytes, solution_ends)
+from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
+                                         solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header, round_us
 
 __all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
@@ -287,33 +287,15 @@ def _carrying(problem: Problem, unit: Problem, sol: Solution, opts: SolverOption
     buckets = alike_edge_collectives(problem)
     if not buckets:
         return None
-    K = layer_count(unit.graph)
-    keep = sorted([t.index for t in problem.tasks if t.side == 1 and not t.node.attr(EDGE_ATTR, False)
-                   and t.node.layer < K] + [buckets[0]])
-    carrying = sub_problem(problem, tuple(keep))
-    fwd = barrier_ticks(unit, sol)
-    start, mode = [], []
-    for t in carrying.tasks:
-        if t.index == keep.index(buckets[0]):
-            continue
-        src = unit.by_name[t.name if K > 1 else t.name.split(".", 1)[1]]
-        m = src.modes[sol.mode[src.index]]
-        start.append(sol.start[src.index] - fwd)
-        mode.append(next(k for k, x in enumerate(t.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)))
-    bwd = makespan_ticks(unit, sol) - fwd
-    b = keep.index(buckets[0])
-    alone = alone_twin(carrying.tasks[b], carrying.tasks[b].default_mode)
-    start.insert(b, bwd)
-    mode.insert(b, alone)
-    hint = Solution("carrying", tuple(start), tuple(mode))
+    carrying, hint, slot = carrying_problem(problem, unit, sol, buckets[0])
     check_solution(carrying, hint)          # the unit's backward then the bucket: feasible by construction
     r = solve(carrying, opts, hint=hint, horizon=makespan_ticks(carrying, hint))
     if r.solution is None or makespan_ticks(carrying, r.solution) >= makespan_ticks(carrying, hint):
         return None
-    _log.info("carrying unit: %d-layer backward %.1f us, with one edge collective %.1f us (%.1f alone)", K,
-              bwd * unit.tick_us, makespan_ticks(carrying, r.solution) * unit.tick_us,
+    _log.info("carrying unit: %d-layer backward with one edge collective %.1f us (%.1f with it after, alone)",
+              layer_count(unit.graph), makespan_ticks(carrying, r.solution) * unit.tick_us,
               makespan_ticks(carrying, hint) * unit.tick_us)
-    return Carry(carrying, r.solution, b, buckets)
+    return Carry(carrying, r.solution, slot, buckets)
 
 
 UNIT_LAYERS = (1, 2)

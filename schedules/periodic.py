@@ -88,12 +88,13 @@ from typing import Literal
 from moegraph.edges import EDGE_ATTR, EMBED_ATTR
 from moegraph.ir import Graph
 from moegraph.layers import layer_count, layer_kinds
-from moegraph.schedules.problem import Problem, ScheduleError
+from moegraph.schedules.cpsat import sub_problem
+from moegraph.schedules.problem import Problem, ScheduleError, Task
 from moegraph.schedules.solution import (Solution, alone_twin, barrier_ticks, makespan_ticks, settle_alone,
                                          solution_ends)
 
-__all__ = ["PERIODIC", "SLIDE_ORDERS", "SlideOrder", "Carry", "alike_edge_collectives", "can_slide", "is_stack",
-           "tile_layers"]
+__all__ = ["PERIODIC", "SLIDE_ORDERS", "SlideOrder", "Carry", "alike_edge_collectives", "can_slide", "carrying_problem",
+           "is_stack", "tile_layers", "twin_mode"]
 
 PERIODIC = "periodic"
 """The warm start's name (``summary.solver.warm_start`` when it is the best one); a unit of K > 1
@@ -217,20 +218,16 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
         i = t.node.layer
         q, u = divmod(i, K)
         base = t.name[len(f"l{i}."):]
-        src, s = unit.by_name[f"l{u}.{base}" if K > 1 else base], None
         if t.side == 1 and periods - 1 - q < len(carried):     # a carrying period: its own schedule
             src = carry.unit.by_name[f"l{u}.{base}"]
-            s, m = carry.solution.start[src.index] + fwd, src.modes[carry.solution.mode[src.index]]
+            s, m = carry.solution.start[src.index] + fwd, carry.solution.mode[src.index]
         else:
-            s, m = sol.start[src.index], src.modes[sol.mode[src.index]]
+            src = unit.by_name[f"l{u}.{base}" if K > 1 else base]
+            s, m = sol.start[src.index], sol.mode[src.index]
         # period q's forward after q earlier ones; backward periods last first, after the
         # last forward ends (periods fwd; s >= fwd for a backward node)
         start[t.index] = s + q * fwd if t.side == 0 else s - fwd + periods * fwd + ef + eb + before[q]
-        k = next((k for k, x in enumerate(t.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)), None)
-        if k is None:
-            raise ScheduleError(f"{t.name!r} has no mode like its unit node {src.name!r}'s "
-                                f"({m.sm} SMs, {m.ticks} ticks): the layers are not costed alike")
-        mode[t.index] = k
+        mode[t.index] = twin_mode(t, src, m)
         if src.index in tail:
             late[t.index] = start[t.index]
     name = PERIODIC if K == 1 else f"{PERIODIC}x{K}"
@@ -246,6 +243,37 @@ def tile_layers(problem: Problem, unit: Problem, sol: Solution, *, dp_slide: boo
     _place_late(problem, start, mode, late, at, slide_order)
     suffix = ("" if not dp_slide else "+dp" + ("-ready" if slide_order == "ready" else "")) + ("+carry" if carried else "")
     return settle_alone(problem, Solution(name + suffix, tuple(start), tuple(mode)))
+
+
+def twin_mode(task: Task, src: Task, k: int) -> int:
+    """The index of ``task``'s mode like ``src``'s mode ``k`` (same SMs, alone flag and ticks): a
+    stacked layer's node and its unit's twin are costed alike. Raises ScheduleError if none is."""
+    m = src.modes[k]
+    twin = next((j for j, x in enumerate(task.modes) if (x.sm, x.alone, x.ticks) == (m.sm, m.alone, m.ticks)), None)
+    if twin is None:
+        raise ScheduleError(f"{task.name!r} has no mode like its unit node {src.name!r}'s "
+                            f"({m.sm} SMs, {m.ticks} ticks): the layers are not costed alike")
+    return twin
+
+
+def carrying_problem(problem: Problem, unit: Problem, sol: Solution, bucket: int) -> tuple[Problem, Solution, int]:
+    """The stacked ``problem``'s backward tasks of layers 0 .. K-1 (K: ``unit``'s layers) and its
+    edge collective ``bucket``, as a problem of their own (module doc, "Carried buckets"), with
+    its warm start: ``sol``'s backward, moved to 0, then the bucket after it, alone. Returns the
+    problem, the warm start and the bucket's index in the problem."""
+    K = layer_count(unit.graph)
+    keep = sorted([t.index for t in problem.tasks if t.side == 1 and not t.node.attr(EDGE_ATTR, False)
+                   and t.node.layer < K] + [bucket])
+    carrying = sub_problem(problem, tuple(keep))
+    slot, fwd = keep.index(bucket), barrier_ticks(unit, sol)
+    start, mode = [0] * len(keep), [0] * len(keep)
+    for t in carrying.tasks:
+        if t.index == slot:
+            start[slot], mode[slot] = makespan_ticks(unit, sol) - fwd, alone_twin(t, t.default_mode)
+        else:
+            src = unit.by_name[t.name if K > 1 else t.name.split(".", 1)[1]]
+            start[t.index], mode[t.index] = sol.start[src.index] - fwd, twin_mode(t, src, sol.mode[src.index])
+    return carrying, Solution("carrying", tuple(start), tuple(mode)), slot
 
 
 def can_slide(unit: Problem) -> bool:

@@ -503,6 +503,12 @@ class Hardware(_Record):
                                 "the GPUs' profile, or one whose comm_sm_budgets has a budget of 1 SM or more")
         return dataclasses.replace(self, comm_sm_budgets=budgets)
 
+    def without_gemm_shapes(self) -> "Hardware":
+        """This profile with no GEMM shape factor (no tiles, no small-K penalty): every GEMM at its
+        class efficiency whatever its shape. For kernels the tiles do not describe (fp32 without
+        TF32 runs no tensor-core tiles) and for isolating the shape part of a figure."""
+        return dataclasses.replace(self, gemm_tiles=(), gemm_k_half=0.0)
+
     def curve(self, name: str) -> Curve | None:
         """The measured curve ``name`` (one of CURVE_NAMES), or None if not calibrated."""
         if name not in CURVE_NAMES:

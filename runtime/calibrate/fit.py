@@ -288,7 +288,8 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
     rates = [s.flops / (s.seconds - kappa) for s in compute
              if s.op in sum(COMPUTE_CURVES.values(), ()) and s.flops > 0 and s.seconds >= 10 * kappa]
     fitted: dict[str, list[Any]] = {}
-    # the SMs the profile will have (the device's, as set below), for the GEMM shape factors
+    # the SMs a GPU profile gets (the device's, where it has more than the largest comm budget),
+    # for the GEMM shape factors now and the profile's sm_count below
     sms = info.sm_count if not cpu and info.sm_count is not None and info.sm_count > max(base.comm_sm_budgets) \
         else base.sm_count
     shape_hw = dataclasses.replace(base, sm_count=sms)
@@ -410,8 +411,7 @@ def fit_profile(results: Sequence[BenchResult], base: Hardware, opts: Calibratio
         prof.update(sm_count=1, comm_sm_budgets=[0], comm_sm_saturation=1, a2a_sm_saturation=1)
     else:
         unmeasured.append("comm_compute_slowdown")
-        if info.sm_count is not None and info.sm_count > max(base.comm_sm_budgets):
-            prof["sm_count"] = info.sm_count
+        prof["sm_count"] = shape_hw.sm_count           # the device's (above), the base's if it has none
     if 0 in prof["comm_sm_budgets"] and cpu:
         prof["copy_engine_eff"] = prof["ring_eff_intra"]    # s(0) = copy_engine_eff / ring_eff = 1
 
