@@ -49,10 +49,24 @@ def compile_case(case: dict, seed: int):
     return model, ids, compiled
 
 
+FP32_RESOLVES = 1e-5
+"""The tests' fp32 tolerance: a gradient within it of eager's matches outright (``step_errors``)."""
+
+
 def step_errors(compiled, model, ids: torch.Tensor, labels: torch.Tensor, **kwargs) -> dict:
     """One forward and backward with labels through the compiled and the eager model (``kwargs``
     to both), from zeroed gradients: relative errors of logits, loss and every trainable parameter's
-    gradient (``||compiled - eager|| / ||eager||``), the worst one named."""
+    gradient (``||compiled - eager|| / ||eager||``), the worst one named.
+
+    A gradient further than FP32_RESOLVES from eager's is arbitrated by the eager model run in
+    float64: a small gradient summed from large cancelling terms (a router bias's, whose softmax
+    terms sum to zero per token) is not resolved to 1e-5 by fp32 in *either* implementation (seen:
+    eager fp32 6.6e-6 and compiled 6.9e-6 from the fp64 result, 1.3e-5 from each other). Its error is
+    then ``||compiled - fp64|| / ||fp64||`` scaled by FP32_RESOLVES / (2 x eager fp32's own error
+    from fp64), so it stays under FP32_RESOLVES only while the compiled gradient is no further from
+    the true one than twice eager fp32's; each arbitrated gradient is listed in ``arbitrated``."""
+    import copy
+
     from moegraph.runtime.check import grad_report, rel_err
     model.zero_grad(set_to_none=True)
     compiled.zero_grad(set_to_none=True)
@@ -64,8 +78,24 @@ def step_errors(compiled, model, ids: torch.Tensor, labels: torch.Tensor, **kwar
     pairs = {k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
              for k, p in model.named_parameters() if p.requires_grad}
     report = grad_report(pairs)
+    worst, worst_name, arbitrated = report["max_rel_err_grads"], report["worst_grad"], {}
+    if worst >= FP32_RESOLVES:
+        exact = copy.deepcopy(model).double()            # the same weights (a step does not change them)
+        exact.zero_grad(set_to_none=True)
+        exact(input_ids=ids, labels=labels, **kwargs).loss.backward()
+        truth = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in exact.named_parameters()}
+        errors = {}
+        for k, (c, e) in pairs.items():
+            err = rel_err(c, e)
+            if err >= FP32_RESOLVES and k not in report.get("near_zero_grads", ()):
+                c64, e64 = rel_err(c.double(), truth[k]), rel_err(e.double(), truth[k])
+                arbitrated[k] = {"vs_eager": err, "compiled_vs_fp64": c64, "eager_vs_fp64": e64}
+                err = c64 * FP32_RESOLVES / max(FP32_RESOLVES, 2 * e64)
+            errors[k] = err
+        worst_name = max((k for k in errors if k not in report.get("near_zero_grads", ())), key=errors.get)
+        worst = errors[worst_name]
     return {"logits": rel_err(got.logits, ref.logits), "loss": rel_err(got.loss, ref.loss),
-            "grads": report["max_rel_err_grads"], "worst_grad": report["worst_grad"], "params": len(pairs)}
+            "grads": worst, "worst_grad": worst_name, "params": len(pairs), "arbitrated": arbitrated}
 
 
 def real_batches(rows: int = B, seq: int = S) -> dict[str, dict]:
