@@ -229,14 +229,14 @@ def _a2a_shards(node: Node, ins):
 
 def _a2a_tokens(node: Node, ins):
     """Uneven row exchange. to_experts splits by the sender's index map; from_experts by the recv map."""
-    n = len(ins)
+    n, p = len(ins), node.typed.payloads
     # either direction splits by the map it reads: the sender's index map (to_experts) or the
-    # recv map (from_experts); both carry ``splits``
-    parts = [torch.split(x[0], list(x[1].splits)) for x in ins]
-    outs = [[torch.cat([parts[r][j] for r in range(n)])] for j in range(n)]
+    # recv map (from_experts); both carry ``splits``. Each payload ([R, ..]) is split alike.
+    parts = [[torch.split(x[t], list(x[p].splits)) for t in range(p)] for x in ins]
+    outs = [[torch.cat([parts[r][t][j] for r in range(n)]) for t in range(p)] for j in range(n)]
     if node.typed.emit_map:
         for j in range(n):
-            outs[j].append(_recv_map([x[1] for x in ins], j))
+            outs[j].append(_recv_map([x[p] for x in ins], j))
     return outs
 
 

@@ -272,9 +272,9 @@ Gate = Literal["after-fc2", "before-fc2"]
 """Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
 Remat = Literal["none", "paper", "budget"]
 """Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
-Compress = Literal["none", "dp-bf16", "tp-fp8"]
-"""Wire compression of reductions (moegraph.passes.compress): none, BF16 data-parallel gradient
-reductions, or FP8 tensor-parallel activation reductions."""
+Compress = Literal["none", "dp-bf16", "tp-fp8", "ep-fp8"]
+"""Wire compression (moegraph.passes.compress): none, BF16 data-parallel gradient reductions, FP8
+tensor-parallel activation reductions, or the FP8 token dispatch (DeepSeek-V3, DeepEP)."""
 Fuse = Literal["auto", "all", "none"]
 """Fused comm+compute groups marked (moegraph.passes.fuse): the faster ones, every eligible one, or none."""
 ExpertRows = Literal["exact", "padded"]
@@ -560,10 +560,27 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
         raise GraphError(f"{where} derives from unknown forward node {node.forward_of!r}")
     if min(node.flops, node.mem_bytes, node.comm_bytes) < 0:
         raise GraphError(f"{where} has a negative cost field")
+    if node.op is OpKind.ALL_TO_ALL and node.attr("mode") == "tokens":
+        _verify_token_exchange(graph, node, where)
     if node.op is OpKind.ALL_REDUCE and node.attr("reduce", "sum") != "sum":
         raise GraphError(f"{where} has reduce={node.attr('reduce')!r}: an all-reduce only sums (a mean is "
                          "modelled for reduce-scatters only)")
     node.typed                       # its op's attribute record: raises AttrError naming the bad key
+
+
+def _verify_token_exchange(graph: Graph, node: Node, where: str) -> None:
+    """A token all-to-all reads ``payloads`` row tensors, then its split map(s); it writes as many
+    row tensors (then the recv map with emit_map); every payload has the same rows, sent alike."""
+    p = node.attr("payloads", 1)
+    if isinstance(p, bool) or not isinstance(p, int) or p < 1 or len(node.inputs) <= p:
+        raise GraphError(f"{where}: a token all-to-all reads payloads={p!r} row tensors (>= 1) and then its "
+                         f"split map, but has {len(node.inputs)} inputs")
+    if len(node.outputs) != p + bool(node.attr("emit_map", False)):
+        raise GraphError(f"{where}: writes {len(node.outputs)} values; expected its {p} payload(s)"
+                         + (" and the recv map" if node.attr("emit_map", False) else ""))
+    rows = {graph.value[v].shape[0] for v in node.inputs[:p]} | {graph.value[v].shape[0] for v in node.outputs[:p]}
+    if len(rows) != 1:
+        raise GraphError(f"{where}: its payloads {node.inputs[:p]} -> {node.outputs[:p]} differ in rows {sorted(rows)}")
 
 
 def _first_duplicate(items: list[str]) -> str | None:

@@ -299,6 +299,8 @@ class AllToAllAttrs(CommAttrs):
     cat_dim: int | None = None
     direction: Literal["to_experts", "from_experts"] | None = None
     emit_map: bool = False               # a token dispatch that also delivers the received row map
+    payloads: int = 1                    # tokens: the leading inputs (and outputs) exchanged row for row by
+                                         # one split (an FP8 dispatch's rows and their per-row scales)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -118,19 +118,20 @@ class Chunk:
         return cls(int(arg))
 
 
-CompressChoice = Literal["dp-bf16", "tp-fp8"]
+CompressChoice = Literal["dp-bf16", "tp-fp8", "ep-fp8"]
 
 
 @dataclass(frozen=True)
 class Compress:
-    """compress: reductions on the wire in a narrower format (MegaScale-MoE §5): 'dp-bf16' the
-    data-parallel gradient sync, 'tp-fp8' the tensor-parallel activation reduce-scatters."""
+    """compress: collectives on the wire in a narrower format: 'dp-bf16' the data-parallel gradient
+    sync, 'tp-fp8' the tensor-parallel activation reduce-scatters (MegaScale-MoE §5), 'ep-fp8' the
+    token dispatch all-to-all (DeepSeek-V3 §3.3)."""
 
     mode: CompressChoice
     """Required: the pass has no default mode."""
 
     NAME: ClassVar[str] = "compress"
-    VALID: ClassVar[str] = "dp-bf16, tp-fp8"
+    VALID: ClassVar[str] = ", ".join(typing.get_args(CompressChoice))
 
     def __post_init__(self):
         if self.mode not in typing.get_args(CompressChoice):

@@ -1,4 +1,4 @@
-"""Communication compression (MegaScale-MoE §5): fewer bytes on the wire for reductions.
+"""Communication compression (MegaScale-MoE §5, DeepSeek-V3 §3.3): fewer bytes on the wire.
 
 A reduce-scatter that sums in the wire format accumulates rounding at every ring step. The
 paper instead casts once, exchanges shards with an all-to-all and sums locally in FP32:
@@ -21,11 +21,20 @@ Modes
               (attn='tp' output projection, ag-rs dispatch combine) sends FP8 E4M3 with a
               per-token scale (amax/448 per row, sent alongside as fp32), summed in FP32.
               Its backward all-gather is left in the activation dtype.
+    ep-fp8    every forward (and recompute) token dispatch (the all-to-all that sends expert
+              rows to their experts' ranks, dispatch='a2a') sends FP8 E4M3 rows with a per-row
+              scale (amax/448, fp32) in the same exchange, dequantized on arrival:
+                  rows [R, h] -> quant -> ([R, h] fp8, [R] fp32) -> all-to-all (payloads=2)
+                  -> ([R', h] fp8, [R'] fp32) -> dequant -> [R', h]
+              As DeepSeek-V3 (§3.3) and DeepEP dispatch: (h + 4) / (2h) of bf16's bytes. The
+              combine and every backward exchange stay in the activation dtype (DeepSeek-V3
+              keeps its combine in BF16; it also sends the combine's gradient in FP8, which
+              this mode does not). The routing weights' all-to-all (fp32) is left as it is.
 
 Invariant: the same function up to the wire format's rounding. Per compressed collective,
 element-wise |out - exact| <= u * sum over sources |x_r| (+ for fp8 a subnormal floor of
-2^-10 * scale per source), with u = 2^-8 for bf16 and 2^-4 for fp8 E4M3; activation memory
-unchanged.
+2^-10 * scale per source), with u = 2^-8 for bf16 and 2^-4 for fp8 E4M3 (a dispatch has one
+source per row); activation memory unchanged.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ import enum
 import typing
 
 from moegraph.cost import CostModel
-from moegraph.ir import Compress, Graph, Node, OpKind, Phase, Value, collective_bytes
+from moegraph.ir import Compress, Graph, Node, OpKind, Phase, Value, ValueKind, collective_bytes
 from moegraph.passes.manager import Pass, PassResult, label, mark_rewritten, record, register
 
 MODES = tuple(m for m in typing.get_args(Compress) if m != "none")
@@ -123,11 +132,46 @@ def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
     ]
 
 
+def _ep_fp8(a2a: Node, values: dict[str, Value]) -> list[Node]:
+    """Token dispatch -> per-row FP8 quantization, one all-to-all of rows and scales, dequantization."""
+    (x, *maps), (y, *recv) = a2a.inputs, a2a.outputs
+    xv, yv = values[x], values[y]
+    values[f"{x}.fp8"] = dataclasses.replace(xv, name=f"{x}.fp8", dtype="fp8", alias_of=None)
+    values[f"{x}.scale"] = dataclasses.replace(xv, name=f"{x}.scale", shape=xv.shape[:1], dtype="fp32", alias_of=None)
+    values[f"{y}.fp8"] = dataclasses.replace(yv, name=f"{y}.fp8", dtype="fp8", alias_of=None)
+    values[f"{y}.scale"] = dataclasses.replace(yv, name=f"{y}.scale", shape=yv.shape[:1], dtype="fp32", alias_of=None)
+    sent = values[f"{x}.fp8"].nbytes + values[f"{x}.scale"].nbytes         # [R, h] fp8 + [R] fp32
+    return [
+        derived(a2a, f"{a2a.name}.quant", OpKind.CAST, (x,), (f"{x}.fp8", f"{x}.scale"), values,
+                attrs={"to": "fp8", "scale": "per_token"}),
+        derived(a2a, a2a.name, OpKind.ALL_TO_ALL, (f"{x}.fp8", f"{x}.scale", *maps), (f"{y}.fp8", f"{y}.scale", *recv),
+                values, comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, sent, a2a.group),
+                attrs=dict(a2a.attrs) | {"payloads": 2, "compressed": "fp8"}),
+        derived(a2a, f"{a2a.name}.dequant", OpKind.CAST, (f"{y}.fp8", f"{y}.scale"), (y,), values,
+                attrs={"to": yv.dtype, "scale": "apply"}),
+    ]
+
+
+def is_token_dispatch(graph_values: dict[str, Value], node: Node) -> bool:
+    """A forward (or recompute) all-to-all of activation rows to their experts (not of routing weights)."""
+    return (node.op is OpKind.ALL_TO_ALL and node.typed.mode == "tokens" and node.typed.direction == "to_experts"
+            and node.phase in (Phase.FORWARD, Phase.RECOMPUTE) and node.typed.payloads == 1
+            and graph_values[node.inputs[0]].kind is ValueKind.ACTIVATION
+            and graph_values[node.inputs[0]].dtype in ("bf16", "fp16", "fp32"))
+
+
 def _targets(graph: Graph, mode: str) -> list[Node]:
     if mode == "dp-bf16":
         return [n for n in graph.nodes if is_dp_fp32_reduce_scatter(graph.value, n)]
+    if mode == "ep-fp8":
+        return [n for n in graph.nodes if is_token_dispatch(graph.value, n)]
     return [n for n in graph.nodes if n.op is OpKind.REDUCE_SCATTER and not n.typed.dp
             and n.phase in (Phase.FORWARD, Phase.RECOMPUTE)]
+
+
+_REWRITES = {"dp-bf16": dp_bf16, "tp-fp8": _tp_fp8, "ep-fp8": _ep_fp8}
+_NOTHING = {"dp-bf16": "dp=1: no data-parallel reduce-scatter", "tp-fp8": "no tensor-parallel reduce-scatter",
+            "ep-fp8": "no token dispatch all-to-all (dispatch='a2a' with n > 1 has one)"}
 
 
 @register("compress", stage=3, relowers=False)
@@ -138,14 +182,14 @@ def compress(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     """
     if arg not in MODES:
         raise ValueError("a mode is required" if arg is None else "not a compression mode")
-    rewrite = dp_bf16 if arg == "dp-bf16" else _tp_fp8
+    rewrite = _REWRITES[arg]
     me = label("compress", arg)
 
     def run(graph: Graph) -> PassResult:
         targets = {n.name for n in _targets(graph, arg)}
         if not targets:
-            why = "dp=1: no data-parallel reduce-scatter" if arg == "dp-bf16" else "no tensor-parallel reduce-scatter"
-            return PassResult(record(graph, me, compress=arg), False, {"mode": arg, "compressed": [], "note": why})
+            return PassResult(record(graph, me, compress=arg), False,
+                              {"mode": arg, "compressed": [], "note": _NOTHING[arg]})
         values = dict(graph.value)
         nodes, before, after = [], [], []
         for node in graph.nodes:

@@ -21,7 +21,9 @@ Semantics are exactly ``moegraph.interpreter.run_collective`` (the simulated-ran
                           per-expert counts (a small all_to_all on the metadata group, cached on
                           the IndexMap), then calls all_to_all_single with those split sizes; the
                           step's other token all-to-alls reuse the cache or, on the way back, the
-                          RecvMap's ``sent``: one exchange per index map and step.
+                          RecvMap's ``sent``: one exchange per index map and step. With attr
+                          payloads=P the first P inputs (and outputs) are row tensors split alike
+                          and sent side by side in one exchange (FP8 rows and their scales).
     flat=True             gathers / reduce-scatters / shards work on the flattened tensor
     reduce="mean"         reduce-scatter averages over ranks instead of summing
 
@@ -374,9 +376,11 @@ class Comm:
         return [work], finish, (send, recv)
 
     def _a2a_tokens(self, node: Node, ins: list[Any], pg):
-        rows, send_map = ins[0], ins[1]
+        p = node.typed.payloads
+        payloads, send_map = ins[:p], ins[p]
+        rows = payloads[0]
         if not isinstance(send_map, (IndexMap, RecvMap)):
-            raise TypeError(f"all_to_all {node.name!r}: input {node.inputs[1]!r} is a {type(send_map).__name__}, "
+            raise TypeError(f"all_to_all {node.name!r}: input {node.inputs[p]!r} is a {type(send_map).__name__}, "
                             "expected an IndexMap or RecvMap")
         send_splits = [int(c) for c in send_map.splits]
         if len(send_splits) != self.n or sum(send_splits) != rows.shape[0]:
@@ -394,16 +398,21 @@ class Comm:
         else:
             got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
-        rows = rows.contiguous()
-        row_bytes = math.prod(rows.shape[1:]) * rows.element_size()    # known also when R = 0
-        send = _bytes(rows).view(rows.shape[0], row_bytes)          # [R, h * itemsize] uint8 (R may be 0)
-        out = send.new_empty((sum(recv_splits), send.shape[1]))    # [R_recv, h * itemsize]
+        # each payload's rows as bytes, side by side: one exchange carries a row and its scale
+        widths = [math.prod(x.shape[1:]) * x.element_size() for x in payloads]   # known also when R = 0
+        cols = [_bytes(x.contiguous()).view(x.shape[0], w) for x, w in zip(payloads, widths)]
+        send = cols[0] if p == 1 else torch.cat(cols, dim=1)       # [R, sum of row bytes] uint8 (R may be 0)
+        out = send.new_empty((sum(recv_splits), send.shape[1]))    # [R_recv, sum of row bytes]
         work = dist.all_to_all_single(out, send, output_split_sizes=recv_splits, input_split_sizes=send_splits,
                                       group=pg, async_op=True)
 
         def finish():
-            got_rows = _unbytes(out, rows.dtype, (out.shape[0], *rows.shape[1:]))   # [R_recv, h]
-            return [got_rows] if recv_map is None else [got_rows, recv_map]
+            got, off = [], 0
+            for x, w in zip(payloads, widths):                      # [R_recv, w] -> [R_recv, ..] each
+                part = out if p == 1 else out[:, off:off + w].contiguous()
+                got.append(_unbytes(part, x.dtype, (out.shape[0], *x.shape[1:])))
+                off += w
+            return got if recv_map is None else [*got, recv_map]
         return [work], finish, (send, out)
 
     def _received_counts(self, node: Node, imap: IndexMap) -> tuple[tuple[int, ...], ...]:

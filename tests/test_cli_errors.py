@@ -167,7 +167,7 @@ RUNTIME_CASES = [
     (["run", "--schedule", "{tmp}/sched.json", "--passes", "sar=paper"],
      "--passes sar=paper does not match the schedule file"),
     (["run", "--schedule", "{tmp}/bad_compress.json"], "bad_compress.json: its strategy is not valid (compress='zip' "
-                                                        "is not one of 'none', 'dp-bf16', 'tp-fp8')"),
+                                                        "is not one of 'none', 'dp-bf16', 'tp-fp8', 'ep-fp8')"),
     (["run", "--schedule", "{tmp}/other_flops.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_attrs.json"], "gives a different graph than the file schedules: node "),
     (["run", "--schedule", "{tmp}/other_digest.json"], "values, parameters or gradients (graph digest "),

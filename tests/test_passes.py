@@ -63,7 +63,7 @@ def test_unknown_pass_lists_valid_names(h800):
                          "[:<seconds>s] (e.g. budget:2GiB, budget:2GiB:120s)"),
     ("chunk=0", "pass 'chunk': invalid argument '0' (not a positive integer); "
                 "valid: auto (the default), or a chunk count N >= 1 dividing s/n"),
-    ("compress", "pass 'compress': invalid argument None (a mode is required); valid: dp-bf16, tp-fp8"),
+    ("compress", "pass 'compress': invalid argument None (a mode is required); valid: dp-bf16, tp-fp8, ep-fp8"),
     ("dispatch=ring", "pass 'dispatch': invalid argument 'ring' (not a dispatch mode); valid: auto (the default), a2a, ag-rs"),
     ("gate-reorder=never", "pass 'gate-reorder': invalid argument 'never' (not a gate order); "
                            "valid: before-fc2 (the default), after-fc2"),
@@ -385,6 +385,34 @@ def test_dp_sync_is_hierarchical_for_replicated_params(h800):
         ["w1.grad_main", "w1.grad_rs_inter", "w1.grad_ag_inter"]      # expert shards: inter-node only
 
 
+def test_compress_ep_fp8_sends_fp8_rows_and_their_scales_in_the_forward_dispatch(h800):
+    g = trace("mixtral-8x7b", Strategy("sp", "ep", "a2a", N))
+    out, report = run_pipeline(g, "compress=ep-fp8,sar=paper", cost=h800)
+    h, k = load_model("mixtral-8x7b").hidden, load_model("mixtral-8x7b").top_k
+    rows = S // N * k                                                    # R = b*s*k/n rows on this rank
+    a2a = out.node["dispatch_a2a"]
+    assert g.node["dispatch_a2a"].comm_bytes == rows * h * 2 * (N - 1) // N       # bf16 rows
+    assert a2a.comm_bytes == rows * (h + 4) * (N - 1) // N                       # fp8 rows + an fp32 scale each
+    assert a2a.inputs[:2] == ("ffn_in_send.fp8", "ffn_in_send.scale") and a2a.attr("payloads") == 2
+    assert out.node["dispatch_a2a.quant"].outputs == a2a.inputs[:2]
+    assert out.node["dispatch_a2a.dequant"].outputs == ("ffn_in",)
+    assert out.node["dispatch_a2a.re"].attr("compressed") == "fp8"         # sar's re-sent dispatch too
+    assert report["compress"]["compressed"] == ["dispatch_a2a"]
+    for name in ("combine_a2a", "dispatch_a2a.bwd", "combine_a2a.bwd"):    # combine and backward: bf16
+        assert out.node[name].comm_bytes == g.node[name].comm_bytes and out.node[name].attr("compressed", None) is None
+    assert out.strategy.compress == "ep-fp8"
+    none, report = run_pipeline(trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N)), "compress=ep-fp8", cost=h800)
+    assert report["compress"]["compressed"] == [] and "no token dispatch" in report["compress"]["note"]
+
+
+def test_a_token_exchange_whose_payloads_do_not_match_its_outputs_is_refused(h800):
+    out, _ = run_pipeline(trace("mixtral-8x7b", Strategy("sp", "ep", "a2a", N)), "compress=ep-fp8", cost=h800)
+    bad = out.node["dispatch_a2a"].with_attrs(payloads=1)
+    with pytest.raises(GraphError, match=r"node 'dispatch_a2a' .*writes 3 values; expected its 1 payload\(s\) and "
+                                         r"the recv map"):
+        verify(dataclasses.replace(out, nodes=tuple(bad if n.name == bad.name else n for n in out.nodes)))
+
+
 def test_compress_without_targets_changes_nothing(h800):
     g = tiny()
     from moegraph.pass_steps import Compress
@@ -462,5 +490,5 @@ def test_compress_and_fuse_record_their_typed_fields(h800):
     assert out.strategy.compress == "dp-bf16" and out.strategy.fuse == "none"
     out, _ = run_pipeline(graph, "fuse=none", cost=h800)                 # marks nothing: records nothing
     assert out.strategy.fuse == "none" and out.strategy.passes == ()
-    with pytest.raises(Exception, match=r"compress='zip' is not one of 'none', 'dp-bf16', 'tp-fp8'"):
+    with pytest.raises(Exception, match=r"compress='zip' is not one of 'none', 'dp-bf16', 'tp-fp8', 'ep-fp8'"):
         Strategy("sp", "ep", "ag-rs", 2, compress="zip")

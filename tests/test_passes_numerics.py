@@ -185,6 +185,30 @@ def test_tp_fp8_compression_error_is_within_fp8_rounding(n, attn, ffn, rng):
     assert TOL < rel_err(res.output, y) < 2.0**-4                # it does round, within the format's precision
 
 
+@pytest.mark.parametrize("n", [2, 4])
+def test_ep_fp8_dispatch_error_is_within_fp8_rounding(n, rng):
+    """Every rank's dequantized expert rows against the same rows sent exactly (the same weights and
+    routing, compress off): |got - exact| <= 2^-4 |exact| + 2^-10 * the row's scale, element-wise
+    (E4M3: 3 mantissa bits, subnormal spacing 2^-9); the bound is tight enough that bf16's u (2^-8)
+    fails it somewhere, so the rows really travel in FP8; the layer stays within 2^-4 of eager."""
+    layer, graph, params, x, dy = setup(n, "sp", "ep", "a2a", rng)
+    exact = interpret(run_pipeline(graph, "chunk=2", cost=COST)[0], params, x, dy)
+    out, report = run_pipeline(graph, "chunk=2,compress=ep-fp8", cost=COST)
+    assert report["compress"]["compressed"] == ["dispatch_a2a.c0", "dispatch_a2a.c1"]
+    res = interpret(out, params, x, dy)
+    worst = {"fp8": 0.0, "bf16": 0.0}
+    for rank in range(n):
+        for c in ("c0", "c1"):
+            want, got = exact.envs[rank][f"ffn_in.{c}"], res.envs[rank][f"ffn_in.{c}"]          # [R, h] each
+            floor = 2.0**-10 * res.envs[rank][f"ffn_in.{c}.scale"][:, None]
+            err = (got - want).abs()
+            worst["fp8"] = max(worst["fp8"], float((err / (2.0**-4 * want.abs() + floor + 1e-12)).max()))
+            worst["bf16"] = max(worst["bf16"], float((err / (2.0**-8 * want.abs() + 1e-12)).max()))
+    assert worst["fp8"] <= 1.0 < worst["bf16"], worst
+    y, _, _ = eager_step(layer, x, dy)
+    assert TOL < rel_err(res.output, y) < 2.0**-4
+
+
 def test_the_compression_bound_can_fail(rng):
     """The per-collective bound is tight enough to notice fp8 rounding if bf16's u is claimed."""
     layer, graph, params, x, dy = setup(2, "tp", "ep", "ag-rs", rng)

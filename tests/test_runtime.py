@@ -38,6 +38,7 @@ PASS_CASES = [
     _case("tp", "tp", "ag-rs", passes="chunk=2"),
     _case("sp", "ep", "ag-rs", passes="sar=paper,gate-reorder,chunk=2"),
     _case("tp", "tp", "ag-rs", passes="compress=tp-fp8", reference="interpreter"),   # lossy on purpose
+    _case("sp", "ep", "a2a", passes="chunk=2,compress=ep-fp8,sar=paper", reference="interpreter"),  # rows + scales
 ]
 
 N2_CASES = ([_case(*c) for c in COMBOS]
