@@ -65,9 +65,7 @@ def step_errors(compiled, model, ids: torch.Tensor, labels: torch.Tensor, **kwar
     then ``||compiled - fp64|| / ||fp64||`` scaled by FP32_RESOLVES / (2 x eager fp32's own error
     from fp64), so it stays under FP32_RESOLVES only while the compiled gradient is no further from
     the true one than twice eager fp32's; each arbitrated gradient is listed in ``arbitrated``."""
-    import copy
-
-    from moegraph.runtime.check import grad_report, rel_err
+    from moegraph.runtime.check import rel_err
     model.zero_grad(set_to_none=True)
     compiled.zero_grad(set_to_none=True)
     got = compiled(ids, labels=labels, **kwargs)        # .logits with .loss, as transformers returns them
@@ -77,25 +75,39 @@ def step_errors(compiled, model, ids: torch.Tensor, labels: torch.Tensor, **kwar
     grads = compiled.full_grads()
     pairs = {k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
              for k, p in model.named_parameters() if p.requires_grad}
-    report = grad_report(pairs)
-    worst, worst_name, arbitrated = report["max_rel_err_grads"], report["worst_grad"], {}
-    if worst >= FP32_RESOLVES:
-        exact = copy.deepcopy(model).double()            # the same weights (a step does not change them)
-        exact.zero_grad(set_to_none=True)
-        exact(input_ids=ids, labels=labels, **kwargs).loss.backward()
-        truth = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in exact.named_parameters()}
-        errors = {}
-        for k, (c, e) in pairs.items():
-            err = rel_err(c, e)
-            if err >= FP32_RESOLVES and k not in report.get("near_zero_grads", ()):
-                c64, e64 = rel_err(c.double(), truth[k]), rel_err(e.double(), truth[k])
-                arbitrated[k] = {"vs_eager": err, "compiled_vs_fp64": c64, "eager_vs_fp64": e64}
-                err = c64 * FP32_RESOLVES / max(FP32_RESOLVES, 2 * e64)
-            errors[k] = err
-        worst_name = max((k for k in errors if k not in report.get("near_zero_grads", ())), key=errors.get)
-        worst = errors[worst_name]
+    worst, worst_name, arbitrated = arbitrate(model, pairs, lambda exact: exact(
+        input_ids=ids, labels=labels, **kwargs).loss.backward())
     return {"logits": rel_err(got.logits, ref.logits), "loss": rel_err(got.loss, ref.loss),
             "grads": worst, "worst_grad": worst_name, "params": len(pairs), "arbitrated": arbitrated}
+
+
+def arbitrate(model, pairs: dict, run_exact) -> tuple[float, str, dict]:
+    """(worst gradient error, its parameter, the arbitrated ones) of ``pairs`` (name -> (compiled,
+    eager fp32 gradient)), as ``step_errors`` describes: gradients further than FP32_RESOLVES from
+    eager's are judged against ``run_exact(model in float64)``'s, which runs the same backward."""
+    import copy
+
+    from moegraph.runtime.check import grad_report, rel_err
+    report = grad_report(pairs)
+    near_zero = set(report.get("near_zero_grads", ()))
+    if report["max_rel_err_grads"] < FP32_RESOLVES:
+        return report["max_rel_err_grads"], report["worst_grad"], {}
+    exact = copy.deepcopy(model).double()            # the same weights (a step does not change them)
+    exact.zero_grad(set_to_none=True)
+    run_exact(exact)
+    truth = {k: p.grad if p.grad is not None else torch.zeros_like(p) for k, p in exact.named_parameters()}
+    errors, arbitrated = {}, {}
+    for k, (c, e) in pairs.items():
+        if k in near_zero:
+            continue
+        err = rel_err(c, e)
+        if err >= FP32_RESOLVES:
+            c64, e64 = rel_err(c.double(), truth[k]), rel_err(e.double(), truth[k])
+            arbitrated[k] = {"vs_eager": err, "compiled_vs_fp64": c64, "eager_vs_fp64": e64}
+            err = c64 * FP32_RESOLVES / max(FP32_RESOLVES, 2 * e64)
+        errors[k] = err
+    worst = max(errors, key=errors.get)
+    return errors[worst], worst, arbitrated
 
 
 def real_batches(rows: int = B, seq: int = S) -> dict[str, dict]:
@@ -137,7 +149,7 @@ def accumulation_case(rank: int, n: int, case: dict, seed: int) -> dict:
     Trainer's ``model(..., num_items_in_batch=N).loss.backward()``, N the step's scored tokens), and
     the refusal line of a left-padded micro-batch 1."""
     from family_zoo import VOCAB
-    from moegraph.runtime.check import grad_report, rel_err
+    from moegraph.runtime.check import rel_err
     warnings.filterwarnings("ignore")
     model, ids0, compiled = compile_case(dict(case, micro_batches=2), seed)
     if isinstance(compiled, str):
@@ -158,10 +170,15 @@ def accumulation_case(rank: int, n: int, case: dict, seed: int) -> dict:
             (loss * scale).backward()
             ref.append(loss.detach())
         grads = compiled.full_grads()
-        report = grad_report({k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
-                              for k, p in model.named_parameters() if p.requires_grad})
+        pairs = {k: (grads[k], p.grad if p.grad is not None else torch.zeros_like(p))
+                 for k, p in model.named_parameters() if p.requires_grad}
+
+        def exact_steps(exact, kw=kw, scale=scale):
+            for x, y, form in zip(ids, labels, ({"attention_mask": mask}, {"position_ids": positions})):
+                (exact(input_ids=x, labels=y, use_cache=False, **form, **kw).loss * scale).backward()
+        worst, worst_name, arbitrated = arbitrate(model, pairs, exact_steps)
         out[reduction] = {"loss": rel_err(torch.stack(losses), torch.stack(ref)),
-                          "grads": report["max_rel_err_grads"], "worst_grad": report["worst_grad"]}
+                          "grads": worst, "worst_grad": worst_name, "arbitrated": arbitrated}
     try:
         compiled.train_step(ids, labels, attention_mask=[None, mask.flip(-1)])
         out["refusal"] = None
