@@ -510,8 +510,9 @@ def ep_exposure(cost: CostModel, seq: int, n: int, tp: int, methods) -> dict[str
     from moegraph.schedules.api import compile_graph
     from moegraph.schedules.pipeline_price import steady_pair
     from moegraph.schedules.schedule_file import exposed_comm
-    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n), batch=n // tp,
-                                        seq=seq), MEGATRON_PASSES, cost=cost)
+    nodes = max(1, n // cost.hw.gpus_per_node)          # EP64 over 8-GPU nodes: DeepEP's node-spanning dispatch
+    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n, ep_nodes=nodes),
+                                        batch=n // tp, seq=seq), MEGATRON_PASSES, cost=cost)
     pair = steady_pair(layer)
     share = {}
     for method in methods:
@@ -543,54 +544,14 @@ def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> 
         "no overlap -> 1F1B F&B overlap", "30-40% -> < 5%",
         f"{seq_s:.1%} -> {meg_s:.1%} (Megatron's order; CP-SAT {cp_s:.1%}); pair {seq_t / 1e3:.2f} -> "
         f"{meg_t / 1e3:.2f} ms ({cp_t / 1e3:.2f})", "held",
-        "one layer's steady-state F&B pair (the pipeline's unit), bf16, its dispatch in FP8 (compress=ep-fp8) as "
-        "Megatron's DeepEP dispatch sends it. The EP traffic is what moegraph cannot hide: its all-to-all sends "
-        "each token's k = 8 rows over the NICs, where DeepEP sends each token once per node (DeepSeek-V3 routes "
-        "to at most 4 nodes: under half the rows cross the NICs); not modelled (a node-deduplicating dispatch is "
-        "a new collective). "
+        "one layer's steady-state F&B pair (the pipeline's unit), bf16, dispatched as Megatron's DeepEP run "
+        "dispatches: each token once per destination node over the NICs, forwarded in the node (ep_nodes=8; "
+        "DeepSeek-V3 routes to at most 4 nodes), in FP8 (compress=ep-fp8). What the pair leaves exposed is the "
+        "NIC hops beside too little compute. "
         "Megatron's share is of a whole iteration (PP8's bubble dilutes it) and its attention runs TP2 in the "
         f"node, where moegraph's one group size puts it at SP {n} across the NICs (its all-to-alls are in the "
         "pair's time, not in the EP share)",
         0.30 - 0.05 <= seq_s <= 0.40 + 0.05 and meg_s < 0.05)
-
-
-class NodeDedupWhatIf(CostModel):
-    """A what-if, not a model of a collective moegraph runs: the EP all-to-alls priced with their
-    bytes scaled as a node-deduplicating dispatch would send them (DeepEP's normal kernels, which
-    Megatron-Core's EP overlap runs): dispatch x ``dispatch``, combine x ``combine``."""
-
-    def __init__(self, hw, dispatch: float, combine: float):
-        super().__init__(hw)
-        self.scale = {"to_experts": dispatch, "from_experts": combine}
-
-    def node_time_us(self, node, sm_budget=None):
-        if node.op is OpKind.ALL_TO_ALL and node.block == "ffn":
-            factor = self.scale.get(node.attr("direction", None), 1.0)
-            node = dataclasses.replace(node, comm_bytes=int(node.comm_bytes * factor))
-        return super().node_time_us(node, sm_budget)
-
-
-# DeepSeek-V3 routes each token to k = 8 experts on at most M = 4 of EP64's 8 nodes: a plain
-# all-to-all sends ~7 of its 8 rows off the node (uniform routing), a node-deduplicating one ~3.5
-# copies (4 nodes, the source node among them half the time): x0.5 (FP8 is compiled: ep-fp8)
-DEDUP_ROWS = 0.5
-
-
-def megatron_dedup_what_if(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> None:
-    """Megatron-Core's EP overlap row again, with the EP all-to-alls' bytes scaled as DeepEP's
-    node-deduplicating dispatch would send them (NodeDedupWhatIf) on top of the compiled FP8
-    dispatch: how much of the row's gap its cause explains. No target: moegraph lowers no such
-    collective."""
-    what_if = NodeDedupWhatIf(cost.hw, DEDUP_ROWS, DEDUP_ROWS)
-    share = {m: v[0] for m, v in ep_exposure(what_if, seq, n, tp, ("sequential", "megatron-1f1b")).items()}
-    row("Megatron-Core §5", f"the row above, what-if: EP all-to-all bytes as a node-deduplicating dispatch "
-        f"would send them (the FP8 dispatch x{DEDUP_ROWS:g}, combine x{DEDUP_ROWS:g})", "30-40% -> < 5%",
-        f"{share['sequential']:.1%} -> {share['megatron-1f1b']:.1%} (Megatron's order)", "held",
-        "not a prediction: moegraph lowers no node-deduplicating collective; the bytes are scaled by the "
-        "expected off-node copies (DeepSeek-V3: k = 8 experts on at most 4 of 8 nodes, ~3.5 copies against ~7 "
-        "rows), to size how much of the row above its stated cause explains; "
-        "what it leaves is the row above's other differences (the share of a whole PP8 iteration, diluted by its "
-        "bubble; attention at SP 64 across the NICs where Megatron runs TP2 in the node)")
 
 
 def megatron(hw_name="h100", seq=4096) -> None:
@@ -603,33 +564,20 @@ def megatron(hw_name="h100", seq=4096) -> None:
     # kernels): the profile's SM budgets, without budget 0
     cost = CostModel(load_hardware(hw_name).without_copy_engines())
     megatron_ep_overlap(cost, seq)
-    megatron_dedup_what_if(cost, seq)
-    from moegraph.passes import run_pipeline
-    dedup = NodeDedupWhatIf(cost.hw, DEDUP_ROWS, DEDUP_ROWS)
-    for model, pricing in (("deepseek-v3", cost), ("mixtral-8x7b", cost), ("deepseek-v3", dedup)):
-        layer = graph(model, "sp", "ep", "a2a", seq=seq)
-        if pricing is dedup:          # the what-if's bytes: DeepEP's FP8 dispatch, compiled, then deduplicated
-            layer = run_pipeline(layer, "compress=ep-fp8", cost=cost)[0]
-        g = merge_microbatches(layer, 2)
-        span = {k: compile_graph(g, pricing, method=m, launch_order=lo).schedule.summary["makespan_us"]
+    for model in ("deepseek-v3", "mixtral-8x7b"):
+        g = merge_microbatches(graph(model, "sp", "ep", "a2a", seq=seq), 2)
+        span = {k: compile_graph(g, cost, method=m, launch_order=lo).schedule.summary["makespan_us"]
                 for k, m, lo in (("seq", "sequential", "free"), ("free", "megatron-1f1b", "free"),
                                  ("one", "megatron-1f1b", "megatron-1f1b"))}
         free, one = span["seq"] / span["free"] - 1, span["seq"] / span["one"] - 1
-        if pricing is dedup:
-            row("Megatron-LM PRs 2719/2730, 6311", f"the deepseek-v3 row, what-if: EP all-to-all bytes as a "
-                f"node-deduplicating FP8 dispatch would send them (compress=ep-fp8, then dispatch x{DEDUP_ROWS:g}, "
-                f"combine x{DEDUP_ROWS:g})", "0.5x gain (halved)", f"{one / free:.2f}x gain ({free:+.1%} -> {one:+.1%} over "
-                "sequential)", "held", "not a prediction (the Megatron-Core §5 what-if's bytes): with the EP traffic "
-                "Megatron's DeepEP dispatch sends, one queue costs the share Megatron-LM reports, so the row above's "
-                "miss is the same missing collective as §5's", None)
-            continue
         paper = "0.5x gain (halved)" if model == "deepseek-v3" else "-"
         row("Megatron-LM PRs 2719/2730, 6311", f"{model} {hw_name} s={seq // 1024}K, M=2: one hardware queue vs one "
             f"per stream", paper, f"{one / free:.2f}x gain ({free:+.1%} -> {one:+.1%} over sequential)", "held",
             "launch order megatron-1f1b: each phase's collective is launched before its compute; one waiting on the "
             "previous phase's compute holds back the compute launched behind it. Collectives on SM budgets, as "
             "Megatron-LM runs them (NCCL before 2.28's copy-engine collectives, DeepEP); the 0.56x this row gave "
-            "until 2026-11-27 came from copy-engine budgets Megatron never ran",
+            "until 2026-11-27 came from copy-engine budgets Megatron never ran. n = 8 is one node, so no node-"
+            "spanning dispatch applies (the what-if that scaled these bytes as one, 0.60x, was dropped on 2026-11-28)",
             None if paper == "-" else 0.4 <= one / free <= 0.6)
 
 

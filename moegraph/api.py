@@ -19,7 +19,7 @@ from moegraph.ir import Strategy
 from moegraph.pass_steps import DEFAULT_PASSES, PassStep, parse_passes
 
 COMPILE_KEYWORDS = ("hardware", "attn", "ffn", "dispatch", "passes", "memory_budget", "schedule", "time_limit_s", "dp",
-                    "micro_batches")
+                    "micro_batches", "ep_nodes")
 """The keywords ``compile(module, ...)`` turns into its CompileConfig (the others run the module)."""
 
 
@@ -35,7 +35,7 @@ def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | 
             passes: str | tuple[PassStep, ...] = DEFAULT_PASSES, memory_budget: int | None = None,
             schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0, time_limit_s: float = 10.0,
             record: bool = True, dp: int = 1, cuda_graphs: str = "off", expert_rows: str = "exact",
-            micro_batches: int = 1) -> Any:
+            micro_batches: int = 1, ep_nodes: int = 1) -> Any:
     """Compile a ``CompileConfig`` into its graph, schedule and report, or one MoE decoder layer
     or a whole causal LM into a sharded ``nn.Module`` for this rank.
 
@@ -72,6 +72,9 @@ def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | 
                      process group (1 without torch.distributed).
     timeout_s:       how long any collective may take before a CollectiveTimeout names it.
     time_limit_s:    CP-SAT's search effort in deterministic seconds.
+    ep_nodes:        nodes N the n ranks span for the expert all-to-all (dispatch='a2a'): N > 1
+                     sends each token once per destination node and forwards it within the node
+                     (Strategy.ep_nodes; rank r on node r // (n/N)).
     dp:              data-parallel replicas D: the world holds n x D ranks, replica-major (rank
                      p*n + r is rank r of replica p); parameter gradients come back averaged over
                      the replicas (docs/runtime.md, "Data parallelism"); a whole model's come back
@@ -139,8 +142,12 @@ def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | No
     plan_given = None if isinstance(schedule, str) else schedule
     if config is None:
         passes = given["passes"]
+        # n is the world's (compile_module sets it); a node-spanning dispatch is checked against it now
+        nodes = given["ep_nodes"]
+        n = 1 if nodes == 1 else (given["n"] or _world_size() // max(given["dp"], 1))
         config = CompileConfig(
-            model=module, strategy=Strategy(given["attn"], given["ffn"], given["dispatch"], 1, dp=given["dp"]),
+            model=module, strategy=Strategy(given["attn"], given["ffn"], given["dispatch"], n, dp=given["dp"],
+                                            ep_nodes=nodes),
             passes=parse_passes(passes) if isinstance(passes, str) else passes,
             schedule=schedule if plan_given is None else "cpsat", memory_budget=given["memory_budget"],
             micro_batches=given["micro_batches"], hardware=given["hardware"],
@@ -173,3 +180,9 @@ def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | No
                          "step: the CLI's --micro-batches, moegraph.passes.microbatch.merge_microbatches)")
     from moegraph.runtime.module import compile_module
     return compile_module(module, example_inputs, config, options, n=given["n"], given=plan_given)
+
+
+def _world_size() -> int:
+    """The default process group's size (1 without torch.distributed)."""
+    import torch.distributed as dist
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1

@@ -52,6 +52,10 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
     p.add_argument("--top-k", type=positive_int, default=None, help="override the model's top-k")
     p.add_argument("--dtype", default="bf16", choices=("bf16", "fp32"), help="activation dtype (default %(default)s)")
     p.add_argument("--dp", type=positive_int, default=1, help="data-parallel degree D (default %(default)s)")
+    p.add_argument("--ep-nodes", type=positive_int, default=1, metavar="N",
+                   help="nodes the group spans for the expert all-to-all (dispatch=a2a): N > 1 sends each token "
+                        "once per destination node over the NICs and forwards it within the node, as DeepEP "
+                        "(default %(default)s)")
     add_layers_arg(p, pipeline=pipeline)
     p.add_argument("--passes", default=PASSES_DEFAULT_TEXT,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
@@ -163,7 +167,7 @@ def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edg
         strategy, passes = file_strategy, RECORDED
     else:
         strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype,
-                            dp=args.dp)
+                            dp=args.dp, ep_nodes=getattr(args, "ep_nodes", 1))
         passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
     return CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch, seq=args.seq,
                          top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1), edges=edges,
@@ -181,7 +185,8 @@ def _pipeline_config(args: argparse.Namespace, model: ModelConfig, pipeline: dic
         raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
     check_graph_size(layers=2, n=args.n, dp=args.dp, stages=pipeline["pp"] * pipeline["vpp"])
     check_limit("micro-batches", getattr(args, "micro_batches", 1), MAX_MICRO_BATCHES)
-    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp)
+    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp,
+                        ep_nodes=getattr(args, "ep_nodes", 1))
     passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
     config = CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch,
                            seq=args.seq, top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1),
@@ -290,7 +295,8 @@ def step_memory(graph: Graph) -> dict[str, int]:
 def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
     lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "")
-             + f": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} n={st['n']} dp={st['dp']} "
+             + f": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} n={st['n']}"
+             + (f" ep_nodes={st['ep_nodes']}" if st.get("ep_nodes", 1) > 1 else "") + f" dp={st['dp']} "
              f"dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
     for n in s["nodes"]:

@@ -41,6 +41,9 @@ class IndexMap:
               real rows; ``flat`` then has C >= R rows and rows R..C-1 are padding (``real_rows``).
               None: every row is real.
 
+    sources:  layout 'in_node' only: the relay's received tokens, the routing's T (data-dependent, so
+              not the planning shape): rows the map's gathers sum into. None: the planning shape's.
+
     ``segments`` and ``splits`` are host tuples read from ``counts`` with one device-to-host copy
     (cached): the all-to-all needs its split sizes on the host, once per exchange.
     """
@@ -51,6 +54,7 @@ class IndexMap:
     offsets: torch.Tensor | None = None
     per_dest: int = 0
     rows: torch.Tensor | None = None
+    sources: int | None = None
     _host: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -130,7 +134,7 @@ def padded_rows(tokens: int, top_k: int, experts_per_rank: int) -> int:
 
 
 def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, rank: int, n: int,
-                    expert_rows: ExpertRows = "exact") -> IndexMap:
+                    expert_rows: ExpertRows = "exact", node_ranks: int = 0) -> IndexMap:
     """experts: [..., k] routed expert ids (T tokens) -> rows sorted by expert (stable in token order).
 
     layout 'local': only this rank's experts (ep with all-gather dispatch); 'all': every
@@ -142,10 +146,21 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     ``expert_rows='exact'`` the map has R rows: reading R is the one host synchronisation of this
     layout (dropless routing sizes its buffers by it). With 'padded' it has the static
     C = T * min(k, El) >= R rows (``padded_rows``): no host read; the last offset (R) stays on the
-    device and rows R..C-1 are padding the kernels zero or mask (module doc). Other layouts have
-    T*k rows either way.
+    device and rows R..C-1 are padding the kernels zero or mask (module doc). 'all' and 'by_dest'
+    have T*k rows either way.
+
+    The hierarchical dispatch's layouts (moegraph.lowering.node_dispatch; G = ``node_ranks`` ranks
+    per node, rank r on node r // G, expert e on node e // (G*El)):
+    'by_node'  one row per (token, destination node), grouped by node (N groups, one per rail
+               peer): ``flat`` is token * k + the token's first slot on that node. Exact rows: the
+               count of distinct pairs is read on the host once.
+    'in_node'  ``experts`` are the tokens a relay received; the rows of the experts on this rank's
+               node (rank // G), grouped by expert, so by the local rank holding it (per_dest El).
+               Exact rows, read on the host once.
     """
     expert_rows = check_expert_rows(expert_rows)
+    if layout in ("by_node", "in_node"):
+        return _node_map(experts.reshape(-1, experts.shape[-1]), layout, experts_per_rank, rank, n, node_ranks)
     experts = experts.reshape(-1, experts.shape[-1])            # [..., k] -> [T, k]
     flat_experts = experts.reshape(-1)                          # [T*k]
     if layout == "local":
@@ -157,7 +172,7 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     elif layout == "by_dest":
         key, groups = flat_experts, experts_per_rank * n
     else:
-        raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
+        raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest', 'by_node', 'in_node'")
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
     ends = torch.searchsorted(sorted_key, bounds)               # [groups]: rows with key < g + 1
@@ -172,3 +187,32 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     if layout == "local":
         order = order[:int(ends[-1].item())] if groups else order[:0]   # the layout's one host sync
     return IndexMap(order, k, counts, ends.to(torch.int32))
+
+
+def _node_map(experts: torch.Tensor, layout: str, El: int, rank: int, n: int, G: int) -> IndexMap:
+    """build_index_map's 'by_node' and 'in_node' layouts: experts [T, k] (its docstring)."""
+    if G < 1 or n % G:
+        raise ValueError(f"index map layout {layout!r}: node_ranks={G} must divide n={n}")
+    T, k = experts.shape
+    if layout == "by_node":
+        nodes = n // G
+        node = torch.div(experts, El * G, rounding_mode="floor")               # [T, k] destination node
+        # a slot whose node an earlier slot of the same token already goes to sends nothing
+        same = node[:, :, None] == node[:, None, :]                             # [T, k, k]
+        earlier = torch.ones(k, k, dtype=torch.bool, device=experts.device).tril(-1)
+        repeat = (same & earlier).any(-1)                                       # [T, k]
+        key = torch.where(repeat, nodes, node).reshape(-1)                      # repeats sort last
+        groups, per_dest = nodes, 1
+    elif layout == "in_node":
+        first = rank // G * G * El                                              # this node's first expert
+        key = experts.reshape(-1) - first
+        groups, per_dest = G * El, El
+        key = torch.where((key >= 0) & (key < groups), key, groups)             # other nodes' experts sort last
+    else:
+        raise ValueError(f"node index map layout {layout!r} is not one of 'by_node', 'in_node'")
+    sorted_key, order = torch.sort(key, stable=True)
+    bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
+    ends = torch.searchsorted(sorted_key, bounds)                               # [groups]
+    counts = torch.diff(ends, prepend=ends.new_zeros(1))
+    rows = int(ends[-1].item()) if groups else 0                                # the layout's one host read
+    return IndexMap(order[:rows], k, counts, None, per_dest, sources=T if layout == "in_node" else None)

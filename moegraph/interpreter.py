@@ -12,7 +12,10 @@ environments in all. Every replica gets the *same* input and seed gradient (iden
 so the DP-averaged gradient equals the single-replica gradient and the results (read from
 replica 0) are compared against the eager module as for D = 1. Collectives with attr
 axis="dp" run across the D replicas holding the same rank; axis="mp" (the default) within each
-replica (``axis_of``, ``axis_groups``: the runtime uses the same layout on real ranks).
+replica (``axis_of``, ``axis_groups``: the runtime uses the same layout on real ranks). With
+strategy.ep_nodes = N > 1 the n ranks of a replica span N nodes of G = n/N consecutive ranks: the
+hierarchical token dispatch runs on axis="node" (the G ranks of one node) and axis="rail" (the N
+ranks with the same local index, one per node), both within a replica.
 """
 
 from __future__ import annotations
@@ -28,29 +31,42 @@ from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
 
 
-Axis = Literal["mp", "dp"]
+Axis = Literal["mp", "dp", "node", "rail"]
+AXES: tuple[Axis, ...] = ("mp", "dp", "node", "rail")
 
 
 def axis_of(node: Node) -> Axis:
     """The group axis a collective runs on (attr ``axis``; absent: "mp"); anything else raises."""
     axis = node.attr("axis", "mp")            # raw: any value is named below, with the valid axes
-    if axis == "mp":
-        return "mp"
-    if axis == "dp":
-        return "dp"
+    for valid in AXES:
+        if axis == valid:
+            return valid
     raise ValueError(f"collective {node.name!r} has axis={axis!r}; valid axes: mp (within a replica), "
-                     "dp (across replicas)")
+                     "dp (across replicas), node (the ranks of one node), rail (one rank per node, same "
+                     "local index)")
 
 
-def axis_groups(axis: Axis, n: int, d: int) -> tuple[tuple[int, ...], ...]:
+def axis_groups(axis: Axis, n: int, d: int, node_ranks: int = 0) -> tuple[tuple[int, ...], ...]:
     """Every group of ``axis`` among n x d ranks laid out replica-major (rank p*n + r is rank r of
     replica p), as ranks in group-rank order: mp, the n ranks of each replica; dp, the d ranks
-    holding the same rank r, in replica order."""
+    holding the same rank r, in replica order. node and rail split each replica's n ranks into
+    n/G nodes of G = ``node_ranks`` consecutive ranks: node, the G ranks of one node (q*G ..
+    q*G+G-1); rail, the n/G ranks with the same local index r (r, r+G, ..), in node order."""
     if axis == "mp":
         return tuple(tuple(range(p * n, (p + 1) * n)) for p in range(d))
     if axis == "dp":
         return tuple(tuple(range(r, n * d, n)) for r in range(n))
-    raise ValueError(f"axis {axis!r} is not one of mp, dp")
+    if axis in ("node", "rail"):
+        if node_ranks < 2 or n % node_ranks or n // node_ranks < 2:
+            raise ValueError(f"axis {axis!r} needs node_ranks (ranks per node, n / strategy.ep_nodes) >= 2 "
+                             f"dividing n={n} into at least 2 nodes, got node_ranks={node_ranks}")
+        g = node_ranks
+        if axis == "node":
+            groups = [tuple(range(q * g, (q + 1) * g)) for q in range(n // g)]
+        else:
+            groups = [tuple(range(r, n, g)) for r in range(g)]
+        return tuple(tuple(p * n + i for i in grp) for p in range(d) for grp in groups)
+    raise ValueError(f"axis {axis!r} is not one of {', '.join(AXES)}")
 
 
 @dataclass
@@ -120,6 +136,7 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
         raise ValueError(f"graph {graph.name!r} holds {len(bounds)} micro-batches but got {len(xs)} inputs and "
                          f"{len(dys)} seed gradients")
     n, d = graph.strategy.n, graph.strategy.dp
+    node_ranks = n // graph.strategy.ep_nodes            # G, ranks per node (axes node and rail)
     missing = sorted({src.qualname for _, spec in graph.params for src in spec.sources} - set(params))
     if missing:
         raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
@@ -137,7 +154,7 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
         if node.is_comm:
             outs: list[list[Any]] = [[] for _ in envs]
             axis = axis_of(node)
-            for group in axis_groups(axis, n, d):
+            for group in axis_groups(axis, n, d, node_ranks):
                 if len(group) != node.group:
                     raise RuntimeError(f"node {node.name!r}: group={node.group} but the interpreter's "
                                        f"{axis} group has {len(group)} ranks")

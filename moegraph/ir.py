@@ -29,7 +29,8 @@ from typing import Any, Iterable, Literal, Mapping
 
 # the enumerations and the attribute records live in their own modules (the records name op kinds,
 # verify reads the records); every name stays importable from here
-from moegraph.kinds import COMM_OPS, LAYER_ATTR, GraphError, OpKind, Phase, Role, ValueKind  # noqa: F401
+from moegraph.kinds import (COMM_OPS, EXPERT_ROWS, LAYER_ATTR, ExpertRows, GraphError, OpKind, Phase,  # noqa: F401
+                            Role, ValueKind, check_expert_rows)
 from moegraph.node_attrs import (CHOICE_ATTRS, AttrError, NodeAttrs, PermuteIndex, Scoring,  # noqa: F401
                                  SplitMode, attrs_of, bad_choice)
 
@@ -277,22 +278,6 @@ Compress = Literal["none", "dp-bf16", "tp-fp8", "ep-fp8"]
 tensor-parallel activation reductions, or the FP8 token dispatch (DeepSeek-V3, DeepEP)."""
 Fuse = Literal["auto", "all", "none"]
 """Fused comm+compute groups marked (moegraph.passes.fuse): the faster ones, every eligible one, or none."""
-ExpertRows = Literal["exact", "padded"]
-"""Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.index_map.build_index_map``):
-exactly this rank's R routed rows (R read on the host once per map), or padded to the static worst
-case C = T * min(k, E/n), rows R..C-1 zero (dropless; no host read, so the layer can be captured
-whole as a CUDA graph). A runtime choice, not a graph property: the graph's routed values keep
-their balanced expectation (planning shapes)."""
-EXPERT_ROWS: tuple[str, ...] = typing.get_args(ExpertRows)
-
-
-def check_expert_rows(value: Any) -> ExpertRows:
-    """``value`` if it is one of EXPERT_ROWS, else ValueError naming the valid ones."""
-    if not isinstance(value, str) or value not in EXPERT_ROWS:
-        raise ValueError(f"expert_rows={value!r} is not one of {', '.join(map(repr, EXPERT_ROWS))}")
-    return typing.cast(ExpertRows, value)
-
-
 class ConfigError(ValueError):
     """An invalid model/strategy combination; the message names every factor involved."""
 
@@ -335,6 +320,11 @@ class Strategy:
     """The wire compression applied (the compress pass records its mode)."""
     fuse: Fuse = "none"
     """The fuse choice that marked fused groups ('none': no group is marked, also when fuse chose none)."""
+    ep_nodes: int = 1
+    """Nodes N the group spans for the token dispatch. N > 1 (ffn='ep', dispatch='a2a') lowers it as
+    DeepEP's normal kernels do: each token crosses the NICs once per destination node (to the rank of
+    its own local index there), which forwards it to that node's experts over NVLink; the combine sums
+    within the node before the way back (moegraph.lowering.node_dispatch). n/N ranks per node."""
 
     def __post_init__(self):
         problems = []
@@ -342,7 +332,7 @@ class Strategy:
             choices = typing.get_args(_LITERALS.get(f.name))
             if choices and getattr(self, f.name) not in choices:
                 problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(map(repr, choices))}")
-        for name in ("n", "chunks", "dp"):
+        for name in ("n", "chunks", "dp", "ep_nodes"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 problems.append(f"{name}={value!r} must be a positive integer")
@@ -350,6 +340,13 @@ class Strategy:
                 and self.dispatch not in valid_dispatches(self.ffn)):
             problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
                             "dispatch='ag-rs')")
+        nodes = self.ep_nodes
+        if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 1 and isinstance(self.n, int):
+            if self.ffn != "ep" or self.dispatch != "a2a":
+                problems.append(f"ep_nodes={nodes} needs ffn='ep' and dispatch='a2a' (got ffn={self.ffn!r}, "
+                                f"dispatch={self.dispatch!r}): only an expert all-to-all crosses nodes per token")
+            elif self.n % nodes or self.n // nodes < 2:
+                problems.append(f"ep_nodes={nodes} must divide n={self.n} into nodes of at least 2 ranks")
         budget = self.remat_budget
         if self.remat == "budget" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
             problems.append(f"remat='budget' needs remat_budget, a byte count >= 0 (got {budget!r})")
@@ -375,7 +372,8 @@ class Strategy:
     def label(self) -> str:
         """One line for tables: 'sp+ep a2a   chunks=2 remat=paper'."""
         remat = f"budget:{self.remat_budget}" if self.remat == "budget" else self.remat
-        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}"
+        nodes = f" ep_nodes={self.ep_nodes}" if self.ep_nodes > 1 else ""
+        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}{nodes}"
 
 
 _LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate,

@@ -268,7 +268,7 @@ def _router_keep(ctx, node, x):
 
 def _k_index_map(ctx, node, ins, shapes):
     return [build_index_map(ins[0], node.typed.layout, node.typed.experts_per_rank, ctx.rank, ctx.n,
-                            ctx.expert_rows)]
+                            ctx.expert_rows, node_ranks=node.typed.node_ranks)]
 
 
 def _k_permute(ctx, node, ins, shapes):
@@ -287,6 +287,8 @@ def _k_unpermute(ctx, node, ins, shapes):
         rows = rows * weights.reshape(-1)[imap.flat, None].to(rows.dtype)
     else:
         rows, imap = ins
+    if imap.sources is not None:                    # a relay's received tokens: a data-dependent count
+        return [rows.new_zeros((imap.sources, rows.shape[1])).index_add(0, imap.tokens, rows)]   # [R, h] -> [Rn', h]
     out = rows.new_zeros((_tokens_count(shapes[0]), rows.shape[1]))
     return [out.index_add(0, imap.tokens, imap.real_rows(rows)).view(shapes[0])]   # [R, h] -> [b, S, h]
 
@@ -473,12 +475,14 @@ def _k_permute_dgrad(ctx, node, ins, shapes):
     drows, imap = ins
     drows = imap.real_rows(drows)                                       # a padded map's padding adds nothing
     index = node.typed.index
+    # a relay's received tokens (map layout in_node) are a data-dependent count, not the planning shape's
+    shape = shapes[0] if imap.sources is None else (imap.sources, *shapes[0][1:])
     if index == "slot":                                                 # [R] -> [T, k], zero where unrouted here
-        out = drows.new_zeros(math.prod(shapes[0]))
-        return [out.index_add(0, imap.flat, drows).view(shapes[0])]
+        out = drows.new_zeros(math.prod(shape))
+        return [out.index_add(0, imap.flat, drows).view(shape)]
     if index == "token":
-        out = drows.new_zeros((_tokens_count(shapes[0]), drows.shape[1]))
-        return [out.index_add(0, imap.tokens, drows).view(shapes[0])]   # k copies summed per token
+        out = drows.new_zeros((_tokens_count(shape), drows.shape[1]))
+        return [out.index_add(0, imap.tokens, drows).view(shape)]       # k copies summed per token
     raise bad_choice(node)
 
 

@@ -1,4 +1,4 @@
-"""The IR's enumerations (op kinds, phases, roles, value kinds) and its error type.
+"""The IR's enumerations (op kinds, phases, roles, value kinds, expert rows) and its error type.
 
 Split from ``moegraph.ir`` so that the per-op attribute records (``moegraph.node_attrs``), which the
 IR's verifier reads, can name op kinds without importing the IR; ``moegraph.ir`` re-exports every
@@ -8,6 +8,8 @@ name here.
 from __future__ import annotations
 
 import enum
+import typing
+from typing import Any, Literal
 
 
 class OpKind(enum.Enum):
@@ -84,3 +86,19 @@ class ValueKind(enum.Enum):
 
 class GraphError(ValueError):
     """A malformed graph; the message names the offending node or value."""
+
+
+ExpertRows = Literal["exact", "padded"]
+"""Rows of the local index map (ffn='ep', dispatch='ag-rs'; ``moegraph.index_map.build_index_map``):
+exactly this rank's R routed rows (R read on the host once per map), or padded to the static worst
+case C = T * min(k, E/n), rows R..C-1 zero (dropless; no host read, so the layer can be captured
+whole as a CUDA graph). A runtime choice, not a graph property: the graph's routed values keep
+their balanced expectation (planning shapes)."""
+EXPERT_ROWS: tuple[str, ...] = typing.get_args(ExpertRows)
+
+
+def check_expert_rows(value: Any) -> ExpertRows:
+    """``value`` if it is one of EXPERT_ROWS, else ValueError naming the valid ones."""
+    if not isinstance(value, str) or value not in EXPERT_ROWS:
+        raise ValueError(f"expert_rows={value!r} is not one of {', '.join(map(repr, EXPERT_ROWS))}")
+    return typing.cast(ExpertRows, value)

@@ -38,8 +38,9 @@ Scoring = Literal["softmax", "sigmoid"]
 (``moegraph.models`` keeps its own copy: the eager reference imports nothing from the IR.)"""
 Positions = Literal["shard", "full", "chunk_major"]
 """Where a RoPE kernel's rows sit in the sequence (``moegraph.kernels.chunk_positions``)."""
-IndexLayout = Literal["local", "all", "by_dest"]
-"""INDEX_MAP's rows: this rank's experts, every expert, or every row by destination rank."""
+IndexLayout = Literal["local", "all", "by_dest", "by_node", "in_node"]
+"""INDEX_MAP's rows: this rank's experts, every expert, every row by destination rank, one row per
+(token, destination node), or the rows of this node's experts by local rank (moegraph.index_map)."""
 Reduce = Literal["sum", "mean"]
 NormKind = Literal["layer", "head_rms", "l2"]
 """NORM's attr ``kind``: LayerNorm, RMSNorm of each head's ``group`` features, weightless L2 norm of each head."""
@@ -106,7 +107,7 @@ class CommAttrs(NodeAttrs):
 
     dp: bool = False                     # a data-parallel gradient sync
     flat: bool = False                   # over a flattened bucket of gradients
-    axis: Literal["mp", "dp"] | None = None
+    axis: Literal["mp", "dp", "node", "rail"] | None = None
     scope: Literal["intra", "inter"] | None = None
     compressed: DtypeName | None = None  # the wire dtype of a compressed collective
 
@@ -192,6 +193,7 @@ class IndexMapAttrs(NodeAttrs):
     layout: IndexLayout
     experts_per_rank: int
     top_k: int
+    node_ranks: int = 0                  # G, ranks per node: layouts 'by_node' and 'in_node' only
 
 
 @dataclass(frozen=True, kw_only=True)

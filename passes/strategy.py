@@ -86,6 +86,11 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     def run(graph: Graph) -> PassResult:
         require_unrewritten(graph, me)
         valid = valid_dispatches(graph.strategy.ffn)
+        if graph.strategy.ep_nodes > 1:      # the hierarchical dispatch is an all-to-all's
+            if choice == "ag-rs":
+                raise ValueError(f"dispatch='ag-rs' with ep_nodes={graph.strategy.ep_nodes}: the node-spanning "
+                                 "dispatch is an all-to-all (use dispatch=a2a, or ep_nodes=1)")
+            valid = ("a2a",)
         if choice != "auto" and choice not in valid:
             raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
         lowered = {c: graph if c == graph.strategy.dispatch else relower(graph, dispatch=c)

@@ -33,6 +33,9 @@ on the group its attr ``axis`` names (``axis_of``): "mp" (the default) the n ran
 replica, g in [p*n, (p+1)*n); "dp" the D ranks holding the same rank r, {r, r+n, .., r+(D-1)n}.
 This is the simulated layout of ``moegraph.interpreter`` (``axis_groups``, envs replica-major).
 Group-rank order is replica order along dp and rank order along mp, as the reference stacks them.
+Nodes (``Layout.node_ranks`` = G > 0, strategy.ep_nodes = n/G): the hierarchical token dispatch runs
+on "node", the G ranks of one node {q*G, .., q*G+G-1}, and "rail", the n/G ranks with the same local
+index {r, r+G, ..}, both within a replica; their token all-to-alls exchange counts on their own group.
 Pipeline stages (``Layout.pp`` > 1, moegraph.passes.stages' world order): the world holds pp such
 blocks of n x D ranks, block p on global ranks [p*n*D, (p+1)*n*D); a plan's groups are its own
 block's, and every rank creates every block's groups (``new_group`` is collective).
@@ -111,11 +114,16 @@ class Layout:
     dp: int                # replicas (strategy.dp)
     rank: int              # global rank in the default process group
     pp: int = 1            # pipeline blocks of n x dp ranks in the default group (module docstring)
+    node_ranks: int = 0    # G, ranks per node (n / strategy.ep_nodes); 0: the plan has no node axes
 
     def __post_init__(self):
         if self.n < 1 or self.dp < 1 or self.pp < 1 or not 0 <= self.rank < self.n * self.dp * self.pp:
             raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp}"
                                  + (f" x pp={self.pp}" if self.pp > 1 else "") + " ranks")
+        g = self.node_ranks
+        if g != 0 and (g < 2 or self.n % g or self.n // g < 2):
+            valid = [0] + [v for v in range(2, self.n // 2 + 1) if self.n % v == 0]
+            raise RuntimeFailure(f"node_ranks={g} does not split n={self.n} into nodes; valid: {', '.join(map(str, valid))}")
 
     @property
     def world(self) -> int:
@@ -140,13 +148,17 @@ class Layout:
             return self.n
         if axis == "dp":
             return self.dp
-        raise ValueError(f"axis {axis!r} is not one of mp, dp")
+        if axis in ("node", "rail"):
+            if not self.node_ranks:
+                raise RuntimeFailure(f"axis {axis!r} needs nodes; this layout has none (strategy.ep_nodes=1)")
+            return self.node_ranks if axis == "node" else self.n // self.node_ranks
+        raise ValueError(f"axis {axis!r} is not one of mp, dp, node, rail")
 
     def partition(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
         """Every group of ``axis`` in every pipeline block, as global ranks in group-rank order
         (the same on every rank)."""
         return tuple(tuple(p * self.world + r for r in g) for p in range(self.pp)
-                     for g in axis_groups(axis, self.n, self.dp))
+                     for g in axis_groups(axis, self.n, self.dp, self.node_ranks))
 
     def blocks(self) -> tuple[tuple[int, ...], ...]:
         """Every pipeline block's ranks (one block of all ranks when pp = 1)."""
@@ -222,25 +234,29 @@ class Comm:
     axis (``Layout``). Must be created on every rank with the same keys in the same order
     (``new_group`` is collective): callers check the plan hash first (``check_same_plan``).
     ``rank`` is the global rank, ``n`` the model-parallel group size, ``dp`` the replicas, ``pp``
-    the pipeline blocks of n x dp ranks (``Layout``).
+    the pipeline blocks of n x dp ranks, ``node_ranks`` the ranks per node of axes node and rail
+    (``Layout``).
     """
 
     def __init__(self, keys: Sequence[tuple[str, int]], *, rank: int, n: int, timeout_s: float,
                  emulate: frozenset[str] = frozenset(), meta_group: Any = None, dp: int = 1,
-                 axes: Sequence[Axis] = ("mp",), pp: int = 1):
-        self.layout = Layout(n, dp, rank, pp)
+                 axes: Sequence[Axis] = ("mp",), pp: int = 1, node_ranks: int = 0):
+        self.layout = Layout(n, dp, rank, pp, node_ranks)
         self.rank, self.n, self.dp, self.timeout_s = rank, n, dp, timeout_s
         self.backend = dist.get_backend() if self.layout.world > 1 else "none"
         self.emulate = emulated_collectives(self.backend, emulate)
         # token count exchanges run within the replica; plan-hash checks and barriers over the block
         self.world_meta = metadata_group(self.layout.blocks())
         self.meta = meta_group if meta_group is not None else metadata_group(self.layout.partition("mp"))
+        axes = tuple(dict.fromkeys(axes))
+        # token count exchanges on the node axes: their own groups, made in ``axes`` order on every rank
+        self.metas: dict[Axis, Any] = {"mp": self.meta} | {
+            axis: metadata_group(self.layout.partition(axis)) for axis in axes if axis in ("node", "rail")}
         # full_grads / unshard_output helpers within a replica (default backend); WORLD when it is one
         self.mp_group = (None if dp == 1 and pp == 1 else
                          _member_group(self.layout.partition("mp"), None, {}))
         self.native_budgets = self.backend == "nccl"
         check_native_budgets(keys, self.backend)
-        axes = tuple(dict.fromkeys(axes))
         self.groups = {(*key, axis): _group(self.backend, *key, timeout_s, self.layout, axis)
                        for key in keys for axis in axes}
         self.ctas = {key: nccl_ctas(key[1]) for key in self.groups} if self.native_budgets else {}
@@ -285,10 +301,10 @@ class Comm:
             if mode in ("heads", "shards"):
                 works, finish, keep = self._a2a_parts(node, ins, pg, g, stack=mode == "shards")
             elif mode == "tokens":
-                if axis != "mp":      # routing metadata (counts, maps) lives within a replica
+                if axis not in self.metas:      # routing metadata (counts, maps) lives within a replica
                     raise RuntimeFailure(f"token all_to_all {node.name!r} on axis {axis!r}: token exchanges "
-                                         "run within a replica (axis mp) only")
-                works, finish, keep = self._a2a_tokens(node, ins, pg)
+                                         "run within a replica (axes mp, node, rail) only")
+                works, finish, keep = self._a2a_tokens(node, ins, pg, axis)
             else:
                 raise NotImplementedError(f"no all_to_all mode {mode!r} (node {node.name!r}); "
                                           "valid: heads, shards, tokens")
@@ -375,7 +391,10 @@ class Comm:
             return outs
         return [work], finish, (send, recv)
 
-    def _a2a_tokens(self, node: Node, ins: list[Any], pg):
+    def _a2a_tokens(self, node: Node, ins: list[Any], pg, axis: Axis):
+        """Token rows over this rank's group of ``axis``: g ranks (n on mp, G on node, n/G on rail),
+        its split counts exchanged on that axis's metadata group (``exchange``)."""
+        g = self.layout.size(axis)
         p = node.typed.payloads
         payloads, send_map = ins[:p], ins[p]
         rows = payloads[0]
@@ -383,20 +402,21 @@ class Comm:
             raise TypeError(f"all_to_all {node.name!r}: input {node.inputs[p]!r} is a {type(send_map).__name__}, "
                             "expected an IndexMap or RecvMap")
         send_splits = [int(c) for c in send_map.splits]
-        if len(send_splits) != self.n or sum(send_splits) != rows.shape[0]:
+        if len(send_splits) != g or sum(send_splits) != rows.shape[0]:
             raise RuntimeFailure(f"all_to_all {node.name!r}: split sizes {send_splits} do not cover the "
-                                 f"{rows.shape[0]} rows of {node.inputs[0]!r} over {self.n} ranks")
+                                 f"{rows.shape[0]} rows of {node.inputs[0]!r} over its group's {g} ranks")
         recv_map = None
         if isinstance(send_map, IndexMap):                          # rows leave for their experts' ranks
-            got = send_map.host_fact("a2a_received", lambda: self._received_counts(node, send_map))
+            # keyed by axis: one routing's counts differ per group it is exchanged on
+            got = send_map.host_fact(f"a2a_received.{axis}", lambda: self._received_counts(node, send_map))
             recv_splits = [sum(row) for row in got]                 # got[r][e]: rank r's rows for my expert e
             if node.typed.emit_map:
                 recv_map = RecvMap(tuple((e, c) for row in got for e, c in enumerate(row)), tuple(recv_splits),
                                    tuple(send_splits))
-        elif len(send_map.sent) == self.n:                          # rows go back where they came from
+        elif len(send_map.sent) == g:                               # rows go back where they came from
             recv_splits = list(send_map.sent)
-        else:
-            got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(self.n, 1))
+        else:                                                       # [g] -> [g, 1]: one count per peer
+            got = self.exchange(node, torch.tensor(send_splits, dtype=torch.int64).view(g, 1))
             recv_splits = [int(c) for c in got.view(-1).tolist()]
         # each payload's rows as bytes, side by side: one exchange carries a row and its scale
         widths = [math.prod(x.shape[1:]) * x.element_size() for x in payloads]   # known also when R = 0
@@ -416,19 +436,24 @@ class Comm:
         return [work], finish, (send, out)
 
     def _received_counts(self, node: Node, imap: IndexMap) -> tuple[tuple[int, ...], ...]:
-        """[n][El] rows each rank sends me per local expert under ``imap``'s routing: one exchange of
-        the per-expert counts. Cached on the index map, so every token all-to-all of the step that
-        follows the same routing (dispatch, gate weights, recompute, the combine's backward) reuses it."""
-        per = len(imap.segments) // self.n                          # experts per destination rank (El)
-        counts = torch.tensor([c for _, c in imap.segments], dtype=torch.int64).view(self.n, per)
+        """[g][El] rows each rank of the node's g-rank group sends me per local expert under
+        ``imap``'s routing: one exchange of the per-expert counts, cached on the index map per axis
+        for every token all-to-all of the step that follows the same routing."""
+        g, segments = self.layout.size(axis_of(node)), imap.segments
+        if len(segments) % g:
+            raise RuntimeFailure(f"all_to_all {node.name!r}: its index map has {len(segments)} expert segments, "
+                                 f"not a multiple of the group's {g} ranks")
+        per = len(segments) // g                                    # experts per destination rank (El)
+        counts = torch.tensor([c for _, c in segments], dtype=torch.int64).view(g, per)   # [g, El]
         got = self.exchange(node, counts)                           # row r = rank r's rows per my expert
         return tuple(tuple(int(c) for c in row) for row in got.tolist())
 
     def exchange(self, node: Node | None, counts: torch.Tensor) -> torch.Tensor:
-        """Synchronous all_to_all of a small [n, m] int64 tensor on the metadata group: row r of
-        the result is what rank r put in row ``self.rank``."""
+        """Synchronous all_to_all of a small [g, m] int64 tensor on the node's axis's metadata group
+        (no node: the mp group, g = n): row r of the result is what group rank r put in my row."""
         recv = torch.empty_like(counts)
-        work = dist.all_to_all_single(recv, counts.contiguous(), group=self.meta, async_op=True)
+        group = self.meta if node is None else self.metas[axis_of(node)]
+        work = dist.all_to_all_single(recv, counts.contiguous(), group=group, async_op=True)
         what = f"split-size exchange of {node.name!r}" if node is not None else "split-size exchange"
         _wait_host(work, self.timeout_s, what, self.rank)
         return recv

@@ -52,8 +52,8 @@ from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
 from moegraph.schedules.driver import lower
 
 
-LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "passes",
-               "micro_batches", "layers")
+LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "ep_nodes",
+               "passes", "micro_batches", "layers")
 
 VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
 
@@ -181,7 +181,8 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
     try:
         from_file = {"model": g["name"], "hardware": schedule.hardware["name"], "attn": st["attn"], "ffn": st["ffn"],
                      "dispatch": st["dispatch"], "n": st["n"], "batch": g["dims"]["b"], "seq": g["dims"]["s"],
-                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"], "passes": tuple(st["passes"]),
+                     "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"],
+                     "ep_nodes": st.get("ep_nodes", 1), "passes": tuple(st["passes"]),
                      # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
                      "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
                      or 1,
@@ -338,7 +339,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layers": layer_count(g), "dp": g.strategy.dp,
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
-                     "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
+                     "ep_nodes": g.strategy.ep_nodes, "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
         "batch": g.dims.b, "seq": g.dims.s, "micro_batches": micro_batch_count(g),
         "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),

@@ -146,7 +146,11 @@ def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) ->
                 return None
             if layout in ("all", "by_dest"):
                 return None
-            raise ValueError(f"node {node.name!r}: index map layout {layout!r} is not one of 'local', 'all', 'by_dest'")
+            if layout in ("by_node", "in_node"):
+                return (f"builds a {layout} index map (the hierarchical dispatch, ep_nodes > 1) whose row count "
+                        "is read on the host")
+            raise ValueError(f"node {node.name!r}: index map layout {layout!r} is not one of 'local', 'all', "
+                             "'by_dest', 'by_node', 'in_node'")
         case OpKind.ALL_TO_ALL:
             mode = node.typed.mode
             if mode == "tokens":
@@ -156,7 +160,7 @@ def _own_host_read(node: Node, maps: dict[str, str], expert_rows: ExpertRows) ->
             raise NotImplementedError(f"node {node.name!r}: all-to-all mode {mode!r} has no cuda_graphs rule")
         case OpKind.GROUPED_GEMM:
             seg = node.inputs[-1]
-            if maps.get(seg) == "by_dest":
+            if maps.get(seg) in ("by_dest", "in_node"):
                 return (f"loops over host row segments of index map {seg!r} (layout by_dest has no device-side "
                         "group offsets)")
             return None
@@ -332,7 +336,7 @@ def _own(v: Any, name: str, segment: str) -> Any:
         return v.detach().clone()
     if isinstance(v, IndexMap):
         return IndexMap(v.flat.clone(), v.top_k, v.counts.clone(), None if v.offsets is None else v.offsets.clone(),
-                        v.per_dest, None if v.rows is None else v.rows.clone())
+                        v.per_dest, None if v.rows is None else v.rows.clone(), v.sources)
     raise RuntimeFailure(f"cuda_graphs: segment {segment} value {name!r} is a {type(v).__name__}, neither a tensor nor "
                          "an index map: it cannot be a graph's static buffer")
 

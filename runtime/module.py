@@ -39,7 +39,7 @@ from torch import nn
 from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
 from moegraph.interpreter import axis_of, shard_param, unshard_grad
-from moegraph.ir import ExpertRows, Graph, check_expert_rows
+from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
 from moegraph.expert_rows import expert_rows_refusal
 from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
@@ -97,7 +97,7 @@ class CompiledLayer(nn.Module):
         gradient reaches their ``.grad`` (``frozen_sources``)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
-        self.layout = layout if layout is not None else Layout(n, 1, rank)
+        self.layout = layout if layout is not None else Layout(n, 1, rank, node_ranks=node_ranks(graph.strategy))
         if (self.layout.n, self.layout.mp_rank) != (n, rank):
             raise RuntimeFailure(f"rank {rank} of n={n} disagrees with the layout {self.layout}")
         self.cuda_graphs = check_mode(cuda_graphs)
@@ -463,6 +463,11 @@ def replica_batch(rows: int, n: int | None, dp: Any, what: str) -> tuple[int, in
     return rank, n, rows // dp
 
 
+def node_ranks(strategy: Strategy) -> int:
+    """G, the ranks per node of the node and rail axes (``collectives.Layout``); 0 without nodes."""
+    return strategy.n // strategy.ep_nodes if strategy.ep_nodes > 1 else 0
+
+
 def comm_axes(graph: Graph) -> tuple[str, ...]:
     """The group axes the graph's collectives run on (each checked: an unknown axis raises)."""
     return tuple(sorted({axis_of(node) for node in graph.nodes if node.is_comm}))
@@ -482,7 +487,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
     check_plan(graph, plan)
     if graph.strategy.n != n:
         raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
-    layout = Layout(n, graph.strategy.dp, rank, pp)
+    layout = Layout(n, graph.strategy.dp, rank, pp, node_ranks(graph.strategy))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() != layout.world * pp:
         blocks = f"pp={pp} x " if pp > 1 else ""
         raise RuntimeFailure(f"graph {graph.name!r} runs on {blocks}n={n} x dp={layout.dp} = {layout.world * pp} "
@@ -494,7 +499,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         check_same_plan(plan.hash, rank=rank, n=layout.world, group=block_meta, timeout_s=timeout_s)
         keys, axes = comm if comm is not None else (plan.comm_keys(graph), comm_axes(graph))
         comm_ = Comm(keys, rank=rank, n=n, dp=layout.dp, axes=axes, timeout_s=timeout_s, emulate=options.emulate,
-                     pp=pp)
+                     pp=pp, node_ranks=layout.node_ranks)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm_, timeout_s=timeout_s,
                          record=options.record, layout=layout, cuda_graphs=options.cuda_graphs,
                          expert_rows=options.expert_rows, frozen=frozen)

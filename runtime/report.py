@@ -16,7 +16,8 @@ def format_report(r: dict[str, Any]) -> str:
         return format_pipeline_report(r)
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
+             f"n={r['n']}" + (f" over {st['ep_nodes']} nodes" if st.get("ep_nodes", 1) > 1 else "")
+             + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
              + (f" cuda_graphs={r['cuda_graphs']}" if r.get("cuda_graphs", "off") != "off" else "")
              + (f" layers={r['layers']}" if r.get("layers", 1) > 1 else "")

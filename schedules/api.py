@@ -81,7 +81,7 @@ class CompileResult:
 
 def strategy_label(s: Strategy) -> str:
     return (f"attn={s.attn} ffn={s.ffn} dispatch={s.dispatch} n={s.n} chunks={s.chunks} remat={s.remat} "
-            f"dtype={s.dtype}")
+            f"dtype={s.dtype}" + (f" ep_nodes={s.ep_nodes}" if s.ep_nodes > 1 else ""))
 
 
 def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,

@@ -144,6 +144,7 @@ def format_compile(c: dict) -> str:
     sm_only = "" if c.get("copy_engines", True) else " (collectives on SMs only: --no-copy-engines)"
     lines = [f"{c['model']} on {c['hardware']}{sm_only}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate"))
+             + (f" ep_nodes={c['strategy']['ep_nodes']}" if c["strategy"].get("ep_nodes", 1) > 1 else "")
              + (f" dp={c['strategy']['dp']}" if c["strategy"].get("dp", 1) > 1 else ""),   # replicas: more nodes
              f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
     for name, span in rows:

@@ -44,6 +44,9 @@ CORE_CASES = [
     (["trace", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     (["trace", "--bogus-flag"], "unrecognized arguments: --bogus-flag"),
     (["trace", "--model", "qwen2-57b-a14b", "--n", "7", "--attn", "sp"], "n=7 does not divide kv_heads=4"),
+    (["trace", "--ep-nodes", "0"], "argument --ep-nodes: '0' is not a positive integer"),
+    (["trace", "--ep-nodes", "2"], "ep_nodes=2 needs ffn='ep' and dispatch='a2a' (got ffn='ep', dispatch='ag-rs')"),
+    (["trace", "--dispatch", "a2a", "--ep-nodes", "3"], "ep_nodes=3 must divide n=8 into nodes of at least 2 ranks"),
     (["trace", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
     (["trace", *TINY, "--passes", "fuse=maybe"], "pass 'fuse': invalid argument 'maybe' (not one of auto, all, none); "
      "valid: auto (the default), all, none"),

@@ -50,7 +50,10 @@ N2_CASES = ([_case(*c) for c in COMBOS]
             + PASS_CASES)
 N4_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "a2a", model="hf")]
-            + [_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")])
+            + [_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")]
+            # the node-spanning dispatch: 2 nodes of 2 ranks, each token once per node over the rail
+            + [_case("sp", "ep", "a2a", ep_nodes=2), _case("sp", "ep", "a2a", ep_nodes=2, passes="sar=paper,chunk=2"),
+               _case("sp", "ep", "a2a", ep_nodes=2, passes="gate-reorder,compress=ep-fp8", reference="interpreter")])
 FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
 
 

@@ -53,6 +53,7 @@ from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm, emit_limit,
                                           emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
                                           mask_attrs, out_gate_param)
+from moegraph.lowering import node_dispatch
 from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
@@ -502,16 +503,20 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
         tokens_in = emit_all_gather(g, f"ln2_ag{c}", x, f"ln2_out_ag{c}", dim=1, **kw)  # [b, L, h] -> [b, nL, h]
     T = _numel(g, tokens_in) // h
     R = T * k if (a2a or not ep) else T * k // n        # balanced expectation of expert rows here
-    layout = "by_dest" if a2a else ("local" if ep else "all")
-    imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
-    g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
-           attrs={"layout": layout, "experts_per_rank": El, "top_k": k}, **kw)
-
-    rows = g.value(f"ffn_in_send{c}" if a2a else f"ffn_in{c}", (R, h), routed=True)
-    # [T, h] -> [R, h]
-    g.node(f"dispatch_scatter{c}", OpKind.PERMUTE, (tokens_in, imap), (rows,), attrs={"index": "token"}, **kw)
-    seg = imap
-    if a2a and n > 1:
+    by_node = a2a and g.strategy.ep_nodes > 1           # the hierarchical dispatch (node_dispatch)
+    if by_node:
+        route = node_dispatch.dispatch(g, spec, tokens_in, topk_w, topk_idx, El, c, kw)
+        rows, seg, imap = route.rows, route.seg, route.index_map
+    else:
+        layout = "by_dest" if a2a else ("local" if ep else "all")
+        imap = g.value(f"index_map{c}", (R,), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE, routed=True)
+        g.node(f"index_map{c}", OpKind.INDEX_MAP, (topk_idx,), (imap,), flops=T * k,
+               attrs={"layout": layout, "experts_per_rank": El, "top_k": k}, **kw)
+        rows = g.value(f"ffn_in_send{c}" if a2a else f"ffn_in{c}", (R, h), routed=True)
+        # [T, h] -> [R, h]
+        g.node(f"dispatch_scatter{c}", OpKind.PERMUTE, (tokens_in, imap), (rows,), attrs={"index": "token"}, **kw)
+        seg = imap
+    if a2a and n > 1 and not by_node:
         ffn_in = g.value(f"ffn_in{c}", (R, h), routed=True)
         seg = g.value(f"recv_map{c}", (n, El), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
         g.collective(f"dispatch_a2a{c}", OpKind.ALL_TO_ALL, (rows, imap), (ffn_in, seg),
@@ -519,7 +524,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
                      attrs={"mode": "tokens", "direction": "to_experts", "emit_map": True}, **kw)
         rows = ffn_in
     if spec.weighted_input:
-        row_w = _row_weights(g, topk_w, imap, R, c, kw)
+        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else _row_weights(g, topk_w, imap, R, c, kw)
         gated_in = g.like(f"ffn_in_gated{c}", rows)
         g.node(f"gate{c}", OpKind.GATE, (rows, row_w), (gated_in,), flops=_numel(g, rows), **kw)   # [R, h]
         rows = gated_in
@@ -529,13 +534,17 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
         fc1 = emit_grouped_bias(g, f"fc1_bias{c}", fc1, biases[0], seg, kw=kw)
         fc3 = emit_grouped_bias(g, f"fc3_bias{c}", fc3, biases[1], seg, kw=kw)
     if before:                                 # the routing weights scale SwiGLU's rows in its own kernel
-        row_w = _row_weights(g, topk_w, imap, R, c, kw)
+        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else _row_weights(g, topk_w, imap, R, c, kw)
     fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
                       alpha=spec.swiglu_alpha, row_weights=row_w if before else None)   # [R, Fl] x 2 (, [R]) -> [R, Fl]
     fc2_out = _grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
     if biases:              # tp: each rank adds b2/n to its partial sums; gate before fc2: scaled like the rows
         fc2_out = emit_grouped_bias(g, f"fc2_bias{c}", fc2_out, biases[2], seg, share=1 if ep else n,
                                     row_weights=row_w if before else None, kw=kw)
+    if by_node:
+        final, alias = _chunk_out(g, "ffn_out", j)
+        combined = g.value(final, g.shape(tokens_in), alias_of=alias)
+        return node_dispatch.combine(g, route, fc2_out, combined, not (before or spec.weighted_input), c, kw)
     if a2a and n > 1:
         back = g.value(f"fc2_out_a2a{c}", (R, h), routed=True)
         g.collective(f"combine_a2a{c}", OpKind.ALL_TO_ALL, (fc2_out, seg), (back,),
