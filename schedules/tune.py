@@ -55,15 +55,19 @@ CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
 
-def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16") -> list[Strategy]:
-    """Every strategy point valid for this group size and sequence (chunks must divide s/n)."""
+def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16", gpus_per_node: int = 0) -> list[Strategy]:
+    """Every strategy point valid for this group size and sequence (chunks must divide s/n). A group
+    that spans whole nodes of ``gpus_per_node`` GPUs (n a multiple, at least 2 nodes) also tries the
+    node-spanning all-to-all (ep_nodes = n / gpus_per_node) beside the flat one."""
+    nodes = n // gpus_per_node if gpus_per_node >= 2 and n % gpus_per_node == 0 else 1
     out = []
     for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
         for dispatch in valid_dispatches(ffn):
             if seq % (n * chunks):
                 continue
-            out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
-                                gate="before-fc2" if remat == "paper" else "after-fc2"))
+            for ep_nodes in (1, nodes) if dispatch == "a2a" and nodes > 1 else (1,):
+                out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
+                                    gate="before-fc2" if remat == "paper" else "after-fc2", ep_nodes=ep_nodes))
     return out
 
 
@@ -110,7 +114,8 @@ def candidate_config(base: CompileConfig, cand: Strategy, *, fused: bool = False
     the model step's edges, hardware, budget, effort) traced for the candidate's lowering fields
     and rewritten by the typed steps that give its other fields (``steps_for``: gate-reorder,
     chunk=N, sar, ...); ``fused`` adds fuse=auto (the --fuse variant)."""
-    lowering = Strategy(cand.attn, cand.ffn, cand.dispatch, cand.n, dtype=cand.dtype, dp=cand.dp)
+    lowering = Strategy(cand.attn, cand.ffn, cand.dispatch, cand.n, dtype=cand.dtype, dp=cand.dp,
+                        ep_nodes=cand.ep_nodes)
     return base.replace(strategy=lowering, passes=steps_for(cand) + ((Fuse("auto"),) if fused else ()))
 
 
@@ -134,7 +139,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
                                   micro_batches=micro_batches, time_limit=time_limit)
     base = evaluate(base_config, cache)
     rows: list[dict] = []
-    cands = candidates(model, n, seq, dtype)
+    cands = candidates(model, n, seq, dtype, hw.gpus_per_node)
     for i, cand in enumerate(cands, 1):
         for fused in (False, True) if fuse else (False,):
             config = candidate_config(base_config, cand, fused=fused).replace(schedule="greedy",

@@ -41,6 +41,17 @@ def test_search_space_covers_every_valid_strategy():
     assert {c.chunks for c in candidates(load_model("mixtral-8x7b"), 8, 8 * 6)} == {1, 2}          # 4 does not divide s/n
 
 
+def test_a_group_spanning_nodes_also_tries_the_node_spanning_all_to_all():
+    one_node = candidates(load_model("deepseek-v2"), 8, 4096, gpus_per_node=8)
+    assert {c.ep_nodes for c in one_node} == {1}
+    two = candidates(load_model("deepseek-v2"), 16, 4096, gpus_per_node=8)
+    spanning = [c for c in two if c.ep_nodes > 1]
+    assert spanning and {(c.ffn, c.dispatch, c.ep_nodes) for c in spanning} == {("ep", "a2a", 2)}
+    assert len(two) == len(one_node) + len(spanning)        # each a2a point once flat, once spanning
+    config = candidate_config(CompileConfig(model="deepseek-v2", strategy=spanning[0], seq=4096), spanning[0])
+    assert config.strategy.ep_nodes == 2                    # the candidate is traced spanning the nodes
+
+
 def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
     """A candidate is compiled from typed pass steps (``steps_for``), never a pipeline string; the
     passes it records are the pipeline that rebuilds the same graph from attn, ffn, dispatch, n,
