@@ -100,7 +100,8 @@ def _header(c: dict[str, Any]) -> list[str]:
     p, st = c["pipeline"], c["strategy"]
     return [f"{c['model']} on {c['hardware']}: pp={p['pp']} x vpp={p['vpp']} ({p['placement']}), "
             f"M={p['micro_batches']}, n={p['n']}, dp={p['dp']}: world {p['world']} ranks; strategy "
-            + " ".join(f"{k}={st[k]}" for k in ("attn", "ffn", "dispatch", "chunks", "remat", "gate")),
+            + " ".join(f"{k}={st[k]}" for k in ("attn", "ffn", "dispatch", "chunks", "remat", "gate"))
+            + (f" ep_nodes={st['ep_nodes']}" if st.get("ep_nodes", 1) > 1 else ""),
             f"layers per stage: {_stages_text(p)}"]
 
 
