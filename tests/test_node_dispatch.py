@@ -61,11 +61,13 @@ def test_deepseek_v3_over_8_nodes_sends_under_half_the_rows_over_the_nics():
     assert H800.node_time_us(rail) + H800.node_time_us(node) < H800.node_time_us(flat.node["dispatch_a2a"])
 
 
-@pytest.mark.parametrize("passes", ["", "gate-reorder", "chunk=2,sar=paper", "gate-reorder,chunk=2,sar=paper,fuse=all"])
-def test_matches_eager_in_the_interpreter(passes, rng):
+@pytest.mark.parametrize("passes,dp", [("", 1), ("gate-reorder", 1), ("chunk=2,sar=paper", 1),
+                                       ("gate-reorder,chunk=2,sar=paper,fuse=all", 1), ("gate-reorder,sar=paper", 2)])
+def test_matches_eager_in_the_interpreter(passes, dp, rng):
+    """2 nodes of 2 ranks (and, with dp=2, two such replicas: the node and rail groups per replica)."""
     layer = small_layer(4, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
     x, dy = torch.randn(B, S, H, generator=rng), torch.randn(B, S, H, generator=rng)
-    graph = trace_module(layer, Strategy("sp", "ep", "a2a", 4, dtype="fp32", ep_nodes=2), batch=B, seq=S)
+    graph = trace_module(layer, Strategy("sp", "ep", "a2a", 4, dtype="fp32", ep_nodes=2, dp=dp), batch=B, seq=S)
     graph = run_pipeline(graph, passes, cost=H800)[0] if passes else graph
     assert {n.attr("axis", None) for n in graph.nodes if n.op is OpKind.ALL_TO_ALL and n.block == "ffn"} == \
         {"rail", "node"}
