@@ -53,7 +53,9 @@ N4_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "a2a", passes="sar=paper,gate-reorder,chunk=2")]
             # the node-spanning dispatch: 2 nodes of 2 ranks, each token once per node over the rail
             + [_case("sp", "ep", "a2a", ep_nodes=2), _case("sp", "ep", "a2a", ep_nodes=2, passes="sar=paper,chunk=2"),
-               _case("sp", "ep", "a2a", ep_nodes=2, passes="gate-reorder,compress=ep-fp8", reference="interpreter")])
+               _case("sp", "ep", "a2a", ep_nodes=2, passes="gate-reorder,compress=ep-fp8", reference="interpreter"),
+               # every token to experts 0-2: node 1 receives no row, its rail peers send it nothing
+               _case("sp", "ep", "a2a", ep_nodes=2, model="deepseek_v3_skewed")])
 FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
 
 
