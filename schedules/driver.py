@@ -125,6 +125,15 @@ def load_config_model(config: CompileConfig) -> tuple[ModelConfig, int]:
     return model, config_layers(config, model)
 
 
+def check_node_size(strategy, hw: Hardware) -> None:
+    """A node-spanning dispatch's nodes (n / ep_nodes ranks) must fit the hardware's nodes: its
+    in-node hop is priced on NVLink, which a larger group would not have."""
+    ranks = strategy.n // strategy.ep_nodes
+    if strategy.ep_nodes > 1 and ranks > hw.gpus_per_node:
+        raise ConfigError(f"ep_nodes={strategy.ep_nodes} puts n/ep_nodes = {ranks} ranks in a node, but {hw.name} has "
+                          f"{hw.gpus_per_node} GPUs per node: use ep_nodes >= {-(-strategy.n // hw.gpus_per_node)}")
+
+
 def lower(config: CompileConfig) -> Lowered:
     """Trace ``config.model`` for ``config.strategy`` and run the pipeline (module docstring).
 
@@ -135,6 +144,7 @@ def lower(config: CompileConfig) -> Lowered:
     (module docstring)."""
     hw = config.hardware if isinstance(config.hardware, Hardware) else load_hardware(config.hardware)
     hw = hw.for_group(config.strategy.n)        # a group of one rank runs without collective skew
+    check_node_size(config.strategy, hw)
     if not config.copy_engines:
         hw = hw.without_copy_engines()
     cost = CostModel(hw)

@@ -47,6 +47,8 @@ CORE_CASES = [
     (["trace", "--ep-nodes", "0"], "argument --ep-nodes: '0' is not a positive integer"),
     (["trace", "--ep-nodes", "2"], "ep_nodes=2 needs ffn='ep' and dispatch='a2a' (got ffn='ep', dispatch='ag-rs')"),
     (["trace", "--dispatch", "a2a", "--ep-nodes", "3"], "ep_nodes=3 must divide n=8 into nodes of at least 2 ranks"),
+    (["compile", "--model", "deepseek-v3", "--n", "64", "--dispatch", "a2a", "--ep-nodes", "2"],
+     "ep_nodes=2 puts n/ep_nodes = 32 ranks in a node, but h800 has 8 GPUs per node: use ep_nodes >= 8"),
     (["trace", *TINY, "--passes", "sarr"], "unknown pass 'sarr'"),
     (["trace", *TINY, "--passes", "fuse=maybe"], "pass 'fuse': invalid argument 'maybe' (not one of auto, all, none); "
      "valid: auto (the default), all, none"),
