@@ -321,10 +321,8 @@ class Strategy:
     fuse: Fuse = "none"
     """The fuse choice that marked fused groups ('none': no group is marked, also when fuse chose none)."""
     ep_nodes: int = 1
-    """Nodes N the group spans for the token dispatch. N > 1 (ffn='ep', dispatch='a2a') lowers it as
-    DeepEP's normal kernels do: each token crosses the NICs once per destination node (to the rank of
-    its own local index there), which forwards it to that node's experts over NVLink; the combine sums
-    within the node before the way back (moegraph.lowering.node_dispatch). n/N ranks per node."""
+    """Nodes N (of n/N ranks) the token dispatch spans: N > 1 (ffn='ep', dispatch='a2a') sends each token
+    once per destination node, then over NVLink, as DeepEP (moegraph.lowering.node_dispatch)."""
 
     def __post_init__(self):
         problems = []
@@ -476,8 +474,12 @@ def graph_digest(graph: Graph) -> str:
     Deterministic across processes: reprs of frozen dataclasses, enums, tuples; ``saved`` sorted.
     """
     h = hashlib.sha256()
-    h.update(repr((graph.name, graph.dims, graph.strategy, graph.inputs, graph.outputs, sorted(graph.saved),
-                   graph.params, graph.grads)).encode())
+    # the strategy's repr leaves out ep_nodes at its default: digests from before the field keep holding
+    st = graph.strategy
+    strategy = "Strategy(" + ", ".join(f"{f.name}={getattr(st, f.name)!r}" for f in dataclasses.fields(st)
+                                       if f.name != "ep_nodes" or st.ep_nodes != 1) + ")"
+    h.update(("(" + ", ".join([repr(graph.name), repr(graph.dims), strategy] + [repr(x) for x in (
+        graph.inputs, graph.outputs, sorted(graph.saved), graph.params, graph.grads)]) + ")").encode())
     for v in graph.values:
         h.update(repr(v).encode())
     for n in graph.nodes:
@@ -567,8 +569,7 @@ def _verify_node(graph: Graph, node: Node, defined: set[str]) -> None:
 
 
 def _verify_token_exchange(graph: Graph, node: Node, where: str) -> None:
-    """A token all-to-all reads ``payloads`` row tensors, then its split map(s); it writes as many
-    row tensors (then the recv map with emit_map); every payload has the same rows, sent alike."""
+    """Token all-to-all: ``payloads`` row tensors (same rows) and its map(s) in, as many (+ recv map) out."""
     p = node.attr("payloads", 1)
     if isinstance(p, bool) or not isinstance(p, int) or p < 1 or len(node.inputs) <= p:
         raise GraphError(f"{where}: a token all-to-all reads payloads={p!r} row tensors (>= 1) and then its "

@@ -76,8 +76,11 @@ def _graph_difference(graph: Any, schedule: Any) -> str | None:
     from moegraph.schedules.schedule_file import graph_header, plain
     header = graph_header(graph)
     for key in ("strategy", "dims", "inputs", "outputs"):
-        if header[key] != schedule.graph.get(key):
-            return f"{key} {header[key]}, the file's {schedule.graph.get(key)}"
+        theirs = schedule.graph.get(key)
+        if key == "strategy" and isinstance(theirs, dict):
+            theirs = {"ep_nodes": 1} | theirs              # files from before the field: its default
+        if header[key] != theirs:
+            return f"{key} {header[key]}, the file's {theirs}"
     names, scheduled = [n.name for n in graph.nodes], {n.name for n in schedule.nodes}
     if set(names) != scheduled:
         return f"nodes differ ({sorted(set(names) ^ scheduled)[:5]})"

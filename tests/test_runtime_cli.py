@@ -219,3 +219,27 @@ def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp
     report = json.loads(capsys.readouterr().out)
     assert report["strategy"]["passes"] == ["gate-reorder", "chunk=2", "compress=tp-fp8", "sar=paper", "fuse=all"]
     assert report["fused_groups"] > 0
+
+
+def test_a_schedule_file_from_before_ep_nodes_still_describes_its_graph(tmp_path):
+    """Files written before Strategy.ep_nodes existed hold no such key, and their graph digest was
+    taken without it: the graph lowered from them today is still the one they schedule (a flat
+    dispatch), while a file claiming another ep_nodes is a different graph."""
+    from moegraph.config import RECORDED, CompileConfig
+    from moegraph.ir import Strategy
+    from moegraph.runtime import PlanError
+    from moegraph.runtime.schedule_check import check_same_graph
+    from moegraph.schedules.driver import lower
+    from moegraph.schedules.schedule_file import Schedule
+    path = tmp_path / "old.json"
+    assert main(["compile", "--model", "tiny", "--hardware", "cpu-gloo", "--n", "2", "--seq", "64", "--dtype", "fp32",
+                 "--dispatch", "a2a", "--schedule", "greedy", "-o", str(path)]) == 0
+    doc = json.loads(path.read_text())
+    assert doc["graph"]["strategy"].pop("ep_nodes") == 1                  # as written before the field
+    old = Schedule.from_json(json.dumps(doc))
+    strategy = Strategy.from_dict(doc["graph"]["strategy"])
+    graph = lower(CompileConfig(model="tiny", strategy=strategy, passes=RECORDED, seq=64, hardware="cpu-gloo")).graph
+    check_same_graph(graph, old, path)                                    # no PlanError
+    doc["graph"]["strategy"]["ep_nodes"] = 2
+    with pytest.raises(PlanError, match="different graph"):
+        check_same_graph(graph, Schedule.from_json(json.dumps(doc)), path)
