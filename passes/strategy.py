@@ -71,7 +71,9 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     forward + backward time, the serial sum of every node's cost-model time (estimate.py):
     no fixed top-k threshold, the crossover falls where the cost model puts it (bytes
     k/n * bsh for a2a vs bsh for ag-rs, at a2a's lower link efficiency, plus the n-fold router
-    and permute work of ag-rs). With ffn='tp' only 'ag-rs' is valid.
+    and permute work of ag-rs). With ffn='tp' only 'ag-rs' is valid. A group that spans whole
+    nodes of the cost model's gpus_per_node (n a multiple, at least 2 nodes) also tries the
+    node-spanning all-to-all (ep_nodes = n / gpus_per_node; the report's ``ep_nodes``).
 
     Invariant: the same function (both dispatches route every token to the same experts);
     activation memory may differ (the choice is made on time).
@@ -93,13 +95,19 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
             valid = ("a2a",)
         if choice != "auto" and choice not in valid:
             raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
-        lowered = {c: graph if c == graph.strategy.dispatch else relower(graph, dispatch=c)
-                   for c in (valid if choice == "auto" else (choice,))}
-        predicted = {c: round(serial_time_us(g, cost), 3) for c, g in lowered.items()} if cost else {}
-        chosen = min(predicted, key=predicted.get) if choice == "auto" else choice
-        new = lowered[chosen]
-        report = {"chosen": chosen, "predicted_us": predicted, "estimate": "serial forward+backward",
-                  "ffn_forward_comm_bytes": {c: g.forward_comm_bytes("ffn") for c, g in lowered.items()}}
+        variants = {c: {"dispatch": c} for c in (valid if choice == "auto" else (choice,))}
+        n, per_node = graph.strategy.n, cost.hw.gpus_per_node if cost else 0
+        if choice == "auto" and "a2a" in variants and graph.strategy.ep_nodes == 1 and per_node >= 2 \
+                and n % per_node == 0 and n // per_node >= 2:
+            variants[f"a2a ep_nodes={n // per_node}"] = {"dispatch": "a2a", "ep_nodes": n // per_node}
+        lowered = {k: graph if all(getattr(graph.strategy, f) == v for f, v in kw.items()) else relower(graph, **kw)
+                   for k, kw in variants.items()}
+        predicted = {k: round(serial_time_us(g, cost), 3) for k, g in lowered.items()} if cost else {}
+        key = min(predicted, key=predicted.get) if choice == "auto" else choice
+        new, chosen = lowered[key], variants[key]["dispatch"]
+        report = {"chosen": chosen, "ep_nodes": new.strategy.ep_nodes, "predicted_us": predicted,
+                  "estimate": "serial forward+backward",
+                  "ffn_forward_comm_bytes": {k: g.forward_comm_bytes("ffn") for k, g in lowered.items()}}
         return PassResult(record(new, me, dispatch=chosen), not same_computation(graph, new), report)
     return run
 

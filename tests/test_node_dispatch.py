@@ -101,3 +101,17 @@ def test_dispatch_auto_keeps_the_all_to_all_when_it_spans_nodes():
     assert report["dispatch"]["chosen"] == "a2a" and out.strategy.ep_nodes == 2
     with pytest.raises(Exception, match="dispatch='ag-rs' with ep_nodes=2"):
         run_pipeline(g, "dispatch=ag-rs", cost=H800)
+
+
+def test_dispatch_auto_tries_the_node_spanning_all_to_all_when_the_group_spans_nodes():
+    g = trace_model(load_model("deepseek-v2"), Strategy("sp", "ep", "a2a", 16), batch=8, seq=4096)
+    out, report = run_pipeline(g, "dispatch=auto", cost=H800)
+    r = report["dispatch"]
+    assert set(r["predicted_us"]) == {"a2a", "ag-rs", "a2a ep_nodes=2"}          # 16 ranks: 2 nodes of 8
+    assert r["predicted_us"]["a2a ep_nodes=2"] < r["predicted_us"]["a2a"]
+    best = min(r["predicted_us"], key=r["predicted_us"].get)
+    assert (r["chosen"], r["ep_nodes"]) == (("a2a", 2) if best == "a2a ep_nodes=2" else (best, 1))
+    assert out.strategy.ep_nodes == r["ep_nodes"]
+    one_node = run_pipeline(trace_model(load_model("deepseek-v2"), Strategy("sp", "ep", "a2a", 8), batch=4,
+                                        seq=4096), "dispatch=auto", cost=H800)[1]["dispatch"]
+    assert set(one_node["predicted_us"]) == {"a2a", "ag-rs"}
