@@ -550,6 +550,7 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.GATE, Role.FORWARD): _k_gate,
     (OpKind.CAST, Role.FORWARD): _k_cast,
     (OpKind.CAST, Role.WGRAD): _k_cast,
+    (OpKind.CAST, Role.DGRAD): _k_cast,           # compress=ep-fp8: the combine's gradient sent in FP8
     (OpKind.ADD, Role.WGRAD): _k_add,
     (OpKind.GROUPED_GEMM, Role.FORWARD): _k_grouped_gemm,
     (OpKind.GEMM, Role.DGRAD): _k_gemm_dgrad,

@@ -21,15 +21,16 @@ Modes
               (attn='tp' output projection, ag-rs dispatch combine) sends FP8 E4M3 with a
               per-token scale (amax/448 per row, sent alongside as fp32), summed in FP32.
               Its backward all-gather is left in the activation dtype.
-    ep-fp8    every forward (and recompute) token dispatch (the all-to-all that sends expert
-              rows to their experts' ranks, dispatch='a2a') sends FP8 E4M3 rows with a per-row
-              scale (amax/448, fp32) in the same exchange, dequantized on arrival:
+    ep-fp8    every all-to-all that sends rows to their experts' ranks (dispatch='a2a'): the
+              forward (and recompute) token dispatch, and in backward the combine's gradient
+              (DeepSeek-V3's "activation gradient before MoE down-projections"), sends FP8 E4M3
+              rows with a per-row scale (amax/448, fp32) in the same exchange, dequantized on
+              arrival:
                   rows [R, h] -> quant -> ([R, h] fp8, [R] fp32) -> all-to-all (payloads=2)
                   -> ([R', h] fp8, [R'] fp32) -> dequant -> [R', h]
               As DeepSeek-V3 (§3.3) and DeepEP dispatch: (h + 4) / (2h) of bf16's bytes. The
-              combine and every backward exchange stay in the activation dtype (DeepSeek-V3
-              keeps its combine in BF16; it also sends the combine's gradient in FP8, which
-              this mode does not). The routing weights' all-to-all (fp32) is left as it is.
+              combine and the dispatch's gradient stay in the activation dtype (DeepSeek-V3
+              keeps both combine directions in BF16); so does the routing weights' all-to-all.
 
 Invariant: the same function up to the wire format's rounding. Per compressed collective,
 element-wise |out - exact| <= u * sum over sources |x_r| (+ for fp8 a subnormal floor of
@@ -153,11 +154,14 @@ def _ep_fp8(a2a: Node, values: dict[str, Value]) -> list[Node]:
 
 
 def is_token_dispatch(graph_values: dict[str, Value], node: Node) -> bool:
-    """A forward (or recompute) all-to-all of activation rows to their experts (not of routing weights)."""
+    """An all-to-all of rows to their experts: forward (or recompute) activations, or in backward
+    the combine's gradient (DeepSeek-V3's "activation gradient before MoE down-projections");
+    not routing weights."""
+    kind = graph_values[node.inputs[0]].kind
     return (node.op is OpKind.ALL_TO_ALL and node.typed.mode == "tokens" and node.typed.direction == "to_experts"
-            and node.phase in (Phase.FORWARD, Phase.RECOMPUTE) and node.typed.payloads == 1
-            and graph_values[node.inputs[0]].kind is ValueKind.ACTIVATION
-            and graph_values[node.inputs[0]].dtype in ("bf16", "fp16", "fp32"))
+            and node.typed.payloads == 1 and graph_values[node.inputs[0]].dtype in ("bf16", "fp16", "fp32")
+            and ((node.phase in (Phase.FORWARD, Phase.RECOMPUTE) and kind is ValueKind.ACTIVATION)
+                 or (node.phase is Phase.BACKWARD and kind is ValueKind.GRAD)))
 
 
 def _targets(graph: Graph, mode: str) -> list[Node]:

@@ -81,7 +81,8 @@ def test_matches_eager_in_the_interpreter(passes, dp, rng):
 def test_ep_fp8_compresses_both_hops_of_the_dispatch():
     g = trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", 64, ep_nodes=8), batch=32, seq=4096)
     report = run_pipeline(g, "compress=ep-fp8", cost=H800)[1]["compress"]
-    assert report["compressed"] == ["dispatch_a2a", "node_a2a"]          # sorted names: both hops
+    # both hops, forward and the combine's gradient in backward (sorted names)
+    assert report["compressed"] == ["combine_a2a.bwd", "dispatch_a2a", "node_a2a", "node_combine_a2a.bwd"]
 
 
 @pytest.mark.parametrize("kw,message", [

@@ -385,7 +385,7 @@ def test_dp_sync_is_hierarchical_for_replicated_params(h800):
         ["w1.grad_main", "w1.grad_rs_inter", "w1.grad_ag_inter"]      # expert shards: inter-node only
 
 
-def test_compress_ep_fp8_sends_fp8_rows_and_their_scales_in_the_forward_dispatch(h800):
+def test_compress_ep_fp8_sends_fp8_rows_and_their_scales_to_the_experts(h800):
     g = trace("mixtral-8x7b", Strategy("sp", "ep", "a2a", N))
     out, report = run_pipeline(g, "compress=ep-fp8,sar=paper", cost=h800)
     h, k = load_model("mixtral-8x7b").hidden, load_model("mixtral-8x7b").top_k
@@ -397,8 +397,10 @@ def test_compress_ep_fp8_sends_fp8_rows_and_their_scales_in_the_forward_dispatch
     assert out.node["dispatch_a2a.quant"].outputs == a2a.inputs[:2]
     assert out.node["dispatch_a2a.dequant"].outputs == ("ffn_in",)
     assert out.node["dispatch_a2a.re"].attr("compressed") == "fp8"         # sar's re-sent dispatch too
-    assert report["compress"]["compressed"] == ["dispatch_a2a"]
-    for name in ("combine_a2a", "dispatch_a2a.bwd", "combine_a2a.bwd"):    # combine and backward: bf16
+    # in backward, the combine's gradient goes to the experts in FP8 too (DeepSeek-V3 §3.3)
+    assert out.node["combine_a2a.bwd"].comm_bytes == rows * (h + 4) * (N - 1) // N
+    assert report["compress"]["compressed"] == ["combine_a2a.bwd", "dispatch_a2a"]
+    for name in ("combine_a2a", "dispatch_a2a.bwd"):                       # the combine and its way back: bf16
         assert out.node[name].comm_bytes == g.node[name].comm_bytes and out.node[name].attr("compressed", None) is None
     assert out.strategy.compress == "ep-fp8"
     none, report = run_pipeline(trace("mixtral-8x7b", Strategy("sp", "ep", "ag-rs", N)), "compress=ep-fp8", cost=h800)

@@ -187,24 +187,33 @@ def test_tp_fp8_compression_error_is_within_fp8_rounding(n, attn, ffn, rng):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_ep_fp8_dispatch_error_is_within_fp8_rounding(n, rng):
-    """Every rank's dequantized expert rows against the same rows sent exactly (the same weights and
-    routing, compress off): |got - exact| <= 2^-4 |exact| + 2^-10 * the row's scale, element-wise
-    (E4M3: 3 mantissa bits, subnormal spacing 2^-9); the bound is tight enough that bf16's u (2^-8)
-    fails it somewhere, so the rows really travel in FP8; the layer stays within 2^-4 of eager."""
+    """Each compressed exchange (the forward dispatch, and in backward the combine's gradient) against
+    the same rows sent exactly by the same maps (``run_collective`` of a plain token all-to-all):
+    every rank's dequantized rows within 2^-4 |exact| + 2^-10 * the row's scale, element-wise (E4M3:
+    3 mantissa bits, subnormal spacing 2^-9); tight enough that bf16's u (2^-8) fails it somewhere,
+    so the rows really travel in FP8; the layer's output stays within 2^-4 of eager."""
+    import dataclasses
+
+    from moegraph.interpreter import run_collective
     layer, graph, params, x, dy = setup(n, "sp", "ep", "a2a", rng)
-    exact = interpret(run_pipeline(graph, "chunk=2", cost=COST)[0], params, x, dy)
     out, report = run_pipeline(graph, "chunk=2,compress=ep-fp8", cost=COST)
-    assert report["compress"]["compressed"] == ["dispatch_a2a.c0", "dispatch_a2a.c1"]
+    names = ["combine_a2a.c0.bwd", "combine_a2a.c1.bwd", "dispatch_a2a.c0", "dispatch_a2a.c1"]
+    assert report["compress"]["compressed"] == names
     res = interpret(out, params, x, dy)
-    worst = {"fp8": 0.0, "bf16": 0.0}
-    for rank in range(n):
-        for c in ("c0", "c1"):
-            want, got = exact.envs[rank][f"ffn_in.{c}"], res.envs[rank][f"ffn_in.{c}"]          # [R, h] each
-            floor = 2.0**-10 * res.envs[rank][f"ffn_in.{c}.scale"][:, None]
-            err = (got - want).abs()
-            worst["fp8"] = max(worst["fp8"], float((err / (2.0**-4 * want.abs() + floor + 1e-12)).max()))
-            worst["bf16"] = max(worst["bf16"], float((err / (2.0**-8 * want.abs() + 1e-12)).max()))
-    assert worst["fp8"] <= 1.0 < worst["bf16"], worst
+    worst = {(name, u): 0.0 for name in names for u in ("fp8", "bf16")}
+    for name in names:
+        a2a = out.node[name]
+        sent, got = out.node[f"{name}.quant"].inputs[0], out.node[f"{name}.dequant"].outputs[0]
+        plain = dataclasses.replace(a2a, inputs=(sent, *a2a.inputs[2:]), outputs=(got, *a2a.outputs[2:]))
+        exact = run_collective(plain.with_attrs(payloads=1), [[env[v] for v in plain.inputs] for env in res.envs])
+        for env, rank_exact in zip(res.envs, exact):
+            want, have = rank_exact[0], env[got]                                        # [R, h] each
+            floor = 2.0**-10 * env[a2a.outputs[1]][:, None]                             # the rows' scales
+            err = (have - want).abs()
+            worst[name, "fp8"] = max(worst[name, "fp8"], float((err / (2.0**-4 * want.abs() + floor + 1e-12)).max()))
+            worst[name, "bf16"] = max(worst[name, "bf16"], float((err / (2.0**-8 * want.abs() + 1e-12)).max()))
+    for name in names:
+        assert worst[name, "fp8"] <= 1.0 < worst[name, "bf16"], (name, worst)
     y, _, _ = eager_step(layer, x, dy)
     assert TOL < rel_err(res.output, y) < 2.0**-4
 
