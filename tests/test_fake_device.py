@@ -36,6 +36,7 @@ COST = CostModel(load_hardware("h800"))
 GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
           (("tp", "tp", "ag-rs", 1), "gate-reorder,sar=paper", "ref"),
           (("sp", "ep", "ag-rs", 1), "chunk=2,compress=tp-fp8", "ref"),
+          (("sp", "ep", "a2a", 1), "chunk=2,compress=ep-fp8", "ref"),            # fp8 casts in backward too
           (("tp", "ep", "a2a", 2), "compress=dp-bf16", "ref"),
           (("tp", "ep", "a2a", 1), "gate-reorder,sar=paper", "qwen2_moe"),     # bias, sigmoid_gate
           (("tp", "tp", "ag-rs", 1), "", "olmoe"),             # q/k norm across ranks: square_sum, rmsnorm_sharded
