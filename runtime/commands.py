@@ -486,7 +486,7 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
     report: dict[str, Any] = {
         "model": layer.model.name, "layers": layers, "vocab": args.vocab, "hardware": layer.hardware.name,
         "n": st.n, "dp": st.dp, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
-                                "passes": list(st.passes)},
+                                "ep_nodes": st.ep_nodes, "passes": list(st.passes)},
         "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
         "train_steps": args.train_steps, "micro_batches": spec.micro_batches, "losses": r["losses"],
         "seconds": max(x["seconds"] for x in results),

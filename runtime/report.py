@@ -68,7 +68,9 @@ def format_report(r: dict[str, Any]) -> str:
 def format_train_report(r: dict[str, Any]) -> str:
     st = r["strategy"]
     lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: attn={st['attn']} "
-             f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']}" + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
+             f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']}"
+             + (f" over {st['ep_nodes']} nodes" if st.get("ep_nodes", 1) > 1 else "")
+             + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']}"
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"schedule {r['schedule']} (plan {r['plan_hash'][:12]}), {r['train_steps']} AdamW steps"
