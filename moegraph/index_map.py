@@ -159,10 +159,9 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
                Exact rows, read on the host once.
     """
     expert_rows = check_expert_rows(expert_rows)
-    if layout in ("by_node", "in_node"):
-        return _node_map(experts.reshape(-1, experts.shape[-1]), layout, experts_per_rank, rank, n, node_ranks)
     experts = experts.reshape(-1, experts.shape[-1])            # [..., k] -> [T, k]
     flat_experts = experts.reshape(-1)                          # [T*k]
+    T, k = experts.shape
     if layout == "local":
         key = flat_experts - rank * experts_per_rank
         key = torch.where((key >= 0) & (key < experts_per_rank), key, experts_per_rank)   # others sort last
@@ -171,17 +170,24 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
         key, groups = flat_experts, experts_per_rank
     elif layout == "by_dest":
         key, groups = flat_experts, experts_per_rank * n
+    elif layout in ("by_node", "in_node"):
+        if node_ranks < 1 or n % node_ranks:
+            raise ValueError(f"index map layout {layout!r}: node_ranks={node_ranks} must divide n={n}")
+        key, groups = _node_keys(experts, layout, experts_per_rank, rank, n, node_ranks)
     else:
         raise ValueError(f"index map layout {layout!r} is not one of 'local', 'all', 'by_dest', 'by_node', 'in_node'")
     sorted_key, order = torch.sort(key, stable=True)
     bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
     ends = torch.searchsorted(sorted_key, bounds)               # [groups]: rows with key < g + 1
     counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    k = experts.shape[1]
     if layout == "by_dest":
         return IndexMap(order, k, counts, None, experts_per_rank)
+    if layout in ("by_node", "in_node"):
+        rows = int(ends[-1].item()) if groups else 0             # the layout's one host read
+        return IndexMap(order[:rows], k, counts, None, 1 if layout == "by_node" else experts_per_rank,
+                        sources=T if layout == "in_node" else None)
     if layout == "local" and expert_rows == "padded":
-        C = padded_rows(experts.shape[0], k, experts_per_rank)
+        C = padded_rows(T, k, experts_per_rank)
         real = ends[-1] if groups else ends.new_zeros(())
         return IndexMap(order[:C], k, counts, ends.to(torch.int32), rows=real)
     if layout == "local":
@@ -189,11 +195,10 @@ def build_index_map(experts: torch.Tensor, layout: str, experts_per_rank: int, r
     return IndexMap(order, k, counts, ends.to(torch.int32))
 
 
-def _node_map(experts: torch.Tensor, layout: str, El: int, rank: int, n: int, G: int) -> IndexMap:
-    """build_index_map's 'by_node' and 'in_node' layouts: experts [T, k] (its docstring)."""
-    if G < 1 or n % G:
-        raise ValueError(f"index map layout {layout!r}: node_ranks={G} must divide n={n}")
-    T, k = experts.shape
+def _node_keys(experts: torch.Tensor, layout: str, El: int, rank: int, n: int, G: int) -> tuple[torch.Tensor, int]:
+    """(sort key [T*k], groups) of the 'by_node' and 'in_node' layouts (build_index_map's docstring);
+    rows that belong to no group key ``groups`` and sort last."""
+    k = experts.shape[1]
     if layout == "by_node":
         nodes = n // G
         node = torch.div(experts, El * G, rounding_mode="floor")               # [T, k] destination node
@@ -201,18 +206,6 @@ def _node_map(experts: torch.Tensor, layout: str, El: int, rank: int, n: int, G:
         same = node[:, :, None] == node[:, None, :]                             # [T, k, k]
         earlier = torch.ones(k, k, dtype=torch.bool, device=experts.device).tril(-1)
         repeat = (same & earlier).any(-1)                                       # [T, k]
-        key = torch.where(repeat, nodes, node).reshape(-1)                      # repeats sort last
-        groups, per_dest = nodes, 1
-    elif layout == "in_node":
-        first = rank // G * G * El                                              # this node's first expert
-        key = experts.reshape(-1) - first
-        groups, per_dest = G * El, El
-        key = torch.where((key >= 0) & (key < groups), key, groups)             # other nodes' experts sort last
-    else:
-        raise ValueError(f"node index map layout {layout!r} is not one of 'by_node', 'in_node'")
-    sorted_key, order = torch.sort(key, stable=True)
-    bounds = torch.arange(1, groups + 1, device=key.device, dtype=sorted_key.dtype)
-    ends = torch.searchsorted(sorted_key, bounds)                               # [groups]
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    rows = int(ends[-1].item()) if groups else 0                                # the layout's one host read
-    return IndexMap(order[:rows], k, counts, None, per_dest, sources=T if layout == "in_node" else None)
+        return torch.where(repeat, nodes, node).reshape(-1), nodes
+    key = experts.reshape(-1) - rank // G * G * El                              # from this node's first expert
+    return torch.where((key >= 0) & (key < G * El), key, G * El), G * El        # other nodes' experts sort last

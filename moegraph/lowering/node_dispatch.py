@@ -39,7 +39,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from moegraph.builder import ConfigError, GraphBuilder
+from moegraph.builder import GraphBuilder
 from moegraph.ir import OpKind, ValueKind
 from moegraph.lowering.blocks_ext import WEIGHT_DTYPE
 from moegraph.lowering.routing import INDEX_DTYPE
@@ -73,23 +73,15 @@ def node_rows(spec: MoESpec, tokens: int, nodes: int) -> int:
     """Rn: balanced (token, destination node) rows of ``tokens`` tokens, a multiple of N (the rail
     all-to-all splits its buffer into N equal planning shards)."""
     m = reachable_nodes(spec, nodes)
-    distinct = m * (1 - (1 - 1 / m) ** spec.top_k) if m > 1 else 1.0
-    rows = math.ceil(tokens * min(distinct, spec.top_k, nodes) - 1e-9)
+    rows = math.ceil(tokens * m * (1 - (1 - 1 / m) ** spec.top_k) - 1e-9)   # d <= min(m, k) distinct nodes
     return -(-rows // nodes) * nodes
-
-
-def check_node_dispatch(g: GraphBuilder, spec: MoESpec) -> tuple[int, int]:
-    """(N, G) of the strategy, checked against the model: every node holds whole experts."""
-    n, nodes = g.strategy.n, g.strategy.ep_nodes
-    if spec.experts % n:
-        raise ConfigError(f"ep_nodes={nodes}: experts={spec.experts} do not divide over n={n} ranks")
-    return nodes, n // nodes
 
 
 def dispatch(g: GraphBuilder, spec: MoESpec, tokens_in: str, topk_w: str, topk_idx: str, El: int, c: str,
              kw: dict) -> NodeRoute:
     """Tokens [b, L, h] with their routing [b, L, k] -> expert rows [R, h] at their experts, in two hops."""
-    nodes, G = check_node_dispatch(g, spec)
+    nodes = g.strategy.ep_nodes                 # Strategy checked that N splits n into nodes; lowering, that n divides E
+    G = g.strategy.n // nodes
     h, k = g.dims.h, spec.top_k
     T = math.prod(g.shape(tokens_in)[:-1])
     Rn, R = node_rows(spec, T, nodes), T * k
