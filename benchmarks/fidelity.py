@@ -503,23 +503,19 @@ MEGATRON_PASSES = "gate-reorder,compress=ep-fp8,sar=paper"
 (DeepSeek-V3 §3.3): moegraph's ``compress=ep-fp8``; its combine stays BF16, as there."""
 
 
-def ep_exposure(cost: CostModel, seq: int, n: int, tp: int, methods,
-                attention_in_node: bool = False) -> dict[str, tuple[float, float]]:
+def ep_exposure(cost: CostModel, seq: int, n: int, tp: int, methods) -> dict[str, tuple[float, float]]:
     """method -> (exposed EP communication / makespan, makespan us) of DeepSeek-V3's steady-state
-    F&B pair at EP n (megatron_ep_overlap's docstring), scheduled by each method under ``cost``.
-    ``attention_in_node``: a what-if, the attention block's collectives priced and streamed as
-    intra-node ones (scope="intra"), where Megatron's TP2 attention runs them."""
+    F&B pair at EP n (megatron_ep_overlap's docstring), scheduled by each method under ``cost``."""
     from moegraph.passes import run_pipeline
     from moegraph.schedules.api import compile_graph
     from moegraph.schedules.pipeline_price import steady_pair
     from moegraph.schedules.schedule_file import exposed_comm
     nodes = max(1, n // cost.hw.gpus_per_node)          # EP64 over 8-GPU nodes: DeepEP's node-spanning dispatch
-    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), Strategy("sp", "ep", "a2a", n, ep_nodes=nodes),
-                                        batch=n // tp, seq=seq), MEGATRON_PASSES, cost=cost)
+    # Megatron's TP-tp attention, data-parallel over n/tp groups of tp ranks in a node (attn_nodes)
+    strategy = Strategy("tp", "ep", "a2a", n, ep_nodes=nodes, attn_nodes=n // tp)
+    layer, _ = run_pipeline(trace_model(load_model("deepseek-v3"), strategy, batch=n // tp, seq=seq), MEGATRON_PASSES,
+                            cost=cost)
     pair = steady_pair(layer)
-    if attention_in_node:
-        pair = dataclasses.replace(pair, nodes=tuple(x.with_attrs(scope="intra") if x.is_comm and x.block == "attention"
-                                                     else x for x in pair.nodes))
     share = {}
     for method in methods:
         sched = compile_graph(pair, cost, method=method, time_limit_s=5.0).schedule
@@ -537,42 +533,23 @@ def megatron_ep_overlap(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> 
     (moegraph.schedules.pipeline_price.steady_pair: micro-batch 1's forward beside micro-batch 0's
     backward, the W/D split being the graph's own wgrad/dgrad nodes), less the step-end sync, as
     the pipeline prices it; ``sequential`` runs it in program order, ``megatron-1f1b`` in
-    Megatron's combined order, ``cpsat`` scheduled. DeepSeek-V3, ep a2a at n = 64 (Megatron's EP64
-    spans 8 nodes, so the dispatch and combine cross the NICs). Megatron's EP64 ranks are data-
-    parallel replicas (TP2 x 32), each routing its own micro-batch's s/tp tokens; moegraph's group
-    shards one batch over its n ranks, so the batch is n/tp sequences: each rank routes s/tp
-    tokens, as there, and its attention does the same FLOPs (n/tp sequences of heads/n heads, where
-    Megatron's does one of heads/tp)."""
+    Megatron's combined order, ``cpsat`` scheduled. DeepSeek-V3 at EP64 over 8 nodes, as
+    Megatron-Core runs it: the experts' dispatch as DeepEP sends it (ep_nodes=8, FP8), the attention
+    TP2 in the node and data-parallel over the 32 TP groups (attn_nodes=32), each on one of the
+    n/tp sequences, so each rank routes s/tp tokens, as there."""
     share = ep_exposure(cost, seq, n, tp, ("sequential", "megatron-1f1b", "cpsat"))
     (seq_s, seq_t), (meg_s, meg_t), (cp_s, cp_t) = share.values()
-    row("Megatron-Core §5", f"DeepSeek-V3 {cost.hw.name} EP{n} a2a, s={seq // 1024}K, {seq // tp} tokens per rank: "
-        "exposed EP communication, "
-        "no overlap -> 1F1B F&B overlap", "30-40% -> < 5%",
+    row("Megatron-Core §5", f"DeepSeek-V3 {cost.hw.name} EP{n} a2a, attention TP{tp}, s={seq // 1024}K, "
+        f"{seq // tp} tokens per rank: exposed EP communication, no overlap -> 1F1B F&B overlap", "30-40% -> < 5%",
         f"{seq_s:.1%} -> {meg_s:.1%} (Megatron's order; CP-SAT {cp_s:.1%}); pair {seq_t / 1e3:.2f} -> "
         f"{meg_t / 1e3:.2f} ms ({cp_t / 1e3:.2f})", "held",
-        "one layer's steady-state F&B pair (the pipeline's unit), bf16, dispatched as Megatron's DeepEP run "
-        "dispatches: each token once per destination node over the NICs, forwarded in the node (ep_nodes=8; "
-        "DeepSeek-V3 routes to at most 4 nodes), in FP8 (compress=ep-fp8). What the pair leaves exposed is the "
-        "NIC hops beside too little compute. "
-        "Megatron's share is of a whole iteration (PP8's bubble dilutes it) and its attention runs TP2 in the "
-        f"node, where moegraph's one group size puts it at SP {n} across the NICs (its all-to-alls are in the "
-        "pair's time, not in the EP share)",
+        "one layer's steady-state F&B pair (the pipeline's unit), bf16, compiled as Megatron-Core runs it: "
+        "DeepEP's dispatch (each token once per destination node over the NICs, then NVLink: ep_nodes=8; in FP8: "
+        "compress=ep-fp8) and TP2 attention in the node, data-parallel over the other ranks (attn_nodes=32). The "
+        "unoverlapped share lands in the paper's range; Megatron's order leaves the NIC hops beside too little "
+        "compute (CP-SAT's order hides most). Megatron's share is of a whole iteration (PP8's bubble and the "
+        "optimizer dilute it) where this is one layer's pair",
         0.30 - 0.05 <= seq_s <= 0.40 + 0.05 and meg_s < 0.05)
-
-
-def megatron_attention_what_if(cost: CostModel, seq: int, n: int = 64, tp: int = 2) -> None:
-    """The Megatron-Core §5 row with its attention collectives on NVLink (ep_exposure's
-    attention_in_node): how much of the row's gap the attention's placement explains. No target:
-    moegraph's attention shares the experts' group, so it cannot lower TP2-in-the-node attention."""
-    share = ep_exposure(cost, seq, n, tp, ("sequential", "megatron-1f1b", "cpsat"), attention_in_node=True)
-    row("Megatron-Core §5", "the row above, what-if: the attention's collectives in the node (NVLink), as "
-        "Megatron's TP2 attention runs them", "30-40% -> < 5%",
-        f"{share['sequential'][0]:.1%} -> {share['megatron-1f1b'][0]:.1%} (Megatron's order; CP-SAT "
-        f"{share['cpsat'][0]:.1%})", "held",
-        "not a prediction: the pair's attention all-to-alls re-scoped to the node's link (attention at SP 64 "
-        "cannot run in a node of 8); with the NICs left to the EP traffic and a shorter pair, the unoverlapped "
-        "share lands in the paper's range, and what stays exposed under Megatron's order is the EP hops that "
-        "order puts beside too little compute (CP-SAT's order hides more)")
 
 
 def megatron(hw_name="h100", seq=4096) -> None:
@@ -585,7 +562,6 @@ def megatron(hw_name="h100", seq=4096) -> None:
     # kernels): the profile's SM budgets, without budget 0
     cost = CostModel(load_hardware(hw_name).without_copy_engines())
     megatron_ep_overlap(cost, seq)
-    megatron_attention_what_if(cost, seq)
     for model in ("deepseek-v3", "mixtral-8x7b"):
         g = merge_microbatches(graph(model, "sp", "ep", "a2a", seq=seq), 2)
         span = {k: compile_graph(g, cost, method=m, launch_order=lo).schedule.summary["makespan_us"]

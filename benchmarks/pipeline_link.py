@@ -123,7 +123,7 @@ def rank_main(rank: int, world: int, model: str, vocab: int, seq: int, micro_bat
     mine = compile_stages(net, layout, ids[:1], n=1, hardware=hardware, passes="", schedule="greedy")
     static = {k: m.io_examples() for k, m in mine.items()}
     clock = None
-    loss_fn = ShardLoss(0, 1)
+    loss_fn = ShardLoss.for_stages(0, mine)
     if breakdown:
         from pipeline_breakdown import ActionClock
         clock = ActionClock()

@@ -19,7 +19,7 @@ from moegraph.ir import Strategy
 from moegraph.pass_steps import DEFAULT_PASSES, PassStep, parse_passes
 
 COMPILE_KEYWORDS = ("hardware", "attn", "ffn", "dispatch", "passes", "memory_budget", "schedule", "time_limit_s", "dp",
-                    "micro_batches", "ep_nodes")
+                    "micro_batches", "ep_nodes", "attn_nodes")
 """The keywords ``compile(module, ...)`` turns into its CompileConfig (the others run the module)."""
 
 
@@ -35,7 +35,7 @@ def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | 
             passes: str | tuple[PassStep, ...] = DEFAULT_PASSES, memory_budget: int | None = None,
             schedule: Any = "cpsat", n: int | None = None, timeout_s: float = 300.0, time_limit_s: float = 10.0,
             record: bool = True, dp: int = 1, cuda_graphs: str = "off", expert_rows: str = "exact",
-            micro_batches: int = 1, ep_nodes: int = 1) -> Any:
+            micro_batches: int = 1, ep_nodes: int = 1, attn_nodes: int = 1) -> Any:
     """Compile a ``CompileConfig`` into its graph, schedule and report, or one MoE decoder layer
     or a whole causal LM into a sharded ``nn.Module`` for this rank.
 
@@ -75,6 +75,10 @@ def compile(source: Any, example_inputs: Any = None, *, config: CompileConfig | 
     ep_nodes:        nodes N the n ranks span for the expert all-to-all (dispatch='a2a'): N > 1
                      sends each token once per destination node and forwards it within the node
                      (Strategy.ep_nodes; rank r on node r // (n/N)).
+    attn_nodes:      nodes N the attention is data-parallel over (dispatch='a2a'): N > 1 runs it TP/SP
+                     on the n/N ranks of each node, on b/N of the batch (Strategy.attn_nodes); the
+                     module then takes and returns rank r's tokens [b/N, s/(n/N), h]
+                     (``.shard_input``, ``moegraph.token_layout``).
     dp:              data-parallel replicas D: the world holds n x D ranks, replica-major (rank
                      p*n + r is rank r of replica p); parameter gradients come back averaged over
                      the replicas (docs/runtime.md, "Data parallelism"); a whole model's come back
@@ -143,11 +147,11 @@ def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | No
     if config is None:
         passes = given["passes"]
         # n is the world's (compile_module sets it); a node-spanning dispatch is checked against it now
-        nodes = given["ep_nodes"]
-        n = 1 if nodes == 1 else (given["n"] or _world_size() // max(given["dp"], 1))
+        nodes, attn_nodes = given["ep_nodes"], given["attn_nodes"]
+        n = 1 if nodes == attn_nodes == 1 else (given["n"] or _world_size() // max(given["dp"], 1))
         config = CompileConfig(
             model=module, strategy=Strategy(given["attn"], given["ffn"], given["dispatch"], n, dp=given["dp"],
-                                            ep_nodes=nodes),
+                                            ep_nodes=nodes, attn_nodes=attn_nodes),
             passes=parse_passes(passes) if isinstance(passes, str) else passes,
             schedule=schedule if plan_given is None else "cpsat", memory_budget=given["memory_budget"],
             micro_batches=given["micro_batches"], hardware=given["hardware"],

@@ -92,6 +92,17 @@ def _accumulate(g: GraphBuilder, value: str, parts: list[str]) -> str | None:
 def param_grad(g: GraphBuilder, param: str, grad: str | None) -> str:
     if grad is None:
         raise NotImplementedError(f"parameter {param!r} receives no gradient; the graph does not use it")
+    spec = g.params[param]
+    if spec.shard_dim is not None and spec.shard_ranks and g.strategy.attn_nodes > 1:
+        # a shard of a folded attention (Strategy.attn_nodes = N): every attention group holds the same
+        # shard and computed its gradient on its own b/N rows, so the N copies are summed over attn_dp,
+        # whose ranks lie among all n (span: priced on the NICs when n spans nodes)
+        summed = g.like(f"d_{param}.attn_dp_sum", grad, kind=ValueKind.PARAM_GRAD)
+        g.collective(f"{param}.grad_attn_dp_allreduce", OpKind.ALL_REDUCE, (grad,), (summed,),
+                     group=g.strategy.attn_nodes, full_bytes=g.nbytes(grad), flops=g.values[grad].numel,
+                     phase=Phase.BACKWARD, role=Role.WGRAD, block=_block_of(g, param),
+                     attrs={"axis": "attn_dp", "span": g.strategy.n})
+        grad = summed
     if g.strategy.dp > 1:
         return _dp_sync(g, param, grad)
     if g.params[param].shard_dim is not None or g.strategy.n == 1:

@@ -6,7 +6,9 @@ into an ``ir.Graph`` at the end. Nothing else in the package mutates graph state
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import contextlib
+import dataclasses
+from typing import Any, Iterator, Mapping
 
 from moegraph.ir import (ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
                          Value, ValueKind, collective_bytes, freeze_attrs)
@@ -19,9 +21,13 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
     dense = dims.experts == 0 and dims.k == 0     # a dense layer (DeepSeek-V3's first layers): no router
     if not dense and (dims.k < 1 or dims.k > dims.experts):
         raise ConfigError(f"top-k={dims.k} must be between 1 and the expert count {dims.experts}")
+    G, N = strategy.attn_ranks, strategy.attn_nodes    # the attention's ranks, and the nodes it is data-parallel over
+    across = f"n/attn_nodes={G}" if N > 1 else f"n={n}"
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
-        if size % n:
-            raise ConfigError(f"n={n} does not divide {what}={size}")
+        if size % G:
+            raise ConfigError(f"{across} does not divide {what}={size}")
+    if dims.b % N:
+        raise ConfigError(f"attn_nodes={N} does not divide the batch b={dims.b} (each node's attention takes b/N rows)")
     if strategy.ffn == "ep" and not dense and dims.experts % n:
         raise ConfigError(f"n={n} does not divide experts={dims.experts} (ffn='ep' places experts/n per rank)")
     if strategy.ffn == "tp" and dims.ffn % n:
@@ -42,6 +48,7 @@ class GraphBuilder:
         self.saved: set[str] = set()
         self._node_names: set[str] = set()
         self._extended: frozenset[str] = frozenset()      # the continued graph's values (``extend``)
+        self._in_attention_group = False                          # inside ``attention_group`` with attn_nodes > 1
 
     @classmethod
     def extend(cls, graph: Graph) -> "GraphBuilder":
@@ -58,6 +65,26 @@ class GraphBuilder:
     def added_values(self) -> tuple[Value, ...]:
         """The values made since ``extend`` (every value of a fresh builder)."""
         return tuple(v for name, v in self.values.items() if name not in self._extended)
+
+    @contextlib.contextmanager
+    def attention_group(self) -> Iterator[None]:
+        """Emit the attention block on the ranks it spans (Strategy.attn_nodes = N > 1): inside, the
+        builder's strategy has n = G (n/N) and its dims b = b/N, so the attention's lowering, written
+        for a group of n ranks holding [b, s/n, h], emits it for the G ranks of one node holding
+        [b/N, s/G, h] (``moegraph.token_layout``); its collectives run on axis 'attn' and its sharded
+        parameters are split G ways (ParamSpec.shard_ranks). With N = 1 nothing changes."""
+        st = self.strategy
+        if st.attn_nodes == 1:
+            yield
+            return
+        saved = self.strategy, self.dims
+        self.strategy = dataclasses.replace(st, n=st.attn_ranks, ep_nodes=1, attn_nodes=1)
+        self.dims = dataclasses.replace(self.dims, b=self.dims.b // st.attn_nodes, n=st.attn_ranks)
+        self._in_attention_group = True
+        try:
+            yield
+        finally:
+            (self.strategy, self.dims), self._in_attention_group = saved, False
 
     # -- values -------------------------------------------------------------------------
     @property
@@ -82,6 +109,8 @@ class GraphBuilder:
         return name
 
     def param(self, name: str, shape: tuple[int, ...], spec: ParamSpec) -> str:
+        if self._in_attention_group and spec.shard_dim is not None:
+            spec = dataclasses.replace(spec, shard_ranks=self.strategy.n)
         name = self.input(name, shape, kind=ValueKind.PARAM)
         self.params[name] = spec
         return name
@@ -116,6 +145,8 @@ class GraphBuilder:
         from it exactly, and a tensor that does not split into ``group`` whole-byte shards is a
         ConfigError naming the node."""
         n = self.strategy.n if group is None else group
+        if self._in_attention_group:
+            kw["attrs"] = {"axis": "attn"} | dict(kw.get("attrs") or {})
         try:
             comm_bytes = collective_bytes(op, full_bytes, n)
         except ValueError as err:

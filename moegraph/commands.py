@@ -22,6 +22,7 @@ from moegraph.limits import MAX_MICRO_BATCHES, check_graph_size, check_limit
 from moegraph.options import UsageError, byte_size, non_negative_int, positive_float, positive_int
 from moegraph.pass_steps import DEFAULT_PASSES, parse_passes, step_label
 from moegraph.registry import ModelConfig, load_model
+from moegraph.strategy import node_fields
 
 PASSES_DEFAULT_TEXT = ",".join(map(step_label, DEFAULT_PASSES))
 """--passes's default: the text form of ``moegraph.pass_steps.DEFAULT_PASSES`` ("gate-reorder,sar=paper")."""
@@ -56,6 +57,10 @@ def add_layer_args(p: argparse.ArgumentParser, *, model_default: str = "mixtral-
                    help="nodes the group spans for the expert all-to-all (dispatch=a2a): N > 1 sends each token "
                         "once per destination node over the NICs and forwards it within the node, as DeepEP "
                         "(default %(default)s)")
+    p.add_argument("--attn-nodes", type=positive_int, default=1, metavar="N",
+                   help="nodes the attention is data-parallel over (dispatch=a2a): N > 1 runs the attention TP/SP "
+                        "within each node's n/N ranks on b/N of the batch while the experts stay EP over all n, "
+                        "as Megatron-Core's MoE parallel folding (default %(default)s)")
     add_layers_arg(p, pipeline=pipeline)
     p.add_argument("--passes", default=PASSES_DEFAULT_TEXT,
                    help="comma-separated pass pipeline, e.g. sar=paper,gate-reorder,chunk=auto; 'none' for no "
@@ -166,12 +171,17 @@ def config_from_args(args: argparse.Namespace, *, multi_layer: bool = False, edg
         # run --schedule FILE: the file's typed strategy rebuilds its graph (its labels are a record)
         strategy, passes = file_strategy, RECORDED
     else:
-        strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype,
-                            dp=args.dp, ep_nodes=getattr(args, "ep_nodes", 1))
+        strategy = _strategy(args)
         passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
     return CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch, seq=args.seq,
                          top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1), edges=edges,
                          hardware=args.hardware, **(pipeline | fields))
+
+
+def _strategy(args: argparse.Namespace) -> Strategy:
+    """The layer strategy the graph flags name."""
+    return Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp,
+                    ep_nodes=getattr(args, "ep_nodes", 1), attn_nodes=getattr(args, "attn_nodes", 1))
 
 
 def _pipeline_config(args: argparse.Namespace, model: ModelConfig, pipeline: dict[str, Any],
@@ -185,8 +195,7 @@ def _pipeline_config(args: argparse.Namespace, model: ModelConfig, pipeline: dic
         raise UsageError(f"--top-k={args.top_k} must be between 1 and the expert count {model.experts} of {model.name}")
     check_graph_size(layers=2, n=args.n, dp=args.dp, stages=pipeline["pp"] * pipeline["vpp"])
     check_limit("micro-batches", getattr(args, "micro_batches", 1), MAX_MICRO_BATCHES)
-    strategy = Strategy(attn=args.attn, ffn=args.ffn, dispatch=args.dispatch, n=args.n, dtype=args.dtype, dp=args.dp,
-                        ep_nodes=getattr(args, "ep_nodes", 1))
+    strategy = _strategy(args)
     passes = parse_passes(args.passes) if isinstance(args.passes, str) else args.passes
     config = CompileConfig(model=model, strategy=strategy, passes=passes, layers=layers, batch=args.batch,
                            seq=args.seq, top_k=args.top_k, micro_batches=getattr(args, "micro_batches", 1),
@@ -296,7 +305,7 @@ def format_trace(s: dict[str, Any]) -> str:
     st = s["strategy"]
     lines = [f"{s['model']} on {s['hardware']}" + (f" ({s['layers']} layers)" if s["layers"] > 1 else "")
              + f": attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} n={st['n']}"
-             + (f" ep_nodes={st['ep_nodes']}" if st.get("ep_nodes", 1) > 1 else "") + f" dp={st['dp']} "
+             + node_fields(st) + f" dp={st['dp']} "
              f"dtype={st['dtype']}" + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),
              f"{'node':<34} {'op':<15} {'phase':<9} {'GFLOP':>9} {'MB mem':>9} {'MB sent':>9} {'time us':>9}"]
     for n in s["nodes"]:

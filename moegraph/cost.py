@@ -277,9 +277,9 @@ _CLASS_EFF = {"gemm": "gemm_eff", "grouped_gemm": "grouped_gemm_eff", "attention
 
 
 def collective_scope(node: Node, gpus_per_node: int) -> Scope:
-    """Which link a collective crosses: node attr "scope", else intra iff its group fits in one
-    node of ``gpus_per_node`` GPUs. The cost model prices that link; the scheduler, its stream."""
-    scope = node.attr("scope", "intra" if node.group <= gpus_per_node else "inter")
+    """Which link a collective crosses: node attr "scope", else intra iff the ranks its group lies among
+    (attr "span", else the group) fit in a node of ``gpus_per_node``; the scheduler streams it so."""
+    scope = node.attr("scope", "intra" if (node.attr("span", None) or node.group) <= gpus_per_node else "inter")
     if scope not in ("intra", "inter"):
         raise ValueError(f"node {node.name!r}: scope {scope!r} is not one of 'intra', 'inter'")
     return scope

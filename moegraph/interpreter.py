@@ -15,7 +15,10 @@ axis="dp" run across the D replicas holding the same rank; axis="mp" (the defaul
 replica (``axis_of``, ``axis_groups``: the runtime uses the same layout on real ranks). With
 strategy.ep_nodes = N > 1 the n ranks of a replica span N nodes of G = n/N consecutive ranks: the
 hierarchical token dispatch runs on axis="node" (the G ranks of one node) and axis="rail" (the N
-ranks with the same local index, one per node), both within a replica.
+ranks with the same local index, one per node), both within a replica; a folded attention
+(strategy.attn_nodes = N) runs on axis="attn" (its n/N consecutive ranks), its sharded parameters'
+gradients summed over axis="attn_dp" (the N ranks with the same local index), and the layer input
+is split by ``moegraph.token_layout`` ([b/N, s/(n/N), h]).
 """
 
 from __future__ import annotations
@@ -29,10 +32,11 @@ from moegraph.index_map import IndexMap, RecvMap
 from moegraph.ir import Graph, Node, OpKind, ParamSpec
 from moegraph.kernels import RankContext, run_compute
 from moegraph.microbatch import micro_batch_count, microbatch_boundaries
+from moegraph.token_layout import shard_tokens, unshard_tokens
 
 
-Axis = Literal["mp", "dp", "node", "rail"]
-AXES: tuple[Axis, ...] = ("mp", "dp", "node", "rail")
+Axis = Literal["mp", "dp", "node", "rail", "attn", "attn_dp"]
+AXES: tuple[Axis, ...] = ("mp", "dp", "node", "rail", "attn", "attn_dp")
 
 
 def axis_of(node: Node) -> Axis:
@@ -43,25 +47,30 @@ def axis_of(node: Node) -> Axis:
             return valid
     raise ValueError(f"collective {node.name!r} has axis={axis!r}; valid axes: mp (within a replica), "
                      "dp (across replicas), node (the ranks of one node), rail (one rank per node, same "
+                     "local index), attn (the ranks of one attention), attn_dp (one rank per attention, same "
                      "local index)")
 
 
-def axis_groups(axis: Axis, n: int, d: int, node_ranks: int = 0) -> tuple[tuple[int, ...], ...]:
+def axis_groups(axis: Axis, n: int, d: int, node_ranks: int = 0, attn_ranks: int = 0) -> tuple[tuple[int, ...], ...]:
     """Every group of ``axis`` among n x d ranks laid out replica-major (rank p*n + r is rank r of
     replica p), as ranks in group-rank order: mp, the n ranks of each replica; dp, the d ranks
     holding the same rank r, in replica order. node and rail split each replica's n ranks into
     n/G nodes of G = ``node_ranks`` consecutive ranks: node, the G ranks of one node (q*G ..
-    q*G+G-1); rail, the n/G ranks with the same local index r (r, r+G, ..), in node order."""
+    q*G+G-1); rail, the n/G ranks with the same local index r (r, r+G, ..), in node order. attn
+    and attn_dp split them alike into attentions of G = ``attn_ranks`` ranks (Strategy.attn_nodes)."""
     if axis == "mp":
         return tuple(tuple(range(p * n, (p + 1) * n)) for p in range(d))
     if axis == "dp":
         return tuple(tuple(range(r, n * d, n)) for r in range(n))
-    if axis in ("node", "rail"):
-        if node_ranks < 2 or n % node_ranks or n // node_ranks < 2:
-            raise ValueError(f"axis {axis!r} needs node_ranks (ranks per node, n / strategy.ep_nodes) >= 2 "
-                             f"dividing n={n} into at least 2 nodes, got node_ranks={node_ranks}")
-        g = node_ranks
-        if axis == "node":
+    if axis in ("node", "rail", "attn", "attn_dp"):
+        nodes = axis in ("node", "rail")
+        g, least = (node_ranks, 2) if nodes else (attn_ranks, 1)
+        if g < least or n % g or n // g < 2:
+            what = "node_ranks (ranks per node, n / strategy.ep_nodes) >= 2" if nodes else \
+                "attn_ranks (ranks per attention, n / strategy.attn_nodes) >= 1"
+            raise ValueError(f"axis {axis!r} needs {what} dividing n={n} into at least 2 groups, got "
+                             f"{'node_ranks' if nodes else 'attn_ranks'}={g}")
+        if axis in ("node", "attn"):
             groups = [tuple(range(q * g, (q + 1) * g)) for q in range(n // g)]
         else:
             groups = [tuple(range(r, n, g)) for r in range(g)]
@@ -81,12 +90,20 @@ def _rank_views(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n:
     """The views of the module's tensors ``full`` that make up this rank's piece of ``spec``, one
     per source (narrowed, then this rank's shard): read for parameters, written for gradients."""
     views = []
+    parts = spec.shards(n)                     # n, or a node's G ranks (ParamSpec.shard_ranks)
     for src in spec.sources:
         t = src.view(full[src.qualname])
         if spec.shard_dim is not None:
-            t = t.chunk(n, spec.shard_dim)[rank]
+            t = t.chunk(parts, spec.shard_dim)[rank % parts]
         views.append(t)
     return views
+
+
+def writes_region(spec: ParamSpec, rank: int, n: int) -> bool:
+    """Whether rank writes its piece of ``spec`` when full tensors are assembled by summing every
+    rank's regions: each region once (a replicated parameter from rank 0, a node's attention shard
+    from the first node)."""
+    return rank < (1 if spec.shard_dim is None else spec.shards(n))
 
 
 def shard_param(spec: ParamSpec, full: Mapping[str, torch.Tensor], rank: int, n: int) -> torch.Tensor:
@@ -136,7 +153,8 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
         raise ValueError(f"graph {graph.name!r} holds {len(bounds)} micro-batches but got {len(xs)} inputs and "
                          f"{len(dys)} seed gradients")
     n, d = graph.strategy.n, graph.strategy.dp
-    node_ranks = n // graph.strategy.ep_nodes            # G, ranks per node (axes node and rail)
+    st = graph.strategy
+    node_ranks = n // st.ep_nodes                        # G, ranks per node (axes node and rail)
     missing = sorted({src.qualname for _, spec in graph.params for src in spec.sources} - set(params))
     if missing:
         raise ValueError(f"params lacks {', '.join(missing)}: pass every parameter and every buffer the graph reads "
@@ -145,8 +163,8 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
     for i, env in enumerate(envs):
         r = i % n
         for (x_name, seed_name, _, _), x, dy in zip(bounds, xs, dys):   # moegraph.layers.boundary
-            env[x_name] = x.chunk(n, dim=1)[r]
-            env[seed_name] = dy.chunk(n, dim=1)[r]
+            env[x_name] = shard_tokens(x, st, r)                         # [b/N, s/G, h]
+            env[seed_name] = shard_tokens(dy, st, r)
         for pname, spec in graph.params:
             env[pname] = shard_param(spec, params, r, n)
     for node in graph.nodes:
@@ -154,7 +172,7 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
         if node.is_comm:
             outs: list[list[Any]] = [[] for _ in envs]
             axis = axis_of(node)
-            for group in axis_groups(axis, n, d, node_ranks):
+            for group in axis_groups(axis, n, d, node_ranks, st.attn_ranks):
                 if len(group) != node.group:
                     raise RuntimeError(f"node {node.name!r}: group={node.group} but the interpreter's "
                                        f"{axis} group has {len(group)} ranks")
@@ -162,7 +180,7 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
                 for i, rank_outs in zip(group, res):
                     outs[i] = rank_outs
         else:
-            outs = [run_compute(RankContext(i % n, n, graph.dims.s), node, [env[v] for v in node.inputs], shapes)
+            outs = [run_compute(RankContext.of(graph, i % n), node, [env[v] for v in node.inputs], shapes)
                     for i, env in enumerate(envs)]
         for env, rank_outs in zip(envs, outs):
             if len(rank_outs) != len(node.outputs):
@@ -172,12 +190,11 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
                   for _, spec in trainable for src in spec.sources}
     for pname, spec in trainable:
-        ranks = range(n) if spec.shard_dim is not None else range(1)   # replicated: rank 0 holds the sum
-        for r in ranks:
+        for r in filter(lambda r: writes_region(spec, r, n), range(n)):
             unshard_grad(spec, envs[r][graph.grad_of[pname]], r, n, full_grads)
     replica0 = envs[:n]
-    return MicroBatchResult(outputs=[torch.cat([e[y] for e in replica0], dim=1) for _, _, y, _ in bounds],
-                            input_grads=[torch.cat([e[dx] for e in replica0], dim=1) for _, _, _, dx in bounds],
+    return MicroBatchResult(outputs=[unshard_tokens([e[y] for e in replica0], st) for _, _, y, _ in bounds],
+                            input_grads=[unshard_tokens([e[dx] for e in replica0], st) for _, _, _, dx in bounds],
                             param_grads=full_grads, envs=envs)
 
 

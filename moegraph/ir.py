@@ -23,9 +23,8 @@ import dataclasses
 import functools
 import hashlib
 import math
-import typing
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Literal, Mapping
+from typing import Any, Iterable, Mapping
 
 # the enumerations and the attribute records live in their own modules (the records name op kinds,
 # verify reads the records); every name stays importable from here
@@ -33,6 +32,8 @@ from moegraph.kinds import (COMM_OPS, EXPERT_ROWS, LAYER_ATTR, ExpertRows, Graph
                             Role, ValueKind, check_expert_rows)
 from moegraph.node_attrs import (CHOICE_ATTRS, AttrError, NodeAttrs, PermuteIndex, Scoring,  # noqa: F401
                                  SplitMode, attrs_of, bad_choice)
+from moegraph.strategy import (ActDtype, Attn, Compress, ConfigError, Dispatch, Ffn, Fuse, Gate, Remat,  # noqa: F401
+                               LATER_FIELDS, Strategy, valid_dispatches)
 
 
 def collective_bytes(op: OpKind, full_tensor_bytes: int, n: int) -> int:
@@ -215,6 +216,8 @@ class ParamSpec:
     Each source is narrowed, then (if shard_dim is not None) split into n equal parts along
     shard_dim and part r kept, and the sources are concatenated along cat_dim.
     shard_dim None means the parameter is replicated on every rank of the group.
+    shard_ranks G > 0 (an attention on a node's G ranks: Strategy.attn_nodes) splits into G parts
+    instead and keeps part r mod G: each node holds the whole parameter once (``shards``).
     """
 
     sources: tuple[ParamSource, ...]
@@ -223,6 +226,13 @@ class ParamSpec:
     # a module buffer (e.g. DeepSeek-V3's router score-correction bias): read by the graph,
     # never differentiated; it has no gradient and the runtime holds it as a buffer
     buffer: bool = False
+    # left out of the repr (and so of graph_digest, which records the Strategy's attn_nodes that sets it)
+    # so digests from before the field keep holding
+    shard_ranks: int = field(default=0, repr=False)
+
+    def shards(self, n: int) -> int:
+        """How many parts a sharded parameter is split into on a group of n ranks."""
+        return self.shard_ranks or n
 
 
 @dataclass(frozen=True)
@@ -247,135 +257,6 @@ class Dims:
     @property
     def f(self) -> float:
         return self.ffn / self.h
-
-
-Attn = Literal["tp", "sp"]
-"""Attention parallelism: tensor-parallel heads, or Ulysses sequence parallelism."""
-Ffn = Literal["tp", "ep"]
-"""Expert parallelism: each expert's h_ffn split n ways, or E/n whole experts per rank."""
-Dispatch = Literal["a2a", "ag-rs"]
-"""Token dispatch: all-to-all, or all-gather + reduce-scatter (the only one under ffn='tp')."""
-ActDtype = Literal["bf16", "fp32"]
-"""Activation dtype."""
-
-
-def valid_dispatches(ffn: Ffn) -> tuple[Dispatch, ...]:
-    """The dispatches an FFN parallelism admits: tensor-parallel experts see every token, so
-    only ag-rs; expert parallelism either."""
-    if ffn == "ep":
-        return ("a2a", "ag-rs")
-    if ffn == "tp":
-        return ("ag-rs",)
-    raise ValueError(f"ffn={ffn!r} is not one of 'tp', 'ep'")
-
-
-Gate = Literal["after-fc2", "before-fc2"]
-"""Where routing weights multiply: at the combine (after FC2) or into SwiGLU's output (before)."""
-Remat = Literal["none", "paper", "budget"]
-"""Rematerialization policy (moegraph.passes.sar): none, Fig 9's, or the cheapest under a byte budget."""
-Compress = Literal["none", "dp-bf16", "tp-fp8", "ep-fp8"]
-"""Wire compression (moegraph.passes.compress): none, BF16 data-parallel gradient reductions, FP8
-tensor-parallel activation reductions, or the FP8 token dispatch (DeepSeek-V3, DeepEP)."""
-Fuse = Literal["auto", "all", "none"]
-"""Fused comm+compute groups marked (moegraph.passes.fuse): the faster ones, every eligible one, or none."""
-class ConfigError(ValueError):
-    """An invalid model/strategy combination; the message names every factor involved."""
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """How one layer is parallelised, lowered and rematerialized: one typed, validated value.
-
-    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget),
-    compress and fuse record the rewrites applied (``moegraph.passes``: sar, compress, fuse), so
-    the typed fields alone rebuild the graph (``CompileConfig(passes=RECORDED)``); passes holds
-    the labels of the passes that produced it. Invalid values raise ConfigError naming every offending
-    field at once. Divisibility by the model's sizes is checked where the sizes are known
-    (``moegraph.builder.check_strategy``).
-    """
-
-    attn: Attn
-    """'tp' | 'sp'."""
-    ffn: Ffn
-    """'tp' | 'ep'."""
-    dispatch: Dispatch
-    """'a2a' | 'ag-rs'; 'a2a' needs ffn='ep'."""
-    n: int
-    """Group size n (TP/SP/EP degree), >= 1."""
-    dtype: ActDtype = "bf16"
-    """Activation dtype."""
-    chunks: int = 1
-    """Token chunks N >= 1 of each block (comm/compute overlap; lowering/blocks.py)."""
-    remat: Remat = "none"
-    """The rematerialization policy applied: 'none' (not rematerialized), 'paper', 'budget'."""
-    gate: Gate = "after-fc2"
-    """Routing-weight placement (the gate-reorder pass chooses 'before-fc2')."""
-    dp: int = 1
-    """Data-parallel degree D >= 1."""
-    passes: tuple[str, ...] = ()
-    """Labels of the passes that produced the graph, in run order (a record, never parsed back)."""
-    remat_budget: int | None = None
-    """Activation-byte budget of remat='budget' (None otherwise)."""
-    compress: Compress = "none"
-    """The wire compression applied (the compress pass records its mode)."""
-    fuse: Fuse = "none"
-    """The fuse choice that marked fused groups ('none': no group is marked, also when fuse chose none)."""
-    ep_nodes: int = 1
-    """Nodes N (of n/N ranks) the token dispatch spans: N > 1 (ffn='ep', dispatch='a2a') sends each token
-    once per destination node, then over NVLink, as DeepEP (moegraph.lowering.node_dispatch)."""
-
-    def __post_init__(self):
-        problems = []
-        for f in dataclasses.fields(self):
-            choices = typing.get_args(_LITERALS.get(f.name))
-            if choices and getattr(self, f.name) not in choices:
-                problems.append(f"{f.name}={getattr(self, f.name)!r} is not one of {', '.join(map(repr, choices))}")
-        for name in ("n", "chunks", "dp", "ep_nodes"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                problems.append(f"{name}={value!r} must be a positive integer")
-        if (self.ffn in typing.get_args(Ffn) and self.dispatch in typing.get_args(Dispatch)
-                and self.dispatch not in valid_dispatches(self.ffn)):
-            problems.append("dispatch='a2a' needs ffn='ep' (tensor-parallel experts see every token: use "
-                            "dispatch='ag-rs')")
-        nodes = self.ep_nodes
-        if isinstance(nodes, int) and not isinstance(nodes, bool) and nodes > 1 and isinstance(self.n, int):
-            if self.ffn != "ep" or self.dispatch != "a2a":
-                problems.append(f"ep_nodes={nodes} needs ffn='ep' and dispatch='a2a' (got ffn={self.ffn!r}, "
-                                f"dispatch={self.dispatch!r}): only an expert all-to-all crosses nodes per token")
-            elif self.n % nodes or self.n // nodes < 2:
-                problems.append(f"ep_nodes={nodes} must divide n={self.n} into nodes of at least 2 ranks")
-        budget = self.remat_budget
-        if self.remat == "budget" and (isinstance(budget, bool) or not isinstance(budget, int) or budget < 0):
-            problems.append(f"remat='budget' needs remat_budget, a byte count >= 0 (got {budget!r})")
-        if self.remat != "budget" and budget is not None:
-            problems.append(f"remat_budget={budget!r} is only valid with remat='budget' (remat={self.remat!r})")
-        if not isinstance(self.passes, tuple) or not all(isinstance(p, str) for p in self.passes):
-            problems.append(f"passes={self.passes!r} must be a tuple of pass labels")
-        if problems:
-            raise ConfigError("; ".join(problems))
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"passes": list(self.passes)}
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any]) -> "Strategy":
-        """Inverse of ``as_dict`` (a schedule file's graph.strategy); unknown keys are a ConfigError."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        extra = sorted(set(data) - names)
-        if extra:
-            raise ConfigError(f"strategy: unknown field {extra[0]!r}; valid: {', '.join(sorted(names))}")
-        return cls(**{**data, "passes": tuple(data.get("passes", ()))})
-
-    def label(self) -> str:
-        """One line for tables: 'sp+ep a2a   chunks=2 remat=paper'."""
-        remat = f"budget:{self.remat_budget}" if self.remat == "budget" else self.remat
-        nodes = f" ep_nodes={self.ep_nodes}" if self.ep_nodes > 1 else ""
-        return f"{self.attn}+{self.ffn} {self.dispatch:<5} chunks={self.chunks} remat={remat}{nodes}"
-
-
-_LITERALS = {"attn": Attn, "ffn": Ffn, "dispatch": Dispatch, "dtype": ActDtype, "remat": Remat, "gate": Gate,
-             "compress": Compress, "fuse": Fuse}
 
 
 @dataclass(frozen=True)
@@ -474,10 +355,10 @@ def graph_digest(graph: Graph) -> str:
     Deterministic across processes: reprs of frozen dataclasses, enums, tuples; ``saved`` sorted.
     """
     h = hashlib.sha256()
-    # the strategy's repr leaves out ep_nodes at its default: digests from before the field keep holding
+    # the strategy's repr leaves out the node fields at their default: digests from before them keep holding
     st = graph.strategy
     strategy = "Strategy(" + ", ".join(f"{f.name}={getattr(st, f.name)!r}" for f in dataclasses.fields(st)
-                                       if f.name != "ep_nodes" or st.ep_nodes != 1) + ")"
+                                       if f.name not in LATER_FIELDS or getattr(st, f.name) != 1) + ")"
     h.update(("(" + ", ".join([repr(graph.name), repr(graph.dims), strategy] + [repr(x) for x in (
         graph.inputs, graph.outputs, sorted(graph.saved), graph.params, graph.grads)]) + ")").encode())
     for v in graph.values:

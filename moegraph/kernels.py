@@ -36,6 +36,7 @@ from moegraph.ir import ExpertRows, Node, OpKind, Role, bad_choice, check_expert
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
 from moegraph.router_kernels import aux_stats, pullback, route_tokens, router_pullback, tokens
 from moegraph.tokens import Tokens, rope_positions
+from moegraph.token_layout import seq_shard
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,18 @@ class RankContext:
     # the step's batch layout (padding, packed documents: moegraph.tokens), full [b, s] on every
     # rank; None: b plain causal sequences. A step runs with dataclasses.replace(ctx, tokens=...)
     tokens: Tokens | None = field(default=None, compare=False, repr=False)
+    # (l, G): this rank's sequence shard of G (moegraph.token_layout.seq_shard), what positions are read
+    # from; None: (rank, n). An attention on a node's ranks (Strategy.attn_nodes) shards over G < n
+    shard: tuple[int, int] | None = None
+
+    @property
+    def seq_shard(self) -> tuple[int, int]:
+        return self.shard or (self.rank, self.n)
+
+    @classmethod
+    def of(cls, graph, rank: int, expert_rows: ExpertRows = "exact") -> "RankContext":
+        """Rank ``rank``'s context for ``graph``: its sequence shard by the graph's token layout."""
+        return cls(rank, graph.strategy.n, graph.dims.s, expert_rows, shard=seq_shard(graph.strategy, rank))
 
     def __post_init__(self):
         check_expert_rows(self.expert_rows)
@@ -115,20 +128,20 @@ def _rope_tables(ctx: RankContext, node: Node, rows: int, dim: int, like: torch.
     if ctx.tokens is not None and ctx.tokens.positions is not None:  # the batch's own positions: [b, rows, dim]
         return family_kernels.cos_sin(_positions(ctx, node, rows, like.device), dim, theta, like.dtype, inv, scaling)
     return _cached(ctx, ("rope", layout, rows, chunk, chunks, dim, theta, inv, scaling, like.dtype, like.device),
-                   lambda: family_kernels.cos_sin(chunk_positions(layout, ctx.rank, ctx.n, ctx.seq, rows, chunk, chunks,
+                   lambda: family_kernels.cos_sin(chunk_positions(layout, *ctx.seq_shard, ctx.seq, rows, chunk, chunks,
                                                                   device=like.device), dim, theta, like.dtype, inv,
                                                   scaling))
 
 
 def _positions(ctx: RankContext, node: Node, rows: int, device) -> torch.Tensor:
     """The RoPE positions of the node's rows: [rows], or [b, rows] for a batch with position_ids."""
-    return rope_positions(ctx.tokens, chunk_positions(node.typed.positions, ctx.rank, ctx.n, ctx.seq, rows,
+    return rope_positions(ctx.tokens, chunk_positions(node.typed.positions, *ctx.seq_shard, ctx.seq, rows,
                                                       node.typed.chunk or 0, node.typed.chunks, device=device))
 
 
 def _chunk_order(ctx: RankContext, rows: int, chunks: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """Chunk-major rows' sequence positions and, for each position p, the row holding it."""
-    pos = chunk_positions("chunk_major", ctx.rank, ctx.n, ctx.seq, rows, chunks=chunks, device=device)
+    pos = chunk_positions("chunk_major", *ctx.seq_shard, ctx.seq, rows, chunks=chunks, device=device)
     return pos, torch.argsort(pos)
 
 
@@ -261,7 +274,7 @@ def _router_keep(ctx, node, x):
     batch (its attention mask at the rows' positions, ``chunk_positions``), None: every row."""
     if ctx.tokens is None or ctx.tokens.keys is None:
         return None
-    pos = chunk_positions(node.typed.aux_positions, ctx.rank, ctx.n, ctx.seq, x.shape[1], node.typed.chunk or 0,
+    pos = chunk_positions(node.typed.aux_positions, *ctx.seq_shard, ctx.seq, x.shape[1], node.typed.chunk or 0,
                           node.typed.aux_chunks, device=x.device)                   # [S]
     return ctx.tokens.keys[:, pos].reshape(-1).float()                              # [b, S] -> [b*S]
 

@@ -107,8 +107,9 @@ class CommAttrs(NodeAttrs):
 
     dp: bool = False                     # a data-parallel gradient sync
     flat: bool = False                   # over a flattened bucket of gradients
-    axis: Literal["mp", "dp", "node", "rail"] | None = None
+    axis: Literal["mp", "dp", "node", "rail", "attn", "attn_dp"] | None = None
     scope: Literal["intra", "inter"] | None = None
+    span: int | None = None              # the consecutive ranks a strided group lies among (attn_dp: n)
     compressed: DtypeName | None = None  # the wire dtype of a compressed collective
 
 

@@ -28,6 +28,7 @@ from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, Strategy, verify
+from moegraph.token_layout import local_tokens
 from moegraph.layers import KINDS_META, LayerKinds, layer_count, layer_kinds
 from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
@@ -385,7 +386,7 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
     the structural guard's check that every parameter is read (skipped when the guard is off)."""
     check_strategy(dims, strategy)
     g = GraphBuilder(name, dims, strategy)
-    outs: dict[int, str] = {-1: g.input("hidden", (dims.b, dims.s // strategy.n, dims.h))}
+    outs: dict[int, str] = {-1: g.input("hidden", (*local_tokens(dims.b, dims.s, strategy), dims.h))}  # [b/N, s/G, h]
     norms = adds = 0
     for i, st in enumerate(program.steps):
         x = outs[st.args[0]]
@@ -395,7 +396,8 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
             outs[i] = emit_rmsnorm(g, st.spec, x, name=nname, out=out, module=st.module, block="")
         elif st.kind == "attention":
             emit = emit_mla if isinstance(st.spec, MLASpec) else emit_attention
-            outs[i] = emit(g, st.spec, x, module=st.module)
+            with g.attention_group():
+                outs[i] = emit(g, st.spec, x, module=st.module)
         elif st.kind == "moe":
             outs[i] = emit_moe(g, st.spec, x, module=st.module)
         elif st.kind == "mlp":

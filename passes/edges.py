@@ -166,6 +166,7 @@ from moegraph.microbatch import MB_ATTR, mb_name, micro_batch_count, micro_batch
 from moegraph.passes.compress import DpGradWire, dp_bf16, dp_grad_wire, is_dp_fp32_reduce_scatter
 from moegraph.passes.edges_head import eager_compute, wgrad_node
 from moegraph.passes.manager import Pass, PassResult, register_model_pass
+from moegraph.token_layout import local_tokens
 
 
 @dataclass(frozen=True)
@@ -279,8 +280,9 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
     at = (lambda j, name: name) if M == 1 else mb_name      # micro-batch j's copy of a name
     bounds = microbatch_boundaries(graph)                    # per micro-batch (x, seed, y, dx)
     for _, _, _, dx in bounds:                               # layer 0's input gradient (moegraph.layers)
-        if graph.value[dx].kind is not ValueKind.GRAD or graph.value[dx].shape != (d.b, d.s // st.n, d.h):
-            raise GraphError(f"graph {graph.name!r}: {dx!r} is not layer 0's input gradient [b, s/n, h]")
+        if graph.value[dx].kind is not ValueKind.GRAD or graph.value[dx].shape != (*local_tokens(d.b, d.s, st), d.h):
+            raise GraphError(f"graph {graph.name!r}: {dx!r} is not layer 0's input gradient [b/N, s/G, h] "
+                             "(moegraph.token_layout)")
     g = GraphBuilder.extend(graph)                          # unique names against the whole graph
     grad_dtype = graph.value[bounds[0][3]].dtype
     T, h = d.b * d.s // st.n, d.h                           # tokens on this rank (per micro-batch), hidden
@@ -510,14 +512,15 @@ def _embed_gather(g: GraphBuilder, j: int, at, dx: str) -> str:
     kw = dict(phase=Phase.BACKWARD, role=Role.WGRAD, block=EDGES)
     embed = {EMBED_ATTR: True}
     rows = dx
-    if st.n > 1:                                        # [b, s/n, h] -> [b, s, h]
+    N = st.attn_nodes                                   # the rows are gathered in the order of gathered_tokens
+    if st.n > 1:                                        # [b/N, s/G, h] -> [b/N, N s, h] ([b, s, h] when N = 1)
         out = g.value(at(j, f"{EDGES}.d_embed_rows" if st.dp == 1 else f"{EDGES}.d_embed_rows_replica"),
-                      (d.b, d.s, d.h), kind=ValueKind.GRAD, dtype=g.values[dx].dtype)
+                      (d.b // N, d.s * N, d.h), kind=ValueKind.GRAD, dtype=g.values[dx].dtype)
         g.collective(at(j, f"{EDGES}.embed.grad_gather"), OpKind.ALL_GATHER, (rows,), (out,), group=st.n,
                      full_bytes=g.nbytes(out), attrs={"dim": 1} | embed, **kw)
         rows = out
-    if st.dp > 1:                                       # [b, s, h] -> [dp*b, s, h], replica-major
-        out = g.value(at(j, f"{EDGES}.d_embed_rows"), (st.dp * d.b, d.s, d.h), kind=ValueKind.GRAD,
+    if st.dp > 1:                                       # [b/N, N s, h] -> [dp*b/N, N s, h], replica-major
+        out = g.value(at(j, f"{EDGES}.d_embed_rows"), (st.dp * d.b // N, d.s * N, d.h), kind=ValueKind.GRAD,
                       dtype=g.values[dx].dtype)
         # dp=True: a DP collective like _dp_sync's, counted by exposed_dp_sync_us
         # (schedule_file.dp_sync_exposure) and the DP warm starts; not a reduce-scatter, so

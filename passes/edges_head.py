@@ -40,6 +40,7 @@ from moegraph.builder import GraphBuilder
 from moegraph.edges import EAGER_ATTR, EDGES, EdgeHead
 from moegraph.efficiency import gemm_attrs
 from moegraph.ir import OpKind, Phase, Role, ValueKind
+from moegraph.token_layout import local_tokens
 
 
 def eager_compute(g: GraphBuilder, j: int, at: Callable[[int, str], str], seed: str, y: str, vocab: int | None,
@@ -65,7 +66,7 @@ def eager_compute(g: GraphBuilder, j: int, at: Callable[[int, str], str], seed: 
     norm_partial = g.value(at(j, f"{EDGES}.d_norm.partial"), (H,), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
     head_partial = None
     if vocab is not None:
-        logits = g.value(at(j, f"{EDGES}.logits"), (d.b, d.s // g.strategy.n, vocab))
+        logits = g.value(at(j, f"{EDGES}.logits"), (*local_tokens(d.b, d.s, g.strategy), vocab))   # [b/N, s/G, V]
         gemm = 2 * T * h * vocab
         # the head's product normed [T, h] @ W[V, h]^T, priced by its shape as the layers' GEMMs are
         gemm_kw = dict(eager, attrs=eager["attrs"] | gemm_attrs(g.shape(normed), (vocab, h)))

@@ -27,18 +27,8 @@ Semantics are exactly ``moegraph.interpreter.run_collective`` (the simulated-ran
     flat=True             gathers / reduce-scatters / shards work on the flattened tensor
     reduce="mean"         reduce-scatter averages over ranks instead of summing
 
-Data parallelism: 2-D process groups. n x D ranks run D replicas of an n-rank group, laid out
-replica-major (``Layout``): global rank g = p * n + r is rank r of replica p. A collective runs
-on the group its attr ``axis`` names (``axis_of``): "mp" (the default) the n ranks of its own
-replica, g in [p*n, (p+1)*n); "dp" the D ranks holding the same rank r, {r, r+n, .., r+(D-1)n}.
-This is the simulated layout of ``moegraph.interpreter`` (``axis_groups``, envs replica-major).
-Group-rank order is replica order along dp and rank order along mp, as the reference stacks them.
-Nodes (``Layout.node_ranks`` = G > 0, strategy.ep_nodes = n/G): the hierarchical token dispatch runs
-on "node", the G ranks of one node {q*G, .., q*G+G-1}, and "rail", the n/G ranks with the same local
-index {r, r+G, ..}, both within a replica; their token all-to-alls exchange counts on their own group.
-Pipeline stages (``Layout.pp`` > 1, moegraph.passes.stages' world order): the world holds pp such
-blocks of n x D ranks, block p on global ranks [p*n*D, (p+1)*n*D); a plan's groups are its own
-block's, and every rank creates every block's groups (``new_group`` is collective).
+Groups: every collective runs on the group its attr ``axis`` names, this rank's group of that axis
+in the ``Layout`` (``moegraph.runtime.layout``: replicas, nodes, attentions and pipeline blocks).
 
 Every collective is issued with ``async_op=True`` and returns a ``Pending``; its outputs exist
 after ``Pending.wait`` (CPU: blocks the host; GPU: orders the current stream after it).
@@ -84,9 +74,10 @@ import torch
 import torch.distributed as dist
 
 from moegraph.index_map import IndexMap, RecvMap
-from moegraph.interpreter import Axis, axis_groups, axis_of
+from moegraph.interpreter import Axis, axis_of
 from moegraph.ir import Node, OpKind
 from moegraph.runtime import CollectiveTimeout, RuntimeFailure, ScheduleMismatch
+from moegraph.runtime.layout import Layout
 from moegraph.runtime.native_budgets import check_native_budgets, nccl_ctas
 
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -104,65 +95,6 @@ def emulated_collectives(backend: str, forced: frozenset[str] = frozenset()) -> 
     if unknown:
         raise ValueError(f"cannot emulate {sorted(unknown)}; emulable collectives: {sorted(EMULABLE)}")
     return set(forced) | BACKEND_EMULATED.get(backend, frozenset())
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where one rank sits among n x dp ranks (module docstring: replica-major)."""
-
-    n: int                 # model-parallel group size (the graph's strategy.n)
-    dp: int                # replicas (strategy.dp)
-    rank: int              # global rank in the default process group
-    pp: int = 1            # pipeline blocks of n x dp ranks in the default group (module docstring)
-    node_ranks: int = 0    # G, ranks per node (n / strategy.ep_nodes); 0: the plan has no node axes
-
-    def __post_init__(self):
-        if self.n < 1 or self.dp < 1 or self.pp < 1 or not 0 <= self.rank < self.n * self.dp * self.pp:
-            raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp}"
-                                 + (f" x pp={self.pp}" if self.pp > 1 else "") + " ranks")
-        g = self.node_ranks
-        if g != 0 and (g < 2 or self.n % g or self.n // g < 2):
-            valid = [0] + [v for v in range(2, self.n // 2 + 1) if self.n % v == 0]
-            raise RuntimeFailure(f"node_ranks={g} does not split n={self.n} into nodes; valid: {', '.join(map(str, valid))}")
-
-    @property
-    def world(self) -> int:
-        """The ranks running one plan (one pipeline block)."""
-        return self.n * self.dp
-
-    @property
-    def block(self) -> int:
-        """This rank's pipeline block (0 when pp = 1)."""
-        return self.rank // self.world
-
-    @property
-    def replica(self) -> int:
-        return self.rank // self.n % self.dp
-
-    @property
-    def mp_rank(self) -> int:
-        return self.rank % self.n
-
-    def size(self, axis: Axis) -> int:
-        if axis == "mp":
-            return self.n
-        if axis == "dp":
-            return self.dp
-        if axis in ("node", "rail"):
-            if not self.node_ranks:
-                raise RuntimeFailure(f"axis {axis!r} needs nodes; this layout has none (strategy.ep_nodes=1)")
-            return self.node_ranks if axis == "node" else self.n // self.node_ranks
-        raise ValueError(f"axis {axis!r} is not one of mp, dp, node, rail")
-
-    def partition(self, axis: Axis) -> tuple[tuple[int, ...], ...]:
-        """Every group of ``axis`` in every pipeline block, as global ranks in group-rank order
-        (the same on every rank)."""
-        return tuple(tuple(p * self.world + r for r in g) for p in range(self.pp)
-                     for g in axis_groups(axis, self.n, self.dp, self.node_ranks))
-
-    def blocks(self) -> tuple[tuple[int, ...], ...]:
-        """Every pipeline block's ranks (one block of all ranks when pp = 1)."""
-        return tuple(tuple(range(p * self.world, (p + 1) * self.world)) for p in range(self.pp))
 
 
 @dataclass
@@ -234,14 +166,14 @@ class Comm:
     axis (``Layout``). Must be created on every rank with the same keys in the same order
     (``new_group`` is collective): callers check the plan hash first (``check_same_plan``).
     ``rank`` is the global rank, ``n`` the model-parallel group size, ``dp`` the replicas, ``pp``
-    the pipeline blocks of n x dp ranks, ``node_ranks`` the ranks per node of axes node and rail
-    (``Layout``).
+    the pipeline blocks of n x dp ranks, ``node_ranks`` the ranks per node of axes node and rail,
+    ``attn_ranks`` the ranks per attention of axes attn and attn_dp (``Layout``).
     """
 
     def __init__(self, keys: Sequence[tuple[str, int]], *, rank: int, n: int, timeout_s: float,
                  emulate: frozenset[str] = frozenset(), meta_group: Any = None, dp: int = 1,
-                 axes: Sequence[Axis] = ("mp",), pp: int = 1, node_ranks: int = 0):
-        self.layout = Layout(n, dp, rank, pp, node_ranks)
+                 axes: Sequence[Axis] = ("mp",), pp: int = 1, node_ranks: int = 0, attn_ranks: int = 0):
+        self.layout = Layout(n, dp, rank, pp, node_ranks, attn_ranks)
         self.rank, self.n, self.dp, self.timeout_s = rank, n, dp, timeout_s
         self.backend = dist.get_backend() if self.layout.world > 1 else "none"
         self.emulate = emulated_collectives(self.backend, emulate)

@@ -8,7 +8,7 @@ random weights, shards it, and runs warm-up + K steps (forward + backward). Step
 = the slowest rank's; the report gives the median over the K steps.
 
 ``--dp D`` runs n x D ranks (``world_size``): D replicas of the n-rank group, replica-major
-(``moegraph.runtime.collectives.Layout``). The seeded input is the global batch [D*b, s, h];
+(``moegraph.runtime.layout.Layout``). The seeded input is the global batch [D*b, s, h];
 replica p trains on rows p*b .. (p+1)*b - 1 (``CompiledLayer.shard_input``).
 
 ``--micro-batches M`` (M >= 2) runs one optimizer step of M micro-batches (gradient
@@ -53,7 +53,7 @@ from moegraph.schedules.driver import lower
 
 
 LAYER_FLAGS = ("model", "hardware", "attn", "ffn", "dispatch", "n", "batch", "seq", "top_k", "dtype", "dp", "ep_nodes",
-               "passes", "micro_batches", "layers")
+               "attn_nodes", "passes", "micro_batches", "layers")
 
 VOCAB_DEFAULT = 1024        # run --vocab's default: the --train-steps model's vocabulary when no file sets it
 
@@ -182,7 +182,8 @@ def resolve_layer_args(args: argparse.Namespace) -> tuple[argparse.Namespace, An
         from_file = {"model": g["name"], "hardware": schedule.hardware["name"], "attn": st["attn"], "ffn": st["ffn"],
                      "dispatch": st["dispatch"], "n": st["n"], "batch": g["dims"]["b"], "seq": g["dims"]["s"],
                      "top_k": g["dims"]["k"], "dtype": st["dtype"], "dp": st["dp"],
-                     "ep_nodes": st.get("ep_nodes", 1), "passes": tuple(st["passes"]),
+                     "ep_nodes": st.get("ep_nodes", 1), "attn_nodes": st.get("attn_nodes", 1),
+                     "passes": tuple(st["passes"]),
                      # a merged step's nodes carry their micro-batch (moegraph.microbatch.MB_ATTR)
                      "micro_batches": len({n.attrs[MB_ATTR] for n in schedule.nodes if n.attrs.get(MB_ATTR) is not None})
                      or 1,
@@ -339,7 +340,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "layers": layer_count(g), "dp": g.strategy.dp,
         "link": str(link) if link else "none",
         "strategy": {"attn": g.strategy.attn, "ffn": g.strategy.ffn, "dispatch": g.strategy.dispatch,
-                     "ep_nodes": g.strategy.ep_nodes, "dtype": g.strategy.dtype, "passes": list(g.strategy.passes)},
+                     "ep_nodes": g.strategy.ep_nodes, "attn_nodes": g.strategy.attn_nodes, "dtype": g.strategy.dtype,
+                     "passes": list(g.strategy.passes)},
         "batch": g.dims.b, "seq": g.dims.s, "micro_batches": micro_batch_count(g),
         "schedule": plan.method, "plan_hash": plan.hash,
         "steps": args.steps, "warmup": args.warmup, **step_stats(results),
@@ -486,7 +488,7 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
     report: dict[str, Any] = {
         "model": layer.model.name, "layers": layers, "vocab": args.vocab, "hardware": layer.hardware.name,
         "n": st.n, "dp": st.dp, "strategy": {"attn": st.attn, "ffn": st.ffn, "dispatch": st.dispatch, "dtype": st.dtype,
-                                "ep_nodes": st.ep_nodes, "passes": list(st.passes)},
+                                "ep_nodes": st.ep_nodes, "attn_nodes": st.attn_nodes, "passes": list(st.passes)},
         "batch": args.batch, "seq": args.seq, "schedule": plan.method, "plan_hash": plan.hash,
         "train_steps": args.train_steps, "micro_batches": spec.micro_batches, "losses": r["losses"],
         "seconds": max(x["seconds"] for x in results),

@@ -119,7 +119,7 @@ class Executor:
         self.rank, self.n, self.timeout_s = rank, n, timeout_s
         self.device, self.cuda = torch.device(device), torch.device(device).type == "cuda"
         # node_ctx: a step's own contexts by node (CompiledModel.train_step: each micro-batch's layout)
-        self.ctx, self.node_ctx = RankContext(rank, n, graph.dims.s, expert_rows), {}
+        self.ctx, self.node_ctx = RankContext.of(graph, rank, expert_rows), {}
         self.param_names = tuple(p for p, _ in graph.params)
         self._cross = _cross_stream_values(graph, plan)
         self._programs: dict[int, tuple[Sequence[PlanEntry], list[_Step]]] = {}

@@ -51,7 +51,7 @@ the edges' gradients would be each rank's partials (tests/test_edges.py makes th
 sees the gradients go wrong). Without gradients (``torch.no_grad``) the same parts run as plain
 eager code around ``CompiledLayer.forward``.
 
-Data parallelism (dp = D > 1, n x D ranks, replica-major as ``collectives.Layout``): every rank
+Data parallelism (dp = D > 1, n x D ranks, replica-major as ``layout.Layout``): every rank
 still gets the GLOBAL batch (input_ids, labels [D*b, s]); replica p takes rows p*b .. (p+1)*b - 1
 (``CompiledLayer.shard_input``), rank r of it its sequence shard. The loss is the global mean
 over ALL replicas' non-ignored tokens (the count comes from the full labels every rank holds), so
@@ -106,7 +106,7 @@ from torch import nn
 
 from moegraph.config import CompileConfig
 from moegraph.edges import EmbedGrad, aux_loss_value, edge_values
-from moegraph.interpreter import unshard_grad
+from moegraph.interpreter import unshard_grad, writes_region
 from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
@@ -121,6 +121,7 @@ from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledSte
                                          check_edge_head, final_norm, head_logits, norm_params,
                                          split_norm, step_layouts)
 from moegraph.tokens import Tokens, batch_forms, micro_batch_forms
+from moegraph.token_layout import gathered_tokens
 
 if TYPE_CHECKING:
     from moegraph.schedules.schedule_file import Schedule
@@ -213,7 +214,9 @@ class CompiledModel(nn.Module):
             return synced[edges.embed_synced].to(self.embed.dtype)
         if edges.embed_grad is EmbedGrad.ROWS:
             d_embed = torch.zeros_like(self.embed)
-            for ids, rows in zip(input_ids, edges.embed_gathered, strict=True):
+            st = self.layers.graph.strategy
+            for ids, rows in zip(input_ids, edges.embed_gathered, strict=True):     # ids [dp*b, s]
+                ids = torch.cat([gathered_tokens(part, st) for part in ids.chunk(self.dp)])   # as the rows gathered
                 self._scatter_rows(d_embed, ids, synced[rows])
             return d_embed / self.dp if self.dp > 1 else d_embed
         raise RuntimeFailure(f"embedding gradient pattern {edges.embed_grad!r} is not one of "
@@ -443,7 +446,7 @@ class CompiledModel(nn.Module):
             for src in spec.sources:
                 regions.setdefault(src.qualname, shard.new_zeros(self.layers.full_shapes[src.qualname]))
         for pname, spec in graph.params:
-            if spec.shard_dim is None and rank != 0:      # replicated: identical everywhere, written once
+            if not writes_region(spec, rank, n):          # identical on the ranks that skip it
                 continue
             unshard_grad(spec, self.layers.shard(pname).detach(), rank, n, regions)
         if n > 1:

@@ -25,6 +25,7 @@ from moegraph.ir import Graph, OpKind, Role
 from moegraph.lowering import ModelSpec
 from moegraph.microbatch import mb_name, micro_batch_of
 from moegraph.models import rms_norm
+from moegraph.token_layout import batch_rows
 from moegraph.tokens import Tokens
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.executor import EagerKernel
@@ -105,11 +106,21 @@ def batch_layout(executor, tokens: Tokens | None):
         yield
         return
     plain = executor.ctx
-    executor.ctx = dataclasses.replace(plain, tokens=tokens)
+    executor.ctx = dataclasses.replace(plain, tokens=rank_rows(executor, tokens))
     try:
         yield
     finally:
         executor.ctx = plain
+
+
+def rank_rows(executor, tokens: Tokens) -> Tokens:
+    """The layout of the batch rows this rank holds (all b, or a node's b/N under Strategy.attn_nodes:
+    ``moegraph.token_layout``)."""
+    st = executor.graph.strategy
+    if st.attn_nodes == 1:
+        return tokens
+    return tokens.rows(batch_rows(st, executor.rank, next(t for t in (tokens.positions, tokens.documents, tokens.keys)
+                                                          if t is not None).shape[0]))
 
 
 @contextlib.contextmanager
@@ -120,7 +131,7 @@ def step_layouts(executor, tokens: Sequence[Tokens | None]):
     if all(t is None for t in tokens):
         yield
         return
-    ctxs = [None if t is None else dataclasses.replace(executor.ctx, tokens=t) for t in tokens]
+    ctxs = [None if t is None else dataclasses.replace(executor.ctx, tokens=rank_rows(executor, t)) for t in tokens]
     executor.node_ctx = {nd.name: ctxs[j] for nd in executor.graph.nodes
                          if (j := micro_batch_of(nd)) is not None and ctxs[j] is not None}
     try:

@@ -8,7 +8,7 @@ sharded ones hold 1/n, replicated ones (norms, router, SP attention) a full copy
 every rank because their gradients are all-reduced by the graph. ``full_grads`` reassembles
 module-shaped gradients (a collective).
 
-Data parallelism (strategy.dp = D > 1): n x D ranks, replica-major (``collectives.Layout``:
+Data parallelism (strategy.dp = D > 1): n x D ranks, replica-major (``layout.Layout``:
 global rank p*n + r is rank r of replica p). The *global* input is [D*b, s, h]: replica p takes
 batch rows p*b .. (p+1)*b - 1, then its rank's sequence shard (``shard_input``); ``unshard_output``
 gathers all n x D shards back. The graph's DP sync (reduce="mean" across replicas) leaves every
@@ -38,19 +38,21 @@ from torch import nn
 
 from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
-from moegraph.interpreter import axis_of, shard_param, unshard_grad
+from moegraph.interpreter import axis_of, shard_param, unshard_grad, writes_region
 from moegraph.ir import ExpertRows, Graph, Strategy, check_expert_rows
 from moegraph.expert_rows import expert_rows_refusal
 from moegraph.lowering import LoweringError, train_only_settings
 from moegraph.runtime import CudaGraphs, PlanError, RuntimeFailure
 from moegraph.runtime.autograd import ScheduledLayerFunction
-from moegraph.runtime.collectives import Comm, Layout, NoComm, check_same_plan, metadata_group
+from moegraph.runtime.collectives import Comm, NoComm, check_same_plan, metadata_group
+from moegraph.runtime.layout import Layout
 from moegraph.runtime.cudagraph import GraphBackend, GraphedExecutor, capture_refusal, check_device, check_mode
 from moegraph.runtime.executor import Executor
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import COMM, FUSED_AS_MEMBERS, ExecutionPlan, check_plan, fused_group_count
 from moegraph.runtime.trace import StepRecorder, StepTrace
+from moegraph.token_layout import shard_tokens, unshard_tokens
 
 if TYPE_CHECKING:
     from moegraph.schedules.driver import Lowered
@@ -97,7 +99,8 @@ class CompiledLayer(nn.Module):
         gradient reaches their ``.grad`` (``frozen_sources``)."""
         super().__init__()
         self.graph, self.plan, self.rank, self.n = graph, plan, rank, n
-        self.layout = layout if layout is not None else Layout(n, 1, rank, node_ranks=node_ranks(graph.strategy))
+        self.layout = layout if layout is not None else Layout(n, 1, rank, node_ranks=node_ranks(graph.strategy),
+                                                               attn_ranks=attn_ranks(graph.strategy))
         if (self.layout.n, self.layout.mp_rank) != (n, rank):
             raise RuntimeFailure(f"rank {rank} of n={n} disagrees with the layout {self.layout}")
         self.cuda_graphs = check_mode(cuda_graphs)
@@ -181,7 +184,7 @@ class CompiledLayer(nn.Module):
                 if src.qualname not in out:
                     out[src.qualname] = p.new_zeros(self.full_shapes[src.qualname])
         for pname, spec in self.graph.params:
-            if (spec.shard_dim is None and self.rank != 0) or spec.buffer:
+            if not writes_region(spec, self.rank, self.n) or spec.buffer:
                 continue
             t = pick(self.shard(pname))
             if t is not None:
@@ -321,17 +324,17 @@ class CompiledLayer(nn.Module):
             if x.shape[0] % self.layout.dp:
                 raise ValueError(f"batch {x.shape[0]} is not divisible by dp={self.layout.dp} replicas")
             x = x.chunk(self.layout.dp, dim=0)[self.layout.replica]
-        return shard_input(x, self.rank, self.n)
+        return shard_input(x, self.graph.strategy, self.rank)
 
     def unshard_output(self, y: torch.Tensor, group: Any = None) -> torch.Tensor:
         """Every rank's [b, s/n, h] -> the global [dp*b, s, h] on every rank (collective over all
         n x dp ranks; ``group``: the n ranks' group when dp=1)."""
         if self.layout.dp == 1:
-            return unshard_output(y, self.n, group)
+            return unshard_output(y, self.graph.strategy, group)
         parts = [torch.empty_like(y) for _ in range(self.layout.world)]
         dist.all_gather(parts, y.contiguous())                       # global rank order: replica-major
-        n = self.n
-        return torch.cat([torch.cat(parts[p * n:(p + 1) * n], dim=1) for p in range(self.layout.dp)], dim=0)
+        n, st = self.n, self.graph.strategy
+        return torch.cat([unshard_tokens(parts[p * n:(p + 1) * n], st) for p in range(self.layout.dp)], dim=0)
 
     def extra_repr(self) -> str:
         st = self.graph.strategy
@@ -373,20 +376,19 @@ def accumulate_grads(params: Sequence[torch.Tensor | None], grads: Sequence[torc
             p.grad.add_(g.to(p.grad.dtype))
 
 
-def shard_input(x: torch.Tensor, rank: int, n: int) -> torch.Tensor:
-    """[b, s, h] -> rank's sequence shard [b, s/n, h] (contiguous copy)."""
-    if x.shape[1] % n:
-        raise ValueError(f"sequence length {x.shape[1]} is not divisible by n={n}")
-    return x.chunk(n, dim=1)[rank].contiguous()
+def shard_input(x: torch.Tensor, strategy: Strategy, rank: int) -> torch.Tensor:
+    """[b, s, ...] -> rank's tokens [b/N, s/G, ...] (contiguous copy; ``moegraph.token_layout``:
+    [b, s/n, ...] unless the attention spans a node, Strategy.attn_nodes = N)."""
+    return shard_tokens(x, strategy, rank).contiguous()
 
 
-def unshard_output(y: torch.Tensor, n: int, group: Any = None) -> torch.Tensor:
-    """All ranks' shards [b, s/n, h] -> the full [b, s, h] on every rank (collective)."""
-    if n == 1:
+def unshard_output(y: torch.Tensor, strategy: Strategy, group: Any = None) -> torch.Tensor:
+    """All n ranks' tokens [b/N, s/G, h] -> the full [b, s, h] on every rank (collective)."""
+    if strategy.n == 1:
         return y
-    parts = [torch.empty_like(y) for _ in range(n)]
+    parts = [torch.empty_like(y) for _ in range(strategy.n)]
     dist.all_gather(parts, y.contiguous(), group=group)
-    return torch.cat(parts, dim=1)
+    return unshard_tokens(parts, strategy)
 
 
 def _attr_name(pname: str, taken) -> str:
@@ -464,8 +466,13 @@ def replica_batch(rows: int, n: int | None, dp: Any, what: str) -> tuple[int, in
 
 
 def node_ranks(strategy: Strategy) -> int:
-    """G, the ranks per node of the node and rail axes (``collectives.Layout``); 0 without nodes."""
+    """G, the ranks per node of the node and rail axes (``layout.Layout``); 0 without nodes."""
     return strategy.n // strategy.ep_nodes if strategy.ep_nodes > 1 else 0
+
+
+def attn_ranks(strategy: Strategy) -> int:
+    """G, the ranks per attention of the attn and attn_dp axes (``layout.Layout``); 0 unfolded."""
+    return strategy.attn_ranks if strategy.attn_nodes > 1 else 0
 
 
 def comm_axes(graph: Graph) -> tuple[str, ...]:
@@ -478,7 +485,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
                 comm: tuple[Sequence[tuple[str, int]], Sequence[str]] | None = None) -> CompiledLayer:
     """Check that every rank holds the same plan (before any other collective), create the process
     groups, and shard the parameters. ``rank``: the global rank among pp x n x strategy.dp ranks
-    (``pp`` > 1: pipeline blocks, ``collectives.Layout``; the plan is checked within the block).
+    (``pp`` > 1: pipeline blocks, ``layout.Layout``; the plan is checked within the block).
     ``comm``: the (stream, budget) keys and axes to create groups for, when ranks of other
     blocks hold other plans (the union of every block's: ``new_group`` is collective); default
     the plan's. Collective when pp x n x dp > 1. The runtime gets the plan, its graph and
@@ -487,7 +494,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
     check_plan(graph, plan)
     if graph.strategy.n != n:
         raise RuntimeFailure(f"graph {graph.name!r} is lowered for n={graph.strategy.n}, the runtime has {n} ranks")
-    layout = Layout(n, graph.strategy.dp, rank, pp, node_ranks(graph.strategy))
+    layout = Layout(n, graph.strategy.dp, rank, pp, node_ranks(graph.strategy), attn_ranks(graph.strategy))
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() != layout.world * pp:
         blocks = f"pp={pp} x " if pp > 1 else ""
         raise RuntimeFailure(f"graph {graph.name!r} runs on {blocks}n={n} x dp={layout.dp} = {layout.world * pp} "
@@ -499,7 +506,7 @@ def build_layer(graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, tor
         check_same_plan(plan.hash, rank=rank, n=layout.world, group=block_meta, timeout_s=timeout_s)
         keys, axes = comm if comm is not None else (plan.comm_keys(graph), comm_axes(graph))
         comm_ = Comm(keys, rank=rank, n=n, dp=layout.dp, axes=axes, timeout_s=timeout_s, emulate=options.emulate,
-                     pp=pp, node_ranks=layout.node_ranks)
+                     pp=pp, node_ranks=layout.node_ranks, attn_ranks=layout.attn_ranks)
     return CompiledLayer(graph, plan, full_params, rank=layout.mp_rank, n=n, comm=comm_, timeout_s=timeout_s,
                          record=options.record, layout=layout, cuda_graphs=options.cuda_graphs,
                          expert_rows=options.expert_rows, frozen=frozen)

@@ -67,6 +67,7 @@ from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.pipeline_aux import StageLayersAux, aux_term
 from moegraph.runtime.pipeline_pair import PairRunner, check_merged_pairs, overlap_f_b
 from moegraph.tokens import BatchForms, Tokens, batch_forms, micro_batch_forms
+from moegraph.token_layout import local_tokens
 
 __all__ = ["StageModule", "stage_modules", "CompiledStage", "compile_stages", "pipeline_group", "ShardLoss",
            "TorchPipeline", "run_torch_schedule"]
@@ -146,7 +147,8 @@ class CompiledStage(nn.Module):
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             return x
-        return F.embedding(shard_input(x, self.rank, self.n), self.embed, padding_idx=self.padding_idx)  # [b, s] -> [b, s/n, h]
+        return F.embedding(shard_input(x, self.layers.graph.strategy, self.rank), self.embed,
+                           padding_idx=self.padding_idx)                     # [b, s] -> [b/N, s/G, h]
 
     def set_layouts(self, forms: Sequence[tuple[Any, Any]] | None) -> None:
         """A step's per-micro-batch (attention_mask, position_ids), each None or micro-batch j's
@@ -226,10 +228,11 @@ class CompiledStage(nn.Module):
     def io_examples(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(input, output) of one micro-batch, for ``PipelineStage``'s static shapes (no
         inference forward on empty tensors, which would run the plan's collectives on garbage)."""
-        d = self.layers.graph.dims
-        hidden = torch.empty(d.b, d.s // d.n, d.h, dtype=self.layers.params()[0].dtype)
+        d, st = self.layers.graph.dims, self.layers.graph.strategy
+        rows, seq = local_tokens(d.b, d.s, st)                                  # [b/N, s/G]: moegraph.token_layout
+        hidden = torch.empty(rows, seq, d.h, dtype=self.layers.params()[0].dtype)
         x = torch.empty(d.b, d.s, dtype=torch.int64) if self.embed is not None else hidden.clone().requires_grad_()
-        y = (torch.empty(d.b, d.s // d.n, self.lm_head.shape[0], dtype=hidden.dtype) if self.lm_head is not None
+        y = (torch.empty(rows, seq, self.lm_head.shape[0], dtype=hidden.dtype) if self.lm_head is not None
              else hidden.clone()).requires_grad_()
         if self.aux_loss is None:
             return x, y
@@ -335,8 +338,14 @@ class ShardLoss:
     (transformers' ``num_items_in_batch`` N, the step's scored tokens): its summed cross-entropy / N
     instead of the micro-batch's own count."""
 
-    def __init__(self, member: int, n: int, aux: AuxLoss | None = None):
-        self.member, self.n, self.aux = member, n, aux
+    def __init__(self, member: int, strategy: Strategy, aux: AuxLoss | None = None):
+        self.member, self.strategy, self.n, self.aux = member, strategy, strategy.n, aux
+
+    @classmethod
+    def for_stages(cls, member: int, stages: Mapping[int, "CompiledStage"], aux: AuxLoss | None = None) -> "ShardLoss":
+        """The loss of member ``member`` of the last stage's n ranks, laid out as ``stages``' layers
+        hold their tokens (``moegraph.token_layout``)."""
+        return cls(member, next(iter(stages.values())).layers.graph.strategy, aux)
 
     def __call__(self, output: torch.Tensor | tuple[torch.Tensor, torch.Tensor], labels: torch.Tensor,
                  items: int | None = None) -> torch.Tensor:
@@ -346,7 +355,7 @@ class ShardLoss:
         logits, stats = output if self.aux is not None else (output, None)
         shifted = shift_labels(labels)                                                   # [b, s]
         count = (shifted != IGNORE_INDEX).sum() if items is None else torch.tensor(items)
-        term = CompiledModel._loss_term(logits, shard_input(shifted, self.member, self.n), count)
+        term = CompiledModel._loss_term(logits, shard_input(shifted, self.strategy, self.member), count)
         return term if stats is None else term + aux_term(stats, self.aux, self.n)
 
 
@@ -365,7 +374,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
                    hardware: Any = "cpu-gloo", attn: str = "sp", ffn: str = "ep", dispatch: str = "ag-rs",
                    passes: str | Sequence[Any] = DEFAULT_PASSES, schedule: str = "greedy", time_limit_s: float = 10.0,
                    timeout_s: float = 300.0, emulate: frozenset[str] = frozenset(), pairs: bool = False,
-                   dp: int = 1, cross_pairs: Sequence[tuple[int, int]] = ()) -> dict[int, CompiledStage]:
+                   dp: int = 1, cross_pairs: Sequence[tuple[int, int]] = (), ep_nodes: int = 1,
+                   attn_nodes: int = 1) -> dict[int, CompiledStage]:
     """This rank's stages (stage index -> CompiledStage) of a causal LM recognised by its model
     rule, for one micro-batch's ``input_ids`` [b, s] (module docstring). ``passes``: typed steps
     (moegraph.pass_steps) or their text form. Collective: every one of the P x n x dp ranks calls
@@ -379,7 +389,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
     ``pairs``: each stage also gets its merged F&B (``pair_graph`` of its graph, scheduled
     likewise) for the order's OVERLAP_F_B actions (runtime.pipeline_pair); ``cross_pairs``
     (forward stage, backward stage), pairs of two stages on one rank (a V-shape's turn; with
-    ``pairs``): the rank holding both gets that pair's plan (``cross_pair_graph``)."""
+    ``pairs``): the rank holding both gets that pair's plan (``cross_pair_graph``). ``ep_nodes``,
+    ``attn_nodes``: the node-spanning dispatch and the folded attention (Strategy's fields)."""
     import torch.distributed as dist
     from moegraph.config import CompileConfig, SolverEffort
     from moegraph.layers import layer_kinds
@@ -404,7 +415,8 @@ def compile_stages(model: nn.Module, layout: StageLayout, input_ids: torch.Tenso
         raise ValueError(f"model parameters are {dtype}: pipeline stages compile {sorted(map(str, DTYPES))}")
     steps = parse_passes(passes) if isinstance(passes, str) else tuple(passes)
     lowered = lower(CompileConfig(model=model, strategy=Strategy(attn=attn, ffn=ffn, dispatch=dispatch, n=n,
-                                                                 dtype=DTYPES[dtype], dp=1),
+                                                                 dtype=DTYPES[dtype], dp=1, ep_nodes=ep_nodes,
+                                                                 attn_nodes=attn_nodes),
                                   passes=steps, batch=b, seq=s, edges="none", hardware=hardware,
                                   solver=SolverEffort(time_limit_s=time_limit_s)))
     spec, cost = lowered.spec, lowered.cost

@@ -29,7 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from moegraph.config import CompileConfig, ModelEdges
+from moegraph.interpreter import axis_of
 from moegraph.ir import ConfigError
+from moegraph.strategy import node_fields
 
 __all__ = ["PipelineRun", "pipeline_rank", "run_pipeline", "format_pipeline_report"]
 
@@ -83,9 +85,9 @@ def pipeline_rank(rank: int, world: int, spec: PipelineRun) -> dict[str, Any]:
         mine = compile_stages(model, layout, data[0][:b], n=n, hardware=cfg.hardware, attn=st.attn, ffn=st.ffn,
                               dispatch=st.dispatch, passes=cfg.passes, schedule=cfg.schedule,
                               time_limit_s=cfg.solver.time_limit_s, timeout_s=spec.timeout_s, pairs=bool(paired), dp=dp,
-                              cross_pairs=cross)
+                              cross_pairs=cross, ep_nodes=st.ep_nodes, attn_nodes=st.attn_nodes)
         aux = next(iter(mine.values())).aux_loss
-        pipe = TorchPipeline(mine, layout, path, micro_batches=M, loss_fn=ShardLoss(member, n, aux),
+        pipe = TorchPipeline(mine, layout, path, micro_batches=M, loss_fn=ShardLoss.for_stages(member, mine, aux),
                              group=pipeline_group(layout.pp, n, dp), static={k: m.io_examples() for k, m in mine.items()})
     last = len(spec.stages) - 1 in mine
     opt = torch.optim.AdamW([p for m in mine.values() for p in m.parameters()], lr=1e-4)
@@ -105,7 +107,8 @@ def pipeline_rank(rank: int, world: int, spec: PipelineRun) -> dict[str, Any]:
                 dist.all_reduce(total, group=next(iter(mine.values())).layers.executor.comm.mp_group)
             losses.append(total.tolist())
     out: dict[str, Any] = {"seconds": seconds[spec.warmup:], "losses": losses, "merged_pairs": pipe.merged_pairs,
-                           "replica": replica}
+                           "replica": replica, "axes": sorted({axis_of(nd) for m in mine.values()
+                                                               for nd in m.layers.graph.nodes if nd.is_comm})}
     if spec.check and rank == world - 1:       # the eager model over the global batch, once
         from moegraph.runtime.check import eager_accumulate
         eager = torch.optim.AdamW(model.parameters(), lr=1e-4)   # compile_stages copied the weights: model is at init
@@ -153,7 +156,8 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
     report: dict[str, Any] = {
         "model": model.name, "layers": layers, "vocab": vocab, "hardware": compiled.cost.hw.name,
         "pp": config.pp, "vpp": config.vpp, "placement": layout.placement, "n": n, "dp": dp, "world": world,
-        "stages": [list(s) for s in layout.stages], "micro_batches": config.micro_batches, "batch": config.batch,
+        "strategy": config.strategy.as_dict(), "axes": sorted({a for r in results for a in r["axes"]}), "stages": [list(s) for s in layout.stages],
+        "micro_batches": config.micro_batches, "batch": config.batch,
         "seq": config.seq, "schedule": config.schedule, "order": compiled.result.source, "order_hash": compiled.hash,
         "f_b_pairs": pairs, "pairs": [str(i) for row in orders for i in row if isinstance(i, Pair)], "merged_pairs": sum(r["merged_pairs"] for r in results) // (n * dp),
         "predicted_step_us": round(tl.makespan * compiled.built.problem.tick_us, 1),
@@ -169,7 +173,8 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
 def format_pipeline_report(r: dict[str, Any]) -> str:
     """``run --pp``'s text report (``--json`` prints the dict itself)."""
     lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: pp={r['pp']} vpp={r['vpp']} "
-             f"{r['placement']} x n={r['n']} x dp={r['dp']} = {r['world']} gloo ranks, stages {r['stages']}, "
+             f"{r['placement']} x n={r['n']}{node_fields(r['strategy'])} x dp={r['dp']} = {r['world']} gloo ranks, "
+             f"stages {r['stages']}, "
              f"M={r['micro_batches']} x b={r['batch']} s={r['seq']}",
              f"order {r['order']} ({r['order_hash'][:12]}), {r['f_b_pairs']} F&B pairs {' '.join(r['pairs'])} "
              f"({r['merged_pairs']} run as merged F&B plans), stage layers scheduled by {r['schedule']}",

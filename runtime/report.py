@@ -6,6 +6,7 @@ from typing import Any
 
 from moegraph.options import format_bytes
 from moegraph.runtime.device_memory import format_memory
+from moegraph.strategy import node_fields
 
 
 def format_report(r: dict[str, Any]) -> str:
@@ -16,7 +17,7 @@ def format_report(r: dict[str, Any]) -> str:
         return format_pipeline_report(r)
     st = r["strategy"]
     lines = [f"{r['model']} on {r['hardware']}: attn={st['attn']} ffn={st['ffn']} dispatch={st['dispatch']} "
-             f"n={r['n']}" + (f" over {st['ep_nodes']} nodes" if st.get("ep_nodes", 1) > 1 else "")
+             f"n={r['n']}" + node_fields(st)
              + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']} backend={r['backend']}"
              + (f" cuda_graphs={r['cuda_graphs']}" if r.get("cuda_graphs", "off") != "off" else "")
@@ -69,7 +70,7 @@ def format_train_report(r: dict[str, Any]) -> str:
     st = r["strategy"]
     lines = [f"{r['model']} ({r['layers']} layers, vocab {r['vocab']}) on {r['hardware']}: attn={st['attn']} "
              f"ffn={st['ffn']} dispatch={st['dispatch']} n={r['n']}"
-             + (f" over {st['ep_nodes']} nodes" if st.get("ep_nodes", 1) > 1 else "")
+             + node_fields(st)
              + (f" x dp={r['dp']}" if r.get("dp", 1) > 1 else "")
              + f" b={r['batch']} s={r['seq']} {st['dtype']}"
              + (f" passes={','.join(st['passes'])}" if st["passes"] else ""),

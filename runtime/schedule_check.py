@@ -73,12 +73,13 @@ def _model_difference(graph: Any, schedule: Any) -> str | None:
 def _graph_difference(graph: Any, schedule: Any) -> str | None:
     """The first difference between ``graph`` and the graph ``schedule`` was written for, in
     words, or None."""
+    from moegraph.ir import LATER_FIELDS
     from moegraph.schedules.schedule_file import graph_header, plain
     header = graph_header(graph)
     for key in ("strategy", "dims", "inputs", "outputs"):
         theirs = schedule.graph.get(key)
         if key == "strategy" and isinstance(theirs, dict):
-            theirs = {"ep_nodes": 1} | theirs              # files from before the field: its default
+            theirs = dict.fromkeys(LATER_FIELDS, 1) | theirs   # files from before these fields: their default
         if header[key] != theirs:
             return f"{key} {header[key]}, the file's {theirs}"
     names, scheduled = [n.name for n in graph.nodes], {n.name for n in schedule.nodes}

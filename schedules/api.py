@@ -44,6 +44,7 @@ from moegraph.schedules.problem import DEFAULT_COMM_STREAMS, MemoryBudgetError, 
 from moegraph.schedules.solution import (Solution, barrier_ticks, check_solution, makespan_ticks, peak_memory_bytes,
                                          solution_ends)
 from moegraph.schedules.schedule_file import Schedule, ScheduledNode, ScheduledValue, exposed_comm, graph_header, round_us
+from moegraph.strategy import node_fields
 
 __all__ = ["CompileResult", "compile_graph", "compile_problem", "METHODS", "MICROBATCH_METHODS", "build_schedule", "strategy_label",
            "list_warm_starts"]
@@ -81,7 +82,7 @@ class CompileResult:
 
 def strategy_label(s: Strategy) -> str:
     return (f"attn={s.attn} ffn={s.ffn} dispatch={s.dispatch} n={s.n} chunks={s.chunks} remat={s.remat} "
-            f"dtype={s.dtype}" + (f" ep_nodes={s.ep_nodes}" if s.ep_nodes > 1 else ""))
+            f"dtype={s.dtype}" + node_fields(s))
 
 
 def compile_graph(graph: Graph, cost: CostModel, *, memory_budget_bytes: int | None = None, time_limit_s: float = 10.0,

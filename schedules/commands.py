@@ -29,6 +29,7 @@ from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
 from moegraph.schedules.driver import COMM_STREAMS, build
 from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, load_schedule, per_layer_summary
 from moegraph.schedules.tune import Cache, format_table, tune
+from moegraph.strategy import node_fields
 
 
 
@@ -144,7 +145,7 @@ def format_compile(c: dict) -> str:
     sm_only = "" if c.get("copy_engines", True) else " (collectives on SMs only: --no-copy-engines)"
     lines = [f"{c['model']} on {c['hardware']}{sm_only}: {c['nodes']} nodes{mbs}, strategy "
              + " ".join(f"{k}={c['strategy'][k]}" for k in ("attn", "ffn", "dispatch", "n", "chunks", "remat", "gate"))
-             + (f" ep_nodes={c['strategy']['ep_nodes']}" if c["strategy"].get("ep_nodes", 1) > 1 else "")
+             + node_fields(c["strategy"])
              + (f" dp={c['strategy']['dp']}" if c["strategy"].get("dp", 1) > 1 else ""),   # replicas: more nodes
              f"{'schedule':<{width}} {'makespan us':>12} {'vs bound':>9}"]
     for name, span in rows:

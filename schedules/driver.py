@@ -126,12 +126,14 @@ def load_config_model(config: CompileConfig) -> tuple[ModelConfig, int]:
 
 
 def check_node_size(strategy, hw: Hardware) -> None:
-    """A node-spanning dispatch's nodes (n / ep_nodes ranks) must fit the hardware's nodes: its
-    in-node hop is priced on NVLink, which a larger group would not have."""
-    ranks = strategy.n // strategy.ep_nodes
-    if strategy.ep_nodes > 1 and ranks > hw.gpus_per_node:
-        raise ConfigError(f"ep_nodes={strategy.ep_nodes} puts n/ep_nodes = {ranks} ranks in a node, but {hw.name} has "
-                          f"{hw.gpus_per_node} GPUs per node: use ep_nodes >= {-(-strategy.n // hw.gpus_per_node)}")
+    """The nodes of a node-spanning dispatch or a node's attention (n / ep_nodes or n / attn_nodes
+    ranks) must fit the hardware's nodes: their in-node collectives are priced on NVLink, which a
+    larger group would not have."""
+    for field in ("ep_nodes", "attn_nodes"):
+        nodes = getattr(strategy, field)
+        if nodes > 1 and strategy.n // nodes > hw.gpus_per_node:
+            raise ConfigError(f"{field}={nodes} puts n/{field} = {strategy.n // nodes} ranks in a node, but {hw.name} "
+                              f"has {hw.gpus_per_node} GPUs per node: use {field} >= {-(-strategy.n // hw.gpus_per_node)}")
 
 
 def lower(config: CompileConfig) -> Lowered:

@@ -21,6 +21,7 @@ from moegraph.options import format_bytes
 from moegraph.schedules.pipeline import Timeline, simulate
 from moegraph.schedules.pipeline_model import BuiltPipeline, rank_memory_report
 from moegraph.schedules.pipeline_torch import torch_baselines
+from moegraph.strategy import node_fields
 
 __all__ = ["timeline_row", "memory_rows", "compile_summary", "estimate_summary", "format_pipeline",
            "format_estimate", "ESTIMATE_PREFERENCE"]
@@ -101,7 +102,7 @@ def _header(c: dict[str, Any]) -> list[str]:
     return [f"{c['model']} on {c['hardware']}: pp={p['pp']} x vpp={p['vpp']} ({p['placement']}), "
             f"M={p['micro_batches']}, n={p['n']}, dp={p['dp']}: world {p['world']} ranks; strategy "
             + " ".join(f"{k}={st[k]}" for k in ("attn", "ffn", "dispatch", "chunks", "remat", "gate"))
-            + (f" ep_nodes={st['ep_nodes']}" if st.get("ep_nodes", 1) > 1 else ""),
+            + node_fields(st),
             f"layers per stage: {_stages_text(p)}"]
 
 

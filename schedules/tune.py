@@ -55,19 +55,26 @@ CHUNKS = (1, 2, 4)
 REMAT = ("none", "paper")
 
 
-def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16", gpus_per_node: int = 0) -> list[Strategy]:
+def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16", gpus_per_node: int = 0,
+               batch: int = 1) -> list[Strategy]:
     """Every strategy point valid for this group size and sequence (chunks must divide s/n). A group
     that spans whole nodes of ``gpus_per_node`` GPUs (n a multiple, at least 2 nodes) also tries the
-    node-spanning all-to-all (ep_nodes = n / gpus_per_node) beside the flat one."""
+    node-spanning all-to-all (ep_nodes = n / gpus_per_node) beside the flat one, and, when the nodes
+    split the ``batch``, each all-to-all point with its attention folded into the node (attn_nodes =
+    the nodes: TP or SP over the node's ranks on b/N rows)."""
     nodes = n // gpus_per_node if gpus_per_node >= 2 and n % gpus_per_node == 0 else 1
+    folds = (1, nodes) if nodes > 1 and batch % nodes == 0 else (1,)
     out = []
     for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
         for dispatch in valid_dispatches(ffn):
-            if seq % (n * chunks):
-                continue
-            for ep_nodes in (1, nodes) if dispatch == "a2a" and nodes > 1 else (1,):
+            spanning = dispatch == "a2a" and nodes > 1
+            for ep_nodes, attn_nodes in itertools.product((1, nodes) if spanning else (1,),
+                                                          folds if spanning else (1,)):
+                if seq % (n // attn_nodes * chunks):
+                    continue
                 out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
-                                    gate="before-fc2" if remat == "paper" else "after-fc2", ep_nodes=ep_nodes))
+                                    gate="before-fc2" if remat == "paper" else "after-fc2", ep_nodes=ep_nodes,
+                                    attn_nodes=attn_nodes))
     return out
 
 
@@ -115,7 +122,7 @@ def candidate_config(base: CompileConfig, cand: Strategy, *, fused: bool = False
     and rewritten by the typed steps that give its other fields (``steps_for``: gate-reorder,
     chunk=N, sar, ...); ``fused`` adds fuse=auto (the --fuse variant)."""
     lowering = Strategy(cand.attn, cand.ffn, cand.dispatch, cand.n, dtype=cand.dtype, dp=cand.dp,
-                        ep_nodes=cand.ep_nodes)
+                        ep_nodes=cand.ep_nodes, attn_nodes=cand.attn_nodes)
     return base.replace(strategy=lowering, passes=steps_for(cand) + ((Fuse("auto"),) if fused else ()))
 
 
@@ -139,7 +146,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
                                   micro_batches=micro_batches, time_limit=time_limit)
     base = evaluate(base_config, cache)
     rows: list[dict] = []
-    cands = candidates(model, n, seq, dtype, hw.gpus_per_node)
+    cands = candidates(model, n, seq, dtype, hw.gpus_per_node, batch)
     for i, cand in enumerate(cands, 1):
         for fused in (False, True) if fuse else (False,):
             config = candidate_config(base_config, cand, fused=fused).replace(schedule="greedy",

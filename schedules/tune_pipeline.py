@@ -75,7 +75,7 @@ def tune_pipeline(base: CompileConfig, *, refine: int = 3, progress=None) -> dic
     reference = _estimate(base.replace(strategy=Strategy("tp", "tp", "ag-rs", n, dtype=dtype, dp=base.strategy.dp),
                                        passes=(), schedule="sequential", memory_budget=None))
     rows = []
-    cands = candidates(model, n, base.seq, dtype, hw.gpus_per_node)
+    cands = candidates(model, n, base.seq, dtype, hw.gpus_per_node, base.batch)
     for i, cand in enumerate(cands, 1):
         config = candidate_config(base, cand).replace(schedule="greedy")
         entry = _estimate(config)

@@ -38,13 +38,17 @@ def max_grad_err(grads: dict, expected: dict) -> tuple[str, float]:
     return worst, errs[worst]
 
 
-def assert_interpreted_matches_eager(layer, strategy, x: torch.Tensor, dy: torch.Tensor, tol: float = 1e-5) -> None:
-    """Trace ``layer`` for ``strategy`` and run it through the interpreter: output, input gradient
-    and every parameter gradient within ``tol`` (relative) of the eager module's."""
+def assert_interpreted_matches_eager(layer, strategy, x: torch.Tensor, dy: torch.Tensor, tol: float = 1e-5,
+                                     passes: str = "", cost=None):
+    """Trace ``layer`` for ``strategy`` (then run ``passes`` under ``cost``) and run it through the
+    interpreter: output, input gradient and every parameter gradient within ``tol`` (relative) of the
+    eager module's. Returns the graph."""
     from moegraph.interpreter import interpret
+    from moegraph.passes import run_pipeline
     from moegraph.tracer import trace_module
     y_ref, dx_ref, grads_ref = eager_step(layer, x, dy)
     graph = trace_module(layer, strategy, batch=x.shape[0], seq=x.shape[1])
+    graph = run_pipeline(graph, passes, cost=cost)[0] if passes else graph
     held = {k: t.detach() for k, t in [*layer.named_parameters(), *layer.named_buffers()]}
     res = interpret(graph, held, x, dy)
     assert rel_err(res.output, y_ref) < tol
@@ -52,6 +56,7 @@ def assert_interpreted_matches_eager(layer, strategy, x: torch.Tensor, dy: torch
     assert set(res.param_grads) == set(grads_ref)
     name, err = max_grad_err(res.param_grads, grads_ref)
     assert err < tol, f"gradient of {name}: {err:.2e}"
+    return graph
 
 
 def held_for_backward(graph) -> int:

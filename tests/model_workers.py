@@ -67,7 +67,7 @@ def train_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
         data = batches(seed + 1000 + i, case.get("steps", 3), case.get("boundary_only", False))
         compiled = moegraph.compile(model, data[0][0], hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
                                     dispatch=case.get("dispatch", "ag-rs"), passes=case["passes"],
-                                    schedule="greedy", timeout_s=60.0)
+                                    schedule="greedy", timeout_s=60.0, attn_nodes=case.get("attn_nodes", 1))
         res = train_against_eager(model, compiled, data)
         res["case"] = case
         res["shard_params"] = sum(p.numel() for p in compiled.parameters())

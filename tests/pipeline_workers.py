@@ -96,7 +96,7 @@ def compiled_training(rank: int, world: int, csv_text: str, stages: tuple, n: in
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "order.csv"
         path.write_text(csv_text)
-        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n),
+        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss.for_stages(rank % n, mine),
                              group=group, static={k: m.io_examples() for k, m in mine.items()})
         out["merged"] = pipe.merged_pairs
         for name in optimizers:
@@ -169,7 +169,7 @@ def compiled_batch_step(rank: int, world: int, csv_text: str, stages: tuple, n: 
         path = Path(tmp) / "order.csv"
         path.write_text(csv_text)
         aux = next(iter(mine.values())).aux_loss
-        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss(rank % n, n, aux),
+        pipe = TorchPipeline(mine, layout, path, micro_batches=micro_batches, loss_fn=ShardLoss.for_stages(rank % n, mine, aux),
                              group=pipeline_group(layout.pp, n), static={k: m.io_examples() for k, m in mine.items()})
         out["merged"] = pipe.merged_pairs
         for reduction in REDUCTIONS:

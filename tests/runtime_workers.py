@@ -155,7 +155,7 @@ def check_cases(rank: int, n: int, cases: list[dict], seed: int, device: str = "
                                  attn=case["attn"], ffn=case["ffn"],
                                  dispatch=case["dispatch"], passes=case.get("passes", ""),
                                  schedule=case.get("schedule", "greedy"), timeout_s=60.0,
-                                 ep_nodes=case.get("ep_nodes", 1))
+                                 ep_nodes=case.get("ep_nodes", 1), attn_nodes=case.get("attn_nodes", 1))
         if case.get("emulate"):
             layer.executor.comm.emulate.update(case["emulate"])
         if case.get("native"):

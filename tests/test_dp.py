@@ -85,7 +85,7 @@ def test_axis_and_layout_switches_end_in_errors():
     from moegraph.interpreter import axis_of
     from moegraph.ir import Node, OpKind, Phase
     from moegraph.runtime import RuntimeFailure
-    from moegraph.runtime.collectives import Layout
+    from moegraph.runtime.layout import Layout
     node = Node("x.grad_rs", OpKind.REDUCE_SCATTER, Phase.BACKWARD, ("a",), ("b",), group=2)
     assert axis_of(node) == "mp"
     assert axis_of(node.with_attrs(axis="dp")) == "dp"

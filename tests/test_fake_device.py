@@ -624,7 +624,7 @@ def test_fake_device_compiled_model_threaded_ranks(family, attn, ffn, dispatch, 
     import moegraph.runtime.model as model_mod
     from moegraph.edges import EmbedGrad
     from moegraph.passes.edges import add_edges
-    from moegraph.runtime.collectives import Layout
+    from moegraph.runtime.layout import Layout
     from moegraph.runtime.module import CompiledLayer
     model = _tiny_lm(family)
     data = _lm_data(11, steps=micro_batches)

@@ -92,6 +92,25 @@ DP_CASES = [dict(model="ref", layers=2, attn="sp", ffn="ep", passes=DEFAULT),
             dict(model="ref", layers=2, attn="tp", ffn="tp", passes="")]
 
 
+# a node's attention (attn_nodes=2): 2 nodes of 2 ranks, the attention on each node's batch row
+FOLDED_CASES = [dict(model="ref", layers=2, attn="tp", ffn="ep", dispatch="a2a", attn_nodes=2, passes=DEFAULT),
+                dict(model="hf", layers=2, attn="sp", ffn="ep", dispatch="a2a", attn_nodes=2, passes="")]
+N4_FOLDED = RANK_BATCH.add(4, "model.train_cases", workers.train_cases,
+                           [c for c in FOLDED_CASES if c["model"] == "ref" or HAS_HF], fresh_seed(), timeout_s=600)
+
+
+@pytest.mark.parametrize("case", FOLDED_CASES, ids=[_id(c) for c in FOLDED_CASES])
+def test_training_with_the_attention_on_each_node_matches_eager(rank_results, case):
+    """3 AdamW steps on 4 ranks: loss, gradients and final parameters (each node's copy of a TP
+    attention shard counted once) equal eager training."""
+    if case["model"] == "hf" and not HAS_HF:
+        pytest.skip("transformers is not installed")
+    res = {_id(t["case"]): t for t in rank_results(4, N4_FOLDED)[0]}[_id(case)]
+    assert res["max_rel_err_loss"] < TOL and res["max_rel_err_grads"] < TOL, res
+    assert res["max_rel_err_params"] < TOL, res
+    assert res["shard_params"] < res["full_params"]
+
+
 N2DP2 = RANK_BATCH.add(4, "model.dp_cases", workers.dp_cases, [c for c in DP_CASES if c["model"] == "ref" or HAS_HF],
                        fresh_seed(), 2, timeout_s=600)
 

@@ -15,7 +15,7 @@ from moegraph.index_map import IndexMap, RecvMap
 from moegraph.interpreter import axis_groups, axis_of, run_collective
 from moegraph.ir import Node, OpKind, Phase, freeze_attrs
 from moegraph.runtime import RuntimeFailure
-from moegraph.runtime.collectives import Layout
+from moegraph.runtime.layout import Layout
 from seeding import fresh_seed
 
 N, G = 4, 2                 # 4 ranks: 2 nodes of 2 ranks; node groups {0,1},{2,3}, rail groups {0,2},{1,3}
@@ -141,3 +141,20 @@ def test_token_all_to_alls_on_node_axes_match_the_interpreter(exchanged, axis):
         x, _, _ = _inputs(seed, r, axis)
         assert torch.equal(want["back"], 2 * x)
         assert torch.equal(got["back"], want["back"]) and torch.equal(got["back2"], want["back"]), (axis, r)
+
+
+def test_attention_axes_split_the_replica_like_the_node_axes():
+    """A folded attention's groups (Strategy.attn_nodes): attn, its G consecutive ranks; attn_dp, the
+    n/G ranks with its local index. G = 1 is valid: each rank's attention alone, summed over all."""
+    assert axis_groups("attn", 8, 1, attn_ranks=2) == ((0, 1), (2, 3), (4, 5), (6, 7))
+    assert axis_groups("attn_dp", 4, 2, attn_ranks=2) == ((0, 2), (1, 3), (4, 6), (5, 7))
+    assert axis_groups("attn_dp", 4, 1, attn_ranks=1) == ((0, 1, 2, 3),)
+    layout = Layout(8, 1, rank=5, node_ranks=4, attn_ranks=2)
+    assert (layout.size("attn"), layout.size("attn_dp"), layout.size("node")) == (2, 4, 4)
+    assert layout.partition("attn_dp") == ((0, 2, 4, 6), (1, 3, 5, 7))
+    with pytest.raises(ValueError, match=r"axis 'attn'.*attn_ranks=3\b"):
+        axis_groups("attn", 8, 1, attn_ranks=3)
+    with pytest.raises(RuntimeFailure, match=r"attn_ranks=3 does not split n=8.*valid: 0, 1, 2, 4"):
+        Layout(8, 1, rank=0, attn_ranks=3)
+    with pytest.raises(RuntimeFailure, match="axis 'attn_dp' needs a folded attention"):
+        Layout(8, 1, rank=0).size("attn_dp")

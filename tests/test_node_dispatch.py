@@ -9,14 +9,13 @@ import math
 import pytest
 import torch
 
-from helpers import eager_step, max_grad_err, rel_err, small_layer
+from helpers import assert_interpreted_matches_eager, small_layer
 from moegraph.cost import CostModel
 from moegraph.index_map import build_index_map
-from moegraph.interpreter import interpret
 from moegraph.ir import ConfigError, OpKind, Strategy
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware, load_model
-from moegraph.tracer import trace_model, trace_module
+from moegraph.tracer import trace_model
 
 TOL = 1e-5
 B, S, H = 2, 16, 64
@@ -67,15 +66,10 @@ def test_matches_eager_in_the_interpreter(passes, dp, rng):
     """2 nodes of 2 ranks (and, with dp=2, two such replicas: the node and rail groups per replica)."""
     layer = small_layer(4, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
     x, dy = torch.randn(B, S, H, generator=rng), torch.randn(B, S, H, generator=rng)
-    graph = trace_module(layer, Strategy("sp", "ep", "a2a", 4, dtype="fp32", ep_nodes=2, dp=dp), batch=B, seq=S)
-    graph = run_pipeline(graph, passes, cost=H800)[0] if passes else graph
+    graph = assert_interpreted_matches_eager(layer, Strategy("sp", "ep", "a2a", 4, dtype="fp32", ep_nodes=2, dp=dp),
+                                             x, dy, TOL, passes, H800)
     assert {n.attr("axis", None) for n in graph.nodes if n.op is OpKind.ALL_TO_ALL and n.block == "ffn"} == \
         {"rail", "node"}
-    res = interpret(graph, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
-    y, dx, grads = eager_step(layer, x, dy)
-    assert rel_err(res.output, y) < TOL and rel_err(res.input_grad, dx) < TOL
-    name, err = max_grad_err(res.param_grads, grads)
-    assert err < TOL, f"{name}: {err:.2e}"
 
 
 def test_ep_fp8_compresses_both_hops_of_the_dispatch():

@@ -434,7 +434,7 @@ def test_trace_strategy_fields_reflect_the_choices():
     assert s["strategy"] | {"passes": None} == {"attn": "sp", "ffn": "ep", "dispatch": "ag-rs", "n": 2, "dtype": "bf16",
                                                 "dp": 1, "chunks": 4, "remat": "paper", "gate": "before-fc2",
                                                 "remat_budget": None, "compress": "tp-fp8", "fuse": "none", "ep_nodes": 1,
-                                                "passes": None}
+                                                "attn_nodes": 1, "passes": None}
     assert s["strategy"]["passes"] == ["gate-reorder", "dispatch=ag-rs", "chunk=4", "compress=tp-fp8", "sar=paper"]
     assert s["passes"]["sar"]["activation_bytes_after"] == s["activation_bytes"]
     assert any(n["phase"] == "recompute" for n in s["nodes"])

@@ -46,6 +46,20 @@ def test_run_pp_trains_the_pipeline_step_as_eager(tmp_path, capsys):
     assert r["step_us"] > 0 and r["predicted_step_us"] > 0
 
 
+@pytest.mark.slow
+def test_run_pp_with_a_folded_attention_and_node_dispatch_trains_as_eager(tmp_path, capsys):
+    """Two stages on n=4 ranks as 2 nodes of 2: the attention TP on each node's 2 ranks over one of
+    the b=2 rows, the experts' dispatch in two hops; stage boundaries carry [b/2, s/2, h] per rank.
+    Both fields reach the stages' graphs (their collectives run on the node and attention axes; `run
+    --pp` once dropped --ep-nodes), and the losses of 2 AdamW steps match eager's."""
+    assert main([*flags(tmp_path), "--n", "4", "--batch", "2", "--dispatch", "a2a", "--attn", "tp", "--attn-nodes", "2",
+                 "--ep-nodes", "2", "--pp", "2", "--steps", "2", "--warmup", "0", "--check", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert (r["pp"], r["world"], r["strategy"]["attn_nodes"], r["strategy"]["ep_nodes"]) == (2, 8, 2, 2), r
+    assert {"attn", "attn_dp", "node", "rail"} <= set(r["axes"]), r["axes"]
+    assert r["max_rel_err_loss"] < 1e-5, r
+
+
 @pytest.mark.parametrize("extra, schedule, fields, message", [
     (["--vpp", "2"], "greedy", "", "--vpp and --placement apply to a pipeline: give --pp P"),
     (["--pp", "2", "--train-steps", "1"], "greedy", "", "it does not take --train-steps"),

@@ -246,7 +246,7 @@ def test_a_compiled_last_stage_computes_the_models_final_layernorm_and_logit_sca
     (stage,) = compile_stages(model, StageLayout(((0, 1),), 1), ids, hardware="cpu-gloo", passes="",
                               schedule="greedy").values()
     logits = stage(ids)
-    ShardLoss(0, 1)(logits, ids).backward()
+    ShardLoss(0, stage.layers.graph.strategy)(logits, ids).backward()
     ref = model(input_ids=ids, labels=ids)
     ref.loss.backward()
     assert rel_err(logits, ref.logits) < 1e-5

@@ -46,7 +46,8 @@ N2_CASES = ([_case(*c) for c in COMBOS]
                _case("tp", "tp", "ag-rs", native=["reduce_scatter"]),      # gloo's own reduce_scatter
                _case("sp", "ep", "a2a", schedule="cpsat", hardware="cpu-2core-gloo"),   # alone + beside
                _case("sp", "ep", "a2a", model="hf"),
-               _case("tp", "tp", "ag-rs", model="hf")]
+               _case("tp", "tp", "ag-rs", model="hf"),
+               _case("tp", "ep", "a2a", attn_nodes=2)]             # each rank's attention alone, on its own row
             + PASS_CASES)
 N4_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "a2a", model="hf")]
@@ -55,7 +56,10 @@ N4_CASES = ([_case(*c) for c in COMBOS]
             + [_case("sp", "ep", "a2a", ep_nodes=2), _case("sp", "ep", "a2a", ep_nodes=2, passes="sar=paper,chunk=2"),
                _case("sp", "ep", "a2a", ep_nodes=2, passes="gate-reorder,compress=ep-fp8", reference="interpreter"),
                # every token to experts 0-2: node 1 receives no row, its rail peers send it nothing
-               _case("sp", "ep", "a2a", ep_nodes=2, model="deepseek_v3_skewed")])
+               _case("sp", "ep", "a2a", ep_nodes=2, model="deepseek_v3_skewed")]
+            # a node's attention: TP/SP on each node's 2 ranks, one batch row per node, the experts over all 4
+            + [_case("tp", "ep", "a2a", attn_nodes=2), _case("tp", "ep", "a2a", attn_nodes=2, model="hf"),
+               _case("sp", "ep", "a2a", attn_nodes=2, ep_nodes=2, passes="sar=paper,chunk=2")])
 FAULT = _case("tp", "tp", "ag-rs", fault="drop-partial-sums")
 
 

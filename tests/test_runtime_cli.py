@@ -221,10 +221,11 @@ def test_run_rebuilds_a_schedule_files_graph_from_its_typed_strategy(capsys, tmp
     assert report["fused_groups"] > 0
 
 
-def test_a_schedule_file_from_before_ep_nodes_still_describes_its_graph(tmp_path):
-    """Files written before Strategy.ep_nodes existed hold no such key, and their graph digest was
-    taken without it: the graph lowered from them today is still the one they schedule (a flat
-    dispatch), while a file claiming another ep_nodes is a different graph."""
+@pytest.mark.parametrize("field", ["ep_nodes", "attn_nodes"])
+def test_a_schedule_file_from_before_the_node_fields_still_describes_its_graph(tmp_path, field):
+    """Files written before Strategy.ep_nodes (or attn_nodes) existed hold no such key, and their graph
+    digest was taken without it: the graph lowered from them today is still the one they schedule (a flat
+    dispatch, the attention on all n ranks), while a file claiming another value is a different graph."""
     from moegraph.config import RECORDED, CompileConfig
     from moegraph.ir import Strategy
     from moegraph.runtime import PlanError
@@ -235,11 +236,11 @@ def test_a_schedule_file_from_before_ep_nodes_still_describes_its_graph(tmp_path
     assert main(["compile", "--model", "tiny", "--hardware", "cpu-gloo", "--n", "2", "--seq", "64", "--dtype", "fp32",
                  "--dispatch", "a2a", "--schedule", "greedy", "-o", str(path)]) == 0
     doc = json.loads(path.read_text())
-    assert doc["graph"]["strategy"].pop("ep_nodes") == 1                  # as written before the field
+    assert doc["graph"]["strategy"].pop(field) == 1                       # as written before the field
     old = Schedule.from_json(json.dumps(doc))
     strategy = Strategy.from_dict(doc["graph"]["strategy"])
     graph = lower(CompileConfig(model="tiny", strategy=strategy, passes=RECORDED, seq=64, hardware="cpu-gloo")).graph
     check_same_graph(graph, old, path)                                    # no PlanError
-    doc["graph"]["strategy"]["ep_nodes"] = 2
+    doc["graph"]["strategy"][field] = 2
     with pytest.raises(PlanError, match="different graph"):
         check_same_graph(graph, Schedule.from_json(json.dumps(doc)), path)

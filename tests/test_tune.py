@@ -50,6 +50,19 @@ def test_a_group_spanning_nodes_also_tries_the_node_spanning_all_to_all():
     assert len(two) == len(one_node) + len(spanning)        # each a2a point once flat, once spanning
     config = candidate_config(CompileConfig(model="deepseek-v2", strategy=spanning[0], seq=4096), spanning[0])
     assert config.strategy.ep_nodes == 2                    # the candidate is traced spanning the nodes
+    assert {c.attn_nodes for c in two} == {1}               # one row: the nodes cannot split it
+
+
+def test_a_batch_the_nodes_split_also_tries_the_attention_folded_into_each_node():
+    """With b = 2 over 2 nodes of 8, each all-to-all point is also tried with its attention on each
+    node's 8 ranks (attn_nodes = 2), flat and node-spanning; the other points are unchanged."""
+    plain = candidates(load_model("deepseek-v2"), 16, 4096, gpus_per_node=8)
+    folded = candidates(load_model("deepseek-v2"), 16, 4096, gpus_per_node=8, batch=2)
+    extra = [c for c in folded if c.attn_nodes > 1]
+    assert {(c.ffn, c.dispatch, c.attn_nodes, c.ep_nodes) for c in extra} == {("ep", "a2a", 2, 1), ("ep", "a2a", 2, 2)}
+    assert len(folded) == len(plain) + len(extra) and len(extra) == len([c for c in plain if c.dispatch == "a2a"])
+    config = candidate_config(CompileConfig(model="deepseek-v2", strategy=extra[0], seq=4096, batch=2), extra[0])
+    assert config.strategy.attn_nodes == 2
 
 
 def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
