@@ -43,7 +43,7 @@ def compile_case(case: dict, seed: int):
         compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
                                     dispatch=case["dispatch"], passes=case.get("passes", ""), schedule="greedy",
                                     dp=case.get("dp", 1), micro_batches=case.get("micro_batches", 1),
-                                    timeout_s=120.0)
+                                    attn_nodes=case.get("attn_nodes", 1), timeout_s=120.0)
     except LoweringError as err:
         return model, ids, str(err)
     return model, ids, compiled

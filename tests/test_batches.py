@@ -84,6 +84,20 @@ def test_padded_and_packed_batches_on_two_gloo_ranks_match_eager(rank_results):
         _assert_matches(results, f"rank {rank}")
 
 
+# The attention on each of 2 nodes of 2 ranks (attn_nodes=2): each node's attention holds one of the
+# b = 2 rows, so the padded row's mask and the packed rows' documents must follow the row to its node
+# (runtime.model_steps.rank_rows), its RoPE positions the rank's sequence shard of 2, not of 4.
+N4_CASES = [_case("mixtral", "sp", "ep", "a2a", attn_nodes=2, overrides=AUX),
+            _case("qwen3_moe", "tp", "ep", "a2a", attn_nodes=2)]
+N4 = RANK_BATCH.add(4, "batches.batch_cases", batch_cases, N4_CASES, int.from_bytes(os.urandom(3), "little"))
+
+
+def test_padded_and_packed_batches_with_the_attention_on_each_node_match_eager(rank_results):
+    for rank, results in enumerate(rank_results(4, N4)):
+        assert len(results) == len(N4_CASES)
+        _assert_matches(results, f"rank {rank}")
+
+
 # -- gradient accumulation: CompiledModel.train_step, M = 2 micro-batches in one merged step -------
 
 ACCUMULATION = RANK_BATCH.add(2, "batches.accumulation_case", accumulation_case, _case("qwen3_moe", "sp", "ep", "a2a"),
