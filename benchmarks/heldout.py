@@ -78,6 +78,8 @@ HELD_OUT = {
     "small-s768-chunk2": Config(LayerConfig("small", 768, "sp", "ep", "ag-rs", chunks=2)),  # chunked (issue 13 item 4)
     "mid-a2a": Config(LayerConfig(str(HERE / "mid.yaml"), 512, "sp", "ep", "a2a")),         # unseen sizes, a2a
     "mid-chunk2": Config(LayerConfig(str(HERE / "mid.yaml"), 512, "sp", "ep", "ag-rs", chunks=2)),  # unseen sizes, chunked
+    # per-module parallelism: each rank's attention alone on its own row (attn_nodes = n), the experts over both
+    "small-attn-nodes": Config(LayerConfig("small", 512, "tp", "ep", "a2a", batch=2, attn_nodes=2)),
 }
 
 
@@ -87,7 +89,7 @@ def sizes(model: str) -> Any:
 
 
 def calibration_key(layer: LayerConfig) -> tuple:
-    return sizes(layer.model), layer.seq, layer.attn, layer.ffn, layer.dispatch
+    return sizes(layer.model), layer.seq, layer.attn, layer.ffn, layer.dispatch, layer.batch, layer.attn_nodes
 
 
 def check_held_out(config: Config, calibration: tuple[LayerConfig, ...] = CALIBRATION_LAYERS) -> None:
@@ -142,8 +144,9 @@ def build_layer(config: Config, hardware: str, passes: tuple) -> Lowered:
     lc = config.layer
     if lc.chunks > 1:                   # the chunk pass after the common pipeline
         passes = tuple(passes) + (Chunk(lc.chunks),)
-    compile_config = CompileConfig(model=lc.model, strategy=Strategy(lc.attn, lc.ffn, lc.dispatch, N, dtype="fp32"),
-                                   passes=passes, batch=1, seq=lc.seq, hardware=hardware)
+    compile_config = CompileConfig(model=lc.model, strategy=Strategy(lc.attn, lc.ffn, lc.dispatch, N, dtype="fp32",
+                                                                     attn_nodes=lc.attn_nodes),
+                                   passes=passes, batch=lc.batch, seq=lc.seq, hardware=hardware)
     layer = lower(compile_config)
     if config.implementation == "reference":
         return layer

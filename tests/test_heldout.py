@@ -44,7 +44,8 @@ def test_presets_are_held_out_and_cover_what_issue_13_asks(heldout):
     presets = list(heldout.HELD_OUT.values())
     for c in presets:
         heldout.check_held_out(c)                                     # raises if in-sample
-    seen = {(c.layer.model, c.layer.seq, c.layer.attn, c.layer.ffn, c.layer.dispatch, c.layer.chunks) for c in presets}
+    seen = {(c.layer.model, c.layer.seq, c.layer.attn, c.layer.ffn, c.layer.dispatch, c.layer.chunks, c.layer.attn_nodes)
+            for c in presets}
     calib_models = {layer.model for layer in CALIBRATION_LAYERS}
     assert any(c.layer.model.endswith(".yaml") and heldout.sizes(c.layer.model) != heldout.sizes("small")
                for c in presets)                                        # a model size never seen
@@ -53,6 +54,7 @@ def test_presets_are_held_out_and_cover_what_issue_13_asks(heldout):
                {(layer.attn, layer.ffn, layer.dispatch) for layer in CALIBRATION_LAYERS} for c in presets)
     assert any(c.implementation == "hf-mixtral" for c in presets)
     assert any(c.layer.chunks > 1 for c in presets)                          # a chunked layer (item 4)
+    assert any(c.layer.attn_nodes > 1 and c.layer.batch % c.layer.attn_nodes == 0 for c in presets)   # folded attention
     assert len(seen) == len(presets) and calib_models == {"small"}
 
 

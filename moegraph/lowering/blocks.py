@@ -8,7 +8,8 @@ Notation (MegaScale-MoE Table 1):
     N: token chunks (Strategy.chunks)           L: local tokens per chunk, s/(nN)
 
 Contract between blocks: every block consumes and produces the sequence-sharded activation
-[b, s/n, h] (sequence-parallel norms and residuals, as Megatron-SP and MegaScale-MoE do).
+[b, s/n, h] (sequence-parallel norms and residuals, as Megatron-SP and MegaScale-MoE do); [b/N, s/G, h]
+with Strategy.attn_nodes = N (moegraph.token_layout; the attention lowered in GraphBuilder.attention_group).
 Operator granularity follows Fig 9. Collectives of a group of 1 are not emitted.
 
 Strategy fields read here besides attn/ffn/dispatch/n:

@@ -64,7 +64,8 @@ __all__ = ["CALIBRATION_LAYERS", "ACCUMULATE_LAYER", "IN_STEP_LAYERS", "SOLO_LAY
 class LayerConfig:
     """One decoder layer as the calibration runs it: a model (registry name or YAML path), the
     sequence length s (batch 1) and the parallel strategy; no passes (the sequential schedule
-    times every node alone)."""
+    times every node alone). ``batch`` and ``attn_nodes`` (Strategy.attn_nodes) describe held-out
+    layers only (benchmarks/heldout.py): the calibration runs none."""
 
     model: str
     seq: int
@@ -72,10 +73,13 @@ class LayerConfig:
     ffn: Literal["tp", "ep"]
     dispatch: Literal["a2a", "ag-rs"]
     chunks: int = 1                   # token chunks of the MoE block (the chunk pass's N)
+    batch: int = 1
+    attn_nodes: int = 1
 
     def __str__(self) -> str:
         return (f"{self.model} s={self.seq} {self.attn}/{self.ffn}/{self.dispatch}"
-                + (f" chunk={self.chunks}" if self.chunks > 1 else ""))
+                + (f" chunk={self.chunks}" if self.chunks > 1 else "") + (f" b={self.batch}" if self.batch > 1 else "")
+                + (f" attn_nodes={self.attn_nodes}" if self.attn_nodes > 1 else ""))
 
 
 # The calibration set: both attention and FFN strategies and both dispatches, so every collective
