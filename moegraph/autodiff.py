@@ -121,10 +121,10 @@ def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
     The layer's gradient of ``param`` is cast to an FP32 main gradient, then averaged over the
     D replicas that hold the same shard. A parameter replicated across the n-rank group (SP
     attention, norms, router) first sums its n partial gradients, hierarchically:
-        intra-node reduce-scatter [P] -> [P/n]        (group n, NVLink)
+        intra-node reduce-scatter [P] -> [P/n]        (group n, NVLink; NICs when n spans nodes)
         inter-node reduce-scatter [P/n] -> [P/(nD)]   (group D, NIC; mean over replicas)
         inter-node all-gather     [P/(nD)] -> [P/n]   (group D, NIC)
-        intra-node all-gather     [P/n] -> [P]        (group n, NVLink)
+        intra-node all-gather     [P/n] -> [P]        (group n, as the reduce-scatter)
     A sharded parameter (TP/EP) takes the two inter-node steps on its shard only. Collectives
     work on the flattened gradient (attr flat=True, as on a flat gradient bucket); inter-node
     ones carry scope="inter" (the cost model prices them on the NIC; the scheduler gives them a
@@ -150,7 +150,7 @@ def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
     if intra:
         y = g.value(f"d_{param}.rs_intra", (shard,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
         g.collective(f"{param}.grad_rs_intra", OpKind.REDUCE_SCATTER, (x,), (y,), group=n, flops=numel,
-                     full_bytes=numel * 4, attrs=flat | {"scope": "intra", "reduce": "sum"}, **kw)
+                     full_bytes=numel * 4, attrs=flat | {"reduce": "sum"}, **kw)
         x = y
     y = g.value(f"d_{param}.rs_inter", (shard // d,), kind=ValueKind.PARAM_GRAD, dtype="fp32")
     g.collective(f"{param}.grad_rs_inter", OpKind.REDUCE_SCATTER, (x,), (y,), group=d, flops=shard,
@@ -164,7 +164,7 @@ def _dp_sync(g: GraphBuilder, param: str, grad: str) -> str:
         return z
     out = g.value(f"d_{param}.synced", g.values[grad].shape, kind=ValueKind.PARAM_GRAD, dtype="fp32")
     g.collective(f"{param}.grad_ag_intra", OpKind.ALL_GATHER, (z,), (out,), group=n,
-                 full_bytes=numel * 4, attrs=flat | {"scope": "intra"}, **kw)
+                 full_bytes=numel * 4, attrs=flat, **kw)
     return out
 
 

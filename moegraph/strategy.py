@@ -50,7 +50,7 @@ class ConfigError(ValueError):
 class Strategy:
     """How one layer is parallelised, lowered and rematerialized: one typed, validated value.
 
-    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks and gate; remat (and remat_budget),
+    Lowering reads attn, ffn, dispatch, n, dtype, dp, chunks, gate, ep_nodes and attn_nodes; remat (and remat_budget),
     compress and fuse record the rewrites applied (``moegraph.passes``: sar, compress, fuse), so
     the typed fields alone rebuild the graph (``CompileConfig(passes=RECORDED)``); passes holds
     the labels of the passes that produced it. Invalid values raise ConfigError naming every offending

@@ -109,3 +109,14 @@ def test_a_strategy_the_attention_cannot_fold_is_refused(kw, message):
 def test_a_batch_the_nodes_cannot_split_is_refused():
     with pytest.raises(ConfigError, match="attn_nodes=2 does not divide the batch b=3"):
         trace_module(small_layer(4), Strategy("tp", "ep", "a2a", 4, attn_nodes=2), batch=3, seq=S)
+
+
+def test_the_shards_gradient_sum_is_priced_on_the_link_its_ranks_span():
+    """attn_dp's N ranks are strided over all n: within one node of 8 when n = 8 (NVLink), across
+    nodes when n = 32 (the NICs), whatever N is (attr span = n)."""
+    def summed_scopes(n, nodes):
+        g = lower(CompileConfig(model="qwen3-235b-a22b", strategy=Strategy("tp", "ep", "a2a", n, attn_nodes=nodes),
+                                batch=8, seq=4096, hardware="h100", passes=())).graph
+        return {(nd.group, nd.attr("span"), H100.scope(nd)) for nd in g.nodes if nd.attr("axis", None) == "attn_dp"}
+    assert summed_scopes(8, 2) == {(2, 8, "intra")}
+    assert summed_scopes(32, 8) == {(8, 32, "inter")}

@@ -383,6 +383,12 @@ def test_dp_sync_is_hierarchical_for_replicated_params(h800):
     assert g.node["qkv.weight.grad_rs_inter"].group == 4 and g.node["qkv.weight.grad_rs_intra"].group == N
     assert [n.name for n in g.nodes if n.name.startswith("w1.grad")] == \
         ["w1.grad_main", "w1.grad_rs_inter", "w1.grad_ag_inter"]      # expert shards: inter-node only
+    # the replicated sum's group-n steps are on NVLink while the n ranks fit a node, on the NICs once they span
+    # nodes (DeepSeek-V2 at EP16 over h800's 8-GPU nodes): they were labelled intra whatever n was
+    wide = trace("deepseek-v2", Strategy("sp", "ep", "a2a", 16, dp=2))
+    for graph, scope in ((g, "intra"), (wide, "inter")):
+        steps = [n for n in graph.nodes if n.name.endswith((".grad_rs_intra", ".grad_ag_intra"))]
+        assert steps and {h800.scope(n) for n in steps} == {scope}
 
 
 def test_compress_ep_fp8_sends_fp8_rows_and_their_scales_to_the_experts(h800):
