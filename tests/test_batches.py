@@ -87,8 +87,13 @@ def test_padded_and_packed_batches_on_two_gloo_ranks_match_eager(rank_results):
 # The attention on each of 2 nodes of 2 ranks (attn_nodes=2): each node's attention holds one of the
 # b = 2 rows, so the padded row's mask and the packed rows' documents must follow the row to its node
 # (runtime.model_steps.rank_rows), its RoPE positions the rank's sequence shard of 2, not of 4.
+# MLA's replicated down-projections (partial gradients per rank under TP) and GPT-OSS's sinks and
+# sliding window too.
 N4_CASES = [_case("mixtral", "sp", "ep", "a2a", attn_nodes=2, overrides=AUX),
-            _case("qwen3_moe", "tp", "ep", "a2a", attn_nodes=2)]
+            _case("qwen3_moe", "tp", "ep", "a2a", attn_nodes=2),
+            _case("deepseek_v3", "tp", "ep", "a2a", attn_nodes=2),
+            _case("gpt_oss", "sp", "ep", "a2a", attn_nodes=2,
+                  overrides=dict(layer_types=["sliding_attention", "full_attention"]))]
 N4 = RANK_BATCH.add(4, "batches.batch_cases", batch_cases, N4_CASES, int.from_bytes(os.urandom(3), "little"))
 
 
