@@ -69,6 +69,15 @@ def dp_grad_wire(graph: Graph) -> DpGradWire:
     return wire
 
 
+GROUP_ATTRS = ("axis", "scope", "span")
+"""Where a collective runs and which link it crosses: a compressed collective keeps them (a folded
+attention's reduce-scatter stays on its axis 'attn')."""
+
+
+def group_attrs(node: Node) -> dict:
+    return {k: v for k, v in node.attrs if k in GROUP_ATTRS}
+
+
 def derived(like: Node, name: str, op: OpKind, inputs: tuple[str, ...], outputs: tuple[str, ...],
             values: dict[str, Value], *, attrs: dict, flops: int = 0, comm_bytes: int = 0) -> Node:
     """A node in ``like``'s place (phase, role, module, block, chunk tag); mem_bytes from its values."""
@@ -94,7 +103,7 @@ def dp_bf16(rs: Node, values: dict[str, Value]) -> list[Node]:
     values[f"{x}.bf16"] = dataclasses.replace(xv, name=f"{x}.bf16", dtype="bf16", alias_of=None)
     values[f"{y}.parts"] = dataclasses.replace(values[y], name=f"{y}.parts", shape=(g, numel // g), dtype="bf16")
     values[f"{y}.parts32"] = dataclasses.replace(values[f"{y}.parts"], name=f"{y}.parts32", dtype="fp32")
-    keep = {k: v for k, v in rs.attrs if k in ("scope", "axis", "dp")}
+    keep = group_attrs(rs) | ({"dp": True} if rs.attr("dp", False) else {})
     return [
         derived(rs, f"{rs.name}.cast", OpKind.CAST, (x,), (f"{x}.bf16",), values, attrs={"to": "bf16"}),
         derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.bf16",), (f"{y}.parts",), values,
@@ -125,7 +134,7 @@ def _tp_fp8(rs: Node, values: dict[str, Value]) -> list[Node]:
                  attrs={"to": "fp8", "scale": "per_token"}),
         derived(rs, rs.name, OpKind.ALL_TO_ALL, (f"{x}.fp8", f"{x}.scale"), (f"{y}.parts", f"{y}.scale_parts"),
                  values, comm_bytes=collective_bytes(OpKind.ALL_TO_ALL, sent, g),
-                 attrs={"mode": "shards", "split_dim": dim, "compressed": "fp8"}),
+                 attrs=group_attrs(rs) | {"mode": "shards", "split_dim": dim, "compressed": "fp8"}),
         derived(rs, f"{rs.name}.dequant", OpKind.CAST, (f"{y}.parts", f"{y}.scale_parts"), (f"{y}.parts32",),
                  values, attrs={"to": "fp32", "scale": "apply"}),
         derived(rs, f"{rs.name}.sum", OpKind.ADD, (f"{y}.parts32",), (y,), values, flops=values[x].numel,

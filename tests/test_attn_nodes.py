@@ -10,10 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import assert_interpreted_matches_eager, small_layer
+from helpers import assert_interpreted_matches_eager, eager_step, rel_err, small_layer
 from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
+from moegraph.interpreter import interpret
 from moegraph.ir import ConfigError, OpKind, Role, Strategy
+from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware
 from moegraph.schedules.driver import lower
 from moegraph.token_layout import gathered_tokens, shard_tokens, unshard_tokens
@@ -120,3 +122,18 @@ def test_the_shards_gradient_sum_is_priced_on_the_link_its_ranks_span():
         return {(nd.group, nd.attr("span"), H100.scope(nd)) for nd in g.nodes if nd.attr("axis", None) == "attn_dp"}
     assert summed_scopes(8, 2) == {(2, 8, "intra")}
     assert summed_scopes(32, 8) == {(8, 32, "inter")}
+
+
+def test_a_compressed_reduce_scatter_stays_on_the_attentions_ranks(rng):
+    """compress=tp-fp8 rewrites the attention's reduce-scatter into an FP8 all-to-all: it keeps axis
+    'attn' and its group of G (it once fell back to the whole group, which the interpreter refuses),
+    and the layer still rounds only within FP8's precision."""
+    layer = small_layer(4, seed=int(torch.randint(0, 2**31, (1,), generator=rng)))
+    x, dy = torch.randn(B, S, H, generator=rng), torch.randn(B, S, H, generator=rng)
+    graph = trace_module(layer, Strategy("tp", "ep", "a2a", 4, dtype="fp32", attn_nodes=2), batch=B, seq=S)
+    out = run_pipeline(graph, "compress=tp-fp8", cost=H100)[0]
+    rs = out.node["attn_rs"]
+    assert (rs.op, rs.group, rs.attr("axis"), rs.attr("compressed")) == (OpKind.ALL_TO_ALL, 2, "attn", "fp8")
+    res = interpret(out, {k: p.detach() for k, p in layer.named_parameters()}, x, dy)
+    y, _, _ = eager_step(layer, x, dy)
+    assert TOL < rel_err(res.output, y) < 2.0**-4
