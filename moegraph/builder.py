@@ -25,7 +25,7 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
     across = f"n/attn_nodes={G}" if N > 1 else f"n={n}"
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
         if size % G:
-            raise ConfigError(f"{across} does not divide {what}={size}")
+            raise ConfigError(f"{across} does not divide {what}={size}" + _fold_hint(dims, strategy, what))
     if dims.b % N:
         raise ConfigError(f"attn_nodes={N} does not divide the batch b={dims.b} (each node's attention takes b/N rows)")
     if strategy.ffn == "ep" and not dense and dims.experts % n:
@@ -34,6 +34,20 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
         raise ConfigError(f"n={n} does not divide ffn_hidden={dims.ffn} (ffn='tp' splits each expert's (or the dense MLP's) h_ffn)")
     if dims.heads % dims.kv_heads:
         raise ConfigError(f"heads={dims.heads} is not divisible by kv_heads={dims.kv_heads}")
+
+
+def _fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
+    """For heads an expert-parallel group of n cannot split: the fewest attention groups N (Strategy.attn_nodes)
+    whose n/N ranks can, as a suggestion ('' when none or the attention is already folded)."""
+    n = strategy.n
+    if what == "seq" or strategy.attn_nodes > 1 or strategy.ffn != "ep" or not dims.experts or dims.experts % n:
+        return ""
+    fold = next((N for N in range(2, n + 1) if n % N == 0 and not (dims.heads % (n // N) or dims.kv_heads % (n // N)
+                                                                    or dims.s % (n // N))), None)
+    if fold is None:
+        return ""
+    return (f"; the experts can still span n={n}: with dispatch='a2a', attn_nodes={fold} (--attn-nodes {fold}) runs the "
+            f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch")
 
 
 class GraphBuilder:

@@ -59,8 +59,12 @@ def test_a_gqa_model_spans_more_ranks_than_it_has_kv_heads():
     """Qwen3-235B-A22B has 4 kv heads: its attention cannot span 32 ranks, but EP32 over 8 nodes of
     4 ranks can, each node's attention tensor-parallel over its 4 ranks on b/8 of the batch."""
     config = dict(model="qwen3-235b-a22b", batch=8, seq=4096, hardware="h100", passes=())
-    with pytest.raises(ConfigError, match="n=32 does not divide kv_heads=4"):
+    # the refusal names the fold that works: the fewest groups whose ranks divide the heads
+    with pytest.raises(ConfigError, match=r"n=32 does not divide kv_heads=4; the experts can still span n=32: with "
+                                          r"dispatch='a2a', attn_nodes=8 \(--attn-nodes 8\) runs the attention on n/8=4"):
         lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 32), **config))
+    with pytest.raises(ConfigError, match=r"n=16 does not divide kv_heads=8$"):     # no hint: 8 experts cannot span 16
+        lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 16), **config | {"model": "mixtral-8x7b"}))
     g = lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 32, attn_nodes=8), **config)).graph
     h = g.dims.h
     assert g.value["hidden"].shape == (1, 1024, h)                        # [b/N, s/G, h]
