@@ -37,12 +37,13 @@ machine's step-to-step noise cannot be confirmed by measuring it.
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from typing import Any
 
 from moegraph.config import CompileConfig, SolverEffort
 from moegraph.cost import variant
-from moegraph.ir import Graph, Strategy, valid_dispatches
+from moegraph.ir import ConfigError, Graph, Strategy, valid_dispatches
 from moegraph.options import format_bytes
 from moegraph.pass_steps import Fuse, steps_for
 from moegraph.registry import Hardware, ModelConfig
@@ -144,7 +145,15 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     t0 = time.perf_counter()
     base_config = baseline_config(model, hw, n=n, batch=batch, seq=seq, dtype=dtype, layers=layers,
                                   micro_batches=micro_batches, time_limit=time_limit)
-    base = evaluate(base_config, cache)
+    try:
+        base = evaluate(base_config, cache)
+    except ConfigError as err:
+        # every candidate is ranked against this baseline: without it there is no ranking to give
+        fold = n // math.gcd(n, model.heads, model.kv_heads, seq)     # the fewest attention groups that split the heads
+        hint = (f"; `moegraph compile --dispatch a2a --attn tp --attn-nodes {fold}` lowers it with the attention on "
+                f"n/{fold} ranks and the experts over all n" if 1 < fold and batch % fold == 0 else "")
+        raise ConfigError(f"tune ranks every candidate against the tp+tp sequential baseline, which cannot split "
+                          f"this layer over n={n}: {err}{hint}") from None
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype, hw.gpus_per_node, batch)
     for i, cand in enumerate(cands, 1):
