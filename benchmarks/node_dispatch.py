@@ -70,14 +70,15 @@ def main(argv=None) -> int:
             try:
                 g = run_pipeline(trace_model(load_model(model), strategy, batch=b, seq=s), passes, cost=cost)[0]
             except ConfigError as err:               # the attention cannot span the group: no row but why
-                print(f"| {model} | {hw_name} | {n} ({nodes}) | {label} | refused: {err} | | | | |", flush=True)
+                print(f"| {model} | {hw_name} | {n} ({nodes}) | {label} | refused: {str(err).split(';')[0]} | | | | |",
+                      flush=True)
                 continue
             comm = sum(cost.node_time_us(x) for x in g.nodes if x.is_comm)
             span = compile_graph(g, cost, time_limit_s=args.time_limit).schedule.summary["makespan_us"]
-            flat_span = span if flat_span is None else flat_span
+            flat_span = span if label == "flat a2a" else flat_span     # None: the flat layer was refused
             print(f"| {model} | {hw_name} | {n} ({nodes}) | {label} | {nic_bytes(g, cost) / 1e6:.1f} | "
                   f"{comm / 1e3:.2f} | {serial_time_us(g, cost) / 1e3:.2f} | {span / 1e3:.2f} | "
-                  f"{flat_span / span:.3f}x |", flush=True)
+                  + (f"{flat_span / span:.3f}x |" if flat_span else "- |"), flush=True)
     return 0
 
 
