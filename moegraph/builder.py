@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Any, Iterator, Mapping
 
 from moegraph.ir import (ConfigError, Dims, Graph, Node, OpKind, ParamSpec, Phase, Role, Strategy,
@@ -36,16 +37,19 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
         raise ConfigError(f"heads={dims.heads} is not divisible by kv_heads={dims.kv_heads}")
 
 
+def attention_fold(n: int, heads: int, kv_heads: int, seq: int) -> int:
+    """The fewest attention groups N (Strategy.attn_nodes) whose n/N ranks split the heads, kv heads and
+    sequence: n over the largest such group."""
+    return n // math.gcd(n, heads, kv_heads, seq)
+
+
 def _fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
-    """For heads an expert-parallel group of n cannot split: the fewest attention groups N (Strategy.attn_nodes)
-    whose n/N ranks can, as a suggestion ('' when none or the attention is already folded)."""
+    """For heads an expert-parallel group of n cannot split: the fold that can, as a suggestion ('' when
+    the experts cannot span n either, or the attention is already folded)."""
     n = strategy.n
     if what == "seq" or strategy.attn_nodes > 1 or strategy.ffn != "ep" or not dims.experts or dims.experts % n:
         return ""
-    fold = next((N for N in range(2, n + 1) if n % N == 0 and not (dims.heads % (n // N) or dims.kv_heads % (n // N)
-                                                                    or dims.s % (n // N))), None)
-    if fold is None:
-        return ""
+    fold = attention_fold(n, dims.heads, dims.kv_heads, dims.s)
     return (f"; the experts can still span n={n}: with dispatch='a2a', attn_nodes={fold} (--attn-nodes {fold}) runs the "
             f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch")
 

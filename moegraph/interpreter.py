@@ -190,7 +190,7 @@ def interpret_microbatches(graph: Graph, params: Mapping[str, torch.Tensor], xs:
     full_grads = {src.qualname: torch.zeros_like(params[src.qualname])
                   for _, spec in trainable for src in spec.sources}
     for pname, spec in trainable:
-        for r in filter(lambda r: writes_region(spec, r, n), range(n)):
+        for r in (r for r in range(n) if writes_region(spec, r, n)):
             unshard_grad(spec, envs[r][graph.grad_of[pname]], r, n, full_grads)
     replica0 = envs[:n]
     return MicroBatchResult(outputs=[unshard_tokens([e[y] for e in replica0], st) for _, _, y, _ in bounds],

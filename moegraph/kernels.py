@@ -36,7 +36,7 @@ from moegraph.ir import ExpertRows, Node, OpKind, Role, bad_choice, check_expert
 from moegraph.models import apply_rope, causal_gqa_attention, rms_norm, rope_cos_sin
 from moegraph.router_kernels import aux_stats, pullback, route_tokens, router_pullback, tokens
 from moegraph.tokens import Tokens, rope_positions
-from moegraph.token_layout import seq_shard
+from moegraph import token_layout
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,7 @@ class RankContext:
     @classmethod
     def of(cls, graph, rank: int, expert_rows: ExpertRows = "exact") -> "RankContext":
         """Rank ``rank``'s context for ``graph``: its sequence shard by the graph's token layout."""
-        return cls(rank, graph.strategy.n, graph.dims.s, expert_rows, shard=seq_shard(graph.strategy, rank))
+        return cls(rank, graph.strategy.n, graph.dims.s, expert_rows, shard=token_layout.seq_shard(graph.strategy, rank))
 
     def __post_init__(self):
         check_expert_rows(self.expert_rows)

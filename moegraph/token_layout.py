@@ -41,11 +41,11 @@ def batch_rows(strategy: Strategy, rank: int, b: int) -> slice:
     return slice(q * rows, (q + 1) * rows)
 
 
-def check_tokens(b: int, s: int, strategy: Strategy, what: str = "batch") -> None:
+def check_tokens(b: int, s: int, strategy: Strategy) -> None:
     """ValueError naming the size the layout cannot split."""
     N, G = strategy.attn_nodes, strategy.attn_ranks
     if b % N:
-        raise ValueError(f"{what} has {b} rows, not divisible by attn_nodes={N} (each node's attention takes b/N rows)")
+        raise ValueError(f"batch has {b} rows, not divisible by attn_nodes={N} (each node's attention takes b/N rows)")
     if s % G:
         raise ValueError(f"sequence length {s} is not divisible by n/attn_nodes={G}"
                          if N > 1 else f"sequence length {s} is not divisible by n={G}")

@@ -39,8 +39,8 @@ class Layout:
         if self.n < 1 or self.dp < 1 or self.pp < 1 or not 0 <= self.rank < self.n * self.dp * self.pp:
             raise RuntimeFailure(f"rank {self.rank} does not fit a layout of n={self.n} x dp={self.dp}"
                                  + (f" x pp={self.pp}" if self.pp > 1 else "") + " ranks")
-        for name, g, least, what in (("node_ranks", self.node_ranks, 2, "nodes"), ("attn_ranks", self.attn_ranks, 1,
-                                                                                    "attentions")):
+        for name, g, least, what in (("node_ranks", self.node_ranks, 2, "nodes"),
+                                     ("attn_ranks", self.attn_ranks, 1, "attentions")):
             if g != 0 and (g < least or self.n % g or self.n // g < 2):
                 valid = [0] + [v for v in range(least, self.n // 2 + 1) if self.n % v == 0]
                 raise RuntimeFailure(f"{name}={g} does not split n={self.n} into {what}; valid: {', '.join(map(str, valid))}")

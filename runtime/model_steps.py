@@ -119,8 +119,7 @@ def rank_rows(executor, tokens: Tokens) -> Tokens:
     st = executor.graph.strategy
     if st.attn_nodes == 1:
         return tokens
-    return tokens.rows(batch_rows(st, executor.rank, next(t for t in (tokens.positions, tokens.documents, tokens.keys)
-                                                          if t is not None).shape[0]))
+    return tokens.rows(batch_rows(st, executor.rank, executor.graph.dims.b))
 
 
 @contextlib.contextmanager

@@ -37,10 +37,10 @@ machine's step-to-step noise cannot be confirmed by measuring it.
 from __future__ import annotations
 
 import itertools
-import math
 import time
 from typing import Any
 
+from moegraph.builder import attention_fold
 from moegraph.config import CompileConfig, SolverEffort
 from moegraph.cost import variant
 from moegraph.ir import ConfigError, Graph, Strategy, valid_dispatches
@@ -149,7 +149,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         base = evaluate(base_config, cache)
     except ConfigError as err:
         # every candidate is ranked against this baseline: without it there is no ranking to give
-        fold = n // math.gcd(n, model.heads, model.kv_heads, seq)     # the fewest attention groups that split the heads
+        fold = attention_fold(n, model.heads, model.kv_heads, seq)
         hint = (f"; `moegraph compile --dispatch a2a --attn tp --attn-nodes {fold}` lowers it with the attention on "
                 f"n/{fold} ranks and the experts over all n" if 1 < fold and batch % fold == 0 else "")
         raise ConfigError(f"tune ranks every candidate against the tp+tp sequential baseline, which cannot split "
