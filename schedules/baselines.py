@@ -220,16 +220,15 @@ def _pair_parts(problem: Problem) -> tuple[list[int], list[Stage], list[str]]:
                 stage[i] = 2 if i in after_c else 1 if i in after_d else 0
                 part[i] = "F"
         else:
-            fgroup = groups.get((j, layer, True), set())
-            fcomm = [i for i in fgroup if tasks[i].kind == "comm" and tasks[i].node.block == "ffn"]
-            fgemm = {i for i in fgroup if tasks[i].node.block == "ffn"
+            # the gradients of the dispatch and the combine, told apart within the backward itself
+            # (a steady-state pair graph holds no forward of this micro-batch): the combine's
+            # gradient flows into the experts' GEMMs' backward, the dispatch's out of it
+            bgemm = {i for i in members if tasks[i].node.block == "ffn"
                      and tasks[i].node.op in (OpKind.GEMM, OpKind.GROUPED_GEMM)}
-            f_dispatch = {tasks[i].name for i in fcomm if _reach({i}, fgroup, succs) & fgemm}
-            f_ffn_comm = {tasks[i].name for i in fcomm}
             comm = [i for i in members if tasks[i].kind == "comm" and tasks[i].node.phase is Phase.BACKWARD
-                    and tasks[i].node.forward_of in f_ffn_comm]
-            d_bwd = {i for i in comm if tasks[i].node.forward_of in f_dispatch}
-            c_bwd = set(comm) - d_bwd
+                    and tasks[i].node.block == "ffn" and tasks[i].node.role is not Role.WGRAD]
+            c_bwd = {i for i in comm if _reach({i}, members, succs) & bgemm}
+            d_bwd = set(comm) - c_bwd
             after_d, after_c = _reach(d_bwd, members, succs), _reach(c_bwd, members, succs)
             mlp = after_c - after_d
             # work feeding neither collective (recompute, router gradients): with what it feeds
