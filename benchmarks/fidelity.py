@@ -577,7 +577,9 @@ def megatron(hw_name="h100", seq=4096) -> None:
             "previous phase's compute holds back the compute launched behind it. Collectives on SM budgets, as "
             "Megatron-LM runs them (NCCL before 2.28's copy-engine collectives, DeepEP); the 0.56x this row gave "
             "until 2026-11-27 came from copy-engine budgets Megatron never ran. n = 8 is one node, so no node-"
-            "spanning dispatch applies (the what-if that scaled these bytes as one, 0.60x, was dropped on 2026-11-28)",
+            "spanning dispatch applies (the what-if that scaled these bytes as one, 0.60x, was dropped on 2026-11-28). "
+            "PR 6311 measured +3.7% vs +7.8% (EP16 over two nodes, s=2K, PP4, full recompute). Megatron's own phase-1 "
+            "issue order (mlp_bwd before dispatch_fwd) is not modelled: it gives 0.24x here (docs/scheduler.md)",
             None if paper == "-" else 0.4 <= one / free <= 0.6)
 
 

@@ -12,8 +12,10 @@ expert-parallel overlap gain, which their launch reordering wins back).
     LaunchOrder      the typed option (``CompileConfig.launch_order``): "free" (a queue per stream), "program" (one queue, kernels
                      launched in the graph's program order: the eager issue order of a framework
                      that follows the module's code), "megatron-1f1b" (one queue, Megatron-Core's
-                     combined-1F1B order: per phase the collective first, then the compute, as its
-                     TransformerLayerSchedulePlan issues them; a merged micro-batch step only)
+                     combined-1F1B phases, per phase the collective first, then the compute; a
+                     merged micro-batch step only). Its TransformerLayerSchedulePlan.run issues
+                     phases 0 and 2 so, but in phase 1 it issues mlp_bwd before dispatch_fwd and
+                     mlp_bwd_dw before dispatch_bwd; that order is not modelled (docs/scheduler.md)
     launch_sequence  the task indices in launch order (a topological order of the problem)
     with_launch_order the Problem carrying that sequence (``Problem.launch``): check_solution,
                      the list scheduler (in-order dispatch) and the CP-SAT model
