@@ -23,6 +23,11 @@ baseline fits, naming the candidate with the smallest bound, and keeps the basel
 why) when only the baseline fits. Candidates whose schedules come out identical node for node
 (at ``--n 1``) are one row that names the strategies it stands for (``also``).
 
+The baseline is tp+tp sequential, unless n cannot split the attention's heads (a GQA model with
+fewer kv heads than n, such as Qwen3-235B at n = 32): then it is the attention's TP folded onto the
+ranks that can split it, with the experts EP over all n (``baseline_strategy``), and every
+candidate folds its attention as far (``candidates``).
+
 With ``fuse`` (``--fuse``) every candidate whose layer has fused comm+compute groups
 (``fuse=auto``, moegraph.passes.fuse) is ranked a second time with them fused, so the search
 chooses between unfused, chunked and fused per layer (and the pass per pair). Off by default:
@@ -62,15 +67,24 @@ def candidates(model: ModelConfig, n: int, seq: int, dtype: str = "bf16", gpus_p
     that spans whole nodes of ``gpus_per_node`` GPUs (n a multiple, at least 2 nodes) also tries the
     node-spanning all-to-all (ep_nodes = n / gpus_per_node) beside the flat one, and, when the nodes
     split the ``batch``, each all-to-all point with its attention folded into the node (attn_nodes =
-    the nodes: TP or SP over the node's ranks on b/N rows)."""
+    the nodes: TP or SP over the node's ranks on b/N rows). Where n cannot split the attention's
+    heads, kv heads or s, each all-to-all point folds it onto the ranks that can
+    (builder.attention_fold), when that fold splits the batch; points whose attention cannot be split
+    are left out."""
     nodes = n // gpus_per_node if gpus_per_node >= 2 and n % gpus_per_node == 0 else 1
-    folds = (1, nodes) if nodes > 1 and batch % nodes == 0 else (1,)
+    # the fewest attention groups whose ranks split the heads, kv heads and s (> 1 for a GQA model
+    # with fewer kv heads than n): its all-to-all points fold the attention that far
+    gqa = attention_fold(n, model.heads, model.kv_heads, seq)
     out = []
     for attn, ffn, chunks, remat in itertools.product(("tp", "sp"), ("tp", "ep"), CHUNKS, REMAT):
         for dispatch in valid_dispatches(ffn):
-            spanning = dispatch == "a2a" and nodes > 1
-            for ep_nodes, attn_nodes in itertools.product((1, nodes) if spanning else (1,),
-                                                          folds if spanning else (1,)):
+            a2a = dispatch == "a2a"
+            spanning = a2a and nodes > 1
+            folds = {1} | ({nodes} if spanning else set()) | ({gqa} if a2a and gqa > 1 else set())
+            for ep_nodes, attn_nodes in itertools.product((1, nodes) if spanning else (1,), sorted(folds)):
+                if (batch % attn_nodes or (attn_nodes > 1 and attn_nodes % ep_nodes)
+                        or attention_fold(n // attn_nodes, model.heads, model.kv_heads, seq) > 1):
+                    continue        # the batch or the dispatch's nodes cannot take it, or its ranks cannot split the heads
                 if seq % (n // attn_nodes * chunks):
                     continue
                 out.append(Strategy(attn, ffn, dispatch, n, dtype=dtype, chunks=chunks, remat=remat,
@@ -106,13 +120,37 @@ def evaluate(config: CompileConfig, cache: Cache, lowered: Lowered | None = None
     return entry | {"cached": False}
 
 
+def baseline_strategy(model: ModelConfig, n: int, seq: int, batch: int, dtype: str = "bf16", dp: int = 1) -> Strategy:
+    """The reference every candidate's speed-up is against: tp+tp (ag-rs) over n. Where n cannot split
+    the attention's heads, kv heads or s (a GQA model with fewer kv heads than n) while the experts
+    can span n: the attention's TP on the ranks that can split it, data-parallel over the N groups
+    of them (attn_nodes = N, builder.attention_fold), and the experts EP over all n (a2a), as
+    Megatron-Core folds them. Raises ConfigError (one line) when that fold does not split the batch."""
+    fold = attention_fold(n, model.heads, model.kv_heads, seq)
+    if fold == 1 or not model.experts or model.experts % n:
+        return Strategy("tp", "tp", "ag-rs", n, dtype=dtype, dp=dp)
+    if batch % fold:
+        raise ConfigError(f"n={n} cannot split the attention (heads={model.heads}, kv_heads={model.kv_heads}, s={seq}); "
+                          f"its ranks can, folded {fold} ways (attn_nodes={fold}: TP on n/{fold}={n // fold} ranks over "
+                          f"b/{fold} of the batch), which needs --batch a multiple of {fold} (got {batch})")
+    return Strategy("tp", "ep", "a2a", n, dtype=dtype, dp=dp, attn_nodes=fold)
+
+
+def baseline_label(strategy: Strategy) -> str:
+    """The reference's name in tables and messages (``baseline_strategy``)."""
+    if strategy.attn_nodes == 1:
+        return "tp+tp sequential"
+    return f"tp+ep sequential (attention folded: attn_nodes={strategy.attn_nodes})"
+
+
 def baseline_config(model: ModelConfig, hw: Hardware, *, n: int, batch: int, seq: int, dtype: str = "bf16",
                     layers: int = 1, micro_batches: int = 1, time_limit: float = 5.0) -> CompileConfig:
-    """The tp+tp sequential baseline's config, and the base of every candidate's
+    """The sequential baseline's config (``baseline_strategy``: tp+tp, or its folded attention with
+    the experts EP where n cannot split the heads), and the base of every candidate's
     (``candidate_config``): the step graph of M micro-batches, and for a stack of layers the
     model's edges (edges='auto': eager head and norm, their gradient sync, the embedding gather),
     as `compile --layers` schedules it, so that candidates and baseline compare like with like."""
-    return CompileConfig(model=model, strategy=Strategy("tp", "tp", "ag-rs", n, dtype=dtype), passes=(),
+    return CompileConfig(model=model, strategy=baseline_strategy(model, n, seq, batch, dtype), passes=(),
                          schedule="sequential", batch=batch, seq=seq, layers=layers, micro_batches=micro_batches,
                          hardware=hw, solver=SolverEffort(time_limit))
 
@@ -145,15 +183,16 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     t0 = time.perf_counter()
     base_config = baseline_config(model, hw, n=n, batch=batch, seq=seq, dtype=dtype, layers=layers,
                                   micro_batches=micro_batches, time_limit=time_limit)
+    base_name = baseline_label(base_config.strategy)
     try:
         base = evaluate(base_config, cache)
     except ConfigError as err:
         # every candidate is ranked against this baseline: without it there is no ranking to give
-        fold = attention_fold(n, model.heads, model.kv_heads, seq)
-        hint = (f"; `moegraph compile --dispatch a2a --attn tp --attn-nodes {fold}` lowers it with the attention on "
-                f"n/{fold} ranks and the experts over all n" if 1 < fold and batch % fold == 0 else "")
-        raise ConfigError(f"tune ranks every candidate against the tp+tp sequential baseline, which cannot split "
-                          f"this layer over n={n}: {err}{hint}") from None
+        raise ConfigError(f"tune ranks every candidate against the {base_name} baseline, which cannot split "
+                          f"this layer over n={n}: {err}") from None
+    if base_config.strategy.attn_nodes > 1:
+        say(f"n={n} cannot split the attention (kv_heads={model.kv_heads}): the baseline is {base_name}, the "
+            f"attention's TP on n/{base_config.strategy.attn_nodes} ranks and the experts over all n")
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype, hw.gpus_per_node, batch)
     for i, cand in enumerate(cands, 1):
@@ -198,16 +237,16 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     ranked = [_row(r, base["predicted_us"]) | {"also": [_point(o) for o in others]} for r, others in groups]
     best, schedule, label = ranked[0], _entry(order[0]).get("schedule"), \
         _label(order[0]["candidate"], order[0]["graph"]).strip()
-    kept = _keep_baseline(best, base, min_gain, memory_budget, rows)
+    kept = _keep_baseline(best, base, min_gain, memory_budget, rows, base_name)
     if kept:
         best, schedule = _baseline_row(base, kept, base_config.strategy), base.get("schedule")
-        label = "the tp+tp sequential baseline"
+        label = f"the {base_name} baseline"
     if not isinstance(schedule, str):        # evaluate keeps one with every feasible entry
         raise RuntimeError(f"tune: the pick ({label}) has no schedule in its evaluation entry")
-    say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best)}")
+    say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, base_name)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
             "min_gain": min_gain, "micro_batches": micro_batches, "memory_budget_bytes": memory_budget,
-            "baseline": {"strategy": "tp+tp sequential", "predicted_us": base["predicted_us"],
+            "baseline": {"strategy": base_name, "predicted_us": base["predicted_us"],
                          "peak_memory_bytes": base["peak_memory_bytes"], "over_budget": base_over},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best_schedule": schedule}
@@ -304,19 +343,19 @@ def _label(cand: Strategy, graph: Graph) -> str:
 
 
 def _keep_baseline(top: dict, base: dict, min_gain: float, memory_budget: int | None,
-                   rows: list[dict]) -> str | None:
-    """Why the tp+tp sequential baseline is kept instead of ``top`` (None: it is not)."""
+                   rows: list[dict], name: str) -> str | None:
+    """Why the baseline (``name``: ``baseline_label``) is kept instead of ``top`` (None: it is not)."""
     if memory_budget is not None and base["peak_memory_bytes"] > memory_budget:
         return None             # tune() raised if ``top`` does not fit either
     if not top["feasible"]:
         least, label, _ = _nearest(rows)
-        return (f"kept the tp+tp sequential baseline (peak {format_bytes(base['peak_memory_bytes'])}): no candidate "
+        return (f"kept the {name} baseline (peak {format_bytes(base['peak_memory_bytes'])}): no candidate "
                 f"fits the memory budget {format_bytes(memory_budget)} (nearest: {label}, least feasible peak at "
                 f"least {format_bytes(least)})")
     gain = top["speedup"] - 1
     if gain >= min_gain:
         return None
-    return (f"kept the tp+tp sequential baseline: the best candidate's predicted gain {gain:+.1%} is below "
+    return (f"kept the {name} baseline: the best candidate's predicted gain {gain:+.1%} is below "
             f"min gain {min_gain:.1%}")
 
 
@@ -367,43 +406,46 @@ def _row_label(row: dict) -> str:
     return Strategy.from_dict(row["strategy"]).label() + (" fused" if row.get("fused") else "")
 
 
-def pick_line(best: dict) -> str:
-    """The pick in one line: the candidate (or why the baseline was kept) and its prediction."""
+def pick_line(best: dict, baseline: str = "tp+tp sequential") -> str:
+    """The pick in one line: the candidate (or why the baseline was kept) and its prediction against
+    ``baseline`` (``baseline_label``)."""
     if best.get("kept_baseline"):
         return best["kept_baseline"]
     name = " ".join(_row_label(best).split())
     return (f"{name} ({best['scheduler']}), predicted "
-            f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the tp+tp sequential baseline")
+            f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the {baseline} baseline")
 
 
 def format_table(res: dict) -> str:
     budget, base = res.get("memory_budget_bytes"), res["baseline"]
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}"
              + (f", {res['layers']} layers" if res["layers"] > 1 else "") + ": "
-             f"baseline tp+tp sequential {base['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}"
+             f"baseline {base['strategy']} {base['predicted_us']:.1f} us, min gain {res['min_gain']:.1%}"
              + (f", memory budget {format_bytes(budget)}" if budget is not None else "")]
     if base.get("over_budget"):
         lines.append(f"note: the baseline peaks at {format_bytes(base['peak_memory_bytes'])}, over the memory budget: "
                      "speed-ups are relative to it all the same")
     # the sched column fits the longest method (a warm start CP-SAT did not beat: "interleave2+ce+mem")
     w = max(6, *(len(r["scheduler"]) for r in res["candidates"]))
-    lines.append(f"{'#':>3} {'strategy':<40} {'sched':<{w}} {'predicted us':>12} {'peak':>10} {'speedup':>8}")
+    # the strategy column fits the longest label (the node fields make it longer than 40)
+    wn = max(40, *(len(_row_label(r)) for r in res["candidates"]))
+    lines.append(f"{'#':>3} {'strategy':<{wn}} {'sched':<{w}} {'predicted us':>12} {'peak':>10} {'speedup':>8}")
     for i, r in enumerate(res["candidates"], 1):
         name = _row_label(r)
         if r["feasible"]:
-            lines.append(f"{i:>3} {name:<40} {r['scheduler']:<{w}} {r['predicted_us']:>12.1f} "
+            lines.append(f"{i:>3} {name:<{wn}} {r['scheduler']:<{w}} {r['predicted_us']:>12.1f} "
                          f"{format_bytes(r['peak_memory_bytes']):>10} {r['speedup']:>7.3f}x")
         else:   # over: its memory bound is above the budget; not found: CP-SAT found no schedule within it
             what = "over budget" if r.get("least_peak_bytes", 0) > (budget or 0) else "not found"
-            lines.append(f"{i:>3} {name:<40} {'-':<{w}} {what:>12}"
+            lines.append(f"{i:>3} {name:<{wn}} {'-':<{w}} {what:>12}"
                          + (f" {'>=' + format_bytes(r['least_peak_bytes']):>10}" if "least_peak_bytes" in r else ""))
         if r.get("also"):        # strategies whose schedule is this row's, node for node
             lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o).split()) for o in r["also"]))
-    lines.append(f"best: {pick_line(res['best'])}")
+    lines.append(f"best: {pick_line(res['best'], base['strategy'])}")
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")
     return "\n".join(lines)
 
 
-__all__ = ["tune", "candidates", "baseline_config", "candidate_config", "evaluate", "Cache", "cache_key", "format_table",
+__all__ = ["tune", "candidates", "baseline_config", "baseline_strategy", "baseline_label", "candidate_config", "evaluate", "Cache", "cache_key", "format_table",
            "to_refine"]

@@ -32,7 +32,7 @@ from moegraph.schedules.driver import (CompiledPipeline, build, check_pipeline_b
 from moegraph.schedules.pipeline import simulate
 from moegraph.schedules.pipeline_report import timeline_row
 from moegraph.schedules.problem import MemoryBudgetError
-from moegraph.schedules.tune import candidate_config, candidates, to_refine
+from moegraph.schedules.tune import baseline_label, baseline_strategy, candidate_config, candidates, to_refine
 
 __all__ = ["tune_pipeline", "format_pipeline_table"]
 
@@ -72,8 +72,9 @@ def tune_pipeline(base: CompileConfig, *, refine: int = 3, progress=None) -> dic
     model, layers = load_config_model(base)
     hw = base.hardware if isinstance(base.hardware, Hardware) else load_hardware(base.hardware)
     base = base.replace(model=model, top_k=None, layers=layers, hardware=hw)   # loaded once for every candidate
-    reference = _estimate(base.replace(strategy=Strategy("tp", "tp", "ag-rs", n, dtype=dtype, dp=base.strategy.dp),
-                                       passes=(), schedule="sequential", memory_budget=None))
+    reference_strategy = baseline_strategy(model, n, base.seq, base.batch, dtype, dp=base.strategy.dp)
+    reference_name = baseline_label(reference_strategy)
+    reference = _estimate(base.replace(strategy=reference_strategy, passes=(), schedule="sequential", memory_budget=None))
     rows = []
     cands = candidates(model, n, base.seq, dtype, hw.gpus_per_node, base.batch)
     for i, cand in enumerate(cands, 1):
@@ -101,7 +102,7 @@ def tune_pipeline(base: CompileConfig, *, refine: int = 3, progress=None) -> dic
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": base.batch, "seq": base.seq,
             "layers": layers, "pp": base.pp, "vpp": base.vpp,
             "placement": base.placement, "micro_batches": base.micro_batches, "memory_budget_bytes": base.memory_budget,
-            "baseline": {"strategy": "tp+tp sequential", "scheduler": reference["scheduler"], "step_us": ref_us,
+            "baseline": {"strategy": reference_name, "scheduler": reference["scheduler"], "step_us": ref_us,
                          "peak_memory_bytes": reference["peak_memory_bytes"]},
             "best": ranked[0], "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
             "_best": best}
@@ -131,24 +132,25 @@ def format_pipeline_table(res: dict[str, Any]) -> str:
     base, budget = res["baseline"], res["memory_budget_bytes"]
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}, "
              f"{res['layers']} layers in pp={res['pp']} x vpp={res['vpp']} ({res['placement']}), "
-             f"M={res['micro_batches']}: baseline tp+tp sequential ({base['scheduler']}) "
+             f"M={res['micro_batches']}: baseline {base['strategy']} ({base['scheduler']}) "
              f"{base['step_us'] / 1e3:,.3f} ms per step"
              + (f", memory budget {format_bytes(budget)} per rank" if budget is not None else "")]
     w = max(8, *(len(r.get("scheduler", "-")) for r in res["candidates"]))
-    lines.append(f"{'#':>3} {'strategy':<40} {'sched':<{w}} {'step ms':>11} {'bubble':>7} {'peak':>10} "
+    wn = max(40, *(len(Strategy.from_dict(r["strategy"]).label()) for r in res["candidates"]))
+    lines.append(f"{'#':>3} {'strategy':<{wn}} {'sched':<{w}} {'step ms':>11} {'bubble':>7} {'peak':>10} "
                  f"{'speedup':>8}")
     for i, r in enumerate(res["candidates"], 1):
         name = Strategy.from_dict(r["strategy"]).label()
         if r["feasible"]:
-            lines.append(f"{i:>3} {name:<40} {r['scheduler']:<{w}} "
+            lines.append(f"{i:>3} {name:<{wn}} {r['scheduler']:<{w}} "
                          f"{r['step_us'] / 1e3:>11,.3f} {r['bubble_fraction']:>7.3f} "
                          f"{format_bytes(r['peak_memory_bytes']):>10} {r['speedup']:>7.3f}x")
         else:
-            lines.append(f"{i:>3} {name:<40} {'-':<{w}} {'over budget':>11} {'':>7} "
+            lines.append(f"{i:>3} {name:<{wn}} {'-':<{w}} {'over budget':>11} {'':>7} "
                          f"{'>=' + format_bytes(r['least_peak_bytes']):>10}")
     b = res["best"]
     lines.append(f"best: {' '.join(Strategy.from_dict(b['strategy']).label().split())} ({b['scheduler']}), "
-                 f"predicted step {b['step_us'] / 1e3:,.3f} ms, {b['speedup']:.3f}x the tp+tp sequential baseline")
+                 f"predicted step {b['step_us'] / 1e3:,.3f} ms, {b['speedup']:.3f}x the {base['strategy']} baseline")
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best order, torch action CSV) and {res['gantt']} (its chart)")
     return "\n".join(lines)

@@ -50,9 +50,9 @@ CORE_CASES = [
     (["compile", "--model", "deepseek-v3", "--n", "64", "--dispatch", "a2a", "--ep-nodes", "2"],
      "ep_nodes=2 puts n/ep_nodes = 32 ranks in a node, but h800 has 8 GPUs per node: use ep_nodes >= 8"),
     (["trace", "--attn-nodes", "2"], "attn_nodes=2 needs ffn='ep' and dispatch='a2a' (got ffn='ep', dispatch='ag-rs')"),
-    (["tune", "--model", "qwen3-235b-a22b", "--n", "32", "--batch", "8", "--seq", "4096", "--cache", ""],
-     "cannot split this layer over n=32: n=32 does not divide kv_heads=4; `moegraph compile --dispatch a2a --attn tp "
-     "--attn-nodes 8` lowers it"),
+    (["tune", "--model", "qwen3-235b-a22b", "--n", "32", "--seq", "4096", "--cache", ""],
+     "n=32 cannot split the attention (heads=64, kv_heads=4, s=4096); its ranks can, folded 8 ways (attn_nodes=8: TP "
+     "on n/8=4 ranks over b/8 of the batch), which needs --batch a multiple of 8 (got 1)"),
     (["trace", "--dispatch", "a2a", "--attn-nodes", "3"], "attn_nodes=3 must divide n=8"),
     (["trace", "--dispatch", "a2a", "--attn-nodes", "2", "--ep-nodes", "4"], "attn_nodes=2 must be a multiple of ep_nodes=4"),
     (["trace", "--dispatch", "a2a", "--attn-nodes", "2", "--batch", "3"], "attn_nodes=2 does not divide the batch b=3"),

@@ -65,6 +65,42 @@ def test_a_batch_the_nodes_split_also_tries_the_attention_folded_into_each_node(
     assert config.strategy.attn_nodes == 2
 
 
+def test_a_gqa_model_n_cannot_split_folds_its_attention_in_every_candidate():
+    """Qwen3-235B-A22B has 4 kv heads: at n = 32 no candidate can split its attention over all n, so
+    every candidate (and the baseline) runs it on n/8 = 4 ranks over b/8 of the batch (attn_nodes = 8,
+    the fold builder.attention_fold gives), flat or node-spanning; the experts stay EP over all 32."""
+    from moegraph.schedules.tune import baseline_strategy
+    model = load_model("qwen3-235b-a22b")
+    cands = candidates(model, 32, 4096, gpus_per_node=8, batch=8)
+    assert cands and {(c.ffn, c.dispatch, c.attn_nodes) for c in cands} == {("ep", "a2a", 8)}
+    assert {c.ep_nodes for c in cands} == {1, 4} and {c.attn for c in cands} == {"tp", "sp"}
+    base = baseline_strategy(model, 32, 4096, 8)
+    assert (base.attn, base.ffn, base.dispatch, base.attn_nodes) == ("tp", "ep", "a2a", 8)
+    # a model n can split keeps the tp+tp baseline and its unfolded candidates
+    assert baseline_strategy(load_model("mixtral-8x7b"), 8, 8192, 1) == Strategy("tp", "tp", "ag-rs", 8)
+    assert {c.attn_nodes for c in candidates(load_model("mixtral-8x7b"), 8, 8192, batch=2)} == {1}
+
+
+def test_tune_ranks_a_gqa_layer_against_its_folded_baseline(tmp_path):
+    """tiny has 2 kv heads: over n = 4 tp+tp cannot lower it, so tune's baseline folds the
+    attention onto 2 ranks (attn_nodes = 2) with the experts EP over 4, and ranks every candidate,
+    each folded the same way, against it; the table and the pick name that baseline."""
+    from moegraph.config import ConfigError
+    from moegraph.tracer import trace_model
+    tiny = load_model("tiny")
+    with pytest.raises(ConfigError, match="n=4 does not divide kv_heads=2"):
+        trace_model(tiny, Strategy("tp", "tp", "ag-rs", 4), batch=2, seq=64)
+    res = tune(tiny, load_hardware("h800"), n=4, batch=2, seq=64, time_limit=1, refine=1, cache=Cache(tmp_path))
+    assert res["baseline"]["strategy"] == "tp+ep sequential (attention folded: attn_nodes=2)"
+    assert res["candidates"] and all(r["strategy"]["attn_nodes"] == 2 for r in res["candidates"])
+    best = res["best"]
+    assert best["speedup"] == round(res["baseline"]["predicted_us"] / best["predicted_us"], 4)
+    text = format_table(res)
+    assert "baseline tp+ep sequential (attention folded: attn_nodes=2)" in text.splitlines()[0]
+    assert text.splitlines()[-1].endswith("the tp+ep sequential (attention folded: attn_nodes=2) baseline") \
+        or "kept the tp+ep sequential (attention folded: attn_nodes=2) baseline" in text.splitlines()[-1]
+
+
 def test_a_typed_candidate_builds_the_graph_its_recorded_passes_rebuild(monkeypatch):
     """A candidate is compiled from typed pass steps (``steps_for``), never a pipeline string; the
     passes it records are the pipeline that rebuilds the same graph from attn, ffn, dispatch, n,
