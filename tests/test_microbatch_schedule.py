@@ -107,6 +107,26 @@ def test_pair_stages_follow_megatron_order(make):
         assert slot["mb0.qkv_proj"] < slot["mb1.qkv_proj"] < slot["mb1.fc1.dgrad"]
 
 
+def test_steady_pair_stages_with_the_node_dispatch():
+    """DeepSeek-V3's layer as Megatron-Core runs it (DeepEP-like node dispatch in FP8, TP attention
+    folded in the node, SAR): on the pipeline's steady-state pair both hops of the combine's
+    gradient open the pair, both hops of the dispatch's gradient (and the routing weights') and
+    SAR's re-sent dispatch sit in the MLP phase, the attention's backward in the last."""
+    from moegraph.passes import run_pipeline
+    from moegraph.schedules.pipeline_price import steady_pair
+    g = trace_model(load_model("deepseek-v3"), Strategy("tp", "ep", "a2a", 16, ep_nodes=2, attn_nodes=8), batch=8, seq=256)
+    g, _ = run_pipeline(g, "gate-reorder,compress=ep-fp8,sar=paper", cost=COST)
+    p = build_problem(steady_pair(g), COST)
+    _, stage, _ = _pair_parts(p)
+    st = {t.name: stage[t.index] for t in p.tasks}
+    expect = {"mb0.node_combine_a2a.bwd": 0, "mb0.combine_a2a.bwd": 0,
+              "mb0.node_a2a.re": 1, "mb0.dispatch_a2a.re": 1, "mb0.fc1.dgrad": 1, "mb0.dispatch_a2a.bwd": 1,
+              "mb0.node_a2a.bwd": 1, "mb0.gate_weights_a2a.bwd": 1, "mb0.node_weights_a2a.bwd": 1,
+              "mb0.attn_rs.bwd": 2, "mb0.attention.dgrad": 2,
+              "mb1.attn_rs": 0, "mb1.node_a2a": 1, "mb1.fc1": 1, "mb1.node_combine_a2a": 2}
+    assert {k: st[k] for k in expect} == expect
+
+
 @pytest.mark.parametrize("name", sorted(MICROBATCH_BASELINES))
 def test_paired_baselines_run_one_pair_at_a_time(name):
     p = build_problem(_merged(3, layers=2), COST)
