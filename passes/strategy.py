@@ -73,7 +73,9 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     k/n * bsh for a2a vs bsh for ag-rs, at a2a's lower link efficiency, plus the n-fold router
     and permute work of ag-rs). With ffn='tp' only 'ag-rs' is valid. A group that spans whole
     nodes of the cost model's gpus_per_node (n a multiple, at least 2 nodes) also tries the
-    node-spanning all-to-all (ep_nodes = n / gpus_per_node; the report's ``ep_nodes``).
+    node-spanning all-to-all (ep_nodes = n / gpus_per_node; the report's ``ep_nodes``), where a
+    folded attention's groups lie within those nodes (attn_nodes a multiple of them). With
+    ep_nodes > 1 or attn_nodes > 1 only the all-to-all is valid: 'auto' keeps it.
 
     Invariant: the same function (both dispatches route every token to the same experts);
     activation memory may differ (the choice is made on time).
@@ -88,17 +90,21 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
     def run(graph: Graph) -> PassResult:
         require_unrewritten(graph, me)
         valid = valid_dispatches(graph.strategy.ffn)
-        if graph.strategy.ep_nodes > 1:      # the hierarchical dispatch is an all-to-all's
+        # the node-spanning dispatch, and an attention folded onto b/N rows (whose experts take tokens
+        # from every rank's own rows), are an all-to-all's
+        pinned = [f"{f}={getattr(graph.strategy, f)}" for f in ("ep_nodes", "attn_nodes") if getattr(graph.strategy, f) > 1]
+        if pinned:
             if choice == "ag-rs":
-                raise ValueError(f"dispatch='ag-rs' with ep_nodes={graph.strategy.ep_nodes}: the node-spanning "
-                                 "dispatch is an all-to-all (use dispatch=a2a, or ep_nodes=1)")
+                raise ValueError(f"dispatch='ag-rs' with {' and '.join(pinned)}: these need the all-to-all "
+                                 f"(use dispatch=a2a, or set {' and '.join(p.split('=')[0] for p in pinned)} to 1)")
             valid = ("a2a",)
         if choice != "auto" and choice not in valid:
             raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
         variants = {c: {"dispatch": c} for c in (valid if choice == "auto" else (choice,))}
         n, per_node = graph.strategy.n, cost.hw.gpus_per_node if cost else 0
         if choice == "auto" and "a2a" in variants and graph.strategy.ep_nodes == 1 and per_node >= 2 \
-                and n % per_node == 0 and n // per_node >= 2:
+                and n % per_node == 0 and n // per_node >= 2 \
+                and (graph.strategy.attn_nodes == 1 or graph.strategy.attn_nodes % (n // per_node) == 0):
             variants[f"a2a ep_nodes={n // per_node}"] = {"dispatch": "a2a", "ep_nodes": n // per_node}
         lowered = {k: graph if all(getattr(graph.strategy, f) == v for f, v in kw.items()) else relower(graph, **kw)
                    for k, kw in variants.items()}

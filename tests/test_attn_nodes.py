@@ -15,6 +15,7 @@ from moegraph.config import CompileConfig
 from moegraph.cost import CostModel
 from moegraph.interpreter import interpret
 from moegraph.ir import ConfigError, OpKind, Role, Strategy
+from moegraph.pass_steps import Dispatch
 from moegraph.passes import run_pipeline
 from moegraph.registry import load_hardware
 from moegraph.schedules.driver import lower
@@ -81,6 +82,25 @@ def test_a_gqa_model_spans_more_ranks_than_it_has_kv_heads():
     sharded = {p for p, spec in g.params if spec.shard_dim is not None and spec.shard_ranks == 4}
     assert sharded and {nd.name.removesuffix(".grad_attn_dp_allreduce") for nd in summed} == sharded
     assert {(nd.op, nd.group, H100.scope(nd)) for nd in summed} == {(OpKind.ALL_REDUCE, 8, "inter")}
+
+
+def test_dispatch_auto_keeps_the_all_to_all_a_folded_attention_needs():
+    """A folded attention's experts take tokens from every rank's own rows: only the all-to-all
+    can carry them. dispatch=auto keeps it (and tries the node-spanning all-to-all only where each
+    attention group lies within one of its nodes); dispatch=ag-rs is refused in one line naming the
+    field. Until 2026-11-28 'auto' tried ag-rs and its re-lowering failed the whole compile."""
+    config = dict(model="qwen3-235b-a22b", batch=8, seq=4096, hardware="h100")
+    strategy = Strategy("tp", "ep", "a2a", 32, attn_nodes=8)
+    out = lower(CompileConfig(strategy=strategy, passes=(Dispatch("auto"),), **config))
+    report = out.report["dispatch"]
+    assert report["chosen"] == "a2a" and set(report["predicted_us"]) == {"a2a", "a2a ep_nodes=4"}
+    assert out.graph.strategy.attn_nodes == 8 and out.graph.strategy.ep_nodes == report["ep_nodes"]
+    # n = 4 lies within one node: only the flat all-to-all
+    g = trace_module(small_layer(4), Strategy("tp", "ep", "a2a", 4, attn_nodes=2), batch=B, seq=S)
+    _, rep = run_pipeline(g, "dispatch=auto", cost=H100)
+    assert set(rep["dispatch"]["predicted_us"]) == {"a2a"}
+    with pytest.raises(Exception, match="dispatch='ag-rs' with attn_nodes=2: these need the all-to-all"):
+        run_pipeline(g, "dispatch=ag-rs", cost=H100)
 
 
 def test_the_attention_on_the_node_leaves_the_nics_to_the_experts():

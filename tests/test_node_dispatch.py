@@ -94,7 +94,7 @@ def test_dispatch_auto_keeps_the_all_to_all_when_it_spans_nodes():
     g = trace_model(load_model("mixtral-8x7b"), Strategy("sp", "ep", "a2a", 8, ep_nodes=2), batch=1, seq=8192)
     out, report = run_pipeline(g, "dispatch=auto", cost=H800)
     assert report["dispatch"]["chosen"] == "a2a" and out.strategy.ep_nodes == 2
-    with pytest.raises(Exception, match="dispatch='ag-rs' with ep_nodes=2"):
+    with pytest.raises(Exception, match="dispatch='ag-rs' with ep_nodes=2: these need the all-to-all"):
         run_pipeline(g, "dispatch=ag-rs", cost=H800)
 
 
