@@ -191,8 +191,9 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
         raise ConfigError(f"tune ranks every candidate against the {base_name} baseline, which cannot split "
                           f"this layer over n={n}: {err}") from None
     if base_config.strategy.attn_nodes > 1:
-        say(f"n={n} cannot split the attention (kv_heads={model.kv_heads}): the baseline is {base_name}, the "
-            f"attention's TP on n/{base_config.strategy.attn_nodes} ranks and the experts over all n")
+        say(f"n={n} cannot split the attention (heads={model.heads}, kv_heads={model.kv_heads}, s={seq}): the "
+            f"baseline is {base_name}, the attention's TP on n/{base_config.strategy.attn_nodes} ranks and the "
+            f"experts over all n")
     rows: list[dict] = []
     cands = candidates(model, n, seq, dtype, hw.gpus_per_node, batch)
     for i, cand in enumerate(cands, 1):
