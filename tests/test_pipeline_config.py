@@ -219,3 +219,16 @@ def test_tune_ranks_strategies_by_the_predicted_pipeline_step(capsys, tmp_path):
     assert steps == sorted(steps) and res["best"] == rows[0]
     assert res["best"]["speedup"] == pytest.approx(res["baseline"]["step_us"] / res["best"]["step_us"], rel=1e-3)
     assert len(read_csv(out)) == 2 and (tmp_path / "best.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_tune_pp_ranks_a_gqa_layer_against_its_folded_baseline(capsys, tmp_path):
+    """small has 4 kv heads: over n = 8 its attention folds onto 4 ranks (attn_nodes = 2) in the
+    baseline and in every candidate, and the pipeline step is ranked against that baseline."""
+    assert main(["tune", "--model", "small", "--n", "8", "--batch", "2", "--seq", "64", "--dtype", "fp32", "--pp", "2",
+                 "--micro-batches", "4", "--time-limit", "0.5", "--refine", "1", "-o", str(tmp_path / "b.csv"),
+                 "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["baseline"]["strategy"] == "tp+ep sequential (attention folded: attn_nodes=2)"
+    assert res["candidates"] and {r["strategy"]["attn_nodes"] for r in res["candidates"]} == {2}
+    assert res["best"]["speedup"] == pytest.approx(res["baseline"]["step_us"] / res["best"]["step_us"], rel=1e-3)
