@@ -84,10 +84,13 @@ def test_calibrated_cost_model_reproduces_its_gemm_measurements(short_run):
     assert len(gemms) >= 2                                   # gemm runs at least two cases, budget or not
     ratio = lambda model, s: model.node_time_us(_gemm_node(s)) / 1e6 / s.seconds  # noqa: E731
     ratios = {s.label: ratio(CostModel(hw), s) for s in gemms}
-    # Each case within 2x: the efficiency curve is one-dimensional in FLOPs, and on a CPU a 16-row
+    # Each case within 3x: the efficiency curve is one-dimensional in FLOPs, and on a CPU a 16-row
     # GEMM runs near half the rate of a square one of equal FLOPs (seen: 0.65 and 1.25 in one bin),
-    # which the GPU tile shape factor does not describe. Across cases the fit is unbiased.
-    assert all(1 / 2 < r < 2 for r in ratios.values()), ratios
+    # which the GPU tile shape factor does not describe: 'forward 16x512x1024' sits at 0.61-0.62
+    # (3 runs beside one busy core, 2026-11-28, the others 0.69-1.45). CI runs this beside a second
+    # shard spawning its own ranks; there a 2x bound failed once (2026-11-28), the slow 16-row
+    # case's timing slowed further. Across cases the fit is unbiased.
+    assert all(1 / 3 < r < 3 for r in ratios.values()), ratios
     assert 1 / 1.15 < statistics.geometric_mean(ratios.values()) < 1.15, ratios
     # the check can fail: a profile claiming a tenth of the peak misprices the largest case
     wrong = CostModel(dataclasses.replace(hw, peak_flops_bf16=hw.peak_flops_bf16 / 10))
