@@ -17,13 +17,21 @@ SDPA's math backend; copies are a fixed function of their inputs, so any differe
 missed wait or a reused buffer). The timed steps run the default SDPA backend, whose backward is
 not bit-reproducible: a last line gives their largest difference to sequential, for comparison.
 
+One hardware queue (``--launch-order program``, run under ``CUDA_DEVICE_MAX_CONNECTIONS=1``): the
+overlapped plans are scheduled for one queue fed in program order (moegraph.schedules.launch: a
+kernel starts only after every kernel launched before it has started) and issue in that order, so
+their predicted steps are the launch-order model's, checked against the GPU's own single queue
+(issue 29). The header says which launch order and connection count ran.
+
     python benchmarks/gpu_overlap.py                            # CUDA
     python benchmarks/gpu_overlap.py --comm-us 1000 --json out.json
+    CUDA_DEVICE_MAX_CONNECTIONS=1 python benchmarks/gpu_overlap.py --launch-order program
     python benchmarks/gpu_overlap.py --device cpu --tiny        # smoke test (no sleep, no overlap on CPU)
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -55,6 +63,7 @@ class Setup:
     comm_us: float
     time_limit_s: float
     json_path: Path | None
+    launch_order: str = "free"
 
 
 def parse(argv: list[str] | None) -> Setup:
@@ -67,6 +76,9 @@ def parse(argv: list[str] | None) -> Setup:
                    help="microseconds each emulated collective lasts (CUDA; default %(default)s)")
     p.add_argument("--time-limit", type=positive_float, default=None, help="cpsat seconds (default 10, tiny 2)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    p.add_argument("--launch-order", choices=("free", "program"), default="free",
+                   help="free: a hardware queue per stream; program: one queue fed in program order, as "
+                        "CUDA_DEVICE_MAX_CONNECTIONS=1 makes it (the overlapped plans are scheduled for it)")
     args = p.parse_args(argv)
     try:
         check_device(args.device)
@@ -74,7 +86,7 @@ def parse(argv: list[str] | None) -> Setup:
     except UsageError as err:
         p.exit(2, f"gpu_overlap.py: error: {err}\n")
     return Setup(args.device, args.tiny, args.steps or (2 if args.tiny else 10), args.warmup, args.comm_us,
-                 args.time_limit or (2.0 if args.tiny else 10.0), json_path)
+                 args.time_limit or (2.0 if args.tiny else 10.0), json_path, args.launch_order)
 
 
 def run(setup: Setup) -> tuple[Any, list[dict[str, Any]], dict[str, float]]:
@@ -84,7 +96,7 @@ def run(setup: Setup) -> tuple[Any, list[dict[str, Any]], dict[str, float]]:
     if setup.device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     rg = EmulatedRankGraph(TINY_SIZES if setup.tiny else GPU_SIZES, setup.device, comm_us=setup.comm_us)
-    plans = {m: rg.plan(m, time_limit_s=setup.time_limit_s) for m in PLANS}
+    plans = {m: rg.plan(m, time_limit_s=setup.time_limit_s, launch_order=setup.launch_order) for m in PLANS}
     execs = {m: rg.executor(plan) for m, plan in plans.items()}
     last: dict[str, Any] = {}
     for _ in range(setup.warmup):
@@ -133,7 +145,9 @@ def main(argv: list[str] | None = None) -> int:
           f"h={z.h} f={z.f} experts={z.experts} k={z.k} fp32; {len(rg.graph.nodes)} nodes, {comm} emulated collectives; "
           f"each {setup.comm_us:g} us ({rg.sleep_cycles()} sleep cycles; the CPU path does not sleep); plans priced "
           f"on {rg.cost.hw.name} at fp32, grouped GEMMs {'masked' if rg.masked else 'native'}")
-    print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} warm-up")
+    connections = os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "unset (8)")
+    print(f"# device {device}, torch {torch.__version__}; {setup.steps} steps interleaved after {setup.warmup} warm-up; "
+          f"launch order {setup.launch_order}, CUDA_DEVICE_MAX_CONNECTIONS={connections}")
     print(markdown_table(rows, COLUMNS))
     best = max(r["hidden_comm_fraction"] for r in rows if r["plan"] != "sequential")
     print(f"# best hidden comm fraction {best:.2f} (bar: >= {BAR:.2f}); "
@@ -142,7 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     print("# timed steps (default SDPA backend) vs sequential, max |diff|: "
           + ", ".join(f"{m} {d:.3g}" for m, d in default_diff.items()))
     if setup.json_path is not None:
-        write_json(setup.json_path, {"device": device, "torch": torch.__version__,
+        write_json(setup.json_path, {"device": device, "torch": torch.__version__, "launch_order": setup.launch_order,
+                                     "cuda_device_max_connections": connections,
                                      "comm_us": setup.comm_us, "sleep_cycles": rg.sleep_cycles(), "sizes": asdict(z),
                                      "rows": rows, "default_backend_max_diff": default_diff})
     return 0

@@ -340,14 +340,16 @@ class EmulatedRankGraph:
         self.x = torch.randn(shard, generator=gen).to(self.device)
         self.dy = torch.randn(shard, generator=gen).to(self.device)
 
-    def plan(self, schedule: str, *, time_limit_s: float = 10.0) -> Any:
+    def plan(self, schedule: str, *, time_limit_s: float = 10.0, launch_order: str = "free") -> Any:
+        """``launch_order``: 'free' (a hardware queue per stream) or 'program' (one queue, as under
+        CUDA_DEVICE_MAX_CONNECTIONS=1: the plan is scheduled for it, and issues in its order)."""
         from moegraph.runtime.module import make_plan
         from moegraph.runtime.plan import ExecutionPlan
         if schedule == "sequential":
             return ExecutionPlan.sequential(self.graph)
         # scheduled with the emulation's cost model (EmulatedCost: every collective lasts comm_us),
         # which the driver's profile-priced build cannot take: the graph-level planner
-        return make_plan(self.graph, self.cost, schedule, time_limit_s=time_limit_s)
+        return make_plan(self.graph, self.cost, schedule, time_limit_s=time_limit_s, launch_order=launch_order)
 
     def predicted_hidden_fraction(self, plan: Any) -> float | None:
         """The share of comm time the plan's own schedule overlaps with compute, measured on its

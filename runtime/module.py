@@ -55,6 +55,7 @@ from moegraph.runtime.trace import StepRecorder, StepTrace
 from moegraph.token_layout import shard_tokens, unshard_tokens
 
 if TYPE_CHECKING:
+    from moegraph.config import LaunchOrder
     from moegraph.schedules.driver import Lowered
     from moegraph.schedules.schedule_file import Schedule
 
@@ -402,10 +403,13 @@ def _attr_name(pname: str, taken) -> str:
 # -- the pipeline --------------------------------------------------------------------------------
 
 def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | ExecutionPlan" = "cpsat", *, memory_budget: int | None = None,
-              time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,)) -> ExecutionPlan:
+              time_limit_s: float = 10.0, comm_streams: Sequence[str] = (COMM,),
+              launch_order: "LaunchOrder" = "free") -> ExecutionPlan:
     """An ExecutionPlan of a lowered graph from a method name (scheduled by
     ``moegraph.schedules.compile_graph``: for tests and benchmarks that build graphs by hand;
-    the front doors compile a CompileConfig with the driver), a Schedule, or a plan (checked)."""
+    the front doors compile a CompileConfig with the driver), a Schedule, or a plan (checked).
+    ``launch_order`` (a method name only): one hardware queue fed in that order
+    (moegraph.schedules.launch); the plan's issue order, its predicted start order, follows it."""
     if isinstance(schedule, ExecutionPlan):
         return check_plan(graph, schedule)
     if not isinstance(schedule, str):
@@ -414,7 +418,7 @@ def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | Executi
     if schedule not in METHODS + MICROBATCH_METHODS:
         raise PlanError(f"schedule {schedule!r} is not one of {', '.join(METHODS + MICROBATCH_METHODS)}")
     result = compile_graph(graph, cost, memory_budget_bytes=memory_budget, time_limit_s=time_limit_s,
-                           comm_streams=tuple(comm_streams), method=schedule)
+                           comm_streams=tuple(comm_streams), method=schedule, launch_order=launch_order)
     return ExecutionPlan.from_schedule(graph, result.schedule, method=schedule)
 
 

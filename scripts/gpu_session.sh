@@ -31,15 +31,15 @@ STAMP=$(date -u +%Y-%m-%d)
 
 # per-part limits (seconds): hang guards, not estimates. The limits of one call's steps, the
 # install's included, sum to at most 575 s of a device call's 600 (tests 60+240+240, bench
-# 60+360+150, calibrate 60+3x(100+30); `all` 30+60+45+110+110+60+50+80+30, which measured 4+13+37+33
-# +14+20+12 s on the H200 in the first session and 6+17+69+55+23+19+33 s in the fifth: the GPU
-# tests grew with the calibration test's layer graph). CAL_BUDGET (calibrate's --time-budget) may be set lower by the caller
-# when device time runs short.
-T_INSTALL=60
+# 60+360+3x50, calibrate 60+3x(100+30); `all` 30+50+35+100+100+60+50+40+80+30, where the steps
+# before the one-queue overlap run measured 4+13+37+33+14+20+12 s on the H200 in the first session
+# and 6+17+69+55+23+19+33 s in the fifth: the GPU tests grew with the calibration test's layer
+# graph). CAL_BUDGET (calibrate's --time-budget) may be set lower by the caller when device time
+# runs short.
 if [ "$PART" = all ]; then
-    T_ENV=45 T_TESTS=220 T_LAYER=60 T_OVERLAP=50 CAL_BUDGET=${CAL_BUDGET:-80}
+    T_INSTALL=50 T_ENV=35 T_TESTS=200 T_LAYER=60 T_OVERLAP=50 T_OVERLAP_1Q=40 CAL_BUDGET=${CAL_BUDGET:-80}
 else
-    T_ENV=150 T_TESTS=480 T_LAYER=360 T_OVERLAP=150 CAL_BUDGET=${CAL_BUDGET:-100}   # calibrate: 3 runs
+    T_INSTALL=60 T_ENV=150 T_TESTS=480 T_LAYER=360 T_OVERLAP=50 T_OVERLAP_1Q=50 CAL_BUDGET=${CAL_BUDGET:-100}   # calibrate: 3 runs
 fi
 T_CAL=$((CAL_BUDGET + 30))
 
@@ -89,6 +89,15 @@ part_bench() {
     local rc=0
     step "gpu_layer" gpu_layer.md "$T_LAYER" "$PY" benchmarks/gpu_layer.py --json "$OUT/gpu_layer.json" || rc=$?
     step "gpu_overlap" gpu_overlap.md "$T_OVERLAP" "$PY" benchmarks/gpu_overlap.py --json "$OUT/gpu_overlap.json" || rc=$?
+    # one hardware queue (issue 29's launch order): the same plans issued in their start order,
+    # which the launch-order model says costs them nothing; its log appended (no ninth file). Alone,
+    # also the plans scheduled for one queue fed in program order (--launch-order program)
+    step "gpu_overlap, one queue" gpu_overlap.md "$T_OVERLAP_1Q" env CUDA_DEVICE_MAX_CONNECTIONS=1 \
+        "$PY" benchmarks/gpu_overlap.py || rc=$?
+    if [ "$PART" != all ]; then
+        step "gpu_overlap, one queue, program order" gpu_overlap.md "$T_OVERLAP_1Q" env CUDA_DEVICE_MAX_CONNECTIONS=1 \
+            "$PY" benchmarks/gpu_overlap.py --launch-order program || rc=$?
+    fi
     return $rc
 }
 

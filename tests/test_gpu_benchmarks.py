@@ -86,3 +86,30 @@ def test_gpu_overlap_tiny_cpu_smoke(capsys):
     assert float(rows[0]["hidden_comm_fraction"]) < 0.05 and float(rows[0]["predicted_hidden"]) == 0
     # the overlapped plans are predicted below every node run alone in turn (sequential)
     assert all(float(r["predicted_ms"]) < float(rows[0]["predicted_ms"]) for r in rows[1:])
+
+
+def test_gpu_overlap_one_queue_plans_follow_the_program_order(capsys):
+    """--launch-order program: the overlapped plans are scheduled for one hardware queue fed in
+    program order (what CUDA_DEVICE_MAX_CONNECTIONS=1 makes of the issue order): no faster than the
+    same plans with a queue per stream, issued in that order, and the header says so."""
+    from moegraph.runtime.emulated import TINY_SIZES, EmulatedRankGraph
+    from moegraph.schedules.launch import launch_sequence
+    from moegraph.schedules.problem import build_problem
+    mod = _load("gpu_overlap")
+    predicted = {}
+    for order in ("free", "program"):
+        assert mod.main(["--device", "cpu", "--tiny", "--time-limit", "1", "--launch-order", order]) == 0
+        out = capsys.readouterr().out
+        assert f"launch order {order}, CUDA_DEVICE_MAX_CONNECTIONS=" in out
+        _, rows = _table(out)
+        predicted[order] = {r["plan"]: float(r["predicted_ms"]) for r in rows}
+    assert predicted["program"]["sequential"] == predicted["free"]["sequential"]
+    assert all(predicted["program"][m] >= predicted["free"][m] - 1e-9 for m in ("greedy", "cpsat"))
+    rg = EmulatedRankGraph(TINY_SIZES, "cpu")
+    plan = rg.plan("greedy", time_limit_s=1, launch_order="program")
+    problem = build_problem(rg.graph, rg.cost)
+    launched = [problem.tasks[i].name for i in launch_sequence(problem, "program") if problem.tasks[i].max_ticks > 0]
+    issued = [e.name for e in plan.entries if e.name in set(launched)]
+    fwd = {t.name for t in problem.tasks if t.side == 0}
+    # the plan issues its forward, then its backward (the barrier), each in the launch order
+    assert issued == [x for x in launched if x in fwd] + [x for x in launched if x not in fwd]
