@@ -92,11 +92,12 @@ def dispatch(arg: str | None = None, cost: CostModel | None = None) -> Pass:
         valid = valid_dispatches(graph.strategy.ffn)
         # the node-spanning dispatch, and an attention folded onto b/N rows (whose experts take tokens
         # from every rank's own rows), are an all-to-all's
-        pinned = [f"{f}={getattr(graph.strategy, f)}" for f in ("ep_nodes", "attn_nodes") if getattr(graph.strategy, f) > 1]
+        pinned = [f for f in ("ep_nodes", "attn_nodes") if getattr(graph.strategy, f) > 1]
         if pinned:
             if choice == "ag-rs":
-                raise ValueError(f"dispatch='ag-rs' with {' and '.join(pinned)}: these need the all-to-all "
-                                 f"(use dispatch=a2a, or set {' and '.join(p.split('=')[0] for p in pinned)} to 1)")
+                given = " and ".join(f"{f}={getattr(graph.strategy, f)}" for f in pinned)
+                raise ValueError(f"dispatch='ag-rs' with {given}: these need the all-to-all "
+                                 f"(use dispatch=a2a, or set {' and '.join(pinned)} to 1)")
             valid = ("a2a",)
         if choice != "auto" and choice not in valid:
             raise ValueError(f"dispatch={choice!r} needs ffn='ep' (ffn={graph.strategy.ffn!r}: only 'ag-rs')")
