@@ -85,6 +85,7 @@ class EdgeHead:
                  and no node).
     softcap:     the logits, after the scale, soft-capped to c * tanh(logits / c) (Beam's
                  ``final_logit_softcapping`` c; None: none, and no node).
+    offset:      an RMSNorm scaling by offset + weight (Gemma's 1 + weight: MiniMax-M3's); 0: weight.
     The default is the plain RMSNorm -> head of most families."""
 
     norm: FinalNorm = "rms"
@@ -92,6 +93,7 @@ class EdgeHead:
     bias: bool = False
     logit_scale: float = 1.0
     softcap: float | None = None
+    offset: float = 0.0
 
     def __post_init__(self):
         if self.norm not in ("rms", "layer"):
@@ -110,6 +112,9 @@ class EdgeHead:
         if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c)
                               or not c > 0):
             raise ValueError(f"EdgeHead.softcap={c!r} must be None or a finite number > 0")
+        o = self.offset
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or (o and self.norm != "rms"):
+            raise ValueError(f"EdgeHead.offset={o!r} must be a finite number, nonzero only on an RMSNorm")
 
     @property
     def norm_params(self) -> int:

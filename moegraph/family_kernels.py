@@ -175,8 +175,8 @@ def _norm_fwd(node: Node, x: torch.Tensor, w: torch.Tensor | None = None):
     if kind == "layer":
         return layer_norm(x, w, eps)
     if kind == "head_rms":
-        d = node.attr("group")
-        return rms_norm(x.unflatten(-1, (-1, d)), w, eps).flatten(-2)
+        d, offset = node.attr("group"), node.attr("offset", 0.0)
+        return rms_norm(x.unflatten(-1, (-1, d)), w + offset if offset else w, eps).flatten(-2)
     if kind == "l2":
         d = node.attr("group")
         xf = x.unflatten(-1, (-1, d)).float()

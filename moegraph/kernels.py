@@ -190,7 +190,7 @@ def _swiglu_fwd(a, b):
 
 def _k_rmsnorm(ctx, node, ins, shapes):
     x, w = ins
-    return [rms_norm(x, w, node.typed.eps)]
+    return [rms_norm(x, w + node.typed.offset if node.typed.offset else w, node.typed.eps)]
 
 
 def _k_gemm(ctx, node, ins, shapes):
@@ -335,7 +335,7 @@ def _rmsnorm_sharded_fwd(node: Node, x, w, ss):
     """RMSNorm of a row split across ranks: ss is the all-reduced sum of squares of the whole row
     (width elements), so every rank normalises its slice by the full row's RMS."""
     r = torch.rsqrt(ss / node.typed.width + node.typed.eps)
-    return w * (x.float() * r).to(x.dtype)
+    return (w + node.typed.offset if node.typed.offset else w) * (x.float() * r).to(x.dtype)
 
 
 def _k_square_sum(ctx, node, ins, shapes):
@@ -422,7 +422,7 @@ def _k_rmsnorm_dgrad(ctx, node, ins, shapes):
     x, w, dy = ins
     xf = x.float()
     r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + node.typed.eps)
-    xhat, g = xf * r, dy.float() * w.float()
+    xhat, g = xf * r, dy.float() * (w.float() + node.typed.offset)
     return [(r * (g - xhat * (g * xhat).mean(-1, keepdim=True))).to(x.dtype)]
 
 

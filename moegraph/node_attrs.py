@@ -142,6 +142,7 @@ class AttentionAttrs(NodeAttrs):
 @dataclass(frozen=True, kw_only=True)
 class RmsNormAttrs(NodeAttrs):
     eps: float
+    offset: float = 0.0                  # the scale is offset + weight (Gemma's 1 + weight)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -225,6 +226,7 @@ class AddAttrs(NodeAttrs):
 class RmsNormShardedAttrs(NodeAttrs):
     eps: float
     width: int                           # the whole row's width, across ranks
+    offset: float = 0.0                  # as RmsNormAttrs'
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -246,6 +248,7 @@ class NormAttrs(NodeAttrs):
     kind: NormKind
     eps: float
     group: int | None = None             # head_rms, l2: the head width each norm covers
+    offset: float = 0.0                  # head_rms: the scale is offset + weight (Gemma's 1 + weight)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -465,8 +465,9 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
     for i, m in enumerate(layers):
         try:
             programs.append(extract_program(m))
-        except LoweringError as err:
-            raise LoweringError(f"layer {i}: {err}") from None
+        except LoweringError as err:          # named once: some rules name their layer already
+            said = str(err).startswith(f"layer {i}: ")
+            raise LoweringError(str(err) if said else f"layer {i}: {err}") from None
     distinct: list[LayerProgram] = []
     pattern = []
     for p in programs:

@@ -55,7 +55,7 @@ def final_norm(y: torch.Tensor, params: torch.Tensor, head: EdgeHead) -> torch.T
     if params.shape[0] != head.norm_params * h or head.eps is None:
         raise RuntimeFailure(f"final norm parameters [{params.shape[0]}] for {head} of width {h} (a runtime bug)")
     if head.norm == "rms":
-        return rms_norm(y, params, head.eps)
+        return rms_norm(y, params + head.offset if head.offset else params, head.eps)
     if head.norm == "layer":
         out = layer_norm(y, params[:h], head.eps)
         return out + params[h:] if head.bias else out

@@ -40,6 +40,15 @@ class OnePlusRMSNorm(mx.MixtralRMSNorm):
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (1 + self.weight)
 
 
+class HalfPlusRMSNorm(mx.MixtralRMSNorm):
+    """x * (0.5 + w): an offset the norm reading does not know (it finds Gemma's 1 + w by running the
+    norm, and reads anything else as a plain RMSNorm, which the numerical check then refuses)."""
+
+    def forward(self, x):
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)) * (0.5 + self.weight)
+
+
 class NoisyRouter(mx.MixtralTopKRouter):
     """A router that shifts its input before scoring."""
 

@@ -74,6 +74,41 @@ def test_olmoe_qk_norm_reduces_across_ranks_only_under_attention_tp(attn, n):
         assert not reduced and sum(nd.op is OpKind.RMSNORM for nd in fwd) == 3    # input norm, q, k
 
 
+def _gemma_normed_olmoe_layer(seed: int):
+    """OLMoE's layer with every RMSNorm (input, post-attention, the full-width q and k norms) swapped
+    for a Gemma-style one, which scales by 1 + weight (MiniMax-M3's class)."""
+    from transformers.models.minimax_m3_vl.modeling_minimax_m3_vl import MiniMaxM3VLRMSNorm
+    layer, call = workers.olmoe_layer(seed)
+    gen = torch.Generator().manual_seed(seed)
+    for owner, name in ((layer, "input_layernorm"), (layer, "post_attention_layernorm"),
+                        (layer.self_attn, "q_norm"), (layer.self_attn, "k_norm")):
+        old = getattr(owner, name)
+        norm = MiniMaxM3VLRMSNorm(old.weight.shape[0], eps=old.variance_epsilon)
+        with torch.no_grad():
+            norm.weight.normal_(0, 0.2, generator=gen)
+        setattr(owner, name, norm)
+    return layer, call
+
+
+@pytest.mark.parametrize("attn,n", [("tp", 2), ("sp", 2), ("tp", 1)])
+def test_gemma_style_norms_scale_by_one_plus_weight_on_every_norm_path(attn, n, rng):
+    """A norm scaling by 1 + weight lowers with offset 1 on each of its paths (the whole-row RMSNORM,
+    OLMoE's q/k norm split across ranks under attention tp: RMSNORM_SHARDED) and matches eager;
+    read as a plain RMSNorm (offset 0) every output would be off by the missing x / rms(x)."""
+    layer, call = _gemma_normed_olmoe_layer(_seed(rng))
+    graph = check(layer, call, Strategy(attn, "ep", "a2a", n, dtype="fp32"), rng)
+    norms = [nd for nd in graph.nodes if nd.op in (OpKind.RMSNORM, OpKind.RMSNORM_SHARDED)]
+    assert norms and all(nd.attr("offset") == 1.0 for nd in norms)
+    assert any(nd.op is OpKind.RMSNORM_SHARDED for nd in norms) == (attn == "tp" and n > 1)
+
+
+def test_a_plain_rmsnorm_carries_no_offset():
+    layer, _ = workers.olmoe_layer(0)
+    g = trace_module(layer, Strategy("tp", "ep", "a2a", 2), batch=B, seq=S)
+    norms = [nd for nd in g.nodes if nd.op in (OpKind.RMSNORM, OpKind.RMSNORM_SHARDED)]
+    assert norms and not any(nd.attr("offset", None) is not None for nd in norms)
+
+
 @pytest.mark.parametrize("attn,ffn,dispatch", [("sp", "ep", "a2a"), ("tp", "tp", "ag-rs")])
 def test_qwen2_moe_through_the_default_passes_and_chunks(attn, ffn, dispatch, rng):
     layer, call = workers.qwen2_moe_layer(_seed(rng))

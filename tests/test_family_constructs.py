@@ -87,14 +87,15 @@ def test_mistral4_query_scale_by_position_refuses_beyond_where_it_is_one():
 @pytest.mark.parametrize("family,message", [
     ("longcat_flash", r"^layer 0: 'self_attn' \(ModuleList\): 2 attention sublayers \(LongcatFlashMLA\) in one "
                       r"decoder layer .* are not modelled: one attention block per layer is$"),
-    ("minimax_m3_vl", r"^layer 0: 'mlp\.shared_experts' \(MiniMaxM3VLDenseMLP\): a gated MLP without gate_proj, "
-                      r"up_proj \(it holds gate_up_proj, down_proj; its forward clamps by swiglu_limit\) is not "
-                      r"modelled"),
+    ("minimax_m3_vl", r"^layer 0: minimax m3 sparse \(config\.layer_types\[0\]='minimax_m3_sparse'\) is not "
+                      r"modelled$"),
 ])
 def test_constructs_next_to_the_modelled_set_refuse_by_name(family, message):
-    """LongCat-Flash's two attention sublayers per layer, MiniMax-M3's fused, clamped shared expert."""
+    """LongCat-Flash's two attention sublayers per layer; MiniMax-M3's sparse attention layers (its
+    indexer picks the keys; its dense layers compile: tests/test_family_zoo.py)."""
     _need(family)
-    model = tiny_model(family, LMS[family])
+    over = {"layer_types": ["minimax_m3_sparse", "full_attention"]} if family == "minimax_m3_vl" else {}
+    model = tiny_model(family, LMS[family], **over)
     with pytest.raises(LoweringError, match=message):
         trace_causal_lm(model, Strategy("sp", "ep", "a2a", 1, dtype="fp32"), batch=2, seq=16)
 

@@ -35,7 +35,8 @@ COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie
             "flint", "glm4_moe", "glm4_moe_lite", "gpt_oss", "granitemoe", "granitemoeshared", "hunyuan_v1_moe", "hy_v3",
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
-            "afmoe", "axk1", "granitemoe_swa", "dbrx", "mistral4")   # last: appending keeps the other families' strategies (COMBOS by index)
+            "afmoe", "axk1", "granitemoe_swa", "dbrx", "mistral4",
+            "minimax_m3_vl")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -95,8 +96,12 @@ MIXED = {
     "llama4": dict(num_hidden_layers=4, no_rope_layers=[1, 1, 1, 0], interleave_moe_layer_step=2,
                    layer_types=["chunked_attention"] * 3 + ["full_attention"]),
     "deepseek_v3": dict(num_hidden_layers=3, first_k_dense_replace=1),
+    # MiniMax-M3: a dense first layer whose MLP is one fused gate_up_proj with the clamped SwiGLU, as its
+    # shared experts; every norm Gemma's (scaled by 1 + weight)
+    "minimax_m3_vl": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
+                          layer_types=["full_attention"] * 3),
 }
-MIXED_KINDS = {"gpt_oss": (0, 1, 0, 1), "llama4": (0, 1, 0, 2), "deepseek_v3": (0, 1, 1)}
+MIXED_KINDS = {"gpt_oss": (0, 1, 0, 1), "llama4": (0, 1, 0, 2), "deepseek_v3": (0, 1, 1), "minimax_m3_vl": (0, 1, 1)}
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moegraph.ir import Strategy
+from moegraph.ir import OpKind, Role, Strategy
 from moegraph.lowering import LoweringError
 from moegraph.lowering.check import checked_count, layer_digest
 from moegraph.lowering.structural import structural_guard
@@ -26,7 +26,7 @@ from transformers.models.mixtral import modeling_mixtral as mx  # noqa: E402
 from transformers.models.qwen2_moe import modeling_qwen2_moe as qw  # noqa: E402
 
 import near_misses  # noqa: E402
-from near_misses import NoisyRouter, OnePlusRMSNorm, SharedExpertMoe  # noqa: E402
+from near_misses import HalfPlusRMSNorm, NoisyRouter, OnePlusRMSNorm, SharedExpertMoe  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 STRATEGY = Strategy("sp", "ep", "ag-rs", 2, dtype="fp32")
@@ -82,10 +82,24 @@ def test_a_shared_expert_the_block_does_not_describe_is_refused_at_the_block():
     assert "at 'mlp' (SharedExpertMoe), its output" in refusal(layer)
 
 
-def test_a_one_plus_w_rmsnorm_is_refused_at_the_norm():
+def test_an_rmsnorm_of_an_unknown_offset_is_refused_at_the_norm():
+    layer = mixtral()
+    layer.post_attention_layernorm = HalfPlusRMSNorm(64)
+    assert "at 'post_attention_layernorm' (HalfPlusRMSNorm), its output" in refusal(layer)
+
+
+def test_a_one_plus_w_rmsnorm_is_read_with_its_offset_and_passes_the_check():
+    """Gemma's 1 + w (MiniMax-M3's norms) is found by running the norm: the check, which refused it
+    before 2026-11-28, passes, and the norm node carries offset 1."""
     layer = mixtral()
     layer.post_attention_layernorm = OnePlusRMSNorm(64)
-    assert "at 'post_attention_layernorm' (OnePlusRMSNorm), its output" in refusal(layer)
+    torch.manual_seed(1)
+    for p in layer.parameters():
+        nn.init.normal_(p, std=0.2)
+    with structural_guard(False):
+        graph = trace_module(layer, STRATEGY, batch=1, seq=16)
+    offsets = {nd.name: nd.attr("offset", 0.0) for nd in graph.nodes if nd.op is OpKind.RMSNORM and nd.role is Role.FORWARD}
+    assert offsets == {"input_norm": 0.0, "post_attn_norm": 1.0}, offsets
 
 
 def test_a_norm_of_v_named_k_norm_is_refused_at_the_attention():

@@ -170,8 +170,7 @@ def emit_rmsnorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str
     h = g.shape(x)[-1]
     w = g.param(f"{name}.weight", (h,), ParamSpec((spec.weight,), shard_dim=None))
     y = g.like(out, x)
-    g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs={"eps": spec.eps},
-           module=module, block=block)
+    g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs=spec.attrs, module=module, block=block)
     return y
 
 
@@ -333,7 +332,8 @@ def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
             x_in = emit_all_gather(g, f"ln2_ag{c}", xj, f"ln2_out_ag{c}", dim=1, **kw)      # [b, nL, h]
             a = emit_gemm(g, f"fc1{c}", x_in, w1, f"fc1_out{c}", **kw)                       # [b, nL, f/n]
             u = emit_gemm(g, f"fc3{c}", x_in, w3, f"fc3_out{c}", **kw)
-            act = emit_glu(g, f"swiglu{c}", a, u, f"fc2_in{c}", spec.activation, kw)
+            act = emit_glu(g, f"swiglu{c}", a, u, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
+                           alpha=spec.swiglu_alpha)
             if g.strategy.n == 1:
                 outs.append(emit_gemm(g, f"fc2{c}", act, w2, name, alias_of=alias, **kw))
                 continue
@@ -472,7 +472,8 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
     w2 = rep(spec.w2, (h, f), f"{prefix}.w2")
     a = emit_gemm(g, f"{prefix}_fc1", x, w1, f"{prefix}_fc1_out", **kw)                     # [b, s/n, f_s]
     b = emit_gemm(g, f"{prefix}_fc3", x, w3, f"{prefix}_fc3_out", **kw)
-    act = emit_glu(g, f"{prefix}_swiglu", a, b, f"{prefix}_fc2_in", spec.activation, kw)
+    act = emit_glu(g, f"{prefix}_swiglu", a, b, f"{prefix}_fc2_in", spec.activation, kw, limit=spec.swiglu_limit,
+                   alpha=spec.swiglu_alpha)
     y = emit_gemm(g, f"{prefix}_fc2", act, w2, f"{prefix}_out", **kw)                        # [b, s/n, h]
     if spec.gate is None:
         return y

@@ -59,7 +59,7 @@ def emit_head_norm(g: GraphBuilder, spec: NormSpec | None, x: str, *, name: str,
         return y
     w = w or g.param(f"{name}.weight", (head_dim,), ParamSpec((spec.weight,), shard_dim=None))
     g.node(name, OpKind.NORM, (x, w), (y,), flops=4 * _numel(g, x),
-           attrs={"kind": "head_rms", "eps": spec.eps, "group": head_dim}, **kw)
+           attrs={"kind": "head_rms", "group": head_dim} | spec.attrs, **kw)
     return y
 
 
@@ -152,7 +152,7 @@ def emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, 
     """
     y = g.like(f"{name}_out", x)
     if g.shape(x)[-1] == width:
-        g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs={"eps": spec.eps}, **kw)
+        g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs=spec.attrs, **kw)
         return y
     rows = g.shape(x)[:-1]
     part = g.value(f"{name}_sumsq_part", (*rows, 1), dtype=WEIGHT_DTYPE)
@@ -161,7 +161,7 @@ def emit_width_norm(g: GraphBuilder, spec: NormSpec, x: str, name: str, w: str, 
     g.collective(f"{name}_allreduce", OpKind.ALL_REDUCE, (part,), (total,),
                  full_bytes=g.nbytes(part), flops=_numel(g, part), **kw)
     g.node(name, OpKind.RMSNORM_SHARDED, (x, w, total), (y,), flops=3 * _numel(g, x),
-           attrs={"eps": spec.eps, "width": width}, **kw)
+           attrs={"width": width} | spec.attrs, **kw)
     return y
 
 

@@ -381,7 +381,7 @@ def base_model(model: nn.Module) -> ModelSpec:
     norm = norm_spec(getattr(model, names.norm), names.norm)
     unused = {f"{qn}.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
               "(check_rotary compared them)" for qn, rotary in rotaries.items() for name, _ in rotary.named_buffers()}
-    head = EdgeHead(norm.kind, norm.eps, bias=norm.bias is not None)
+    head = EdgeHead(norm.kind, norm.eps, bias=norm.bias is not None, offset=norm.offset)
     return ModelSpec(embed=f"{names.embed}.weight", padding_idx=embed.padding_idx, layers=names.layers,
                      norm=norm.weight.qualname, norm_bias=norm.bias and norm.bias.qualname, edge_head=head, head=None, output=ModelOutput.HIDDEN, unused=unused)
 

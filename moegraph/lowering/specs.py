@@ -27,12 +27,24 @@ GateAct = Literal["sigmoid", "softplus"]
 @dataclass(frozen=True)
 class NormSpec:
     """RMSNorm weight * x rsqrt(mean(x^2) + eps), or with kind 'layer' LayerNorm (mean removed,
-    weight, then + bias when given)."""
+    weight, then + bias when given). ``offset``: an RMSNorm scaling by (offset + weight), Gemma's
+    1 + weight (MiniMax-M3's norms)."""
 
     weight: ParamSource
     eps: float
     kind: NormKind = "rms"
     bias: ParamSource | None = None
+    offset: float = 0.0
+
+    def __post_init__(self):
+        if self.offset and self.kind != "rms":
+            raise ValueError(f"NormSpec: offset={self.offset} on a {self.kind} norm (only an RMSNorm's is modelled)")
+
+    @property
+    def attrs(self) -> dict:
+        """The norm node's attributes: eps, and the offset where there is one (so every other
+        model's graph stays as it was)."""
+        return {"eps": self.eps} | ({"offset": self.offset} if self.offset else {})
 
 
 @dataclass(frozen=True)
@@ -135,6 +147,8 @@ class MLPSpec:
     hidden: int               # h
     gate: ParamSource | None = None   # [1, h]
     activation: Activation = "silu"
+    swiglu_alpha: float | None = None   # clamped_swiglu's alpha and limit (MiniMax-M3's shared expert)
+    swiglu_limit: float | None = None
 
 
 @dataclass(frozen=True)

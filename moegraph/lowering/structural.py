@@ -195,7 +195,8 @@ def classify(module: nn.Module) -> str | None:
         return "attention"
     if "experts" in children and _router_name(module) is not None:
         return "moe"
-    if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")):
+    if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")) or \
+            all(isinstance(children.get(p), nn.Linear) for p in ("gate_up_proj", "down_proj")):   # MiniMax-M3's
         return "mlp"
     return None
 
@@ -323,7 +324,28 @@ def norm_spec(module: nn.Module, qualname: str) -> NormSpec:
             _removes_mean(module, eps):
         return NormSpec(_src(qualname, "weight"), eps, kind="layer",
                         bias=None if bias is None else _src(qualname, "bias"))
-    return NormSpec(_src(qualname, "weight"), eps)
+    return NormSpec(_src(qualname, "weight"), eps, offset=_scale_offset(module, eps))
+
+
+def _scale_offset(module: nn.Module, eps: float) -> float:
+    """1.0 where an RMSNorm scales by 1 + weight (Gemma's, MiniMax-M3's: its output on 8 random rows
+    is x rsqrt(mean(x^2) + eps) * (1 + weight) and not * weight), else 0. Like ``_removes_mean``
+    it runs the module; one it cannot run reads as 0, and the numerical check has the last word."""
+    import torch
+    w = module._parameters["weight"]
+    if w.is_meta:
+        return 0.0
+    x = torch.randn(8, w.shape[0], generator=torch.Generator().manual_seed(7)).to(w.dtype).to(w.device)
+    try:
+        with torch.no_grad():
+            got = module(x).float()
+    except Exception:  # noqa: BLE001 - a norm that cannot run alone: checked by numbers
+        return 0.0
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    wf = w.detach().float()
+    close = lambda want: bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-6))  # noqa: E731
+    return 1.0 if close(normed * (1 + wf)) and not close(normed * wf) else 0.0
 
 
 def _removes_mean(module: nn.Module, eps: float) -> bool:

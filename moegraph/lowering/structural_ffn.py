@@ -35,22 +35,52 @@ def activation_of(module: nn.Module, qualname: str) -> str:
 
 
 def mlp_spec(module: nn.Module, qualname: str) -> MLPSpec:
-    """A dense gated MLP: down(act(gate(x)) * up(x)), no biases."""
-    missing = [n for n in ("gate_proj", "up_proj", "down_proj") if not isinstance(module._modules.get(n), nn.Linear)]
+    """A dense gated MLP: down(act(gate(x)) * up(x)), no biases; gate and up as two linears, or as
+    one fused ``gate_up_proj`` [2f, h] halved as the family stores its experts' (MiniMax-M3's shared
+    expert, with GPT-OSS's clamped SwiGLU: ``swiglu_alpha`` and ``swiglu_limit``)."""
+    fused = isinstance(module._modules.get("gate_up_proj"), nn.Linear) and "gate_up_proj" in forward_reads(type(module))
+    names = ("gate_up_proj", "down_proj") if fused else ("gate_proj", "up_proj", "down_proj")
+    missing = [n for n in names if not isinstance(module._modules.get(n), nn.Linear)]
     if missing:
         held = ", ".join(n for n, _ in module.named_children()) or "no children"
-        clamp = [a for a in ("swiglu_limit", "limit") if a in forward_reads(type(module))]
         raise LoweringError(f"{qualname!r} ({type(module).__name__}): a gated MLP without {', '.join(missing)} (it "
-                            f"holds {held}"f"{'; its forward clamps by ' + clamp[0] if clamp else ''}) is not "
-                            "modelled: gate_proj, up_proj and down_proj linears are")
-    for name in ("gate_proj", "up_proj", "down_proj"):
+                            f"holds {held}) is not modelled: gate_proj, up_proj and down_proj linears (or a fused "
+                            "gate_up_proj and down_proj) are")
+    for name in names:
         _child_class_check(module, qualname, name)
         if getattr(module, name).bias is not None:
             raise LoweringError(f"{qualname}.{name}.bias: a dense MLP with biases is not modelled")
-    check_children(module, qualname, {"gate_proj", "up_proj", "down_proj", "act_fn", "activation_fn"})
+    check_children(module, qualname, set(names) | {"act_fn", "activation_fn"})
     q = functools.partial(lambda qn, n: _src(qn, f"{n}.weight"), qualname)
-    return MLPSpec(w1=q("gate_proj"), w3=q("up_proj"), w2=q("down_proj"), ffn_hidden=module.gate_proj.out_features,
-                   hidden=module.gate_proj.in_features, activation=activation_of(module, qualname))
+    down = module.down_proj
+    activation, clamp = _mlp_activation(module, qualname)
+    if not fused:
+        return MLPSpec(w1=q("gate_proj"), w3=q("up_proj"), w2=q("down_proj"), ffn_hidden=module.gate_proj.out_features,
+                       hidden=module.gate_proj.in_features, activation=activation, **clamp)
+    two_f, h = module.gate_up_proj.weight.shape
+    if two_f != 2 * down.in_features or down.out_features != h:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): gate_up_proj {tuple(module.gate_up_proj.weight.shape)} "
+                            f"and down_proj {tuple(down.weight.shape)} are not [2f, h] and [h, f]")
+    f, row = down.in_features, family_row(family_of(type(module)) or _ctx().family).experts
+    gu = f"{qualname}.gate_up_proj.weight"
+    step, second = (2, 1) if row.gate_up == "interleaved" else (1, f)
+    first, other = ParamSource(gu, narrow=(0, 0, f), step=step), ParamSource(gu, narrow=(0, second, f), step=step)
+    w1, w3 = (other, first) if row.order == "up-gate" else (first, other)
+    return MLPSpec(w1=w1, w3=w3, w2=q("down_proj"), ffn_hidden=f, hidden=h, activation=activation, **clamp)
+
+
+def _mlp_activation(module: nn.Module, qualname: str) -> tuple[str, dict]:
+    """(activation, clamp fields of MLPSpec): the module's act_fn, or the clamped SwiGLU its forward
+    computes from ``swiglu_alpha`` / ``alpha`` and ``swiglu_limit`` / ``limit``."""
+    reads = forward_reads(type(module))
+    alpha = next((getattr(module, a) for a in ("swiglu_alpha", "alpha") if a in reads), None)
+    limit = next((getattr(module, a) for a in ("swiglu_limit", "limit") if a in reads), None)
+    if alpha is None and limit is None:
+        return activation_of(module, qualname), {}
+    if not (isinstance(alpha, float) and isinstance(limit, float)):
+        raise LoweringError(f"{qualname} ({type(module).__name__}): its forward reads alpha={alpha!r} and "
+                            f"limit={limit!r}; a clamped SwiGLU needs both as floats")
+    return "clamped_swiglu", {"swiglu_alpha": alpha, "swiglu_limit": limit}
 
 
 def _lookup(root, path: str):
@@ -313,8 +343,9 @@ def _expert_weights(experts: nn.Module, qualname: str, h: int, row: Family):
     extra = {}
     if getattr(experts, "act_fn", None) is not None:
         act = activation_of(experts, qualname)
-    elif isinstance(getattr(experts, "alpha", None), float) and isinstance(getattr(experts, "limit", None), float):
-        act, extra = "clamped_swiglu", {"alpha": float(experts.alpha), "limit": float(experts.limit)}
+    elif isinstance(alpha := getattr(experts, "alpha", getattr(experts, "swiglu_alpha", None)), float) and \
+            isinstance(limit := getattr(experts, "limit", getattr(experts, "swiglu_limit", None)), float):
+        act, extra = "clamped_swiglu", {"alpha": alpha, "limit": limit}
     else:
         raise LoweringError(f"{qualname} ({type(experts).__name__}): no act_fn and no (alpha, limit) of a clamped "
                             "SwiGLU: its activation is not modelled")
