@@ -50,8 +50,9 @@ def _fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
     if what == "seq" or strategy.attn_nodes > 1 or strategy.ffn != "ep" or not dims.experts or dims.experts % n:
         return ""
     fold = attention_fold(n, dims.heads, dims.kv_heads, dims.s)
+    batch = "" if dims.b % fold == 0 else f" (--batch a multiple of {fold}: b={dims.b})"
     return (f"; the experts can still span n={n}: with dispatch='a2a', attn_nodes={fold} (--attn-nodes {fold}) runs the "
-            f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch")
+            f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch{batch}")
 
 
 class GraphBuilder:
