@@ -97,8 +97,8 @@ def add_pipeline_args(p: argparse.ArgumentParser, *, search: bool = False) -> No
                    help="where a rank's V stages sit: loop (stage s on rank s mod P) or v (--vpp 2: stages s and "
                         "2P-1-s on rank s) (default %(default)s)")
     g.add_argument("--vocab", type=positive_int, default=None, metavar="VOCAB",
-                   help="with --pp: the LM head's vocabulary, priced with the last stage (default 32000, "
-                        "moegraph.models.VOCAB)")
+                   help="with --pp: the LM head's vocabulary, priced with the last stage (default: a Hugging "
+                        "Face config's vocab_size, else 32000, moegraph.models.VOCAB)")
     if search:
         g.add_argument("--unit-time-limit", type=positive_float, default=1.0, metavar="S",
                        help="with --pp: CP-SAT effort per op-level unit price (F, I, W, B, F&B), deterministic "
@@ -237,7 +237,7 @@ def trace_summary(layer: Any) -> dict[str, Any]:
     return {**({"layer_kinds": kinds} if kinds else {}), "model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,
             "forward_comm_bytes": forward_comm_bytes(g), "activation_bytes": g.activation_bytes(),
-            "time_us_by_phase": by_phase, "step_memory": step_memory(g), "passes": layer.report}
+            "time_us_by_phase": by_phase, "step_memory": step_memory(g, layer.model.hf_vocab), "passes": layer.report}
 
 
 def print_result(result: dict[str, Any], as_json: bool, table: Callable[[dict[str, Any]], str]) -> None:
@@ -290,14 +290,16 @@ def trace_command(p: argparse.ArgumentParser):
     return run
 
 
-def step_memory(graph: Graph) -> dict[str, int]:
+def step_memory(graph: Graph, vocab: int | None = None) -> dict[str, int]:
     """The whole-step memory of one rank running ``graph`` as one stage (moegraph.memory): a
-    stack with the model's edges at the default vocabulary, as compile schedules it."""
+    stack with the model's edges at ``vocab`` (a Hugging Face config's own; None: the default
+    VOCAB), as compile schedules it."""
     from moegraph.memory import graph_memory
     from moegraph.passes.edges import add_edges
     from moegraph.models import VOCAB
     if layer_count(graph) > 1:
-        return graph_memory(add_edges(graph, vocab=VOCAB), vocab=VOCAB).as_dict()
+        vocab = vocab or VOCAB
+        return graph_memory(add_edges(graph, vocab=vocab), vocab=vocab).as_dict()
     return graph_memory(graph, vocab=None).as_dict()
 
 

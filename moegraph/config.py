@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal, Union
 
 from moegraph.ir import ConfigError, Strategy
-from moegraph.limits import check_graph_size
+from moegraph.limits import MAX_TOKENS, check_graph_size
 from moegraph.pass_steps import DEFAULT_PASSES, PassError, PassStep, check_steps
 from moegraph.registry import Hardware, ModelConfig
 
@@ -230,6 +230,9 @@ class CompileConfig:
         for name in ("micro_batches", "batch", "seq"):
             if not _positive(getattr(self, name)):
                 problems.append(f"{name}={getattr(self, name)!r} must be a positive integer")
+        if _positive(self.batch) and _positive(self.seq) and self.batch * self.seq > MAX_TOKENS:
+            problems.append(f"batch x seq = {self.batch:,} x {self.seq:,} tokens per micro-batch is over the limit of "
+                            f"{MAX_TOKENS:,} (moegraph.limits; docs/rules.md)")
         if self.top_k is not None and not _positive(self.top_k):
             problems.append(f"top_k={self.top_k!r} must be a positive integer or None (the model's own)")
         if self.edges not in ("auto", "none") and not isinstance(self.edges, ModelEdges):

@@ -27,7 +27,7 @@ from moegraph.ir import ConfigError
 from moegraph.options import format_bytes
 
 __all__ = ["SizeLimitError", "GraphSize", "MAX_LAYERS", "MAX_MICRO_BATCHES", "MAX_CHUNKS", "MAX_STAGES",
-           "MAX_RANKS", "MAX_GRAPH_NODES", "NODES_PER_LAYER", "NODES_PER_EXTRA_CHUNK", "HOST_BYTES_PER_NODE",
+           "MAX_RANKS", "MAX_TOKENS", "MAX_GRAPH_NODES", "NODES_PER_LAYER", "NODES_PER_EXTRA_CHUNK", "HOST_BYTES_PER_NODE",
            "estimate_graph", "check_graph_size", "check_limit"]
 
 # Each multiplier alone. The largest public MoE models have at most 128 layers (fields.MAX_COUNT
@@ -39,6 +39,10 @@ MAX_CHUNKS = 1024
 MAX_STAGES = 1024
 MAX_RANKS = 2**17
 """n x D: above the largest reported training runs (~100,000 GPUs)."""
+MAX_TOKENS = 2**31
+"""b x s, one micro-batch's tokens: 200x Llama 4 Scout's 10M-token context. Times and bytes grow
+with it, and CP-SAT's integer variables (int64) must hold the step's ticks: s = 10^14 overflowed
+them with a traceback (2026-11-28)."""
 
 # The graph as a whole. 100,000 nodes: 18x DeepSeek-V3's 58 MoE layers at 94 nodes each.
 MAX_GRAPH_NODES = 100_000

@@ -18,7 +18,9 @@ SIZE_FORMS = "a positive size such as 1.5GiB, 800MiB, 64KiB or a plain number of
 
 def parse_byte_size(text: str) -> int:
     """'1.5GiB' / '800MiB' / '4096' -> bytes (an int > 0). Decimal prefixes (GB) are refused:
-    memory is counted in binary units here, and a silent 7% difference is worse than an error."""
+    memory is counted in binary units here, and a silent 7% difference is worse than an error. A
+    unit's fraction rounds to the nearest byte (1.1GiB); plain bytes must be whole ('4096.5' is
+    refused, not cut to 4096)."""
     m = _SIZE.match(str(text))
     unit = m.group(2).lower() if m else ""
     if not m or unit not in BYTE_UNITS:
@@ -26,7 +28,9 @@ def parse_byte_size(text: str) -> int:
     value = float(m.group(1)) * BYTE_UNITS[unit]
     if not math.isfinite(value) or value < 1:
         raise ValueError(f"{text!r} is not {SIZE_FORMS}")
-    return int(value)
+    if BYTE_UNITS[unit] == 1 and value != int(value):
+        raise ValueError(f"{text!r} is not a whole number of bytes ({SIZE_FORMS})")
+    return round(value)
 
 
 def exact_byte_size(n: int) -> str:

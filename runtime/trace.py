@@ -318,7 +318,7 @@ def trace_paths(out: str) -> dict[str, Path]:
     """The files ``run --trace OUT`` writes (``write_traces``), each checked before any work
     (``moegraph.options.check_output``: a UsageError naming the path, nothing written)."""
     from moegraph.options import check_output
-    path = check_output(out, flag="--trace")
+    path = check_output(out, suffixes=(".json",), flag="--trace")      # a schedule file, as compile's -o
     paths = {"schedule": path, "predicted": path.with_suffix(".predicted.json"),
              "chrome": path.with_suffix(".chrome.json")}
     for p in paths.values():

@@ -110,7 +110,7 @@ def compile_summary(layer, result, output: str | None, comm_streams=("comm",), m
             "strategy": layer.graph.strategy.as_dict(), "makespan_us": s["makespan_us"],
             "lower_bound_us": s["lower_bound_us"], "baselines": s["baselines"],
             "peak_memory_bytes": s["peak_memory_bytes"], "exposed_comm_us": s["exposed_comm_us"],
-            "source": result.source, "status": result.status,
+            "device_memory_bytes": layer.hardware.hbm_capacity_bytes, "source": result.source, "status": result.status,
             "solver": {**s["solver"], "wall_s": round(result.wall_s, 3), "wall_cap_hit": result.wall_cap_hit},
             "nodes": len(result.schedule.nodes), "hash": result.schedule.hash, "output": output,
             "variants": dict(collections.Counter(variant(n) for n in layer.graph.nodes)),
@@ -155,6 +155,11 @@ def format_compile(c: dict) -> str:
     if over:
         lines.append(f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for comparison "
                      "only, not schedules within the budget")
+    device = c.get("device_memory_bytes")
+    if device is not None and c["peak_memory_bytes"] > device:
+        lines.append(f"peak memory {format_bytes(c['peak_memory_bytes'])} exceeds {c['hardware']}'s "
+                     f"{format_bytes(device)}: this schedule cannot run as compiled; cap it with --memory-budget, or "
+                     "recompute more (--passes sar=budget:SIZE), or split the batch (--batch, --micro-batches)")
     lines += [f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
               f"{c['solver']['wall_s']:.2f} s",

@@ -175,9 +175,8 @@ def lower(config: CompileConfig) -> Lowered:
         graph = trace_model(model, traced_for, batch=config.batch, seq=config.seq, layers=layers)
         if isinstance(config.edges, ModelEdges):
             edges = AddEdges(config.edges.vocab)
-        elif config.edges == "auto" and layers > 1:     # a model step at the registry's default vocabulary
-            from moegraph.models import VOCAB           # torch-bearing module: only when a stack needs it
-            edges = AddEdges(VOCAB)
+        elif config.edges == "auto" and layers > 1:     # a model step at its own or the default vocabulary
+            edges = AddEdges(pipeline_vocab(config, model))
     stack = (StackLayers(layers),) if layers > 1 else ()
     step = ((MergeMicroBatches(config.micro_batches),) if config.micro_batches > 1 else ()) + \
         ((edges,) if edges is not None else ())
@@ -214,10 +213,13 @@ def build(config: CompileConfig, *, lowered: Lowered | None = None) -> Compiled 
 
 # -- the pipeline step (pp > 1) ------------------------------------------------------------------
 
-def pipeline_vocab(config: CompileConfig) -> int:
-    """The LM head's vocabulary a pipeline prices (ModelEdges' or the registry's default)."""
+def pipeline_vocab(config: CompileConfig, model: ModelConfig | None = None) -> int:
+    """The LM head's vocabulary a model step or a pipeline prices: ModelEdges' (--vocab), else the
+    model's own (a Hugging Face config's vocab_size), else the registry's default VOCAB."""
     if isinstance(config.edges, ModelEdges) and config.edges.vocab is not None:
         return config.edges.vocab
+    if model is not None and model.hf_vocab is not None:
+        return model.hf_vocab
     from moegraph.models import VOCAB           # torch-bearing module: only when a pipeline needs it
     return VOCAB
 
@@ -261,7 +263,7 @@ def _lower_pipeline(config: CompileConfig, hw: Hardware, cost: CostModel) -> Low
     model, layers = load_config_model(config)
     torch_baselines(StageLayout.even(layers, config.pp, config.vpp, config.placement), config.micro_batches)
     graphs, report = _layer_lowerings(config, model, layers, cost)
-    step = boundary_step(graphs[-1], pipeline_vocab(config), cost)
+    step = boundary_step(graphs[-1], pipeline_vocab(config, model), cost)
     return Lowered(config, step, report, model, hw, cost, None, graphs)
 
 
@@ -327,7 +329,7 @@ def price_pipeline(config: CompileConfig, lowered: Lowered, *, method: str | Non
     each rank's states; ``memory_budget`` as the cap per rank)."""
     from moegraph.schedules.pipeline_model import pipeline_problem
     return pipeline_problem(lowered.layers, lowered.cost, pp=config.pp, vpp=config.vpp, placement=config.placement,
-                            micro_batches=config.micro_batches, vocab=pipeline_vocab(config),
+                            micro_batches=config.micro_batches, vocab=pipeline_vocab(config, lowered.model),
                             memory_cap_bytes=config.memory_budget, method=method or config.schedule,
                             time_limit_s=config.pipeline.unit_time_limit_s,
                             overlap_param_gather=config.pipeline.overlap_param_gather, step=lowered.graph)

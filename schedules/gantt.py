@@ -93,11 +93,18 @@ def render(sched: Schedule, path: str | Path, compare: Schedule | None = None,
         write_atomic(path, _html(sched, compare, sources, not_valid))
     else:
         fig = _figure(sched, compare, sources, not_valid)
-        with atomic_output(path) as buf:
+        with atomic_output(path) as buf, _fixed_svg_ids():
             fig.savefig(buf, format=suffix[1:], dpi=110, bbox_inches="tight", metadata=_metadata(suffix))
         import matplotlib.pyplot as plt
         plt.close(fig)
     return path
+
+
+def _fixed_svg_ids():
+    """matplotlib names an SVG's clip paths by a hash salted with a random uuid unless svg.hashsalt
+    is set: fixed here, so the same schedule gives the same SVG and HTML bytes."""
+    import matplotlib
+    return matplotlib.rc_context({"svg.hashsalt": "moegraph"})
 
 
 def _metadata(suffix: str) -> dict:
@@ -430,7 +437,8 @@ def _html(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] = 
     import matplotlib.pyplot as plt
     fig = _figure(sched, compare, sources, not_valid)
     buf = io.StringIO()
-    fig.savefig(buf, format="svg", bbox_inches="tight", metadata=_metadata(".svg"))
+    with _fixed_svg_ids():
+        fig.savefig(buf, format="svg", bbox_inches="tight", metadata=_metadata(".svg"))
     plt.close(fig)
     svg = buf.getvalue()
     svg = svg[svg.index("<svg"):]  # drop the XML prolog and DOCTYPE: inline in HTML

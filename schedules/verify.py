@@ -47,7 +47,7 @@ from typing import Any
 from moegraph.cost import CostModel
 from moegraph.options import format_bytes
 from moegraph.registry import Hardware
-from moegraph.schedules.schedule_file import Schedule
+from moegraph.schedules.schedule_file import Schedule, exposed_comm, round_us
 
 __all__ = ["Violation", "Verdict", "verify_schedule", "verdict", "skipped_checks", "DURATION_TOLERANCE_US", "check",
            "memory_events", "memory_curve", "unknown_stream"]
@@ -232,6 +232,13 @@ def _coverage(s: Schedule, out: list[Violation]) -> bool:
                                          f"scheduled node: the node producing it is missing from the schedule",
                              tuple(used[:1])))
         ok = False
+    if not ok:
+        return False       # a missing node leaves its inputs' producers unread: the same fault, named above
+    for n in s.nodes:      # a node whose every output nothing reads: an edge to it was cut from the file
+        if n.outputs and not any(v in readers or v in outputs for v in n.outputs):
+            out.append(Violation("coverage", f"node {n.name!r}'s outputs ({', '.join(n.outputs)}) are read by no "
+                                             "node and are no graph output", (n.name,)))
+            ok = False
     return ok
 
 
@@ -485,8 +492,27 @@ def _memory(s: Schedule, out: list[Violation], check_peak: bool = True) -> None:
 
 
 def _summary(s: Schedule, out: list[Violation]) -> None:
+    """The summary's figures are the nodes' own: the makespan and the exposed communication
+    recomputed, a lower bound no longer than the schedule, and the strategy label the graph's."""
     span = max((n.end_us for n in s.nodes), default=0.0)
     recorded = s.summary.get("makespan_us")
     if not isinstance(recorded, (int, float)) or _ps(recorded) != _ps(span):
         out.append(Violation("summary", f"summary.makespan_us is {recorded} but the last node ends at {span:.2f} us"))
+    exposed = round_us(sum(e - b for b, e in exposed_comm(s.nodes)))
+    said = s.summary.get("exposed_comm_us")
+    if said is not None and _ps(said) != _ps(exposed):
+        out.append(Violation("summary", f"summary.exposed_comm_us is {said} but the nodes leave {exposed:.2f} us of "
+                                        "communication exposed"))
+    bound = s.summary.get("lower_bound_us")
+    if bound is not None and isinstance(recorded, (int, float)) and _ps(bound) > _ps(recorded):
+        out.append(Violation("summary", f"summary.lower_bound_us {bound} exceeds the makespan {recorded}: no schedule "
+                                        "is shorter than a lower bound"))
+    label, strategy = s.summary.get("strategy"), s.graph.get("strategy")
+    if isinstance(label, str) and isinstance(strategy, dict):
+        said_fields = dict(t.split("=", 1) for t in label.split() if "=" in t)
+        wrong = [k for k, v in said_fields.items() if k in strategy and str(strategy[k]) != v]
+        if wrong:
+            k = wrong[0]
+            out.append(Violation("summary", f"summary.strategy says {k}={said_fields[k]} but graph.strategy has "
+                                            f"{k}={strategy[k]}"))
 

@@ -200,3 +200,15 @@ def test_header_names_dp_when_there_are_replicas(capsys):
     assert main(["compile", *TINY, "--schedule", "sequential"]) == 0
     one = capsys.readouterr().out.splitlines()[0]
     assert two.endswith(" dp=2") and "dp=" not in one
+
+
+def test_a_schedule_whose_peak_exceeds_the_devices_memory_says_so(capsys, tmp_path):
+    """h800 holds 80 GB: tiny's layer at b=1 fits, at b=262,144 (s=256) its activations alone do not, and
+    the table says the schedule cannot run as compiled (it compiled silently before 2026-11-28)."""
+    assert main(["compile", *TINY, "--hardware", "h800"]) == 0
+    assert "cannot run as compiled" not in capsys.readouterr().out
+    out = compile_json(capsys, "--hardware", "h800", "--batch", "262144")
+    assert out["peak_memory_bytes"] > out["device_memory_bytes"] == 80_000_000_000
+    assert main(["compile", *TINY, "--hardware", "h800", "--batch", "262144"]) == 0
+    text = capsys.readouterr().out
+    assert f"exceeds h800's 74.51GiB: this schedule cannot run as compiled" in text

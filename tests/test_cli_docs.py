@@ -47,7 +47,7 @@ def _span(text: str, start: str, end: str) -> str:
     return text[i:text.index(end, i + len(start))]
 
 
-@pytest.mark.parametrize("command", ["trace", "compile", "verify", "gantt", "run", "calibrate", "tune", "demo"])
+@pytest.mark.parametrize("command", ["trace", "compile", "verify", "gantt", "run", "calibrate", "tune", "demo", "netns"])
 def test_every_option_is_documented(command):
     docs = README.read_text() + "".join(p.read_text() for p in sorted(DOCS.glob("*.md")))
     assert [o for o in _options(command) if not _named(o, docs)] == []
@@ -61,6 +61,8 @@ def test_synopses_list_every_option():
         "run": _span((DOCS / "runtime.md").read_text(), "moegraph run [", "```"),
         "calibrate": _span((DOCS / "calibration.md").read_text(), "moegraph calibrate [", "```"),
         "compile": _span(cli, "moegraph trace   --model", "```") + _span(cli, "| `moegraph compile [", "\n"),
+        "tune": _span(cli, "| `moegraph tune --model", "\n") + _span(cli, "| `moegraph tune ... --pp", "\n"),
+        "netns": _span(cli, "| `moegraph netns", "\n"),
     }
     missing = {c: [o[-1] for o in _options(c) if not _named(o, text)] for c, text in synopses.items()}
     assert missing == {c: [] for c in synopses}

@@ -76,6 +76,16 @@ CORE_CASES = [
     (["compile", *TINY, "--memory-budget", "inf"], "'inf' is not a positive size"),
     (["compile", *TINY, "--memory-budget=-1GiB"], "'-1GiB' is not a positive size"),
     (["compile", *TINY, "--memory-budget", "2GB"], "'2GB' is not a positive size"),
+    (["compile", *TINY, "--memory-budget", "2000000.9"], "'2000000.9' is not a whole number of bytes"),
+    # a binary file where a model or profile is expected (a UnicodeDecodeError traceback until 2026-11-28)
+    (["compile", "--model", "{tmp}/binary.json", "--n", "2"], "binary.json: not a text file (invalid start byte"),
+    (["compile", "--model", "{tmp}/binary.yaml", "--n", "2"], "binary.yaml: not a text file"),
+    (["trace", *TINY, "--hardware", "{tmp}/binary.yaml"], "binary.yaml: not a text file"),
+    # a config.json whose values its config class accepts but its model's constructor does not: the field named
+    (["trace", "--model", "{tmp}/hf_act.json", "--n", "2", "--seq", "64"],
+     "hf_act.json: MixtralForCausalLM cannot be built from it, at hidden_act='relu2_unknown' (KeyError"),
+    (["trace", "--model", "{tmp}/hf_neg.json", "--n", "2", "--seq", "64"],
+     "hf_neg.json: MixtralForCausalLM cannot be built from it, at hidden_size=-64 (RuntimeError"),
     (["compile", *TINY, "--memory-budget", "1KiB"], "memory budget"),
     (["compile", *TINY, "--time-limit", "0"], "'0' is not a positive finite number"),
     (["compile", *TINY, "--time-limit", "nan"], "'nan' is not a positive finite number"),
@@ -138,6 +148,10 @@ SIZE_CASES = [
      "micro-batches=1,000,000,000 is over the limit of 1,024"),
     (["trace", *TINY, "--layers", "all", "--dp", "200000"], "dp=200,000 is over the limit of 131,072"),
     (["compile", *TINY, "--passes", "chunk=1000000000"], "chunks=1,000,000,000 is over the limit of 1,024"),
+    # b x s: CP-SAT's int64 variables overflowed with a traceback at s = 10^14 (2026-11-28)
+    (["compile", *TINY, "--seq", "99999999999998"], "batch x seq = 1 x 99,999,999,999,998 tokens per micro-batch "
+                                                    "is over the limit of 2,147,483,648"),
+    (["trace", *TINY, "--batch", "99999999999999999999"], "tokens per micro-batch is over the limit"),
 ]
 
 # -- schedules: verify and gantt ----------------------------------------------------------------------
@@ -258,6 +272,7 @@ RUNTIME_CASES = [
     (["run", "--model", "mixtral-8x7b", "--n", "64", "--layers", "all", "--train-steps", "1"],
      "each rank builds 32 layers of mixtral-8x7b in fp32"),                      # refused before the ranks run
     (["run", "--trace", "{tmp}/a_file.txt/x.json"], "a_file.txt' is a file, not a directory"),
+    (["run", "--trace", "{tmp}/x.txt"], "must end in one of .json"),        # the measured schedule file
 ]
 
 CASES = CORE_CASES + SIZE_CASES + SCHEDULES_CASES + RUNTIME_CASES
@@ -268,6 +283,13 @@ def workdir(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cli_errors")
     (tmp / "a_file.txt").write_text("not a schedule\n")
     (tmp / "a_dir").mkdir()
+    for name in ("binary.json", "binary.yaml"):
+        (tmp / name).write_bytes(b"\xff\xfe\x00garbage")
+    mixtral = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                   num_key_value_heads=2, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
+                   vocab_size=1000)
+    (tmp / "hf_act.json").write_text(json.dumps(mixtral | {"hidden_act": "relu2_unknown"}))
+    (tmp / "hf_neg.json").write_text(json.dumps(mixtral | {"hidden_size": -64}))
     _write_bad_registry_yaml(tmp)
     assert main(["compile", *TINY, "--schedule", "sequential", "-o", str(tmp / "sched.json")]) == 0
     def comm(d):
@@ -387,7 +409,8 @@ def test_version(capsys):
 
 
 @pytest.mark.parametrize("text,expected", [("1.5GiB", 3 * 2**29), ("800MiB", 800 * 2**20), ("4096", 4096),
-                                           ("64 KiB", 64 * 2**10), ("2gib", 2 * 2**30), ("1e3", 1000)])
+                                           ("64 KiB", 64 * 2**10), ("2gib", 2 * 2**30), ("1e3", 1000),
+                                           ("1.1GiB", 1181116006)])     # a unit's fraction: the nearest byte
 def test_byte_size_units(text, expected):
     assert byte_size(text) == expected
 
@@ -395,6 +418,12 @@ def test_byte_size_units(text, expected):
 @pytest.mark.parametrize("text", ["nan", "inf", "0", "-5", "0.5", "1.5GB", "12 parsecs", ""])
 def test_byte_size_rejects(text):
     with pytest.raises(argparse.ArgumentTypeError, match="is not a positive size"):
+        byte_size(text)
+
+
+@pytest.mark.parametrize("text", ["2000000.9", "4096.5"])
+def test_byte_size_refuses_a_fraction_of_a_plain_byte(text):
+    with pytest.raises(argparse.ArgumentTypeError, match=rf"'{text}' is not a whole number of bytes"):
         byte_size(text)
 
 

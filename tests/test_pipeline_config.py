@@ -232,3 +232,23 @@ def test_tune_pp_ranks_a_gqa_layer_against_its_folded_baseline(capsys, tmp_path)
     assert res["baseline"]["strategy"] == "tp+ep sequential (attention folded: attn_nodes=2)"
     assert res["candidates"] and {r["strategy"]["attn_nodes"] for r in res["candidates"]} == {2}
     assert res["best"]["speedup"] == pytest.approx(res["baseline"]["step_us"] / res["best"]["step_us"], rel=1e-3)
+
+
+def test_a_hugging_face_models_step_prices_its_own_vocabulary():
+    """A Hugging Face config's LM head is priced at its own vocab_size (Qwen3-30B-A3B's published
+    151,936), not the registry's default 32,000; --vocab (ModelEdges) still overrides it; a
+    registry entry without a config keeps the default."""
+    from moegraph.config import ModelEdges
+    from moegraph.ir import OpKind
+    from moegraph.schedules.driver import lower
+    assert load_model("qwen3-30b-a3b").hf_vocab == 151_936 and load_model("mixtral-8x7b").hf_vocab is None
+
+    def head_vocab(**changes) -> int:
+        config = CompileConfig(model="qwen3-30b-a3b", strategy=Strategy("sp", "ep", "a2a", 4), hardware="h800",
+                               seq=512, layers=2, pp=2, micro_batches=2, passes=()).replace(**changes)
+        step = lower(config).graph
+        (head,) = [n for n in step.nodes if n.op is OpKind.GEMM and n.name.endswith("lm_head")]
+        return step.value[head.outputs[0]].shape[-1]
+
+    assert head_vocab() == 151_936
+    assert head_vocab(edges=ModelEdges(1000)) == 1000

@@ -36,6 +36,15 @@ def test_every_format(pair, tmp_path, ext):
         assert "<?xml" not in text and "http" not in text.split("<svg")[0]  # self-contained
 
 
+@pytest.mark.parametrize("ext", ["svg", "html"])
+def test_the_same_schedule_gives_the_same_bytes(pair, tmp_path, ext):
+    """matplotlib salts an SVG's clip-path ids with a random uuid unless told otherwise: two renders
+    of one schedule (compared, so several clipped axes) must be byte-identical."""
+    a, b = pair
+    one, two = (render(a, tmp_path / f"{i}.{ext}", compare=b).read_bytes() for i in (1, 2))
+    assert b"clip-path" in one and one == two
+
+
 def test_chrome_trace(pair, tmp_path):
     a, b = pair
     trace = json.loads(render(a, tmp_path / "t.json").read_text())

@@ -128,6 +128,33 @@ def test_memory_summary_must_match():
                            f"{s.summary['peak_memory_bytes']} bytes")
 
 
+def test_an_input_cut_from_the_graph_leaves_its_producer_dead():
+    """A hand edit that drops the edges from the all-gather (fc2 and its weight gradient no longer
+    read y_ag), the hash recomputed: fc2 may now start before it, but the all-gather feeds
+    nothing, which no produced graph has."""
+    s = _compiled(tiny_chain)
+    cut = {name: {"inputs": tuple(v for v in s.node[name].inputs if v != "y_ag")} for name in ("fc2", "fc2.wgrad")}
+    bad = _edit(s, **cut)
+    assert _first(bad) == "node 'ag''s outputs (y_ag) are read by no node and are no graph output"
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("exposed_comm_us", 0.0, "summary.exposed_comm_us is 0.0 but the nodes leave {exposed:.2f} us of communication "
+                             "exposed"),
+    ("lower_bound_us", 1e9, "summary.lower_bound_us 1000000000.0 exceeds the makespan {makespan}: no schedule is "
+                            "shorter than a lower bound"),
+    ("strategy", None, "summary.strategy says n=4 but graph.strategy has n=8"),
+])
+def test_summary_figures_are_the_nodes_own(field, value, message):
+    from moegraph.schedules.schedule_file import exposed_comm, round_us
+    s = _compiled(tiny_chain)
+    exposed = round_us(sum(e - b for b, e in exposed_comm(s.nodes)))
+    assert exposed > 0 and s.graph["strategy"]["n"] == 8          # the tiny chain's all-gather on 8 ranks
+    value = s.summary["strategy"].replace("n=8", "n=4") if value is None else value
+    bad = dataclasses.replace(s, summary={**s.summary, field: value}).with_hash()
+    assert _first(bad) == message.format(exposed=exposed, makespan=s.summary["makespan_us"])
+
+
 def test_tampered_hash():
     s = _compiled(tiny_chain)
     bad = dataclasses.replace(s, hash="sha256:" + "0" * 64)
@@ -238,14 +265,16 @@ def test_every_beside_mode_has_its_alone_twin(small_graph):
 def _runtime_file(s: Schedule, origin: str, shift_us: float = 0.0) -> Schedule:
     """A compiled schedule dressed as `run --trace` writes it (runtime summary, no peak memory,
     no solver, compute entries at 0 SMs), with every time stretched by a non-cost-model factor."""
-    summary = {"method": s.summary["method"], "plan_hash": "0" * 64, "strategy": s.summary["strategy"],
-               "makespan_us": round(s.makespan_us * 1.37 + shift_us, 6), "exposed_comm_us": 0.0,
-               "measured": origin == "measured"}
-    if origin == "measured":
-        summary.update(rank=0, device="cpu", barrier_us=0.0)
+    from moegraph.schedules.schedule_file import exposed_comm, round_us
     nodes = tuple(dataclasses.replace(n, start_us=round(n.start_us * 1.37 + shift_us, 6),
                                       end_us=round(n.end_us * 1.37 + shift_us, 6),
                                       sm_budget=n.sm_budget if n.kind == "comm" else 0) for n in s.nodes)
+    summary = {"method": s.summary["method"], "plan_hash": "0" * 64, "strategy": s.summary["strategy"],
+               "makespan_us": round(s.makespan_us * 1.37 + shift_us, 6),
+               "exposed_comm_us": round_us(sum(e - b for b, e in exposed_comm(nodes))),   # as runtime.trace writes it
+               "measured": origin == "measured"}
+    if origin == "measured":
+        summary.update(rank=0, device="cpu", barrier_us=0.0)
     return dataclasses.replace(s, nodes=nodes, summary=summary).with_hash()
 
 

@@ -227,6 +227,17 @@ class ModelConfig(_Record):
         model's MoE layers (``moe_layers``: its dense layers are another graph)."""
         return self.layers if self.hf_config is not None else self.moe_layers
 
+    @property
+    def hf_vocab(self) -> int | None:
+        """The vocab_size of the Hugging Face config this entry was read from (its text config's for
+        a multimodal family), or None: the registry's own entries carry no vocabulary."""
+        if self.hf_config is None:
+            return None
+        import json
+        data = json.loads(self.hf_config)
+        vocab = data.get("vocab_size", (data.get("text_config") or {}).get("vocab_size"))
+        return vocab if isinstance(vocab, int) and not isinstance(vocab, bool) and vocab > 0 else None
+
     def stackable(self, layers: int) -> bool:
         """Whether a stack of ``layers`` fits the model: 1 to ``moe_layers`` (from the first MoE
         layer on), or ``all_layers``."""

@@ -33,6 +33,8 @@ def read_hf_json(path: Path, shown: str) -> dict[str, Any]:
         data = json.loads(path.read_text())
     except OSError as err:
         raise RegistryError(f"{shown}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise RegistryError(f"{shown}: not a text file ({err.reason} at byte {err.start})") from None
     except json.JSONDecodeError as err:
         raise RegistryError(f"{shown}: invalid JSON: {err.msg} (line {err.lineno}, column {err.colno})") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
@@ -71,11 +73,35 @@ def hf_model_layers(data: dict[str, Any], shown: str):
     if model_cls is None:
         raise RegistryError(f"{shown}: transformers has no causal LM for model_type {data['model_type']!r}")
     from moegraph.lowering.hf_common import names_of
-    with torch.device("meta"):
-        model = model_cls(cfg)
+    try:
+        with torch.device("meta"):
+            model = model_cls(cfg)
+    except Exception as err:  # noqa: BLE001 - the family's own constructor on values its config accepted
+        raise RegistryError(f"{shown}: {model_cls.__name__} cannot be built from it{_culprit(data, cfg, err)} "
+                            f"({type(err).__name__}: {' '.join(str(err).split())[:160]})") from None
     names = names_of(model)                              # DBRX: transformer.blocks
     base = getattr(model, names.base, model)
     return cfg, list(getattr(base, names.layers))
+
+
+def _culprit(data: dict[str, Any], cfg, err: Exception) -> str:
+    """', at field=value' for the config field the error points at, or '' when it cannot tell: the one
+    field whose value the message quotes (a KeyError's unknown activation name; of several, the one
+    negative number), or, for an operation on None, the one field set to None where the family's
+    default is a number."""
+    import re
+    text = str(err)
+    quoted = [k for k, v in data.items() if isinstance(v, (int, float, str)) and not isinstance(v, bool)
+              and re.search(rf"(?<![\w.]){re.escape(str(v))}(?![\w.])", text)]
+    negative = [k for k in quoted if isinstance(data[k], (int, float)) and data[k] < 0]
+    found = quoted if len(quoted) == 1 else negative
+    if not found and "NoneType" in text:
+        defaults = type(cfg)().to_dict()
+        defaults |= {k: v for nested in list(defaults.values()) if isinstance(nested, dict) for k, v in nested.items()
+                     if k not in defaults}                # rope_theta lives in rope_parameters
+        found = [k for k, v in data.items() if v is None and isinstance(defaults.get(k), (int, float))
+                 and not isinstance(defaults.get(k), bool)]
+    return f", at {found[0]}={data[found[0]]!r}" if len(found) == 1 else ""
 
 
 def _family_causal_lm(cfg) -> type | None:

@@ -50,6 +50,8 @@ def _read_yaml(path: Path, shown: str) -> Any:
         text = path.read_text()
     except OSError as err:
         raise RegistryError(f"{shown}: cannot read ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise RegistryError(f"{shown}: not a text file ({err.reason} at byte {err.start})") from None
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except yaml.MarkedYAMLError as err:
