@@ -184,10 +184,10 @@ def _compile(problem: Problem, method: str, opts: SolverOptions, least: int | No
     best = min(ok, key=lambda n: (span[n], order.index(n))) if ok else None
     hint_name = best or min(order, key=lambda n: (span[n], order.index(n)))
     _log.info("CP-SAT on %d tasks, effort %g s, from the %s schedule (%.1f us)", len(problem.tasks),
-              opts.time_limit_s, hint_name, span[hint_name] * problem.tick_us)
+              opts.time_limit_s, hint_name, round_us(span[hint_name] * problem.tick_us))   # as the summary rounds
     result = solve(problem, opts, hint=cands[hint_name], horizon=span[best] if best else None)
     _log.info("CP-SAT %s%s", result.status, "" if result.solution is None else
-              f": {makespan_ticks(problem, result.solution) * problem.tick_us:.1f} us")
+              f": {round_us(makespan_ticks(problem, result.solution) * problem.tick_us):.1f} us")
     result, lns_info = _window_search(problem, result, opts)
     solver_info = _solver_info(problem, result, bound, hint_name, span[hint_name]) | lns_info
     if result.solution is not None and (best is None or makespan_ticks(problem, result.solution) < span[best]):
