@@ -140,6 +140,18 @@ def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | No
     if config is not None and changed:
         raise ValueError(f"compile(module, ..., config=...) takes the compile options from the config; "
                          f"{', '.join(changed)} given as well")
+    if config is not None and not isinstance(config, CompileConfig):
+        raise ValueError(f"config={config!r} must be a moegraph.CompileConfig")
+    n = given["n"]
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f"n={n!r} must be a positive integer (one replica's ranks; default the world size / dp)")
+    if config is not None:      # what the module brings itself: a config's own value would be dropped
+        own = {k: v for k, v, default in (("top_k", config.top_k, None), ("layers", config.layers, 1),
+                                          ("edges", config.edges, "auto")) if v != default}
+        if own:
+            raise ValueError(f"compile(module, ..., config=...): the config sets "
+                             f"{', '.join(f'{k}={v!r}' for k, v in own.items())}, which a module brings itself (its "
+                             "layers, top-k and head): leave them at their defaults")
     options = RuntimeOptions(timeout_s=given["timeout_s"], record=given["record"], cuda_graphs=given["cuda_graphs"],
                              expert_rows=given["expert_rows"])
     schedule = given["schedule"]

@@ -277,6 +277,8 @@ class CompileConfig:
                 out.append(f"vpp={self.vpp} needs pp >= 2: virtual stages are a pipeline's (give pp)")
             elif self.placement != "loop":
                 out.append(f"placement={self.placement!r} needs pp >= 2 and vpp=2")
+            elif isinstance(self.pipeline, PipelineSearch) and self.pipeline != PipelineSearch():
+                out.append(f"pipeline={self.pipeline!r} searches a pipeline's order: it needs pp >= 2")
             return out
         stages = self.pp * self.vpp
         try:

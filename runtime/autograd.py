@@ -16,6 +16,14 @@ import torch
 from torch.autograd.function import once_differentiable
 
 
+def once_only(state: Any) -> None:
+    """Raise where a compiled step's backward runs again through one forward: its first backward
+    freed the saved activations (``loss.backward(retain_graph=True)``, then a second backward)."""
+    if state is None:
+        raise RuntimeError("the compiled step frees its saved activations in its one backward: a second backward "
+                           "through the same forward (retain_graph=True) is not supported; run the forward again")
+
+
 class Runner(Protocol):
     def run_forward(self, x: torch.Tensor, params: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, Any]: ...
 
@@ -35,6 +43,7 @@ class ScheduledLayerFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: torch.Tensor):
         params = ctx.saved_tensors
+        once_only(ctx.state)
         state, ctx.state = ctx.state, None      # free the saved activations as backward starts
         dx, grads = ctx.runner.run_backward(state, dy, params)
         return (None, dx, *grads)

@@ -113,12 +113,12 @@ from moegraph.lowering import ModelOutput, ModelSpec, train_only_settings
 from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
-                                     frozen_sources, refuse_autocast, replica_batch)
+                                     frozen_sources, refuse_autocast, refuse_cast, replica_batch)
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import ExecutionPlan
 from moegraph.runtime.model_steps import (EdgeStep, GatherSequence, ScheduledStep, SumOverRanks, batch_layout,
-                                         check_edge_head, final_norm, head_logits, norm_params,
+                                         check_edge_head, check_same_inputs, final_norm, head_logits, norm_params,
                                          split_norm, step_layouts)
 from moegraph.tokens import Tokens, batch_forms, micro_batch_forms
 from moegraph.token_layout import gathered_tokens
@@ -150,6 +150,10 @@ class LoadResult(NamedTuple):
 class CompiledModel(nn.Module):
     """A causal LM on this rank (module docstring). Build it with ``moegraph.compile(model, input_ids)``."""
 
+    def _apply(self, fn, recurse: bool = True):
+        refuse_cast(self, fn)
+        return super()._apply(fn, recurse)
+
     def __init__(self, spec: ModelSpec, layers: CompiledLayer, full: Mapping[str, torch.Tensor],
                  state_keys: Sequence[str], *, batch: int, seq: int,
                  positional: Sequence[str] = ("labels",), frozen: frozenset[str] = frozenset()):
@@ -177,6 +181,8 @@ class CompiledModel(nn.Module):
                         nn.Parameter(full[spec.head].detach().clone(), requires_grad=trains(spec.head))
                         if spec.head is not None else None)
         self._state_keys = list(state_keys)
+        # the original's shapes, which load_state_dict holds every tensor to (a [1] would broadcast)
+        self._state_shapes = {k: tuple(full[k].shape) for k in self._state_keys if k in full}
         # persistent state no part reads (declared unused by the model rule): kept as it was
         self._constants = {k: full[k].detach().clone() for k in self._state_keys if k in spec.unused}
         edges = edge_values(layers.graph)
@@ -279,6 +285,8 @@ class CompiledModel(nn.Module):
         tokens = self._tokens(attention_mask, position_ids, kwargs.get("use_cache"))
         if labels is not None and tuple(labels.shape) != tuple(input_ids.shape):
             raise ValueError(f"labels has shape {tuple(labels.shape)}, input_ids {tuple(input_ids.shape)}")
+        check_same_inputs((input_ids, labels, attention_mask, position_ids), "input_ids, labels and masks",
+                          self.layers.executor.device)
         aux = None
         if torch.is_grad_enabled():
             out, aux = ScheduledStep.apply(self, input_ids, tokens, self.embed, self.norm, self.lm_head,
@@ -360,6 +368,8 @@ class CompiledModel(nn.Module):
                     raise ValueError(f"micro-batch {j}'s {what} is {desc}; the model was compiled for integer "
                                      f"[b, s] = {list(shape)} per micro-batch")
         layouts = self._step_tokens(attention_mask, position_ids)
+        check_same_inputs((*input_ids, *labels, *(attention_mask or ()), *(position_ids or ())),
+                          "train_step's input_ids, labels and masks", self.layers.executor.device)
         shards = [self._shard_labels(lab) for lab in labels]
         weight = 1.0 / M
         if num_items_in_batch is not None:     # transformers' fixed_cross_entropy: sum / N, the losses summed
@@ -486,6 +496,11 @@ class CompiledModel(nn.Module):
         unexpected = [k for k in state_dict if k not in set(self._state_keys)]
         if missing or (strict and unexpected):
             raise KeyError(f"state_dict: missing {missing}, unexpected {unexpected} (the original model's names)")
+        for k, want in self._state_shapes.items():
+            got = tuple(torch.as_tensor(state_dict[k]).shape)
+            if got != want:
+                raise ValueError(f"state_dict: size mismatch for {k}: a tensor of shape {list(got)}, where the "
+                                 f"original model's is {list(want)}")
         graph = self.layers.graph
         sources = {src.qualname for _, spec in graph.params for src in spec.sources}
         self.layers.load_full({q: state_dict[self.original_name(q)] for q in sources})

@@ -28,6 +28,7 @@ from moegraph.models import rms_norm
 from moegraph.token_layout import batch_rows
 from moegraph.tokens import Tokens
 from moegraph.runtime import RuntimeFailure
+from moegraph.runtime.autograd import once_only
 from moegraph.runtime.executor import EagerKernel
 from moegraph.runtime.module import CompiledLayer
 
@@ -96,6 +97,27 @@ class SumOverRanks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         return grad * ctx.dp if ctx.dp > 1 else grad, None
+
+
+def check_same_inputs(tensors: Sequence[torch.Tensor | None], what: str, device: torch.device) -> None:
+    """Every rank must pass the same global batch (each takes its own shard of it): a fingerprint
+    of ``tensors`` (token ids, labels, masks, positions), its MAX and MIN over the world, one
+    small all-reduce on ``device`` (the ranks' own: NCCL reduces CUDA tensors). A data-parallel
+    habit (each rank its own batch) would otherwise train on rows spliced from several ranks'
+    batches, with no error."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return
+    present = [t for t in tensors if t is not None]
+    mix = torch.zeros((), dtype=torch.int64, device=device)
+    for i, t in enumerate(present):       # position-weighted (a permutation changes it), wrapping int64
+        flat = t.reshape(-1).to(device=device, dtype=torch.int64)
+        weights = torch.arange(flat.numel(), dtype=torch.int64, device=device) % 1_000_003 + 1 + i
+        mix += (flat * weights).sum()
+    both = torch.stack([mix, -mix])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX)
+    if int(both[0]) != -int(both[1]):
+        raise ValueError(f"{what} differ between ranks: every rank passes the same global batch (the compiled "
+                         "model takes each rank's shard of it), not a batch of its own")
 
 
 @contextlib.contextmanager
@@ -176,6 +198,7 @@ class ScheduledStep(torch.autograd.Function):
     def backward(ctx, d_out: torch.Tensor, d_aux: torch.Tensor):
         model, layers, edges = ctx.model, ctx.model.layers, ctx.model.edges
         input_ids, embed, *params = ctx.saved_tensors
+        once_only(ctx.state)
         (saved, rec), ctx.state = ctx.state, None          # free the saved activations as backward starts
         (out, leaves), ctx.eager = ctx.eager, None
         dy, *partial = torch.autograd.grad(out, leaves, d_out)

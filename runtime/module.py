@@ -76,6 +76,18 @@ def refuse_autocast(device_type: str, what: str) -> None:
                              "bf16 example input for a layer) and call it without autocast")
 
 
+def refuse_cast(module: nn.Module, fn) -> None:
+    """Raise if ``fn`` (what ``.half()``, ``.to(dtype)``, ``.double()`` apply) changes the dtype of
+    ``module``'s parameters: its plan was compiled, priced and checked for theirs."""
+    p = next(module.parameters(), None)
+    if p is not None:
+        cast = fn(torch.empty(0, dtype=p.dtype, device=p.device)).dtype
+        if cast != p.dtype:
+            raise ValueError(f"{type(module).__name__} was compiled for {p.dtype}; casting it to {cast} is not "
+                             f"supported: cast the module before compiling it (moegraph compiles "
+                             f"{' or '.join(map(str, DTYPES))})")
+
+
 class CompiledLayer(nn.Module):
     """One MoE layer on this rank: parameter shards + an Executor for ``plan``.
 
@@ -85,6 +97,10 @@ class CompiledLayer(nn.Module):
     (a non-blocking query) and dropped otherwise (counted in ``dropped_traces``). ``traces``
     synchronises once to read what is left.
     """
+
+    def _apply(self, fn, recurse: bool = True):
+        refuse_cast(self, fn)
+        return super()._apply(fn, recurse)
 
     def __init__(self, graph: Graph, plan: ExecutionPlan, full_params: Mapping[str, torch.Tensor], *,
                  rank: int, n: int, comm: Comm | NoComm, timeout_s: float = 300.0, record: bool = True,
@@ -435,6 +451,13 @@ def compiled_plan(config: CompileConfig, given: "Schedule | ExecutionPlan | None
     lowered = lowered or lower(config)
     if isinstance(given, ExecutionPlan):
         return lowered, check_plan(lowered.graph, given)
+    # a Schedule runs only as `run --schedule FILE` runs a file: it verifies, fits the budget and
+    # schedules this very graph (the same digest), not merely nodes of the same names
+    from pathlib import Path
+
+    from moegraph.runtime.schedule_check import check_same_graph, check_schedule_file
+    check_schedule_file(given, Path("<the given schedule>"), config.memory_budget)
+    check_same_graph(lowered.graph, given, Path("<the given schedule>"))
     return lowered, ExecutionPlan.from_schedule(lowered.graph, given)
 
 

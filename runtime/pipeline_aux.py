@@ -26,6 +26,7 @@ from torch.autograd.function import once_differentiable
 
 from moegraph.edges import AuxLoss, aux_loss_value
 from moegraph.passes.stage_aux import StageAux
+from moegraph.runtime.autograd import once_only
 
 __all__ = ["StageLayersAux", "aux_term"]
 
@@ -46,6 +47,7 @@ class StageLayersAux(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy: torch.Tensor, d_stats: torch.Tensor | None):
         params = ctx.saved_tensors
+        once_only(ctx.state)
         (saved, rec), ctx.state = ctx.state, None
         E = ctx.aux.experts
         d_psum = torch.zeros(E) if d_stats is None else d_stats[1].float()

@@ -141,7 +141,24 @@ def _mean_of_replica_means(logits: torch.Tensor, labels: torch.Tensor, dp: int) 
 def model_checks(rank: int, n: int, cases: list[dict], round_trips: list[str], seed: int) -> dict:
     """Both kinds of check on one process group (starting ranks costs seconds)."""
     return {"train": train_cases(rank, n, cases, seed),
-            "round_trip": {kind: round_trip(rank, n, kind, seed + 500 + i) for i, kind in enumerate(round_trips)}}
+            "round_trip": {kind: round_trip(rank, n, kind, seed + 500 + i) for i, kind in enumerate(round_trips)},
+            "own_batches": own_batches(rank, seed + 900)}
+
+
+def own_batches(rank: int, seed: int) -> dict:
+    """Each rank calls the compiled model with a batch of its own (a data-parallel habit): the
+    forward refuses it on every rank, where it once trained on rows spliced from both batches;
+    the same batch on both ranks still runs."""
+    model = reference_model(seed, 2)
+    shared = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed))
+    compiled = moegraph.compile(model, shared, hardware="cpu-gloo", schedule="greedy", passes="", timeout_s=60.0)
+    own = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(seed + 1 + rank))
+    try:
+        compiled(own, labels=own)
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return {"refused": refused, "shared_loss": float(compiled(shared, labels=shared).loss)}
 
 
 def round_trip(rank: int, n: int, kind: str, seed: int) -> dict:

@@ -68,6 +68,14 @@ def test_training_matches_eager_n2(n2, case):
     assert res["shard_params"] < res["full_params"]            # the experts are sharded
 
 
+def test_a_batch_of_each_ranks_own_is_refused(rank_results):
+    results = [r["own_batches"] for r in rank_results(2, N2)]
+    for r in results:
+        assert r["refused"] is not None and r["refused"].startswith("input_ids, labels and masks differ between "
+                                                                    "ranks: every rank passes the same global batch")
+    assert results[0]["shared_loss"] == results[1]["shared_loss"]
+
+
 def test_loss_shifts_labels_across_shard_boundary(n2):
     """Only position s/2 carries a label: rank 0's last position predicts it, so a shift taken
     per shard would score nothing there; the loss (and its gradient) still equal eager's."""
@@ -180,6 +188,51 @@ def test_call_under_autocast_is_refused():
                                                 r"dtype=torch.bfloat16\): .*compile a bf16 module instead"):
         compiled(ids, labels=ids)
     assert compiled(ids, labels=ids).loss.dtype == torch.float32      # outside autocast it runs
+
+
+def test_misuse_of_a_compiled_model_is_refused_not_computed():
+    """Found by a bug bash (2026-11-28), each was silently wrong or a stray traceback: a state dict
+    whose tensor broadcasts into a shard, a cast to a dtype the plan was not compiled for, a second
+    backward through one forward, a gradient hook the compiled model would not run, config fields
+    a module brings itself, a bad n or config, and a schedule made for another graph."""
+    from moegraph import CompileConfig
+    from moegraph.runtime import PlanError
+    model = workers.reference_model(0, 2)
+    ids = torch.randint(0, workers.VOCAB, (2, 16))
+    compiled = moegraph.compile(model, ids, hardware="cpu-gloo", schedule="greedy", passes="")
+    state = model.state_dict()
+    key = next(k for k in state if k.endswith("moe.w1"))
+    with pytest.raises(ValueError, match=rf"^state_dict: size mismatch for {key}: a tensor of shape "
+                                         rf"\[{state[key].shape[-1]}\], where the original model's is "):
+        compiled.load_state_dict(state | {key: state[key][0, 0]})         # [h] would broadcast into [E, f, h]
+    compiled.load_state_dict(state)                                      # the right shapes load
+    with pytest.raises(ValueError, match=r"^CompiledModel was compiled for torch.float32; casting it to "
+                                         r"torch.float16 is not supported"):
+        compiled.half()
+    assert compiled.float() is compiled                                  # its own dtype: a no-op
+    loss = compiled(ids, labels=ids).loss
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match=r"frees its saved activations in its one backward: a second backward "
+                                           r"through the same forward \(retain_graph=True\) is not supported"):
+        loss.backward()
+    hooked = copy.deepcopy(model)
+    handle = next(hooked.parameters()).register_hook(lambda g: g * 0)
+    with pytest.raises(LoweringError, match=r"^parameter '.+' has a gradient hook \(.*<lambda>\): the compiled "
+                                            r"model computes the gradients of its own shards"):
+        moegraph.compile(hooked, ids, hardware="cpu-gloo", schedule="greedy")
+    handle.remove()
+    for config, fields in ((CompileConfig("small", top_k=1), "top_k=1"), (CompileConfig("small", layers=3), "layers=3"),
+                           (CompileConfig("small", edges="none"), "edges='none'")):
+        with pytest.raises(ValueError, match=rf"the config sets {fields}, which a module brings itself"):
+            moegraph.compile(model, ids, config=config)
+    with pytest.raises(ValueError, match=r"^n=0 must be a positive integer"):
+        moegraph.compile(model, ids, n=0)
+    with pytest.raises(ValueError, match=r"^config='tiny' must be a moegraph.CompileConfig"):
+        moegraph.compile(model, ids, config="tiny")
+    shorter = moegraph.compile(CompileConfig(model=model, batch=2, seq=8, strategy=SP, hardware="cpu-gloo", passes=(),
+                                             schedule="greedy")).schedule           # s = 8, not 16
+    with pytest.raises(PlanError, match=r"gives a different graph than the file schedules"):
+        moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule=shorter)
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")

@@ -47,6 +47,9 @@ def one_line_error(capsys, argv: list[str]) -> str:
     (dict(pp=0), "pp=0 must be a positive integer"),
     (dict(vpp=2, pp=1), "vpp=2 needs pp >= 2"),
     (dict(pp=1, placement="v"), "placement='v' needs pp >= 2 and vpp=2"),
+    (dict(pipeline=PipelineSearch(windows=8, overlap_param_gather=True)),       # was accepted and ignored
+     "pipeline=PipelineSearch(unit_time_limit_s=1.0, windows=8,"),
+    (dict(pipeline=PipelineSearch(runnable=True)), "searches a pipeline's order: it needs pp >= 2"),
     (dict(pp=4, layers=2), "pp=4 x vpp=1 = 4 stages exceed layers=2"),
     (dict(pp=2, vpp=3, placement="v", layers=8), "placement='v' puts two stages on each rank: it needs vpp=2"),
     (dict(pp=2, placement="spiral", layers=4), "placement='spiral' is not one of loop, v"),

@@ -135,6 +135,13 @@ def check_patches_and_hooks(root: nn.Module) -> None:
             raise LoweringError(f"a global module {kind[:-1].replace('_', ' ')} is registered (torch.nn.modules.module."
                                 f"register_module_{kind[:-1]}): the compiled model would not run it; remove it "
                                 "before compiling")
+    for name, p in root.named_parameters():
+        hooks = [*(getattr(p, "_backward_hooks", None) or {}).values(),
+                 *(getattr(p, "_post_accumulate_grad_hooks", None) or {}).values()]
+        if hooks:
+            raise LoweringError(f"parameter {name!r} has a gradient hook ({_function_name(hooks[0])}): the compiled "
+                                "model computes the gradients of its own shards and would not run it; remove it "
+                                "(handle.remove()) before compiling, or register it on the compiled model's parameters")
     for qualname, m in root.named_modules():
         where = f"{qualname!r} ({type(m).__name__})" if qualname else f"the compiled {type(m).__name__}"
         for kind in ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks"):
