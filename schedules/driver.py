@@ -31,7 +31,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from moegraph.config import RECORDED, CompileConfig, ModelEdges, config_layers, is_module
+from moegraph.config import RECORDED, CompileConfig, ModelEdges, PipelineSearch, config_layers, is_module
 from moegraph.cost import CostModel
 from moegraph.ir import ConfigError, Graph
 from moegraph.lowering import ModelSpec, has_model_rule
@@ -236,7 +236,7 @@ def _layer_lowerings(config: CompileConfig, model: ModelConfig, layers: int,
     """``layer_graphs`` and the MoE layer's pass report (a Hugging Face config: its whole stack's,
     each of its layer kinds lowered and rewritten once, ``moegraph.layers.LayerKinds``)."""
     one = dataclasses.replace(config, model=model, top_k=None, layers=1, micro_batches=1, edges="none", pp=1,
-                              vpp=1, placement="loop", memory_budget=None, hardware=cost.hw)
+                              vpp=1, placement="loop", pipeline=PipelineSearch(), memory_budget=None, hardware=cost.hw)
     if model.hf_config is not None:         # the family's own layers: every layer, its first ``layers``
         from moegraph.layers import layer_kinds
         stack = lower(one.replace(layers="all"))
