@@ -256,6 +256,18 @@ def run_config(args: argparse.Namespace, schedule: Any, **fields: Any) -> Compil
     return config_from_args(args, multi_layer=True, schedule=method, memory_budget=args.memory_budget,
                             solver=SolverEffort(args.time_limit), **fields)
 
+def check_runnable_model(name: str) -> None:
+    """`run` builds moegraph's own layers and MoETransformer from a registry model's sizes; a
+    Hugging Face config.json's family layers (its norms, activations, shared experts, vocabulary)
+    are what it compiles, not what those would run: refused, pointing at the API that runs them."""
+    from moegraph.registry import load_model
+    model = load_model(name)
+    if model.hf_config is not None:
+        raise UsageError(f"--model {name}: run executes moegraph's own layers from a registry model's sizes, not a "
+                         "Hugging Face family's; trace, compile and tune it, and run the family's module with "
+                         "moegraph.compile(model, input_ids) (docs/api.md)")
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """`moegraph run`: every flag checked before any work, the config compiled by the driver (or
     a schedule file's graph rebuilt), the plan timed on spawned ranks; the report."""
@@ -272,6 +284,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if pp > 1 and isinstance(args.layers, Unset):
         args.layers = Unset("all")                    # a pipeline's stages cut the whole model by default
     args, schedule = resolve_layer_args(args)
+    check_runnable_model(args.model)
     for flag in ("steps",):
         if getattr(args, flag) < 1:
             raise UsageError(f"--{flag}={getattr(args, flag)} must be a positive integer")

@@ -156,7 +156,8 @@ def run_pipeline(config: CompileConfig, *, steps: int, warmup: int, seed: int, c
     report: dict[str, Any] = {
         "model": model.name, "layers": layers, "vocab": vocab, "hardware": compiled.cost.hw.name,
         "pp": config.pp, "vpp": config.vpp, "placement": layout.placement, "n": n, "dp": dp, "world": world,
-        "strategy": config.strategy.as_dict(), "axes": sorted({a for r in results for a in r["axes"]}), "stages": [list(s) for s in layout.stages],
+        "strategy": compiled.lowered.layers[-1].strategy.as_dict(),        # as lowered: its passes' labels
+        "axes": sorted({a for r in results for a in r["axes"]}), "stages": [list(s) for s in layout.stages],
         "micro_batches": config.micro_batches, "batch": config.batch,
         "seq": config.seq, "schedule": config.schedule, "order": compiled.result.source, "order_hash": compiled.hash,
         "f_b_pairs": pairs, "pairs": [str(i) for row in orders for i in row if isinstance(i, Pair)], "merged_pairs": sum(r["merged_pairs"] for r in results) // (n * dp),

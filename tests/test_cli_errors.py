@@ -182,6 +182,12 @@ SCHEDULES_CASES = [
 # -- runtime: run, calibrate, demo ----------------------------------------------------------------------
 RUNTIME_CASES = [
     (["run", "--steps", "0"], "'0' is not a positive integer"),
+    (["calibrate", "--refit", "{tmp}/a_file.txt", "--time-budget", "30", "-o", "{tmp}/p.yaml"],
+     "--time-budget measures or records a run; a refit does neither"),         # was silently ignored
+    # run builds moegraph's own layers from a registry model's sizes: a Hugging Face family's (its own norms,
+    # activations, vocabulary) would not be what runs (a KeyError traceback, or a stand-in trained, until 2026-11-28)
+    (["run", "--model", "{tmp}/hf_ok.json", "--n", "2", "--seq", "64"], "run executes moegraph's own layers"),
+    (["run", "--model", "{tmp}/hf_ok.json", "--pp", "2", "--seq", "64"], "run executes moegraph's own layers"),
     (["run", "--warmup", "-1"], "'-1' is not a non-negative integer"),
     (["run", "--timeout", "inf"], "'inf' is not a positive finite number"),
     (["run", "--memory-budget", "nan"], "'nan' is not a positive size"),
@@ -288,6 +294,7 @@ def workdir(tmp_path_factory):
     mixtral = dict(model_type="mixtral", hidden_size=64, intermediate_size=128, num_attention_heads=4,
                    num_key_value_heads=2, num_hidden_layers=1, num_local_experts=4, num_experts_per_tok=2,
                    vocab_size=1000)
+    (tmp / "hf_ok.json").write_text(json.dumps(mixtral))
     (tmp / "hf_act.json").write_text(json.dumps(mixtral | {"hidden_act": "relu2_unknown"}))
     (tmp / "hf_neg.json").write_text(json.dumps(mixtral | {"hidden_size": -64}))
     _write_bad_registry_yaml(tmp)

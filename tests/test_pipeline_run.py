@@ -41,6 +41,7 @@ def test_run_pp_trains_the_pipeline_step_as_eager(tmp_path, capsys):
                  "2", "--warmup", "0", "--check", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["pp"], r["dp"], r["world"], r["stages"], r["micro_batches"]) == (2, 2, 4, [[0], [1]], 4)
+    assert r["strategy"]["passes"] == ["gate-reorder", "sar=paper"]     # the default passes, as lowered (not [])
     assert len(r["losses"]) == 2 and all(len(step) == 2 * 4 for step in r["losses"])
     assert r["max_rel_err_loss"] < 1e-5, r
     assert r["step_us"] > 0 and r["predicted_step_us"] > 0

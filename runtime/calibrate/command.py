@@ -61,12 +61,15 @@ class Calibration:
 
 # --- command line ----------------------------------------------------------------------------
 
+DEFAULT_TIME_BUDGET_S = 180.0
+
+
 def calibrate_command(p: argparse.ArgumentParser):
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what to calibrate (default cpu)")
     p.add_argument("--backend", default=None, choices=("gloo", "nccl"),
                    help="collective backend (default gloo on cpu, nccl on cuda)")
     p.add_argument("--n", type=int, default=2, metavar="N", help="ranks for the collective benchmarks (default %(default)s)")
-    p.add_argument("--time-budget", type=float, default=180.0, metavar="S",
+    p.add_argument("--time-budget", type=float, default=DEFAULT_TIME_BUDGET_S, metavar="S",
                    help="seconds for the whole calibration, startup included (default %(default)s)")
     p.add_argument("--base", default=None,
                    help="registry name or YAML path giving unmeasured fields (default cpu-gloo on cpu, h100 on cuda)")
@@ -145,7 +148,8 @@ def refit_options(args: argparse.Namespace) -> tuple[CalibrationOptions, tuple[l
     paths = [Path(p) for p in args.refit]
     path = paths[0]
     for flag, value in (("--samples", args.samples), ("--link", getattr(args, "link", None)),
-                        ("--link-latency", getattr(args, "link_latency", None))):
+                        ("--link-latency", getattr(args, "link_latency", None)),
+                        ("--time-budget", getattr(args, "time_budget", DEFAULT_TIME_BUDGET_S) != DEFAULT_TIME_BUDGET_S)):
         if value:
             raise UsageError(f"--refit {path}: {flag} measures or records a run; a refit does neither")
     runs, machines, setups = [], [], set()
