@@ -533,6 +533,9 @@ def compile_model(model: nn.Module, input_ids: torch.Tensor, config: CompileConf
     if s % n:
         raise ValueError(f"sequence length {s} is not divisible by n={n}")
     full = {k: t.detach() for k, t in [*model.named_parameters(), *model.named_buffers()]}
+    if meta := next((k for k, t in full.items() if t.is_meta), None):
+        raise ValueError(f"{meta} is on the meta device (no values): materialise the model (to_empty, then load "
+                         "its weights) before compiling it; the compile checks each layer against it numerically")
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     if len(dtypes) != 1 or next(model.parameters()).dtype not in DTYPES:
         raise ValueError(f"model parameters have dtypes {dtypes}: compile needs one of "

@@ -566,6 +566,9 @@ def compile_module(module: nn.Module, example_inputs: Any, config: CompileConfig
     from moegraph.schedules.driver import lower
     lowered = lower(config)
     graph = lowered.graph
+    if x.shape[-1] != graph.dims.h:     # the sizes come from the module: an input it cannot take is refused
+        raise ValueError(f"example_inputs has hidden size {x.shape[-1]} but {type(module).__name__}'s layer has "
+                         f"h={graph.dims.h}: the layer input is [b, s, {graph.dims.h}]")
     # data-dependent nodes refuse 'layer' whatever the order: ask before scheduling
     if why := expert_rows_refusal(graph, options.expert_rows) or capture_refusal(
             graph, ExecutionPlan.sequential(graph), options.cuda_graphs, options.expert_rows):

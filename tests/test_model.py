@@ -229,6 +229,13 @@ def test_misuse_of_a_compiled_model_is_refused_not_computed():
         moegraph.compile(model, ids, n=0)
     with pytest.raises(ValueError, match=r"^config='tiny' must be a moegraph.CompileConfig"):
         moegraph.compile(model, ids, config="tiny")
+    with pytest.raises(ValueError, match=r"^example_inputs has hidden size 32 but MoETransformerLayer's layer has "
+                                         r"h=64: the layer input is \[b, s, 64\]"):
+        moegraph.compile(small_layer(1), torch.randn(2, 16, 32), hardware="cpu-gloo", schedule="greedy")
+    with torch.device("meta"):
+        unloaded = workers.reference_model(0, 2)
+    with pytest.raises(ValueError, match=r"is on the meta device \(no values\): materialise the model"):
+        moegraph.compile(unloaded, ids, hardware="cpu-gloo", schedule="greedy")
     shorter = moegraph.compile(CompileConfig(model=model, batch=2, seq=8, strategy=SP, hardware="cpu-gloo", passes=(),
                                              schedule="greedy")).schedule           # s = 8, not 16
     with pytest.raises(PlanError, match=r"gives a different graph than the file schedules"):
