@@ -168,6 +168,10 @@ def _compile_module(module: Any, example_inputs: Any, config: CompileConfig | No
             schedule=schedule if plan_given is None else "cpsat", memory_budget=given["memory_budget"],
             micro_batches=given["micro_batches"], hardware=given["hardware"],
             solver=SolverEffort(given["time_limit_s"]))
+    from moegraph.schedules.schedule_file import Schedule
+    if isinstance(plan_given, Schedule):   # as `run --schedule FILE` takes a file: it verifies and fits the budget
+        from moegraph.runtime.schedule_check import check_schedule_file   # (compiled_plan: the same graph)
+        check_schedule_file(plan_given, "<the given schedule>", config.memory_budget)
     if isinstance(getattr(module, "_orig_mod", None), torch.nn.Module):   # torch.compile's OptimizedModule
         raise ValueError(f"{type(module).__name__} wraps {type(module._orig_mod).__name__} (torch.compile): "
                          "moegraph compiles the original module; pass it (compiled._orig_mod, or the module you "

@@ -45,7 +45,7 @@ from moegraph.runtime.device_memory import check_rank_memory, memory_report
 from moegraph.runtime.netns import add_link_args, emulated_link, link_from_args, link_mismatch
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.report import format_report
-from moegraph.runtime.schedule_check import check_same_graph, check_schedule_file
+from moegraph.runtime.schedule_check import check_schedule_file
 from moegraph.runtime.timing import progress, rank_traces, spawn_plans, step_stats
 from moegraph.runtime.trace import trace_paths, write_traces
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
@@ -334,14 +334,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layer = lower(config)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
-        if schedule is not None:
-            check_same_graph(layer.graph, schedule, args.schedule)
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
         # said once planned: a budget below the least feasible peak fails inside the scheduler, and
         # bad input gets exactly one stderr line
-        _, plan = compiled_plan(config, schedule, lowered=layer)
+        _, plan = compiled_plan(config, schedule, lowered=layer, source=str(args.schedule))
         check_native_budgets(plan.comm_keys(layer.graph), args.backend)     # before spawning
         progress(t0, f"planned: schedule {plan.method}")
         options = RuntimeOptions(timeout_s=args.timeout, cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
@@ -487,9 +485,7 @@ def train(args: argparse.Namespace, link: Any, t0: float | None = None, schedule
     # the graph compile_model builds on every rank: the stack (merged over --micro-batches M) plus the edges
     config = run_config(args, schedule, edges=ModelEdges(args.vocab))
     layer = lower(config)
-    if schedule is not None:
-        check_same_graph(layer.graph, schedule, args.schedule)
-    _, plan = compiled_plan(config, schedule, lowered=layer)
+    _, plan = compiled_plan(config, schedule, lowered=layer, source=str(args.schedule))
     layers = layer_count(layer.graph)
     progress(t0, f"planned: schedule {plan.method} of the {layers}-layer model step")
     st = layer.graph.strategy

@@ -439,11 +439,14 @@ def make_plan(graph: Graph, cost: CostModel, schedule: "str | Schedule | Executi
 
 
 def compiled_plan(config: CompileConfig, given: "Schedule | ExecutionPlan | None" = None, *,
-                  lowered: "Lowered | None" = None) -> "tuple[Lowered, ExecutionPlan]":
+                  lowered: "Lowered | None" = None,
+                  source: str = "<the given schedule>") -> "tuple[Lowered, ExecutionPlan]":
     """(the lowered config, its execution plan): the driver's schedule of ``config``
     (``moegraph.schedules.driver.build``), or ``given`` (a Schedule, e.g. a file's, or a plan)
-    for the driver's graph of ``config`` (``lower``), checked against it. ``lowered``: the
-    config's ``lower`` result when the caller has it."""
+    for the driver's graph of ``config`` (``lower``), checked against it: a Schedule must schedule
+    this very graph (``check_same_graph``: the same digest, not merely nodes of the same names;
+    ``source`` names it in the error, e.g. the file). ``lowered``: the config's ``lower`` result
+    when the caller has it."""
     from moegraph.schedules.driver import build, lower
     if given is None:
         compiled = build(config, lowered=lowered)
@@ -451,13 +454,8 @@ def compiled_plan(config: CompileConfig, given: "Schedule | ExecutionPlan | None
     lowered = lowered or lower(config)
     if isinstance(given, ExecutionPlan):
         return lowered, check_plan(lowered.graph, given)
-    # a Schedule runs only as `run --schedule FILE` runs a file: it verifies, fits the budget and
-    # schedules this very graph (the same digest), not merely nodes of the same names
-    from pathlib import Path
-
-    from moegraph.runtime.schedule_check import check_same_graph, check_schedule_file
-    check_schedule_file(given, Path("<the given schedule>"), config.memory_budget)
-    check_same_graph(lowered.graph, given, Path("<the given schedule>"))
+    from moegraph.runtime.schedule_check import check_same_graph
+    check_same_graph(lowered.graph, given, source)
     return lowered, ExecutionPlan.from_schedule(lowered.graph, given)
 
 

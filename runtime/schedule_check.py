@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 
-def check_schedule_file(schedule: Any, path: Path, memory_budget: int | None) -> None:
+def check_schedule_file(schedule: Any, path: Path | str, memory_budget: int | None) -> None:
     """``run --schedule FILE.json`` before any work: the file passes the checks ``moegraph verify``
     makes (``moegraph.schedules.verify``: its hash, SM budgets the hardware allows, durations its
     cost model gives, its memory budget, ...), and its predicted peak fits ``--memory-budget``
@@ -33,7 +33,7 @@ def check_schedule_file(schedule: Any, path: Path, memory_budget: int | None) ->
                          "compile one under that budget, or leave --memory-budget out")
 
 
-def check_same_graph(graph: Any, schedule: Any, path: Path) -> None:
+def check_same_graph(graph: Any, schedule: Any, path: Path | str) -> None:
     """The graph lowered from the file's settings is the one the file schedules: the fields the
     file holds (strategy, dims, every node's op, costs and attributes) agree and so does its
     digest (``moegraph.ir.graph_digest``, which also covers the values), else PlanError naming

@@ -205,3 +205,20 @@ def test_gate_reorder_scales_the_glu_rows_in_its_kernel(family, act):
     assert not any(n.op is OpKind.GATE for n in graph.nodes)
     errors = step_errors(compiled, model, ids, ids.clone())
     assert errors["logits"] < TOL and errors["loss"] < TOL and errors["grads"] < TOL, errors
+
+
+def test_a_config_json_built_on_meta_reads_its_norms_as_they_compute(tmp_path):
+    """A config.json's layers are built on the meta device (no values): the norm probe runs a CPU copy
+    with random weights, so MiniMax-M3's 1 + weight norms carry offset 1 in the planned graph as in
+    the compiled one (read as plain RMSNorms, offset 0, until 2026-11-28)."""
+    _need("minimax_m3_vl")
+    import json
+
+    from moegraph.config import CompileConfig
+    from moegraph.schedules.driver import lower
+    cfg = tiny_model("minimax_m3_vl", LMS["minimax_m3_vl"]).config.to_dict()
+    path = tmp_path / "minimax.json"
+    path.write_text(json.dumps(cfg))
+    graph = lower(CompileConfig(model=str(path), strategy=Strategy("tp", "ep", "a2a", 2), seq=32, passes=())).graph
+    norms = [nd for nd in graph.nodes if nd.op is OpKind.RMSNORM or nd.attr("kind", None) == "head_rms"]
+    assert norms and all(nd.attr("offset", 0.0) == 1.0 for nd in norms), [nd.name for nd in norms]

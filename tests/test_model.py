@@ -7,6 +7,7 @@ each case is reported as its own test. Fresh random weights and data every run.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 
 import pytest
@@ -240,6 +241,9 @@ def test_misuse_of_a_compiled_model_is_refused_not_computed():
                                              schedule="greedy")).schedule           # s = 8, not 16
     with pytest.raises(PlanError, match=r"gives a different graph than the file schedules"):
         moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule=shorter)
+    edited = dataclasses.replace(shorter, summary={**shorter.summary, "makespan_us": 1.0})    # its hash now stale
+    with pytest.raises(ValueError, match=r"its content does not hash to the hash it records"):
+        moegraph.compile(model, ids[:, :8], hardware="cpu-gloo", passes="", schedule=edited)
 
 
 @pytest.mark.skipif(not HAS_HF, reason="transformers is not installed")

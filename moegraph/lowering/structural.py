@@ -327,44 +327,59 @@ def norm_spec(module: nn.Module, qualname: str) -> NormSpec:
     return NormSpec(_src(qualname, "weight"), eps, offset=_scale_offset(module, eps))
 
 
-def _scale_offset(module: nn.Module, eps: float) -> float:
-    """1.0 where an RMSNorm scales by 1 + weight (Gemma's, MiniMax-M3's: its output on 8 random rows
-    is x rsqrt(mean(x^2) + eps) * (1 + weight) and not * weight), else 0. Like ``_removes_mean``
-    it runs the module; one it cannot run reads as 0, and the numerical check has the last word."""
+def _run_norm(module: nn.Module):
+    """(x, weight, output) in fp32 of ``module`` on 8 random rows of mean 1, or None where it cannot
+    run alone. A norm on the meta device (a config's layers, built to be priced) runs as a CPU copy
+    with random weights: what it computes comes from its code, not its values."""
+    import copy
+
     import torch
+    gen = torch.Generator().manual_seed(7)
+    if module._parameters["weight"].is_meta:
+        module = copy.deepcopy(module).to_empty(device="cpu")
+        with torch.no_grad():
+            for q in module.parameters():
+                q.copy_(torch.randn(q.shape, generator=gen) * 0.2)
     w = module._parameters["weight"]
-    if w.is_meta:
-        return 0.0
-    x = torch.randn(8, w.shape[0], generator=torch.Generator().manual_seed(7)).to(w.dtype).to(w.device)
+    x = (torch.randn(8, w.shape[0], generator=gen) + 1).to(w.dtype).to(w.device)
     try:
         with torch.no_grad():
             got = module(x).float()
-    except Exception:  # noqa: BLE001 - a norm that cannot run alone: checked by numbers
+    except Exception:  # noqa: BLE001 - a norm that cannot run alone: read plainly, checked by numbers
+        return None
+    return x.float(), w.detach().float(), got
+
+
+def _close(got, want) -> bool:
+    import torch
+    return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-6))
+
+
+def _scale_offset(module: nn.Module, eps: float) -> float:
+    """1.0 where an RMSNorm scales by 1 + weight (Gemma's, MiniMax-M3's: its output is
+    x rsqrt(mean(x^2) + eps) * (1 + weight) and not * weight, ``_run_norm``), else 0; one that
+    cannot run reads as 0, and the numerical check has the last word."""
+    import torch
+    run = _run_norm(module)
+    if run is None:
         return 0.0
-    xf = x.float()
-    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    wf = w.detach().float()
-    close = lambda want: bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max()) + 1e-6))  # noqa: E731
-    return 1.0 if close(normed * (1 + wf)) and not close(normed * wf) else 0.0
+    x, w, got = run
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return 1.0 if _close(got, normed * (1 + w)) and not _close(got, normed * w) else 0.0
 
 
 def _removes_mean(module: nn.Module, eps: float) -> bool:
-    """Whether a bias-free norm centres its rows: its output on 8 random rows (mean 1) is F.layer_norm's
-    (weight, no bias) and not an RMSNorm's. False when it cannot run (meta weights: then it is read as
-    an RMSNorm, and the numerical check, which runs on real weights, has the last word)."""
-    import torch
+    """Whether a bias-free norm centres its rows: its output (``_run_norm``) is F.layer_norm's
+    (weight, no bias) and not an RMSNorm's. False when it cannot run (then it is read as an
+    RMSNorm, and the numerical check, which runs on real weights, has the last word)."""
     import torch.nn.functional as F
-    w = module._parameters["weight"]
-    if w.is_meta or "bias" in module._parameters:
+    if "bias" in module._parameters:
         return False
-    x = (torch.randn(8, w.shape[0], generator=torch.Generator().manual_seed(7)) + 1).to(w.dtype).to(w.device)
-    try:
-        with torch.no_grad():
-            got = module(x).float()
-    except Exception:  # noqa: BLE001 - a norm that cannot run alone: read as RMSNorm, checked by numbers
+    run = _run_norm(module)
+    if run is None:
         return False
-    want = F.layer_norm(x.float(), (w.shape[0],), w.detach().float(), None, eps)
-    return bool(torch.allclose(got, want, rtol=1e-2, atol=1e-2 * float(want.abs().max())))
+    x, w, got = run
+    return _close(got, F.layer_norm(x, (w.shape[0],), w, None, eps))
 
 
 # -- attention -------------------------------------------------------------------------------------
