@@ -255,3 +255,19 @@ def test_a_hugging_face_models_step_prices_its_own_vocabulary():
 
     assert head_vocab() == 151_936
     assert head_vocab(edges=ModelEdges(1000)) == 1000
+
+
+@pytest.mark.slow
+def test_compile_pp_json_gives_the_returned_order_and_each_baseline_one_shape(compiled):
+    """The returned order's exposed p2p and gather are the worst rank's, as each baseline's are,
+    with each rank's beside them (they were a list at the top level and a number under baselines)."""
+    from moegraph.schedules.pipeline_report import compile_summary
+    c = compile_summary(compiled)
+    per_rank = compiled.timeline.summary()["exposed_p2p_us"]
+    assert c["exposed_p2p_us"] == max(per_rank) and c["exposed_p2p_us_per_rank"] == per_rank
+    rows = [c, *c["baselines"].values()]
+    for key in ("exposed_p2p_us", "exposed_gather_us"):
+        assert all(isinstance(r[key], float) for r in rows)
+        assert all(r[key] == max(r[f"{key}_per_rank"]) for r in rows)
+    for name, t in compiled.result.warm_starts.items():
+        assert c["baselines"][name]["exposed_p2p_us_per_rank"] == t.summary()["exposed_p2p_us"]
