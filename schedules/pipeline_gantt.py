@@ -64,11 +64,16 @@ def pipeline_figure(t: Timeline, title: str = ""):
     ax.set_xlim(0, span)
     time_axis(ax, span)
     s = t.summary()
+    handles = [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()] + [Patch(color=BUBBLE, label="bubble")]
+    legend = ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(handles))
+    # The title goes on its own line above the legend's row, whatever its length: its pad is how far
+    # the drawn legend reaches above the axes (points), so the two never share a line.
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_pt = (legend.get_window_extent(renderer).y1 - ax.get_window_extent(renderer).y1) * 72 / fig.dpi
     ax.set_title(f"{title}  step {s['step_us'] / 1e3:,.2f} ms, bubble {s['bubble_fraction']:.1%}, exposed p2p "
                  f"(max rank) {max(s['exposed_p2p_us']) / 1e3:,.2f} ms, exposed sync {s['exposed_sync_us'] / 1e3:,.2f} ms",
-                 fontsize=9, loc="left")
-    handles = [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()] + [Patch(color=BUBBLE, label="bubble")]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.02), fontsize=7, ncol=len(handles))
+                 fontsize=9, loc="left", pad=legend_pt + 4)
     return fig
 
 

@@ -153,6 +153,7 @@ def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     from moegraph.schedules.pipeline_gantt import BUBBLE, pipeline_figure, render_pipeline
     pr = problem(16, 16, 1, f=10, i=8, w=4, send=2, sync=30, opt=5)
     tl = simulate(pr, torch_orders("1F1B", pr.layout, 16))
+    import matplotlib.pyplot as plt
     fig = pipeline_figure(tl, "1F1B")
     fig.canvas.draw()
     ax = fig.axes[0]
@@ -162,8 +163,14 @@ def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
     renderer = fig.canvas.get_renderer()
     boxes = [t.get_window_extent(renderer) for t in ax.texts]
     assert all(not a.overlaps(b) for k, a in enumerate(boxes) for b in boxes[k + 1:])
-    import matplotlib.pyplot as plt
     plt.close(fig)
+    for title in ("1F1B", "qwen3-30b-a3b: best pipeline step"):       # the legend sat on the title
+        fig = pipeline_figure(tl, title)
+        fig.canvas.draw()
+        r = fig.canvas.get_renderer()
+        legend, heading = fig.axes[0].get_legend().get_window_extent(r), fig.axes[0]._left_title.get_window_extent(r)
+        assert heading.y0 > legend.y1 and not heading.overlaps(legend), title
+        plt.close(fig)
     assert render_pipeline(tl, tmp_path / "p.png").stat().st_size > 0
 
 
