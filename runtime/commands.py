@@ -245,6 +245,19 @@ def load_model_name(model: str) -> str:
     from moegraph.registry import load_model
     return load_model(model).name
 
+def gpu_plan_on_cpu_note(hardware: str, device: str) -> str | None:
+    """The note a CPU run of a plan priced for a shipped GPU profile carries (a schedule file
+    compiled for h800, or --hardware h800 with gloo): its predicted step is that GPU's, set beside
+    this machine's measurement. None where the two describe one machine (or a profile given as a
+    file, which this cannot tell)."""
+    from moegraph.registry import hardware_names
+    if device != "cpu" or hardware in CPU_PROFILES or hardware not in hardware_names():
+        return None
+    return (f"the plan is priced for {hardware}, a GPU profile, and runs here on the CPU over gloo: its predicted "
+            f"step is {hardware}'s, not this machine's; plan with --hardware cpu-2core-gloo (or a profile "
+            "`calibrate` fitted here) to compare a prediction")
+
+
 def _hardware_name(hardware: str) -> str:
     from moegraph.registry import load_hardware
     return load_hardware(hardware).name
@@ -334,6 +347,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layer = lower(config)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
+        if note := gpu_plan_on_cpu_note(layer.hardware.name, device):
+            print(f"run: {note}", file=sys.stderr, flush=True)
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
@@ -367,6 +382,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "expert_rows": args.expert_rows,
         "padded_rows_extra_bytes": padded_rows_extra_bytes(g) if args.expert_rows == "padded" else 0,
         **memory_report(plan, results, device, args.memory_budget if schedule is not None else None)}
+    if note:
+        report["prediction_note"] = note
     if fused := fused_group_count(g):
         report.update({"fused_groups": fused, "executed_as": FUSED_AS_MEMBERS})
     if args.check:

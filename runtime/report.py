@@ -30,6 +30,8 @@ def format_report(r: dict[str, Any]) -> str:
              f"max {r['step_us_max'] / 1e3:.3f})"
              + (f", predicted {r['predicted_step_us'] / 1e3:.3f} ms" if r.get("predicted_step_us") else ""),
              format_memory(r)]
+    if r.get("prediction_note"):
+        lines.insert(3, f"note: {r['prediction_note']}")
     if r.get("fused_groups"):
         lines.append(f"{r['fused_groups']} {r['executed_as']}")
     if r.get("expert_rows", "exact") != "exact":

@@ -160,6 +160,7 @@ def test_run_takes_model_strategy_and_passes_from_a_schedule_file(capsys, tmp_pa
     assert report["predicted_peak_bytes"] == report["checked_memory_budget_bytes"] == peak
     assert report["memory_budget_bytes"] is None and report["measured_peak_bytes"] is None
     assert (report["model"], report["hardware"], report["seq"], report["n"]) == ("tiny", "cpu-2core-gloo", 64, 2)
+    assert "prediction_note" not in report                  # priced for this kind of machine: no note
     assert report["strategy"]["attn"] == "tp" and report["strategy"]["ffn"] == "tp"
     assert report["strategy"]["passes"] == ["sar=paper"] and report["schedule"] == "greedy"
     assert report["max_rel_err_output"] < 1e-5 and report["max_rel_err_grads"] < 1e-5
@@ -244,3 +245,17 @@ def test_a_schedule_file_from_before_the_node_fields_still_describes_its_graph(t
     doc["graph"]["strategy"][field] = 2
     with pytest.raises(PlanError, match="different graph"):
         check_same_graph(graph, Schedule.from_json(json.dumps(doc)), path)
+
+
+@pytest.mark.slow
+def test_run_of_a_gpu_priced_schedule_on_the_cpu_says_whose_prediction_it_shows(capsys, tmp_path):
+    """An h800 file run on gloo sets h800's predicted step beside this CPU's measured one: said on
+    stderr before the ranks start, and in the report (it was silent)."""
+    sched = tmp_path / "h800.json"
+    assert main(["compile", "--model", "tiny", "--hardware", "h800", "--n", "2", "--seq", "64", "--dtype", "fp32",
+                 "--schedule", "greedy", "-o", str(sched)]) == 0
+    capsys.readouterr()
+    assert main(["run", "--schedule", str(sched), "--steps", "1", "--warmup", "0"]) == 0
+    out, err = capsys.readouterr()
+    assert "run: the plan is priced for h800, a GPU profile, and runs here on the CPU" in err
+    assert "note: the plan is priced for h800" in out and "predicted" in out
