@@ -347,8 +347,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         layer = lower(config)
         if warning := link_mismatch(layer.hardware, link):
             print(warning, file=sys.stderr, flush=True)
-        if note := gpu_plan_on_cpu_note(layer.hardware.name, device):
-            print(f"run: {note}", file=sys.stderr, flush=True)
         if why := expert_rows_refusal(layer.graph, args.expert_rows) or capture_refusal(
                 layer.graph, ExecutionPlan.sequential(layer.graph), args.cuda_graphs, args.expert_rows):
             raise UsageError(why)                         # before scheduling and spawning
@@ -356,6 +354,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         # bad input gets exactly one stderr line
         _, plan = compiled_plan(config, schedule, lowered=layer, source=str(args.schedule))
         check_native_budgets(plan.comm_keys(layer.graph), args.backend)     # before spawning
+        if note := gpu_plan_on_cpu_note(layer.hardware.name, device):      # said once the input is accepted
+            print(f"run: {note}", file=sys.stderr, flush=True)
         progress(t0, f"planned: schedule {plan.method}")
         options = RuntimeOptions(timeout_s=args.timeout, cuda_graphs=args.cuda_graphs, expert_rows=args.expert_rows)
         results = spawn_plans(layer, (plan,), steps=args.steps, warmup=args.warmup, seed=args.seed, device=device,
