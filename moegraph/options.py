@@ -106,3 +106,22 @@ def _check_parents(p: Path, flag: str) -> None:
             if not parent.is_dir():
                 raise UsageError(f"{flag} {str(p)!r}: {str(parent)!r} is a file, not a directory")
             return
+
+
+def check_distinct_files(outputs: list[tuple[str, str | Path]], inputs: list[tuple[str, str | Path]] = ()) -> None:
+    """Raise UsageError (one line) when an output path names the same file as an input it reads or
+    as another output (after resolving links and ``..``): writing it would replace that file, and
+    a command that reads a schedule and writes a chart must not destroy the schedule. Each entry
+    is (flag, path); ``None`` or empty paths are skipped (their own checks name them)."""
+    seen: dict[Path, str] = {}
+    for flag, path in inputs:
+        if path:
+            seen.setdefault(Path(path).resolve(), f"the file {flag} reads")
+    for flag, path in outputs:
+        if not path:
+            continue
+        key = Path(path).resolve()
+        if key in seen:
+            raise UsageError(f"{flag} {str(path)!r} is also {seen[key]}: writing it would replace that file; "
+                             "give another path")
+        seen[key] = f"the file {flag} writes"

@@ -305,7 +305,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError(f"--warmup={args.warmup} must be >= 0 and --timeout={args.timeout} > 0")
     check_cuda_graph_args(args)
     if args.trace:
-        trace_paths(args.trace)                       # refused before the ranks run, not after
+        from moegraph.options import check_distinct_files
+        written = trace_paths(args.trace)             # refused before the ranks run, not after
+        check_distinct_files([("--trace", p) for p in written.values()],
+                             [("--schedule", args.schedule)] if isinstance(args.schedule, Path) else [])
     if args.expert_rows != "exact" and args.train_steps is not None:
         raise UsageError(f"--expert-rows {args.expert_rows} applies to the timed layer; --train-steps trains a whole "
                          "model with exact expert rows (leave --expert-rows out)")

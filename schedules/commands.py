@@ -22,8 +22,8 @@ from moegraph.limits import check_graph_size
 from moegraph.edges import edge_values
 from moegraph.microbatch import micro_batch_count
 from moegraph.layers import layer_count
-from moegraph.options import (UsageError, check_output, check_output_dir, format_bytes, fraction, make_parents,
-                              positive_float, positive_int)
+from moegraph.options import (UsageError, check_distinct_files, check_output, check_output_dir, format_bytes,
+                              fraction, make_parents, positive_float, positive_int)
 from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
 from moegraph.schedules.driver import COMM_STREAMS, build
@@ -58,10 +58,17 @@ def add_compile_args(p: argparse.ArgumentParser) -> None:
     add_pipeline_args(p, search=True)
 
 
+def _model_files(args) -> list[tuple[str, str]]:
+    """The files a command reads for --model and --hardware (a registry name reads none)."""
+    return [(f"--{flag}", value) for flag in ("model", "hardware")
+            if isinstance(value := getattr(args, flag, None), str) and Path(value).is_file()]
+
+
 def compile_from_args(args):
     """(the lowered graph, the CompileResult) of `moegraph compile`'s flags, built by the driver."""
     if args.output is not None:
         check_output(args.output, suffixes=(".csv",) if args.pp > 1 else (".json",))
+        check_distinct_files([("-o", args.output)], _model_files(args))
     if args.schedule in MICROBATCH_METHODS and args.micro_batches < 2:
         raise UsageError(f"--schedule {args.schedule} pairs one micro-batch's forward with another's backward: "
                          f"it needs --micro-batches M >= 2 (got {args.micro_batches})")
@@ -240,6 +247,7 @@ def gantt_command(p: argparse.ArgumentParser):
         from moegraph.schedules.gantt import check_drawable, labels, render
         from moegraph.schedules.verify import verdict
         check_output(args.output, suffixes=(".png", ".svg", ".html", ".json"))
+        check_distinct_files([("-o", args.output)], [("SCHED.json", args.schedule), ("--compare", args.compare)])
         files = [f for f in (args.schedule, args.compare) if f]
         scheds = [load_schedule(f) for f in files]
         for f, s in zip(files, scheds):
@@ -287,7 +295,7 @@ def tune_command(p: argparse.ArgumentParser):
                    help="cache folder ('' disables; not used with --pp; default %(default)s)")
     p.add_argument("-o", "--output", default=None, metavar="BEST.json|BEST.csv",
                    help="best schedule file (default out/tune-best.json; with --pp the best order as torch's "
-                        "action CSV, default out/tune-best.csv)")
+                        "action CSV, default out/tune-best.csv; '' ranks only, writing nothing)")
     p.add_argument("--gantt", default=None, help="Gantt chart of the best schedule (default: OUTPUT with .png)")
     p.add_argument("--min-gain", type=fraction, default=None, metavar="FRACTION",
                    help="keep the tp+tp sequential baseline unless the best candidate is predicted this much "
@@ -308,10 +316,14 @@ def tune_command(p: argparse.ArgumentParser):
         check_graph_size(layers=layers, micro_batches=args.micro_batches, n=args.n)   # before any graph
         if args.cache:
             check_output_dir(args.cache, flag="--cache")
+        if args.output == "" and args.gantt:
+            raise UsageError(f"--gantt {args.gantt!r} draws the best schedule tune writes; with -o '' it writes "
+                             "none: give -o BEST.json, or leave --gantt out")
         if args.output:
             check_output(args.output, suffixes=(".json",))
-            check_output(args.gantt or str(Path(args.output).with_suffix(".png")), flag="--gantt",
-                         suffixes=(".png", ".svg", ".html", ".json"))
+            gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
+            check_output(gantt, flag="--gantt", suffixes=(".png", ".svg", ".html", ".json"))
+            check_distinct_files([("-o", args.output), ("--gantt", gantt)], _model_files(args))
         budget = args.memory_budget
         t0 = time.perf_counter()
 
@@ -356,6 +368,7 @@ def tune_pipeline_command(args) -> int:
     check_output(output, suffixes=(".csv",))
     gantt = args.gantt or str(Path(output).with_suffix(".png"))
     check_output(gantt, flag="--gantt", suffixes=(".png", ".svg"))
+    check_distinct_files([("-o", output), ("--gantt", gantt)], _model_files(args))
     model = load_model(args.model)
     fields = pipeline_fields(args)
     check_graph_size(layers=2, n=args.n, stages=fields["pp"] * fields["vpp"])    # as config_from_args with --pp
