@@ -28,7 +28,7 @@ from moegraph.registry import load_hardware, load_model
 from moegraph.schedules.api import METHODS, MICROBATCH_METHODS
 from moegraph.schedules.driver import COMM_STREAMS, build
 from moegraph.schedules.schedule_file import Schedule, dp_sync_exposure, group_label, load_schedule, per_layer_summary
-from moegraph.schedules.tune import Cache, format_table, tune
+from moegraph.schedules.tune import Cache, format_table, over_device_note, tune
 from moegraph.strategy import node_fields
 
 
@@ -162,11 +162,8 @@ def format_compile(c: dict) -> str:
     if over:
         lines.append(f"{', '.join(over)} break the memory budget {format_bytes(budget)}: listed for comparison "
                      "only, not schedules within the budget")
-    device = c.get("device_memory_bytes")
-    if device is not None and c["peak_memory_bytes"] > device:
-        lines.append(f"peak memory {format_bytes(c['peak_memory_bytes'])} exceeds {c['hardware']}'s "
-                     f"{format_bytes(device)}: this schedule cannot run as compiled; cap it with --memory-budget, or "
-                     "recompute more (--passes sar=budget:SIZE), or split the batch (--batch, --micro-batches)")
+    if note := over_device_note(c["peak_memory_bytes"], c.get("device_memory_bytes"), c["hardware"], budget):
+        lines.append(note)
     lines += [f"peak memory {format_bytes(c['peak_memory_bytes'])}, exposed comm {c['exposed_comm_us']:.1f} us, "
               f"returned: {c['source']} ({c['status']}); solver {c['solver']['status']} in "
               f"{c['solver']['wall_s']:.2f} s",

@@ -247,6 +247,7 @@ def tune(model: ModelConfig, hw: Hardware, *, n: int = 8, batch: int = 1, seq: i
     say(f"[{time.perf_counter() - t0:6.1f}s] best: {pick_line(best, base_name)}")
     return {"model": model.name, "hardware": hw.name, "n": n, "batch": batch, "seq": seq, "layers": layers,
             "min_gain": min_gain, "micro_batches": micro_batches, "memory_budget_bytes": memory_budget,
+            "device_memory_bytes": hw.hbm_capacity_bytes,
             "baseline": {"strategy": base_name, "predicted_us": base["predicted_us"],
                          "peak_memory_bytes": base["peak_memory_bytes"], "over_budget": base_over},
             "best": best, "candidates": ranked, "wall_s": round(time.perf_counter() - t0, 2),
@@ -417,6 +418,19 @@ def pick_line(best: dict, baseline: str = "tp+tp sequential") -> str:
             f"{best['predicted_us']:.1f} us, {best['speedup']:.3f}x the {baseline} baseline")
 
 
+def over_device_note(peak: int, capacity: int | None, hardware: str, budget: int | None = None) -> str | None:
+    """The line `compile` and `tune` print when a schedule's peak exceeds the device's memory (a
+    schedule that cannot run as compiled); None when it fits or the capacity is unknown. A
+    ``budget`` above the device's memory is named as the cause, not suggested as the cure."""
+    if capacity is None or peak <= capacity:
+        return None
+    cap = (f"--memory-budget {format_bytes(budget)} is above it: give at most {format_bytes(capacity)}"
+           if budget is not None else "cap it with --memory-budget")
+    return (f"peak memory {format_bytes(peak)} exceeds {hardware}'s {format_bytes(capacity)}: this schedule cannot "
+            f"run as compiled; {cap}, or recompute more (--passes sar=budget:SIZE), or split the batch (--batch, "
+            "--micro-batches)")
+
+
 def format_table(res: dict) -> str:
     budget, base = res.get("memory_budget_bytes"), res["baseline"]
     lines = [f"{res['model']} on {res['hardware']}, n={res['n']}, b={res['batch']}, s={res['seq']}"
@@ -443,10 +457,13 @@ def format_table(res: dict) -> str:
         if r.get("also"):        # strategies whose schedule is this row's, node for node
             lines.append(f"{'':>3} = also " + ", ".join(" ".join(_row_label(o).split()) for o in r["also"]))
     lines.append(f"best: {pick_line(res['best'], base['strategy'])}")
+    if note := over_device_note(res["best"]["peak_memory_bytes"], res.get("device_memory_bytes"), res["hardware"],
+                                budget):
+        lines.append(note)
     if res.get("schedule_file"):
         lines.append(f"wrote {res['schedule_file']} (best schedule) and {res['gantt']} (its Gantt chart)")
     return "\n".join(lines)
 
 
-__all__ = ["tune", "candidates", "baseline_config", "baseline_strategy", "baseline_label", "candidate_config", "evaluate", "Cache", "cache_key", "format_table",
+__all__ = ["tune", "over_device_note", "candidates", "baseline_config", "baseline_strategy", "baseline_label", "candidate_config", "evaluate", "Cache", "cache_key", "format_table",
            "to_refine"]

@@ -517,3 +517,24 @@ def test_strategies_with_the_same_schedule_are_one_row_naming_them_all(monkeypat
     if n == 1:
         assert len(rows) == 1 and len(rows[0]["also"]) == 2
         assert "= also " in format_table(res)
+
+
+def test_a_pick_over_the_devices_memory_is_said_as_compile_says_it(tmp_path, capsys):
+    """A profile with 100 kB of memory: every candidate peaks above it. tune used to pick one and
+    exit 0 saying nothing; now its table says the pick cannot run, as compile's does, and compile
+    names a --memory-budget above the device as the cause instead of suggesting one."""
+    import yaml
+    raw = load_hardware("h800").to_dict()
+    raw.pop("name", None)
+    profile = tmp_path / "tiny_mem.yaml"
+    profile.write_text(yaml.safe_dump(raw | {"hbm_capacity_bytes": 100_000}))
+    args = ["--model", "tiny", "--n", "2", "--seq", "64", "--hardware", str(profile)]
+    assert main(["tune", *args, "--time-limit", "1", "--cache", "", "-o", str(tmp_path / "best.json")]) == 0
+    out = capsys.readouterr().out
+    best = json.loads((tmp_path / "best.json").read_text())["summary"]["peak_memory_bytes"]
+    assert best > 100_000
+    assert "exceeds tiny_mem's 97.66KiB: this schedule cannot run as compiled; cap it with --memory-budget" in out
+    assert main(["tune", *args, "--time-limit", "1", "--cache", "", "-o", "", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["device_memory_bytes"] == 100_000
+    assert main(["compile", *args, "--memory-budget", "2GiB", "--schedule", "greedy"]) == 0
+    assert "--memory-budget 2.00GiB is above it: give at most 97.66KiB" in capsys.readouterr().out
