@@ -337,8 +337,9 @@ def tune_command(p: argparse.ArgumentParser):
         if args.output:
             say(f"writing {args.output} and its Gantt chart")
             sched = Schedule.from_json(schedule_json)
-            sched.save(make_parents(args.output))
             gantt = args.gantt or str(Path(args.output).with_suffix(".png"))
+            Path(gantt).unlink(missing_ok=True)    # a kill between the two writes leaves no chart of another pick
+            sched.save(make_parents(args.output))
             from moegraph.schedules.gantt import render
             render(sched, make_parents(gantt))
             res |= {"schedule_file": args.output, "gantt": gantt}
@@ -380,6 +381,7 @@ def tune_pipeline_command(args) -> int:
                         progress=lambda msg: print(msg, file=sys.stderr, flush=True))
     best = res.pop("_best")
     from moegraph.schedules.pipeline_torch import write_csv
+    Path(gantt).unlink(missing_ok=True)            # a kill between the two writes leaves no chart of another pick
     write_csv(best["_timeline"].orders, make_parents(output))
     render_pipeline(best["_timeline"], make_parents(gantt), title=f"{res['model']}: best pipeline step")
     print(f"[{time.perf_counter() - t0:6.1f}s] wrote {output} and {gantt}", file=sys.stderr)

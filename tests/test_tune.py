@@ -538,3 +538,19 @@ def test_a_pick_over_the_devices_memory_is_said_as_compile_says_it(tmp_path, cap
     assert json.loads(capsys.readouterr().out)["device_memory_bytes"] == 100_000
     assert main(["compile", *args, "--memory-budget", "2GiB", "--schedule", "greedy"]) == 0
     assert "--memory-budget 2.00GiB is above it: give at most 97.66KiB" in capsys.readouterr().out
+
+
+def test_a_kill_between_tunes_two_writes_leaves_no_chart_of_another_pick(tmp_path, capsys, monkeypatch):
+    """tune writes the schedule, then its chart: interrupted between the two, the folder held the
+    new schedule beside the previous run's chart. The old chart is removed before the schedule is
+    written, so what is left always belongs together."""
+    import moegraph.schedules.gantt as gantt
+    best, chart = tmp_path / "best.json", tmp_path / "best.png"
+    chart.write_bytes(b"a chart of the previous run's pick")
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(gantt, "render", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        main(["tune", *ARGS, "--cache", "", "-o", str(best)])
+    assert best.exists() and not chart.exists()
