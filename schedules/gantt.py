@@ -4,7 +4,7 @@ trace (.json, opens in Perfetto and chrome://tracing).
 Renders the Schedule object and nothing else. Chart: one row per stream; bars coloured by
 compute / communication / recompute; comm bars carry their SM budget ("CE" = copy engines);
 communication that no compute overlaps is hatched red; a dashed line marks the
-forward/backward barrier; the live-memory curve (GiB) runs beneath. ``compare`` stacks a
+forward/backward barrier; the live-memory curve (in the largest binary unit it reaches) runs beneath. ``compare`` stacks a
 second schedule of the same layer on the same time axis.
 
 A file is drawn as it is, valid or not (a user inspects a damaged file too); ``not_valid``
@@ -350,13 +350,17 @@ def _bar_text(n: ScheduledNode, room: float) -> str:
 def _memory(ax, s: Schedule) -> None:
     curve = memory_curve(s)
     span = s.makespan_us
+    # the axis in the largest binary unit the curve (or the budget line) reaches: a KiB-sized
+    # schedule reads 0-160 KiB, not 0-0.00015 GiB
+    top = max([b for _, b in curve] + [s.memory_budget_bytes or 0, 1])
+    unit, size = next((u, v) for u, v in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1)) if top >= v)
     xs = [0.0] + [t for t, _ in curve] + [span]
-    ys = [0.0] + [b / 2**30 for _, b in curve] + [curve[-1][1] / 2**30 if curve else 0.0]
+    ys = [0.0] + [b / size for _, b in curve] + [curve[-1][1] / size if curve else 0.0]
     ax.step(xs, ys, where="post", color="#55A868", linewidth=1.2)
     ax.fill_between(xs, ys, step="post", color="#55A868", alpha=0.25)
     if s.memory_budget_bytes is not None:
-        ax.axhline(s.memory_budget_bytes / 2**30, color=EXPOSED, linestyle=":", linewidth=1)
-    ax.set_ylabel("GiB", fontsize=8)
+        ax.axhline(s.memory_budget_bytes / size, color=EXPOSED, linestyle=":", linewidth=1)
+    ax.set_ylabel(unit, fontsize=8)
     ax.set_ylim(bottom=0)
 
 

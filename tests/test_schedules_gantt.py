@@ -344,3 +344,23 @@ def test_a_long_step_reads_in_seconds_without_an_axis_offset(pair):
     assert "12" in ticks and not any("e" in t for t in ticks), ticks
     import matplotlib.pyplot as plt
     plt.close(fig)
+
+
+@pytest.mark.parametrize("scale,unit", [(1, "MiB"), (2**-12, "KiB"), (4, "GiB")])
+def test_the_memory_axis_reads_in_the_unit_the_peak_reaches(pair, scale, unit):
+    """The axis used to be GiB whatever the size (a 160 KiB schedule read 0-0.00015). The top of
+    the curve, read back off the axis in its unit, is the schedule's peak."""
+    import matplotlib.pyplot as plt
+
+    from moegraph.schedules.gantt import _figure
+    s = pair[1]
+    s = dataclasses.replace(s, values=tuple(dataclasses.replace(v, bytes=int(v.bytes * scale)) for v in s.values),
+                            memory_budget_bytes=None, summary={k: v for k, v in s.summary.items()
+                                                               if k != "peak_memory_bytes"})
+    fig = _figure(s, None)
+    ax = next(a for a in fig.axes if a.get_ylabel())
+    assert ax.get_ylabel() == unit
+    top = max(max(line.get_ydata()) for line in ax.get_lines())
+    size = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}[unit]
+    assert 1 <= top < 1024 and top * size == pytest.approx(peak_bytes(s), rel=1e-9)   # recomputed
+    plt.close(fig)
