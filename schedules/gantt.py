@@ -57,7 +57,7 @@ COLOURS = {"compute": "#4C72B0", "comm": "#DD8452", "recompute": "#8172B3"}
 EXPOSED = "#C44E52"
 LABEL_PT = 6  # bar labels' font size
 CUT_MIN = 8  # a label cut short keeps at least this many characters of the node name
-LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#937860"}
+LAYER_COLOURS = {"forward": "#64B5CD", "backward": "#8C8C8C"}   # grey: the step's darkened comm is brown
 
 
 NOT_VALID = "NOT VALID"
@@ -234,12 +234,13 @@ def _figure(sched: Schedule, compare: Schedule | None, sources: tuple[str, ...] 
             _layer_lane(next(axes_of), s, by_layer, span)
         _memory(next(axes_of), s)
     time_axis(axes[-1], span)
-    handles = [Patch(color=c, label=k) for k, c in COLOURS.items()]
+    most = max(micro_batches(s) for s in scheds)
+    # micro-batch 0 keeps the base shade: one entry says so, where two (compute, mb0) were one colour
+    handles = [Patch(color=c, label=f"{k}, mb0" if most and k == "compute" else k) for k, c in COLOURS.items()]
     handles.append(Patch(facecolor="none", edgecolor=EXPOSED, hatch="///", label="exposed comm"))
     if any(by_layer is not None for by_layer in layered):
         handles += [Patch(color=c, label=f"layer {k}") for k, c in LAYER_COLOURS.items()]
-    most = max(micro_batches(s) for s in scheds)
-    handles += [Patch(color=mb_colour(COLOURS["compute"], j), label=f"mb{j}") for j in range(most)]
+    handles += [Patch(color=mb_colour(COLOURS["compute"], j), label=f"mb{j}") for j in range(1, most)]
     if most:
         handles.append(Patch(color=mb_colour(COLOURS["comm"], STEP), label="step (grad sync)"))
     axes[0].legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.12), fontsize=7, ncol=len(handles),

@@ -191,6 +191,21 @@ def test_gantt_shades_micro_batches_apart(tmp_path):
     assert "#9db1d4" not in render(single, tmp_path / "one.svg").read_text()
     trace = chrome_trace(merged)
     assert {e["args"].get("mb") for e in trace["traceEvents"] if e.get("ph") == "X"} >= {0, 1}
+    # every legend entry its own colour: "compute" and "mb0" were one blue under two names, and
+    # "layer backward" a brown next to the step's
+    import matplotlib.colors as mcolors
+    import matplotlib.pyplot as plt
+
+    from moegraph.schedules.gantt import _figure
+    for sched in (merged, compile_graph(_merged(2, layers=2), COST, method="greedy").schedule):
+        fig = _figure(sched, None)
+        entries = [(t.get_text(), mcolors.to_hex(p.get_facecolor()))
+                   for leg in (a.get_legend() for a in fig.axes) if leg is not None
+                   for t, p in zip(leg.get_texts(), leg.get_patches()) if p.get_fill()]
+        colours = [c for _, c in entries]
+        assert len(set(colours)) == len(colours), entries
+        assert ("compute, mb0", "#4c72b0") in entries
+        plt.close(fig)
 
 
 @pytest.mark.slow
