@@ -64,7 +64,12 @@ def pipeline_figure(t: Timeline, title: str = ""):
     ax.set_xlim(0, span)
     time_axis(ax, span)
     s = t.summary()
-    handles = [Patch(color=c, label=k) for k, c in KIND_COLOURS.items()] + [Patch(color=BUBBLE, label="bubble")]
+    # one entry per colour: a transfer wears its action's colour (F's sends, I's and B's returns)
+    by_colour: dict[str, list[str]] = {}
+    for kind, colour in KIND_COLOURS.items():
+        by_colour.setdefault(colour, []).append(f"{kind} send" if kind in ("fwd", "bwd") else kind)
+    handles = [Patch(color=c, label=", ".join(names)) for c, names in by_colour.items()]
+    handles.append(Patch(color=BUBBLE, label="bubble"))
     legend = ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=len(handles))
     # The title goes on its own line above the legend's row, whatever its length: its pad is how far
     # the drawn legend reaches above the axes (points), so the two never share a line.

@@ -170,6 +170,8 @@ def test_pipeline_gantt_is_readable_at_sixteen_stages(tmp_path):
         r = fig.canvas.get_renderer()
         legend, heading = fig.axes[0].get_legend().get_window_extent(r), fig.axes[0]._left_title.get_window_extent(r)
         assert heading.y0 > legend.y1 and not heading.overlaps(legend), title
+        colours = [tuple(p.get_facecolor()) for p in fig.axes[0].get_legend().get_patches()]
+        assert len(set(colours)) == len(colours)              # F and its sends were two entries of one blue
         plt.close(fig)
     assert render_pipeline(tl, tmp_path / "p.png").stat().st_size > 0
 
