@@ -277,6 +277,26 @@ class LimitAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatedDeltaAttrs(NodeAttrs):
+    k_heads: int                         # this rank's key heads Hk and value heads Hv (Hk divides Hv)
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int                            # the causal depthwise convolution's width K
+    eps: float                           # the gated RMSNorm's
+    l2_eps: float = 1e-6                 # q and k's L2 norm
+    chunk_size: int = 64                 # the delta rule's chunk L
+    seq: int | None = None               # positions each head runs over (moegraph.efficiency, cost model)
+    head_dim: int | None = None          # priced as an attention of this head dim (cost model)
+
+    def problem(self, role: Role) -> str | None:
+        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv, self.chunk_size) < 1 or \
+                self.v_heads % self.k_heads:
+            return "sizes must be positive and k_heads must divide v_heads"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupedBiasAttrs(NodeAttrs):
     share: int = 1                       # tp experts: each rank adds bias/share to its partial sums
 
@@ -323,7 +343,7 @@ RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
     OpKind.MLA_HEADS: MlaHeadsAttrs, OpKind.CAST: CastAttrs, OpKind.ALL_GATHER: GatherScatterAttrs,
     OpKind.REDUCE_SCATTER: GatherScatterAttrs, OpKind.ALL_REDUCE: AllReduceAttrs, OpKind.ALL_TO_ALL: AllToAllAttrs,
     OpKind.P2P: P2PAttrs, OpKind.NORM: NormAttrs, OpKind.GLU: GluAttrs, OpKind.SCALE: ScaleAttrs, OpKind.LIMIT: LimitAttrs,
-    OpKind.GROUPED_BIAS: GroupedBiasAttrs,
+    OpKind.GROUPED_BIAS: GroupedBiasAttrs, OpKind.GATED_DELTA: GatedDeltaAttrs,
 }
 """Op kind -> its attribute record (every OpKind has one: ``attrs_of`` raises for a kind without)."""
 

@@ -135,6 +135,30 @@ class AttentionSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet (Qwen3-Next's ``linear_attention`` layers; ``moegraph.delta_kernels`` has the
+    math): qkvz [Hk*(2dk + 2r dv), h] and ba [Hk*2r, h] with rows grouped by key head (q, k, v, z;
+    b, a), r = Hv/Hk value heads per key head; the causal depthwise conv weight [C, 1, K] over the
+    channels (q of every key head, k of every key head, v of every value head); A_log and dt_bias
+    [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv]."""
+
+    qkvz: ParamSource
+    ba: ParamSource
+    conv: ParamSource
+    a_log: ParamSource
+    dt_bias: ParamSource
+    norm: ParamSource
+    out: ParamSource
+    k_heads: int              # Hk
+    v_heads: int              # Hv
+    k_dim: int                # dk
+    v_dim: int                # dv
+    conv_size: int            # K
+    eps: float
+    chunk_size: int = 64      # the delta rule's chunk L (transformers' torch_chunk_gated_delta_rule's)
+
+
+@dataclass(frozen=True)
 class MLPSpec:
     """A dense gated MLP: a dense layer's FFN (DeepSeek-V3's first_k_dense_replace layers), or
     the shared expert every token goes through beside the routed ones (Qwen2-MoE, DeepSeekMoE),
