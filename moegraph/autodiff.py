@@ -229,7 +229,7 @@ def _split(g, node, grads):
         dparts = tuple(_grad_value(g, x) for x in node.inputs)
         _bwd(g, node, "dgrad", OpKind.SPLIT, (dy,), dparts)
         return dparts
-    if mode == "split":
+    if mode in ("split", "heads"):      # heads: the gradients interleaved back per head
         (qkv,) = node.inputs
         dqkv = _grad_value(g, qkv)
         _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view

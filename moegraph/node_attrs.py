@@ -27,9 +27,10 @@ from typing import Any, Literal, Mapping, Union
 
 from moegraph.kinds import GraphError, OpKind, Role
 
-SplitMode = Literal["split", "concat"]
+SplitMode = Literal["split", "concat", "heads"]
 """SPLIT's attr ``mode``: cut one buffer into views of it ('split': q, k, v of qkv; token chunks),
-or write chunks into their slices of one buffer ('concat')."""
+or write chunks into their slices of one buffer ('concat'), or cut each head's features of the
+last dim by ``sizes`` into as many copies ('heads': Qwen3-Next's per-head query and gate)."""
 PermuteIndex = Literal["token", "slot"]
 """PERMUTE's attr ``index``: what the index map gathers, token rows ([T, h] -> [R, h]) or routing
 slots ([T, k] routing weights -> [R])."""

@@ -87,9 +87,11 @@ class RopeSpec:
 class OutGateSpec:
     """A gated attention output: the attention's output [H*dv] times act(g_proj(x)) of the layer
     input x, before o_proj; one gate per head broadcast over its dv features (Laguna's default,
-    weight [H, h]) or one per feature (weight [H*dv, h]; Laguna's 'per-element', AFMoE)."""
+    weight [H, h]) or one per feature (weight [H*dv, h]; Laguna's 'per-element', AFMoE). ``weight``
+    None: the gate's logits are q_proj's, each head's d rows after its query's (Qwen3-Next; per
+    feature, sigmoid)."""
 
-    weight: ParamSource
+    weight: ParamSource | None
     act: GateAct
     per_head: bool
 
