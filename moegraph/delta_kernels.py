@@ -20,7 +20,8 @@ chunk_size, eps, l2_eps):
     beta = sigmoid(b_),  g = -exp(A_log) * softplus(a + dt_bias)          [b, S, Hv]
     state S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,  o_t = S_t^T q_t
     y = rmsnorm(o, eps) * w * silu(z)   per value head                    [b, S, Hv*dv]
-computed chunk by chunk (``chunked_delta_rule``), as the training kernels do.
+computed chunk by chunk (``chunked_delta_rule``), as the training kernels do. A right-padded
+batch's padded tokens enter with zero q, k, v, z, b and a, as eager zeroes their input (``_padding``).
 """
 
 from __future__ import annotations
@@ -109,25 +110,33 @@ def gated_delta_forward(node: Node, qkvz, ba, conv_w, a_log, dt_bias, norm_w) ->
     return gated.to(dtype).reshape(b, S, Hv * dv)
 
 
-def _check_layout(ctx, node: Node) -> None:
+def _padding(ctx, qkvz):
+    """The batch's padding mask [b, S, 1] in qkvz's dtype (1 keeps a token), or None: eager zeroes a
+    padded token's input to the block (transformers' apply_mask_to_padding_states), so its q, k, v, z, b
+    and a are zero (the projections have no bias). Packed documents change nothing here: eager's
+    recurrence runs across them (its positions are not read)."""
     tokens = getattr(ctx, "tokens", None)
-    if tokens is not None and (tokens.documents is not None or tokens.keys is not None):
-        raise NotImplementedError(f"node {node.name!r} (gated_delta): a padded or packed batch is not modelled for "
-                                  "the gated delta rule (its recurrence would run across padding and documents)")
+    if tokens is None or tokens.keys is None:
+        return None
+    return tokens.keys.to(device=qkvz.device, dtype=qkvz.dtype)[..., None]
+
+
+def _masked(keep, qkvz, ba):
+    return (qkvz, ba) if keep is None else (qkvz * keep, ba * keep)
 
 
 def _k_gated_delta(ctx, node, ins, shapes):
-    _check_layout(ctx, node)
-    return [gated_delta_forward(node, *ins)]
+    qkvz, ba, *weights = ins
+    return [gated_delta_forward(node, *_masked(_padding(ctx, qkvz), qkvz, ba), *weights)]
 
 
 def _k_gated_delta_dgrad(ctx, node, ins, shapes):
     """Gradients of every input (qkvz, ba and the four weights) from dy, by autograd through the forward."""
-    _check_layout(ctx, node)
     *fwd, dy = ins
+    keep = _padding(ctx, fwd[0])
     with torch.enable_grad():
         leaves = [p.detach().requires_grad_() for p in fwd]
-        out = gated_delta_forward(node, *leaves)
+        out = gated_delta_forward(node, *_masked(keep, *leaves[:2]), *leaves[2:])
         return list(torch.autograd.grad(out, leaves, dy))
 
 
