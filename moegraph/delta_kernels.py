@@ -12,9 +12,11 @@ C = 2 Hk dk + Hv dv convolved channels, K the convolution's width, L the chunk s
 number of chunks ceil(S/L).
 
 One node computes, per position t and value head (attrs k_heads, v_heads, k_dim, v_dim, conv,
-chunk_size, eps, l2_eps):
-    q, k, v, z   from qkvz [b, S, Hk*P] (per key head: q [dk], k [dk], v [r dv], z [r dv])
-    b_, a        from ba [b, S, Hk*2r] (per key head: b [r], a [r])
+chunk_size, eps, l2_eps, layout):
+    q, k, v, z   from qkvz [b, S, Hk*P] (layout 'grouped', Qwen3-Next: per key head q [dk], k [dk],
+                 v [r dv], z [r dv]), or from one [b, S, 2 Hk dk + 2 Hv dv + 2 Hv] (layout 'flat',
+                 Qwen3.5-MoE: q, k, v, z, b, a one after another)
+    b_, a        from ba [b, S, Hk*2r] (grouped: per key head b [r], a [r]), or the flat input's
     (q, k, v) = silu(causal depthwise conv over S of (q, k, v) with weight [C, 1, K])
     q, k      = l2-normalised per head (eps l2_eps); q *= dk^-0.5; a key head serves r value heads
     beta = sigmoid(b_),  g = -exp(A_log) * softplus(a + dt_bias)          [b, S, Hv]
@@ -31,7 +33,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from moegraph.ir import Node, OpKind, Role
+from moegraph.ir import Node, OpKind, Role, bad_choice
 
 CHUNK = 64
 """The delta rule's chunk size: transformers' and the FLA kernels' default."""
@@ -80,18 +82,42 @@ def chunked_delta_rule(q, k, v, g, beta, chunk: int) -> torch.Tensor:
     return torch.stack(outs, dim=2).reshape(b, H, c * chunk, dv)[:, :, :S]
 
 
-def gated_delta_forward(node: Node, qkvz, ba, conv_w, a_log, dt_bias, norm_w) -> torch.Tensor:
-    """The module docstring's computation: qkvz [b, S, Hk*P], ba [b, S, Hk*2r], conv_w [C, 1, K],
-    a_log, dt_bias [Hv], norm_w [dv] -> [b, S, Hv*dv] in qkvz's dtype."""
+def projections(node: Node, *proj: torch.Tensor):
+    """(q, k, v, z, b, a) [b, S, X] each from the op's projection inputs, by attr layout:
+    'grouped' (Qwen3-Next): qkvz [b, S, Hk*P] and ba [b, S, Hk*2r], grouped by key head;
+    'flat' (Qwen3.5-MoE): one [b, S, 2 Hk dk + 2 Hv dv + 2 Hv] of q, k, v, z, b, a one after another."""
     t = node.typed
     Hk, Hv, dk, dv = t.k_heads, t.v_heads, t.k_dim, t.v_dim
     r = Hv // Hk
+    if t.layout == "flat":
+        return proj[0].split((Hk * dk, Hk * dk, Hv * dv, Hv * dv, Hv, Hv), dim=-1)
+    if t.layout != "grouped":
+        raise bad_choice(node)
+    qkvz, ba = proj
     b, S, _ = qkvz.shape
-    dtype = qkvz.dtype
     # [b, S, Hk*P] -> [b, S, Hk, P] -> q, k [b, S, Hk, dk], v, z [b, S, Hk, r*dv]
     q, k, v, z = qkvz.view(b, S, Hk, -1).split((dk, dk, r * dv, r * dv), dim=-1)
     bb, a = ba.view(b, S, Hk, 2 * r).split((r, r), dim=-1)                   # [b, S, Hk, r] each
-    mixed = torch.cat((q.reshape(b, S, -1), k.reshape(b, S, -1), v.reshape(b, S, -1)), dim=-1)   # [b, S, C]
+    return tuple(x.reshape(b, S, -1) for x in (q, k, v, z, bb, a))
+
+
+def projection_inputs(node: Node) -> int:
+    """How many of the op's inputs are projections (``projections``); the four weights follow."""
+    return 2 if node.typed.layout == "grouped" else 1
+
+
+def gated_delta_forward(node: Node, *ins: torch.Tensor) -> torch.Tensor:
+    """The module docstring's computation: the projections (``projections``), conv_w [C, 1, K],
+    a_log, dt_bias [Hv], norm_w [dv] -> [b, S, Hv*dv] in the projections' dtype."""
+    t = node.typed
+    Hk, Hv, dk, dv = t.k_heads, t.v_heads, t.k_dim, t.v_dim
+    r = Hv // Hk
+    p = projection_inputs(node)
+    q, k, v, z, bb, a = projections(node, *ins[:p])
+    conv_w, a_log, dt_bias, norm_w = ins[p:]
+    b, S, _ = q.shape
+    dtype = q.dtype
+    mixed = torch.cat((q, k, v), dim=-1)                                      # [b, S, C]
     w = conv_w.to(dtype)
     conv = F.conv1d(mixed.transpose(1, 2), w, padding=w.shape[-1] - 1, groups=w.shape[0])[..., :S]
     mixed = F.silu(conv).transpose(1, 2)                                      # [b, C, S] -> [b, S, C]
@@ -121,22 +147,23 @@ def _padding(ctx, qkvz):
     return tokens.keys.to(device=qkvz.device, dtype=qkvz.dtype)[..., None]
 
 
-def _masked(keep, qkvz, ba):
-    return (qkvz, ba) if keep is None else (qkvz * keep, ba * keep)
+def _masked(node: Node, keep, ins):
+    """The op's inputs with its projections' padded tokens zeroed (``keep``: ``_padding``'s)."""
+    p = projection_inputs(node)
+    return list(ins) if keep is None else [x * keep for x in ins[:p]] + list(ins[p:])
 
 
 def _k_gated_delta(ctx, node, ins, shapes):
-    qkvz, ba, *weights = ins
-    return [gated_delta_forward(node, *_masked(_padding(ctx, qkvz), qkvz, ba), *weights)]
+    return [gated_delta_forward(node, *_masked(node, _padding(ctx, ins[0]), ins))]
 
 
 def _k_gated_delta_dgrad(ctx, node, ins, shapes):
-    """Gradients of every input (qkvz, ba and the four weights) from dy, by autograd through the forward."""
+    """Gradients of every input (the projections and the four weights) from dy, by autograd through the forward."""
     *fwd, dy = ins
     keep = _padding(ctx, fwd[0])
     with torch.enable_grad():
         leaves = [p.detach().requires_grad_() for p in fwd]
-        out = gated_delta_forward(node, *_masked(keep, *leaves[:2]), *leaves[2:])
+        out = gated_delta_forward(node, *_masked(node, keep, leaves))
         return list(torch.autograd.grad(out, leaves, dy))
 
 

@@ -50,6 +50,9 @@ GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu", "sigmoid", "softplus"]
 softplus for a gated attention output (a: the gate's logits, per feature or, attr ``group``, per head)."""
 LimitHow = Literal["clamp", "softcap"]
 """LIMIT's attr ``how``: clamp(x, -c, c), or the soft cap c * tanh(x / c), c the attr ``limit``."""
+DeltaLayout = Literal["grouped", "flat"]
+"""GATED_DELTA's attr ``layout``: its projection inputs qkvz and ba grouped by key head (Qwen3-Next), or
+one input of q, k, v, z, b, a one after another (Qwen3.5-MoE; ``moegraph.delta_kernels.projections``)."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
@@ -67,6 +70,8 @@ CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
     (OpKind.GLU, Role.DGRAD): ("act", typing.get_args(GluAct)),
     (OpKind.LIMIT, Role.FORWARD): ("how", typing.get_args(LimitHow)),
     (OpKind.LIMIT, Role.DGRAD): ("how", typing.get_args(LimitHow)),
+    (OpKind.GATED_DELTA, Role.FORWARD): ("layout", typing.get_args(DeltaLayout)),
+    (OpKind.GATED_DELTA, Role.DGRAD): ("layout", typing.get_args(DeltaLayout)),
 }
 """(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
 op's VJP rule) computes; a switch over one ends in ``bad_choice``. (PERMUTE's weight-gradient role
@@ -289,6 +294,7 @@ class GatedDeltaAttrs(NodeAttrs):
     chunk_size: int = 64                 # the delta rule's chunk L
     seq: int | None = None               # positions each head runs over (moegraph.efficiency, cost model)
     head_dim: int | None = None          # priced as an attention of this head dim (cost model)
+    layout: DeltaLayout = "grouped"      # the projections' rows (moegraph.delta_kernels.projections)
 
     def problem(self, role: Role) -> str | None:
         if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv, self.chunk_size) < 1 or \

@@ -2,7 +2,8 @@
 full-attention layers (q_proj's per-head query and gate: a SPLIT of mode 'heads'), compiled whole and
 checked against eager: logits, loss and every parameter's gradient, under attn sp and tp, at n=1 here
 and on 2 gloo ranks, on sequences of one and of two chunks of the delta rule (16 and 80 tokens;
-chunks of 64). The zoo's tiny model (tests/family_zoo.py) has one layer of each kind.
+chunks of 64); padded and packed batches. The zoo's tiny model (tests/family_zoo.py) has one layer of
+each kind. Qwen3.5-MoE (the same blocks, its DeltaNet projections separate) in a few of the cases.
 """
 
 from __future__ import annotations
@@ -33,8 +34,11 @@ LINEAR = "model.layers.0.linear_attn"
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _case(attn: str, ffn: str, dispatch: str, seq: int, **extra) -> dict:
-    return dict(family=FAMILY, cls=CLS, attn=attn, ffn=ffn, dispatch=dispatch, seq=seq, **extra)
+QWEN35 = ("qwen3_5_moe", "Qwen3_5MoeForCausalLM")   # the same blocks, its four projections separate ('flat')
+
+
+def _case(attn: str, ffn: str, dispatch: str, seq: int, family: tuple[str, str] = (FAMILY, CLS)) -> dict:
+    return dict(family=family[0], cls=family[1], attn=attn, ffn=ffn, dispatch=dispatch, seq=seq)
 
 
 def _l2(x):
@@ -72,10 +76,11 @@ def test_gated_delta_flops_count_the_chunked_algorithm():
         2 * (f - 64 * per_position) + 65 * per_position
 
 
-@pytest.mark.parametrize("attn,ffn,dispatch,seq", [("sp", "ep", "a2a", 80), ("tp", "tp", "ag-rs", 80),
-                                                   ("tp", "ep", "a2a", 16), ("sp", "tp", "ag-rs", 16)])
-def test_compiles_and_matches_eager_on_one_rank(attn, ffn, dispatch, seq):
-    (res,) = family_cases(0, 1, [_case(attn, ffn, dispatch, seq)], seed=31)
+@pytest.mark.parametrize("attn,ffn,dispatch,seq,family", [
+    ("sp", "ep", "a2a", 80, (FAMILY, CLS)), ("tp", "tp", "ag-rs", 80, (FAMILY, CLS)), ("tp", "ep", "a2a", 16, (FAMILY, CLS)),
+    ("sp", "tp", "ag-rs", 16, (FAMILY, CLS)), ("sp", "ep", "ag-rs", 80, QWEN35), ("tp", "ep", "a2a", 80, QWEN35)])
+def test_compiles_and_matches_eager_on_one_rank(attn, ffn, dispatch, seq, family):
+    (res,) = family_cases(0, 1, [_case(attn, ffn, dispatch, seq, family)], seed=31)
     assert "refused" not in res, res
     assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
 
@@ -97,6 +102,21 @@ def test_the_layers_lower_to_a_gated_delta_core_and_a_gated_attention():
     assert len(heads) == 2 and heads[0].attr("sizes") == (8, 8)          # forward and its gradient
     assert not any("attn_gate_proj" in n.name for n in full.nodes)
     assert not any(n.op is OpKind.GATED_DELTA for n in full.nodes)
+
+
+@pytest.mark.parametrize("attn", ["sp", "tp"])
+def test_qwen3_5_moe_projections_lower_to_one_gemm_cut_by_heads(attn):
+    """Qwen3.5-MoE: in_proj_qkv, in_proj_z, in_proj_b and in_proj_a read as one weight whose rows hold
+    each rank's heads of the four (tp: this rank's; sp: every rank's, rank-major, for the all-to-all)."""
+    from moegraph.layers import KINDS_META
+    graph, _ = trace_causal_lm(tiny_model(*QWEN35), Strategy(attn, "ep", "a2a", 2, dtype="fp32"), batch=2, seq=16)
+    linear = graph.meta_get(KINDS_META).graphs[0]
+    (core,) = [n for n in linear.nodes if n.op is OpKind.GATED_DELTA and n.phase is Phase.FORWARD]
+    assert core.attr("layout") == "flat" and len(core.inputs) == 5
+    spec = dict(linear.params)["in_proj.weight"]
+    names = [src.qualname.rsplit(".", 2)[-2] for src in spec.sources]
+    assert names == ["in_proj_qkv"] * 3 + ["in_proj_z", "in_proj_b", "in_proj_a"] if attn == "tp" else \
+        names == (["in_proj_qkv"] * 3 + ["in_proj_z", "in_proj_b", "in_proj_a"]) * 2
 
 
 @pytest.mark.parametrize("name,change", [("A_log", lambda t: t + 0.7), ("dt_bias", lambda t: t - 1.5),
@@ -125,7 +145,7 @@ def test_decay_and_conv_weights_are_read(name, change):
 
 # n = 2 on gloo ranks (the suite's shared spawn): both strategies, one and two chunks of the delta rule
 N2_CASES = [_case("sp", "ep", "a2a", 80), _case("tp", "tp", "ag-rs", 80), _case("tp", "ep", "ag-rs", 16),
-            _case("sp", "tp", "ag-rs", 16)]
+            _case("sp", "tp", "ag-rs", 16), _case("sp", "ep", "a2a", 80, QWEN35), _case("tp", "tp", "ag-rs", 80, QWEN35)]
 N2 = RANK_BATCH.add(2, "qwen3_next.family_cases", family_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
 
 
@@ -137,7 +157,7 @@ def test_compiled_on_two_gloo_ranks_matches_eager(rank_results):
             assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, (rank, res)
 
 
-BATCH_CASES = [_case("sp", "ep", "a2a", 16), _case("tp", "tp", "ag-rs", 16)]
+BATCH_CASES = [_case("sp", "ep", "a2a", 16), _case("tp", "tp", "ag-rs", 16), _case("sp", "tp", "ag-rs", 16, QWEN35)]
 
 
 def _check_batches(results) -> None:

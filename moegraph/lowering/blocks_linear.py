@@ -1,5 +1,5 @@
-"""Strategy-dependent lowering of a linear-attention token mixer (Gated DeltaNet, Qwen3-Next's
-``linear_attention`` layers: ``LinearAttentionSpec``) into forward IR nodes.
+"""Strategy-dependent lowering of a linear-attention token mixer (Gated DeltaNet, Qwen3-Next's and
+Qwen3.5-MoE's ``linear_attention`` layers: ``LinearAttentionSpec``) into forward IR nodes.
 
 Notation (as ``moegraph.lowering.blocks``): b micro-batch, s sequence, h hidden, n group size;
 Hk key heads, Hv value heads (r = Hv/Hk), dk, dv their head dims, P = 2dk + 2r dv the features
@@ -17,6 +17,8 @@ as the softmax core does, and is exact there: every rank holds the whole sequenc
         core's output goes back, [b, s, Hvl*dv] -> [b, s/n, Hv*dv], before the replicated out_proj.
 The core's weights are cut by heads under both (the conv's q, k and v channel rows, A_log and
 dt_bias), the gated norm's weight [dv] is replicated (its partial gradients all-reduced).
+Qwen3.5-MoE's four projections (layout 'flat': in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) are
+one weight of P + 2r rows per key head, its rows each rank's share of the heads (``_flat_projection``).
 Refused by name: token chunks (Strategy.chunks > 1) and a folded attention (attn_nodes > 1).
 """
 
@@ -48,11 +50,14 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     b, s, h = g.dims.b, g.dims.s, g.dims.h
     kw = dict(module=module, block=ATTN)
     proj = Hkl if tp else Hk                                  # key-head groups this rank's projections give
-    w_qkvz = g.param("in_proj_qkvz.weight", (proj * P, h), ParamSpec((spec.qkvz,), shard_dim=0 if tp else None))
-    w_ba = g.param("in_proj_ba.weight", (proj * 2 * r, h), ParamSpec((spec.ba,), shard_dim=0 if tp else None))
     # the conv's channel rows: q [Hk dk], k [Hk dk], v [Hv dv]; this rank's heads of each, concatenated
     rows = ((0, Hk * dk), (Hk * dk, Hk * dk), (2 * Hk * dk, Hv * dv))
     conv = tuple(ParamSource(spec.conv.qualname, narrow=(0, start, length)) for start, length in rows)
+    if spec.layout == "flat":
+        w_proj = (_flat_projection(g, spec, conv, P + 2 * r),)                               # [proj*(P+2r), h]
+    else:
+        w_proj = (g.param("in_proj_qkvz.weight", (proj * P, h), ParamSpec((spec.qkvz,), shard_dim=0 if tp else None)),
+                  g.param("in_proj_ba.weight", (proj * 2 * r, h), ParamSpec((spec.ba,), shard_dim=0 if tp else None)))
     w_conv = g.param("conv1d.weight", (2 * Hkl * dk + Hvl * dv, 1, K), ParamSpec(conv, shard_dim=0))
     a_log = g.param("A_log", (Hvl,), ParamSpec((spec.a_log,), shard_dim=0))
     dt_bias = g.param("dt_bias", (Hvl,), ParamSpec((spec.dt_bias,), shard_dim=0))
@@ -60,23 +65,24 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     w_out = g.param("out_proj.weight", (h, (Hvl if tp else Hv) * dv), ParamSpec((spec.out,), shard_dim=1 if tp else None))
 
     x_in = emit_all_gather(g, "ln1_ag", x, "ln1_out_ag", dim=1, **kw) if tp else x         # tp: [b, s, h]
-    qkvz = emit_gemm(g, "qkvz_proj", x_in, w_qkvz, "qkvz", **kw)                           # [b, S, proj*P]
-    ba = emit_gemm(g, "ba_proj", x_in, w_ba, "ba", **kw)                                   # [b, S, proj*2r]
+    # [b, S, h] -> grouped: qkvz [b, S, proj*P], ba [b, S, proj*2r]; flat: [b, S, proj*(P+2r)]
+    projected = tuple(emit_gemm(g, f"{name}_proj", x_in, w, name, **kw)
+                      for name, w in zip(("qkvz", "ba") if len(w_proj) == 2 else ("qkvzba",), w_proj))
     if not tp and n > 1:
-        # Ulysses: split the key-head groups, gather the sequence. [b, s/n, Hk*P] -> [b, s, Hkl*P]
-        outs = (g.value("qkvz_a2a", (b, s, Hkl * P)), g.value("ba_a2a", (b, s, Hkl * 2 * r)))
-        g.collective("qkvz_a2a", OpKind.ALL_TO_ALL, (qkvz, ba), outs, full_bytes=g.nbytes(qkvz, ba),
+        # Ulysses: split the key-head groups, gather the sequence. [b, s/n, Hk*X] -> [b, s, Hkl*X]
+        outs = tuple(g.value(f"{v}_a2a", (b, s, g.shape(v)[2] // n)) for v in projected)
+        g.collective("qkvz_a2a", OpKind.ALL_TO_ALL, projected, outs, full_bytes=g.nbytes(*projected),
                      attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
-        qkvz, ba = outs
+        projected = outs
     core = g.value("delta_out", (b, s, Hvl * dv))                                           # [b, s, Hvl*dv]
     sizes = dict(b=b, s=s, v_heads=Hvl, k_dim=dk, v_dim=dv)
-    ins = (qkvz, ba, w_conv, a_log, dt_bias, w_norm)
+    ins = (*projected, w_conv, a_log, dt_bias, w_norm)
     g.node("gated_delta", OpKind.GATED_DELTA, ins, (core,),
            flops=gated_delta_flops(k_heads=Hkl, conv=K, chunk=spec.chunk_size, **sizes),
            mem_bytes=g.nbytes(*ins) + g.nbytes(core) + gated_delta_state_bytes(chunk=spec.chunk_size, **sizes),
            attrs=attention_attrs(seq=s, head_dim=dk) | {
                "k_heads": Hkl, "v_heads": Hvl, "k_dim": dk, "v_dim": dv, "conv": K, "eps": spec.eps,
-               "chunk_size": spec.chunk_size}, **kw)
+               "chunk_size": spec.chunk_size} | ({"layout": "flat"} if spec.layout == "flat" else {}), **kw)
     if not tp and n > 1:
         # Ulysses back: split the sequence, gather the heads. [b, s, Hvl*dv] -> [b, s/n, Hv*dv]
         back = g.value("delta_out_a2a", (b, s // n, Hv * dv))
@@ -87,3 +93,22 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
         return emit_gemm(g, "out_proj", core, w_out, "attn_out", **kw)                     # [b, s/n, h]
     partial = emit_gemm(g, "out_proj", core, w_out, "attn_out_partial", **kw)             # [b, s, h] partial
     return emit_reduce_scatter(g, "attn_rs", partial, "attn_out", dim=1, **kw)             # -> [b, s/n, h]
+
+
+def _flat_projection(g: GraphBuilder, spec: LinearAttentionSpec, conv_rows: tuple[ParamSource, ...], width: int) -> str:
+    """Qwen3.5-MoE's four projections as one weight whose rows are, for each rank's share of the heads,
+    its q, k, v rows (in_proj_qkv's, cut as the conv's), z [Hvl dv], b [Hvl], a [Hvl]: under tp this
+    rank's share ([Hkl*(P+2r), h], the sources cut by n); under sp every rank's, rank-major and
+    replicated ([Hk*(P+2r), h]), so that the Ulysses all-to-all's n slices of the features are
+    each rank's heads (at n = 1 both are the four weights' rows one after another)."""
+    n, tp, h = g.strategy.n, g.strategy.attn == "tp", g.dims.h
+    pieces = [ParamSource(spec.qkvz.qualname, narrow=src.narrow) for src in conv_rows] + [spec.z, spec.b, spec.a]
+    if tp or n == 1:
+        return g.param("in_proj.weight", (spec.k_heads // n * width if tp else spec.k_heads * width, h),
+                       ParamSpec(tuple(pieces), shard_dim=0 if tp else None))
+    full = [(p.qualname, *(p.narrow[1:] if p.narrow else (0, rows)))
+            for p, rows in zip(pieces, (*(src.narrow[2] for src in conv_rows), spec.v_heads * spec.v_dim,
+                                        spec.v_heads, spec.v_heads))]
+    by_rank = tuple(ParamSource(name, narrow=(0, start + r * (length // n), length // n))
+                    for r in range(n) for name, start, length in full)
+    return g.param("in_proj.weight", (spec.k_heads * width, h), ParamSpec(by_rank, shard_dim=None))

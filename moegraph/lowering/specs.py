@@ -138,14 +138,16 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LinearAttentionSpec:
-    """Gated DeltaNet (Qwen3-Next's ``linear_attention`` layers; ``moegraph.delta_kernels`` has the
-    math): qkvz [Hk*(2dk + 2r dv), h] and ba [Hk*2r, h] with rows grouped by key head (q, k, v, z;
-    b, a), r = Hv/Hk value heads per key head; the causal depthwise conv weight [C, 1, K] over the
-    channels (q of every key head, k of every key head, v of every value head); A_log and dt_bias
-    [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv]."""
+    """Gated DeltaNet (Qwen3-Next's and Qwen3.5-MoE's ``linear_attention`` layers;
+    ``moegraph.delta_kernels`` has the math). Layout 'grouped' (Qwen3-Next): qkvz [Hk*(2dk + 2r dv), h]
+    and ba [Hk*2r, h] with rows grouped by key head (q, k, v, z; b, a), r = Hv/Hk value heads per key
+    head; layout 'flat' (Qwen3.5-MoE): qkvz is in_proj_qkv [2 Hk dk + Hv dv, h] (q, k, v of every
+    head), z [Hv dv, h], b and a [Hv, h] their own. Both: the causal depthwise conv weight [C, 1, K]
+    over the channels (q of every key head, k of every key head, v of every value head); A_log and
+    dt_bias [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv]."""
 
     qkvz: ParamSource
-    ba: ParamSource
+    ba: ParamSource | None
     conv: ParamSource
     a_log: ParamSource
     dt_bias: ParamSource
@@ -158,6 +160,10 @@ class LinearAttentionSpec:
     conv_size: int            # K
     eps: float
     chunk_size: int = 64      # the delta rule's chunk L (transformers' torch_chunk_gated_delta_rule's)
+    layout: Literal["grouped", "flat"] = "grouped"
+    z: ParamSource | None = None     # flat: in_proj_z, in_proj_b, in_proj_a
+    b: ParamSource | None = None
+    a: ParamSource | None = None
 
 
 @dataclass(frozen=True)

@@ -8,8 +8,9 @@ A module is read as one block kind by its submodules and parameters alone:
     moe        an ``experts`` child (fused 3-D weights or a ModuleList of MLPs) and a router child
                (``gate`` or ``router``) holding a weight [E, h]
     mlp        ``gate_proj``/``up_proj``/``down_proj`` linears
-    linear_attention  Gated DeltaNet: ``in_proj_qkvz``, ``in_proj_ba``, ``conv1d``, ``norm``, ``out_proj``,
-               ``A_log``, ``dt_bias`` (Qwen3-Next); read by ``moegraph.lowering.structural_linear``
+    linear_attention  Gated DeltaNet: ``in_proj_qkvz``, ``in_proj_ba`` (Qwen3-Next) or ``in_proj_qkv``,
+               ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5-MoE), ``conv1d``, ``norm``, ``out_proj``,
+               ``A_log``, ``dt_bias``; read by ``moegraph.lowering.structural_linear``
 Sizes come from parameter shapes; behaviour (top-k, normalisation, windows, RoPE frequencies) from
 the attributes and configuration fields with transformers' usual names, and from the family's row
 in ``moegraph.lowering.families`` where a name alone cannot tell. Which attributes a class's forward
@@ -412,13 +413,22 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
     raise LoweringError(f"layer {idx}: {kind.replace('_', ' ')} (config.layer_types[{idx}]={kind!r}) is not modelled")
 
 
-LINEAR_ATTENTION = ("in_proj_qkvz", "in_proj_ba", "conv1d", "norm", "out_proj")
-"""The children of a Gated DeltaNet block, with its parameters DECAY_PARAMS (Qwen3-Next)."""
+LINEAR_ATTENTION = ("conv1d", "norm", "out_proj")
+"""The children of a Gated DeltaNet block besides its projections (LINEAR_PROJECTIONS), with its
+parameters DECAY_PARAMS (Qwen3-Next, Qwen3.5-MoE)."""
+LINEAR_PROJECTIONS = {"grouped": ("in_proj_qkvz", "in_proj_ba"), "flat": ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                          "in_proj_a")}
 DECAY_PARAMS = ("A_log", "dt_bias")
 
 
+def linear_layout(children: dict) -> str | None:
+    """'grouped' (Qwen3-Next) or 'flat' (Qwen3.5-MoE): which projections a Gated DeltaNet holds."""
+    return next((k for k, names in LINEAR_PROJECTIONS.items() if all(n in children for n in names)), None)
+
+
 def is_linear_attention(children: dict, own: dict) -> bool:
-    return all(n in children for n in LINEAR_ATTENTION) and all(p in own for p in DECAY_PARAMS)
+    return all(n in children for n in LINEAR_ATTENTION) and all(p in own for p in DECAY_PARAMS) and \
+        linear_layout(children) is not None
 
 
 FUSED_ATTENTION = ("Wqkv", "out_proj")
