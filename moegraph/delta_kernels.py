@@ -144,6 +144,9 @@ def _padding(ctx, qkvz):
     tokens = getattr(ctx, "tokens", None)
     if tokens is None or tokens.keys is None:
         return None
+    if tuple(tokens.keys.shape) != tuple(qkvz.shape[:2]):
+        raise ValueError(f"gated_delta: the batch's padding mask {list(tokens.keys.shape)} is not the [b, s] = "
+                         f"{list(qkvz.shape[:2])} its recurrence runs over (a padded batch needs the whole sequence)")
     return tokens.keys.to(device=qkvz.device, dtype=qkvz.dtype)[..., None]
 
 

@@ -143,9 +143,12 @@ def test_decay_and_conv_weights_are_read(name, change):
     assert float(compiled.full_grads()[f"{LINEAR}.{name}"].norm()) > 0
 
 
-# n = 2 on gloo ranks (the suite's shared spawn): both strategies, one and two chunks of the delta rule
+# n = 2 on gloo ranks (the suite's shared spawn): both strategies, one and two chunks of the delta rule; two
+# token chunks (the delta rule's block left whole); a folded attention (attn_nodes=2: each rank runs one
+# row's whole sequence of every head)
 N2_CASES = [_case("sp", "ep", "a2a", 80), _case("tp", "tp", "ag-rs", 80), _case("tp", "ep", "ag-rs", 16),
-            _case("sp", "tp", "ag-rs", 16), _case("sp", "ep", "a2a", 80, QWEN35), _case("tp", "tp", "ag-rs", 80, QWEN35)]
+            _case("sp", "tp", "ag-rs", 16), _case("sp", "ep", "a2a", 80, QWEN35), _case("tp", "tp", "ag-rs", 80, QWEN35),
+            dict(_case("sp", "ep", "a2a", 80), passes="chunk=2"), dict(_case("sp", "ep", "a2a", 80), attn_nodes=2)]
 N2 = RANK_BATCH.add(2, "qwen3_next.family_cases", family_cases, N2_CASES, int.from_bytes(os.urandom(3), "little"))
 
 
@@ -208,9 +211,12 @@ def test_another_activation_is_refused_by_name():
     assert "Qwen3NextGatedDeltaNet's activation 'gelu' is not modelled" in _refusal(model)
 
 
-def test_token_chunks_on_a_linear_attention_layer_are_refused_by_name():
-    assert "chunks=2 on a linear-attention (Gated DeltaNet) layer is not modelled" in \
-        _refusal(tiny_model(FAMILY, CLS), chunks=2)
+def test_token_chunks_leave_the_delta_rule_whole_and_match_eager():
+    """chunk=2: the full-attention and MoE blocks run two token chunks, the Gated DeltaNet block one
+    (its recurrence reads the whole sequence): logits and gradients as eager's."""
+    (res,) = family_cases(0, 1, [dict(_case("tp", "ep", "a2a", 80), passes="chunk=2")], seed=61)
+    assert "refused" not in res, res
+    assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, res
 
 
 def test_the_numerical_check_refuses_a_delta_rule_it_does_not_describe(monkeypatch):

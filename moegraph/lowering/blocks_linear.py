@@ -19,7 +19,9 @@ The core's weights are cut by heads under both (the conv's q, k and v channel ro
 dt_bias), the gated norm's weight [dv] is replicated (its partial gradients all-reduced).
 Qwen3.5-MoE's four projections (layout 'flat': in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) are
 one weight of P + 2r rows per key head, its rows each rank's share of the heads (``_flat_projection``).
-Refused by name: token chunks (Strategy.chunks > 1) and a folded attention (attn_nodes > 1).
+Token chunks (Strategy.chunks > 1) leave this block whole (its recurrence reads the whole sequence;
+the layer's MoE block is still chunked). A folded attention (attn_nodes = N > 1: the builder's
+attention group, b/N rows on n/N ranks) folds it alike: each row's recurrence is its own.
 """
 
 from __future__ import annotations
@@ -36,10 +38,6 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     """[b, s/n, h] -> [b, s/n, h] (module docstring)."""
     check_layout(g)
     st = g.strategy
-    if st.chunks > 1 or st.attn_nodes > 1:
-        what = f"chunks={st.chunks}" if st.chunks > 1 else f"attn_nodes={st.attn_nodes}"
-        raise ConfigError(f"{module}: {what} on a linear-attention (Gated DeltaNet) layer is not modelled: its "
-                          "recurrence runs once over the whole sequence of each head")
     n, tp = st.n, st.attn == "tp"
     Hk, Hv, dk, dv, K = spec.k_heads, spec.v_heads, spec.k_dim, spec.v_dim, spec.conv_size
     if Hk % n:
