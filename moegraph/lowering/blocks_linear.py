@@ -52,7 +52,7 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     rows = ((0, Hk * dk), (Hk * dk, Hk * dk), (2 * Hk * dk, Hv * dv))
     conv = tuple(ParamSource(spec.conv.qualname, narrow=(0, start, length)) for start, length in rows)
     if spec.layout == "flat":
-        w_proj = (_flat_projection(g, spec, conv, P + 2 * r),)                               # [proj*(P+2r), h]
+        w_proj = (_flat_projection(g, spec, P + 2 * r),)                                     # [proj*(P+2r), h]
     else:
         w_proj = (g.param("in_proj_qkvz.weight", (proj * P, h), ParamSpec((spec.qkvz,), shard_dim=0 if tp else None)),
                   g.param("in_proj_ba.weight", (proj * 2 * r, h), ParamSpec((spec.ba,), shard_dim=0 if tp else None)))
@@ -93,20 +93,22 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     return emit_reduce_scatter(g, "attn_rs", partial, "attn_out", dim=1, **kw)             # -> [b, s/n, h]
 
 
-def _flat_projection(g: GraphBuilder, spec: LinearAttentionSpec, conv_rows: tuple[ParamSource, ...], width: int) -> str:
+def _flat_projection(g: GraphBuilder, spec: LinearAttentionSpec, width: int) -> str:
     """Qwen3.5-MoE's four projections as one weight whose rows are, for each rank's share of the heads,
-    its q, k, v rows (in_proj_qkv's, cut as the conv's), z [Hvl dv], b [Hvl], a [Hvl]: under tp this
-    rank's share ([Hkl*(P+2r), h], the sources cut by n); under sp every rank's, rank-major and
-    replicated ([Hk*(P+2r), h]), so that the Ulysses all-to-all's n slices of the features are
-    each rank's heads (at n = 1 both are the four weights' rows one after another)."""
+    its q, k, v rows (in_proj_qkv's), z [Hvl dv], b [Hvl], a [Hvl]: under tp this rank's share
+    ([Hkl*(P+2r), h], each piece cut by n); under sp every rank's, rank-major and replicated
+    ([Hk*(P+2r), h]), so that the Ulysses all-to-all's n slices of the features are each rank's heads
+    (at n = 1 both are the four weights' rows one after another)."""
     n, tp, h = g.strategy.n, g.strategy.attn == "tp", g.dims.h
-    pieces = [ParamSource(spec.qkvz.qualname, narrow=src.narrow) for src in conv_rows] + [spec.z, spec.b, spec.a]
+    Hk, Hv, dk, dv = spec.k_heads, spec.v_heads, spec.k_dim, spec.v_dim
+    qkv = spec.qkvz.qualname
+    # (tensor, first row, rows) of q, k, v, z, b, a over every head
+    pieces = ((qkv, 0, Hk * dk), (qkv, Hk * dk, Hk * dk), (qkv, 2 * Hk * dk, Hv * dv), (spec.z.qualname, 0, Hv * dv),
+              (spec.b.qualname, 0, Hv), (spec.a.qualname, 0, Hv))
     if tp or n == 1:
-        return g.param("in_proj.weight", (spec.k_heads // n * width if tp else spec.k_heads * width, h),
-                       ParamSpec(tuple(pieces), shard_dim=0 if tp else None))
-    full = [(p.qualname, *(p.narrow[1:] if p.narrow else (0, rows)))
-            for p, rows in zip(pieces, (*(src.narrow[2] for src in conv_rows), spec.v_heads * spec.v_dim,
-                                        spec.v_heads, spec.v_heads))]
-    by_rank = tuple(ParamSource(name, narrow=(0, start + r * (length // n), length // n))
-                    for r in range(n) for name, start, length in full)
-    return g.param("in_proj.weight", (spec.k_heads * width, h), ParamSpec(by_rank, shard_dim=None))
+        sources = tuple(ParamSource(name, narrow=(0, start, rows)) for name, start, rows in pieces)
+        return g.param("in_proj.weight", ((Hk // n if tp else Hk) * width, h),
+                       ParamSpec(sources, shard_dim=0 if tp else None))
+    by_rank = tuple(ParamSource(name, narrow=(0, start + r * (rows // n), rows // n))
+                    for r in range(n) for name, start, rows in pieces)
+    return g.param("in_proj.weight", (Hk * width, h), ParamSpec(by_rank, shard_dim=None))
