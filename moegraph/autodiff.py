@@ -229,7 +229,7 @@ def _split(g, node, grads):
         dparts = tuple(_grad_value(g, x) for x in node.inputs)
         _bwd(g, node, "dgrad", OpKind.SPLIT, (dy,), dparts)
         return dparts
-    if mode == "split":
+    if mode in ("split", "heads"):      # heads: the gradients interleaved back per head
         (qkv,) = node.inputs
         dqkv = _grad_value(g, qkv)
         _bwd(g, node, "dgrad", OpKind.SPLIT, tuple(grads), (dqkv,))   # concatenation: a copy, not a view
@@ -374,6 +374,16 @@ def _limit(g, node, grads):
     return (dx,)
 
 
+def _gated_delta(g, node, grads):
+    # Gated DeltaNet's core: one backward kernel gives every input's gradient, the projections'
+    # (qkvz, ba) and the weights' (conv, A_log, dt_bias, norm), as a chunked kernel's backward does;
+    # about twice the forward's FLOPs (each chunk product is differentiated against both operands)
+    (dy,) = grads
+    dins = tuple(_grad_value(g, x) for x in node.inputs)
+    _bwd(g, node, "dgrad", OpKind.GATED_DELTA, (*node.inputs, dy), dins, flops=2 * node.flops)
+    return dins
+
+
 def _grouped_bias(g, node, grads):
     # rows + bias[e] (x row weight): the rows' gradient passes through; the bias's sums its rows;
     # the row weights' (gate before fc2) is the row's dy . bias[e]
@@ -491,6 +501,7 @@ VJP_RULES: dict[OpKind, Callable] = {
     OpKind.SCALE: _scale,
     OpKind.LIMIT: _limit,
     OpKind.GROUPED_BIAS: _grouped_bias,
+    OpKind.GATED_DELTA: _gated_delta,
     OpKind.ALL_REDUCE: _all_reduce,
     OpKind.ALL_GATHER: _all_gather,
     OpKind.REDUCE_SCATTER: _reduce_scatter,

@@ -263,7 +263,7 @@ def op_class(node: Node) -> str:
             return "gemm"
         case OpKind.GROUPED_GEMM:
             return "grouped_gemm"
-        case OpKind.ATTENTION:
+        case OpKind.ATTENTION | OpKind.GATED_DELTA:      # the delta rule's chunk products: attention-like
             return "attention"
         case kind if kind in MEMORY_BOUND_OPS:
             return "memory"

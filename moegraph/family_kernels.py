@@ -328,5 +328,8 @@ KERNELS = {
     (OpKind.GROUPED_BIAS, Role.WGRAD): _k_grouped_bias_wgrad,
 }
 
+from moegraph.delta_kernels import KERNELS as _DELTA_KERNELS  # noqa: E402 - Gated DeltaNet's core
+KERNELS.update(_DELTA_KERNELS)
+
 __all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "limit", "rope_extended", "rotate",
            "route_general", "router_logit_bias_wgrad"]

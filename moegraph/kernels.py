@@ -203,6 +203,8 @@ def _k_split(ctx, node, ins, shapes):
         return [torch.cat(ins, dim=node.typed.dim)]
     if mode == "split":
         return list(torch.split(ins[0], list(node.typed.sizes), dim=node.typed.dim))
+    if mode == "heads":        # each head's features cut by sizes: [.., X*sum] -> [.., X*size_i] copies
+        return [p.flatten(-2) for p in ins[0].unflatten(-1, (-1, sum(node.typed.sizes))).split(node.typed.sizes, -1)]
     raise bad_choice(node)
 
 
@@ -438,6 +440,8 @@ def _k_split_dgrad(ctx, node, ins, shapes):
         return list(torch.split(ins[0], list(node.typed.sizes), dim=node.typed.dim))
     if mode == "split":
         return [torch.cat(ins, dim=node.typed.dim)]
+    if mode == "heads":        # the parts' gradients interleaved back per head: [.., X*size_i] -> [.., X*sum]
+        return [torch.cat([d.unflatten(-1, (-1, k)) for d, k in zip(ins, node.typed.sizes)], -1).flatten(-2)]
     raise bad_choice(node)
 
 
@@ -553,18 +557,15 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.SPLIT, Role.FORWARD): _k_split,
     (OpKind.ROPE, Role.FORWARD): _k_rope,
     (OpKind.ATTENTION, Role.FORWARD): _k_attention,
-    (OpKind.ADD, Role.FORWARD): _k_add,
-    (OpKind.ADD, Role.DGRAD): _k_add,
+    (OpKind.ADD, Role.FORWARD): _k_add, (OpKind.ADD, Role.DGRAD): _k_add, (OpKind.ADD, Role.WGRAD): _k_add,
     (OpKind.SWIGLU, Role.FORWARD): _k_swiglu,
     (OpKind.ROUTER, Role.FORWARD): _k_router,
     (OpKind.INDEX_MAP, Role.FORWARD): _k_index_map,
     (OpKind.PERMUTE, Role.FORWARD): _k_permute,
     (OpKind.UNPERMUTE, Role.FORWARD): _k_unpermute,
     (OpKind.GATE, Role.FORWARD): _k_gate,
-    (OpKind.CAST, Role.FORWARD): _k_cast,
-    (OpKind.CAST, Role.WGRAD): _k_cast,
+    (OpKind.CAST, Role.FORWARD): _k_cast, (OpKind.CAST, Role.WGRAD): _k_cast,
     (OpKind.CAST, Role.DGRAD): _k_cast,           # compress=ep-fp8: the combine's gradient sent in FP8
-    (OpKind.ADD, Role.WGRAD): _k_add,
     (OpKind.GROUPED_GEMM, Role.FORWARD): _k_grouped_gemm,
     (OpKind.GEMM, Role.DGRAD): _k_gemm_dgrad,
     (OpKind.GEMM, Role.WGRAD): _k_gemm_wgrad,
@@ -581,8 +582,7 @@ KERNELS: dict[tuple[OpKind, Role], Callable] = {
     (OpKind.PERMUTE, Role.DGRAD): _k_permute_dgrad,
     (OpKind.UNPERMUTE, Role.DGRAD): _k_unpermute_dgrad,
     (OpKind.GATE, Role.DGRAD): _k_gate_dgrad,
-    (OpKind.BIAS, Role.FORWARD): _k_bias,
-    (OpKind.BIAS, Role.WGRAD): _k_bias_wgrad,
+    (OpKind.BIAS, Role.FORWARD): _k_bias, (OpKind.BIAS, Role.WGRAD): _k_bias_wgrad,
     (OpKind.SIGMOID_GATE, Role.FORWARD): _k_sigmoid_gate,
     (OpKind.SIGMOID_GATE, Role.DGRAD): _k_sigmoid_gate_dgrad,
     (OpKind.SQUARE_SUM, Role.FORWARD): _k_square_sum,

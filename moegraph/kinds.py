@@ -39,6 +39,7 @@ class OpKind(enum.Enum):
     SCALE = "scale"              # x * factor, a constant (Granite's residual multiplier)
     GROUPED_BIAS = "grouped_bias"  # expert rows + their expert's bias (GPT-OSS expert biases)
     LIMIT = "limit"              # x bounded by c: clamp to [-c, c] (DBRX's clip_qkv) or c*tanh(x/c) (a logit soft cap)
+    GATED_DELTA = "gated_delta"  # Gated DeltaNet's core: conv, decay, chunked delta rule, gated norm (moegraph.delta_kernels)
     # communication
     ALL_GATHER = "all_gather"
     REDUCE_SCATTER = "reduce_scatter"

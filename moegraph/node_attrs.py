@@ -27,9 +27,10 @@ from typing import Any, Literal, Mapping, Union
 
 from moegraph.kinds import GraphError, OpKind, Role
 
-SplitMode = Literal["split", "concat"]
+SplitMode = Literal["split", "concat", "heads"]
 """SPLIT's attr ``mode``: cut one buffer into views of it ('split': q, k, v of qkv; token chunks),
-or write chunks into their slices of one buffer ('concat')."""
+or write chunks into their slices of one buffer ('concat'), or cut each head's features of the
+last dim by ``sizes`` into as many copies ('heads': Qwen3-Next's per-head query and gate)."""
 PermuteIndex = Literal["token", "slot"]
 """PERMUTE's attr ``index``: what the index map gathers, token rows ([T, h] -> [R, h]) or routing
 slots ([T, k] routing weights -> [R])."""
@@ -49,6 +50,9 @@ GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu", "sigmoid", "softplus"]
 softplus for a gated attention output (a: the gate's logits, per feature or, attr ``group``, per head)."""
 LimitHow = Literal["clamp", "softcap"]
 """LIMIT's attr ``how``: clamp(x, -c, c), or the soft cap c * tanh(x / c), c the attr ``limit``."""
+DeltaLayout = Literal["grouped", "flat"]
+"""GATED_DELTA's attr ``layout``: its projection inputs qkvz and ba grouped by key head (Qwen3-Next), or
+one input of q, k, v, z, b, a one after another (Qwen3.5-MoE; ``moegraph.delta_kernels.projections``)."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
@@ -66,6 +70,8 @@ CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {
     (OpKind.GLU, Role.DGRAD): ("act", typing.get_args(GluAct)),
     (OpKind.LIMIT, Role.FORWARD): ("how", typing.get_args(LimitHow)),
     (OpKind.LIMIT, Role.DGRAD): ("how", typing.get_args(LimitHow)),
+    (OpKind.GATED_DELTA, Role.FORWARD): ("layout", typing.get_args(DeltaLayout)),
+    (OpKind.GATED_DELTA, Role.DGRAD): ("layout", typing.get_args(DeltaLayout)),
 }
 """(op, role) -> (attribute, its valid values): attributes whose value picks what a kernel (and the
 op's VJP rule) computes; a switch over one ends in ``bad_choice``. (PERMUTE's weight-gradient role
@@ -277,6 +283,27 @@ class LimitAttrs(NodeAttrs):
 
 
 @dataclass(frozen=True, kw_only=True)
+class GatedDeltaAttrs(NodeAttrs):
+    k_heads: int                         # this rank's key heads Hk and value heads Hv (Hk divides Hv)
+    v_heads: int
+    k_dim: int
+    v_dim: int
+    conv: int                            # the causal depthwise convolution's width K
+    eps: float                           # the gated RMSNorm's
+    l2_eps: float = 1e-6                 # q and k's L2 norm
+    chunk_size: int = 64                 # the delta rule's chunk L
+    seq: int | None = None               # positions each head runs over (moegraph.efficiency, cost model)
+    head_dim: int | None = None          # priced as an attention of this head dim (cost model)
+    layout: DeltaLayout = "grouped"      # the projections' rows (moegraph.delta_kernels.projections)
+
+    def problem(self, role: Role) -> str | None:
+        if min(self.k_heads, self.v_heads, self.k_dim, self.v_dim, self.conv, self.chunk_size) < 1 or \
+                self.v_heads % self.k_heads:
+            return "sizes must be positive and k_heads must divide v_heads"
+        return None
+
+
+@dataclass(frozen=True, kw_only=True)
 class GroupedBiasAttrs(NodeAttrs):
     share: int = 1                       # tp experts: each rank adds bias/share to its partial sums
 
@@ -323,7 +350,7 @@ RECORDS: Mapping[OpKind, type[NodeAttrs]] = {
     OpKind.MLA_HEADS: MlaHeadsAttrs, OpKind.CAST: CastAttrs, OpKind.ALL_GATHER: GatherScatterAttrs,
     OpKind.REDUCE_SCATTER: GatherScatterAttrs, OpKind.ALL_REDUCE: AllReduceAttrs, OpKind.ALL_TO_ALL: AllToAllAttrs,
     OpKind.P2P: P2PAttrs, OpKind.NORM: NormAttrs, OpKind.GLU: GluAttrs, OpKind.SCALE: ScaleAttrs, OpKind.LIMIT: LimitAttrs,
-    OpKind.GROUPED_BIAS: GroupedBiasAttrs,
+    OpKind.GROUPED_BIAS: GroupedBiasAttrs, OpKind.GATED_DELTA: GatedDeltaAttrs,
 }
 """Op kind -> its attribute record (every OpKind has one: ``attrs_of`` raises for a kind without)."""
 

@@ -35,6 +35,8 @@ from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks,
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
 from moegraph.lowering.blocks_ext import emit_scale
+from moegraph.lowering.blocks_linear import emit_linear_attention
+from moegraph.lowering.specs import LinearAttentionSpec
 from moegraph.lowering.check import check_layer, eager_call
 from moegraph.lowering.structural import guard_on, layer_context
 
@@ -79,7 +81,11 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
     original_cls = module.__class__
     forward = inspect.unwrap(original_cls.forward)
     shim = type(original_cls.__name__, (original_cls,), {})
-    shim.forward = lambda self, hidden_states: forward(self, hidden_states)
+    # an argument without a default besides the hidden states (Qwen3-Next's position_embeddings) is None
+    # here: only the leaf blocks it is handed to read it, and they are not run while tracing
+    required = {p.name: None for p in list(inspect.signature(forward).parameters.values())[2:]
+                if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    shim.forward = lambda self, hidden_states: forward(self, hidden_states, **required)
     # rules run before tracing: during it, fx turns parameter reads into graph nodes
     tuple_leaves = {id(m) for name, m in module.named_modules()
                     if (rule := find_rule(m, name)) is not None and getattr(rule.spec(m, name), "tuple_output", False)}
@@ -130,7 +136,9 @@ def _enclosing(node: fx.Node, layer: nn.Module) -> str:
     return _module_name(stack[-1], type(layer.get_submodule(stack[-1]))) if stack else ""
 
 
-STEP_KINDS = {NormSpec: "norm", AttentionSpec: "attention", MLASpec: "attention", MoESpec: "moe", MLPSpec: "mlp"}
+STEP_KINDS = {NormSpec: "norm", AttentionSpec: "attention", MLASpec: "attention", LinearAttentionSpec: "attention",
+              MoESpec: "moe", MLPSpec: "mlp"}
+ATTENTION_EMITTERS = {AttentionSpec: emit_attention, MLASpec: emit_mla, LinearAttentionSpec: emit_linear_attention}
 
 
 @dataclass(frozen=True)
@@ -142,7 +150,7 @@ class Step:
 
     kind: str                     # "norm" | "attention" | "moe" | "mlp" | "add" | "scale"
     args: tuple[int, ...]
-    spec: NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec | None = None
+    spec: NormSpec | AttentionSpec | MLASpec | LinearAttentionSpec | MoESpec | MLPSpec | None = None
     module: str = ""
     factor: float = 1.0           # "scale": the constant multiplier (Granite's residual_multiplier)
 
@@ -363,13 +371,14 @@ def dims_of(program: LayerProgram, batch: int, seq: int, n: int) -> Dims:
     """Layer sizes from its one attention block (GQA or MLA) and its one FFN block (MoE, or a dense
     MLP: then k = experts = 0). MLA: kv_heads = heads (every head has its own k and v after the up
     projection) and head_dim is the q/k head dim dn + dr."""
-    attn = program.specs(AttentionSpec) + program.specs(MLASpec)
+    attn = program.specs(AttentionSpec) + program.specs(MLASpec) + program.specs(LinearAttentionSpec)
     moe, mlp = program.specs(MoESpec), program.specs(MLPSpec)
     if len(attn) != 1 or len(moe) + len(mlp) != 1:
         raise LoweringError(f"expected one attention block and one MoE or dense MLP block per layer, found "
                             f"{len(attn)} attention, {len(moe)} MoE and {len(mlp)} MLP blocks")
     a = attn[0]
     heads, kv_heads, head_dim = ((a.heads, a.heads, a.qk_dim) if isinstance(a, MLASpec)
+                                 else (a.v_heads, a.k_heads, a.k_dim) if isinstance(a, LinearAttentionSpec)
                                  else (a.heads, a.kv_heads, a.head_dim))
     if moe:
         e = moe[0]
@@ -395,7 +404,7 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
             norms += 1
             outs[i] = emit_rmsnorm(g, st.spec, x, name=nname, out=out, module=st.module, block="")
         elif st.kind == "attention":
-            emit = emit_mla if isinstance(st.spec, MLASpec) else emit_attention
+            emit = ATTENTION_EMITTERS[type(st.spec)]
             with g.attention_group():
                 outs[i] = emit(g, st.spec, x, module=st.module)
         elif st.kind == "moe":

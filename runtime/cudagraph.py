@@ -80,7 +80,8 @@ _STATIC_KERNELS = frozenset({OpKind.GEMM, OpKind.ATTENTION, OpKind.RMSNORM, OpKi
                              OpKind.ADD, OpKind.BIAS, OpKind.SIGMOID_GATE, OpKind.SQUARE_SUM,
                              OpKind.RMSNORM_SHARDED, OpKind.MLA_HEADS, OpKind.CAST, OpKind.ALL_GATHER,
                              OpKind.REDUCE_SCATTER, OpKind.ALL_REDUCE,
-                             OpKind.NORM, OpKind.GLU, OpKind.SCALE, OpKind.LIMIT})      # the structural lowering's elementwise ops
+                             OpKind.NORM, OpKind.GLU, OpKind.SCALE, OpKind.LIMIT,
+                             OpKind.GATED_DELTA})      # the structural lowering's elementwise ops
 
 
 def check_mode(mode: Any) -> CudaGraphs:

@@ -15,7 +15,8 @@ B, S = 2, 16
 
 def family_cases(rank: int, n: int, cases: list[dict], seed: int) -> list[dict]:
     """Each case: family, cls (the ForCausalLM class name), attn, ffn, dispatch, and optionally
-    overrides (config fields over the zoo's: e.g. a mixed layer stack), passes, dp. Returns per case
+    overrides (config fields over the zoo's: e.g. a mixed layer stack), passes, dp, seq (the token
+    sequence's length, default S). Returns per case
     the relative errors (``step_errors``), or the refusal line."""
     warnings.filterwarnings("ignore")
     out = []
@@ -38,7 +39,7 @@ def compile_case(case: dict, seed: int):
     from moegraph.lowering import LoweringError
     model = with_edge_head(tiny_model(case["family"], case["cls"], seed=seed, **case.get("overrides", {})),
                            **case.get("edges", {}))
-    ids = torch.randint(3, VOCAB, (B, S), generator=torch.Generator().manual_seed(seed + 1000))
+    ids = torch.randint(3, VOCAB, (B, case.get("seq", S)), generator=torch.Generator().manual_seed(seed + 1000))
     try:
         compiled = moegraph.compile(model, ids, hardware="cpu-gloo", attn=case["attn"], ffn=case["ffn"],
                                     dispatch=case["dispatch"], passes=case.get("passes", ""), schedule="greedy",

@@ -71,6 +71,15 @@ ROWS: dict[str, dict] = {
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_dense_layers": 0},
     # its validator: one expert per token
     "zaya": {"num_experts_per_tok": 1},
+    # a linear-attention (Gated DeltaNet) layer and a full-attention one, its own ratio's two kinds; 2 key heads
+    # of 8 serving 4 value heads of 8 (n = 2 splits both), a 4-wide convolution
+    "qwen3_next": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                   "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                   "linear_conv_kernel_dim": 4},
+    # the same two kinds with Qwen3.5-MoE's separate projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    "qwen3_5_moe": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+                    "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
+                    "linear_conv_kernel_dim": 4},
     # its head_dim is the q/k head dim (nope + rope, as its config derives it when not given): its rotary
     # module rotates head_dim * partial_rotary_factor = qk_rope_head_dim features
     "mistral4": {"head_dim": SIZES["qk_head_dim"]},

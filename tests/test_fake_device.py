@@ -44,13 +44,15 @@ GRAPHS = [(("sp", "ep", "a2a", 1), "chunk=2,gate-reorder,sar=paper", "ref"),
           # structurally lowered families (tests/family_zoo.py): glu, grouped_bias (its row-weight
           # gradient under gate-reorder), the router's logit-bias gradient, attention sinks and
           # windows (gpt_oss); per-head and L2 norms (qwen3_moe, llama4); scale (granitemoe);
-          # LayerNorm (mixtral with torch's nn.LayerNorm as its input norm); limit (dbrx's clip_qkv)
+          # LayerNorm (mixtral with torch's nn.LayerNorm as its input norm); limit (dbrx's clip_qkv);
+          # Gated DeltaNet's core (qwen3_next's linear-attention layer)
           (("sp", "ep", "a2a", 1), "gate-reorder", "zoo:gpt_oss"),
           (("tp", "tp", "ag-rs", 1), "", "zoo:qwen3_moe"),
           (("sp", "ep", "ag-rs", 1), "", "zoo:llama4"),
           (("tp", "ep", "ag-rs", 1), "", "zoo:granitemoe"),
           (("sp", "ep", "a2a", 1), "", "layernorm"),
-          (("tp", "ep", "a2a", 1), "", "zoo:dbrx")]
+          (("tp", "ep", "a2a", 1), "", "zoo:dbrx"),
+          (("sp", "ep", "a2a", 1), "", "zoo:qwen3_next")]                     # gated_delta (its layer 0)
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")      # conftest: tiny tensors, one torch thread

@@ -107,14 +107,33 @@ def test_tune_ranks_strategies_for_a_hugging_face_config(asset, n, tmp_path, cap
 
 
 def test_a_family_that_does_not_compile_is_refused_naming_the_construct(tmp_path):
-    path = tmp_path / "next.json"
-    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2, "hidden_size": 64,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                "layer_types": ["linear_attention", "linear_attention"]}))
+    path = tmp_path / "doge.json"
+    path.write_text(json.dumps({"model_type": "doge", "num_hidden_layers": 2, "hidden_size": 64,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "num_experts": 16,
+                                "num_experts_per_tok": 2, "intermediate_size": 32, "is_moe": True}))
     with pytest.raises(RegistryError) as err:
         load_model(str(path))
-    assert "'linear_attn' (Qwen3NextGatedDeltaNet) is not modelled" in str(err.value) and "\n" not in str(err.value)
+    assert "'self_attn.dt_proj' (Linear)" in str(err.value) and "does not model it" in str(err.value)
+    assert "\n" not in str(err.value)
+
+
+def test_a_qwen3_next_config_plans_its_linear_and_full_attention_layers(tmp_path):
+    """Qwen3-Next's first MoE layer is a linear-attention one (Gated DeltaNet): the model config's heads
+    are its full-attention layers'; a plan lowers both kinds (meta device: no numbers are checked)."""
+    from moegraph.layers import KINDS_META
+    path = tmp_path / "next.json"
+    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 4, "hidden_size": 64,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                                "layer_types": ["linear_attention"] * 3 + ["full_attention"]}))
+    cfg = load_model(str(path))
+    assert (cfg.layers, cfg.heads, cfg.kv_heads, cfg.head_dim) == (4, 4, 2, 16)
+    for attn in ("sp", "tp"):
+        g = trace_model(cfg, Strategy(attn, "ep", "a2a", 2), seq=256, layers=4)
+        kinds = g.meta_get(KINDS_META)
+        assert kinds.pattern == (0, 0, 0, 1)
+        assert any(nd.op is OpKind.GATED_DELTA for nd in kinds.graphs[0].nodes)
 
 
 # config.json values of the families the zoo's tests compile besides the shipped ones (sizes typed

@@ -53,7 +53,8 @@ from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
 from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm, emit_limit,
                                           emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
-                                          mask_attrs, out_gate_param)
+                                          mask_attrs, out_gate_param, position_attrs as _position_attrs,
+                                          split_heads, ulysses_in as _ulysses_in)
 from moegraph.lowering import node_dispatch
 from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
@@ -194,12 +195,14 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     b, h = g.dims.b, g.dims.h
     Hl, Gl = (H // n, G // n) if tp else (H, G)          # heads this rank's QKV projection produces
     kw = dict(module=module, block=ATTN)
+    q_gate = spec.out_gate is not None and spec.out_gate.weight is None    # q_proj's rows per head: q, gate
+    Hq = 2 * Hl if q_gate else Hl                         # q_proj's rows, in heads of d
 
-    w_qkv = g.param("qkv.weight", ((Hl + Gl) * d + Gl * dv, h),
+    w_qkv = g.param("qkv.weight", ((Hq + Gl) * d + Gl * dv, h),
                     ParamSpec((spec.q, spec.k, spec.v), shard_dim=0 if tp else None))
     b_qkv = None
-    if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hl+Gl)d + Gl dv]
-        b_qkv = g.param("qkv.bias", ((Hl + Gl) * d + Gl * dv,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
+    if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hq+Gl)d + Gl dv]
+        b_qkv = g.param("qkv.bias", ((Hq + Gl) * d + Gl * dv,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
     # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp);
     # per-head norms' [d] (Qwen3) replicated; one weight for every token chunk
     w_qk = tuple(None if ns is None
@@ -208,7 +211,7 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
                               ParamSpec((ns.weight,), shard_dim=0 if tp else None))
                  for name, ns, X in (("q_norm", spec.q_norm, H), ("k_norm", spec.k_norm, G)))
     rope_attrs = {"head_dim": d, "theta": spec.rope_theta} | _position_attrs(g) | spec.rotary.attrs()
-    qs, ks, vs, xs = [], [], [], []
+    qs, ks, vs, xs = [], [], [], []                      # xs: the output gate's inputs (x, or its logits)
     for c, x_in in _attention_chunks(g, x, kw):
         xs.append(x_in)
         qkv = emit_gemm(g, f"qkv_proj{c}", x_in, w_qkv, f"qkv{c}", **kw)            # [b, S, (Hl+Gl)d + Gl dv]
@@ -219,11 +222,13 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         if spec.qkv_clip is not None:
             qkv = emit_limit(g, qkv, "clamp", spec.qkv_clip, name=f"qkv_clip{c}", out=f"qkv_clipped{c}", **kw)
         S = g.shape(qkv)[1]
-        q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
+        q = g.value(f"q{c}", (b, S, Hq * d), alias_of=qkv)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
         v = g.value(f"v{c}", (b, S, Gl * dv), alias_of=qkv)
         g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (Hl * d, Gl * d, Gl * dv), "mode": "split"}, **kw)
+               attrs={"dim": 2, "sizes": (Hq * d, Gl * d, Gl * dv), "mode": "split"}, **kw)
+        if q_gate:                                     # [b, S, Hl*2d] -> q, the gate's logits [b, S, Hl*d]
+            q, xs[-1] = split_heads(g, q, (d, d), (f"q_only{c}", f"attn_gate_logit{c}"), name=f"q_gate_split{c}", kw=kw)
         if spec.v_scale != 1.0:
             v = emit_scale(g, v, spec.v_scale, name=f"v_scale{c}", out=f"v_scaled{c}", **kw)
         if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
@@ -342,13 +347,6 @@ def emit_mlp(g: GraphBuilder, spec: MLPSpec, x: str, *, module: str) -> str:
     return _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
 
 
-def _position_attrs(g: GraphBuilder) -> dict:
-    """Where the rows a RoPE kernel sees sit in the sequence (kernels.chunk_positions): tp gathers
-    the whole sequence, sp keeps this rank's shard; chunked, each chunk says which it is."""
-    return {"positions": "full" if g.strategy.attn == "tp" else "shard"} | (
-        {"chunks": g.strategy.chunks} if g.strategy.chunks > 1 else {})
-
-
 def _attention_chunks(g: GraphBuilder, x: str, kw: dict):
     """Yield (suffix, tokens) per token chunk of the block input, with the chunk's nodes tagged
     while the caller emits them: [b, s/n, h] -> N x [b, L, h], all-gathered to [b, nL, h] under tp."""
@@ -356,21 +354,6 @@ def _attention_chunks(g: GraphBuilder, x: str, kw: dict):
         with _chunk(g, j, g.strategy.chunks) as c:
             tp = g.strategy.attn == "tp"
             yield c, (emit_all_gather(g, f"ln1_ag{c}", xj, f"ln1_out_ag{c}", dim=1, **kw) if tp else xj)
-
-
-def _ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tuple[str, str, str]:
-    """Under attn='sp' (Ulysses) split heads, gather sequence: [b, L, X*d] -> [b, nL, X/n*d] for each
-    of q, k, v; under 'tp' (heads already split) or n = 1 nothing moves."""
-    n = g.strategy.n
-    if g.strategy.attn == "tp" or n == 1:
-        return q, k, v
-    outs = []
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        b, S, X = g.shape(t)
-        outs.append(g.value(f"{name}_a2a{c}", (b, S * n, X // n)))
-    g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q, k, v), tuple(outs), full_bytes=g.nbytes(q, k, v),
-                 attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
-    return tuple(outs)
 
 
 def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[str], o: ParamSource, *,
@@ -399,7 +382,8 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
     outs = []
     w_o = g.param("o_proj.weight", (h, Hl * dv), ParamSpec((o,), shard_dim=1 if tp else None))
     gate = getattr(spec, "out_gate", None)
-    w_gate = out_gate_param(g, gate, Hl, dv) if gate is not None else None
+    fused = gate is not None and gate.weight is None      # the logits came with q (Qwen3-Next): gate_ins
+    w_gate = out_gate_param(g, gate, Hl, dv) if gate is not None and not fused else None
     for j, attn in enumerate(attns):
         with _chunk(g, j, N) as c:
             name, alias = _chunk_out(g, "attn_out", j)
@@ -411,7 +395,8 @@ def _attend_and_project(g: GraphBuilder, qs: list[str], ks: list[str], vs: list[
                              attrs={"mode": "heads", "split_dim": 1, "cat_dim": 2}, **kw)
                 attn = attn_a2a
             if gate is not None:                      # [b, S, Hl] or [b, S, Hl*dv] logits
-                logit = emit_gemm(g, f"attn_gate_proj{c}", gate_ins[j], w_gate, f"attn_gate_logit{c}", **kw)
+                logit = gate_ins[j] if fused else emit_gemm(g, f"attn_gate_proj{c}", gate_ins[j], w_gate,
+                                                            f"attn_gate_logit{c}", **kw)
                 attn = emit_out_gate(g, gate, logit, attn, dv, name=f"attn_gate{c}", out=f"attn_gated{c}", kw=kw)
             if not tp or n == 1:
                 outs.append(emit_gemm(g, f"out_proj{c}", attn, w_o, name, alias_of=alias, **kw))

@@ -181,3 +181,36 @@ def emit_out_gate(g: GraphBuilder, gate: OutGateSpec, logit: str, y: str, dv: in
     g.node(name, OpKind.GLU, (logit, y), (gated,), flops=_numel(g, y) + 4 * _numel(g, logit),
            attrs={"act": gate.act} | ({"group": dv} if gate.per_head else {}), **kw)
     return gated
+
+
+def position_attrs(g: GraphBuilder) -> dict:
+    """Where the rows a RoPE kernel sees sit in the sequence (kernels.chunk_positions): tp gathers
+    the whole sequence, sp keeps this rank's shard; chunked, each chunk says which it is."""
+    return {"positions": "full" if g.strategy.attn == "tp" else "shard"} | (
+        {"chunks": g.strategy.chunks} if g.strategy.chunks > 1 else {})
+
+
+def ulysses_in(g: GraphBuilder, q: str, k: str, v: str, c: str, kw: dict) -> tuple[str, str, str]:
+    """Under attn='sp' (Ulysses) split heads, gather sequence: [b, L, X*d] -> [b, nL, X/n*d] for each
+    of q, k, v; under 'tp' (heads already split) or n = 1 nothing moves."""
+    n = g.strategy.n
+    if g.strategy.attn == "tp" or n == 1:
+        return q, k, v
+    outs = []
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        b, S, X = g.shape(t)
+        outs.append(g.value(f"{name}_a2a{c}", (b, S * n, X // n)))
+    g.collective(f"qkv_a2a{c}", OpKind.ALL_TO_ALL, (q, k, v), tuple(outs), full_bytes=g.nbytes(q, k, v),
+                 attrs={"mode": "heads", "split_dim": 2, "cat_dim": 1}, **kw)
+    return tuple(outs)
+
+
+def split_heads(g: GraphBuilder, x: str, sizes: tuple[int, ...], outs: tuple[str, ...], *, name: str,
+                kw: dict) -> tuple[str, ...]:
+    """Each head's features of x [b, S, X*sum(sizes)] cut by ``sizes`` into copies [b, S, X*size_i]
+    (a SPLIT of mode 'heads': Qwen3-Next's q_proj rows are each head's query, then its gate)."""
+    *lead, width = g.shape(x)
+    X = width // sum(sizes)
+    values = tuple(g.value(o, (*lead, X * k)) for o, k in zip(outs, sizes))
+    g.node(name, OpKind.SPLIT, (x,), values, attrs={"dim": len(lead), "sizes": tuple(sizes), "mode": "heads"}, **kw)
+    return values

@@ -75,12 +75,14 @@ def _on_meta(module: nn.Module) -> bool:
 def check_sequence(program, strategy: Strategy) -> int:
     """A short sequence the strategy can split (n * chunks divides it) that still shows each
     attention's window or chunk boundary: 16 positions, more for a window or chunk near that."""
-    from moegraph.lowering.specs import AttentionSpec
+    from moegraph.lowering.specs import AttentionSpec, LinearAttentionSpec
     want = 16
     for spec in program.specs(AttentionSpec):
         for size in (spec.window, spec.chunk):
             if size is not None:
                 want = max(want, min(size + 8, 64))
+    for spec in program.specs(LinearAttentionSpec):      # the delta rule's state handed across a chunk boundary
+        want = max(want, spec.chunk_size + 8)
     step = strategy.n * strategy.chunks
     return step * math.ceil(want / step)
 
@@ -241,7 +243,8 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
         emb = None if rotary is None else rotary.to(x.device)(x, pos, kind) if by_type else rotary.to(x.device)(x, pos)
         make = {"full_attention": mu.create_causal_mask, "sliding_attention": mu.create_sliding_window_causal_mask,
                 "chunked_attention": mu.create_chunked_causal_mask}.get(kind, mu.create_causal_mask)
-        mask = make(**mask_kwargs(make, config=cfg, inputs_embeds=x, position_ids=pos))
+        # Gated DeltaNet's mask is a padding mask only: None for the check's unpadded batch (create_recurrent_attention_mask's)
+        mask = None if kind == "linear_attention" else make(**mask_kwargs(make, config=cfg, inputs_embeds=x, position_ids=pos))
         return {"position_embeddings": emb, "attention_mask": mask, "position_ids": pos}
     return kwargs
 

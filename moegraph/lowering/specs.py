@@ -87,9 +87,11 @@ class RopeSpec:
 class OutGateSpec:
     """A gated attention output: the attention's output [H*dv] times act(g_proj(x)) of the layer
     input x, before o_proj; one gate per head broadcast over its dv features (Laguna's default,
-    weight [H, h]) or one per feature (weight [H*dv, h]; Laguna's 'per-element', AFMoE)."""
+    weight [H, h]) or one per feature (weight [H*dv, h]; Laguna's 'per-element', AFMoE). ``weight``
+    None: the gate's logits are q_proj's, each head's d rows after its query's (Qwen3-Next; per
+    feature, sigmoid)."""
 
-    weight: ParamSource
+    weight: ParamSource | None
     act: GateAct
     per_head: bool
 
@@ -132,6 +134,36 @@ class AttentionSpec:
     @property
     def rotary(self) -> RopeSpec:
         return self.rope if self.rope is not None else RopeSpec(theta=self.rope_theta)
+
+
+@dataclass(frozen=True)
+class LinearAttentionSpec:
+    """Gated DeltaNet (Qwen3-Next's and Qwen3.5-MoE's ``linear_attention`` layers;
+    ``moegraph.delta_kernels`` has the math). Layout 'grouped' (Qwen3-Next): qkvz [Hk*(2dk + 2r dv), h]
+    and ba [Hk*2r, h] with rows grouped by key head (q, k, v, z; b, a), r = Hv/Hk value heads per key
+    head; layout 'flat' (Qwen3.5-MoE): qkvz is in_proj_qkv [2 Hk dk + Hv dv, h] (q, k, v of every
+    head), z [Hv dv, h], b and a [Hv, h] their own. Both: the causal depthwise conv weight [C, 1, K]
+    over the channels (q of every key head, k of every key head, v of every value head); A_log and
+    dt_bias [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv]."""
+
+    qkvz: ParamSource
+    ba: ParamSource | None
+    conv: ParamSource
+    a_log: ParamSource
+    dt_bias: ParamSource
+    norm: ParamSource
+    out: ParamSource
+    k_heads: int              # Hk
+    v_heads: int              # Hv
+    k_dim: int                # dk
+    v_dim: int                # dv
+    conv_size: int            # K
+    eps: float
+    chunk_size: int = 64      # the delta rule's chunk L (transformers' torch_chunk_gated_delta_rule's)
+    layout: Literal["grouped", "flat"] = "grouped"
+    z: ParamSource | None = None     # flat: in_proj_z, in_proj_b, in_proj_a
+    b: ParamSource | None = None
+    a: ParamSource | None = None
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,9 @@ A module is read as one block kind by its submodules and parameters alone:
     moe        an ``experts`` child (fused 3-D weights or a ModuleList of MLPs) and a router child
                (``gate`` or ``router``) holding a weight [E, h]
     mlp        ``gate_proj``/``up_proj``/``down_proj`` linears
+    linear_attention  Gated DeltaNet: ``in_proj_qkvz``, ``in_proj_ba`` (Qwen3-Next) or ``in_proj_qkv``,
+               ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5-MoE), ``conv1d``, ``norm``, ``out_proj``,
+               ``A_log``, ``dt_bias``; read by ``moegraph.lowering.structural_linear``
 Sizes come from parameter shapes; behaviour (top-k, normalisation, windows, RoPE frequencies) from
 the attributes and configuration fields with transformers' usual names, and from the family's row
 in ``moegraph.lowering.families`` where a name alone cannot tell. Which attributes a class's forward
@@ -193,6 +196,8 @@ def classify(module: nn.Module) -> str | None:
         return "attention"
     if all(isinstance(children.get(p), nn.Linear) for p in FUSED_ATTENTION):
         return "attention"
+    if is_linear_attention(children, own):                  # Gated DeltaNet (Qwen3-Next)
+        return "linear_attention"
     if "experts" in children and _router_name(module) is not None:
         return "moe"
     if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")) or \
@@ -408,6 +413,24 @@ def mask_of(cfg, idx: int | None) -> tuple[int | None, int | None]:
     raise LoweringError(f"layer {idx}: {kind.replace('_', ' ')} (config.layer_types[{idx}]={kind!r}) is not modelled")
 
 
+LINEAR_ATTENTION = ("conv1d", "norm", "out_proj")
+"""The children of a Gated DeltaNet block besides its projections (LINEAR_PROJECTIONS), with its
+parameters DECAY_PARAMS (Qwen3-Next, Qwen3.5-MoE)."""
+LINEAR_PROJECTIONS = {"grouped": ("in_proj_qkvz", "in_proj_ba"), "flat": ("in_proj_qkv", "in_proj_z", "in_proj_b",
+                                                                          "in_proj_a")}
+DECAY_PARAMS = ("A_log", "dt_bias")
+
+
+def linear_layout(children: dict) -> str | None:
+    """'grouped' (Qwen3-Next) or 'flat' (Qwen3.5-MoE): which projections a Gated DeltaNet holds."""
+    return next((k for k, names in LINEAR_PROJECTIONS.items() if all(n in children for n in names)), None)
+
+
+def is_linear_attention(children: dict, own: dict) -> bool:
+    return all(n in children for n in LINEAR_ATTENTION) and all(p in own for p in DECAY_PARAMS) and \
+        linear_layout(children) is not None
+
+
 FUSED_ATTENTION = ("Wqkv", "out_proj")
 """A fused q/k/v projection and its output projection (DBRX): rows q [H*d], k [G*d], v [G*d]."""
 def _attention(module: nn.Module, qualname: str) -> AttentionSpec:
@@ -430,4 +453,10 @@ def _mlp(module: nn.Module, qualname: str) -> MLPSpec:
     return mlp_spec(module, qualname)
 
 
-_BUILDERS = {"norm": norm_spec, "attention": _attention, "mla": _mla, "moe": _moe, "mlp": _mlp}
+def _linear_attention(module: nn.Module, qualname: str):
+    from moegraph.lowering.structural_linear import linear_attention_spec
+    return linear_attention_spec(module, qualname)
+
+
+_BUILDERS = {"norm": norm_spec, "attention": _attention, "mla": _mla, "moe": _moe, "mlp": _mlp,
+             "linear_attention": _linear_attention}

@@ -81,6 +81,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         _child_class_check(module, qualname, name)
     H, G = module.q_proj.out_features // d, module.k_proj.out_features // d
+    q_gate = _fused_q_gate(module)
+    H //= 2 if q_gate else 1                             # Qwen3-Next: q_proj gives each head's query and gate
     dv = module.v_proj.out_features // G                 # the value heads' width (MiMo-V2-Flash: not d)
     if module.v_proj.out_features != G * dv or module.o_proj.in_features != H * dv:
         raise LoweringError(f"{qualname} ({type(module).__name__}): v_proj gives {module.v_proj.out_features} and "
@@ -121,6 +123,11 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                                     f"nor the projections' {H * d} and {G * d} before RoPE")
     gate_name, out_gate = _out_gate(module, qualname, reads, H, dv)
     known.add(gate_name)
+    if q_gate:
+        if out_gate is not None or dv != d:
+            raise LoweringError(f"{qualname} ({type(module).__name__}): a gate from q_proj beside a {gate_name} gate, "
+                                f"or value heads of {dv} features (not the gate's {d}), is not modelled")
+        out_gate = OutGateSpec(weight=None, act="sigmoid", per_head=False)
     check_children(module, qualname, known)
     sinks = _src(qualname, "sinks") if getattr(module, "sinks", None) is not None and "sinks" in reads else None
     scale = float(module.scaling)
@@ -189,6 +196,23 @@ def _fused_attention_spec(module: nn.Module, qualname: str, d: int) -> Attention
                          rope=None if rope is None or rope == RopeSpec(theta=rope.theta) else rope,
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk,
                          temperature_floor=temperature_floor, qkv_clip=None if clip is None else float(clip))
+
+
+FUSED_Q_GATE = (r"torch\.chunk\(\s*self\.q_proj\(", r"\bsigmoid\(gate\)")
+"""Qwen3-Next's gated attention, read from its forward: q_proj's output viewed per head [2d] and
+chunked into the query and the output gate's logits, the attention output times sigmoid(gate)."""
+
+
+def _fused_q_gate(module: nn.Module) -> bool:
+    """Whether q_proj gives each head's query and then its output gate's logits (twice o_proj's input
+    features, and the forward's FUSED_Q_GATE lines); the numerical check confirms the layout."""
+    if module.q_proj.out_features != 2 * module.o_proj.in_features:
+        return False
+    try:
+        src = inspect.getsource(inspect.unwrap(type(module).forward))
+    except (OSError, TypeError):
+        return False
+    return all(re.search(p, src) for p in FUSED_Q_GATE)
 
 
 def _out_gate(module: nn.Module, qualname: str, reads: frozenset[str], H: int,

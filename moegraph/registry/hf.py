@@ -145,7 +145,7 @@ def load_hf_config(path: Path, shown: str, name: str) -> ModelConfig:
     cfg, layers = hf_model_layers(data, shown)
     index, _, program = moe_layer(layers, shown)
     (moe,) = program.specs(MoESpec)
-    attn = (program.specs(AttentionSpec) + program.specs(MLASpec))[0]
+    attn = next(iter(program.specs(AttentionSpec) + program.specs(MLASpec)), None) or _softmax_attention(layers, shown)
     dense = _leading_dense(layers[:index])
     fields: dict[str, Any] = dict(
         name=name, layers=len(layers), hidden=moe.hidden, experts=moe.experts, top_k=moe.top_k,
@@ -170,6 +170,20 @@ def load_hf_config(path: Path, shown: str, name: str) -> ModelConfig:
         return ModelConfig(**fields)
     except RegistryError as err:
         raise RegistryError(f"{shown}: {err}", field=err.field) from None
+
+
+def _softmax_attention(layers: list, shown: str):
+    """The first layer's softmax attention spec (GQA or latent), for a model whose first MoE layer mixes
+    its tokens otherwise (Qwen3-Next's linear attention: its heads are the full-attention layers')."""
+    from moegraph.lowering.specs import AttentionSpec, MLASpec
+    from moegraph.tracer import extract_program
+    for layer in layers:
+        program = extract_program(layer)
+        found = program.specs(AttentionSpec) + program.specs(MLASpec)
+        if found:
+            return found[0]
+    raise RegistryError(f"{shown}: no layer has a softmax attention (GQA or latent) whose heads a model config "
+                        "describes")
 
 
 def _leading_dense(layers: list) -> list:
