@@ -117,6 +117,21 @@ def test_a_family_that_does_not_compile_is_refused_naming_the_construct(tmp_path
     assert "\n" not in str(err.value)
 
 
+def test_a_dense_layer_before_the_first_moe_layer_that_does_not_lower_names_the_file_and_layer(tmp_path):
+    """Jamba: layer 0 (Mamba, dense MLP) before the first MoE layer (attention). The refusal was
+    the bare construct, without the file or the layer it sits in."""
+    path = tmp_path / "jamba.json"
+    path.write_text(json.dumps({"model_type": "jamba", "num_hidden_layers": 4, "hidden_size": 64,
+                                "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                "num_experts": 4, "num_experts_per_tok": 2, "vocab_size": 1000,
+                                "expert_layer_period": 2, "expert_layer_offset": 1, "attn_layer_period": 2,
+                                "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 8}))
+    with pytest.raises(RegistryError) as err:
+        load_model(str(path))
+    assert str(err.value).startswith(f"{path}: layer 0, a dense layer before the first MoE layer, does not lower")
+    assert "'mamba' (JambaMambaMixer) is not modelled" in str(err.value) and "\n" not in str(err.value)
+
+
 def test_a_qwen3_next_config_plans_its_linear_and_full_attention_layers(tmp_path):
     """Qwen3-Next's first MoE layer is a linear-attention one (Gated DeltaNet): the model config's heads
     are its full-attention layers'; a plan lowers both kinds (meta device: no numbers are checked)."""

@@ -146,7 +146,7 @@ def load_hf_config(path: Path, shown: str, name: str) -> ModelConfig:
     index, _, program = moe_layer(layers, shown)
     (moe,) = program.specs(MoESpec)
     attn = next(iter(program.specs(AttentionSpec) + program.specs(MLASpec)), None) or _softmax_attention(layers, shown)
-    dense = _leading_dense(layers[:index])
+    dense = _leading_dense(layers[:index], shown)
     fields: dict[str, Any] = dict(
         name=name, layers=len(layers), hidden=moe.hidden, experts=moe.experts, top_k=moe.top_k,
         ffn_hidden=moe.ffn_hidden, rms_eps=float(getattr(cfg, "rms_norm_eps", 1e-5) or 1e-5),
@@ -186,11 +186,21 @@ def _softmax_attention(layers: list, shown: str):
                         "describes")
 
 
-def _leading_dense(layers: list) -> list:
-    """The dense MLP specs of the layers before the first MoE layer (DeepSeek's first_k_dense_replace)."""
+def _leading_dense(layers: list, shown: str) -> list:
+    """The dense MLP specs of the layers before the first MoE layer (DeepSeek's first_k_dense_replace);
+    a layer that does not lower (Jamba's Mamba layers before its first MoE layer) is refused
+    naming the file and the layer, as the MoE layers' own refusals are."""
+    from moegraph.lowering import LoweringError
     from moegraph.lowering.specs import MLPSpec
     from moegraph.tracer import extract_program
-    return [spec for layer in layers for spec in extract_program(layer).specs(MLPSpec)]
+    specs = []
+    for i, layer in enumerate(layers):
+        try:
+            specs += extract_program(layer).specs(MLPSpec)
+        except LoweringError as err:
+            raise RegistryError(f"{shown}: layer {i}, a dense layer before the first MoE layer, does not lower "
+                                f"({err})") from None
+    return specs
 
 
 def hf_layer(cfg: ModelConfig):
