@@ -156,18 +156,6 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     return weights * node.attr("scale", 1.0), experts
 
 
-def _router_weights(node: Node, x, w, *extra):
-    """The routing weights in x's leading dims, as the ROUTER returns them: [..., k]."""
-    return route_general(node, x, w, *extra)[0].view(*x.shape[:-1], -1)
-
-
-def router_logit_bias_wgrad(node: Node, ins) -> list:
-    """Gradient of a ROUTER's trained logit bias (its last input) from the routing weights' gradient."""
-    (x, w, *extra), dweights = ins[:-1], ins[-1]
-    head, bias = extra[:-1], extra[-1]
-    return _pullback(lambda b_: _router_weights(node, x, w, *head, b_), (bias,), (dweights,))
-
-
 # -- NORM, GLU, SCALE, GROUPED_BIAS ----------------------------------------------------------------
 
 def _norm_fwd(node: Node, x: torch.Tensor, w: torch.Tensor | None = None):
@@ -329,4 +317,4 @@ KERNELS = {
 }
 
 __all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "limit", "rope_extended", "rotate",
-           "route_general", "router_logit_bias_wgrad"]
+           "route_general"]
