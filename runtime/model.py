@@ -253,7 +253,6 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
                                  "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "
                                  "per micro-batch, not by calling it")
-        refuse_autocast(input_ids.device.type, "the compiled model")
         if len(args) > len(self.positional):
             raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
                             f"{len(self.positional) + 1}")
@@ -278,6 +277,9 @@ class CompiledModel(nn.Module):
                              f"{', '.join(f'{k}={v!r}' for k, v in does.items())})")
         if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
             raise ValueError("labels given, but the compiled model is a base model without an LM head")
+        if not torch.is_tensor(input_ids):
+            raise TypeError(f"input_ids is {type(input_ids).__name__}: the compiled model takes token ids [b, s]")
+        refuse_autocast(input_ids.device.type, "the compiled model")
         if tuple(input_ids.shape) != (self.dp * self.batch, self.seq):
             what = "[b, s]" if self.dp == 1 else f"[dp*b, s] (dp={self.dp} replicas of b={self.batch} rows)"
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
