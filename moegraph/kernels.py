@@ -265,7 +265,7 @@ def _k_swiglu(ctx, node, ins, shapes):
 def _k_router(ctx, node, ins, shapes):
     weights, experts = route_tokens(node, *ins)
     if node.typed.aux:                          # the aux loss's stats (moegraph.edges)
-        return [weights, experts, aux_stats(node, ins, experts, _router_keep(ctx, node, ins[0]))]
+        return [weights, experts, aux_stats(node, ins, _router_keep(ctx, node, ins[0]))]
     return [weights, experts]
 
 

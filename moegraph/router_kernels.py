@@ -91,11 +91,15 @@ def _router_probs(node: Node, x, w, *extra):
     return torch.softmax(_aux_logits(node, x, w, *extra).float(), dim=-1)
 
 
-def aux_stats(node: Node, ins, experts, keep=None):
-    """A router's aux-loss stats [3, E] fp32 from its forward inputs ``ins`` (x, w, its biases)
-    and its chosen experts: the top-k slots per expert, the sum of P per expert, and (every column)
-    the rows counted. ``keep`` [T] (fp32 0/1, a padded batch: ``router_keep``) counts only the rows
-    it keeps, as transformers' loss weights them by the attention mask."""
+def aux_stats(node: Node, ins, keep=None):
+    """A router's aux-loss stats [3, E] fp32 from its forward inputs ``ins`` (x, w, its biases): the
+    top-k slots per expert, the sum of P per expert, and (every column) the rows counted. The slots
+    are transformers' load_balancing_loss_func's own: the top-k of P, not the experts the router
+    chose (they differ where a choice bias, e.g. Ernie 4.5's moe_statics, or expert groups pick
+    them). ``keep`` [T] (fp32 0/1, a padded batch: ``router_keep``) counts only the rows it keeps,
+    as transformers' loss weights them by the attention mask."""
+    probs = _router_probs(node, *ins)                                               # [T, E]
+    experts = torch.topk(probs, node.typed.top_k, dim=-1)[1]                        # [T, k]
     E = node.typed.experts
     slots = experts.reshape(-1)
     weight = (torch.ones(slots.shape, dtype=torch.float32, device=slots.device) if keep is None
@@ -103,7 +107,6 @@ def aux_stats(node: Node, ins, experts, keep=None):
     # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
     # integer counts in fp32 are exact whatever order the adds land in
     counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(0, slots, weight)
-    probs = _router_probs(node, *ins)                                               # [T, E]
     if keep is None:
         return torch.stack([counts, probs.sum(0), counts.new_full((E,), float(probs.shape[0]))])
     return torch.stack([counts, (probs * keep[:, None]).sum(0), keep.sum().expand(E)])

@@ -14,11 +14,13 @@ from moegraph.runtime.collectives import Comm, Pending
 from model_workers import VOCAB, mixtral_model
 
 B, S = 2, 16
-ZOO = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}    # the family zoo's tiny models
+ZOO = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",      # the family zoo's tiny models
+       "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 
 
 def aux_model(family: str, seed: int, layers: int, coef: float, skew: bool = False, **overrides):
-    """A tiny causal LM of ``family`` (mixtral, qwen2_moe, olmoe; gpt_oss, qwen3_moe: the family zoo's) with
+    """A tiny causal LM of ``family`` (mixtral, qwen2_moe, olmoe; gpt_oss, qwen3_moe,
+    ernie4_5_moe: the family zoo's) with
     output_router_logits=True. ``skew``: every router's weight gets a large bias towards expert 0 (most
     tokens pick it)."""
     if family in ZOO:

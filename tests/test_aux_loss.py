@@ -115,11 +115,13 @@ def test_loss_and_every_gradient_match_eager_on_the_global_batch_dp2(n2dp2, case
 
 # -- one rank: families, graph, refusals ----------------------------------------------------------
 
-@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe"])
+@pytest.mark.parametrize("family", ["gpt_oss", "qwen3_moe", "ernie4_5_moe"])
 def test_one_rank_zoo_families_match_eager(family):
     """GPT-OSS's router adds a trained bias to its logits: transformers' aux loss softmaxes the biased
     logits, so the aux stats and their gradient (to x, w and the bias) must too (they once dropped the
-    bias: aux 2.1637 vs eager 2.1820, and the bias's gradient kernel crashed on the aux inputs)."""
+    bias: aux 2.1637 vs eager 2.1820, and the bias's gradient kernel crashed on the aux inputs).
+    Ernie 4.5 picks its experts by the softmax plus a choice bias (moe_statics); transformers' aux loss
+    counts the top-k of the softmax alone (the stats once counted the biased choice: 6e-2 off)."""
     model = workers.aux_model(family, 11, 2, 0.5)
     ids, labels = workers.data(12, 2)
     compiled = moegraph.compile(model, ids, hardware="cpu-gloo", passes="", schedule="greedy")
@@ -130,7 +132,7 @@ def test_one_rank_zoo_families_match_eager(family):
     assert rel_err(got.aux_loss.detach(), ref.aux_loss.detach()) < TOL
     assert rel_err(got.loss.detach(), ref.loss.detach()) < TOL
     full = compiled.full_grads()
-    errs = {k: rel_err(full[k], p.grad) for k, p in model.named_parameters()}
+    errs = {k: rel_err(full[k], p.grad) for k, p in model.named_parameters() if p.requires_grad}
     assert max(errs.values()) < TOL, max(errs, key=errs.get)
 
 
