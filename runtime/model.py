@@ -114,6 +114,7 @@ from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, refuse_cast, replica_batch)
+from moegraph.runtime.model_result import ModelResult
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import ExecutionPlan
@@ -125,21 +126,6 @@ from moegraph.token_layout import gathered_tokens
 
 if TYPE_CHECKING:
     from moegraph.schedules.schedule_file import Schedule
-
-
-class ModelResult:
-    """What CompiledModel returns: the attributes the original's output has (None if not asked)."""
-
-    def __init__(self, loss=None, logits=None, last_hidden_state=None, aux_loss=None):
-        self.loss, self.logits, self.last_hidden_state = loss, logits, last_hidden_state
-        self.aux_loss = aux_loss        # the router's load-balancing loss (unscaled), as transformers
-
-    @property
-    def router_logits(self):
-        # transformers returns them with output_router_logits=True; the compiled routers keep
-        # only their [2, E] statistics (the aux loss reads those), never the [tokens, E] logits
-        raise AttributeError("the compiled model does not return router_logits (its routers keep only the "
-                             "load-balancing statistics): read .aux_loss, or run the original for the logits")
 
 
 class LoadResult(NamedTuple):
