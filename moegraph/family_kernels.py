@@ -126,13 +126,17 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     attr logit_bias. scores = softmax or sigmoid of the (biased) fp32 logits; experts = top-k of
     scores + choice bias (logits + choice bias when attr bias_on_logits: Kolibri) among the topk_groups best of ``groups`` groups (a group ranked by
     group_score: its two best, or its best choice score); weights = their scores, renormalised
-    when normalize, times scale."""
+    when normalize, times scale. Attr topk_first (GPT-OSS): the top-k of the logits, weighed by the
+    softmax over those k (equal in value; the other experts get exactly zero gradient, as eager's)."""
     extra = list(extra)
     choice_bias = extra.pop(0) if node.attr("score_bias", False) else None
     logit_bias = extra.pop(0) if node.attr("logit_bias", False) else None
     tokens = x.reshape(-1, x.shape[-1])
     logits = F.linear(tokens.float(), w.float(), None if logit_bias is None else logit_bias.float())
     scoring = node.attr("scoring")
+    if node.attr("topk_first", False):      # GPT-OSS: softmax over the top-k logits (unpicked: zero gradient)
+        top, experts = torch.topk(logits, node.attr("top_k"), dim=-1)
+        return torch.softmax(top, dim=-1) * node.attr("scale", 1.0), experts
     if scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
     elif scoring == "sigmoid":
