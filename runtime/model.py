@@ -114,6 +114,7 @@ from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, refuse_cast, replica_batch)
+from moegraph.runtime.grad_norm import clip_grad_norm
 from moegraph.runtime.model_result import ModelResult
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.native_budgets import runnable_config, world_backend
@@ -460,6 +461,13 @@ class CompiledModel(nn.Module):
         if missing:
             raise RuntimeFailure(f"full_state_dict cannot rebuild {', '.join(missing)} (a runtime bug)")
         return {k: out[k] for k in self._state_keys}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original module, on this rank's pieces: the GLOBAL
+        gradient norm (each region of the original's parameters counted once), the same scale on
+        every rank; returns the total norm. A collective. Not torch's utility on ``parameters()``:
+        that takes one rank's shards' norm (``moegraph.runtime.grad_norm``)."""
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor]:
