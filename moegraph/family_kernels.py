@@ -126,13 +126,17 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     attr logit_bias. scores = softmax or sigmoid of the (biased) fp32 logits; experts = top-k of
     scores + choice bias (logits + choice bias when attr bias_on_logits: Kolibri) among the topk_groups best of ``groups`` groups (a group ranked by
     group_score: its two best, or its best choice score); weights = their scores, renormalised
-    when normalize, times scale."""
+    when normalize, times scale. Attr topk_first (GPT-OSS): the top-k of the logits, weighed by the
+    softmax over those k (equal in value; the other experts get exactly zero gradient, as eager's)."""
     extra = list(extra)
     choice_bias = extra.pop(0) if node.attr("score_bias", False) else None
     logit_bias = extra.pop(0) if node.attr("logit_bias", False) else None
     tokens = x.reshape(-1, x.shape[-1])
     logits = F.linear(tokens.float(), w.float(), None if logit_bias is None else logit_bias.float())
     scoring = node.attr("scoring")
+    if node.attr("topk_first", False):      # GPT-OSS: softmax over the top-k logits (unpicked: zero gradient)
+        top, experts = torch.topk(logits, node.attr("top_k"), dim=-1)
+        return torch.softmax(top, dim=-1) * node.attr("scale", 1.0), experts
     if scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
     elif scoring == "sigmoid":
@@ -154,18 +158,6 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     if node.attr("normalize", True):
         weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
     return weights * node.attr("scale", 1.0), experts
-
-
-def _router_weights(node: Node, x, w, *extra):
-    """The routing weights in x's leading dims, as the ROUTER returns them: [..., k]."""
-    return route_general(node, x, w, *extra)[0].view(*x.shape[:-1], -1)
-
-
-def router_logit_bias_wgrad(node: Node, ins) -> list:
-    """Gradient of a ROUTER's trained logit bias (its last input) from the routing weights' gradient."""
-    (x, w, *extra), dweights = ins[:-1], ins[-1]
-    head, bias = extra[:-1], extra[-1]
-    return _pullback(lambda b_: _router_weights(node, x, w, *head, b_), (bias,), (dweights,))
 
 
 # -- NORM, GLU, SCALE, GROUPED_BIAS ----------------------------------------------------------------
@@ -332,4 +324,4 @@ from moegraph.delta_kernels import KERNELS as _DELTA_KERNELS  # noqa: E402 - Gat
 KERNELS.update(_DELTA_KERNELS)
 
 __all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "limit", "rope_extended", "rotate",
-           "route_general", "router_logit_bias_wgrad"]
+           "route_general"]

@@ -267,7 +267,7 @@ def _k_swiglu(ctx, node, ins, shapes):
 def _k_router(ctx, node, ins, shapes):
     weights, experts = route_tokens(node, *ins)
     if node.typed.aux:                          # the aux loss's stats (moegraph.edges)
-        return [weights, experts, aux_stats(node, ins[0], ins[1], experts, _router_keep(ctx, node, ins[0]))]
+        return [weights, experts, aux_stats(node, ins, _router_keep(ctx, node, ins[0]))]
     return [weights, experts]
 
 
@@ -483,9 +483,8 @@ def _k_router_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    if node.typed.wrt == "logit_bias":                                 # GPT-OSS's trained router bias
-        return family_kernels.router_logit_bias_wgrad(node, ins)
-    return router_pullback(node, 1, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
+    primal = -1 if node.typed.wrt == "logit_bias" else 1          # GPT-OSS's trained router bias: the last input
+    return router_pullback(node, primal, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
 
 
 def _k_permute_dgrad(ctx, node, ins, shapes):

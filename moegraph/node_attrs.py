@@ -187,10 +187,14 @@ class RouterAttrs(NodeAttrs):
     logit_bias: bool = False
     bias_on_logits: bool = False         # the choice bias is added to the logits before scoring (Kolibri)
     wrt: Literal["weight", "logit_bias"] | None = None
+    topk_first: bool = False             # softmax over the top-k logits (GPT-OSS), not top-k of the softmax
 
     def problem(self, role: Role) -> str | None:
         if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
             return "scoring='sigmoid' needs groups, topk_groups and scale"
+        if self.topk_first and not (self.general and self.scoring == "softmax" and self.normalize
+                                    and not self.score_bias and self.groups == 1):
+            return "topk_first=True needs general=True, softmax scoring, normalize, no score_bias and one group"
         if self.bias_on_logits and not (self.general and self.score_bias):
             return "bias_on_logits=True needs general=True and a score_bias input"
         return None

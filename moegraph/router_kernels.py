@@ -79,15 +79,27 @@ def _router_fwd(node: Node, x, w, *bias):
     return route_tokens(node, x, w, *bias)[0]
 
 
-def _router_probs(x, w):
+def _aux_logits(node: Node, x, w, *extra):
+    """The logits transformers' load_balancing_loss_func softmaxes (the router's recorded
+    ``router_logits``): x W^T, plus the trained logit bias where the router adds one (attr
+    logit_bias, GPT-OSS: the last of its inputs after w), in x's dtype as the eager router's."""
+    return F.linear(tokens(x), w, extra[-1] if node.attr("logit_bias", False) else None)
+
+
+def _router_probs(node: Node, x, w, *extra):
     """The softmax router's probabilities P [T, E] in fp32, as transformers' aux loss reads them."""
-    return torch.softmax(F.linear(tokens(x), w).float(), dim=-1)
+    return torch.softmax(_aux_logits(node, x, w, *extra).float(), dim=-1)
 
 
-def aux_stats(node: Node, x, w, experts, keep=None):
-    """A router's aux-loss stats [3, E] fp32: the top-k slots per expert, the sum of P per expert,
-    and (every column) the rows counted. ``keep`` [T] (fp32 0/1, a padded batch: ``router_keep``)
-    counts only the rows it keeps, as transformers' loss weights them by the attention mask."""
+def aux_stats(node: Node, ins, keep=None):
+    """A router's aux-loss stats [3, E] fp32 from its forward inputs ``ins`` (x, w, its biases): the
+    top-k slots per expert, the sum of P per expert, and (every column) the rows counted. The slots
+    are transformers' load_balancing_loss_func's own: the top-k of P, not the experts the router
+    chose (they differ where a choice bias, e.g. Ernie 4.5's moe_statics, or expert groups pick
+    them). ``keep`` [T] (fp32 0/1, a padded batch: ``router_keep``) counts only the rows it keeps,
+    as transformers' loss weights them by the attention mask."""
+    probs = _router_probs(node, *ins)                                               # [T, E]
+    experts = torch.topk(probs, node.typed.top_k, dim=-1)[1]                        # [T, k]
     E = node.typed.experts
     slots = experts.reshape(-1)
     weight = (torch.ones(slots.shape, dtype=torch.float32, device=slots.device) if keep is None
@@ -95,30 +107,30 @@ def aux_stats(node: Node, x, w, experts, keep=None):
     # scatter_add, not bincount: bincount reads the max on the host (a sync inside the step);
     # integer counts in fp32 are exact whatever order the adds land in
     counts = torch.zeros(E, dtype=torch.float32, device=slots.device).scatter_add_(0, slots, weight)
-    probs = _router_probs(x, w)                                                     # [T, E]
     if keep is None:
         return torch.stack([counts, probs.sum(0), counts.new_full((E,), float(probs.shape[0]))])
     return torch.stack([counts, (probs * keep[:, None]).sum(0), keep.sum().expand(E)])
 
 
 def router_pullback(node: Node, primal: int, ins, keep=None):
-    """A router's data (``primal`` 0) or weight (1) gradient. With attr aux its inputs end in
-    (the global stats [3, E], the aux seed [1]) and the aux loss's probability gradient
-    seed * E * count / N^2 (moegraph.edges; N the stats' row 2, the rows counted) joins
-    the routing weights' cotangent, on the rows ``keep`` [T] keeps (a padded batch) or all."""
+    """A router's gradient with respect to its forward input ``primal`` (0: x, its data gradient;
+    1: w; -1: the last, GPT-OSS's trained logit bias). The inputs are the forward's (x, w, biases),
+    the routing weights' cotangent, and with attr aux (the global stats [3, E], the aux seed [1]):
+    the aux loss's probability gradient seed * E * count / N^2 (moegraph.edges; N the stats' row 2,
+    the rows counted) joins the routing weights' cotangent, on the rows ``keep`` [T] keeps (a
+    padded batch) or all."""
+    tail = 3 if node.typed.aux else 1
+    fwd, dweights = tuple(ins[:-tail]), ins[-tail]
+    primal %= len(fwd)
+
+    def at(p):
+        return tuple(p if i == primal else v for i, v in enumerate(fwd))
     if not node.typed.aux:
-        (x, w, *bias), dweights = ins[:-1], ins[-1]
-        leaves = (x, w)
-        return pullback(lambda p: _router_fwd(node, *(p if i == primal else leaves[i] for i in range(2)), *bias),
-                        (leaves[primal],), (dweights,))
-    (x, w, *bias), dweights, stats, seed = ins[:-3], ins[-3], ins[-2], ins[-1]
-    leaves = (x, w)
+        return pullback(lambda p: _router_fwd(node, *at(p)), (fwd[primal],), (dweights,))
+    stats, seed = ins[-2], ins[-1]
     rows, E = stats[2, 0], node.typed.experts
     c = seed.float() * E / rows / rows * stats[0]                                       # [E]
-
-    def fn(p):
-        args = tuple(p if i == primal else leaves[i] for i in range(2))
-        return _router_fwd(node, *args, *bias), _router_probs(*args)
-    T = tokens(x).shape[0]
+    T = tokens(fwd[0]).shape[0]
     dprobs = c.expand(T, E) if keep is None else c[None, :] * keep[:, None]             # [T, E]
-    return pullback(fn, (leaves[primal],), (dweights, dprobs))
+    return pullback(lambda p: (_router_fwd(node, *at(p)), _router_probs(node, *at(p))), (fwd[primal],),
+                    (dweights, dprobs))

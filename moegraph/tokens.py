@@ -22,7 +22,7 @@ full [b, s] tensors on every rank: each kernel indexes the positions its rows ho
                  ``remap_positions_for_packed_sequence``). position_ids without a restart are only
                  RoPE positions; the mask stays causal by index, as transformers'.
 
-Refused by name (``TokensError``): a mask that is not 0/1, left padding (a row starting with a
+Refused by name (``TokensError``): a mask that is not 0/1, a row of zeros (an empty sequence), left padding (a row starting with a
 zero: its first queries would attend to nothing), a 4-D mask, the mask together with
 position_ids, position_ids that are not integers of shape [b, s] or [1, s].
 """
@@ -153,6 +153,10 @@ def _padding(mask: torch.Tensor, rows: int, seq: int, device) -> Tokens | None:
     keys = mask.to(device=device) != 0
     if bool(keys.all()):
         return None
+    if not bool(keys.any(1).all()):
+        row = int((~keys.any(1)).nonzero()[0])
+        raise TokensError(f"attention_mask row {row} is all zeros: it masks every token (an empty sequence); every "
+                          "row needs at least its first token (right padding: ones then zeros)")
     if not bool(keys[:, 0].all()):
         row = int((~keys[:, 0]).nonzero()[0])
         raise TokensError(f"attention_mask row {row} starts with a 0 (left padding): only right padding (ones "

@@ -114,6 +114,8 @@ from moegraph.models import IGNORE_INDEX, shift_labels
 from moegraph.runtime import RuntimeFailure
 from moegraph.runtime.module import (DTYPES, CompiledLayer, accumulate_grads, build_layer, compiled_plan,
                                      frozen_sources, refuse_autocast, refuse_cast, replica_batch)
+from moegraph.runtime.grad_norm import clip_grad_norm
+from moegraph.runtime.model_result import ModelResult
 from moegraph.runtime.options import RuntimeOptions
 from moegraph.runtime.native_budgets import runnable_config, world_backend
 from moegraph.runtime.plan import ExecutionPlan
@@ -125,21 +127,6 @@ from moegraph.token_layout import gathered_tokens
 
 if TYPE_CHECKING:
     from moegraph.schedules.schedule_file import Schedule
-
-
-class ModelResult:
-    """What CompiledModel returns: the attributes the original's output has (None if not asked)."""
-
-    def __init__(self, loss=None, logits=None, last_hidden_state=None, aux_loss=None):
-        self.loss, self.logits, self.last_hidden_state = loss, logits, last_hidden_state
-        self.aux_loss = aux_loss        # the router's load-balancing loss (unscaled), as transformers
-
-    @property
-    def router_logits(self):
-        # transformers returns them with output_router_logits=True; the compiled routers keep
-        # only their [2, E] statistics (the aux loss reads those), never the [tokens, E] logits
-        raise AttributeError("the compiled model does not return router_logits (its routers keep only the "
-                             "load-balancing statistics): read .aux_loss, or run the original for the logits")
 
 
 class LoadResult(NamedTuple):
@@ -253,7 +240,6 @@ class CompiledModel(nn.Module):
             raise RuntimeFailure(f"the model was compiled for a step of {self.micro_batches} micro-batches "
                                  "(micro_batches=M): run it with train_step(input_ids, labels), one tensor of each "
                                  "per micro-batch, not by calling it")
-        refuse_autocast(input_ids.device.type, "the compiled model")
         if len(args) > len(self.positional):
             raise TypeError(f"{len(args) + 1} positional arguments; the original takes at most "
                             f"{len(self.positional) + 1}")
@@ -278,6 +264,9 @@ class CompiledModel(nn.Module):
                              f"{', '.join(f'{k}={v!r}' for k, v in does.items())})")
         if labels is not None and self.spec.output is not ModelOutput.CAUSAL_LM:
             raise ValueError("labels given, but the compiled model is a base model without an LM head")
+        if not torch.is_tensor(input_ids):
+            raise TypeError(f"input_ids is {type(input_ids).__name__}: the compiled model takes token ids [b, s]")
+        refuse_autocast(input_ids.device.type, "the compiled model")
         if tuple(input_ids.shape) != (self.dp * self.batch, self.seq):
             what = "[b, s]" if self.dp == 1 else f"[dp*b, s] (dp={self.dp} replicas of b={self.batch} rows)"
             raise ValueError(f"input_ids has shape {tuple(input_ids.shape)}; the model was compiled for "
@@ -472,6 +461,13 @@ class CompiledModel(nn.Module):
         if missing:
             raise RuntimeFailure(f"full_state_dict cannot rebuild {', '.join(missing)} (a runtime bug)")
         return {k: out[k] for k in self._state_keys}
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False) -> torch.Tensor:
+        """torch.nn.utils.clip_grad_norm_ of the original module, on this rank's pieces: the GLOBAL
+        gradient norm (each region of the original's parameters counted once), the same scale on
+        every rank; returns the total norm. A collective. Not torch's utility on ``parameters()``:
+        that takes one rank's shards' norm (``moegraph.runtime.grad_norm``)."""
+        return clip_grad_norm(self, max_norm, norm_type, error_if_nonfinite)
 
     @torch.no_grad()
     def full_grads(self) -> dict[str, torch.Tensor]:

@@ -14,12 +14,20 @@ from moegraph.runtime.collectives import Comm, Pending
 from model_workers import VOCAB, mixtral_model
 
 B, S = 2, 16
+ZOO = {"gpt_oss": "GptOssForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",      # the family zoo's tiny models
+       "ernie4_5_moe": "Ernie4_5_MoeForCausalLM"}
 
 
 def aux_model(family: str, seed: int, layers: int, coef: float, skew: bool = False, **overrides):
-    """A tiny causal LM of ``family`` (mixtral, qwen2_moe, olmoe) with output_router_logits=True.
-    ``skew``: every router's weight gets a large bias towards expert 0 (most tokens pick it)."""
-    if family == "mixtral":
+    """A tiny causal LM of ``family`` (mixtral, qwen2_moe, olmoe; gpt_oss, qwen3_moe,
+    ernie4_5_moe: the family zoo's) with
+    output_router_logits=True. ``skew``: every router's weight gets a large bias towards expert 0 (most
+    tokens pick it)."""
+    if family in ZOO:
+        from family_zoo import tiny_model
+        model = tiny_model(family, ZOO[family], seed, num_hidden_layers=layers, output_router_logits=True,
+                           router_aux_loss_coef=coef, **overrides)
+    elif family == "mixtral":
         model = mixtral_model(seed, layers, output_router_logits=True, router_aux_loss_coef=coef, **overrides)
     else:
         from model_workers import family_model
@@ -110,7 +118,7 @@ def _compare(model, compiled, ids, labels) -> dict:
             "aux": rel_err(got.aux_loss.detach(), ref.aux_loss.detach()),
             "aux_value": float(ref.aux_loss.detach()),
             "grads": errs[worst], "worst": worst,
-            "router_grads": max(e for k, e in errs.items() if ".gate." in k),
+            "router_grads": max(e for k, e in errs.items() if ".gate." in k or ".router." in k),
             "edge_nodes": sorted(e.name for e in compiled.layers.plan.entries if e.name.startswith("edges.aux"))}
 
 
@@ -133,7 +141,7 @@ def merged_step(rank: int, world: int, case: dict) -> dict:
     return {"loss": max(rel_err(torch.tensor(float(a)), torch.tensor(b)) for a, b in zip(got, expected)),
             # aux None: train_step returns each micro-batch's loss with coef*aux in it, checked as "loss"
             "aux": None, "grads": errs[worst], "worst": worst, "routers": _routers(compiled),
-            "router_grads": max(e for k, e in errs.items() if ".gate." in k),
+            "router_grads": max(e for k, e in errs.items() if ".gate." in k or ".router." in k),
             "edge_nodes": sorted({e.name.split(".", 1)[1] for e in compiled.layers.plan.entries
                                   if ".edges.aux" in e.name})}
 

@@ -143,6 +143,7 @@ def _mask(*holes: tuple[int, int]) -> torch.Tensor:
 @pytest.mark.parametrize("kwargs, message", [
     (dict(attention_mask=_mask((1, 0), (1, 1))), r"attention_mask row 1 starts with a 0 \(left padding\)"),
     (dict(attention_mask=_mask((0, 5))), "attention_mask row 0 has a 1 after a 0: only right padding"),
+    (dict(attention_mask=_mask(*((1, c) for c in range(S)))), r"^attention_mask row 1 is all zeros: it masks every token"),
     (dict(attention_mask=_mask()[:, None, None, :].float()), r"attention_mask: a 4-D mask \[2, 1, 1, 16\] is not"),
     (dict(attention_mask=_mask() * 2), "attention_mask holds values other than 0 and 1"),
     (dict(attention_mask=_mask()[:, :8]), r"attention_mask has shape \[2, 8\]"),

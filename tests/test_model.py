@@ -160,8 +160,11 @@ def test_one_rank_logits_and_base_model_match_eager(rng):
     with torch.no_grad():
         got, ref = compiled(ids).logits, model(ids).logits
     assert got is not None and rel_err(got, ref) < TOL
-    with pytest.raises(ValueError, match=r"attention_mask row 0 starts with a 0 \(left padding\)"):
+    # an all-zero row is an empty sequence (not left padding), said so
+    with pytest.raises(ValueError, match=r"^attention_mask row 0 is all zeros: it masks every token \(an empty "):
         compiled(ids, attention_mask=torch.zeros_like(ids))
+    with pytest.raises(ValueError, match=r"attention_mask row 1 starts with a 0 \(left padding\)"):
+        compiled(ids, attention_mask=torch.ones_like(ids).index_fill(1, torch.tensor([0]), 0).index_fill(0, torch.tensor([0]), 1))
     with pytest.raises(ValueError, match="^position_ids: the original forward takes no position_ids"):
         compiled(ids, position_ids=torch.arange(16)[None] % 8)          # two packed documents
     with torch.no_grad():                   # position_ids 0..s-1 change nothing: accepted
@@ -256,7 +259,7 @@ def test_one_rank_mixtral_base_model_matches_eager(rng):
     assert rel_err(got, ref) < TOL
     assert list(compiled.full_state_dict()) == list(base.state_dict())
     assert compiled.positional[:2] == ("attention_mask", "position_ids")
-    with pytest.raises(ValueError, match="starts with a 0 \\(left padding\\)"):   # HF's second argument
+    with pytest.raises(ValueError, match="row 0 is all zeros: it masks every token"):   # HF's second argument
         compiled(ids, torch.zeros_like(ids))
 
 

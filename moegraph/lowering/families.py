@@ -35,6 +35,11 @@ class RouterRow:
                   the sum of its two best scores (DeepSeek-V3) or its best one (DeepSeek-V2).
     grouped:      the attribute that switches grouped routing on (e.g. topk_method), with the
                   value meaning "grouped"; None: grouped whenever n_group > 1.
+    order:        'softmax-topk': the softmax over every expert, its top-k, renormalised (Mixtral,
+                  Qwen); 'topk-softmax': the top-k of the logits, then the softmax over those k
+                  (GPT-OSS). Equal in value, but only the second leaves the experts no token picks
+                  exactly zero gradient (the first leaves rounding there, which AdamW amplifies);
+                  the compiled router computes what the eager one does.
     """
 
     scoring: Scoring | None = None
@@ -43,6 +48,7 @@ class RouterRow:
     choice_on: Literal["scores", "logits"] = "scores"
     group_score: GroupScore = "top2-sum"
     grouped: tuple[str, str] | None = None
+    order: Literal["softmax-topk", "topk-softmax"] = "softmax-topk"
 
 
 @dataclass(frozen=True)
@@ -95,7 +101,8 @@ FAMILIES: dict[str, Family] = {
     "kolibri1": Family(router=RouterRow(choice_on="logits")),
     # the block's never-trained expert_bias, passed to its router as a forward argument
     "afmoe": Family(router=RouterRow(choice_bias="expert_bias")),
-    "gpt_oss": Family(experts=ExpertRow(gate_up="interleaved")),
+    # top-k of its (biased) logits, then the softmax over the k
+    "gpt_oss": Family(router=RouterRow(order="topk-softmax"), experts=ExpertRow(gate_up="interleaved")),
     "llama4": Family(weighted_input=True),
     # the top-k weights divided by their p-norm, p = ffn_config.moe_normalize_expert_weights (1: their sum);
     # separate flat expert tensors; a base model 'transformer' of wte, blocks, norm_f

@@ -33,7 +33,7 @@ def router_attrs(spec: MoESpec) -> dict:
         return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                         "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
                         "logit_bias": spec.router_bias is not None, "normalize": spec.normalize} \
-            | ({"bias_on_logits": True} if spec.bias_on_logits else {})
+            | ({"bias_on_logits": True} if spec.bias_on_logits else {}) | ({"topk_first": True} if spec.topk_first else {})
     if spec.scoring == "sigmoid":
         attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                   "score_bias": spec.score_bias is not None}

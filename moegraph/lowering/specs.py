@@ -247,6 +247,7 @@ class MoESpec:
     group_score: GroupScore = "top2-sum"
     activation: Activation = "silu"
     router_bias: ParamSource | None = None    # [E] added to the router logits (GPT-OSS), trained
+    topk_first: bool = False                  # the softmax over the top-k logits (GPT-OSS; RouterRow.order)
     expert_bias: tuple[ParamSource, ParamSource, ParamSource] | None = None   # [E, f], [E, f], [E, h]
     tuple_output: bool = False                # the block returns (output, router scores)
     swiglu_alpha: float | None = None         # clamped_swiglu's alpha and limit
@@ -259,5 +260,6 @@ class MoESpec:
         """The router the ROUTER kernel always computed: no group max, no softmax choice bias, no logit bias,
         no choice bias on the logits."""
         return (self.group_score == "top2-sum" and self.router_bias is None and not self.bias_on_logits
+                and not self.topk_first
                 and not (self.scoring == "softmax" and (self.score_bias is not None or self.groups != 1
                                                         or self.scale != 1.0)))

@@ -180,12 +180,17 @@ def moe_spec(module: nn.Module, qualname: str) -> MoESpec:
     average = _shared_combination(module, qualname) if shared is not None else False
     w1, w3, w2, f, act, layout = _expert_weights(experts, f"{qualname}.experts", h, row)
     router_bias = _src(qualname, f"{rname}.bias") if router._parameters.get("bias") is not None else None
+    topk_first = rr.order == "topk-softmax"
+    if topk_first and not (scoring == "softmax" and normalize and choice is None and groups == 1 and scale == 1.0):
+        raise LoweringError(f"{qualname}.{rname}: its family's router takes the softmax over the top-k logits; "
+                            "with a choice bias, expert groups, a scale, sigmoid scores or unnormalised weights that "
+                            "is not modelled")
     expert_bias = _expert_biases(experts, f"{qualname}.experts", f, row)
     return MoESpec(router=_src(qualname, f"{rname}.{wpath}"), w1=w1, w3=w3, w2=w2, experts=E, top_k=top_k,
                    ffn_hidden=f, hidden=h, normalize=normalize, shared=shared, shared_average=average, scoring=scoring, score_bias=choice,
                    bias_on_logits=choice is not None and rr.choice_on == "logits",
                    groups=groups, topk_groups=topk_groups, scale=scale, group_score=rr.group_score,
-                   activation=act, router_bias=router_bias, expert_bias=expert_bias,
+                   activation=act, router_bias=router_bias, topk_first=topk_first, expert_bias=expert_bias,
                    tuple_output=returns_tuple(type(module)), swiglu_limit=layout.get("limit"),
                    swiglu_alpha=layout.get("alpha"), weighted_input=row.weighted_input, post_norm=post_norm)
 
