@@ -130,6 +130,7 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     extra = list(extra)
     choice_bias = extra.pop(0) if node.attr("score_bias", False) else None
     logit_bias = extra.pop(0) if node.attr("logit_bias", False) else None
+    expert_scale = extra.pop(0) if node.attr("expert_scale", False) else None
     tokens = x.reshape(-1, x.shape[-1])
     logits = F.linear(tokens.float(), w.float(), None if logit_bias is None else logit_bias.float())
     scoring = node.attr("scoring")
@@ -153,6 +154,8 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     weights = scores.gather(1, experts)
     if node.attr("normalize", True):
         weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    if expert_scale is not None:                # Gemma 4: each chosen weight times its expert's trained scale
+        weights = weights * expert_scale.float().reshape(-1)[experts]
     return weights * node.attr("scale", 1.0), experts
 
 
@@ -161,11 +164,18 @@ def _router_weights(node: Node, x, w, *extra):
     return route_general(node, x, w, *extra)[0].view(*x.shape[:-1], -1)
 
 
-def router_logit_bias_wgrad(node: Node, ins) -> list:
-    """Gradient of a ROUTER's trained logit bias (its last input) from the routing weights' gradient."""
+def router_extra_wgrad(node: Node, ins) -> list:
+    """Gradient of a ROUTER's trained extra input from the routing weights' gradient: its logit bias
+    (attr wrt 'logit_bias') or its per-expert scale ('expert_scale', the last input)."""
     (x, w, *extra), dweights = ins[:-1], ins[-1]
-    head, bias = extra[:-1], extra[-1]
-    return _pullback(lambda b_: _router_weights(node, x, w, *head, b_), (bias,), (dweights,))
+    at = len(extra) - 1 - (node.attr("wrt") == "logit_bias" and node.attr("expert_scale", False))
+    if node.attr("wrt") not in ("logit_bias", "expert_scale"):
+        raise ValueError(f"node {node.name!r}: wrt={node.attr('wrt')!r} is not a ROUTER's trained extra input "
+                         "('logit_bias', 'expert_scale')")
+
+    def fn(t):
+        return _router_weights(node, x, w, *extra[:at], t, *extra[at + 1:])
+    return _pullback(fn, (extra[at],), (dweights,))
 
 
 # -- NORM, GLU, SCALE, GROUPED_BIAS ----------------------------------------------------------------
@@ -270,7 +280,9 @@ def _k_glu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_scale(ctx, node, ins, shapes):
-    return [ins[0] * node.attr("factor")]
+    """x * factor (forward), dy * factor (dgrad); with attr by_input also times the [1] input after it."""
+    y = ins[0] * node.attr("factor")
+    return [y * ins[1].to(y.dtype) if node.attr("by_input", False) else y]
 
 
 def limit(x: torch.Tensor, how: str, c: float) -> torch.Tensor:
@@ -329,4 +341,4 @@ KERNELS = {
 }
 
 __all__ = ["KERNELS", "attend", "attention_extended", "attention_pairs", "layer_norm", "limit", "rope_extended", "rotate",
-           "route_general", "router_logit_bias_wgrad"]
+           "route_general", "router_extra_wgrad"]

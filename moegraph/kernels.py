@@ -479,8 +479,8 @@ def _k_router_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    if node.typed.wrt == "logit_bias":                                 # GPT-OSS's trained router bias
-        return family_kernels.router_logit_bias_wgrad(node, ins)
+    if node.typed.wrt in ("logit_bias", "expert_scale"):              # GPT-OSS's router bias, Gemma 4's scale
+        return family_kernels.router_extra_wgrad(node, ins)
     return router_pullback(node, 1, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
 
 

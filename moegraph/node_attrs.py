@@ -180,7 +180,8 @@ class RouterAttrs(NodeAttrs):
     group_score: Literal["top2-sum", "max"] | None = None
     logit_bias: bool = False
     bias_on_logits: bool = False         # the choice bias is added to the logits before scoring (Kolibri)
-    wrt: Literal["weight", "logit_bias"] | None = None
+    expert_scale: bool = False           # a trained [E] input: each chosen weight times its expert's (Gemma 4)
+    wrt: Literal["weight", "logit_bias", "expert_scale"] | None = None
 
     def problem(self, role: Role) -> str | None:
         if self.scoring == "sigmoid" and None in (self.groups, self.topk_groups, self.scale):
@@ -268,6 +269,7 @@ class GluAttrs(NodeAttrs):
 @dataclass(frozen=True, kw_only=True)
 class ScaleAttrs(NodeAttrs):
     factor: float
+    by_input: bool = False               # also times its second input, a [1] buffer (Gemma 4's layer_scalar)
 
 
 @dataclass(frozen=True, kw_only=True)
