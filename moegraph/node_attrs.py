@@ -188,6 +188,8 @@ class RouterAttrs(NodeAttrs):
             return "scoring='sigmoid' needs groups, topk_groups and scale"
         if self.bias_on_logits and not (self.general and self.score_bias):
             return "bias_on_logits=True needs general=True and a score_bias input"
+        if self.expert_scale and not self.general:
+            return "expert_scale=True needs general=True (family_kernels.route_general applies it)"
         return None
 
 
