@@ -181,8 +181,8 @@ def boundary(graph: Graph) -> tuple[str, str, str, str]:
     return x, seed, y, dx
 
 
-__all__ = ["describe_kinds", "KINDS_META", "LAYER_ATTR", "PARAM_PREFIX", "LayerKinds", "boundary", "costed_kinds", "costed_layer",
-           "layer_count", "layer_graph", "layer_kinds"]
+__all__ = ["KINDS_META", "LAYER_ATTR", "PARAM_PREFIX", "LayerKinds", "boundary", "costed_kinds", "costed_layer",
+           "layer_count", "layer_graph", "layer_kinds", "describe_kinds"]
 
 
 def describe_kinds(graph: Graph) -> list[dict] | None:

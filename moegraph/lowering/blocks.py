@@ -51,9 +51,9 @@ from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
-from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_limit, emit_rmsnorm,
-                                          emit_head_norm, emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
-                                          mask_attrs, out_gate_param)
+from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_head_norm, emit_limit,
+                                          emit_out_gate, emit_rmsnorm, emit_scale, emit_width_norm, expert_bias_params,
+                                          head_norms, mask_attrs, out_gate_param)
 from moegraph.lowering import node_dispatch
 from moegraph.lowering.expert_rows import grouped_gemm, row_weights
 from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens, router_input
@@ -212,8 +212,9 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         q = g.value(f"q{c}", (b, S, Hl * d), alias_of=qkv)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
         v = k if spec.v_from_k else g.value(f"v{c}", (b, S, Gl * dv), alias_of=qkv)
-        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k) if spec.v_from_k else (q, k, v), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (Hl * d, Gl * d) + (() if spec.v_from_k else (Gl * dv,)), "mode": "split"}, **kw)
+        parts = (q, k) if spec.v_from_k else (q, k, v)
+        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), parts, mem_bytes=0,
+               attrs={"dim": 2, "sizes": tuple(g.shape(p)[2] for p in parts), "mode": "split"}, **kw)
         if spec.v_norm_eps is not None:          # Gemma 4: a weightless RMSNorm of each value head
             v = emit_head_norm(g, None, v, name=f"v_norm{c}", head_dim=dv, kw=kw, l2_eps=spec.v_norm_eps)
         if spec.v_scale != 1.0:
