@@ -112,7 +112,7 @@ def test_the_soft_cap_is_read():
 
 REFUSED = {
     "per-layer inputs": (dict(hidden_size_per_layer_input=8),
-                         "Gemma4ForCausalLM: layer 0: Gemma4TextDecoderLayer: per-layer inputs "
+                         "Gemma4ForCausalLM: layer 0: the layer (Gemma4TextDecoderLayer): per-layer inputs "
                          "(hidden_size_per_layer_input=8: "),
     "kv sharing": (dict(num_kv_shared_layers=1),
                    "layer 1: self_attn (Gemma4TextAttention): is_kv_shared_layer=True (config.num_kv_shared_layers): "

@@ -100,7 +100,7 @@ def refuse_unmodelled(layer: nn.Module) -> None:
     """Name what a Gemma 4 decoder layer reads that is not modelled: per-layer inputs."""
     size = getattr(layer, "hidden_size_per_layer_input", 0)
     if size and "hidden_size_per_layer_input" in forward_reads(type(layer)):
-        raise LoweringError(f"{type(layer).__name__}: per-layer inputs (hidden_size_per_layer_input={size}: a gated "
+        raise LoweringError(f"the layer ({type(layer).__name__}): per-layer inputs (hidden_size_per_layer_input={size}: a gated "
                             "projection of the model's per-layer embeddings added to each layer's output) are not "
                             "modelled; a config with hidden_size_per_layer_input=0 is")
 
