@@ -278,12 +278,15 @@ def _router(g, node, grads):
     dx, dw = _grad_value(g, x), _grad_value(g, w)
     _bwd(g, node, "dgrad", OpKind.ROUTER, (*node.inputs, dweights), (dx,), flops=node.flops)
     _bwd(g, node, "wgrad", OpKind.ROUTER, (*node.inputs, dweights), (dw,), role=Role.WGRAD, flops=node.flops)
-    if not node.attr("logit_bias", False):
-        return (dx, dw, *(None for _ in bias))
-    db = _grad_value(g, bias[-1])
-    _bwd(g, node, "bias_wgrad", OpKind.ROUTER, (*node.inputs, dweights), (db,), role=Role.WGRAD,
-         flops=g.values[dweights].numel, attrs={"wrt": "logit_bias"})
-    return (dx, dw, *(None for _ in bias[:-1]), db)
+    # then (attr expert_scale) Gemma 4's trained per-expert scale, last: a wgrad node of its own too
+    trained = [a for a in ("logit_bias", "expert_scale") if node.attr(a, False)]
+    dextra = [None] * (len(bias) - len(trained))
+    for wrt, value in zip(trained, bias[len(dextra):]):
+        dextra.append(_grad_value(g, value))
+        _bwd(g, node, "bias_wgrad" if wrt == "logit_bias" else "scale_wgrad", OpKind.ROUTER,
+             (*node.inputs, dweights), (dextra[-1],), role=Role.WGRAD, flops=g.values[dweights].numel,
+             attrs={"wrt": wrt})
+    return (dx, dw, *dextra)
 
 
 def _mla_heads(g, node, grads):
@@ -360,10 +363,11 @@ def _norm(g, node, grads):
 
 
 def _scale(g, node, grads):
-    (dy,), (x,) = grads, node.inputs
+    # attr by_input: x times a [1] buffer as well (Gemma 4's layer_scalar), which gets no gradient
+    (dy,), (x, *by) = grads, node.inputs
     dx = _grad_value(g, x)
-    _bwd(g, node, "dgrad", OpKind.SCALE, (dy,), (dx,), flops=node.flops)
-    return (dx,)
+    _bwd(g, node, "dgrad", OpKind.SCALE, (dy, *by), (dx,), flops=node.flops)
+    return (dx, *(None for _ in by))
 
 
 def _limit(g, node, grads):

@@ -232,7 +232,7 @@ def trace_summary(layer: Any) -> dict[str, Any]:
               "comm_bytes": n.comm_bytes, "time_us": round(cost.node_time_us(n), 3)} for n in g.nodes]
     strategy = g.strategy.as_dict()
     by_phase = {p.value: round(sum(x["time_us"] for x in nodes if x["phase"] == p.value), 3) for p in Phase}
-    from moegraph.tracer import describe_kinds              # torch-bearing: only when tracing
+    from moegraph.layers import describe_kinds
     kinds = describe_kinds(g)
     return {**({"layer_kinds": kinds} if kinds else {}), "model": layer.model.name, "hardware": layer.hardware.name, "strategy": strategy,
             "dims": dataclasses.asdict(g.dims), "layers": layer_count(g), "nodes": nodes,

@@ -86,6 +86,9 @@ class EdgeHead:
     softcap:     the logits, after the scale, soft-capped to c * tanh(logits / c) (Beam's
                  ``final_logit_softcapping`` c; None: none, and no node).
     offset:      an RMSNorm scaling by offset + weight (Gemma's 1 + weight: MiniMax-M3's); 0: weight.
+    embed_scale: the embedding's rows times it before layer 0, and so its gradient rows (Gemma 4's
+                 scaled word embedding, sqrt(h); 1: none). The lookup runs outside the plan
+                 (``embed_rows``); PARTIAL's ``edges.embed.scatter`` prices the T*h multiplies.
     The default is the plain RMSNorm -> head of most families."""
 
     norm: FinalNorm = "rms"
@@ -94,6 +97,7 @@ class EdgeHead:
     logit_scale: float = 1.0
     softcap: float | None = None
     offset: float = 0.0
+    embed_scale: float = 1.0
 
     def __post_init__(self):
         if self.norm not in ("rms", "layer"):
@@ -115,6 +119,9 @@ class EdgeHead:
         o = self.offset
         if isinstance(o, bool) or not isinstance(o, (int, float)) or not math.isfinite(o) or (o and self.norm != "rms"):
             raise ValueError(f"EdgeHead.offset={o!r} must be a finite number, nonzero only on an RMSNorm")
+        e = self.embed_scale
+        if isinstance(e, bool) or not isinstance(e, (int, float)) or not math.isfinite(e):
+            raise ValueError(f"EdgeHead.embed_scale={e!r} must be a finite number")
 
     @property
     def norm_params(self) -> int:
@@ -126,6 +133,14 @@ class EdgeHead:
         """The logits are the LM head's product itself (no scale, no soft cap): what a base model,
         which has no head, must have."""
         return self.logit_scale == 1 and self.softcap is None
+
+
+def embed_rows(ids, weight, head: EdgeHead, padding_idx: int | None):
+    """The embedding of token ids [...] -> [..., h]: weight's rows, times ``head.embed_scale`` (the one
+    copy: every runtime path embeds through it)."""
+    import torch.nn.functional as F
+    x = F.embedding(ids, weight, padding_idx=padding_idx)
+    return x * head.embed_scale if head.embed_scale != 1 else x
 
 
 AUX_META = "aux_loss"
@@ -254,4 +269,4 @@ def edge_layer(node: Node, layers: int) -> int:
     return 0 if node.attr(EMBED_ATTR, False) is True else layers - 1
 
 __all__ = ["AUX_META", "AUX_STATS", "AuxLoss", "aux_loss_value", "EDGES", "EDGE_ATTR", "EAGER_ATTR", "EMBED_ATTR",
-           "EMBED_SCATTER", "EdgeHead", "FinalNorm", "EdgeValues", "EmbedGrad", "edge_layer", "edge_values", "is_edge", "is_eager"]
+           "EMBED_SCATTER", "EdgeHead", "embed_rows", "FinalNorm", "EdgeValues", "EmbedGrad", "edge_layer", "edge_values", "is_edge", "is_eager"]

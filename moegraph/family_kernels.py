@@ -131,10 +131,14 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     extra = list(extra)
     choice_bias = extra.pop(0) if node.attr("score_bias", False) else None
     logit_bias = extra.pop(0) if node.attr("logit_bias", False) else None
+    expert_scale = extra.pop(0) if node.attr("expert_scale", False) else None
     tokens = x.reshape(-1, x.shape[-1])
     logits = F.linear(tokens.float(), w.float(), None if logit_bias is None else logit_bias.float())
     scoring = node.attr("scoring")
     if node.attr("topk_first", False):      # GPT-OSS: softmax over the top-k logits (unpicked: zero gradient)
+        if choice_bias is not None or expert_scale is not None or scoring != "softmax":
+            raise ValueError(f"node {node.name!r}: topk_first is a softmax router's with no choice bias or "
+                             "per-expert scale")
         top, experts = torch.topk(logits, node.attr("top_k"), dim=-1)
         return torch.softmax(top, dim=-1) * node.attr("scale", 1.0), experts
     if scoring == "softmax":
@@ -157,6 +161,8 @@ def route_general(node: Node, x: torch.Tensor, w: torch.Tensor, *extra: torch.Te
     weights = scores.gather(1, experts)
     if node.attr("normalize", True):
         weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if scoring == "sigmoid" else 0.0))
+    if expert_scale is not None:                # Gemma 4: each chosen weight times its expert's trained scale
+        weights = weights * expert_scale.float().reshape(-1)[experts]
     return weights * node.attr("scale", 1.0), experts
 
 
@@ -262,7 +268,9 @@ def _k_glu_dgrad(ctx, node, ins, shapes):
 
 
 def _k_scale(ctx, node, ins, shapes):
-    return [ins[0] * node.attr("factor")]
+    """x * factor (forward), dy * factor (dgrad); with attr by_input also times the [1] input after it."""
+    y = ins[0] * node.attr("factor")
+    return [y * ins[1].to(y.dtype) if node.attr("by_input", False) else y]
 
 
 def limit(x: torch.Tensor, how: str, c: float) -> torch.Tensor:

@@ -483,7 +483,9 @@ def _k_router_dgrad(ctx, node, ins, shapes):
 
 
 def _k_router_wgrad(ctx, node, ins, shapes):
-    primal = -1 if node.typed.wrt == "logit_bias" else 1          # GPT-OSS's trained router bias: the last input
+    # w, or the logit bias / per-expert scale (inputs after w: choice bias, logit bias, expert scale)
+    wrt, scaled = node.typed.wrt, node.typed.expert_scale
+    primal = -1 if wrt == "expert_scale" else (-2 if scaled else -1) if wrt == "logit_bias" else 1
     return router_pullback(node, primal, ins, _router_keep(ctx, node, ins[0]) if node.typed.aux else None)
 
 

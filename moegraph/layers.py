@@ -35,7 +35,12 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from typing import TYPE_CHECKING
+
 from moegraph.ir import LAYER_ATTR, Graph, GraphError, ValueKind, freeze_attrs
+
+if TYPE_CHECKING:
+    from moegraph.tracer import LayerProgram
 
 PARAM_PREFIX = "layers"
 """Module prefix of layer i's parameters: ``layers.{i}.<qualname in the layer>``."""
@@ -177,4 +182,32 @@ def boundary(graph: Graph) -> tuple[str, str, str, str]:
 
 
 __all__ = ["KINDS_META", "LAYER_ATTR", "PARAM_PREFIX", "LayerKinds", "boundary", "costed_kinds", "costed_layer",
-           "layer_count", "layer_graph", "layer_kinds"]
+           "layer_count", "layer_graph", "layer_kinds", "describe_kinds"]
+
+
+def describe_kinds(graph: Graph) -> list[dict] | None:
+    """A mixed stack's kinds (``moegraph.layers.LayerKinds``) for ``moegraph trace``: each kind's
+    layers, graph and what first differs from kind 0 (its block and field); None for one kind."""
+    kinds = layer_kinds(graph) if layer_count(graph) > 1 else graph.meta_get(KINDS_META)
+    if kinds is None or not kinds.mixed:
+        return None
+    first = kinds.graphs[0].meta_get("program")
+    out = []
+    for k, g in enumerate(kinds.graphs):
+        program = g.meta_get("program")
+        differs = (_first_difference(first, program) if k and first is not None and program is not None else None)
+        out.append({"kind": k, "graph": g.name, "layers": [i for i, x in enumerate(kinds.pattern) if x == k],
+                    "nodes": len(g.nodes), "differs_from_kind_0": differs})
+    return out
+
+
+def _first_difference(a: LayerProgram, b: LayerProgram) -> str:
+    """Which block of two layer programs differs first, and in which field, for the error line."""
+    for sa, sb in zip(a.steps, b.steps):
+        if sa != sb:
+            if type(sa.spec) is type(sb.spec) and dataclasses.is_dataclass(sa.spec):
+                field = next((f.name for f in dataclasses.fields(sa.spec)
+                              if getattr(sa.spec, f.name) != getattr(sb.spec, f.name)), "?")
+                return f"{sb.module or sb.kind}: {field} {getattr(sa.spec, field)!r} vs {getattr(sb.spec, field)!r}"
+            return f"{sb.module or sb.kind}"
+    return f"{len(a.steps)} vs {len(b.steps)} steps"

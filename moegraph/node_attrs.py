@@ -186,7 +186,8 @@ class RouterAttrs(NodeAttrs):
     group_score: Literal["top2-sum", "max"] | None = None
     logit_bias: bool = False
     bias_on_logits: bool = False         # the choice bias is added to the logits before scoring (Kolibri)
-    wrt: Literal["weight", "logit_bias"] | None = None
+    expert_scale: bool = False           # a trained [E] input: each chosen weight times its expert's (Gemma 4)
+    wrt: Literal["weight", "logit_bias", "expert_scale"] | None = None
     topk_first: bool = False             # softmax over the top-k logits (GPT-OSS), not top-k of the softmax
 
     def problem(self, role: Role) -> str | None:
@@ -197,6 +198,8 @@ class RouterAttrs(NodeAttrs):
             return "topk_first=True needs general=True, softmax scoring, normalize, no score_bias and one group"
         if self.bias_on_logits and not (self.general and self.score_bias):
             return "bias_on_logits=True needs general=True and a score_bias input"
+        if self.expert_scale and not self.general:
+            return "expert_scale=True needs general=True (family_kernels.route_general applies it)"
         return None
 
 
@@ -278,6 +281,7 @@ class GluAttrs(NodeAttrs):
 @dataclass(frozen=True, kw_only=True)
 class ScaleAttrs(NodeAttrs):
     factor: float
+    by_input: bool = False               # also times its second input, a [1] buffer (Gemma 4's layer_scalar)
 
 
 @dataclass(frozen=True, kw_only=True)

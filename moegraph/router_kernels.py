@@ -82,8 +82,10 @@ def _router_fwd(node: Node, x, w, *bias):
 def _aux_logits(node: Node, x, w, *extra):
     """The logits transformers' load_balancing_loss_func softmaxes (the router's recorded
     ``router_logits``): x W^T, plus the trained logit bias where the router adds one (attr
-    logit_bias, GPT-OSS: the last of its inputs after w), in x's dtype as the eager router's."""
-    return F.linear(tokens(x), w, extra[-1] if node.attr("logit_bias", False) else None)
+    logit_bias, GPT-OSS: the last of its inputs after w, or the one before a per-expert scale),
+    in x's dtype as the eager router's."""
+    bias = (extra[-2] if node.attr("expert_scale", False) else extra[-1]) if node.attr("logit_bias", False) else None
+    return F.linear(tokens(x), w, bias)
 
 
 def _router_probs(node: Node, x, w, *extra):

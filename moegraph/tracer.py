@@ -27,17 +27,19 @@ from torch import nn
 from moegraph.autodiff import add_backward
 from moegraph.builder import ConfigError, GraphBuilder, check_strategy
 from moegraph.edges import AUX_META, AuxLoss
-from moegraph.ir import Dims, Graph, Strategy, verify
+from moegraph.ir import Dims, Graph, ParamSource, Strategy, verify
 from moegraph.token_layout import local_tokens
 from moegraph.layers import KINDS_META, LayerKinds, layer_count, layer_kinds
 from moegraph.limits import check_graph_size
 from moegraph.lowering import LoweringError, ModelSpec, check_patches_and_hooks, find_model_rule, find_rule
 from moegraph.lowering.blocks import (AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, emit_add, emit_attention, emit_mla,
                                       emit_mlp, emit_moe, emit_rmsnorm)
-from moegraph.lowering.blocks_ext import emit_scale
+from moegraph.lowering.blocks_ext import emit_scale, emit_scale_by
 from moegraph.lowering.blocks_linear import emit_linear_attention
-from moegraph.lowering.specs import LinearAttentionSpec
+from moegraph.lowering.specs import ExpertsSpec, LinearAttentionSpec, RouterSpec
 from moegraph.lowering.check import check_layer, eager_call
+from moegraph.lowering.coverage import check_coverage
+from moegraph.lowering.parallel_ffn import fold_routed_experts, refuse_unmodelled
 from moegraph.lowering.structural import guard_on, layer_context
 
 
@@ -47,9 +49,9 @@ ADD_NAMES = (("attn_residual", "ln2_in"), ("ffn_residual", "hidden_next"))
 
 
 class _LeafTracer(fx.Tracer):
-    def __init__(self, tuple_leaves: set[int]):
+    def __init__(self, tuple_leaves: dict[int, int]):
         super().__init__()
-        self.tuple_leaves = tuple_leaves     # ids of leaf modules returning (output, extra)
+        self.tuple_leaves = tuple_leaves     # id -> arity of leaf modules returning (output, extra, ...)
         # modules without a rule fx is tracing into, outermost first; left as it is on a failure
         self.open_modules: list[tuple[str, type]] = []
 
@@ -66,7 +68,7 @@ class _LeafTracer(fx.Tracer):
             self.open_modules.pop()
         if id(m) in self.tuple_leaves:
             # a real tuple, so `out, _ = attn(...)` unpacks without fx inspecting bytecode
-            return out[0], out[1]
+            return tuple(out[i] for i in range(self.tuple_leaves[id(m)]))
         return out
 
 
@@ -87,8 +89,13 @@ def _fx_graph(module: nn.Module) -> fx.Graph:
                 if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     shim.forward = lambda self, hidden_states: forward(self, hidden_states, **required)
     # rules run before tracing: during it, fx turns parameter reads into graph nodes
-    tuple_leaves = {id(m) for name, m in module.named_modules()
-                    if (rule := find_rule(m, name)) is not None and getattr(rule.spec(m, name), "tuple_output", False)}
+    tuple_leaves, leaves = {}, []
+    for name, m in module.named_modules():       # the leaves fx will call: none inside another leaf
+        if any(name.startswith(f"{leaf}.") for leaf in leaves) or (rule := find_rule(m, name)) is None:
+            continue
+        leaves.append(name)
+        if arity := getattr(rule.spec(m, name), "tuple_output", False):
+            tuple_leaves[id(m)] = 2 if arity is True else arity
     tracer = _LeafTracer(tuple_leaves)
     module.__class__ = shim
     try:
@@ -137,7 +144,8 @@ def _enclosing(node: fx.Node, layer: nn.Module) -> str:
 
 
 STEP_KINDS = {NormSpec: "norm", AttentionSpec: "attention", MLASpec: "attention", LinearAttentionSpec: "attention",
-              MoESpec: "moe", MLPSpec: "mlp"}
+              MoESpec: "moe", MLPSpec: "mlp",
+              RouterSpec: "router", ExpertsSpec: "experts"}   # the last two folded into "moe" (parallel_ffn)
 ATTENTION_EMITTERS = {AttentionSpec: emit_attention, MLASpec: emit_mla, LinearAttentionSpec: emit_linear_attention}
 
 
@@ -153,6 +161,7 @@ class Step:
     spec: NormSpec | AttentionSpec | MLASpec | LinearAttentionSpec | MoESpec | MLPSpec | None = None
     module: str = ""
     factor: float = 1.0           # "scale": the constant multiplier (Granite's residual_multiplier)
+    by: str | None = None         # "scale": the layer's [1] buffer it multiplies by too (Gemma 4's layer_scalar)
 
 
 @dataclass(frozen=True)
@@ -184,6 +193,7 @@ def _extract_program(module: nn.Module) -> LayerProgram:
         raise LoweringError(f"{cls.__module__}.{cls.__name__} is one block of a decoder layer, not a layer (its "
                             "lowering rule describes it inside one): compile the decoder layer that holds it (e.g. "
                             "model.model.layers[0] of a transformers causal LM) or the whole model instead")
+    refuse_unmodelled(module)
     _check_blocks(module)
     graph = _fx_graph(module)
     index: dict[fx.Node, object] = {}
@@ -208,14 +218,23 @@ def _extract_program(module: nn.Module) -> LayerProgram:
             if kind is None:
                 raise LoweringError(f"the rule for {node.target!r} returned a {type(spec).__name__}, not one of "
                                     f"{', '.join(t.__name__ for t in STEP_KINDS)}")
-            steps.append(Step(kind, (_index(index, x, node),), spec, node.target))
-            index[node] = (len(steps) - 1, None) if getattr(spec, "tuple_output", False) else len(steps) - 1
+            args = (_index(index, x, node),) if kind != "experts" else _experts_args(index, node)
+            steps.append(Step(kind, args, spec, node.target))
+            index[node] = (len(steps) - 1, None) if getattr(spec, "tuple_output", False) is True else len(steps) - 1
+            if kind == "router":     # (probabilities, top-k weights, top-k experts): read by the experts only
+                index[node] = tuple(("routing", len(steps) - 1, j) for j in range(spec.tuple_output))
         elif node.op == "call_function" and node.target in (operator.add, torch.add):
             steps.append(Step("add", tuple(_index(index, a, node) for a in node.args[:2])))
             index[node] = len(steps) - 1
         elif node.op == "call_function" and node.target in (operator.mul, torch.mul) and _scalar_mul(node):
             tensor, factor = _scalar_mul(node)
             steps.append(Step("scale", (_index(index, tensor, node),), factor=factor))
+            index[node] = len(steps) - 1
+        elif node.op == "get_attr" and _scalar_buffer(module, node.target):
+            index[node] = ("buffer", node.target)                          # the layer's [1] buffer (layer_scalar)
+        elif node.op == "call_function" and node.target in (operator.mul, operator.imul) and \
+                isinstance(index.get(node.args[1]), tuple) and index[node.args[1]][0] == "buffer":
+            steps.append(Step("scale", (_index(index, node.args[0], node),), by=index[node.args[1]][1]))
             index[node] = len(steps) - 1
         elif node.op == "call_function" and node.target is getattr and node.args[1:] == ("shape",):
             index[node] = ("shape", _index(index, node.args[0], node))     # a layer value's own [b, s, h]
@@ -225,8 +244,11 @@ def _extract_program(module: nn.Module) -> LayerProgram:
             index[node] = _index(index, node.args[0], node)                # x.to(residual.dtype): no-op
         elif node.op == "call_function" and node.target is F.dropout:
             index[node] = _index(index, _no_dropout(node, module), node)    # p = 0 or eval: the identity
-        elif node.op == "call_method" and node.target in ("view", "reshape") and _same_shape(index, node):
+        elif node.op == "call_method" and node.target in ("view", "reshape") and (_same_shape(index, node) or
+                                                                               _token_rows(index, node)):
             index[node] = _index(index, node.args[0], node)                # x.view(residual.shape): no-op
+        elif node.op == "call_function" and node.target is operator.getitem and _is_shape(index.get(node.args[0])):
+            index[node] = ("shape_dim", index[node.args[0]][1], node.args[1])     # x.shape[-1]
         elif node.op == "call_function" and node.target is operator.getitem:
             index[node] = _getitem(index[node.args[0]], node.args[1], node)
         elif node.op == "output":
@@ -240,6 +262,7 @@ def _extract_program(module: nn.Module) -> LayerProgram:
                                 "only rule-backed modules and residual additions are supported")
     held = [*module.named_parameters(), *module.named_buffers()]
     reads = tuple((name, tuple(t.shape)) for name, t in held if name not in unused)
+    steps, output = fold_routed_experts(steps, output)
     return LayerProgram(tuple(steps), output, reads)
 
 
@@ -278,50 +301,6 @@ def _blocks_of(layer: nn.Module, prefix: str = ""):
             yield qualname, child
 
 
-def check_coverage(graph: Graph, program: LayerProgram) -> None:
-    """Every parameter and buffer the layer holds must be read by the graph, wholly (narrowed
-    sources must tile it), unless a rule declared it unused: otherwise the graph would compute
-    something else than the module, silently."""
-    narrows: dict[str, list] = {}
-    for _, spec in graph.params:
-        for src in spec.sources:
-            narrows.setdefault(src.qualname, []).append(src)
-    missing = [name if name not in narrows else f"{name} (only partly)"
-               for name, shape in program.reads if not _covered(narrows.get(name), shape)]
-    if missing:
-        raise LoweringError(f"{graph.name}: the lowered graph does not read {', '.join(missing)}: the lowering rules "
-                            "of their modules do not model them; give the module a rule that does (or declares them "
-                            "unused, with a reason)")
-
-
-def _covered(sources: list | None, shape: tuple[int, ...]) -> bool:
-    """Whether the sources' views (ParamSource.view) read every element of a tensor of ``shape``:
-    one whole view, or narrowed views of one dim whose (strided) ranges cover it."""
-    if not sources:
-        return False
-    if any(src.narrow is None for src in sources):
-        return True
-    if any(src.unflatten is not None for src in sources):
-        return False          # a narrowed view of an unflattened tensor: not one dim of the tensor itself
-    dims = {_source_dim(src, len(shape)) for src in sources}
-    if len(dims) != 1:
-        return False
-    seen = bytearray(shape[dims.pop()])
-    for src in sources:
-        _, start, length = src.narrow
-        rows = range(start, min(len(seen), start + src.step * length), src.step)
-        seen[rows.start:rows.stop:rows.step] = b"\x01" * len(rows)
-    return all(seen)
-
-
-def _source_dim(src, ndim: int) -> int:
-    """The dim of the module tensor that ``src``'s narrow cuts (its transpose swaps the last two)."""
-    dim = src.narrow[0] % ndim
-    if src.transpose and dim >= ndim - 2:
-        dim = 2 * ndim - 3 - dim
-    return dim
-
-
 def _same_shape(index, node: fx.Node) -> bool:
     """Whether ``x.view(y.shape)`` reshapes one layer value to another's shape: every value between
     the blocks is [b, s, h], so it changes nothing (Llama 4's decoder layer writes it)."""
@@ -349,6 +328,39 @@ def _no_dropout(node: fx.Node, layer: nn.Module) -> fx.Node:
         return bound.arguments["input"]
     raise LoweringError(f"{_enclosing(node, layer) or type(layer).__name__}: dropout with p={p!r} in training mode between its blocks is random "
                         "per step and not modelled; set it to 0 (e.g. config.resid_pdrop) or call .eval()")
+
+
+def _is_shape(entry) -> bool:
+    return isinstance(entry, tuple) and len(entry) == 2 and entry[0] == "shape"
+
+
+def _token_rows(index, node: fx.Node) -> bool:
+    """Whether ``x.reshape(-1, x.shape[-1])`` flattens a layer value's tokens to rows [b*s, h] (Gemma 4's
+    router and experts read them so): a no-op for the row-wise blocks that read it (norms, router,
+    experts), which the numerical check confirms."""
+    args = node.args[1:]
+    return (len(args) == 2 and args[0] == -1 and isinstance(index.get(node.args[0]), int)
+            and isinstance(args[1], fx.Node) and isinstance(index.get(args[1]), tuple)
+            and index[args[1]][0] == "shape_dim" and index[args[1]][2] == -1)
+
+
+def _scalar_buffer(layer: nn.Module, target: str) -> bool:
+    """Whether ``target`` is a buffer of one element of the layer (Gemma 4's layer_scalar)."""
+    buf = layer._buffers.get(target)
+    return buf is not None and buf.numel() == 1 and buf.is_floating_point()
+
+
+def _experts_args(index, node: fx.Node) -> tuple[int, int]:
+    """(input step, router step) of ``experts(x, top_k_index, top_k_weights)`` (Gemma 4): the index and
+    weights must be the one router's outputs 2 and 1."""
+    x, idx, w = (list(node.args) + [node.kwargs.get(k) for k in ("top_k_index", "top_k_weights")])[:3]
+    ok = (isinstance(index.get(idx), tuple) and isinstance(index.get(w), tuple) and len(index[idx]) == 3
+          and index[idx][0] == index[w][0] == "routing" and index[idx][1] == index[w][1]
+          and (index[idx][2], index[w][2]) == (2, 1))
+    if not ok:
+        raise LoweringError(f"{node.target!r}: experts called with other than (x, top_k_index, top_k_weights) of one "
+                            "router of the layer: not modelled")
+    return _index(index, x, node), index[idx][1]
 
 
 def _scalar_mul(node: fx.Node) -> tuple[fx.Node, float] | None:
@@ -411,6 +423,8 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
             outs[i] = emit_moe(g, st.spec, x, module=st.module)
         elif st.kind == "mlp":
             outs[i] = emit_mlp(g, st.spec, x, module=st.module)
+        elif st.kind == "scale" and st.by is not None:
+            outs[i] = emit_scale_by(g, x, ParamSource(st.by), name=f"scale{i}", out=f"scale{i}_out", module="", block="")
         elif st.kind == "scale":
             outs[i] = emit_scale(g, x, st.factor, name=f"scale{i}", out=f"scale{i}_out", module="", block="")
         elif st.kind == "add":
@@ -494,34 +508,6 @@ def trace_layers(layers: Sequence[nn.Module], strategy: Strategy, *, batch: int,
     if len(graphs) == 1:
         return graphs[0]
     return graphs[0].with_meta(**{KINDS_META: LayerKinds(tuple(graphs), tuple(pattern))})
-
-
-def describe_kinds(graph: Graph) -> list[dict] | None:
-    """A mixed stack's kinds (``moegraph.layers.LayerKinds``) for ``moegraph trace``: each kind's
-    layers, graph and what first differs from kind 0 (its block and field); None for one kind."""
-    kinds = layer_kinds(graph) if layer_count(graph) > 1 else graph.meta_get(KINDS_META)
-    if kinds is None or not kinds.mixed:
-        return None
-    first = kinds.graphs[0].meta_get("program")
-    out = []
-    for k, g in enumerate(kinds.graphs):
-        program = g.meta_get("program")
-        differs = (_first_difference(first, program) if k and first is not None and program is not None else None)
-        out.append({"kind": k, "graph": g.name, "layers": [i for i, x in enumerate(kinds.pattern) if x == k],
-                    "nodes": len(g.nodes), "differs_from_kind_0": differs})
-    return out
-
-
-def _first_difference(a: LayerProgram, b: LayerProgram) -> str:
-    """Which block of two layer programs differs first, and in which field, for the error line."""
-    for sa, sb in zip(a.steps, b.steps):
-        if sa != sb:
-            if type(sa.spec) is type(sb.spec) and dataclasses.is_dataclass(sa.spec):
-                field = next((f.name for f in dataclasses.fields(sa.spec)
-                              if getattr(sa.spec, f.name) != getattr(sb.spec, f.name)), "?")
-                return f"{sb.module or sb.kind}: {field} {getattr(sa.spec, field)!r} vs {getattr(sb.spec, field)!r}"
-            return f"{sb.module or sb.kind}"
-    return f"{len(a.steps)} vs {len(b.steps)} steps"
 
 
 def trace_causal_lm(model: nn.Module, strategy: Strategy, *, batch: int, seq: int,

@@ -336,7 +336,8 @@ def add_edges(graph: Graph, *, vocab: int | None, embed_grad: EmbedGrad | None =
             first = len(g.nodes)
             out = g.value(at(j, f"{EDGES}.d_embed.partial"), (vocab, h), kind=ValueKind.PARAM_GRAD, dtype=grad_dtype)
             wgrad_node(g, at(j, EMBED_SCATTER), OpKind.PERMUTE, (dx,), out, embed_partial, phase=Phase.BACKWARD,
-                   block=EDGES, flops=T * h, mem_bytes=(T * h + vocab * h) * elem, attrs=embed_attrs)
+                   block=EDGES, flops=T * h * (1 + (head.embed_scale != 1)),       # + the rows' scale (Gemma 4)
+                   mem_bytes=(T * h + vocab * h) * elem, attrs=embed_attrs)
             embed_partial = out
             gathers.append(g.nodes[first:])
         first = len(g.nodes)

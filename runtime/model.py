@@ -105,7 +105,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moegraph.config import CompileConfig
-from moegraph.edges import EmbedGrad, aux_loss_value, edge_values
+from moegraph.edges import EmbedGrad, aux_loss_value, edge_values, embed_rows
 from moegraph.interpreter import unshard_grad, writes_region
 from moegraph.ir import Graph
 from moegraph.layers import PARAM_PREFIX, layer_count
@@ -217,8 +217,9 @@ class CompiledModel(nn.Module):
 
     def _scatter_rows(self, base: torch.Tensor, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """``base`` [V, h] += the gradient rows [..., h] index_add-ed by their token ``ids`` [...],
-        in place; the padding row gets no gradient (nn.Embedding)."""
-        base.index_add_(0, ids.flatten(), rows.flatten(0, -2).to(base.dtype))
+        in place; the padding row gets no gradient (nn.Embedding); rows of a scaled embedding times its scale."""
+        scale = self.spec.edge_head.embed_scale
+        base.index_add_(0, ids.flatten(), (rows.flatten(0, -2) * scale if scale != 1 else rows.flatten(0, -2)).to(base.dtype))
         if self.spec.padding_idx is not None:
             base[self.spec.padding_idx] = 0
         return base
@@ -281,7 +282,7 @@ class CompiledModel(nn.Module):
             out, aux = ScheduledStep.apply(self, input_ids, tokens, self.embed, self.norm, self.lm_head,
                                             *self.layers.params())
         else:
-            x = F.embedding(self.layers.shard_input(input_ids), self.embed, padding_idx=self.spec.padding_idx)
+            x = embed_rows(self.layers.shard_input(input_ids), self.embed, self.spec.edge_head, self.spec.padding_idx)
             with batch_layout(self.layers.executor, tokens):
                 y, kept = self.layers.forward_only(x, keep=self.edges.aux_stats)   # the aux stats, if any
             aux = self._aux_value(kept)
@@ -370,7 +371,7 @@ class CompiledModel(nn.Module):
         layers, edges = self.layers, self.edges
         params = layers.params()
         step = EdgeStep(self, shards, [layers.shard_input(ids) for ids in input_ids], weight)
-        xs = [F.embedding(layers.shard_input(ids), self.embed, padding_idx=self.spec.padding_idx) for ids in input_ids]
+        xs = [embed_rows(layers.shard_input(ids), self.embed, self.spec.edge_head, self.spec.padding_idx) for ids in input_ids]
         rec = layers._new_recorder()
         # each micro-batch's aux loss seeded as its LM loss: weight (1/M, the mean), x dp (the DP sync
         # averages) (on the model's device: the routers' backward multiplies it into their device stats)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from moegraph.edges import EMBED_SCATTER, EdgeHead, EdgeValues, EmbedGrad, is_eager
+from moegraph.edges import EMBED_SCATTER, EdgeHead, EdgeValues, EmbedGrad, embed_rows, is_eager
 from moegraph.family_kernels import layer_norm, limit
 from moegraph.ir import Graph, OpKind, Role
 from moegraph.lowering import ModelSpec
@@ -176,7 +176,7 @@ class ScheduledStep(torch.autograd.Function):
     def forward(ctx, model: "CompiledModel", input_ids: torch.Tensor, tokens: Tokens | None, embed: torch.Tensor,
                 norm: torch.Tensor, head: torch.Tensor | None, *params: torch.Tensor) -> torch.Tensor:
         layers = model.layers
-        x = F.embedding(layers.shard_input(input_ids), embed, padding_idx=model.spec.padding_idx)   # [b, s/n, h]
+        x = embed_rows(layers.shard_input(input_ids), embed, model.spec.edge_head, model.spec.padding_idx)  # [b, s/n, h]
         rec = layers._new_recorder()
         with batch_layout(layers.executor, tokens):
             y, saved = layers.executor.forward(x, params, recorder=rec)

@@ -49,14 +49,13 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from moegraph.pass_steps import DEFAULT_PASSES
 from moegraph.ir import Strategy
 from moegraph.layers import PARAM_PREFIX, layer_count
 from moegraph.models import IGNORE_INDEX, MoETransformer, causal_lm_loss, shift_labels
-from moegraph.edges import AuxLoss, EdgeHead
+from moegraph.edges import AuxLoss, EdgeHead, embed_rows
 from moegraph.passes.stage_aux import StageAux, stage_aux
 from moegraph.passes.stages import StageLayout, rank_coords, world_rank
 from moegraph.runtime import RuntimeFailure
@@ -147,8 +146,8 @@ class CompiledStage(nn.Module):
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         if self.embed is None:
             return x
-        return F.embedding(shard_input(x, self.layers.graph.strategy, self.rank), self.embed,
-                           padding_idx=self.padding_idx)                     # [b, s] -> [b/N, s/G, h]
+        return embed_rows(shard_input(x, self.layers.graph.strategy, self.rank), self.embed, self.final,
+                          self.padding_idx)                                  # [b, s] -> [b/N, s/G, h]
 
     def set_layouts(self, forms: Sequence[tuple[Any, Any]] | None) -> None:
         """A step's per-micro-batch (attention_mask, position_ids), each None or micro-batch j's

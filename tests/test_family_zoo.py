@@ -36,7 +36,7 @@ COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
             "afmoe", "axk1", "granitemoe_swa", "dbrx", "mistral4",
-            "minimax_m3_vl", "qwen3_next", "qwen3_5_moe", "lara_mini")   # last: appending keeps the other families' strategies (COMBOS by index)
+            "minimax_m3_vl", "qwen3_next", "qwen3_5_moe", "lara_mini", "gemma4")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -71,7 +71,12 @@ def test_family_compiles_and_matches_eager_on_one_rank(family):
 # a compiled family's other settings, at n=2 under a strategy of their own (strategy, config fields):
 # Laguna's attention output gated per feature (its default, in COMPILED: one gate per head);
 # GraniteMoeSWA with a theta per layer (in COMPILED: RoPE then NoPE), two rotary modules in rotary_embs
-VARIANTS = {"laguna": (4, dict(gating="per-element")), "granitemoe_swa": (1, dict(layer_rope_theta=[500.0, 10000.0]))}
+# Gemma 4 as its 26B-A4B config has it (tp at n=2): sliding and full layers, the full one with its own head
+# dim and kv heads and values from k_proj (attention_k_eq_v), the final logit soft cap
+GEMMA4_26B = dict(attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                  per_layer_config={1: {"head_dim": 16, "num_key_value_heads": 2}}, final_logit_softcapping=3.0)
+VARIANTS = {"laguna": (4, dict(gating="per-element")), "granitemoe_swa": (1, dict(layer_rope_theta=[500.0, 10000.0])),
+            "gemma4": (1, GEMMA4_26B)}
 
 N2_CASES = [_case(i + 1, family) for i, family in enumerate(COMPILED) if family in LMS] + \
     [dict(_case(i, family), overrides=ov) for family, (i, ov) in VARIANTS.items() if family in LMS]
@@ -101,11 +106,15 @@ MIXED = {
     "minimax_m3_vl": dict(num_hidden_layers=3, mlp_layer_types=["dense", "sparse", "sparse"],
                           layer_types=["full_attention"] * 3),
 }
-MIXED_KINDS = {"gpt_oss": (0, 1, 0, 1), "llama4": (0, 1, 0, 2), "deepseek_v3": (0, 1, 1), "minimax_m3_vl": (0, 1, 1)}
+MIXED["gemma4"] = dict(GEMMA4_26B, num_hidden_layers=4, layer_types=["sliding_attention"] * 3 + ["full_attention"],
+                       per_layer_config={3: {"head_dim": 16, "num_key_value_heads": 2}})
+MIXED_ORDER = sorted(set(MIXED) - {"gemma4"}) + ["gemma4"]     # last: the others keep their strategies
+MIXED_KINDS = {"gpt_oss": (0, 1, 0, 1), "llama4": (0, 1, 0, 2), "deepseek_v3": (0, 1, 1), "minimax_m3_vl": (0, 1, 1),
+               "gemma4": (0, 0, 0, 1)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", sorted(MIXED))
+@pytest.mark.parametrize("family", MIXED_ORDER)
 def test_mixed_layer_stacks_compile_and_match_eager_on_one_rank(family):
     from moegraph.layers import KINDS_META
     model = tiny_model(family, LMS[family], **MIXED[family])
@@ -117,7 +126,7 @@ def test_mixed_layer_stacks_compile_and_match_eager_on_one_rank(family):
 
 
 MIXED_N2 = RANK_BATCH.add(2, "family_zoo.mixed_cases", family_cases,
-                          [dict(_case(i + 2, family), overrides=MIXED[family]) for i, family in enumerate(sorted(MIXED))],
+                          [dict(_case(i + 2, family), overrides=MIXED[family]) for i, family in enumerate(MIXED_ORDER)],
                           int.from_bytes(os.urandom(3), "little"))
 
 

@@ -37,8 +37,9 @@ from torch import nn
 
 from moegraph.edges import AuxLoss, EdgeHead
 from moegraph.lowering.blocks import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec
+from moegraph.lowering.specs import ExpertsSpec, RouterSpec
 
-BlockSpec = NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec
+BlockSpec = NormSpec | AttentionSpec | MLASpec | MoESpec | MLPSpec | RouterSpec | ExpertsSpec   # the last two: folded (parallel_ffn)
 SpecRule = Callable[[nn.Module, str], BlockSpec]
 
 

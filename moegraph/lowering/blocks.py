@@ -51,12 +51,13 @@ from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.efficiency import attention_attrs, gemm_attrs
 from moegraph.family_kernels import attention_pairs
 from moegraph.ir import OpKind, ParamSource, ParamSpec, ValueKind
-from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_layernorm, emit_limit,
-                                          emit_out_gate, emit_scale, emit_width_norm, expert_bias_params, head_norms,
-                                          mask_attrs, out_gate_param, position_attrs as _position_attrs,
-                                          split_heads, ulysses_in as _ulysses_in)
+from moegraph.lowering.blocks_ext import (WEIGHT_DTYPE, emit_bias, emit_glu, emit_grouped_bias, emit_head_norm,
+                                          emit_layernorm, emit_limit, emit_out_gate, emit_rmsnorm, emit_scale,
+                                          emit_width_norm, expert_bias_params, head_norms, mask_attrs, out_gate_param,
+                                          position_attrs as _position_attrs, split_heads, ulysses_in as _ulysses_in)
 from moegraph.lowering import node_dispatch
-from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens
+from moegraph.lowering.expert_rows import grouped_gemm, row_weights
+from moegraph.lowering.routing import INDEX_DTYPE, gather_routing, route_local_tokens, router_input
 from moegraph.lowering.specs import AttentionSpec, MLASpec, MLPSpec, MoESpec, NormSpec, RopeSpec  # noqa: F401
 
 ATTN, FFN = "attention", "ffn"
@@ -163,18 +164,6 @@ def emit_reduce_scatter(g: GraphBuilder, name: str, x: str, out: str, *, dim: in
     return y
 
 
-def emit_rmsnorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str, module: str, block: str) -> str:
-    """[b, s/n, h] -> [b, s/n, h]; the weight is replicated (its gradient is all-reduced). A LayerNorm
-    spec (kind 'layer') lowers to NORM (+ BIAS)."""
-    if spec.kind == "layer":
-        return emit_layernorm(g, spec, x, name=name, out=out, module=module, block=block)
-    h = g.shape(x)[-1]
-    w = g.param(f"{name}.weight", (h,), ParamSpec((spec.weight,), shard_dim=None))
-    y = g.like(out, x)
-    g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs=spec.attrs, module=module, block=block)
-    return y
-
-
 def emit_add(g: GraphBuilder, a: str, b: str, *, name: str, out: str, module: str, block: str) -> str:
     y = g.like(out, a)
     g.node(name, OpKind.ADD, (a, b), (y,), flops=_numel(g, a), module=module, block=block)
@@ -198,11 +187,12 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
     q_gate = spec.out_gate is not None and spec.out_gate.weight is None    # q_proj's rows per head: q, gate
     Hq = 2 * Hl if q_gate else Hl                         # q_proj's rows, in heads of d
 
-    w_qkv = g.param("qkv.weight", ((Hq + Gl) * d + Gl * dv, h),
-                    ParamSpec((spec.q, spec.k, spec.v), shard_dim=0 if tp else None))
+    Vl = 0 if spec.v_from_k else Gl * dv             # value rows the projection has (none: v is k's, Gemma 4)
+    w_qkv = g.param("qkv.weight", ((Hq + Gl) * d + Vl, h),
+                    ParamSpec((spec.q, spec.k) + (() if spec.v_from_k else (spec.v,)), shard_dim=0 if tp else None))
     b_qkv = None
     if spec.qkv_bias is not None:      # cut exactly like the weight's rows: [(Hq+Gl)d + Gl dv]
-        b_qkv = g.param("qkv.bias", ((Hq + Gl) * d + Gl * dv,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
+        b_qkv = g.param("qkv.bias", ((Hq + Gl) * d + Vl,), ParamSpec(spec.qkv_bias, shard_dim=0 if tp else None))
     # q/k norm weights [H*d], [G*d]: cut like the projection's rows (this rank's heads under tp);
     # per-head norms' [d] (Qwen3) replicated; one weight for every token chunk
     w_qk = tuple(None if ns is None
@@ -224,11 +214,14 @@ def emit_attention(g: GraphBuilder, spec: AttentionSpec, x: str, *, module: str)
         S = g.shape(qkv)[1]
         q = g.value(f"q{c}", (b, S, Hq * d), alias_of=qkv)
         k = g.value(f"k{c}", (b, S, Gl * d), alias_of=qkv)
-        v = g.value(f"v{c}", (b, S, Gl * dv), alias_of=qkv)
-        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), (q, k, v), mem_bytes=0,
-               attrs={"dim": 2, "sizes": (Hq * d, Gl * d, Gl * dv), "mode": "split"}, **kw)
+        v = k if spec.v_from_k else g.value(f"v{c}", (b, S, Gl * dv), alias_of=qkv)
+        parts = (q, k) if spec.v_from_k else (q, k, v)
+        g.node(f"qkv_split{c}", OpKind.SPLIT, (qkv,), parts, mem_bytes=0,
+               attrs={"dim": 2, "sizes": tuple(g.shape(p)[2] for p in parts), "mode": "split"}, **kw)
         if q_gate:                                     # [b, S, Hl*2d] -> q, the gate's logits [b, S, Hl*d]
             q, xs[-1] = split_heads(g, q, (d, d), (f"q_only{c}", f"attn_gate_logit{c}"), name=f"q_gate_split{c}", kw=kw)
+        if spec.v_norm_eps is not None:          # Gemma 4: a weightless RMSNorm of each value head
+            v = emit_head_norm(g, None, v, name=f"v_norm{c}", head_dim=dv, kw=kw, l2_eps=spec.v_norm_eps)
         if spec.v_scale != 1.0:
             v = emit_scale(g, v, spec.v_scale, name=f"v_scale{c}", out=f"v_scaled{c}", **kw)
         if spec.qk_norm_per_head and not spec.qk_norm_after_rope:
@@ -419,6 +412,8 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
                                ParamSpec((spec.score_bias,), shard_dim=None, buffer=True)),)
     if spec.router_bias is not None:  # trained, added to the logits (GPT-OSS): replicated like the weight
         router_ins += (g.param("router.bias", (spec.experts,), ParamSpec((spec.router_bias,), shard_dim=None)),)
+    if spec.expert_scale is not None:  # trained, times each chosen weight (Gemma 4): replicated like the weight
+        router_ins += (g.param("router.expert_scale", (spec.experts,), ParamSpec((spec.expert_scale,), shard_dim=None)),)
     ep = g.strategy.ffn == "ep"
     El, Fl = (spec.experts // g.strategy.n, spec.ffn_hidden) if ep else (spec.experts, spec.ffn_hidden // g.strategy.n)
     weights = (g.param("w1", (El, Fl, g.dims.h), ParamSpec((spec.w1,), shard_dim=0 if ep else 1)),
@@ -427,11 +422,19 @@ def emit_moe(g: GraphBuilder, spec: MoESpec, x: str, *, module: str) -> str:
     if spec.expert_bias is not None:
         weights += expert_bias_params(g, spec.expert_bias, El, Fl, ep)
     out_full = g.value("ffn_out", g.shape(x)) if N > 1 else None
+    # Gemma 4: the experts read their own norm of the block input, the router another (_router_input)
+    x_routed = x if spec.routed_norm is None else emit_rmsnorm(g, spec.routed_norm, x, name="moe_in_norm",
+                                                                out="moe_in_normed", **kw)
+    x_router = router_input(g, spec, x, kw)
+    routers = None if x_router == x_routed else _split_chunks(g, "router_split", x_router, **kw)
     outs = []
-    for j, xj in enumerate(_split_chunks(g, "ln2_split", x, **kw)):      # [b, s/n, h] -> N x [b, L, h]
+    for j, xj in enumerate(_split_chunks(g, "ln2_split", x_routed, **kw)):      # [b, s/n, h] -> N x [b, L, h]
         with _chunk(g, j, N) as c:
-            outs.append(_emit_moe_chunk(g, spec, xj, router_ins, weights, El, c, j, kw))
+            outs.append(_emit_moe_chunk(g, spec, xj, router_ins, weights, El, c, j, kw,
+                                        xj if routers is None else routers[j]))
     y = _concat_chunks(g, "ffn_out_concat", outs, out_full, **kw) if N > 1 else outs[0]
+    if spec.routed_post_norm is not None:     # the routed experts' own output norm (Gemma 4)
+        y = emit_rmsnorm(g, spec.routed_post_norm, y, name="moe_routed_norm", out="moe_routed_normed", **kw)
     if spec.shared is not None:
         shared = _emit_shared_expert(g, spec.shared, x, kw)
         routed, y = y, g.like("moe_out", y)
@@ -453,6 +456,8 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
     """
     h, f = g.dims.h, spec.ffn_hidden
     rep = lambda src, shape, name: g.param(name, shape, ParamSpec((src,), shard_dim=None))  # noqa: E731
+    if spec.input_norm is not None:          # Gemma 4's dense MLP: its own norm of the block input
+        x = emit_rmsnorm(g, spec.input_norm, x, name=f"{prefix}_in_norm", out=f"{prefix}_in_normed", **kw)
     w1, w3 = rep(spec.w1, (f, h), f"{prefix}.w1"), rep(spec.w3, (f, h), f"{prefix}.w3")
     w2 = rep(spec.w2, (h, f), f"{prefix}.w2")
     a = emit_gemm(g, f"{prefix}_fc1", x, w1, f"{prefix}_fc1_out", **kw)                     # [b, s/n, f_s]
@@ -460,6 +465,8 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
     act = emit_glu(g, f"{prefix}_swiglu", a, b, f"{prefix}_fc2_in", spec.activation, kw, limit=spec.swiglu_limit,
                    alpha=spec.swiglu_alpha)
     y = emit_gemm(g, f"{prefix}_fc2", act, w2, f"{prefix}_out", **kw)                        # [b, s/n, h]
+    if spec.output_norm is not None:         # and its own output norm (a gate beside it: refused when read)
+        return emit_rmsnorm(g, spec.output_norm, y, name=f"{prefix}_out_norm", out=f"{prefix}_normed", **kw)
     if spec.gate is None:
         return y
     w_gate = rep(spec.gate, (1, h), "shared.gate")
@@ -470,8 +477,9 @@ def _emit_shared_expert(g: GraphBuilder, spec: MLPSpec, x: str, kw: dict, prefix
 
 
 def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[str, ...], weights: tuple[str, ...],
-                    El: int, c: str, j: int, kw: dict) -> str:
-    """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked)."""
+                    El: int, c: str, j: int, kw: dict, x_router: str) -> str:
+    """One token chunk's whole MoE chain: [b, L, h] -> [b, L, h] (L = s/n when unchunked); the router
+    reads x_router [b, L, h] (x, or its own norm of the block input: Gemma 4)."""
     n, ep, a2a = g.strategy.n, g.strategy.ffn == "ep", g.strategy.dispatch == "a2a"
     # where routing weights multiply: Llama 4 scales the expert's input rows (whatever the gate
     # strategy); else the strategy's gate: at the combine, or into SwiGLU's output before FC2
@@ -480,7 +488,7 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     h = g.dims.h
     w1, w3, w2, *biases = weights
 
-    topk_w, topk_idx = route_local_tokens(g, spec, x, router_ins, c, kw)        # [b, L, k] each
+    topk_w, topk_idx = route_local_tokens(g, spec, x_router, router_ins, c, kw)  # [b, L, k] each
     tokens_in = x
     if not a2a:
         # ag-rs: the (small) routing of every rank's tokens is gathered first, in the tokens' own
@@ -511,20 +519,20 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
                      attrs={"mode": "tokens", "direction": "to_experts", "emit_map": True}, **kw)
         rows = ffn_in
     if spec.weighted_input:
-        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else _row_weights(g, topk_w, imap, R, c, kw)
+        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else row_weights(g, topk_w, imap, R, c, kw)
         gated_in = g.like(f"ffn_in_gated{c}", rows)
         g.node(f"gate{c}", OpKind.GATE, (rows, row_w), (gated_in,), flops=_numel(g, rows), **kw)   # [R, h]
         rows = gated_in
-    fc1 = _grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
-    fc3 = _grouped_gemm(g, f"fc3{c}", rows, w3, seg, f"fc3_out{c}", **kw)
+    fc1 = grouped_gemm(g, f"fc1{c}", rows, w1, seg, f"fc1_out{c}", **kw)          # [R, h] -> [R, f*h/(n if tp)]
+    fc3 = grouped_gemm(g, f"fc3{c}", rows, w3, seg, f"fc3_out{c}", **kw)
     if biases:                                                                      # GPT-OSS's expert biases
         fc1 = emit_grouped_bias(g, f"fc1_bias{c}", fc1, biases[0], seg, kw=kw)
         fc3 = emit_grouped_bias(g, f"fc3_bias{c}", fc3, biases[1], seg, kw=kw)
     if before:                                 # the routing weights scale SwiGLU's rows in its own kernel
-        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else _row_weights(g, topk_w, imap, R, c, kw)
+        row_w = node_dispatch.row_weights(g, route, c, kw) if by_node else row_weights(g, topk_w, imap, R, c, kw)
     fc2_in = emit_glu(g, f"swiglu{c}", fc1, fc3, f"fc2_in{c}", spec.activation, kw, limit=spec.swiglu_limit,
                       alpha=spec.swiglu_alpha, row_weights=row_w if before else None)   # [R, Fl] x 2 (, [R]) -> [R, Fl]
-    fc2_out = _grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
+    fc2_out = grouped_gemm(g, f"fc2{c}", fc2_in, w2, seg, f"fc2_out{c}", **kw)      # [R, Fl] -> [R, h]
     if biases:              # tp: each rank adds b2/n to its partial sums; gate before fc2: scaled like the rows
         fc2_out = emit_grouped_bias(g, f"fc2_bias{c}", fc2_out, biases[2], seg, share=1 if ep else n,
                                     row_weights=row_w if before else None, kw=kw)
@@ -550,36 +558,3 @@ def _emit_moe_chunk(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple[st
     if a2a or n == 1:
         return combined
     return emit_reduce_scatter(g, f"ffn_rs{c}", combined, final, dim=1, alias_of=alias, **kw)  # [b, nL, h] -> [b, L, h]
-
-
-def _row_weights(g: GraphBuilder, topk_w: str, imap: str, R: int, c: str, kw: dict) -> str:
-    """Routing weight per expert row, gathered from [T, k] by the index map: [T, k] -> [R]; under a2a
-    the weights travel with their rows to the experts: [R] -> [R] (R fp32 values)."""
-    a2a, n = g.strategy.dispatch == "a2a", g.strategy.n
-    row_w = g.value(f"row_weights_send{c}" if a2a and n > 1 else f"row_weights{c}", (R,),
-                    kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
-    g.node(f"gate_weights{c}", OpKind.PERMUTE, (topk_w, imap), (row_w,), attrs={"index": "slot"}, **kw)
-    if a2a and n > 1:
-        sent = row_w
-        row_w = g.value(f"row_weights{c}", (R,), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE, routed=True)
-        g.collective(f"gate_weights_a2a{c}", OpKind.ALL_TO_ALL, (sent, imap), (row_w,),
-                     full_bytes=g.nbytes(sent),
-                     attrs={"mode": "tokens", "direction": "to_experts", "emit_map": False}, **kw)
-    return row_w
-
-
-def _grouped_gemm(g: GraphBuilder, name: str, rows: str, w: str, seg: str, out: str, **kw) -> str:
-    """Per-expert y = x @ w[e].T over row segments. [R, K] -> [R, N], w: [El, N, K].
-
-    Attr ``stream_bytes``: expert-weight bytes the kernel streams, one expert's weights per row
-    segment: an index map (shape [R]) has one segment per local expert, a recv map ([n, El]) one
-    per source rank and expert (the runtime runs one GEMM per segment). The cost model prices
-    them at the profile's in-step weight-streaming rate (moegraph.cost, ``stream_bytes``)."""
-    experts, n_out, k_in = g.shape(w)
-    r = g.shape(rows)[0]
-    y = g.value(out, (r, n_out), routed=True)
-    segments = math.prod(g.shape(seg)) if len(g.shape(seg)) == 2 else experts
-    g.node(name, OpKind.GROUPED_GEMM, (rows, w, seg), (y,), flops=2 * r * n_out * k_in,
-           attrs={"stream_bytes": segments * (g.nbytes(w) // experts)} | gemm_attrs(g.shape(rows), g.shape(w)),
-           **kw)
-    return y

@@ -24,6 +24,18 @@ def _numel(g: GraphBuilder, v: str) -> int:
     return math.prod(g.shape(v))
 
 
+def emit_rmsnorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str, module: str, block: str) -> str:
+    """[b, s/n, h] -> [b, s/n, h]; the weight is replicated (its gradient is all-reduced). A LayerNorm
+    spec (kind 'layer') lowers to NORM (+ BIAS)."""
+    if spec.kind == "layer":
+        return emit_layernorm(g, spec, x, name=name, out=out, module=module, block=block)
+    h = g.shape(x)[-1]
+    w = g.param(f"{name}.weight", (h,), ParamSpec((spec.weight,), shard_dim=None))
+    y = g.like(out, x)
+    g.node(name, OpKind.RMSNORM, (x, w), (y,), flops=4 * _numel(g, x), attrs=spec.attrs, module=module, block=block)
+    return y
+
+
 def emit_layernorm(g: GraphBuilder, spec: NormSpec, x: str, *, name: str, out: str, module: str, block: str) -> str:
     """LayerNorm of [.., h] rows with a replicated weight [h], then its bias (a BIAS node) when it has
     one; every rank normalises its own rows, so the weights' gradients are partial and all-reduced."""
@@ -87,6 +99,15 @@ def emit_scale(g: GraphBuilder, x: str, factor: float, *, name: str, out: str, m
     """x * factor (a constant): [..] -> [..]."""
     y = g.like(out, x)
     g.node(name, OpKind.SCALE, (x,), (y,), flops=_numel(g, x), attrs={"factor": float(factor)},
+           module=module, block=block)
+    return y
+
+
+def emit_scale_by(g: GraphBuilder, x: str, src: ParamSource, *, name: str, out: str, module: str, block: str) -> str:
+    """x * s for a [1] buffer s of the layer (Gemma 4's layer_scalar; read, never trained): [..] -> [..]."""
+    s = g.param(f"{name}.factor", (1,), ParamSpec((src,), shard_dim=None, buffer=True))
+    y = g.like(out, x)
+    g.node(name, OpKind.SCALE, (x, s), (y,), flops=_numel(g, x), attrs={"factor": 1.0, "by_input": True},
            module=module, block=block)
     return y
 

@@ -235,6 +235,8 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
     kind = _layer_type(cfg, idx)
     # a rotary module with frequencies per layer type takes the type (Laguna's forward(x, pos, layer_type))
     by_type = rotary is not None and "layer_type" in inspect.signature(rotary.forward).parameters
+    # Gemma 4's layers store their keys and values for later kv-sharing layers (none is lowered: refused)
+    shares = "shared_kv_states" in inspect.signature(type(layer).forward).parameters
 
     def kwargs(x: torch.Tensor) -> dict:
         from transformers import masking_utils as mu
@@ -245,7 +247,8 @@ def eager_call(layer: nn.Module, rotary: nn.Module | None = None) -> Callable[[t
                 "chunked_attention": mu.create_chunked_causal_mask}.get(kind, mu.create_causal_mask)
         # Gated DeltaNet's mask is a padding mask only: None for the check's unpadded batch (create_recurrent_attention_mask's)
         mask = None if kind == "linear_attention" else make(**mask_kwargs(make, config=cfg, inputs_embeds=x, position_ids=pos))
-        return {"position_embeddings": emb, "attention_mask": mask, "position_ids": pos}
+        return {"position_embeddings": emb, "attention_mask": mask, "position_ids": pos} | (
+            {"shared_kv_states": {}} if shares else {})
     return kwargs
 
 

@@ -381,9 +381,33 @@ def base_model(model: nn.Module) -> ModelSpec:
     norm = norm_spec(getattr(model, names.norm), names.norm)
     unused = {f"{qn}.{name}": "RoPE frequencies, recomputed from the config by each layer's attention "
               "(check_rotary compared them)" for qn, rotary in rotaries.items() for name, _ in rotary.named_buffers()}
-    head = EdgeHead(norm.kind, norm.eps, bias=norm.bias is not None, offset=norm.offset)
+    scale, scale_buffer = embed_scale(embed, names.embed)
+    if scale_buffer is not None:
+        unused[scale_buffer] = "the embedding's constant scale, read into the model edges (EdgeHead.embed_scale)"
+    head = EdgeHead(norm.kind, norm.eps, bias=norm.bias is not None, offset=norm.offset, embed_scale=scale)
     return ModelSpec(embed=f"{names.embed}.weight", padding_idx=embed.padding_idx, layers=names.layers,
                      norm=norm.weight.qualname, norm_bias=norm.bias and norm.bias.qualname, edge_head=head, head=None, output=ModelOutput.HIDDEN, unused=unused)
+
+
+EMBED_SCALE = "embed_scale"
+
+
+def embed_scale(embed: nn.Embedding, qualname: str) -> tuple[float, str | None]:
+    """(scale, buffer name) of an embedding whose forward multiplies nn.Embedding's rows by a scalar
+    buffer ``embed_scale`` (Gemma 4's scaled word embedding: its forward reads only that buffer and
+    calls nn.Embedding's); (1.0, None) for nn.Embedding itself. Any other subclass is refused by name."""
+    if type(embed) is nn.Embedding:
+        return 1.0, None
+    where = f"{qualname} ({type(embed).__name__})"
+    reads = forward_reads(type(embed)) - {"forward", "weight"}
+    buf = embed._buffers.get(EMBED_SCALE)
+    if reads != {EMBED_SCALE} or buf is None or buf.numel() != 1:
+        raise LoweringError(f"{where}: an embedding whose forward reads {', '.join(sorted(reads)) or 'nothing of its own'} "
+                            "is not modelled (nn.Embedding, or its rows times a scalar buffer embed_scale, are)")
+    value = float(getattr(embed, "scalar_embed_scale", 1.0)) if buf.is_meta else float(buf)
+    if not math.isfinite(value):
+        raise LoweringError(f"{where}: embed_scale={value} is not finite")
+    return value, f"{qualname}.{EMBED_SCALE}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from moegraph.builder import ConfigError, GraphBuilder
 from moegraph.ir import OpKind, ValueKind
-from moegraph.lowering.blocks_ext import WEIGHT_DTYPE
+from moegraph.lowering.blocks_ext import WEIGHT_DTYPE, emit_rmsnorm, emit_scale
 from moegraph.lowering.specs import MoESpec
 
 INDEX_DTYPE = "int64"
@@ -33,7 +33,9 @@ def router_attrs(spec: MoESpec) -> dict:
         return attrs | {"general": True, "groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                         "group_score": spec.group_score, "score_bias": spec.score_bias is not None,
                         "logit_bias": spec.router_bias is not None, "normalize": spec.normalize} \
-            | ({"bias_on_logits": True} if spec.bias_on_logits else {}) | ({"topk_first": True} if spec.topk_first else {})
+            | ({"bias_on_logits": True} if spec.bias_on_logits else {}) \
+            | ({"topk_first": True} if spec.topk_first else {}) \
+            | ({"expert_scale": True} if spec.expert_scale is not None else {})
     if spec.scoring == "sigmoid":
         attrs |= {"groups": spec.groups, "topk_groups": spec.topk_groups, "scale": spec.scale,
                   "score_bias": spec.score_bias is not None}
@@ -52,8 +54,20 @@ def route_local_tokens(g: GraphBuilder, spec: MoESpec, x: str, router_ins: tuple
     topk_w = g.value(f"topk_weights{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=WEIGHT_DTYPE)
     topk_idx = g.value(f"topk_experts{c}", (b, L, k), kind=ValueKind.ROUTING, dtype=INDEX_DTYPE)
     g.node(f"router{c}", OpKind.ROUTER, (x, *router_ins), (topk_w, topk_idx),
-           flops=2 * T * h * E + 5 * T * E, attrs=router_attrs(spec), **kw)
+           flops=2 * T * h * E + 5 * T * E + (T * k if spec.expert_scale is not None else 0), attrs=router_attrs(spec),
+           **kw)
     return topk_w, topk_idx
+
+
+def router_input(g: GraphBuilder, spec: MoESpec, x: str, kw: dict) -> str:
+    """The router's input: the block input x [b, s/n, h], or (Gemma 4) its own RMSNorm of x, whose
+    weight is the router's learned scale, times a constant (h^-0.5)."""
+    if spec.router_norm is None:
+        return x
+    y = emit_rmsnorm(g, spec.router_norm, x, name="router_norm", out="router_normed", **kw)
+    if spec.router_input_scale == 1.0:
+        return y
+    return emit_scale(g, y, spec.router_input_scale, name="router_in_scale", out="router_in", **kw)
 
 
 def gather_routing(g: GraphBuilder, topk_w: str, topk_idx: str, c: str, kw: dict) -> tuple[str, str]:

@@ -130,6 +130,9 @@ class AttentionSpec:
     v_scale: float = 1.0                   # values multiplied by it before attending (MiMo-V2-Flash)
     out_gate: OutGateSpec | None = None    # the output gated before o_proj (Laguna)
     qkv_clip: float | None = None          # q, k, v clamped to [-c, c] after their projection (DBRX's clip_qkv)
+    v_from_k: bool = False                 # the values are k_proj's output, before k's norm and RoPE (Gemma 4's
+                                           # attention_k_eq_v): ``v`` is then k's source and not read twice
+    v_norm_eps: float | None = None        # a weightless RMSNorm of each value head, its eps (Gemma 4's v_norm)
 
     @property
     def rotary(self) -> RopeSpec:
@@ -181,6 +184,10 @@ class MLPSpec:
     activation: Activation = "silu"
     swiglu_alpha: float | None = None   # clamped_swiglu's alpha and limit (MiniMax-M3's shared expert)
     swiglu_limit: float | None = None
+    # as a shared expert, a norm of its own on the block input and one on its output (Gemma 4's dense
+    # MLP beside the experts: pre_feedforward_layernorm, post_feedforward_layernorm_1)
+    input_norm: NormSpec | None = None
+    output_norm: NormSpec | None = None
 
 
 @dataclass(frozen=True)
@@ -254,12 +261,54 @@ class MoESpec:
     swiglu_limit: float | None = None
     weighted_input: bool = False              # the routing weight scales the expert's input rows (Llama 4)
     post_norm: NormSpec | None = None         # a norm on the block's output, before the residual add (A.X-K1)
+    # Gemma 4's router and experts beside its dense MLP (``RouterSpec``): the router reads its own
+    # norm of the block input times a constant, and each chosen weight times a trained per-expert scale;
+    # the routed experts read their own norm of the block input and pass their own output norm
+    router_norm: NormSpec | None = None       # weight [h]: the router's learned scale
+    router_input_scale: float = 1.0           # the router's input times it (Gemma 4: h^-0.5)
+    expert_scale: ParamSource | None = None   # [E]: the chosen weights times expert_scale[expert]
+    routed_norm: NormSpec | None = None       # the experts' input norm (pre_feedforward_layernorm_2)
+    routed_post_norm: NormSpec | None = None  # the experts' output norm (post_feedforward_layernorm_2)
 
     @property
     def plain_router(self) -> bool:
         """The router the ROUTER kernel always computed: no group max, no softmax choice bias, no logit bias,
-        no choice bias on the logits."""
+        no choice bias on the logits, no top-k before the softmax, no per-expert scale."""
         return (self.group_score == "top2-sum" and self.router_bias is None and not self.bias_on_logits
-                and not self.topk_first
+                and not self.topk_first and self.expert_scale is None
                 and not (self.scoring == "softmax" and (self.score_bias is not None or self.groups != 1
                                                         or self.scale != 1.0)))
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """A router that is a child of the decoder layer itself, beside an experts child (Gemma 4): on
+    tokens x [.., h], logits = proj(norm(x) * scale * input_scale) [E] (``norm`` an RMSNorm whose
+    weight is the router's ``scale``), softmax, top-k, renormalised when ``normalize``, each chosen
+    weight times ``expert_scale`` [E] of its expert. Only a step of the traced layer: folded with its
+    experts into one MoESpec (``moegraph.lowering.parallel_ffn``) before anything is emitted."""
+
+    proj: ParamSource         # [E, h]
+    experts: int
+    top_k: int
+    hidden: int
+    norm: NormSpec | None
+    input_scale: float = 1.0
+    expert_scale: ParamSource | None = None
+    scoring: Scoring = "softmax"
+    normalize: bool = True
+    tuple_output: int = 3     # (probabilities, top-k weights, top-k experts)
+
+
+@dataclass(frozen=True)
+class ExpertsSpec:
+    """Routed experts that are a child of the decoder layer, called as experts(x, top_k_index,
+    top_k_weights) (Gemma 4): fused 3-D weights as MoESpec's. Folded like RouterSpec."""
+
+    w1: ParamSource           # [E, f, h]
+    w3: ParamSource
+    w2: ParamSource           # [E, h, f]
+    experts: int
+    ffn_hidden: int
+    hidden: int
+    activation: Activation = "silu"

@@ -194,6 +194,14 @@ def classify(module: nn.Module) -> str | None:
         return "mla"
     if "o_proj" in children and all(p in children for p in ("q_proj", "k_proj", "v_proj")):
         return "attention"
+    if "o_proj" in children and "q_proj" in children and (   # Gemma 4: values from k_proj, or a kv-shared layer
+            ("k_proj" in children and getattr(module, "use_alternative_attention", False))
+            or getattr(module, "is_kv_shared_layer", False)):
+        return "attention"
+    if "experts" not in children and _layer_router(module):
+        return "router"
+    if _layer_experts(module):
+        return "experts"
     if all(isinstance(children.get(p), nn.Linear) for p in FUSED_ATTENTION):
         return "attention"
     if is_linear_attention(children, own):                  # Gated DeltaNet (Qwen3-Next)
@@ -204,6 +212,23 @@ def classify(module: nn.Module) -> str | None:
             all(isinstance(children.get(p), nn.Linear) for p in ("gate_up_proj", "down_proj")):   # MiniMax-M3's
         return "mlp"
     return None
+
+
+def _layer_router(module: nn.Module) -> bool:
+    """A router that is its decoder layer's own child (Gemma 4's): a linear ``proj`` [E, h] and, besides,
+    at most its own norm (no parameters) and 1-D parameters (``scale``, ``per_expert_scale``)."""
+    proj = module._modules.get("proj")
+    others = [n for n in module._modules if n not in ("proj", "norm")]
+    return (isinstance(proj, nn.Linear) and not others and "per_expert_scale" in module._parameters
+            and all(p.dim() == 1 for p in module._parameters.values()))
+
+
+def _layer_experts(module: nn.Module) -> bool:
+    """Routed experts that are their decoder layer's own child (Gemma 4's): fused 3-D gate_up_proj and
+    down_proj parameters, an activation and no other child."""
+    own = module._parameters
+    return (set(own) == {"gate_up_proj", "down_proj"} and own["gate_up_proj"].dim() == 3
+            and set(module._modules) <= {"act_fn"})
 
 
 def _eps(module: nn.Module) -> float | None:
@@ -373,6 +398,23 @@ def _scale_offset(module: nn.Module, eps: float) -> float:
     return 1.0 if _close(got, normed * (1 + w)) and not _close(got, normed * w) else 0.0
 
 
+def weightless_rms_eps(module: nn.Module) -> float | None:
+    """The eps of a norm holding no parameters that computes x rsqrt(mean(x^2) + eps) over its last dim
+    (Gemma 4's ``with_scale=False`` RMSNorms: its router's and value norms), found by running it on 8
+    random rows; None when it is not one (or cannot run alone)."""
+    import torch
+    eps = _eps(module)
+    if eps is None or next(module.parameters(), None) is not None or next(module.buffers(), None) is not None:
+        return None
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(7)) + 1
+    try:
+        with torch.no_grad():
+            got = module(x).float()
+    except Exception:  # noqa: BLE001 - a norm that cannot run alone: not read as one
+        return None
+    return eps if _close(got, x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)) else None
+
+
 def _removes_mean(module: nn.Module, eps: float) -> bool:
     """Whether a bias-free norm centres its rows: its output (``_run_norm``) is F.layer_norm's
     (weight, no bias) and not an RMSNorm's. False when it cannot run (then it is read as an
@@ -458,5 +500,15 @@ def _linear_attention(module: nn.Module, qualname: str):
     return linear_attention_spec(module, qualname)
 
 
+def _router(module: nn.Module, qualname: str):
+    from moegraph.lowering.parallel_ffn import router_spec
+    return router_spec(module, qualname)
+
+
+def _experts(module: nn.Module, qualname: str):
+    from moegraph.lowering.parallel_ffn import experts_spec
+    return experts_spec(module, qualname)
+
+
 _BUILDERS = {"norm": norm_spec, "attention": _attention, "mla": _mla, "moe": _moe, "mlp": _mlp,
-             "linear_attention": _linear_attention}
+             "linear_attention": _linear_attention, "router": _router, "experts": _experts}

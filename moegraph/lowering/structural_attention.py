@@ -78,14 +78,19 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
         raise LoweringError(f"{qualname} ({type(module).__name__}): no head_dim attribute")
     if "q_proj" not in module._modules:
         return _fused_attention_spec(module, qualname, d)
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    if getattr(module, "is_kv_shared_layer", False):
+        raise LoweringError(f"{qualname} ({type(module).__name__}): is_kv_shared_layer=True (config."
+                            "num_kv_shared_layers): keys and values shared from an earlier layer are not modelled")
+    v_from_k = _values_are_keys(module, qualname, reads)
+    for name in ("q_proj", "k_proj", "o_proj") + (() if v_from_k else ("v_proj",)):
         _child_class_check(module, qualname, name)
     H, G = module.q_proj.out_features // d, module.k_proj.out_features // d
     q_gate = _fused_q_gate(module)
     H //= 2 if q_gate else 1                             # Qwen3-Next: q_proj gives each head's query and gate
-    dv = module.v_proj.out_features // G                 # the value heads' width (MiMo-V2-Flash: not d)
-    if module.v_proj.out_features != G * dv or module.o_proj.in_features != H * dv:
-        raise LoweringError(f"{qualname} ({type(module).__name__}): v_proj gives {module.v_proj.out_features} and "
+    v_lin = module.k_proj if v_from_k else module.v_proj
+    dv = v_lin.out_features // G                         # the value heads' width (MiMo-V2-Flash: not d)
+    if v_lin.out_features != G * dv or module.o_proj.in_features != H * dv:
+        raise LoweringError(f"{qualname} ({type(module).__name__}): v_proj gives {v_lin.out_features} and "
                             f"o_proj takes {module.o_proj.in_features} features: not {G} and {H} value heads of one "
                             "width")
     v_scale = getattr(module, "v_scale", 1.0)
@@ -97,13 +102,14 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                             f"position-dependent {QUERY_SCALE_ARG} its model passes (Beam's NoPE layers' scalable "
                             "softmax, (1 + (p + 1)/2048)^0.1): not modelled")
     rope, use_rope, window, chunk, temperature_floor = _position_settings(module, qualname, cfg, d)
-    biases = [getattr(module, n).bias for n in ("q_proj", "k_proj", "v_proj")]
-    qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in ("q_proj", "k_proj", "v_proj")) \
-        if all(b is not None for b in biases) else None
+    projs = ("q_proj", "k_proj") + (() if v_from_k else ("v_proj",))
+    biases = [getattr(module, n).bias for n in projs]
+    qkv_bias = tuple(_src(qualname, f"{n}.bias") for n in projs) if all(b is not None for b in biases) else None
     o_bias = _src(qualname, "o_proj.bias") if module.o_proj.bias is not None else None
     q_norm = k_norm = l2 = None
     per_head = after = False
     known = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    v_norm = _value_norm(module, qualname, reads, known)
     names = next(((qn, kn) for qn, kn in QK_NORM_NAMES if {qn, kn} <= reads
                   and module._modules.get(qn) is not None), None)
     if names is not None:
@@ -132,7 +138,8 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
     sinks = _src(qualname, "sinks") if getattr(module, "sinks", None) is not None and "sinks" in reads else None
     scale = float(module.scaling)
     return AttentionSpec(q=_src(qualname, "q_proj.weight"), k=_src(qualname, "k_proj.weight"),
-                         v=_src(qualname, "v_proj.weight"), o=_src(qualname, "o_proj.weight"), heads=H, kv_heads=G,
+                         v=_src(qualname, ("k_proj" if v_from_k else "v_proj") + ".weight"),
+                         o=_src(qualname, "o_proj.weight"), heads=H, kv_heads=G, v_from_k=v_from_k, v_norm_eps=v_norm,
                          head_dim=d, rope_theta=rope.theta if rope is not None else 0.0, use_rope=use_rope,
                          tuple_output=returns_tuple(type(module)), qkv_bias=qkv_bias, q_norm=q_norm, k_norm=k_norm,
                          qk_norm_per_head=per_head, qk_norm_after_rope=after, qk_l2_eps=l2, o_bias=o_bias,
@@ -140,6 +147,33 @@ def attention_spec(module: nn.Module, qualname: str) -> AttentionSpec:
                          scale=None if scale == d ** -0.5 else scale, window=window, chunk=chunk, sinks=sinks,
                          temperature_floor=temperature_floor, v_head_dim=None if dv == d else dv,
                          v_scale=float(v_scale), out_gate=out_gate)
+
+
+def _values_are_keys(module: nn.Module, qualname: str, reads: frozenset[str]) -> bool:
+    """Whether the values are the key projection's output (Gemma 4's ``attention_k_eq_v`` on its full
+    layers: ``v_proj`` is None and the forward uses the keys before their norm and RoPE)."""
+    if "v_proj" in module._modules or "v_proj" not in reads:
+        return False
+    if getattr(module, "v_proj", 0) is None and getattr(module, "use_alternative_attention", False):
+        return True
+    raise LoweringError(f"{qualname} ({type(module).__name__}): no v_proj: values other than a v_proj's or (Gemma 4's "
+                        "attention_k_eq_v) the k_proj's are not modelled")
+
+
+def _value_norm(module: nn.Module, qualname: str, reads: frozenset[str], known: set[str]) -> float | None:
+    """The eps of a weightless RMSNorm of each value head the forward reads (Gemma 4's ``v_norm``;
+    added to ``known``), else None; a v_norm with a weight, or not an RMSNorm, is refused by name."""
+    from moegraph.lowering.structural import weightless_rms_eps
+    child = module._modules.get("v_norm")
+    if child is None or "v_norm" not in reads:
+        return None
+    _child_class_check(module, qualname, "v_norm")
+    eps = weightless_rms_eps(child)
+    if eps is None:
+        raise LoweringError(f"{qualname}.v_norm ({type(child).__name__}): a value norm with a weight, or other than "
+                            "an RMSNorm of each head, is not modelled (a weightless RMSNorm is)")
+    known.add("v_norm")
+    return eps
 
 
 def _position_settings(module: nn.Module, qualname: str, cfg, d: int):
