@@ -7,7 +7,6 @@ compile pays nothing.
 
 from __future__ import annotations
 
-import time
 
 import pytest
 import torch
@@ -272,16 +271,21 @@ def test_a_gradient_only_difference_names_the_parameter():
     assert "at the gradient of 'mlp.gate.weight'" in text, text
 
 
-def test_a_repeat_compile_pays_nothing():
+def test_a_repeat_compile_pays_nothing(monkeypatch):
+    """The same structure again (other weights) is answered by the cache: the check does not run a
+    second time. (Asserted on the check itself, not on wall time: a timing ratio flaked in CI under
+    the other shard's load; speed targets live in benchmarks/.)"""
+    import moegraph.lowering.check as check
     layer = mixtral(rope_theta=12345.0)          # a structure no other test checks
-    t0 = time.perf_counter()
+    runs = []
+    real = check._run_check
+    monkeypatch.setattr(check, "_run_check", lambda *a, **k: runs.append(1) or real(*a, **k))
     trace_module(layer, STRATEGY, batch=1, seq=16)
-    first, count = time.perf_counter() - t0, checked_count()
+    count = checked_count()
+    assert len(runs) == 1
     other = mixtral(rope_theta=12345.0)          # the same structure, other weights: the cache answers
-    t0 = time.perf_counter()
     trace_module(other, STRATEGY, batch=1, seq=16)
-    assert checked_count() == count
-    assert time.perf_counter() - t0 < first
+    assert checked_count() == count and len(runs) == 1
 
 
 def test_the_digest_tells_structures_and_strategies_apart():
