@@ -262,7 +262,10 @@ def fuse(arg: str | None = None, cost: CostModel | None = None) -> Pass:
                            "comm_us": round(price.comm_us, 3), "compute_us": round(price.compute_us, 3),
                            "unfused_us": round(price.unfused_us, 3), "sm": price.sm, "tiles": price.tiles})
         report = {"chosen": len(chosen), "eligible": len(groups), "groups": groups}
+        # the choice is recorded even where nothing fused: a stack's kinds (Qwen3-Next's gated full
+        # attention has no eligible group beside its linear layers' ones) carry one strategy
+        new = record(new, me, fuse=choice) if choice != "none" else new
         if chosen:
-            new = mark_rewritten(record(new, me, fuse=choice), me)
+            new = mark_rewritten(new, me)
         return PassResult(new, bool(chosen), report)
     return run

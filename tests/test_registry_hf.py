@@ -149,6 +149,11 @@ def test_a_qwen3_next_config_plans_its_linear_and_full_attention_layers(tmp_path
         kinds = g.meta_get(KINDS_META)
         assert kinds.pattern == (0, 0, 0, 1)
         assert any(nd.op is OpKind.GATED_DELTA for nd in kinds.graphs[0].nodes)
+    # fuse=all over both kinds: the gated full-attention kind has no eligible group, the linear one
+    # has; the stack's kinds must carry one strategy (the restack raised a traceback)
+    from moegraph.cli import main
+    assert main(["trace", "--model", str(path), "--layers", "4", "--n", "2", "--seq", "128", "--dispatch", "a2a",
+                 "--passes", "fuse=all", "--json"]) == 0
 
 
 # config.json values of the families the zoo's tests compile besides the shipped ones (sizes typed
