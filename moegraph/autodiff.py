@@ -184,9 +184,13 @@ def _grad_value(g: GraphBuilder, of: str) -> str:
 
 
 def _bwd(g: GraphBuilder, node: Node, suffix: str, op: OpKind, inputs, outputs, *, role=Role.DGRAD,
-         flops: int = 0, attrs=None, comm_bytes: int = 0) -> None:
+         flops: int = 0, attrs=None, comm_bytes: int = 0, extra_bytes: int = 0) -> None:
+    """``extra_bytes``: what the backward kernel moves beyond its inputs and outputs (the default
+    traffic), e.g. a chunked kernel's recomputed states and their gradients."""
     kw = dict(phase=Phase.BACKWARD, role=role, flops=flops, module=node.module, block=node.block,
               forward_of=node.name, attrs=dict(node.attrs) | (attrs or {}))
+    if extra_bytes:
+        kw["mem_bytes"] = g.nbytes(*dict.fromkeys(inputs)) + g.nbytes(*outputs) + extra_bytes
     if op.is_comm:
         # the transposed collective (all-gather <-> reduce-scatter, all-to-all back) moves the
         # forward's bytes over the same group, so it reuses the forward's ir.collective_bytes count
@@ -381,10 +385,15 @@ def _limit(g, node, grads):
 def _gated_delta(g, node, grads):
     # Gated DeltaNet's core: one backward kernel gives every input's gradient, the projections'
     # (qkvz, ba) and the weights' (conv, A_log, dt_bias, norm), as a chunked kernel's backward does;
-    # about twice the forward's FLOPs (each chunk product is differentiated against both operands)
+    # about twice the forward's FLOPs (each chunk product is differentiated against both operands);
+    # its bytes: the forward's chunk states recomputed (written, read back) and their gradients
+    # (written, read back), twice the forward's state traffic (FLA's chunk_gated_delta_rule backward
+    # recomputes h and produces dh chunk by chunk)
     (dy,) = grads
     dins = tuple(_grad_value(g, x) for x in node.inputs)
-    _bwd(g, node, "dgrad", OpKind.GATED_DELTA, (*node.inputs, dy), dins, flops=2 * node.flops)
+    states = node.mem_bytes - g.nbytes(*node.inputs) - g.nbytes(*node.outputs)       # the forward's
+    _bwd(g, node, "dgrad", OpKind.GATED_DELTA, (*node.inputs, dy), dins, flops=2 * node.flops,
+         extra_bytes=2 * max(states, 0))
     return dins
 
 

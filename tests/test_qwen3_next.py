@@ -106,6 +106,23 @@ def test_the_layers_lower_to_a_gated_delta_core_and_a_gated_attention():
     assert len(heads) == 2 and heads[0].attr("sizes") == (8, 8)          # forward and its gradient
     assert not any("attn_gate_proj" in n.name for n in full.nodes)
     assert not any(n.op is OpKind.GATED_DELTA for n in full.nodes)
+    # the bytes: the forward moves its chunk states [dk, dv] per value head once each way (fp32); the
+    # backward recomputes them and writes their gradients, twice that (it was priced with its inputs
+    # and outputs only: cheaper than the forward on h800 at twice the FLOPs)
+    from moegraph.delta_kernels import gated_delta_state_bytes
+    from moegraph.registry import load_hardware
+    from moegraph.cost import CostModel
+    value = {v.name: v for v in linear.values}
+
+    def io(node):
+        return sum(value[x].nbytes for x in dict.fromkeys(node.inputs)) + sum(value[y].nbytes for y in node.outputs)
+    states = 2 * 4 * 2 * 4 * 1 * 8 * 8                     # 2 ways x fp32 x b=2 x 4 value heads x 1 chunk x dk x dv
+    assert states == gated_delta_state_bytes(b=2, s=16, v_heads=4, k_dim=8, v_dim=8)
+    fwd, bwd = delta
+    assert fwd.mem_bytes == sum(value[x].nbytes for x in fwd.inputs) + value[fwd.outputs[0]].nbytes + states
+    assert bwd.mem_bytes == io(bwd) + 2 * states
+    cost = CostModel(load_hardware("h800"))
+    assert cost.node_time_us(bwd) > cost.node_time_us(fwd)
 
 
 @needs_qwen35
