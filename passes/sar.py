@@ -77,6 +77,12 @@ in well under a second."""
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
 PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
 PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
+# Fig 9's rule for a Gated DeltaNet block (GATED_DELTA), which names no such units: its core's
+# inputs (the projections after the Ulysses all-to-all, or the GEMM outputs under tp / n = 1:
+# Qwen3-Next's qkvz and ba, Qwen3.5-MoE's one qkvzba) and its output, as `attn` for softmax attention
+PAPER_LINEAR_CORE_OUT = "delta_out"
+PAPER_LINEAR_SP = (("qkvz_a2a", "ba_a2a"), ("qkvzba_a2a",))
+PAPER_LINEAR_TP = (("qkvz", "ba"), ("qkvzba",))
 
 
 def unit_of(value: str) -> str:
@@ -205,7 +211,14 @@ def paper_keep(graph: Graph) -> frozenset[str]:
     """Fig 9's highlighted units for this graph (attention inputs per attn mode, see module doc)."""
     units = {unit_of(v.name) for v in graph.values}
     attn = PAPER_ATTN_SP if all(u in units for u in PAPER_ATTN_SP) else PAPER_ATTN_TP
-    return frozenset(PAPER_KEEP + attn)
+    linear: tuple[str, ...] = ()
+    if PAPER_LINEAR_CORE_OUT in units:
+        core_in = next((c for c in PAPER_LINEAR_SP + PAPER_LINEAR_TP if all(u in units for u in c)), None)
+        if core_in is None:
+            raise ValueError(f"sar=paper: graph {graph.name!r} has a Gated DeltaNet core ({PAPER_LINEAR_CORE_OUT}) "
+                             "but none of the input units the policy keeps for it")
+        linear = core_in + (PAPER_LINEAR_CORE_OUT,)
+    return frozenset(PAPER_KEEP + attn + linear)
 
 
 class KeepSearchTimeout(ValueError):

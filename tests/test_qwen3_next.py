@@ -255,3 +255,26 @@ def test_the_numerical_check_refuses_a_delta_rule_it_does_not_describe(monkeypat
     text = _refusal(tiny_model(FAMILY, CLS))
     assert text.startswith("layer 0 (Qwen3NextDecoderLayer): the lowered graph differs from the eager module at "
                            "'linear_attn' (Qwen3NextGatedDeltaNet)"), text
+
+
+@pytest.mark.parametrize("attn,n,family,kept", [
+    ("sp", 2, (FAMILY, CLS), {"qkvz_a2a", "ba_a2a", "delta_out"}), ("tp", 2, (FAMILY, CLS), {"qkvz", "ba", "delta_out"}),
+    ("sp", 1, (FAMILY, CLS), {"qkvz", "ba", "delta_out"}),
+    pytest.param("sp", 2, QWEN35, {"qkvzba_a2a", "delta_out"}, marks=needs_qwen35),
+    pytest.param("tp", 2, QWEN35, {"qkvzba", "delta_out"}, marks=needs_qwen35)])
+def test_sar_paper_keeps_the_delta_cores_inputs_and_output(attn, n, family, kept):
+    """Fig 9's rule for the linear-attention block: its core's inputs (after the all-to-all under sp)
+    and its output are kept, so backward re-runs neither the projections, their all-to-alls nor the
+    delta rule (the policy named softmax attention's units only and kept nothing of this block)."""
+    from moegraph.cost import CostModel
+    from moegraph.layers import KINDS_META
+    from moegraph.passes import run_pipeline
+    from moegraph.registry import load_hardware
+    graph, _ = trace_causal_lm(tiny_model(*family), Strategy(attn, "ep", "a2a", n, dtype="fp32"), batch=2, seq=16)
+    linear = graph.meta_get(KINDS_META).graphs[0]
+    assert any(nd.op is OpKind.GATED_DELTA for nd in linear.nodes)
+    _, report = run_pipeline(linear, "sar=paper", cost=CostModel(load_hardware("h800")))
+    sar = report["sar"]
+    assert kept <= set(sar["kept"])
+    assert not kept & set(sar["recompute"] + sar["recommunicate"])
+    assert not any(v.startswith("gated_delta") for v in sar.get("recompute_nodes", []))
