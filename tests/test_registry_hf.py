@@ -128,7 +128,8 @@ def test_a_dense_layer_before_the_first_moe_layer_that_does_not_lower_names_the_
                                 "attn_layer_offset": 1, "mamba_d_state": 8, "mamba_expand": 2, "mamba_dt_rank": 8}))
     with pytest.raises(RegistryError) as err:
         load_model(str(path))
-    assert str(err.value).startswith(f"{path}: layer 0, a dense layer before the first MoE layer, does not lower")
+    assert str(err.value).startswith(f"{path}: layer 0 does not lower (")
+    assert str(err.value).endswith("it comes before layer 1, the first whose MoE block lowers")
     assert "'mamba' (JambaMambaMixer) is not modelled" in str(err.value) and "\n" not in str(err.value)
 
 

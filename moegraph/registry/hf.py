@@ -187,9 +187,9 @@ def _softmax_attention(layers: list, shown: str):
 
 
 def _leading_dense(layers: list, shown: str) -> list:
-    """The dense MLP specs of the layers before the first MoE layer (DeepSeek's first_k_dense_replace);
-    a layer that does not lower (Jamba's Mamba layers before its first MoE layer) is refused
-    naming the file and the layer, as the MoE layers' own refusals are."""
+    """The dense MLP specs of the layers before the first MoE layer that lowers (DeepSeek's
+    first_k_dense_replace); a layer among them that does not lower (Jamba's Mamba layers, or an MoE
+    layer of a kind moegraph refuses) is refused naming the file and the layer, not called dense."""
     from moegraph.lowering import LoweringError
     from moegraph.lowering.specs import MLPSpec
     from moegraph.tracer import extract_program
@@ -198,8 +198,8 @@ def _leading_dense(layers: list, shown: str) -> list:
         try:
             specs += extract_program(layer).specs(MLPSpec)
         except LoweringError as err:
-            raise RegistryError(f"{shown}: layer {i}, a dense layer before the first MoE layer, does not lower "
-                                f"({err})") from None
+            raise RegistryError(f"{shown}: layer {i} does not lower ({err}); it comes before layer {len(layers)}, "
+                                "the first whose MoE block lowers") from None
     return specs
 
 
