@@ -1,5 +1,6 @@
 """Strategy-dependent lowering of a linear-attention token mixer (Gated DeltaNet, Qwen3-Next's and
-Qwen3.5-MoE's ``linear_attention`` layers: ``LinearAttentionSpec``) into forward IR nodes.
+Qwen3.5-MoE's ``linear_attention`` layers; Kimi Delta Attention, Kimi Linear's: ``LinearAttentionSpec``)
+into forward IR nodes.
 
 Notation (as ``moegraph.lowering.blocks``): b micro-batch, s sequence, h hidden, n group size;
 Hk key heads, Hv value heads (r = Hv/Hk), dk, dv their head dims, P = 2dk + 2r dv the features
@@ -19,6 +20,9 @@ The core's weights are cut by heads under both (the conv's q, k and v channel ro
 dt_bias), the gated norm's weight [dv] is replicated (its partial gradients all-reduced).
 Qwen3.5-MoE's four projections (layout 'flat': in_proj_qkv, in_proj_z, in_proj_b, in_proj_a) are
 one weight of P + 2r rows per key head, its rows each rank's share of the heads (``_flat_projection``).
+Kimi Delta Attention (layout 'kda', ``_emit_kda``): q_proj, k_proj, v_proj and b_proj as one such
+weight, its low-rank forget and output gates' down projections replicated and up projections cut by
+heads under tp; the same all-to-all and core.
 Token chunks (Strategy.chunks > 1) leave this block whole (its recurrence reads the whole sequence;
 the layer's MoE block is still chunked). A folded attention (attn_nodes = N > 1: the builder's
 attention group, b/N rows on n/N ranks) folds it alike: each row's recurrence is its own.
@@ -45,18 +49,18 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
                           "key heads carry their value heads)")
     r, P = Hv // Hk, 2 * dk + 2 * (Hv // Hk) * dv
     Hkl, Hvl = Hk // n, Hv // n
-    b, s, h = g.dims.b, g.dims.s, g.dims.h
+    h = g.dims.h
     kw = dict(module=module, block=ATTN)
     proj = Hkl if tp else Hk                                  # key-head groups this rank's projections give
     # the conv's channel rows: q [Hk dk], k [Hk dk], v [Hv dv]; this rank's heads of each, concatenated
     rows = ((0, Hk * dk), (Hk * dk, Hk * dk), (2 * Hk * dk, Hv * dv))
     conv = tuple(ParamSource(spec.conv.qualname, narrow=(0, start, length)) for start, length in rows)
     if spec.layout == "kda":
-        return _emit_kda(g, spec, x, kw)
+        return _emit_kda(g, spec, x, conv, kw)
     if spec.layout == "flat":
         qkv = spec.qkvz.qualname
-        pieces = ((qkv, 0, Hk * dk), (qkv, Hk * dk, Hk * dk), (qkv, 2 * Hk * dk, Hv * dv), (spec.z.qualname, 0, Hv * dv),
-                  (spec.b.qualname, 0, Hv), (spec.a.qualname, 0, Hv))
+        pieces = ((qkv, 0, Hk * dk), (qkv, Hk * dk, Hk * dk), (qkv, 2 * Hk * dk, Hv * dv),
+                  (spec.z.qualname, 0, Hv * dv), (spec.b.qualname, 0, Hv), (spec.a.qualname, 0, Hv))
         w_proj = (_flat_projection(g, pieces, Hk, P + 2 * r),)                               # [proj*(P+2r), h]
     elif spec.layout == "grouped":
         w_proj = (g.param("in_proj_qkvz.weight", (proj * P, h), ParamSpec((spec.qkvz,), shard_dim=0 if tp else None)),
@@ -130,12 +134,13 @@ def _flat_projection(g: GraphBuilder, pieces: tuple, Hk: int, width: int) -> str
     return g.param("in_proj.weight", (Hk * width, h), ParamSpec(by_rank, shard_dim=None))
 
 
-def _emit_kda(g: GraphBuilder, spec: LinearAttentionSpec, x: str, kw: dict) -> str:
+def _emit_kda(g: GraphBuilder, spec: LinearAttentionSpec, x: str, conv: tuple, kw: dict) -> str:
     """Kimi Delta Attention (layout 'kda'; H = Hk = Hv heads of d = dk = dv, R the gates' rank):
     q_proj, k_proj, v_proj and b_proj as one weight of 3d + 1 rows per head (``_flat_projection``); the
     low-rank forget and output gates f_a [R, h], g_a [R, h] replicated (under tp their gradients are
     partial per rank and all-reduced, as MLA's down projections), f_b [H dk, R], g_b [H dv, R] cut by
-    heads under tp; the Ulysses all-to-all (sp) moves the three projections' heads alike."""
+    heads under tp; the Ulysses all-to-all (sp) moves the three projections' heads alike. ``conv``: the
+    conv weight's q, k and v row ranges (``emit_linear_attention``'s)."""
     n, tp, h = g.strategy.n, g.strategy.attn == "tp", g.dims.h
     H, d, K, R = spec.v_heads, spec.k_dim, spec.conv_size, spec.gate_rank
     Hl = H // n
@@ -147,8 +152,6 @@ def _emit_kda(g: GraphBuilder, spec: LinearAttentionSpec, x: str, kw: dict) -> s
     w_fa, w_ga = rep("f_a_proj.weight", (R, h), spec.a_down), rep("g_a_proj.weight", (R, h), spec.z_down)
     w_fb = g.param("f_b_proj.weight", (proj * d, R), ParamSpec((spec.a,), shard_dim=0 if tp else None))
     w_gb = g.param("g_b_proj.weight", (proj * d, R), ParamSpec((spec.z,), shard_dim=0 if tp else None))
-    rows = ((0, H * d), (H * d, H * d), (2 * H * d, H * d))
-    conv = tuple(ParamSource(spec.conv.qualname, narrow=(0, start, length)) for start, length in rows)
     w_conv = g.param("conv1d.weight", (3 * Hl * d, 1, K), ParamSpec(conv, shard_dim=0))
     a_log = g.param("A_log", (1, 1, Hl, 1), ParamSpec((spec.a_log,), shard_dim=2))
     dt_bias = g.param("dt_bias", (Hl * d,), ParamSpec((spec.dt_bias,), shard_dim=0))

@@ -205,7 +205,9 @@ class MLASpec:
         kv_a(x) = (c [r_kv], k_pe [dr]);  kv = kv_b(norm_kv(c))  [H*(dn+dv)], per head (k_nope, v)
         query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) (k_pe shared by every head)
         out = o(causal attention(query, key, value))             [h]
-    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5 unless ``scale``."""
+    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5 unless ``scale``.
+    A forward that rotates nothing (Kimi Linear's MLA: NoPE, k_pe shared unrotated) has ``rope`` of
+    zero frequencies, the identity rotation."""
 
     q: ParamSource | None     # [H*(dn+dr), h]  when q is projected directly (q_rank None)
     q_a: ParamSource | None   # [r_q, h]

@@ -5,11 +5,15 @@ grouped by key head; Qwen3.5-MoE's ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``
 depthwise causal ``conv1d``, ``norm`` (a gated RMSNorm), ``out_proj`` and the parameters ``A_log``,
 ``dt_bias``. What it computes is
 ``moegraph.delta_kernels``'s module docstring; the numerical check against eager confirms it.
+Kimi Delta Attention (Kimi Linear's ``linear_attention`` layers, ``kda_spec``): ``q_proj``, ``k_proj``,
+``v_proj``, ``conv1d``, ``forget_gate`` (``f_a_proj``, ``f_b_proj``, ``A_log``, ``dt_bias``: a decay per key
+feature), ``b_proj``, the output gate ``g_a_proj``, ``g_b_proj``, ``o_norm`` (sigmoid-gated), ``o_proj``.
 
 Refused by name: a convolution with a bias, not depthwise, or not causal (padding K - 1); an
 activation other than SiLU (the convolution's or the gated norm's); projections with biases;
 value heads that are not a multiple of the key heads; a forward that does not L2-normalise q and k
-in the delta rule.
+in the delta rule; for Kimi's, also a gated norm whose activation is not sigmoid and a forget gate
+other than a bias-free low-rank projection with A_log [1, 1, H, 1] and dt_bias [H d].
 
 Notation: h hidden, Hk key heads, Hv value heads (r = Hv/Hk), dk, dv key and value head dims,
 K the convolution's width, C = 2 Hk dk + Hv dv its channels.
