@@ -234,3 +234,27 @@ def test_the_numerical_check_refuses_a_delta_rule_it_does_not_describe(monkeypat
     text = _refusal(tiny_model(FAMILY, CLS))
     assert text.startswith("layer 0 (KimiLinearDecoderLayer): the lowered graph differs from the eager module at "
                            "'self_attn' (KimiLinearDeltaAttention)"), text
+
+
+def test_a_kimi_linear_config_json_plans_its_kda_and_latent_layers(tmp_path):
+    """A Kimi Linear config.json (its linear_attn_config naming the KDA and full-attention layers,
+    1-indexed): a plan lowers both kinds (meta device: no numbers are checked)."""
+    import json
+
+    from moegraph.layers import KINDS_META
+    from moegraph.registry import load_model
+    from moegraph.tracer import trace_model
+    path = tmp_path / "kimi.json"
+    path.write_text(json.dumps({
+        "model_type": "kimi_linear", "num_hidden_layers": 4, "hidden_size": 64, "num_attention_heads": 4,
+        "num_key_value_heads": 4, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
+        "v_head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "first_k_dense_replace": 0, "linear_attn_config": {"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4,
+                                                           "kda_layers": [1, 2, 3], "full_attn_layers": [4]}}))
+    cfg = load_model(str(path))
+    assert (cfg.layers, cfg.heads, cfg.head_dim) == (4, 4, 24)
+    for attn in ("sp", "tp"):
+        kinds = trace_model(cfg, Strategy(attn, "ep", "a2a", 2), seq=256, layers=4).meta_get(KINDS_META)
+        assert kinds.pattern == (0, 0, 0, 1)
+        assert any(n.op is OpKind.GATED_DELTA and n.attr("layout") == "kda" for n in kinds.graphs[0].nodes)
+        assert any(n.op is OpKind.MLA_HEADS for n in kinds.graphs[1].nodes)
