@@ -1,5 +1,6 @@
-"""Kernels of GATED_DELTA, the Gated DeltaNet token mixer's core (Qwen3-Next's linear attention),
-and its FLOP and byte counts for the cost model.
+"""Kernels of GATED_DELTA, the Gated DeltaNet token mixer's core (Qwen3-Next's linear attention) and
+Kimi Delta Attention's (Kimi Linear's: the same rule, its decay per key feature), and its FLOP and byte
+counts for the cost model.
 
 Registered into ``moegraph.kernels.KERNELS`` through ``moegraph.family_kernels``. The forward is
 written here in torch (causal depthwise convolution, decay, the chunked gated delta rule, the
@@ -17,11 +18,15 @@ chunk_size, eps, l2_eps, layout):
                  v [r dv], z [r dv]), or from one [b, S, 2 Hk dk + 2 Hv dv + 2 Hv] (layout 'flat',
                  Qwen3.5-MoE: q, k, v, z, b, a one after another)
     b_, a        from ba [b, S, Hk*2r] (grouped: per key head b [r], a [r]), or the flat input's
+                 (layout 'kda', Kimi Delta Attention, Hk = Hv: qkvb [b, S, 2 Hk dk + Hv dv + Hv] of q, k,
+                 v, b; a [b, S, Hv*dk] its forget gate's f_b_proj output; z [b, S, Hv*dv] its g_b_proj's)
     (q, k, v) = silu(causal depthwise conv over S of (q, k, v) with weight [C, 1, K])
     q, k      = l2-normalised per head (eps l2_eps); q *= dk^-0.5; a key head serves r value heads
     beta = sigmoid(b_),  g = -exp(A_log) * softplus(a + dt_bias)          [b, S, Hv]
-    state S_t = exp(g_t) S_{t-1} + k_t (beta_t (v_t - exp(g_t) S_{t-1}^T k_t))^T,  o_t = S_t^T q_t
+                 ('kda': [b, S, Hv, dk], one decay per key feature; A_log [1, 1, Hv, 1], dt_bias [Hv*dk])
+    state S_t = diag(exp(g_t)) S_{t-1} + k_t (beta_t (v_t - (diag(exp(g_t)) S_{t-1})^T k_t))^T,  o_t = S_t^T q_t
     y = rmsnorm(o, eps) * w * silu(z)   per value head                    [b, S, Hv*dv]
+                 ('kda': * sigmoid(z), the norm in fp32 throughout)
 computed chunk by chunk (``chunked_delta_rule``), as the training kernels do. A right-padded
 batch's padded tokens enter with zero q, k, v, z, b and a, as eager zeroes their input (``_padding``).
 """
@@ -45,52 +50,70 @@ def _l2(x: torch.Tensor, eps: float) -> torch.Tensor:
 
 def chunked_delta_rule(q, k, v, g, beta, chunk: int) -> torch.Tensor:
     """The gated delta rule over the whole sequence, L = ``chunk`` positions at a time, from a zero
-    state. q, k [b, H, S, dk] (normalised and scaled), v [b, H, S, dv], g, beta [b, H, S], all fp32.
-    Inside a chunk, with G the cumulative sum of g from its start and D[i, j] = exp(G_i - G_j) (j <= i):
-        (I + A) U = beta V - (beta exp(G) K) S0,   A[i, j] = beta_i (k_i . k_j) D[i, j], j < i
-        O = (exp(G) Q) S0 + ((Q K^T) * D) U,       S1 = exp(G_L) S0 + (D[L, :] K)^T U
-    (U: the chunk's corrections, "new values"; a unit lower-triangular solve). -> [b, H, S, dv]."""
+    state. q, k [b, H, S, dk] (normalised and scaled), v [b, H, S, dv], beta [b, H, S], g [b, H, S] (one
+    decay per head, Gated DeltaNet) or [b, H, S, dk] (one per key feature, Kimi Delta Attention), fp32.
+    Inside a chunk, with G the cumulative sum of g from its start (per head, or per key feature d),
+    Dd[i, j] = exp(G_i,d - G_j,d) (j <= i; the same for every d with a per-head decay) and, for any
+    vectors x_i, y_j of dk features, <x_i, y_j>_D = sum_d x_i,d y_j,d Dd[i, j]:
+        (I + A) U = beta V - (beta exp(G) K) S0,   A[i, j] = beta_i <k_i, k_j>_D, j < i
+        O = (exp(G) Q) S0 + P U,  P[i, j] = <q_i, k_j>_D (j <= i),  S1 = exp(G_L) S0 + (exp(G_L - G) K)^T U
+    (U: the chunk's corrections, "new values"; a unit lower-triangular solve; exp(G) K scales each key's
+    features, exp(G_L) S0 each row of the state [dk, dv]). -> [b, H, S, dv]."""
     b, H, S, dk = k.shape
     dv = v.shape[-1]
+    per_feature = g.dim() == 4
     pad = (-S) % chunk
     if pad:                                   # zero keys, values and decay past the end: outputs dropped
         q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
-        g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
+        g = F.pad(g, (0, 0, 0, pad) if per_feature else (0, pad))
+        beta = F.pad(beta, (0, pad))
     c = (S + pad) // chunk
     # [b, H, S, .] -> [b, H, c, L, .]
     q, k, v = (t.reshape(b, H, c, chunk, t.shape[-1]) for t in (q, k, v))
-    g, beta = g.reshape(b, H, c, chunk), beta.reshape(b, H, c, chunk)
-    G = g.cumsum(-1)                                                          # [b, H, c, L]
+    g, beta = g.reshape(b, H, c, chunk, *g.shape[3:]), beta.reshape(b, H, c, chunk)
+    G = g.cumsum(3)                                                           # [b, H, c, L] or [b, H, c, L, dk]
+    Gk = G if per_feature else G[..., None]                                   # against a key's features
     lower = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     strict = lower.clone().fill_diagonal_(False)
-    D = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [b, H, c, L, L]
-    kk = k @ k.transpose(-1, -2)
-    A = (beta[..., None] * kk * D).masked_fill(~strict, 0.0)
+    if per_feature:                           # [b, H, c, L, L, dk]: each key feature decays on its own
+        D = (G[..., :, None, :] - G[..., None, :, :]).masked_fill(~lower[..., None], float("-inf")).exp()
+        kk = (k[..., :, None, :] * k[..., None, :, :] * D).sum(-1)           # [b, H, c, L, L]
+        intra = (q[..., :, None, :] * k[..., None, :, :] * D).sum(-1)
+    else:
+        D = (G[..., :, None] - G[..., None, :]).masked_fill(~lower, float("-inf")).exp()  # [b, H, c, L, L]
+        kk = (k @ k.transpose(-1, -2)) * D
+        intra = (q @ k.transpose(-1, -2)) * D
+    A = (beta[..., None] * kk).masked_fill(~strict, 0.0)
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
-    rhs = torch.cat((beta[..., None] * v, beta[..., None] * G.exp()[..., None] * k), dim=-1)   # [b, H, c, L, dv+dk]
+    rhs = torch.cat((beta[..., None] * v, beta[..., None] * Gk.exp() * k), dim=-1)   # [b, H, c, L, dv+dk]
     solved = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
     u_v, u_k = solved[..., :dv], solved[..., dv:]
-    intra = (q @ k.transpose(-1, -2)) * D                                     # [b, H, c, L, L]
-    q_decayed = q * G.exp()[..., None]
-    k_to_end = k * (G[..., -1:] - G).exp()[..., None]                         # each key decayed to the chunk's end
+    q_decayed = q * Gk.exp()
+    k_to_end = k * (Gk[..., -1:, :] - Gk).exp()                               # each key decayed to the chunk's end
+    end = Gk[..., -1, :].exp()[..., None]                                     # [b, H, c, 1 or dk, 1]: per state row
     state = q.new_zeros(b, H, dk, dv)
     outs = []
     for i in range(c):
         u = u_v[:, :, i] - u_k[:, :, i] @ state                               # [b, H, L, dv]
         outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ u)
-        state = state * G[:, :, i, -1].exp()[..., None, None] + k_to_end[:, :, i].transpose(-1, -2) @ u
+        state = state * end[:, :, i] + k_to_end[:, :, i].transpose(-1, -2) @ u
     return torch.stack(outs, dim=2).reshape(b, H, c * chunk, dv)[:, :, :S]
 
 
 def projections(node: Node, *proj: torch.Tensor):
     """(q, k, v, z, b, a) [b, S, X] each from the op's projection inputs, by attr layout:
     'grouped' (Qwen3-Next): qkvz [b, S, Hk*P] and ba [b, S, Hk*2r], grouped by key head;
-    'flat' (Qwen3.5-MoE): one [b, S, 2 Hk dk + 2 Hv dv + 2 Hv] of q, k, v, z, b, a one after another."""
+    'flat' (Qwen3.5-MoE): one [b, S, 2 Hk dk + 2 Hv dv + 2 Hv] of q, k, v, z, b, a one after another;
+    'kda' (Kimi Linear): qkvb [b, S, 2 Hk dk + Hv dv + Hv] of q, k, v, b, then the forget gate's
+    f [b, S, Hv dk] (a: one decay per key feature) and the output gate's z [b, S, Hv dv]."""
     t = node.typed
     Hk, Hv, dk, dv = t.k_heads, t.v_heads, t.k_dim, t.v_dim
     r = Hv // Hk
     if t.layout == "flat":
         return proj[0].split((Hk * dk, Hk * dk, Hv * dv, Hv * dv, Hv, Hv), dim=-1)
+    if t.layout == "kda":
+        q, k, v, bb = proj[0].split((Hk * dk, Hk * dk, Hv * dv, Hv), dim=-1)
+        return q, k, v, proj[2], bb, proj[1]
     if t.layout != "grouped":
         raise bad_choice(node)
     qkvz, ba = proj
@@ -101,14 +124,31 @@ def projections(node: Node, *proj: torch.Tensor):
     return tuple(x.reshape(b, S, -1) for x in (q, k, v, z, bb, a))
 
 
+PROJECTION_INPUTS = {"grouped": 2, "flat": 1, "kda": 3}
+
+
 def projection_inputs(node: Node) -> int:
     """How many of the op's inputs are projections (``projections``); the four weights follow."""
-    return 2 if node.typed.layout == "grouped" else 1
+    if node.typed.layout not in PROJECTION_INPUTS:
+        raise bad_choice(node)
+    return PROJECTION_INPUTS[node.typed.layout]
+
+
+def _decay(node: Node, a: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor) -> torch.Tensor:
+    """The log-decay g = -exp(A_log) * softplus(a + dt_bias), fp32: [b, Hv, S] per value head (a, A_log,
+    dt_bias [Hv]), or for layout 'kda' [b, Hv, S, dk] per key feature (a [b, S, Hv dk], dt_bias [Hv dk],
+    A_log [1, 1, Hv, 1]: one rate per head)."""
+    t = node.typed
+    b, S = a.shape[:2]
+    if t.layout == "kda":
+        soft = F.softplus(a.float() + dt_bias.float()).reshape(b, S, t.v_heads, t.k_dim)
+        return (-a_log.float().reshape(t.v_heads, 1).exp() * soft).transpose(1, 2)
+    return (-a_log.float().exp() * F.softplus(a.reshape(b, S, t.v_heads).float() + dt_bias)).transpose(1, 2)
 
 
 def gated_delta_forward(node: Node, *ins: torch.Tensor) -> torch.Tensor:
     """The module docstring's computation: the projections (``projections``), conv_w [C, 1, K],
-    a_log, dt_bias [Hv], norm_w [dv] -> [b, S, Hv*dv] in the projections' dtype."""
+    a_log, dt_bias, norm_w [dv] -> [b, S, Hv*dv] in the projections' dtype."""
     t = node.typed
     Hk, Hv, dk, dv = t.k_heads, t.v_heads, t.k_dim, t.v_dim
     r = Hv // Hk
@@ -128,11 +168,15 @@ def gated_delta_forward(node: Node, *ins: torch.Tensor) -> torch.Tensor:
     k = _l2(heads(k, Hk, dk), t.l2_eps).repeat_interleave(r, dim=1)
     v = heads(v, Hv, dv)
     beta = bb.reshape(b, S, Hv).sigmoid().float().transpose(1, 2)             # [b, Hv, S]
-    g = (-a_log.float().exp() * F.softplus(a.reshape(b, S, Hv).float() + dt_bias)).transpose(1, 2)
+    g = _decay(node, a, a_log, dt_bias)
     o = chunked_delta_rule(q, k, v, g, beta, t.chunk_size).to(dtype)          # [b, Hv, S, dv]
     o = o.transpose(1, 2).float()                                             # [b, S, Hv, dv]
-    normed = (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + t.eps)).to(dtype)
-    gated = norm_w * normed * F.silu(z.reshape(b, S, Hv, dv).float())
+    normed = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + t.eps)
+    z = z.reshape(b, S, Hv, dv).float()
+    if t.layout == "kda":                     # Kimi's gated norm: fp32 throughout, a sigmoid gate
+        gated = norm_w.float() * normed * z.sigmoid()
+    else:
+        gated = norm_w * normed.to(dtype) * F.silu(z)
     return gated.to(dtype).reshape(b, S, Hv * dv)
 
 
@@ -177,14 +221,17 @@ KERNELS = {
 
 
 def gated_delta_flops(*, b: int, s: int, k_heads: int, v_heads: int, k_dim: int, v_dim: int, conv: int,
-                      chunk: int = CHUNK) -> int:
+                      chunk: int = CHUNK, per_feature: bool = False) -> int:
     """Forward FLOPs of the chunked algorithm on one rank (module docstring's notation), per value
     head and chunk: Q K^T and K K^T 4 L^2 dk, the triangular solve on [V, K] L^2 (dv + dk), the
     intra-chunk product 2 L^2 dv, the state's read by Q and by the keys and its update 6 L dk dv;
-    plus the convolution 2 K C per position and ~10 per output feature (norm, gate, decay)."""
+    plus the convolution 2 K C per position and ~10 per output feature (norm, gate, decay). A decay
+    per key feature (layout 'kda') weighs both products feature by feature: the decays exp(G_i - G_j)
+    [L, L, dk] (2 L^2 dk) and 3 L^2 dk per product instead of 2."""
     c = math.ceil(s / chunk)
     L, dk, dv = chunk, k_dim, v_dim
-    per_chunk = 4 * L * L * dk + L * L * (dv + dk) + 2 * L * L * dv + 6 * L * dk * dv
+    products = (8 if per_feature else 4) * L * L * dk
+    per_chunk = products + L * L * (dv + dk) + 2 * L * L * dv + 6 * L * dk * dv
     channels = 2 * k_heads * k_dim + v_heads * v_dim
     return b * v_heads * c * per_chunk + b * s * (2 * conv * channels + 10 * v_heads * v_dim)
 

@@ -50,9 +50,11 @@ GluAct = Literal["gelu", "gelu_tanh", "clamped_swiglu", "sigmoid", "softplus"]
 softplus for a gated attention output (a: the gate's logits, per feature or, attr ``group``, per head)."""
 LimitHow = Literal["clamp", "softcap"]
 """LIMIT's attr ``how``: clamp(x, -c, c), or the soft cap c * tanh(x / c), c the attr ``limit``."""
-DeltaLayout = Literal["grouped", "flat"]
-"""GATED_DELTA's attr ``layout``: its projection inputs qkvz and ba grouped by key head (Qwen3-Next), or
-one input of q, k, v, z, b, a one after another (Qwen3.5-MoE; ``moegraph.delta_kernels.projections``)."""
+DeltaLayout = Literal["grouped", "flat", "kda"]
+"""GATED_DELTA's attr ``layout``: its projection inputs qkvz and ba grouped by key head (Qwen3-Next),
+one input of q, k, v, z, b, a one after another (Qwen3.5-MoE), or Kimi Delta Attention's q, k, v, b,
+its forget gate's per-key-feature decay input and its output gate, with a sigmoid-gated norm
+(Kimi Linear; ``moegraph.delta_kernels.projections``)."""
 DtypeName = Literal["fp32", "bf16", "fp16", "fp8", "int64", "int32"]
 
 CHOICE_ATTRS: Mapping[tuple[OpKind, Role], tuple[str, tuple[str, ...]]] = {

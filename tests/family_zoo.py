@@ -80,6 +80,10 @@ ROWS: dict[str, dict] = {
     "qwen3_5_moe": {"layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
                     "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 8,
                     "linear_conv_kernel_dim": 4},
+    # Kimi Linear: a Kimi Delta Attention layer (4 heads of 8, a 4-wide convolution) and an MLA one (NoPE, q
+    # projected directly as Kimi-Linear-48B's q_lora_rank=None); DeepSeek-V3's grouped sigmoid router
+    "kimi_linear": {"layer_types": ["linear_attention", "full_attention"], "linear_num_heads": 4, "linear_head_dim": 8,
+                    "linear_conv_kernel_dim": 4, "q_lora_rank": None, "n_group": 4, "topk_group": 2},
     # its head_dim is the q/k head dim (nope + rope, as its config derives it when not given): its rotary
     # module rotates head_dim * partial_rotary_factor = qk_rope_head_dim features
     "mistral4": {"head_dim": SIZES["qk_head_dim"]},

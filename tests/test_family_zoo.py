@@ -36,7 +36,7 @@ COMPILED = ("aria", "cohere2_moe", "deepseek_v2", "deepseek_v3", "dots1", "ernie
             "kolibri1", "laguna", "llama4", "mellum", "mimo_v2_flash", "minimax_m2",
             "mixtral", "olmoe", "qwen2_moe", "qwen3_moe", "solar_open",
             "afmoe", "axk1", "granitemoe_swa", "dbrx", "mistral4",
-            "minimax_m3_vl", "qwen3_next", "qwen3_5_moe", "lara_mini", "gemma4")   # last: appending keeps the other families' strategies (COMBOS by index)
+            "minimax_m3_vl", "qwen3_next", "qwen3_5_moe", "lara_mini", "gemma4", "kimi_linear")   # last: appending keeps the other families' strategies (COMBOS by index)
 LMS = dict(moe_causal_lms())
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -77,10 +77,11 @@ def names_of(model: nn.Module) -> ModelNames:
 
 def base_children(model: nn.Module) -> tuple[str, ...]:
     """The children a base model's rule reads: its family's embedding, layers and norm, then
-    ``rotary_emb``, and ``rotary_embs`` where its config gives each layer its own RoPE theta
-    (``config.layer_rope_theta``)."""
+    ``rotary_emb`` (where it has one: Kimi Linear's has none, its layers rotate nothing), and
+    ``rotary_embs`` where its config gives each layer its own RoPE theta (``config.layer_rope_theta``)."""
     cfg, names = getattr(model, "config", None), names_of(model)
-    return (names.embed, names.layers, names.norm, "rotary_emb") + (
+    rotary = ("rotary_emb",) if isinstance(getattr(model, "rotary_emb", None), nn.Module) else ()
+    return (names.embed, names.layers, names.norm, *rotary) + (
         (THETA_ROTARIES,) if getattr(cfg, "layer_rope_theta", None) is not None
         and isinstance(getattr(model, THETA_ROTARIES, None), nn.ModuleList) else ())
 
@@ -374,8 +375,9 @@ def base_model(model: nn.Module) -> ModelSpec:
     if len(layers) != getattr(cfg, count):
         raise LoweringError(f"{names.layers}: {len(layers)} decoder layers but config.{count}={getattr(cfg, count)} "
                             f"(forward runs only the first {count})")
-    check_rotary(model.rotary_emb, "rotary_emb")
-    rotaries = {"rotary_emb": model.rotary_emb}
+    rotaries = {"rotary_emb": model.rotary_emb} if "rotary_emb" in base_children(model) else {}
+    for qn, rotary in rotaries.items():
+        check_rotary(rotary, qn)
     if THETA_ROTARIES in base_children(model):
         rotaries.update(_theta_rotaries(model))
     norm = norm_spec(getattr(model, names.norm), names.norm)

@@ -147,7 +147,10 @@ class LinearAttentionSpec:
     head; layout 'flat' (Qwen3.5-MoE): qkvz is in_proj_qkv [2 Hk dk + Hv dv, h] (q, k, v of every
     head), z [Hv dv, h], b and a [Hv, h] their own. Both: the causal depthwise conv weight [C, 1, K]
     over the channels (q of every key head, k of every key head, v of every value head); A_log and
-    dt_bias [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv]."""
+    dt_bias [Hv]; the gated RMSNorm's weight [dv] (eps ``eps``); out [h, Hv*dv].
+    Layout 'kda' (Kimi Delta Attention, Hk = Hv): q, k, v [Hv d, h] (qkvz, k, v), b [Hv, h]; the forget
+    gate a = a_down then a [Hv dk, rank] with dt_bias [Hv dk] and A_log [1, 1, Hv, 1] (a decay per key
+    feature); the output gate z = z_down then z [Hv dv, rank], sigmoid-gating the norm."""
 
     qkvz: ParamSource
     ba: ParamSource | None
@@ -163,10 +166,15 @@ class LinearAttentionSpec:
     conv_size: int            # K
     eps: float
     chunk_size: int = 64      # the delta rule's chunk L (transformers' torch_chunk_gated_delta_rule's)
-    layout: Literal["grouped", "flat"] = "grouped"
-    z: ParamSource | None = None     # flat: in_proj_z, in_proj_b, in_proj_a
+    layout: Literal["grouped", "flat", "kda"] = "grouped"
+    z: ParamSource | None = None     # flat: in_proj_z, in_proj_b, in_proj_a; kda: g_b_proj, b_proj, f_b_proj
     b: ParamSource | None = None
     a: ParamSource | None = None
+    k: ParamSource | None = None     # kda: k_proj and v_proj (qkvz is q_proj)
+    v: ParamSource | None = None
+    z_down: ParamSource | None = None    # kda: the low-rank gates' down projections g_a_proj, f_a_proj
+    a_down: ParamSource | None = None
+    gate_rank: int = 0               # kda: their rank (g_a's and f_a's outputs; the one for both)
 
 
 @dataclass(frozen=True)
@@ -197,7 +205,9 @@ class MLASpec:
         kv_a(x) = (c [r_kv], k_pe [dr]);  kv = kv_b(norm_kv(c))  [H*(dn+dv)], per head (k_nope, v)
         query = (q_nope, rope(q_rot)), key = (k_nope, rope(k_pe)) (k_pe shared by every head)
         out = o(causal attention(query, key, value))             [h]
-    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5 unless ``scale``."""
+    q/k head dim dn+dr differs from the value head dim dv; scaling is (dn+dr)^-0.5 unless ``scale``.
+    A forward that rotates nothing (Kimi Linear's MLA: NoPE, k_pe shared unrotated) has ``rope`` of
+    zero frequencies, the identity rotation."""
 
     q: ParamSource | None     # [H*(dn+dr), h]  when q is projected directly (q_rank None)
     q_a: ParamSource | None   # [r_q, h]

@@ -10,7 +10,9 @@ A module is read as one block kind by its submodules and parameters alone:
     mlp        ``gate_proj``/``up_proj``/``down_proj`` linears
     linear_attention  Gated DeltaNet: ``in_proj_qkvz``, ``in_proj_ba`` (Qwen3-Next) or ``in_proj_qkv``,
                ``in_proj_z``, ``in_proj_b``, ``in_proj_a`` (Qwen3.5-MoE), ``conv1d``, ``norm``, ``out_proj``,
-               ``A_log``, ``dt_bias``; read by ``moegraph.lowering.structural_linear``
+               ``A_log``, ``dt_bias``; or Kimi Delta Attention (``KDA_CHILDREN``; checked before
+               attention: it holds ``q_proj``/``k_proj``/``v_proj``/``o_proj`` too); read by
+               ``moegraph.lowering.structural_linear``
 Sizes come from parameter shapes; behaviour (top-k, normalisation, windows, RoPE frequencies) from
 the attributes and configuration fields with transformers' usual names, and from the family's row
 in ``moegraph.lowering.families`` where a name alone cannot tell. Which attributes a class's forward
@@ -190,6 +192,8 @@ def classify(module: nn.Module) -> str | None:
     own = dict(module.named_parameters(recurse=False))
     if not children and "weight" in own and own["weight"].dim() == 1 and _eps(module) is not None:
         return "norm"
+    if is_linear_attention(children, own):                  # Gated DeltaNet (Qwen3-Next), Kimi Delta Attention
+        return "linear_attention"
     if "o_proj" in children and "kv_b_proj" in children and "kv_a_proj_with_mqa" in children:
         return "mla"
     if "o_proj" in children and all(p in children for p in ("q_proj", "k_proj", "v_proj")):
@@ -204,8 +208,6 @@ def classify(module: nn.Module) -> str | None:
         return "experts"
     if all(isinstance(children.get(p), nn.Linear) for p in FUSED_ATTENTION):
         return "attention"
-    if is_linear_attention(children, own):                  # Gated DeltaNet (Qwen3-Next)
-        return "linear_attention"
     if "experts" in children and _router_name(module) is not None:
         return "moe"
     if all(isinstance(children.get(p), nn.Linear) for p in ("gate_proj", "up_proj", "down_proj")) or \
@@ -463,14 +465,24 @@ LINEAR_PROJECTIONS = {"grouped": ("in_proj_qkvz", "in_proj_ba"), "flat": ("in_pr
 DECAY_PARAMS = ("A_log", "dt_bias")
 
 
+KDA_CHILDREN = ("q_proj", "k_proj", "v_proj", "conv1d", "forget_gate", "b_proj", "g_a_proj", "g_b_proj", "o_norm",
+                "o_proj")
+"""Kimi Delta Attention's children (Kimi Linear; layout 'kda'): its decay's A_log and dt_bias are the
+forget gate's, beside its low-rank projection (f_a_proj, f_b_proj)."""
+
+
 def linear_layout(children: dict) -> str | None:
-    """'grouped' (Qwen3-Next) or 'flat' (Qwen3.5-MoE): which projections a Gated DeltaNet holds."""
+    """'grouped' (Qwen3-Next) or 'flat' (Qwen3.5-MoE): which projections a Gated DeltaNet holds; 'kda':
+    Kimi Delta Attention's (KDA_CHILDREN)."""
+    if all(n in children for n in KDA_CHILDREN):
+        return "kda"
     return next((k for k, names in LINEAR_PROJECTIONS.items() if all(n in children for n in names)), None)
 
 
 def is_linear_attention(children: dict, own: dict) -> bool:
-    return all(n in children for n in LINEAR_ATTENTION) and all(p in own for p in DECAY_PARAMS) and \
-        linear_layout(children) is not None
+    layout = linear_layout(children)
+    return layout == "kda" or (layout is not None and all(n in children for n in LINEAR_ATTENTION)
+                               and all(p in own for p in DECAY_PARAMS))
 
 
 FUSED_ATTENTION = ("Wqkv", "out_proj")

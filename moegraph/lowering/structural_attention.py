@@ -301,7 +301,10 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
     window, chunk = mask_of(cfg, getattr(module, "layer_idx", _ctx().layer_idx))
     if window or chunk:
         raise LoweringError(f"{where}: a sliding-window or chunked mask on latent attention is not modelled")
-    rope = rope_of(cfg, dr, where, _layer_type(cfg, getattr(module, "layer_idx", _ctx().layer_idx)), _ctx().family)
+    if _calls_rotary(module):
+        rope = rope_of(cfg, dr, where, _layer_type(cfg, getattr(module, "layer_idx", _ctx().layer_idx)), _ctx().family)
+    else:     # NoPE (Kimi Linear's MLA): k_pe shared by every head, unrotated; zero frequencies rotate by nothing
+        rope = RopeSpec(theta=float(getattr(cfg, "rope_theta", None) or 10000.0), inv_freq=(0.0,) * (dr // 2))
     p = functools.partial(lambda q, n: _src(q, f"{n}.weight"), qualname)
     scale = float(module.scaling)
     query_scale_from = _position_query_scale(module, cfg, where)
@@ -316,6 +319,17 @@ def mla_spec(module: nn.Module, qualname: str) -> MLASpec:
                    tuple_output=returns_tuple(type(module)),
                    rope=None if rope.inv_freq is None and rope.scaling == 1.0 else rope,
                    scale=None if scale == module.qk_head_dim ** -0.5 else scale, query_scale_from=query_scale_from)
+
+
+def _calls_rotary(module: nn.Module) -> bool:
+    """Whether the module's forward calls anything named for a rotation (``apply_rotary_pos_emb``...);
+    an unreadable source counts as rotating (the numerical check decides)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(type(module).forward))))
+    except (OSError, TypeError, SyntaxError):
+        return True
+    return any(isinstance(n, ast.Call) and any(w in ast.unparse(n.func).lower() for w in ("rotary", "rope"))
+               for n in ast.walk(tree))
 
 
 QUERY_SCALE_FN = "get_llama_4_attn_scale"
