@@ -59,7 +59,7 @@ import typing
 from dataclasses import dataclass
 
 from moegraph.cost import CostModel
-from moegraph.ir import Graph, Node, Phase, Remat, Value, ValueKind
+from moegraph.ir import Graph, Node, OpKind, Phase, Remat, Value, ValueKind
 from moegraph.layers import LayerKinds, layer_count, layer_kinds
 from moegraph.solver_limits import set_time_limit
 from moegraph.pass_steps import Sar, step_label
@@ -77,12 +77,6 @@ in well under a second."""
 PAPER_KEEP = ("hidden", "attn", "ln2_in", "fc1_out", "fc3_out")
 PAPER_ATTN_SP = ("q_a2a", "k_a2a", "v_a2a")       # attn='sp', n > 1: the all-to-all'd q, k, v
 PAPER_ATTN_TP = ("qkv",)                           # attn='tp' or n = 1: the QKV GEMM output
-# Fig 9's rule for a Gated DeltaNet block (GATED_DELTA), which names no such units: its core's
-# inputs (the projections after the Ulysses all-to-all, or the GEMM outputs under tp / n = 1:
-# Qwen3-Next's qkvz and ba, Qwen3.5-MoE's one qkvzba) and its output, as `attn` for softmax attention
-PAPER_LINEAR_CORE_OUT = "delta_out"
-PAPER_LINEAR_SP = (("qkvz_a2a", "ba_a2a"), ("qkvzba_a2a",))
-PAPER_LINEAR_TP = (("qkvz", "ba"), ("qkvzba",))
 
 
 def unit_of(value: str) -> str:
@@ -211,14 +205,13 @@ def paper_keep(graph: Graph) -> frozenset[str]:
     """Fig 9's highlighted units for this graph (attention inputs per attn mode, see module doc)."""
     units = {unit_of(v.name) for v in graph.values}
     attn = PAPER_ATTN_SP if all(u in units for u in PAPER_ATTN_SP) else PAPER_ATTN_TP
-    linear: tuple[str, ...] = ()
-    if PAPER_LINEAR_CORE_OUT in units:
-        core_in = next((c for c in PAPER_LINEAR_SP + PAPER_LINEAR_TP if all(u in units for u in c)), None)
-        if core_in is None:
-            raise ValueError(f"sar=paper: graph {graph.name!r} has a Gated DeltaNet core ({PAPER_LINEAR_CORE_OUT}) "
-                             "but none of the input units the policy keeps for it")
-        linear = core_in + (PAPER_LINEAR_CORE_OUT,)
-    return frozenset(PAPER_KEEP + attn + linear)
+    # a linear-attention core (GATED_DELTA: Gated DeltaNet, Kimi's KDA) names none of those units; by
+    # Fig 9's rule for attention its core's activation inputs (after the Ulysses all-to-all under sp)
+    # and its output are kept, read off the node itself (every layout: qkvz/ba, qkvzba, qkvb/f/z)
+    params = {v.name for v in graph.values if v.kind is ValueKind.PARAM}
+    linear = {unit_of(x) for nd in graph.nodes if nd.op is OpKind.GATED_DELTA and nd.phase is Phase.FORWARD
+              for x in (*nd.inputs, *nd.outputs) if x not in params}
+    return frozenset(PAPER_KEEP + attn) | linear
 
 
 class KeepSearchTimeout(ValueError):

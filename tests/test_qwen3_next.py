@@ -261,7 +261,9 @@ def test_the_numerical_check_refuses_a_delta_rule_it_does_not_describe(monkeypat
     ("sp", 2, (FAMILY, CLS), {"qkvz_a2a", "ba_a2a", "delta_out"}), ("tp", 2, (FAMILY, CLS), {"qkvz", "ba", "delta_out"}),
     ("sp", 1, (FAMILY, CLS), {"qkvz", "ba", "delta_out"}),
     pytest.param("sp", 2, QWEN35, {"qkvzba_a2a", "delta_out"}, marks=needs_qwen35),
-    pytest.param("tp", 2, QWEN35, {"qkvzba", "delta_out"}, marks=needs_qwen35)])
+    pytest.param("tp", 2, QWEN35, {"qkvzba", "delta_out"}, marks=needs_qwen35),
+    ("sp", 2, ("kimi_linear", "KimiLinearForCausalLM"), {"qkvb_a2a", "f_a2a", "z_a2a", "delta_out"}),
+    ("tp", 2, ("kimi_linear", "KimiLinearForCausalLM"), {"qkvb", "f", "z", "delta_out"})])
 def test_sar_paper_keeps_the_delta_cores_inputs_and_output(attn, n, family, kept):
     """Fig 9's rule for the linear-attention block: its core's inputs (after the all-to-all under sp)
     and its output are kept, so backward re-runs neither the projections, their all-to-alls nor the
@@ -271,8 +273,7 @@ def test_sar_paper_keeps_the_delta_cores_inputs_and_output(attn, n, family, kept
     from moegraph.passes import run_pipeline
     from moegraph.registry import load_hardware
     graph, _ = trace_causal_lm(tiny_model(*family), Strategy(attn, "ep", "a2a", n, dtype="fp32"), batch=2, seq=16)
-    linear = graph.meta_get(KINDS_META).graphs[0]
-    assert any(nd.op is OpKind.GATED_DELTA for nd in linear.nodes)
+    linear = next(k for k in graph.meta_get(KINDS_META).graphs if any(nd.op is OpKind.GATED_DELTA for nd in k.nodes))
     _, report = run_pipeline(linear, "sar=paper", cost=CostModel(load_hardware("h800")))
     sar = report["sar"]
     assert kept <= set(sar["kept"])
