@@ -26,7 +26,7 @@ def check_strategy(dims: Dims, strategy: Strategy) -> None:
     across = f"n/attn_nodes={G}" if N > 1 else f"n={n}"
     for what, size in (("heads", dims.heads), ("kv_heads", dims.kv_heads), ("seq", dims.s)):
         if size % G:
-            raise ConfigError(f"{across} does not divide {what}={size}" + _fold_hint(dims, strategy, what))
+            raise ConfigError(f"{across} does not divide {what}={size}" + fold_hint(dims, strategy, what))
     if dims.b % N:
         raise ConfigError(f"attn_nodes={N} does not divide the batch b={dims.b} (each node's attention takes b/N rows)")
     if strategy.ffn == "ep" and not dense and dims.experts % n:
@@ -43,7 +43,7 @@ def attention_fold(n: int, heads: int, kv_heads: int, seq: int) -> int:
     return n // math.gcd(n, heads, kv_heads, seq)
 
 
-def _fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
+def fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
     """For heads an expert-parallel group of n cannot split: the fold that can, as a suggestion ('' when
     the experts cannot span n either, or the attention is already folded)."""
     n = strategy.n
@@ -52,7 +52,8 @@ def _fold_hint(dims: Dims, strategy: Strategy, what: str) -> str:
     fold = attention_fold(n, dims.heads, dims.kv_heads, dims.s)
     batch = "" if dims.b % fold == 0 else f" (--batch a multiple of {fold}: b={dims.b})"
     return (f"; the experts can still span n={n}: with dispatch='a2a', attn_nodes={fold} (--attn-nodes {fold}) runs the "
-            f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch{batch}")
+            f"attention on n/{fold}={n // fold} ranks over b/{fold} of the batch{batch}"
+            + (f"; or a multiple of {fold} if fewer than {n // fold} GPUs share a node" if fold < n else ""))
 
 
 class GraphBuilder:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moegraph.autodiff import add_backward
-from moegraph.builder import ConfigError, GraphBuilder, check_strategy
+from moegraph.builder import ConfigError, GraphBuilder, check_strategy, fold_hint
 from moegraph.edges import AUX_META, AuxLoss
 from moegraph.ir import Dims, Graph, ParamSource, Strategy, verify
 from moegraph.token_layout import local_tokens
@@ -405,6 +405,11 @@ def lower(program: LayerProgram, dims: Dims, strategy: Strategy, name: str, *,
     """Emit forward nodes for ``strategy``, append the backward, verify; ``step_values`` (when given)
     receives each step's output value name (the numerical check compares them); ``coverage``: run
     the structural guard's check that every parameter is read (skipped when the guard is off)."""
+    if linear := program.specs(LinearAttentionSpec):      # its key heads are the dims' kv_heads: say which
+        if linear[0].k_heads % strategy.attn_ranks:
+            raise ConfigError(f"{name}: n/attn_nodes={strategy.attn_ranks} does not divide the linear attention's key "
+                              f"heads ({linear[0].k_heads}): each rank's key heads carry their value heads"
+                              + fold_hint(dims, strategy, "kv_heads"))
     check_strategy(dims, strategy)
     g = GraphBuilder(name, dims, strategy)
     outs: dict[int, str] = {-1: g.input("hidden", (*local_tokens(dims.b, dims.s, strategy), dims.h))}  # [b/N, s/G, h]

@@ -65,7 +65,8 @@ def test_a_gqa_model_spans_more_ranks_than_it_has_kv_heads():
                                           r"dispatch='a2a', attn_nodes=8 \(--attn-nodes 8\) runs the attention on n/8=4"):
         lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 32), **config))
     with pytest.raises(ConfigError, match=r"runs the attention on n/8=4 ranks over b/8 of the batch \(--batch a "
-                                          r"multiple of 8: b=2\)$"):       # and the batch it needs, when it lacks it
+                                          r"multiple of 8: b=2\); or a multiple of 8 if fewer than 4 GPUs share a "
+                                          r"node$"):       # and the batch it needs, when it lacks it; the node's limit
         lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 32), **config | {"batch": 2}))
     with pytest.raises(ConfigError, match=r"n=16 does not divide kv_heads=8$"):     # no hint: 8 experts cannot span 16
         lower(CompileConfig(strategy=Strategy("tp", "ep", "a2a", 16), **config | {"model": "mixtral-8x7b"}))

@@ -13,6 +13,7 @@ import pytest
 
 pytest.importorskip("transformers")
 
+from moegraph.builder import ConfigError  # noqa: E402
 from moegraph.cli import main  # noqa: E402
 from moegraph.ir import OpKind, Phase, Strategy  # noqa: E402
 from moegraph.registry import RegistryError, load_model, model_names  # noqa: E402
@@ -150,6 +151,13 @@ def test_a_qwen3_next_config_plans_its_linear_and_full_attention_layers(tmp_path
         kinds = g.meta_get(KINDS_META)
         assert kinds.pattern == (0, 0, 0, 1)
         assert any(nd.op is OpKind.GATED_DELTA for nd in kinds.graphs[0].nodes)
+    # n not dividing the linear attention's key heads (2; the full layers' kv heads are 4 here) is
+    # refused naming them, not as "kv_heads" (the dims' field they sit in), with the fold that works
+    wide = tmp_path / "wide_kv.json"
+    wide.write_text(path.read_text().replace('"num_key_value_heads": 2', '"num_key_value_heads": 4'))
+    with pytest.raises(ConfigError, match=r"n/attn_nodes=4 does not divide the linear attention's key heads \(2\): "
+                                          r".*attn_nodes=2 \(--attn-nodes 2\)"):
+        trace_model(load_model(str(wide)), Strategy("sp", "ep", "a2a", 4), seq=256, layers=4)
     # fuse=all over both kinds: the gated full-attention kind has no eligible group, the linear one
     # has; the stack's kinds must carry one strategy (the restack raised a traceback)
     from moegraph.cli import main
