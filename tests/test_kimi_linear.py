@@ -29,6 +29,11 @@ from moegraph.lowering import LoweringError  # noqa: E402
 from moegraph.tracer import trace_causal_lm  # noqa: E402
 
 TOL = 1e-5
+GRAD_TOL_RANKS = 3e-5
+"""Gradients on 2 gloo ranks: a weight's gradient is the sum of the ranks' partial sums, rounded in
+another order than eager's one-process sum; the delta rule's decay gradients (A_log, dt_bias) are
+sums of many cancelling terms, so that reordering shows (seen 1.2e-5 once in CI, under the
+arbitration against float64 of family_workers.step_errors)."""
 FAMILY, CLS = "kimi_linear", "KimiLinearForCausalLM"
 LINEAR = "model.layers.0.self_attn"
 
@@ -153,7 +158,7 @@ def test_compiled_on_two_gloo_ranks_matches_eager(rank_results):
         assert len(results) == len(N2_CASES)
         for res in results:
             assert "refused" not in res, (rank, res)
-            assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < TOL, (rank, res)
+            assert res["logits"] < TOL and res["loss"] < TOL and res["grads"] < GRAD_TOL_RANKS, (rank, res)
 
 
 BATCH_CASES = [_case("sp", "ep", "a2a", 16), _case("tp", "tp", "ag-rs", 16)]
@@ -219,7 +224,8 @@ def test_a_biased_gate_projection_is_refused_by_name():
 
 def test_a_head_count_n_does_not_divide_is_refused_by_name():
     text = _refusal(tiny_model(FAMILY, CLS, linear_num_heads=3), attn="tp", n=2)
-    assert text.startswith("n=2 does not divide heads=3"), text
+    assert text.startswith("KimiLinearForCausalLM: n/attn_nodes=2 does not divide the linear attention's key heads "
+                           "(3)"), text
 
 
 def test_the_numerical_check_refuses_a_delta_rule_it_does_not_describe(monkeypatch):
