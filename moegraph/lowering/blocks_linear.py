@@ -44,9 +44,7 @@ def emit_linear_attention(g: GraphBuilder, spec: LinearAttentionSpec, x: str, *,
     st = g.strategy
     n, tp = st.n, st.attn == "tp"
     Hk, Hv, dk, dv, K = spec.k_heads, spec.v_heads, spec.k_dim, spec.v_dim, spec.conv_size
-    if Hk % n:
-        raise ConfigError(f"{module}: n={n} does not divide the linear attention's key heads {Hk} (each rank's "
-                          "key heads carry their value heads)")
+    # n/attn_nodes divides Hk: checked before any node (moegraph.tracer.lower), naming the key heads
     r, P = Hv // Hk, 2 * dk + 2 * (Hv // Hk) * dv
     Hkl, Hvl = Hk // n, Hv // n
     h = g.dims.h
